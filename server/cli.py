@@ -1,0 +1,194 @@
+"""The `rollout-lens` command: db, train, runs, export (ML imports only inside `train`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from server import store
+from server.config import Settings, get_settings
+from server.db import make_engine, make_session_factory, session_scope
+from server.errors import RolloutLensError
+from server.serialize import rollout_dict, run_dict
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = get_settings()
+    except ValidationError as exc:
+        return _fail(f"invalid settings: {_validation_text(exc)}")
+    try:
+        return int(args.handler(args, settings) or 0)
+    except RolloutLensError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return _fail("interrupted", status=130)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout-lens", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    db = sub.add_parser("db", help="database schema")
+    db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
+    db_sub.add_parser("upgrade", help="migrate the database to the latest schema").set_defaults(
+        handler=_db_upgrade
+    )
+    db_sub.add_parser("current", help="print the database's schema revision").set_defaults(
+        handler=_db_current
+    )
+
+    train = sub.add_parser("train", help="train and record one GRPO run")
+    train.add_argument("--variant", choices=["leaky", "patched"], default=None)
+    train.add_argument("--steps", type=int)
+    train.add_argument("--model", help="tiny (default), a local folder, or a hub id")
+    train.add_argument("--k", type=int, help="shortlist size of the patched variant")
+    train.add_argument("--group-size", type=int, dest="group_size")
+    train.add_argument("--prompts-per-step", type=int, dest="prompts_per_step")
+    train.add_argument("--lr", type=float, dest="learning_rate")
+    train.add_argument("--temperature", type=float)
+    train.add_argument("--max-completion-tokens", type=int, dest="max_completion_tokens")
+    train.add_argument("--kl-coef", type=float, dest="kl_coef")
+    train.add_argument("--num-iterations", type=int, dest="num_iterations")
+    train.add_argument("--verifier")
+    train.add_argument("--verifier-noise", type=float, dest="verifier_noise")
+    train.add_argument("--seed", type=int)
+    train.add_argument("--name")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(handler=_train)
+
+    runs = sub.add_parser("runs", help="list runs")
+    runs.add_argument("--format", choices=["table", "json"], default="table")
+    runs.set_defaults(handler=_runs)
+
+    export = sub.add_parser("export", help="write a run's rollouts, one JSON object per line")
+    export.add_argument("run_id", type=int)
+    export.add_argument("--format", choices=["jsonl"], default="jsonl")
+    export.add_argument("--output", "-o", type=Path, help="file to write (default: stdout)")
+    export.set_defaults(handler=_export)
+
+    build = sub.add_parser("build-model", help="build (or find cached) the default tiny model")
+    build.set_defaults(handler=_build_model)
+    return parser
+
+
+def _fail(message: str, *, status: int = 2) -> int:
+    print(f"rollout-lens: error: {message}", file=sys.stderr)
+    return status
+
+
+def _validation_text(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def _migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
+    from server.migrate import upgrade
+
+    engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    upgrade(engine)
+    return engine, make_session_factory(engine)
+
+
+def _open_factory(settings: Settings):  # type: ignore[no-untyped-def]
+    from server.migrate import ensure_current
+
+    engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    ensure_current(engine)
+    return engine, make_session_factory(engine)
+
+
+def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
+    from server.migrate import current_revision
+
+    engine, _ = _migrated_factory(settings)
+    print(f"database {settings.database_url} is at revision {current_revision(engine)}")
+    return 0
+
+
+def _db_current(args: argparse.Namespace, settings: Settings) -> int:
+    from server.migrate import current_revision, head_revision
+
+    engine = make_engine(settings.database_url)
+    print(f"{current_revision(engine) or 'empty'} (latest: {head_revision()})")
+    return 0
+
+
+def _train(args: argparse.Namespace, settings: Settings) -> int:
+    from trainer.config import RunConfig
+
+    fields = {k: v for k, v in vars(args).items() if k in RunConfig.model_fields and v is not None}
+    try:
+        config = RunConfig(**fields)
+    except ValidationError as exc:
+        return _fail(f"invalid run: {_validation_text(exc)}")
+    engine, factory = _migrated_factory(settings)
+    engine.dispose()
+    from trainer.progress import ProgressBar
+    from trainer.run import train
+
+    with ProgressBar(total=config.steps, disabled=args.quiet) as bar:
+        run_id = train(config, settings=settings, on_step=bar.update, log_line=bar.write)
+    print(f"run {run_id} ({config.name}) recorded in {settings.database_url}")
+    print(f"run_id={run_id}")
+    return 0
+
+
+def _runs(args: argparse.Namespace, settings: Settings) -> int:
+    engine, factory = _open_factory(settings)
+    with session_scope(factory) as session:
+        runs = [run_dict(r) for r in store.list_runs(session)]
+    if args.format == "json":
+        print(json.dumps(runs, indent=2))
+        return 0
+    if not runs:
+        print("no runs yet: `rollout-lens train --variant patched --steps 150` records one")
+        return 0
+    print(f"{'id':>4}  {'status':<10} {'step':>11}  {'acc25':>5}  {'rew25':>5}  name")
+    for r in runs:
+        print(
+            f"{r['id']:>4}  {r['status']:<10} {r['current_step']:>5}/{r['total_steps']:<5}  "
+            f"{_num(r['recent_true_accuracy'])}  {_num(r['recent_reward'])}  {r['name']}"
+        )
+    return 0
+
+
+def _num(value: Any) -> str:
+    return f"{value:5.2f}" if isinstance(value, float) else "    -"
+
+
+def _export(args: argparse.Namespace, settings: Settings) -> int:
+    engine, factory = _open_factory(settings)
+    out = args.output.open("w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        with session_scope(factory) as session:
+            run = store.get_run(session, run_id=args.run_id)
+            tokens = list(run.control_tokens)
+            for rollout, prompt in store.iter_rollouts(session, run_id=run.id):
+                out.write(json.dumps(rollout_dict(rollout, prompt, tokens)) + "\n")
+    finally:
+        if args.output:
+            out.close()
+    return 0
+
+
+def _build_model(args: argparse.Namespace, settings: Settings) -> int:
+    from trainer.tiny_model import ensure_tiny_model
+
+    path = ensure_tiny_model(settings.models_dir)
+    print(f"tiny model at {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

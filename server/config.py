@@ -1,0 +1,53 @@
+"""Settings: read once from the environment (prefix ROLLOUT_LENS_) and passed in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every knob of Rollout Lens; each field is documented in the README."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLOUT_LENS_", extra="ignore")
+
+    data_dir: Path = Field(
+        Path(".rollout-lens"),
+        description="Folder for the embedded database, models and checkpoints.",
+    )
+    database_url: str = Field(
+        "", description="SQLAlchemy URL; empty means an SQLite file `rollout-lens.db` in data_dir."
+    )
+    model_cache_dir: Path | None = Field(
+        None, description="Where the tiny model is built and cached; default data_dir/models."
+    )
+    broker_url: str = Field(
+        "", description="Celery broker URL (e.g. redis://127.0.0.1:6379/0); empty: embedded broker."
+    )
+    price_per_device_hour: float = Field(
+        2.0, ge=0, description="Price of one device-hour in dollars, for a run's estimated cost."
+    )
+    sqlite_busy_timeout_ms: int = Field(
+        30_000, ge=0, description="How long an SQLite writer waits for a lock before failing."
+    )
+
+    @model_validator(mode="after")
+    def _derive_paths(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{(self.data_dir / 'rollout-lens.db').as_posix()}"
+        if self.model_cache_dir is None:
+            self.model_cache_dir = self.data_dir / "models"
+        return self
+
+    @property
+    def models_dir(self) -> Path:
+        """The model cache directory, always set after validation."""
+        assert self.model_cache_dir is not None
+        return self.model_cache_dir
+
+
+def get_settings(**overrides: object) -> Settings:
+    """Build the settings from the environment, with explicit overrides on top."""
+    return Settings(**overrides)  # type: ignore[arg-type]

@@ -1,0 +1,17 @@
+"""Domain exceptions: raised anywhere, turned into messages or HTTP errors in one place each."""
+
+
+class RolloutLensError(Exception):
+    """Base for errors a person should read."""
+
+
+class DatabaseBehind(RolloutLensError):
+    """The database is not at the latest migration."""
+
+
+class NotFound(RolloutLensError):
+    """A run or step that does not exist."""
+
+
+class InvalidInput(RolloutLensError):
+    """Input that fails validation."""

@@ -1,0 +1,184 @@
+"""The schema: runs, steps, rollouts, prompts and a generic per-step metric series."""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now, the only clock the store uses."""
+    return datetime.now(UTC)
+
+
+class RunStatus(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+    lost = "lost"
+
+
+ACTIVE_STATUSES = (RunStatus.queued, RunStatus.running)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default=RunStatus.queued, index=True)
+    variant: Mapped[str | None] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(500))
+    k: Mapped[int | None] = mapped_column(Integer)
+    group_size: Mapped[int] = mapped_column(Integer)
+    prompts_per_step: Mapped[int] = mapped_column(Integer, default=1)
+    seed: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int] = mapped_column(Integer)
+    # The launch config as validated (free-form: anything the trainer took).
+    config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Order matters: rollouts' packed control-token probabilities follow it row by row.
+    control_tokens: Mapped[list[str]] = mapped_column(JSON, default=list)
+
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    worker_host: Mapped[str | None] = mapped_column(String(255))
+    device: Mapped[str | None] = mapped_column(String(64))
+    device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    cost: Mapped[float] = mapped_column(Float, default=0.0)
+    error: Mapped[str | None] = mapped_column(Text)
+
+    # Summary columns kept current by every step write, so lists never scan steps.
+    current_step: Mapped[int] = mapped_column(Integer, default=0)
+    recent_true_accuracy: Mapped[float | None] = mapped_column(Float)
+    recent_reward: Mapped[float | None] = mapped_column(Float)
+
+
+class Prompt(Base):
+    """Each distinct prompt text once; rollouts refer to it (a 64-tool listing is a few KB)."""
+
+    __tablename__ = "prompts"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    text: Mapped[str] = mapped_column(Text)
+
+
+class Step(Base):
+    __tablename__ = "steps"
+    __table_args__ = (UniqueConstraint("run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    # The step whose rollouts this update trained on (differs when GRPO reuses generations).
+    rollout_step: Mapped[int] = mapped_column(Integer)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    wall_time: Mapped[float | None] = mapped_column(Float)
+
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    true_accuracy: Mapped[float | None] = mapped_column(Float)
+    format_valid_rate: Mapped[float | None] = mapped_column(Float)
+    vote_agreement: Mapped[float | None] = mapped_column(Float)
+    vote_entropy: Mapped[float | None] = mapped_column(Float)
+    zero_std_share: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    kl: Mapped[float | None] = mapped_column(Float)
+    entropy: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    learning_rate: Mapped[float | None] = mapped_column(Float)
+    completion_length: Mapped[float | None] = mapped_column(Float)
+
+
+# The per-step columns that are plotted as series, in display order.
+STEP_SERIES = (
+    "reward_mean",
+    "true_accuracy",
+    "format_valid_rate",
+    "vote_agreement",
+    "vote_entropy",
+    "zero_std_share",
+    "loss",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "learning_rate",
+    "completion_length",
+    "wall_time",
+)
+
+
+class Rollout(Base):
+    __tablename__ = "rollouts"
+    # The unique constraint doubles as the index for "all rollouts of run R at step S".
+    __table_args__ = (UniqueConstraint("run_id", "step", "group", "idx"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    group: Mapped[int] = mapped_column("group", Integer)
+    index: Mapped[int] = mapped_column("idx", Integer)
+    prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id"), index=True)
+    target: Mapped[str | None] = mapped_column(String(64))
+    completion: Mapped[str] = mapped_column(Text)
+    vote: Mapped[str | None] = mapped_column(String(64))
+    verifier_reward: Mapped[float] = mapped_column(Float)
+    true_score: Mapped[float | None] = mapped_column(Float)
+    advantage: Mapped[float] = mapped_column(Float)
+    sum_logprob: Mapped[float] = mapped_column(Float)
+    format_valid: Mapped[bool] = mapped_column(Boolean)
+    format_state: Mapped[str | None] = mapped_column(String(32))
+    # Packed arrays (server.packing): int32 ids, float32 logprobs, float32 n_ctrl × T matrix.
+    completion_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    token_logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    control_probs: Mapped[bytes] = mapped_column(LargeBinary)
+    # Env facts about the prompt (query, listed ids, whether the target was listed…).
+    meta: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class Metric(Base):
+    """Anything else logged per step: name → number."""
+
+    __tablename__ = "metrics"
+    __table_args__ = (
+        UniqueConstraint("run_id", "name", "step"),
+        Index("ix_metrics_run_step", "run_id", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(200))
+    value: Mapped[float | None] = mapped_column(Float)

@@ -1,0 +1,43 @@
+"""Plain data handed from a trainer to the store: one step and its rollouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RolloutRecord:
+    """One completion of a group, as the update saw it."""
+
+    group: int
+    index: int
+    prompt: str
+    completion: str
+    completion_ids: list[int]
+    token_logprobs: list[float]
+    # control token → probability at each completion position (same length as completion_ids)
+    control_probs: dict[str, list[float]]
+    vote: str | None
+    target: str | None
+    verifier_reward: float
+    true_score: float | None
+    advantage: float
+    format_valid: bool
+    format_state: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sum_logprob(self) -> float:
+        return float(sum(self.token_logprobs))
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: its scalar metrics, the rollouts it trained on, and extra series."""
+
+    step: int
+    rollout_step: int
+    values: dict[str, float | None]  # keys from server.models.STEP_SERIES
+    rollouts: list[RolloutRecord] = field(default_factory=list)  # empty when reusing rollouts
+    metrics: dict[str, float | None] = field(default_factory=dict)

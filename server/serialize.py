@@ -1,0 +1,71 @@
+"""Rows → plain dicts for JSON (the API, the JSONL export): unpacks per-token arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from server.models import STEP_SERIES, Rollout, Run, Step
+from server.packing import unpack_floats, unpack_ints, unpack_matrix
+
+
+def rollout_dict(rollout: Rollout, prompt: str, control_tokens: Sequence[str]) -> dict[str, Any]:
+    """One rollout with its arrays decoded; keys match the JSONL export."""
+    probs = unpack_matrix(rollout.control_probs, len(control_tokens))
+    return {
+        "run_id": rollout.run_id,
+        "step": rollout.step,
+        "group": rollout.group,
+        "index": rollout.index,
+        "prompt": prompt,
+        "completion": rollout.completion,
+        "completion_ids": unpack_ints(rollout.completion_ids),
+        "vote": rollout.vote,
+        "target": rollout.target,
+        "verifier_reward": rollout.verifier_reward,
+        "true_score": rollout.true_score,
+        "advantage": rollout.advantage,
+        "sum_logprob": rollout.sum_logprob,
+        "format_valid": rollout.format_valid,
+        "format_state": rollout.format_state,
+        "token_logprobs": unpack_floats(rollout.token_logprobs),
+        "control_token_probs": dict(zip(control_tokens, probs, strict=True)),
+        "meta": rollout.meta,
+    }
+
+
+def run_dict(run: Run) -> dict[str, Any]:
+    """A run's columns, JSON-ready."""
+    return {
+        "id": run.id,
+        "name": run.name,
+        "status": run.status,
+        "variant": run.variant,
+        "model": run.model,
+        "k": run.k,
+        "group_size": run.group_size,
+        "prompts_per_step": run.prompts_per_step,
+        "seed": run.seed,
+        "total_steps": run.total_steps,
+        "current_step": run.current_step,
+        "recent_true_accuracy": run.recent_true_accuracy,
+        "recent_reward": run.recent_reward,
+        "device": run.device,
+        "worker_host": run.worker_host,
+        "device_minutes": run.device_seconds / 60.0,
+        "cost": run.cost,
+        "error": run.error,
+        "control_tokens": run.control_tokens,
+        "config": run.config,
+        "created_at": run.created_at.isoformat() if run.created_at else None,
+        "started_at": run.started_at.isoformat() if run.started_at else None,
+        "finished_at": run.finished_at.isoformat() if run.finished_at else None,
+        "heartbeat_at": run.heartbeat_at.isoformat() if run.heartbeat_at else None,
+    }
+
+
+def step_dict(step: Step) -> dict[str, Any]:
+    """A step's scalar columns."""
+    return {"step": step.step, "rollout_step": step.rollout_step} | {
+        name: getattr(step, name) for name in STEP_SERIES
+    }

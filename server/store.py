@@ -1,0 +1,294 @@
+"""All SQL of Rollout Lens: keyword-only functions over a Session (routes → store → models)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Select, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from server.errors import NotFound
+from server.models import STEP_SERIES, Metric, Prompt, Rollout, Run, RunStatus, Step, utcnow
+from server.packing import pack_floats, pack_ints, pack_matrix
+from server.records import StepRecord
+
+RECENT_WINDOW = 25  # steps in the "last 25 steps" summary, as the seed's buckets
+
+
+def _insert(session: Session, table: Any) -> Any:
+    """A dialect insert that supports ON CONFLICT DO NOTHING (SQLite and PostgreSQL)."""
+    dialect = session.get_bind().dialect.name
+    return pg_insert(table) if dialect == "postgresql" else sqlite_insert(table)
+
+
+def _finite(value: float | None) -> float | None:
+    """NaN and infinities are stored as NULL: neither JSON nor a chart can show them."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+
+def create_run(
+    session: Session,
+    *,
+    name: str,
+    model: str,
+    total_steps: int,
+    group_size: int,
+    prompts_per_step: int = 1,
+    seed: int = 0,
+    variant: str | None = None,
+    k: int | None = None,
+    config: dict[str, Any] | None = None,
+    control_tokens: Sequence[str] = (),
+    status: RunStatus = RunStatus.queued,
+) -> Run:
+    """Insert a run and return it with its id."""
+    run = Run(
+        name=name,
+        model=model,
+        total_steps=total_steps,
+        group_size=group_size,
+        prompts_per_step=prompts_per_step,
+        seed=seed,
+        variant=variant,
+        k=k,
+        config=dict(config or {}),
+        control_tokens=list(control_tokens),
+        status=status,
+    )
+    session.add(run)
+    session.flush()
+    return run
+
+
+def get_run(session: Session, *, run_id: int) -> Run:
+    """The run, or NotFound."""
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"run {run_id} does not exist")
+    return run
+
+
+def list_runs(session: Session, *, limit: int | None = None) -> list[Run]:
+    """Runs, newest first."""
+    query = select(Run).order_by(Run.id.desc())
+    if limit is not None:
+        query = query.limit(limit)
+    return list(session.scalars(query))
+
+
+def mark_running(
+    session: Session, *, run_id: int, worker_host: str, device: str, control_tokens: Sequence[str]
+) -> None:
+    """The run has started training on `device`."""
+    now = utcnow()
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(
+            status=RunStatus.running,
+            worker_host=worker_host,
+            device=device,
+            control_tokens=list(control_tokens),
+            started_at=now,
+            heartbeat_at=now,
+            error=None,
+        )
+    )
+
+
+def mark_finished(
+    session: Session, *, run_id: int, status: RunStatus, error: str | None = None
+) -> None:
+    """The run has ended as completed, failed, cancelled or lost."""
+    session.execute(
+        update(Run).where(Run.id == run_id).values(status=status, finished_at=utcnow(), error=error)
+    )
+
+
+def add_device_time(
+    session: Session, *, run_id: int, seconds: float, price_per_hour: float
+) -> None:
+    """Account device time and its estimated cost on the run."""
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(
+            device_seconds=Run.device_seconds + seconds,
+            cost=Run.cost + seconds / 3600.0 * price_per_hour,
+            heartbeat_at=utcnow(),
+        )
+    )
+
+
+# --- writing a step -----------------------------------------------------------------------------
+
+
+def intern_prompts(session: Session, texts: Iterable[str]) -> dict[str, int]:
+    """Store each distinct prompt text once; return text → prompt id."""
+    by_hash = {hashlib.sha256(t.encode()).hexdigest(): t for t in set(texts)}
+    if not by_hash:
+        return {}
+    session.execute(
+        _insert(session, Prompt)
+        .values([{"sha256": h, "text": t} for h, t in by_hash.items()])
+        .on_conflict_do_nothing(index_elements=["sha256"])
+    )
+    rows = session.execute(select(Prompt.sha256, Prompt.id).where(Prompt.sha256.in_(by_hash)))
+    return {by_hash[h]: pid for h, pid in rows}
+
+
+def record_step(
+    session: Session, *, run_id: int, record: StepRecord, control_tokens: Sequence[str]
+) -> None:
+    """Write one step, its rollouts and extra series, and refresh the run's summary columns.
+
+    The caller's session scope makes this one transaction.
+    """
+    values = {name: _finite(record.values.get(name)) for name in STEP_SERIES}
+    session.add(Step(run_id=run_id, step=record.step, rollout_step=record.rollout_step, **values))
+    if record.rollouts:
+        prompt_ids = intern_prompts(session, (r.prompt for r in record.rollouts))
+        session.execute(
+            _insert(session, Rollout),
+            [
+                {
+                    "run_id": run_id,
+                    "step": record.rollout_step,
+                    "group": r.group,
+                    "index": r.index,
+                    "prompt_id": prompt_ids[r.prompt],
+                    "target": r.target,
+                    "completion": r.completion,
+                    "vote": r.vote,
+                    "verifier_reward": float(r.verifier_reward),
+                    "true_score": _finite(r.true_score),
+                    "advantage": float(r.advantage),
+                    "sum_logprob": r.sum_logprob,
+                    "format_valid": bool(r.format_valid),
+                    "format_state": r.format_state,
+                    "completion_ids": pack_ints(r.completion_ids),
+                    "token_logprobs": pack_floats(r.token_logprobs),
+                    "control_probs": pack_matrix(
+                        [
+                            r.control_probs.get(t, [0.0] * len(r.completion_ids))
+                            for t in control_tokens
+                        ]
+                    ),
+                    "meta": r.meta,
+                }
+                for r in record.rollouts
+            ],
+        )
+    if record.metrics:
+        session.execute(
+            _insert(session, Metric),
+            [
+                {"run_id": run_id, "step": record.step, "name": name, "value": _finite(value)}
+                for name, value in record.metrics.items()
+            ],
+        )
+    _refresh_summary(session, run_id=run_id, step=record.step)
+
+
+def _refresh_summary(session: Session, *, run_id: int, step: int) -> None:
+    """Keep current_step and the last-25-step means on the run row (reads ≤ 25 indexed rows)."""
+    recent = (
+        select(Step.true_accuracy, Step.reward_mean)
+        .where(Step.run_id == run_id)
+        .order_by(Step.step.desc())
+        .limit(RECENT_WINDOW)
+        .subquery()
+    )
+    acc, reward = session.execute(
+        select(func.avg(recent.c.true_accuracy), func.avg(recent.c.reward_mean))
+    ).one()
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(
+            current_step=func.max(Run.current_step, step)
+            if session.get_bind().dialect.name == "sqlite"
+            else func.greatest(Run.current_step, step),
+            recent_true_accuracy=acc,
+            recent_reward=reward,
+            heartbeat_at=utcnow(),
+        )
+    )
+
+
+def last_step(session: Session, *, run_id: int) -> int:
+    """The highest recorded step of a run (0 when none)."""
+    value = session.scalar(select(func.max(Step.step)).where(Step.run_id == run_id))
+    return int(value or 0)
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def steps(session: Session, *, run_id: int, since: int = 0) -> list[Step]:
+    """Steps of a run after `since`, in order."""
+    query: Select[tuple[Step]] = (
+        select(Step).where(Step.run_id == run_id, Step.step > since).order_by(Step.step)
+    )
+    return list(session.scalars(query))
+
+
+def step_rollouts(session: Session, *, run_id: int, step: int) -> list[tuple[Rollout, str]]:
+    """The rollouts the update at `step` trained on, with their prompt text, in group order."""
+    rollout_step = session.scalar(
+        select(Step.rollout_step).where(Step.run_id == run_id, Step.step == step)
+    )
+    query = (
+        select(Rollout, Prompt.text)
+        .join(Prompt, Prompt.id == Rollout.prompt_id)
+        .where(Rollout.run_id == run_id, Rollout.step == (rollout_step or step))
+        .order_by(Rollout.group, Rollout.index)
+    )
+    return [(r, text) for r, text in session.execute(query)]
+
+
+def iter_rollouts(
+    session: Session, *, run_id: int, batch: int = 500
+) -> Iterator[tuple[Rollout, str]]:
+    """Every rollout of a run with its prompt text, by step, group and index (streamed)."""
+    query = (
+        select(Rollout, Prompt.text)
+        .join(Prompt, Prompt.id == Rollout.prompt_id)
+        .where(Rollout.run_id == run_id)
+        .order_by(Rollout.step, Rollout.group, Rollout.index)
+        .execution_options(yield_per=batch)
+    )
+    for row in session.execute(query):
+        yield row.tuple()
+
+
+def metric_series(
+    session: Session, *, run_id: int, names: Sequence[str] | None = None, since: int = 0
+) -> dict[str, list[tuple[int, float | None]]]:
+    """Generic series of a run after `since`: name → [(step, value)] ordered by step."""
+    query = select(Metric.name, Metric.step, Metric.value).where(
+        Metric.run_id == run_id, Metric.step > since
+    )
+    if names is not None:
+        query = query.where(Metric.name.in_(names))
+    out: dict[str, list[tuple[int, float | None]]] = {}
+    for name, step, value in session.execute(query.order_by(Metric.name, Metric.step)):
+        out.setdefault(name, []).append((step, value))
+    return out
+
+
+def heartbeat(session: Session, *, run_id: int, at: datetime | None = None) -> None:
+    """The worker training this run is alive."""
+    session.execute(update(Run).where(Run.id == run_id).values(heartbeat_at=at or utcnow()))

@@ -1,0 +1,74 @@
+"""Shared fixtures: real databases (an SQLite file and the PostgreSQL server), migrated by Alembic."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.db import make_engine, make_session_factory
+from server.migrate import upgrade
+
+PG_URL = os.environ.get(
+    "ROLLOUT_LENS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+@pytest.fixture(scope="session")
+def pg_database_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped at the end."""
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    name = f"rollout_lens_test_{uuid.uuid4().hex[:10]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # noqa: BLE001 - say what is missing, not a stack of driver errors
+        pytest.fail(f"PostgreSQL at {PG_URL} is needed for the store tests: {exc}")
+    url = make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+    yield url
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_engine(pg_database_url: str) -> Iterator[Engine]:
+    engine = make_engine(pg_database_url)
+    upgrade(engine)
+    yield engine
+    engine.dispose()
+
+
+def _truncate_pg(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE runs, steps, rollouts, metrics, prompts RESTART IDENTITY CASCADE"))
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def engine(request: pytest.FixtureRequest, tmp_path) -> Iterator[Engine]:  # type: ignore[no-untyped-def]
+    """A migrated, empty database: an SQLite file, then the PostgreSQL server."""
+    if request.param == "sqlite":
+        eng = make_engine(f"sqlite:///{tmp_path / 'test.db'}")
+        upgrade(eng)
+        yield eng
+        eng.dispose()
+    else:
+        pg = request.getfixturevalue("pg_engine")
+        _truncate_pg(pg)
+        yield pg
+
+
+@pytest.fixture
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    return make_session_factory(engine)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:  # type: ignore[no-untyped-def]
+    """An SQLite file URL, not yet created."""
+    return f"sqlite:///{tmp_path / 'rollout-lens.db'}"

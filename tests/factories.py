@@ -1,0 +1,99 @@
+"""Factories that fill a database through the store module (the same path the trainer writes)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from server import store
+from server.db import session_scope
+from server.records import RolloutRecord, StepRecord
+
+CONTROL_TOKENS = ("<tool>", "</tool>", "</assistant>")
+TOOLS = [f"tool_{i:02d}" for i in range(64)]
+
+
+def make_prompt(tool_ids: list[str], query: str = "17 * 38") -> str:
+    listing = "\n".join(f"- {t}: capability of {t}" for t in tool_ids)
+    return (
+        f"<user>Tools:\n{listing}\nQuery: {query}\n"
+        "Reply with only <tool>ID</tool> for the one tool whose capability matches the query.</user><assistant>"
+    )
+
+
+def make_rollouts(
+    rng: random.Random, *, group_size: int = 8, listed: int = 4, completion: str | None = None
+) -> list[RolloutRecord]:
+    tool_ids = rng.sample(TOOLS, listed)
+    target = tool_ids[0]
+    prompt = make_prompt(tool_ids)
+    out = []
+    for index in range(group_size):
+        vote = rng.choice(tool_ids)
+        text = completion if completion is not None else f"<tool>{vote}</tool>"
+        n = 4
+        out.append(
+            RolloutRecord(
+                group=0,
+                index=index,
+                prompt=prompt,
+                completion=text,
+                completion_ids=[5, 100 + index, 6, 2][:n],
+                token_logprobs=[-rng.random() for _ in range(n)],
+                control_probs={t: [rng.random() for _ in range(n)] for t in CONTROL_TOKENS},
+                vote=vote,
+                target=target,
+                verifier_reward=float(vote == target),
+                true_score=float(vote == target),
+                advantage=0.0,
+                format_valid=True,
+                format_state="healthy_call",
+                meta={"tool_ids": tool_ids, "query": "17 * 38", "target_listed": True},
+            )
+        )
+    mean = sum(r.verifier_reward for r in out) / group_size
+    for r in out:
+        r.advantage = r.verifier_reward - mean
+    return out
+
+
+def make_run(
+    factory: sessionmaker[Session],
+    *,
+    steps: int = 10,
+    group_size: int = 8,
+    listed: int = 4,
+    seed: int = 0,
+    completion: str | None = None,
+    **columns: Any,
+) -> int:
+    """A run with `steps` recorded steps of one group each; returns its id."""
+    rng = random.Random(seed)
+    fields = {
+        "name": f"factory run {seed}",
+        "model": "tiny",
+        "total_steps": steps,
+        "group_size": group_size,
+        "seed": seed,
+        "variant": "patched" if listed < 64 else "leaky",
+        "k": listed if listed < 64 else None,
+        "config": {"learning_rate": 3e-4, "variant": "patched"},
+        "control_tokens": CONTROL_TOKENS,
+    } | columns
+    with session_scope(factory) as session:
+        run_id = store.create_run(session, **fields).id
+    for step in range(1, steps + 1):
+        rollouts = make_rollouts(rng, group_size=group_size, listed=listed, completion=completion)
+        acc = sum(r.true_score or 0 for r in rollouts) / group_size
+        record = StepRecord(
+            step=step,
+            rollout_step=step,
+            values={"reward_mean": acc, "true_accuracy": acc, "loss": rng.random(), "wall_time": 0.05},
+            rollouts=rollouts,
+            metrics={"ctrl/</assistant>/max": rng.random()},
+        )
+        with session_scope(factory) as session:
+            store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    return run_id

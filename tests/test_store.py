@@ -1,0 +1,117 @@
+"""The store on a real SQLite file and the real PostgreSQL server."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import IntegrityError
+
+from server import store
+from server.db import session_scope
+from server.models import Metric, Prompt, Rollout, RunStatus, Step
+from server.records import StepRecord
+from server.serialize import rollout_dict
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
+
+
+def test_run_round_trip_and_summary(session_factory) -> None:
+    run_id = make_run(session_factory, steps=30)
+    with session_scope(session_factory) as session:
+        run = store.get_run(session, run_id=run_id)
+        assert run.status == RunStatus.queued
+        assert run.current_step == 30
+        recent = store.steps(session, run_id=run_id, since=5)
+        assert [s.step for s in recent] == list(range(6, 31))
+        expected = sum(s.true_accuracy for s in recent) / 25
+        assert run.recent_true_accuracy == pytest.approx(expected)
+        assert store.last_step(session, run_id=run_id) == 30
+
+
+def test_prompts_are_stored_once(session_factory) -> None:
+    make_run(session_factory, steps=5)  # each step's group shares one prompt
+    make_run(session_factory, steps=5)  # same seed: the same five prompts again
+    with session_scope(session_factory) as session:
+        assert session.scalar(select(func.count()).select_from(Prompt)) == 5
+        assert session.scalar(select(func.count()).select_from(Rollout)) == 80
+
+
+def test_step_rollouts_in_group_order_with_arrays(session_factory) -> None:
+    run_id = make_run(session_factory, steps=3, seed=7)
+    with session_scope(session_factory) as session:
+        rows = store.step_rollouts(session, run_id=run_id, step=2)
+        assert [r.index for r, _ in rows] == list(range(8))
+        rollout, prompt = rows[3]
+        data = rollout_dict(rollout, prompt, CONTROL_TOKENS)
+    assert prompt.startswith("<user>Tools:")
+    assert data["sum_logprob"] == pytest.approx(sum(data["token_logprobs"]), abs=1e-5)
+    assert set(data["control_token_probs"]) == set(CONTROL_TOKENS)
+    assert all(len(v) == len(data["completion_ids"]) for v in data["control_token_probs"].values())
+    assert all(0 <= p <= 1 for v in data["control_token_probs"].values() for p in v)
+
+
+def test_reused_generation_points_at_its_rollouts(session_factory) -> None:
+    run_id = make_run(session_factory, steps=1)
+    with session_scope(session_factory) as session:
+        record = StepRecord(step=2, rollout_step=1, values={"loss": 0.5})
+        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    with session_scope(session_factory) as session:
+        rows = store.step_rollouts(session, run_id=run_id, step=2)
+        assert len(rows) == 8 and {r.step for r, _ in rows} == {1}
+
+
+def test_one_step_is_one_transaction(session_factory) -> None:
+    run_id = make_run(session_factory, steps=2)
+    rollouts = make_rollouts(random.Random(3))
+    duplicate = StepRecord(step=2, rollout_step=3, values={}, rollouts=rollouts, metrics={"x": 1.0})
+    with pytest.raises(IntegrityError), session_scope(session_factory) as session:
+        store.record_step(session, run_id=run_id, record=duplicate, control_tokens=CONTROL_TOKENS)
+    with session_scope(session_factory) as session:
+        assert session.scalar(select(func.count()).where(Rollout.step == 3)) == 0
+        assert session.scalar(select(func.count()).where(Metric.name == "x")) == 0
+        assert session.scalar(select(func.count()).select_from(Step)) == 2
+
+
+def test_nan_is_stored_as_null_and_series_read_back(session_factory) -> None:
+    run_id = make_run(session_factory, steps=1)
+    with session_scope(session_factory) as session:
+        record = StepRecord(
+            step=2, rollout_step=2, values={"loss": float("nan")}, metrics={"kl": float("inf"), "y": 2.0}
+        )
+        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    with session_scope(session_factory) as session:
+        assert store.steps(session, run_id=run_id, since=1)[0].loss is None
+        series = store.metric_series(session, run_id=run_id, names=["kl", "y"])
+        assert series == {"kl": [(2, None)], "y": [(2, 2.0)]}
+
+
+def test_status_transitions_and_cost(session_factory) -> None:
+    run_id = make_run(session_factory, steps=1)
+    with session_scope(session_factory) as session:
+        store.mark_running(session, run_id=run_id, worker_host="h", device="cpu", control_tokens=["a"])
+        store.add_device_time(session, run_id=run_id, seconds=1800, price_per_hour=2.0)
+    with session_scope(session_factory) as session:
+        run = store.get_run(session, run_id=run_id)
+        assert (run.status, run.device, run.control_tokens) == ("running", "cpu", ["a"])
+        assert run.cost == pytest.approx(1.0)
+        store.mark_finished(session, run_id=run_id, status=RunStatus.failed, error="boom")
+    with session_scope(session_factory) as session:
+        run = store.get_run(session, run_id=run_id)
+        assert (run.status, run.error) == ("failed", "boom") and run.finished_at is not None
+
+
+def test_missing_run_is_not_found(session_factory) -> None:
+    from server.errors import NotFound
+
+    with pytest.raises(NotFound, match="run 999"), session_scope(session_factory) as session:
+        store.get_run(session, run_id=999)
+
+
+def test_deleting_a_run_cascades(engine, session_factory) -> None:
+    run_id = make_run(session_factory, steps=2)
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM runs WHERE id = :id"), {"id": run_id})
+    with session_scope(session_factory) as session:
+        assert session.scalar(select(func.count()).select_from(Rollout)) == 0
+        assert session.scalar(select(func.count()).select_from(Step)) == 0

@@ -1,0 +1,1 @@
+"""Rollout Lens trainer: the Escalation env, the tiny model and the recording GRPO trainer."""

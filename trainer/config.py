@@ -1,0 +1,85 @@
+"""RunConfig: the one validated description of a run (form, JSON API and CLI share it; no torch)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.envs.escalation import TOOL_COUNT, VERIFIERS
+
+TINY = "tiny"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+MAX_STEPS = 100_000
+
+
+class RunConfig(BaseModel):
+    """Everything the trainer takes; defaults reproduce the seed's patched run on the tiny model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        "", max_length=200, description="Shown in lists; empty: derived from the recipe."
+    )
+    variant: Literal["leaky", "patched"] = Field(
+        "patched", description="leaky lists all 64 tools; patched the top-k."
+    )
+    k: int = Field(4, ge=1, le=TOOL_COUNT, description="Shortlist size of the patched variant.")
+    model: str = Field(TINY, min_length=1, description="`tiny`, a local model folder, or a hub id.")
+    steps: int = Field(150, ge=1, le=MAX_STEPS, description="Optimizer steps.")
+    group_size: int = Field(8, ge=2, le=64, description="Rollouts per prompt (G).")
+    prompts_per_step: int = Field(1, ge=1, le=64, description="Groups per step.")
+    learning_rate: float = Field(3e-4, gt=0, le=1.0, description="AdamW learning rate.")
+    temperature: float = Field(
+        1.0, gt=0, le=5.0, description="Sampling temperature of the rollouts."
+    )
+    max_completion_tokens: int = Field(8, ge=1, le=4096, description="Longest completion sampled.")
+    kl_coef: float = Field(0.0, ge=0, le=10.0, description="KL penalty coefficient (TRL's beta).")
+    num_iterations: int = Field(1, ge=1, le=16, description="Updates per generation (GRPO's μ).")
+    verifier: str = Field("exact", description="Training reward: " + ", ".join(VERIFIERS) + ".")
+    verifier_noise: float = Field(
+        0.1, ge=0, le=1, description="Flip probability of the noisy verifier."
+    )
+    seed: int = Field(
+        0, ge=0, le=2**31 - 1, description="Seeds the env, the data order and the model."
+    )
+    control_tokens: list[str] | None = Field(
+        None,
+        description="Tokens whose probability is recorded at each position; default: the model's.",
+    )
+
+    @field_validator("verifier")
+    @classmethod
+    def _known_verifier(cls, value: str) -> str:
+        if value not in VERIFIERS:
+            raise ValueError(f"unknown verifier {value!r}; choose one of {', '.join(VERIFIERS)}")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, value: str) -> str:
+        value = value.strip()
+        if value == TINY or _HUB_ID.match(value) and not value.startswith((".", "/", "~")):
+            return value
+        path = Path(value).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"model {value!r} is neither `tiny`, a hub id, nor an existing folder")
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model folder {value!r} has no config.json (not saved with save_pretrained)"
+            )
+        return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _derive_name(self) -> RunConfig:
+        if not self.name.strip():
+            listing = f"{TOOL_COUNT} tools" if self.variant == "leaky" else f"top-{self.k}"
+            self.name = f"{self.variant} ({listing}) seed {self.seed}"
+        return self
+
+    @property
+    def listed_tools(self) -> int:
+        """How many tools each prompt lists."""
+        return TOOL_COUNT if self.variant == "leaky" else self.k

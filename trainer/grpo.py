@@ -1,0 +1,270 @@
+"""Recording GRPO: TRL's GRPOTrainer plus a callback that streams every step and rollout to SQL.
+
+The trainer subclass captures the rollouts of each generation in group order (before
+`_prepare_inputs` shuffles them) and the sampling probabilities (through GenerationProbe); the
+callback pairs them with TRL's logged loss/KL/grad-norm of the step that trained on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import LogitsProcessorList, TrainerCallback
+from trl import GRPOTrainer
+
+from server.records import RolloutRecord, StepRecord
+from trainer import metrics as m
+from trainer.probe import GenerationProbe
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What a task says about one completion besides the training reward."""
+
+    vote: str | None
+    true_score: float | None
+    format_valid: bool
+    format_state: str | None
+
+
+Judge = Callable[[str, dict[str, Any], bool], Judgement]  # (completion, dataset row, truncated)
+
+# TRL log keys that have a column of their own on the steps table.
+_LOG_COLUMNS = {
+    "loss": "loss",
+    "kl": "kl",
+    "entropy": "entropy",
+    "grad_norm": "grad_norm",
+    "learning_rate": "learning_rate",
+}
+
+
+def summarize(rollouts: Sequence[RolloutRecord], group_size: int, control_tokens: Sequence[str]):
+    """Per-step values and extra series computed from the rollouts of one generation."""
+    grouped = m.groups(rollouts, group_size)
+    scored = [r.true_score for r in rollouts if r.true_score is not None]
+    values: dict[str, float | None] = {
+        "reward_mean": m.mean([r.verifier_reward for r in rollouts]),
+        "true_accuracy": m.mean(scored),
+        "format_valid_rate": m.mean([float(r.format_valid) for r in rollouts]),
+        "vote_agreement": m.mean([m.vote_agreement([r.vote for r in g]) for g in grouped]),
+        "vote_entropy": m.mean([m.vote_entropy([r.vote for r in g]) for g in grouped]),
+        "zero_std_share": m.mean(
+            [float(m.is_zero_std([r.verifier_reward for r in g])) for g in grouped]
+        ),
+        "completion_length": m.mean([float(len(r.completion_ids)) for r in rollouts]),
+    }
+    series: dict[str, float | None] = {}
+    for token in control_tokens:
+        probs = [p for r in rollouts for p in r.control_probs.get(token, [])]
+        series[f"ctrl/{token}/mean"] = m.mean(probs)
+        series[f"ctrl/{token}/max"] = max(probs) if probs else None
+    listed = [r.meta["target_listed"] for r in rollouts if "target_listed" in r.meta]
+    if listed:
+        series["retrieval_recall"] = m.mean([float(x) for x in listed])
+    return values, series
+
+
+class Recorder(TrainerCallback):
+    """Pairs each step's logs with the rollouts it trained on and hands a StepRecord on."""
+
+    def __init__(
+        self,
+        sink: Callable[[StepRecord], None],
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        self.sink = sink
+        self.should_stop = should_stop
+        self._pending: tuple[int, list[RolloutRecord], dict, dict] | None = None
+        self._last: tuple[int, dict, dict] | None = None  # rollout step, values, series
+        self._step_started = 0.0
+
+    def add_rollouts(
+        self, step: int, rollouts: list[RolloutRecord], values: dict, series: dict
+    ) -> None:
+        """Rollouts generated for the update at `step` (called from the trainer)."""
+        self._pending = (step, rollouts, values, series)
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._step_started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.should_stop is not None and self.should_stop():
+            control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+        if not logs or "loss" not in logs:
+            return  # the end-of-training summary, not a step
+        step = state.global_step
+        rollouts: list[RolloutRecord] = []
+        if self._pending is not None:
+            rollout_step, rollouts, values, series = self._pending
+            self._pending = None
+            self._last = (rollout_step, values, series)
+        elif self._last is not None:
+            rollout_step, values, series = (
+                self._last
+            )  # GRPO reusing a generation (num_iterations > 1)
+        else:
+            rollout_step, values, series = step, {}, {}
+        step_values = dict(values)
+        step_values["wall_time"] = time.perf_counter() - self._step_started
+        extra = dict(series)
+        for key, value in logs.items():
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            if key in _LOG_COLUMNS:
+                step_values[_LOG_COLUMNS[key]] = float(value)
+            elif key not in ("epoch", "step"):
+                extra[f"trl/{key}"] = float(value)
+        self.sink(
+            StepRecord(
+                step=step,
+                rollout_step=rollout_step,
+                values=step_values,
+                rollouts=rollouts,
+                metrics=extra,
+            )
+        )
+
+
+class RecordingGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that hands every generation's rollouts, in group order, to a Recorder."""
+
+    def __init__(
+        self,
+        *args: Any,
+        recorder: Recorder,
+        control_tokens: Sequence[str],
+        judge: Judge | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if self.args.steps_per_generation != 1 or self.args.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "recording needs steps_per_generation=1 and gradient_accumulation_steps=1"
+            )
+        self.recorder = recorder
+        self.add_callback(recorder)
+        self.judge = judge
+        self.control_tokens = list(control_tokens)
+        vocab = self.processing_class.get_vocab()
+        missing = [t for t in self.control_tokens if t not in vocab]
+        if missing:
+            raise ValueError(f"control tokens not in the tokenizer's vocabulary: {missing}")
+        self._control_ids = [vocab[t] for t in self.control_tokens]
+        self._prompt_text: dict[str, str] = {}
+        self._probe_rows: tuple[list, list] | None = None
+        self._scored: tuple[list, list, torch.Tensor] | None = None
+
+    # -- capture ---------------------------------------------------------------------------------
+
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):  # type: ignore[no-untyped-def]
+        probe = GenerationProbe(self._control_ids, self.temperature)
+        model = self.accelerator.unwrap_model(self.model)
+        # TRL calls model.generate without processors; bind ours for this one call.
+        model.generate = functools.partial(
+            type(model).generate, model, logits_processor=LogitsProcessorList([probe])
+        )
+        try:
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        finally:
+            del model.generate
+        if probe.used:
+            self._probe_rows = probe.finish(completion_ids)
+        return completion_ids, logprobs
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
+        rewards_per_func = super()._calculate_rewards(
+            inputs, prompts, completions, completion_ids_list
+        )
+        self._scored = (completions, completion_ids_list, rewards_per_func)
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
+        self._probe_rows, self._scored = None, None
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training and self._scored is not None:
+            self._record(inputs, output)
+        return output
+
+    # -- building records ------------------------------------------------------------------------
+
+    def _record(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> None:
+        completions, completion_ids, rewards_per_func = self._scored  # type: ignore[misc]
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1).tolist()
+        advantages = output["advantages"].tolist()
+        if self._probe_rows is not None:
+            token_logprobs, control = self._probe_rows
+        else:  # e.g. vLLM generation: no probe, use TRL's sampling logprobs where it has them
+            sampling = output.get("sampling_per_token_logps")
+            token_logprobs = (
+                [
+                    row[: len(ids)]
+                    for row, ids in zip(sampling.tolist(), completion_ids, strict=True)
+                ]
+                if sampling is not None
+                else [[] for _ in completion_ids]
+            )
+            control = [[[] for _ in self.control_tokens] for _ in completion_ids]
+        eos = set(self.eos_token_ids)
+        rollouts = []
+        for i, row in enumerate(inputs):
+            text = _completion_text(completions[i])
+            ids = list(completion_ids[i])
+            truncated = not ids or ids[-1] not in eos
+            judgement = (
+                self.judge(text, row, truncated)
+                if self.judge
+                else Judgement(None, None, True, None)
+            )
+            rollouts.append(
+                RolloutRecord(
+                    group=i // self.num_generations,
+                    index=i % self.num_generations,
+                    prompt=self._render_prompt(row["prompt"]),
+                    completion=text,
+                    completion_ids=ids,
+                    token_logprobs=list(token_logprobs[i]),
+                    control_probs=dict(zip(self.control_tokens, control[i], strict=True)),
+                    vote=judgement.vote,
+                    target=row.get("target"),
+                    verifier_reward=float(rewards[i]),
+                    true_score=judgement.true_score,
+                    advantage=float(advantages[i]),
+                    format_valid=judgement.format_valid,
+                    format_state=judgement.format_state,
+                    meta={k: v for k, v in row.items() if k not in ("prompt", "target")},
+                )
+            )
+        values, series = summarize(rollouts, self.num_generations, self.control_tokens)
+        self.recorder.add_rollouts(self.state.global_step + 1, rollouts, values, series)
+
+    def _render_prompt(self, prompt: Any) -> str:
+        """The prompt as the model saw it (chat template applied), rendered once per text."""
+        if isinstance(prompt, str):
+            return prompt
+        key = repr(prompt)
+        if key not in self._prompt_text:
+            self._prompt_text[key] = self.processing_class.apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+            )
+        return self._prompt_text[key]
+
+
+def _completion_text(completion: Any) -> str:
+    """TRL gives a string, or for conversational prompts a list of messages."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(message.get("content", "")) for message in completion)

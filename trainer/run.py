@@ -1,0 +1,186 @@
+"""Train one run end to end: resolve the model, build the task, run recording GRPO, close the run."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, set_seed
+from trl import GRPOConfig
+
+from server import store
+from server.config import Settings
+from server.db import make_engine, make_session_factory, session_scope
+from server.models import RunStatus
+from server.records import StepRecord
+from trainer import task
+from trainer.config import TINY, RunConfig
+from trainer.grpo import Recorder, RecordingGRPOTrainer
+from trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
+from trainer.tiny_model import ensure_tiny_model
+from trainer.writer import StepWriter
+
+log = logging.getLogger(__name__)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # silence the fork warning
+
+# Control tokens of common chat formats, tried in order when a run names none.
+KNOWN_CONTROL_TOKENS = (TINY_CONTROL_TOKENS, ("<tool_call>", "</tool_call>", "<|im_end|>"))
+
+
+def resolve_model(
+    config: RunConfig, settings: Settings, log_line: Callable[[str], None] = log.info
+) -> str:
+    """A path or hub id that from_pretrained loads; builds the tiny model on first use."""
+    if config.model == TINY:
+        return str(ensure_tiny_model(settings.models_dir, log=log_line))
+    return config.model
+
+
+def default_control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The first known set whose tokens the tokenizer has, else its end-of-turn token."""
+    vocab = tokenizer.get_vocab()
+    for candidates in KNOWN_CONTROL_TOKENS:
+        if all(t in vocab for t in candidates):
+            return list(candidates)
+    return [tokenizer.eos_token] if tokenizer.eos_token else []
+
+
+def device_name() -> str:
+    """Where this process trains."""
+    if torch.cuda.is_available():
+        return f"cuda ({torch.cuda.get_device_name(0)})"
+    return "cpu"
+
+
+def grpo_args(config: RunConfig, output_dir: Path) -> GRPOConfig:
+    """TRL's config for one run: G rollouts × prompts_per_step groups per optimizer step."""
+    cuda = torch.cuda.is_available()
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=config.group_size * config.prompts_per_step,
+        num_generations=config.group_size,
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        num_iterations=config.num_iterations,
+        max_steps=config.steps,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type="constant",
+        temperature=config.temperature,
+        max_completion_length=config.max_completion_tokens,
+        beta=config.kl_coef,
+        seed=config.seed,
+        data_seed=config.seed,
+        shuffle_dataset=False,  # the env's stream is already drawn with the run's seed
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        # TRL defaults both on; bf16 only pays on CUDA and checkpointing only for big models.
+        bf16=cuda and torch.cuda.is_bf16_supported(),
+        gradient_checkpointing=False,
+        use_cpu=not cuda,
+        dataloader_num_workers=0,
+    )
+
+
+def train(
+    config: RunConfig,
+    *,
+    settings: Settings,
+    run_id: int | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    log_line: Callable[[str], None] = log.info,
+) -> int:
+    """Train `config` into the configured database and return the run id."""
+    engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    factory = make_session_factory(engine)
+    if run_id is None:
+        with session_scope(factory) as session:
+            run_id = store.create_run(session, **run_columns(config)).id
+    try:
+        return _train(config, settings, factory, run_id, on_step, should_stop, log_line)
+    finally:
+        engine.dispose()
+
+
+def run_columns(config: RunConfig) -> dict:
+    """The run row's columns for a config."""
+    return {
+        "name": config.name,
+        "model": config.model,
+        "total_steps": config.steps,
+        "group_size": config.group_size,
+        "prompts_per_step": config.prompts_per_step,
+        "seed": config.seed,
+        "variant": config.variant,
+        "k": config.k if config.variant == "patched" else None,
+        "config": config.model_dump(mode="json"),
+    }
+
+
+def _train(config, settings, factory, run_id, on_step, should_stop, log_line) -> int:  # type: ignore[no-untyped-def]
+    writer: StepWriter | None = None
+    try:
+        set_seed(config.seed)
+        model_path = resolve_model(config, settings, log_line)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path)
+        control_tokens = config.control_tokens or default_control_tokens(tokenizer)
+        env = task.make_env(config)
+        with session_scope(factory) as session:
+            store.mark_running(
+                session,
+                run_id=run_id,
+                worker_host=socket.gethostname(),
+                device=device_name(),
+                control_tokens=control_tokens,
+            )
+        writer = StepWriter(
+            factory,
+            run_id=run_id,
+            control_tokens=control_tokens,
+            price_per_device_hour=settings.price_per_device_hour,
+            on_written=on_step,
+        )
+        stop_requested = should_stop or (lambda: False)
+        recorder = Recorder(writer.put, should_stop=stop_requested)
+        trainer = RecordingGRPOTrainer(
+            model=model,
+            processing_class=tokenizer,
+            reward_funcs=[task.make_reward_function(config)],
+            args=grpo_args(config, settings.data_dir / "runs" / str(run_id)),
+            train_dataset=Dataset.from_list(task.dataset_rows(env, config)),
+            recorder=recorder,
+            control_tokens=control_tokens,
+            judge=task.judge,
+        )
+        trainer.train()
+        writer.close()
+        status = RunStatus.cancelled if stop_requested() else RunStatus.completed
+        with session_scope(factory) as session:
+            store.mark_finished(session, run_id=run_id, status=status)
+        return run_id
+    except BaseException as exc:
+        if writer is not None:
+            with contextlib.suppress(RuntimeError):  # the original error is the one to report
+                writer.close()
+        with session_scope(factory) as session:
+            store.mark_finished(
+                session, run_id=run_id, status=RunStatus.failed, error=_error_text(exc)
+            )
+        raise
+
+
+def _error_text(exc: BaseException) -> str:
+    """The message a person needs first, then the traceback's last frames."""
+    tail = "".join(traceback.format_exception(exc)[-6:])
+    return f"{type(exc).__name__}: {exc}\n\n{tail}"[:8000]
+

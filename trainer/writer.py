@@ -1,0 +1,85 @@
+"""A background writer: steps go to the database off the training thread, one transaction each."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from server import store
+from server.db import session_scope
+from server.records import StepRecord
+
+_STOP = object()
+
+
+class StepWriter:
+    """Queue StepRecords from the trainer; a daemon thread writes them in order.
+
+    A write error is re-raised on the training thread at the next `put` or at `close`, so a run
+    never trains on while its records are being lost.
+    """
+
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        *,
+        run_id: int,
+        control_tokens: Sequence[str],
+        price_per_device_hour: float,
+        on_written: Callable[[StepRecord], None] | None = None,
+        max_pending: int = 64,
+    ) -> None:
+        self.factory = factory
+        self.run_id = run_id
+        self.control_tokens = list(control_tokens)
+        self.price = price_per_device_hour
+        self.on_written = on_written
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._loop, name=f"rollout-lens-writer-{run_id}", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, record: StepRecord) -> None:
+        """Hand a step to the writer (blocks only if the writer is far behind)."""
+        self._raise_if_failed()
+        self._queue.put(record)
+
+    def close(self) -> None:
+        """Write everything queued, stop the thread, re-raise a write error."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"recording step failed: {self._error}") from self._error
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if self._error is not None:
+                continue  # drain without writing: the training thread will raise
+            assert isinstance(item, StepRecord)
+            try:
+                with session_scope(self.factory) as session:
+                    store.record_step(
+                        session, run_id=self.run_id, record=item, control_tokens=self.control_tokens
+                    )
+                    store.add_device_time(
+                        session,
+                        run_id=self.run_id,
+                        seconds=item.values.get("wall_time") or 0.0,
+                        price_per_hour=self.price,
+                    )
+                if self.on_written is not None:
+                    self.on_written(item)
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                self._error = exc
