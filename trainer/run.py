@@ -12,7 +12,13 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, set_seed
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    PrinterCallback,
+    set_seed,
+)
 from trl import GRPOConfig
 
 from server import store
@@ -84,7 +90,7 @@ def grpo_args(config: RunConfig, output_dir: Path) -> GRPOConfig:
         disable_tqdm=True,
         # TRL defaults both on; bf16 only pays on CUDA and checkpointing only for big models.
         bf16=cuda and torch.cuda.is_bf16_supported(),
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         use_cpu=not cuda,
         dataloader_num_workers=0,
     )
@@ -162,6 +168,7 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line) ->
             control_tokens=control_tokens,
             judge=task.judge,
         )
+        trainer.remove_callback(PrinterCallback)  # our progress bar and the database replace it
         trainer.train()
         writer.close()
         status = RunStatus.cancelled if stop_requested() else RunStatus.completed

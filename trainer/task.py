@@ -42,12 +42,22 @@ def make_reward_function(config: RunConfig):  # type: ignore[no-untyped-def]
     """TRL reward function wrapping the configured verifier (its name names the TRL metric)."""
     verifier = make_verifier(config.verifier, p=config.verifier_noise, seed=config.seed)
 
-    def reward(
-        completions, prompt, target, query, tool_ids, target_listed, hint, **_: Any
-    ) -> list[float]:  # type: ignore[no-untyped-def]
-        rows = zip(completions, prompt, target, query, tool_ids, target_listed, hint, strict=True)
+    def reward(completions, prompts, target, query, tool_ids, target_listed, hint, **_):  # type: ignore[no-untyped-def]
+        rows = zip(completions, prompts, target, query, tool_ids, target_listed, hint, strict=True)
         return [
-            float(verifier(_text(c), Example(q, _text(p), t, tuple(ids), bool(listed), h)))
+            float(
+                verifier(
+                    _text(c),
+                    Example(
+                        query=q,
+                        prompt=_text(p),
+                        target=t,
+                        tool_ids=tuple(ids),
+                        target_listed=bool(listed),
+                        hint=h,
+                    ),
+                )
+            )
             for c, p, t, q, ids, listed, h in rows
         ]
 

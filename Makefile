@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine (Python 3.11+ with venv):
+#   make run    install into .venv and start Rollout Lens on the embedded default
+#   make test   build a fresh virtual environment from pyproject.toml and run every test
+PYTHON ?= python3
+VENV ?= .venv
+TEST_VENV ?= .venv-test
+EXTRAS ?= train,test
+# The tiny model is built once (about 3 minutes) and cached here for later runs and tests.
+export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
+
+.PHONY: run test lint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/rollout-lens train --variant patched --steps 150
+
+test:
+	rm -rf $(TEST_VENV)
+	$(PYTHON) -m venv $(TEST_VENV)
+	$(TEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TEST_VENV)/bin/python -m pip install -q -e '.[$(EXTRAS)]'
+	$(TEST_VENV)/bin/ruff check server trainer tests bench migrations
+	$(TEST_VENV)/bin/ruff format --check server trainer tests bench migrations
+	$(TEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check server trainer tests bench migrations
+	$(VENV)/bin/ruff format --check server trainer tests bench migrations

@@ -1,0 +1,105 @@
+"""The `rollout-lens` command, run as a user runs it (a subprocess on a real SQLite file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXPORT_KEYS = {
+    "run_id",
+    "step",
+    "group",
+    "index",
+    "prompt",
+    "completion",
+    "vote",
+    "target",
+    "verifier_reward",
+    "true_score",
+    "advantage",
+    "sum_logprob",
+    "format_valid",
+    "token_logprobs",
+    "control_token_probs",
+}
+
+
+def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args],
+        env=os.environ | env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    return {"ROLLOUT_LENS_DATA_DIR": str(tmp_path / "data")}
+
+
+@pytest.mark.slow
+def test_train_runs_and_export(cli_env: dict[str, str], tiny_model_dir: Path, tmp_path: Path) -> None:
+    env = cli_env | {"ROLLOUT_LENS_MODEL_CACHE_DIR": str(tiny_model_dir.parent)}
+    done = _cli(["train", "--variant", "patched", "--steps", "2", "--seed", "5", "--group-size", "4"], env)
+    assert done.returncode == 0, done.stderr
+    assert "run_id=1" in done.stdout and "rollout-lens.db" in done.stdout
+
+    listed = _cli(["runs", "--format", "json"], env)
+    runs = json.loads(listed.stdout)
+    assert [(r["id"], r["status"], r["current_step"], r["group_size"]) for r in runs] == [
+        (1, "completed", 2, 4)
+    ]
+    assert "completed" in _cli(["runs"], env).stdout
+
+    out = tmp_path / "run1.jsonl"
+    exported = _cli(["export", "1", "--format", "jsonl", "--output", str(out)], env)
+    assert exported.returncode == 0, exported.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 2 * 4
+    assert all(EXPORT_KEYS <= set(line) for line in lines)
+    assert [(x["step"], x["index"]) for x in lines] == [(s, i) for s in (1, 2) for i in range(4)]
+    first = lines[0]
+    assert set(first["control_token_probs"]) == {"<tool>", "</tool>", "</assistant>"}
+    assert len(first["token_logprobs"]) == len(first["control_token_probs"]["<tool>"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--steps", "0"], "steps"),
+        (["train", "--steps", "1000000"], "steps"),
+        (["train", "--k", "65"], "k"),
+        (["train", "--group-size", "1"], "group_size"),
+        (["train", "--lr", "-0.1"], "learning_rate"),
+        (["train", "--verifier", "oracle"], "unknown verifier 'oracle'"),
+        (["train", "--model", "/no/such/model"], "neither `tiny`, a hub id, nor an existing folder"),
+        (["train", "--variant", "medium"], "invalid choice"),
+        (["train", "--steps", "many"], "invalid int value"),
+        (["export", "7"], "run 7 does not exist"),
+    ],
+)
+def test_bad_arguments_fail_clearly(cli_env: dict[str, str], args: list[str], message: str) -> None:
+    _cli(["db", "upgrade"], cli_env)
+    done = _cli(args, cli_env)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_runs_on_an_unmigrated_database_says_how_to_fix(cli_env: dict[str, str]) -> None:
+    done = _cli(["runs"], cli_env)
+    assert done.returncode == 2 and "rollout-lens db upgrade" in done.stderr
+    assert _cli(["db", "upgrade"], cli_env).returncode == 0
+    assert "no runs yet" in _cli(["runs"], cli_env).stdout
+
+
+def test_bad_setting_is_reported(cli_env: dict[str, str]) -> None:
+    done = _cli(["runs"], cli_env | {"ROLLOUT_LENS_PRICE_PER_DEVICE_HOUR": "cheap"})
+    assert done.returncode == 2 and "price_per_device_hour" in done.stderr
