@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--output", "-o", type=Path, help="file to write (default: stdout)")
     export.set_defaults(handler=_export)
 
+    worker = sub.add_parser("worker", help="train queued runs (a Celery worker, one run at a time)")
+    worker.add_argument("--loglevel", default="INFO")
+    worker.add_argument("--name", help="worker node name (default: rollout-lens-<host>-<pid>)")
+    worker.set_defaults(handler=_worker)
+
     build = sub.add_parser("build-model", help="build (or find cached) the default tiny model")
     build.set_defaults(handler=_build_model)
     return parser
@@ -179,6 +184,47 @@ def _export(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         if args.output:
             out.close()
+    return 0
+
+
+def _worker(args: argparse.Namespace, settings: Settings) -> int:
+    import os
+    import socket
+    from datetime import timedelta
+
+    from server.queue import QUEUE, make_celery
+
+    engine, factory = _migrated_factory(settings)
+    with session_scope(factory) as session:
+        lost = store.mark_lost_runs(
+            session, stale_after=timedelta(seconds=settings.lost_after_seconds)
+        )
+    if lost:
+        print(f"marked runs {lost} lost: their worker stopped sending heartbeats")
+    engine.dispose()
+    app = make_celery(settings, include=["trainer.tasks"])
+    name = args.name or f"rollout-lens-{socket.gethostname()}-{os.getpid()}@%h"
+    # One run at a time per process, in the main process: a prefork child hangs on its first
+    # torch operation when torch already ran in the parent.
+    app.worker_main(
+        [
+            "worker",
+            "-P",
+            "solo",
+            "-c",
+            "1",
+            "--prefetch-multiplier",
+            "1",
+            "-Q",
+            QUEUE,
+            "-l",
+            args.loglevel,
+            "-n",
+            name,
+            "--without-gossip",
+            "--without-mingle",
+        ]
+    )
     return 0
 
 

@@ -29,6 +29,15 @@ class Settings(BaseSettings):
     price_per_device_hour: float = Field(
         2.0, ge=0, description="Price of one device-hour in dollars, for a run's estimated cost."
     )
+    checkpoint_every: int = Field(
+        50, ge=0, description="Save a resumable checkpoint every N steps (0: never)."
+    )
+    heartbeat_seconds: float = Field(
+        5.0, gt=0, description="How often a training process reports that it is alive."
+    )
+    lost_after_seconds: float = Field(
+        60.0, gt=0, description="A running run with no heartbeat for this long is marked lost."
+    )
     sqlite_busy_timeout_ms: int = Field(
         30_000, ge=0, description="How long an SQLite writer waits for a lock before failing."
     )

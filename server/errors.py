@@ -15,3 +15,11 @@ class NotFound(RolloutLensError):
 
 class InvalidInput(RolloutLensError):
     """Input that fails validation."""
+
+
+class InvalidState(RolloutLensError):
+    """An action that the run's current status does not allow."""
+
+
+class BrokerUnavailable(RolloutLensError):
+    """The task queue cannot be reached: nothing was queued."""

@@ -19,6 +19,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -79,6 +80,10 @@ class Run(Base):
     device_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     cost: Mapped[float] = mapped_column(Float, default=0.0)
     error: Mapped[str | None] = mapped_column(Text)
+    # Launch and control: the broker task that trains it, a cancel request, the last checkpoint.
+    task_id: Mapped[str | None] = mapped_column(String(64))
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    checkpoint_step: Mapped[int | None] = mapped_column(Integer)
 
     # Summary columns kept current by every step write, so lists never scan steps.
     current_step: Mapped[int] = mapped_column(Integer, default=0)

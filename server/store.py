@@ -5,20 +5,25 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import Select, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from server.errors import NotFound
+from server.errors import InvalidState, NotFound
 from server.models import STEP_SERIES, Metric, Prompt, Rollout, Run, RunStatus, Step, utcnow
 from server.packing import pack_floats, pack_ints, pack_matrix
 from server.records import StepRecord
 
-RECENT_WINDOW = 25  # steps in the "last 25 steps" summary, as the seed's buckets
+RECENT_WINDOW = 25
+RESUMABLE_STATUSES = (
+    RunStatus.lost,
+    RunStatus.failed,
+    RunStatus.cancelled,
+)  # steps in the "last 25 steps" summary, as the seed's buckets
 
 
 def _insert(session: Session, table: Any) -> Any:
@@ -292,3 +297,106 @@ def metric_series(
 def heartbeat(session: Session, *, run_id: int, at: datetime | None = None) -> None:
     """The worker training this run is alive."""
     session.execute(update(Run).where(Run.id == run_id).values(heartbeat_at=at or utcnow()))
+
+
+# --- launch, cancel, resume, liveness ----------------------------------------------------------
+
+
+def claim_run(session: Session, *, run_id: int, task_id: str) -> bool:
+    """Atomically take a queued run for one task; False if another delivery already has it."""
+    result = session.execute(
+        update(Run)
+        .where(Run.id == run_id, Run.status == RunStatus.queued)
+        .values(status=RunStatus.running, task_id=task_id, heartbeat_at=utcnow())
+    )
+    return result.rowcount == 1  # type: ignore[attr-defined]
+
+
+def set_task_id(session: Session, *, run_id: int, task_id: str) -> None:
+    """Remember which broker task will train the run."""
+    session.execute(update(Run).where(Run.id == run_id).values(task_id=task_id))
+
+
+def request_cancel(session: Session, *, run_id: int) -> str:
+    """Cancel a queued run now, or ask a running one to stop; returns the resulting status."""
+    run = get_run(session, run_id=run_id)
+    if run.status == RunStatus.queued:
+        mark_finished(session, run_id=run_id, status=RunStatus.cancelled)
+        return RunStatus.cancelled
+    if run.status == RunStatus.running:
+        session.execute(update(Run).where(Run.id == run_id).values(cancel_requested=True))
+        return RunStatus.running
+    raise InvalidState(
+        f"run {run_id} is {run.status}: only queued or running runs can be cancelled"
+    )
+
+
+def cancel_requested(session: Session, *, run_id: int) -> bool:
+    """Whether someone asked the run to stop."""
+    return bool(session.scalar(select(Run.cancel_requested).where(Run.id == run_id)))
+
+
+def requeue_for_resume(session: Session, *, run_id: int) -> Run:
+    """Put a lost, failed or cancelled run back in the queue to continue from its checkpoint."""
+    run = get_run(session, run_id=run_id)
+    if run.status not in RESUMABLE_STATUSES:
+        raise InvalidState(
+            f"run {run_id} is {run.status}: only lost, failed or cancelled runs can be resumed"
+        )
+    run.status = RunStatus.queued
+    run.cancel_requested = False
+    run.error = None
+    run.finished_at = None
+    return run
+
+
+def set_checkpoint(session: Session, *, run_id: int, step: int) -> None:
+    """Every step up to `step` is recorded and a checkpoint of it is on disk."""
+    session.execute(update(Run).where(Run.id == run_id).values(checkpoint_step=step))
+
+
+def truncate_after(session: Session, *, run_id: int, step: int) -> None:
+    """Delete what was recorded after `step` (before resuming from a checkpoint at `step`)."""
+    for model in (Rollout, Metric, Step):
+        session.execute(delete(model).where(model.run_id == run_id, model.step > step))
+    session.execute(update(Run).where(Run.id == run_id).values(current_step=step))
+    if step > 0:
+        _refresh_summary(session, run_id=run_id, step=step)
+    else:
+        session.execute(
+            update(Run)
+            .where(Run.id == run_id)
+            .values(recent_true_accuracy=None, recent_reward=None)
+        )
+
+
+def mark_lost_runs(session: Session, *, stale_after: timedelta) -> list[int]:
+    """Runs `running` whose worker stopped beating: mark them lost; return their ids."""
+    cutoff = utcnow() - stale_after
+    ids = list(
+        session.scalars(
+            select(Run.id).where(Run.status == RunStatus.running, Run.heartbeat_at < cutoff)
+        )
+    )
+    if ids:
+        session.execute(
+            update(Run)
+            .where(Run.id.in_(ids), Run.status == RunStatus.running)
+            .values(
+                status=RunStatus.lost,
+                finished_at=utcnow(),
+                error=f"the worker stopped sending heartbeats for over {stale_after.seconds} s",
+            )
+        )
+    return ids
+
+
+def queue_position(session: Session, *, run_id: int) -> int | None:
+    """1 for the next queued run to train, None when the run is not queued."""
+    run = get_run(session, run_id=run_id)
+    if run.status != RunStatus.queued:
+        return None
+    ahead = session.scalar(
+        select(func.count()).where(Run.status == RunStatus.queued, Run.id < run_id)
+    )
+    return int(ahead or 0) + 1

@@ -15,11 +15,12 @@ from datasets import Dataset
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     PrinterCallback,
     set_seed,
 )
-from trl import GRPOConfig
+from trl import GRPOConfig, GRPOTrainer
 
 from server import store
 from server.config import Settings
@@ -29,6 +30,7 @@ from server.records import StepRecord
 from trainer import task
 from trainer.config import TINY, RunConfig
 from trainer.grpo import Recorder, RecordingGRPOTrainer
+from trainer.monitor import CheckpointRecorder, RunMonitor
 from trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
 from trainer.tiny_model import ensure_tiny_model
 from trainer.writer import StepWriter
@@ -65,7 +67,7 @@ def device_name() -> str:
     return "cpu"
 
 
-def grpo_args(config: RunConfig, output_dir: Path) -> GRPOConfig:
+def grpo_args(config: RunConfig, output_dir: Path, *, checkpoint_every: int = 0) -> GRPOConfig:
     """TRL's config for one run: G rollouts × prompts_per_step groups per optimizer step."""
     cuda = torch.cuda.is_available()
     return GRPOConfig(
@@ -86,7 +88,9 @@ def grpo_args(config: RunConfig, output_dir: Path) -> GRPOConfig:
         shuffle_dataset=False,  # the env's stream is already drawn with the run's seed
         logging_steps=1,
         report_to="none",
-        save_strategy="no",
+        save_strategy="steps" if checkpoint_every else "no",
+        save_steps=checkpoint_every or 500,
+        save_total_limit=2,
         disable_tqdm=True,
         # TRL defaults both on; bf16 only pays on CUDA and checkpointing only for big models.
         bf16=cuda and torch.cuda.is_bf16_supported(),
@@ -104,17 +108,52 @@ def train(
     on_step: Callable[[StepRecord], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     log_line: Callable[[str], None] = log.info,
+    resume_from: int = 0,
 ) -> int:
-    """Train `config` into the configured database and return the run id."""
+    """Train `config` into the configured database and return the run id.
+
+    With `resume_from` > 0 the run continues from its checkpoint at that step; whatever was
+    recorded after it is deleted first, so no step is missing or recorded twice.
+    """
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     factory = make_session_factory(engine)
     if run_id is None:
         with session_scope(factory) as session:
             run_id = store.create_run(session, **run_columns(config)).id
     try:
-        return _train(config, settings, factory, run_id, on_step, should_stop, log_line)
+        return _train(
+            config, settings, factory, run_id, on_step, should_stop, log_line, resume_from
+        )
     finally:
         engine.dispose()
+
+
+def make_trainer(
+    config: RunConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    output_dir: Path,
+    *,
+    recorder: Recorder | None,
+    control_tokens: list[str],
+    checkpoint_every: int = 0,
+) -> GRPOTrainer:
+    """The Escalation GRPO trainer for `config`; a plain GRPOTrainer when `recorder` is None."""
+    kwargs = {
+        "model": model,
+        "processing_class": tokenizer,
+        "reward_funcs": [task.make_reward_function(config)],
+        "args": grpo_args(config, output_dir, checkpoint_every=checkpoint_every),
+        "train_dataset": Dataset.from_list(task.dataset_rows(task.make_env(config), config)),
+    }
+    if recorder is None:
+        trainer = GRPOTrainer(**kwargs)
+    else:
+        trainer = RecordingGRPOTrainer(
+            **kwargs, recorder=recorder, control_tokens=control_tokens, judge=task.judge
+        )
+    trainer.remove_callback(PrinterCallback)  # a progress bar and the database replace it
+    return trainer
 
 
 def run_columns(config: RunConfig) -> dict:
@@ -132,62 +171,85 @@ def run_columns(config: RunConfig) -> dict:
     }
 
 
-def _train(config, settings, factory, run_id, on_step, should_stop, log_line) -> int:  # type: ignore[no-untyped-def]
+def _train(config, settings, factory, run_id, on_step, should_stop, log_line, resume_from) -> int:  # type: ignore[no-untyped-def]
     writer: StepWriter | None = None
+    monitor = RunMonitor(factory, run_id=run_id, interval=settings.heartbeat_seconds)
     try:
-        set_seed(config.seed)
-        model_path = resolve_model(config, settings, log_line)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path)
-        control_tokens = config.control_tokens or default_control_tokens(tokenizer)
-        env = task.make_env(config)
-        with session_scope(factory) as session:
-            store.mark_running(
-                session,
+        with monitor:
+            set_seed(config.seed)
+            model_path = resolve_model(config, settings, log_line)
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            model = AutoModelForCausalLM.from_pretrained(model_path)
+            control_tokens = config.control_tokens or default_control_tokens(tokenizer)
+            with session_scope(factory) as session:
+                store.truncate_after(session, run_id=run_id, step=resume_from)
+                store.mark_running(
+                    session,
+                    run_id=run_id,
+                    worker_host=socket.gethostname(),
+                    device=device_name(),
+                    control_tokens=control_tokens,
+                )
+            writer = StepWriter(
+                factory,
                 run_id=run_id,
-                worker_host=socket.gethostname(),
-                device=device_name(),
                 control_tokens=control_tokens,
+                price_per_device_hour=settings.price_per_device_hour,
+                on_written=on_step,
             )
-        writer = StepWriter(
-            factory,
-            run_id=run_id,
-            control_tokens=control_tokens,
-            price_per_device_hour=settings.price_per_device_hour,
-            on_written=on_step,
-        )
-        stop_requested = should_stop or (lambda: False)
-        recorder = Recorder(writer.put, should_stop=stop_requested)
-        trainer = RecordingGRPOTrainer(
-            model=model,
-            processing_class=tokenizer,
-            reward_funcs=[task.make_reward_function(config)],
-            args=grpo_args(config, settings.data_dir / "runs" / str(run_id)),
-            train_dataset=Dataset.from_list(task.dataset_rows(env, config)),
-            recorder=recorder,
-            control_tokens=control_tokens,
-            judge=task.judge,
-        )
-        trainer.remove_callback(PrinterCallback)  # our progress bar and the database replace it
-        trainer.train()
-        writer.close()
-        status = RunStatus.cancelled if stop_requested() else RunStatus.completed
-        with session_scope(factory) as session:
-            store.mark_finished(session, run_id=run_id, status=status)
-        return run_id
+
+            def stop_requested() -> bool:
+                return monitor.should_stop() or bool(should_stop and should_stop())
+
+            output_dir = run_output_dir(settings, run_id)
+            trainer = make_trainer(
+                config,
+                model,
+                tokenizer,
+                output_dir,
+                recorder=Recorder(writer.put, should_stop=stop_requested),
+                control_tokens=control_tokens,
+                checkpoint_every=settings.checkpoint_every,
+            )
+            trainer.add_callback(CheckpointRecorder(factory, writer, run_id=run_id))
+            checkpoint = output_dir / f"checkpoint-{resume_from}" if resume_from else None
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+            writer.close()
+            status = RunStatus.cancelled if stop_requested() else RunStatus.completed
+            with session_scope(factory) as session:
+                store.mark_finished(session, run_id=run_id, status=status)
+            return run_id
     except BaseException as exc:
         if writer is not None:
             with contextlib.suppress(RuntimeError):  # the original error is the one to report
                 writer.close()
+        interrupted = isinstance(exc, KeyboardInterrupt)
         with session_scope(factory) as session:
             store.mark_finished(
-                session, run_id=run_id, status=RunStatus.failed, error=_error_text(exc)
+                session,
+                run_id=run_id,
+                status=RunStatus.cancelled if interrupted else RunStatus.failed,
+                error="interrupted" if interrupted else _error_text(exc),
             )
         raise
+
+
+def run_output_dir(settings: Settings, run_id: int) -> Path:
+    """Where a run's checkpoints go."""
+    return settings.data_dir / "runs" / str(run_id)
+
+
+def resume_step(settings: Settings, run_id: int, checkpoint_step: int | None) -> int:
+    """The step to continue after: the recorded checkpoint if its files exist, else 0."""
+    if (
+        checkpoint_step
+        and (run_output_dir(settings, run_id) / f"checkpoint-{checkpoint_step}").is_dir()
+    ):
+        return checkpoint_step
+    return 0
 
 
 def _error_text(exc: BaseException) -> str:
     """The message a person needs first, then the traceback's last frames."""
     tail = "".join(traceback.format_exception(exc)[-6:])
     return f"{type(exc).__name__}: {exc}\n\n{tail}"[:8000]
-

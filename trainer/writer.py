@@ -49,6 +49,11 @@ class StepWriter:
         self._raise_if_failed()
         self._queue.put(record)
 
+    def flush(self) -> None:
+        """Wait until every queued step is written (a checkpoint must not outrun its records)."""
+        self._queue.join()
+        self._raise_if_failed()
+
     def close(self) -> None:
         """Write everything queued, stop the thread, re-raise a write error."""
         if self._thread.is_alive():
@@ -63,23 +68,28 @@ class StepWriter:
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
-                return
-            if self._error is not None:
-                continue  # drain without writing: the training thread will raise
-            assert isinstance(item, StepRecord)
             try:
-                with session_scope(self.factory) as session:
-                    store.record_step(
-                        session, run_id=self.run_id, record=item, control_tokens=self.control_tokens
-                    )
-                    store.add_device_time(
-                        session,
-                        run_id=self.run_id,
-                        seconds=item.values.get("wall_time") or 0.0,
-                        price_per_hour=self.price,
-                    )
-                if self.on_written is not None:
-                    self.on_written(item)
-            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-                self._error = exc
+                if item is _STOP:
+                    return
+                if self._error is None:  # after an error, drain without writing
+                    self._write(item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, item: object) -> None:
+        assert isinstance(item, StepRecord)
+        try:
+            with session_scope(self.factory) as session:
+                store.record_step(
+                    session, run_id=self.run_id, record=item, control_tokens=self.control_tokens
+                )
+                store.add_device_time(
+                    session,
+                    run_id=self.run_id,
+                    seconds=item.values.get("wall_time") or 0.0,
+                    price_per_hour=self.price,
+                )
+            if self.on_written is not None:
+                self.on_written(item)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc

@@ -1,0 +1,61 @@
+"""Pure summaries of a run's series: 25-step buckets, convergence step, stability."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+BUCKET = 25
+
+
+def buckets(
+    steps: Sequence[int], values: Sequence[float | None], size: int = BUCKET
+) -> list[tuple[int, float]]:
+    """Mean of each `size`-step bucket, keyed by the bucket's first step (1–25 → 1, 26–50 → 26…)."""
+    sums: dict[int, list[float]] = {}
+    for step, value in zip(steps, values, strict=True):
+        if value is not None:
+            sums.setdefault((step - 1) // size * size + 1, []).append(value)
+    return [(start, sum(vals) / len(vals)) for start, vals in sorted(sums.items())]
+
+
+def rolling_mean(values: Sequence[float | None], window: int = BUCKET) -> list[float | None]:
+    """Mean of the last `window` non-missing values at each position (None until one exists)."""
+    out: list[float | None] = []
+    recent: list[float] = []
+    for value in values:
+        if value is not None:
+            recent.append(value)
+            if len(recent) > window:
+                recent.pop(0)
+        out.append(sum(recent) / len(recent) if recent else None)
+    return out
+
+
+def first_step_reaching(
+    steps: Sequence[int],
+    values: Sequence[float | None],
+    threshold: float = 0.9,
+    window: int = BUCKET,
+) -> int | None:
+    """First step at which the trailing `window`-step mean reaches `threshold` (a full window)."""
+    for i, mean in enumerate(rolling_mean(values, window)):
+        if i + 1 >= window and mean is not None and mean >= threshold:
+            return steps[i]
+    return None
+
+
+def stability(
+    steps: Sequence[int], values: Sequence[float | None], after: int | None, size: int = BUCKET
+) -> float | None:
+    """Spread (max − min) of the bucket means from the bucket holding `after` on; None if unknown."""
+    if after is None:
+        return None
+    tail = [mean for start, mean in buckets(steps, values, size) if start + size - 1 >= after]
+    return max(tail) - min(tail) if tail else None
+
+
+def final_mean(values: Sequence[float | None], window: int = BUCKET) -> float | None:
+    """Mean of the last `window` recorded values."""
+    present = [v for v in values if v is not None][-window:]
+    return statistics.fmean(present) if present else None

@@ -1,0 +1,95 @@
+"""Pure functions: vote statistics, structural states, series summaries, array packing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from server import analysis
+from server.packing import (
+    pack_floats,
+    pack_ints,
+    pack_matrix,
+    unpack_floats,
+    unpack_ints,
+    unpack_matrix,
+)
+from trainer import metrics
+from trainer.structure import FormatState, classify
+
+LISTED = ["tool_07", "tool_27"]
+
+
+@pytest.mark.parametrize(
+    ("votes", "agreement", "entropy"),
+    [
+        (["a"] * 8, 1.0, 0.0),
+        (["a"] * 4 + ["b"] * 4, 0.5, 1.0),
+        (["a", "b", "c", "d", "e", "f", "g", "h"], 1 / 8, 3.0),
+        ([None] * 8, 0.0, 0.0),
+        (
+            ["a", "a", "a", None, None, None, None, None],
+            3 / 8,
+            -(3 / 8 * math.log2(3 / 8) + 5 / 8 * math.log2(5 / 8)),
+        ),
+    ],
+)
+def test_vote_statistics(votes: list[str | None], agreement: float, entropy: float) -> None:
+    assert metrics.vote_agreement(votes) == pytest.approx(agreement)
+    assert metrics.vote_entropy(votes) == pytest.approx(entropy)
+
+
+def test_zero_std_and_groups() -> None:
+    assert metrics.is_zero_std([1.0] * 8) and not metrics.is_zero_std([1.0, 0.0])
+    assert metrics.groups(list(range(16)), 8) == [list(range(8)), list(range(8, 16))]
+    with pytest.raises(ValueError, match="groups of 8"):
+        metrics.groups(list(range(10)), 8)
+
+
+@pytest.mark.parametrize(
+    ("completion", "truncated", "state"),
+    [
+        ("<tool>tool_07</tool>", False, FormatState.healthy_call),
+        ("  <tool> tool_27 </tool>\n", False, FormatState.healthy_call),
+        ("<tool>tool_07</tool> because", False, FormatState.text_pollution),
+        ("sure <tool>tool_07</tool>", False, FormatState.text_pollution),
+        ("<tool>tool_99</tool>", False, FormatState.text_pollution),
+        ("<tool>tool_07</tool><tool>tool_27</tool>", False, FormatState.text_pollution),
+        ("", False, FormatState.collapse),
+        ("<tool>", False, FormatState.collapse),
+        ("<tool>tool_07", False, FormatState.collapse),
+        ("tool_07</tool>", False, FormatState.collapse),
+        ("<tool>tool_07</tool>", True, FormatState.collapse),
+        ("</tool>tool_07<tool>", False, FormatState.collapse),
+        ("tool_07", False, FormatState.no_call),
+        ("I would use the calculator", False, FormatState.no_call),
+    ],
+)
+def test_structural_state(completion: str, truncated: bool, state: FormatState) -> None:
+    assert classify(completion, LISTED, truncated=truncated) is state
+
+
+def test_buckets_and_convergence() -> None:
+    steps = list(range(1, 101))
+    acc = [0.0] * 30 + [1.0] * 70
+    assert analysis.buckets(steps, acc) == [(1, 0.0), (26, 0.8), (51, 1.0), (76, 1.0)]
+    # the trailing 25-step mean first reaches 0.9 when 23 of the last 25 are 1.0: step 53
+    assert analysis.first_step_reaching(steps, acc, 0.9) == 53
+    assert analysis.first_step_reaching(steps, [0.5] * 100, 0.9) is None
+    assert analysis.stability(steps, acc, 53) == 0.0
+    assert analysis.stability(steps, [1.0] * 60 + [0.0] * 40, 30) == pytest.approx(1.0)
+    assert analysis.stability(steps, acc, None) is None
+    assert analysis.final_mean([None, 1.0, 0.0]) == 0.5
+    assert analysis.rolling_mean([None, 1.0, 0.0], window=2) == [None, 1.0, 0.5]
+
+
+def test_packing_round_trips() -> None:
+    assert unpack_ints(pack_ints([1, -2, 300000])) == [1, -2, 300000]
+    assert unpack_floats(pack_floats([0.5, -1.25])) == [0.5, -1.25]
+    assert unpack_floats(None) == [] and unpack_ints(b"") == []
+    rows = [[0.25, 0.5], [1.0, 0.0], [0.125, 0.75]]
+    assert unpack_matrix(pack_matrix(rows), 3) == rows
+    assert len(pack_floats([0.1] * 10)) == 40  # 4 bytes a value, not JSON text
+    with pytest.raises(ValueError, match="equal length"):
+        pack_matrix([[1.0], [1.0, 2.0]])

@@ -1,0 +1,54 @@
+"""The Celery task that trains a run (imported by the worker only; torch loads inside the task)."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+from pydantic import ValidationError
+
+from server import store
+from server.config import get_settings
+from server.db import make_engine, make_session_factory, session_scope
+from server.models import Run, RunStatus
+from server.queue import TRAIN_TASK
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(name=TRAIN_TASK, bind=True, acks_late=False, ignore_result=True)
+def train_run(self, run_id: int) -> str:  # type: ignore[no-untyped-def]
+    """Train run `run_id` if it is still queued; a second delivery finds it taken and does nothing."""
+    settings = get_settings()
+    engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    factory = make_session_factory(engine)
+    try:
+        with session_scope(factory) as session:
+            if not store.claim_run(session, run_id=run_id, task_id=str(self.request.id)):
+                run = session.get(Run, run_id)
+                status = run.status if run else "missing"
+                log.warning("run %s is %s, not queued: skipping this delivery", run_id, status)
+                return f"skipped: run {run_id} is {status}"
+            run = store.get_run(session, run_id=run_id)
+            config_data, checkpoint_step = dict(run.config), run.checkpoint_step
+
+        # Only now the ML stack: the worker process stays light until a run arrives.
+        from trainer.config import RunConfig
+        from trainer.run import resume_step, train
+
+        try:
+            config = RunConfig.model_validate(config_data)
+        except ValidationError as exc:
+            with session_scope(factory) as session:
+                store.mark_finished(
+                    session,
+                    run_id=run_id,
+                    status=RunStatus.failed,
+                    error=f"invalid run config: {exc}",
+                )
+            return f"run {run_id} failed: invalid config"
+        start = resume_step(settings, run_id, checkpoint_step)
+        train(config, settings=settings, run_id=run_id, resume_from=start)
+        return f"run {run_id} finished"
+    finally:
+        engine.dispose()
