@@ -1,0 +1,163 @@
+"""Alert rules over a run's recorded series (pure: series in, alerts out).
+
+Each rule fires once per episode — at the first step where its condition becomes true — and again
+only after the condition has cleared, so a long collapse is one alert, not a thousand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+from server import analysis
+
+Series = Sequence[tuple[int, float | None]]
+
+
+@dataclass(frozen=True)
+class AlertThresholds:
+    """Knobs of the alert rules (filled from Settings)."""
+
+    spike_abs: float = 0.5  # a control-token probe above this is a spike…
+    spike_ratio: float = 4.0  # …or this many times its trailing mean,
+    spike_min: float = 0.2  # provided it is at least this large
+    spike_window: int = 10
+    collapse_share: float = 0.5
+    hacking_window: int = 25
+    hacking_min_rise: float = 0.1  # reward must rise at least this much over the window…
+    hacking_max_acc_change: float = 0.0  # …while true accuracy changes by at most this
+    signal_loss_share: float = 0.95
+    signal_loss_window: int = 10
+
+
+@dataclass(frozen=True)
+class Alert:
+    kind: str  # control_token_spike | collapse | reward_hacking | signal_loss
+    step: int
+    message: str
+    series: str | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _episodes(steps: Sequence[int], flags: Sequence[bool]) -> list[int]:
+    """Steps where a condition turns on."""
+    out, previous = [], False
+    for step, flag in zip(steps, flags, strict=True):
+        if flag and not previous:
+            out.append(step)
+        previous = flag
+    return out
+
+
+def control_token_spikes(name: str, series: Series, t: AlertThresholds) -> list[Alert]:
+    """A probe far above its usual level: absolutely high, or a multiple of its trailing mean."""
+    steps = [s for s, v in series if v is not None]
+    values = [v for _, v in series if v is not None]
+    flags = []
+    for i, value in enumerate(values):
+        history = values[max(0, i - t.spike_window) : i]
+        baseline = sum(history) / len(history) if history else None
+        relative = (
+            baseline is not None
+            and value >= t.spike_min
+            and value > t.spike_ratio * max(baseline, 1e-6)
+        )
+        flags.append(value >= t.spike_abs or relative)
+    return [
+        Alert(
+            "control_token_spike",
+            step,
+            f"{name} jumped to {values[steps.index(step)]:.2f} at step {step}",
+            series=name,
+        )
+        for step in _episodes(steps, flags)
+    ]
+
+
+def collapse(series: Series, t: AlertThresholds) -> list[Alert]:
+    """Many completions whose call structure broke (empty, bare opening tag, unbalanced…)."""
+    steps = [s for s, v in series if v is not None]
+    values = [v for _, v in series if v is not None]
+    flags = [v >= t.collapse_share for v in values]
+    return [
+        Alert(
+            "collapse",
+            step,
+            f"{values[steps.index(step)]:.0%} of completions collapsed at step {step}",
+            series="state/collapse",
+        )
+        for step in _episodes(steps, flags)
+    ]
+
+
+def reward_hacking(reward: Series, accuracy: Series, t: AlertThresholds) -> list[Alert]:
+    """Verifier reward rising over a window while true accuracy falls or stays flat."""
+    acc_by_step = dict(accuracy)
+    pairs = [
+        (s, r, acc_by_step.get(s))
+        for s, r in reward
+        if r is not None and acc_by_step.get(s) is not None
+    ]
+    w = t.hacking_window
+    steps, flags = [], []
+    for i in range(len(pairs)):
+        steps.append(pairs[i][0])
+        if i + 1 < 2 * w:
+            flags.append(False)
+            continue
+        before, after = pairs[i + 1 - 2 * w : i + 1 - w], pairs[i + 1 - w : i + 1]
+        d_reward = _mean([p[1] for p in after]) - _mean([p[1] for p in before])
+        d_acc = _mean([p[2] for p in after]) - _mean([p[2] for p in before])
+        flags.append(d_reward >= t.hacking_min_rise and d_acc <= t.hacking_max_acc_change)
+    return [
+        Alert(
+            "reward_hacking",
+            step,
+            f"verifier reward rose over the last {w} steps while true accuracy did not (step {step})",
+            series="reward_mean",
+        )
+        for step in _episodes(steps, flags)
+    ]
+
+
+def signal_loss(zero_std: Series, t: AlertThresholds) -> list[Alert]:
+    """Nearly every group got identical rewards: advantages are zero, the gradient is empty."""
+    steps = [s for s, v in zero_std]
+    smoothed = analysis.rolling_mean([v for _, v in zero_std], t.signal_loss_window)
+    flags = [
+        i + 1 >= t.signal_loss_window and m is not None and m >= t.signal_loss_share
+        for i, m in enumerate(smoothed)
+    ]
+    return [
+        Alert(
+            "signal_loss",
+            step,
+            f"{t.signal_loss_share:.0%}+ of groups had zero reward spread over {t.signal_loss_window} steps (step {step})",
+            series="zero_std_share",
+        )
+        for step in _episodes(steps, flags)
+    ]
+
+
+def evaluate(series: Mapping[str, Series], t: AlertThresholds) -> list[Alert]:
+    """Every alert for a run's series, ordered by step."""
+    alerts: list[Alert] = []
+    for name, values in series.items():
+        # Positional probes only: a control token's max over all positions is ~1 wherever it
+        # legitimately ends the reply, so it cannot tell a spike at the wrong place.
+        if name.startswith("probe/") and name.endswith("/mean"):
+            alerts += control_token_spikes(name, values, t)
+    if "state/collapse" in series:
+        alerts += collapse(series["state/collapse"], t)
+    if "reward_mean" in series and "true_accuracy" in series:
+        alerts += reward_hacking(series["reward_mean"], series["true_accuracy"], t)
+    if "zero_std_share" in series:
+        alerts += signal_loss(series["zero_std_share"], t)
+    return sorted(alerts, key=lambda a: (a.step, a.kind))
+
+
+def _mean(values: Sequence[float | None]) -> float:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else 0.0
