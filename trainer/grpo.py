@@ -19,7 +19,9 @@ from trl import GRPOTrainer
 
 from server.records import RolloutRecord, StepRecord
 from trainer import metrics as m
+from trainer import positional
 from trainer.probe import GenerationProbe
+from trainer.structure import FormatState
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,16 @@ def summarize(rollouts: Sequence[RolloutRecord], group_size: int, control_tokens
         probs = [p for r in rollouts for p in r.control_probs.get(token, [])]
         series[f"ctrl/{token}/mean"] = m.mean(probs)
         series[f"ctrl/{token}/max"] = max(probs) if probs else None
+    states = [r.format_state for r in rollouts if r.format_state]
+    for state in sorted({*FormatState, *states}):
+        series[f"state/{state}"] = states.count(state) / len(states) if states else None
+    series.update(
+        positional.aggregate(
+            [r.meta.get("probes", {}) for r in rollouts],
+            [r.verifier_reward >= 0.5 for r in rollouts],
+            [bool(r.meta.get("supervised")) for r in rollouts],
+        )
+    )
     listed = [r.meta["target_listed"] for r in rollouts if "target_listed" in r.meta]
     if listed:
         series["retrieval_recall"] = m.mean([float(x) for x in listed])
@@ -143,8 +155,11 @@ class RecordingGRPOTrainer(GRPOTrainer):
         recorder: Recorder,
         control_tokens: Sequence[str],
         judge: Judge | None = None,
+        id_tokens: Sequence[str] = (),
         **kwargs: Any,
     ) -> None:
+        """`control_tokens` are (opening tag, closing tag, end-of-turn) when there are three;
+        `id_tokens` are the answer tokens (tool ids) whose distribution is probed at the id position."""
         super().__init__(*args, **kwargs)
         if self.args.steps_per_generation != 1 or self.args.gradient_accumulation_steps != 1:
             raise ValueError(
@@ -159,6 +174,9 @@ class RecordingGRPOTrainer(GRPOTrainer):
         if missing:
             raise ValueError(f"control tokens not in the tokenizer's vocabulary: {missing}")
         self._control_ids = [vocab[t] for t in self.control_tokens]
+        self.id_tokens = [t for t in id_tokens if t in vocab]
+        self._id_ids = [vocab[t] for t in self.id_tokens]
+        self._roles = dict(zip(("open_tag", "close_tag", "eot"), self.control_tokens, strict=False))
         self._prompt_text: dict[str, str] = {}
         self._probe_rows: tuple[list, list] | None = None
         self._scored: tuple[list, list, torch.Tensor] | None = None
@@ -168,7 +186,12 @@ class RecordingGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ):  # type: ignore[no-untyped-def]
-        probe = GenerationProbe(self._control_ids, self.temperature)
+        probe = GenerationProbe(
+            self._control_ids,
+            self.temperature,
+            after_token_id=self._control_ids[0] if len(self._roles) == 3 else None,
+            watch_ids=self._id_ids,
+        )
         model = self.accelerator.unwrap_model(self.model)
         # TRL calls model.generate without processors; bind ours for this one call.
         model.generate = functools.partial(
@@ -181,7 +204,12 @@ class RecordingGRPOTrainer(GRPOTrainer):
         finally:
             del model.generate
         if probe.used:
-            self._probe_rows = probe.finish(completion_ids)
+            logprobs_rows, control_rows = probe.finish(completion_ids)
+            self._probe_rows = (
+                logprobs_rows,
+                control_rows,
+                [probe.watched(i) for i in range(len(completion_ids))],
+            )
         return completion_ids, logprobs
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
@@ -206,7 +234,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
         rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1).tolist()
         advantages = output["advantages"].tolist()
         if self._probe_rows is not None:
-            token_logprobs, control = self._probe_rows
+            token_logprobs, control, watched = self._probe_rows
         else:  # e.g. vLLM generation: no probe, use TRL's sampling logprobs where it has them
             sampling = output.get("sampling_per_token_logps")
             token_logprobs = (
@@ -218,6 +246,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
                 else [[] for _ in completion_ids]
             )
             control = [[[] for _ in self.control_tokens] for _ in completion_ids]
+            watched = [None for _ in completion_ids]
         eos = set(self.eos_token_ids)
         rollouts = []
         for i, row in enumerate(inputs):
@@ -229,6 +258,11 @@ class RecordingGRPOTrainer(GRPOTrainer):
                 if self.judge
                 else Judgement(None, None, True, None)
             )
+            control_probs = dict(zip(self.control_tokens, control[i], strict=True))
+            tokens = self.processing_class.convert_ids_to_tokens(ids)
+            meta = {k: v for k, v in row.items() if k not in ("prompt", "target")}
+            meta["tokens"] = tokens
+            meta["probes"] = self._probes(tokens, control_probs, watched[i], row)
             rollouts.append(
                 RolloutRecord(
                     group=i // self.num_generations,
@@ -237,7 +271,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
                     completion=text,
                     completion_ids=ids,
                     token_logprobs=list(token_logprobs[i]),
-                    control_probs=dict(zip(self.control_tokens, control[i], strict=True)),
+                    control_probs=control_probs,
                     vote=judgement.vote,
                     target=row.get("target"),
                     verifier_reward=float(rewards[i]),
@@ -245,11 +279,21 @@ class RecordingGRPOTrainer(GRPOTrainer):
                     advantage=float(advantages[i]),
                     format_valid=judgement.format_valid,
                     format_state=judgement.format_state,
-                    meta={k: v for k, v in row.items() if k not in ("prompt", "target")},
+                    meta=meta,
                 )
             )
         values, series = summarize(rollouts, self.num_generations, self.control_tokens)
         self.recorder.add_rollouts(self.state.global_step + 1, rollouts, values, series)
+
+    def _probes(self, tokens, control_probs, watched, row) -> dict[str, float | None]:  # type: ignore[no-untyped-def]
+        """Positional control-token probes and, where the task lists ids, the id-position probes."""
+        probes: dict[str, float | None] = {}
+        if len(self._roles) == 3:
+            probes.update(positional.control_probes(tokens, control_probs, **self._roles))
+        if watched is not None:
+            by_id = dict(zip(self.id_tokens, watched, strict=True))
+            probes.update(positional.id_probes(by_id, row.get("tool_ids") or [], row.get("target")))
+        return probes
 
     def _render_prompt(self, prompt: Any) -> str:
         """The prompt as the model saw it (chat template applied), rendered once per text."""

@@ -17,9 +17,21 @@ class GenerationProbe(LogitsProcessor):
     the temperature itself: the probabilities are the sampling policy's own (top-k/top-p off).
     """
 
-    def __init__(self, control_token_ids: list[int], temperature: float) -> None:
+    def __init__(
+        self,
+        control_token_ids: list[int],
+        temperature: float,
+        *,
+        after_token_id: int | None = None,
+        watch_ids: list[int] | None = None,
+    ) -> None:
         self.control_ids = control_token_ids
         self.temperature = temperature
+        # The distribution over `watch_ids` (e.g. every tool id) at the position right after
+        # `after_token_id` (the opening tag): where the policy actually chooses its answer.
+        self.after_token_id = after_token_id
+        self.watch_ids = watch_ids or []
+        self._watched: dict[int, torch.Tensor] = {}  # row -> logprobs over watch_ids
         self._control: list[torch.Tensor] = []  # per position: (B, n_ctrl)
         self._sampled: list[torch.Tensor] = []  # per position: (B,) log p of the token sampled
         self._last_logprobs: torch.Tensor | None = None
@@ -31,8 +43,18 @@ class GenerationProbe(LogitsProcessor):
                 self._sampled.append(self._last_logprobs.gather(1, input_ids[:, -1:]).squeeze(1))
             logprobs = torch.log_softmax(scores.float() / self.temperature, dim=-1)
             self._control.append(logprobs[:, self.control_ids].exp())
+            if self.watch_ids and self.after_token_id is not None and len(self._control) > 1:
+                hits = (input_ids[:, -1] == self.after_token_id).nonzero().flatten().tolist()
+                for row in hits:
+                    if row not in self._watched:
+                        self._watched[row] = logprobs[row, self.watch_ids].cpu()
             self._last_logprobs = logprobs
         return scores
+
+    def watched(self, row: int) -> list[float] | None:
+        """Logprobs over `watch_ids` right after the first `after_token_id` of `row`, if any."""
+        found = self._watched.get(row)
+        return found.tolist() if found is not None else None
 
     @property
     def used(self) -> bool:

@@ -150,7 +150,11 @@ def make_trainer(
         trainer = GRPOTrainer(**kwargs)
     else:
         trainer = RecordingGRPOTrainer(
-            **kwargs, recorder=recorder, control_tokens=control_tokens, judge=task.judge
+            **kwargs,
+            recorder=recorder,
+            control_tokens=control_tokens,
+            judge=task.judge,
+            id_tokens=task.id_tokens(),
         )
     trainer.remove_callback(PrinterCallback)  # a progress bar and the database replace it
     return trainer

@@ -6,6 +6,7 @@ from typing import Any
 
 from trainer.config import RunConfig
 from trainer.envs.escalation import (
+    TOOL_COUNT,
     EscalationEnv,
     Example,
     format_valid,
@@ -15,6 +16,11 @@ from trainer.envs.escalation import (
 )
 from trainer.grpo import Judgement
 from trainer.structure import classify
+
+
+def id_tokens() -> list[str]:
+    """Every tool id: the answer tokens probed at the id position."""
+    return [f"tool_{i:02d}" for i in range(TOOL_COUNT)]
 
 
 def make_env(config: RunConfig) -> EscalationEnv:

@@ -1,0 +1,98 @@
+"""Control-token probes at the positions that matter (pure: tokens and probabilities in).
+
+The collapse the second seed describes is a control token winning at the wrong place — most
+often end-of-turn right after a bare opening tag. These read that off each completion.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+PROBES = (
+    "open_first",  # P(opening tag) at the first completion position
+    "eot_after_open",  # P(end-of-turn) right after the opening tag: the collapse signal
+    "close_after_id",  # P(closing tag) right after the id
+    "eot_after_close",  # P(end-of-turn) right after the closing tag
+)
+ID_PROBES = ("target_logprob", "rival_logprob", "id_entropy")
+
+
+def control_probes(
+    tokens: Sequence[str],
+    probs: Mapping[str, Sequence[float]],
+    *,
+    open_tag: str,
+    close_tag: str,
+    eot: str,
+) -> dict[str, float | None]:
+    """The four positional probes of one completion; None where the position does not exist."""
+    n = len(tokens)
+
+    def at(token: str, position: int | None) -> float | None:
+        series = probs.get(token)
+        if position is None or series is None or not 0 <= position < n:
+            return None
+        return float(series[position])
+
+    opened = tokens.index(open_tag) if open_tag in tokens else None
+    closed = tokens.index(close_tag) if close_tag in tokens else None
+    return {
+        "open_first": at(open_tag, 0),
+        "eot_after_open": at(eot, None if opened is None else opened + 1),
+        "close_after_id": at(close_tag, None if opened is None else opened + 2),
+        "eot_after_close": at(eot, None if closed is None else closed + 1),
+    }
+
+
+def id_probes(
+    logprobs: Mapping[str, float] | None, listed: Sequence[str], target: str | None
+) -> dict[str, float | None]:
+    """At the id position: logprob of the target id, of its best listed rival, entropy (bits) over listed ids."""
+    if not logprobs or not listed:
+        return dict.fromkeys(ID_PROBES)
+    listed_lp = {i: logprobs[i] for i in listed if i in logprobs}
+    rivals = [lp for i, lp in listed_lp.items() if i != target]
+    total = sum(math.exp(lp) for lp in listed_lp.values())
+    entropy = -sum(
+        math.exp(lp) / total * math.log2(math.exp(lp) / total)
+        for lp in listed_lp.values()
+        if lp > -80
+    )
+    return {
+        "target_logprob": listed_lp.get(target) if target else None,
+        "rival_logprob": max(rivals) if rivals else None,
+        "id_entropy": entropy if total > 0 else None,
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..1) of a non-empty sequence."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def aggregate(
+    rows: Sequence[Mapping[str, float | None]], rewarded: Sequence[bool], supervised: Sequence[bool]
+) -> dict[str, float | None]:
+    """Per-step mean, p90 and max of each probe, and its mean split by reward and by origin."""
+    out: dict[str, float | None] = {}
+    names = [*PROBES, *ID_PROBES]
+    for name in names:
+        values = [(r.get(name), w, s) for r, w, s in zip(rows, rewarded, supervised, strict=True)]
+        present = [v for v, _, _ in values if v is not None]
+        out[f"probe/{name}/mean"] = sum(present) / len(present) if present else None
+        out[f"probe/{name}/p90"] = percentile(present, 0.9) if present else None
+        out[f"probe/{name}/max"] = max(present) if present else None
+        for label, keep in (
+            ("reward1", lambda w, s: w),
+            ("reward0", lambda w, s: not w),
+            ("supervised", lambda w, s: s),
+            ("policy", lambda w, s: not s),
+        ):
+            part = [v for v, w, s in values if v is not None and keep(w, s)]
+            if part:
+                out[f"probe/{name}/{label}/mean"] = sum(part) / len(part)
+    return out
