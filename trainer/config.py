@@ -45,6 +45,32 @@ class RunConfig(BaseModel):
     seed: int = Field(
         0, ge=0, le=2**31 - 1, description="Seeds the env, the data order and the model."
     )
+    supervision: Literal["none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"] = Field(
+        "none",
+        description="Supervisory signal: expert rollouts in the group (offpolicy), hinted rollouts "
+        "(hint), erroneous-example SFT between RL phases (interleaved_sft), or SFT before RL.",
+    )
+    supervised_per_group: int = Field(
+        1,
+        ge=1,
+        le=63,
+        description="Rollouts per group that are expert (offpolicy) or hinted (hint).",
+    )
+    sft_every: int = Field(
+        25, ge=1, le=MAX_STEPS, description="RL steps between SFT phases (interleaved_sft)."
+    )
+    sft_steps: int = Field(
+        5, ge=1, le=10_000, description="SFT steps per phase (or before RL for sft_then_rl)."
+    )
+    sft_learning_rate: float = Field(
+        1e-3, gt=0, le=1.0, description="Learning rate of the SFT phases."
+    )
+    eval_every: int = Field(
+        25,
+        ge=0,
+        le=MAX_STEPS,
+        description="Greedy evaluation (ID, format-OOD, content-OOD) every N steps; 0: off.",
+    )
     control_tokens: list[str] | None = Field(
         None,
         description="Tokens whose probability is recorded at each position; default: the model's.",
@@ -73,10 +99,23 @@ class RunConfig(BaseModel):
         return str(path.resolve())
 
     @model_validator(mode="after")
+    def _supervision_fits_group(self) -> RunConfig:
+        if (
+            self.supervision in ("offpolicy", "hint")
+            and self.supervised_per_group >= self.group_size
+        ):
+            raise ValueError(
+                f"supervised_per_group ({self.supervised_per_group}) must be smaller than group_size "
+                f"({self.group_size}): at least one rollout per group must be the policy's own"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _derive_name(self) -> RunConfig:
         if not self.name.strip():
             listing = f"{TOOL_COUNT} tools" if self.variant == "leaky" else f"top-{self.k}"
-            self.name = f"{self.variant} ({listing}) seed {self.seed}"
+            method = "" if self.supervision == "none" else f" + {self.supervision}"
+            self.name = f"{self.variant} ({listing}){method} seed {self.seed}"
         return self
 
     @property

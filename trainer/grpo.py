@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,7 @@ class Recorder(TrainerCallback):
         self.should_stop = should_stop
         self._pending: tuple[int, list[RolloutRecord], dict, dict] | None = None
         self._last: tuple[int, dict, dict] | None = None  # rollout step, values, series
+        self._extra: dict[int, dict[str, float | None]] = {}  # step -> series from callbacks
         self._step_started = 0.0
 
     def add_rollouts(
@@ -102,6 +104,10 @@ class Recorder(TrainerCallback):
     ) -> None:
         """Rollouts generated for the update at `step` (called from the trainer)."""
         self._pending = (step, rollouts, values, series)
+
+    def add_metrics(self, step: int, metrics: dict[str, float | None]) -> None:
+        """Extra series for `step` (evaluation, SFT phases), written with that step."""
+        self._extra.setdefault(step, {}).update(metrics)
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self._step_started = time.perf_counter()
@@ -128,6 +134,8 @@ class Recorder(TrainerCallback):
         step_values = dict(values)
         step_values["wall_time"] = time.perf_counter() - self._step_started
         extra = dict(series)
+        for early in [s for s in self._extra if s <= step]:
+            extra.update(self._extra.pop(early))
         for key, value in logs.items():
             if not isinstance(value, int | float) or isinstance(value, bool):
                 continue
@@ -178,6 +186,10 @@ class RecordingGRPOTrainer(GRPOTrainer):
         self._id_ids = [vocab[t] for t in self.id_tokens]
         self._roles = dict(zip(("open_tag", "close_tag", "eot"), self.control_tokens, strict=False))
         self._prompt_text: dict[str, str] = {}
+        self._inputs: list[dict[str, Any]] = []  # the rows of the generation in progress
+        self._row_meta: dict[int, dict[str, Any]] = {}  # row -> meta added by subclasses
+        # (prompt messages, target) of recent rollouts that missed: erroneous-example SFT's data
+        self.recent_failures: deque[tuple[Any, str]] = deque(maxlen=4096)
         self._probe_rows: tuple[list, list] | None = None
         self._scored: tuple[list, list, torch.Tensor] | None = None
 
@@ -221,6 +233,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
         self._probe_rows, self._scored = None, None
+        self._inputs, self._row_meta = inputs, {}
         output = super()._generate_and_score_completions(inputs)
         if self.model.training and self._scored is not None:
             self._record(inputs, output)
@@ -263,6 +276,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
             meta = {k: v for k, v in row.items() if k not in ("prompt", "target")}
             meta["tokens"] = tokens
             meta["probes"] = self._probes(tokens, control_probs, watched[i], row)
+            meta.update(self._row_meta.get(i, {}))
             rollouts.append(
                 RolloutRecord(
                     group=i // self.num_generations,
@@ -282,8 +296,28 @@ class RecordingGRPOTrainer(GRPOTrainer):
                     meta=meta,
                 )
             )
+        for r, row in zip(rollouts, inputs, strict=True):
+            if r.true_score == 0.0 and r.target is not None:
+                self.recent_failures.append((row["prompt"], r.target))
         values, series = summarize(rollouts, self.num_generations, self.control_tokens)
         self.recorder.add_rollouts(self.state.global_step + 1, rollouts, values, series)
+
+    @torch.no_grad()
+    def forward_probe(self, prompt_ids: list[int], completion_ids: list[int]):  # type: ignore[no-untyped-def]
+        """Logprobs, control probs and id-position logprobs of a completion the policy did not
+        sample (an expert reply): one no-grad forward at the sampling temperature."""
+        model = self.accelerator.unwrap_model(self.model)
+        ids = torch.tensor([prompt_ids + completion_ids], device=self.accelerator.device)
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+        logprobs = torch.log_softmax(logits / self.temperature, dim=-1)
+        sampled = logprobs.gather(1, ids[0, len(prompt_ids) :, None]).squeeze(1).tolist()
+        control = logprobs[:, self._control_ids].exp().T.tolist()
+        watched = None
+        if len(self._roles) == 3 and self._id_ids and self._control_ids[0] in completion_ids:
+            position = completion_ids.index(self._control_ids[0]) + 1
+            if position < len(completion_ids):
+                watched = logprobs[position, self._id_ids].tolist()
+        return sampled, control, watched
 
     def _probes(self, tokens, control_probs, watched, row) -> dict[str, float | None]:  # type: ignore[no-untyped-def]
         """Positional control-token probes and, where the task lists ids, the id-position probes."""

@@ -29,8 +29,10 @@ from server.models import RunStatus
 from server.records import StepRecord
 from trainer import task
 from trainer.config import TINY, RunConfig
+from trainer.evaluation import Evaluator
 from trainer.grpo import Recorder, RecordingGRPOTrainer
 from trainer.monitor import CheckpointRecorder, RunMonitor
+from trainer.supervision import SFTPhases, SupervisedGRPOTrainer
 from trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
 from trainer.tiny_model import ensure_tiny_model
 from trainer.writer import StepWriter
@@ -149,15 +151,54 @@ def make_trainer(
     if recorder is None:
         trainer = GRPOTrainer(**kwargs)
     else:
-        trainer = RecordingGRPOTrainer(
-            **kwargs,
-            recorder=recorder,
-            control_tokens=control_tokens,
-            judge=task.judge,
-            id_tokens=task.id_tokens(),
-        )
+        recording = {
+            "recorder": recorder,
+            "control_tokens": control_tokens,
+            "judge": task.judge,
+            "id_tokens": task.id_tokens(),
+        }
+        if config.supervision in ("offpolicy", "hint"):
+            trainer = SupervisedGRPOTrainer(
+                **kwargs,
+                **recording,
+                mode=config.supervision,
+                per_group=config.supervised_per_group,
+                expert_reply=lambda row: task.expert_reply(row["target"]),
+                hinted_prompt=task.hinted_prompt,
+            )
+        else:
+            trainer = RecordingGRPOTrainer(**kwargs, **recording)
+        _add_phases(trainer, recorder, config)
     trainer.remove_callback(PrinterCallback)  # a progress bar and the database replace it
     return trainer
+
+
+def _add_phases(trainer: RecordingGRPOTrainer, recorder: Recorder, config: RunConfig) -> None:
+    """SFT phases and periodic evaluation, as the config asks."""
+    env = task.make_env(config)
+    if config.supervision in ("interleaved_sft", "sft_then_rl"):
+        trainer.add_callback(
+            SFTPhases(
+                trainer,
+                recorder,
+                mode=config.supervision,
+                every=config.sft_every,
+                steps=config.sft_steps,
+                learning_rate=config.sft_learning_rate,
+                all_examples=lambda: task.sft_examples(env),
+                expert_reply=task.expert_reply,
+            )
+        )
+    if config.eval_every:
+        trainer.add_callback(
+            Evaluator(
+                trainer,
+                recorder,
+                task.eval_sets(env),
+                every=config.eval_every,
+                max_new_tokens=config.max_completion_tokens,
+            )
+        )
 
 
 def run_columns(config: RunConfig) -> dict:

@@ -12,8 +12,11 @@ from trainer.envs.escalation import (
     format_valid,
     make_verifier,
     parse_vote,
+    parse_vote_format,
+    reply,
     true_score,
 )
+from trainer.evaluation import EvalItem
 from trainer.grpo import Judgement
 from trainer.structure import classify
 
@@ -86,3 +89,41 @@ def _text(completion: Any) -> str:
     if isinstance(completion, str):
         return completion
     return "".join(str(m.get("content", "")) for m in completion)
+
+
+def expert_reply(target: str) -> str:
+    """The correct reply for a target id."""
+    return reply(target)
+
+
+def hinted_prompt(row: dict[str, Any]) -> list[dict[str, str]]:
+    """The row's prompt with its hint appended (what hint-guided rollouts are sampled from)."""
+    content = _text(row["prompt"])
+    return [{"role": "user", "content": f"{content}\n{row['hint']}"}]
+
+
+def sft_examples(env: EscalationEnv) -> list[tuple[Any, str]]:
+    """(prompt messages, target) for every training query: SFT-then-RL's data."""
+    examples = [env.example(q) for q in env.train_queries]
+    return [([{"role": "user", "content": ex.prompt}], ex.target) for ex in examples]
+
+
+def eval_sets(env: EscalationEnv) -> dict[str, list[EvalItem]]:
+    """In-distribution (training queries), format-OOD (other reply formats), content-OOD (paraphrases)."""
+
+    def items(queries, reply_format: str) -> list[EvalItem]:  # type: ignore[no-untyped-def]
+        out = []
+        for q in queries:
+            ex = env.example(q, reply_format=reply_format)
+            out.append(
+                EvalItem(
+                    ex.prompt, ex.target, lambda t, f=reply_format: parse_vote_format(t.strip(), f)
+                )
+            )
+        return out
+
+    return {
+        "id": items(env.train_queries, "tag"),
+        "format_ood": items(env.train_queries, "bracket") + items(env.train_queries, "json"),
+        "content_ood": items(env.heldout_queries, "tag"),
+    }

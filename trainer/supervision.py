@@ -1,0 +1,176 @@
+"""Supervisory signals (the second seed): expert or hinted rollouts inside a GRPO step, and SFT
+phases before or between RL phases, on the erroneous examples."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from trainer.grpo import Recorder, RecordingGRPOTrainer
+
+
+class SupervisedGRPOTrainer(RecordingGRPOTrainer):
+    """Recording GRPO whose groups mix in supervised rollouts.
+
+    offpolicy: the last `n` rollouts of each group are replaced by the expert reply; they are
+    scored and normalised with the group. hint: the last `n` rollouts are sampled from the prompt
+    with a hint appended; the update sees the completion under the plain prompt (hint stripped),
+    because TRL keeps the prompt ids it tokenized, not the ones generation used.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        mode: str,
+        per_group: int,
+        expert_reply: Callable[[dict[str, Any]], str],
+        hinted_prompt: Callable[[dict[str, Any]], Any],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if mode not in ("offpolicy", "hint"):
+            raise ValueError(f"unknown in-group supervision {mode!r}")
+        self.mode, self.per_group = mode, per_group
+        self.expert_reply, self.hinted_prompt = expert_reply, hinted_prompt
+
+    def _supervised_rows(self, n_rows: int, group_size: int) -> list[int]:
+        if not self.model.training:
+            return []
+        return [i for i in range(n_rows) if i % group_size >= group_size - self.per_group]
+
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):  # type: ignore[no-untyped-def]
+        rows = self._supervised_rows(len(prompt_ids), num_generations)
+        if self.mode == "hint":
+            sampled_from = list(prompt_ids)
+            for i in rows:
+                hinted, _, _ = self._tokenize_prompts([self.hinted_prompt(self._inputs[i])])
+                sampled_from[i] = hinted[0]
+                self._row_meta[i] = {
+                    "supervised": "hint",
+                    "hint_shown": self._inputs[i].get("hint"),
+                }
+            return super()._generate_single_turn(
+                sampled_from, images, multimodal_fields, num_generations, has_tool_images
+            )
+
+        completion_ids, logprobs = super()._generate_single_turn(
+            prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+        )
+        eos = self.eos_token_ids[0]
+        for i in rows:
+            expert = self.processing_class.encode(
+                self.expert_reply(self._inputs[i]), add_special_tokens=False
+            )
+            completion_ids[i] = [*expert, eos]
+            self._row_meta[i] = {"supervised": "expert"}
+            if (
+                self._probe_rows is not None
+            ):  # the probe saw the sampled reply: measure the expert's
+                sampled, control, watched = self.forward_probe(
+                    list(prompt_ids[i]), completion_ids[i]
+                )
+                self._probe_rows[0][i], self._probe_rows[1][i], self._probe_rows[2][i] = (
+                    sampled,
+                    control,
+                    watched,
+                )
+        return completion_ids, logprobs
+
+
+class SFTPhases(TrainerCallback):
+    """Supervised fine-tuning on expert replies, at its own learning rate, on the training thread.
+
+    interleaved_sft: every `every` RL steps, `steps` SFT steps on the queries that failed since the
+    last phase. sft_then_rl: `steps` SFT steps on all training examples before the first RL step.
+    Each phase's loss goes into the series `sft/loss` at the step after which it ran.
+    """
+
+    def __init__(
+        self,
+        trainer: RecordingGRPOTrainer,
+        recorder: Recorder,
+        *,
+        mode: str,
+        every: int,
+        steps: int,
+        learning_rate: float,
+        all_examples: Callable[[], list[tuple[Any, str]]],
+        expert_reply: Callable[[str], str],
+        batch_size: int = 16,
+    ) -> None:
+        self.trainer, self.recorder = trainer, recorder
+        self.mode, self.every, self.steps, self.batch_size = mode, every, steps, batch_size
+        self.all_examples, self.expert_reply = all_examples, expert_reply
+        self.learning_rate = learning_rate
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.mode == "sft_then_rl" and state.global_step == 0:
+            loss = self._phase(self.all_examples())
+            self.recorder.add_metrics(
+                1, {"sft/loss": loss, "sft/examples": float(len(self.all_examples()))}
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.mode != "interleaved_sft" or state.global_step % self.every:
+            return
+        failures = list(self.trainer.recent_failures)
+        self.trainer.recent_failures.clear()
+        if failures:
+            loss = self._phase(failures)
+            self.recorder.add_metrics(
+                state.global_step, {"sft/loss": loss, "sft/examples": float(len(failures))}
+            )
+
+    def _phase(self, examples: list[tuple[Any, str]]) -> float:
+        """`steps` SFT steps cycling through `examples`; returns the mean loss."""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(model.parameters(), lr=self.learning_rate)
+        was_training = model.training
+        model.train()
+        losses = []
+        for step in range(self.steps):
+            start = step * self.batch_size % len(examples)
+            batch = [
+                examples[(start + j) % len(examples)]
+                for j in range(min(self.batch_size, len(examples)))
+            ]
+            loss = self._loss(model, batch)
+            self._optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            self._optimizer.step()
+            losses.append(loss.item())
+        self._optimizer.zero_grad(set_to_none=True)
+        model.train(was_training)
+        return sum(losses) / len(losses) if losses else math.nan
+
+    def _loss(self, model: torch.nn.Module, batch: list[tuple[Any, str]]) -> torch.Tensor:
+        """Cross-entropy on the expert reply tokens only (the prompt is context)."""
+        tokenizer = self.trainer.processing_class
+        eos = self.trainer.eos_token_ids[0]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        sequences, labels = [], []
+        for prompt, target in batch:
+            prompt_ids, _, _ = self.trainer._tokenize_prompts([prompt])
+            reply = tokenizer.encode(self.expert_reply(target), add_special_tokens=False) + [eos]
+            sequences.append(list(prompt_ids[0]) + reply)
+            labels.append([-100] * len(prompt_ids[0]) + reply)
+        width = max(len(s) for s in sequences)
+        device = self.trainer.accelerator.device
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in sequences], device=device)
+        mask = torch.tensor(
+            [[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device
+        )
+        target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels], device=device)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), target[:, 1:].reshape(-1)
+        )
