@@ -81,6 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", help="worker node name (default: rollout-lens-<host>-<pid>)")
     worker.set_defaults(handler=_worker)
 
+    serve = sub.add_parser(
+        "serve", help="start the dashboard (migrates the embedded SQLite database)"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.set_defaults(handler=_serve)
+
     build = sub.add_parser("build-model", help="build (or find cached) the default tiny model")
     build.set_defaults(handler=_build_model)
     return parser
@@ -225,6 +232,19 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
             "--without-mingle",
         ]
     )
+    return 0
+
+
+def _serve(args: argparse.Namespace, settings: Settings) -> int:
+    import uvicorn
+    from sqlalchemy.engine import make_url
+
+    from server.app import create_app, prepare_database
+
+    prepare_database(settings)
+    database = make_url(settings.database_url).render_as_string(hide_password=True)
+    print(f"Rollout Lens on http://{args.host}:{args.port}/ (database {database})")
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -1,0 +1,171 @@
+"""Pure builders for the dashboard: series shaping, 25-step buckets, summaries, config diffs.
+
+Nothing here touches a database or a request: data in, data out (tested without a server).
+The Plotly figures themselves are in server.figures; the step viewer's shaping in server.viewer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from server import analysis
+from server.models import ACTIVE_STATUSES
+
+MAX_POINTS = 600  # points per chart series before steps are merged (about a chart's width)
+BUCKET_STEPS = 25  # the seed's buckets: steps 1–25, 26–50, …
+CONVERGED = 0.9  # 25-step true accuracy that counts as converged
+
+DOWNSAMPLING = (
+    "Series longer than max_points steps are cut into buckets of `bucket` consecutive steps "
+    "(a 1-2-5 width, so bucket edges stay put as a run grows). Each bucket sends its first "
+    "recorded step as x, its mean as y, and its min and max as lo and hi; charts draw the mean "
+    "as a line and min–max as a band, so a one-step spike stays visible as the band's edge. "
+    "full=1 returns every step."
+)
+
+
+def bucket_width(n_steps: int, max_points: int | None) -> int:
+    """The smallest 1-2-5 width that cuts n_steps into at most max_points buckets."""
+    if max_points is None or n_steps <= max_points:
+        return 1
+    scale = 1
+    while True:
+        for mult in (1, 2, 5):
+            width = mult * scale
+            if math.ceil(n_steps / width) + 1 <= max_points:  # +1: buckets are aligned to steps
+                return width
+        scale *= 10
+
+
+def _has_data(values: Iterable[Any]) -> bool:
+    return any(v is not None for v in values)
+
+
+def raw_series(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> dict[str, dict[str, list]]:
+    """(step, v1, v2, …) rows → name → {x, y}; series with no value at all are left out."""
+    steps = [row[0] for row in rows]
+    out = {}
+    for i, name in enumerate(names, start=1):
+        ys = [row[i] for row in rows]
+        if _has_data(ys):
+            out[name] = {"x": steps, "y": ys}
+    return out
+
+
+def bucketed_series(
+    names: Sequence[str], rows: Sequence[Sequence[Any]]
+) -> dict[str, dict[str, list]]:
+    """(first step, mean1, min1, max1, mean2, …) rows → name → {x, y, lo, hi}."""
+    steps = [row[0] for row in rows]
+    out = {}
+    for i, name in enumerate(names):
+        base = 1 + 3 * i
+        ys = [row[base] for row in rows]
+        if _has_data(ys):
+            out[name] = {
+                "x": steps,
+                "y": ys,
+                "lo": [row[base + 1] for row in rows],
+                "hi": [row[base + 2] for row in rows],
+            }
+    return out
+
+
+def bucket_table(rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
+    """(bucket, count, accuracy, reward, format-valid) rows → column lists, with step ranges."""
+    table: dict[str, list[Any]] = {
+        k: []
+        for k in ("index", "start", "end", "n", "true_accuracy", "reward_mean", "format_valid_rate")
+    }
+    for index, n, acc, reward, valid in rows:
+        index = int(index)
+        table["index"].append(index)
+        table["start"].append(index * BUCKET_STEPS + 1)
+        table["end"].append((index + 1) * BUCKET_STEPS)
+        table["n"].append(int(n))
+        table["true_accuracy"].append(acc)
+        table["reward_mean"].append(reward)
+        table["format_valid_rate"].append(valid)
+    return table
+
+
+def run_progress(run: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a run that change while it trains (what a live page refreshes)."""
+    keys = (
+        "id",
+        "status",
+        "current_step",
+        "total_steps",
+        "recent_true_accuracy",
+        "recent_reward",
+        "device_minutes",
+        "cost",
+        "error",
+        "finished_at",
+    )
+    return {k: run[k] for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
+
+
+def run_summary(
+    run: dict[str, Any],
+    steps: Sequence[int],
+    accuracy: Sequence[float | None],
+    reward: Sequence[float | None],
+) -> dict[str, Any]:
+    """Compare's summary row, with server.analysis's definitions (shared with the CLI and benches):
+    converged = first step whose trailing 25-step true accuracy reaches 0.9; stability = spread
+    (max − min) of the 25-step bucket accuracies from there on (0 is perfectly stable, the leaky
+    run's 0 ↔ 1 swings are 1); final = mean of the last 25 steps."""
+    converged = analysis.first_step_reaching(steps, accuracy, CONVERGED)
+    return {
+        "run_id": run["id"],
+        "name": run["name"],
+        "steps": run["current_step"],
+        "converged_at": converged,
+        "stability": analysis.stability(steps, accuracy, converged),
+        "final_accuracy": analysis.final_mean(accuracy),
+        "final_reward": analysis.final_mean(reward),
+        "device_minutes": run["device_minutes"],
+        "cost": run["cost"],
+    }
+
+
+DIFF_COLUMNS = ("model", "variant", "k", "group_size", "prompts_per_step", "seed", "total_steps")
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, inner in value.items():
+            out |= _flatten(inner, f"{prefix}{key}.")
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def config_rows(config: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """A launch config as (dotted key, JSON value) rows for a table."""
+    if not config:
+        return []
+    return [(key, json.dumps(value)) for key, value in sorted(_flatten(config).items())]
+
+
+def config_diff(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Keys whose values differ between runs (run columns and flattened launch config)."""
+    flat = []
+    for run in runs:
+        values = _flatten(run.get("config") or {}) if run.get("config") else {}
+        for column in DIFF_COLUMNS:  # the run's own columns win: they are what the pages show
+            values[column] = run.get(column)
+        flat.append(values)
+    keys = sorted(set().union(*flat)) if flat else []
+    rows, same = [], 0
+    for key in keys:
+        shown = ["—" if key not in f else json.dumps(f[key]) for f in flat]
+        if len(set(shown)) == 1:
+            same += 1
+            continue
+        rows.append({"key": key, "values": shown, "differs": [v != shown[0] for v in shown]})
+    return {"rows": rows, "same": same}

@@ -1,0 +1,403 @@
+"""Plotly figure JSON for the run and compare pages (pure: names and data in, figures out).
+
+Every line trace comes as three traces — lo, hi (a translucent band between them) and the mean —
+tagged with meta {"series", "part"} so the page's script can fill and extend them from the series
+API without knowing which chart holds what. Undownsampled data has lo = hi = y: no band shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from server.models import STEP_SERIES
+
+COLORS = {
+    "reward_mean": "#2563eb",
+    "true_accuracy": "#ea580c",
+    "vote_agreement": "#7c3aed",
+    "vote_entropy": "#0d9488",
+    "format_valid_rate": "#16a34a",
+    "zero_std_share": "#64748b",
+}
+TOKEN_COLORS = ("#db2777", "#0891b2", "#9333ea", "#ca8a04", "#4f46e5", "#059669")
+RUN_COLORS = (
+    "#2563eb",
+    "#ea580c",
+    "#16a34a",
+    "#9333ea",
+    "#db2777",
+    "#0891b2",
+    "#ca8a04",
+    "#475569",
+)
+NEUTRAL = "#334155"
+
+LABELS = {
+    "reward_mean": "verifier reward",
+    "true_accuracy": "true accuracy",
+    "format_valid_rate": "format-valid rate",
+    "vote_agreement": "vote agreement",
+    "vote_entropy": "vote entropy (bits)",
+    "zero_std_share": "zero-std groups",
+    "loss": "loss",
+    "kl": "KL",
+    "entropy": "entropy",
+    "grad_norm": "grad norm",
+    "learning_rate": "learning rate",
+    "completion_length": "completion length (tokens)",
+    "wall_time": "step wall time (s)",
+}
+OPTIMIZATION = (
+    "loss",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "learning_rate",
+    "completion_length",
+    "wall_time",
+)
+UNIT_RANGE = {"autorangeoptions": {"include": [0, 1]}}
+
+
+def label(name: str) -> str:
+    """How a series is named on a chart."""
+    return LABELS.get(name, name)
+
+
+def plotly_text(text: str) -> str:
+    """Text for a Plotly label: Plotly reads a subset of HTML there, so tags must be entities."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _rgba(color: str, alpha: float) -> str:
+    r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r}, {g}, {b}, {alpha})"
+
+
+def line(
+    series: str,
+    name: str,
+    color: str,
+    *,
+    data: dict[str, list[Any]] | None = None,
+    dash: str = "solid",
+    axis: str = "y",
+    run_id: int | None = None,
+) -> list[dict[str, Any]]:
+    """A series as band (lo, hi) + mean traces, empty unless `data` is given."""
+    x = list(data["x"]) if data else []
+    y = list(data["y"]) if data else []
+    meta = {"series": series} | ({"run": run_id} if run_id is not None else {})
+    common = {
+        "type": "scatter",
+        "mode": "lines",
+        "x": x,
+        "yaxis": axis,
+        "legendgroup": f"{run_id}:{series}",
+    }
+    band = {"line": {"width": 0, "color": color}, "hoverinfo": "skip", "showlegend": False}
+    return [
+        common
+        | band
+        | {"y": list(data.get("lo", y)) if data else [], "meta": meta | {"part": "lo"}},
+        common
+        | band
+        | {
+            "y": list(data.get("hi", y)) if data else [],
+            "fill": "tonexty",
+            "fillcolor": _rgba(color, 0.18),
+            "meta": meta | {"part": "hi"},
+        },
+        common
+        | {
+            "y": y,
+            "name": plotly_text(name),
+            "line": {"color": color, "width": 1.7, "dash": dash},
+            "hovertemplate": "%{y:.4~g}",
+            "meta": meta | {"part": "y"},
+        },
+    ]
+
+
+def _bucket_line(series: str, color: str) -> dict[str, Any]:
+    return {
+        "type": "scatter",
+        "mode": "lines+markers",
+        "x": [],
+        "y": [],
+        "name": plotly_text(label(series)),
+        "line": {"color": color, "width": 2, "shape": "hv"},
+        "marker": {"size": 5, "color": color},
+        "hovertemplate": "%{y:.3f}",
+        "meta": {"bucket": series},
+    }
+
+
+def layout(
+    *, height: int = 240, y: dict[str, Any] | None = None, y2: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The house layout: compact margins, step x axis, unified hover, legend above."""
+    grid = "#e9edf2"
+    out: dict[str, Any] = {
+        "height": height,
+        "margin": {"l": 48, "r": 48 if y2 else 14, "t": 6, "b": 34},
+        "hovermode": "x unified",
+        "showlegend": True,
+        "legend": {"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom", "font": {"size": 11}},
+        "font": {
+            "family": "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif",
+            "size": 11,
+            "color": NEUTRAL,
+        },
+        "paper_bgcolor": "rgba(0,0,0,0)",
+        "plot_bgcolor": "rgba(0,0,0,0)",
+        "xaxis": {"title": {"text": "step", "standoff": 4}, "gridcolor": grid, "zeroline": False},
+        "yaxis": {"gridcolor": grid, "zeroline": False, "automargin": True} | (y or {}),
+    }
+    if y2:
+        out["yaxis2"] = {
+            "overlaying": "y",
+            "side": "right",
+            "showgrid": False,
+            "zeroline": False,
+            "tickmode": "auto",
+        } | y2
+    return out
+
+
+def figure(
+    fid: str,
+    title: str,
+    traces: list[dict[str, Any]],
+    *,
+    help: str = "",
+    small: bool = False,
+    wide: bool = False,
+    alerts: Sequence[str] = (),
+    **layout_args: Any,
+) -> dict[str, Any]:
+    """One chart: its title and help for the card, Plotly data and layout, alert kinds it shows."""
+    spec = layout(height=180 if small else 250, **layout_args)
+    if small:  # one series: the card's title names it
+        spec["showlegend"] = False
+        spec["margin"]["t"] = 4
+    return {
+        "id": fid,
+        "title": title,
+        "help": help,
+        "small": small,
+        "wide": wide,
+        "alerts": list(alerts),
+        "data": traces,
+        "layout": spec,
+    }
+
+
+def _control_traces(control_tokens: Sequence[str], names: set[str]) -> list[dict[str, Any]]:
+    traces = []
+    for i, token in enumerate(control_tokens):
+        color = TOKEN_COLORS[i % len(TOKEN_COLORS)]
+        if f"ctrl/{token}/max" in names:
+            traces += line(f"ctrl/{token}/max", f"{token} max", color)
+        if f"ctrl/{token}/mean" in names:
+            traces += line(f"ctrl/{token}/mean", f"{token} mean", color, dash="dot")
+    return traces
+
+
+# Positional probes the trainer records (trainer.positional): the control token that matters at
+# the position where it matters. eot_after_open is the collapse signal.
+POSITIONAL_PROBES = {
+    "eot_after_open": "end-of-turn after the opening tag",
+    "close_after_id": "closing tag after the id",
+    "eot_after_close": "end-of-turn after the closing tag",
+    "open_first": "opening tag first",
+}
+STATES = ("healthy_call", "text_pollution", "collapse", "no_call")
+STATE_COLORS = {
+    "healthy_call": "#16a34a",
+    "text_pollution": "#ca8a04",
+    "collapse": "#dc2626",
+    "no_call": "#64748b",
+}
+
+
+def _state_trace(name: str) -> dict[str, Any]:
+    """A stacked share (no band: shares of one step add up to 1)."""
+    state = name.split("/", 1)[1]
+    color = STATE_COLORS.get(state, NEUTRAL)
+    return {
+        "type": "scatter",
+        "mode": "lines",
+        "x": [],
+        "y": [],
+        "name": plotly_text(state.replace("_", " ")),
+        "stackgroup": "state",
+        "line": {"color": color, "width": 0.8},
+        "fillcolor": _rgba(color, 0.55),
+        "hovertemplate": "%{y:.2f}",
+        "meta": {"series": name, "part": "y"},
+    }
+
+
+def _structure(names: set[str]) -> list[dict[str, Any]]:
+    """Charts of the trainer's positional probes, structural states and id-position probes."""
+    out = []
+    probes = [p for p in POSITIONAL_PROBES if f"probe/{p}/mean" in names]
+    if probes:
+        traces = []
+        for i, probe in enumerate(probes):
+            color = TOKEN_COLORS[i % len(TOKEN_COLORS)]
+            traces += line(f"probe/{probe}/mean", POSITIONAL_PROBES[probe], color)
+        out.append(
+            figure(
+                "probes",
+                "Control tokens where they matter",
+                traces,
+                help="Mean probability, per step, of a control token at the position where it "
+                "breaks or ends the call. End-of-turn right after the opening tag is the collapse signal.",
+                alerts=["control_token_spike", "collapse"],
+                y=UNIT_RANGE,
+            )
+        )
+    states = [f"state/{s}" for s in STATES if f"state/{s}" in names]
+    states += sorted(n for n in names if n.startswith("state/") and n not in states)
+    if states:
+        out.append(
+            figure(
+                "states",
+                "Structural state of completions",
+                [_state_trace(n) for n in states],
+                help="Share of completions per step that are a healthy call, a call with stray "
+                "text, a collapsed call, or no call at all.",
+                alerts=["collapse"],
+                y={"range": [0, 1.02]},
+            )
+        )
+    ids = [n for n in ("target_logprob", "rival_logprob") if f"probe/{n}/mean" in names]
+    if ids:
+        traces = []
+        for n, color in zip(ids, (COLORS["true_accuracy"], NEUTRAL), strict=False):
+            traces += line(f"probe/{n}/mean", n.replace("_", " "), color)
+        if "probe/id_entropy/mean" in names:
+            traces += line(
+                "probe/id_entropy/mean",
+                "id entropy (bits)",
+                COLORS["vote_entropy"],
+                dash="dot",
+                axis="y2",
+            )
+        out.append(
+            figure(
+                "ids",
+                "At the id position",
+                traces,
+                help="Log-probability of the target id and of its best listed rival, and the "
+                "entropy over listed ids (right).",
+                y2={"title": {"text": "bits"}, "rangemode": "tozero"},
+            )
+        )
+    return out
+
+
+def _used(figs: Sequence[dict[str, Any]]) -> set[str]:
+    return {t["meta"]["series"] for f in figs for t in f["data"] if "series" in t.get("meta", {})}
+
+
+def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str, Any]:
+    """The run page's charts (empty; the page fills them): main, structure, optimization, and
+    every other recorded series grouped by prefix (trl/…, probe/…) for a lazily opened section."""
+    have = set(names)
+    c = COLORS
+    main = [
+        figure(
+            "reward",
+            "Verifier reward vs true accuracy",
+            line("reward_mean", label("reward_mean"), c["reward_mean"])
+            + line("true_accuracy", label("true_accuracy"), c["true_accuracy"]),
+            help="Per step. The policy trains on the verifier's reward; true accuracy is exact match with the target.",
+            alerts=["reward_hacking"],
+            y=UNIT_RANGE,
+        ),
+        figure(
+            "buckets",
+            "25-step buckets",
+            [
+                _bucket_line("reward_mean", c["reward_mean"]),
+                _bucket_line("true_accuracy", c["true_accuracy"]),
+            ],
+            help="Mean of steps 1–25, 26–50, … A leaky run swings between buckets; a patched run converges.",
+            alerts=["reward_hacking"],
+            y=UNIT_RANGE,
+        ),
+        figure(
+            "votes",
+            "Vote agreement · vote entropy",
+            line("vote_agreement", label("vote_agreement"), c["vote_agreement"])
+            + line("vote_entropy", label("vote_entropy"), c["vote_entropy"], axis="y2"),
+            help="Share of the group voting for the modal id (left) and the entropy of the group's votes (right).",
+            y=UNIT_RANGE,
+            y2={"title": {"text": "bits"}, "rangemode": "tozero"},
+        ),
+        figure(
+            "format",
+            "Format-valid rate · zero-std groups",
+            line("format_valid_rate", label("format_valid_rate"), c["format_valid_rate"])
+            + line("zero_std_share", label("zero_std_share"), c["zero_std_share"], dash="dot"),
+            help="Share of completions that are a well-formed call, and of groups whose rewards are all equal (no gradient).",
+            alerts=["collapse", "signal_loss"],
+            y=UNIT_RANGE,
+        ),
+    ]
+    control = _control_traces(control_tokens, have)
+    if control:
+        main.append(
+            figure(
+                "control",
+                "Control-token probabilities",
+                control,
+                help="Per step, the max (solid) and mean (dotted) over completion positions of each control token's probability.",
+                alerts=["control_token_spike"],
+                wide=True,
+                y=UNIT_RANGE,
+            )
+        )
+    structure = _structure(have)
+    optimization = [
+        figure(f"s-{n}", label(n), line(n, label(n), NEUTRAL), small=True)
+        for n in OPTIMIZATION
+        if n in have
+    ]
+    shown = _used(main) | _used(structure) | set(STEP_SERIES)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for i, name in enumerate(n for n in names if n not in shown):
+        prefix = name.split("/", 1)[0] if "/" in name else "other"
+        groups.setdefault(prefix, []).append(
+            figure(f"m-{i}", name, line(name, name, NEUTRAL), small=True)
+        )
+    other = [{"title": prefix, "figures": figs} for prefix, figs in sorted(groups.items())]
+    return {"main": main, "structure": structure, "optimization": optimization, "other": other}
+
+
+def compare_figures(
+    runs: Sequence[dict[str, Any]], series_by_run: dict[str, dict[str, Any]], names: Sequence[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Each run's series overlaid on shared-step charts, one color per run: main and control."""
+    tokens: list[str] = []
+    for run in runs:
+        tokens += [t for t in run["control_tokens"] if t not in tokens]
+
+    def overlay(fid: str, name: str, title: str, **kwargs: Any) -> dict[str, Any] | None:
+        traces = []
+        for j, run in enumerate(runs):
+            data = series_by_run[str(run["id"])]["series"].get(name)
+            if data is not None:
+                color = RUN_COLORS[j % len(RUN_COLORS)]
+                traces += line(
+                    name, f"#{run['id']} {run['name']}", color, data=data, run_id=run["id"]
+                )
+        return figure(fid, title, traces, y=UNIT_RANGE, **kwargs) if traces else None
+
+    main = [overlay(f"c-{i}", n, label(n).capitalize()) for i, n in enumerate(names)]
+    control = [overlay(f"t-{i}", f"ctrl/{t}/mean", t) for i, t in enumerate(tokens)]
+    return {"main": [f for f in main if f], "control": [f for f in control if f]}

@@ -1,0 +1,444 @@
+"""All SQL of the dashboard's reads: keyword-only functions over a Session (routes → queries).
+
+Every read here costs the same whatever a run's length (index seeks on (run_id, step)), except
+three that read each step of the range they cover: chart series (aggregated in SQL into at most
+max_points buckets), alerts and compare's summary. Their full-history answers are cached by
+run version in the API (server.routes.cache); a live page asks only for steps after its cursor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import ColumnElement, func, or_, select
+from sqlalchemy.orm import Session
+
+from server import charts, store, viewer
+from server.alerts import AlertThresholds, evaluate
+from server.errors import InvalidInput, NotFound
+from server.models import STEP_SERIES, Metric, Prompt, Rollout, Run, Step
+from server.serialize import rollout_dict, run_dict, step_dict
+
+
+class StepNotFound(NotFound):
+    """A step that was not recorded; names the nearest recorded one for the 404 page."""
+
+    def __init__(self, *, run_id: int, step: int, nearest: int | None) -> None:
+        hint = f"; the nearest recorded step is {nearest}" if nearest is not None else ""
+        super().__init__(f"run {run_id} has no step {step}{hint}")
+        self.run_id, self.step, self.nearest = run_id, step, nearest
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+RUN_SORTS: dict[str, Any] = {
+    "created": Run.id,
+    "name": func.lower(Run.name),
+    "status": Run.status,
+    "progress": Run.current_step * 1.0 / func.nullif(Run.total_steps, 0),
+    "variant": Run.variant,
+    "model": func.lower(Run.model),
+    "k": Run.k,
+    "group_size": Run.group_size,
+    "seed": Run.seed,
+    "accuracy": Run.recent_true_accuracy,
+    "reward": Run.recent_reward,
+    "device_minutes": Run.device_seconds,
+    "cost": Run.cost,
+}
+
+
+def _like(word: str) -> str:
+    escaped = word.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
+def list_runs(
+    session: Session,
+    *,
+    q: str = "",
+    sort: str = "created",
+    descending: bool = True,
+    ids: Sequence[int] | None = None,
+    after: int | None = None,
+) -> list[dict[str, Any]]:
+    """Runs matching every word of `q` (name, model, variant, status), sorted, missing values last.
+
+    `ids` and `after` narrow the list to those runs or (with both) to those runs plus any run
+    newer than `after`: what a live runs page polls for.
+    """
+    if sort not in RUN_SORTS:
+        raise InvalidInput(f"cannot sort runs by {sort!r}; choose one of {', '.join(RUN_SORTS)}")
+    query = select(Run)
+    for word in q.split():
+        pattern = _like(word)
+        columns = (Run.name, Run.model, Run.variant, Run.status)
+        query = query.where(or_(*(col.ilike(pattern, escape="\\") for col in columns)))
+    narrow: list[ColumnElement[bool]] = []
+    if ids is not None:
+        narrow.append(Run.id.in_(ids))
+    if after is not None:
+        narrow.append(Run.id > after)
+    if narrow:
+        query = query.where(or_(*narrow))
+    key = RUN_SORTS[sort]
+    query = query.order_by(key.is_(None), key.desc() if descending else key.asc(), Run.id.desc())
+    return [run_dict(run) for run in session.scalars(query)]
+
+
+def _bounds(session: Session, *, run_id: int) -> tuple[int | None, int | None]:
+    """First and last recorded step: one statement, two index seeks."""
+    first, last = session.execute(
+        select(
+            select(func.min(Step.step)).where(Step.run_id == run_id).scalar_subquery(),
+            select(func.max(Step.step)).where(Step.run_id == run_id).scalar_subquery(),
+        )
+    ).one()
+    return first, last
+
+
+def series_names(session: Session, *, run_id: int) -> list[str]:
+    """The run's series: step columns, then generic metrics.
+
+    Metric names are read at the first and last recorded steps only (index seeks on
+    run_id, step), so the cost does not grow with the run; a series logged only in between is
+    still served when asked for by name.
+    """
+    first, last = _bounds(session, run_id=run_id)
+    if last is None:
+        return []
+    # One equality per step, reading `value` too, no DISTINCT/ORDER BY/IN: anything else lets
+    # SQLite prefer the covering (run_id, name, step) index and scan every metric of the run.
+    names: set[str] = set()
+    for step in {first, last}:
+        rows = session.execute(
+            select(Metric.name, Metric.value).where(Metric.run_id == run_id, Metric.step == step)
+        )
+        names.update(name for name, _ in rows)
+    return list(STEP_SERIES) + sorted(names)
+
+
+def run_version(session: Session, *, run_id: int) -> str:
+    """A token that changes whenever the run's recorded data may have (every step write
+    refreshes heartbeat_at and current_step); cached responses are keyed by it."""
+    row = session.execute(
+        select(Run.created_at, Run.heartbeat_at, Run.current_step, Run.status).where(
+            Run.id == run_id
+        )
+    ).one_or_none()
+    if row is None:
+        raise NotFound(f"run {run_id} does not exist")
+    created, beat, step, status = row
+    return f"{run_id}:{created.isoformat() if created else ''}:{beat.isoformat() if beat else ''}:{step}:{status}"
+
+
+def run_overview(session: Session, *, run_id: int) -> dict[str, Any]:
+    """A run, its step bounds and the names of its recorded series."""
+    run = store.get_run(session, run_id=run_id)
+    first, last = _bounds(session, run_id=run_id)
+    return {
+        "run": run_dict(run),
+        "first_step": first,
+        "last_step": last,
+        "series_names": series_names(session, run_id=run_id),
+    }
+
+
+# --- chart series -------------------------------------------------------------------------------
+
+
+def _step_filter(column: Any, since: int, until: int | None) -> list[ColumnElement[bool]]:
+    where = [column > since]
+    if until is not None:
+        where.append(column <= until)
+    return where
+
+
+def series(
+    session: Session,
+    *,
+    run_id: int,
+    names: Sequence[str] | None = None,
+    since: int = 0,
+    until: int | None = None,
+    max_points: int | None = charts.MAX_POINTS,
+) -> dict[str, Any]:
+    """Chart series of a run for steps in (since, until], downsampled to ≤ max_points per series.
+
+    `max_points=None` returns every step. See charts.DOWNSAMPLING for the method.
+    """
+    run = store.get_run(session, run_id=run_id)
+    if names is None:
+        names = series_names(session, run_id=run_id)
+    columns = [n for n in names if n in STEP_SERIES]
+    metrics = [n for n in names if n not in STEP_SERIES]
+    in_range = [Step.run_id == run_id, *_step_filter(Step.step, since, until)]
+    lo, hi = session.execute(
+        select(
+            select(func.min(Step.step)).where(*in_range).scalar_subquery(),
+            select(func.max(Step.step)).where(*in_range).scalar_subquery(),
+        )
+    ).one()
+    width = 1 if lo is None or hi is None else charts.bucket_width(hi - lo + 1, max_points)
+    out: dict[str, dict[str, list[Any]]] = {}
+    if columns and lo is not None:
+        out.update(_column_series(session, run_id, columns, since, until, width))
+    if metrics:
+        out.update(_metric_series(session, run_id, metrics, since, until, width))
+    buckets = bucket_means(session, run_id=run_id, since=since, until=until)
+    return {
+        "run_id": run_id,
+        "run": charts.run_progress(run_dict(run)),
+        "since": since,
+        "until": until,
+        "cursor": hi if hi is not None else since,
+        "bucket": width,
+        "method": charts.DOWNSAMPLING,
+        "series": {name: out[name] for name in names if name in out},
+        "buckets": buckets,
+    }
+
+
+def _column_series(
+    session: Session, run_id: int, names: list[str], since: int, until: int | None, width: int
+) -> dict[str, dict[str, list[Any]]]:
+    cols = [getattr(Step, n) for n in names]
+    where = [Step.run_id == run_id, *_step_filter(Step.step, since, until)]
+    if width == 1:
+        rows = session.execute(select(Step.step, *cols).where(*where).order_by(Step.step)).all()
+        return charts.raw_series(names, rows)
+    bucket = ((Step.step - 1) // width).label("bucket")
+    aggs = [agg(c) for c in cols for agg in (func.avg, func.min, func.max)]
+    query = select(func.min(Step.step), *aggs).where(*where).group_by(bucket).order_by(bucket)
+    return charts.bucketed_series(names, session.execute(query).all())
+
+
+def _metric_series(
+    session: Session, run_id: int, names: list[str], since: int, until: int | None, width: int
+) -> dict[str, dict[str, list[Any]]]:
+    where = [
+        Metric.run_id == run_id,
+        Metric.name.in_(names),
+        *_step_filter(Metric.step, since, until),
+    ]
+    out: dict[str, dict[str, list[Any]]] = {}
+    if width == 1:
+        query = select(Metric.name, Metric.step, Metric.value).where(*where)
+        for name, step, value in session.execute(query.order_by(Metric.name, Metric.step)):
+            entry = out.setdefault(name, {"x": [], "y": []})
+            entry["x"].append(step)
+            entry["y"].append(value)
+        return {k: v for k, v in out.items() if any(y is not None for y in v["y"])}
+    bucket = ((Metric.step - 1) // width).label("bucket")
+    query = (
+        select(
+            Metric.name,
+            func.min(Metric.step),
+            func.avg(Metric.value),
+            func.min(Metric.value),
+            func.max(Metric.value),
+        )
+        .where(*where)
+        .group_by(Metric.name, bucket)
+        .order_by(Metric.name, bucket)
+    )
+    result: Any = session.execute(query)  # five columns: more than select()'s typing tracks here
+    for name, step, mean, low, high in result:
+        entry = out.setdefault(name, {"x": [], "y": [], "lo": [], "hi": []})
+        for key, value in (("x", step), ("y", mean), ("lo", low), ("hi", high)):
+            entry[key].append(value)
+    return {k: v for k, v in out.items() if any(y is not None for y in v["y"])}
+
+
+def bucket_means(
+    session: Session, *, run_id: int, since: int = 0, until: int | None = None
+) -> dict[str, list[Any]]:
+    """25-step bucket means (steps 1–25, 26–50, …) of every bucket touched by steps after `since`.
+
+    A live page polls with its cursor and replaces the buckets it gets back by their index.
+    """
+    width = charts.BUCKET_STEPS
+    bucket = ((Step.step - 1) // width).label("bucket")
+    start = (since // width) * width  # the whole bucket holding step since+1
+    query = (
+        select(
+            bucket,
+            func.count(Step.step),
+            func.avg(Step.true_accuracy),
+            func.avg(Step.reward_mean),
+            func.avg(Step.format_valid_rate),
+        )
+        .where(Step.run_id == run_id, *_step_filter(Step.step, start, until))
+        .group_by(bucket)
+        .order_by(bucket)
+    )
+    return charts.bucket_table(session.execute(query).all())
+
+
+# --- alerts -------------------------------------------------------------------------------------
+
+ALERT_COLUMNS = ("reward_mean", "true_accuracy", "zero_std_share")
+# The per-step metrics the rules read besides those columns. Of the positional probes only the
+# one whose rise is the failure: end-of-turn right after the opening tag. The others are ~1 in a
+# healthy call, so the spike rule would fire on them at step 1.
+ALERT_METRICS = ("probe/eot_after_open/mean", "state/collapse")
+ALERT_CONTEXT = 60  # steps before `since` the rules see: their windows are ≤ 2 × 25 steps
+
+
+def alerts(session: Session, *, run_id: int, since: int = 0) -> list[dict[str, Any]]:
+    """The alert rules (server.alerts) over the run's per-step series; only alerts after `since`.
+
+    A live page asks with its cursor: the rules then read the last ALERT_CONTEXT steps before it
+    as history, so an episode already under way is not reported again.
+    """
+    store.get_run(session, run_id=run_id)
+    start = max(0, since - ALERT_CONTEXT)
+    cols = [getattr(Step, n) for n in ALERT_COLUMNS]
+    rows = session.execute(
+        select(Step.step, *cols).where(Step.run_id == run_id, Step.step > start).order_by(Step.step)
+    ).all()
+    inputs: dict[str, list[tuple[int, float | None]]] = {
+        name: [(row[0], row[i]) for row in rows] for i, name in enumerate(ALERT_COLUMNS, start=1)
+    }
+    query = select(Metric.name, Metric.step, Metric.value).where(
+        Metric.run_id == run_id, Metric.name.in_(ALERT_METRICS), Metric.step > start
+    )
+    for name, step, value in session.execute(query.order_by(Metric.name, Metric.step)):
+        inputs.setdefault(name, []).append((step, value))
+    found = evaluate(inputs, AlertThresholds())
+    return [a.as_dict() for a in found if a.step > since]
+
+
+# --- step viewer --------------------------------------------------------------------------------
+
+
+def _neighbours(session: Session, run_id: int, step: int) -> dict[str, int | None]:
+    """First, previous, next and last recorded steps around `step`: one statement of index seeks."""
+    this_run = Step.run_id == run_id
+    first, prev, nxt, last = session.execute(
+        select(
+            select(func.min(Step.step)).where(this_run).scalar_subquery(),
+            select(func.max(Step.step)).where(this_run, Step.step < step).scalar_subquery(),
+            select(func.min(Step.step)).where(this_run, Step.step > step).scalar_subquery(),
+            select(func.max(Step.step)).where(this_run).scalar_subquery(),
+        )
+    ).one()
+    return {"first": first, "prev": prev, "next": nxt, "last": last}
+
+
+def nearest_step(session: Session, *, run_id: int, step: int) -> int | None:
+    """The recorded step closest to `step`: itself if recorded; ties go to the earlier one."""
+    if (
+        session.scalar(select(Step.step).where(Step.run_id == run_id, Step.step == step))
+        is not None
+    ):
+        return step
+    around = _neighbours(session, run_id, step)
+    below, above = around["prev"], around["next"]
+    if below is None or above is None:
+        return below if above is None else above
+    return below if step - below <= above - step else above
+
+
+def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
+    """One step of a run as the step viewer shows it: its groups, rollouts and neighbours."""
+    run = store.get_run(session, run_id=run_id)
+    row = session.scalar(select(Step).where(Step.run_id == run_id, Step.step == step))
+    if row is None:
+        raise StepNotFound(
+            run_id=run_id, step=step, nearest=nearest_step(session, run_id=run_id, step=step)
+        )
+    rollouts = session.execute(
+        select(Rollout, Prompt.text)
+        .join(Prompt, Prompt.id == Rollout.prompt_id)
+        .where(Rollout.run_id == run_id, Rollout.step == row.rollout_step)
+        .order_by(Rollout.group, Rollout.index)
+    ).all()
+    # Sorted here, not by SQL: ORDER BY name steers SQLite to the (run_id, name, step) index and
+    # a scan of every metric of the run instead of a seek on (run_id, step).
+    metrics = sorted(
+        session.execute(
+            select(Metric.name, Metric.value).where(Metric.run_id == run_id, Metric.step == step)
+        ).all()
+    )
+    tokens = list(run.control_tokens)
+    return {
+        "run": run_dict(run),
+        "step": step_dict(row),
+        "metrics": {name: value for name, value in metrics},
+        "nav": _neighbours(session, run_id, step),
+        "groups": viewer.group_views([rollout_dict(r, text, tokens) for r, text in rollouts]),
+    }
+
+
+# --- compare ------------------------------------------------------------------------------------
+
+COMPARE_SERIES = ("reward_mean", "true_accuracy", "vote_agreement", "format_valid_rate")
+
+
+def resolve_step(session: Session, *, run_id: int, step: int | None) -> int:
+    """The recorded step nearest `step` (the last one when None), for jump links and sliders."""
+    store.get_run(session, run_id=run_id)
+    found = (
+        _bounds(session, run_id=run_id)[1]
+        if step is None
+        else nearest_step(session, run_id=run_id, step=step)
+    )
+    if found is None:
+        raise NotFound(f"run {run_id} has no recorded steps yet")
+    return found
+
+
+def compare(
+    session: Session,
+    *,
+    run_ids: Sequence[int],
+    step: int | None = None,
+    max_points: int | None = charts.MAX_POINTS,
+) -> dict[str, Any]:
+    """Two or more runs: chart series, 25-step buckets, summary, config diff, and one step of the
+    first two side by side (the last step both have, unless `step` is given)."""
+    if len(run_ids) < 2:
+        raise InvalidInput("compare needs at least two run ids, e.g. /compare?runs=1,2")
+    if len(set(run_ids)) != len(run_ids):
+        raise InvalidInput("compare needs distinct run ids")
+    runs, by_run = [], {}
+    for run_id in run_ids:
+        run = run_dict(store.get_run(session, run_id=run_id))
+        runs.append(run)
+        ctrl = [f"ctrl/{t}/mean" for t in run["control_tokens"]]
+        by_run[run_id] = series(
+            session, run_id=run_id, names=[*COMPARE_SERIES, *ctrl], max_points=max_points
+        )
+    pair = run_ids[:2]
+    lasts = [_bounds(session, run_id=r)[1] for r in pair]
+    if step is None:
+        step = min((s for s in lasts if s is not None), default=0)
+    side_by_side = []
+    for run_id, last in zip(pair, lasts, strict=True):
+        try:
+            detail: dict[str, Any] | None = step_detail(session, run_id=run_id, step=step)
+        except StepNotFound:
+            detail = None
+        side_by_side.append({"run_id": run_id, "last_step": last, "detail": detail})
+    return {
+        "runs": runs,
+        "series": {str(k): v for k, v in by_run.items()},
+        "summary": [_summary(session, run) for run in runs],
+        "config_diff": charts.config_diff(runs),
+        "step": step,
+        "max_step": max((s for s in lasts if s is not None), default=0),
+        "side_by_side": side_by_side,
+    }
+
+
+def _summary(session: Session, run: dict[str, Any]) -> dict[str, Any]:
+    """Compare's summary of one run from its per-step true accuracy and reward (two columns)."""
+    rows = session.execute(
+        select(Step.step, Step.true_accuracy, Step.reward_mean)
+        .where(Step.run_id == run["id"])
+        .order_by(Step.step)
+    ).all()
+    steps, accuracy, reward = (list(c) for c in zip(*rows, strict=True)) if rows else ([], [], [])
+    return charts.run_summary(run, steps, accuracy, reward)

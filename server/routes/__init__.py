@@ -1,0 +1,1 @@
+"""HTTP routes: HTML pages (pages) and their JSON twins under /api (api)."""

@@ -1,0 +1,147 @@
+"""HTML pages: runs, run, step viewer, compare (each has a JSON twin in server.routes.api)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+
+from server import charts, figures, queries, viewer
+from server.deps import SessionDep, render
+from server.errors import NotFound
+from server.models import ACTIVE_STATUSES
+from server.routes.params import run_ids
+
+router = APIRouter(include_in_schema=False)
+
+POLL_MS = 2000  # how often a live page asks for new steps
+
+RUN_COLUMNS = (  # (sort key, header, numeric) of the runs table's sortable columns
+    ("name", "Run", False),
+    ("status", "Status", False),
+    ("progress", "Progress", False),
+    ("variant", "Variant", False),
+    ("model", "Model", False),
+    ("k", "k", True),
+    ("group_size", "G", True),
+    ("seed", "Seed", True),
+    ("accuracy", "True acc.", True),
+    ("reward", "Reward", True),
+    ("device_minutes", "Device-min", True),
+    ("cost", "Cost", True),
+    ("created", "Created", False),
+)
+
+
+@router.get("/", name="runs_page")
+def runs_page(
+    request: Request,
+    session: SessionDep,
+    q: str = "",
+    sort: str = "created",
+    order: Literal["asc", "desc"] = "desc",
+) -> HTMLResponse:
+    runs = queries.list_runs(session, q=q, sort=sort, descending=order == "desc")
+    context = {
+        "runs": runs,
+        "q": q,
+        "sort": sort,
+        "order": order,
+        "columns": RUN_COLUMNS,
+        "page": {
+            "poll_ms": POLL_MS,
+            "active": [r["id"] for r in runs if r["status"] in ACTIVE_STATUSES],
+            "newest": max((r["id"] for r in runs), default=0),
+            "q": q,
+            "api": str(request.app.url_path_for("list_runs")),
+        },
+    }
+    return render(request, "runs.html", context)
+
+
+@router.get("/runs/{run_id}", name="run_page")
+def run_page(
+    request: Request, session: SessionDep, run_id: int, full: bool = False
+) -> HTMLResponse:
+    overview = queries.run_overview(session, run_id=run_id)
+    run = overview["run"]
+    figs = figures.run_figures(run["control_tokens"], overview["series_names"])
+    page = {
+        "run_id": run_id,
+        "series": str(request.app.url_path_for("get_series", run_id=run_id)),
+        "alerts": str(request.app.url_path_for("get_alerts", run_id=run_id)),
+        "steps": str(request.app.url_path_for("step_jump", run_id=run_id)),
+        "full": full,
+        "max_points": charts.MAX_POINTS,
+        "poll_ms": POLL_MS,
+        "active": run["status"] in ACTIVE_STATUSES,
+        "figures": figs,
+    }
+    context = {
+        "o": overview,
+        "run": run,
+        "config": charts.config_rows(run["config"]),
+        "figures": figs,
+        "full": full,
+        "page": page,
+    }
+    return render(request, "run.html", context)
+
+
+@router.get("/runs/{run_id}/steps", name="step_jump")
+def step_jump(
+    request: Request, session: SessionDep, run_id: int, step: int | None = None
+) -> RedirectResponse:
+    found = queries.resolve_step(session, run_id=run_id, step=step)
+    url = request.app.url_path_for("step_page", run_id=run_id, step=found)
+    return RedirectResponse(str(url), status_code=303)
+
+
+@router.get("/runs/{run_id}/steps/{step}", name="step_page")
+def step_page(
+    request: Request, session: SessionDep, run_id: int, step: int, group: int = 0
+) -> HTMLResponse:
+    detail = queries.step_detail(session, run_id=run_id, step=step)
+    groups = detail["groups"]
+    if groups and not 0 <= group < len(groups):
+        raise NotFound(f"step {step} of run {run_id} has no group {group}")
+    shown = groups[group] if groups else None
+    if shown is not None:
+        for rollout in shown["rollouts"]:
+            rollout["cells"] = viewer.token_cells(rollout)
+            rollout["control_rows"] = viewer.control_rows(rollout)
+    context = {"d": detail, "run": detail["run"], "group": shown, "group_index": group}
+    return render(request, "step.html", context)
+
+
+@router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
+def step_card(request: Request, session: SessionDep, run_id: int, step: int) -> HTMLResponse:
+    """The compact step card the compare page swaps in when its step control moves."""
+    detail = queries.step_detail(session, run_id=run_id, step=step)
+    return render(request, "_step_card.html", {"d": detail, "run": detail["run"]})
+
+
+@router.get("/compare", name="compare_page")
+def compare_page(
+    request: Request,
+    session: SessionDep,
+    runs: Annotated[list[str] | None, Query()] = None,
+    step: int | None = None,
+) -> HTMLResponse:
+    data = queries.compare(session, run_ids=run_ids(runs), step=step)
+    figs = figures.compare_figures(data["runs"], data["series"], queries.COMPARE_SERIES)
+    # Run i is drawn in RUN_COLORS[i]; templates use the matching CSS class run-c{i}.
+    colors = {run["id"]: i % len(figures.RUN_COLORS) for i, run in enumerate(data["runs"])}
+    page = {
+        "figures": figs["main"] + figs["control"],
+        "step": data["step"],
+        "max_step": data["max_step"],
+        "pair": [s["run_id"] for s in data["side_by_side"]],
+        "steps": {
+            s["run_id"]: str(request.app.url_path_for("step_jump", run_id=s["run_id"]))
+            for s in data["side_by_side"]
+        },
+    }
+    context = {"c": data, "figures": figs, "colors": colors, "page": page}
+    return render(request, "compare.html", context)

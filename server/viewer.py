@@ -1,0 +1,178 @@
+"""Pure shaping of one step for the step viewer: groups, vote histograms, tokens with probabilities."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+# The tiny model's pieces (tags, turn markers, ids, words with their leading space, punctuation,
+# whitespace): when the completion splits into as many pieces as it has ids, piece i is token i.
+_PIECES = re.compile(r"</?(?:tool|assistant|user)>|\n- |tool_\d+| ?(?!tool_\d)[^\W_]+|[^\w\s]|\s")
+
+
+NEAR_MISS = 0.3  # a control token this likely where it was not sampled is a near format break
+
+
+def _matching_control_token(
+    prob: float, control: dict[str, list[float]], position: int
+) -> str | None:
+    """The control token whose probability equals the sampled token's (so it was the one sampled)."""
+    for token, probs in control.items():
+        if position < len(probs) and math.isclose(
+            probs[position], prob, rel_tol=1e-4, abs_tol=1e-6
+        ):
+            return token
+    return None
+
+
+def token_texts(rollout: dict[str, Any]) -> tuple[list[str], bool]:
+    """A display string per completion token, and whether the strings are the real tokens.
+
+    Uses meta["tokens"] when the recorder stored them; else splits the completion text, which
+    matches the tiny model's tokenizer; else labels each position by its id (or by the control
+    token that was sampled there, recognised by its probability).
+    """
+    ids: list[int] = rollout["completion_ids"]
+    stored = (rollout.get("meta") or {}).get("tokens")
+    if isinstance(stored, list) and len(stored) == len(ids):
+        return [str(t) for t in stored], True
+    probs = [math.exp(lp) for lp in rollout["token_logprobs"]]
+    control = rollout["control_token_probs"]
+
+    def label(i: int) -> str:
+        found = _matching_control_token(probs[i], control, i) if i < len(probs) else None
+        return found or f"⟨{ids[i]}⟩"
+
+    text = rollout["completion"]
+    pieces = _PIECES.findall(text)
+    if "".join(pieces) == text:
+        if len(pieces) == len(ids):
+            return pieces, True
+        # The end-of-turn token is special: decoding drops it from the text.
+        if len(pieces) == len(ids) - 1:
+            return [*pieces, label(len(ids) - 1)], True
+    return [label(i) for i in range(len(ids))], False
+
+
+def probability_bin(p: float | None) -> int:
+    """0–9: the shade class of a probability (CSS classes p0…p9, no inline styles)."""
+    if p is None or not math.isfinite(p):
+        return 0
+    return min(9, max(0, int(p * 10)))
+
+
+def vote_histogram(votes: Sequence[str | None], target: str | None) -> list[dict[str, Any]]:
+    """Each distinct vote with its count and rollout indexes; most votes first, malformed last."""
+    counts = Counter(votes)
+    rows = [
+        {
+            "vote": vote,
+            "count": count,
+            "rollouts": [i for i, v in enumerate(votes) if v == vote],
+            "is_target": vote is not None and vote == target,
+        }
+        for vote, count in counts.items()
+    ]
+    return sorted(
+        rows, key=lambda r: (r["vote"] is None, -r["count"], not r["is_target"], r["vote"] or "")
+    )
+
+
+def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
+    texts, exact = token_texts(rollout)
+    n = len(texts)
+    probs: list[float | None] = [math.exp(lp) for lp in rollout["token_logprobs"][:n]]
+    probs += [None] * (n - len(probs))
+    control: dict[str, list[float | None]] = {
+        t: [*ps[:n], *[None] * (n - len(ps))] for t, ps in rollout["control_token_probs"].items()
+    }
+    return rollout | {
+        "tokens": texts,
+        "tokens_exact": exact,
+        "token_probs": probs,
+        "control_view": control,
+        "near_misses": [_near_misses(probs[i], control, i) for i in range(n)],
+        "own_prompt": rollout["prompt"] != group_prompt,
+    }
+
+
+def _near_misses(
+    sampled: float | None, control: dict[str, list[float | None]], i: int
+) -> list[str]:
+    """Control tokens that were likely (p ≥ NEAR_MISS) at position i but not the token sampled."""
+    out = []
+    for token, probs in control.items():
+        p = probs[i]
+        if p is None or p < NEAR_MISS:
+            continue
+        if sampled is not None and math.isclose(p, sampled, rel_tol=1e-4, abs_tol=1e-6):
+            continue
+        out.append(token)
+    return out
+
+
+def group_views(rollouts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rollout dicts (server.serialize.rollout_dict, in group order) → one view per group."""
+    by_group: dict[int, list[dict[str, Any]]] = {}
+    for rollout in rollouts:
+        by_group.setdefault(rollout["group"], []).append(rollout)
+    views = []
+    for group, members in by_group.items():
+        first = members[0]
+        meta = first.get("meta") or {}
+        votes = [r["vote"] for r in members]
+        valid = Counter(v for v in votes if v is not None)
+        agree = max(valid.values()) if valid else 0
+        views.append(
+            {
+                "group": group,
+                "prompt": first["prompt"],
+                "query": meta.get("query"),
+                "target": first["target"],
+                "target_listed": meta.get("target_listed"),
+                "hint": meta.get("hint"),
+                "tool_count": len(meta.get("tool_ids") or []),
+                "votes": vote_histogram(votes, first["target"]),
+                "agree": agree,
+                "size": len(members),
+                "correct": sum(1 for r in members if (r["true_score"] or 0) >= 1),
+                "rollouts": [_rollout_view(r, first["prompt"]) for r in members],
+            }
+        )
+    return views
+
+
+def prob_text(value: float | None, digits: int = 2) -> str:
+    """A probability with fixed decimals; '<0.01' rather than a misleading 0.00."""
+    if value is None or not math.isfinite(value):
+        return "—"
+    floor = 10 ** (-digits)
+    return f"<{floor:.{digits}f}" if 0 < value < floor / 2 else f"{value:.{digits}f}"
+
+
+def token_cells(rollout: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per token of a rollout view: text, CSS classes and hover text (built here, not in Jinja:
+    a 64-token completion × every control token is thousands of template operations)."""
+    cells = []
+    control = rollout["control_view"]
+    for i, text in enumerate(rollout["tokens"]):
+        p = rollout["token_probs"][i]
+        lines = [f"#{i} · id {rollout['completion_ids'][i]} · p={prob_text(p, 3)}"]
+        lines += [f"p({t})={prob_text(ps[i], 3)}" for t, ps in control.items()]
+        misses = rollout["near_misses"][i]
+        if misses:
+            lines.append(f"near miss: {', '.join(misses)} was likely here")
+        cls = f"tok p{probability_bin(p)}" + (" near-miss" if misses else "")
+        cells.append({"text": text, "cls": cls, "title": "\n".join(lines)})
+    return cells
+
+
+def control_rows(rollout: dict[str, Any]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The control-token table: (row label, [(CSS class, text)] per position)."""
+    rows = [("sampled", [(f"p{probability_bin(p)}", prob_text(p)) for p in rollout["token_probs"]])]
+    for token, probs in rollout["control_view"].items():
+        rows.append((token, [(f"c{probability_bin(p)}", prob_text(p)) for p in probs]))
+    return rows

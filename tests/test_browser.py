@@ -1,0 +1,307 @@
+"""The dashboard in a real browser: Playwright driving Debian's Chromium, with no network.
+
+Screenshots of the runs, run, step viewer and compare pages go to $ROLLOUT_LENS_TEST_ARTIFACTS
+(default: test-artifacts/ in the repository root).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from server import store
+from server.app import create_app
+from server.config import Settings
+from server.db import make_engine, make_session_factory, session_scope
+from server.migrate import upgrade
+from server.models import RunStatus
+from server.records import StepRecord
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
+
+playwright = pytest.importorskip("playwright.sync_api")
+uvicorn = pytest.importorskip("uvicorn")
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+XSS = "<script>alert(1)</script></textarea>{{7*7}}\x07"
+ARTIFACTS = Path(
+    os.environ.get("ROLLOUT_LENS_TEST_ARTIFACTS")
+    or Path(__file__).resolve().parent.parent / "test-artifacts"
+)
+
+
+@dataclass
+class Served:
+    url: str
+    factory: sessionmaker[Session]
+    runs: dict[str, int] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The app under uvicorn on a loopback port, on an SQLite file with four runs."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('browser') / 'rollout-lens.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    factory = make_session_factory(engine)
+    runs = {
+        "patched": make_run(
+            factory, steps=60, seed=1, name="patched k=4", status=RunStatus.completed
+        ),
+        "leaky": make_run(
+            factory, steps=60, seed=2, listed=64, name="leaky 64 tools", status=RunStatus.completed
+        ),
+        "xss": make_run(
+            factory, steps=3, seed=3, completion=XSS, name="<img src=x onerror=alert(2)>"
+        ),
+        "live": make_run(
+            factory, steps=8, seed=4, name="live run", total_steps=20, status=RunStatus.running
+        ),
+    }
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(Settings(database_url=url)), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    yield Served(f"http://127.0.0.1:{port}", factory, runs)
+    server.should_exit = True
+    thread.join(timeout=10)
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    with playwright.sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        yield chromium
+        chromium.close()
+
+
+@dataclass
+class Tab:
+    """A page plus what it must never do: raise a JS error, open a dialog, leave loopback."""
+
+    page: object
+    errors: list[str] = field(default_factory=list)
+    dialogs: list[str] = field(default_factory=list)
+    offsite: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def tab(browser, served: Served) -> Iterator[Tab]:  # type: ignore[no-untyped-def]
+    context = browser.new_context(viewport={"width": 1440, "height": 900}, base_url=served.url)
+    context.set_default_timeout(10_000)
+    state = Tab(None)
+
+    def on_dialog(dialog) -> None:  # type: ignore[no-untyped-def]
+        state.dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    def watch(page) -> None:  # type: ignore[no-untyped-def]
+        page.on("pageerror", lambda exc: state.errors.append(str(exc)))
+        page.on(
+            "console", lambda msg: state.errors.append(msg.text) if msg.type == "error" else None
+        )
+        page.on("dialog", on_dialog)
+
+    def offline(route) -> None:  # type: ignore[no-untyped-def]
+        if route.request.url.startswith(served.url):
+            route.continue_()
+        else:
+            state.offsite.append(route.request.url)
+            route.abort()
+
+    context.route("**/*", offline)
+    context.on("page", watch)
+    state.page = context.new_page()
+    yield state
+    context.close()
+    assert state.errors == [] and state.dialogs == [] and state.offsite == []
+
+
+def _shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def _traces(page, figure: str) -> int:  # type: ignore[no-untyped-def]
+    return int(page.locator(f"#fig-{figure} .scatterlayer .trace").count())
+
+
+def _point(page, figure: str, series: str, step: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Where on screen Plotly drew `series` at `step`."""
+    return page.evaluate(
+        """([figure, series, step]) => {
+            const el = document.getElementById(`fig-${figure}`);
+            const fl = el._fullLayout, box = el.getBoundingClientRect();
+            const trace = el.data.find((t) => t.meta && t.meta.series === series && t.meta.part === "y");
+            const y = trace.y[trace.x.indexOf(step)];
+            return [box.left + fl._size.l + fl.xaxis.l2p(step), box.top + fl._size.t + fl.yaxis.l2p(y)];
+        }""",
+        [figure, series, step],
+    )
+
+
+def test_runs_page_run_charts_and_a_click_to_a_step(tab: Tab, served: Served) -> None:
+    page = tab.page
+    page.goto("/")
+    assert page.locator("#runs-table tbody tr").count() == 4
+    _shot(page, "runs")
+    page.get_by_role("link", name="patched k=4").click()
+    page.wait_for_selector("body[data-charts-ready]")
+    for figure in ("reward", "buckets", "control"):  # the factory records no votes
+        assert page.locator(f"#fig-{figure} svg.main-svg").count() >= 1, figure
+        assert _traces(page, figure) >= 2, figure
+    assert page.locator("#run-card").get_by_text("8 × 1 prompt").is_visible()
+    _shot(page, "run")
+    x, y = _point(page, "reward", "reward_mean", 30)
+    page.mouse.move(x, y)
+    page.mouse.click(x, y)
+    page.wait_for_url(re.compile(rf"/runs/{served.runs['patched']}/steps/30$"))
+    assert page.locator("#step-number").inner_text() == "30"
+
+
+def test_step_viewer_keyboard(tab: Tab, served: Served) -> None:
+    page = tab.page
+    run = served.runs["leaky"]
+    page.goto(f"/runs/{run}/steps/30")
+    for key in ("7", "0", "3"):
+        page.keyboard.press(key)
+        assert page.locator(f"#tab-{key}").get_attribute("aria-selected") == "true"
+        assert page.locator(f"#rollout-{key}").is_visible()
+        assert page.locator("[role=tabpanel]:visible").count() == 1
+    page.locator("#prompt summary").click()
+    _shot(page, "step-viewer")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/31#r3$"))
+    assert (
+        page.locator("#tab-3").get_attribute("aria-selected") == "true"
+    )  # the same rollout stays open
+    page.keyboard.press("ArrowLeft")
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/30#r3$"))
+    page.keyboard.press("End")
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/60#r3$"))
+    page.locator("#step-input").fill("12")
+    page.locator("#step-input").press("Enter")
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/12$"))
+
+
+def test_compare_two_runs(tab: Tab, served: Served) -> None:
+    page = tab.page
+    page.goto("/")
+    assert page.locator("#compare-button").is_disabled()
+    page.get_by_label(f"Select run {served.runs['patched']}").check()
+    page.get_by_label(f"Select run {served.runs['leaky']}").check()
+    page.locator("#compare-button").click()
+    page.wait_for_url(re.compile(r"/compare\?runs=\d+,\d+$"))
+    page.wait_for_selector("body[data-charts-ready]")
+    legend = page.locator("#charts-compare figure").first.locator(".legendtext").all_text_contents()
+    assert any("patched k=4" in t for t in legend) and any("leaky 64 tools" in t for t in legend)
+    assert _traces(page, "c-0") == 6  # band + line for each run
+    cards = page.locator(".pair-body .step-card")
+    assert cards.count() == 2 and cards.first.get_attribute("data-step") == "60"
+    _shot(page, "compare")
+    page.locator("#cmp-prev").click()
+    page.wait_for_selector("body[data-pair-step='59']")
+    assert [cards.nth(i).get_attribute("data-step") for i in range(2)] == ["59", "59"]
+    assert page.url.endswith("step=59")
+
+
+def test_untrusted_completion_does_not_run(tab: Tab, served: Served) -> None:
+    page = tab.page
+    run = served.runs["xss"]
+    page.goto(f"/runs/{run}/steps/2")
+    completion = page.locator("#rollout-0 pre.completion")
+    assert completion.inner_text() == "<script>alert(1)</script></textarea>{{7*7}}␇"
+    assert page.locator("textarea").count() == 0
+    page.goto(f"/runs/{run}")
+    page.wait_for_selector("body[data-charts-ready]")
+    assert page.locator("h1").inner_text().startswith("<img src=x onerror=alert(2)>")
+    # Compare swaps server-rendered step cards in with innerHTML: still inert.
+    page.goto(f"/compare?runs={run},{served.runs['patched']}")
+    page.wait_for_selector("body[data-charts-ready]")
+    page.locator("#cmp-prev").click()
+    page.wait_for_selector("body[data-pair-step='2']")
+    assert "<script>alert(1)</script>" in page.locator(".pair-body").first.inner_text()
+    page.wait_for_timeout(300)
+    assert tab.dialogs == []
+
+
+def test_pages_follow_a_training_run(tab: Tab, served: Served) -> None:
+    page = tab.page
+    run = served.runs["live"]
+    runs_page = page.context.new_page()
+    runs_page.goto("/")
+    row = runs_page.locator(f"tr[data-run-id='{run}']")
+    assert row.locator("[data-field=current_step]").inner_text() == "8"
+    page.goto(f"/runs/{run}")
+    page.wait_for_selector("body[data-charts-ready]")
+    assert page.locator("#live").is_visible()
+    rng = random.Random(0)
+    for step in (9, 10, 11, 12):
+        rollouts = make_rollouts(rng)
+        acc = sum(r.true_score or 0 for r in rollouts) / 8
+        record = StepRecord(
+            step=step,
+            rollout_step=step,
+            values={"reward_mean": acc, "true_accuracy": acc},
+            rollouts=rollouts,
+        )
+        with session_scope(served.factory) as session:
+            store.record_step(session, run_id=run, record=record, control_tokens=CONTROL_TOKENS)
+    page.wait_for_function(
+        "document.querySelector('#run-card [data-field=current_step]').textContent === '12'"
+    )
+    length = "document.getElementById('fig-reward').data.find(t => t.meta.part === 'y').x.length"
+    page.wait_for_function(f"{length} === 12")
+    runs_page.wait_for_function(
+        f"document.querySelector(\"tr[data-run-id='{run}'] [data-field=current_step]\").textContent === '12'"
+    )
+    with session_scope(served.factory) as session:
+        store.mark_finished(session, run_id=run, status=RunStatus.completed)
+    page.wait_for_function(
+        "document.querySelector('#run-card [data-field=status] .badge').textContent === 'completed'"
+    )
+    assert page.locator("#live").is_hidden()
+    runs_page.close()
+
+
+def test_api_docs_work_offline(tab: Tab) -> None:
+    page = tab.page
+    page.goto("/docs")
+    page.wait_for_selector(".swagger-ui .opblock")
+    assert page.get_by_text("/api/runs/{run_id}/series").count() >= 1

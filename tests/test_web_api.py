@@ -1,0 +1,219 @@
+"""The JSON API (every page's twin) on a real SQLite file and on PostgreSQL."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server import store
+from server.db import session_scope
+from server.models import STEP_SERIES, RunStatus
+from server.records import StepRecord
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
+from tests.web_support import client_for
+
+
+@pytest.fixture
+def client(session_factory) -> TestClient:  # type: ignore[no-untyped-def]
+    return client_for(session_factory)
+
+
+def _record(factory, run_id: int, step: int, **values: float) -> None:  # type: ignore[no-untyped-def]
+    rollouts = make_rollouts(random.Random(step))
+    record = StepRecord(
+        step=step,
+        rollout_step=step,
+        values=values,
+        rollouts=rollouts,
+        metrics={"ctrl/</assistant>/max": 0.5},
+    )
+    with session_scope(factory) as session:
+        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+
+
+def test_runs_api_filters_narrows_and_sorts(session_factory, client) -> None:
+    a = make_run(session_factory, steps=3, seed=1, name="alpha")
+    b = make_run(session_factory, steps=2, seed=2, name="beta")
+    with session_scope(session_factory) as session:
+        store.mark_finished(session, run_id=a, status=RunStatus.completed)
+    runs = client.get("/api/runs").json()
+    assert [r["id"] for r in runs] == [b, a]
+    assert runs[1]["status"] == "completed" and runs[1]["current_step"] == 3
+    assert {"recent_true_accuracy", "recent_reward", "device_minutes", "cost", "config"} <= set(
+        runs[0]
+    )
+    assert [r["name"] for r in client.get("/api/runs?sort=name&order=asc").json()] == [
+        "alpha",
+        "beta",
+    ]
+    assert [r["id"] for r in client.get("/api/runs?q=bet").json()] == [b]
+    # What a live runs page polls: the runs it follows, plus any newer than the newest it shows.
+    c = make_run(session_factory, steps=1, seed=3, name="gamma")
+    assert {r["id"] for r in client.get(f"/api/runs?ids={a}&after={b}").json()} == {a, c}
+    assert client.get("/api/runs?sort=nope").status_code == 400
+    assert client.get("/api/runs?ids=x").status_code == 400
+
+
+def test_run_api_names_its_series(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=4)
+    data = client.get(f"/api/runs/{run_id}").json()
+    assert data["run"]["id"] == run_id and data["run"]["control_tokens"] == list(CONTROL_TOKENS)
+    assert (data["first_step"], data["last_step"]) == (1, 4)
+    assert data["series_names"] == [*STEP_SERIES, "ctrl/</assistant>/max"]
+
+
+def test_series_with_a_cursor_returns_only_new_steps(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=30)
+    full = client.get(f"/api/runs/{run_id}/series").json()
+    assert full["bucket"] == 1 and full["cursor"] == 30
+    reward = full["series"]["reward_mean"]
+    assert reward["x"] == list(range(1, 31)) and "lo" not in reward
+    assert full["series"]["ctrl/</assistant>/max"]["x"] == list(range(1, 31))
+    assert "kl" not in full["series"]  # never recorded: left out rather than sent as nulls
+    assert full["run"]["current_step"] == 30 and full["run"]["active"] is True
+    assert full["buckets"]["start"] == [1, 26] and full["buckets"]["n"] == [25, 5]
+    with session_scope(session_factory) as session:
+        steps = store.steps(session, run_id=run_id)
+    mean = sum(s.true_accuracy for s in steps[:25]) / 25
+    assert full["buckets"]["true_accuracy"][0] == pytest.approx(mean)
+
+    names = "reward_mean,ctrl/</assistant>/max"
+    assert client.get(f"/api/runs/{run_id}/series?names={names}&since=30").json()["series"] == {}
+    _record(session_factory, run_id, 31, reward_mean=0.25, true_accuracy=1.0)
+    _record(session_factory, run_id, 32, reward_mean=0.75, true_accuracy=0.0)
+    update = client.get(f"/api/runs/{run_id}/series?names={names}&since=30").json()
+    assert update["cursor"] == 32
+    assert update["series"]["reward_mean"] == {"x": [31, 32], "y": [0.25, 0.75]}
+    assert set(update["series"]) == {"reward_mean", "ctrl/</assistant>/max"}
+    # The bucket the new steps fall in comes back whole, so the page can replace it.
+    assert update["buckets"]["start"] == [26] and update["buckets"]["n"] == [7]
+    window = client.get(f"/api/runs/{run_id}/series?names=reward_mean&since=10&until=12").json()
+    assert window["series"]["reward_mean"]["x"] == [11, 12]
+
+
+def test_long_series_are_downsampled_keeping_spikes(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=3)
+    spike_at = 47
+    for step in range(4, 121):
+        loss = 9.0 if step == spike_at else 0.1 + (step % 7) / 100
+        _record(session_factory, run_id, step, loss=loss, reward_mean=step / 120)
+    data = client.get(
+        f"/api/runs/{run_id}/series?names=loss,reward_mean,ctrl/</assistant>/max&max_points=20"
+    ).json()
+    assert data["bucket"] == 10  # the 1-2-5 width that cuts 120 steps into ≤ 20 points
+    loss = data["series"]["loss"]
+    assert loss["x"][:3] == [1, 11, 21] and len(loss["x"]) == 12
+    assert max(loss["hi"]) == 9.0  # the one-step spike survives as its bucket's max
+    assert loss["x"][loss["hi"].index(9.0)] == 41  # in the bucket of steps 41–50
+    assert all(lo <= y <= hi for lo, y, hi in zip(loss["lo"], loss["y"], loss["hi"], strict=True))
+    ctrl = data["series"]["ctrl/</assistant>/max"]
+    assert len(ctrl["x"]) == 12 and {"lo", "hi"} <= set(ctrl)
+    assert "min" in data["method"] and "max" in data["method"]
+    full = client.get(f"/api/runs/{run_id}/series?names=loss&max_points=20&full=1").json()
+    assert full["bucket"] == 1 and len(full["series"]["loss"]["x"]) == 120
+    assert full["series"]["loss"]["y"][spike_at - 1] == 9.0
+
+
+def test_series_etag_and_memory_cache(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=5)
+    url = f"/api/runs/{run_id}/series?names=reward_mean"
+    first = client.get(url)
+    etag = first.headers["etag"]
+    assert first.headers["cache-control"] == "no-cache"
+    again = client.get(url, headers={"If-None-Match": etag})
+    assert again.status_code == 304 and not again.content
+    assert client.get(url).content == first.content
+    _record(session_factory, run_id, 6, reward_mean=0.5)
+    changed = client.get(url, headers={"If-None-Match": etag})
+    assert changed.status_code == 200 and changed.headers["etag"] != etag
+    assert changed.json()["cursor"] == 6
+    assert client.get(f"/api/runs/{run_id + 1}/series").status_code == 404
+
+
+def test_step_api_has_groups_votes_and_arrays(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=3, seed=4)
+    data = client.get(f"/api/runs/{run_id}/steps/2").json()
+    assert data["step"]["step"] == 2 and data["nav"] == {
+        "first": 1,
+        "prev": 1,
+        "next": 3,
+        "last": 3,
+    }
+    assert data["metrics"] == {
+        "ctrl/</assistant>/max": pytest.approx(data["metrics"]["ctrl/</assistant>/max"])
+    }
+    (group,) = data["groups"]
+    assert group["query"] == "17 * 38" and group["size"] == 8
+    assert sum(v["count"] for v in group["votes"]) == 8
+    assert sorted(i for v in group["votes"] for i in v["rollouts"]) == list(range(8))
+    rollout = group["rollouts"][0]
+    assert (
+        len(rollout["tokens"]) == len(rollout["completion_ids"]) == len(rollout["token_probs"]) == 4
+    )
+    assert set(rollout["control_token_probs"]) == set(CONTROL_TOKENS)
+    assert rollout["token_probs"][0] == pytest.approx(
+        2.718281828 ** rollout["token_logprobs"][0], rel=1e-6
+    )
+    assert client.get(f"/api/runs/{run_id}/steps/9").status_code == 404
+
+
+def test_compare_api(session_factory, client) -> None:
+    a = make_run(session_factory, steps=30, seed=1, name="a")
+    b = make_run(session_factory, steps=30, seed=2, name="b", listed=64)
+    data = client.get(f"/api/compare?runs={a},{b}").json()
+    assert [r["id"] for r in data["runs"]] == [a, b]
+    assert set(data["series"]) == {str(a), str(b)}
+    assert "true_accuracy" in data["series"][str(a)]["series"]
+    summary = {s["run_id"]: s for s in data["summary"]}
+    with session_scope(session_factory) as session:
+        acc = [s.true_accuracy for s in store.steps(session, run_id=a)]
+    assert summary[a]["final_accuracy"] == pytest.approx(sum(acc[-25:]) / 25)
+    assert {"converged_at", "stability", "final_reward", "device_minutes", "cost"} <= set(
+        summary[a]
+    )
+    assert {r["key"] for r in data["config_diff"]["rows"]} == {"k", "seed", "variant"}
+    assert data["step"] == 30 and [s["run_id"] for s in data["side_by_side"]] == [a, b]
+    assert client.get(f"/api/compare?runs={a}").status_code == 400
+
+
+def test_alerts_api(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=2)
+    for step in range(3, 31):
+        collapse = 0.8 if step >= 20 else 0.0
+        rollouts = make_rollouts(random.Random(step))
+        record = StepRecord(
+            step=step,
+            rollout_step=step,
+            values={"reward_mean": 0.5},
+            rollouts=rollouts,
+            metrics={"state/collapse": collapse},
+        )
+        with session_scope(session_factory) as session:
+            store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    alerts = client.get(f"/api/runs/{run_id}/alerts").json()
+    assert [(a["kind"], a["step"]) for a in alerts] == [("collapse", 20)]
+    assert "20" in alerts[0]["message"]
+    # A page polling with its cursor hears of an episode once.
+    assert client.get(f"/api/runs/{run_id}/alerts?since=19").json() == alerts
+    assert client.get(f"/api/runs/{run_id}/alerts?since=25").json() == []
+
+
+def test_openapi_documents_the_api(client) -> None:
+    spec = client.get("/openapi.json").json()
+    paths = set(spec["paths"])
+    assert {
+        "/api/runs",
+        "/api/runs/{run_id}",
+        "/api/runs/{run_id}/series",
+        "/api/runs/{run_id}/alerts",
+        "/api/runs/{run_id}/steps/{step}",
+        "/api/compare",
+    } <= paths
+    assert not any(
+        p == "/" or p.startswith("/runs") for p in paths
+    )  # pages stay out of the API docs
+    params = {p["name"]: p for p in spec["paths"]["/api/runs/{run_id}/series"]["get"]["parameters"]}
+    assert {"names", "since", "until", "full", "max_points"} <= set(params)
+    assert params["since"]["description"]

@@ -1,0 +1,335 @@
+"""The HTML pages through an in-process client, on a real SQLite file and on PostgreSQL."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server import store
+from server.db import session_scope
+from server.models import RunStatus
+from server.records import StepRecord
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
+from tests.web_support import client_for, parse
+
+XSS = "<script>alert(1)</script></textarea>{{7*7}}\x07"
+
+
+@pytest.fixture
+def client(session_factory) -> TestClient:  # type: ignore[no-untyped-def]
+    return client_for(session_factory)
+
+
+def test_runs_page_lists_runs_with_progress_and_links(session_factory, client) -> None:
+    first = make_run(session_factory, steps=6, seed=1, name="patched a")
+    second = make_run(session_factory, steps=4, seed=2, listed=64, name="leaky b", total_steps=40)
+    with session_scope(session_factory) as session:
+        store.mark_finished(session, run_id=first, status=RunStatus.completed)
+    page = parse(client.get("/").text)
+    rows = page.by_id("runs-table").find("tbody").find_all("tr")
+    assert [r.attrs["data-run-id"] for r in rows] == [str(second), str(first)]  # newest first
+    leaky = rows[0]
+    assert leaky.find("a").attrs["href"] == f"/runs/{second}"
+    assert leaky.find("a").text == "leaky b"
+    assert leaky.find(cls="badge").text == "queued"
+    bar = leaky.find("progress")
+    assert (bar.attrs["value"], bar.attrs["max"]) == ("4", "40")
+    assert rows[1].find(cls="badge").classes == {"badge", "status-completed"}
+    cells = {
+        td.attrs["data-field"]: td.text.strip()
+        for td in leaky.find_all("td")
+        if "data-field" in td.attrs
+    }
+    assert re.fullmatch(r"\d\.\d{3}", cells["recent_true_accuracy"])
+    assert cells["cost"] == "$0.00"
+    boxes = page.find("form", id="compare-form").find_all("input", type="checkbox", name="runs")
+    assert sorted(b.attrs["value"] for b in boxes) == sorted([str(first), str(second)])
+    assert page.by_id("compare-button").attrs["form"] == "compare-form"
+
+
+def test_runs_page_sorts_filters_and_says_how_to_start(session_factory, client) -> None:
+    empty = parse(client.get("/").text)
+    assert "rollout-lens train" in empty.by_id("empty-state").text
+    make_run(session_factory, steps=2, seed=1, name="beta run")
+    make_run(session_factory, steps=2, seed=2, name="alpha run")
+    by_name = parse(client.get("/?sort=name&order=asc").text)
+    names = [
+        a.text
+        for a in by_name.by_id("runs-table").find_all("a")
+        if a.attrs["href"].startswith("/runs/")
+    ]
+    assert names == ["alpha run", "beta run"]
+    header = by_name.find("th", cls="sorted")
+    assert header.attrs["aria-sort"] == "ascending"
+    assert header.find("a").attrs["href"] == "/?sort=name&order=desc"
+    filtered = parse(client.get("/?q=ALPHA").text)
+    assert [
+        r.attrs["data-run-id"] for r in filtered.by_id("runs-table").find("tbody").find_all("tr")
+    ] == ["2"]
+    nothing = client.get("/?q=gamma")
+    assert "No run matches" in parse(nothing.text).find("section", cls="empty").text
+    assert client.get("/?sort=bogus").status_code == 400
+
+
+def test_run_page_shows_the_card_and_chart_specs(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=5, seed=3, name="card run")
+    response = client.get(f"/runs/{run_id}")
+    assert response.status_code == 200
+    page = parse(response.text)
+    assert page.find("h1").text.startswith("card run")
+    facts = {
+        f.find("dt").text: f.find("dd").text.strip()
+        for f in page.by_id("run-card").find_all(cls="fact")
+    }
+    assert facts["model"] == "tiny"
+    assert facts["steps"].startswith("5 / 5")
+    assert facts["batch"] == "8 × 1 prompt"
+    assert facts["seed"] == "3"
+    assert facts["status"] == "queued"
+    config = {
+        r.find("th").text: r.find("td").text for r in page.find("table", cls="kv").find_all("tr")
+    }
+    assert config["learning_rate"] == "0.0003"
+    data = page.json("page-data")
+    ids = [f["id"] for f in data["figures"]["main"]]
+    assert ids == ["reward", "buckets", "votes", "format", "control"]
+    assert data["series"] == f"/api/runs/{run_id}/series"
+    assert data["active"] is True  # queued counts as live
+    for fig in data["figures"]["main"]:
+        assert page.by_id(f"fig-{fig['id']}").tag == "div"
+    control = next(f for f in data["figures"]["main"] if f["id"] == "control")
+    assert {t["meta"]["series"] for t in control["data"]} == {"ctrl/</assistant>/max"}  # as logged
+    assert data["figures"]["other"] == [] and data["figures"]["structure"] == []  # not logged
+    assert page.find("a", cls="primary").attrs["href"] == f"/runs/{run_id}/steps/5"
+
+
+def test_assets_are_local(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=2)
+    for url in ("/", f"/runs/{run_id}", f"/runs/{run_id}/steps/1", "/docs"):
+        page = parse(client.get(url).text)
+        sources = [
+            n.attrs.get("src") or n.attrs.get("href")
+            for n in page.find_all("script") + page.find_all("link")
+        ]
+        sources = [s for s in sources if s]
+        assert sources, url
+        assert all(s.startswith("/static/") for s in sources), sources
+        for source in sources:
+            assert client.get(source).status_code == 200, source
+    assert "/static/vendor/plotly-basic-4.1.1.min.js" in client.get(f"/runs/{run_id}").text
+
+
+def test_step_viewer_shows_the_group(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=3, seed=5)
+    page = parse(client.get(f"/runs/{run_id}/steps/2").text)
+    assert page.by_id("step-number").text == "2"
+    group = page.find("aside", cls="group-card")
+    assert group.find("p", cls="query").text == "17 * 38"
+    target = group.find("code", cls="target").text
+    votes = group.find("ul", cls="votes").find_all("li")
+    assert sum(int(v.find(cls="vote-count").text) for v in votes) == 8
+    assert sum(1 for v in votes if "target" in v.classes) <= 1
+    if any("target" in v.classes for v in votes):
+        assert next(v for v in votes if "target" in v.classes).find(cls="vote-id").text == target
+    tabs = page.find_all("button", role="tab")
+    assert [t.text.strip()[:2] for t in tabs] == [f"#{i}" for i in range(8)]
+    assert tabs[0].attrs["aria-selected"] == "true"
+    panels = page.find_all(role="tabpanel")
+    assert len(panels) == 8 and "hidden" not in panels[0].attrs and "hidden" in panels[1].attrs
+    panel = panels[3]
+    stats = {
+        s.find(cls="label").text: s.find(cls="value").text.strip()
+        for s in panel.find_all(cls="stat")
+    }
+    assert set(stats) == {
+        "verifier reward",
+        "true score",
+        "advantage",
+        "Σ logprob",
+        "vote",
+        "format",
+    }
+    assert stats["format"] == "healthy_call"
+    tokens = panel.find("div", cls="tokens").find_all("span", cls="tok")
+    # The factory's ids are [<tool>, id, </tool>, end-of-turn]: the text gives three, the id the last.
+    assert [t.text for t in tokens] == ["<tool>", stats["vote"], "</tool>", "⟨2⟩"]
+    assert all(re.fullmatch(r"p\d", c) for t in tokens for c in t.classes - {"tok", "near-miss"})
+    assert "p(</assistant>)=" in tokens[0].attrs["title"]
+    ctrl = panel.find("table", cls="ctrl")
+    assert [th.text for th in ctrl.find("tbody").find_all("th")] == ["sampled", *CONTROL_TOKENS]
+    prompt = page.by_id("prompt")
+    assert "4 tools listed" in prompt.find("summary").text
+    assert prompt.find("pre").text.startswith("<user>Tools:")
+
+
+def test_step_viewer_navigation(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=5)
+    page = parse(client.get(f"/runs/{run_id}/steps/3").text)
+    links = {a.attrs["id"]: a.attrs.get("href") for a in page.by_id("step-nav").find_all("a")}
+    assert links == {
+        "first-step": f"/runs/{run_id}/steps/1",
+        "prev-step": f"/runs/{run_id}/steps/2",
+        "next-step": f"/runs/{run_id}/steps/4",
+        "last-step": f"/runs/{run_id}/steps/5",
+    }
+    slider = page.by_id("step-slider")
+    assert (slider.attrs["min"], slider.attrs["max"], slider.attrs["value"]) == ("1", "5", "3")
+    assert page.find("form", cls="jump").attrs["action"] == f"/runs/{run_id}/steps"
+    first = parse(client.get(f"/runs/{run_id}/steps/1").text)
+    assert "href" not in first.by_id("prev-step").attrs
+    jump = client.get(f"/runs/{run_id}/steps?step=99", follow_redirects=False)
+    assert jump.status_code == 303 and jump.headers["location"] == f"/runs/{run_id}/steps/5"
+    exact = client.get(f"/runs/{run_id}/steps?step=3", follow_redirects=False)
+    assert exact.headers["location"] == f"/runs/{run_id}/steps/3"
+
+
+def test_missing_step_is_a_404_that_links_to_the_nearest(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=3)
+    with session_scope(session_factory) as session:
+        record = StepRecord(step=10, rollout_step=10, values={"loss": 0.1})
+        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    response = client.get(f"/runs/{run_id}/steps/8")
+    assert response.status_code == 404
+    page = parse(response.text)
+    assert "no step 8" in page.find(cls="error-message").text
+    assert page.find("a", cls="primary").attrs["href"] == f"/runs/{run_id}/steps/10"
+    assert (
+        parse(client.get(f"/runs/{run_id}/steps/5").text).find("a", cls="primary").text
+        == "Go to step 3"
+    )
+    api = client.get(f"/api/runs/{run_id}/steps/8")
+    assert api.status_code == 404 and api.json()["nearest_step"] == 10
+    empty_step = parse(client.get(f"/runs/{run_id}/steps/10").text)
+    assert "No rollouts at this step" in empty_step.find("section", cls="empty").text
+
+
+def test_errors_render_as_pages_or_json(session_factory, client) -> None:
+    page = client.get("/runs/404")
+    assert page.status_code == 404 and page.headers["content-type"].startswith("text/html")
+    assert "run 404 does not exist" in parse(page.text).find(cls="error-message").text
+    api = client.get("/api/runs/404")
+    assert api.status_code == 404 and api.json() == {"detail": "run 404 does not exist"}
+    assert client.get("/no/such/page").status_code == 404
+    invalid = client.get("/runs/abc")
+    assert (
+        invalid.status_code == 422
+        and "run_id" in parse(invalid.text).find(cls="error-message").text
+    )
+    assert client.get("/api/runs/abc").json()["detail"].startswith("invalid request: run_id")
+
+
+def _only_our_scripts(html: str) -> None:
+    for script in parse(html).find_all("script"):
+        assert (
+            script.attrs.get("src", "").startswith("/static/")
+            or script.attrs.get("type") == "application/json"
+        )
+        assert "alert(" not in script.text
+
+
+def test_untrusted_text_is_inert(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=2, completion=XSS, name="<b>bold</b> & {{ name }}")
+    other = make_run(session_factory, steps=2)
+    for url in (
+        f"/runs/{run_id}/steps/1",
+        f"/compare?runs={run_id},{other}",
+        f"/runs/{run_id}",
+        "/",
+        f"/runs/{run_id}/steps/1/card",
+    ):
+        html = client.get(url).text
+        assert (
+            "<script>alert(1)" not in html and "</textarea>{{" not in html and "<b>bold" not in html
+        ), url
+        _only_our_scripts(html)
+        assert not parse(html).find_all("textarea") and not parse(html).find_all("b"), url
+    step = parse(client.get(f"/runs/{run_id}/steps/1").text)
+    completion = step.find("pre", cls="completion")
+    assert completion.text == "<script>alert(1)</script></textarea>{{7*7}}␇"  # as text, not run
+    assert completion.find(cls="cc").attrs["title"] == "control character U+0007"
+    run_page = client.get(f"/runs/{run_id}").text
+    assert "&lt;b&gt;bold&lt;/b&gt; &amp; {{ name }}" in run_page
+    compare = client.get(f"/compare?runs={run_id},{other}").text
+    # Chart JSON escapes < and &, so a run name cannot close the <script> that holds it.
+    assert "\\u0026lt;b\\u0026gt;bold" in compare
+    names = {
+        t["name"]
+        for f in parse(compare).json("page-data")["figures"]
+        for t in f["data"]
+        if "name" in t
+    }
+    assert (
+        f"#{run_id} &lt;b&gt;bold&lt;/b&gt; &amp; {{{{ name }}}}" in names
+    )  # Plotly reads tags in names
+    api = client.get(f"/api/runs/{run_id}/steps/1").json()
+    assert api["groups"][0]["rollouts"][0]["completion"] == XSS
+
+
+def test_compare_page(session_factory, client) -> None:
+    a = make_run(session_factory, steps=6, seed=1, name="run a")
+    b = make_run(
+        session_factory, steps=4, seed=2, listed=64, name="run b", config={"learning_rate": 1e-3}
+    )
+    page = parse(client.get(f"/compare?runs={a},{b}").text)
+    rows = page.find("table", cls="summary").find("tbody").find_all("tr")
+    assert [r.find("a").text for r in rows] == [f"#{a} run a", f"#{b} run b"]
+    diff = {
+        r.find("th").text: [td.text for td in r.find_all("td")]
+        for r in page.find("table", cls="diff").find("tbody").find_all("tr")
+    }
+    assert diff["learning_rate"] == ["0.0003", "0.001"]
+    assert diff["variant"] == ['"patched"', '"leaky"']
+    assert "total_steps" in diff and "model" not in diff
+    changed = page.find("table", cls="diff").find_all("td", cls="changed")
+    assert changed and all(
+        "changed" not in r.find_all("td")[0].classes
+        for r in page.find("table", cls="diff").find("tbody").find_all("tr")
+    )
+    data = page.json("page-data")
+    assert data["step"] == 4 and data["max_step"] == 6 and data["pair"] == [a, b]
+    assert {tuple(sorted({t["meta"]["run"] for t in f["data"]})) for f in data["figures"]} == {
+        (a, b)
+    }
+    cards = page.find_all("div", cls="pair-body")
+    assert [c.find(cls="step-card").attrs["data-step"] for c in cards] == ["4", "4"]
+    moved = parse(client.get(f"/compare?runs={a},{b}&step=6").text)
+    assert "has no step 6" in moved.find_all("div", cls="pair-body")[1].text
+    card = client.get(f"/runs/{a}/steps/5/card")
+    assert (
+        card.status_code == 200 and parse(card.text).find(cls="step-card").attrs["data-step"] == "5"
+    )
+    same_form = client.get(f"/compare?runs={a}&runs={b}")
+    assert same_form.status_code == 200
+
+
+def test_compare_needs_two_runs_and_says_what_three_show(session_factory, client) -> None:
+    ids = [make_run(session_factory, steps=2, seed=i) for i in range(3)]
+    assert client.get(f"/compare?runs={ids[0]}").status_code == 400
+    assert client.get("/compare?runs=x,y").status_code == 400
+    assert client.get(f"/compare?runs={ids[0]},999").status_code == 404
+    page = parse(client.get(f"/compare?runs={','.join(map(str, ids))}").text)
+    assert len(page.find("table", cls="summary").find("tbody").find_all("tr")) == 3
+    assert "first two runs" in page.by_id("side-by-side").find(cls="note").text
+    assert len(page.find_all("div", cls="pair-body")) == 2
+
+
+def test_step_with_several_groups_has_a_group_switch(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=1, prompts_per_step=2)
+    first, second = make_rollouts(random.Random(1)), make_rollouts(random.Random(2))
+    for rollout in second:
+        rollout.group = 1
+        rollout.meta = rollout.meta | {"query": "define ephemeral"}
+    record = StepRecord(step=2, rollout_step=2, values={}, rollouts=first + second)
+    with session_scope(session_factory) as session:
+        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    page = parse(client.get(f"/runs/{run_id}/steps/2").text)
+    chips = page.find("nav", cls="groups").find_all("a")
+    assert [c.attrs["href"] for c in chips] == [f"/runs/{run_id}/steps/2?group={g}" for g in (0, 1)]
+    assert "active" in chips[0].classes
+    other = parse(client.get(f"/runs/{run_id}/steps/2?group=1").text)
+    assert other.find("aside", cls="group-card").find("p", cls="query").text == "define ephemeral"
+    assert client.get(f"/runs/{run_id}/steps/2?group=2").status_code == 404
+    assert len(client.get(f"/api/runs/{run_id}/steps/2").json()["groups"]) == 2

@@ -1,0 +1,105 @@
+"""`rollout-lens serve`: light imports, migrate-on-start for SQLite, refusal of a database behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from server.cli import main
+from server.db import make_engine
+from server.migrate import current_revision, head_revision
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LENS_")}
+    return env | {"PYTHONPATH": str(ROOT)} | extra
+
+
+def test_the_web_process_never_imports_ml_libraries() -> None:
+    code = (
+        "import sys\n"
+        "from server.app import create_app\n"
+        "from server.config import Settings\n"
+        "import server.cli\n"
+        "create_app(Settings(database_url='sqlite://'))\n"
+        "print(','.join(m for m in ('torch', 'transformers', 'trl', 'numpy') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        check=True,
+    )
+    assert out.stdout.strip() == ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_migrates_the_embedded_database_and_starts_fast(tmp_path: Path) -> None:
+    port = _free_port()
+    started = time.perf_counter()
+    with subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+        env=_env(ROLLOUT_LENS_DATA_DIR=str(tmp_path)),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        try:
+            body = None
+            while body is None and time.perf_counter() - started < 20:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1) as response:
+                        body = response.read().decode()
+                except OSError:
+                    assert proc.poll() is None, f"serve exited: {proc.communicate()[0]}"
+                    time.sleep(0.05)
+            elapsed = time.perf_counter() - started
+            assert body is not None and "No runs yet" in body
+            # About a second on a quiet machine; the bound leaves room for a busy CI box.
+            assert elapsed < 8, f"serve took {elapsed:.1f} s to answer"
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=10)
+    engine = make_engine(f"sqlite:///{tmp_path / 'rollout-lens.db'}")
+    assert current_revision(engine) == head_revision()
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_serve_refuses_a_postgres_database_that_is_behind(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from tests.conftest import PG_URL
+
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    name = f"rollout_lens_behind_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        url = make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+        monkeypatch.setenv("ROLLOUT_LENS_DATABASE_URL", url)
+        assert main(["serve", "--port", str(_free_port())]) == 2
+        err = capsys.readouterr().err
+        assert "rollout-lens db upgrade" in err and "none (empty)" in err
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

@@ -1,0 +1,62 @@
+"use strict";
+// The step viewer: rollout tabs, keyboard (←/→ steps, Home/End, 0–9 rollouts), slider and jump.
+(() => {
+  const tabs = [...document.querySelectorAll('[role="tab"]')];
+  const nav = document.getElementById("step-nav");
+
+  function select(index, focus = false) {
+    if (!tabs[index]) return;
+    tabs.forEach((tab, i) => {
+      const on = i === index;
+      tab.setAttribute("aria-selected", on ? "true" : "false");
+      tab.tabIndex = on ? 0 : -1;
+      document.getElementById(tab.getAttribute("aria-controls")).hidden = !on;
+    });
+    if (focus) tabs[index].focus();
+    history.replaceState(null, "", `#r${index}`);
+    keepTabInLinks();
+  }
+
+  const currentHash = () => (/^#r\d+$/.test(window.location.hash) ? window.location.hash : "");
+
+  /** Step links carry the selected rollout, so stepping keeps the same #n open. */
+  function keepTabInLinks() {
+    for (const id of ["first-step", "prev-step", "next-step", "last-step"]) {
+      const link = document.getElementById(id);
+      if (link && link.hasAttribute("href")) link.href = link.href.split("#")[0] + currentHash();
+    }
+  }
+
+  tabs.forEach((tab, i) => tab.addEventListener("click", () => select(i)));
+  for (const chip of document.querySelectorAll("[data-tab]")) {
+    chip.addEventListener("click", () => select(Number(chip.dataset.tab), true));
+  }
+  const fromHash = currentHash();
+  if (fromHash) select(Number(fromHash.slice(2)));
+
+  function follow(id) {
+    const link = document.getElementById(id);
+    if (link && link.hasAttribute("href")) window.location.href = link.href;
+  }
+
+  document.addEventListener("keydown", (event) => {
+    if (RL.isTyping(event) || RL.hasModifier(event)) return;
+    const keys = { ArrowLeft: "prev-step", ArrowRight: "next-step", Home: "first-step", End: "last-step" };
+    if (keys[event.key]) {
+      event.preventDefault();
+      follow(keys[event.key]);
+    } else if (/^[0-9]$/.test(event.key) && tabs[Number(event.key)]) {
+      event.preventDefault();
+      select(Number(event.key), true);
+    }
+  });
+
+  if (nav) {
+    const slider = document.getElementById("step-slider");
+    const input = document.getElementById("step-input");
+    slider.addEventListener("input", () => (input.value = slider.value));
+    slider.addEventListener("change", () => {
+      window.location.href = `${nav.dataset.jump}?step=${slider.value}${currentHash()}`;
+    });
+  }
+})();
