@@ -13,6 +13,12 @@ from server import analysis
 
 Series = Sequence[tuple[int, float | None]]
 
+# Probes whose rise means a control token is winning at the wrong place. Not the others: the
+# opening tag first, the closing tag after the id and end-of-turn after the closing tag are ~1 in
+# every healthy call, and a control token's max over all positions is ~1 wherever it legitimately
+# ends the reply.
+SPIKE_PROBES = ("probe/eot_after_open/mean",)
+
 
 @dataclass(frozen=True)
 class AlertThresholds:
@@ -145,9 +151,7 @@ def evaluate(series: Mapping[str, Series], t: AlertThresholds) -> list[Alert]:
     """Every alert for a run's series, ordered by step."""
     alerts: list[Alert] = []
     for name, values in series.items():
-        # Positional probes only: a control token's max over all positions is ~1 wherever it
-        # legitimately ends the reply, so it cannot tell a spike at the wrong place.
-        if name.startswith("probe/") and name.endswith("/mean"):
+        if name in SPIKE_PROBES:
             alerts += control_token_spikes(name, values, t)
     if "state/collapse" in series:
         alerts += collapse(series["state/collapse"], t)

@@ -29,8 +29,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.config import Settings
 from server.db import make_engine, make_session_factory
 from server.deps import render
-from server.errors import DatabaseBehind, InvalidInput, NotFound, RolloutLensError
-from server.queries import StepNotFound
+from server.errors import (
+    DatabaseBehind,
+    InvalidInput,
+    NotFound,
+    RolloutLensError,
+    StepNotFound,
+)
 from server.routes import api, pages
 from server.routes.cache import ResponseCache
 from server.viewer import prob_text

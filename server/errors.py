@@ -13,6 +13,15 @@ class NotFound(RolloutLensError):
     """A run or step that does not exist."""
 
 
+class StepNotFound(NotFound):
+    """A step that was not recorded; names the nearest recorded one for the 404 page."""
+
+    def __init__(self, *, run_id: int, step: int, nearest: int | None) -> None:
+        hint = f"; the nearest recorded step is {nearest}" if nearest is not None else ""
+        super().__init__(f"run {run_id} has no step {step}{hint}")
+        self.run_id, self.step, self.nearest = run_id, step, nearest
+
+
 class InvalidInput(RolloutLensError):
     """Input that fails validation."""
 

@@ -16,19 +16,9 @@ from sqlalchemy.orm import Session
 
 from server import charts, store, viewer
 from server.alerts import AlertThresholds, evaluate
-from server.errors import InvalidInput, NotFound
+from server.errors import InvalidInput, NotFound, StepNotFound
 from server.models import STEP_SERIES, Metric, Prompt, Rollout, Run, Step
 from server.serialize import rollout_dict, run_dict, step_dict
-
-
-class StepNotFound(NotFound):
-    """A step that was not recorded; names the nearest recorded one for the 404 page."""
-
-    def __init__(self, *, run_id: int, step: int, nearest: int | None) -> None:
-        hint = f"; the nearest recorded step is {nearest}" if nearest is not None else ""
-        super().__init__(f"run {run_id} has no step {step}{hint}")
-        self.run_id, self.step, self.nearest = run_id, step, nearest
-
 
 # --- runs ---------------------------------------------------------------------------------------
 

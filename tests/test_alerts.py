@@ -56,3 +56,12 @@ def test_alert_rules(series: dict, expected: list[tuple[str, int]]) -> None:  # 
 def test_missing_values_are_skipped() -> None:
     series = {"state/collapse": [(1, None), (2, 0.9), (3, None), (4, 0.9)]}
     assert [(a.kind, a.step) for a in evaluate(series, T)] == [("collapse", 2)]
+
+
+def test_probes_that_are_high_in_a_healthy_call_do_not_fire() -> None:
+    healthy = _series([0.0] * 5 + [0.99] * 20)
+    series = {
+        f"probe/{name}/mean": healthy
+        for name in ("open_first", "close_after_id", "eot_after_close")
+    }
+    assert evaluate(series, T) == []
