@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (Python 3.11+ with venv):
-#   make run    install into .venv and start Rollout Lens on the embedded default
+#   make run    install into .venv and start the dashboard on the embedded default
 #   make test   build a fresh virtual environment from pyproject.toml and run every test
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: $(VENV)/.installed
-	$(VENV)/bin/rollout-lens train --variant patched --steps 150
+	$(VENV)/bin/rollout-lens serve
 
 test:
 	rm -rf $(TEST_VENV)
