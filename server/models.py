@@ -187,3 +187,27 @@ class Metric(Base):
     step: Mapped[int] = mapped_column(Integer)
     name: Mapped[str] = mapped_column(String(200))
     value: Mapped[float | None] = mapped_column(Float)
+
+
+ROLLUP_WIDTHS = (10, 100, 1000)  # steps per bucket: a chart of any run length reads few rows
+
+
+class SeriesRollup(Base):
+    """Per-bucket count, sum, min and max of each series, kept current by every step write.
+
+    Reading a long run's chart then costs at most a few hundred rows per series, whatever the
+    run's length; min and max keep one-step spikes visible.
+    """
+
+    __tablename__ = "series_rollups"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    width: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True)  # (step - 1) // width
+    n: Mapped[int] = mapped_column(Integer)
+    total: Mapped[float] = mapped_column(Float)
+    lo: Mapped[float] = mapped_column(Float)
+    hi: Mapped[float] = mapped_column(Float)
+    first_step: Mapped[int] = mapped_column(Integer)
+    last_step: Mapped[int] = mapped_column(Integer)

@@ -8,13 +8,24 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, delete, func, select, update
+from sqlalchemy import Select, delete, func, literal, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from server.errors import InvalidState, NotFound
-from server.models import STEP_SERIES, Metric, Prompt, Rollout, Run, RunStatus, Step, utcnow
+from server.models import (
+    ROLLUP_WIDTHS,
+    STEP_SERIES,
+    Metric,
+    Prompt,
+    Rollout,
+    Run,
+    RunStatus,
+    SeriesRollup,
+    Step,
+    utcnow,
+)
 from server.packing import pack_floats, pack_ints, pack_matrix
 from server.records import StepRecord
 
@@ -204,7 +215,159 @@ def record_step(
                 for name, value in record.metrics.items()
             ],
         )
+    rollup_values = {name: v for name, v in values.items() if v is not None}
+    rollup_values.update(
+        {
+            name: v
+            for name, v in ((n, _finite(x)) for n, x in record.metrics.items())
+            if v is not None
+        }
+    )
+    _roll_up(session, run_id=run_id, step=record.step, values=rollup_values)
     _refresh_summary(session, run_id=run_id, step=record.step)
+
+
+def _least_greatest(session: Session) -> tuple[Any, Any]:
+    """Two-argument min and max: SQLite's scalar min()/max(), PostgreSQL's least()/greatest()."""
+    if session.get_bind().dialect.name == "sqlite":
+        return func.min, func.max
+    return func.least, func.greatest
+
+
+def _roll_up(session: Session, *, run_id: int, step: int, values: dict[str, float]) -> None:
+    """Fold one step's values into each rollup width's bucket (one upsert statement)."""
+    if not values:
+        return
+    least, greatest = _least_greatest(session)
+    rows = [
+        {
+            "run_id": run_id,
+            "name": name,
+            "width": width,
+            "bucket": (step - 1) // width,
+            "n": 1,
+            "total": value,
+            "lo": value,
+            "hi": value,
+            "first_step": step,
+            "last_step": step,
+        }
+        for name, value in values.items()
+        for width in ROLLUP_WIDTHS
+    ]
+    table = SeriesRollup.__table__
+    statement = _insert(session, SeriesRollup).values(rows)
+    new = statement.excluded
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=["run_id", "name", "width", "bucket"],
+            set_={
+                "n": table.c.n + new.n,
+                "total": table.c.total + new.total,
+                "lo": least(table.c.lo, new.lo),
+                "hi": greatest(table.c.hi, new.hi),
+                "first_step": least(table.c.first_step, new.first_step),
+                "last_step": greatest(table.c.last_step, new.last_step),
+            },
+        )
+    )
+
+
+def _rebuild_rollups(session: Session, *, run_id: int, after_step: int) -> None:
+    """Recompute the rollup buckets that held steps after `after_step` from the raw rows left."""
+    table = SeriesRollup.__table__
+    columns = [
+        "run_id",
+        "name",
+        "width",
+        "bucket",
+        "n",
+        "total",
+        "lo",
+        "hi",
+        "first_step",
+        "last_step",
+    ]
+    for width in ROLLUP_WIDTHS:
+        first_bucket = after_step // width
+        session.execute(
+            delete(SeriesRollup).where(
+                SeriesRollup.run_id == run_id,
+                SeriesRollup.width == width,
+                SeriesRollup.bucket >= first_bucket,
+            )
+        )
+        lowest = first_bucket * width + 1
+        bucket = (Step.step - 1) // width
+        for name in STEP_SERIES:
+            column = getattr(Step, name)
+            source = (
+                select(
+                    Step.run_id,
+                    literal(name),
+                    literal(width),
+                    bucket,
+                    func.count(column),
+                    func.sum(column),
+                    func.min(column),
+                    func.max(column),
+                    func.min(Step.step),
+                    func.max(Step.step),
+                )
+                .where(Step.run_id == run_id, Step.step >= lowest, column.is_not(None))
+                .group_by(Step.run_id, bucket)
+            )
+            session.execute(table.insert().from_select(columns, source))
+        metric_bucket = (Metric.step - 1) // width
+        source = (
+            select(
+                Metric.run_id,
+                Metric.name,
+                literal(width),
+                metric_bucket,
+                func.count(Metric.value),
+                func.sum(Metric.value),
+                func.min(Metric.value),
+                func.max(Metric.value),
+                func.min(Metric.step),
+                func.max(Metric.step),
+            )
+            .where(Metric.run_id == run_id, Metric.step >= lowest, Metric.value.is_not(None))
+            .group_by(Metric.run_id, Metric.name, metric_bucket)
+        )
+        session.execute(table.insert().from_select(columns, source))
+
+
+def rollup_series(
+    session: Session, *, run_id: int, names: Sequence[str], width: int, since: int = 0
+) -> dict[str, list[tuple[int, int, int, float, float, float]]]:
+    """Buckets of `width` steps: name → [(first_step, last_step, n, mean, lo, hi)] by step.
+
+    Buckets that end after `since` are returned whole, so a live chart can replace the bucket it
+    last drew.
+    """
+    query = (
+        select(
+            SeriesRollup.name,
+            SeriesRollup.first_step,
+            SeriesRollup.last_step,
+            SeriesRollup.n,
+            SeriesRollup.total,
+            SeriesRollup.lo,
+            SeriesRollup.hi,
+        )
+        .where(
+            SeriesRollup.run_id == run_id,
+            SeriesRollup.width == width,
+            SeriesRollup.name.in_(names),
+            SeriesRollup.last_step > since,
+        )
+        .order_by(SeriesRollup.name, SeriesRollup.bucket)
+    )
+    out: dict[str, list[tuple[int, int, int, float, float, float]]] = {}
+    for name, first, last, n, total, lo, hi in session.execute(query):
+        out.setdefault(name, []).append((first, last, n, total / n, lo, hi))
+    return out
 
 
 def _refresh_summary(session: Session, *, run_id: int, step: int) -> None:
@@ -359,6 +522,7 @@ def truncate_after(session: Session, *, run_id: int, step: int) -> None:
     """Delete what was recorded after `step` (before resuming from a checkpoint at `step`)."""
     for model in (Rollout, Metric, Step):
         session.execute(delete(model).where(model.run_id == run_id, model.step > step))
+    _rebuild_rollups(session, run_id=run_id, after_step=step)
     session.execute(update(Run).where(Run.id == run_id).values(current_step=step))
     if step > 0:
         _refresh_summary(session, run_id=run_id, step=step)

@@ -37,3 +37,45 @@ def test_sqlite_pragmas(sqlite_url) -> None:
         assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
         assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 1234
     engine.dispose()
+
+
+def test_rollup_migration_backfills_existing_runs(sqlite_url) -> None:
+    engine = make_engine(sqlite_url)
+    upgrade(engine, "0002")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO runs (id, name, status, model, group_size, prompts_per_step, seed, total_steps,"
+                " config, control_tokens, created_at, device_seconds, cost, current_step, cancel_requested)"
+                " VALUES (1, 'old', 'completed', 'tiny', 8, 1, 0, 25, '{}', '[]', '2026-01-01', 0, 0, 25, 0)"
+            )
+        )
+        for step in range(1, 26):
+            conn.execute(
+                text(
+                    "INSERT INTO steps (run_id, step, rollout_step, recorded_at, true_accuracy)"
+                    " VALUES (1, :s, :s, '2026-01-01', :v)"
+                ),
+                {"s": step, "v": step / 100},
+            )
+            conn.execute(
+                text("INSERT INTO metrics (run_id, step, name, value) VALUES (1, :s, 'x', :v)"),
+                {"s": step, "v": float(step)},
+            )
+    upgrade(engine)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT name, bucket, n, total, lo, hi, first_step, last_step FROM series_rollups"
+                " WHERE width = 10 ORDER BY name, bucket"
+            )
+        ).all()
+    assert [tuple(r) for r in rows] == [
+        ("true_accuracy", 0, 10, pytest.approx(0.55), 0.01, 0.1, 1, 10),
+        ("true_accuracy", 1, 10, pytest.approx(1.55), 0.11, 0.2, 11, 20),
+        ("true_accuracy", 2, 5, pytest.approx(1.15), 0.21, 0.25, 21, 25),
+        ("x", 0, 10, 55.0, 1.0, 10.0, 1, 10),
+        ("x", 1, 10, 155.0, 11.0, 20.0, 11, 20),
+        ("x", 2, 5, 115.0, 21.0, 25.0, 21, 25),
+    ]
+    engine.dispose()

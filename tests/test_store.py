@@ -10,7 +10,16 @@ from sqlalchemy.exc import IntegrityError
 
 from server import store
 from server.db import session_scope
-from server.models import Metric, Prompt, Rollout, RunStatus, Step
+from server.models import (
+    ROLLUP_WIDTHS,
+    STEP_SERIES,
+    Metric,
+    Prompt,
+    Rollout,
+    RunStatus,
+    SeriesRollup,
+    Step,
+)
 from server.records import StepRecord
 from server.serialize import rollout_dict
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
@@ -77,7 +86,10 @@ def test_nan_is_stored_as_null_and_series_read_back(session_factory) -> None:
     run_id = make_run(session_factory, steps=1)
     with session_scope(session_factory) as session:
         record = StepRecord(
-            step=2, rollout_step=2, values={"loss": float("nan")}, metrics={"kl": float("inf"), "y": 2.0}
+            step=2,
+            rollout_step=2,
+            values={"loss": float("nan")},
+            metrics={"kl": float("inf"), "y": 2.0},
         )
         store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
     with session_scope(session_factory) as session:
@@ -89,7 +101,9 @@ def test_nan_is_stored_as_null_and_series_read_back(session_factory) -> None:
 def test_status_transitions_and_cost(session_factory) -> None:
     run_id = make_run(session_factory, steps=1)
     with session_scope(session_factory) as session:
-        store.mark_running(session, run_id=run_id, worker_host="h", device="cpu", control_tokens=["a"])
+        store.mark_running(
+            session, run_id=run_id, worker_host="h", device="cpu", control_tokens=["a"]
+        )
         store.add_device_time(session, run_id=run_id, seconds=1800, price_per_hour=2.0)
     with session_scope(session_factory) as session:
         run = store.get_run(session, run_id=run_id)
@@ -115,3 +129,77 @@ def test_deleting_a_run_cascades(engine, session_factory) -> None:
     with session_scope(session_factory) as session:
         assert session.scalar(select(func.count()).select_from(Rollout)) == 0
         assert session.scalar(select(func.count()).select_from(Step)) == 0
+
+
+def _rollups_from_raw(session, run_id: int, width: int) -> dict:  # type: ignore[no-untyped-def]
+    """What the rollups must hold, computed in Python from the raw rows."""
+    expected: dict = {}
+    values = [
+        (s.step, name, getattr(s, name))
+        for s in store.steps(session, run_id=run_id)
+        for name in STEP_SERIES
+    ]
+    values += [
+        (step, name, v)
+        for name, pts in store.metric_series(session, run_id=run_id).items()
+        for step, v in pts
+    ]
+    for step, name, value in values:
+        if value is None:
+            continue
+        n, total, lo, hi, first, last = expected.get(
+            (name, (step - 1) // width), (0, 0.0, value, value, step, step)
+        )
+        expected[(name, (step - 1) // width)] = (
+            n + 1,
+            total + value,
+            min(lo, value),
+            max(hi, value),
+            min(first, step),
+            max(last, step),
+        )
+    return expected
+
+
+def _rollups(session, run_id: int, width: int) -> dict:  # type: ignore[no-untyped-def]
+    rows = session.scalars(
+        select(SeriesRollup).where(SeriesRollup.run_id == run_id, SeriesRollup.width == width)
+    )
+    return {(r.name, r.bucket): (r.n, r.total, r.lo, r.hi, r.first_step, r.last_step) for r in rows}
+
+
+def _same(a: dict, b: dict) -> bool:  # type: ignore[type-arg]
+    return a.keys() == b.keys() and all(
+        x == pytest.approx(y) for k in a for x, y in zip(a[k], b[k], strict=True)
+    )
+
+
+def test_rollups_are_kept_current_and_rebuilt_after_truncation(session_factory) -> None:
+    run_id = make_run(session_factory, steps=34)
+    with session_scope(session_factory) as session:
+        for width in ROLLUP_WIDTHS:
+            assert _same(
+                _rollups(session, run_id, width), _rollups_from_raw(session, run_id, width)
+            )
+        series = store.rollup_series(session, run_id=run_id, names=["true_accuracy"], width=10)[
+            "true_accuracy"
+        ]
+        assert [(first, last, n) for first, last, n, *_ in series] == [
+            (1, 10, 10),
+            (11, 20, 10),
+            (21, 30, 10),
+            (31, 34, 4),
+        ]
+        assert [
+            b[0]
+            for b in store.rollup_series(
+                session, run_id=run_id, names=["loss"], width=10, since=25
+            )["loss"]
+        ] == [21, 31]
+        store.truncate_after(session, run_id=run_id, step=17)
+    with session_scope(session_factory) as session:
+        assert store.last_step(session, run_id=run_id) == 17
+        for width in ROLLUP_WIDTHS:
+            assert _same(
+                _rollups(session, run_id, width), _rollups_from_raw(session, run_id, width)
+            )
