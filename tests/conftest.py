@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
@@ -46,7 +47,9 @@ def pg_engine(pg_database_url: str) -> Iterator[Engine]:
 
 def _truncate_pg(engine: Engine) -> None:
     with engine.begin() as conn:
-        conn.execute(text("TRUNCATE runs, steps, rollouts, metrics, prompts RESTART IDENTITY CASCADE"))
+        conn.execute(
+            text("TRUNCATE runs, steps, rollouts, metrics, prompts RESTART IDENTITY CASCADE")
+        )
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -72,3 +75,24 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 def sqlite_url(tmp_path) -> str:  # type: ignore[no-untyped-def]
     """An SQLite file URL, not yet created."""
     return f"sqlite:///{tmp_path / 'rollout-lens.db'}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built tiny model: cached under ROLLOUT_LENS_MODEL_CACHE_DIR if set, else per session."""
+    from trainer.tiny_model import ensure_tiny_model
+
+    cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
+    return ensure_tiny_model(Path(cache) if cache else tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture
+def train_settings(tmp_path: Path, tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    """Settings for training into a fresh, migrated SQLite file with the cached tiny model."""
+    from server.config import Settings
+
+    settings = Settings(data_dir=tmp_path, model_cache_dir=tiny_model_dir.parent)
+    engine = make_engine(settings.database_url)
+    upgrade(engine)
+    engine.dispose()
+    return settings

@@ -90,10 +90,38 @@ def make_run(
         record = StepRecord(
             step=step,
             rollout_step=step,
-            values={"reward_mean": acc, "true_accuracy": acc, "loss": rng.random(), "wall_time": 0.05},
+            values={
+                "reward_mean": acc,
+                "true_accuracy": acc,
+                "loss": rng.random(),
+                "wall_time": 0.05,
+            },
             rollouts=rollouts,
             metrics={"ctrl/</assistant>/max": rng.random()},
         )
         with session_scope(factory) as session:
             store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
     return run_id
+
+
+def load_run(database_url: str, run_id: int):  # type: ignore[no-untyped-def]
+    """A recorded run read back: (run, rollout dicts, steps, metric series)."""
+    from server.db import make_engine, make_session_factory
+    from server.serialize import rollout_dict
+
+    engine = make_engine(database_url)
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            run = store.get_run(session, run_id=run_id)
+            tokens = list(run.control_tokens)
+            rows = [
+                rollout_dict(r, p, tokens) for r, p in store.iter_rollouts(session, run_id=run_id)
+            ]
+            return (
+                run,
+                rows,
+                store.steps(session, run_id=run_id),
+                store.metric_series(session, run_id=run_id),
+            )
+    finally:
+        engine.dispose()

@@ -4,40 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from server import store
 from server.config import Settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.migrate import upgrade
-from server.serialize import rollout_dict
+from tests.factories import load_run
 from trainer.config import RunConfig
 from trainer.run import train
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def settings(tmp_path, tiny_model_dir) -> Settings:  # type: ignore[no-untyped-def]
-    settings = Settings(data_dir=tmp_path, model_cache_dir=tiny_model_dir.parent)
-    upgrade(make_engine(settings.database_url))
-    return settings
-
-
-def _load(settings: Settings, run_id: int):  # type: ignore[no-untyped-def]
-    factory = make_session_factory(make_engine(settings.database_url))
-    with session_scope(factory) as session:
-        run = store.get_run(session, run_id=run_id)
-        rows = [
-            rollout_dict(r, p, run.control_tokens)
-            for r, p in store.iter_rollouts(session, run_id=run_id)
-        ]
-        return run, rows, store.metric_series(session, run_id=run_id)
-
-
-def test_offpolicy_experts_are_marked_and_scored_with_the_group(settings: Settings) -> None:
+def test_offpolicy_experts_are_marked_and_scored_with_the_group(train_settings: Settings) -> None:
     config = RunConfig(
         steps=2, supervision="offpolicy", supervised_per_group=2, seed=21, eval_every=0
     )
-    run, rows, series = _load(settings, train(config, settings=settings))
+    run, rows, _, series = load_run(
+        train_settings.database_url, train(config, settings=train_settings)
+    )
     assert run.status == "completed"
     for step in (1, 2):
         group = [r for r in rows if r["step"] == step]
@@ -53,9 +34,9 @@ def test_offpolicy_experts_are_marked_and_scored_with_the_group(settings: Settin
     assert "probe/target_logprob/supervised/mean" in series
 
 
-def test_hinted_rollouts_train_on_the_plain_prompt(settings: Settings) -> None:
+def test_hinted_rollouts_train_on_the_plain_prompt(train_settings: Settings) -> None:
     config = RunConfig(steps=2, supervision="hint", supervised_per_group=3, seed=22, eval_every=0)
-    _, rows, _ = _load(settings, train(config, settings=settings))
+    _, rows, _, _ = load_run(train_settings.database_url, train(config, settings=train_settings))
     hinted = [r for r in rows if r["meta"].get("supervised") == "hint"]
     assert len(hinted) == 2 * 3 and {r["index"] for r in hinted} == {5, 6, 7}
     for r in hinted:
@@ -64,25 +45,25 @@ def test_hinted_rollouts_train_on_the_plain_prompt(settings: Settings) -> None:
     assert all("supervised" not in r["meta"] for r in rows if r["index"] < 5)
 
 
-def test_interleaved_sft_phases_are_recorded(settings: Settings) -> None:
+def test_interleaved_sft_phases_are_recorded(train_settings: Settings) -> None:
     config = RunConfig(
         steps=4, supervision="interleaved_sft", sft_every=2, sft_steps=2, seed=23, eval_every=0
     )
-    _, _, series = _load(settings, train(config, settings=settings))
+    _, _, _, series = load_run(train_settings.database_url, train(config, settings=train_settings))
     assert [step for step, _ in series["sft/loss"]] == [2, 4]
     assert all(loss is not None and loss > 0 for _, loss in series["sft/loss"])
     assert all(n is not None and n >= 1 for _, n in series["sft/examples"])
 
 
-def test_sft_then_rl_runs_sft_before_the_first_step(settings: Settings) -> None:
+def test_sft_then_rl_runs_sft_before_the_first_step(train_settings: Settings) -> None:
     config = RunConfig(steps=2, supervision="sft_then_rl", sft_steps=3, seed=24, eval_every=0)
-    _, _, series = _load(settings, train(config, settings=settings))
+    _, _, _, series = load_run(train_settings.database_url, train(config, settings=train_settings))
     assert [step for step, _ in series["sft/loss"]] == [1]
 
 
-def test_eval_series_are_recorded_at_the_right_steps(settings: Settings) -> None:
+def test_eval_series_are_recorded_at_the_right_steps(train_settings: Settings) -> None:
     config = RunConfig(steps=5, eval_every=2, seed=25)
-    _, _, series = _load(settings, train(config, settings=settings))
+    _, _, _, series = load_run(train_settings.database_url, train(config, settings=train_settings))
     for name in ("eval/id", "eval/format_ood", "eval/content_ood"):
         assert [step for step, _ in series[name]] == [2, 4, 5]
         assert all(0.0 <= value <= 1.0 for _, value in series[name])

@@ -12,37 +12,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from server import store
 from server.config import Settings
 from server.db import make_engine, make_session_factory, session_scope
-from server.migrate import upgrade
 from server.models import Metric, Rollout, Step
-from server.serialize import rollout_dict
+from tests.factories import load_run
 from trainer.config import RunConfig
 from trainer.run import train
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def settings(tmp_path, tiny_model_dir) -> Settings:  # type: ignore[no-untyped-def]
-    settings = Settings(data_dir=tmp_path, model_cache_dir=tiny_model_dir.parent)
-    upgrade(make_engine(settings.database_url))
-    return settings
-
-
-def _recorded(settings: Settings, run_id: int):  # type: ignore[no-untyped-def]
-    factory = make_session_factory(make_engine(settings.database_url))
-    with session_scope(factory) as session:
-        run = store.get_run(session, run_id=run_id)
-        tokens = list(run.control_tokens)
-        rows = [rollout_dict(r, p, tokens) for r, p in store.iter_rollouts(session, run_id=run_id)]
-        steps = store.steps(session, run_id=run_id)
-        series = store.metric_series(session, run_id=run_id)
-        return run, rows, steps, series
-
-
-def test_every_step_and_rollout_is_recorded(settings: Settings) -> None:
+def test_every_step_and_rollout_is_recorded(train_settings: Settings) -> None:
     config = RunConfig(steps=3, group_size=8, seed=1)
-    run_id = train(config, settings=settings)
-    run, rows, steps, series = _recorded(settings, run_id)
+    run_id = train(config, settings=train_settings)
+    run, rows, steps, series = load_run(train_settings.database_url, run_id)
 
     assert run.status == "completed" and run.current_step == 3
     assert run.device == "cpu" and run.device_seconds > 0 and run.cost > 0
@@ -56,7 +37,9 @@ def test_every_step_and_rollout_is_recorded(settings: Settings) -> None:
         assert abs(sum(r["advantage"] for r in group)) < 1e-3
         accuracy = sum(r["true_score"] for r in group) / 8
         assert steps[step - 1].true_accuracy == pytest.approx(accuracy)
-        assert steps[step - 1].reward_mean == pytest.approx(sum(r["verifier_reward"] for r in group) / 8)
+        assert steps[step - 1].reward_mean == pytest.approx(
+            sum(r["verifier_reward"] for r in group) / 8
+        )
     for r in rows:
         n = len(r["completion_ids"])
         assert n >= 1 and len(r["token_logprobs"]) == n
@@ -68,22 +51,32 @@ def test_every_step_and_rollout_is_recorded(settings: Settings) -> None:
             position_sums = [a + b for a, b in zip(position_sums, probs, strict=True)]
         assert all(total <= 1.0 + 1e-5 for total in position_sums)
         assert r["true_score"] == float(r["vote"] == r["target"])
-        assert r["prompt"].startswith("<user>Tools:\n- tool_") and r["prompt"].endswith("<assistant>")
+        assert r["prompt"].startswith("<user>Tools:\n- tool_") and r["prompt"].endswith(
+            "<assistant>"
+        )
         assert r["meta"]["target_listed"] is True and r["target"] in r["meta"]["tool_ids"]
     for s in steps:
-        assert s.loss is not None and s.grad_norm is not None and s.learning_rate == pytest.approx(3e-4)
+        assert (
+            s.loss is not None
+            and s.grad_norm is not None
+            and s.learning_rate == pytest.approx(3e-4)
+        )
         assert 0.0 <= s.vote_agreement <= 1.0 and s.vote_entropy >= 0 and s.wall_time > 0
     assert {"ctrl/</assistant>/max", "ctrl/<tool>/mean", "retrieval_recall"} <= set(series)
 
 
-def test_recorded_logprobs_are_the_sampling_policys(settings: Settings, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_recorded_logprobs_are_the_sampling_policys(
+    train_settings: Settings, tiny_model_dir
+) -> None:  # type: ignore[no-untyped-def]
     """Step 1 sampled from the initial weights: a plain forward pass must give the same numbers."""
     config = RunConfig(steps=1, seed=2, temperature=0.7)
-    run_id = train(config, settings=settings)
-    _, rows, _, _ = _recorded(settings, run_id)
+    run_id = train(config, settings=train_settings)
+    _, rows, _, _ = load_run(train_settings.database_url, run_id)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    control_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<tool>", "</tool>", "</assistant>")]
+    control_ids = [
+        tokenizer.convert_tokens_to_ids(t) for t in ("<tool>", "</tool>", "</assistant>")
+    ]
     for r in rows:
         prompt_ids = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
         ids = torch.tensor([prompt_ids + r["completion_ids"]])
@@ -96,19 +89,19 @@ def test_recorded_logprobs_are_the_sampling_policys(settings: Settings, tiny_mod
         assert r["control_token_probs"]["</assistant>"] == pytest.approx(eot, abs=1e-4)
 
 
-def test_reused_generations_point_at_their_step(settings: Settings) -> None:
+def test_reused_generations_point_at_their_step(train_settings: Settings) -> None:
     config = RunConfig(steps=4, num_iterations=2, seed=3)
-    run_id = train(config, settings=settings)
-    _, rows, steps, _ = _recorded(settings, run_id)
+    run_id = train(config, settings=train_settings)
+    _, rows, steps, _ = load_run(train_settings.database_url, run_id)
     assert [(s.step, s.rollout_step) for s in steps] == [(1, 1), (2, 1), (3, 3), (4, 3)]
     assert sorted({r["step"] for r in rows}) == [1, 3] and len(rows) == 16
 
 
-def test_a_failing_run_is_marked_failed_with_its_error(settings: Settings) -> None:
+def test_a_failing_run_is_marked_failed_with_its_error(train_settings: Settings) -> None:
     config = RunConfig(steps=2, control_tokens=["<no-such-token>"])
     with pytest.raises(ValueError, match="not in the tokenizer"):
-        train(config, settings=settings)
-    factory = make_session_factory(make_engine(settings.database_url))
+        train(config, settings=train_settings)
+    factory = make_session_factory(make_engine(train_settings.database_url))
     with session_scope(factory) as session:
         run = store.list_runs(session)[0]
         assert run.status == "failed" and "<no-such-token>" in (run.error or "")
@@ -117,8 +110,8 @@ def test_a_failing_run_is_marked_failed_with_its_error(settings: Settings) -> No
         assert session.scalar(select(func.count()).select_from(Metric)) == 0
 
 
-def test_leaky_prompts_list_every_tool(settings: Settings) -> None:
-    run_id = train(RunConfig(variant="leaky", steps=1, seed=4), settings=settings)
-    _, rows, steps, _ = _recorded(settings, run_id)
+def test_leaky_prompts_list_every_tool(train_settings: Settings) -> None:
+    run_id = train(RunConfig(variant="leaky", steps=1, seed=4), settings=train_settings)
+    _, rows, steps, _ = load_run(train_settings.database_url, run_id)
     assert all(len(r["meta"]["tool_ids"]) == 64 for r in rows)
     assert math.isfinite(steps[0].loss)
