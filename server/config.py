@@ -38,6 +38,11 @@ class Settings(BaseSettings):
     lost_after_seconds: float = Field(
         60.0, gt=0, description="A running run with no heartbeat for this long is marked lost."
     )
+    torch_threads: int = Field(
+        1,
+        ge=0,
+        description="CPU threads torch may use when training (0: torch's default, all cores).",
+    )
     sqlite_busy_timeout_ms: int = Field(
         30_000, ge=0, description="How long an SQLite writer waits for a lock before failing."
     )

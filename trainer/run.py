@@ -221,6 +221,8 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
     monitor = RunMonitor(factory, run_id=run_id, interval=settings.heartbeat_seconds)
     try:
         with monitor:
+            if settings.torch_threads:
+                torch.set_num_threads(settings.torch_threads)
             set_seed(config.seed)
             model_path = resolve_model(config, settings, log_line)
             tokenizer = AutoTokenizer.from_pretrained(model_path)
