@@ -438,8 +438,7 @@ def iter_rollouts(
         .order_by(Rollout.step, Rollout.group, Rollout.index)
         .execution_options(yield_per=batch)
     )
-    for row in session.execute(query):
-        yield row.tuple()
+    yield from session.execute(query)  # rows unpack like (rollout, prompt text)
 
 
 def metric_series(
@@ -564,3 +563,41 @@ def queue_position(session: Session, *, run_id: int) -> int | None:
         select(func.count()).where(Run.status == RunStatus.queued, Run.id < run_id)
     )
     return int(ahead or 0) + 1
+
+
+# --- launch from the web app (appended) ---------------------------------------------------------
+
+
+def discard_queued_runs(session: Session, *, run_ids: Sequence[int]) -> list[int]:
+    """Delete runs that are still queued (a launch whose enqueue failed); return their ids.
+
+    A run a worker already claimed is left alone: its broker message got through.
+    """
+    ids = list(
+        session.scalars(select(Run.id).where(Run.id.in_(run_ids), Run.status == RunStatus.queued))
+    )
+    if ids:
+        session.execute(delete(Run).where(Run.id.in_(ids)))
+    return ids
+
+
+def restore_status(
+    session: Session,
+    *,
+    run_id: int,
+    status: str,
+    error: str | None,
+    finished_at: datetime | None,
+) -> None:
+    """Undo requeue_for_resume when the resumed run could not be enqueued (still queued only)."""
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id, Run.status == RunStatus.queued)
+        .values(status=status, error=error, finished_at=finished_at)
+    )
+
+
+def queue_positions(session: Session) -> dict[int, int]:
+    """Every queued run's place in the queue (1: the next to train), in one query."""
+    ids = session.scalars(select(Run.id).where(Run.status == RunStatus.queued).order_by(Run.id))
+    return {run_id: place for place, run_id in enumerate(ids, start=1)}

@@ -35,12 +35,13 @@ class Worker:
 
     def __init__(self, env: dict[str, str], log: Path) -> None:
         self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "worker", "--loglevel", "INFO"],
-            env=os.environ | env,
-            stdout=log.open("ab"),
-            stderr=subprocess.STDOUT,
-        )
+        with log.open("ab") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "server.cli", "worker", "--loglevel", "INFO"],
+                env=os.environ | env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -127,7 +128,7 @@ class Harness:
                 .where(Rollout.run_id == run_id)
                 .group_by(Rollout.step)
             )
-            return dict(rows.tuples().all())
+            return {step: count for step, count in rows}
 
     def close(self) -> None:
         for worker in self.workers:
@@ -145,7 +146,7 @@ def test_worker_trains_a_launched_run_once(harness: Harness) -> None:
     assert run.worker_host and run.device == "cpu" and run.task_id
     assert harness.recorded_steps(run_id) == list(range(1, 7))
     assert harness.rollouts_per_step(run_id) == {s: 8 for s in range(1, 7)}
-    assert run.checkpoint_step == 5
+    assert run.checkpoint_step == 6  # every 5 steps, and the last
 
 
 @pytest.mark.redis
