@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed  # noqa: E402
 
 from server import store  # noqa: E402
@@ -75,7 +76,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variant", choices=["patched", "leaky"], default="patched")
     args = parser.parse_args()
-    config = RunConfig(variant=args.variant, steps=args.steps)
+    # Evaluation is a separate feature with its own cost: off in both arms.
+    config = RunConfig(variant=args.variant, steps=args.steps, eval_every=0)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         settings = get_settings(data_dir=tmp)
@@ -83,6 +85,8 @@ def main() -> None:
         upgrade(engine)
         factory = make_session_factory(engine)
         model_path = resolve_model(config, settings, print)
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)  # as trainer.run.train does
         plain: list[float] = []
         recorded: list[float] = []
         for round_ in range(args.rounds):
