@@ -26,7 +26,7 @@ from server.db import make_engine, make_session_factory, session_scope  # noqa: 
 from server.migrate import upgrade  # noqa: E402
 from trainer.config import RunConfig  # noqa: E402
 from trainer.grpo import Recorder  # noqa: E402
-from trainer.run import default_control_tokens, make_trainer, resolve_model, run_columns  # noqa: E402
+from trainer.run import default_control_tokens, make_trainer, resolve_model  # noqa: E402
 from trainer.writer import StepWriter  # noqa: E402
 
 WARMUP_STEPS = 5  # the first steps pay for lazy initialisation in both arms
@@ -54,7 +54,7 @@ def one_run(config: RunConfig, model_path: str, tmp: Path, factory, record: bool
     writer = recorder = None
     if record:
         with session_scope(factory) as session:
-            run_id = store.create_run(session, **run_columns(config)).id
+            run_id = store.create_run(session, **config.run_columns()).id
         writer = StepWriter(
             factory, run_id=run_id, control_tokens=control_tokens, price_per_device_hour=0
         )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import logging
 import math
 import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -24,19 +27,23 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import Markup, escape
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import NoMatchFound
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server import store
 from server.config import Settings
-from server.db import make_engine, make_session_factory
+from server.db import make_engine, make_session_factory, session_scope
 from server.deps import render
 from server.errors import (
+    BrokerUnavailable,
     DatabaseBehind,
     InvalidInput,
+    InvalidState,
     NotFound,
     RolloutLensError,
     StepNotFound,
 )
-from server.routes import api, pages
+from server.routes import actions, api, pages
 from server.routes.cache import ResponseCache
 from server.viewer import prob_text
 
@@ -45,6 +52,32 @@ TEMPLATES_DIR = WEB_DIR / "templates"
 STATIC_DIR = WEB_DIR / "static"
 SWAGGER_JS = "vendor/swagger-ui-bundle-5.35.0.js"
 SWAGGER_CSS = "vendor/swagger-ui-5.35.0.css"
+
+
+SWEEP_SECONDS = 10.0
+ALERT_CACHE_SIZE = 4096
+log = logging.getLogger(__name__)
+
+
+async def sweep_lost_runs(
+    factory: sessionmaker[Session], settings: Settings, *, every: float
+) -> None:
+    """Forever: mark `lost` the running runs with no heartbeat for settings.lost_after_seconds,
+    so a worker killed mid-run leaves no run stuck in `running`."""
+    stale_after = timedelta(seconds=settings.lost_after_seconds)
+
+    def sweep() -> list[int]:
+        with session_scope(factory) as session:
+            return store.mark_lost_runs(session, stale_after=stale_after)
+
+    while True:
+        try:
+            lost = await asyncio.to_thread(sweep)
+            if lost:
+                log.warning("runs %s lost: their worker stopped sending heartbeats", lost)
+        except Exception:  # a database hiccup must not end the sweeping
+            log.exception("could not check for lost runs")
+        await asyncio.sleep(every)
 
 
 def prepare_database(settings: Settings) -> None:
@@ -68,21 +101,31 @@ def create_app(
     *,
     session_factory: sessionmaker[Session] | None = None,
     cache_size: int = 64,
+    sweep_seconds: float = SWEEP_SECONDS,
 ) -> FastAPI:
     """The dashboard on the settings' database (or on `session_factory`, which tests pass).
 
-    `cache_size` bounds the series responses kept in memory (0: none).
+    `cache_size` bounds the series responses kept in memory (0: none, alerts included); every
+    `sweep_seconds` the app marks runs whose worker stopped sending heartbeats `lost`.
     """
     engine = None
     if session_factory is None:
         engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
         session_factory = make_session_factory(engine)
 
+    factory = session_factory
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        yield
-        if engine is not None:
-            engine.dispose()
+        sweeper = asyncio.create_task(sweep_lost_runs(factory, settings, every=sweep_seconds))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            if engine is not None:
+                engine.dispose()
 
     app = FastAPI(
         title="Rollout Lens",
@@ -96,10 +139,14 @@ def create_app(
     app.state.settings = settings
     app.state.session_factory = session_factory
     app.state.response_cache = ResponseCache(cache_size)
+    # Alerts per run version: a few hundred bytes each, asked for by every runs page for every
+    # run it lists, so many more are kept than whole series responses.
+    app.state.alert_cache = ResponseCache(ALERT_CACHE_SIZE if cache_size else 0)
     app.state.templates = _templates()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(pages.router)
     app.include_router(api.router)
+    app.include_router(actions.router)
     for exc_type in (RolloutLensError, StarletteHTTPException, RequestValidationError):
         app.add_exception_handler(exc_type, handle_error)
 
@@ -180,7 +227,11 @@ def _templates() -> Jinja2Templates:
     @jinja2.pass_context
     def has_route(context: Any, name: str) -> bool:
         """Whether the app serves a route of this name (links to optional pages)."""
-        return any(getattr(r, "name", None) == name for r in context["request"].app.routes)
+        try:
+            context["request"].app.url_path_for(name)
+        except NoMatchFound:
+            return False
+        return True
 
     env.globals.update(url_for=url_for, static=static, has_route=has_route)
     env.filters.update(
@@ -265,7 +316,9 @@ def _describe(exc: Exception) -> tuple[int, str, dict[str, Any]]:
         return 404, str(exc), {}
     if isinstance(exc, InvalidInput):
         return 400, str(exc), {}
-    if isinstance(exc, DatabaseBehind):
+    if isinstance(exc, InvalidState):
+        return 409, str(exc), {}
+    if isinstance(exc, DatabaseBehind | BrokerUnavailable):
         return 503, str(exc), {}
     if isinstance(exc, RequestValidationError):
         errors = jsonable_encoder(exc.errors())

@@ -109,6 +109,57 @@ def run_progress(run: dict[str, Any]) -> dict[str, Any]:
     return {k: run[k] for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
 
 
+def steps_per_second(recent: Sequence[tuple[int, Any]]) -> float | None:
+    """Training speed from recent (step, recorded_at) pairs, newest first; None until two steps
+    of the current session are recorded a measurable time apart."""
+    if len(recent) < 2:
+        return None
+    (last, t_last), (first, t_first) = recent[0], recent[-1]
+    seconds = (t_last - t_first).total_seconds()
+    return (last - first) / seconds if seconds > 0 and last > first else None
+
+
+def duration_text(seconds: float) -> str:
+    """2 h 05 min, 4 min 10 s, 35 s."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def live_summary(live: dict[str, Any]) -> str:
+    """One line on where a run stands: its place in the queue, its speed and ETA, or its end."""
+    status, step, total = live["status"], live["current_step"], live["total_steps"]
+    if status == "queued":
+        place = live.get("queue_position")
+        if not place:
+            return "Queued: waiting for a worker"
+        ahead = f" ({place - 1} ahead)" if place > 1 else ""
+        return f"Queued, {_ordinal(place)} in line{ahead}: waiting for a worker"
+    if status == "running":
+        text = f"Step {step} of {total}"
+        rate, eta = live.get("steps_per_second"), live.get("eta_seconds")
+        if rate:
+            text += f" · {rate:.2f} steps/s · ETA {duration_text(eta or 0)}"
+        else:
+            text += " · measuring speed…"
+        if live.get("cancel_requested"):
+            text += " · stopping (cancel requested)"
+        return text
+    if status == "completed":
+        return f"Completed all {total} steps" if step >= total else f"Completed at step {step}"
+    checkpoint = live.get("checkpoint_step")
+    resume = f" · last checkpoint at step {checkpoint}" if checkpoint else ""
+    return f"{status.capitalize()} at step {step} of {total}{resume}"
+
+
 def run_summary(
     run: dict[str, Any],
     steps: Sequence[int],

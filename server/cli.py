@@ -62,6 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--verifier")
     train.add_argument("--verifier-noise", type=float, dest="verifier_noise")
     train.add_argument("--seed", type=int)
+    train.add_argument(
+        "--supervision", help="none, offpolicy, hint, interleaved_sft or sft_then_rl"
+    )
+    train.add_argument("--supervised-per-group", type=int, dest="supervised_per_group")
+    train.add_argument("--sft-every", type=int, dest="sft_every")
+    train.add_argument("--sft-steps", type=int, dest="sft_steps")
+    train.add_argument("--sft-lr", type=float, dest="sft_learning_rate")
+    train.add_argument("--eval-every", type=int, dest="eval_every", help="0: no evaluation")
+    train.add_argument(
+        "--control-token", action="append", dest="control_tokens", help="repeat for each token"
+    )
     train.add_argument("--name")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(handler=_train)
@@ -236,6 +247,9 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _serve(args: argparse.Namespace, settings: Settings) -> int:
+    import signal
+    import subprocess
+
     import uvicorn
     from sqlalchemy.engine import make_url
 
@@ -243,8 +257,35 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
 
     prepare_database(settings)
     database = make_url(settings.database_url).render_as_string(hide_password=True)
-    print(f"Rollout Lens on http://{args.host}:{args.port}/ (database {database})")
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+
+    # uvicorn re-raises the SIGTERM it caught once it has shut down: make that an exception, so
+    # the `finally` below still stops the worker instead of the process dying on the spot.
+    def exit_on_signal(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        if settings.broker_url:
+            queue = "broker from ROLLOUT_LENS_BROKER_URL; start workers with `rollout-lens worker`"
+        else:
+            # The embedded default: one machine, nothing to install. The worker is a child process
+            # (same environment: the same database and broker folder) that trains queued runs.
+            worker = subprocess.Popen([sys.executable, "-m", "server.cli", "worker"])
+            queue = f"embedded queue; started a local worker, pid {worker.pid}"
+        print(f"Rollout Lens on http://{args.host}:{args.port}/ (database {database}; {queue})")
+        sys.stdout.flush()
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    finally:
+        # Stop the local worker: terminate, then kill if it has not stopped within 10 s (a run it
+        # was training is then marked lost by the heartbeat check, and can be resumed).
+        if worker is not None and worker.poll() is None:
+            worker.terminate()
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
     return 0
 
 

@@ -1,16 +1,21 @@
-"""Request dependencies: one database session per request, the settings, page rendering."""
+"""Request dependencies: one database session per request, the settings, the task queue, rendering."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Annotated, Any
 
+from celery import Celery
 from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse
 from sqlalchemy.orm import Session
 
 from server.config import Settings
+from server.queue import make_celery
 from server.routes.cache import ResponseCache
+
+_celery_lock = threading.Lock()
 
 
 def get_session(request: Request) -> Iterator[Session]:
@@ -31,9 +36,27 @@ def get_cache(request: Request) -> ResponseCache:
     return cache
 
 
+def get_alert_cache(request: Request) -> ResponseCache:
+    """The app's cache of each run's alerts, keyed by run version."""
+    cache: ResponseCache = request.app.state.alert_cache
+    return cache
+
+
+def get_celery(request: Request) -> Celery:
+    """The app's Celery client, made on first use (the embedded broker creates its folders)."""
+    state = request.app.state
+    with _celery_lock:
+        if getattr(state, "celery", None) is None:
+            state.celery = make_celery(state.settings)
+    celery: Celery = state.celery
+    return celery
+
+
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 CacheDep = Annotated[ResponseCache, Depends(get_cache)]
+CeleryDep = Annotated[Celery, Depends(get_celery)]
+AlertCacheDep = Annotated[ResponseCache, Depends(get_alert_cache)]
 
 
 def render(

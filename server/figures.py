@@ -213,6 +213,12 @@ POSITIONAL_PROBES = {
     "eot_after_close": "end-of-turn after the closing tag",
     "open_first": "opening tag first",
 }
+PROBE_LEGEND = {  # the same, short enough for a legend in a third of the page
+    "eot_after_open": "end-of-turn after open tag",
+    "close_after_id": "close tag after id",
+    "eot_after_close": "end-of-turn after close tag",
+    "open_first": "open tag first",
+}
 STATES = ("healthy_call", "text_pollution", "collapse", "no_call")
 STATE_COLORS = {
     "healthy_call": "#16a34a",
@@ -248,7 +254,7 @@ def _structure(names: set[str]) -> list[dict[str, Any]]:
         traces = []
         for i, probe in enumerate(probes):
             color = TOKEN_COLORS[i % len(TOKEN_COLORS)]
-            traces += line(f"probe/{probe}/mean", POSITIONAL_PROBES[probe], color)
+            traces += line(f"probe/{probe}/mean", PROBE_LEGEND[probe], color)
         out.append(
             figure(
                 "probes",
@@ -300,13 +306,119 @@ def _structure(names: set[str]) -> list[dict[str, Any]]:
     return out
 
 
+# The id-position probes, besides the positional ones, with their titles and whether they are
+# probabilities (0–1 axis) or not (log-probabilities, bits).
+ID_PROBES = {
+    "target_logprob": "Log-probability of the target id",
+    "rival_logprob": "Log-probability of the best rival id",
+    "id_entropy": "Entropy over the listed ids (bits)",
+}
+# How each statistic of a probe is drawn on its detail chart: (suffix, name, color or None for
+# the probe's own color, dash). The page shows this key once above the charts.
+PROBE_PARTS = (
+    ("mean", "mean", None, "solid"),
+    ("p90", "p90", None, "dash"),
+    ("max", "max", None, "dot"),
+    ("reward1/mean", "mean, reward 1", "#16a34a", "solid"),
+    ("reward0/mean", "mean, reward 0", "#dc2626", "solid"),
+    ("supervised/mean", "mean, supervised", "#0284c7", "dashdot"),
+    ("policy/mean", "mean, on-policy", "#64748b", "dashdot"),
+)
+
+
+def probe_details(names: set[str]) -> list[dict[str, Any]]:
+    """One chart per probe: its mean, p90 and max, and its mean split by reward and by origin."""
+    out = []
+    titles = {**POSITIONAL_PROBES, **ID_PROBES}
+    for i, (probe, title) in enumerate(titles.items()):
+        color = TOKEN_COLORS[i % len(TOKEN_COLORS)]
+        traces = []
+        for suffix, name, part_color, dash in PROBE_PARTS:
+            series = f"probe/{probe}/{suffix}"
+            if series in names:
+                traces += line(series, name, part_color or color, dash=dash)
+        if not traces:
+            continue
+        fig = figure(
+            f"probe-{probe}",
+            title[:1].upper() + title[1:],
+            traces,
+            alerts=["control_token_spike"] if probe == "eot_after_open" else [],
+            y=UNIT_RANGE if probe in POSITIONAL_PROBES else None,
+        )
+        fig["layout"]["showlegend"] = False  # the key above the charts names the lines
+        out.append(fig)
+    return out
+
+
+EVAL_SETS = {
+    "eval/id": ("in-distribution", "#2563eb"),
+    "eval/format_ood": ("format-OOD", "#ea580c"),
+    "eval/content_ood": ("content-OOD", "#9333ea"),
+}
+SFT_SERIES = "sft/loss"
+SFT_MODES = ("interleaved_sft", "sft_then_rl")
+
+
+def expected_series(config: dict[str, Any] | None) -> list[str]:
+    """Series a run's launch config promises though they are not logged every step (evaluation
+    every E steps, SFT phases): the page charts them before their first point arrives."""
+    if not config:
+        return []
+    out = list(EVAL_SETS) if config.get("eval_every") else []
+    if config.get("supervision") in SFT_MODES:
+        out.append(SFT_SERIES)
+    return out
+
+
+def _markers(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sparse series (every E steps) as lines with markers."""
+    for trace in traces:
+        if trace["meta"]["part"] == "y":
+            trace["mode"] = "lines+markers"
+            trace["marker"] = {"size": 6, "color": trace["line"]["color"]}
+    return traces
+
+
+def evaluation(names: set[str]) -> list[dict[str, Any]]:
+    """Greedy evaluation accuracy (ID, format-OOD, content-OOD) and the SFT phases' loss."""
+    out = []
+    traces = []
+    for series, (name, color) in EVAL_SETS.items():
+        if series in names:
+            traces += _markers(line(series, name, color))
+    if traces:
+        out.append(
+            figure(
+                "eval",
+                "Evaluation accuracy (greedy)",
+                traces,
+                help="Every E steps: the training queries (in-distribution), the same queries "
+                "asking for another reply format (format-OOD), held-out paraphrases (content-OOD).",
+                y=UNIT_RANGE,
+            )
+        )
+    if SFT_SERIES in names:
+        out.append(
+            figure(
+                "sft",
+                "SFT phases: loss",
+                _markers(line(SFT_SERIES, "SFT loss", "#0d9488")),
+                help="Mean loss of each supervised phase, at the step after which it ran; the "
+                "phases are the shaded bands on every chart.",
+            )
+        )
+    return out
+
+
 def _used(figs: Sequence[dict[str, Any]]) -> set[str]:
     return {t["meta"]["series"] for f in figs for t in f["data"] if "series" in t.get("meta", {})}
 
 
 def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str, Any]:
-    """The run page's charts (empty; the page fills them): main, structure, optimization, and
-    every other recorded series grouped by prefix (trl/…, probe/…) for a lazily opened section."""
+    """The run page's charts (empty; the page fills them): main, structure (states and probes),
+    probe details, evaluation, optimization, and every other recorded series grouped by prefix
+    (trl/…) for a lazily opened section."""
     have = set(names)
     c = COLORS
     main = [
@@ -363,12 +475,14 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
             )
         )
     structure = _structure(have)
+    probes = probe_details(have)
+    evals = evaluation(have)
     optimization = [
         figure(f"s-{n}", label(n), line(n, label(n), NEUTRAL), small=True)
         for n in OPTIMIZATION
         if n in have
     ]
-    shown = _used(main) | _used(structure) | set(STEP_SERIES)
+    shown = _used(main) | _used(structure) | _used(probes) | _used(evals) | set(STEP_SERIES)
     groups: dict[str, list[dict[str, Any]]] = {}
     for i, name in enumerate(n for n in names if n not in shown):
         prefix = name.split("/", 1)[0] if "/" in name else "other"
@@ -376,13 +490,30 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
             figure(f"m-{i}", name, line(name, name, NEUTRAL), small=True)
         )
     other = [{"title": prefix, "figures": figs} for prefix, figs in sorted(groups.items())]
-    return {"main": main, "structure": structure, "optimization": optimization, "other": other}
+    return {
+        "main": main,
+        "structure": structure,
+        "probes": probes,
+        "evaluation": evals,
+        "optimization": optimization,
+        "other": other,
+    }
+
+
+COMPARE_EXTRA = {  # compare's further overlays: series → (section, title)
+    "eval/id": ("evaluation", "Evaluation: in-distribution"),
+    "eval/format_ood": ("evaluation", "Evaluation: format-OOD"),
+    "eval/content_ood": ("evaluation", "Evaluation: content-OOD"),
+    "state/collapse": ("collapse", "Share of collapsed completions"),
+    "probe/eot_after_open/mean": ("collapse", "P(end-of-turn) after the opening tag"),
+}
 
 
 def compare_figures(
     runs: Sequence[dict[str, Any]], series_by_run: dict[str, dict[str, Any]], names: Sequence[str]
 ) -> dict[str, list[dict[str, Any]]]:
-    """Each run's series overlaid on shared-step charts, one color per run: main and control."""
+    """Each run's series overlaid on shared-step charts, one color per run: main, control,
+    evaluation and collapse (the last two only where some run recorded them)."""
     tokens: list[str] = []
     for run in runs:
         tokens += [t for t in run["control_tokens"] if t not in tokens]
@@ -400,4 +531,14 @@ def compare_figures(
 
     main = [overlay(f"c-{i}", n, label(n).capitalize()) for i, n in enumerate(names)]
     control = [overlay(f"t-{i}", f"ctrl/{t}/mean", t) for i, t in enumerate(tokens)]
-    return {"main": [f for f in main if f], "control": [f for f in control if f]}
+    out = {"main": [f for f in main if f], "control": [f for f in control if f]}
+    out |= {"evaluation": [], "collapse": []}
+    for i, (name, (section, title)) in enumerate(COMPARE_EXTRA.items()):
+        fig = overlay(f"x-{i}", name, title)
+        if fig is not None:
+            if name in EVAL_SETS:
+                for trace in fig["data"]:
+                    if trace["meta"]["part"] == "y":
+                        trace["mode"] = "lines+markers"
+            out[section].append(fig)
+    return out

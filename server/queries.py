@@ -14,10 +14,19 @@ from typing import Any
 from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
-from server import charts, store, viewer
+from server import charts, figures, store, viewer
 from server.alerts import AlertThresholds, evaluate
 from server.errors import InvalidInput, NotFound, StepNotFound
-from server.models import STEP_SERIES, Metric, Prompt, Rollout, Run, Step
+from server.models import (
+    ACTIVE_STATUSES,
+    STEP_SERIES,
+    Metric,
+    Prompt,
+    Rollout,
+    Run,
+    RunStatus,
+    Step,
+)
 from server.serialize import rollout_dict, run_dict, step_dict
 
 # --- runs ---------------------------------------------------------------------------------------
@@ -74,7 +83,11 @@ def list_runs(
         query = query.where(or_(*narrow))
     key = RUN_SORTS[sort]
     query = query.order_by(key.is_(None), key.desc() if descending else key.asc(), Run.id.desc())
-    return [run_dict(run) for run in session.scalars(query)]
+    runs = [run_dict(run) for run in session.scalars(query)]
+    places = store.queue_positions(session) if any(r["status"] == "queued" for r in runs) else {}
+    for run in runs:
+        run["queue_position"] = places.get(run["id"])
+    return runs
 
 
 def _bounds(session: Session, *, run_id: int) -> tuple[int | None, int | None]:
@@ -119,12 +132,16 @@ def run_version(session: Session, *, run_id: int) -> str:
     ).one_or_none()
     if row is None:
         raise NotFound(f"run {run_id} does not exist")
-    created, beat, step, status = row
+    return _version_token(run_id, *row)
+
+
+def _version_token(run_id: int, created: Any, beat: Any, step: int, status: str) -> str:
     return f"{run_id}:{created.isoformat() if created else ''}:{beat.isoformat() if beat else ''}:{step}:{status}"
 
 
 def run_overview(session: Session, *, run_id: int) -> dict[str, Any]:
-    """A run, its step bounds and the names of its recorded series."""
+    """A run, its step bounds, the names of its recorded series and its live state (its alerts
+    read every step: the routes add them from their cache, see routes.api.run_alerts)."""
     run = store.get_run(session, run_id=run_id)
     first, last = _bounds(session, run_id=run_id)
     return {
@@ -132,7 +149,38 @@ def run_overview(session: Session, *, run_id: int) -> dict[str, Any]:
         "first_step": first,
         "last_step": last,
         "series_names": series_names(session, run_id=run_id),
+        "live": run_live(session, run_id=run_id),
     }
+
+
+RATE_WINDOW = 10  # recent steps that the steps-per-second figure averages over
+
+
+def run_live(session: Session, *, run_id: int) -> dict[str, Any]:
+    """What a live page shows besides the charts: progress, place in the queue, steps per second
+    and ETA, and which of cancel and resume apply. Reads at most RATE_WINDOW step rows."""
+    run = store.get_run(session, run_id=run_id)
+    out = charts.run_progress(run_dict(run))
+    rate = None
+    if run.status == RunStatus.running and run.started_at is not None:
+        recent = session.execute(
+            select(Step.step, Step.recorded_at)
+            .where(Step.run_id == run_id, Step.recorded_at >= run.started_at)
+            .order_by(Step.step.desc())
+            .limit(RATE_WINDOW)
+        ).all()
+        rate = charts.steps_per_second([(s, t) for s, t in recent])
+    remaining = max(run.total_steps - run.current_step, 0)
+    live = out | {
+        "queue_position": store.queue_position(session, run_id=run_id),
+        "steps_per_second": rate,
+        "eta_seconds": remaining / rate if rate else None,
+        "cancel_requested": bool(run.cancel_requested),
+        "checkpoint_step": run.checkpoint_step,
+        "can_cancel": run.status in ACTIVE_STATUSES and not run.cancel_requested,
+        "can_resume": run.status in store.RESUMABLE_STATUSES,
+    }
+    return live | {"summary": charts.live_summary(live)}
 
 
 # --- chart series -------------------------------------------------------------------------------
@@ -300,6 +348,16 @@ def alerts(session: Session, *, run_id: int, since: int = 0) -> list[dict[str, A
     return [a.as_dict() for a in found if a.step > since]
 
 
+def run_versions(session: Session, *, run_ids: Sequence[int]) -> dict[int, str]:
+    """run_version of several runs in one query (missing runs are left out)."""
+    rows = session.execute(
+        select(Run.id, Run.created_at, Run.heartbeat_at, Run.current_step, Run.status).where(
+            Run.id.in_(run_ids)
+        )
+    )
+    return {row[0]: _version_token(*row) for row in rows}
+
+
 # --- step viewer --------------------------------------------------------------------------------
 
 
@@ -365,6 +423,7 @@ def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
 # --- compare ------------------------------------------------------------------------------------
 
 COMPARE_SERIES = ("reward_mean", "true_accuracy", "vote_agreement", "format_valid_rate")
+COMPARE_METRICS = tuple(figures.COMPARE_EXTRA)  # evaluation and collapse overlays, if recorded
 
 
 def resolve_step(session: Session, *, run_id: int, step: int | None) -> int:
@@ -399,7 +458,10 @@ def compare(
         runs.append(run)
         ctrl = [f"ctrl/{t}/mean" for t in run["control_tokens"]]
         by_run[run_id] = series(
-            session, run_id=run_id, names=[*COMPARE_SERIES, *ctrl], max_points=max_points
+            session,
+            run_id=run_id,
+            names=[*COMPARE_SERIES, *ctrl, *COMPARE_METRICS],
+            max_points=max_points,
         )
     pair = run_ids[:2]
     lasts = [_bounds(session, run_id=r)[1] for r in pair]
@@ -431,4 +493,20 @@ def _summary(session: Session, run: dict[str, Any]) -> dict[str, Any]:
         .order_by(Step.step)
     ).all()
     steps, accuracy, reward = (list(c) for c in zip(*rows, strict=True)) if rows else ([], [], [])
-    return charts.run_summary(run, steps, accuracy, reward)
+    return charts.run_summary(run, steps, accuracy, reward) | {
+        "final_eval": last_values(session, run_id=run["id"], names=list(figures.EVAL_SETS))
+    }
+
+
+def last_values(session: Session, *, run_id: int, names: Sequence[str]) -> dict[str, Any]:
+    """The latest recorded value of each named metric (index seeks on (run_id, name, step))."""
+    out: dict[str, Any] = {}
+    for name in names:
+        row = session.execute(
+            select(Metric.step, Metric.value)
+            .where(Metric.run_id == run_id, Metric.name == name)
+            .order_by(Metric.step.desc())
+            .limit(1)
+        ).one_or_none()
+        out[name] = None if row is None else {"step": row[0], "value": row[1]}
+    return out

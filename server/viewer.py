@@ -139,6 +139,10 @@ def group_views(rollouts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "agree": agree,
                 "size": len(members),
                 "correct": sum(1 for r in members if (r["true_score"] or 0) >= 1),
+                # Rollouts that are not the policy's own samples: origin → count.
+                "supervised": dict(
+                    Counter(o for r in members if (o := (r.get("meta") or {}).get("supervised")))
+                ),
                 "rollouts": [_rollout_view(r, first["prompt"]) for r in members],
             }
         )

@@ -27,6 +27,13 @@ from server.migrate import upgrade
 from server.models import RunStatus
 from server.records import StepRecord
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
+from tests.web_support import (
+    COLLAPSE_STEP,
+    HINT,
+    PROBE_SPIKE_STEP,
+    record_collapse_run,
+    record_supervised_run,
+)
 
 playwright = pytest.importorskip("playwright.sync_api")
 uvicorn = pytest.importorskip("uvicorn")
@@ -65,7 +72,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """The app under uvicorn on a loopback port, on an SQLite file with four runs."""
-    url = f"sqlite:///{tmp_path_factory.mktemp('browser') / 'rollout-lens.db'}"
+    data_dir = tmp_path_factory.mktemp("browser")
+    url = f"sqlite:///{data_dir / 'rollout-lens.db'}"
     engine = make_engine(url)
     upgrade(engine)
     factory = make_session_factory(engine)
@@ -82,11 +90,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "live": make_run(
             factory, steps=8, seed=4, name="live run", total_steps=20, status=RunStatus.running
         ),
+        "collapse": record_collapse_run(factory),
+        "supervised": record_supervised_run(factory),
     }
     port = _free_port()
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(Settings(database_url=url)), host="127.0.0.1", port=port, log_level="warning"
+            # data_dir: where a launch from the form would queue (none here launches)
+            # lost_after: the factories' "running" runs have no worker beating for them
+            create_app(Settings(database_url=url, data_dir=data_dir, lost_after_seconds=3600)),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)
@@ -179,7 +194,7 @@ def _point(page, figure: str, series: str, step: int) -> tuple[float, float]:  #
 def test_runs_page_run_charts_and_a_click_to_a_step(tab: Tab, served: Served) -> None:
     page = tab.page
     page.goto("/")
-    assert page.locator("#runs-table tbody tr").count() == 4
+    assert page.locator("#runs-table tbody tr").count() == len(served.runs)
     _shot(page, "runs")
     page.get_by_role("link", name="patched k=4").click()
     page.wait_for_selector("body[data-charts-ready]")
@@ -305,3 +320,95 @@ def test_api_docs_work_offline(tab: Tab) -> None:
     page.goto("/docs")
     page.wait_for_selector(".swagger-ui .opblock")
     assert page.get_by_text("/api/runs/{run_id}/series").count() >= 1
+
+
+def _annotations(page, figure: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """The alert markers Plotly drew on a chart (their hover text)."""
+    return page.evaluate(
+        "(id) => (document.getElementById(`fig-${id}`).layout.annotations || []).map((a) => a.hovertext)",
+        figure,
+    )
+
+
+def test_run_page_marks_alerts_and_sft_phases_on_the_charts(tab: Tab, served: Served) -> None:
+    page = tab.page
+    run = served.runs["collapse"]
+    page.goto(f"/runs/{run}")
+    page.wait_for_selector("body[data-charts-ready]")
+    assert page.locator("#alert-list li").count() == 2
+    probes = _annotations(page, "probes")
+    assert len(probes) == 2 and probes[0].startswith("control token spike: probe/eot_after_open")
+    assert _annotations(page, "states") == [probes[1]] and probes[1].startswith("collapse:")
+    assert _annotations(page, "reward") == []  # neither alert is about reward hacking
+    # ⚠ markers drawn on the page, and dotted lines at their steps.
+    assert page.locator("#fig-probes .annotation-text").count() == 2
+    shapes = page.evaluate("document.getElementById('fig-states').layout.shapes")
+    lines = [sh["x0"] for sh in shapes if sh["type"] == "line"]
+    bands = [(sh["x0"], sh["x1"]) for sh in shapes if sh["type"] == "rect"]
+    assert lines == [COLLAPSE_STEP]
+    assert bands == [(25, 26), (50, 51), (75, 76), (100, 101)]  # SFT after steps 25, 50, …
+    for figure in ("states", "probes", "probe-eot_after_open", "eval", "sft"):
+        assert page.locator(f"#fig-{figure} svg.main-svg").count() >= 1, figure
+        assert (
+            page.evaluate(
+                f"document.getElementById('fig-{figure}').closest('figure').classList.contains('no-data')"
+            )
+            is False
+        )
+    _shot(page, "run-collapse")
+    page.locator("#charts-structure").scroll_into_view_if_needed()
+    page.locator("#fig-probes .annotation-text").first.click()
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/{PROBE_SPIKE_STEP}$"))
+
+
+def test_runs_list_shows_an_alert_badge_that_links_to_steps(tab: Tab, served: Served) -> None:
+    page = tab.page
+    run = served.runs["collapse"]
+    page.goto("/")
+    badge = page.locator(f"tr[data-run-id='{run}'] .alert-badge")
+    badge.locator("summary").wait_for()
+    assert badge.locator("summary").inner_text() == "⚠ 2"
+    assert page.locator(f"tr[data-run-id='{served.runs['patched']}'] .alert-badge").count() == 0
+    badge.locator("summary").click()
+    _shot(page, "runs-alerts")
+    badge.get_by_role("link").nth(1).click()
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/{COLLAPSE_STEP}$"))
+
+
+def test_step_viewer_shows_supervised_rollouts_and_hints(tab: Tab, served: Served) -> None:
+    page = tab.page
+    page.goto(f"/runs/{served.runs['supervised']}/steps/2")
+    assert page.locator("#tab-6 .tab-origin").inner_text() == "expert"
+    page.keyboard.press("7")
+    assert page.locator("#rollout-7 .hint-text").inner_text() == HINT
+    _shot(page, "step-viewer-hint")
+
+
+def test_launch_form_keeps_values_and_shows_errors_in_place(tab: Tab, served: Served) -> None:
+    page = tab.page
+    page.goto("/")
+    page.get_by_role("link", name="New run").click()
+    page.wait_for_url(re.compile(r"/runs/new$"))
+    _shot(page, "launch-form")
+    page.get_by_role("link", name=re.compile("Hinted rollouts")).click()
+    assert page.locator("#f-supervision").input_value() == "hint"
+    assert "irrelevant" not in (
+        page.locator("#f-supervised_per_group").locator("..").get_attribute("class") or ""
+    )
+    assert "irrelevant" in (page.locator("#f-sft_every").locator("..").get_attribute("class") or "")
+    page.locator("#f-k").fill("99")
+    page.locator("#f-supervised_per_group").fill("8")
+    page.locator("#f-seed").fill("12")
+    page.locator("#launch-button").click()
+    page.wait_for_selector("#form-errors")
+    assert "less than or equal to 64" in page.locator("#err-k").inner_text()
+    assert "smaller than group_size" in page.locator("#err-supervised_per_group").inner_text()
+    assert (
+        page.locator("#f-k").input_value() == "99" and page.locator("#f-seed").input_value() == "12"
+    )
+    assert page.locator("#f-supervision").input_value() == "hint"
+    _shot(page, "launch-form-errors")
+    with session_scope(served.factory) as session:
+        assert len(store.list_runs(session)) == len(served.runs)  # nothing was created
+    # The form came back as a 422, which Chromium logs; that one is meant.
+    tab.errors[:] = [e for e in tab.errors if "status of 422" not in e]

@@ -88,6 +88,11 @@ def test_train_runs_and_export(
             "neither `tiny`, a hub id, nor an existing folder",
         ),
         (["train", "--variant", "medium"], "invalid choice"),
+        (["train", "--supervision", "magic"], "supervision"),
+        (
+            ["train", "--supervision", "hint", "--supervised-per-group", "8"],
+            "smaller than group_size",
+        ),
         (["train", "--steps", "many"], "invalid int value"),
         (["export", "7"], "run 7 does not exist"),
     ],

@@ -22,6 +22,8 @@ def test_every_setting_is_documented_in_the_readme() -> None:
 
 def test_defaults_live_under_the_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("ROLLOUT_LENS_MODEL_CACHE_DIR", raising=False)  # `make test` sets it
+    monkeypatch.delenv("ROLLOUT_LENS_DATABASE_URL", raising=False)
     settings = Settings()
     assert settings.database_url == f"sqlite:///{tmp_path}/rollout-lens.db"
     assert settings.models_dir == tmp_path / "models"

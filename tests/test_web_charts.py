@@ -208,9 +208,11 @@ def test_run_figures_cover_the_recorded_series() -> None:
     assert [f["id"] for f in figs["optimization"]] == ["s-loss"]
     assert [(g["title"], [f["title"] for f in g["figures"]]) for g in figs["other"]] == [
         ("other", ["retrieval_recall"]),
-        ("probe", ["probe/eot_after_open/p90"]),
         ("trl", ["trl/reward"]),
     ]
+    # Every statistic of a probe goes to its own detail chart, not to "other".
+    assert [f["id"] for f in figs["probes"]] == ["probe-eot_after_open"]
+    assert figs["evaluation"] == []
     control = figs["main"][-1]
     assert control["wide"] and control["alerts"] == ["control_token_spike"]
     names_shown = [t["name"] for t in control["data"] if "name" in t]
@@ -238,3 +240,108 @@ def test_compare_figures_overlay_runs() -> None:
         [0.1, 0.2],
     ]
     assert [f["title"] for f in figs["control"]] == ["<tool>"]
+
+
+def test_probe_details_group_each_probe_with_its_statistics_and_splits() -> None:
+    names = {
+        f"probe/eot_after_open/{part}"
+        for part in ("mean", "p90", "max", "reward1/mean", "reward0/mean", "supervised/mean")
+    } | {"probe/target_logprob/mean", "probe/target_logprob/p90"}
+    figs = figures.probe_details(names)
+    assert [f["id"] for f in figs] == ["probe-eot_after_open", "probe-target_logprob"]
+    eot = figs[0]
+    lines = [t for t in eot["data"] if t["meta"]["part"] == "y"]
+    assert [t["name"] for t in lines] == [
+        "mean",
+        "p90",
+        "max",
+        "mean, reward 1",
+        "mean, reward 0",
+        "mean, supervised",
+    ]
+    assert [t["line"]["dash"] for t in lines[:3]] == ["solid", "dash", "dot"]
+    assert eot["alerts"] == ["control_token_spike"] and eot["layout"]["showlegend"] is False
+    assert eot["title"] == "End-of-turn after the opening tag"
+    assert "autorangeoptions" not in figs[1]["layout"]["yaxis"]  # log-probabilities: not 0–1
+
+
+def test_evaluation_and_sft_charts_and_the_series_a_config_promises() -> None:
+    assert figures.expected_series(None) == []
+    assert figures.expected_series({"eval_every": 0, "supervision": "none"}) == []
+    assert figures.expected_series({"eval_every": 25, "supervision": "interleaved_sft"}) == [
+        "eval/id",
+        "eval/format_ood",
+        "eval/content_ood",
+        "sft/loss",
+    ]
+    figs = figures.evaluation({"eval/id", "eval/content_ood", "sft/loss"})
+    assert [f["id"] for f in figs] == ["eval", "sft"]
+    shown = [(t["name"], t["mode"]) for t in figs[0]["data"] if t["meta"]["part"] == "y"]
+    assert shown == [("in-distribution", "lines+markers"), ("content-OOD", "lines+markers")]
+    run = figures.run_figures([], ["reward_mean", "eval/id", "sft/loss", "sft/examples"])
+    assert [f["id"] for f in run["evaluation"]] == ["eval", "sft"]
+    assert [g["title"] for g in run["other"]] == ["sft"]  # sft/examples: not charted elsewhere
+
+
+def test_compare_figures_add_evaluation_and_collapse_overlays() -> None:
+    runs = [{"id": i, "name": f"r{i}", "control_tokens": []} for i in (1, 2)]
+    data = {"x": [25, 50], "y": [0.5, 0.75]}
+    series = {
+        "1": {"series": {"eval/id": data, "state/collapse": data}},
+        "2": {"series": {"eval/id": data}},
+    }
+    figs = figures.compare_figures(runs, series, ["true_accuracy"])
+    assert [f["title"] for f in figs["evaluation"]] == ["Evaluation: in-distribution"]
+    assert [f["title"] for f in figs["collapse"]] == ["Share of collapsed completions"]
+    modes = {t["mode"] for t in figs["evaluation"][0]["data"] if t["meta"]["part"] == "y"}
+    assert modes == {"lines+markers"}
+
+
+@pytest.mark.parametrize(
+    ("live", "text"),
+    [
+        ({"status": "queued", "queue_position": 1}, "Queued, 1st in line: waiting for a worker"),
+        (
+            {"status": "queued", "queue_position": 3},
+            "Queued, 3rd in line (2 ahead): waiting for a worker",
+        ),
+        (
+            {"status": "queued", "queue_position": 12},
+            "Queued, 12th in line (11 ahead): waiting for a worker",
+        ),
+        ({"status": "running", "current_step": 4}, "Step 4 of 100 · measuring speed…"),
+        (
+            {"status": "running", "current_step": 40, "steps_per_second": 2.0, "eta_seconds": 30},
+            "Step 40 of 100 · 2.00 steps/s · ETA 30 s",
+        ),
+        (
+            {
+                "status": "running",
+                "current_step": 1,
+                "steps_per_second": 0.01,
+                "eta_seconds": 9900,
+                "cancel_requested": True,
+            },
+            "Step 1 of 100 · 0.01 steps/s · ETA 2 h 45 min · stopping (cancel requested)",
+        ),
+        ({"status": "completed", "current_step": 100}, "Completed all 100 steps"),
+        (
+            {"status": "cancelled", "current_step": 7, "checkpoint_step": 5},
+            "Cancelled at step 7 of 100 · last checkpoint at step 5",
+        ),
+        ({"status": "failed", "current_step": 0}, "Failed at step 0 of 100"),
+    ],
+)
+def test_live_summary_says_where_a_run_stands(live: dict, text: str) -> None:
+    assert charts.live_summary({"current_step": 0, "total_steps": 100} | live) == text
+
+
+def test_steps_per_second_from_recent_steps() -> None:
+    from datetime import datetime, timedelta
+
+    t0 = datetime(2025, 1, 1, 12, 0, 0)
+    recent = [(30, t0 + timedelta(seconds=10)), (25, t0 + timedelta(seconds=5)), (20, t0)]
+    assert charts.steps_per_second(recent) == pytest.approx(1.0)
+    assert charts.steps_per_second(recent[:1]) is None
+    assert charts.steps_per_second([(2, t0), (1, t0)]) is None  # no measurable time yet
+    assert charts.duration_text(3725) == "1 h 02 min" and charts.duration_text(61) == "1 min 01 s"

@@ -13,7 +13,15 @@ from server.db import session_scope
 from server.models import RunStatus
 from server.records import StepRecord
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
-from tests.web_support import client_for, parse
+from tests.web_support import (
+    COLLAPSE_STEP,
+    HINT,
+    PROBE_SPIKE_STEP,
+    client_for,
+    parse,
+    record_collapse_run,
+    record_supervised_run,
+)
 
 XSS = "<script>alert(1)</script></textarea>{{7*7}}\x07"
 
@@ -333,3 +341,103 @@ def test_step_with_several_groups_has_a_group_switch(session_factory, client) ->
     assert other.find("aside", cls="group-card").find("p", cls="query").text == "define ephemeral"
     assert client.get(f"/runs/{run_id}/steps/2?group=2").status_code == 404
     assert len(client.get(f"/api/runs/{run_id}/steps/2").json()["groups"]) == 2
+
+
+def test_run_page_shows_alerts_states_probes_evaluation_and_sft(session_factory, client) -> None:
+    run_id = record_collapse_run(session_factory)
+    overview = client.get(f"/api/runs/{run_id}").json()
+    alerts = [(a["kind"], a["step"]) for a in overview["alerts"]]
+    assert alerts == [("control_token_spike", PROBE_SPIKE_STEP), ("collapse", COLLAPSE_STEP)]
+    assert all(set(a) >= {"kind", "step", "message"} for a in overview["alerts"])
+    page = parse(client.get(f"/runs/{run_id}").text)
+    items = page.by_id("alert-list").find_all("li")
+    assert [li.find("a").attrs["href"] for li in items] == [
+        f"/runs/{run_id}/steps/{PROBE_SPIKE_STEP}",
+        f"/runs/{run_id}/steps/{COLLAPSE_STEP}",
+    ]
+    assert "hidden" not in page.by_id("alerts").attrs and page.by_id("alert-count").text == "2"
+    data = page.json("page-data")
+    assert data["initial_alerts"] == overview["alerts"]
+    assert [f["id"] for f in data["figures"]["structure"]] == ["probes", "states", "ids"]
+    states = next(f for f in data["figures"]["structure"] if f["id"] == "states")
+    assert [t["meta"]["series"] for t in states["data"]] == [
+        "state/healthy_call",
+        "state/text_pollution",
+        "state/collapse",
+        "state/no_call",
+    ]
+    assert {t["stackgroup"] for t in states["data"]} == {"state"}
+    probes = data["figures"]["probes"]
+    assert [f["id"] for f in probes][:2] == ["probe-eot_after_open", "probe-close_after_id"]
+    assert len(probes) == 7  # four positional probes, three at the id position
+    eot_parts = {t["meta"]["series"].split("/", 2)[2] for t in probes[0]["data"]}
+    assert eot_parts == {"mean", "p90", "max", "reward1/mean", "reward0/mean", "policy/mean"}
+    assert [f["id"] for f in data["figures"]["evaluation"]] == ["eval", "sft"]
+    assert data["sft_series"] == "sft/loss" and data["sft_before_rl"] is False
+    assert page.by_id("sft-note") and page.by_id("probe-key")
+    for section in ("charts-structure", "charts-probes", "charts-evaluation"):
+        assert page.by_id(section).find_all("figure")
+
+
+def test_run_page_charts_evaluation_before_the_first_one(session_factory, client) -> None:
+    # A run that evaluates every 25 steps has no eval/* series at step 3, and its SFT phases
+    # none before step 25: the charts are there already, filled when the points arrive.
+    run_id = make_run(
+        session_factory,
+        steps=3,
+        status=RunStatus.running,
+        config={"eval_every": 25, "supervision": "sft_then_rl"},
+    )
+    data = parse(client.get(f"/runs/{run_id}").text).json("page-data")
+    assert [f["id"] for f in data["figures"]["evaluation"]] == ["eval", "sft"]
+    assert data["sft_before_rl"] is True
+
+
+def test_step_viewer_marks_supervised_rollouts(session_factory, client) -> None:
+    run_id = record_supervised_run(session_factory)
+    page = parse(client.get(f"/runs/{run_id}/steps/2").text)
+    tabs = page.find_all("button", role="tab")
+    assert [t.attrs.get("data-origin") for t in tabs] == [None] * 6 + ["expert", "hint"]
+    assert tabs[6].find(cls="tab-origin").text == "expert" and "supervised" in tabs[7].classes
+    expert, hinted = page.by_id("rollout-6"), page.by_id("rollout-7")
+    assert "Expert reply" in expert.find(cls="origin-banner").text
+    banner = hinted.find(cls="origin-banner")
+    assert "stripped before the update" in banner.text
+    assert banner.find(cls="hint-text").text == HINT
+    assert not page.by_id("rollout-0").find_all(cls="origin-banner")
+    summary = page.by_id("supervised-summary").text
+    assert "1 × expert" in summary and "1 × hint" in summary
+    card = parse(client.get(f"/runs/{run_id}/steps/2/card").text)
+    assert [s.text for s in card.find_all(cls="tab-origin")] == ["expert", "hint"]
+
+
+def test_compare_summary_has_the_final_evaluation(session_factory, client) -> None:
+    first = record_collapse_run(session_factory, name="a")
+    plain = make_run(session_factory, steps=5, seed=2)
+    page = parse(client.get(f"/compare?runs={first},{plain}").text)
+    headers = [th.text for th in page.find("table", cls="summary").find_all("th")]
+    assert headers[-5:] == ["ID", "Format-OOD", "Content-OOD", "Device-min", "Cost"]
+    cells = page.find_all("td", data_eval="eval/id")
+    assert cells[0].find("span").attrs["title"] == "at step 120" and cells[1].text.strip() == "—"
+    summary = client.get(f"/api/compare?runs={first},{plain}").json()["summary"]
+    assert summary[0]["final_eval"]["eval/format_ood"]["step"] == 120
+    assert summary[1]["final_eval"] == {
+        "eval/id": None,
+        "eval/format_ood": None,
+        "eval/content_ood": None,
+    }
+    assert page.by_id("charts-evaluation") and page.by_id("charts-collapse")
+
+
+def test_alerts_of_many_runs_for_the_runs_list(session_factory, client) -> None:
+    collapsed = record_collapse_run(session_factory)
+    calm = make_run(session_factory, steps=3)
+    data = client.get(f"/api/alerts?runs={collapsed},{calm},999").json()
+    assert set(data) == {str(collapsed), str(calm)} and data[str(calm)] == []
+    assert [a["url"] for a in data[str(collapsed)]] == [
+        f"/runs/{collapsed}/steps/{PROBE_SPIKE_STEP}",
+        f"/runs/{collapsed}/steps/{COLLAPSE_STEP}",
+    ]
+    page = parse(client.get("/").text)
+    assert page.json("page-data")["alerts"] == "/api/alerts"
+    assert page.find("tr", data_run_id=str(collapsed)).find(cls="alerts-slot")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -79,10 +80,34 @@ def test_serve_migrates_the_embedded_database_and_starts_fast(tmp_path: Path) ->
             assert elapsed < 8, f"serve took {elapsed:.1f} s to answer"
         finally:
             proc.terminate()
-            proc.communicate(timeout=10)
+            output = proc.communicate(timeout=30)[0]
     engine = make_engine(f"sqlite:///{tmp_path / 'rollout-lens.db'}")
     assert current_revision(engine) == head_revision()
     engine.dispose()
+    # No broker configured: serve started a local worker, and stopped it on the way out.
+    match = re.search(r"embedded queue; started a local worker, pid (\d+)", output)
+    assert match, output
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(match.group(1)), 0)
+
+
+def test_serve_with_a_broker_starts_no_worker(tmp_path: Path) -> None:
+    port = _free_port()
+    env = _env(ROLLOUT_LENS_DATA_DIR=str(tmp_path), ROLLOUT_LENS_BROKER_URL="redis://127.0.0.1:1/0")
+    with subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        proc.terminate()
+        rest = proc.communicate(timeout=30)[0]
+    assert "start workers with `rollout-lens worker`" in line, line + rest
+    assert "local worker" not in line + rest
 
 
 @pytest.mark.postgres

@@ -23,7 +23,6 @@ from server.migrate import upgrade
 from server.models import Rollout, Run, Step
 from server.queue import enqueue_run, make_celery
 from trainer.config import RunConfig
-from trainer.run import run_columns
 
 REDIS_URL = os.environ.get("ROLLOUT_LENS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
@@ -95,7 +94,7 @@ class Harness:
 
     def launch(self, config: RunConfig) -> int:
         with session_scope(self.factory) as session:
-            run_id = store.create_run(session, **run_columns(config)).id
+            run_id = store.create_run(session, **config.run_columns()).id
         enqueue_run(self.celery, run_id=run_id)
         return run_id
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
@@ -11,8 +12,13 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
+from server import store
 from server.app import create_app
 from server.config import Settings
+from server.db import session_scope
+from server.models import RunStatus
+from server.records import StepRecord
+from tests.factories import CONTROL_TOKENS, make_rollouts
 
 VOID = {
     "area",
@@ -31,10 +37,12 @@ VOID = {
 }
 
 
-def client_for(factory: sessionmaker[Session]) -> TestClient:
-    """The app on the test's database (the factory of the `engine` fixture: SQLite or Postgres)."""
+def client_for(factory: sessionmaker[Session], **settings: Any) -> TestClient:
+    """The app on the test's database (the factory of the `engine` fixture: SQLite or Postgres),
+    with further settings (e.g. data_dir, where the embedded broker keeps its messages)."""
     url = factory.kw["bind"].url.render_as_string(hide_password=False)
-    return TestClient(create_app(Settings(database_url=url), session_factory=factory))
+    app = create_app(Settings(database_url=url, **settings), session_factory=factory)
+    return TestClient(app)
 
 
 @dataclass
@@ -119,3 +127,141 @@ def parse(html: str) -> Node:
     builder.feed(html)
     builder.close()
     return builder.root
+
+
+# --- recorded runs that tell the second seed's story --------------------------------------------
+
+COLLAPSE_CONFIG = {
+    "variant": "patched",
+    "k": 4,
+    "steps": 120,
+    "learning_rate": 1e-3,
+    "supervision": "interleaved_sft",
+    "sft_every": 25,
+    "eval_every": 10,
+    "seed": 0,
+}
+PROBE_SPIKE_STEP = 68  # end-of-turn after the opening tag jumps here…
+COLLAPSE_STEP = 74  # …and most completions collapse a few steps later
+
+
+def _smooth(step: int, start: int, end: int, low: float, high: float) -> float:
+    if step <= start:
+        return low
+    if step >= end:
+        return high
+    return low + (high - low) * (step - start) / (end - start)
+
+
+def collapse_story(step: int, rng: random.Random) -> tuple[dict[str, float], dict[str, float]]:
+    """Per-step values and metrics of a run that learns, collapses at COLLAPSE_STEP after a
+    control-token spike at PROBE_SPIKE_STEP, and recovers after an SFT phase (pure)."""
+    collapsed = COLLAPSE_STEP <= step < 100
+    acc = _smooth(step, 5, 50, 0.2, 0.95) if not collapsed else 0.08
+    acc = min(1.0, max(0.0, acc + rng.uniform(-0.06, 0.06)))
+    collapse = 0.9 if collapsed else 0.03 + rng.uniform(0, 0.03)
+    pollution = 0.04 if not collapsed else 0.02
+    no_call = max(0.0, 0.35 - step * 0.01) if not collapsed else 0.03
+    healthy = max(0.0, 1 - collapse - pollution - no_call)
+    eot = 0.03 + rng.uniform(0, 0.02)
+    if PROBE_SPIKE_STEP <= step < 100:
+        eot = 0.65 + rng.uniform(0, 0.2)
+    values = {
+        "reward_mean": acc,
+        "true_accuracy": acc,
+        "format_valid_rate": 1 - collapse,
+        "vote_agreement": _smooth(step, 5, 50, 0.4, 1.0) if not collapsed else 0.3,
+        "zero_std_share": 0.2,
+        "loss": rng.uniform(-0.05, 0.05),
+        "wall_time": 0.4,
+    }
+    metrics: dict[str, float] = {
+        "state/healthy_call": healthy,
+        "state/text_pollution": pollution,
+        "state/collapse": collapse,
+        "state/no_call": no_call,
+        "probe/eot_after_open/mean": eot,
+        "probe/eot_after_open/p90": min(1.0, eot * 1.6),
+        "probe/eot_after_open/max": min(1.0, eot * 2.2),
+        "probe/eot_after_open/reward1/mean": eot * 0.5,
+        "probe/eot_after_open/reward0/mean": min(1.0, eot * 1.3),
+        "probe/eot_after_open/policy/mean": eot,
+        "probe/open_first/mean": 0.97 - (0.5 if collapsed else 0),
+        "probe/close_after_id/mean": 0.95,
+        "probe/eot_after_close/mean": 0.96,
+        "probe/target_logprob/mean": -2.5 + 2.3 * acc,
+        "probe/rival_logprob/mean": -1.5 - 1.5 * acc,
+        "probe/id_entropy/mean": 2.0 * (1 - acc),
+    }
+    if step % int(COLLAPSE_CONFIG["eval_every"]) == 0:
+        metrics |= {
+            "eval/id": acc,
+            "eval/format_ood": acc * 0.6,
+            "eval/content_ood": acc * 0.75,
+        }
+    if step % int(COLLAPSE_CONFIG["sft_every"]) == 0:
+        metrics |= {"sft/loss": 1.2 - step / 150, "sft/examples": 12.0}
+    return values, metrics
+
+
+def record_collapse_run(
+    factory: sessionmaker[Session], *, name: str = "collapse at lr 1e-3"
+) -> int:
+    """A completed 120-step run (through the store, as the trainer writes) whose series trigger a
+    control-token spike alert and a collapse alert, with evaluations and SFT phases."""
+    rng = random.Random(7)
+    steps = int(COLLAPSE_CONFIG["steps"])
+    with session_scope(factory) as session:
+        run_id = store.create_run(
+            session,
+            name=name,
+            model="tiny",
+            total_steps=steps,
+            group_size=8,
+            seed=0,
+            variant="patched",
+            k=4,
+            config=COLLAPSE_CONFIG,
+            control_tokens=CONTROL_TOKENS,
+            status=RunStatus.completed,
+        ).id
+    for step in range(1, steps + 1):
+        values, metrics = collapse_story(step, rng)
+        record = StepRecord(
+            step=step,
+            rollout_step=step,
+            values=values,
+            rollouts=make_rollouts(rng),
+            metrics=metrics,
+        )
+        with session_scope(factory) as session:
+            store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    return run_id
+
+
+HINT = "Hint: the right tool can evaluate an arithmetic expression."
+
+
+def record_supervised_run(factory: sessionmaker[Session], *, steps: int = 3) -> int:
+    """A run whose groups hold an expert reply (#6) and a hinted rollout (#7) at every step."""
+    rng = random.Random(3)
+    with session_scope(factory) as session:
+        run_id = store.create_run(
+            session,
+            name="hint + expert",
+            model="tiny",
+            total_steps=steps,
+            group_size=8,
+            config={"supervision": "hint", "supervised_per_group": 1},
+            control_tokens=CONTROL_TOKENS,
+        ).id
+    for step in range(1, steps + 1):
+        rollouts = make_rollouts(rng)
+        expert, hinted = rollouts[6], rollouts[7]
+        expert.completion = f"<tool>{expert.target}</tool>"
+        expert.meta = expert.meta | {"supervised": "expert"}
+        hinted.meta = hinted.meta | {"supervised": "hint", "hint_shown": HINT}
+        record = StepRecord(step=step, rollout_step=step, values={}, rollouts=rollouts)
+        with session_scope(factory) as session:
+            store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    return run_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -117,6 +117,20 @@ class RunConfig(BaseModel):
             method = "" if self.supervision == "none" else f" + {self.supervision}"
             self.name = f"{self.variant} ({listing}){method} seed {self.seed}"
         return self
+
+    def run_columns(self) -> dict[str, Any]:
+        """The run row's columns (store.create_run keywords) for this config."""
+        return {
+            "name": self.name,
+            "model": self.model,
+            "total_steps": self.steps,
+            "group_size": self.group_size,
+            "prompts_per_step": self.prompts_per_step,
+            "seed": self.seed,
+            "variant": self.variant,
+            "k": self.k if self.variant == "patched" else None,
+            "config": self.model_dump(mode="json"),
+        }
 
     @property
     def listed_tools(self) -> int:

@@ -121,7 +121,7 @@ def train(
     factory = make_session_factory(engine)
     if run_id is None:
         with session_scope(factory) as session:
-            run_id = store.create_run(session, **run_columns(config)).id
+            run_id = store.create_run(session, **config.run_columns()).id
     try:
         return _train(
             config, settings, factory, run_id, on_step, should_stop, log_line, resume_from
@@ -199,21 +199,6 @@ def _add_phases(trainer: RecordingGRPOTrainer, recorder: Recorder, config: RunCo
                 max_new_tokens=config.max_completion_tokens,
             )
         )
-
-
-def run_columns(config: RunConfig) -> dict:
-    """The run row's columns for a config."""
-    return {
-        "name": config.name,
-        "model": config.model,
-        "total_steps": config.steps,
-        "group_size": config.group_size,
-        "prompts_per_step": config.prompts_per_step,
-        "seed": config.seed,
-        "variant": config.variant,
-        "k": config.k if config.variant == "patched" else None,
-        "config": config.model_dump(mode="json"),
-    }
 
 
 def _train(config, settings, factory, run_id, on_step, should_stop, log_line, resume_from) -> int:  # type: ignore[no-untyped-def]

@@ -10,9 +10,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.orm import Session
 
 from server import charts, queries
-from server.deps import CacheDep, SessionDep
+from server.deps import AlertCacheDep, CacheDep, SessionDep
+from server.routes import launch
+from server.routes.cache import ResponseCache
 from server.routes.params import run_ids, split_list
 
 router = APIRouter(prefix="/api", tags=["runs"])
@@ -71,9 +74,32 @@ def list_runs(
 
 
 @router.get("/runs/{run_id}", response_class=DataResponse)
-def get_run(session: SessionDep, run_id: int) -> DataResponse:
-    """A run's card, its first and last recorded steps and the names of its series (the run page)."""
-    return DataResponse(queries.run_overview(session, run_id=run_id))
+def get_run(session: SessionDep, cache: AlertCacheDep, run_id: int) -> DataResponse:
+    """A run's card, its first and last recorded steps, the names of its series, its live state
+    (place in the queue, speed, ETA) and its alerts (the run page)."""
+    overview = queries.run_overview(session, run_id=run_id)
+    return DataResponse(overview | {"alerts": run_alerts(session, cache, run_id)})
+
+
+def run_alerts(
+    session: Session, cache: ResponseCache, run_id: int, version: str | None = None
+) -> list[dict[str, Any]]:
+    """A run's alerts, computed once per version of the run (they read every step)."""
+    version = version or queries.run_version(session, run_id=run_id)
+    key = f"alerts@{version}"
+    body = cache.get(key)
+    if body is None:
+        body = encode(queries.alerts(session, run_id=run_id))
+        cache.put(key, body)
+    found: list[dict[str, Any]] = json.loads(body)
+    return found
+
+
+@router.get("/runs/{run_id}/progress", response_class=DataResponse)
+def get_progress(session: SessionDep, run_id: int) -> DataResponse:
+    """A run's live state: status, step, place in the queue, steps per second, ETA, and whether
+    it can be cancelled or resumed. Cheap (a few index seeks): what live pages poll."""
+    return DataResponse(queries.run_live(session, run_id=run_id))
 
 
 @router.get("/runs/{run_id}/series", response_class=DataResponse)
@@ -132,6 +158,40 @@ def get_alerts(
         run_id,
         lambda: queries.alerts(session, run_id=run_id, since=since),
         keep=since == 0,
+    )
+
+
+@router.get("/alerts", response_class=DataResponse)
+def list_alerts(
+    request: Request,
+    session: SessionDep,
+    cache: AlertCacheDep,
+    runs: Annotated[list[str], Query(description="run ids, comma-separated")],
+) -> DataResponse:
+    """Alerts of several runs at once (the runs page's badges): run id → alerts, oldest first,
+    each with the URL of the step where it fired."""
+    out: dict[str, Any] = {}
+    for run_id, version in queries.run_versions(session, run_ids=run_ids(runs)).items():
+        found = run_alerts(session, cache, run_id, version)
+        for alert in found:
+            alert["url"] = str(
+                request.app.url_path_for("step_page", run_id=run_id, step=alert["step"])
+            )
+        out[str(run_id)] = found
+    return DataResponse(out)
+
+
+@router.get("/presets", response_class=DataResponse)
+def list_presets() -> DataResponse:
+    """The launch form as data: its presets and every RunConfig field with default, help and
+    bounds (launch with POST /api/runs)."""
+    fields = [
+        {k: v for k, v in spec.items() if k not in ("value", "error")}
+        for group in launch.field_specs({}, {})
+        for spec in group["fields"]
+    ]
+    return DataResponse(
+        {"presets": [p.as_dict() for p in launch.PRESETS.values()], "fields": fields}
     )
 
 

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from server import charts, figures, queries, viewer
-from server.deps import SessionDep, render
-from server.errors import NotFound
+from server import charts, figures, queries, store, viewer
+from server.deps import AlertCacheDep, SessionDep, render
+from server.errors import InvalidInput, NotFound
 from server.models import ACTIVE_STATUSES
+from server.routes import launch
+from server.routes.api import run_alerts
 from server.routes.params import run_ids
 
 router = APIRouter(include_in_schema=False)
 
 POLL_MS = 2000  # how often a live page asks for new steps
+EVAL_COLUMNS = (
+    ("eval/id", "ID"),
+    ("eval/format_ood", "Format-OOD"),
+    ("eval/content_ood", "Content-OOD"),
+)
 
 RUN_COLUMNS = (  # (sort key, header, numeric) of the runs table's sortable columns
     ("name", "Run", False),
@@ -55,35 +62,107 @@ def runs_page(
             "newest": max((r["id"] for r in runs), default=0),
             "q": q,
             "api": str(request.app.url_path_for("list_runs")),
+            "alerts": str(request.app.url_path_for("list_alerts")),
         },
     }
     return render(request, "runs.html", context)
 
 
+@router.get("/runs/new", name="new_run_page")
+def new_run_page(
+    request: Request, session: SessionDep, preset: str = "", clone: int | None = None
+) -> HTMLResponse:
+    """The launch form: RunConfig's defaults, a preset's values, or a run's config (Clone)."""
+    chosen = None
+    values = launch.defaults()
+    cloned: dict[str, Any] | None = None
+    if clone is not None:
+        source = store.get_run(session, run_id=clone)
+        cloned = {"id": source.id, "name": source.name, "has_config": bool(source.config)}
+        values = launch.config_values(source.config or _columns_config(source))
+    elif preset:
+        chosen = launch.PRESETS.get(preset)
+        if chosen is None:
+            raise InvalidInput(f"no preset {preset!r}; choose one of {', '.join(launch.PRESETS)}")
+        values = launch.preset_values(chosen)
+    return form_page(request, values, preset=chosen, clone=cloned)
+
+
+def _columns_config(run: Any) -> dict[str, Any]:
+    """What a run without a launch config (a user's own script) says about its recipe."""
+    out = {"model": run.model, "steps": run.total_steps, "group_size": run.group_size}
+    out |= {"prompts_per_step": run.prompts_per_step, "seed": run.seed}
+    if run.variant in ("leaky", "patched"):
+        out["variant"] = run.variant
+    if run.k is not None:
+        out["k"] = run.k
+    return out
+
+
+def form_page(
+    request: Request,
+    values: dict[str, str],
+    *,
+    preset: launch.Preset | None = None,
+    clone: dict[str, Any] | None = None,
+    errors: dict[str, str] | None = None,
+    broker_error: str | None = None,
+    status_code: int = 200,
+) -> HTMLResponse:
+    """The launch form with `values` as typed and each error next to its field."""
+    errors = errors or {}
+    context = {
+        "groups": launch.field_specs(launch.defaults() | values, errors),
+        "presets": launch.PRESETS,
+        "preset_groups": launch.PRESET_GROUPS,
+        "preset": preset,
+        "clone": clone,
+        "errors": errors,
+        "form_error": errors.get(launch.FORM_ERROR),
+        "broker_error": broker_error,
+    }
+    return render(request, "new_run.html", context, status_code=status_code)
+
+
 @router.get("/runs/{run_id}", name="run_page")
 def run_page(
-    request: Request, session: SessionDep, run_id: int, full: bool = False
+    request: Request,
+    session: SessionDep,
+    cache: AlertCacheDep,
+    run_id: int,
+    full: bool = False,
+    notice: str = "",
 ) -> HTMLResponse:
     overview = queries.run_overview(session, run_id=run_id)
+    overview["alerts"] = run_alerts(session, cache, run_id)
     run = overview["run"]
-    figs = figures.run_figures(run["control_tokens"], overview["series_names"])
+    names = overview["series_names"]
+    names += [n for n in figures.expected_series(run["config"]) if n not in names]
+    figs = figures.run_figures(run["control_tokens"], names)
     page = {
         "run_id": run_id,
         "series": str(request.app.url_path_for("get_series", run_id=run_id)),
         "alerts": str(request.app.url_path_for("get_alerts", run_id=run_id)),
+        "progress": str(request.app.url_path_for("get_progress", run_id=run_id)),
         "steps": str(request.app.url_path_for("step_jump", run_id=run_id)),
         "full": full,
         "max_points": charts.MAX_POINTS,
         "poll_ms": POLL_MS,
         "active": run["status"] in ACTIVE_STATUSES,
         "figures": figs,
+        "initial_alerts": overview["alerts"],
+        "no_steps": overview["last_step"] is None,
+        "sft_series": figures.SFT_SERIES if figures.SFT_SERIES in names else None,
+        "sft_before_rl": (run["config"] or {}).get("supervision") == "sft_then_rl",
     }
     context = {
         "o": overview,
         "run": run,
+        "live": overview["live"],
         "config": charts.config_rows(run["config"]),
         "figures": figs,
         "full": full,
+        "notice": notice,
         "page": page,
     }
     return render(request, "run.html", context)
@@ -134,7 +213,7 @@ def compare_page(
     # Run i is drawn in RUN_COLORS[i]; templates use the matching CSS class run-c{i}.
     colors = {run["id"]: i % len(figures.RUN_COLORS) for i, run in enumerate(data["runs"])}
     page = {
-        "figures": figs["main"] + figs["control"],
+        "figures": figs["main"] + figs["control"] + figs["evaluation"] + figs["collapse"],
         "step": data["step"],
         "max_step": data["max_step"],
         "pair": [s["run_id"] for s in data["side_by_side"]],
@@ -143,5 +222,14 @@ def compare_page(
             for s in data["side_by_side"]
         },
     }
-    context = {"c": data, "figures": figs, "colors": colors, "page": page}
+    # Evaluation columns only when some run evaluated (runs without it would show dashes).
+    evaluated = {n for summary in data["summary"] for n, v in summary["final_eval"].items() if v}
+    eval_columns = [(n, label) for n, label in EVAL_COLUMNS if n in evaluated]
+    context = {
+        "c": data,
+        "figures": figs,
+        "colors": colors,
+        "page": page,
+        "eval_columns": eval_columns,
+    }
     return render(request, "compare.html", context)

@@ -28,6 +28,7 @@ window.RL = (() => {
     device_minutes: minutes,
     cost: money,
     finished_at: when,
+    queue_position: (v) => (v ? `#${v} in queue` : ""),
   };
 
   /** Refresh every [data-field] under root from a run's progress fields (text only, never HTML). */

@@ -74,11 +74,37 @@ window.RL.charts = (() => {
       }));
   }
 
-  /** Redraw after in-place changes (datarevision tells Plotly.react that data changed). */
-  function redraw(el, alerts) {
+  /** A ⚠ marker at the top of each alert's line: hover says what fired, a click opens the step. */
+  function alertMarkers(alerts, kinds) {
+    return alerts
+      .filter((a) => kinds.includes(a.kind))
+      .map((a) => ({
+        x: a.step, xref: "x", y: 1, yref: "paper", yanchor: "top", showarrow: false,
+        text: "⚠", font: { size: 11, color: ALERT_COLORS[a.kind] || "#334155" },
+        bgcolor: "#ffffff", bordercolor: ALERT_COLORS[a.kind] || "#334155", borderwidth: 1, borderpad: 1,
+        hovertext: `${a.kind.replaceAll("_", " ")}: ${a.message}`, captureevents: true,
+        name: `alert-${a.kind}-${a.step}`,
+      }));
+  }
+
+  /** A shaded band over each SFT phase ([x0, x1] in steps), under the data. */
+  function bandShapes(bands) {
+    return bands.map(([x0, x1]) => ({
+      type: "rect", xref: "x", yref: "paper", x0, x1, y0: 0, y1: 1, layer: "below",
+      fillcolor: "rgba(13, 148, 136, 0.16)", line: { width: 1, color: "rgba(13, 148, 136, 0.45)" },
+    }));
+  }
+
+  /** Redraw after in-place changes (datarevision tells Plotly.react that data changed).
+   *  marks: {alerts, bands} drawn on every chart that shows that kind of alert / on every chart. */
+  function redraw(el, marks) {
     const layout = el.layout;
     layout.datarevision = (layout.datarevision || 0) + 1;
-    if (alerts && el.figure && el.figure.alerts.length) layout.shapes = alertShapes(alerts, el.figure.alerts);
+    if (marks) {
+      const kinds = (el.figure && el.figure.alerts) || [];
+      layout.shapes = bandShapes(marks.bands || []).concat(alertShapes(marks.alerts || [], kinds));
+      layout.annotations = alertMarkers(marks.alerts || [], kinds);
+    }
     Plotly.react(el, el.data, layout, CONFIG);
     el.closest("figure").classList.toggle("no-data", !hasData(el));
     const last = el.figure && document.querySelector(`[data-last-of="${el.figure.id}"]`);
@@ -112,11 +138,15 @@ window.RL.charts = (() => {
     }
   }
 
-  /** Call fn(step) when a point is clicked. */
+  /** Call fn(step) when a point or an alert marker is clicked. */
   function onStepClick(el, fn) {
     el.on("plotly_click", (event) => {
       const point = event.points && event.points[0];
       if (point && Number.isFinite(point.x)) fn(Math.round(point.x));
+    });
+    el.on("plotly_clickannotation", (event) => {
+      const x = event.annotation && Number(event.annotation.x);
+      if (Number.isFinite(x)) fn(Math.round(x));
     });
   }
 

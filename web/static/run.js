@@ -1,16 +1,24 @@
 "use strict";
-// The run page: fill the charts from the series API, then follow a training run with a cursor.
+// The run page: fill the charts from the series API, then follow a queued or training run:
+// its progress line and buttons from /progress, new steps with a cursor, alerts, SFT bands.
 (() => {
   const page = RL.pageData();
   const C = RL.charts;
-  const figs = [...page.figures.main, ...page.figures.structure, ...page.figures.optimization];
+  const figs = [
+    ...page.figures.main,
+    ...page.figures.structure,
+    ...page.figures.probes,
+    ...page.figures.evaluation,
+    ...page.figures.optimization,
+  ];
   const otherFigs = page.figures.other.flatMap((group) => group.figures);
   const drawn = figs.map(C.draw);
   const names = C.seriesNames(figs);
   const axisGroup = [];
   let otherEls = [];
   let cursor = 0;
-  const alerts = [];
+  const marks = { alerts: [], bands: [] };
+  const sftSteps = new Set();
 
   function url(path, params) {
     return `${path}?${new URLSearchParams(params)}`;
@@ -23,30 +31,45 @@
     return url(page.series, params);
   }
 
+  function alertItem(a) {
+    const li = document.createElement("li");
+    const mark = document.createElement("span");
+    mark.className = `alert-kind kind-${a.kind}`;
+    mark.textContent = a.kind.replaceAll("_", " ");
+    const link = document.createElement("a");
+    link.href = `${page.steps}/${a.step}`;
+    link.textContent = `step ${a.step}`;
+    li.append(mark, link, document.createTextNode(` ${a.message}`));
+    return li;
+  }
+
   function showAlerts(fresh) {
-    alerts.push(...fresh);
-    const list = document.getElementById("alert-list");
-    list.replaceChildren(
-      ...alerts.map((a) => {
-        const li = document.createElement("li");
-        const mark = document.createElement("span");
-        mark.className = `alert-kind kind-${a.kind}`;
-        mark.textContent = a.kind.replaceAll("_", " ");
-        const link = document.createElement("a");
-        link.href = `${page.steps}/${a.step}`;
-        link.textContent = `step ${a.step}`;
-        li.append(mark, link, document.createTextNode(` ${a.message}`));
-        return li;
-      }),
-    );
-    document.getElementById("alerts").hidden = alerts.length === 0;
+    marks.alerts.push(...fresh);
+    document.getElementById("alert-list").replaceChildren(...marks.alerts.map(alertItem));
+    document.getElementById("alert-count").textContent = String(marks.alerts.length);
+    document.getElementById("alerts").hidden = marks.alerts.length === 0;
+  }
+
+  /** SFT phases from the sft/loss series: a phase recorded at step s ran after step s
+   *  (sft_then_rl records its phase at step 1: it ran before it). */
+  function collectBands(payload) {
+    const sft = page.sft_series && payload.series[page.sft_series];
+    if (!sft) return;
+    for (const step of sft.x) sftSteps.add(step);
+    const shift = page.sft_before_rl ? -1 : 0;
+    marks.bands = [...sftSteps].sort((a, b) => a - b).map((s) => [s + shift, s + shift + 1]);
   }
 
   function apply(els, payload) {
+    collectBands(payload);
     for (const el of els) {
       C.appendSeries(el, payload);
       C.applyBuckets(el, payload.buckets);
-      C.redraw(el, alerts);
+      C.redraw(el, marks);
+    }
+    if (cursor > 0) {
+      document.getElementById("no-steps")?.setAttribute("hidden", "");
+      document.getElementById("step-viewer-link")?.removeAttribute("hidden");
     }
   }
 
@@ -58,28 +81,45 @@
     if (link) link.hidden = false;
   }
 
-  function showProgress(run) {
-    RL.updateRunFields(document, run);
-    const error = document.getElementById("run-error");
-    if (run.error) {
-      error.textContent = run.error;
-      error.hidden = false;
+  /** Status, step, queue place, speed, ETA, error and which buttons apply (text only). */
+  function showProgress(live) {
+    RL.updateRunFields(document, live);
+    document.getElementById("run-live").textContent = live.summary;
+    if (live.error) {
+      document.getElementById("run-error").textContent = live.error;
+      document.getElementById("run-error-box").hidden = false;
     }
-    document.getElementById("live").hidden = !run.active;
+    document.getElementById("cancel-form").hidden = !live.can_cancel;
+    document.getElementById("resume-form").hidden = !live.can_resume;
+    document.getElementById("live").hidden = !live.active;
+    document.body.dataset.status = live.status;
   }
 
   const openStep = (step) => (window.location.href = `${page.steps}/${step}`);
 
+  async function fetchNewSteps() {
+    if (page.no_steps) {
+      // Which charts a run has (control tokens, probes, states…) is known from its first step:
+      // a page opened before it comes back with them all.
+      window.location.reload();
+      return;
+    }
+    const wanted = otherEls.length ? names.concat(C.seriesNames(otherFigs)) : names;
+    const since = cursor;
+    const payload = await RL.getJSON(seriesUrl(wanted, since));
+    cursor = payload.cursor;
+    if (cursor > since) showAlerts(await RL.getJSON(url(page.alerts, { since: String(since) })));
+    apply(drawn.concat(otherEls), payload);
+  }
+
   async function poll() {
     try {
-      const wanted = otherEls.length ? names.concat(C.seriesNames(otherFigs)) : names;
-      const since = cursor;
-      const payload = await RL.getJSON(seriesUrl(wanted, since));
-      cursor = payload.cursor;
-      if (cursor > since) showAlerts(await RL.getJSON(url(page.alerts, { since: String(since) })));
-      apply(drawn.concat(otherEls), payload);
-      showProgress(payload.run);
-      if (!payload.run.active) return; // finished: that was the last update
+      const live = await RL.getJSON(page.progress);
+      // Steps first, then the status: a finished run's last steps are on the charts by the
+      // time the page says it finished.
+      if (live.current_step > cursor || !live.active) await fetchNewSteps();
+      showProgress(live);
+      if (!live.active) return; // finished: that was the last update
     } catch (err) {
       console.warn("live update failed, retrying", err);
     }
@@ -89,15 +129,13 @@
   async function start() {
     const payload = await RL.getJSON(seriesUrl(names, 0));
     cursor = payload.cursor;
+    marks.alerts = [...page.initial_alerts];
     apply(drawn, payload);
     noteDownsampling(payload);
-    showProgress(payload.run);
     C.syncX(axisGroup, drawn);
     for (const el of drawn) C.onStepClick(el, openStep);
     document.body.dataset.chartsReady = "true";
-    showAlerts(await RL.getJSON(url(page.alerts, { since: "0" })));
-    for (const el of drawn) C.redraw(el, alerts);
-    if (payload.run.active) setTimeout(poll, page.poll_ms);
+    if (page.active) setTimeout(poll, page.poll_ms);
   }
 
   const other = document.getElementById("other-series");

@@ -48,21 +48,71 @@
   let newest = page.newest;
   const fresh = new Set();
 
+  /** A "⚠ n" badge that opens the run's alerts, each a link to the step where it fired. */
+  function alertBadge(alerts) {
+    const details = document.createElement("details");
+    details.className = "alert-badge";
+    const summary = document.createElement("summary");
+    summary.textContent = `⚠ ${alerts.length}`;
+    summary.title = `${alerts.length} alert${alerts.length === 1 ? "" : "s"}: ${[...new Set(alerts.map((a) => a.kind.replaceAll("_", " ")))].join(", ")}`;
+    const list = document.createElement("ul");
+    for (const a of alerts) {
+      const li = document.createElement("li");
+      const link = document.createElement("a");
+      link.href = a.url;
+      const kind = document.createElement("span");
+      kind.className = `alert-kind kind-${a.kind}`;
+      kind.textContent = a.kind.replaceAll("_", " ");
+      link.append(kind, document.createTextNode(`step ${a.step}: ${a.message}`));
+      li.append(link);
+      list.append(li);
+    }
+    details.append(summary, list);
+    return details;
+  }
+
+  const alertedAt = new Map(); // run id → the step its badge was computed at
+
+  async function loadAlerts(ids) {
+    if (!ids.length) return;
+    try {
+      const byRun = await RL.getJSON(`${page.alerts}?runs=${ids.join(",")}`);
+      for (const [id, alerts] of Object.entries(byRun)) {
+        const slot = table && table.querySelector(`[data-alerts-for="${id}"]`);
+        if (slot) slot.replaceChildren(...(alerts.length ? [alertBadge(alerts)] : []));
+      }
+    } catch (err) {
+      console.warn("alerts could not load", err);
+    }
+  }
+
+  const listed = rows.map((row) => Number(row.dataset.runId));
+  for (let i = 0; i < listed.length; i += 100) loadAlerts(listed.slice(i, i + 100));
+
   async function poll() {
     try {
       const params = new URLSearchParams({ after: String(newest) });
       if (active.size) params.set("ids", [...active].join(","));
       if (page.q) params.set("q", page.q);
       const runs = await RL.getJSON(`${page.api}?${params}`);
+      const moved = [];
       for (const run of runs) {
         const row = table && table.querySelector(`tr[data-run-id="${run.id}"]`);
         if (row) {
           RL.updateRunFields(row, run);
-          if (!["queued", "running"].includes(run.status)) active.delete(run.id);
+          const finished = !["queued", "running"].includes(run.status);
+          if (finished) active.delete(run.id);
+          // Alerts of a training run: again every 10 steps and once when it ends.
+          const seen = alertedAt.get(run.id) ?? 0;
+          if (finished || run.current_step - seen >= 10) {
+            alertedAt.set(run.id, run.current_step);
+            if (run.current_step > 0) moved.push(run.id);
+          }
         } else if (run.id > page.newest) {
           fresh.add(run.id);
         }
       }
+      loadAlerts(moved);
       if (fresh.size) {
         if (document.getElementById("empty-state")) return window.location.reload();
         const banner = document.getElementById("new-runs");

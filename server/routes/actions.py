@@ -1,0 +1,216 @@
+"""Every endpoint that changes something: launch, cancel, resume (JSON API and HTML forms).
+
+They are all here, behind one router dependency (`authorize`), so that access control — a token
+when the dashboard is served beyond loopback — has exactly one place to go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Any
+from urllib.parse import urlencode
+
+from celery import Celery
+from fastapi import APIRouter, Body, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from server import queries, store
+from server.deps import CeleryDep, SessionDep
+from server.errors import BrokerUnavailable, InvalidState
+from server.queue import check_broker, enqueue_run
+from server.routes import launch
+from server.routes.api import encode
+from server.routes.pages import form_page
+from trainer.config import RunConfig
+
+
+def authorize(request: Request) -> None:
+    """Where a token check goes once the dashboard is served beyond loopback (DESIGN.md)."""
+
+
+router = APIRouter(dependencies=[Depends(authorize)])
+
+LAUNCH_EXAMPLES = {
+    "config": {
+        "summary": "One run: any RunConfig fields (the rest take their defaults)",
+        "value": {"variant": "patched", "k": 4, "steps": 150, "seed": 0},
+    },
+    "preset": {
+        "summary": "A preset, with overrides applied to each of its runs",
+        "value": {"preset": "leaky_vs_patched", "steps": 100, "seed": 3},
+    },
+}
+
+
+# --- launching ----------------------------------------------------------------------------------
+
+
+def launch_runs(session: Session, celery: Celery, configs: Sequence[RunConfig]) -> list[int]:
+    """Create one queued run per config and enqueue each; all or nothing.
+
+    The broker is checked before any row exists; if an enqueue still fails, the runs created
+    for this launch are deleted again (the rows are committed first: a worker may pick a
+    message up at once and must find its run).
+    """
+    check_broker(celery)
+    ids = [store.create_run(session, **c.run_columns()).id for c in configs]
+    session.commit()
+    try:
+        for run_id in ids:
+            enqueue_run(celery, run_id=run_id)
+    except BrokerUnavailable:
+        store.discard_queued_runs(session, run_ids=ids)
+        session.commit()
+        raise
+    return ids
+
+
+def _opened(request: Request, ids: Sequence[int]) -> str:
+    """The page a launch opens: the run, or the comparison of its runs."""
+    if len(ids) == 1:
+        return str(request.app.url_path_for("run_page", run_id=ids[0]))
+    return f"{request.app.url_path_for('compare_page')}?runs={','.join(map(str, ids))}"
+
+
+def _invalid(errors: dict[str, str]) -> RequestValidationError:
+    """A 422 in FastAPI's own shape, one entry per field."""
+    return RequestValidationError(
+        [
+            {
+                "type": "value_error",
+                "loc": ("body",) if name == launch.FORM_ERROR else ("body", name),
+                "msg": message,
+                "input": None,
+            }
+            for name, message in errors.items()
+        ]
+    )
+
+
+@router.post(
+    "/api/runs",
+    status_code=201,
+    tags=["actions"],
+    responses={
+        201: {"description": "The created runs and the page that shows them"},
+        422: {"description": "A field failed validation; nothing was created"},
+        503: {"description": "The task queue cannot be reached; nothing was created"},
+    },
+)
+def launch_api(
+    request: Request,
+    session: SessionDep,
+    celery: CeleryDep,
+    body: Annotated[
+        dict[str, Any],
+        Body(
+            description="RunConfig fields, or `preset` (see GET /api/presets) plus fields that "
+            "override the preset in each of its runs.",
+            openapi_examples=LAUNCH_EXAMPLES,
+        ),
+    ],
+) -> Response:
+    """Launch one run, or every run of a preset; returns them with 201."""
+    values = dict(body)
+    preset_name = values.pop("preset", None)
+    preset = None
+    if preset_name is not None:
+        preset = launch.PRESETS.get(str(preset_name))
+        if preset is None:
+            known = ", ".join(launch.PRESETS)
+            raise _invalid({"preset": f"unknown preset {preset_name!r}; choose one of {known}"})
+    try:
+        configs = launch.build_configs(preset, values)
+    except launch.LaunchInvalid as exc:
+        raise _invalid(exc.errors) from None
+    ids = launch_runs(session, celery, configs)
+    runs = queries.list_runs(session, ids=ids, descending=False)
+    content = {"runs": runs, "url": _opened(request, ids)}
+    return Response(encode(content), status_code=201, media_type="application/json")
+
+
+@router.post("/runs/new", include_in_schema=False)
+async def launch_form(request: Request, session: SessionDep, celery: CeleryDep) -> Response:
+    """The launch form's submit: redirect to the new run(s), or the form again with messages."""
+    form = await request.form()  # async only for this; the database and broker work is sync
+    typed, raw = launch.parse_form({k: str(v) for k, v in form.items()})
+    preset = launch.PRESETS.get(str(form.get("preset", "")))
+    if preset is not None and not preset.compares:
+        preset = None  # a one-run preset only filled the form: what was typed is the config
+    try:
+        configs = launch.build_configs(preset, raw)
+        ids = await run_in_threadpool(launch_runs, session, celery, configs)
+    except launch.LaunchInvalid as exc:
+        return form_page(request, typed, preset=preset, errors=exc.errors, status_code=422)
+    except BrokerUnavailable as exc:
+        return form_page(request, typed, preset=preset, broker_error=str(exc), status_code=503)
+    return RedirectResponse(_opened(request, ids), status_code=303)
+
+
+# --- cancel and resume --------------------------------------------------------------------------
+
+
+def cancel(session: Session, run_id: int) -> None:
+    """Cancel a queued run now; ask a running one to stop (it does within a step or two)."""
+    store.request_cancel(session, run_id=run_id)
+    session.commit()
+
+
+def resume(session: Session, celery: Celery, run_id: int) -> None:
+    """Queue a lost, failed or cancelled run again; the worker resumes from its checkpoint."""
+    check_broker(celery)
+    before = store.get_run(session, run_id=run_id)
+    status, error, finished_at = before.status, before.error, before.finished_at
+    store.requeue_for_resume(session, run_id=run_id)
+    session.commit()
+    try:
+        enqueue_run(celery, run_id=run_id)
+    except BrokerUnavailable:
+        store.restore_status(
+            session, run_id=run_id, status=status, error=error, finished_at=finished_at
+        )
+        session.commit()
+        raise
+
+
+@router.post("/api/runs/{run_id}/cancel", tags=["actions"])
+def cancel_api(session: SessionDep, run_id: int) -> JSONResponse:
+    """Cancel a queued run at once, or ask a running one to stop; 409 for a finished run."""
+    cancel(session, run_id)
+    return JSONResponse(queries.run_live(session, run_id=run_id))
+
+
+@router.post("/api/runs/{run_id}/resume", tags=["actions"])
+def resume_api(session: SessionDep, celery: CeleryDep, run_id: int) -> JSONResponse:
+    """Queue a lost, failed or cancelled run again to continue from its last checkpoint."""
+    resume(session, celery, run_id)
+    return JSONResponse(queries.run_live(session, run_id=run_id))
+
+
+def _back_to_run(request: Request, run_id: int, notice: str = "") -> RedirectResponse:
+    """Back to the run page, with what went wrong as a notice there."""
+    url = str(request.app.url_path_for("run_page", run_id=run_id))
+    return RedirectResponse(f"{url}?{urlencode({'notice': notice})}" if notice else url, 303)
+
+
+@router.post("/runs/{run_id}/cancel", include_in_schema=False)
+def cancel_form(request: Request, session: SessionDep, run_id: int) -> RedirectResponse:
+    try:
+        cancel(session, run_id)
+    except InvalidState as exc:  # e.g. it finished while the page was open
+        return _back_to_run(request, run_id, str(exc))
+    return _back_to_run(request, run_id)
+
+
+@router.post("/runs/{run_id}/resume", include_in_schema=False)
+def resume_form(
+    request: Request, session: SessionDep, celery: CeleryDep, run_id: int
+) -> RedirectResponse:
+    try:
+        resume(session, celery, run_id)
+    except (InvalidState, BrokerUnavailable) as exc:
+        return _back_to_run(request, run_id, f"Not resumed: {exc}")
+    return _back_to_run(request, run_id)

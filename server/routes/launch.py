@@ -1,0 +1,417 @@
+"""The launch form's data: presets, field specs from RunConfig, and parsing into validated configs.
+
+Pure (no request, no database): the form page, its POST handler and `POST /api/runs` share it, and
+RunConfig (trainer.config, which imports no torch) is the only validation there is.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import annotated_types
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+
+from trainer.config import RunConfig
+from trainer.envs.escalation import VERIFIERS
+
+FORM_ERROR = "__all__"  # errors that belong to no single field
+
+# --- presets ------------------------------------------------------------------------------------
+
+COLLAPSE_LR = 1e-3  # the collapse study's too-high learning rate (bench/collapse.py)
+# The collapse study's recipe: every supervisory preset reproduces bench/collapse.py's run of it.
+COLLAPSE_RECIPE = {
+    "variant": "patched",
+    "steps": 300,
+    "learning_rate": COLLAPSE_LR,
+    "eval_every": 25,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named starting point: `base` fills the form; one run per entry of `runs` is launched,
+    each with its own values for the fields in `varies` (same seed and recipe otherwise)."""
+
+    name: str
+    label: str
+    description: str
+    base: Mapping[str, Any] = field(default_factory=dict)
+    runs: Sequence[Mapping[str, Any]] = ({},)
+    varies: Sequence[str] = ()
+
+    @property
+    def compares(self) -> bool:
+        """Whether launching opens a comparison (more than one run)."""
+        return len(self.runs) > 1
+
+    def run_label(self, run: Mapping[str, Any]) -> str:
+        """What tells this preset's runs apart, e.g. `lr 1e-04`."""
+        parts = []
+        for name in self.varies:
+            value = run[name]
+            parts.append(f"lr {value:.0e}" if name == "learning_rate" else str(value))
+        return " · ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "label": self.label,
+            "description": self.description,
+            "base": dict(self.base),
+            "runs": [dict(r) for r in self.runs],
+            "varies": list(self.varies),
+        }
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "leaky",
+            "Leaky (64 tools)",
+            "Every prompt lists all 64 tools: true accuracy swings and the group disagrees.",
+            base={"variant": "leaky"},
+        ),
+        Preset(
+            "patched",
+            "Patched (4-tool shortlist)",
+            "Prompts list the top-4 tools by retrieval: converges in about 25 steps.",
+            base={"variant": "patched", "k": 4},
+        ),
+        Preset(
+            "leaky_vs_patched",
+            "Leaky vs patched",
+            "Both variants with the same seed and recipe, opened side by side.",
+            base={"variant": "patched", "k": 4},
+            runs=({"variant": "leaky"}, {"variant": "patched"}),
+            varies=("variant",),
+        ),
+        Preset(
+            "collapse",
+            "Plain GRPO at lr 1e-3",
+            "No supervision: the recipe that collapses, for the signals below to beat.",
+            base=COLLAPSE_RECIPE | {"supervision": "none"},
+        ),
+        Preset(
+            "offpolicy",
+            "Off-policy experts",
+            "One expert reply (the correct call) in every group of 8.",
+            base=COLLAPSE_RECIPE | {"supervision": "offpolicy", "supervised_per_group": 1},
+        ),
+        Preset(
+            "hint",
+            "Hinted rollouts",
+            "One rollout per group sampled with a hint, stripped before the update.",
+            base=COLLAPSE_RECIPE | {"supervision": "hint", "supervised_per_group": 1},
+        ),
+        Preset(
+            "interleaved_sft",
+            "Interleaved erroneous-example SFT",
+            "Every 25 RL steps, 5 SFT steps on the queries that failed.",
+            base=COLLAPSE_RECIPE
+            | {"supervision": "interleaved_sft", "sft_every": 25, "sft_steps": 5},
+        ),
+        Preset(
+            "sft_then_rl",
+            "SFT then RL",
+            "50 SFT steps on expert replies, then RL.",
+            base=COLLAPSE_RECIPE | {"supervision": "sft_then_rl", "sft_steps": 50},
+        ),
+        Preset(
+            "lr_sweep",
+            "Learning-rate sweep",
+            "Three runs at lr 1e-4, 3e-4 and 1e-3 with the same seed, opened side by side.",
+            runs=({"learning_rate": 1e-4}, {"learning_rate": 3e-4}, {"learning_rate": 1e-3}),
+            varies=("learning_rate",),
+        ),
+    )
+}
+PRESET_GROUPS = (  # (title, note, preset names) as the form lists them
+    ("Tool listing", "", ("leaky", "patched", "leaky_vs_patched")),
+    (
+        "Collapse study",
+        "300 steps at learning rate 1e-3, evaluated every 25 steps, as bench/collapse.py.",
+        ("collapse", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"),
+    ),
+    ("Sweeps", "", ("lr_sweep",)),
+)
+
+# --- field specs --------------------------------------------------------------------------------
+
+GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("task", "Task", ("name", "variant", "k", "verifier", "verifier_noise", "seed")),
+    ("model", "Model", ("model", "max_completion_tokens", "temperature", "control_tokens")),
+    (
+        "grpo",
+        "GRPO",
+        ("steps", "group_size", "prompts_per_step", "learning_rate", "kl_coef", "num_iterations"),
+    ),
+    (
+        "supervision",
+        "Supervision",
+        ("supervision", "supervised_per_group", "sft_every", "sft_steps", "sft_learning_rate"),
+    ),
+    ("evaluation", "Evaluation", ("eval_every",)),
+)
+LABELS = {
+    "name": "Name",
+    "variant": "Variant",
+    "k": "Shortlist size k",
+    "verifier": "Verifier",
+    "verifier_noise": "Verifier noise",
+    "seed": "Seed",
+    "model": "Model",
+    "max_completion_tokens": "Max completion tokens",
+    "temperature": "Temperature",
+    "control_tokens": "Control tokens",
+    "steps": "Steps",
+    "group_size": "Group size G",
+    "prompts_per_step": "Prompts per step",
+    "learning_rate": "Learning rate",
+    "kl_coef": "KL coefficient β",
+    "num_iterations": "Updates per generation μ",
+    "supervision": "Supervisory signal",
+    "supervised_per_group": "Supervised per group",
+    "sft_every": "SFT every",
+    "sft_steps": "SFT steps",
+    "sft_learning_rate": "SFT learning rate",
+    "eval_every": "Evaluate every",
+}
+# A field that matters only for some values of another (the form dims it otherwise).
+RELEVANT_WHEN = {
+    "k": ("variant", ("patched",)),
+    "verifier_noise": ("verifier", ("noisy",)),
+    "supervised_per_group": ("supervision", ("offpolicy", "hint")),
+    "sft_every": ("supervision", ("interleaved_sft",)),
+    "sft_steps": ("supervision", ("interleaved_sft", "sft_then_rl")),
+    "sft_learning_rate": ("supervision", ("interleaved_sft", "sft_then_rl")),
+}
+CHOICES = {"verifier": tuple(VERIFIERS)}
+LIST_FIELDS = ("control_tokens",)
+
+
+def _bounds(info: FieldInfo) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in info.metadata:
+        if isinstance(item, annotated_types.Ge):
+            out["min"] = item.ge
+        elif isinstance(item, annotated_types.Gt):
+            out["above"] = item.gt
+        elif isinstance(item, annotated_types.Le):
+            out["max"] = item.le
+        elif isinstance(item, annotated_types.MaxLen):
+            out["max_length"] = item.max_length
+    return out
+
+
+def _kind(info: FieldInfo) -> tuple[str, tuple[str, ...]]:
+    """(input kind, options): select for Literal types, number, list or text otherwise."""
+    annotation = info.annotation
+    if typing.get_origin(annotation) is typing.Literal:
+        return "select", tuple(str(a) for a in typing.get_args(annotation))
+    if annotation is bool:
+        return "select", ("true", "false")
+    if annotation is int:
+        return "int", ()
+    if annotation is float:
+        return "float", ()
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if args and typing.get_origin(args[0]) is list:
+            return "list", ()
+    return "text", ()
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+
+
+def _range_text(bounds: Mapping[str, Any]) -> str:
+    low = f"> {_number(bounds['above'])}" if "above" in bounds else None
+    if "min" in bounds:
+        low = f"≥ {_number(bounds['min'])}"
+    high = f"≤ {_number(bounds['max'])}" if "max" in bounds else None
+    return ", ".join(p for p in (low, high) if p)
+
+
+def display(value: Any) -> str:
+    """A config value as the form shows it (and parses it back)."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list | tuple):
+        return ", ".join(str(v) for v in value)
+    return str(value)
+
+
+def field_specs(values: Mapping[str, str], errors: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The form's groups of fields, each with its label, help, current text and error.
+
+    Every RunConfig field appears: fields no group names go to an "Other" group, so a field the
+    trainer gains shows up on the form without a template change.
+    """
+    fields = RunConfig.model_fields
+    placed = {name for _, _, names in GROUPS for name in names}
+    groups = [(gid, title, [n for n in names if n in fields]) for gid, title, names in GROUPS]
+    extra = [n for n in fields if n not in placed]
+    if extra:
+        groups.append(("other", "Other", extra))
+    out = []
+    for gid, title, names in groups:
+        specs = []
+        for name in names:
+            info = fields[name]
+            kind, options = _kind(info)
+            options = CHOICES.get(name, options)
+            bounds = _bounds(info)
+            when = RELEVANT_WHEN.get(name)
+            specs.append(
+                {
+                    "name": name,
+                    "label": LABELS.get(name, name.replace("_", " ").capitalize()),
+                    "help": info.description or "",
+                    "range": _range_text(bounds),
+                    "kind": "select" if options else kind,
+                    "options": options,
+                    "min": bounds.get("min", bounds.get("above")),
+                    "max": bounds.get("max"),
+                    "value": values.get(name, ""),
+                    "default": display(info.get_default(call_default_factory=True)),
+                    "error": errors.get(name),
+                    "when": {"field": when[0], "values": list(when[1])} if when else None,
+                }
+            )
+        out.append({"id": gid, "title": title, "fields": specs})
+    return out
+
+
+# --- values, configs, errors --------------------------------------------------------------------
+
+
+def defaults() -> dict[str, str]:
+    """RunConfig's defaults as form text (name empty: derived from the recipe)."""
+    out = {}
+    for name, info in RunConfig.model_fields.items():
+        out[name] = display(info.get_default(call_default_factory=True))
+    out["name"] = ""
+    return out
+
+
+def preset_values(preset: Preset) -> dict[str, str]:
+    """The form text of a preset: defaults, its base, then its first run's values."""
+    return defaults() | {k: display(v) for k, v in preset.base.items()}
+
+
+def config_values(config: Mapping[str, Any]) -> dict[str, str]:
+    """Form text of a run's launch config (for Clone): unknown keys dropped, a derived name cleared
+    so that it is derived again from whatever the user changes."""
+    known = {k: v for k, v in config.items() if k in RunConfig.model_fields}
+    values = defaults() | {k: display(v) for k, v in known.items()}
+    try:
+        derived = RunConfig.model_validate(known | {"name": ""}).name
+    except ValidationError:
+        derived = None
+    if known.get("name") == derived:
+        values["name"] = ""
+    return values
+
+
+def parse_form(form: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """(the text as typed, for redisplay; the raw values for RunConfig) from a submitted form.
+
+    Only RunConfig's fields are read; empty list fields mean "the default" (None), every other
+    value goes to RunConfig as typed, so its messages are the ones the user sees.
+    """
+    typed: dict[str, str] = {}
+    raw: dict[str, Any] = {}
+    for name in RunConfig.model_fields:
+        if name not in form:
+            continue
+        text = str(form[name])
+        typed[name] = text
+        if name in LIST_FIELDS:
+            items = [t for t in re.split(r"[,\s]+", text.strip()) if t]
+            raw[name] = items or None
+        else:
+            raw[name] = text.strip()
+    return typed, raw
+
+
+class LaunchInvalid(Exception):
+    """A launch request that fails validation: field → message (FORM_ERROR for the rest)."""
+
+    def __init__(self, errors: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+        self.errors = errors
+
+
+def field_errors(exc: ValidationError) -> dict[str, str]:
+    """A pydantic error per field. Errors of the model as a whole (e.g. supervised_per_group vs
+    group_size) go to the field their message names first."""
+    out: dict[str, str] = {}
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        message = str(err["msg"]).removeprefix("Value error, ")
+        name = loc[0] if loc else _named_field(message)
+        if loc and name not in RunConfig.model_fields and len(loc) == 1:
+            message = f"{name} is not a setting of a run"
+        out.setdefault(name, message)
+    return out
+
+
+def _named_field(message: str) -> str:
+    found = [(message.find(n), n) for n in RunConfig.model_fields if n in message]
+    return min(found)[1] if found else FORM_ERROR
+
+
+def _all_errors(data: Mapping[str, Any], exc: ValidationError) -> dict[str, str]:
+    """Field errors, plus the errors between fields that pydantic checks only once every field
+    is valid (found again with the bad fields at their defaults): all messages in one round."""
+    found = field_errors(exc)
+    if FORM_ERROR not in found:
+        try:
+            RunConfig.model_validate({k: v for k, v in data.items() if k not in found})
+        except ValidationError as again:
+            for name, message in field_errors(again).items():
+                found.setdefault(name, message)
+    return found
+
+
+def build_configs(preset: Preset | None, values: Mapping[str, Any]) -> list[RunConfig]:
+    """One validated RunConfig per run of `preset` (or one for no preset) with `values` on top;
+    LaunchInvalid with every field's message if any run's config is invalid."""
+    if preset is None:
+        preset = Preset("custom", "Custom", "")
+    clash = [n for n in preset.varies if n in values and values[n] not in ("", None)]
+    if clash:
+        shown = ", ".join(preset.run_label({n: r[n] for n in clash}) for r in preset.runs)
+        raise LaunchInvalid(
+            {n: f"the preset {preset.name!r} sets {n} per run ({shown})" for n in clash}
+        )
+    configs: list[RunConfig] = []
+    errors: dict[str, str] = {}
+    for run in preset.runs:
+        data = dict(preset.base) | dict(values) | dict(run)
+        try:
+            config = RunConfig.model_validate(data)
+        except ValidationError as exc:
+            for name, message in _all_errors(data, exc).items():
+                errors.setdefault(name, message)
+            continue
+        label = preset.run_label(run)
+        if label and label not in config.name:  # "leaky (64 tools)" already says leaky
+            config = config.model_copy(update={"name": f"{config.name} · {label}"[:200]})
+        configs.append(config)
+    if errors:
+        raise LaunchInvalid(errors)
+    return configs

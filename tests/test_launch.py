@@ -1,0 +1,566 @@
+"""Launching, cancelling and resuming from the dashboard: the form, POST /api/runs, presets,
+validation through RunConfig, a broker that is down, and live state (no worker here: the embedded
+broker keeps the messages as files in the test's folder)."""
+
+from __future__ import annotations
+
+import random
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from server import store
+from server.app import create_app
+from server.config import Settings
+from server.db import session_scope
+from server.errors import BrokerUnavailable
+from server.models import Run, RunStatus, utcnow
+from server.records import StepRecord
+from server.routes import actions, launch
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
+from tests.web_support import client_for, parse
+from trainer.config import RunConfig
+
+BROKER_DOWN = "redis://127.0.0.1:1/0"
+
+# One bad value per RunConfig field: (field, JSON value, form text, words of the message).
+# test_every_field_has_a_validation_case keeps it complete as RunConfig grows.
+BAD_VALUES: list[tuple[str, Any, str, str]] = [
+    ("name", "x" * 201, "x" * 201, "at most 200 characters"),
+    ("variant", "medium", "medium", "'leaky' or 'patched'"),
+    ("k", 65, "65", "less than or equal to 64"),
+    (
+        "model",
+        "/no/such/model",
+        "/no/such/model",
+        "neither `tiny`, a hub id, nor an existing folder",
+    ),
+    ("steps", 100_001, "100001", "less than or equal to 100000"),
+    ("group_size", 1, "1", "greater than or equal to 2"),
+    ("prompts_per_step", 0, "0", "greater than or equal to 1"),
+    ("learning_rate", -0.001, "-1e-3", "greater than 0"),
+    ("temperature", 0, "0", "greater than 0"),
+    ("max_completion_tokens", 0, "0", "greater than or equal to 1"),
+    ("kl_coef", -1, "-1", "greater than or equal to 0"),
+    ("num_iterations", 17, "17", "less than or equal to 16"),
+    ("verifier", "lenient", "lenient", "unknown verifier 'lenient'"),
+    ("verifier_noise", 1.5, "1.5", "less than or equal to 1"),
+    ("seed", -1, "-1", "greater than or equal to 0"),
+    ("supervision", "magic", "magic", "'offpolicy'"),
+    ("supervised_per_group", 64, "64", "less than or equal to 63"),
+    ("sft_every", 0, "0", "greater than or equal to 1"),
+    ("sft_steps", 0, "0", "greater than or equal to 1"),
+    ("sft_learning_rate", 0, "0", "greater than 0"),
+    ("eval_every", -5, "-5", "greater than or equal to 0"),
+    ("control_tokens", "<tool>", None, "valid list"),
+]
+# Values that are fine alone but not together: the message goes next to the field it names.
+BAD_COMBINATIONS = [
+    (
+        {"supervision": "hint", "supervised_per_group": 8},
+        "supervised_per_group",
+        "smaller than group_size",
+    ),
+    (
+        {"supervision": "offpolicy", "group_size": 4, "supervised_per_group": 4},
+        "supervised_per_group",
+        "smaller than group_size",
+    ),
+    ({"steps": "many"}, "steps", "valid integer"),
+    ({"learning_rate": "fast"}, "learning_rate", "valid number"),
+]
+
+
+@pytest.fixture
+def client(session_factory, tmp_path: Path) -> TestClient:  # type: ignore[no-untyped-def]
+    return client_for(session_factory, data_dir=tmp_path)
+
+
+@pytest.fixture
+def down_client(session_factory, tmp_path: Path) -> TestClient:  # type: ignore[no-untyped-def]
+    return client_for(session_factory, data_dir=tmp_path, broker_url=BROKER_DOWN)
+
+
+def run_count(factory: sessionmaker[Session]) -> int:
+    with session_scope(factory) as session:
+        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+
+
+def messages(tmp_path: Path) -> int:
+    """Task messages waiting in the embedded broker's folder."""
+    folder = tmp_path / "broker" / "queue"
+    return len(list(folder.iterdir())) if folder.is_dir() else 0
+
+
+def form_data(**changes: str) -> dict[str, str]:
+    """What the browser submits: every field's text, as the form shows it, with `changes`."""
+    return launch.defaults() | changes
+
+
+def failed_run(factory: sessionmaker[Session], *, error: str, **columns: Any) -> int:
+    """A recorded run that ended `failed` with `error`, as the worker leaves one."""
+    run_id = make_run(factory, status=RunStatus.running, **columns)
+    with session_scope(factory) as session:
+        store.mark_finished(session, run_id=run_id, status=RunStatus.failed, error=error)
+    return run_id
+
+
+def get_run(factory: sessionmaker[Session], run_id: int) -> Run:
+    with session_scope(factory) as session:
+        return store.get_run(session, run_id=run_id)
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def test_every_field_has_a_validation_case() -> None:
+    assert {case[0] for case in BAD_VALUES} == set(RunConfig.model_fields)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "text", "words"), BAD_VALUES, ids=[c[0] for c in BAD_VALUES]
+)
+def test_api_rejects_a_bad_value_and_creates_nothing(  # type: ignore[no-untyped-def]
+    client, session_factory, tmp_path, field, value, text, words
+) -> None:
+    response = client.post("/api/runs", json={field: value})
+    assert response.status_code == 422
+    errors = response.json()["errors"]
+    assert [e["loc"] for e in errors] == [["body", field]]
+    assert words in errors[0]["msg"]
+    assert field in response.json()["detail"]
+    assert run_count(session_factory) == 0 and messages(tmp_path) == 0
+
+
+@pytest.mark.parametrize(("values", "field", "words"), BAD_COMBINATIONS)
+def test_api_puts_a_cross_field_error_on_the_field_it_names(  # type: ignore[no-untyped-def]
+    client, session_factory, tmp_path, values, field, words
+) -> None:
+    response = client.post("/api/runs", json=values)
+    assert response.status_code == 422
+    errors = {e["loc"][-1]: e["msg"] for e in response.json()["errors"]}
+    assert words in errors[field]
+    assert run_count(session_factory) == 0 and messages(tmp_path) == 0
+
+
+def test_api_rejects_unknown_settings_and_presets(client, session_factory) -> None:  # type: ignore[no-untyped-def]
+    response = client.post("/api/runs", json={"stepz": 5})
+    assert response.status_code == 422
+    assert response.json()["errors"][0]["msg"] == "stepz is not a setting of a run"
+    response = client.post("/api/runs", json={"preset": "leaky_vs_sideways"})
+    assert response.status_code == 422 and "leaky_vs_patched" in response.json()["errors"][0]["msg"]
+    # A sweep sets its own learning rates: overriding them would launch three equal runs.
+    response = client.post("/api/runs", json={"preset": "lr_sweep", "learning_rate": 0.01})
+    assert response.status_code == 422
+    assert response.json()["errors"][0]["loc"] == ["body", "learning_rate"]
+    assert run_count(session_factory) == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "text", "words"),
+    [c for c in BAD_VALUES if c[2] is not None],
+    ids=[c[0] for c in BAD_VALUES if c[2] is not None],
+)
+def test_form_shows_the_message_next_to_the_field_and_keeps_the_values(  # type: ignore[no-untyped-def]
+    client, session_factory, tmp_path, field, value, text, words
+) -> None:
+    other = "seed" if field != "seed" else "steps"
+    typed = form_data(**{other: "42", field: text})  # `other`: typed too, must survive the error
+    response = client.post("/runs/new", data=typed, follow_redirects=False)
+    assert response.status_code == 422
+    page = parse(response.text)
+    box = page.by_id(f"f-{field}").attrs
+    assert box["aria-invalid"] == "true" and f"err-{field}" in box["aria-describedby"]
+    assert words in page.by_id(f"err-{field}").text
+    field_div = next(d for d in page.find_all("div", cls="field") if d.find_all(id=f"f-{field}"))
+    assert "invalid" in field_div.classes
+    assert [d for d in page.find_all("div", cls="invalid")] == [field_div]  # only that field
+    for name, value_typed in typed.items():
+        control = page.by_id(f"f-{name}")
+        shown = (
+            next(o for o in control.find_all("option") if "selected" in o.attrs).attrs["value"]
+            if control.tag == "select"
+            else control.attrs.get("value", "")
+        )
+        assert shown == value_typed, name
+    assert "nothing was launched" in page.by_id("form-errors").text
+    assert run_count(session_factory) == 0 and messages(tmp_path) == 0
+
+
+def test_form_puts_the_group_size_message_next_to_supervised_per_group(  # type: ignore[no-untyped-def]
+    client, session_factory
+) -> None:
+    response = client.post(
+        "/runs/new", data=form_data(supervision="offpolicy", supervised_per_group="8")
+    )
+    assert response.status_code == 422
+    page = parse(response.text)
+    assert "smaller than group_size" in page.by_id("err-supervised_per_group").text
+    assert run_count(session_factory) == 0
+
+
+def test_the_form_has_every_field_with_its_default_and_help(client) -> None:  # type: ignore[no-untyped-def]
+    page = parse(client.get("/runs/new").text)
+    for name, info in RunConfig.model_fields.items():
+        control = page.by_id(f"f-{name}")
+        assert control.attrs.get("name") == name
+        assert info.description and info.description in page.by_id(f"help-{name}").text
+    assert page.by_id("f-steps").attrs["value"] == str(RunConfig().steps)
+    assert page.by_id("f-learning_rate").attrs["value"] == "0.0003"
+    groups = [g.find("legend").text for g in page.find_all("fieldset")]
+    assert groups == ["Task", "Model", "GRPO", "Supervision", "Evaluation"]
+    presets = {a.attrs["data-preset"] for a in page.find_all("a", cls="preset")}
+    assert presets == set(launch.PRESETS)
+    assert (
+        "novalidate" in page.by_id("launch-form").attrs
+    )  # the server's messages, not the browser's
+
+
+def test_presets_fill_the_form(client) -> None:  # type: ignore[no-untyped-def]
+    page = parse(client.get("/runs/new?preset=leaky").text)
+    assert page.find("option", value="leaky").attrs.get("selected") is not None
+    page = parse(client.get("/runs/new?preset=hint").text)
+    values = {n: page.by_id(f"f-{n}") for n in ("learning_rate", "steps", "supervised_per_group")}
+    assert values["learning_rate"].attrs["value"] == "0.001"
+    assert values["steps"].attrs["value"] == "300"
+    assert page.find("option", value="hint").attrs.get("selected") is not None
+    page = parse(client.get("/runs/new?preset=lr_sweep").text)
+    assert page.by_id("f-learning_rate").attrs.get("disabled") is not None
+    assert "per run: lr 1e-04, lr 3e-04, lr 1e-03" in page.by_id("f-learning_rate").attrs["value"]
+    assert page.find("input", type="hidden", name="preset").attrs["value"] == "lr_sweep"
+    assert page.by_id("launch-button").text == "Launch 3 runs"
+    assert client.get("/runs/new?preset=nope").status_code == 400
+
+
+def test_presets_api_lists_presets_and_every_field(client) -> None:  # type: ignore[no-untyped-def]
+    data = client.get("/api/presets").json()
+    assert [p["name"] for p in data["presets"]] == list(launch.PRESETS)
+    fields = {f["name"]: f for f in data["fields"]}
+    assert set(fields) == set(RunConfig.model_fields)
+    assert fields["k"]["min"] == 1 and fields["k"]["max"] == 64 and fields["k"]["default"] == "4"
+    assert fields["supervision"]["options"] == [
+        "none",
+        "offpolicy",
+        "hint",
+        "interleaved_sft",
+        "sft_then_rl",
+    ]
+
+
+# --- launching ----------------------------------------------------------------------------------
+
+
+def test_api_launches_a_run_and_queues_it_once(client, session_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    response = client.post("/api/runs", json={"variant": "leaky", "steps": 12, "seed": 4})
+    assert response.status_code == 201
+    body = response.json()
+    (run,) = body["runs"]
+    assert body["url"] == f"/runs/{run['id']}"
+    assert run["status"] == "queued" and run["queue_position"] == 1
+    assert (run["variant"], run["k"], run["total_steps"], run["seed"]) == ("leaky", None, 12, 4)
+    expected = RunConfig(variant="leaky", steps=12, seed=4).model_dump(mode="json")
+    assert get_run(session_factory, run["id"]).config == expected
+    assert run_count(session_factory) == 1 and messages(tmp_path) == 1
+
+
+def test_api_launches_a_preset_with_overrides(client, session_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    body = client.post(
+        "/api/runs", json={"preset": "leaky_vs_patched", "steps": 8, "seed": 3}
+    ).json()
+    leaky, patched = body["runs"]
+    assert body["url"] == f"/compare?runs={leaky['id']},{patched['id']}"
+    assert (leaky["variant"], patched["variant"], patched["k"]) == ("leaky", "patched", 4)
+    configs = [get_run(session_factory, r["id"]).config for r in (leaky, patched)]
+    same = {k for k in configs[0] if configs[0][k] == configs[1][k]}
+    assert set(configs[0]) - same == {"variant", "name"}  # same seed and recipe otherwise
+    assert configs[0]["seed"] == 3 and configs[0]["steps"] == 8
+    sweep = client.post("/api/runs", json={"preset": "lr_sweep", "steps": 8}).json()["runs"]
+    assert [get_run(session_factory, r["id"]).config["learning_rate"] for r in sweep] == [
+        1e-4,
+        3e-4,
+        1e-3,
+    ]
+    assert len({r["name"] for r in sweep}) == 3 and len({r["seed"] for r in sweep}) == 1
+    assert [r["queue_position"] for r in sweep] == [3, 4, 5]
+    assert messages(tmp_path) == 5
+
+
+@pytest.mark.parametrize("name", [n for n, p in launch.PRESETS.items() if not p.compares])
+def test_each_single_run_preset_launches_what_it_says(client, session_factory, name) -> None:  # type: ignore[no-untyped-def]
+    preset = launch.PRESETS[name]
+    (run,) = client.post("/api/runs", json={"preset": name}).json()["runs"]
+    config = get_run(session_factory, run["id"]).config
+    assert {k: config[k] for k in preset.base} == dict(preset.base)
+    if name not in ("leaky", "patched"):  # the collapse study: bench/collapse.py's recipe
+        assert config["learning_rate"] == 1e-3 and config["steps"] == 300
+
+
+def test_form_launches_a_run_and_opens_it(client, session_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    response = client.post(
+        "/runs/new", data=form_data(steps="9", seed="5", control_tokens=""), follow_redirects=False
+    )
+    assert response.status_code == 303
+    (run_id,) = [r.id for r in _runs(session_factory)]
+    assert response.headers["location"] == f"/runs/{run_id}"
+    config = get_run(session_factory, run_id).config
+    assert config == RunConfig(steps=9, seed=5).model_dump(mode="json")
+    assert messages(tmp_path) == 1
+
+
+def test_form_launches_leaky_vs_patched_and_opens_the_comparison(client, session_factory) -> None:  # type: ignore[no-untyped-def]
+    data = form_data(steps="6", seed="2")
+    del data["variant"]  # disabled on the form: the preset sets it per run
+    response = client.post(
+        "/runs/new", data=data | {"preset": "leaky_vs_patched"}, follow_redirects=False
+    )
+    ids = [r.id for r in _runs(session_factory)]
+    assert (
+        response.status_code == 303
+        and response.headers["location"] == f"/compare?runs={ids[0]},{ids[1]}"
+    )
+    runs = _runs(session_factory)
+    assert [(r.variant, r.seed, r.total_steps) for r in runs] == [
+        ("leaky", 2, 6),
+        ("patched", 2, 6),
+    ]
+    compare = client.get(response.headers["location"])
+    assert compare.status_code == 200
+
+
+def _runs(factory: sessionmaker[Session]) -> list[Run]:
+    with session_scope(factory) as session:
+        return list(session.scalars(select(Run).order_by(Run.id)))
+
+
+def test_clone_fills_the_form_with_a_runs_config(client, session_factory) -> None:  # type: ignore[no-untyped-def]
+    (named,) = client.post(
+        "/api/runs",
+        json={"name": "my lr test", "learning_rate": 0.001, "supervision": "hint", "k": 6},
+    ).json()["runs"]
+    page = parse(client.get(f"/runs/new?clone={named['id']}").text)
+    assert page.by_id("f-name").attrs["value"] == "my lr test"
+    assert page.by_id("f-learning_rate").attrs["value"] == "0.001"
+    assert page.by_id("f-k").attrs["value"] == "6"
+    assert page.find("option", value="hint").attrs.get("selected") is not None
+    assert f"#{named['id']}" in page.by_id("clone-note").text
+    (derived,) = client.post("/api/runs", json={"variant": "leaky"}).json()["runs"]
+    page = parse(client.get(f"/runs/new?clone={derived['id']}").text)
+    assert page.by_id("f-name").attrs["value"] == ""  # derived again from what the user changes
+    # A run recorded from a user's own script has no launch config: its columns fill the form.
+    scripted = make_run(session_factory, steps=2, seed=9, config={})
+    page = parse(client.get(f"/runs/new?clone={scripted}").text)
+    assert (
+        page.by_id("f-seed").attrs["value"] == "9" and "own script" in page.by_id("clone-note").text
+    )
+    assert client.get("/runs/new?clone=999").status_code == 404
+    run_page = parse(client.get(f"/runs/{named['id']}").text)
+    assert run_page.by_id("clone-link").attrs["href"] == f"/runs/new?clone={named['id']}"
+
+
+# --- the broker is down -------------------------------------------------------------------------
+
+
+def test_broker_down_is_a_503_and_nothing_is_created(down_client, session_factory) -> None:  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    response = down_client.post("/api/runs", json={"steps": 5})
+    assert response.status_code == 503
+    assert (
+        "task queue" in response.json()["detail"]
+        and "cannot be reached" in response.json()["detail"]
+    )
+    assert run_count(session_factory) == 0
+    response = down_client.post("/runs/new", data=form_data(steps="33", seed="8"))
+    assert response.status_code == 503
+    page = parse(response.text)
+    assert "nothing was launched" in page.by_id("broker-error").text
+    assert (
+        page.by_id("f-steps").attrs["value"] == "33" and page.by_id("f-seed").attrs["value"] == "8"
+    )
+    assert run_count(session_factory) == 0
+    assert time.monotonic() - started < 20
+
+
+def test_an_enqueue_that_fails_midway_leaves_no_runs(client, session_factory, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The broker accepted the check, then went away before the second message: the one thing
+    # here that cannot be made to happen for real on cue.
+    sent: list[int] = []
+
+    def flaky_enqueue(app, *, run_id: int, timeout: float = 3.0) -> str:  # type: ignore[no-untyped-def]
+        if sent:
+            raise BrokerUnavailable("the task queue at redis://… cannot be reached: gone")
+        sent.append(run_id)
+        return "task"
+
+    monkeypatch.setattr(actions, "enqueue_run", flaky_enqueue)
+    response = client.post("/api/runs", json={"preset": "leaky_vs_patched"})
+    assert response.status_code == 503 and len(sent) == 1
+    assert run_count(session_factory) == 0  # the first run's message finds no run: skipped
+
+
+def test_resume_with_the_broker_down_changes_nothing(down_client, session_factory) -> None:  # type: ignore[no-untyped-def]
+    run_id = failed_run(session_factory, steps=3, error="OOM at step 3")
+    assert down_client.post(f"/api/runs/{run_id}/resume").status_code == 503
+    run = get_run(session_factory, run_id)
+    assert (run.status, run.error) == ("failed", "OOM at step 3")
+    response = down_client.post(f"/runs/{run_id}/resume", follow_redirects=False)
+    assert response.status_code == 303 and "notice=Not+resumed" in response.headers["location"]
+    page = parse(down_client.get(response.headers["location"]).text)
+    assert "cannot be reached" in page.by_id("notice").text
+
+
+# --- cancel, resume, live state -----------------------------------------------------------------
+
+
+def test_cancel_and_resume_through_the_api(client, session_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (run,) = client.post("/api/runs", json={"steps": 5}).json()["runs"]
+    run_id = run["id"]
+    response = client.post(f"/api/runs/{run_id}/cancel")
+    assert response.status_code == 200
+    live = response.json()
+    assert live["status"] == "cancelled" and live["can_resume"] and not live["can_cancel"]
+    again = client.post(f"/api/runs/{run_id}/cancel")
+    assert again.status_code == 409 and "only queued or running" in again.json()["detail"]
+    live = client.post(f"/api/runs/{run_id}/resume").json()
+    assert live["status"] == "queued" and live["queue_position"] == 1 and live["can_cancel"]
+    assert messages(tmp_path) == 2  # launched, then resumed
+    assert client.post(f"/api/runs/{run_id}/resume").status_code == 409
+    assert client.post("/api/runs/999/cancel").status_code == 404
+
+
+def test_cancelling_a_running_run_asks_it_to_stop(client, session_factory) -> None:  # type: ignore[no-untyped-def]
+    run_id = make_run(session_factory, steps=3, status=RunStatus.running, total_steps=50)
+    live = client.post(f"/api/runs/{run_id}/cancel").json()
+    assert live["status"] == "running" and live["cancel_requested"] and not live["can_cancel"]
+    assert "stopping (cancel requested)" in live["summary"]
+    assert get_run(session_factory, run_id).cancel_requested is True
+
+
+def test_run_page_buttons_post_and_come_back(client, session_factory) -> None:  # type: ignore[no-untyped-def]
+    (run,) = client.post("/api/runs", json={"steps": 5}).json()["runs"]
+    page = parse(client.get(f"/runs/{run['id']}").text)
+    assert (
+        "hidden" not in page.by_id("cancel-form").attrs
+        and "hidden" in page.by_id("resume-form").attrs
+    )
+    assert page.by_id("cancel-form").attrs["action"] == f"/runs/{run['id']}/cancel"
+    assert page.by_id("run-live").text == "Queued, 1st in line: waiting for a worker"
+    response = client.post(f"/runs/{run['id']}/cancel", follow_redirects=False)
+    assert response.status_code == 303 and response.headers["location"] == f"/runs/{run['id']}"
+    page = parse(client.get(f"/runs/{run['id']}").text)
+    assert (
+        "hidden" in page.by_id("cancel-form").attrs
+        and "hidden" not in page.by_id("resume-form").attrs
+    )
+    response = client.post(f"/runs/{run['id']}/cancel", follow_redirects=False)  # already cancelled
+    page = parse(client.get(response.headers["location"]).text)
+    assert "only queued or running runs can be cancelled" in page.by_id("notice").text
+    response = client.post(f"/runs/{run['id']}/resume", follow_redirects=False)
+    assert response.headers["location"] == f"/runs/{run['id']}"
+    assert get_run(session_factory, run["id"]).status == "queued"
+
+
+def test_a_failed_run_shows_its_error_and_can_be_resumed(client, session_factory) -> None:  # type: ignore[no-untyped-def]
+    run_id = failed_run(
+        session_factory, steps=4, total_steps=10, error="RuntimeError: CUDA out of memory"
+    )
+    page = parse(client.get(f"/runs/{run_id}").text)
+    box = page.by_id("run-error-box")
+    assert "hidden" not in box.attrs and box.find("h2").text == "Why it stopped"
+    assert page.by_id("run-error").text == "RuntimeError: CUDA out of memory"
+    assert "hidden" not in page.by_id("resume-form").attrs
+    assert page.by_id("run-live").text == "Failed at step 4 of 10"
+
+
+def test_progress_has_queue_places_speed_and_eta(client, session_factory) -> None:  # type: ignore[no-untyped-def]
+    ids = [r["id"] for r in client.post("/api/runs", json={"preset": "lr_sweep"}).json()["runs"]]
+    assert [client.get(f"/api/runs/{i}/progress").json()["queue_position"] for i in ids] == [
+        1,
+        2,
+        3,
+    ]
+    listed = {r["id"]: r["queue_position"] for r in client.get("/api/runs").json()}
+    assert listed == dict(zip(ids, [1, 2, 3], strict=True))
+    runs_page = parse(client.get("/").text)
+    assert (
+        runs_page.find("tr", data_run_id=str(ids[1])).find(cls="queue-note").text == "#2 in queue"
+    )
+    with session_scope(session_factory) as session:
+        store.claim_run(session, run_id=ids[0], task_id="t")
+        store.mark_running(session, run_id=ids[0], worker_host="h", device="cpu", control_tokens=[])
+    for step in (1, 2, 3):
+        time.sleep(0.02)
+        record = StepRecord(
+            step=step, rollout_step=step, values={}, rollouts=make_rollouts(random.Random(step))
+        )
+        with session_scope(session_factory) as session:
+            store.record_step(session, run_id=ids[0], record=record, control_tokens=CONTROL_TOKENS)
+    live = client.get(f"/api/runs/{ids[0]}/progress").json()
+    assert (
+        live["status"] == "running" and live["current_step"] == 3 and live["queue_position"] is None
+    )
+    assert live["steps_per_second"] > 0
+    assert live["eta_seconds"] == pytest.approx((150 - 3) / live["steps_per_second"])
+    assert "steps/s · ETA" in live["summary"]
+    assert client.get(f"/api/runs/{ids[1]}/progress").json()["queue_position"] == 1
+
+
+def test_runs_page_links_to_the_form(client) -> None:  # type: ignore[no-untyped-def]
+    page = parse(client.get("/").text)
+    assert any(a.attrs.get("href") == "/runs/new" for a in page.find_all("a", cls="btn"))
+
+
+def test_the_app_marks_silent_runs_lost(session_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run_id = make_run(session_factory, steps=2, status=RunStatus.running)
+    fresh = make_run(session_factory, steps=2, seed=1, status=RunStatus.running)
+    with session_scope(session_factory) as session:
+        store.heartbeat(session, run_id=run_id, at=utcnow() - timedelta(seconds=30))
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    settings = Settings(database_url=url, data_dir=tmp_path, lost_after_seconds=10)
+    app = create_app(settings, session_factory=session_factory, sweep_seconds=0.05)
+    with TestClient(app):
+        deadline = time.monotonic() + 10
+        while get_run(session_factory, run_id).status != "lost" and time.monotonic() < deadline:
+            time.sleep(0.05)
+    lost = get_run(session_factory, run_id)
+    assert lost.status == "lost" and "heartbeats" in (lost.error or "")
+    assert get_run(session_factory, fresh).status == "running"
+    with session_scope(session_factory) as session:  # its steps stay, for Resume to continue
+        assert store.last_step(session, run_id=run_id) == 2
+
+
+def test_openapi_documents_the_actions(client) -> None:  # type: ignore[no-untyped-def]
+    spec = client.get("/openapi.json").json()
+    paths = spec["paths"]
+    assert "post" in paths["/api/runs"] and "get" in paths["/api/runs"]
+    for path in ("/api/runs/{run_id}/cancel", "/api/runs/{run_id}/resume"):
+        assert set(paths[path]) == {"post"}
+    for path in ("/api/runs/{run_id}/progress", "/api/alerts", "/api/presets"):
+        assert set(paths[path]) == {"get"}
+    launch_op = paths["/api/runs"]["post"]
+    assert {"201", "422", "503"} <= set(launch_op["responses"])
+    assert not any(p.startswith("/runs") for p in paths)  # the HTML forms stay out
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--k", "65"], "k: Input should be less than or equal to 64"),
+        (["--group-size", "1"], "group_size: Input should be greater than or equal to 2"),
+        (["--lr", "-0.1"], "learning_rate: Input should be greater than 0"),
+        (["--verifier", "lenient"], "unknown verifier 'lenient'"),
+        (["--model", "/no/such/model"], "neither `tiny`, a hub id, nor an existing folder"),
+    ],
+)
+def test_the_cli_validates_with_the_same_model(monkeypatch, capsys, tmp_path, args, words) -> None:  # type: ignore[no-untyped-def]
+    from server.cli import main
+
+    monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path))
+    assert main(["train", "--quiet", *args]) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "rollout-lens.db").exists()  # nothing created
