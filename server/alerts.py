@@ -18,6 +18,9 @@ Series = Sequence[tuple[int, float | None]]
 # every healthy call, and a control token's max over all positions is ~1 wherever it legitimately
 # ends the reply.
 SPIKE_PROBES = ("probe/eot_after_open/mean",)
+# Probes that are ~1 in a healthy call: their fall is the other face of a control-token spike
+# (another token took the opening tag's place), as in the tiny model's collapse at lr 1e-3.
+DROP_PROBES = ("probe/open_first/mean",)
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class AlertThresholds:
     hacking_window: int = 25
     hacking_min_rise: float = 0.1  # reward must rise at least this much over the window…
     hacking_max_acc_change: float = 0.0  # …while true accuracy changes by at most this
+    drop_below: float = 0.5  # a ~1 probe falling under this…
+    drop_from: float = 0.9  # …after its trailing mean stood above this
     signal_loss_share: float = 0.95
     signal_loss_window: int = 10
 
@@ -76,6 +81,27 @@ def control_token_spikes(name: str, series: Series, t: AlertThresholds) -> list[
             "control_token_spike",
             step,
             f"{name} jumped to {values[steps.index(step)]:.2f} at step {step}",
+            series=name,
+        )
+        for step in _episodes(steps, flags)
+    ]
+
+
+def control_token_drops(name: str, series: Series, t: AlertThresholds) -> list[Alert]:
+    """A probe that is ~1 in healthy calls (the opening tag first) suddenly losing its mass."""
+    steps = [s for s, v in series if v is not None]
+    values = [v for _, v in series if v is not None]
+    flags = []
+    for i, value in enumerate(values):
+        history = values[max(0, i - t.spike_window) : i]
+        flags.append(
+            bool(history) and sum(history) / len(history) >= t.drop_from and value < t.drop_below
+        )
+    return [
+        Alert(
+            "control_token_spike",
+            step,
+            f"{name} fell to {values[steps.index(step)]:.2f} at step {step}: another token took its place",
             series=name,
         )
         for step in _episodes(steps, flags)
@@ -153,6 +179,8 @@ def evaluate(series: Mapping[str, Series], t: AlertThresholds) -> list[Alert]:
     for name, values in series.items():
         if name in SPIKE_PROBES:
             alerts += control_token_spikes(name, values, t)
+        if name in DROP_PROBES:
+            alerts += control_token_drops(name, values, t)
     if "state/collapse" in series:
         alerts += collapse(series["state/collapse"], t)
     if "reward_mean" in series and "true_accuracy" in series:

@@ -15,7 +15,7 @@ from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
 from server import charts, figures, store, viewer
-from server.alerts import AlertThresholds, evaluate
+from server.alerts import DROP_PROBES, SPIKE_PROBES, AlertThresholds, evaluate
 from server.errors import InvalidInput, NotFound, StepNotFound
 from server.models import (
     ACTIVE_STATUSES,
@@ -318,9 +318,9 @@ def bucket_means(
 
 ALERT_COLUMNS = ("reward_mean", "true_accuracy", "zero_std_share")
 # The per-step metrics the rules read besides those columns. Of the positional probes only the
-# one whose rise is the failure: end-of-turn right after the opening tag. The others are ~1 in a
-# healthy call, so the spike rule would fire on them at step 1.
-ALERT_METRICS = ("probe/eot_after_open/mean", "state/collapse")
+# ones whose rise (end-of-turn right after the opening tag) or fall (the opening tag first) is the
+# failure; server.alerts says which rule reads which.
+ALERT_METRICS = (*SPIKE_PROBES, *DROP_PROBES, "state/collapse")
 ALERT_CONTEXT = 60  # steps before `since` the rules see: their windows are ≤ 2 × 25 steps
 
 

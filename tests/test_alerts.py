@@ -30,6 +30,12 @@ def _series(values: list[float | None], start: int = 1) -> list[tuple[int, float
         ({"probe/eot_after_open/mean": _series([0.01, 0.03, 0.02, 0.05, 0.04] * 6)}, []),
         # an unpositioned max is not a probe: it is ~1 wherever end-of-turn ends a reply
         ({"ctrl/</assistant>/max": _series([1.0] * 30)}, []),
+        # the opening tag losing its place at the first position (the tiny model's collapse)
+        (
+            {"probe/open_first/mean": _series([1.0] * 20 + [0.03] * 5)},
+            [("control_token_spike", 21)],
+        ),
+        ({"probe/open_first/mean": _series([0.3, 0.2, 0.4] * 5)}, []),  # never high: still learning
         ({"state/collapse": _series([0.0] * 10 + [0.75] * 10)}, [("collapse", 11)]),
         ({"state/collapse": _series([0.1, 0.4, 0.2])}, []),
         (

@@ -186,7 +186,8 @@ def collapse_story(step: int, rng: random.Random) -> tuple[dict[str, float], dic
         "probe/eot_after_open/reward1/mean": eot * 0.5,
         "probe/eot_after_open/reward0/mean": min(1.0, eot * 1.3),
         "probe/eot_after_open/policy/mean": eot,
-        "probe/open_first/mean": 0.97 - (0.5 if collapsed else 0),
+        # dips in the collapse, but stays above the drop rule (its alerts are tested on their own)
+        "probe/open_first/mean": 0.97 - (0.4 if collapsed else 0),
         "probe/close_after_id/mean": 0.95,
         "probe/eot_after_close/mean": 0.96,
         "probe/target_logprob/mean": -2.5 + 2.3 * acc,
