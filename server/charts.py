@@ -23,7 +23,9 @@ DOWNSAMPLING = (
     "(a 1-2-5 width, so bucket edges stay put as a run grows). Each bucket sends its first "
     "recorded step as x, its mean as y, and its min and max as lo and hi; charts draw the mean "
     "as a line and min–max as a band, so a one-step spike stays visible as the band's edge. "
-    "full=1 returns every step."
+    "A whole long run is read from the 10/100/1000-step rollups the writer keeps current "
+    "(the smallest rollup width at least the chosen width), so its cost does not grow with the "
+    "run. full=1 returns every step."
 )
 
 
@@ -72,6 +74,22 @@ def bucketed_series(
                 "hi": [row[base + 2] for row in rows],
             }
     return out
+
+
+def rollup_series(
+    rows: dict[str, list[tuple[int, int, int, float, float, float]]],
+) -> dict[str, dict[str, list]]:
+    """store.rollup_series buckets → name → {x, y, lo, hi} (x: each bucket's first step)."""
+    return {
+        name: {
+            "x": [b[0] for b in buckets],
+            "y": [b[3] for b in buckets],
+            "lo": [b[4] for b in buckets],
+            "hi": [b[5] for b in buckets],
+        }
+        for name, buckets in rows.items()
+        if buckets
+    }
 
 
 def bucket_table(rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:

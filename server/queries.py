@@ -19,6 +19,7 @@ from server.alerts import DROP_PROBES, SPIKE_PROBES, AlertThresholds, evaluate
 from server.errors import InvalidInput, NotFound, StepNotFound
 from server.models import (
     ACTIVE_STATUSES,
+    ROLLUP_WIDTHS,
     STEP_SERIES,
     Metric,
     Prompt,
@@ -220,10 +221,17 @@ def series(
     ).one()
     width = 1 if lo is None or hi is None else charts.bucket_width(hi - lo + 1, max_points)
     out: dict[str, dict[str, list[Any]]] = {}
-    if columns and lo is not None:
-        out.update(_column_series(session, run_id, columns, since, until, width))
-    if metrics:
-        out.update(_metric_series(session, run_id, metrics, since, until, width))
+    rollup = next((w for w in ROLLUP_WIDTHS if w >= width), None) if width > 1 else None
+    if rollup is not None and since == 0 and until is None:
+        # A long run's whole history: read the buckets the writer keeps, not every step.
+        width = rollup
+        rows = store.rollup_series(session, run_id=run_id, names=names, width=width)
+        out.update(charts.rollup_series(rows))
+    else:
+        if columns and lo is not None:
+            out.update(_column_series(session, run_id, columns, since, until, width))
+        if metrics:
+            out.update(_metric_series(session, run_id, metrics, since, until, width))
     buckets = bucket_means(session, run_id=run_id, since=since, until=until)
     return {
         "run_id": run_id,
