@@ -125,3 +125,24 @@ def load_run(database_url: str, run_id: int):  # type: ignore[no-untyped-def]
             )
     finally:
         engine.dispose()
+
+
+def recorded_steps(factory: sessionmaker[Session], run_id: int) -> list[int]:
+    """The step numbers recorded for a run, in order."""
+    with session_scope(factory) as session:
+        return [s.step for s in store.steps(session, run_id=run_id)]
+
+
+def rollouts_per_step(factory: sessionmaker[Session], run_id: int) -> dict[int, int]:
+    """step → how many rollouts were recorded for it."""
+    from sqlalchemy import func, select
+
+    from server.models import Rollout
+
+    with session_scope(factory) as session:
+        rows = session.execute(
+            select(Rollout.step, func.count())
+            .where(Rollout.run_id == run_id)
+            .group_by(Rollout.step)
+        )
+        return {step: count for step, count in rows}

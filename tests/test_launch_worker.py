@@ -22,14 +22,14 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from server import store
 from server.app import create_app, prepare_database
 from server.config import Settings
 from server.db import make_engine, make_session_factory, session_scope
-from server.models import Rollout, Run
+from server.models import Run
+from tests import factories
 
 playwright = pytest.importorskip("playwright.sync_api")
 uvicorn = pytest.importorskip("uvicorn")
@@ -114,17 +114,10 @@ class Stack:
         )
 
     def steps(self, run_id: int) -> list[int]:
-        with session_scope(self.factory) as session:
-            return [s.step for s in store.steps(session, run_id=run_id)]
+        return factories.recorded_steps(self.factory, run_id)
 
     def rollouts_per_step(self, run_id: int) -> dict[int, int]:
-        with session_scope(self.factory) as session:
-            rows = session.execute(
-                select(Rollout.step, func.count())
-                .where(Rollout.run_id == run_id)
-                .group_by(Rollout.step)
-            )
-            return {step: count for step, count in rows}
+        return factories.rollouts_per_step(self.factory, run_id)
 
     def run(self, run_id: int) -> Run:
         with session_scope(self.factory) as session:

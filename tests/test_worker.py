@@ -20,8 +20,9 @@ from server.config import Settings
 from server.db import make_engine, make_session_factory, session_scope
 from server.errors import BrokerUnavailable
 from server.migrate import upgrade
-from server.models import Rollout, Run, Step
+from server.models import Run, Step
 from server.queue import enqueue_run, make_celery
+from tests import factories
 from trainer.config import RunConfig
 
 REDIS_URL = os.environ.get("ROLLOUT_LENS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -117,17 +118,10 @@ class Harness:
         pytest.fail(f"run {run_id} never {what}: status {self.run(run_id).status}\n{logs}")
 
     def recorded_steps(self, run_id: int) -> list[int]:
-        with session_scope(self.factory) as session:
-            return [s.step for s in store.steps(session, run_id=run_id)]
+        return factories.recorded_steps(self.factory, run_id)
 
     def rollouts_per_step(self, run_id: int) -> dict[int, int]:
-        with session_scope(self.factory) as session:
-            rows = session.execute(
-                select(Rollout.step, func.count())
-                .where(Rollout.run_id == run_id)
-                .group_by(Rollout.step)
-            )
-            return {step: count for step, count in rows}
+        return factories.rollouts_per_step(self.factory, run_id)
 
     def close(self) -> None:
         for worker in self.workers:
