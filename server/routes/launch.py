@@ -96,7 +96,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "collapse",
             "Plain GRPO at lr 1e-3",
-            "No supervision: the recipe that collapses, for the signals below to beat.",
+            "No supervision at the study's high learning rate: the baseline for the signals below.",
             base=COLLAPSE_RECIPE | {"supervision": "none"},
         ),
         Preset(
