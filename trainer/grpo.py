@@ -263,7 +263,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
         eos = set(self.eos_token_ids)
         rollouts = []
         for i, row in enumerate(inputs):
-            text = _completion_text(completions[i])
+            text = message_text(completions[i])
             ids = list(completion_ids[i])
             truncated = not ids or ids[-1] not in eos
             judgement = (
@@ -341,7 +341,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
         return self._prompt_text[key]
 
 
-def _completion_text(completion: Any) -> str:
+def message_text(completion: Any) -> str:
     """TRL gives a string, or for conversational prompts a list of messages."""
     if isinstance(completion, str):
         return completion

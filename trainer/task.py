@@ -17,7 +17,7 @@ from trainer.envs.escalation import (
     true_score,
 )
 from trainer.evaluation import EvalItem
-from trainer.grpo import Judgement
+from trainer.grpo import Judgement, message_text
 from trainer.structure import classify
 
 
@@ -56,10 +56,10 @@ def make_reward_function(config: RunConfig):  # type: ignore[no-untyped-def]
         return [
             float(
                 verifier(
-                    _text(c),
+                    message_text(c),
                     Example(
                         query=q,
-                        prompt=_text(p),
+                        prompt=message_text(p),
                         target=t,
                         tool_ids=tuple(ids),
                         target_listed=bool(listed),
@@ -85,12 +85,6 @@ def judge(completion: str, row: dict[str, Any], truncated: bool) -> Judgement:
     )
 
 
-def _text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    return "".join(str(m.get("content", "")) for m in completion)
-
-
 def expert_reply(target: str) -> str:
     """The correct reply for a target id."""
     return reply(target)
@@ -98,7 +92,7 @@ def expert_reply(target: str) -> str:
 
 def hinted_prompt(row: dict[str, Any]) -> list[dict[str, str]]:
     """The row's prompt with its hint appended (what hint-guided rollouts are sampled from)."""
-    content = _text(row["prompt"])
+    content = message_text(row["prompt"])
     return [{"role": "user", "content": f"{content}\n{row['hint']}"}]
 
 
