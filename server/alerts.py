@@ -52,6 +52,12 @@ class Alert:
         return asdict(self)
 
 
+def _present(series: Series) -> tuple[list[int], list[float]]:
+    """The steps that have a value, and their values."""
+    pairs = [(s, v) for s, v in series if v is not None]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
 def _episodes(steps: Sequence[int], flags: Sequence[bool]) -> list[int]:
     """Steps where a condition turns on."""
     out, previous = [], False
@@ -64,8 +70,7 @@ def _episodes(steps: Sequence[int], flags: Sequence[bool]) -> list[int]:
 
 def control_token_spikes(name: str, series: Series, t: AlertThresholds) -> list[Alert]:
     """A probe far above its usual level: absolutely high, or a multiple of its trailing mean."""
-    steps = [s for s, v in series if v is not None]
-    values = [v for _, v in series if v is not None]
+    steps, values = _present(series)
     flags = []
     for i, value in enumerate(values):
         history = values[max(0, i - t.spike_window) : i]
@@ -89,8 +94,7 @@ def control_token_spikes(name: str, series: Series, t: AlertThresholds) -> list[
 
 def control_token_drops(name: str, series: Series, t: AlertThresholds) -> list[Alert]:
     """A probe that is ~1 in healthy calls (the opening tag first) suddenly losing its mass."""
-    steps = [s for s, v in series if v is not None]
-    values = [v for _, v in series if v is not None]
+    steps, values = _present(series)
     flags = []
     for i, value in enumerate(values):
         history = values[max(0, i - t.spike_window) : i]
@@ -110,8 +114,7 @@ def control_token_drops(name: str, series: Series, t: AlertThresholds) -> list[A
 
 def collapse(series: Series, t: AlertThresholds) -> list[Alert]:
     """Many completions whose call structure broke (empty, bare opening tag, unbalanced…)."""
-    steps = [s for s, v in series if v is not None]
-    values = [v for _, v in series if v is not None]
+    steps, values = _present(series)
     flags = [v >= t.collapse_share for v in values]
     return [
         Alert(
