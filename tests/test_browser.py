@@ -26,6 +26,7 @@ from server.db import make_engine, make_session_factory, session_scope
 from server.migrate import upgrade
 from server.models import RunStatus
 from server.records import StepRecord
+from tests import web_support
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
 from tests.web_support import (
     COLLAPSE_STEP,
@@ -40,15 +41,6 @@ uvicorn = pytest.importorskip("uvicorn")
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 XSS = "<script>alert(1)</script></textarea>{{7*7}}\x07"
 ARTIFACTS = Path(
     os.environ.get("ROLLOUT_LENS_TEST_ARTIFACTS")
@@ -118,12 +110,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    with playwright.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        yield chromium
-        chromium.close()
+    yield from web_support.chromium_browser()
 
 
 @dataclass

@@ -29,7 +29,7 @@ from server.app import create_app, prepare_database
 from server.config import Settings
 from server.db import make_engine, make_session_factory, session_scope
 from server.models import Run
-from tests import factories
+from tests import factories, web_support
 
 playwright = pytest.importorskip("playwright.sync_api")
 uvicorn = pytest.importorskip("uvicorn")
@@ -38,7 +38,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_URL = os.environ.get("ROLLOUT_LENS_TEST_LAUNCH_REDIS_URL", "redis://127.0.0.1:6379/14")
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("ROLLOUT_LENS_TEST_ARTIFACTS") or ROOT / "test-artifacts")
 TRAIN_TIMEOUT = 300  # seconds for a small run, worker start and model load included
 
@@ -172,14 +171,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    with playwright.sync_playwright() as p:
-        chromium = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
-        )
-        yield chromium
-        chromium.close()
+    yield from web_support.chromium_browser()
 
 
 @pytest.fixture

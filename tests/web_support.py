@@ -266,3 +266,29 @@ def record_supervised_run(factory: sessionmaker[Session], *, steps: int = 3) -> 
         with session_scope(factory) as session:
             store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
     return run_id
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it); no browser downloads here
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",  # the closed network refuses Chromium's own connections
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def chromium_browser() -> Iterator[Any]:
+    """Headless Debian Chromium driven by Playwright, for a module-scoped fixture to yield from."""
+    from pathlib import Path
+
+    import pytest
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
