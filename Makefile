@@ -10,10 +10,10 @@ export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
 
 .PHONY: run test lint
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[$(EXTRAS)]'
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
 
 run: $(VENV)/.installed
@@ -23,11 +23,11 @@ test:
 	rm -rf $(TEST_VENV)
 	$(PYTHON) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TEST_VENV)/bin/python -m pip install -q -e '.[$(EXTRAS)]'
-	$(TEST_VENV)/bin/ruff check server trainer tests bench migrations
-	$(TEST_VENV)/bin/ruff format --check server trainer tests bench migrations
+	$(TEST_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(TEST_VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
+	$(TEST_VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check server trainer tests bench migrations
-	$(VENV)/bin/ruff format --check server trainer tests bench migrations
+	$(VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
+	$(VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations

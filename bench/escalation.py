@@ -17,12 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from server import analysis, store  # noqa: E402
-from server.config import get_settings  # noqa: E402
-from server.db import make_engine, make_session_factory, session_scope  # noqa: E402
-from server.migrate import upgrade  # noqa: E402
-from trainer.config import RunConfig  # noqa: E402
-from trainer.run import train  # noqa: E402
+from rollout_lens.server import analysis, store  # noqa: E402
+from rollout_lens.server.config import get_settings  # noqa: E402
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
+from rollout_lens.server.migrate import upgrade  # noqa: E402
+from rollout_lens.trainer.config import RunConfig  # noqa: E402
+from rollout_lens.trainer.run import train  # noqa: E402
 
 
 def main() -> None:

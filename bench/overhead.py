@@ -18,16 +18,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from rollout_lens.server import store  # noqa: E402
+from rollout_lens.server.config import get_settings  # noqa: E402
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
+from rollout_lens.server.migrate import upgrade  # noqa: E402
+from rollout_lens.trainer.config import RunConfig  # noqa: E402
+from rollout_lens.trainer.grpo import Recorder  # noqa: E402
+from rollout_lens.trainer.run import default_control_tokens, make_trainer, resolve_model  # noqa: E402
+from rollout_lens.trainer.writer import StepWriter  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed  # noqa: E402
-
-from server import store  # noqa: E402
-from server.config import get_settings  # noqa: E402
-from server.db import make_engine, make_session_factory, session_scope  # noqa: E402
-from server.migrate import upgrade  # noqa: E402
-from trainer.config import RunConfig  # noqa: E402
-from trainer.grpo import Recorder  # noqa: E402
-from trainer.run import default_control_tokens, make_trainer, resolve_model  # noqa: E402
-from trainer.writer import StepWriter  # noqa: E402
 
 WARMUP_STEPS = 5  # the first steps pay for lazy initialisation in both arms
 

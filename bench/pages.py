@@ -24,15 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fastapi.testclient import TestClient
+from rollout_lens.server import figures, queries, store
+from rollout_lens.server.app import create_app
+from rollout_lens.server.config import get_settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.migrate import upgrade
+from rollout_lens.server.models import RunStatus
+from rollout_lens.server.records import RolloutRecord, StepRecord
 from sqlalchemy.orm import Session, sessionmaker
-
-from server import figures, queries, store
-from server.app import create_app
-from server.config import get_settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.migrate import upgrade
-from server.models import RunStatus
-from server.records import RolloutRecord, StepRecord
 
 CONTROL_TOKENS = ("<tool>", "</tool>", "</assistant>")
 TOOLS = [f"tool_{i:02d}" for i in range(64)]

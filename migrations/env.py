@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from alembic import context
-
-from server.config import get_settings
-from server.db import make_engine
-from server.models import Base
+from rollout_lens.server.config import get_settings
+from rollout_lens.server.db import make_engine
+from rollout_lens.server.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from server import analysis
+from rollout_lens.server import analysis
 
 Series = Sequence[tuple[int, float | None]]
 

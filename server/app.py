@@ -25,16 +25,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup, escape
-from sqlalchemy.orm import Session, sessionmaker
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import NoMatchFound
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from server import store
-from server.config import Settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.deps import render
-from server.errors import (
+from rollout_lens.server import store
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.deps import render
+from rollout_lens.server.errors import (
     BrokerUnavailable,
     DatabaseBehind,
     InvalidInput,
@@ -43,9 +38,13 @@ from server.errors import (
     RolloutLensError,
     StepNotFound,
 )
-from server.routes import actions, api, pages
-from server.routes.cache import ResponseCache
-from server.viewer import prob_text
+from rollout_lens.server.routes import actions, api, pages
+from rollout_lens.server.routes.cache import ResponseCache
+from rollout_lens.server.viewer import prob_text
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import NoMatchFound
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 TEMPLATES_DIR = WEB_DIR / "templates"
@@ -82,9 +81,8 @@ async def sweep_lost_runs(
 
 def prepare_database(settings: Settings) -> None:
     """Before serving: migrate an SQLite database (the embedded default), else refuse one behind."""
+    from rollout_lens.server.migrate import ensure_current, upgrade
     from sqlalchemy.engine import make_url
-
-    from server.migrate import ensure_current, upgrade
 
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     try:

@@ -11,8 +11,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from server import analysis
-from server.models import ACTIVE_STATUSES
+from rollout_lens.server import analysis
+from rollout_lens.server.models import ACTIVE_STATUSES
 
 MAX_POINTS = 600  # points per chart series before steps are merged (about a chart's width)
 BUCKET_STEPS = 25  # the seed's buckets: steps 1–25, 26–50, …

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from server.models import STEP_SERIES
+from rollout_lens.server.models import STEP_SERIES
 
 COLORS = {
     "reward_mean": "#2563eb",

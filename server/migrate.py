@@ -8,9 +8,8 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from rollout_lens.server.errors import DatabaseBehind
 from sqlalchemy import Engine
-
-from server.errors import DatabaseBehind
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, or_, select
-from sqlalchemy.orm import Session
-
-from server import charts, figures, store, viewer
-from server.alerts import DROP_PROBES, SPIKE_PROBES, AlertThresholds, evaluate
-from server.errors import InvalidInput, NotFound, StepNotFound
-from server.models import (
+from rollout_lens.server import charts, figures, store, viewer
+from rollout_lens.server.alerts import DROP_PROBES, SPIKE_PROBES, AlertThresholds, evaluate
+from rollout_lens.server.errors import InvalidInput, NotFound, StepNotFound
+from rollout_lens.server.models import (
     ACTIVE_STATUSES,
     ROLLUP_WIDTHS,
     STEP_SERIES,
@@ -28,7 +25,9 @@ from server.models import (
     RunStatus,
     Step,
 )
-from server.serialize import rollout_dict, run_dict, step_dict
+from rollout_lens.server.serialize import rollout_dict, run_dict, step_dict
+from sqlalchemy import ColumnElement, func, or_, select
+from sqlalchemy.orm import Session
 
 # --- runs ---------------------------------------------------------------------------------------
 

@@ -11,9 +11,8 @@ from pathlib import Path
 
 from celery import Celery
 from kombu.exceptions import OperationalError
-
-from server.config import Settings
-from server.errors import BrokerUnavailable
+from rollout_lens.server.config import Settings
+from rollout_lens.server.errors import BrokerUnavailable
 
 TRAIN_TASK = "rollout_lens.train_run"
 QUEUE = "rollout-lens"
@@ -26,7 +25,7 @@ def embedded_broker_dirs(settings: Settings) -> dict[str, Path]:
 
 
 def make_celery(settings: Settings, *, include: list[str] | None = None) -> Celery:
-    """The Celery app for `settings`; the worker passes include=["trainer.tasks"]."""
+    """The Celery app for `settings`; the worker passes include=["rollout_lens.trainer.tasks"]."""
     app = Celery("rollout_lens", include=include or [])
     if settings.broker_url:
         app.conf.broker_url = settings.broker_url

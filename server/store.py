@@ -8,13 +8,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, delete, func, literal, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.orm import Session
-
-from server.errors import InvalidState, NotFound
-from server.models import (
+from rollout_lens.server.errors import InvalidState, NotFound
+from rollout_lens.server.models import (
     ROLLUP_WIDTHS,
     STEP_SERIES,
     Metric,
@@ -26,8 +21,12 @@ from server.models import (
     Step,
     utcnow,
 )
-from server.packing import pack_floats, pack_ints, pack_matrix
-from server.records import StepRecord
+from rollout_lens.server.packing import pack_floats, pack_ints, pack_matrix
+from rollout_lens.server.records import StepRecord
+from sqlalchemy import Select, delete, func, literal, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
 
 RECENT_WINDOW = 25
 RESUMABLE_STATUSES = (

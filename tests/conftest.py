@@ -8,12 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rollout_lens.server.db import make_engine, make_session_factory
+from rollout_lens.server.migrate import upgrade
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
-
-from server.db import make_engine, make_session_factory
-from server.migrate import upgrade
 
 PG_URL = os.environ.get(
     "ROLLOUT_LENS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -80,7 +79,7 @@ def sqlite_url(tmp_path) -> str:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built tiny model: cached under ROLLOUT_LENS_MODEL_CACHE_DIR if set, else per session."""
-    from trainer.tiny_model import ensure_tiny_model
+    from rollout_lens.trainer.tiny_model import ensure_tiny_model
 
     cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
     return ensure_tiny_model(Path(cache) if cache else tmp_path_factory.mktemp("models"))
@@ -89,7 +88,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def train_settings(tmp_path: Path, tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     """Settings for training into a fresh, migrated SQLite file with the cached tiny model."""
-    from server.config import Settings
+    from rollout_lens.server.config import Settings
 
     settings = Settings(data_dir=tmp_path, model_cache_dir=tiny_model_dir.parent)
     engine = make_engine(settings.database_url)

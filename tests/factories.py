@@ -5,11 +5,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from rollout_lens.server import store
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.records import RolloutRecord, StepRecord
 from sqlalchemy.orm import Session, sessionmaker
-
-from server import store
-from server.db import session_scope
-from server.records import RolloutRecord, StepRecord
 
 CONTROL_TOKENS = ("<tool>", "</tool>", "</assistant>")
 TOOLS = [f"tool_{i:02d}" for i in range(64)]
@@ -106,8 +105,8 @@ def make_run(
 
 def load_run(database_url: str, run_id: int):  # type: ignore[no-untyped-def]
     """A recorded run read back: (run, rollout dicts, steps, metric series)."""
-    from server.db import make_engine, make_session_factory
-    from server.serialize import rollout_dict
+    from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.serialize import rollout_dict
 
     engine = make_engine(database_url)
     try:
@@ -135,9 +134,8 @@ def recorded_steps(factory: sessionmaker[Session], run_id: int) -> list[int]:
 
 def rollouts_per_step(factory: sessionmaker[Session], run_id: int) -> dict[int, int]:
     """step → how many rollouts were recorded for it."""
+    from rollout_lens.server.models import Rollout
     from sqlalchemy import func, select
-
-    from server.models import Rollout
 
     with session_scope(factory) as session:
         rows = session.execute(

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from server.alerts import AlertThresholds, evaluate
+from rollout_lens.server.alerts import AlertThresholds, evaluate
 
 T = AlertThresholds()
 

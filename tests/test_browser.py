@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from rollout_lens.server import store
+from rollout_lens.server.app import create_app
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.migrate import upgrade
+from rollout_lens.server.models import RunStatus
+from rollout_lens.server.records import StepRecord
 from sqlalchemy.orm import Session, sessionmaker
 
-from server import store
-from server.app import create_app
-from server.config import Settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.migrate import upgrade
-from server.models import RunStatus
-from server.records import StepRecord
 from tests import web_support
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
 from tests.web_support import (

@@ -31,7 +31,7 @@ EXPORT_KEYS = {
 
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "rollout_lens", *args],
         env=os.environ | env,
         capture_output=True,
         text=True,

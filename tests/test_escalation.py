@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from trainer.envs.escalation import (
+from rollout_lens.trainer.envs.escalation import (
     FORMAT_PARTIAL_CREDIT,
     REPLY_FORMATS,
     TOOL_COUNT,

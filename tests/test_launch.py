@@ -12,20 +12,20 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from rollout_lens.server import store
+from rollout_lens.server.app import create_app
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.errors import BrokerUnavailable
+from rollout_lens.server.models import Run, RunStatus, utcnow
+from rollout_lens.server.records import StepRecord
+from rollout_lens.server.routes import actions, launch
+from rollout_lens.trainer.config import RunConfig
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from server import store
-from server.app import create_app
-from server.config import Settings
-from server.db import session_scope
-from server.errors import BrokerUnavailable
-from server.models import Run, RunStatus, utcnow
-from server.records import StepRecord
-from server.routes import actions, launch
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
 from tests.web_support import client_for, parse
-from trainer.config import RunConfig
 
 BROKER_DOWN = "redis://127.0.0.1:1/0"
 
@@ -558,7 +558,7 @@ def test_openapi_documents_the_actions(client) -> None:  # type: ignore[no-untyp
     ],
 )
 def test_the_cli_validates_with_the_same_model(monkeypatch, capsys, tmp_path, args, words) -> None:  # type: ignore[no-untyped-def]
-    from server.cli import main
+    from rollout_lens.cli import main
 
     monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path))
     assert main(["train", "--quiet", *args]) == 2

@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 import redis
+from rollout_lens.server import store
+from rollout_lens.server.app import create_app, prepare_database
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.models import Run
 from sqlalchemy.orm import Session, sessionmaker
 
-from server import store
-from server.app import create_app, prepare_database
-from server.config import Settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.models import Run
 from tests import factories, web_support
 
 playwright = pytest.importorskip("playwright.sync_api")
@@ -142,7 +142,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     log = tmp / "worker.log"
     with log.open("ab") as out:  # the child keeps its own copy of the descriptor
         worker = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "worker"],
+            [sys.executable, "-m", "rollout_lens", "worker"],
             env=env,
             cwd=ROOT,
             stdout=out,
@@ -206,7 +206,7 @@ def test_serve_with_no_broker_trains_with_its_own_worker(
     with (
         log.open("wb") as out,
         subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "rollout_lens", "serve", "--port", str(port)],
             env=_env(tmp_path / "data", tiny_model_dir),
             cwd=ROOT,
             stdout=out,

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from rollout_lens.server.db import make_engine
+from rollout_lens.server.errors import DatabaseBehind
+from rollout_lens.server.migrate import current_revision, ensure_current, head_revision, upgrade
+from rollout_lens.server.models import Base
 from sqlalchemy import text
-
-from server.db import make_engine
-from server.errors import DatabaseBehind
-from server.migrate import current_revision, ensure_current, head_revision, upgrade
-from server.models import Base
 
 
 def test_upgrade_head_matches_models(engine) -> None:

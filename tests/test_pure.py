@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from server import analysis
-from server.packing import (
+from rollout_lens.server import analysis
+from rollout_lens.server.packing import (
     pack_floats,
     pack_ints,
     pack_matrix,
@@ -15,8 +14,8 @@ from server.packing import (
     unpack_ints,
     unpack_matrix,
 )
-from trainer import metrics
-from trainer.structure import FormatState, classify
+from rollout_lens.trainer import metrics
+from rollout_lens.trainer.structure import FormatState, classify
 
 LISTED = ["tool_07", "tool_27"]
 

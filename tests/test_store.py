@@ -5,12 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from sqlalchemy import func, select, text
-from sqlalchemy.exc import IntegrityError
-
-from server import store
-from server.db import session_scope
-from server.models import (
+from rollout_lens.server import store
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.models import (
     ROLLUP_WIDTHS,
     STEP_SERIES,
     Metric,
@@ -20,8 +17,11 @@ from server.models import (
     SeriesRollup,
     Step,
 )
-from server.records import StepRecord
-from server.serialize import rollout_dict
+from rollout_lens.server.records import StepRecord
+from rollout_lens.server.serialize import rollout_dict
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import IntegrityError
+
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
 
 
@@ -116,7 +116,7 @@ def test_status_transitions_and_cost(session_factory) -> None:
 
 
 def test_missing_run_is_not_found(session_factory) -> None:
-    from server.errors import NotFound
+    from rollout_lens.server.errors import NotFound
 
     with pytest.raises(NotFound, match="run 999"), session_scope(session_factory) as session:
         store.get_run(session, run_id=999)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from rollout_lens.server.config import Settings
+from rollout_lens.trainer.config import RunConfig
+from rollout_lens.trainer.run import train
 
-from server.config import Settings
 from tests.factories import load_run
-from trainer.config import RunConfig
-from trainer.run import train
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from trainer import tiny_model
-from trainer.envs.escalation import REPLY_FORMATS, EscalationEnv, corpus, reply
-from trainer.tiny_model import (
+from rollout_lens.trainer import tiny_model
+from rollout_lens.trainer.envs.escalation import REPLY_FORMATS, EscalationEnv, corpus, reply
+from rollout_lens.trainer.tiny_model import (
     BUILD_STATS_FILE,
     CONTROL_TOKENS,
     RECIPE_HASH,

@@ -6,16 +6,16 @@ import math
 
 import pytest
 import torch
+from rollout_lens.server import store
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.models import Metric, Rollout, Step
+from rollout_lens.trainer.config import RunConfig
+from rollout_lens.trainer.run import train
 from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from server import store
-from server.config import Settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.models import Metric, Rollout, Step
 from tests.factories import load_run
-from trainer.config import RunConfig
-from trainer.run import train
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,11 @@ import random
 
 import pytest
 from fastapi.testclient import TestClient
+from rollout_lens.server import store
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.models import STEP_SERIES, RunStatus
+from rollout_lens.server.records import StepRecord
 
-from server import store
-from server.db import session_scope
-from server.models import STEP_SERIES, RunStatus
-from server.records import StepRecord
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
 from tests.web_support import client_for
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from server import charts, figures, viewer
-from server.app import fmt_num, token_text, visible_text
+from rollout_lens.server import charts, figures, viewer
+from rollout_lens.server.app import fmt_num, token_text, visible_text
 
 
 @pytest.mark.parametrize(

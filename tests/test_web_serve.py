@@ -13,12 +13,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from rollout_lens.server.db import make_engine
+from rollout_lens.server.migrate import current_revision, head_revision
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from server.cli import main
-from server.db import make_engine
-from server.migrate import current_revision, head_revision
+from rollout_lens.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,9 +31,10 @@ def _env(**extra: str) -> dict[str, str]:
 def test_the_web_process_never_imports_ml_libraries() -> None:
     code = (
         "import sys\n"
-        "from server.app import create_app\n"
-        "from server.config import Settings\n"
-        "import server.cli\n"
+        "from rollout_lens.server.app import create_app\n"
+        "from rollout_lens.server.config import Settings\n"
+        "import rollout_lens\n"
+        "import rollout_lens.cli\n"
         "create_app(Settings(database_url='sqlite://'))\n"
         "print(','.join(m for m in ('torch', 'transformers', 'trl', 'numpy') if m in sys.modules))\n"
     )
@@ -58,7 +59,7 @@ def test_serve_migrates_the_embedded_database_and_starts_fast(tmp_path: Path) ->
     port = _free_port()
     started = time.perf_counter()
     with subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "rollout_lens", "serve", "--port", str(port)],
         env=_env(ROLLOUT_LENS_DATA_DIR=str(tmp_path)),
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -95,7 +96,7 @@ def test_serve_with_a_broker_starts_no_worker(tmp_path: Path) -> None:
     port = _free_port()
     env = _env(ROLLOUT_LENS_DATA_DIR=str(tmp_path), ROLLOUT_LENS_BROKER_URL="redis://127.0.0.1:1/0")
     with subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "rollout_lens", "serve", "--port", str(port)],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 import redis
+from rollout_lens.server import store
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.errors import BrokerUnavailable
+from rollout_lens.server.migrate import upgrade
+from rollout_lens.server.models import Run, Step
+from rollout_lens.server.queue import enqueue_run, make_celery
+from rollout_lens.trainer.config import RunConfig
 from sqlalchemy import func, select
 
-from server import store
-from server.config import Settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.errors import BrokerUnavailable
-from server.migrate import upgrade
-from server.models import Run, Step
-from server.queue import enqueue_run, make_celery
 from tests import factories
-from trainer.config import RunConfig
 
 REDIS_URL = os.environ.get("ROLLOUT_LENS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
@@ -37,7 +37,7 @@ class Worker:
         self.log = log
         with log.open("ab") as out:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "server.cli", "worker", "--loglevel", "INFO"],
+                [sys.executable, "-m", "rollout_lens", "worker", "--loglevel", "INFO"],
                 env=os.environ | env,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -10,14 +10,14 @@ from html.parser import HTMLParser
 from typing import Any
 
 from fastapi.testclient import TestClient
+from rollout_lens.server import store
+from rollout_lens.server.app import create_app
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.models import RunStatus
+from rollout_lens.server.records import StepRecord
 from sqlalchemy.orm import Session, sessionmaker
 
-from server import store
-from server.app import create_app
-from server.config import Settings
-from server.db import session_scope
-from server.models import RunStatus
-from server.records import StepRecord
 from tests.factories import CONTROL_TOKENS, make_rollouts
 
 VOID = {

@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from trainer.envs.escalation import TOOL_COUNT, VERIFIERS
+from rollout_lens.trainer.envs.escalation import TOOL_COUNT, VERIFIERS
 
 TINY = "tiny"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

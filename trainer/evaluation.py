@@ -6,9 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from transformers import GenerationConfig, TrainerCallback
-
-from trainer.grpo import Recorder, RecordingGRPOTrainer
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from rollout_lens.server.records import RolloutRecord, StepRecord
+from rollout_lens.trainer import metrics as m
+from rollout_lens.trainer import positional
+from rollout_lens.trainer.probe import GenerationProbe
+from rollout_lens.trainer.structure import FormatState
 from transformers import LogitsProcessorList, TrainerCallback
 from trl import GRPOTrainer
-
-from server.records import RolloutRecord, StepRecord
-from trainer import metrics as m
-from trainer import positional
-from trainer.probe import GenerationProbe
-from trainer.structure import FormatState
 
 
 @dataclass(frozen=True)

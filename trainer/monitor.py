@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+from rollout_lens.server import store
+from rollout_lens.server.db import session_scope
+from rollout_lens.trainer.writer import StepWriter
 from sqlalchemy.orm import Session, sessionmaker
 from transformers import TrainerCallback
-
-from server import store
-from server.db import session_scope
-from trainer.writer import StepWriter
 
 CANCEL_POLL_SECONDS = 0.5  # a cancel lands within a step or two without a query every step
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from rollout_lens.server.records import StepRecord
 from tqdm import tqdm
-
-from server.records import StepRecord
 
 
 class ProgressBar:

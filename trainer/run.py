@@ -12,6 +12,20 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from rollout_lens.server import store
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.models import RunStatus
+from rollout_lens.server.records import StepRecord
+from rollout_lens.trainer import task
+from rollout_lens.trainer.config import TINY, RunConfig
+from rollout_lens.trainer.evaluation import Evaluator
+from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
+from rollout_lens.trainer.monitor import CheckpointRecorder, RunMonitor
+from rollout_lens.trainer.supervision import SFTPhases, SupervisedGRPOTrainer
+from rollout_lens.trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
+from rollout_lens.trainer.tiny_model import ensure_tiny_model
+from rollout_lens.trainer.writer import StepWriter
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -21,21 +35,6 @@ from transformers import (
     set_seed,
 )
 from trl import GRPOConfig, GRPOTrainer
-
-from server import store
-from server.config import Settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.models import RunStatus
-from server.records import StepRecord
-from trainer import task
-from trainer.config import TINY, RunConfig
-from trainer.evaluation import Evaluator
-from trainer.grpo import Recorder, RecordingGRPOTrainer
-from trainer.monitor import CheckpointRecorder, RunMonitor
-from trainer.supervision import SFTPhases, SupervisedGRPOTrainer
-from trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
-from trainer.tiny_model import ensure_tiny_model
-from trainer.writer import StepWriter
 
 log = logging.getLogger(__name__)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # silence the fork warning

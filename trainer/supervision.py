@@ -8,9 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from transformers import TrainerCallback
-
-from trainer.grpo import Recorder, RecordingGRPOTrainer
 
 
 class SupervisedGRPOTrainer(RecordingGRPOTrainer):

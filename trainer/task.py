@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.config import RunConfig
-from trainer.envs.escalation import (
+from rollout_lens.trainer.config import RunConfig
+from rollout_lens.trainer.envs.escalation import (
     TOOL_COUNT,
     EscalationEnv,
     Example,
@@ -16,9 +16,9 @@ from trainer.envs.escalation import (
     reply,
     true_score,
 )
-from trainer.evaluation import EvalItem
-from trainer.grpo import Judgement, message_text
-from trainer.structure import classify
+from rollout_lens.trainer.evaluation import EvalItem
+from rollout_lens.trainer.grpo import Judgement, message_text
+from rollout_lens.trainer.structure import classify
 
 
 def id_tokens() -> list[str]:

@@ -6,12 +6,11 @@ import logging
 
 from celery import shared_task
 from pydantic import ValidationError
-
-from server import store
-from server.config import get_settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.models import Run, RunStatus
-from server.queue import TRAIN_TASK
+from rollout_lens.server import store
+from rollout_lens.server.config import get_settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.models import Run, RunStatus
+from rollout_lens.server.queue import TRAIN_TASK
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +32,8 @@ def train_run(self, run_id: int) -> str:  # type: ignore[no-untyped-def]
             config_data, checkpoint_step = dict(run.config), run.checkpoint_step
 
         # Only now the ML stack: the worker process stays light until a run arrives.
-        from trainer.config import RunConfig
-        from trainer.run import resume_step, train
+        from rollout_lens.trainer.config import RunConfig
+        from rollout_lens.trainer.run import resume_step, train
 
         try:
             config = RunConfig.model_validate(config_data)

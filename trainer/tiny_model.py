@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.envs import escalation as esc
+from rollout_lens.trainer.envs import escalation as esc
 
 if TYPE_CHECKING:  # torch and transformers load lazily: importing this module stays cheap
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

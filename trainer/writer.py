@@ -6,11 +6,10 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
+from rollout_lens.server import store
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.records import StepRecord
 from sqlalchemy.orm import Session, sessionmaker
-
-from server import store
-from server.db import session_scope
-from server.records import StepRecord
 
 _STOP = object()
 

@@ -14,17 +14,16 @@ from celery import Celery
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
+from rollout_lens.server import queries, store
+from rollout_lens.server.deps import CeleryDep, SessionDep
+from rollout_lens.server.errors import BrokerUnavailable, InvalidState
+from rollout_lens.server.queue import check_broker, enqueue_run
+from rollout_lens.server.routes import launch
+from rollout_lens.server.routes.api import encode
+from rollout_lens.server.routes.pages import form_page
+from rollout_lens.trainer.config import RunConfig
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
-
-from server import queries, store
-from server.deps import CeleryDep, SessionDep
-from server.errors import BrokerUnavailable, InvalidState
-from server.queue import check_broker, enqueue_run
-from server.routes import launch
-from server.routes.api import encode
-from server.routes.pages import form_page
-from trainer.config import RunConfig
 
 
 def authorize(request: Request) -> None:

@@ -10,13 +10,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
+from rollout_lens.server import charts, queries
+from rollout_lens.server.deps import AlertCacheDep, CacheDep, SessionDep
+from rollout_lens.server.routes import launch
+from rollout_lens.server.routes.cache import ResponseCache
+from rollout_lens.server.routes.params import run_ids, split_list
 from sqlalchemy.orm import Session
-
-from server import charts, queries
-from server.deps import AlertCacheDep, CacheDep, SessionDep
-from server.routes import launch
-from server.routes.cache import ResponseCache
-from server.routes.params import run_ids, split_list
 
 router = APIRouter(prefix="/api", tags=["runs"])
 

@@ -6,14 +6,13 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
-
-from server import charts, figures, queries, store, viewer
-from server.deps import AlertCacheDep, SessionDep, render
-from server.errors import InvalidInput, NotFound
-from server.models import ACTIVE_STATUSES
-from server.routes import launch
-from server.routes.api import run_alerts
-from server.routes.params import run_ids
+from rollout_lens.server import charts, figures, queries, store, viewer
+from rollout_lens.server.deps import AlertCacheDep, SessionDep, render
+from rollout_lens.server.errors import InvalidInput, NotFound
+from rollout_lens.server.models import ACTIVE_STATUSES
+from rollout_lens.server.routes import launch
+from rollout_lens.server.routes.api import run_alerts
+from rollout_lens.server.routes.params import run_ids
 
 router = APIRouter(include_in_schema=False)
 

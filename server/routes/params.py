@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from server.errors import InvalidInput
+from rollout_lens.server.errors import InvalidInput
 
 
 def split_list(values: Iterable[str] | None) -> list[str]:

@@ -11,11 +11,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from server import store
-from server.config import Settings, get_settings
-from server.db import make_engine, make_session_factory, session_scope
-from server.errors import RolloutLensError
-from server.serialize import rollout_dict, run_dict
+from rollout_lens.server import store
+from rollout_lens.server.config import Settings, get_settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.errors import RolloutLensError
+from rollout_lens.server.serialize import rollout_dict, run_dict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,7 +116,7 @@ def _validation_text(exc: ValidationError) -> str:
 
 
 def _migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
-    from server.migrate import upgrade
+    from rollout_lens.server.migrate import upgrade
 
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     upgrade(engine)
@@ -124,7 +124,7 @@ def _migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
 
 
 def _open_factory(settings: Settings):  # type: ignore[no-untyped-def]
-    from server.migrate import ensure_current
+    from rollout_lens.server.migrate import ensure_current
 
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     ensure_current(engine)
@@ -132,7 +132,7 @@ def _open_factory(settings: Settings):  # type: ignore[no-untyped-def]
 
 
 def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
-    from server.migrate import current_revision
+    from rollout_lens.server.migrate import current_revision
 
     engine, _ = _migrated_factory(settings)
     print(f"database {settings.database_url} is at revision {current_revision(engine)}")
@@ -140,7 +140,7 @@ def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _db_current(args: argparse.Namespace, settings: Settings) -> int:
-    from server.migrate import current_revision, head_revision
+    from rollout_lens.server.migrate import current_revision, head_revision
 
     engine = make_engine(settings.database_url)
     print(f"{current_revision(engine) or 'empty'} (latest: {head_revision()})")
@@ -148,7 +148,7 @@ def _db_current(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _train(args: argparse.Namespace, settings: Settings) -> int:
-    from trainer.config import RunConfig
+    from rollout_lens.trainer.config import RunConfig
 
     fields = {k: v for k, v in vars(args).items() if k in RunConfig.model_fields and v is not None}
     try:
@@ -157,8 +157,8 @@ def _train(args: argparse.Namespace, settings: Settings) -> int:
         return _fail(f"invalid run: {_validation_text(exc)}")
     engine, factory = _migrated_factory(settings)
     engine.dispose()
-    from trainer.progress import ProgressBar
-    from trainer.run import train
+    from rollout_lens.trainer.progress import ProgressBar
+    from rollout_lens.trainer.run import train
 
     with ProgressBar(total=config.steps, disabled=args.quiet) as bar:
         run_id = train(config, settings=settings, on_step=bar.update, log_line=bar.write)
@@ -210,7 +210,7 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
     import socket
     from datetime import timedelta
 
-    from server.queue import QUEUE, make_celery
+    from rollout_lens.server.queue import QUEUE, make_celery
 
     engine, factory = _migrated_factory(settings)
     with session_scope(factory) as session:
@@ -220,7 +220,7 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
     if lost:
         print(f"marked runs {lost} lost: their worker stopped sending heartbeats")
     engine.dispose()
-    app = make_celery(settings, include=["trainer.tasks"])
+    app = make_celery(settings, include=["rollout_lens.trainer.tasks"])
     name = args.name or f"rollout-lens-{socket.gethostname()}-{os.getpid()}@%h"
     # One run at a time per process, in the main process: a prefork child hangs on its first
     # torch operation when torch already ran in the parent.
@@ -253,7 +253,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
     from sqlalchemy.engine import make_url
 
-    from server.app import create_app, prepare_database
+    from rollout_lens.server.app import create_app, prepare_database
 
     prepare_database(settings)
     database = make_url(settings.database_url).render_as_string(hide_password=True)
@@ -271,7 +271,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
         else:
             # The embedded default: one machine, nothing to install. The worker is a child process
             # (same environment: the same database and broker folder) that trains queued runs.
-            worker = subprocess.Popen([sys.executable, "-m", "server.cli", "worker"])
+            worker = subprocess.Popen([sys.executable, "-m", "rollout_lens", "worker"])
             queue = f"embedded queue; started a local worker, pid {worker.pid}"
         print(f"Rollout Lens on http://{args.host}:{args.port}/ (database {database}; {queue})")
         sys.stdout.flush()
@@ -290,7 +290,7 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _build_model(args: argparse.Namespace, settings: Settings) -> int:
-    from trainer.tiny_model import ensure_tiny_model
+    from rollout_lens.trainer.tiny_model import ensure_tiny_model
 
     path = ensure_tiny_model(settings.models_dir)
     print(f"tiny model at {path}")
