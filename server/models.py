@@ -49,6 +49,18 @@ class RunStatus(enum.StrEnum):
 ACTIVE_STATUSES = (RunStatus.queued, RunStatus.running)
 
 
+class RunSource(enum.StrEnum):
+    """How a run got in: launched here, recorded by the TRL callback, or imported."""
+
+    launched = "launched"
+    callback = "callback"  # a user's own GRPOTrainer with RolloutLensCallback
+    trl_import = "trl-import"  # TRL's completions/*.parquet
+    import_ = "import"  # a file written by `rollout-lens export`
+
+
+EXTERNAL_SOURCES = (RunSource.callback, RunSource.trl_import, RunSource.import_)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -84,6 +96,15 @@ class Run(Base):
     task_id: Mapped[str | None] = mapped_column(String(64))
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     checkpoint_step: Mapped[int | None] = mapped_column(Integer)
+    # Where the run came from; anything but `launched` is external (no resume from here).
+    source: Mapped[str] = mapped_column(
+        String(16), default=RunSource.launched, server_default=RunSource.launched.value
+    )
+    # What a recorder could not keep (database away longer than its buffer) and other notes on
+    # what was recorded (e.g. no control-token probabilities under vLLM generation).
+    dropped_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    dropped_rollouts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    notes: Mapped[list[str]] = mapped_column(JSON, default=list, server_default="[]")
 
     # Summary columns kept current by every step write, so lists never scan steps.
     current_step: Mapped[int] = mapped_column(Integer, default=0)

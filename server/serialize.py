@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lens.server.models import STEP_SERIES, Rollout, Run, Step
+from rollout_lens.server.models import STEP_SERIES, Rollout, Run, RunSource, Step
 from rollout_lens.server.packing import unpack_floats, unpack_ints, unpack_matrix
 
 
@@ -40,6 +40,8 @@ def run_dict(run: Run) -> dict[str, Any]:
         "id": run.id,
         "name": run.name,
         "status": run.status,
+        "source": run.source,
+        "external": run.source != RunSource.launched,
         "variant": run.variant,
         "model": run.model,
         "k": run.k,
@@ -55,6 +57,9 @@ def run_dict(run: Run) -> dict[str, Any]:
         "device_minutes": run.device_seconds / 60.0,
         "cost": run.cost,
         "error": run.error,
+        "dropped_steps": run.dropped_steps,
+        "dropped_rollouts": run.dropped_rollouts,
+        "notes": run.notes,
         "control_tokens": run.control_tokens,
         "config": run.config,
         "created_at": run.created_at.isoformat() if run.created_at else None,

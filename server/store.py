@@ -16,6 +16,7 @@ from rollout_lens.server.models import (
     Prompt,
     Rollout,
     Run,
+    RunSource,
     RunStatus,
     SeriesRollup,
     Step,
@@ -67,6 +68,8 @@ def create_run(
     config: dict[str, Any] | None = None,
     control_tokens: Sequence[str] = (),
     status: RunStatus = RunStatus.queued,
+    source: RunSource = RunSource.launched,
+    notes: Sequence[str] = (),
 ) -> Run:
     """Insert a run and return it with its id."""
     run = Run(
@@ -81,6 +84,8 @@ def create_run(
         config=dict(config or {}),
         control_tokens=list(control_tokens),
         status=status,
+        source=source,
+        notes=list(notes),
     )
     session.add(run)
     session.flush()
