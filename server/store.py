@@ -152,6 +152,13 @@ def add_device_time(
     )
 
 
+def set_dropped(session: Session, *, run_id: int, steps: int, rollouts: int) -> None:
+    """What a recorder had to drop (the database away longer than its buffer lasted)."""
+    session.execute(
+        update(Run).where(Run.id == run_id).values(dropped_steps=steps, dropped_rollouts=rollouts)
+    )
+
+
 # --- writing a step -----------------------------------------------------------------------------
 
 

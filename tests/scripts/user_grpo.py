@@ -1,0 +1,67 @@
+"""A GRPO script written as a TRL user writes one, plus the one Rollout Lens line.
+
+    python user_grpo.py --model DIR --out DIR --db URL [--steps N] [--grad-accum N] ...
+
+It is run as its own process (plain, or under `accelerate launch`) from a folder that may hold a
+`trainer.py` or `server.py` of the user's own. It writes what its reward functions saw, in call
+order, to OUT/seen-RANK.jsonl, the oracle the tests compare the recorded run against.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import user_script as us  # the user's own model and rewards, copied beside this script
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from rollout_lens import RolloutLensCallback
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--db", required=True)
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--grad-accum", type=int, default=1)
+parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--generations", type=int, default=4)
+parser.add_argument("--iterations", type=int, default=1)
+parser.add_argument("--logging-steps", type=int, default=1)
+args = parser.parse_args()
+
+out = Path(args.out)
+rank = int(os.environ.get("RANK", "0"))
+seen = (out / f"seen-{rank}.jsonl").open("w")
+
+
+def says_the_color(completions, answer, prompts, **kwargs):
+    rewards = us.says_the_color(completions, answer)
+    for p, c, r in zip(prompts, completions, rewards, strict=True):
+        seen.write(json.dumps({"prompt": p, "completion": c, "reward": r}) + "\n")
+    seen.flush()
+    return rewards
+
+
+config = GRPOConfig(
+    output_dir=str(out),
+    num_generations=args.generations,
+    per_device_train_batch_size=args.batch,
+    gradient_accumulation_steps=args.grad_accum,
+    num_iterations=args.iterations,
+    max_steps=args.steps,
+    logging_steps=args.logging_steps,
+    max_completion_length=8,
+    report_to="none",
+    use_cpu=True,
+    save_strategy="no",
+    disable_tqdm=True,
+)
+trainer = GRPOTrainer(
+    model=args.model,
+    reward_funcs=[says_the_color, us.is_short],
+    args=config,
+    train_dataset=Dataset.from_list(us.questions(64)),
+    callbacks=[RolloutLensCallback(project="user", database_url=args.db)],
+)
+trainer.train()
