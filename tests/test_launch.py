@@ -16,11 +16,11 @@ from rollout_lens.server import store
 from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import session_scope
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.errors import BrokerUnavailable
 from rollout_lens.server.models import Run, RunStatus, utcnow
 from rollout_lens.server.records import StepRecord
 from rollout_lens.server.routes import actions, launch
-from rollout_lens.trainer.config import RunConfig
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -35,12 +35,9 @@ BAD_VALUES: list[tuple[str, Any, str, str]] = [
     ("name", "x" * 201, "x" * 201, "at most 200 characters"),
     ("variant", "medium", "medium", "'leaky' or 'patched'"),
     ("k", 65, "65", "less than or equal to 64"),
-    (
-        "model",
-        "/no/such/model",
-        "/no/such/model",
-        "neither `tiny`, a hub id, nor an existing folder",
-    ),
+    # Whether a model folder exists is the worker's to check (test_worker); the web app knows
+    # only that a model must be named.
+    ("model", "", "", "at least 1 character"),
     ("steps", 100_001, "100001", "less than or equal to 100000"),
     ("group_size", 1, "1", "greater than or equal to 2"),
     ("prompts_per_step", 0, "0", "greater than or equal to 1"),
@@ -564,3 +561,21 @@ def test_the_cli_validates_with_the_same_model(monkeypatch, capsys, tmp_path, ar
     assert main(["train", "--quiet", *args]) == 2
     assert words in capsys.readouterr().err
     assert not (tmp_path / "rollout-lens.db").exists()  # nothing created
+
+
+def test_the_web_takes_a_model_folder_and_the_worker_fails_a_run_without_it(  # type: ignore[no-untyped-def]
+    client, session_factory, tmp_path, monkeypatch
+) -> None:
+    from rollout_lens.trainer.tasks import train_run
+
+    missing = str(tmp_path / "no-such-model")
+    response = client.post("/api/runs", json={"model": missing, "steps": 3})
+    assert response.status_code == 201  # the web host cannot know the worker's folders
+    (run,) = response.json()["runs"]
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    monkeypatch.setenv("ROLLOUT_LENS_DATABASE_URL", url)
+    monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path))
+    train_run.apply(args=[run["id"]])  # what the worker runs, here in the test's process
+    failed = get_run(session_factory, run["id"])
+    assert failed.status == RunStatus.failed
+    assert "neither `tiny`, a hub id, nor an existing folder on this host" in (failed.error or "")

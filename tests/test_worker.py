@@ -16,11 +16,11 @@ import redis
 from rollout_lens.server import store
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.errors import BrokerUnavailable
 from rollout_lens.server.migrate import upgrade
 from rollout_lens.server.models import Run, Step
 from rollout_lens.server.queue import enqueue_run, make_celery
-from rollout_lens.trainer.config import RunConfig
 from sqlalchemy import func, select
 
 from tests import factories

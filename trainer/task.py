@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_lens.trainer.config import RunConfig
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.trainer.envs.escalation import (
     TOOL_COUNT,
     EscalationEnv,

@@ -16,12 +16,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from rollout_lens.server import queries, store
 from rollout_lens.server.deps import CeleryDep, SessionDep
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.errors import BrokerUnavailable, InvalidState
 from rollout_lens.server.queue import check_broker, enqueue_run
 from rollout_lens.server.routes import launch
 from rollout_lens.server.routes.api import encode
 from rollout_lens.server.routes.pages import form_page
-from rollout_lens.trainer.config import RunConfig
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 

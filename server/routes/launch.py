@@ -16,8 +16,8 @@ from typing import Any
 import annotated_types
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
-from rollout_lens.trainer.config import RunConfig
-from rollout_lens.trainer.envs.escalation import VERIFIERS
+from rollout_lens.server.domain.runconfig import RunConfig
+from rollout_lens.server.domain.task import VERIFIERS
 
 FORM_ERROR = "__all__"  # errors that belong to no single field
 
