@@ -3,7 +3,7 @@
 Every read here costs the same whatever a run's length (index seeks on (run_id, step)), except
 three that read each step of the range they cover: chart series (aggregated in SQL into at most
 max_points buckets), alerts and compare's summary. Their full-history answers are cached by
-run version in the API (server.routes.cache); a live page asks only for steps after its cursor.
+run version in the API (server.cache); a live page asks only for steps after its cursor.
 """
 
 from __future__ import annotations
@@ -88,6 +88,11 @@ def list_runs(
     for run in runs:
         run["queue_position"] = places.get(run["id"])
     return runs
+
+
+def run_card(session: Session, *, run_id: int) -> dict[str, Any]:
+    """One run's columns (NotFound if there is none)."""
+    return run_dict(store.get_run(session, run_id=run_id))
 
 
 def _bounds(session: Session, *, run_id: int) -> tuple[int | None, int | None]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from rollout_lens.server import store
+from rollout_lens.server import control, launch, store
 from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import session_scope
@@ -20,7 +20,6 @@ from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.errors import BrokerUnavailable
 from rollout_lens.server.models import Run, RunStatus, utcnow
 from rollout_lens.server.records import StepRecord
-from rollout_lens.server.routes import actions, launch
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -394,7 +393,7 @@ def test_an_enqueue_that_fails_midway_leaves_no_runs(client, session_factory, mo
         sent.append(run_id)
         return "task"
 
-    monkeypatch.setattr(actions, "enqueue_run", flaky_enqueue)
+    monkeypatch.setattr(control, "enqueue_run", flaky_enqueue)
     response = client.post("/api/runs", json={"preset": "leaky_vs_patched"})
     assert response.status_code == 503 and len(sent) == 1
     assert run_count(session_factory) == 0  # the first run's message finds no run: skipped

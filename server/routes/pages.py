@@ -1,18 +1,17 @@
-"""HTML pages: runs, run, step viewer, compare (each has a JSON twin in server.routes.api)."""
+"""HTML pages: runs, run, step viewer, compare (each has a JSON twin in server/routes/api.py)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
-from rollout_lens.server import charts, figures, queries, store, viewer
+from rollout_lens.server import charts, figures, launch, queries, viewer
 from rollout_lens.server.deps import AlertCacheDep, SessionDep, render
-from rollout_lens.server.errors import InvalidInput, NotFound
+from rollout_lens.server.errors import NotFound
 from rollout_lens.server.models import ACTIVE_STATUSES
-from rollout_lens.server.routes import launch
-from rollout_lens.server.routes.api import run_alerts
-from rollout_lens.server.routes.params import run_ids
+from rollout_lens.server.params import run_ids
+from rollout_lens.server.responses import run_alerts
 
 router = APIRouter(include_in_schema=False)
 
@@ -72,55 +71,8 @@ def new_run_page(
     request: Request, session: SessionDep, preset: str = "", clone: int | None = None
 ) -> HTMLResponse:
     """The launch form: RunConfig's defaults, a preset's values, or a run's config (Clone)."""
-    chosen = None
-    values = launch.defaults()
-    cloned: dict[str, Any] | None = None
-    if clone is not None:
-        source = store.get_run(session, run_id=clone)
-        cloned = {"id": source.id, "name": source.name, "has_config": bool(source.config)}
-        values = launch.config_values(source.config or _columns_config(source))
-    elif preset:
-        chosen = launch.PRESETS.get(preset)
-        if chosen is None:
-            raise InvalidInput(f"no preset {preset!r}; choose one of {', '.join(launch.PRESETS)}")
-        values = launch.preset_values(chosen)
-    return form_page(request, values, preset=chosen, clone=cloned)
-
-
-def _columns_config(run: Any) -> dict[str, Any]:
-    """What a run without a launch config (a user's own script) says about its recipe."""
-    out = {"model": run.model, "steps": run.total_steps, "group_size": run.group_size}
-    out |= {"prompts_per_step": run.prompts_per_step, "seed": run.seed}
-    if run.variant in ("leaky", "patched"):
-        out["variant"] = run.variant
-    if run.k is not None:
-        out["k"] = run.k
-    return out
-
-
-def form_page(
-    request: Request,
-    values: dict[str, str],
-    *,
-    preset: launch.Preset | None = None,
-    clone: dict[str, Any] | None = None,
-    errors: dict[str, str] | None = None,
-    broker_error: str | None = None,
-    status_code: int = 200,
-) -> HTMLResponse:
-    """The launch form with `values` as typed and each error next to its field."""
-    errors = errors or {}
-    context = {
-        "groups": launch.field_specs(launch.defaults() | values, errors),
-        "presets": launch.PRESETS,
-        "preset_groups": launch.PRESET_GROUPS,
-        "preset": preset,
-        "clone": clone,
-        "errors": errors,
-        "form_error": errors.get(launch.FORM_ERROR),
-        "broker_error": broker_error,
-    }
-    return render(request, "new_run.html", context, status_code=status_code)
+    source = None if clone is None else queries.run_card(session, run_id=clone)
+    return render(request, "new_run.html", launch.start_form(preset, source))
 
 
 @router.get("/runs/{run_id}", name="run_page")
