@@ -13,9 +13,9 @@ from typing import Any
 
 from rollout_lens.server import analysis
 from rollout_lens.server.models import ACTIVE_STATUSES
+from rollout_lens.server.series import WINDOW
 
 MAX_POINTS = 600  # points per chart series before steps are merged (about a chart's width)
-BUCKET_STEPS = 25  # the seed's buckets: steps 1–25, 26–50, …
 CONVERGED = 0.9  # 25-step true accuracy that counts as converged
 
 DOWNSAMPLING = (
@@ -101,8 +101,8 @@ def bucket_table(rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
     for index, n, acc, reward, valid in rows:
         index = int(index)
         table["index"].append(index)
-        table["start"].append(index * BUCKET_STEPS + 1)
-        table["end"].append((index + 1) * BUCKET_STEPS)
+        table["start"].append(index * WINDOW + 1)
+        table["end"].append((index + 1) * WINDOW)
         table["n"].append(int(n))
         table["true_accuracy"].append(acc)
         table["reward_mean"].append(reward)

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lens.server import charts, figures, store, viewer
-from rollout_lens.server.alerts import DROP_PROBES, SPIKE_PROBES, AlertThresholds, evaluate
+from rollout_lens.server import alerts as rules
+from rollout_lens.server import charts, store, viewer
+from rollout_lens.server import series as vocab
 from rollout_lens.server.errors import InvalidInput, NotFound, StepNotFound
 from rollout_lens.server.models import (
     ACTIVE_STATUSES,
     ROLLUP_WIDTHS,
-    STEP_SERIES,
     Metric,
     Prompt,
     Rollout,
@@ -26,6 +26,7 @@ from rollout_lens.server.models import (
     Step,
 )
 from rollout_lens.server.serialize import rollout_dict, run_dict, step_dict
+from rollout_lens.server.series import STEP_SERIES
 from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
@@ -308,7 +309,7 @@ def bucket_means(
 
     A live page polls with its cursor and replaces the buckets it gets back by their index.
     """
-    width = charts.BUCKET_STEPS
+    width = vocab.WINDOW
     bucket = ((Step.step - 1) // width).label("bucket")
     start = (since // width) * width  # the whole bucket holding step since+1
     query = (
@@ -328,11 +329,11 @@ def bucket_means(
 
 # --- alerts -------------------------------------------------------------------------------------
 
-ALERT_COLUMNS = ("reward_mean", "true_accuracy", "zero_std_share")
+ALERT_COLUMNS = tuple(n for n in rules.READS if n in STEP_SERIES)
 # The per-step metrics the rules read besides those columns. Of the positional probes only the
 # ones whose rise (end-of-turn right after the opening tag) or fall (the opening tag first) is the
 # failure; server.alerts says which rule reads which.
-ALERT_METRICS = (*SPIKE_PROBES, *DROP_PROBES, "state/collapse")
+ALERT_METRICS = tuple(n for n in rules.READS if n not in ALERT_COLUMNS)
 ALERT_CONTEXT = 60  # steps before `since` the rules see: their windows are ≤ 2 × 25 steps
 
 
@@ -356,7 +357,7 @@ def alerts(session: Session, *, run_id: int, since: int = 0) -> list[dict[str, A
     )
     for name, step, value in session.execute(query.order_by(Metric.name, Metric.step)):
         inputs.setdefault(name, []).append((step, value))
-    found = evaluate(inputs, AlertThresholds())
+    found = rules.evaluate(inputs, rules.AlertThresholds())
     return [a.as_dict() for a in found if a.step > since]
 
 
@@ -434,9 +435,6 @@ def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
 
 # --- compare ------------------------------------------------------------------------------------
 
-COMPARE_SERIES = ("reward_mean", "true_accuracy", "vote_agreement", "format_valid_rate")
-COMPARE_METRICS = tuple(figures.COMPARE_EXTRA)  # evaluation and collapse overlays, if recorded
-
 
 def resolve_step(session: Session, *, run_id: int, step: int | None) -> int:
     """The recorded step nearest `step` (the last one when None), for jump links and sliders."""
@@ -468,11 +466,11 @@ def compare(
     for run_id in run_ids:
         run = run_dict(store.get_run(session, run_id=run_id))
         runs.append(run)
-        ctrl = [f"ctrl/{t}/mean" for t in run["control_tokens"]]
+        ctrl = [vocab.ctrl(t, "mean") for t in run["control_tokens"]]
         by_run[run_id] = series(
             session,
             run_id=run_id,
-            names=[*COMPARE_SERIES, *ctrl, *COMPARE_METRICS],
+            names=[*vocab.COMPARE_SERIES, *ctrl, *vocab.COMPARE_EXTRA],
             max_points=max_points,
         )
     pair = run_ids[:2]
@@ -506,7 +504,7 @@ def _summary(session: Session, run: dict[str, Any]) -> dict[str, Any]:
     ).all()
     steps, accuracy, reward = (list(c) for c in zip(*rows, strict=True)) if rows else ([], [], [])
     return charts.run_summary(run, steps, accuracy, reward) | {
-        "final_eval": last_values(session, run_id=run["id"], names=list(figures.EVAL_SETS))
+        "final_eval": last_values(session, run_id=run["id"], names=list(vocab.EVAL_SERIES))
     }
 
 

@@ -11,7 +11,6 @@ from typing import Any
 from rollout_lens.server.errors import InvalidState, NotFound
 from rollout_lens.server.models import (
     ROLLUP_WIDTHS,
-    STEP_SERIES,
     Metric,
     Prompt,
     Rollout,
@@ -24,17 +23,13 @@ from rollout_lens.server.models import (
 )
 from rollout_lens.server.packing import pack_floats, pack_ints, pack_matrix
 from rollout_lens.server.records import StepRecord
+from rollout_lens.server.series import STEP_SERIES, WINDOW
 from sqlalchemy import Select, delete, func, literal, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-RECENT_WINDOW = 25
-RESUMABLE_STATUSES = (
-    RunStatus.lost,
-    RunStatus.failed,
-    RunStatus.cancelled,
-)  # steps in the "last 25 steps" summary, as the seed's buckets
+RESUMABLE_STATUSES = (RunStatus.lost, RunStatus.failed, RunStatus.cancelled)
 
 
 def _insert(session: Session, table: Any) -> Any:
@@ -383,7 +378,7 @@ def _refresh_summary(session: Session, *, run_id: int, step: int) -> None:
         select(Step.true_accuracy, Step.reward_mean)
         .where(Step.run_id == run_id)
         .order_by(Step.step.desc())
-        .limit(RECENT_WINDOW)
+        .limit(WINDOW)
         .subquery()
     )
     acc, reward = session.execute(

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup, escape
 from rollout_lens.server.formats import fmt_minutes, fmt_money, fmt_num, fmt_pct, fmt_when
+from rollout_lens.server.series import WINDOW
 from rollout_lens.server.viewer import prob_text
 from starlette.routing import NoMatchFound
 
@@ -66,7 +67,7 @@ def make_templates() -> Jinja2Templates:
             return False
         return True
 
-    env.globals.update(url_for=url_for, static=static, has_route=has_route)
+    env.globals.update(url_for=url_for, static=static, has_route=has_route, window=WINDOW)
     env.filters.update(
         num=fmt_num,
         prob=prob_text,

@@ -9,7 +9,6 @@ from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.models import (
     ROLLUP_WIDTHS,
-    STEP_SERIES,
     Metric,
     Prompt,
     Rollout,
@@ -19,6 +18,7 @@ from rollout_lens.server.models import (
 )
 from rollout_lens.server.records import StepRecord
 from rollout_lens.server.serialize import rollout_dict
+from rollout_lens.server.series import STEP_SERIES
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 

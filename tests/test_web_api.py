@@ -8,8 +8,9 @@ import pytest
 from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import STEP_SERIES, RunStatus
+from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import StepRecord
+from rollout_lens.server.series import STEP_SERIES
 
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
 from tests.web_support import client_for

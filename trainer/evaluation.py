@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from rollout_lens.server import series as vocab
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from transformers import GenerationConfig, TrainerCallback
 
@@ -48,7 +49,8 @@ class Evaluator(TrainerCallback):
         model.eval()
         try:
             return {
-                f"eval/{name}": self._accuracy(model, items) for name, items in self.sets.items()
+                vocab.eval_set(name): self._accuracy(model, items)
+                for name, items in self.sets.items()
             }
         finally:
             model.train(was_training)

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from rollout_lens.server import charts, figures, launch, queries, viewer
+from rollout_lens.server import series as vocab
 from rollout_lens.server.deps import AlertCacheDep, SessionDep, render
 from rollout_lens.server.errors import NotFound
 from rollout_lens.server.models import ACTIVE_STATUSES
@@ -16,11 +17,7 @@ from rollout_lens.server.responses import run_alerts
 router = APIRouter(include_in_schema=False)
 
 POLL_MS = 2000  # how often a live page asks for new steps
-EVAL_COLUMNS = (
-    ("eval/id", "ID"),
-    ("eval/format_ood", "Format-OOD"),
-    ("eval/content_ood", "Content-OOD"),
-)
+EVAL_COLUMNS = tuple((vocab.eval_set(n), header) for n, (_, header) in vocab.EVAL_SETS.items())
 
 RUN_COLUMNS = (  # (sort key, header, numeric) of the runs table's sortable columns
     ("name", "Run", False),
@@ -160,7 +157,7 @@ def compare_page(
     step: int | None = None,
 ) -> HTMLResponse:
     data = queries.compare(session, run_ids=run_ids(runs), step=step)
-    figs = figures.compare_figures(data["runs"], data["series"], queries.COMPARE_SERIES)
+    figs = figures.compare_figures(data["runs"], data["series"], vocab.COMPARE_SERIES)
     # Run i is drawn in RUN_COLORS[i]; templates use the matching CSS class run-c{i}.
     colors = {run["id"]: i % len(figures.RUN_COLORS) for i, run in enumerate(data["runs"])}
     page = {
