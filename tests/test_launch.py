@@ -74,11 +74,6 @@ BAD_COMBINATIONS = [
 
 
 @pytest.fixture
-def client(session_factory, tmp_path: Path) -> TestClient:  # type: ignore[no-untyped-def]
-    return client_for(session_factory, data_dir=tmp_path)
-
-
-@pytest.fixture
 def down_client(session_factory, tmp_path: Path) -> TestClient:  # type: ignore[no-untyped-def]
     return client_for(session_factory, data_dir=tmp_path, broker_url=BROKER_DOWN)
 

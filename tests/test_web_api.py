@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.models import RunStatus
@@ -13,12 +12,6 @@ from rollout_lens.server.records import StepRecord
 from rollout_lens.server.series import STEP_SERIES
 
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
-from tests.web_support import client_for
-
-
-@pytest.fixture
-def client(session_factory) -> TestClient:  # type: ignore[no-untyped-def]
-    return client_for(session_factory)
 
 
 def _record(factory, run_id: int, step: int, **values: float) -> None:  # type: ignore[no-untyped-def]

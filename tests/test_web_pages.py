@@ -5,8 +5,6 @@ from __future__ import annotations
 import random
 import re
 
-import pytest
-from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.models import RunStatus
@@ -17,18 +15,12 @@ from tests.web_support import (
     COLLAPSE_STEP,
     HINT,
     PROBE_SPIKE_STEP,
-    client_for,
     parse,
     record_collapse_run,
     record_supervised_run,
 )
 
 XSS = "<script>alert(1)</script></textarea>{{7*7}}\x07"
-
-
-@pytest.fixture
-def client(session_factory) -> TestClient:  # type: ignore[no-untyped-def]
-    return client_for(session_factory)
 
 
 def test_runs_page_lists_runs_with_progress_and_links(session_factory, client) -> None:
