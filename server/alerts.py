@@ -35,15 +35,24 @@ class AlertThresholds:
     signal_loss_window: int = 10
 
 
+KINDS = {  # kind → how pages name it
+    "control_token_spike": "control token spike",
+    "collapse": "collapse",
+    "reward_hacking": "reward hacking",
+    "signal_loss": "signal loss",
+}
+
+
 @dataclass(frozen=True)
 class Alert:
-    kind: str  # control_token_spike | collapse | reward_hacking | signal_loss
+    kind: str  # one of KINDS
     step: int
     message: str
     series: str | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The JSON shape every page and script renders an alert from (routes add its `url`)."""
+        return asdict(self) | {"label": KINDS.get(self.kind, self.kind.replace("_", " "))}
 
 
 def _present(series: Series) -> tuple[list[int], list[float]]:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rollout_lens.server import analysis
+from rollout_lens.server.formats import live_text
 from rollout_lens.server.models import ACTIVE_STATUSES
 from rollout_lens.server.series import WINDOW
 
@@ -124,7 +125,8 @@ def run_progress(run: dict[str, Any]) -> dict[str, Any]:
         "error",
         "finished_at",
     )
-    return {k: run[k] for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
+    out = {k: run[k] for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
+    return out | {"text": live_text(out)}
 
 
 def steps_per_second(recent: Sequence[tuple[int, Any]]) -> float | None:

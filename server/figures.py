@@ -449,6 +449,49 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
     }
 
 
+def section(
+    sid: str,
+    title: str = "",
+    *,
+    group: str | None = None,
+    note: str = "",
+    grid: int = 2,
+    key: str = "",
+    always: bool = False,
+) -> dict[str, Any]:
+    """A chart section of a page: the figures of `group` (default: sid) in a `grid`-column grid
+    (element id charts-<sid>), under `title`, with a partial `key` above them; shown only when it
+    has figures, unless `always`."""
+    return {
+        "id": sid,
+        "group": group or sid,
+        "title": title,
+        "note": note,
+        "grid": grid,
+        "key": key,
+        "always": always,
+    }
+
+
+# The chart sections the pages render and their scripts draw, in order (run_figures' and
+# compare_figures' groups).
+RUN_SECTIONS = [
+    section("main", always=True),
+    section("structure", "Call structure", grid=3),
+    section("probes", "Probes in detail", grid=4, key="_probe_key.html"),
+    section("evaluation", "Evaluation and SFT"),
+    section("optimization", "Optimization", grid=4),
+]
+COMPARE_SECTIONS = [
+    section("compare", group="main", always=True),
+    section(
+        "control", "Control-token probabilities", note="(mean over completion positions)", grid=3
+    ),
+    section("evaluation", "Evaluation", note="(greedy accuracy every E steps)", grid=3),
+    section("collapse", "Collapse"),
+]
+
+
 COMPARE_EXTRA = {  # compare's further overlays (series.COMPARE_EXTRA): series → (section, title)
     **{
         vocab.eval_set(n): ("evaluation", f"Evaluation: {legend}")

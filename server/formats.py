@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
+from typing import Any
 
 
 def fmt_num(value: float | int | None, digits: int = 3) -> str:
@@ -38,3 +39,21 @@ def fmt_when(value: str | datetime | None) -> str:
         return "—"
     moment = datetime.fromisoformat(value) if isinstance(value, str) else value
     return moment.strftime("%Y-%m-%d %H:%M UTC")
+
+
+# How each live field of a run reads on a page: the templates' filters, applied by the server to
+# the JSON live pages poll, so a page's script sets text and never formats a number itself.
+LIVE_FORMATS = {
+    "current_step": str,
+    "recent_true_accuracy": fmt_num,
+    "recent_reward": fmt_num,
+    "device_minutes": fmt_minutes,
+    "cost": fmt_money,
+    "finished_at": fmt_when,
+    "queue_position": lambda place: f"#{place} in queue" if place else "",
+}
+
+
+def live_text(run: dict[str, Any]) -> dict[str, str]:
+    """The text of each live field the run dict has (data-field → text), for `run["text"]`."""
+    return {field: fmt(run[field]) for field, fmt in LIVE_FORMATS.items() if field in run}

@@ -15,6 +15,7 @@ from rollout_lens.server import alerts as rules
 from rollout_lens.server import charts, store, viewer
 from rollout_lens.server import series as vocab
 from rollout_lens.server.errors import InvalidInput, NotFound, StepNotFound
+from rollout_lens.server.formats import live_text
 from rollout_lens.server.models import (
     ACTIVE_STATUSES,
     ROLLUP_WIDTHS,
@@ -88,6 +89,7 @@ def list_runs(
     places = store.queue_positions(session) if any(r["status"] == "queued" for r in runs) else {}
     for run in runs:
         run["queue_position"] = places.get(run["id"])
+        run["text"] = live_text(run)
     return runs
 
 
@@ -186,7 +188,7 @@ def run_live(session: Session, *, run_id: int) -> dict[str, Any]:
         "can_cancel": run.status in ACTIVE_STATUSES and not run.cancel_requested,
         "can_resume": run.status in store.RESUMABLE_STATUSES,
     }
-    return live | {"summary": charts.live_summary(live)}
+    return live | {"summary": charts.live_summary(live), "text": live_text(live)}
 
 
 # --- chart series -------------------------------------------------------------------------------

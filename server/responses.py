@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -42,17 +42,41 @@ class DataResponse(JSONResponse):
 
 
 def run_alerts(
-    session: Session, cache: ResponseCache, run_id: int, version: str | None = None
+    request: Request,
+    session: Session,
+    cache: ResponseCache,
+    run_id: int,
+    version: str | None = None,
 ) -> list[dict[str, Any]]:
-    """A run's alerts, computed once per version of the run (they read every step)."""
+    """A run's alerts, computed once per version of the run (they read every step), each with
+    the URL of its step."""
     version = version or queries.run_version(session, run_id=run_id)
     key = f"alerts@{version}"
     body = cache.get(key)
     if body is None:
         body = encode(queries.alerts(session, run_id=run_id))
         cache.put(key, body)
-    found: list[dict[str, Any]] = json.loads(body)
-    return found
+    return with_step_urls(request, run_id, json.loads(body))
+
+
+def alerts_of_runs(
+    request: Request, session: Session, cache: ResponseCache, run_ids: Sequence[int]
+) -> dict[str, list[dict[str, Any]]]:
+    """Run id → its alerts, for several runs (missing runs are left out)."""
+    return {
+        str(run_id): run_alerts(request, session, cache, run_id, version)
+        for run_id, version in queries.run_versions(session, run_ids=run_ids).items()
+    }
+
+
+def with_step_urls(
+    request: Request, run_id: int, alerts: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Alerts as every page and script renders them: Alert.as_dict plus the step's page."""
+    for alert in alerts:
+        url = request.app.url_path_for("step_page", run_id=run_id, step=alert["step"])
+        alert["url"] = str(url)
+    return alerts
 
 
 def versioned(

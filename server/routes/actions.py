@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 
 def authorize(request: Request) -> None:
-    """Where a token check goes once the dashboard is served beyond loopback (DESIGN.md)."""
+    """Where a token check goes once the dashboard is served beyond loopback."""
 
 
 router = APIRouter(dependencies=[Depends(authorize)])

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from rollout_lens.server import charts, launch, queries
 from rollout_lens.server.deps import AlertCacheDep, CacheDep, SessionDep
 from rollout_lens.server.params import run_ids, split_list
-from rollout_lens.server.responses import DataResponse, run_alerts, versioned
+from rollout_lens.server.responses import (
+    DataResponse,
+    alerts_of_runs,
+    run_alerts,
+    versioned,
+    with_step_urls,
+)
 
 router = APIRouter(prefix="/api", tags=["runs"])
 
@@ -41,11 +47,13 @@ def list_runs(
 
 
 @router.get("/runs/{run_id}", response_class=DataResponse)
-def get_run(session: SessionDep, cache: AlertCacheDep, run_id: int) -> DataResponse:
+def get_run(
+    request: Request, session: SessionDep, cache: AlertCacheDep, run_id: int
+) -> DataResponse:
     """A run's card, its first and last recorded steps, the names of its series, its live state
     (place in the queue, speed, ETA) and its alerts (the run page)."""
     overview = queries.run_overview(session, run_id=run_id)
-    return DataResponse(overview | {"alerts": run_alerts(session, cache, run_id)})
+    return DataResponse(overview | {"alerts": run_alerts(request, session, cache, run_id)})
 
 
 @router.get("/runs/{run_id}/progress", response_class=DataResponse)
@@ -109,7 +117,9 @@ def get_alerts(
         session,
         cache,
         run_id,
-        lambda: queries.alerts(session, run_id=run_id, since=since),
+        lambda: with_step_urls(
+            request, run_id, queries.alerts(session, run_id=run_id, since=since)
+        ),
         keep=since == 0,
     )
 
@@ -123,15 +133,7 @@ def list_alerts(
 ) -> DataResponse:
     """Alerts of several runs at once (the runs page's badges): run id → alerts, oldest first,
     each with the URL of the step where it fired."""
-    out: dict[str, Any] = {}
-    for run_id, version in queries.run_versions(session, run_ids=run_ids(runs)).items():
-        found = run_alerts(session, cache, run_id, version)
-        for alert in found:
-            alert["url"] = str(
-                request.app.url_path_for("step_page", run_id=run_id, step=alert["step"])
-            )
-        out[str(run_id)] = found
-    return DataResponse(out)
+    return DataResponse(alerts_of_runs(request, session, cache, run_ids(runs)))
 
 
 @router.get("/presets", response_class=DataResponse)
