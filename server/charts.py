@@ -47,7 +47,9 @@ def _has_data(values: Iterable[Any]) -> bool:
     return any(v is not None for v in values)
 
 
-def raw_series(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> dict[str, dict[str, list]]:
+def raw_series(
+    names: Sequence[str], rows: Sequence[Sequence[Any]]
+) -> dict[str, dict[str, list[Any]]]:
     """(step, v1, v2, …) rows → name → {x, y}; series with no value at all are left out."""
     steps = [row[0] for row in rows]
     out = {}
@@ -60,7 +62,7 @@ def raw_series(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> dict[str,
 
 def bucketed_series(
     names: Sequence[str], rows: Sequence[Sequence[Any]]
-) -> dict[str, dict[str, list]]:
+) -> dict[str, dict[str, list[Any]]]:
     """(first step, mean1, min1, max1, mean2, …) rows → name → {x, y, lo, hi}."""
     steps = [row[0] for row in rows]
     out = {}
@@ -79,7 +81,7 @@ def bucketed_series(
 
 def rollup_series(
     rows: dict[str, list[tuple[int, int, int, float, float, float]]],
-) -> dict[str, dict[str, list]]:
+) -> dict[str, dict[str, list[Any]]]:
     """store.rollup_series buckets → name → {x, y, lo, hi} (x: each bucket's first step)."""
     return {
         name: {

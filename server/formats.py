@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -43,7 +44,7 @@ def fmt_when(value: str | datetime | None) -> str:
 
 # How each live field of a run reads on a page: the templates' filters, applied by the server to
 # the JSON live pages poll, so a page's script sets text and never formats a number itself.
-LIVE_FORMATS = {
+LIVE_FORMATS: dict[str, Callable[[Any], str]] = {
     "current_step": str,
     "recent_true_accuracy": fmt_num,
     "recent_reward": fmt_num,

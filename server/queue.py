@@ -83,4 +83,4 @@ def check_broker(app: Celery, *, timeout: float = 3.0) -> None:
 
 def _safe_url(app: Celery) -> str:
     with app.connection_for_write() as conn:
-        return conn.as_uri()  # kombu masks the password
+        return str(conn.as_uri())  # kombu masks the password

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory
 from rollout_lens.server.migrate import upgrade
 from sqlalchemy import Engine, create_engine, text
@@ -96,10 +97,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def train_settings(tmp_path: Path, tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+def train_settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
     """Settings for training into a fresh, migrated SQLite file with the cached tiny model."""
-    from rollout_lens.server.config import Settings
-
     settings = Settings(data_dir=tmp_path, model_cache_dir=tiny_model_dir.parent)
     engine = make_engine(settings.database_url)
     upgrade(engine)

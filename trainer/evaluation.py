@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,7 @@ class Evaluator(TrainerCallback):
         self,
         trainer: RecordingGRPOTrainer,
         recorder: Recorder,
-        sets: dict[str, Sequence[EvalItem]],
+        sets: Mapping[str, Sequence[EvalItem]],
         *,
         every: int,
         max_new_tokens: int,

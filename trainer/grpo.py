@@ -189,7 +189,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
         self._row_meta: dict[int, dict[str, Any]] = {}  # row -> meta added by subclasses
         # (prompt messages, target) of recent rollouts that missed: erroneous-example SFT's data
         self.recent_failures: deque[tuple[Any, str]] = deque(maxlen=4096)
-        self._probe_rows: tuple[list, list] | None = None
+        self._probe_rows: tuple[list, list, list] | None = None
         self._scored: tuple[list, list, torch.Tensor] | None = None
 
     # -- capture ---------------------------------------------------------------------------------

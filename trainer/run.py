@@ -9,6 +9,7 @@ import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -152,7 +153,7 @@ def make_trainer(
     if recorder is None:
         trainer = GRPOTrainer(**kwargs)
     else:
-        recording = {
+        recording: dict[str, Any] = {
             "recorder": recorder,
             "control_tokens": control_tokens,
             "judge": task.judge,
