@@ -25,7 +25,7 @@ def embedded_broker_dirs(settings: Settings) -> dict[str, Path]:
 
 
 def make_celery(settings: Settings, *, include: list[str] | None = None) -> Celery:
-    """The Celery app for `settings`; the worker passes include=["rollout_lens.trainer.tasks"]."""
+    """The Celery app for `settings`; `rollout-lens worker` includes the trainer's task module."""
     app = Celery("rollout_lens", include=include or [])
     if settings.broker_url:
         app.conf.broker_url = settings.broker_url
