@@ -1,4 +1,4 @@
-"""Presets: named starting points for a launch, shared by the form, the JSON API and the CLI."""
+"""Presets: named starting points for a launch (the form and `POST /api/runs` offer them)."""
 
 from __future__ import annotations
 
