@@ -8,7 +8,11 @@ EXTRAS ?= train,test
 # The tiny model is built once (about 3 minutes) and cached here for later runs and tests.
 export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
 
-.PHONY: run test lint
+# mypy needs the import names: a tree of links that lays server/ and trainer/ out as
+# rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
+MYPY_TREE = build/mypy
+
+.PHONY: run test lint typecheck
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +30,18 @@ test:
 	$(TEST_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	$(TEST_VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
 	$(TEST_VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
+	$(MAKE) typecheck MYPY=$(CURDIR)/$(TEST_VENV)/bin/mypy
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
 	$(VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
+	$(MAKE) typecheck
+
+MYPY ?= $(CURDIR)/$(VENV)/bin/mypy
+typecheck:
+	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)/rollout_lens
+	ln -s $(CURDIR)/rollout_lens/__init__.py $(MYPY_TREE)/rollout_lens/__init__.py
+	ln -s $(CURDIR)/server $(MYPY_TREE)/rollout_lens/server
+	ln -s $(CURDIR)/trainer $(MYPY_TREE)/rollout_lens/trainer
+	cd $(MYPY_TREE) && $(MYPY) --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache

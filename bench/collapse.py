@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rollout_lens.server import alerts, analysis, store  # noqa: E402
 from rollout_lens.server.config import get_settings  # noqa: E402
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
+from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
 from rollout_lens.server.migrate import upgrade  # noqa: E402
-from rollout_lens.trainer.config import RunConfig  # noqa: E402
 from rollout_lens.trainer.run import train  # noqa: E402
 
 METHODS = ("none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl")

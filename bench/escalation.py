@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rollout_lens.server import analysis, store  # noqa: E402
 from rollout_lens.server.config import get_settings  # noqa: E402
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
+from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
 from rollout_lens.server.migrate import upgrade  # noqa: E402
-from rollout_lens.trainer.config import RunConfig  # noqa: E402
+from rollout_lens.server.series import WINDOW  # noqa: E402
 from rollout_lens.trainer.run import train  # noqa: E402
 
 
@@ -76,7 +77,7 @@ def _report(config: RunConfig, steps: list, wall: float) -> dict:  # type: ignor
         strict=True,
     )
     for (start, a), (_, r), (_, g) in rows:
-        print(f"{start:>4}-{start + analysis.BUCKET - 1:<4} {a:>8.2f} {r:>8.2f} {g:>9.2f}")
+        print(f"{start:>4}-{start + WINDOW - 1:<4} {a:>8.2f} {r:>8.2f} {g:>9.2f}")
     print(f"first step with 25-step true accuracy >= 0.9: {reach}")
     return {
         "variant": config.variant,

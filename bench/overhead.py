@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from rollout_lens.server import store  # noqa: E402
 from rollout_lens.server.config import get_settings  # noqa: E402
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
+from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
 from rollout_lens.server.migrate import upgrade  # noqa: E402
-from rollout_lens.trainer.config import RunConfig  # noqa: E402
 from rollout_lens.trainer.grpo import Recorder  # noqa: E402
 from rollout_lens.trainer.run import default_control_tokens, make_trainer, resolve_model  # noqa: E402
 from rollout_lens.trainer.writer import StepWriter  # noqa: E402

@@ -14,6 +14,8 @@ from pydantic import ValidationError
 from rollout_lens.server import store
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.domain.runconfig import RunConfig
+from rollout_lens.server.domain.task import SUPERVISION_MODES, VARIANTS
 from rollout_lens.server.errors import RolloutLensError
 from rollout_lens.server.serialize import rollout_dict, run_dict
 
@@ -48,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     train = sub.add_parser("train", help="train and record one GRPO run")
-    train.add_argument("--variant", choices=["leaky", "patched"], default=None)
+    train.add_argument("--variant", choices=VARIANTS, default=None)
     train.add_argument("--steps", type=int)
     train.add_argument("--model", help="tiny (default), a local folder, or a hub id")
     train.add_argument("--k", type=int, help="shortlist size of the patched variant")
@@ -62,9 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--verifier")
     train.add_argument("--verifier-noise", type=float, dest="verifier_noise")
     train.add_argument("--seed", type=int)
-    train.add_argument(
-        "--supervision", help="none, offpolicy, hint, interleaved_sft or sft_then_rl"
-    )
+    train.add_argument("--supervision", help=", ".join(SUPERVISION_MODES))
     train.add_argument("--supervised-per-group", type=int, dest="supervised_per_group")
     train.add_argument("--sft-every", type=int, dest="sft_every")
     train.add_argument("--sft-steps", type=int, dest="sft_steps")
@@ -148,13 +148,17 @@ def _db_current(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _train(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.trainer.config import RunConfig
+    from rollout_lens.trainer.modelref import ModelUnavailable, check_model
 
     fields = {k: v for k, v in vars(args).items() if k in RunConfig.model_fields and v is not None}
     try:
         config = RunConfig(**fields)
     except ValidationError as exc:
         return _fail(f"invalid run: {_validation_text(exc)}")
+    try:  # this process trains: the model must be here
+        config = config.model_copy(update={"model": check_model(config.model)})
+    except ModelUnavailable as exc:
+        return _fail(f"invalid run: model: {exc}")
     engine, factory = _migrated_factory(settings)
     engine.dispose()
     from rollout_lens.trainer.progress import ProgressBar

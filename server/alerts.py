@@ -10,17 +10,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from rollout_lens.server import analysis
+from rollout_lens.server.series import COLLAPSED, DROP_PROBES, SPIKE_PROBES, WINDOW
 
 Series = Sequence[tuple[int, float | None]]
-
-# Probes whose rise means a control token is winning at the wrong place. Not the others: the
-# opening tag first, the closing tag after the id and end-of-turn after the closing tag are ~1 in
-# every healthy call, and a control token's max over all positions is ~1 wherever it legitimately
-# ends the reply.
-SPIKE_PROBES = ("probe/eot_after_open/mean",)
-# Probes that are ~1 in a healthy call: their fall is the other face of a control-token spike
-# (another token took the opening tag's place), as in the tiny model's collapse at lr 1e-3.
-DROP_PROBES = ("probe/open_first/mean",)
+REWARD, ACCURACY, ZERO_STD = "reward_mean", "true_accuracy", "zero_std_share"
+READS = (REWARD, ACCURACY, ZERO_STD, *SPIKE_PROBES, *DROP_PROBES, COLLAPSED)  # every rule's input
 
 
 @dataclass(frozen=True)
@@ -32,7 +26,7 @@ class AlertThresholds:
     spike_min: float = 0.2  # provided it is at least this large
     spike_window: int = 10
     collapse_share: float = 0.5
-    hacking_window: int = 25
+    hacking_window: int = WINDOW
     hacking_min_rise: float = 0.1  # reward must rise at least this much over the window…
     hacking_max_acc_change: float = 0.0  # …while true accuracy changes by at most this
     drop_below: float = 0.5  # a ~1 probe falling under this…
@@ -41,15 +35,24 @@ class AlertThresholds:
     signal_loss_window: int = 10
 
 
+KINDS = {  # kind → how pages name it
+    "control_token_spike": "control token spike",
+    "collapse": "collapse",
+    "reward_hacking": "reward hacking",
+    "signal_loss": "signal loss",
+}
+
+
 @dataclass(frozen=True)
 class Alert:
-    kind: str  # control_token_spike | collapse | reward_hacking | signal_loss
+    kind: str  # one of KINDS
     step: int
     message: str
     series: str | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The JSON shape every page and script renders an alert from (routes add its `url`)."""
+        return asdict(self) | {"label": KINDS.get(self.kind, self.kind.replace("_", " "))}
 
 
 def _present(series: Series) -> tuple[list[int], list[float]]:
@@ -121,7 +124,7 @@ def collapse(series: Series, t: AlertThresholds) -> list[Alert]:
             "collapse",
             step,
             f"{values[steps.index(step)]:.0%} of completions collapsed at step {step}",
-            series="state/collapse",
+            series=COLLAPSED,
         )
         for step in _episodes(steps, flags)
     ]
@@ -151,7 +154,7 @@ def reward_hacking(reward: Series, accuracy: Series, t: AlertThresholds) -> list
             "reward_hacking",
             step,
             f"verifier reward rose over the last {w} steps while true accuracy did not (step {step})",
-            series="reward_mean",
+            series=REWARD,
         )
         for step in _episodes(steps, flags)
     ]
@@ -170,7 +173,7 @@ def signal_loss(zero_std: Series, t: AlertThresholds) -> list[Alert]:
             "signal_loss",
             step,
             f"{t.signal_loss_share:.0%}+ of groups had zero reward spread over {t.signal_loss_window} steps (step {step})",
-            series="zero_std_share",
+            series=ZERO_STD,
         )
         for step in _episodes(steps, flags)
     ]
@@ -184,12 +187,12 @@ def evaluate(series: Mapping[str, Series], t: AlertThresholds) -> list[Alert]:
             alerts += control_token_spikes(name, values, t)
         if name in DROP_PROBES:
             alerts += control_token_drops(name, values, t)
-    if "state/collapse" in series:
-        alerts += collapse(series["state/collapse"], t)
-    if "reward_mean" in series and "true_accuracy" in series:
-        alerts += reward_hacking(series["reward_mean"], series["true_accuracy"], t)
-    if "zero_std_share" in series:
-        alerts += signal_loss(series["zero_std_share"], t)
+    if COLLAPSED in series:
+        alerts += collapse(series[COLLAPSED], t)
+    if REWARD in series and ACCURACY in series:
+        alerts += reward_hacking(series[REWARD], series[ACCURACY], t)
+    if ZERO_STD in series:
+        alerts += signal_loss(series[ZERO_STD], t)
     return sorted(alerts, key=lambda a: (a.step, a.kind))
 
 

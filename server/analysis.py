@@ -5,11 +5,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-BUCKET = 25
+from rollout_lens.server.series import WINDOW
 
 
 def buckets(
-    steps: Sequence[int], values: Sequence[float | None], size: int = BUCKET
+    steps: Sequence[int], values: Sequence[float | None], size: int = WINDOW
 ) -> list[tuple[int, float]]:
     """Mean of each `size`-step bucket, keyed by the bucket's first step (1–25 → 1, 26–50 → 26…)."""
     sums: dict[int, list[float]] = {}
@@ -19,7 +19,7 @@ def buckets(
     return [(start, sum(vals) / len(vals)) for start, vals in sorted(sums.items())]
 
 
-def rolling_mean(values: Sequence[float | None], window: int = BUCKET) -> list[float | None]:
+def rolling_mean(values: Sequence[float | None], window: int = WINDOW) -> list[float | None]:
     """Mean of the last `window` non-missing values at each position (None until one exists)."""
     out: list[float | None] = []
     recent: list[float] = []
@@ -36,7 +36,7 @@ def first_step_reaching(
     steps: Sequence[int],
     values: Sequence[float | None],
     threshold: float = 0.9,
-    window: int = BUCKET,
+    window: int = WINDOW,
 ) -> int | None:
     """First step at which the trailing `window`-step mean reaches `threshold` (a full window)."""
     for i, mean in enumerate(rolling_mean(values, window)):
@@ -46,7 +46,7 @@ def first_step_reaching(
 
 
 def stability(
-    steps: Sequence[int], values: Sequence[float | None], after: int | None, size: int = BUCKET
+    steps: Sequence[int], values: Sequence[float | None], after: int | None, size: int = WINDOW
 ) -> float | None:
     """Spread (max − min) of the bucket means from the bucket holding `after` on; None if unknown."""
     if after is None:
@@ -55,7 +55,7 @@ def stability(
     return max(tail) - min(tail) if tail else None
 
 
-def final_mean(values: Sequence[float | None], window: int = BUCKET) -> float | None:
+def final_mean(values: Sequence[float | None], window: int = WINDOW) -> float | None:
     """Mean of the last `window` recorded values."""
     present = [v for v in values if v is not None][-window:]
     return statistics.fmean(present) if present else None

@@ -12,10 +12,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rollout_lens.server import analysis
+from rollout_lens.server.formats import live_text
 from rollout_lens.server.models import ACTIVE_STATUSES
+from rollout_lens.server.series import WINDOW
 
 MAX_POINTS = 600  # points per chart series before steps are merged (about a chart's width)
-BUCKET_STEPS = 25  # the seed's buckets: steps 1–25, 26–50, …
 CONVERGED = 0.9  # 25-step true accuracy that counts as converged
 
 DOWNSAMPLING = (
@@ -46,7 +47,9 @@ def _has_data(values: Iterable[Any]) -> bool:
     return any(v is not None for v in values)
 
 
-def raw_series(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> dict[str, dict[str, list]]:
+def raw_series(
+    names: Sequence[str], rows: Sequence[Sequence[Any]]
+) -> dict[str, dict[str, list[Any]]]:
     """(step, v1, v2, …) rows → name → {x, y}; series with no value at all are left out."""
     steps = [row[0] for row in rows]
     out = {}
@@ -59,7 +62,7 @@ def raw_series(names: Sequence[str], rows: Sequence[Sequence[Any]]) -> dict[str,
 
 def bucketed_series(
     names: Sequence[str], rows: Sequence[Sequence[Any]]
-) -> dict[str, dict[str, list]]:
+) -> dict[str, dict[str, list[Any]]]:
     """(first step, mean1, min1, max1, mean2, …) rows → name → {x, y, lo, hi}."""
     steps = [row[0] for row in rows]
     out = {}
@@ -78,7 +81,7 @@ def bucketed_series(
 
 def rollup_series(
     rows: dict[str, list[tuple[int, int, int, float, float, float]]],
-) -> dict[str, dict[str, list]]:
+) -> dict[str, dict[str, list[Any]]]:
     """store.rollup_series buckets → name → {x, y, lo, hi} (x: each bucket's first step)."""
     return {
         name: {
@@ -101,8 +104,8 @@ def bucket_table(rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
     for index, n, acc, reward, valid in rows:
         index = int(index)
         table["index"].append(index)
-        table["start"].append(index * BUCKET_STEPS + 1)
-        table["end"].append((index + 1) * BUCKET_STEPS)
+        table["start"].append(index * WINDOW + 1)
+        table["end"].append((index + 1) * WINDOW)
         table["n"].append(int(n))
         table["true_accuracy"].append(acc)
         table["reward_mean"].append(reward)
@@ -124,7 +127,8 @@ def run_progress(run: dict[str, Any]) -> dict[str, Any]:
         "error",
         "finished_at",
     )
-    return {k: run[k] for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
+    out = {k: run[k] for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
+    return out | {"text": live_text(out)}
 
 
 def steps_per_second(recent: Sequence[tuple[int, Any]]) -> float | None:

@@ -9,9 +9,9 @@ from typing import Annotated, Any
 from celery import Celery
 from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse
+from rollout_lens.server.cache import ResponseCache
 from rollout_lens.server.config import Settings
 from rollout_lens.server.queue import make_celery
-from rollout_lens.server.routes.cache import ResponseCache
 from sqlalchemy.orm import Session
 
 _celery_lock = threading.Lock()

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lens.server.models import STEP_SERIES
+from rollout_lens.server import series as vocab
+from rollout_lens.server.domain.task import SFT_MODES
+from rollout_lens.server.series import STEP_SERIES, WINDOW, label
 
 COLORS = {
     "reward_mean": "#2563eb",
@@ -33,36 +35,7 @@ RUN_COLORS = (
 )
 NEUTRAL = "#334155"
 
-LABELS = {
-    "reward_mean": "verifier reward",
-    "true_accuracy": "true accuracy",
-    "format_valid_rate": "format-valid rate",
-    "vote_agreement": "vote agreement",
-    "vote_entropy": "vote entropy (bits)",
-    "zero_std_share": "zero-std groups",
-    "loss": "loss",
-    "kl": "KL",
-    "entropy": "entropy",
-    "grad_norm": "grad norm",
-    "learning_rate": "learning rate",
-    "completion_length": "completion length (tokens)",
-    "wall_time": "step wall time (s)",
-}
-OPTIMIZATION = (
-    "loss",
-    "kl",
-    "entropy",
-    "grad_norm",
-    "learning_rate",
-    "completion_length",
-    "wall_time",
-)
 UNIT_RANGE = {"autorangeoptions": {"include": [0, 1]}}
-
-
-def label(name: str) -> str:
-    """How a series is named on a chart."""
-    return LABELS.get(name, name)
 
 
 def plotly_text(text: str) -> str:
@@ -198,29 +171,13 @@ def _control_traces(control_tokens: Sequence[str], names: set[str]) -> list[dict
     traces = []
     for i, token in enumerate(control_tokens):
         color = TOKEN_COLORS[i % len(TOKEN_COLORS)]
-        if f"ctrl/{token}/max" in names:
-            traces += line(f"ctrl/{token}/max", f"{token} max", color)
-        if f"ctrl/{token}/mean" in names:
-            traces += line(f"ctrl/{token}/mean", f"{token} mean", color, dash="dot")
+        for stat, dash in zip(vocab.CTRL_STATS[::-1], ("solid", "dot"), strict=True):
+            if vocab.ctrl(token, stat) in names:
+                traces += line(vocab.ctrl(token, stat), f"{token} {stat}", color, dash=dash)
     return traces
 
 
-# Positional probes the trainer records (trainer.positional): the control token that matters at
-# the position where it matters. eot_after_open is the collapse signal.
-POSITIONAL_PROBES = {
-    "eot_after_open": "end-of-turn after the opening tag",
-    "close_after_id": "closing tag after the id",
-    "eot_after_close": "end-of-turn after the closing tag",
-    "open_first": "opening tag first",
-}
-PROBE_LEGEND = {  # the same, short enough for a legend in a third of the page
-    "eot_after_open": "end-of-turn after open tag",
-    "close_after_id": "close tag after id",
-    "eot_after_close": "end-of-turn after close tag",
-    "open_first": "open tag first",
-}
-STATES = ("healthy_call", "text_pollution", "collapse", "no_call")
-STATE_COLORS = {
+STATE_COLORS = {  # keyed by server.series.FormatState
     "healthy_call": "#16a34a",
     "text_pollution": "#ca8a04",
     "collapse": "#dc2626",
@@ -237,7 +194,7 @@ def _state_trace(name: str) -> dict[str, Any]:
         "mode": "lines",
         "x": [],
         "y": [],
-        "name": plotly_text(state.replace("_", " ")),
+        "name": plotly_text(vocab.state_label(state)),
         "stackgroup": "state",
         "line": {"color": color, "width": 0.8},
         "fillcolor": _rgba(color, 0.55),
@@ -249,12 +206,12 @@ def _state_trace(name: str) -> dict[str, Any]:
 def _structure(names: set[str]) -> list[dict[str, Any]]:
     """Charts of the trainer's positional probes, structural states and id-position probes."""
     out = []
-    probes = [p for p in POSITIONAL_PROBES if f"probe/{p}/mean" in names]
+    probes = [p for p in vocab.POSITIONAL_PROBES if vocab.probe(p) in names]
     if probes:
         traces = []
         for i, probe in enumerate(probes):
             color = TOKEN_COLORS[i % len(TOKEN_COLORS)]
-            traces += line(f"probe/{probe}/mean", PROBE_LEGEND[probe], color)
+            traces += line(vocab.probe(probe), vocab.POSITIONAL_PROBES[probe][1], color)
         out.append(
             figure(
                 "probes",
@@ -266,8 +223,8 @@ def _structure(names: set[str]) -> list[dict[str, Any]]:
                 y=UNIT_RANGE,
             )
         )
-    states = [f"state/{s}" for s in STATES if f"state/{s}" in names]
-    states += sorted(n for n in names if n.startswith("state/") and n not in states)
+    states = [vocab.state(s) for s in vocab.STATES if vocab.state(s) in names]
+    states += sorted(n for n in names if n.startswith(vocab.state("")) and n not in states)
     if states:
         out.append(
             figure(
@@ -280,14 +237,14 @@ def _structure(names: set[str]) -> list[dict[str, Any]]:
                 y={"range": [0, 1.02]},
             )
         )
-    ids = [n for n in ("target_logprob", "rival_logprob") if f"probe/{n}/mean" in names]
+    ids = [n for n in ("target_logprob", "rival_logprob") if vocab.probe(n) in names]
     if ids:
         traces = []
         for n, color in zip(ids, (COLORS["true_accuracy"], NEUTRAL), strict=False):
-            traces += line(f"probe/{n}/mean", n.replace("_", " "), color)
-        if "probe/id_entropy/mean" in names:
+            traces += line(vocab.probe(n), n.replace("_", " "), color)
+        if vocab.probe("id_entropy") in names:
             traces += line(
-                "probe/id_entropy/mean",
+                vocab.probe("id_entropy"),
                 "id entropy (bits)",
                 COLORS["vote_entropy"],
                 dash="dot",
@@ -306,35 +263,32 @@ def _structure(names: set[str]) -> list[dict[str, Any]]:
     return out
 
 
-# The id-position probes, besides the positional ones, with their titles and whether they are
-# probabilities (0–1 axis) or not (log-probabilities, bits).
-ID_PROBES = {
-    "target_logprob": "Log-probability of the target id",
-    "rival_logprob": "Log-probability of the best rival id",
-    "id_entropy": "Entropy over the listed ids (bits)",
+# How each part of a probe is drawn on its detail chart: (part, name, color or None for the
+# probe's own color, dash). The page shows this key once above the charts.
+PROBE_STYLES = {
+    "mean": ("mean", None, "solid"),
+    "p90": ("p90", None, "dash"),
+    "max": ("max", None, "dot"),
+    "reward1": ("mean, reward 1", "#16a34a", "solid"),
+    "reward0": ("mean, reward 0", "#dc2626", "solid"),
+    "supervised": ("mean, supervised", "#0284c7", "dashdot"),
+    "policy": ("mean, on-policy", "#64748b", "dashdot"),
 }
-# How each statistic of a probe is drawn on its detail chart: (suffix, name, color or None for
-# the probe's own color, dash). The page shows this key once above the charts.
-PROBE_PARTS = (
-    ("mean", "mean", None, "solid"),
-    ("p90", "p90", None, "dash"),
-    ("max", "max", None, "dot"),
-    ("reward1/mean", "mean, reward 1", "#16a34a", "solid"),
-    ("reward0/mean", "mean, reward 0", "#dc2626", "solid"),
-    ("supervised/mean", "mean, supervised", "#0284c7", "dashdot"),
-    ("policy/mean", "mean, on-policy", "#64748b", "dashdot"),
+PROBE_PARTS = tuple(
+    (part if part in vocab.PROBE_STATS else f"{part}/mean", *PROBE_STYLES[part])
+    for part in (*vocab.PROBE_STATS, *vocab.PROBE_SPLITS)
 )
 
 
 def probe_details(names: set[str]) -> list[dict[str, Any]]:
     """One chart per probe: its mean, p90 and max, and its mean split by reward and by origin."""
     out = []
-    titles = {**POSITIONAL_PROBES, **ID_PROBES}
+    titles = {p: title for p, (title, _) in vocab.POSITIONAL_PROBES.items()} | vocab.ID_PROBES
     for i, (probe, title) in enumerate(titles.items()):
         color = TOKEN_COLORS[i % len(TOKEN_COLORS)]
         traces = []
         for suffix, name, part_color, dash in PROBE_PARTS:
-            series = f"probe/{probe}/{suffix}"
+            series = vocab.probe(probe, suffix)
             if series in names:
                 traces += line(series, name, part_color or color, dash=dash)
         if not traces:
@@ -344,20 +298,15 @@ def probe_details(names: set[str]) -> list[dict[str, Any]]:
             title[:1].upper() + title[1:],
             traces,
             alerts=["control_token_spike"] if probe == "eot_after_open" else [],
-            y=UNIT_RANGE if probe in POSITIONAL_PROBES else None,
+            y=UNIT_RANGE if probe in vocab.POSITIONAL_PROBES else None,
         )
         fig["layout"]["showlegend"] = False  # the key above the charts names the lines
         out.append(fig)
     return out
 
 
-EVAL_SETS = {
-    "eval/id": ("in-distribution", "#2563eb"),
-    "eval/format_ood": ("format-OOD", "#ea580c"),
-    "eval/content_ood": ("content-OOD", "#9333ea"),
-}
-SFT_SERIES = "sft/loss"
-SFT_MODES = ("interleaved_sft", "sft_then_rl")
+EVAL_COLORS = {"id": "#2563eb", "format_ood": "#ea580c", "content_ood": "#9333ea"}
+SFT_SERIES = vocab.SFT_LOSS
 
 
 def expected_series(config: dict[str, Any] | None) -> list[str]:
@@ -365,7 +314,7 @@ def expected_series(config: dict[str, Any] | None) -> list[str]:
     every E steps, SFT phases): the page charts them before their first point arrives."""
     if not config:
         return []
-    out = list(EVAL_SETS) if config.get("eval_every") else []
+    out = list(vocab.EVAL_SERIES) if config.get("eval_every") else []
     if config.get("supervision") in SFT_MODES:
         out.append(SFT_SERIES)
     return out
@@ -384,9 +333,9 @@ def evaluation(names: set[str]) -> list[dict[str, Any]]:
     """Greedy evaluation accuracy (ID, format-OOD, content-OOD) and the SFT phases' loss."""
     out = []
     traces = []
-    for series, (name, color) in EVAL_SETS.items():
-        if series in names:
-            traces += _markers(line(series, name, color))
+    for name, (legend, _) in vocab.EVAL_SETS.items():
+        if vocab.eval_set(name) in names:
+            traces += _markers(line(vocab.eval_set(name), legend, EVAL_COLORS[name]))
     if traces:
         out.append(
             figure(
@@ -433,12 +382,12 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
         ),
         figure(
             "buckets",
-            "25-step buckets",
+            f"{WINDOW}-step buckets",
             [
                 _bucket_line("reward_mean", c["reward_mean"]),
                 _bucket_line("true_accuracy", c["true_accuracy"]),
             ],
-            help="Mean of steps 1–25, 26–50, … A leaky run swings between buckets; a patched run converges.",
+            help=f"Mean of steps 1–{WINDOW}, {WINDOW + 1}–{2 * WINDOW}, … A leaky run swings between buckets; a patched run converges.",
             alerts=["reward_hacking"],
             y=UNIT_RANGE,
         ),
@@ -479,7 +428,7 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
     evals = evaluation(have)
     optimization = [
         figure(f"s-{n}", label(n), line(n, label(n), NEUTRAL), small=True)
-        for n in OPTIMIZATION
+        for n in vocab.OPTIMIZATION
         if n in have
     ]
     shown = _used(main) | _used(structure) | _used(probes) | _used(evals) | set(STEP_SERIES)
@@ -500,13 +449,58 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
     }
 
 
-COMPARE_EXTRA = {  # compare's further overlays: series → (section, title)
-    "eval/id": ("evaluation", "Evaluation: in-distribution"),
-    "eval/format_ood": ("evaluation", "Evaluation: format-OOD"),
-    "eval/content_ood": ("evaluation", "Evaluation: content-OOD"),
-    "state/collapse": ("collapse", "Share of collapsed completions"),
-    "probe/eot_after_open/mean": ("collapse", "P(end-of-turn) after the opening tag"),
+def section(
+    sid: str,
+    title: str = "",
+    *,
+    group: str | None = None,
+    note: str = "",
+    grid: int = 2,
+    key: str = "",
+    always: bool = False,
+) -> dict[str, Any]:
+    """A chart section of a page: the figures of `group` (default: sid) in a `grid`-column grid
+    (element id charts-<sid>), under `title`, with a partial `key` above them; shown only when it
+    has figures, unless `always`."""
+    return {
+        "id": sid,
+        "group": group or sid,
+        "title": title,
+        "note": note,
+        "grid": grid,
+        "key": key,
+        "always": always,
+    }
+
+
+# The chart sections the pages render and their scripts draw, in order (run_figures' and
+# compare_figures' groups).
+RUN_SECTIONS = [
+    section("main", always=True),
+    section("structure", "Call structure", grid=3),
+    section("probes", "Probes in detail", grid=4, key="_probe_key.html"),
+    section("evaluation", "Evaluation and SFT"),
+    section("optimization", "Optimization", grid=4),
+]
+COMPARE_SECTIONS = [
+    section("compare", group="main", always=True),
+    section(
+        "control", "Control-token probabilities", note="(mean over completion positions)", grid=3
+    ),
+    section("evaluation", "Evaluation", note="(greedy accuracy every E steps)", grid=3),
+    section("collapse", "Collapse"),
+]
+
+
+COMPARE_EXTRA = {  # compare's further overlays (series.COMPARE_EXTRA): series → (section, title)
+    **{
+        vocab.eval_set(n): ("evaluation", f"Evaluation: {legend}")
+        for n, (legend, _) in vocab.EVAL_SETS.items()
+    },
+    vocab.COLLAPSED: ("collapse", "Share of collapsed completions"),
+    vocab.probe("eot_after_open"): ("collapse", "P(end-of-turn) after the opening tag"),
 }
+assert tuple(COMPARE_EXTRA) == vocab.COMPARE_EXTRA
 
 
 def compare_figures(
@@ -530,13 +524,13 @@ def compare_figures(
         return figure(fid, title, traces, y=UNIT_RANGE, **kwargs) if traces else None
 
     main = [overlay(f"c-{i}", n, label(n).capitalize()) for i, n in enumerate(names)]
-    control = [overlay(f"t-{i}", f"ctrl/{t}/mean", t) for i, t in enumerate(tokens)]
+    control = [overlay(f"t-{i}", vocab.ctrl(t, "mean"), t) for i, t in enumerate(tokens)]
     out = {"main": [f for f in main if f], "control": [f for f in control if f]}
     out |= {"evaluation": [], "collapse": []}
     for i, (name, (section, title)) in enumerate(COMPARE_EXTRA.items()):
         fig = overlay(f"x-{i}", name, title)
         if fig is not None:
-            if name in EVAL_SETS:
+            if name in vocab.EVAL_SERIES:
                 for trace in fig["data"]:
                     if trace["meta"]["part"] == "y":
                         trace["mode"] = "lines+markers"

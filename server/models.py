@@ -146,24 +146,7 @@ class Step(Base):
     grad_norm: Mapped[float | None] = mapped_column(Float)
     learning_rate: Mapped[float | None] = mapped_column(Float)
     completion_length: Mapped[float | None] = mapped_column(Float)
-
-
-# The per-step columns that are plotted as series, in display order.
-STEP_SERIES = (
-    "reward_mean",
-    "true_accuracy",
-    "format_valid_rate",
-    "vote_agreement",
-    "vote_entropy",
-    "zero_std_share",
-    "loss",
-    "kl",
-    "entropy",
-    "grad_norm",
-    "learning_rate",
-    "completion_length",
-    "wall_time",
-)
+    # These columns are server.series.STEP_SERIES (labels, units and order are named there).
 
 
 class Rollout(Base):

@@ -5,17 +5,18 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
-def _to_bytes(values: array) -> bytes:
+def _to_bytes(values: array[Any]) -> bytes:
     if _BIG_ENDIAN:
         values.byteswap()
     return values.tobytes()
 
 
-def _from_bytes(typecode: str, data: bytes | None) -> array:
+def _from_bytes(typecode: str, data: bytes | None) -> array[Any]:
     values = array(typecode)
     if data:
         values.frombytes(data)

@@ -3,7 +3,7 @@
 Every read here costs the same whatever a run's length (index seeks on (run_id, step)), except
 three that read each step of the range they cover: chart series (aggregated in SQL into at most
 max_points buckets), alerts and compare's summary. Their full-history answers are cached by
-run version in the API (server.routes.cache); a live page asks only for steps after its cursor.
+run version in the API (server.cache); a live page asks only for steps after its cursor.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lens.server import charts, figures, store, viewer
-from rollout_lens.server.alerts import DROP_PROBES, SPIKE_PROBES, AlertThresholds, evaluate
+from rollout_lens.server import alerts as rules
+from rollout_lens.server import charts, store, viewer
+from rollout_lens.server import series as vocab
 from rollout_lens.server.errors import InvalidInput, NotFound, StepNotFound
+from rollout_lens.server.formats import live_text
 from rollout_lens.server.models import (
     ACTIVE_STATUSES,
     ROLLUP_WIDTHS,
-    STEP_SERIES,
     Metric,
     Prompt,
     Rollout,
@@ -26,6 +27,7 @@ from rollout_lens.server.models import (
     Step,
 )
 from rollout_lens.server.serialize import rollout_dict, run_dict, step_dict
+from rollout_lens.server.series import STEP_SERIES
 from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
@@ -87,7 +89,13 @@ def list_runs(
     places = store.queue_positions(session) if any(r["status"] == "queued" for r in runs) else {}
     for run in runs:
         run["queue_position"] = places.get(run["id"])
+        run["text"] = live_text(run)
     return runs
+
+
+def run_card(session: Session, *, run_id: int) -> dict[str, Any]:
+    """One run's columns (NotFound if there is none)."""
+    return run_dict(store.get_run(session, run_id=run_id))
 
 
 def _bounds(session: Session, *, run_id: int) -> tuple[int | None, int | None]:
@@ -180,7 +188,7 @@ def run_live(session: Session, *, run_id: int) -> dict[str, Any]:
         "can_cancel": run.status in ACTIVE_STATUSES and not run.cancel_requested,
         "can_resume": run.status in store.RESUMABLE_STATUSES,
     }
-    return live | {"summary": charts.live_summary(live)}
+    return live | {"summary": charts.live_summary(live), "text": live_text(live)}
 
 
 # --- chart series -------------------------------------------------------------------------------
@@ -303,7 +311,7 @@ def bucket_means(
 
     A live page polls with its cursor and replaces the buckets it gets back by their index.
     """
-    width = charts.BUCKET_STEPS
+    width = vocab.WINDOW
     bucket = ((Step.step - 1) // width).label("bucket")
     start = (since // width) * width  # the whole bucket holding step since+1
     query = (
@@ -323,11 +331,11 @@ def bucket_means(
 
 # --- alerts -------------------------------------------------------------------------------------
 
-ALERT_COLUMNS = ("reward_mean", "true_accuracy", "zero_std_share")
+ALERT_COLUMNS = tuple(n for n in rules.READS if n in STEP_SERIES)
 # The per-step metrics the rules read besides those columns. Of the positional probes only the
 # ones whose rise (end-of-turn right after the opening tag) or fall (the opening tag first) is the
 # failure; server.alerts says which rule reads which.
-ALERT_METRICS = (*SPIKE_PROBES, *DROP_PROBES, "state/collapse")
+ALERT_METRICS = tuple(n for n in rules.READS if n not in ALERT_COLUMNS)
 ALERT_CONTEXT = 60  # steps before `since` the rules see: their windows are ≤ 2 × 25 steps
 
 
@@ -351,7 +359,7 @@ def alerts(session: Session, *, run_id: int, since: int = 0) -> list[dict[str, A
     )
     for name, step, value in session.execute(query.order_by(Metric.name, Metric.step)):
         inputs.setdefault(name, []).append((step, value))
-    found = evaluate(inputs, AlertThresholds())
+    found = rules.evaluate(inputs, rules.AlertThresholds())
     return [a.as_dict() for a in found if a.step > since]
 
 
@@ -429,9 +437,6 @@ def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
 
 # --- compare ------------------------------------------------------------------------------------
 
-COMPARE_SERIES = ("reward_mean", "true_accuracy", "vote_agreement", "format_valid_rate")
-COMPARE_METRICS = tuple(figures.COMPARE_EXTRA)  # evaluation and collapse overlays, if recorded
-
 
 def resolve_step(session: Session, *, run_id: int, step: int | None) -> int:
     """The recorded step nearest `step` (the last one when None), for jump links and sliders."""
@@ -463,11 +468,11 @@ def compare(
     for run_id in run_ids:
         run = run_dict(store.get_run(session, run_id=run_id))
         runs.append(run)
-        ctrl = [f"ctrl/{t}/mean" for t in run["control_tokens"]]
+        ctrl = [vocab.ctrl(t, "mean") for t in run["control_tokens"]]
         by_run[run_id] = series(
             session,
             run_id=run_id,
-            names=[*COMPARE_SERIES, *ctrl, *COMPARE_METRICS],
+            names=[*vocab.COMPARE_SERIES, *ctrl, *vocab.COMPARE_EXTRA],
             max_points=max_points,
         )
     pair = run_ids[:2]
@@ -501,7 +506,7 @@ def _summary(session: Session, run: dict[str, Any]) -> dict[str, Any]:
     ).all()
     steps, accuracy, reward = (list(c) for c in zip(*rows, strict=True)) if rows else ([], [], [])
     return charts.run_summary(run, steps, accuracy, reward) | {
-        "final_eval": last_values(session, run_id=run["id"], names=list(figures.EVAL_SETS))
+        "final_eval": last_values(session, run_id=run["id"], names=list(vocab.EVAL_SERIES))
     }
 
 

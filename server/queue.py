@@ -25,7 +25,7 @@ def embedded_broker_dirs(settings: Settings) -> dict[str, Path]:
 
 
 def make_celery(settings: Settings, *, include: list[str] | None = None) -> Celery:
-    """The Celery app for `settings`; the worker passes include=["rollout_lens.trainer.tasks"]."""
+    """The Celery app for `settings`; `rollout-lens worker` includes the trainer's task module."""
     app = Celery("rollout_lens", include=include or [])
     if settings.broker_url:
         app.conf.broker_url = settings.broker_url
@@ -83,4 +83,4 @@ def check_broker(app: Celery, *, timeout: float = 3.0) -> None:
 
 def _safe_url(app: Celery) -> str:
     with app.connection_for_write() as conn:
-        return conn.as_uri()  # kombu masks the password
+        return str(conn.as_uri())  # kombu masks the password

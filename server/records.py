@@ -38,6 +38,6 @@ class StepRecord:
 
     step: int
     rollout_step: int
-    values: dict[str, float | None]  # keys from server.models.STEP_SERIES
+    values: dict[str, float | None]  # keys from server.series.STEP_SERIES
     rollouts: list[RolloutRecord] = field(default_factory=list)  # empty when reusing rollouts
     metrics: dict[str, float | None] = field(default_factory=dict)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lens.server.models import STEP_SERIES, Rollout, Run, RunSource, Step
+from rollout_lens.server.models import Rollout, Run, RunSource, Step
 from rollout_lens.server.packing import unpack_floats, unpack_ints, unpack_matrix
+from rollout_lens.server.series import STEP_SERIES
 
 
 def rollout_dict(rollout: Rollout, prompt: str, control_tokens: Sequence[str]) -> dict[str, Any]:

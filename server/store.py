@@ -6,12 +6,11 @@ import hashlib
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from rollout_lens.server.errors import InvalidState, NotFound
 from rollout_lens.server.models import (
     ROLLUP_WIDTHS,
-    STEP_SERIES,
     Metric,
     Prompt,
     Rollout,
@@ -24,17 +23,13 @@ from rollout_lens.server.models import (
 )
 from rollout_lens.server.packing import pack_floats, pack_ints, pack_matrix
 from rollout_lens.server.records import StepRecord
-from sqlalchemy import Select, delete, func, literal, select, update
+from rollout_lens.server.series import STEP_SERIES, WINDOW
+from sqlalchemy import CursorResult, delete, func, insert, literal, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-RECENT_WINDOW = 25
-RESUMABLE_STATUSES = (
-    RunStatus.lost,
-    RunStatus.failed,
-    RunStatus.cancelled,
-)  # steps in the "last 25 steps" summary, as the seed's buckets
+RESUMABLE_STATUSES = (RunStatus.lost, RunStatus.failed, RunStatus.cancelled)
 
 
 def _insert(session: Session, table: Any) -> Any:
@@ -289,7 +284,6 @@ def _roll_up(session: Session, *, run_id: int, step: int, values: dict[str, floa
 
 def _rebuild_rollups(session: Session, *, run_id: int, after_step: int) -> None:
     """Recompute the rollup buckets that held steps after `after_step` from the raw rows left."""
-    table = SeriesRollup.__table__
     columns = [
         "run_id",
         "name",
@@ -331,7 +325,7 @@ def _rebuild_rollups(session: Session, *, run_id: int, after_step: int) -> None:
                 .where(Step.run_id == run_id, Step.step >= lowest, column.is_not(None))
                 .group_by(Step.run_id, bucket)
             )
-            session.execute(table.insert().from_select(columns, source))
+            session.execute(insert(SeriesRollup).from_select(columns, source))
         metric_bucket = (Metric.step - 1) // width
         source = (
             select(
@@ -349,7 +343,7 @@ def _rebuild_rollups(session: Session, *, run_id: int, after_step: int) -> None:
             .where(Metric.run_id == run_id, Metric.step >= lowest, Metric.value.is_not(None))
             .group_by(Metric.run_id, Metric.name, metric_bucket)
         )
-        session.execute(table.insert().from_select(columns, source))
+        session.execute(insert(SeriesRollup).from_select(columns, source))
 
 
 def rollup_series(
@@ -390,7 +384,7 @@ def _refresh_summary(session: Session, *, run_id: int, step: int) -> None:
         select(Step.true_accuracy, Step.reward_mean)
         .where(Step.run_id == run_id)
         .order_by(Step.step.desc())
-        .limit(RECENT_WINDOW)
+        .limit(WINDOW)
         .subquery()
     )
     acc, reward = session.execute(
@@ -421,9 +415,7 @@ def last_step(session: Session, *, run_id: int) -> int:
 
 def steps(session: Session, *, run_id: int, since: int = 0) -> list[Step]:
     """Steps of a run after `since`, in order."""
-    query: Select[tuple[Step]] = (
-        select(Step).where(Step.run_id == run_id, Step.step > since).order_by(Step.step)
-    )
+    query = select(Step).where(Step.run_id == run_id, Step.step > since).order_by(Step.step)
     return list(session.scalars(query))
 
 
@@ -485,7 +477,7 @@ def claim_run(session: Session, *, run_id: int, task_id: str) -> bool:
         .where(Run.id == run_id, Run.status == RunStatus.queued)
         .values(status=RunStatus.running, task_id=task_id, heartbeat_at=utcnow())
     )
-    return result.rowcount == 1  # type: ignore[attr-defined]
+    return cast(CursorResult[Any], result).rowcount == 1
 
 
 def set_task_id(session: Session, *, run_id: int, task_id: str) -> None:

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
+from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory
 from rollout_lens.server.migrate import upgrade
 from sqlalchemy import Engine, create_engine, text
@@ -52,7 +54,7 @@ def _truncate_pg(engine: Engine) -> None:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def engine(request: pytest.FixtureRequest, tmp_path) -> Iterator[Engine]:  # type: ignore[no-untyped-def]
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
     """A migrated, empty database: an SQLite file, then the PostgreSQL server."""
     if request.param == "sqlite":
         eng = make_engine(f"sqlite:///{tmp_path / 'test.db'}")
@@ -71,7 +73,16 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 
 
 @pytest.fixture
-def sqlite_url(tmp_path) -> str:  # type: ignore[no-untyped-def]
+def client(session_factory: sessionmaker[Session], tmp_path: Path) -> TestClient:
+    """The dashboard in-process on the test's database; launches queue into tmp_path's
+    embedded broker (tmp_path/broker)."""
+    from tests.web_support import client_for
+
+    return client_for(session_factory, data_dir=tmp_path)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
     """An SQLite file URL, not yet created."""
     return f"sqlite:///{tmp_path / 'rollout-lens.db'}"
 
@@ -86,10 +97,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def train_settings(tmp_path: Path, tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+def train_settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
     """Settings for training into a fresh, migrated SQLite file with the cached tiny model."""
-    from rollout_lens.server.config import Settings
-
     settings = Settings(data_dir=tmp_path, model_cache_dir=tiny_model_dir.parent)
     engine = make_engine(settings.database_url)
     upgrade(engine)

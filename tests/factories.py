@@ -7,6 +7,7 @@ from typing import Any
 
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
+from rollout_lens.server.models import Run, Step
 from rollout_lens.server.records import RolloutRecord, StepRecord
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -58,6 +59,29 @@ def make_rollouts(
     return out
 
 
+def record_step(
+    factory: sessionmaker[Session],
+    run_id: int,
+    step: int,
+    *,
+    values: dict[str, float | None] | None = None,
+    rollouts: list[RolloutRecord] | None = None,
+    metrics: dict[str, float | None] | None = None,
+    rollout_step: int | None = None,
+) -> StepRecord:
+    """Record one step through the store in one transaction, as the trainer's writer does."""
+    record = StepRecord(
+        step=step,
+        rollout_step=step if rollout_step is None else rollout_step,
+        values=dict(values or {}),
+        rollouts=list(rollouts or []),
+        metrics=dict(metrics or {}),
+    )
+    with session_scope(factory) as session:
+        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    return record
+
+
 def make_run(
     factory: sessionmaker[Session],
     *,
@@ -86,24 +110,15 @@ def make_run(
     for step in range(1, steps + 1):
         rollouts = make_rollouts(rng, group_size=group_size, listed=listed, completion=completion)
         acc = sum(r.true_score or 0 for r in rollouts) / group_size
-        record = StepRecord(
-            step=step,
-            rollout_step=step,
-            values={
-                "reward_mean": acc,
-                "true_accuracy": acc,
-                "loss": rng.random(),
-                "wall_time": 0.05,
-            },
-            rollouts=rollouts,
-            metrics={"ctrl/</assistant>/max": rng.random()},
-        )
-        with session_scope(factory) as session:
-            store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+        values = {"reward_mean": acc, "true_accuracy": acc, "loss": rng.random(), "wall_time": 0.05}
+        metrics = {"ctrl/</assistant>/max": rng.random()}
+        record_step(factory, run_id, step, values=values, rollouts=rollouts, metrics=metrics)
     return run_id
 
 
-def load_run(database_url: str, run_id: int):  # type: ignore[no-untyped-def]
+def load_run(
+    database_url: str, run_id: int
+) -> tuple[Run, list[dict[str, Any]], list[Step], dict[str, list[tuple[int, float | None]]]]:
     """A recorded run read back: (run, rollout dicts, steps, metric series)."""
     from rollout_lens.server.db import make_engine, make_session_factory
     from rollout_lens.server.serialize import rollout_dict

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from rollout_lens.server.alerts import AlertThresholds, evaluate
 
@@ -52,7 +54,7 @@ def _series(values: list[float | None], start: int = 1) -> list[tuple[int, float
         ({"zero_std_share": _series([1.0, 0.0] * 15)}, []),
     ],
 )
-def test_alert_rules(series: dict, expected: list[tuple[str, int]]) -> None:  # type: ignore[type-arg]
+def test_alert_rules(series: dict[str, Any], expected: list[tuple[str, int]]) -> None:
     alerts = evaluate(series, T)
     assert [(a.kind, a.step) for a in alerts] == expected
     assert all(str(a.step) in a.message for a in alerts)

@@ -17,17 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from playwright.sync_api import Browser, Dialog, Page, Route
 from rollout_lens.server import store
 from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.migrate import upgrade
 from rollout_lens.server.models import RunStatus
-from rollout_lens.server.records import StepRecord
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import web_support
-from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
+from tests.factories import make_rollouts, make_run, record_step
 from tests.web_support import (
     COLLAPSE_STEP,
     HINT,
@@ -124,23 +124,23 @@ class Tab:
 
 
 @pytest.fixture
-def tab(browser, served: Served) -> Iterator[Tab]:  # type: ignore[no-untyped-def]
+def tab(browser: Browser, served: Served) -> Iterator[Tab]:
     context = browser.new_context(viewport={"width": 1440, "height": 900}, base_url=served.url)
     context.set_default_timeout(10_000)
     state = Tab(None)
 
-    def on_dialog(dialog) -> None:  # type: ignore[no-untyped-def]
+    def on_dialog(dialog: Dialog) -> None:
         state.dialogs.append(dialog.message)
         dialog.dismiss()
 
-    def watch(page) -> None:  # type: ignore[no-untyped-def]
+    def watch(page: Page) -> None:
         page.on("pageerror", lambda exc: state.errors.append(str(exc)))
         page.on(
             "console", lambda msg: state.errors.append(msg.text) if msg.type == "error" else None
         )
         page.on("dialog", on_dialog)
 
-    def offline(route) -> None:  # type: ignore[no-untyped-def]
+    def offline(route: Route) -> None:
         if route.request.url.startswith(served.url):
             route.continue_()
         else:
@@ -155,16 +155,16 @@ def tab(browser, served: Served) -> Iterator[Tab]:  # type: ignore[no-untyped-de
     assert state.errors == [] and state.dialogs == [] and state.offsite == []
 
 
-def _shot(page, name: str) -> None:  # type: ignore[no-untyped-def]
+def _shot(page: Page, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
-def _traces(page, figure: str) -> int:  # type: ignore[no-untyped-def]
+def _traces(page: Page, figure: str) -> int:
     return int(page.locator(f"#fig-{figure} .scatterlayer .trace").count())
 
 
-def _point(page, figure: str, series: str, step: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def _point(page: Page, figure: str, series: str, step: int) -> tuple[float, float]:
     """Where on screen Plotly drew `series` at `step`."""
     return page.evaluate(
         """([figure, series, step]) => {
@@ -277,14 +277,8 @@ def test_pages_follow_a_training_run(tab: Tab, served: Served) -> None:
     for step in (9, 10, 11, 12):
         rollouts = make_rollouts(rng)
         acc = sum(r.true_score or 0 for r in rollouts) / 8
-        record = StepRecord(
-            step=step,
-            rollout_step=step,
-            values={"reward_mean": acc, "true_accuracy": acc},
-            rollouts=rollouts,
-        )
-        with session_scope(served.factory) as session:
-            store.record_step(session, run_id=run, record=record, control_tokens=CONTROL_TOKENS)
+        values = {"reward_mean": acc, "true_accuracy": acc}
+        record_step(served.factory, run, step, values=values, rollouts=rollouts)
     page.wait_for_function(
         "document.querySelector('#run-card [data-field=current_step]').textContent === '12'"
     )
@@ -309,7 +303,7 @@ def test_api_docs_work_offline(tab: Tab) -> None:
     assert page.get_by_text("/api/runs/{run_id}/series").count() >= 1
 
 
-def _annotations(page, figure: str) -> list[str]:  # type: ignore[no-untyped-def]
+def _annotations(page: Page, figure: str) -> list[str]:
     """The alert markers Plotly drew on a chart (their hover text)."""
     return page.evaluate(
         "(id) => (document.getElementById(`fig-${id}`).layout.annotations || []).map((a) => a.hovertext)",

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.models import (
     ROLLUP_WIDTHS,
-    STEP_SERIES,
     Metric,
     Prompt,
     Rollout,
@@ -19,10 +19,12 @@ from rollout_lens.server.models import (
 )
 from rollout_lens.server.records import StepRecord
 from rollout_lens.server.serialize import rollout_dict
+from rollout_lens.server.series import STEP_SERIES
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
-from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
 
 
 def test_run_round_trip_and_summary(session_factory) -> None:
@@ -62,9 +64,7 @@ def test_step_rollouts_in_group_order_with_arrays(session_factory) -> None:
 
 def test_reused_generation_points_at_its_rollouts(session_factory) -> None:
     run_id = make_run(session_factory, steps=1)
-    with session_scope(session_factory) as session:
-        record = StepRecord(step=2, rollout_step=1, values={"loss": 0.5})
-        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    record_step(session_factory, run_id, 2, rollout_step=1, values={"loss": 0.5})
     with session_scope(session_factory) as session:
         rows = store.step_rollouts(session, run_id=run_id, step=2)
         assert len(rows) == 8 and {r.step for r, _ in rows} == {1}
@@ -84,14 +84,13 @@ def test_one_step_is_one_transaction(session_factory) -> None:
 
 def test_nan_is_stored_as_null_and_series_read_back(session_factory) -> None:
     run_id = make_run(session_factory, steps=1)
-    with session_scope(session_factory) as session:
-        record = StepRecord(
-            step=2,
-            rollout_step=2,
-            values={"loss": float("nan")},
-            metrics={"kl": float("inf"), "y": 2.0},
-        )
-        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    record_step(
+        session_factory,
+        run_id,
+        2,
+        values={"loss": float("nan")},
+        metrics={"kl": float("inf"), "y": 2.0},
+    )
     with session_scope(session_factory) as session:
         assert store.steps(session, run_id=run_id, since=1)[0].loss is None
         series = store.metric_series(session, run_id=run_id, names=["kl", "y"])
@@ -131,7 +130,7 @@ def test_deleting_a_run_cascades(engine, session_factory) -> None:
         assert session.scalar(select(func.count()).select_from(Step)) == 0
 
 
-def _rollups_from_raw(session, run_id: int, width: int) -> dict:  # type: ignore[no-untyped-def]
+def _rollups_from_raw(session: Session, run_id: int, width: int) -> dict[Any, Any]:
     """What the rollups must hold, computed in Python from the raw rows."""
     expected: dict = {}
     values = [
@@ -161,14 +160,14 @@ def _rollups_from_raw(session, run_id: int, width: int) -> dict:  # type: ignore
     return expected
 
 
-def _rollups(session, run_id: int, width: int) -> dict:  # type: ignore[no-untyped-def]
+def _rollups(session: Session, run_id: int, width: int) -> dict[Any, Any]:
     rows = session.scalars(
         select(SeriesRollup).where(SeriesRollup.run_id == run_id, SeriesRollup.width == width)
     )
     return {(r.name, r.bucket): (r.n, r.total, r.lo, r.hi, r.first_step, r.last_step) for r in rows}
 
 
-def _same(a: dict, b: dict) -> bool:  # type: ignore[type-arg]
+def _same(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
     return a.keys() == b.keys() and all(
         x == pytest.approx(y) for k in a for x, y in zip(a[k], b[k], strict=True)
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from rollout_lens.server.config import Settings
-from rollout_lens.trainer.config import RunConfig
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.trainer.run import train
 
 from tests.factories import load_run

@@ -9,8 +9,8 @@ import torch
 from rollout_lens.server import store
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.models import Metric, Rollout, Step
-from rollout_lens.trainer.config import RunConfig
 from rollout_lens.trainer.run import train
 from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -5,32 +5,19 @@ from __future__ import annotations
 import random
 
 import pytest
-from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import STEP_SERIES, RunStatus
-from rollout_lens.server.records import StepRecord
+from rollout_lens.server.models import RunStatus
+from rollout_lens.server.series import STEP_SERIES
+from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
-from tests.web_support import client_for
-
-
-@pytest.fixture
-def client(session_factory) -> TestClient:  # type: ignore[no-untyped-def]
-    return client_for(session_factory)
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
 
 
-def _record(factory, run_id: int, step: int, **values: float) -> None:  # type: ignore[no-untyped-def]
+def _record(factory: sessionmaker[Session], run_id: int, step: int, **values: float) -> None:
     rollouts = make_rollouts(random.Random(step))
-    record = StepRecord(
-        step=step,
-        rollout_step=step,
-        values=values,
-        rollouts=rollouts,
-        metrics={"ctrl/</assistant>/max": 0.5},
-    )
-    with session_scope(factory) as session:
-        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    metrics: dict[str, float | None] = {"ctrl/</assistant>/max": 0.5}
+    record_step(factory, run_id, step, values=dict(values), rollouts=rollouts, metrics=metrics)
 
 
 def test_runs_api_filters_narrows_and_sorts(session_factory, client) -> None:
@@ -182,16 +169,14 @@ def test_alerts_api(session_factory, client) -> None:
     run_id = make_run(session_factory, steps=2)
     for step in range(3, 31):
         collapse = 0.8 if step >= 20 else 0.0
-        rollouts = make_rollouts(random.Random(step))
-        record = StepRecord(
-            step=step,
-            rollout_step=step,
+        record_step(
+            session_factory,
+            run_id,
+            step,
             values={"reward_mean": 0.5},
-            rollouts=rollouts,
+            rollouts=make_rollouts(random.Random(step)),
             metrics={"state/collapse": collapse},
         )
-        with session_scope(session_factory) as session:
-            store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
     alerts = client.get(f"/api/runs/{run_id}/alerts").json()
     assert [(a["kind"], a["step"]) for a in alerts] == [("collapse", 20)]
     assert "20" in alerts[0]["message"]

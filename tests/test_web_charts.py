@@ -6,7 +6,8 @@ import math
 
 import pytest
 from rollout_lens.server import charts, figures, viewer
-from rollout_lens.server.app import fmt_num, token_text, visible_text
+from rollout_lens.server.formats import fmt_num
+from rollout_lens.server.templating import token_text, visible_text
 
 
 @pytest.mark.parametrize(

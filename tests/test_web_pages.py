@@ -5,30 +5,21 @@ from __future__ import annotations
 import random
 import re
 
-import pytest
-from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.models import RunStatus
-from rollout_lens.server.records import StepRecord
 
-from tests.factories import CONTROL_TOKENS, make_rollouts, make_run
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
 from tests.web_support import (
     COLLAPSE_STEP,
     HINT,
     PROBE_SPIKE_STEP,
-    client_for,
     parse,
     record_collapse_run,
     record_supervised_run,
 )
 
 XSS = "<script>alert(1)</script></textarea>{{7*7}}\x07"
-
-
-@pytest.fixture
-def client(session_factory) -> TestClient:  # type: ignore[no-untyped-def]
-    return client_for(session_factory)
 
 
 def test_runs_page_lists_runs_with_progress_and_links(session_factory, client) -> None:
@@ -196,9 +187,7 @@ def test_step_viewer_navigation(session_factory, client) -> None:
 
 def test_missing_step_is_a_404_that_links_to_the_nearest(session_factory, client) -> None:
     run_id = make_run(session_factory, steps=3)
-    with session_scope(session_factory) as session:
-        record = StepRecord(step=10, rollout_step=10, values={"loss": 0.1})
-        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    record_step(session_factory, run_id, 10, values={"loss": 0.1})
     response = client.get(f"/runs/{run_id}/steps/8")
     assert response.status_code == 404
     page = parse(response.text)
@@ -330,9 +319,7 @@ def test_step_with_several_groups_has_a_group_switch(session_factory, client) ->
     for rollout in second:
         rollout.group = 1
         rollout.meta = rollout.meta | {"query": "define ephemeral"}
-    record = StepRecord(step=2, rollout_step=2, values={}, rollouts=first + second)
-    with session_scope(session_factory) as session:
-        store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+    record_step(session_factory, run_id, 2, rollouts=first + second)
     page = parse(client.get(f"/runs/{run_id}/steps/2").text)
     chips = page.find("nav", cls="groups").find_all("a")
     assert [c.attrs["href"] for c in chips] == [f"/runs/{run_id}/steps/2?group={g}" for g in (0, 1)]

@@ -112,7 +112,9 @@ def test_serve_with_a_broker_starts_no_worker(tmp_path: Path) -> None:
 
 
 @pytest.mark.postgres
-def test_serve_refuses_a_postgres_database_that_is_behind(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_serve_refuses_a_postgres_database_that_is_behind(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from tests.conftest import PG_URL
 
     admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")

@@ -16,12 +16,13 @@ import redis
 from rollout_lens.server import store
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.errors import BrokerUnavailable
 from rollout_lens.server.migrate import upgrade
 from rollout_lens.server.models import Run, Step
 from rollout_lens.server.queue import enqueue_run, make_celery
-from rollout_lens.trainer.config import RunConfig
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
 
 from tests import factories
 
@@ -210,7 +211,9 @@ def test_broker_down_is_a_clear_error(tmp_path: Path) -> None:
     assert time.monotonic() - started < 15
 
 
-def test_steps_table_is_not_touched_by_a_skipped_delivery(session_factory) -> None:  # type: ignore[no-untyped-def]
+def test_steps_table_is_not_touched_by_a_skipped_delivery(
+    session_factory: sessionmaker[Session],
+) -> None:
     from tests.factories import make_run
 
     run_id = make_run(session_factory, steps=2)

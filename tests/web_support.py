@@ -15,10 +15,9 @@ from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.models import RunStatus
-from rollout_lens.server.records import StepRecord
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, make_rollouts
+from tests.factories import CONTROL_TOKENS, make_rollouts, record_step
 
 VOID = {
     "area",
@@ -228,15 +227,9 @@ def record_collapse_run(
         ).id
     for step in range(1, steps + 1):
         values, metrics = collapse_story(step, rng)
-        record = StepRecord(
-            step=step,
-            rollout_step=step,
-            values=values,
-            rollouts=make_rollouts(rng),
-            metrics=metrics,
+        record_step(
+            factory, run_id, step, values=values, rollouts=make_rollouts(rng), metrics=metrics
         )
-        with session_scope(factory) as session:
-            store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
     return run_id
 
 
@@ -262,9 +255,7 @@ def record_supervised_run(factory: sessionmaker[Session], *, steps: int = 3) -> 
         expert.completion = f"<tool>{expert.target}</tool>"
         expert.meta = expert.meta | {"supervised": "expert"}
         hinted.meta = hinted.meta | {"supervised": "hint", "hint_shown": HINT}
-        record = StepRecord(step=step, rollout_step=step, values={}, rollouts=rollouts)
-        with session_scope(factory) as session:
-            store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+        record_step(factory, run_id, step, rollouts=rollouts)
     return run_id
 
 

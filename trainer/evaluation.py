@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from rollout_lens.server import series as vocab
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from transformers import GenerationConfig, TrainerCallback
 
@@ -26,7 +27,7 @@ class Evaluator(TrainerCallback):
         self,
         trainer: RecordingGRPOTrainer,
         recorder: Recorder,
-        sets: dict[str, Sequence[EvalItem]],
+        sets: Mapping[str, Sequence[EvalItem]],
         *,
         every: int,
         max_new_tokens: int,
@@ -48,7 +49,8 @@ class Evaluator(TrainerCallback):
         model.eval()
         try:
             return {
-                f"eval/{name}": self._accuracy(model, items) for name, items in self.sets.items()
+                vocab.eval_set(name): self._accuracy(model, items)
+                for name, items in self.sets.items()
             }
         finally:
             model.train(was_training)

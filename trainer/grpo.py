@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from rollout_lens.server import series as vocab
 from rollout_lens.server.records import RolloutRecord, StepRecord
 from rollout_lens.trainer import metrics as m
 from rollout_lens.trainer import positional
 from rollout_lens.trainer.probe import GenerationProbe
-from rollout_lens.trainer.structure import FormatState
 from transformers import LogitsProcessorList, TrainerCallback
 from trl import GRPOTrainer
 
@@ -64,11 +64,11 @@ def summarize(rollouts: Sequence[RolloutRecord], group_size: int, control_tokens
     series: dict[str, float | None] = {}
     for token in control_tokens:
         probs = [p for r in rollouts for p in r.control_probs.get(token, [])]
-        series[f"ctrl/{token}/mean"] = m.mean(probs)
-        series[f"ctrl/{token}/max"] = max(probs) if probs else None
+        series[vocab.ctrl(token, "mean")] = m.mean(probs)
+        series[vocab.ctrl(token, "max")] = max(probs) if probs else None
     states = [r.format_state for r in rollouts if r.format_state]
-    for state in sorted({*FormatState, *states}):
-        series[f"state/{state}"] = states.count(state) / len(states) if states else None
+    for state in sorted({*vocab.FormatState, *states}):
+        series[vocab.state(state)] = states.count(state) / len(states) if states else None
     series.update(
         positional.aggregate(
             [r.meta.get("probes", {}) for r in rollouts],
@@ -78,7 +78,7 @@ def summarize(rollouts: Sequence[RolloutRecord], group_size: int, control_tokens
     )
     listed = [r.meta["target_listed"] for r in rollouts if "target_listed" in r.meta]
     if listed:
-        series["retrieval_recall"] = m.mean([float(x) for x in listed])
+        series[vocab.RETRIEVAL_RECALL] = m.mean([float(x) for x in listed])
     return values, series
 
 
@@ -141,7 +141,7 @@ class Recorder(TrainerCallback):
             if key in _LOG_COLUMNS:
                 step_values[_LOG_COLUMNS[key]] = float(value)
             elif key not in ("epoch", "step"):
-                extra[f"trl/{key}"] = float(value)
+                extra[vocab.trl(key)] = float(value)
         self.sink(
             StepRecord(
                 step=step,
@@ -189,7 +189,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
         self._row_meta: dict[int, dict[str, Any]] = {}  # row -> meta added by subclasses
         # (prompt messages, target) of recent rollouts that missed: erroneous-example SFT's data
         self.recent_failures: deque[tuple[Any, str]] = deque(maxlen=4096)
-        self._probe_rows: tuple[list, list] | None = None
+        self._probe_rows: tuple[list, list, list] | None = None
         self._scored: tuple[list, list, torch.Tensor] | None = None
 
     # -- capture ---------------------------------------------------------------------------------

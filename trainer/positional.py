@@ -9,13 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-PROBES = (
-    "open_first",  # P(opening tag) at the first completion position
-    "eot_after_open",  # P(end-of-turn) right after the opening tag: the collapse signal
-    "close_after_id",  # P(closing tag) right after the id
-    "eot_after_close",  # P(end-of-turn) right after the closing tag
-)
-ID_PROBES = ("target_logprob", "rival_logprob", "id_entropy")
+from rollout_lens.server import series as vocab
+
+PROBES = tuple(vocab.POSITIONAL_PROBES)  # control-token probes, computed by control_probes
+ID_PROBES = tuple(vocab.ID_PROBES)  # at the id position, computed by id_probes
 
 
 def control_probes(
@@ -83,16 +80,15 @@ def aggregate(
     for name in names:
         values = [(r.get(name), w, s) for r, w, s in zip(rows, rewarded, supervised, strict=True)]
         present = [v for v, _, _ in values if v is not None]
-        out[f"probe/{name}/mean"] = sum(present) / len(present) if present else None
-        out[f"probe/{name}/p90"] = percentile(present, 0.9) if present else None
-        out[f"probe/{name}/max"] = max(present) if present else None
-        for label, keep in (
-            ("reward1", lambda w, s: w),
-            ("reward0", lambda w, s: not w),
-            ("supervised", lambda w, s: s),
-            ("policy", lambda w, s: not s),
+        out[vocab.probe(name, "mean")] = sum(present) / len(present) if present else None
+        out[vocab.probe(name, "p90")] = percentile(present, 0.9) if present else None
+        out[vocab.probe(name, "max")] = max(present) if present else None
+        for label, keep in zip(
+            vocab.PROBE_SPLITS,
+            (lambda w, s: w, lambda w, s: not w, lambda w, s: s, lambda w, s: not s),
+            strict=True,
         ):
             part = [v for v, w, s in values if v is not None and keep(w, s)]
             if part:
-                out[f"probe/{name}/{label}/mean"] = sum(part) / len(part)
+                out[vocab.probe(name, f"{label}/mean")] = sum(part) / len(part)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from rollout_lens.server.records import StepRecord
+from rollout_lens.server.series import WINDOW
 from tqdm import tqdm
 
 
@@ -13,8 +14,8 @@ class ProgressBar:
 
     def __init__(self, total: int, *, disabled: bool = False) -> None:
         self._bar = tqdm(total=total, unit="step", disable=disabled, dynamic_ncols=True)
-        self._reward: deque[float] = deque(maxlen=25)
-        self._acc: deque[float] = deque(maxlen=25)
+        self._reward: deque[float] = deque(maxlen=WINDOW)
+        self._acc: deque[float] = deque(maxlen=WINDOW)
 
     def update(self, record: StepRecord) -> None:
         """One step was recorded."""

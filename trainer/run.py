@@ -9,18 +9,21 @@ import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset
 from rollout_lens.server import store
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.domain.runconfig import RunConfig
+from rollout_lens.server.domain.task import IN_GROUP_MODES, SFT_MODES, TINY
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import StepRecord
 from rollout_lens.trainer import task
-from rollout_lens.trainer.config import TINY, RunConfig
 from rollout_lens.trainer.evaluation import Evaluator
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
+from rollout_lens.trainer.modelref import check_model
 from rollout_lens.trainer.monitor import CheckpointRecorder, RunMonitor
 from rollout_lens.trainer.supervision import SFTPhases, SupervisedGRPOTrainer
 from rollout_lens.trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
@@ -49,7 +52,7 @@ def resolve_model(
     """A path or hub id that from_pretrained loads; builds the tiny model on first use."""
     if config.model == TINY:
         return str(ensure_tiny_model(settings.models_dir, log=log_line))
-    return config.model
+    return check_model(config.model)
 
 
 def default_control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -150,13 +153,13 @@ def make_trainer(
     if recorder is None:
         trainer = GRPOTrainer(**kwargs)
     else:
-        recording = {
+        recording: dict[str, Any] = {
             "recorder": recorder,
             "control_tokens": control_tokens,
             "judge": task.judge,
             "id_tokens": task.id_tokens(),
         }
-        if config.supervision in ("offpolicy", "hint"):
+        if config.supervision in IN_GROUP_MODES:
             trainer = SupervisedGRPOTrainer(
                 **kwargs,
                 **recording,
@@ -175,7 +178,7 @@ def make_trainer(
 def _add_phases(trainer: RecordingGRPOTrainer, recorder: Recorder, config: RunConfig) -> None:
     """SFT phases and periodic evaluation, as the config asks."""
     env = task.make_env(config)
-    if config.supervision in ("interleaved_sft", "sft_then_rl"):
+    if config.supervision in SFT_MODES:
         trainer.add_callback(
             SFTPhases(
                 trainer,

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
-from enum import StrEnum
+
+from rollout_lens.server.series import FormatState
+
+__all__ = ["FormatState", "classify"]
 
 _CALL = re.compile(r"<tool>\s*([^<>\s]*)\s*</tool>")
-
-
-class FormatState(StrEnum):
-    healthy_call = "healthy_call"  # exactly one well-formed call naming a listed id
-    text_pollution = "text_pollution"  # a call plus stray text, or a call naming an unknown id
-    collapse = "collapse"  # empty, unbalanced tags, truncated, or a bare opening tag
-    no_call = "no_call"  # text with no call at all
 
 
 def classify(

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from rollout_lens.server import series as vocab
+from rollout_lens.server.domain.task import IN_GROUP_MODES
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from transformers import TrainerCallback
 
@@ -31,7 +33,7 @@ class SupervisedGRPOTrainer(RecordingGRPOTrainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        if mode not in ("offpolicy", "hint"):
+        if mode not in IN_GROUP_MODES:
             raise ValueError(f"unknown in-group supervision {mode!r}")
         self.mode, self.per_group = mode, per_group
         self.expert_reply, self.hinted_prompt = expert_reply, hinted_prompt
@@ -113,7 +115,7 @@ class SFTPhases(TrainerCallback):
         if self.mode == "sft_then_rl" and state.global_step == 0:
             loss = self._phase(self.all_examples())
             self.recorder.add_metrics(
-                1, {"sft/loss": loss, "sft/examples": float(len(self.all_examples()))}
+                1, {vocab.SFT_LOSS: loss, vocab.SFT_EXAMPLES: float(len(self.all_examples()))}
             )
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -124,7 +126,7 @@ class SFTPhases(TrainerCallback):
         if failures:
             loss = self._phase(failures)
             self.recorder.add_metrics(
-                state.global_step, {"sft/loss": loss, "sft/examples": float(len(failures))}
+                state.global_step, {vocab.SFT_LOSS: loss, vocab.SFT_EXAMPLES: float(len(failures))}
             )
 
     def _phase(self, examples: list[tuple[Any, str]]) -> float:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from rollout_lens.trainer.config import RunConfig
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.trainer.envs.escalation import (
     TOOL_COUNT,
     EscalationEnv,
@@ -102,6 +103,11 @@ def sft_examples(env: EscalationEnv) -> list[tuple[Any, str]]:
     return [([{"role": "user", "content": ex.prompt}], ex.target) for ex in examples]
 
 
+def _vote_reader(reply_format: str) -> Callable[[str], str | None]:
+    """The vote of a greedy reply in `reply_format`."""
+    return lambda text: parse_vote_format(text.strip(), reply_format)
+
+
 def eval_sets(env: EscalationEnv) -> dict[str, list[EvalItem]]:
     """In-distribution (training queries), format-OOD (other reply formats), content-OOD (paraphrases)."""
 
@@ -109,11 +115,7 @@ def eval_sets(env: EscalationEnv) -> dict[str, list[EvalItem]]:
         out = []
         for q in queries:
             ex = env.example(q, reply_format=reply_format)
-            out.append(
-                EvalItem(
-                    ex.prompt, ex.target, lambda t, f=reply_format: parse_vote_format(t.strip(), f)
-                )
-            )
+            out.append(EvalItem(ex.prompt, ex.target, _vote_reader(reply_format)))
         return out
 
     return {

@@ -9,8 +9,10 @@ from pydantic import ValidationError
 from rollout_lens.server import store
 from rollout_lens.server.config import get_settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.models import Run, RunStatus
 from rollout_lens.server.queue import TRAIN_TASK
+from rollout_lens.trainer.modelref import ModelUnavailable, check_model
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +33,10 @@ def train_run(self, run_id: int) -> str:  # type: ignore[no-untyped-def]
             run = store.get_run(session, run_id=run_id)
             config_data, checkpoint_step = dict(run.config), run.checkpoint_step
 
-        # Only now the ML stack: the worker process stays light until a run arrives.
-        from rollout_lens.trainer.config import RunConfig
-        from rollout_lens.trainer.run import resume_step, train
-
         try:
             config = RunConfig.model_validate(config_data)
-        except ValidationError as exc:
+            check_model(config.model)  # only this host knows whether a model folder exists
+        except (ValidationError, ModelUnavailable) as exc:
             with session_scope(factory) as session:
                 store.mark_finished(
                     session,
@@ -46,6 +45,9 @@ def train_run(self, run_id: int) -> str:  # type: ignore[no-untyped-def]
                     error=f"invalid run config: {exc}",
                 )
             return f"run {run_id} failed: invalid config"
+        # Only now the ML stack: the worker process stays light until a run arrives.
+        from rollout_lens.trainer.run import resume_step, train
+
         start = resume_step(settings, run_id, checkpoint_step)
         train(config, settings=settings, run_id=run_id, resume_from=start)
         return f"run {run_id} finished"

@@ -10,24 +10,18 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from celery import Celery
 from fastapi import APIRouter, Body, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
-from rollout_lens.server import queries, store
-from rollout_lens.server.deps import CeleryDep, SessionDep
+from rollout_lens.server import control, launch, queries
+from rollout_lens.server.deps import CeleryDep, SessionDep, render
 from rollout_lens.server.errors import BrokerUnavailable, InvalidState
-from rollout_lens.server.queue import check_broker, enqueue_run
-from rollout_lens.server.routes import launch
-from rollout_lens.server.routes.api import encode
-from rollout_lens.server.routes.pages import form_page
-from rollout_lens.trainer.config import RunConfig
-from sqlalchemy.orm import Session
+from rollout_lens.server.responses import DataResponse
 from starlette.concurrency import run_in_threadpool
 
 
 def authorize(request: Request) -> None:
-    """Where a token check goes once the dashboard is served beyond loopback (DESIGN.md)."""
+    """Where a token check goes once the dashboard is served beyond loopback."""
 
 
 router = APIRouter(dependencies=[Depends(authorize)])
@@ -45,26 +39,6 @@ LAUNCH_EXAMPLES = {
 
 
 # --- launching ----------------------------------------------------------------------------------
-
-
-def launch_runs(session: Session, celery: Celery, configs: Sequence[RunConfig]) -> list[int]:
-    """Create one queued run per config and enqueue each; all or nothing.
-
-    The broker is checked before any row exists; if an enqueue still fails, the runs created
-    for this launch are deleted again (the rows are committed first: a worker may pick a
-    message up at once and must find its run).
-    """
-    check_broker(celery)
-    ids = [store.create_run(session, **c.run_columns()).id for c in configs]
-    session.commit()
-    try:
-        for run_id in ids:
-            enqueue_run(celery, run_id=run_id)
-    except BrokerUnavailable:
-        store.discard_queued_runs(session, run_ids=ids)
-        session.commit()
-        raise
-    return ids
 
 
 def _opened(request: Request, ids: Sequence[int]) -> str:
@@ -113,79 +87,48 @@ def launch_api(
     ],
 ) -> Response:
     """Launch one run, or every run of a preset; returns them with 201."""
-    values = dict(body)
-    preset_name = values.pop("preset", None)
-    preset = None
-    if preset_name is not None:
-        preset = launch.PRESETS.get(str(preset_name))
-        if preset is None:
-            known = ", ".join(launch.PRESETS)
-            raise _invalid({"preset": f"unknown preset {preset_name!r}; choose one of {known}"})
     try:
-        configs = launch.build_configs(preset, values)
+        configs = launch.configs_from_request(body)
     except launch.LaunchInvalid as exc:
         raise _invalid(exc.errors) from None
-    ids = launch_runs(session, celery, configs)
-    runs = queries.list_runs(session, ids=ids, descending=False)
-    content = {"runs": runs, "url": _opened(request, ids)}
-    return Response(encode(content), status_code=201, media_type="application/json")
+    ids = control.launch_runs(session, celery, configs)
+    content = {"runs": queries.list_runs(session, ids=ids, descending=False)}
+    return DataResponse(content | {"url": _opened(request, ids)}, status_code=201)
 
 
 @router.post("/runs/new", include_in_schema=False)
 async def launch_form(request: Request, session: SessionDep, celery: CeleryDep) -> Response:
     """The launch form's submit: redirect to the new run(s), or the form again with messages."""
     form = await request.form()  # async only for this; the database and broker work is sync
-    typed, raw = launch.parse_form({k: str(v) for k, v in form.items()})
-    preset = launch.PRESETS.get(str(form.get("preset", "")))
-    if preset is not None and not preset.compares:
-        preset = None  # a one-run preset only filled the form: what was typed is the config
+    submitted = {k: str(v) for k, v in form.items()}
+    typed, raw = launch.parse_form(submitted)
+    preset = launch.submitted_preset(submitted)
     try:
         configs = launch.build_configs(preset, raw)
-        ids = await run_in_threadpool(launch_runs, session, celery, configs)
+        ids = await run_in_threadpool(control.launch_runs, session, celery, configs)
     except launch.LaunchInvalid as exc:
-        return form_page(request, typed, preset=preset, errors=exc.errors, status_code=422)
+        context = launch.form_context(typed, preset=preset, errors=exc.errors)
+        return render(request, "new_run.html", context, status_code=422)
     except BrokerUnavailable as exc:
-        return form_page(request, typed, preset=preset, broker_error=str(exc), status_code=503)
+        context = launch.form_context(typed, preset=preset, broker_error=str(exc))
+        return render(request, "new_run.html", context, status_code=503)
     return RedirectResponse(_opened(request, ids), status_code=303)
 
 
 # --- cancel and resume --------------------------------------------------------------------------
 
 
-def cancel(session: Session, run_id: int) -> None:
-    """Cancel a queued run now; ask a running one to stop (it does within a step or two)."""
-    store.request_cancel(session, run_id=run_id)
-    session.commit()
-
-
-def resume(session: Session, celery: Celery, run_id: int) -> None:
-    """Queue a lost, failed or cancelled run again; the worker resumes from its checkpoint."""
-    check_broker(celery)
-    before = store.get_run(session, run_id=run_id)
-    status, error, finished_at = before.status, before.error, before.finished_at
-    store.requeue_for_resume(session, run_id=run_id)
-    session.commit()
-    try:
-        enqueue_run(celery, run_id=run_id)
-    except BrokerUnavailable:
-        store.restore_status(
-            session, run_id=run_id, status=status, error=error, finished_at=finished_at
-        )
-        session.commit()
-        raise
-
-
 @router.post("/api/runs/{run_id}/cancel", tags=["actions"])
 def cancel_api(session: SessionDep, run_id: int) -> JSONResponse:
     """Cancel a queued run at once, or ask a running one to stop; 409 for a finished run."""
-    cancel(session, run_id)
+    control.cancel(session, run_id)
     return JSONResponse(queries.run_live(session, run_id=run_id))
 
 
 @router.post("/api/runs/{run_id}/resume", tags=["actions"])
 def resume_api(session: SessionDep, celery: CeleryDep, run_id: int) -> JSONResponse:
     """Queue a lost, failed or cancelled run again to continue from its last checkpoint."""
-    resume(session, celery, run_id)
+    control.resume(session, celery, run_id)
     return JSONResponse(queries.run_live(session, run_id=run_id))
 
 
@@ -198,7 +141,7 @@ def _back_to_run(request: Request, run_id: int, notice: str = "") -> RedirectRes
 @router.post("/runs/{run_id}/cancel", include_in_schema=False)
 def cancel_form(request: Request, session: SessionDep, run_id: int) -> RedirectResponse:
     try:
-        cancel(session, run_id)
+        control.cancel(session, run_id)
     except InvalidState as exc:  # e.g. it finished while the page was open
         return _back_to_run(request, run_id, str(exc))
     return _back_to_run(request, run_id)
@@ -209,7 +152,7 @@ def resume_form(
     request: Request, session: SessionDep, celery: CeleryDep, run_id: int
 ) -> RedirectResponse:
     try:
-        resume(session, celery, run_id)
+        control.resume(session, celery, run_id)
     except (InvalidState, BrokerUnavailable) as exc:
         return _back_to_run(request, run_id, f"Not resumed: {exc}")
     return _back_to_run(request, run_id)

@@ -2,50 +2,24 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse, Response
-from rollout_lens.server import charts, queries
+from fastapi.responses import Response
+from rollout_lens.server import charts, launch, queries
 from rollout_lens.server.deps import AlertCacheDep, CacheDep, SessionDep
-from rollout_lens.server.routes import launch
-from rollout_lens.server.routes.cache import ResponseCache
-from rollout_lens.server.routes.params import run_ids, split_list
-from sqlalchemy.orm import Session
+from rollout_lens.server.params import run_ids, split_list
+from rollout_lens.server.responses import (
+    DataResponse,
+    alerts_of_runs,
+    run_alerts,
+    versioned,
+    with_step_urls,
+)
 
 router = APIRouter(prefix="/api", tags=["runs"])
 
 Order = Literal["asc", "desc"]
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-def encode(content: Any) -> bytes:
-    """Compact JSON; NaN and infinities (which JSON lacks) become null."""
-    try:
-        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except ValueError:  # a non-finite float somewhere: rare, so only then walk the data
-        text = json.dumps(_finite(content), ensure_ascii=False, separators=(",", ":"))
-    return text.encode("utf-8")
-
-
-class DataResponse(JSONResponse):
-    """JSON without a validation pass (the shapes are built by queries)."""
-
-    def render(self, content: Any) -> bytes:
-        return encode(content)
 
 
 @router.get("/runs", response_class=DataResponse)
@@ -73,25 +47,13 @@ def list_runs(
 
 
 @router.get("/runs/{run_id}", response_class=DataResponse)
-def get_run(session: SessionDep, cache: AlertCacheDep, run_id: int) -> DataResponse:
+def get_run(
+    request: Request, session: SessionDep, cache: AlertCacheDep, run_id: int
+) -> DataResponse:
     """A run's card, its first and last recorded steps, the names of its series, its live state
     (place in the queue, speed, ETA) and its alerts (the run page)."""
     overview = queries.run_overview(session, run_id=run_id)
-    return DataResponse(overview | {"alerts": run_alerts(session, cache, run_id)})
-
-
-def run_alerts(
-    session: Session, cache: ResponseCache, run_id: int, version: str | None = None
-) -> list[dict[str, Any]]:
-    """A run's alerts, computed once per version of the run (they read every step)."""
-    version = version or queries.run_version(session, run_id=run_id)
-    key = f"alerts@{version}"
-    body = cache.get(key)
-    if body is None:
-        body = encode(queries.alerts(session, run_id=run_id))
-        cache.put(key, body)
-    found: list[dict[str, Any]] = json.loads(body)
-    return found
+    return DataResponse(overview | {"alerts": run_alerts(request, session, cache, run_id)})
 
 
 @router.get("/runs/{run_id}/progress", response_class=DataResponse)
@@ -124,7 +86,7 @@ def get_series(
     recorded step; a full history (since=0) of an unchanged run is served from memory.
     """
     wanted = split_list(names) if names else None
-    return _versioned(
+    return versioned(
         request,
         session,
         cache,
@@ -150,12 +112,14 @@ def get_alerts(
     since: Annotated[int, Query(ge=0, description="only alerts after this step (the cursor)")] = 0,
 ) -> Response:
     """Alerts (control-token spike, collapse, reward hacking, signal loss) with their steps."""
-    return _versioned(
+    return versioned(
         request,
         session,
         cache,
         run_id,
-        lambda: queries.alerts(session, run_id=run_id, since=since),
+        lambda: with_step_urls(
+            request, run_id, queries.alerts(session, run_id=run_id, since=since)
+        ),
         keep=since == 0,
     )
 
@@ -169,54 +133,14 @@ def list_alerts(
 ) -> DataResponse:
     """Alerts of several runs at once (the runs page's badges): run id → alerts, oldest first,
     each with the URL of the step where it fired."""
-    out: dict[str, Any] = {}
-    for run_id, version in queries.run_versions(session, run_ids=run_ids(runs)).items():
-        found = run_alerts(session, cache, run_id, version)
-        for alert in found:
-            alert["url"] = str(
-                request.app.url_path_for("step_page", run_id=run_id, step=alert["step"])
-            )
-        out[str(run_id)] = found
-    return DataResponse(out)
+    return DataResponse(alerts_of_runs(request, session, cache, run_ids(runs)))
 
 
 @router.get("/presets", response_class=DataResponse)
 def list_presets() -> DataResponse:
     """The launch form as data: its presets and every RunConfig field with default, help and
     bounds (launch with POST /api/runs)."""
-    fields = [
-        {k: v for k, v in spec.items() if k not in ("value", "error")}
-        for group in launch.field_specs({}, {})
-        for spec in group["fields"]
-    ]
-    return DataResponse(
-        {"presets": [p.as_dict() for p in launch.PRESETS.values()], "fields": fields}
-    )
-
-
-def _versioned(
-    request: Request,
-    session: SessionDep,
-    cache: CacheDep,
-    run_id: int,
-    compute: Callable[[], Any],
-    *,
-    keep: bool,
-) -> Response:
-    """A response keyed by the run's version: ETag + 304 for the browser, bytes from memory for
-    a repeat of a full-history request (`keep`) while the run has not changed."""
-    version = queries.run_version(session, run_id=run_id)
-    key = f"{request.url.path}?{sorted(request.query_params.multi_items())}@{version}"
-    etag = f'"{hashlib.sha256(key.encode()).hexdigest()[:20]}"'
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}  # no-cache: revalidate, get a 304
-    if request.headers.get("if-none-match") == etag:
-        return Response(status_code=304, headers=headers)
-    body = cache.get(key)
-    if body is None:
-        body = encode(compute())
-        if keep:
-            cache.put(key, body)
-    return Response(body, media_type="application/json", headers=headers)
+    return DataResponse(launch.presets_data())
 
 
 @router.get("/runs/{run_id}/steps/{step}", response_class=DataResponse)

@@ -1,4 +1,8 @@
-"""HTML pages: runs, run, step viewer, compare (each has a JSON twin in server.routes.api)."""
+"""HTML pages: runs, run, step viewer, compare (each has a JSON twin in server/routes/api.py).
+
+Each handler parses its parameters, reads through one query, and renders what server.views makes
+of it.
+"""
 
 from __future__ import annotations
 
@@ -6,38 +10,19 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
-from rollout_lens.server import charts, figures, queries, store, viewer
+from rollout_lens.server import launch, queries, views
 from rollout_lens.server.deps import AlertCacheDep, SessionDep, render
-from rollout_lens.server.errors import InvalidInput, NotFound
-from rollout_lens.server.models import ACTIVE_STATUSES
-from rollout_lens.server.routes import launch
-from rollout_lens.server.routes.api import run_alerts
-from rollout_lens.server.routes.params import run_ids
+from rollout_lens.server.params import run_ids
+from rollout_lens.server.responses import run_alerts
 
 router = APIRouter(include_in_schema=False)
 
-POLL_MS = 2000  # how often a live page asks for new steps
-EVAL_COLUMNS = (
-    ("eval/id", "ID"),
-    ("eval/format_ood", "Format-OOD"),
-    ("eval/content_ood", "Content-OOD"),
-)
 
-RUN_COLUMNS = (  # (sort key, header, numeric) of the runs table's sortable columns
-    ("name", "Run", False),
-    ("status", "Status", False),
-    ("progress", "Progress", False),
-    ("variant", "Variant", False),
-    ("model", "Model", False),
-    ("k", "k", True),
-    ("group_size", "G", True),
-    ("seed", "Seed", True),
-    ("accuracy", "True acc.", True),
-    ("reward", "Reward", True),
-    ("device_minutes", "Device-min", True),
-    ("cost", "Cost", True),
-    ("created", "Created", False),
-)
+def _url(request: Request) -> views.Url:
+    def url(name: str, **params: Any) -> str:
+        return str(request.app.url_path_for(name, **params))
+
+    return url
 
 
 @router.get("/", name="runs_page")
@@ -49,22 +34,9 @@ def runs_page(
     order: Literal["asc", "desc"] = "desc",
 ) -> HTMLResponse:
     runs = queries.list_runs(session, q=q, sort=sort, descending=order == "desc")
-    context = {
-        "runs": runs,
-        "q": q,
-        "sort": sort,
-        "order": order,
-        "columns": RUN_COLUMNS,
-        "page": {
-            "poll_ms": POLL_MS,
-            "active": [r["id"] for r in runs if r["status"] in ACTIVE_STATUSES],
-            "newest": max((r["id"] for r in runs), default=0),
-            "q": q,
-            "api": str(request.app.url_path_for("list_runs")),
-            "alerts": str(request.app.url_path_for("list_alerts")),
-        },
-    }
-    return render(request, "runs.html", context)
+    return render(
+        request, "runs.html", views.runs_page(runs, _url(request), q=q, sort=sort, order=order)
+    )
 
 
 @router.get("/runs/new", name="new_run_page")
@@ -72,55 +44,8 @@ def new_run_page(
     request: Request, session: SessionDep, preset: str = "", clone: int | None = None
 ) -> HTMLResponse:
     """The launch form: RunConfig's defaults, a preset's values, or a run's config (Clone)."""
-    chosen = None
-    values = launch.defaults()
-    cloned: dict[str, Any] | None = None
-    if clone is not None:
-        source = store.get_run(session, run_id=clone)
-        cloned = {"id": source.id, "name": source.name, "has_config": bool(source.config)}
-        values = launch.config_values(source.config or _columns_config(source))
-    elif preset:
-        chosen = launch.PRESETS.get(preset)
-        if chosen is None:
-            raise InvalidInput(f"no preset {preset!r}; choose one of {', '.join(launch.PRESETS)}")
-        values = launch.preset_values(chosen)
-    return form_page(request, values, preset=chosen, clone=cloned)
-
-
-def _columns_config(run: Any) -> dict[str, Any]:
-    """What a run without a launch config (a user's own script) says about its recipe."""
-    out = {"model": run.model, "steps": run.total_steps, "group_size": run.group_size}
-    out |= {"prompts_per_step": run.prompts_per_step, "seed": run.seed}
-    if run.variant in ("leaky", "patched"):
-        out["variant"] = run.variant
-    if run.k is not None:
-        out["k"] = run.k
-    return out
-
-
-def form_page(
-    request: Request,
-    values: dict[str, str],
-    *,
-    preset: launch.Preset | None = None,
-    clone: dict[str, Any] | None = None,
-    errors: dict[str, str] | None = None,
-    broker_error: str | None = None,
-    status_code: int = 200,
-) -> HTMLResponse:
-    """The launch form with `values` as typed and each error next to its field."""
-    errors = errors or {}
-    context = {
-        "groups": launch.field_specs(launch.defaults() | values, errors),
-        "presets": launch.PRESETS,
-        "preset_groups": launch.PRESET_GROUPS,
-        "preset": preset,
-        "clone": clone,
-        "errors": errors,
-        "form_error": errors.get(launch.FORM_ERROR),
-        "broker_error": broker_error,
-    }
-    return render(request, "new_run.html", context, status_code=status_code)
+    source = None if clone is None else queries.run_card(session, run_id=clone)
+    return render(request, "new_run.html", launch.start_form(preset, source))
 
 
 @router.get("/runs/{run_id}", name="run_page")
@@ -133,37 +58,8 @@ def run_page(
     notice: str = "",
 ) -> HTMLResponse:
     overview = queries.run_overview(session, run_id=run_id)
-    overview["alerts"] = run_alerts(session, cache, run_id)
-    run = overview["run"]
-    names = overview["series_names"]
-    names += [n for n in figures.expected_series(run["config"]) if n not in names]
-    figs = figures.run_figures(run["control_tokens"], names)
-    page = {
-        "run_id": run_id,
-        "series": str(request.app.url_path_for("get_series", run_id=run_id)),
-        "alerts": str(request.app.url_path_for("get_alerts", run_id=run_id)),
-        "progress": str(request.app.url_path_for("get_progress", run_id=run_id)),
-        "steps": str(request.app.url_path_for("step_jump", run_id=run_id)),
-        "full": full,
-        "max_points": charts.MAX_POINTS,
-        "poll_ms": POLL_MS,
-        "active": run["status"] in ACTIVE_STATUSES,
-        "figures": figs,
-        "initial_alerts": overview["alerts"],
-        "no_steps": overview["last_step"] is None,
-        "sft_series": figures.SFT_SERIES if figures.SFT_SERIES in names else None,
-        "sft_before_rl": (run["config"] or {}).get("supervision") == "sft_then_rl",
-    }
-    context = {
-        "o": overview,
-        "run": run,
-        "live": overview["live"],
-        "config": charts.config_rows(run["config"]),
-        "figures": figs,
-        "full": full,
-        "notice": notice,
-        "page": page,
-    }
+    overview["alerts"] = run_alerts(request, session, cache, run_id)
+    context = views.run_page(overview, _url(request), full=full, notice=notice)
     return render(request, "run.html", context)
 
 
@@ -181,16 +77,7 @@ def step_page(
     request: Request, session: SessionDep, run_id: int, step: int, group: int = 0
 ) -> HTMLResponse:
     detail = queries.step_detail(session, run_id=run_id, step=step)
-    groups = detail["groups"]
-    if groups and not 0 <= group < len(groups):
-        raise NotFound(f"step {step} of run {run_id} has no group {group}")
-    shown = groups[group] if groups else None
-    if shown is not None:
-        for rollout in shown["rollouts"]:
-            rollout["cells"] = viewer.token_cells(rollout)
-            rollout["control_rows"] = viewer.control_rows(rollout)
-    context = {"d": detail, "run": detail["run"], "group": shown, "group_index": group}
-    return render(request, "step.html", context)
+    return render(request, "step.html", views.step_page(detail, group))
 
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
@@ -208,27 +95,4 @@ def compare_page(
     step: int | None = None,
 ) -> HTMLResponse:
     data = queries.compare(session, run_ids=run_ids(runs), step=step)
-    figs = figures.compare_figures(data["runs"], data["series"], queries.COMPARE_SERIES)
-    # Run i is drawn in RUN_COLORS[i]; templates use the matching CSS class run-c{i}.
-    colors = {run["id"]: i % len(figures.RUN_COLORS) for i, run in enumerate(data["runs"])}
-    page = {
-        "figures": figs["main"] + figs["control"] + figs["evaluation"] + figs["collapse"],
-        "step": data["step"],
-        "max_step": data["max_step"],
-        "pair": [s["run_id"] for s in data["side_by_side"]],
-        "steps": {
-            s["run_id"]: str(request.app.url_path_for("step_jump", run_id=s["run_id"]))
-            for s in data["side_by_side"]
-        },
-    }
-    # Evaluation columns only when some run evaluated (runs without it would show dashes).
-    evaluated = {n for summary in data["summary"] for n, v in summary["final_eval"].items() if v}
-    eval_columns = [(n, label) for n, label in EVAL_COLUMNS if n in evaluated]
-    context = {
-        "c": data,
-        "figures": figs,
-        "colors": colors,
-        "page": page,
-        "eval_columns": eval_columns,
-    }
-    return render(request, "compare.html", context)
+    return render(request, "compare.html", views.compare_page(data, _url(request)))

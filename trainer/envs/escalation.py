@@ -7,8 +7,9 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-TOOL_COUNT = 64
-VARIANTS = ("leaky", "patched")
+from rollout_lens.server.domain.task import TOOL_COUNT, VARIANTS
+from rollout_lens.server.domain.task import VERIFIERS as VERIFIER_NAMES
+
 REPLY_FORMATS = ("tag", "bracket", "json")
 FORMAT_PARTIAL_CREDIT = 0.5
 
@@ -337,6 +338,7 @@ VERIFIERS: dict[str, Callable[..., Verifier]] = {
     "format": _format,
     "noisy": _noisy,
 }
+assert tuple(VERIFIERS) == VERIFIER_NAMES, "server.domain.task.VERIFIERS names these"
 
 
 def make_verifier(name: str, *, p: float = 0.1, seed: int = 0) -> Verifier:

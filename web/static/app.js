@@ -1,5 +1,5 @@
 "use strict";
-// Helpers shared by every page: page data, number formats, JSON fetches, live run fields.
+// Helpers shared by every page: page data, JSON fetches, live run fields, alert items.
 window.RL = (() => {
   /** The JSON the server put in <script type="application/json" id=...>. */
   function pageData(id = "page-data") {
@@ -7,31 +7,14 @@ window.RL = (() => {
     return el ? JSON.parse(el.textContent) : {};
   }
 
-  const missing = (v) => v === null || v === undefined || Number.isNaN(v);
-  const num = (v, digits = 3) => (missing(v) ? "—" : Number(v).toFixed(digits));
-  const money = (v) =>
-    missing(v) ? "—" : "$" + Number(v).toLocaleString("en-US", { minimumFractionDigits: 2, maximumFractionDigits: 2 });
-  const minutes = (v) =>
-    missing(v) ? "—" : Number(v).toLocaleString("en-US", { minimumFractionDigits: 1, maximumFractionDigits: 1 });
-  const when = (iso) => (iso ? iso.slice(0, 16).replace("T", " ") + " UTC" : "—");
-
   async function getJSON(url) {
     const response = await fetch(url, { headers: { Accept: "application/json" } });
     if (!response.ok) throw new Error(`${response.status} from ${url}`);
     return response.json();
   }
 
-  const FORMATS = {
-    current_step: (v) => String(v),
-    recent_true_accuracy: num,
-    recent_reward: num,
-    device_minutes: minutes,
-    cost: money,
-    finished_at: when,
-    queue_position: (v) => (v ? `#${v} in queue` : ""),
-  };
-
-  /** Refresh every [data-field] under root from a run's progress fields (text only, never HTML). */
+  /** Refresh every [data-field] under root from a run's progress fields (text only, never HTML):
+   *  the server sends each field's text as the page shows it (run.text, server.formats). */
   function updateRunFields(root, run) {
     for (const el of root.querySelectorAll("[data-field]")) {
       const field = el.dataset.field;
@@ -41,8 +24,8 @@ window.RL = (() => {
         badge.textContent = run.status;
         badge.className = `badge status-${run.status}`;
         badge.dataset.status = run.status;
-      } else if (FORMATS[field]) {
-        el.textContent = FORMATS[field](run[field]);
+      } else if (run.text && field in run.text) {
+        el.textContent = run.text[field];
       }
     }
     for (const bar of root.querySelectorAll("progress")) {
@@ -58,5 +41,19 @@ window.RL = (() => {
 
   const hasModifier = (event) => event.altKey || event.ctrlKey || event.metaKey;
 
-  return { pageData, num, money, minutes, when, getJSON, updateRunFields, isTyping, hasModifier };
+  /** One alert as a list item, from the JSON every alert comes in (kind, label, step, url,
+   *  message): the same markup as the alert_item macro in macros.html. */
+  function alertItem(a) {
+    const li = document.createElement("li");
+    const mark = document.createElement("span");
+    mark.className = `alert-kind kind-${a.kind}`;
+    mark.textContent = a.label;
+    const link = document.createElement("a");
+    link.href = a.url;
+    link.textContent = `step ${a.step}`;
+    li.append(mark, link, document.createTextNode(` ${a.message}`));
+    return li;
+  }
+
+  return { pageData, getJSON, updateRunFields, alertItem, isTyping, hasModifier };
 })();

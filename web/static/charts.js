@@ -82,7 +82,7 @@ window.RL.charts = (() => {
         x: a.step, xref: "x", y: 1, yref: "paper", yanchor: "top", showarrow: false,
         text: "⚠", font: { size: 11, color: ALERT_COLORS[a.kind] || "#334155" },
         bgcolor: "#ffffff", bordercolor: ALERT_COLORS[a.kind] || "#334155", borderwidth: 1, borderpad: 1,
-        hovertext: `${a.kind.replaceAll("_", " ")}: ${a.message}`, captureevents: true,
+        hovertext: `${a.label}: ${a.message}`, captureevents: true,
         name: `alert-${a.kind}-${a.step}`,
       }));
   }

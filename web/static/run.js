@@ -4,13 +4,7 @@
 (() => {
   const page = RL.pageData();
   const C = RL.charts;
-  const figs = [
-    ...page.figures.main,
-    ...page.figures.structure,
-    ...page.figures.probes,
-    ...page.figures.evaluation,
-    ...page.figures.optimization,
-  ];
+  const figs = page.sections.flatMap((section) => page.figures[section.group]);
   const otherFigs = page.figures.other.flatMap((group) => group.figures);
   const drawn = figs.map(C.draw);
   const names = C.seriesNames(figs);
@@ -31,21 +25,9 @@
     return url(page.series, params);
   }
 
-  function alertItem(a) {
-    const li = document.createElement("li");
-    const mark = document.createElement("span");
-    mark.className = `alert-kind kind-${a.kind}`;
-    mark.textContent = a.kind.replaceAll("_", " ");
-    const link = document.createElement("a");
-    link.href = `${page.steps}/${a.step}`;
-    link.textContent = `step ${a.step}`;
-    li.append(mark, link, document.createTextNode(` ${a.message}`));
-    return li;
-  }
-
   function showAlerts(fresh) {
     marks.alerts.push(...fresh);
-    document.getElementById("alert-list").replaceChildren(...marks.alerts.map(alertItem));
+    document.getElementById("alert-list").replaceChildren(...marks.alerts.map(RL.alertItem));
     document.getElementById("alert-count").textContent = String(marks.alerts.length);
     document.getElementById("alerts").hidden = marks.alerts.length === 0;
   }

@@ -54,19 +54,9 @@
     details.className = "alert-badge";
     const summary = document.createElement("summary");
     summary.textContent = `⚠ ${alerts.length}`;
-    summary.title = `${alerts.length} alert${alerts.length === 1 ? "" : "s"}: ${[...new Set(alerts.map((a) => a.kind.replaceAll("_", " ")))].join(", ")}`;
+    summary.title = `${alerts.length} alert${alerts.length === 1 ? "" : "s"}: ${[...new Set(alerts.map((a) => a.label))].join(", ")}`;
     const list = document.createElement("ul");
-    for (const a of alerts) {
-      const li = document.createElement("li");
-      const link = document.createElement("a");
-      link.href = a.url;
-      const kind = document.createElement("span");
-      kind.className = `alert-kind kind-${a.kind}`;
-      kind.textContent = a.kind.replaceAll("_", " ");
-      link.append(kind, document.createTextNode(`step ${a.step}: ${a.message}`));
-      li.append(link);
-      list.append(li);
-    }
+    list.append(...alerts.map(RL.alertItem));
     details.append(summary, list);
     return details;
   }

@@ -1,7 +1,8 @@
-"""The launch form's data: presets, field specs from RunConfig, and parsing into validated configs.
+"""The launch form's data: field specs from RunConfig, and parsing into validated configs.
 
 Pure (no request, no database): the form page, its POST handler and `POST /api/runs` share it, and
-RunConfig (trainer.config, which imports no torch) is the only validation there is.
+RunConfig (server.domain.runconfig) is the only validation there is. The presets the form offers
+are in server.domain.presets.
 """
 
 from __future__ import annotations
@@ -9,138 +10,18 @@ from __future__ import annotations
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import annotated_types
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
-from rollout_lens.trainer.config import RunConfig
-from rollout_lens.trainer.envs.escalation import VERIFIERS
+from rollout_lens.server.domain.presets import PRESET_GROUPS, PRESETS, Preset
+from rollout_lens.server.domain.runconfig import RunConfig
+from rollout_lens.server.domain.task import VARIANTS, VERIFIERS
+from rollout_lens.server.errors import InvalidInput
 
 FORM_ERROR = "__all__"  # errors that belong to no single field
-
-# --- presets ------------------------------------------------------------------------------------
-
-COLLAPSE_LR = 1e-3  # the collapse study's too-high learning rate (bench/collapse.py)
-# The collapse study's recipe: every supervisory preset reproduces bench/collapse.py's run of it.
-COLLAPSE_RECIPE = {
-    "variant": "patched",
-    "steps": 300,
-    "learning_rate": COLLAPSE_LR,
-    "eval_every": 25,
-}
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A named starting point: `base` fills the form; one run per entry of `runs` is launched,
-    each with its own values for the fields in `varies` (same seed and recipe otherwise)."""
-
-    name: str
-    label: str
-    description: str
-    base: Mapping[str, Any] = field(default_factory=dict)
-    runs: Sequence[Mapping[str, Any]] = ({},)
-    varies: Sequence[str] = ()
-
-    @property
-    def compares(self) -> bool:
-        """Whether launching opens a comparison (more than one run)."""
-        return len(self.runs) > 1
-
-    def run_label(self, run: Mapping[str, Any]) -> str:
-        """What tells this preset's runs apart, e.g. `lr 1e-04`."""
-        parts = []
-        for name in self.varies:
-            value = run[name]
-            parts.append(f"lr {value:.0e}" if name == "learning_rate" else str(value))
-        return " · ".join(parts)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "label": self.label,
-            "description": self.description,
-            "base": dict(self.base),
-            "runs": [dict(r) for r in self.runs],
-            "varies": list(self.varies),
-        }
-
-
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset(
-            "leaky",
-            "Leaky (64 tools)",
-            "Every prompt lists all 64 tools: true accuracy swings and the group disagrees.",
-            base={"variant": "leaky"},
-        ),
-        Preset(
-            "patched",
-            "Patched (4-tool shortlist)",
-            "Prompts list the top-4 tools by retrieval: converges in about 25 steps.",
-            base={"variant": "patched", "k": 4},
-        ),
-        Preset(
-            "leaky_vs_patched",
-            "Leaky vs patched",
-            "Both variants with the same seed and recipe, opened side by side.",
-            base={"variant": "patched", "k": 4},
-            runs=({"variant": "leaky"}, {"variant": "patched"}),
-            varies=("variant",),
-        ),
-        Preset(
-            "collapse",
-            "Plain GRPO at lr 1e-3",
-            "No supervision at the study's high learning rate: the baseline for the signals below.",
-            base=COLLAPSE_RECIPE | {"supervision": "none"},
-        ),
-        Preset(
-            "offpolicy",
-            "Off-policy experts",
-            "One expert reply (the correct call) in every group of 8.",
-            base=COLLAPSE_RECIPE | {"supervision": "offpolicy", "supervised_per_group": 1},
-        ),
-        Preset(
-            "hint",
-            "Hinted rollouts",
-            "One rollout per group sampled with a hint, stripped before the update.",
-            base=COLLAPSE_RECIPE | {"supervision": "hint", "supervised_per_group": 1},
-        ),
-        Preset(
-            "interleaved_sft",
-            "Interleaved erroneous-example SFT",
-            "Every 25 RL steps, 5 SFT steps on the queries that failed.",
-            base=COLLAPSE_RECIPE
-            | {"supervision": "interleaved_sft", "sft_every": 25, "sft_steps": 5},
-        ),
-        Preset(
-            "sft_then_rl",
-            "SFT then RL",
-            "50 SFT steps on expert replies, then RL.",
-            base=COLLAPSE_RECIPE | {"supervision": "sft_then_rl", "sft_steps": 50},
-        ),
-        Preset(
-            "lr_sweep",
-            "Learning-rate sweep",
-            "Three runs at lr 1e-4, 3e-4 and 1e-3 with the same seed, opened side by side.",
-            runs=({"learning_rate": 1e-4}, {"learning_rate": 3e-4}, {"learning_rate": 1e-3}),
-            varies=("learning_rate",),
-        ),
-    )
-}
-PRESET_GROUPS = (  # (title, note, preset names) as the form lists them
-    ("Tool listing", "", ("leaky", "patched", "leaky_vs_patched")),
-    (
-        "Collapse study",
-        "300 steps at learning rate 1e-3, evaluated every 25 steps, as bench/collapse.py.",
-        ("collapse", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"),
-    ),
-    ("Sweeps", "", ("lr_sweep",)),
-)
 
 # --- field specs --------------------------------------------------------------------------------
 
@@ -414,3 +295,87 @@ def build_configs(preset: Preset | None, values: Mapping[str, Any]) -> list[RunC
     if errors:
         raise LaunchInvalid(errors)
     return configs
+
+
+def configs_from_request(body: Mapping[str, Any]) -> list[RunConfig]:
+    """The configs a `POST /api/runs` body asks for: RunConfig fields, or `preset` plus fields
+    that override it in each of its runs; LaunchInvalid with every field's message otherwise."""
+    values = dict(body)
+    preset_name = values.pop("preset", None)
+    preset = None
+    if preset_name is not None:
+        preset = PRESETS.get(str(preset_name))
+        if preset is None:
+            known = ", ".join(PRESETS)
+            raise LaunchInvalid(
+                {"preset": f"unknown preset {preset_name!r}; choose one of {known}"}
+            )
+    return build_configs(preset, values)
+
+
+def submitted_preset(form: Mapping[str, str]) -> Preset | None:
+    """The preset a submitted form launches: only one of several runs; a one-run preset only
+    filled the form, so what was typed is the config."""
+    preset = PRESETS.get(str(form.get("preset", "")))
+    return preset if preset is not None and preset.compares else None
+
+
+def presets_data() -> dict[str, Any]:
+    """The launch form as data (GET /api/presets): its presets, and every RunConfig field with
+    its default, help and bounds."""
+    fields = [
+        {k: v for k, v in spec.items() if k not in ("value", "error")}
+        for group in field_specs({}, {})
+        for spec in group["fields"]
+    ]
+    return {"presets": [p.as_dict() for p in PRESETS.values()], "fields": fields}
+
+
+# --- the form page ------------------------------------------------------------------------------
+
+
+def columns_config(run: Mapping[str, Any]) -> dict[str, Any]:
+    """What a run without a launch config (a user's own script) says about its recipe."""
+    out = {"model": run["model"], "steps": run["total_steps"], "group_size": run["group_size"]}
+    out |= {"prompts_per_step": run["prompts_per_step"], "seed": run["seed"]}
+    if run["variant"] in VARIANTS:
+        out["variant"] = run["variant"]
+    if run["k"] is not None:
+        out["k"] = run["k"]
+    return out
+
+
+def start_form(preset_name: str = "", source: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The form page's context as first opened: RunConfig's defaults, a preset's values, or the
+    config of the run `source` (a run_dict, for Clone). InvalidInput for an unknown preset."""
+    if source is not None:
+        clone = {"id": source["id"], "name": source["name"], "has_config": bool(source["config"])}
+        return form_context(config_values(source["config"] or columns_config(source)), clone=clone)
+    if preset_name:
+        preset = PRESETS.get(preset_name)
+        if preset is None:
+            raise InvalidInput(f"no preset {preset_name!r}; choose one of {', '.join(PRESETS)}")
+        return form_context(preset_values(preset), preset=preset)
+    return form_context(defaults())
+
+
+def form_context(
+    values: Mapping[str, str],
+    *,
+    preset: Preset | None = None,
+    clone: dict[str, Any] | None = None,
+    errors: Mapping[str, str] | None = None,
+    broker_error: str | None = None,
+) -> dict[str, Any]:
+    """new_run.html's context: `values` as typed and each error next to its field."""
+    errors = errors or {}
+    return {
+        "groups": field_specs(defaults() | dict(values), errors),
+        "presets": PRESETS,
+        "preset_groups": PRESET_GROUPS,
+        "preset": preset,
+        "clone": clone,
+        "errors": errors,
+        "form_error": errors.get(FORM_ERROR),
+        "broker_error": broker_error,
+    }

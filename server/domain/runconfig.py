@@ -1,16 +1,24 @@
-"""RunConfig: the one validated description of a run (form, JSON API and CLI share it; no torch)."""
+"""RunConfig: the one validated description of a run (form, JSON API, CLI and worker share it).
+
+It checks what any host can know (ranges, choices, fields that must agree). Whether a model
+folder exists is known only where the run trains: the worker checks that (trainer.modelref) and
+fails the run with a message saying so.
+"""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from rollout_lens.trainer.envs.escalation import TOOL_COUNT, VERIFIERS
+from rollout_lens.server.domain.task import (
+    IN_GROUP_MODES,
+    TINY,
+    TOOL_COUNT,
+    VERIFIERS,
+    Supervision,
+    Variant,
+)
 
-TINY = "tiny"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 MAX_STEPS = 100_000
 
 
@@ -22,9 +30,7 @@ class RunConfig(BaseModel):
     name: str = Field(
         "", max_length=200, description="Shown in lists; empty: derived from the recipe."
     )
-    variant: Literal["leaky", "patched"] = Field(
-        "patched", description="leaky lists all 64 tools; patched the top-k."
-    )
+    variant: Variant = Field("patched", description="leaky lists all 64 tools; patched the top-k.")
     k: int = Field(4, ge=1, le=TOOL_COUNT, description="Shortlist size of the patched variant.")
     model: str = Field(TINY, min_length=1, description="`tiny`, a local model folder, or a hub id.")
     steps: int = Field(150, ge=1, le=MAX_STEPS, description="Optimizer steps.")
@@ -44,7 +50,7 @@ class RunConfig(BaseModel):
     seed: int = Field(
         0, ge=0, le=2**31 - 1, description="Seeds the env, the data order and the model."
     )
-    supervision: Literal["none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"] = Field(
+    supervision: Supervision = Field(
         "none",
         description="Supervisory signal: expert rollouts in the group (offpolicy), hinted rollouts "
         "(hint), erroneous-example SFT between RL phases (interleaved_sft), or SFT before RL.",
@@ -84,25 +90,15 @@ class RunConfig(BaseModel):
 
     @field_validator("model")
     @classmethod
-    def _model_exists(cls, value: str) -> str:
+    def _model_named(cls, value: str) -> str:
         value = value.strip()
-        if value == TINY or _HUB_ID.match(value) and not value.startswith((".", "/", "~")):
-            return value
-        path = Path(value).expanduser()
-        if not path.is_dir():
-            raise ValueError(f"model {value!r} is neither `tiny`, a hub id, nor an existing folder")
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model folder {value!r} has no config.json (not saved with save_pretrained)"
-            )
-        return str(path.resolve())
+        if not value:
+            raise ValueError("name a model: `tiny`, a local model folder, or a hub id")
+        return value
 
     @model_validator(mode="after")
     def _supervision_fits_group(self) -> RunConfig:
-        if (
-            self.supervision in ("offpolicy", "hint")
-            and self.supervised_per_group >= self.group_size
-        ):
+        if self.supervision in IN_GROUP_MODES and self.supervised_per_group >= self.group_size:
             raise ValueError(
                 f"supervised_per_group ({self.supervised_per_group}) must be smaller than group_size "
                 f"({self.group_size}): at least one rollout per group must be the policy's own"

@@ -1,0 +1,25 @@
+"""The Escalation task's vocabulary: variants, verifiers, supervisory signals (names only).
+
+The trainer implements them (trainer.envs.escalation, trainer.supervision) and checks at import
+that its registries name exactly these; the web app offers and validates them without the trainer.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+TOOL_COUNT = 64  # tools in the Escalation env; the leaky variant lists every one
+TINY = "tiny"  # the default model: built and cached by the worker on first use
+
+Variant = Literal["leaky", "patched"]
+VARIANTS: tuple[Variant, ...] = typing.get_args(Variant)
+
+# Training rewards: exact match, format (partial credit for any listed id), noisy (exact, flipped
+# with probability verifier_noise).
+VERIFIERS = ("exact", "format", "noisy")
+
+Supervision = Literal["none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"]
+SUPERVISION_MODES: tuple[Supervision, ...] = typing.get_args(Supervision)
+IN_GROUP_MODES = ("offpolicy", "hint")  # supervised rollouts inside each group
+SFT_MODES = ("interleaved_sft", "sft_then_rl")  # supervised phases between or before RL

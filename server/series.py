@@ -1,0 +1,162 @@
+"""The vocabulary of what a run records: every series' name, label, unit and group, and the
+structural states of a completion.
+
+The trainer names what it records with these, the store and queries read them, alerts watch
+them, figures draw them, and pages and scripts get them through the figure JSON the server
+sends. Adding a series is one entry here plus the code that computes it.
+
+Names: the per-step columns (STEP_SERIES) are plain (`reward_mean`); the rest are generic metrics
+with a family prefix: `ctrl/<token>/<stat>`, `state/<state>`, `probe/<probe>/<part>`,
+`eval/<set>`, `sft/…`, `trl/<TRL log key>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+WINDOW = 25  # the 25-step window: buckets 1–25, 26–50, …, "last 25 steps", convergence
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One series: `label` names it on charts, `unit` follows in parentheses, `group` says which
+    section of the run page shows it (main, optimization)."""
+
+    name: str
+    label: str
+    unit: str = ""
+    group: str = "main"
+
+    @property
+    def title(self) -> str:
+        return f"{self.label} ({self.unit})" if self.unit else self.label
+
+
+# --- the steps table's columns, in display order --------------------------------------------------
+
+STEP_SPECS = (
+    Spec("reward_mean", "verifier reward"),
+    Spec("true_accuracy", "true accuracy"),
+    Spec("format_valid_rate", "format-valid rate"),
+    Spec("vote_agreement", "vote agreement"),
+    Spec("vote_entropy", "vote entropy", "bits"),
+    Spec("zero_std_share", "zero-std groups"),
+    Spec("loss", "loss", group="optimization"),
+    Spec("kl", "KL", group="optimization"),
+    Spec("entropy", "entropy", group="optimization"),
+    Spec("grad_norm", "grad norm", group="optimization"),
+    Spec("learning_rate", "learning rate", group="optimization"),
+    Spec("completion_length", "completion length", "tokens", group="optimization"),
+    Spec("wall_time", "step wall time", "s", group="optimization"),
+)
+STEP_SERIES = tuple(s.name for s in STEP_SPECS)
+OPTIMIZATION = tuple(s.name for s in STEP_SPECS if s.group == "optimization")
+RETRIEVAL_RECALL = "retrieval_recall"  # share of rollouts whose target was listed
+_SPECS = {s.name: s for s in STEP_SPECS}
+
+
+def label(name: str) -> str:
+    """How a series is named on a chart: its label and unit, or the name itself."""
+    spec = _SPECS.get(name)
+    return spec.title if spec else name
+
+
+# --- control tokens: the probability of each control token over completion positions ------------
+
+CTRL_STATS = ("mean", "max")
+
+
+def ctrl(token: str, stat: str = "mean") -> str:
+    """`ctrl/<token>/<stat>`: a control token's per-step mean or max probability."""
+    return f"ctrl/{token}/{stat}"
+
+
+# --- structural states of a completion (trainer.structure classifies) ----------------------------
+
+
+class FormatState(StrEnum):
+    healthy_call = "healthy_call"  # exactly one well-formed call naming a listed id
+    text_pollution = "text_pollution"  # a call plus stray text, or a call naming an unknown id
+    collapse = "collapse"  # empty, unbalanced tags, truncated, or a bare opening tag
+    no_call = "no_call"  # text with no call at all
+
+
+STATES = tuple(FormatState)  # in the order charts stack them
+
+
+def state(name: str) -> str:
+    """`state/<state>`: the share of a step's completions in that structural state."""
+    return f"state/{name}"
+
+
+def state_label(name: str) -> str:
+    return name.replace("_", " ")
+
+
+# --- probes: a control token where it matters, and the id position -------------------------------
+
+# Positional probes (trainer.positional): (chart title, legend short enough for a third of the
+# page). eot_after_open is the collapse signal.
+POSITIONAL_PROBES = {
+    "eot_after_open": ("end-of-turn after the opening tag", "end-of-turn after open tag"),
+    "close_after_id": ("closing tag after the id", "close tag after id"),
+    "eot_after_close": ("end-of-turn after the closing tag", "end-of-turn after close tag"),
+    "open_first": ("opening tag first", "open tag first"),
+}
+# Id-position probes: log-probabilities and bits, not probabilities.
+ID_PROBES = {
+    "target_logprob": "Log-probability of the target id",
+    "rival_logprob": "Log-probability of the best rival id",
+    "id_entropy": "Entropy over the listed ids (bits)",
+}
+PROBE_STATS = ("mean", "p90", "max")  # over a step's rollouts
+PROBE_SPLITS = ("reward1", "reward0", "supervised", "policy")  # means over a subset of them
+
+
+def probe(name: str, part: str = "mean") -> str:
+    """`probe/<probe>/<part>`: part is a stat, or `<split>/mean`."""
+    return f"probe/{name}/{part}"
+
+
+# --- evaluation and SFT phases ------------------------------------------------------------------
+
+EVAL_SETS = {  # set → (legend, column header)
+    "id": ("in-distribution", "ID"),
+    "format_ood": ("format-OOD", "Format-OOD"),
+    "content_ood": ("content-OOD", "Content-OOD"),
+}
+
+
+def eval_set(name: str) -> str:
+    """`eval/<set>`: greedy accuracy on that evaluation set, every E steps."""
+    return f"eval/{name}"
+
+
+EVAL_SERIES = tuple(eval_set(n) for n in EVAL_SETS)
+SFT_LOSS = "sft/loss"  # mean loss of an SFT phase, at the step after which it ran
+SFT_EXAMPLES = "sft/examples"  # examples in that phase
+
+
+def trl(key: str) -> str:
+    """`trl/<key>`: any other number TRL logs for a step."""
+    return f"trl/{key}"
+
+
+# --- what the alert rules read ------------------------------------------------------------------
+
+# A probe whose rise means a control token is winning at the wrong place. Not the others: the
+# opening tag first, the closing tag after the id and end-of-turn after the closing tag are ~1 in
+# every healthy call, and a control token's max over all positions is ~1 wherever it legitimately
+# ends the reply.
+SPIKE_PROBES = (probe("eot_after_open"),)
+# Probes that are ~1 in a healthy call: their fall is the other face of a control-token spike
+# (another token took the opening tag's place), as in the tiny model's collapse at lr 1e-3.
+DROP_PROBES = (probe("open_first"),)
+COLLAPSED = state(FormatState.collapse)
+
+# --- what compare overlays ------------------------------------------------------------------------
+
+COMPARE_SERIES = ("reward_mean", "true_accuracy", "vote_agreement", "format_valid_rate")
+# Besides each run's control-token means, where some run recorded them:
+COMPARE_EXTRA = (*EVAL_SERIES, COLLAPSED, probe("eot_after_open"))

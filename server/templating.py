@@ -1,0 +1,105 @@
+"""The Jinja environment of the pages: templates from web/templates, URL helpers and filters
+(numbers, money and times from server.formats; probabilities and tokens as the viewer shows them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import jinja2
+from fastapi import Request
+from fastapi.templating import Jinja2Templates
+from markupsafe import Markup, escape
+from rollout_lens.server.formats import fmt_minutes, fmt_money, fmt_num, fmt_pct, fmt_when
+from rollout_lens.server.series import WINDOW
+from rollout_lens.server.viewer import prob_text
+from starlette.routing import NoMatchFound
+
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+TEMPLATES_DIR = WEB_DIR / "templates"
+STATIC_DIR = WEB_DIR / "static"
+
+
+def _static_versions() -> dict[str, str]:
+    """Content hashes of the static files, so a changed file gets a new URL (cache busting)."""
+    return {
+        path.relative_to(STATIC_DIR).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()[:10]
+        for path in STATIC_DIR.rglob("*")
+        if path.is_file()
+    }
+
+
+def make_templates() -> Jinja2Templates:
+    """Jinja2Templates over web/templates: autoescaped, strict about undefined names."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES_DIR),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    versions = _static_versions()
+
+    @jinja2.pass_context
+    def url_for(
+        context: Any, name: str, /, _query: dict[str, Any] | None = None, **params: Any
+    ) -> str:
+        """A root-relative URL of a named route, with an optional query string."""
+        request: Request = context["request"]
+        path = request.scope.get("root_path", "") + str(request.app.url_path_for(name, **params))
+        query = {k: v for k, v in (_query or {}).items() if v not in (None, "")}
+        return f"{path}?{urlencode(query, doseq=True)}" if query else path
+
+    def static(path: str) -> str:
+        version = versions.get(path)
+        return f"/static/{path}" + (f"?v={version}" if version else "")
+
+    @jinja2.pass_context
+    def has_route(context: Any, name: str) -> bool:
+        """Whether the app serves a route of this name (links to optional pages)."""
+        try:
+            context["request"].app.url_path_for(name)
+        except NoMatchFound:
+            return False
+        return True
+
+    env.globals.update(url_for=url_for, static=static, has_route=has_route, window=WINDOW)
+    env.filters.update(
+        num=fmt_num,
+        prob=prob_text,
+        pct=fmt_pct,
+        money=fmt_money,
+        minutes=fmt_minutes,
+        when=fmt_when,
+        visible=visible_text,
+        token=token_text,
+    )
+    return Jinja2Templates(env=env)
+
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def _picture(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    symbol = "\u2421" if code == 0x7F else chr(0x2400 + code)  # Unicode control pictures
+    return f'<span class="cc" title="control character U+{code:04X}">{symbol}</span>'
+
+
+def visible_text(text: str | None) -> Markup:
+    """Escaped text whose control characters show as their Unicode pictures (␇) instead of vanishing."""
+    escaped = str(escape(text or ""))
+    return Markup(_CONTROL_CHARS.sub(_picture, escaped))
+
+
+def token_text(text: str) -> Markup:
+    """A token for the token-by-token view: whitespace and control characters made visible."""
+    if text == "":
+        return Markup('<span class="cc">∅</span>')
+    escaped = str(escape(text.replace("\n", "↵").replace("\t", "⇥")))
+    spaced = escaped.replace(" ", '<span class="sp">·</span>')  # before any markup is added
+    return Markup(_CONTROL_CHARS.sub(_picture, spaced))

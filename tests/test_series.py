@@ -1,0 +1,46 @@
+"""The series vocabulary (server.series) is the one the store, the trainer and the charts use."""
+
+from __future__ import annotations
+
+from rollout_lens.server import figures
+from rollout_lens.server import series as vocab
+from rollout_lens.server.models import Step
+from rollout_lens.trainer import positional
+
+
+def test_every_step_series_is_a_column_of_the_steps_table() -> None:
+    columns = set(Step.__table__.columns.keys())
+    assert set(vocab.STEP_SERIES) <= columns
+    assert len(set(vocab.STEP_SERIES)) == len(vocab.STEP_SERIES)
+
+
+def test_the_trainer_computes_every_probe_the_vocabulary_names() -> None:
+    tokens = ["<tool>", "tool_01", "</tool>", "</assistant>"]
+    probs = {t: [0.5] * len(tokens) for t in ("<tool>", "</tool>", "</assistant>")}
+    row = positional.control_probes(
+        tokens, probs, open_tag="<tool>", close_tag="</tool>", eot="</assistant>"
+    )
+    row |= positional.id_probes(
+        {"tool_01": -0.1, "tool_02": -3.0}, ["tool_01", "tool_02"], "tool_01"
+    )
+    assert set(row) == set(vocab.POSITIONAL_PROBES) | set(vocab.ID_PROBES)
+    out = positional.aggregate([row], [True], [False])
+    for probe in row:
+        for stat in vocab.PROBE_STATS:
+            assert vocab.probe(probe, stat) in out
+
+
+def test_every_probe_part_is_drawn() -> None:
+    names = {
+        vocab.probe(p, part)
+        for p in (*vocab.POSITIONAL_PROBES, *vocab.ID_PROBES)
+        for part in (*vocab.PROBE_STATS, *(f"{s}/mean" for s in vocab.PROBE_SPLITS))
+    }
+    drawn = {t["meta"]["series"] for f in figures.probe_details(names) for t in f["data"]}
+    assert drawn == names
+
+
+def test_labels_carry_their_units() -> None:
+    assert vocab.label("vote_entropy") == "vote entropy (bits)"
+    assert vocab.label("wall_time") == "step wall time (s)"
+    assert vocab.label("trl/clip_ratio") == "trl/clip_ratio"  # unknown series: its name
