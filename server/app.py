@@ -38,7 +38,7 @@ from rollout_lens.server.errors import (
     RolloutLensError,
     StepNotFound,
 )
-from rollout_lens.server.routes import actions, api, pages
+from rollout_lens.server.routes import actions, api, exchange, pages
 from rollout_lens.server.routes.cache import ResponseCache
 from rollout_lens.server.viewer import prob_text
 from sqlalchemy.orm import Session, sessionmaker
@@ -145,6 +145,7 @@ def create_app(
     app.include_router(pages.router)
     app.include_router(api.router)
     app.include_router(actions.router)
+    app.include_router(exchange.router)
     for exc_type in (RolloutLensError, StarletteHTTPException, RequestValidationError):
         app.add_exception_handler(exc_type, handle_error)
 

@@ -146,7 +146,11 @@ class _RunWriter:
                 "this copy ends there"
             )
         self.error = error
-        note = f"imported from a rollout-lens export of run {header.id} (source {header.source})"
+        notes = list(header.notes)
+        if header.source != RunSource.import_:  # a copy of a copy keeps the first note
+            notes.append(
+                f"imported from a rollout-lens export of run {header.id} (source {header.source})"
+            )
         run = store.create_run(
             session,
             name=self.name,
@@ -161,7 +165,7 @@ class _RunWriter:
             control_tokens=self.tokens,
             status=RunStatus(status),
             source=RunSource.import_,
-            notes=[*header.notes, note],
+            notes=notes,
         )
         self.run_id = run.id
         self.steps = 0

@@ -95,3 +95,11 @@ def train_settings(tmp_path: Path, tiny_model_dir: Path):  # type: ignore[no-unt
     upgrade(engine)
     engine.dispose()
     return settings
+
+
+@pytest.fixture(scope="session")
+def user_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A TRL user's own tiny model (tests/user_script.py), built once per test session."""
+    from tests import user_script
+
+    return user_script.build_model(tmp_path_factory.mktemp("user-model") / "model")
