@@ -128,7 +128,7 @@ class RunRecord(_Record):
     version: int
     id: int
     name: str
-    status: str
+    status: Literal["queued", "running", "completed", "failed", "cancelled", "lost"]  # RunStatus
     source: str
     variant: str | None
     model: str

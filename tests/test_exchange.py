@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rollout_lens.cli import main
 from tests.factories import CONTROL_TOKENS, make_run
+from tests.web_support import client_for
 
 NAN, INF = float("nan"), float("inf")
 
@@ -213,6 +214,11 @@ def test_the_imported_run_is_a_run_like_any_other(
             "",
             "<script>alert(1)</script> é",
         ]
+    with client_for(session_factory) as client:
+        assert client.get(f"/runs/{copy}").status_code == 200
+        step = client.get(f"/runs/{copy}/steps/4")
+    assert step.status_code == 200
+    assert "<script>alert(1)" not in step.text and "&lt;script&gt;alert(1)" in step.text
 
 
 def test_a_run_exported_while_running_is_imported_as_lost(
@@ -263,6 +269,7 @@ def _damaged(good: bytes) -> dict[str, bytes]:
             "".join(lines[:rollout]) + json.dumps(bad_value) + "\n" + "".join(lines[rollout + 1 :])
         ).encode(),
         "a repeated rollout": ("".join(lines[: rollout + 1]) + "".join(lines[rollout:])).encode(),
+        "an unknown status": good.replace(b'"status":"queued"', b'"status":"paused"', 1),
         "a steps export": b'{"step":1,"rollout_step":1}\n',
         "a corrupt parquet": b"PAR1" + b"\x00" * 64,
     }
@@ -276,6 +283,7 @@ def _damaged(good: bytes) -> dict[str, bytes]:
         ("cut short", "ends before its end record"),
         ("a bad value", "advantage: Input should be a valid number"),
         ("a repeated rollout", "repeated or out of order"),
+        ("an unknown status", "line 1: invalid run record: status: Input should be 'queued'"),
         ("a steps export", "not a record"),
         ("a corrupt parquet", "not a readable Parquet file"),
     ],

@@ -176,3 +176,20 @@ def test_the_cli_imports_a_trl_output_dir(
     assert "4 logged steps" in capsys.readouterr().out
     assert main(["import-trl", str(tmp_path)]) == 2
     assert "no completions/completions_NNNNN.parquet files" in capsys.readouterr().err
+
+
+def test_the_imported_run_shows_in_the_dashboard(
+    session_factory: sessionmaker[Session], trl_output: Path
+) -> None:
+    from tests.web_support import client_for
+
+    done = import_trl(session_factory, trl_output, name="from TRL")
+    with client_for(session_factory) as client:
+        page = client.get(f"/runs/{done.run_id}")
+        assert page.status_code == 200 and "from TRL" in page.text
+        assert f"/api/runs/{done.run_id}/export?format=parquet" in page.text
+        step = client.get(f"/runs/{done.run_id}/steps/1")
+        assert step.status_code == 200 and "say the color" in step.text
+        series = client.get(f"/api/runs/{done.run_id}/series", params={"full": 1}).json()
+    assert series["series"]["reward_mean"]["x"] == [1, 2, 3, 4]
+    assert set(series["series"]) >= {f"rewards/{name}/mean" for name in REWARDS}
