@@ -12,9 +12,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from rollout_lens.server import export, importer, store
+from rollout_lens.server import export, importer, queries, store
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.errors import InvalidInput
+from rollout_lens.server.errors import InvalidInput, InvalidState
 from rollout_lens.server.migrate import upgrade
 from rollout_lens.server.models import Run, RunSource, RunStatus
 from rollout_lens.server.records import RolloutRecord, StepRecord
@@ -230,7 +230,9 @@ def test_a_run_exported_while_running_is_imported_as_lost(
         run = store.get_run(session, run_id=copy)
         assert run.status == RunStatus.lost
         assert run.error == "exported while running at step 5; this copy ends there"
-        with pytest.raises(Exception, match="not launched here"):
+        # Lost, but not resumable: its checkpoints are where it was trained.
+        assert queries.run_live(session, run_id=copy)["can_resume"] is False
+        with pytest.raises(InvalidState, match="not launched here"):
             store.requeue_for_resume(session, run_id=copy)
 
 
