@@ -1,4 +1,4 @@
-"""The `rollout-lens` command: db, train, runs, export (ML imports only inside `train`)."""
+"""The `rollout-lens` command: db, train, runs, export/import (ML imports only inside `train`)."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from rollout_lens import cli_exchange
 from rollout_lens.server import store
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.domain.task import SUPERVISION_MODES, VARIANTS
 from rollout_lens.server.errors import RolloutLensError
-from rollout_lens.server.serialize import rollout_dict, run_dict
+from rollout_lens.server.serialize import run_dict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,11 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("--format", choices=["table", "json"], default="table")
     runs.set_defaults(handler=_runs)
 
-    export = sub.add_parser("export", help="write a run's rollouts, one JSON object per line")
-    export.add_argument("run_id", type=int)
-    export.add_argument("--format", choices=["jsonl"], default="jsonl")
-    export.add_argument("--output", "-o", type=Path, help="file to write (default: stdout)")
-    export.set_defaults(handler=_export)
+    cli_exchange.add_commands(sub)  # export, import, import-trl
 
     worker = sub.add_parser("worker", help="train queued runs (a Celery worker, one run at a time)")
     worker.add_argument("--loglevel", default="INFO")
@@ -192,21 +188,6 @@ def _runs(args: argparse.Namespace, settings: Settings) -> int:
 
 def _num(value: Any) -> str:
     return f"{value:5.2f}" if isinstance(value, float) else "    -"
-
-
-def _export(args: argparse.Namespace, settings: Settings) -> int:
-    engine, factory = _open_factory(settings)
-    out = args.output.open("w", encoding="utf-8") if args.output else sys.stdout
-    try:
-        with session_scope(factory) as session:
-            run = store.get_run(session, run_id=args.run_id)
-            tokens = list(run.control_tokens)
-            for rollout, prompt in store.iter_rollouts(session, run_id=run.id):
-                out.write(json.dumps(rollout_dict(rollout, prompt, tokens)) + "\n")
-    finally:
-        if args.output:
-            out.close()
-    return 0
 
 
 def _worker(args: argparse.Namespace, settings: Settings) -> int:

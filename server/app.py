@@ -15,7 +15,7 @@ from rollout_lens.server.cache import ResponseCache
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory
 from rollout_lens.server.error_pages import HANDLED, handle_error
-from rollout_lens.server.routes import actions, api, pages
+from rollout_lens.server.routes import actions, api, exchange, pages
 from rollout_lens.server.sweeper import SWEEP_SECONDS, sweep_lost_runs
 from rollout_lens.server.templating import STATIC_DIR, make_templates
 from rollout_lens.server.timing import ServerTiming
@@ -92,6 +92,7 @@ def create_app(
     app.include_router(pages.router)
     app.include_router(api.router)
     app.include_router(actions.router)
+    app.include_router(exchange.router)
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, handle_error)
 

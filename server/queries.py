@@ -23,6 +23,7 @@ from rollout_lens.server.models import (
     Prompt,
     Rollout,
     Run,
+    RunSource,
     RunStatus,
     Step,
 )
@@ -186,7 +187,7 @@ def run_live(session: Session, *, run_id: int) -> dict[str, Any]:
         "cancel_requested": bool(run.cancel_requested),
         "checkpoint_step": run.checkpoint_step,
         "can_cancel": run.status in ACTIVE_STATUSES and not run.cancel_requested,
-        "can_resume": run.status in store.RESUMABLE_STATUSES,
+        "can_resume": run.status in store.RESUMABLE_STATUSES and run.source == RunSource.launched,
     }
     return live | {"summary": charts.live_summary(live), "text": live_text(live)}
 

@@ -22,7 +22,7 @@ from rollout_lens.server.models import (
     utcnow,
 )
 from rollout_lens.server.packing import pack_floats, pack_ints, pack_matrix
-from rollout_lens.server.records import StepRecord
+from rollout_lens.server.records import RolloutRecord, StepRecord
 from rollout_lens.server.series import STEP_SERIES, WINDOW
 from sqlalchemy import CursorResult, delete, func, insert, literal, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -172,47 +172,30 @@ def intern_prompts(session: Session, texts: Iterable[str]) -> dict[str, int]:
 
 
 def record_step(
-    session: Session, *, run_id: int, record: StepRecord, control_tokens: Sequence[str]
+    session: Session,
+    *,
+    run_id: int,
+    record: StepRecord,
+    control_tokens: Sequence[str],
+    recorded_at: datetime | None = None,
 ) -> None:
     """Write one step, its rollouts and extra series, and refresh the run's summary columns.
 
-    The caller's session scope makes this one transaction.
+    The caller's session scope makes this one transaction. `recorded_at` defaults to now (an
+    import passes the original time).
     """
     values = {name: _finite(record.values.get(name)) for name in STEP_SERIES}
-    session.add(Step(run_id=run_id, step=record.step, rollout_step=record.rollout_step, **values))
-    if record.rollouts:
-        prompt_ids = intern_prompts(session, (r.prompt for r in record.rollouts))
-        session.execute(
-            _insert(session, Rollout),
-            [
-                {
-                    "run_id": run_id,
-                    "step": record.rollout_step,
-                    "group": r.group,
-                    "index": r.index,
-                    "prompt_id": prompt_ids[r.prompt],
-                    "target": r.target,
-                    "completion": r.completion,
-                    "vote": r.vote,
-                    "verifier_reward": float(r.verifier_reward),
-                    "true_score": _finite(r.true_score),
-                    "advantage": float(r.advantage),
-                    "sum_logprob": r.sum_logprob,
-                    "format_valid": bool(r.format_valid),
-                    "format_state": r.format_state,
-                    "completion_ids": pack_ints(r.completion_ids),
-                    "token_logprobs": pack_floats(r.token_logprobs),
-                    "control_probs": pack_matrix(
-                        [
-                            r.control_probs.get(t, [0.0] * len(r.completion_ids))
-                            for t in control_tokens
-                        ]
-                    ),
-                    "meta": r.meta,
-                }
-                for r in record.rollouts
-            ],
-        )
+    step_row = Step(run_id=run_id, step=record.step, rollout_step=record.rollout_step, **values)
+    if recorded_at is not None:
+        step_row.recorded_at = recorded_at
+    session.add(step_row)
+    add_rollouts(
+        session,
+        run_id=run_id,
+        step=record.rollout_step,
+        rollouts=record.rollouts,
+        control_tokens=control_tokens,
+    )
     if record.metrics:
         session.execute(
             _insert(session, Metric),
@@ -231,6 +214,48 @@ def record_step(
     )
     _roll_up(session, run_id=run_id, step=record.step, values=rollup_values)
     _refresh_summary(session, run_id=run_id, step=record.step)
+
+
+def add_rollouts(
+    session: Session,
+    *,
+    run_id: int,
+    step: int,
+    rollouts: Sequence[RolloutRecord],
+    control_tokens: Sequence[str],
+) -> None:
+    """Write rollouts generated at `step` (record_step calls it; an import calls it alone)."""
+    if not rollouts:
+        return
+    prompt_ids = intern_prompts(session, (r.prompt for r in rollouts))
+    session.execute(
+        _insert(session, Rollout),
+        [
+            {
+                "run_id": run_id,
+                "step": step,
+                "group": r.group,
+                "index": r.index,
+                "prompt_id": prompt_ids[r.prompt],
+                "target": r.target,
+                "completion": r.completion,
+                "vote": r.vote,
+                "verifier_reward": float(r.verifier_reward),
+                "true_score": _finite(r.true_score),
+                "advantage": float(r.advantage),
+                "sum_logprob": r.sum_logprob,
+                "format_valid": bool(r.format_valid),
+                "format_state": r.format_state,
+                "completion_ids": pack_ints(r.completion_ids),
+                "token_logprobs": pack_floats(r.token_logprobs),
+                "control_probs": pack_matrix(
+                    [r.control_probs.get(t, [0.0] * len(r.completion_ids)) for t in control_tokens]
+                ),
+                "meta": r.meta,
+            }
+            for r in rollouts
+        ],
+    )
 
 
 def _least_greatest(session: Session) -> tuple[Any, Any]:
@@ -511,6 +536,9 @@ def requeue_for_resume(session: Session, *, run_id: int) -> Run:
         raise InvalidState(
             f"run {run_id} is {run.status}: only lost, failed or cancelled runs can be resumed"
         )
+    if run.source != RunSource.launched:
+        # Its checkpoints (if any) live where it was trained, not here.
+        raise InvalidState(f"run {run_id} was not launched here ({run.source}): it cannot resume")
     run.status = RunStatus.queued
     run.cancel_requested = False
     run.error = None
@@ -607,3 +635,50 @@ def queue_positions(session: Session) -> dict[int, int]:
     """Every queued run's place in the queue (1: the next to train), in one query."""
     ids = session.scalars(select(Run.id).where(Run.status == RunStatus.queued).order_by(Run.id))
     return {run_id: place for place, run_id in enumerate(ids, start=1)}
+
+
+# --- export and import (appended) ---------------------------------------------------------------
+
+
+def iter_steps(
+    session: Session, *, run_id: int, page: int = 500
+) -> Iterator[tuple[Step, dict[str, float | None]]]:
+    """Every step of a run with its generic series (name → value), in order, read a page of
+    steps at a time (keyset paging: memory stays flat however long the run)."""
+    after = 0
+    while True:
+        rows = list(
+            session.scalars(
+                select(Step)
+                .where(Step.run_id == run_id, Step.step > after)
+                .order_by(Step.step)
+                .limit(page)
+            )
+        )
+        if not rows:
+            return
+        first, after = rows[0].step, rows[-1].step
+        metrics: dict[int, dict[str, float | None]] = {}
+        for step, name, value in session.execute(
+            select(Metric.step, Metric.name, Metric.value).where(
+                Metric.run_id == run_id, Metric.step >= first, Metric.step <= after
+            )
+        ):
+            metrics.setdefault(step, {})[name] = value
+        for row in rows:
+            yield row, dict(sorted(metrics.get(row.step, {}).items()))
+
+
+def metric_names(session: Session, *, run_id: int) -> list[str]:
+    """Every generic series name a run recorded, sorted."""
+    return list(
+        session.scalars(
+            select(Metric.name).where(Metric.run_id == run_id).distinct().order_by(Metric.name)
+        )
+    )
+
+
+def restore_run_columns(session: Session, *, run_id: int, values: dict[str, Any]) -> None:
+    """Set a run's columns as an exported copy had them (an import, after its steps)."""
+    if values:
+        session.execute(update(Run).where(Run.id == run_id).values(**values))

@@ -65,7 +65,9 @@ def test_train_runs_and_export(
     out = tmp_path / "run1.jsonl"
     exported = _cli(["export", "1", "--format", "jsonl", "--output", str(out)], env)
     assert exported.returncode == 0, exported.stderr
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records[0]["kind"] == "run" and records[-1] == {"kind": "end", "steps": 2, "rollouts": 8}
+    lines = [r for r in records if r["kind"] == "rollout"]
     assert len(lines) == 2 * 4
     assert all(set(line) >= EXPORT_KEYS for line in lines)
     assert [(x["step"], x["index"]) for x in lines] == [(s, i) for s in (1, 2) for i in range(4)]

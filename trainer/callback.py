@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout_lens.server.config import Settings
+from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import RolloutRecord, StepRecord
 from rollout_lens.trainer.capture import Generation, RolloutCapture
@@ -37,14 +37,6 @@ TextFn = Callable[[str, dict[str, Any]], Any]
 # common chat templates, then the end-of-turn tokens.
 DEFAULT_CONTROL_TOKENS = ("<tool_call>", "</tool_call>", "<tool>", "</tool>")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
-_LOG_COLUMNS = {
-    "loss": "loss",
-    "kl": "kl",
-    "entropy": "entropy",
-    "grad_norm": "grad_norm",
-    "learning_rate": "learning_rate",
-}
-_NOT_SERIES = {"epoch", "step", "total_flos", "train_runtime", "train_samples_per_second"}
 
 
 class RolloutLensCallback(TrainerCallback):
@@ -70,7 +62,7 @@ class RolloutLensCallback(TrainerCallback):
         end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away."""
         self.project = project
         self.name = name
-        self.settings = settings or Settings()
+        self.settings = settings or get_settings()
         self.database_url = database_url or self.settings.database_url
         self.judges = {"vote": vote, "true_score": true_score, "format_valid": format_valid}
         self.target = target
@@ -219,7 +211,7 @@ class RolloutLensCallback(TrainerCallback):
     # -- the writer thread: raw step → StepRecord ----------------------------------------------
 
     def _prepare(self, raw: dict[str, Any]) -> StepRecord:
-        from rollout_lens.trainer.grpo import summarize
+        from rollout_lens.trainer.grpo import split_logs, summarize
 
         trainer = self.trainer
         group_size = int(trainer.num_generations)
@@ -270,13 +262,9 @@ class RolloutLensCallback(TrainerCallback):
         elif self._last_summary is not None and self._last_summary[0] == raw["rollout_step"]:
             values, series = dict(self._last_summary[1]), dict(self._last_summary[2])
         values["wall_time"] = raw["wall_time"]
-        for key, value in raw["logs"].items():
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                continue
-            if key in _LOG_COLUMNS:
-                values[_LOG_COLUMNS[key]] = float(value)
-            elif key not in _NOT_SERIES and not key.startswith("train_"):
-                series[f"trl/{key}"] = float(value)
+        columns, logged = split_logs(raw["logs"])
+        values.update(columns)
+        series.update(logged)
         return StepRecord(
             step=raw["step"],
             rollout_step=raw["rollout_step"],

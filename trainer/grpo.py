@@ -44,6 +44,22 @@ _LOG_COLUMNS = {
     "grad_norm": "grad_norm",
     "learning_rate": "learning_rate",
 }
+# Logged numbers that are not a step's series (the end-of-training summary, counters).
+_NOT_SERIES = {"epoch", "step", "total_flos"}
+
+
+def split_logs(logs: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """A step's TRL logs as (step columns, other series named `trl/<key>`)."""
+    columns: dict[str, float] = {}
+    series: dict[str, float] = {}
+    for key, value in logs.items():
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        if key in _LOG_COLUMNS:
+            columns[_LOG_COLUMNS[key]] = float(value)
+        elif key not in _NOT_SERIES and not key.startswith("train_"):
+            series[vocab.trl(key)] = float(value)
+    return columns, series
 
 
 def summarize(rollouts: Sequence[RolloutRecord], group_size: int, control_tokens: Sequence[str]):
@@ -135,13 +151,9 @@ class Recorder(TrainerCallback):
         extra = dict(series)
         for early in [s for s in self._extra if s <= step]:
             extra.update(self._extra.pop(early))
-        for key, value in logs.items():
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                continue
-            if key in _LOG_COLUMNS:
-                step_values[_LOG_COLUMNS[key]] = float(value)
-            elif key not in ("epoch", "step"):
-                extra[vocab.trl(key)] = float(value)
+        columns, logged = split_logs(logs)
+        step_values.update(columns)
+        extra.update(logged)
         self.sink(
             StepRecord(
                 step=step,

@@ -1,0 +1,130 @@
+"""The `export`, `import` and `import-trl` commands: move runs between databases, bring TRL's."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from rollout_lens.server import export
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.errors import InvalidInput
+
+
+def add_commands(sub: Any) -> None:
+    """Register the commands on the CLI's subparsers."""
+    out = sub.add_parser(
+        "export",
+        help="write a run to a file: the whole run (to import elsewhere) or its per-step series",
+    )
+    out.add_argument("run_id", type=int)
+    out.add_argument("--format", choices=export.FORMATS, default="jsonl")
+    out.add_argument(
+        "--what",
+        choices=export.WHATS,
+        default="rollouts",
+        help="rollouts: the whole run, importable (default); steps: one row per step, a column "
+        "per series",
+    )
+    out.add_argument("--output", "-o", type=Path, help="file to write (default: stdout)")
+    out.set_defaults(handler=_export)
+
+    into = sub.add_parser("import", help="create a run from a file written by `export`")
+    into.add_argument("file", type=Path)
+    into.add_argument("--name", help="the new run's name (default: the exported one)")
+    into.set_defaults(handler=_import)
+
+    trl = sub.add_parser(
+        "import-trl", help="create a run from TRL's completions/completions_NNNNN.parquet files"
+    )
+    trl.add_argument("output_dir", type=Path, help="the GRPOTrainer's output_dir")
+    trl.add_argument("--name", help="the new run's name (default: TRL <folder name>)")
+    trl.add_argument(
+        "--num-generations",
+        type=int,
+        dest="num_generations",
+        help="completions per prompt (default: detected from runs of identical prompts)",
+    )
+    trl.add_argument("--model", default="unknown", help="the model that was trained")
+    trl.add_argument(
+        "--reward",
+        action="append",
+        dest="rewards",
+        help="a reward column (repeat; default: every numeric column besides step and advantage)",
+    )
+    trl.set_defaults(handler=_import_trl)
+
+
+def _export(args: argparse.Namespace, settings: Settings) -> int:
+    from rollout_lens.cli import _open_factory
+
+    export.check(args.format, args.what)
+    engine, factory = _open_factory(settings)
+    try:
+        with session_scope(factory) as session:
+            # Raises before anything is written when the run does not exist.
+            chunks = export.export_chunks(
+                session, run_id=args.run_id, fmt=args.format, what=args.what
+            )
+            if args.output is None:
+                for chunk in chunks:
+                    sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+                return 0
+            try:
+                with args.output.open("wb") as f:
+                    for chunk in chunks:
+                        f.write(chunk)
+            except BaseException:
+                args.output.unlink(missing_ok=True)  # no half-written file left behind
+                raise
+    finally:
+        engine.dispose()
+    print(f"run {args.run_id}: {args.what} written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _import(args: argparse.Namespace, settings: Settings) -> int:
+    from rollout_lens.cli import _migrated_factory
+    from rollout_lens.server.importer import import_export
+
+    if not args.file.is_file():  # before the database is touched (or created)
+        raise InvalidInput(f"{args.file}: no such file")
+    engine, factory = _migrated_factory(settings)
+    try:
+        done = import_export(factory, args.file, name=args.name)
+    finally:
+        engine.dispose()
+    print(
+        f"imported run {done.run_id} ({done.name}) from {args.file}: {done.steps} steps, "
+        f"{done.rollouts} rollouts"
+    )
+    print(f"run_id={done.run_id}")
+    return 0
+
+
+def _import_trl(args: argparse.Namespace, settings: Settings) -> int:
+    from rollout_lens.cli import _migrated_factory
+    from rollout_lens.server.trl_import import completion_files, import_trl
+
+    completion_files(args.output_dir)  # a clear error before the database is touched
+    engine, factory = _migrated_factory(settings)
+    try:
+        done = import_trl(
+            factory,
+            args.output_dir,
+            name=args.name,
+            num_generations=args.num_generations,
+            model=args.model,
+            reward_columns=args.rewards,
+        )
+    finally:
+        engine.dispose()
+    print(
+        f"imported run {done.run_id} ({done.name}) from {args.output_dir}: {done.steps} logged "
+        f"steps, {done.rollouts} rollouts"
+    )
+    print(f"run_id={done.run_id}")
+    return 0

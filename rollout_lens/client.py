@@ -1,0 +1,184 @@
+"""Read a Rollout Lens dashboard from Python (a notebook, a script) over its JSON API.
+
+    from rollout_lens import Client
+    lens = Client("http://127.0.0.1:8000")
+    df = lens.series(lens.runs()[0]["id"], names=["reward_mean", "loss"])   # pandas, by step
+
+Series come back as a pandas DataFrame indexed by step when pandas is installed, else as a list
+of dicts. Errors are ClientError: the server's message for a 4xx/5xx answer, or the address that
+could not be reached.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+# The keys of a rollout (server.serialize.rollout_dict); the step viewer's API adds view fields.
+ROLLOUT_KEYS = (
+    "run_id",
+    "step",
+    "group",
+    "index",
+    "prompt",
+    "completion",
+    "completion_ids",
+    "vote",
+    "target",
+    "verifier_reward",
+    "true_score",
+    "advantage",
+    "sum_logprob",
+    "format_valid",
+    "format_state",
+    "token_logprobs",
+    "control_token_probs",
+    "meta",
+)
+
+
+class ClientError(Exception):
+    """The server answered with an error (`status`), or could not be reached (`status` None)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Client:
+    """A dashboard at `base_url`; `token` is sent as `Authorization: Bearer` (for a proxy in
+    front of the dashboard: the dashboard itself does not check it yet)."""
+
+    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every run, newest first (the runs page's data)."""
+        runs: list[dict[str, Any]] = self._get("/api/runs")
+        return runs
+
+    def run(self, run_id: int) -> dict[str, Any]:
+        """One run's columns, plus its first_step, last_step, series_names, live state, alerts."""
+        overview = self._get(f"/api/runs/{int(run_id)}")
+        return dict(overview["run"]) | {k: v for k, v in overview.items() if k != "run"}
+
+    def series(self, run_id: int, names: Sequence[str] | None = None) -> Any:
+        """Every step's series (none downsampled): a DataFrame indexed by step with a column per
+        series when pandas is importable, else a list of dicts (one per step, with `step`)."""
+        wanted = list(names) if names is not None else None
+        rows = []
+        with self._stream(
+            f"/api/runs/{int(run_id)}/export", params={"format": "jsonl", "what": "steps"}
+        ) as response:
+            for line in response.iter_lines():
+                if line.strip():
+                    rows.append(json.loads(line))
+        if wanted is not None:
+            present = set().union(*rows) if rows else set()
+            unknown = [n for n in wanted if n not in present]
+            if unknown and rows:
+                raise ClientError(f"run {run_id} has no series {', '.join(unknown)}")
+            rows = [{"step": r["step"]} | {n: r.get(n) for n in wanted} for r in rows]
+        try:
+            import pandas as pd
+        except ImportError:
+            return rows
+        frame = pd.DataFrame.from_records(
+            rows, columns=["step", *(wanted or [])] if wanted else None
+        )
+        if "recorded_at" in frame:
+            frame["recorded_at"] = pd.to_datetime(frame["recorded_at"], utc=True)
+        return frame.set_index("step") if "step" in frame else frame
+
+    def rollouts(self, run_id: int, step: int) -> list[dict[str, Any]]:
+        """The rollouts the update at `step` trained on, in group order, with every array."""
+        detail = self._get(f"/api/runs/{int(run_id)}/steps/{int(step)}")
+        return [
+            {key: rollout.get(key) for key in ROLLOUT_KEYS}
+            for group in detail["groups"]
+            for rollout in group["rollouts"]
+        ]
+
+    def export(
+        self,
+        run_id: int,
+        path: str | Path,
+        *,
+        format: str = "jsonl",
+        what: str = "rollouts",
+    ) -> Path:
+        """Download a run's export file (see `rollout-lens export`) to `path`, streamed."""
+        target = Path(path)
+        with self._stream(
+            f"/api/runs/{int(run_id)}/export", params={"format": format, "what": what}
+        ) as response:
+            try:
+                with target.open("wb") as f:
+                    for chunk in response.iter_bytes():
+                        f.write(chunk)
+            except BaseException:
+                target.unlink(missing_ok=True)  # no half-written file left behind
+                raise
+        return target
+
+    # --- transport -------------------------------------------------------------------------
+
+    def _get(self, path: str, params: dict[str, Any] | None = None) -> Any:
+        try:
+            response = self._http.get(path, params=params)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        _raise_for_status(response)
+        return response.json()
+
+    @contextmanager
+    def _stream(self, path: str, params: dict[str, Any]) -> Iterator[httpx.Response]:
+        try:
+            with self._http.stream("GET", path, params=params) as response:
+                if response.is_error:
+                    response.read()
+                    _raise_for_status(response)
+                yield response
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+
+    def _unreachable(self, exc: httpx.HTTPError) -> ClientError:
+        kind = type(exc).__name__
+        return ClientError(f"cannot reach Rollout Lens at {self.base_url}: {kind}: {exc}")
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    """A 4xx/5xx answer → ClientError with the server's own message."""
+    if not response.is_error:
+        return
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = None
+    message = detail if isinstance(detail, str) else response.text[:500] or response.reason_phrase
+    raise ClientError(
+        f"{response.request.method} {response.request.url.path} → {response.status_code}: "
+        f"{message}",
+        status=response.status_code,
+    )

@@ -1,0 +1,195 @@
+"""`import-trl`: a run from the completions parquet files a real TRL GRPOTrainer wrote."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from rollout_lens.server import store
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.errors import InvalidInput
+from rollout_lens.server.models import Run, RunSource, RunStatus
+from rollout_lens.server.serialize import rollout_dict
+from rollout_lens.server.trl_import import import_trl
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests import user_script as us
+
+REWARDS = ["says_the_color", "is_short"]
+
+
+@pytest.fixture(scope="module")
+def trl_output(user_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output_dir of a real 4-step GRPO run with log_completions=True (about 8 s on CPU)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    out = tmp_path_factory.mktemp("trl") / "out"
+    args = GRPOConfig(
+        output_dir=str(out),
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_steps=4,
+        logging_steps=1,
+        max_completion_length=8,
+        report_to="none",
+        log_completions=True,
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        # As trainer/run.py: GRPOConfig's default gradient checkpointing goes through names
+        # transformers 5 deprecates (FutureWarnings, errors under pytest), and buys nothing here.
+        activation_checkpointing=False,
+    )
+    GRPOTrainer(
+        model=str(user_model_dir),
+        reward_funcs=[us.says_the_color, us.is_short],
+        args=args,
+        train_dataset=Dataset.from_list(us.questions(64)),
+    ).train()
+    return out
+
+
+def _rows(output: Path) -> list[dict]:
+    """Every row TRL wrote, in file order."""
+    files = sorted((output / "completions").glob("completions_*.parquet"))
+    return [row for f in files for row in pq.read_table(f).to_pylist()]
+
+
+def _runs(factory: sessionmaker[Session]) -> int:
+    with session_scope(factory) as session:
+        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+
+
+def test_a_real_trl_run_becomes_a_run(
+    session_factory: sessionmaker[Session], trl_output: Path
+) -> None:
+    written = _rows(trl_output)
+    done = import_trl(session_factory, trl_output, name="my trl run")
+    assert (done.steps, done.rollouts) == (4, len(written))
+    with session_scope(session_factory) as session:
+        run = store.get_run(session, run_id=done.run_id)
+        assert (run.source, run.status, run.name) == (
+            RunSource.trl_import,
+            RunStatus.completed,
+            "my trl run",
+        )
+        assert (run.group_size, run.total_steps, run.current_step) == (4, 4, 4)
+        assert run.config["reward_columns"] == REWARDS
+        assert any("num_generations 4: detected" in note for note in run.notes)
+        steps = store.steps(session, run_id=done.run_id)
+        assert [s.step for s in steps] == sorted({r["step"] for r in written})
+        rollouts = [
+            rollout_dict(r, p, []) for r, p in store.iter_rollouts(session, run_id=done.run_id)
+        ]
+        series = store.metric_series(session, run_id=done.run_id)
+
+    # Every row kept, in order, with its rewards by name, their sum and its advantage.
+    assert [(r["prompt"], r["completion"], r["advantage"]) for r in rollouts] == [
+        (w["prompt"], w["completion"], w["advantage"]) for w in written
+    ]
+    assert [r["meta"]["rewards"] for r in rollouts] == [
+        {name: w[name] for name in REWARDS} for w in written
+    ]
+    assert all(
+        r["verifier_reward"] == pytest.approx(sum(r["meta"]["rewards"].values())) for r in rollouts
+    )
+    # Groups of num_generations identical prompts.
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for r in rollouts:
+        groups.setdefault((r["step"], r["group"]), []).append(r)
+    assert all(len(g) == 4 and len({r["prompt"] for r in g}) == 1 for g in groups.values())
+    assert [r["index"] for r in rollouts[:8]] == [0, 1, 2, 3, 0, 1, 2, 3]
+    # Per-step series from the rows: mean reward and each reward function's mean.
+    first = [r for r in rollouts if r["step"] == steps[0].step]
+    assert steps[0].reward_mean == pytest.approx(
+        sum(r["verifier_reward"] for r in first) / len(first)
+    )
+    assert set(series) == {f"rewards/{name}/mean" for name in REWARDS}
+
+
+def test_num_generations_can_be_given_and_must_fit(
+    session_factory: sessionmaker[Session], trl_output: Path
+) -> None:
+    done = import_trl(session_factory, trl_output, num_generations=2)
+    with session_scope(session_factory) as session:
+        assert store.get_run(session, run_id=done.run_id).group_size == 2
+        groups = {(r.step, r.group) for r, _ in store.iter_rollouts(session, run_id=done.run_id)}
+    assert len(groups) == done.rollouts // 2
+    with pytest.raises(InvalidInput, match="not a multiple of num_generations 3"):
+        import_trl(session_factory, trl_output, num_generations=3)
+    assert _runs(session_factory) == 1
+
+
+def _copy(trl_output: Path, into: Path) -> Path:
+    shutil.copytree(trl_output / "completions", into / "completions")
+    return into
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("no files", "no completions/completions_NNNNN.parquet files"),
+        ("a file without advantages", "no column advantage"),
+        ("a corrupt file", "not a readable Parquet file"),
+        ("a file of two steps", "one step per file expected"),
+    ],
+)
+def test_a_damaged_output_dir_creates_nothing(
+    session_factory: sessionmaker[Session],
+    trl_output: Path,
+    tmp_path: Path,
+    damage: str,
+    message: str,
+) -> None:
+    out = _copy(trl_output, tmp_path / "out")
+    files = sorted((out / "completions").glob("*.parquet"))
+    last = files[-1]
+    if damage == "no files":
+        for f in files:
+            f.unlink()
+    elif damage == "a file without advantages":
+        pq.write_table(pq.read_table(last).drop_columns(["advantage"]), last)
+    elif damage == "a corrupt file":
+        last.write_bytes(last.read_bytes()[:200])
+    else:
+        table = pq.read_table(last)
+        steps = table.column("step").to_pylist()
+        steps[-1] += 1
+        pq.write_table(table.set_column(0, "step", [steps]), last)
+    with pytest.raises(InvalidInput, match=message):
+        import_trl(session_factory, out)
+    assert _runs(session_factory) == 0
+
+
+def test_the_cli_imports_a_trl_output_dir(
+    trl_output: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    from rollout_lens.cli import main
+
+    monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.delenv("ROLLOUT_LENS_DATABASE_URL", raising=False)
+    assert main(["import-trl", str(trl_output), "--reward", "says_the_color"]) == 0
+    assert "4 logged steps" in capsys.readouterr().out
+    assert main(["import-trl", str(tmp_path)]) == 2
+    assert "no completions/completions_NNNNN.parquet files" in capsys.readouterr().err
+
+
+def test_the_imported_run_shows_in_the_dashboard(
+    session_factory: sessionmaker[Session], trl_output: Path
+) -> None:
+    from tests.web_support import client_for
+
+    done = import_trl(session_factory, trl_output, name="from TRL")
+    with client_for(session_factory) as client:
+        page = client.get(f"/runs/{done.run_id}")
+        assert page.status_code == 200 and "from TRL" in page.text
+        assert f"/api/runs/{done.run_id}/export?format=parquet" in page.text
+        step = client.get(f"/runs/{done.run_id}/steps/1")
+        assert step.status_code == 200 and "say the color" in step.text
+        series = client.get(f"/api/runs/{done.run_id}/series", params={"full": 1}).json()
+    assert series["series"]["reward_mean"]["x"] == [1, 2, 3, 4]
+    assert set(series["series"]) >= {f"rewards/{name}/mean" for name in REWARDS}
