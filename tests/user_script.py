@@ -59,6 +59,7 @@ def build_model(folder: Path, *, seed: int = 0) -> Path:
         unk_token="<unk>",
         eos_token="<|im_end|>",
         bos_token=None,
+        model_input_names=["input_ids", "attention_mask"],  # as Qwen's: no token_type_ids
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
