@@ -1,4 +1,5 @@
-# Two commands do all the set-up on a fresh machine (Python 3.11+ with venv):
+# Three commands do all the set-up on a fresh machine (Python 3.11+ with venv):
+#   make demo   install into .venv, train a short leaky and a short patched run, serve, print the compare URL
 #   make run    install into .venv and start the dashboard on the embedded default
 #   make test   build a fresh virtual environment from pyproject.toml and run every test
 PYTHON ?= python3
@@ -8,13 +9,16 @@ EXTRAS ?= train,test
 # The tiny model is built once (about 3 minutes) and cached here for later runs and tests.
 export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
 
-.PHONY: run test lint
+.PHONY: demo run test lint
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/rollout-lens demo
 
 run: $(VENV)/.installed
 	$(VENV)/bin/rollout-lens serve
