@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import multiprocessing
 import os
 import sys
@@ -44,6 +45,12 @@ def add_parser(sub: Any) -> None:
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     """Train both runs (printing progress), print the compare URL, then serve unless told not to."""
     configs = demo_configs(args.steps)
+    missing = [m for m in ("torch", "transformers", "trl") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RolloutLensError(
+            f"the demo trains, which needs {', '.join(missing)}: "
+            "pip install 'rollout-lens[train]' (the dashboard alone does not)"
+        )
     _migrate(settings)
     _ensure_model(settings)
     run_ids = _create_runs(settings, configs)

@@ -41,6 +41,19 @@ def test_compare_url_names_the_runs_and_a_reachable_host() -> None:
     assert compare_url("::1", 8001, [1, 2]) == "http://[::1]:8001/compare?runs=1,2"
 
 
+def test_demo_refuses_bad_steps_before_creating_anything(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout_lens", "demo", "--no-serve", "--steps", "0"],
+        env=_env(tmp_path / "data", tmp_path / "models"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "steps" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "data").exists()
+
+
 @pytest.mark.slow
 def test_demo_trains_a_leaky_and_a_patched_run(tmp_path: Path, tiny_model_dir: Path) -> None:
     env = _env(tmp_path / "data", tiny_model_dir.parent)

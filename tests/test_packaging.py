@@ -105,6 +105,15 @@ def test_installed_package_serves_the_dashboard(
         check=True,
     )
     assert present.stdout.strip() == "[]", "the dashboard install pulled the ML stack"
+    demo = subprocess.run(
+        [str(venv / "bin" / "rollout-lens"), "demo", "--no-serve"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert demo.returncode == 2 and "rollout-lens[train]" in demo.stderr, demo.stderr
 
     # A user's folder with modules named like ours: the installed package must not import them.
     elsewhere = tmp_path / "elsewhere"
