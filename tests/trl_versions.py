@@ -33,8 +33,10 @@ TORCH = "torch==2.13.0"
 OLDEST = "1.0.0"
 NEWEST = "1.16.0"
 # Per TRL version, the pins that differ from constraints.txt (found by installing and training
-# tests/scripts/user_grpo.py; the oldest TRL also trains with transformers 5.24.0 but then needs
-# `requests`, which trl 1.0.0 imports without declaring it). Empty: constraints.txt as it is.
+# tests/scripts/user_grpo.py). Empty: constraints.txt as it is. trl 1.0.0 also trains with
+# transformers 5.24.0, but only with `requests` installed: trl 1.0 to 1.14 import it when
+# GRPOTrainer loads (generation/vllm_client.py) and declare it for their [vllm] extra only, and
+# transformers 5 no longer brings it; with transformers 4.56 huggingface_hub 0.x brings it.
 PINS: dict[str, dict[str, str]] = {
     OLDEST: {
         "transformers": "4.56.2",
