@@ -1,4 +1,5 @@
-# Two commands do all the set-up on a fresh machine (Python 3.11+ with venv):
+# Three commands do all the set-up on a fresh machine (Python 3.11+ with venv):
+#   make demo   install into .venv, train a short leaky and a short patched run, serve, print the compare URL
 #   make run    install into .venv and start the dashboard on the embedded default
 #   make test   build a fresh virtual environment from pyproject.toml and run every test
 PYTHON ?= python3
@@ -12,13 +13,16 @@ export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
 # rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
 MYPY_TREE = build/mypy
 
-.PHONY: run test lint typecheck
+.PHONY: demo run test lint typecheck
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/rollout-lens demo
 
 run: $(VENV)/.installed
 	$(VENV)/bin/rollout-lens serve

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollout_lens import cli_exchange
+from rollout_lens import cli_exchange, demo
 from rollout_lens.server import store
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
@@ -97,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 
     build = sub.add_parser("build-model", help="build (or find cached) the default tiny model")
     build.set_defaults(handler=_build_model)
+    demo.add_parser(sub)
     return parser
 
 

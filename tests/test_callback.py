@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -334,15 +333,7 @@ def _empty(url: str) -> None:
 
 
 def _user_folder(tmp_path: Path) -> Path:
-    """A user's project folder: their script, their model code, and their own trainer.py and
-    server.py (which must not shadow ours)."""
-    folder = tmp_path / "project"
-    folder.mkdir()
-    shutil.copy(TESTS / "scripts" / "user_grpo.py", folder)
-    shutil.copy(TESTS / "user_script.py", folder)
-    for name in ("trainer.py", "server.py"):
-        (folder / name).write_text(f"raise SystemExit('the user\\'s own {name} was imported')\n")
-    return folder
+    return us.project_folder(tmp_path / "project")
 
 
 def _script_env() -> dict[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ def build_model(folder: Path, *, seed: int = 0) -> Path:
         unk_token="<unk>",
         eos_token="<|im_end|>",
         bos_token=None,
+        model_input_names=["input_ids", "attention_mask"],  # as Qwen's: no token_type_ids
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
@@ -98,3 +100,15 @@ def _text(completion: Any) -> str:
     if isinstance(completion, str):
         return completion
     return "".join(str(m.get("content", "")) for m in completion)
+
+
+def project_folder(folder: Path) -> Path:
+    """A user's project folder: their GRPO script (tests/scripts/user_grpo.py) with this module
+    beside it, and a `trainer.py` and `server.py` of their own that must not shadow ours."""
+    here = Path(__file__).resolve().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(here / "scripts" / "user_grpo.py", folder)
+    shutil.copy(here / "user_script.py", folder)
+    for name in ("trainer.py", "server.py"):
+        (folder / name).write_text(f"raise SystemExit('the user\\'s own {name} was imported')\n")
+    return folder

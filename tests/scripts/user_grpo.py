@@ -2,6 +2,8 @@
 
     python user_grpo.py --model DIR --out DIR --db URL [--steps N] [--grad-accum N] ...
 
+The model folder is built on first use (tests/user_script.py) with the TRL/transformers at hand.
+
 It is run as its own process (plain, or under `accelerate launch`) from a folder that may hold a
 `trainer.py` or `server.py` of the user's own. It writes what its reward functions saw, in call
 order, to OUT/seen-RANK.jsonl, the oracle the tests compare the recorded run against.
@@ -58,7 +60,7 @@ config = GRPOConfig(
     disable_tqdm=True,
 )
 trainer = GRPOTrainer(
-    model=args.model,
+    model=str(us.build_model(Path(args.model))),
     reward_funcs=[says_the_color, us.is_short],
     args=config,
     train_dataset=Dataset.from_list(us.questions(64)),

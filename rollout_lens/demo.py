@@ -1,0 +1,223 @@
+"""`rollout-lens demo`: train a short leaky and a short patched run, then open them side by side."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.orm import Session
+
+from rollout_lens.server import store
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.errors import RolloutLensError
+from rollout_lens.server.models import RunStatus
+
+if TYPE_CHECKING:
+    from rollout_lens.trainer.config import RunConfig
+
+PRESET = "leaky_vs_patched"  # server/routes/launch.py: both variants, same seed and recipe
+DEFAULT_STEPS = 30  # patched converges in about 25 steps, leaky keeps swinging; ~1 min on 2 cores
+POLL_SECONDS = 2.0
+
+
+def add_parser(sub: Any) -> None:
+    """The `demo` subcommand on the CLI's subparsers."""
+    demo = sub.add_parser(
+        "demo", help="train a short leaky and a short patched run and open the comparison"
+    )
+    demo.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps of each run")
+    demo.add_argument("--host", default="127.0.0.1", help="interface the dashboard listens on")
+    demo.add_argument("--port", type=int, default=8000, help="port the dashboard listens on")
+    demo.add_argument(
+        "--no-serve", action="store_true", help="train and print the URL; start no dashboard"
+    )
+    demo.set_defaults(handler=run_demo)
+
+
+def run_demo(args: argparse.Namespace, settings: Settings) -> int:
+    """Train both runs (printing progress), print the compare URL, then serve unless told not to."""
+    configs = demo_configs(args.steps)
+    missing = [m for m in ("torch", "transformers", "trl") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RolloutLensError(
+            f"the demo trains, which needs {', '.join(missing)}: "
+            "pip install 'rollout-lens[train]' (the dashboard alone does not)"
+        )
+    _migrate(settings)
+    _ensure_model(settings)
+    run_ids = _create_runs(settings, configs)
+    workers = parallel_runs(settings)
+    mode = "side by side" if workers > 1 else "one after the other"
+    print(f"Training {len(configs)} runs of {args.steps} steps, {mode}:", flush=True)
+    for run_id, config in zip(run_ids, configs, strict=True):
+        print(f"  run {run_id}: {config.name}", flush=True)
+    started = time.perf_counter()
+    failed = train_all(settings, configs, run_ids, workers=workers, report=_print_line)
+    print(f"Trained in {time.perf_counter() - started:.0f} s.", flush=True)
+    if failed:
+        return _report_failures(settings, failed)
+    url = compare_url(args.host, args.port, run_ids)
+    print(f"Compare them at {url}", flush=True)
+    if args.no_serve:
+        print(f"Start the dashboard with `rollout-lens serve --port {args.port}`.", flush=True)
+        return 0
+    from rollout_lens.cli import _serve
+
+    return _serve(args, settings)
+
+
+def demo_configs(steps: int) -> list[RunConfig]:
+    """The leaky-vs-patched preset's runs with `steps` steps (validated as any launch is)."""
+    from rollout_lens.server.routes import launch
+
+    try:
+        return launch.build_configs(launch.PRESETS[PRESET], {"steps": steps})
+    except launch.LaunchInvalid as exc:
+        raise RolloutLensError(f"invalid demo: {exc}") from None
+
+
+def compare_url(host: str, port: int, run_ids: Sequence[int]) -> str:
+    """The compare page of `run_ids` on the dashboard at host:port."""
+    shown = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}/compare?runs={','.join(str(i) for i in run_ids)}"
+
+
+def parallel_runs(settings: Settings) -> int:
+    """How many runs train at once: two when two cores are free for torch's threads, else one."""
+    threads = settings.torch_threads or (os.cpu_count() or 1)
+    return 2 if (os.cpu_count() or 1) >= 2 * threads else 1
+
+
+def train_all(
+    settings: Settings,
+    configs: Sequence[RunConfig],
+    run_ids: Sequence[int],
+    *,
+    workers: int,
+    report: Callable[[str], None],
+) -> list[int]:
+    """Train each run in its own process, `workers` at a time; returns the ids that failed."""
+    context = multiprocessing.get_context("spawn")  # torch may already be loaded here
+    pending = list(zip(run_ids, configs, strict=True))
+    running: dict[int, multiprocessing.process.BaseProcess] = {}
+    failed: list[int] = []
+    last = ""
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                run_id, config = pending.pop(0)
+                proc = context.Process(
+                    target=_train_one,
+                    args=(settings, config.model_dump(mode="json"), run_id),
+                    name=f"rollout-lens-demo-{run_id}",
+                )
+                proc.start()
+                running[run_id] = proc
+            time.sleep(POLL_SECONDS)
+            for run_id, proc in list(running.items()):
+                if not proc.is_alive():
+                    proc.join()
+                    del running[run_id]
+                    if proc.exitcode != 0:
+                        failed.append(run_id)
+            line = progress_line(settings, run_ids)
+            if line != last:
+                report(line)
+                last = line
+    finally:
+        # Interrupted: Ctrl-C reached the children too, and each marks its run cancelled; stop
+        # whatever is still training after a grace period (its run is then marked lost later).
+        for proc in running.values():
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+    return failed
+
+
+def progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
+    """One line: each run's variant, step, status and 25-step true accuracy."""
+    parts = []
+    with _session(settings) as session:
+        for run_id in run_ids:
+            run = store.get_run(session, run_id=run_id)
+            acc = run.recent_true_accuracy
+            text = f"{run.variant} {run.current_step}/{run.total_steps}"
+            if acc is not None:
+                text += f" acc25 {acc:.2f}"
+            if run.status != RunStatus.running:
+                text += f" ({run.status})"
+            parts.append(text)
+    return "  " + " | ".join(parts)
+
+
+def _train_one(settings: Settings, config: dict[str, Any], run_id: int) -> None:
+    """In a child process: train one created run (its failure is recorded on the run)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from rollout_lens.trainer.config import RunConfig
+    from rollout_lens.trainer.run import train
+
+    # A demo's output is its progress lines: no weight-loading bars, no library deprecations.
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    train(RunConfig.model_validate(config), settings=settings, run_id=run_id, log_line=_print_line)
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+@contextlib.contextmanager
+def _session(settings: Settings) -> Iterator[Session]:
+    """A session on the settings' database; the engine is disposed afterwards."""
+    engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            yield session
+    finally:
+        engine.dispose()
+
+
+def _migrate(settings: Settings) -> None:
+    from rollout_lens.server.app import prepare_database
+
+    prepare_database(settings)
+
+
+def _ensure_model(settings: Settings) -> None:
+    from rollout_lens.trainer.tiny_model import BUILD_STATS_FILE, ensure_tiny_model, tiny_model_dir
+
+    if not (tiny_model_dir(settings.models_dir) / BUILD_STATS_FILE).is_file():
+        print(
+            f"Building the tiny model once (about 2 minutes on 2 CPU cores; cached in "
+            f"{settings.models_dir}):",
+            flush=True,
+        )
+    ensure_tiny_model(settings.models_dir, log=_print_line)
+
+
+def _create_runs(settings: Settings, configs: Sequence[RunConfig]) -> list[int]:
+    with _session(settings) as session:
+        return [store.create_run(session, **c.run_columns()).id for c in configs]
+
+
+def _report_failures(settings: Settings, failed: Sequence[int]) -> int:
+    with _session(settings) as session:
+        for run_id in failed:
+            run = store.get_run(session, run_id=run_id)
+            first = (run.error or "no error recorded").splitlines()[0]
+            print(f"rollout-lens: run {run_id} ({run.name}) {run.status}: {first}", file=sys.stderr)
+    return 1
