@@ -1,9 +1,11 @@
-"""What recording costs: the same tiny GRPO run with and without the recorder, in one process.
+"""What recording costs: the same tiny GRPO run with and without recording, in one process.
 
-Alternates plain GRPOTrainer and RecordingGRPOTrainer (writing to a temporary SQLite file through
-the background writer) for a few rounds and prints the ratio of median step times.
+Two arms, each against a plain GRPOTrainer measured in the same rounds (alternating order):
+- launched: RecordingGRPOTrainer writing through the background StepWriter (runs from the form);
+- callback: an unmodified GRPOTrainer with RolloutLensCallback added (a user's own script).
+Both write to a temporary SQLite file; the ratio of median step times is printed per arm.
 
-    .venv/bin/python bench/overhead.py --steps 60 --rounds 3 --variant patched
+    .venv/bin/python bench/overhead.py --steps 60 --rounds 3 --variant patched [--arm both]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rollout_lens.server.config import get_settings  # noqa: E402
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
 from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
 from rollout_lens.server.migrate import upgrade  # noqa: E402
+from rollout_lens.trainer.callback import RolloutLensCallback  # noqa: E402
 from rollout_lens.trainer.grpo import Recorder  # noqa: E402
 from rollout_lens.trainer.run import default_control_tokens, make_trainer, resolve_model  # noqa: E402
 from rollout_lens.trainer.writer import StepWriter  # noqa: E402
@@ -45,13 +48,16 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._t)
 
 
-def one_run(config: RunConfig, model_path: str, tmp: Path, factory, record: bool) -> list[float]:  # type: ignore[no-untyped-def]
+def one_run(
+    config: RunConfig, model_path: str, tmp: Path, factory, arm: str, url: str
+) -> list[float]:  # type: ignore[no-untyped-def]
+    """Median-ready step times of one run; `arm` is plain, launched or callback."""
     set_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     control_tokens = default_control_tokens(tokenizer)
     writer = recorder = None
-    if record:
+    if arm == "launched":
         with session_scope(factory) as session:
             run_id = store.create_run(session, **config.run_columns()).id
         writer = StepWriter(
@@ -61,6 +67,8 @@ def one_run(config: RunConfig, model_path: str, tmp: Path, factory, record: bool
     trainer = make_trainer(
         config, model, tokenizer, tmp / "out", recorder=recorder, control_tokens=control_tokens
     )
+    if arm == "callback":  # what a user adds to their script, nothing else
+        trainer.add_callback(RolloutLensCallback(project="bench", database_url=url))
     timer = StepTimer()
     trainer.add_callback(timer)
     trainer.train()
@@ -74,7 +82,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variant", choices=["patched", "leaky"], default="patched")
+    parser.add_argument("--arm", choices=["launched", "callback", "both"], default="both")
     args = parser.parse_args()
+    arms = ["launched", "callback"] if args.arm == "both" else [args.arm]
     # Evaluation is a separate feature with its own cost: off in both arms.
     config = RunConfig(variant=args.variant, steps=args.steps, eval_every=0)
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -86,25 +96,28 @@ def main() -> None:
         model_path = resolve_model(config, settings, print)
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)  # as trainer.run.train does
-        plain: list[float] = []
-        recorded: list[float] = []
+        times: dict[str, list[float]] = {"plain": [], **{arm: [] for arm in arms}}
         for round_ in range(args.rounds):
-            for record in (False, True) if round_ % 2 == 0 else (True, False):
-                times = one_run(config, model_path, tmp, factory, record)
-                (recorded if record else plain).extend(times)
+            order = ["plain", *arms]
+            for arm in order if round_ % 2 == 0 else order[::-1]:
+                step_times = one_run(config, model_path, tmp, factory, arm, settings.database_url)
+                times[arm].extend(step_times)
                 print(
-                    f"round {round_ + 1} {'recorded' if record else 'plain   '}: median {statistics.median(times) * 1e3:.1f} ms/step"
+                    f"round {round_ + 1} {arm:<8}: median {statistics.median(step_times) * 1e3:.1f} ms/step"
                 )
-    p50_plain, p50_rec = statistics.median(plain), statistics.median(recorded)
-    mean_plain, mean_rec = statistics.fmean(plain), statistics.fmean(recorded)
+    plain = times["plain"]
     print(
         f"\n{args.variant}, {args.steps} steps x {args.rounds} rounds per arm ({len(plain)} timed steps each)"
     )
-    print(f"plain     median {p50_plain * 1e3:7.1f} ms/step   mean {mean_plain * 1e3:7.1f}")
-    print(f"recorded  median {p50_rec * 1e3:7.1f} ms/step   mean {mean_rec * 1e3:7.1f}")
-    print(
-        f"ratio recorded/plain: median {p50_rec / p50_plain:.3f}   mean {mean_rec / mean_plain:.3f}"
-    )
+    for arm, arm_times in times.items():
+        print(
+            f"{arm:<9} median {statistics.median(arm_times) * 1e3:7.1f} ms/step   mean {statistics.fmean(arm_times) * 1e3:7.1f}"
+        )
+    for arm in arms:
+        print(
+            f"ratio {arm}/plain: median {statistics.median(times[arm]) / statistics.median(plain):.3f}"
+            f"   mean {statistics.fmean(times[arm]) / statistics.fmean(plain):.3f}"
+        )
 
 
 if __name__ == "__main__":

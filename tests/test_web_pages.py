@@ -105,6 +105,38 @@ def test_run_page_shows_the_card_and_chart_specs(session_factory, client) -> Non
     assert page.find("a", cls="primary").attrs["href"] == f"/runs/{run_id}/steps/5"
 
 
+def test_external_runs_say_where_they_came_from_and_what_was_dropped(
+    session_factory, client
+) -> None:
+    from rollout_lens.server.models import RunSource
+
+    note = "<script>alert(1)</script> no control-token probabilities"
+    external = make_run(
+        session_factory, steps=2, seed=4, name="user run", source=RunSource.callback, notes=[note]
+    )
+    launched = make_run(session_factory, steps=2, seed=5, name="our run")
+    with session_scope(session_factory) as session:
+        store.set_dropped(session, run_id=external, steps=2, rollouts=16)
+
+    page = parse(client.get(f"/runs/{external}").text)
+    source = page.by_id("run-card").find("dd", **{"data-field": "source"})
+    assert "external" in source.text and "RolloutLensCallback" in source.text
+    assert "16 rollouts and 2 whole steps were dropped" in page.by_id("recording-gap").text
+    assert [li.text for li in page.find("ul", cls="recording-notes").find_all("li")] == [note]
+    assert "<script>alert(1)" not in client.get(f"/runs/{external}").text  # escaped
+
+    ours = parse(client.get(f"/runs/{launched}").text)
+    assert ours.by_id("run-card").find("dd", **{"data-field": "source"}).text == "launched here"
+    assert "recording-gap" not in client.get(f"/runs/{launched}").text
+    listing = parse(client.get("/").text)
+    badges = {
+        row.attrs["data-run-id"]: [b.text for b in row.find_all("span", cls="external")]
+        for row in listing.find_all("tr")
+        if "data-run-id" in row.attrs
+    }
+    assert badges == {str(external): ["external"], str(launched): []}
+
+
 def test_assets_are_local(session_factory, client) -> None:
     run_id = make_run(session_factory, steps=2)
     for url in ("/", f"/runs/{run_id}", f"/runs/{run_id}/steps/1", "/docs"):

@@ -4,7 +4,7 @@ pyproject.toml's `train` extra admits `trl>=1.0,<2` and `transformers>=4.56.2,<6
 end is what constraints.txt pins; the oldest end needs other pins (transformers 4.x brings an
 older tokenizers, huggingface_hub and datasets), listed in PINS as what differs from
 constraints.txt. Each venv gets torch==2.13.0 first (a bare torch would pull a CUDA build), then
-TRL with its pins, then this project in editable mode without extras, so the code under test is
+TRL with its pins, then this project in editable mode with its train extra, so the code under test is
 the checkout's. Venvs are cached by version under ROLLOUT_LENS_TEST_VENVS (or the given base),
 keyed by the checkout, its pyproject.toml, constraints.txt and the pins.
 """
