@@ -61,6 +61,7 @@ def run_dict(run: Run) -> dict[str, Any]:
         "dropped_steps": run.dropped_steps,
         "dropped_rollouts": run.dropped_rollouts,
         "notes": run.notes,
+        "judged": judged(run),
         "control_tokens": run.control_tokens,
         "config": run.config,
         "created_at": run.created_at.isoformat() if run.created_at else None,
@@ -68,6 +69,18 @@ def run_dict(run: Run) -> dict[str, Any]:
         "finished_at": run.finished_at.isoformat() if run.finished_at else None,
         "heartbeat_at": run.heartbeat_at.isoformat() if run.heartbeat_at else None,
     }
+
+
+JUDGEMENTS = ("vote", "true_score", "format_valid")
+
+
+def judged(run: Run) -> dict[str, bool]:
+    """Which judgements of a completion the run's recorder could make: all for runs launched
+    here; for external runs only those the user gave a function for (config["judged"])."""
+    given = (run.config or {}).get("judged")
+    if not isinstance(given, dict):
+        return dict.fromkeys(JUDGEMENTS, True)
+    return {name: bool(given.get(name)) for name in JUDGEMENTS}
 
 
 def step_dict(step: Step) -> dict[str, Any]:

@@ -200,6 +200,7 @@ def _write(
             "reward_columns": rewards,
             "extra_columns": extras,
             "verifier_reward": TOTAL if TOTAL in rewards else f"sum of {', '.join(components)}",
+            "judged": {"vote": False, "true_score": False, "format_valid": False},
         },
         status=RunStatus.completed,
         source=RunSource.trl_import,

@@ -185,7 +185,7 @@ def test_second_reward_and_gradient_accumulation(user_model_dir: Path, tmp_path:
         assert set(r["meta"]["rewards"]) == {"says_the_color", "is_short"}
         assert r["verifier_reward"] == pytest.approx(sum(r["meta"]["rewards"].values()))
         assert r["true_score"] is None  # no true_score function: not known, not guessed
-    assert all(s.true_accuracy is None for s in steps)
+    assert all(s.true_accuracy is None and s.vote_agreement is None for s in steps)
     assert "no true_score function given" in " ".join(run.notes)
 
 

@@ -111,8 +111,15 @@ def test_external_runs_say_where_they_came_from_and_what_was_dropped(
     from rollout_lens.server.models import RunSource
 
     note = "<script>alert(1)</script> no control-token probabilities"
+    judged = {"vote": False, "true_score": True, "format_valid": False}
     external = make_run(
-        session_factory, steps=2, seed=4, name="user run", source=RunSource.callback, notes=[note]
+        session_factory,
+        steps=2,
+        seed=4,
+        name="user run",
+        source=RunSource.callback,
+        notes=[note],
+        config={"judged": judged},
     )
     launched = make_run(session_factory, steps=2, seed=5, name="our run")
     with session_scope(session_factory) as session:
@@ -124,6 +131,11 @@ def test_external_runs_say_where_they_came_from_and_what_was_dropped(
     assert "16 rollouts and 2 whole steps were dropped" in page.by_id("recording-gap").text
     assert [li.text for li in page.find("ul", cls="recording-notes").find_all("li")] == [note]
     assert "<script>alert(1)" not in client.get(f"/runs/{external}").text  # escaped
+
+    # no vote function given: the viewer says so instead of calling every completion malformed
+    viewer = client.get(f"/runs/{external}/steps/1").text
+    assert "No votes recorded" in viewer and "malformed" not in viewer
+    assert "No votes recorded" not in client.get(f"/runs/{launched}/steps/1").text
 
     ours = parse(client.get(f"/runs/{launched}").text)
     assert ours.by_id("run-card").find("dd", **{"data-field": "source"}).text == "launched here"

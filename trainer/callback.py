@@ -185,6 +185,7 @@ class RolloutLensCallback(TrainerCallback):
         config = json.loads(args.to_json_string())
         config["project"] = self.project
         config["reward_funcs"] = list(getattr(trainer, "reward_func_names", []) or [])
+        config["judged"] = {name: fn is not None for name, fn in self.judges.items()}
         label = self.name or args.run_name or Path(args.output_dir or "run").name
         world = trainer.accelerator.num_processes
         group = int(getattr(trainer, "num_generations", None) or args.num_generations)
@@ -256,8 +257,11 @@ class RolloutLensCallback(TrainerCallback):
         series: dict[str, float | None] = {}
         if rollouts:
             values, series = summarize(rollouts, group_size, self.control_tokens)
+            # what no function judged is unknown, not zero
             if not self.judges["format_valid"]:
                 values["format_valid_rate"] = None
+            if not self.judges["vote"]:
+                values["vote_agreement"] = values["vote_entropy"] = None
             self._last_summary = (raw["rollout_step"], values, series)
         elif self._last_summary is not None and self._last_summary[0] == raw["rollout_step"]:
             values, series = dict(self._last_summary[1]), dict(self._last_summary[2])
