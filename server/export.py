@@ -28,7 +28,7 @@ from rollout_lens.server.exchange_format import (
     step_record,
 )
 from rollout_lens.server.models import Run
-from rollout_lens.server.packing import unpack_floats, unpack_ints, unpack_matrix
+from rollout_lens.server.serialize import rollout_dict
 from rollout_lens.server.series import STEP_SERIES
 from sqlalchemy.orm import Session
 
@@ -190,26 +190,11 @@ def _parquet_run(session: Session, run: Run) -> Iterator[bytes]:
     columns: dict[str, list[Any]] = {name: [] for name in schema.names}
     try:
         for rollout, prompt in store.iter_rollouts(session, run_id=run.id, batch=ROW_GROUP):
-            row = {
-                "run_id": rollout.run_id,
-                "step": rollout.step,
-                "group": rollout.group,
-                "index": rollout.index,
-                "prompt": prompt,
-                "completion": rollout.completion,
-                "completion_ids": unpack_ints(rollout.completion_ids),
-                "vote": rollout.vote,
-                "target": rollout.target,
-                "verifier_reward": rollout.verifier_reward,
-                "true_score": rollout.true_score,
-                "advantage": rollout.advantage,
-                "sum_logprob": rollout.sum_logprob,
-                "format_valid": rollout.format_valid,
-                "format_state": rollout.format_state,
-                "token_logprobs": unpack_floats(rollout.token_logprobs),
-                "control_probs": unpack_matrix(rollout.control_probs, len(tokens)),
-                "meta": json.dumps(rollout.meta, ensure_ascii=False),
-            }
+            # the API's shape, with the control-token probabilities as rows in header order
+            row = rollout_dict(rollout, prompt, tokens)
+            by_token = row.pop("control_token_probs")
+            row["control_probs"] = [by_token[t] for t in tokens]
+            row["meta"] = json.dumps(row["meta"], ensure_ascii=False)
             for name, value in row.items():
                 columns[name].append(value)
             if len(columns["run_id"]) >= ROW_GROUP:
