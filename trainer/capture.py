@@ -202,6 +202,8 @@ def _plain_columns(row: dict[str, Any]) -> dict[str, Any]:
             continue
         if isinstance(value, str):
             out[key] = value if len(value) <= 2000 else value[:2000] + "…"
-        elif isinstance(value, bool | int | float) or value is None:
+        elif isinstance(value, float):
+            out[key] = value if math.isfinite(value) else None  # JSON has no NaN
+        elif isinstance(value, bool | int) or value is None:
             out[key] = value
     return out

@@ -104,6 +104,7 @@ class Outbox:
         self._retry_at = 0.0
         self._retry_delay = RETRY_FIRST_SECONDS
         self._gave_up: str | None = None  # a permanent error: recording stops, training goes on
+        self._refusal_said = False
         self._engine: Engine | None = None
         self._factory: sessionmaker[Session] | None = None
         self._thread = threading.Thread(target=self._loop, name="rollout-lens-outbox", daemon=True)
@@ -240,14 +241,19 @@ class Outbox:
                 self._create_run(factory)
             while self._buffer:
                 pending = self._buffer[0]
-                self._write(factory, pending.record)
+                try:
+                    self._write(factory, pending.record)
+                except DBAPIError as exc:
+                    if _is_transient(exc):
+                        raise
+                    self._refused(pending.record, exc)  # this step only; the others go on
                 self._buffer.popleft()
                 self._buffered_bytes -= pending.size
                 self.written_steps += 1
             self._report_drops(factory)
         except (OperationalError, DBAPIError, OSError) as exc:
             if isinstance(exc, DBAPIError) and not _is_transient(exc):
-                self._give_up(exc)
+                self._give_up(exc)  # creating the run or migrating was refused
                 return False
             self._went_down(exc)
             return False
@@ -303,6 +309,17 @@ class Outbox:
         except IntegrityError:
             # The step is there already: a commit whose answer the connection lost. Not twice.
             log.info("Rollout Lens: step %d was already written", record.step)
+
+    def _refused(self, record: StepRecord, exc: DBAPIError) -> None:
+        self.dropped_steps += 1
+        if not self._refusal_said:
+            self._refusal_said = True
+            log.warning(
+                "Rollout Lens: the database refused step %d (dropped; later refusals are only "
+                "counted on the run): %s",
+                record.step,
+                _short(exc),
+            )
 
     def _report_drops(self, factory: sessionmaker[Session]) -> None:
         drops = (self.dropped_steps, self.dropped_rollouts)
