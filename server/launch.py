@@ -349,8 +349,12 @@ def start_form(preset_name: str = "", source: Mapping[str, Any] | None = None) -
     """The form page's context as first opened: RunConfig's defaults, a preset's values, or the
     config of the run `source` (a run_dict, for Clone). InvalidInput for an unknown preset."""
     if source is not None:
-        clone = {"id": source["id"], "name": source["name"], "has_config": bool(source["config"])}
-        return form_context(config_values(source["config"] or columns_config(source)), clone=clone)
+        # An external run's config is its own trainer's (a GRPOConfig, say), not a RunConfig.
+        launched = bool(source["config"]) and not source.get("external")
+        clone = {"id": source["id"], "name": source["name"], "has_config": launched}
+        return form_context(
+            config_values(source["config"] if launched else columns_config(source)), clone=clone
+        )
     if preset_name:
         preset = PRESETS.get(preset_name)
         if preset is None:

@@ -380,6 +380,18 @@ def test_clone_fills_the_form_with_a_runs_config(
     assert (
         page.by_id("f-seed").attrs["value"] == "9" and "own script" in page.by_id("clone-note").text
     )
+    # A callback run's config is its GRPOConfig, not ours: its columns fill the form too.
+    external = make_run(
+        session_factory,
+        steps=2,
+        seed=7,
+        source="callback",
+        config={"learning_rate": 0.5, "num_generations": 4, "judged": {"vote": False}},
+    )
+    page = parse(client.get(f"/runs/new?clone={external}").text)
+    assert page.by_id("f-seed").attrs["value"] == "7"
+    assert page.by_id("f-learning_rate").attrs["value"] != "0.5"
+    assert "not launched here" in page.by_id("clone-note").text
     assert client.get("/runs/new?clone=999").status_code == 404
     run_page = parse(client.get(f"/runs/{named['id']}").text)
     assert run_page.by_id("clone-link").attrs["href"] == f"/runs/new?clone={named['id']}"
