@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from rollout_lens.server import control, launch, queries
 from rollout_lens.server.deps import CeleryDep, SessionDep, render
 from rollout_lens.server.errors import BrokerUnavailable, InvalidState
+from rollout_lens.server.params import RunId
 from rollout_lens.server.responses import DataResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -119,14 +120,14 @@ async def launch_form(request: Request, session: SessionDep, celery: CeleryDep) 
 
 
 @router.post("/api/runs/{run_id}/cancel", tags=["actions"])
-def cancel_api(session: SessionDep, run_id: int) -> JSONResponse:
+def cancel_api(session: SessionDep, run_id: RunId) -> JSONResponse:
     """Cancel a queued run at once, or ask a running one to stop; 409 for a finished run."""
     control.cancel(session, run_id)
     return JSONResponse(queries.run_live(session, run_id=run_id))
 
 
 @router.post("/api/runs/{run_id}/resume", tags=["actions"])
-def resume_api(session: SessionDep, celery: CeleryDep, run_id: int) -> JSONResponse:
+def resume_api(session: SessionDep, celery: CeleryDep, run_id: RunId) -> JSONResponse:
     """Queue a lost, failed or cancelled run again to continue from its last checkpoint."""
     control.resume(session, celery, run_id)
     return JSONResponse(queries.run_live(session, run_id=run_id))
@@ -139,7 +140,7 @@ def _back_to_run(request: Request, run_id: int, notice: str = "") -> RedirectRes
 
 
 @router.post("/runs/{run_id}/cancel", include_in_schema=False)
-def cancel_form(request: Request, session: SessionDep, run_id: int) -> RedirectResponse:
+def cancel_form(request: Request, session: SessionDep, run_id: RunId) -> RedirectResponse:
     try:
         control.cancel(session, run_id)
     except InvalidState as exc:  # e.g. it finished while the page was open
@@ -149,7 +150,7 @@ def cancel_form(request: Request, session: SessionDep, run_id: int) -> RedirectR
 
 @router.post("/runs/{run_id}/resume", include_in_schema=False)
 def resume_form(
-    request: Request, session: SessionDep, celery: CeleryDep, run_id: int
+    request: Request, session: SessionDep, celery: CeleryDep, run_id: RunId
 ) -> RedirectResponse:
     try:
         control.resume(session, celery, run_id)
