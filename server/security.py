@@ -2,8 +2,8 @@
 
 In order, for every HTTP request:
 
-1. **Host.** The `Host` header must name this dashboard: `localhost`, `127.0.0.1`, `[::1]`, the
-   host `serve` listens on, or one of `ROLLOUT_LENS_ALLOWED_HOSTS` (`*`: any). Anything else is a
+1. **Host.** The `Host` header must name this dashboard: `localhost`, an IP address, the host
+   `serve` listens on, or one of `ROLLOUT_LENS_ALLOWED_HOSTS` (`*`: any). Any other name is a
    421 — a DNS-rebinding page (evil.example resolving to 127.0.0.1) never reaches the API.
 2. **Cross-site.** A state-changing request (POST, PUT, PATCH, DELETE) whose `Sec-Fetch-Site` is
    `cross-site` or `same-site`, or whose `Origin` is not this dashboard's own, is a 403.
@@ -201,7 +201,8 @@ class Guard:
         fresh_csrf: bool,
     ) -> Receive:
         """Raise Refused, or return the `receive` to pass on (a form's body is read and replayed)."""
-        if not self.any_host and host_name(headers.get("host", "")) not in self.hosts:
+        name = host_name(headers.get("host", ""))
+        if not (self.any_host or name in self.hosts or _is_ip_literal(name)):
             raise Refused(
                 421,
                 "this dashboard is not served under that host name; add it to "
@@ -286,6 +287,18 @@ class Guard:
         )
         response.headers.update(refusal.headers)
         return response
+
+
+def _is_ip_literal(name: str) -> bool:
+    """An address rather than a name: DNS rebinding needs a name, so any address may be used
+    (a team server reached as http://10.0.0.5:8000/)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def _from_browser(headers: Headers) -> bool:

@@ -167,3 +167,28 @@ def test_charts_and_docs_work_under_the_csp(
         assert [e for e in errors if "Content Security Policy" in e] == []
     finally:
         context.close()
+
+
+def test_the_delete_button_asks_first(
+    browser: Any, dashboard: tuple[str, sessionmaker[Session]]
+) -> None:
+    target, factory = dashboard
+    run_id = make_run(factory, steps=2, seed=5, status=RunStatus.completed)
+    context = browser.new_context(base_url=target)
+    context.set_default_timeout(10_000)
+    asked: list[str] = []
+    try:
+        page = context.new_page()
+        page.goto(f"/runs/{run_id}")
+        page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+        page.click("#delete-button")
+        assert asked and f"#{run_id}" in asked[0]
+        assert page.url.endswith(f"/runs/{run_id}")
+        page.once("dialog", lambda d: d.accept())
+        with page.expect_navigation():
+            page.click("#delete-button")
+        assert page.url == f"{target}/"
+        with factory() as session:
+            assert session.get(Run, run_id) is None
+    finally:
+        context.close()

@@ -148,12 +148,12 @@ def test_scripts_without_cookies_need_no_csrf_token(
     assert _runs(session_factory) == 1
 
 
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.2", ""])
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil", ""])
 def test_other_host_names_are_refused(client: TestClient, host: str) -> None:
     response = client.get("/api/runs", headers={"Host": host})
     assert response.status_code == 421
     assert "ROLLOUT_LENS_ALLOWED_HOSTS" in response.json()["detail"]
-    for ok in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
+    for ok in ("localhost:8000", "127.0.0.1", "[::1]:8000", "10.0.0.5:8000", "LOCALHOST"):
         assert client.get("/api/runs", headers={"Host": ok}).status_code == 200
 
 
@@ -201,14 +201,6 @@ def test_a_token_guards_every_change(
     bearer = {"Authorization": f"Bearer {TOKEN}"}
     assert _plain(guarded).post("/api/runs", json={"steps": 5}, headers=bearer).status_code == 201
     assert _runs(session_factory) == 2
-
-
-def test_the_python_client_sends_the_token(
-    guarded: TestClient, session_factory: sessionmaker[Session]
-) -> None:
-    from rollout_lens.client import Client
-
-    assert "Bearer" in Client("http://x", token=TOKEN)._http.headers["Authorization"]
 
 
 def test_sign_in_sets_a_strict_httponly_cookie_and_sign_out_clears_it(

@@ -146,14 +146,17 @@ def test_serve_refuses_every_interface_without_a_token(
 
 
 def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> None:
+    from rollout_lens.client import Client, ClientError
+
     port = _free_port()
     for extra_args, env_extra in (
         (["--insecure"], {}),
-        ([], {"ROLLOUT_LENS_AUTH_TOKEN": "tok-123"}),
+        ([], {"ROLLOUT_LENS_AUTH_TOKEN": "tok-123", "ROLLOUT_LENS_AUTH_READ": "true"}),
     ):
         env = _env(
             ROLLOUT_LENS_DATA_DIR=str(tmp_path), ROLLOUT_LENS_BROKER_URL="redis://127.0.0.1:1/0"
         )
+        base = f"http://127.0.0.1:{port}"
         with subprocess.Popen(
             [sys.executable, "-m", "rollout_lens", "serve", "--host", "0.0.0.0"]
             + ["--port", str(port), *extra_args],
@@ -163,18 +166,26 @@ def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> No
             stderr=subprocess.STDOUT,
             text=True,
         ) as proc:
+            lens = Client(base, token="tok-123" if env_extra else None, timeout=1)
             try:
-                body, started = None, time.perf_counter()
-                while body is None and time.perf_counter() - started < 20:
+                runs, started = None, time.perf_counter()
+                while runs is None and time.perf_counter() - started < 20:
                     try:
-                        url = f"http://127.0.0.1:{port}/api/runs"
-                        with urllib.request.urlopen(url, timeout=1) as response:
-                            body = response.read().decode()
-                    except OSError:
+                        runs = lens.runs()
+                    except ClientError as exc:
+                        assert exc.status is None, exc  # not up yet
                         assert proc.poll() is None, f"serve exited: {proc.communicate()[0]}"
                         time.sleep(0.05)
-                assert body == "[]"
+                assert runs == []
+                if env_extra:
+                    with Client(base) as anonymous, Client(base, token="wrong") as wrong:
+                        with pytest.raises(ClientError, match="needs a token") as refused:
+                            anonymous.runs()
+                        assert refused.value.status == 401
+                        with pytest.raises(ClientError, match="not valid"):
+                            wrong.runs()
             finally:
+                lens.close()
                 proc.terminate()
                 output = proc.communicate(timeout=30)[0]
         if extra_args:
