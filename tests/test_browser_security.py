@@ -4,6 +4,7 @@ Content-Security-Policy: the run page's Plotly charts and the API docs work unde
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -60,19 +61,17 @@ class _Quiet(SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def dashboard(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[str, sessionmaker[Session]]]:
-    data_dir = tmp_path_factory.mktemp("security-browser")
+@contextlib.contextmanager
+def _dashboard(data_dir: Path, **settings: Any) -> Iterator[tuple[str, sessionmaker[Session]]]:
+    """The app under uvicorn on a loopback port, on a fresh SQLite file in data_dir."""
     url = f"sqlite:///{data_dir / 'rollout-lens.db'}"
     engine = make_engine(url)
     upgrade(engine)
     factory = make_session_factory(engine)
     port = web_support.free_port()
-    settings = Settings(database_url=url, data_dir=data_dir, lost_after_seconds=3600)
+    config = Settings(database_url=url, data_dir=data_dir, lost_after_seconds=3600, **settings)
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -80,10 +79,20 @@ def dashboard(
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started, "uvicorn did not start"
-    yield f"http://127.0.0.1:{port}", factory
-    server.should_exit = True
-    thread.join(timeout=10)
-    engine.dispose()
+    try:
+        yield f"http://127.0.0.1:{port}", factory
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def dashboard(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, sessionmaker[Session]]]:
+    with _dashboard(tmp_path_factory.mktemp("security-browser")) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +201,44 @@ def test_the_delete_button_asks_first(
             assert session.get(Run, run_id) is None
     finally:
         context.close()
+
+
+def test_signing_in_with_a_token_in_the_browser(
+    browser: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    token = "browser-token-42"
+    with _dashboard(tmp_path_factory.mktemp("guarded"), auth_token=token) as (target, factory):
+        context = browser.new_context(base_url=target)
+        context.set_default_timeout(10_000)
+        try:
+            page = context.new_page()
+            page.goto("/runs/new")
+            with page.expect_navigation():
+                page.click("#launch-button")
+            assert "needs a token" in page.content()
+            assert _count(factory) == (0, 0)
+            page.goto("/")
+            with page.expect_navigation():
+                page.click("#login-link")
+            page.fill("#token", "wrong")
+            with page.expect_navigation():
+                page.click("#login-button")
+            assert page.locator("#login-error").is_visible()
+            assert "wrong" not in page.content()
+            page.fill("#token", token)
+            with page.expect_navigation():
+                page.click("#login-button")
+            (cookie,) = [c for c in context.cookies() if c["name"] == "rl_session"]
+            assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+            assert token not in cookie["value"]
+            page.goto("/runs/new")
+            page.fill("#f-steps", "5")
+            with page.expect_navigation():
+                page.click("#launch-button")
+            assert _count(factory) == (1, 0)
+            with page.expect_navigation():
+                page.click("#logout-button")
+            assert page.locator("#login-link").is_visible()
+            assert not [c for c in context.cookies() if c["name"] == "rl_session"]
+        finally:
+            context.close()
