@@ -93,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve beyond loopback without ROLLOUT_LENS_AUTH_TOKEN (anyone who reaches the "
+        "port can launch and delete runs)",
+    )
     serve.set_defaults(handler=_serve)
 
     build = sub.add_parser("build-model", help="build (or find cached) the default tiny model")
@@ -240,7 +246,22 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     from sqlalchemy.engine import make_url
 
     from rollout_lens.server.app import create_app, prepare_database
+    from rollout_lens.server.security import is_loopback_host
 
+    settings = _served_settings(settings, args.host)
+    if not is_loopback_host(args.host) and not settings.auth_token_list:
+        if not getattr(args, "insecure", False):
+            return _fail(
+                f"refusing to serve on {args.host} without an access token: anyone who can "
+                "reach this port could launch, cancel and delete runs. Set "
+                "ROLLOUT_LENS_AUTH_TOKEN (see README: Security), serve on 127.0.0.1, or pass "
+                "--insecure to do it anyway"
+            )
+        print(
+            f"rollout-lens: warning: serving on {args.host} with no access token (--insecure): "
+            "anyone who can reach this port can launch, cancel and delete runs",
+            file=sys.stderr,
+        )
     prepare_database(settings)
     database = make_url(settings.database_url).render_as_string(hide_password=True)
 
@@ -273,6 +294,18 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
                 worker.kill()
                 worker.wait()
     return 0
+
+
+def _served_settings(settings: Settings, host: str) -> Settings:
+    """The settings with the host served on among the allowed host names (and, on every
+    interface, this machine's own names)."""
+    import socket
+
+    names = [host]
+    if host in ("0.0.0.0", "::", ""):
+        names = [socket.gethostname(), socket.getfqdn()]
+    extra = ",".join([settings.allowed_hosts, *names])
+    return settings.model_copy(update={"allowed_hosts": extra})
 
 
 def _build_model(args: argparse.Namespace, settings: Settings) -> int:

@@ -51,8 +51,8 @@ class ClientError(Exception):
 
 
 class Client:
-    """A dashboard at `base_url`; `token` is sent as `Authorization: Bearer` (for a proxy in
-    front of the dashboard: the dashboard itself does not check it yet)."""
+    """A dashboard at `base_url`; `token` (one of its ROLLOUT_LENS_AUTH_TOKEN) is sent as
+    `Authorization: Bearer`: reading needs it where the dashboard sets ROLLOUT_LENS_AUTH_READ."""
 
     def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 60.0) -> None:
         self.base_url = base_url.rstrip("/")

@@ -76,7 +76,7 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
 
 def demo_configs(steps: int) -> list[RunConfig]:
     """The leaky-vs-patched preset's runs with `steps` steps (validated as any launch is)."""
-    from rollout_lens.server.routes import launch
+    from rollout_lens.server import launch
 
     try:
         return launch.build_configs(launch.PRESETS[PRESET], {"steps": steps})

@@ -8,14 +8,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from rollout_lens.server.cache import ResponseCache
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory
+from rollout_lens.server.deps import render
 from rollout_lens.server.error_pages import HANDLED, handle_error
-from rollout_lens.server.routes import actions, api, exchange, pages
+from rollout_lens.server.routes import actions, api, exchange, pages, signin
+from rollout_lens.server.security import Guard
 from rollout_lens.server.sweeper import SWEEP_SECONDS, sweep_lost_runs
 from rollout_lens.server.templating import STATIC_DIR, make_templates
 from rollout_lens.server.timing import ServerTiming
@@ -81,6 +82,7 @@ def create_app(
         redoc_url=None,
     )
     app.add_middleware(ServerTiming)
+    app.add_middleware(Guard, settings=settings)  # outermost: host, origin, token, CSRF, headers
     app.state.settings = settings
     app.state.session_factory = session_factory
     app.state.response_cache = ResponseCache(cache_size)
@@ -93,18 +95,14 @@ def create_app(
     app.include_router(api.router)
     app.include_router(actions.router)
     app.include_router(exchange.router)
+    app.include_router(signin.router)
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, handle_error)
 
     @app.get("/docs", include_in_schema=False)
     def docs(request: Request) -> HTMLResponse:
-        static = request.app.state.templates.env.globals["static"]
-        return get_swagger_ui_html(
-            openapi_url=app.openapi_url or "/openapi.json",
-            title="Rollout Lens API",
-            swagger_js_url=static(SWAGGER_JS),
-            swagger_css_url=static(SWAGGER_CSS),
-            swagger_favicon_url=static("favicon.svg"),
-        )
+        """Swagger UI from vendored files, started by static/docs.js (no inline script: CSP)."""
+        context = {"openapi_url": app.openapi_url or "/openapi.json"}
+        return render(request, "docs.html", context | {"js": SWAGGER_JS, "css": SWAGGER_CSS})
 
     return app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -47,6 +47,16 @@ class Settings(BaseSettings):
         30_000, ge=0, description="How long an SQLite writer waits for a lock before failing."
     )
 
+    auth_token: SecretStr = Field(
+        SecretStr(""),
+        description="Token(s), comma-separated, that changing anything needs (empty: none).",
+    )
+    auth_read: bool = Field(False, description="Whether reading also needs a token.")
+    allowed_hosts: str = Field(
+        "",
+        description="Extra host names (comma-separated) the dashboard answers to; `*`: any.",
+    )
+
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:
         if not self.database_url:
@@ -54,6 +64,19 @@ class Settings(BaseSettings):
         if self.model_cache_dir is None:
             self.model_cache_dir = self.data_dir / "models"
         return self
+
+    @property
+    def auth_token_list(self) -> list[str]:
+        """The access tokens (never logged or shown)."""
+        return [t.strip() for t in self.auth_token.get_secret_value().split(",") if t.strip()]
+
+    @property
+    def allowed_host_list(self) -> list[str]:
+        return [h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip()]
+
+    def run_dir(self, run_id: int) -> Path:
+        """Where a run's checkpoints and other files go (deleted with the run)."""
+        return self.data_dir / "runs" / str(run_id)
 
     @property
     def models_dir(self) -> Path:

@@ -6,13 +6,16 @@ they were. Routes call these; nothing here knows about requests.
 
 from __future__ import annotations
 
+import logging
+import shutil
 from collections.abc import Sequence
 
 from celery import Celery
-from rollout_lens.server import store
+from rollout_lens.server import deletion, store
+from rollout_lens.server.config import Settings
 from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.errors import BrokerUnavailable
-from rollout_lens.server.queue import check_broker, enqueue_run
+from rollout_lens.server.queue import check_broker, enqueue_run, revoke_task
 from sqlalchemy.orm import Session
 
 
@@ -28,7 +31,8 @@ def launch_runs(session: Session, celery: Celery, configs: Sequence[RunConfig]) 
     session.commit()
     try:
         for run_id in ids:
-            enqueue_run(celery, run_id=run_id)
+            store.set_task_id(session, run_id=run_id, task_id=enqueue_run(celery, run_id=run_id))
+            session.commit()  # remembered so that deleting the queued run can revoke it
     except BrokerUnavailable:
         store.discard_queued_runs(session, run_ids=ids)
         session.commit()
@@ -50,10 +54,28 @@ def resume(session: Session, celery: Celery, run_id: int) -> None:
     store.requeue_for_resume(session, run_id=run_id)
     session.commit()
     try:
-        enqueue_run(celery, run_id=run_id)
+        store.set_task_id(session, run_id=run_id, task_id=enqueue_run(celery, run_id=run_id))
+        session.commit()
     except BrokerUnavailable:
         store.restore_status(
             session, run_id=run_id, status=status, error=error, finished_at=finished_at
         )
         session.commit()
         raise
+
+
+log = logging.getLogger(__name__)
+
+
+def delete(session: Session, celery: Celery, settings: Settings, run_id: int) -> None:
+    """Delete a run that is not training (InvalidState for a running one: cancel it first) with
+    everything recorded for it and its files under the data dir; a queued run's broker message
+    is revoked (best effort: a worker that gets it anyway finds no run and skips it)."""
+    task_id = deletion.delete_run(session, run_id=run_id)
+    session.commit()
+    if task_id:
+        try:
+            revoke_task(celery, task_id)
+        except (BrokerUnavailable, NotImplementedError) as exc:  # the run is gone either way
+            log.info("could not revoke task %s of deleted run %s: %s", task_id, run_id, exc)
+    shutil.rmtree(settings.run_dir(run_id), ignore_errors=True)

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Annotated
 
+from fastapi import Path, Query
 from rollout_lens.server.errors import InvalidInput
+
+MAX_ID = 2**31 - 1  # the largest id or step the databases store (a 32-bit INTEGER)
+
+# Path and query integers are validated once, here: an out-of-range value is a 422 naming it,
+# never a database error.
+RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="a run's id")]
+StepNo = Annotated[int, Path(ge=0, le=MAX_ID, description="a recorded step")]
+OptionalStep = Annotated[int | None, Query(ge=0, le=MAX_ID, description="a step")]
+OptionalRunId = Annotated[int | None, Query(ge=1, le=MAX_ID, description="a run's id")]
 
 
 def split_list(values: Iterable[str] | None) -> list[str]:
@@ -16,6 +27,10 @@ def run_ids(values: Iterable[str] | None) -> list[int]:
     """Run ids from `runs=1,2` or `runs=1&runs=2`."""
     items = split_list(values)
     try:
-        return [int(item) for item in items]
+        ids = [int(item) for item in items]
     except ValueError:
         raise InvalidInput(f"run ids must be whole numbers, got {', '.join(items)}") from None
+    out_of_range = [str(i) for i in ids if not 1 <= i <= MAX_ID]
+    if out_of_range:
+        raise InvalidInput(f"run ids go from 1 to {MAX_ID}, got {', '.join(out_of_range)}")
+    return ids

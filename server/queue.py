@@ -70,6 +70,18 @@ def enqueue_run(app: Celery, *, run_id: int, timeout: float = 3.0) -> str:
     return str(result.id)
 
 
+def revoke_task(app: Celery, task_id: str, *, timeout: float = 3.0) -> None:
+    """Ask workers to drop a queued task's message; BrokerUnavailable if the broker is away."""
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout)
+            app.control.revoke(task_id, connection=conn)
+    except (OperationalError, OSError, ConnectionError) as exc:
+        raise BrokerUnavailable(
+            f"the task queue at {_safe_url(app)} cannot be reached: {exc}"
+        ) from exc
+
+
 def check_broker(app: Celery, *, timeout: float = 3.0) -> None:
     """Raise BrokerUnavailable unless the broker accepts a connection."""
     try:

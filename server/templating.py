@@ -67,7 +67,28 @@ def make_templates() -> Jinja2Templates:
             return False
         return True
 
-    env.globals.update(url_for=url_for, static=static, has_route=has_route, window=WINDOW)
+    @jinja2.pass_context
+    def csrf_token(context: Any) -> str:
+        """This browser's CSRF token (security.Guard sets it), for forms and scripts."""
+        return str(getattr(context["request"].state, "csrf_token", ""))
+
+    @jinja2.pass_context
+    def access(context: Any) -> dict[str, bool]:
+        """Whether tokens are required, and whether this browser is signed in (the top bar)."""
+        state = context["request"].state
+        return {
+            "enabled": bool(getattr(state, "auth_enabled", False)),
+            "signed_in": bool(getattr(state, "signed_in", False)),
+        }
+
+    env.globals.update(
+        url_for=url_for,
+        static=static,
+        has_route=has_route,
+        window=WINDOW,
+        csrf_token=csrf_token,
+        access=access,
+    )
     env.filters.update(
         num=fmt_num,
         prob=prob_text,

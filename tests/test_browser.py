@@ -280,17 +280,17 @@ def test_pages_follow_a_training_run(tab: Tab, served: Served) -> None:
         values = {"reward_mean": acc, "true_accuracy": acc}
         record_step(served.factory, run, step, values=values, rollouts=rollouts)
     page.wait_for_function(
-        "document.querySelector('#run-card [data-field=current_step]').textContent === '12'"
+        "() => document.querySelector('#run-card [data-field=current_step]').textContent === '12'"
     )
     length = "document.getElementById('fig-reward').data.find(t => t.meta.part === 'y').x.length"
-    page.wait_for_function(f"{length} === 12")
+    page.wait_for_function(f"() => {length} === 12")
     runs_page.wait_for_function(
-        f"document.querySelector(\"tr[data-run-id='{run}'] [data-field=current_step]\").textContent === '12'"
+        f"() => document.querySelector(\"tr[data-run-id='{run}'] [data-field=current_step]\").textContent === '12'"
     )
     with session_scope(served.factory) as session:
         store.mark_finished(session, run_id=run, status=RunStatus.completed)
     page.wait_for_function(
-        "document.querySelector('#run-card [data-field=status] .badge').textContent === 'completed'"
+        "() => document.querySelector('#run-card [data-field=status] .badge').textContent === 'completed'"
     )
     assert page.locator("#live").is_hidden()
     runs_page.close()

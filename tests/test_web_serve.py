@@ -131,3 +131,64 @@ def test_serve_refuses_a_postgres_database_that_is_behind(
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def test_serve_refuses_every_interface_without_a_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("ROLLOUT_LENS_AUTH_TOKEN", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "without an access token" in err and "ROLLOUT_LENS_AUTH_TOKEN" in err
+    assert "--insecure" in err
+    assert not (tmp_path / "rollout-lens.db").exists()  # refused before touching anything
+
+
+def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> None:
+    from rollout_lens.client import Client, ClientError
+
+    port = _free_port()
+    for extra_args, env_extra in (
+        (["--insecure"], {}),
+        ([], {"ROLLOUT_LENS_AUTH_TOKEN": "tok-123", "ROLLOUT_LENS_AUTH_READ": "true"}),
+    ):
+        env = _env(
+            ROLLOUT_LENS_DATA_DIR=str(tmp_path), ROLLOUT_LENS_BROKER_URL="redis://127.0.0.1:1/0"
+        )
+        base = f"http://127.0.0.1:{port}"
+        with subprocess.Popen(
+            [sys.executable, "-m", "rollout_lens", "serve", "--host", "0.0.0.0"]
+            + ["--port", str(port), *extra_args],
+            env=env | env_extra,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ) as proc:
+            lens = Client(base, token="tok-123" if env_extra else None, timeout=1)
+            try:
+                runs, started = None, time.perf_counter()
+                while runs is None and time.perf_counter() - started < 20:
+                    try:
+                        runs = lens.runs()
+                    except ClientError as exc:
+                        assert exc.status is None, exc  # not up yet
+                        assert proc.poll() is None, f"serve exited: {proc.communicate()[0]}"
+                        time.sleep(0.05)
+                assert runs == []
+                if env_extra:
+                    with Client(base) as anonymous, Client(base, token="wrong") as wrong:
+                        with pytest.raises(ClientError, match="needs a token") as refused:
+                            anonymous.runs()
+                        assert refused.value.status == 401
+                        with pytest.raises(ClientError, match="not valid"):
+                            wrong.runs()
+            finally:
+                lens.close()
+                proc.terminate()
+                output = proc.communicate(timeout=30)[0]
+        if extra_args:
+            assert "warning: serving on 0.0.0.0 with no access token" in output
+        else:
+            assert "warning" not in output and "tok-123" not in output

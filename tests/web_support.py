@@ -36,12 +36,26 @@ VOID = {
 }
 
 
+CSRF = "test-csrf-token-0123456789abcdefghijklmnopqrstuvwxyz"
+
+
 def client_for(factory: sessionmaker[Session], **settings: Any) -> TestClient:
     """The app on the test's database (the factory of the `engine` fixture: SQLite or Postgres),
-    with further settings (e.g. data_dir, where the embedded broker keeps its messages)."""
+    with further settings (e.g. data_dir, where the embedded broker keeps its messages).
+
+    It talks to the app as the dashboard's own pages do: on a loopback host name, with the
+    CSRF cookie and the X-CSRF-Token header its scripts send (tests/test_security.py checks
+    what happens without them)."""
     url = factory.kw["bind"].url.render_as_string(hide_password=False)
     app = create_app(Settings(database_url=url, **settings), session_factory=factory)
-    return TestClient(app)
+    return browser_like(TestClient(app, base_url="http://127.0.0.1"))
+
+
+def browser_like(client: TestClient) -> TestClient:
+    """A client that sends the CSRF cookie and header of a same-origin page."""
+    client.cookies.set("rl_csrf", CSRF)
+    client.headers["X-CSRF-Token"] = CSRF
+    return client
 
 
 @dataclass
@@ -257,6 +271,15 @@ def record_supervised_run(factory: sessionmaker[Session], *, steps: int = 3) -> 
         hinted.meta = hinted.meta | {"supervised": "hint", "hint_shown": HINT}
         record_step(factory, run_id, step, rollouts=rollouts)
     return run_id
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (.ci/run installs it); no browser downloads here

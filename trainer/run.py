@@ -269,8 +269,8 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
 
 
 def run_output_dir(settings: Settings, run_id: int) -> Path:
-    """Where a run's checkpoints go."""
-    return settings.data_dir / "runs" / str(run_id)
+    """Where a run's checkpoints go (Settings.run_dir: deleting the run removes it)."""
+    return settings.run_dir(run_id)
 
 
 def resume_step(settings: Settings, run_id: int, checkpoint_step: int | None) -> int:

@@ -1,7 +1,8 @@
-"""Every endpoint that changes something: launch, cancel, resume (JSON API and HTML forms).
+"""Every endpoint that changes something: launch, cancel, resume, delete (JSON API and forms).
 
-They are all here, behind one router dependency (`authorize`), so that access control — a token
-when the dashboard is served beyond loopback — has exactly one place to go.
+Who may call them, and from where, is decided before they run, for every request, by the Guard
+middleware (server/security.py): the Host check, the same-origin rule, the access token and the
+CSRF token.
 """
 
 from __future__ import annotations
@@ -10,21 +11,17 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from rollout_lens.server import control, launch, queries
-from rollout_lens.server.deps import CeleryDep, SessionDep, render
+from rollout_lens.server.deps import CeleryDep, SessionDep, SettingsDep, render
 from rollout_lens.server.errors import BrokerUnavailable, InvalidState
+from rollout_lens.server.params import RunId
 from rollout_lens.server.responses import DataResponse
 from starlette.concurrency import run_in_threadpool
 
-
-def authorize(request: Request) -> None:
-    """Where a token check goes once the dashboard is served beyond loopback."""
-
-
-router = APIRouter(dependencies=[Depends(authorize)])
+router = APIRouter()
 
 LAUNCH_EXAMPLES = {
     "config": {
@@ -119,14 +116,14 @@ async def launch_form(request: Request, session: SessionDep, celery: CeleryDep) 
 
 
 @router.post("/api/runs/{run_id}/cancel", tags=["actions"])
-def cancel_api(session: SessionDep, run_id: int) -> JSONResponse:
+def cancel_api(session: SessionDep, run_id: RunId) -> JSONResponse:
     """Cancel a queued run at once, or ask a running one to stop; 409 for a finished run."""
     control.cancel(session, run_id)
     return JSONResponse(queries.run_live(session, run_id=run_id))
 
 
 @router.post("/api/runs/{run_id}/resume", tags=["actions"])
-def resume_api(session: SessionDep, celery: CeleryDep, run_id: int) -> JSONResponse:
+def resume_api(session: SessionDep, celery: CeleryDep, run_id: RunId) -> JSONResponse:
     """Queue a lost, failed or cancelled run again to continue from its last checkpoint."""
     control.resume(session, celery, run_id)
     return JSONResponse(queries.run_live(session, run_id=run_id))
@@ -139,7 +136,7 @@ def _back_to_run(request: Request, run_id: int, notice: str = "") -> RedirectRes
 
 
 @router.post("/runs/{run_id}/cancel", include_in_schema=False)
-def cancel_form(request: Request, session: SessionDep, run_id: int) -> RedirectResponse:
+def cancel_form(request: Request, session: SessionDep, run_id: RunId) -> RedirectResponse:
     try:
         control.cancel(session, run_id)
     except InvalidState as exc:  # e.g. it finished while the page was open
@@ -149,10 +146,38 @@ def cancel_form(request: Request, session: SessionDep, run_id: int) -> RedirectR
 
 @router.post("/runs/{run_id}/resume", include_in_schema=False)
 def resume_form(
-    request: Request, session: SessionDep, celery: CeleryDep, run_id: int
+    request: Request, session: SessionDep, celery: CeleryDep, run_id: RunId
 ) -> RedirectResponse:
     try:
         control.resume(session, celery, run_id)
     except (InvalidState, BrokerUnavailable) as exc:
         return _back_to_run(request, run_id, f"Not resumed: {exc}")
     return _back_to_run(request, run_id)
+
+
+# --- delete -------------------------------------------------------------------------------------
+
+
+@router.delete(
+    "/api/runs/{run_id}",
+    tags=["actions"],
+    responses={409: {"description": "The run is training: cancel it first"}},
+)
+def delete_api(
+    session: SessionDep, celery: CeleryDep, settings: SettingsDep, run_id: RunId
+) -> JSONResponse:
+    """Delete a run and everything recorded for it (steps, rollouts, metrics, checkpoints); a
+    queued run's message is revoked. A running run is refused with 409: cancel it first."""
+    control.delete(session, celery, settings, run_id)
+    return JSONResponse({"deleted": run_id})
+
+
+@router.post("/runs/{run_id}/delete", include_in_schema=False)
+def delete_form(
+    request: Request, session: SessionDep, celery: CeleryDep, settings: SettingsDep, run_id: RunId
+) -> RedirectResponse:
+    try:
+        control.delete(session, celery, settings, run_id)
+    except InvalidState as exc:
+        return _back_to_run(request, run_id, f"Not deleted: {exc}")
+    return RedirectResponse(str(request.app.url_path_for("runs_page")), 303)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from rollout_lens.server import charts, launch, queries
 from rollout_lens.server.deps import AlertCacheDep, CacheDep, SessionDep
-from rollout_lens.server.params import run_ids, split_list
+from rollout_lens.server.params import MAX_ID, RunId, StepNo, run_ids, split_list
 from rollout_lens.server.responses import (
     DataResponse,
     alerts_of_runs,
@@ -34,7 +34,7 @@ def list_runs(
         list[str] | None, Query(description="only these run ids (comma-separated)")
     ] = None,
     after: Annotated[
-        int | None, Query(description="only runs newer than this id (or in ids)")
+        int | None, Query(ge=0, le=MAX_ID, description="only runs newer than this id (or in ids)")
     ] = None,
 ) -> DataResponse:
     """Runs with status, progress and last-25-step figures (the runs page)."""
@@ -48,7 +48,7 @@ def list_runs(
 
 @router.get("/runs/{run_id}", response_class=DataResponse)
 def get_run(
-    request: Request, session: SessionDep, cache: AlertCacheDep, run_id: int
+    request: Request, session: SessionDep, cache: AlertCacheDep, run_id: RunId
 ) -> DataResponse:
     """A run's card, its first and last recorded steps, the names of its series, its live state
     (place in the queue, speed, ETA) and its alerts (the run page)."""
@@ -57,7 +57,7 @@ def get_run(
 
 
 @router.get("/runs/{run_id}/progress", response_class=DataResponse)
-def get_progress(session: SessionDep, run_id: int) -> DataResponse:
+def get_progress(session: SessionDep, run_id: RunId) -> DataResponse:
     """A run's live state: status, step, place in the queue, steps per second, ETA, and whether
     it can be cancelled or resumed. Cheap (a few index seeks): what live pages poll."""
     return DataResponse(queries.run_live(session, run_id=run_id))
@@ -68,12 +68,16 @@ def get_series(
     request: Request,
     session: SessionDep,
     cache: CacheDep,
-    run_id: int,
+    run_id: RunId,
     names: Annotated[
         list[str] | None, Query(description="series names, comma-separated (default: all)")
     ] = None,
-    since: Annotated[int, Query(ge=0, description="only steps after this one (the cursor)")] = 0,
-    until: Annotated[int | None, Query(ge=0, description="only steps up to this one")] = None,
+    since: Annotated[
+        int, Query(ge=0, le=MAX_ID, description="only steps after this one (the cursor)")
+    ] = 0,
+    until: Annotated[
+        int | None, Query(ge=0, le=MAX_ID, description="only steps up to this one")
+    ] = None,
     full: Annotated[bool, Query(description="every step, never downsampled")] = False,
     max_points: Annotated[
         int, Query(ge=10, le=100_000, description="points per series before downsampling")
@@ -108,8 +112,10 @@ def get_alerts(
     request: Request,
     session: SessionDep,
     cache: CacheDep,
-    run_id: int,
-    since: Annotated[int, Query(ge=0, description="only alerts after this step (the cursor)")] = 0,
+    run_id: RunId,
+    since: Annotated[
+        int, Query(ge=0, le=MAX_ID, description="only alerts after this step (the cursor)")
+    ] = 0,
 ) -> Response:
     """Alerts (control-token spike, collapse, reward hacking, signal loss) with their steps."""
     return versioned(
@@ -144,7 +150,7 @@ def list_presets() -> DataResponse:
 
 
 @router.get("/runs/{run_id}/steps/{step}", response_class=DataResponse)
-def get_step(session: SessionDep, run_id: int, step: int) -> DataResponse:
+def get_step(session: SessionDep, run_id: RunId, step: StepNo) -> DataResponse:
     """One step: its metrics, groups, vote histograms and rollouts with per-token arrays."""
     return DataResponse(queries.step_detail(session, run_id=run_id, step=step))
 
@@ -153,7 +159,9 @@ def get_step(session: SessionDep, run_id: int, step: int) -> DataResponse:
 def get_compare(
     session: SessionDep,
     runs: Annotated[list[str], Query(description="two or more run ids, comma-separated")],
-    step: Annotated[int | None, Query(ge=0, description="the step shown side by side")] = None,
+    step: Annotated[
+        int | None, Query(ge=0, le=MAX_ID, description="the step shown side by side")
+    ] = None,
 ) -> DataResponse:
     """Runs side by side: series, summary (convergence, stability, cost), config diff, one step."""
     return DataResponse(queries.compare(session, run_ids=run_ids(runs), step=step))

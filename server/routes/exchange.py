@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from rollout_lens.server import export, store
 from rollout_lens.server.deps import SessionDep
+from rollout_lens.server.params import RunId
 from sqlalchemy.orm import Session, sessionmaker
 
 router = APIRouter(prefix="/api", tags=["export"])
@@ -18,7 +19,7 @@ router = APIRouter(prefix="/api", tags=["export"])
 def export_run(
     request: Request,
     session: SessionDep,
-    run_id: int,
+    run_id: RunId,
     format: Annotated[
         Literal["jsonl", "parquet", "csv"], Query(description="csv: with what=steps only")
     ] = "jsonl",

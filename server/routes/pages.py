@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from rollout_lens.server import launch, queries, views
 from rollout_lens.server.deps import AlertCacheDep, SessionDep, render
-from rollout_lens.server.params import run_ids
+from rollout_lens.server.params import OptionalRunId, OptionalStep, RunId, StepNo, run_ids
 from rollout_lens.server.responses import run_alerts
 
 router = APIRouter(include_in_schema=False)
@@ -41,7 +41,7 @@ def runs_page(
 
 @router.get("/runs/new", name="new_run_page")
 def new_run_page(
-    request: Request, session: SessionDep, preset: str = "", clone: int | None = None
+    request: Request, session: SessionDep, preset: str = "", clone: OptionalRunId = None
 ) -> HTMLResponse:
     """The launch form: RunConfig's defaults, a preset's values, or a run's config (Clone)."""
     source = None if clone is None else queries.run_card(session, run_id=clone)
@@ -53,7 +53,7 @@ def run_page(
     request: Request,
     session: SessionDep,
     cache: AlertCacheDep,
-    run_id: int,
+    run_id: RunId,
     full: bool = False,
     notice: str = "",
 ) -> HTMLResponse:
@@ -65,7 +65,7 @@ def run_page(
 
 @router.get("/runs/{run_id}/steps", name="step_jump")
 def step_jump(
-    request: Request, session: SessionDep, run_id: int, step: int | None = None
+    request: Request, session: SessionDep, run_id: RunId, step: OptionalStep = None
 ) -> RedirectResponse:
     found = queries.resolve_step(session, run_id=run_id, step=step)
     url = request.app.url_path_for("step_page", run_id=run_id, step=found)
@@ -74,14 +74,14 @@ def step_jump(
 
 @router.get("/runs/{run_id}/steps/{step}", name="step_page")
 def step_page(
-    request: Request, session: SessionDep, run_id: int, step: int, group: int = 0
+    request: Request, session: SessionDep, run_id: RunId, step: StepNo, group: int = 0
 ) -> HTMLResponse:
     detail = queries.step_detail(session, run_id=run_id, step=step)
     return render(request, "step.html", views.step_page(detail, group))
 
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
-def step_card(request: Request, session: SessionDep, run_id: int, step: int) -> HTMLResponse:
+def step_card(request: Request, session: SessionDep, run_id: RunId, step: StepNo) -> HTMLResponse:
     """The compact step card the compare page swaps in when its step control moves."""
     detail = queries.step_detail(session, run_id=run_id, step=step)
     return render(request, "_step_card.html", {"d": detail, "run": detail["run"]})
@@ -92,7 +92,7 @@ def compare_page(
     request: Request,
     session: SessionDep,
     runs: Annotated[list[str] | None, Query()] = None,
-    step: int | None = None,
+    step: OptionalStep = None,
 ) -> HTMLResponse:
     data = queries.compare(session, run_ids=run_ids(runs), step=step)
     return render(request, "compare.html", views.compare_page(data, _url(request)))

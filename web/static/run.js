@@ -73,6 +73,7 @@
     }
     document.getElementById("cancel-form").hidden = !live.can_cancel;
     document.getElementById("resume-form").hidden = !live.can_resume;
+    document.getElementById("delete-form").hidden = live.status === "running";
     document.getElementById("live").hidden = !live.active;
     document.body.dataset.status = live.status;
   }
@@ -119,6 +120,11 @@
     document.body.dataset.chartsReady = "true";
     if (page.active) setTimeout(poll, page.poll_ms);
   }
+
+  const deleteForm = document.getElementById("delete-form");
+  deleteForm.addEventListener("submit", (event) => {
+    if (!window.confirm(deleteForm.dataset.confirm)) event.preventDefault();
+  });
 
   const other = document.getElementById("other-series");
   if (other) {

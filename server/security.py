@@ -1,0 +1,349 @@
+"""Who may change what, and from where: one ASGI middleware in front of every request.
+
+In order, for every HTTP request:
+
+1. **Host.** The `Host` header must name this dashboard: `localhost`, an IP address, the host
+   `serve` listens on, or one of `ROLLOUT_LENS_ALLOWED_HOSTS` (`*`: any). Any other name is a
+   421 — a DNS-rebinding page (evil.example resolving to 127.0.0.1) never reaches the API.
+2. **Cross-site.** A state-changing request (POST, PUT, PATCH, DELETE) whose `Sec-Fetch-Site` is
+   `cross-site` or `same-site`, or whose `Origin` is not this dashboard's own, is a 403.
+3. **Token.** With `ROLLOUT_LENS_AUTH_TOKEN` set, state-changing requests (every request, with
+   `ROLLOUT_LENS_AUTH_READ`) need one of its tokens: `Authorization: Bearer <token>`, or the
+   session cookie the sign-in form (`/login`) sets. Tokens are compared in constant time and never
+   logged, echoed or stored in the cookie (the cookie holds an HMAC of the token).
+4. **CSRF.** A state-changing request from a browser (one that carries cookies, `Origin` or
+   `Sec-Fetch-*` headers) and not authenticated by a Bearer header must carry the CSRF token of
+   its double-submit cookie: in the form field `csrf_token` or the `X-CSRF-Token` header. Pages
+   put the token in their forms and in `<meta name="csrf-token">` for scripts.
+
+Every response gets the security headers (CSP without inline scripts, nosniff, referrer policy,
+frame denial). Refusals are rendered by the one error handler (JSON for the API, a page otherwise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import parse_qs, quote, urlsplit
+
+from rollout_lens.server.config import Settings
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+CSP = "; ".join(
+    [
+        "default-src 'self'",
+        "script-src 'self'",  # no inline scripts, no eval: page data is a JSON block
+        "style-src 'self' 'unsafe-inline'",  # Plotly and Swagger UI set styles at run time
+        "img-src 'self' data:",
+        "font-src 'self' data:",
+        "connect-src 'self'",
+        "object-src 'none'",
+        "base-uri 'none'",
+        "form-action 'self'",
+        "frame-ancestors 'none'",
+    ]
+)
+SECURITY_HEADERS = {
+    "content-security-policy": CSP,
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+    "x-frame-options": "DENY",
+    "cross-origin-opener-policy": "same-origin",
+}
+
+SESSION_COOKIE = "rl_session"
+CSRF_COOKIE = "rl_csrf"
+CSRF_FIELD = "csrf_token"
+CSRF_HEADER = "x-csrf-token"
+UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+PUBLIC_PREFIXES = ("/static/", "/login", "/logout")  # reachable without a token
+MAX_FORM_BYTES = 1 << 20  # a form larger than this is not searched for its CSRF token
+_SESSION_MESSAGE = b"rollout-lens session v1"
+
+
+# --- tokens ---------------------------------------------------------------------------------------
+
+
+def matches_token(candidate: str, tokens: Iterable[str]) -> bool:
+    """Whether `candidate` is one of `tokens`, comparing each in constant time (all of them)."""
+    return find_token(candidate, tokens) is not None
+
+
+def session_value(token: str) -> str:
+    """What the session cookie holds for a token: an HMAC keyed by it, never the token itself."""
+    return hmac.new(token.encode(), _SESSION_MESSAGE, hashlib.sha256).hexdigest()
+
+
+def valid_session(cookie: str, tokens: Iterable[str]) -> bool:
+    found = False
+    for token in tokens:
+        found |= hmac.compare_digest(cookie.encode(), session_value(token).encode())
+    return found
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether serving on `host` is reachable from this machine only."""
+    import ipaddress
+
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(host_header: str) -> str:
+    """`example.org:8000` → `example.org`; `[::1]:8000` → `[::1]` (lower case)."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def allowed_hosts(settings: Settings) -> frozenset[str]:
+    names = {
+        n if ":" not in n or n.startswith("[") else f"[{n}]" for n in settings.allowed_host_list
+    }
+    return LOOPBACK_NAMES | names
+
+
+def safe_next(target: str) -> str:
+    """A sign-in's `next`: a path on this site only (never `//other.example` or a full URL)."""
+    if not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return "/"
+    return target
+
+
+def find_token(candidate: str, tokens: Iterable[str]) -> str | None:
+    """The token `candidate` equals, compared in constant time against every token."""
+    found = None
+    for token in tokens:
+        if hmac.compare_digest(candidate.encode(), token.encode()):
+            found = token
+    return found
+
+
+# --- the middleware -------------------------------------------------------------------------------
+
+
+class Refused(Exception):
+    """A request the guard turns away (rendered by the app's one error handler)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+class Guard:
+    """The pure ASGI middleware described in the module docstring."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.tokens = settings.auth_token_list
+        self.auth_read = settings.auth_read
+        self.any_host = "*" in settings.allowed_host_list
+        self.hosts = allowed_hosts(settings)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        state = scope.setdefault("state", {})
+        cookies = Request(scope).cookies
+        csrf = cookies.get(CSRF_COOKIE, "")
+        fresh_csrf = len(csrf) < 32
+        if fresh_csrf:
+            csrf = secrets.token_urlsafe(32)
+        state["csrf_token"] = csrf
+        state["auth_enabled"] = bool(self.tokens)
+        state["signed_in"] = bool(self.tokens) and valid_session(
+            cookies.get(SESSION_COOKIE, ""), self.tokens
+        )
+        secure = scope.get("scheme") == "https"
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                out = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    if name not in out:
+                        out[name] = value
+                if fresh_csrf and not scope["path"].startswith("/static/"):
+                    cookie = f"{CSRF_COOKIE}={csrf}; Path=/; HttpOnly; SameSite=Lax"
+                    out.append("set-cookie", cookie + ("; Secure" if secure else ""))
+            await send(message)
+
+        try:
+            receive = await self._check(scope, receive, headers, cookies, csrf, fresh_csrf)
+        except Refused as refusal:
+            response = await self._refusal(scope, refusal)
+            await response(scope, receive, send_with_headers)
+            return
+        await self.app(scope, receive, send_with_headers)
+
+    async def _check(
+        self,
+        scope: Scope,
+        receive: Receive,
+        headers: Headers,
+        cookies: dict[str, str],
+        csrf: str,
+        fresh_csrf: bool,
+    ) -> Receive:
+        """Raise Refused, or return the `receive` to pass on (a form's body is read and replayed)."""
+        name = host_name(headers.get("host", ""))
+        if not (self.any_host or name in self.hosts or _is_ip_literal(name)):
+            raise Refused(
+                421,
+                "this dashboard is not served under that host name; add it to "
+                "ROLLOUT_LENS_ALLOWED_HOSTS to reach it that way",
+            )
+        method = scope["method"]
+        unsafe = method in UNSAFE_METHODS
+        if unsafe:
+            self._check_same_origin(headers)
+        path: str = scope["path"]
+        bearer = self._bearer(headers)
+        if self.tokens and (unsafe or self.auth_read) and not path.startswith(PUBLIC_PREFIXES):
+            signed_in = scope["state"]["signed_in"]
+            if not (bearer or signed_in):
+                if method == "GET" and not path.startswith("/api/") and path != "/openapi.json":
+                    raise Refused(303, "sign in", {"location": _login_url(scope)})
+                raise Refused(
+                    401,
+                    "this dashboard needs a token: send `Authorization: Bearer <token>`, "
+                    "or sign in at /login",
+                    {"www-authenticate": "Bearer"},
+                )
+        if unsafe and not bearer and _from_browser(headers):
+            return await self._check_csrf(receive, headers, csrf, fresh_csrf)
+        return receive
+
+    def _bearer(self, headers: Headers) -> bool:
+        """Whether the request carries a valid Bearer token (401 for one that is wrong)."""
+        scheme, _, value = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not self.tokens:
+            return False
+        if not matches_token(value.strip(), self.tokens):
+            raise Refused(401, "the token is not valid", {"www-authenticate": "Bearer"})
+        return True
+
+    @staticmethod
+    def _check_same_origin(headers: Headers) -> None:
+        site = headers.get("sec-fetch-site", "").lower()
+        if site in ("cross-site", "same-site"):
+            raise Refused(
+                403,
+                "refused: this request came from another web site (Sec-Fetch-Site: "
+                f"{site}); change runs from the dashboard's own pages",
+            )
+        origin = headers.get("origin")
+        if origin is not None:
+            own = headers.get("host", "").lower()
+            if origin == "null" or urlsplit(origin).netloc.lower() != own:
+                raise Refused(
+                    403,
+                    "refused: this request came from another web site (its Origin is not this "
+                    "dashboard's); change runs from the dashboard's own pages",
+                )
+
+    @staticmethod
+    async def _check_csrf(
+        receive: Receive, headers: Headers, csrf: str, fresh_csrf: bool
+    ) -> Receive:
+        sent = headers.get(CSRF_HEADER, "")
+        replay = receive
+        content_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if not sent and content_type == "application/x-www-form-urlencoded":
+            body, replay = await _read_body(receive)
+            values = parse_qs(body.decode("utf-8", "replace")).get(CSRF_FIELD, [""])
+            sent = values[0]
+        if fresh_csrf or not sent or not hmac.compare_digest(sent.encode(), csrf.encode()):
+            raise Refused(
+                403,
+                "refused: the form's security token is missing or out of date (CSRF check); "
+                "reload the page and try again",
+            )
+        return replay
+
+    @staticmethod
+    async def _refusal(scope: Scope, refusal: Refused) -> Response:
+        if refusal.status == 303:
+            return RedirectResponse(refusal.headers["location"], status_code=303)
+        from rollout_lens.server.error_pages import handle_error
+
+        response = await handle_error(
+            Request(scope), HTTPException(refusal.status, refusal.message)
+        )
+        response.headers.update(refusal.headers)
+        return response
+
+
+def _is_ip_literal(name: str) -> bool:
+    """An address rather than a name: DNS rebinding needs a name, so any address may be used
+    (a team server reached as http://10.0.0.5:8000/)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _from_browser(headers: Headers) -> bool:
+    """Whether a request may come from a browser: it has cookies or browser-set headers. A
+    script or the Python client sends none of them, and needs no CSRF token."""
+    return any(h in headers for h in ("cookie", "origin", "sec-fetch-site", "sec-fetch-mode"))
+
+
+def _login_url(scope: Scope) -> str:
+    target = scope.get("root_path", "") + scope["path"]
+    if scope.get("query_string"):
+        target += "?" + scope["query_string"].decode("latin-1")
+    return f"/login?next={quote(target, safe='')}"
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
+    """The whole body (up to MAX_FORM_BYTES are searched) and a `receive` that replays it."""
+    chunks: list[bytes] = []
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = b"".join(chunks)
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return (body if len(body) <= MAX_FORM_BYTES else b""), replay
+
+
+def session_cookie(token: str, *, secure: bool) -> dict[str, Any]:
+    """Arguments of Response.set_cookie for a signed-in browser."""
+    return {
+        "key": SESSION_COOKIE,
+        "value": session_value(token),
+        "httponly": True,
+        "samesite": "strict",
+        "secure": secure,
+        "path": "/",
+    }

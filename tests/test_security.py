@@ -1,0 +1,258 @@
+"""Safe on a team server: range checks, headers, cross-site refusal, CSRF, tokens, deletion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from rollout_lens.server import security
+from rollout_lens.server.models import Run, RunStatus
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests.factories import make_run
+from tests.web_support import CSRF, client_for, parse
+
+HUGE = "99999999999999999999"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/runs/{HUGE}",
+        f"/api/runs/{HUGE}",
+        f"/api/runs/{HUGE}/series",
+        "/api/runs/1/series?since=" + HUGE,
+        "/api/runs/1/series?since=-1",
+        "/api/runs/1/alerts?since=" + HUGE,
+        f"/runs/1/steps/{HUGE}",
+        f"/api/runs/1/steps/{HUGE}",
+        f"/api/compare?runs=1,{HUGE}",
+        f"/compare?runs=1,{HUGE}",
+        f"/runs/new?clone={HUGE}",
+        f"/api/runs?after={HUGE}",
+        f"/api/runs/{HUGE}/export",
+        "/runs/-1",
+    ],
+)
+def test_out_of_range_integers_are_a_4xx_with_a_message(client: TestClient, path: str) -> None:
+    response = client.get(path)
+    assert 400 <= response.status_code < 500, response.text
+    assert "2147483647" in response.text or "greater than" in response.text
+
+
+def test_in_range_ids_still_work(client: TestClient, session_factory) -> None:  # type: ignore[no-untyped-def]
+    run_id = make_run(session_factory, steps=3, seed=1)
+    assert client.get(f"/api/runs/{run_id}/series?since=2147483647").status_code == 200
+    assert client.get("/api/runs/2147483647").status_code == 404
+
+
+# --- headers ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/", "/runs/new", "/docs", "/runs/12345", "/api/runs", "/login"])
+def test_every_response_carries_the_security_headers(client: TestClient, path: str) -> None:
+    response = client.get(path)
+    csp = response.headers["content-security-policy"]
+    assert "script-src 'self';" in csp
+    assert "unsafe-eval" not in csp
+    assert "'unsafe-inline'" not in csp.split("script-src")[1].split(";")[0]
+    assert "frame-ancestors 'none'" in csp
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert response.headers["x-frame-options"] == "DENY"
+    assert response.headers["referrer-policy"] == "same-origin"
+
+
+def test_pages_have_no_inline_scripts(client: TestClient, session_factory) -> None:  # type: ignore[no-untyped-def]
+    run_id = make_run(session_factory, steps=2)
+    for path in ("/", f"/runs/{run_id}", f"/runs/{run_id}/steps/1", "/runs/new", "/docs", "/x"):
+        page = parse(client.get(path).text)
+        for script in page.find_all("script"):
+            assert script.attrs.get("src") or script.attrs.get("type") == "application/json", path
+        assert not [n for n in page.iter() if any(a.startswith("on") for a in n.attrs)], path
+
+
+# --- the same-origin rule, CSRF, Host -----------------------------------------------------------
+
+
+def _runs(factory: sessionmaker[Session]) -> int:
+    with factory() as session:
+        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+
+
+def _plain(client: TestClient) -> TestClient:
+    """The same app with nothing a browser would add (a script, curl)."""
+    return TestClient(client.app, base_url="http://127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "http://evil.example"},
+        {"Origin": "http://127.0.0.1:9999"},
+        {"Origin": "null"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+    ],
+)
+def test_cross_site_posts_are_refused(
+    client: TestClient, session_factory: sessionmaker[Session], headers: dict[str, str]
+) -> None:
+    response = client.post(
+        "/runs/new",
+        data={"steps": "5", "csrf_token": CSRF},
+        headers=headers,
+        follow_redirects=False,
+    )
+    assert response.status_code == 403
+    assert "another web site" in response.text
+    response = client.post("/api/runs", json={"steps": 5}, headers=headers)
+    assert response.status_code == 403
+    assert "another web site" in response.json()["detail"]
+    assert _runs(session_factory) == 0
+
+
+def test_a_same_origin_form_needs_its_csrf_token(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    browser = _plain(client)
+    form = parse(browser.get("/runs/new").text)
+    token = form.find("input", name="csrf_token").attrs["value"]
+    assert browser.cookies.get("rl_csrf") == token
+    assert parse(browser.get("/").text).find("meta", name="csrf-token").attrs["content"] == token
+    origin = {"Origin": "http://127.0.0.1", "Sec-Fetch-Site": "same-origin"}
+    refused = browser.post("/runs/new", data={"steps": "5"}, headers=origin)
+    assert refused.status_code == 403 and "CSRF" in refused.text
+    wrong = browser.post("/runs/new", data={"steps": "5", "csrf_token": "x" * 43}, headers=origin)
+    assert wrong.status_code == 403
+    assert _runs(session_factory) == 0
+    done = browser.post(
+        "/runs/new",
+        data={"steps": "5", "csrf_token": token},
+        headers=origin,
+        follow_redirects=False,
+    )
+    assert done.status_code == 303
+    assert _runs(session_factory) == 1
+    api = browser.post("/api/runs", json={"steps": 5}, headers=origin | {"X-CSRF-Token": token})
+    assert api.status_code == 201
+    assert browser.post("/api/runs", json={"steps": 5}, headers=origin).status_code == 403
+    assert _runs(session_factory) == 2
+
+
+def test_scripts_without_cookies_need_no_csrf_token(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    assert _plain(client).post("/api/runs", json={"steps": 5}).status_code == 201
+    assert _runs(session_factory) == 1
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil", ""])
+def test_other_host_names_are_refused(client: TestClient, host: str) -> None:
+    response = client.get("/api/runs", headers={"Host": host})
+    assert response.status_code == 421
+    assert "ROLLOUT_LENS_ALLOWED_HOSTS" in response.json()["detail"]
+    for ok in ("localhost:8000", "127.0.0.1", "[::1]:8000", "10.0.0.5:8000", "LOCALHOST"):
+        assert client.get("/api/runs", headers={"Host": ok}).status_code == 200
+
+
+def test_extra_allowed_hosts(session_factory: sessionmaker[Session], tmp_path: Path) -> None:
+    client = client_for(session_factory, data_dir=tmp_path, allowed_hosts="lens.example")
+    assert client.get("/api/runs", headers={"Host": "lens.example:80"}).status_code == 200
+    assert client.get("/api/runs", headers={"Host": "evil.example"}).status_code == 421
+    anyhost = client_for(session_factory, data_dir=tmp_path, allowed_hosts="*")
+    assert anyhost.get("/api/runs", headers={"Host": "evil.example"}).status_code == 200
+
+
+# --- tokens -------------------------------------------------------------------------------------
+
+TOKEN = "s3cret-token-abc"
+
+
+@pytest.fixture
+def guarded(session_factory: sessionmaker[Session], tmp_path: Path) -> TestClient:
+    return client_for(session_factory, data_dir=tmp_path, auth_token=f"other-one, {TOKEN}")
+
+
+def test_a_token_guards_every_change(
+    guarded: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    run_id = make_run(session_factory, steps=2, status=RunStatus.completed)
+    for method, path in [
+        ("POST", "/api/runs"),
+        ("POST", "/runs/new"),
+        ("POST", f"/api/runs/{run_id}/cancel"),
+        ("POST", f"/api/runs/{run_id}/resume"),
+        ("POST", f"/runs/{run_id}/resume"),
+        ("DELETE", f"/api/runs/{run_id}"),
+        ("POST", f"/runs/{run_id}/delete"),
+    ]:
+        response = guarded.request(method, path, json={} if "api" in path else None)
+        assert response.status_code == 401, (method, path)
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert TOKEN not in response.text
+    wrong = guarded.post("/api/runs", json={"steps": 5}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "nope" not in wrong.text
+    assert _runs(session_factory) == 1
+    # reading stays open by default
+    assert guarded.get(f"/runs/{run_id}").status_code == 200
+    assert guarded.get("/api/runs").status_code == 200
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    assert _plain(guarded).post("/api/runs", json={"steps": 5}, headers=bearer).status_code == 201
+    assert _runs(session_factory) == 2
+
+
+def test_sign_in_sets_a_strict_httponly_cookie_and_sign_out_clears_it(
+    guarded: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    page = parse(guarded.get("/").text)
+    assert page.by_id("login-link")
+    wrong = guarded.post("/login", data={"token": "guess", "next": "/runs/new"})
+    assert wrong.status_code == 401
+    assert "not valid" in wrong.text and "guess" not in wrong.text
+    response = guarded.post(
+        "/login", data={"token": TOKEN, "next": "/runs/new"}, follow_redirects=False
+    )
+    assert response.status_code == 303 and response.headers["location"] == "/runs/new"
+    cookie = response.headers["set-cookie"]
+    assert "rl_session=" in cookie and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    assert TOKEN not in cookie
+    assert parse(guarded.get("/").text).by_id("logout-button")
+    launched = guarded.post("/runs/new", data={"steps": "5"}, follow_redirects=False)
+    assert launched.status_code == 303
+    assert _runs(session_factory) == 1
+    guarded.post("/logout")
+    assert guarded.post("/runs/new", data={"steps": "5"}).status_code == 401
+    assert _runs(session_factory) == 1
+
+
+def test_next_stays_on_this_site(guarded: TestClient) -> None:
+    for target in ("//evil.example/", "http://evil.example/", "https:evil"):
+        response = guarded.post(
+            "/login", data={"token": TOKEN, "next": target}, follow_redirects=False
+        )
+        assert response.headers["location"] == "/"
+
+
+def test_reading_can_need_the_token_too(
+    session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    client = client_for(session_factory, data_dir=tmp_path, auth_token=TOKEN, auth_read=True)
+    page = client.get("/runs/new?preset=x", follow_redirects=False)
+    assert page.status_code == 303
+    assert page.headers["location"] == "/login?next=%2Fruns%2Fnew%3Fpreset%3Dx"
+    assert client.get("/api/runs").status_code == 401
+    assert client.get("/login").status_code == 200
+    assert client.get("/static/app.js").status_code == 200
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    assert client.get("/api/runs", headers=bearer).status_code == 200
+    client.post("/login", data={"token": TOKEN})
+    assert client.get("/").status_code == 200
+
+
+def test_tokens_compare_in_constant_time() -> None:
+    assert security.matches_token("b", ["a", "b"])
+    assert not security.matches_token("", ["a"])
+    assert not security.matches_token("a", [])
+    assert security.session_value("a") != "a"
