@@ -11,7 +11,7 @@ export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
 
 # mypy needs the import names: a tree of links that lays server/ and trainer/ out as
 # rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
-MYPY_TREE = build/mypy
+MYPY_TREE = .mypy-tree
 
 .PHONY: demo run test lint typecheck
 
@@ -45,7 +45,7 @@ lint: $(VENV)/.installed
 MYPY ?= $(CURDIR)/$(VENV)/bin/mypy
 typecheck:
 	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)/rollout_lens
-	ln -s $(CURDIR)/rollout_lens/__init__.py $(MYPY_TREE)/rollout_lens/__init__.py
+	for f in $(CURDIR)/rollout_lens/*.py; do ln -s $$f $(MYPY_TREE)/rollout_lens/; done
 	ln -s $(CURDIR)/server $(MYPY_TREE)/rollout_lens/server
 	ln -s $(CURDIR)/trainer $(MYPY_TREE)/rollout_lens/trainer
 	cd $(MYPY_TREE) && $(MYPY) --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache

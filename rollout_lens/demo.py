@@ -21,9 +21,9 @@ from rollout_lens.server.errors import RolloutLensError
 from rollout_lens.server.models import RunStatus
 
 if TYPE_CHECKING:
-    from rollout_lens.trainer.config import RunConfig
+    from rollout_lens.server.domain.runconfig import RunConfig
 
-PRESET = "leaky_vs_patched"  # server/routes/launch.py: both variants, same seed and recipe
+PRESET = "leaky_vs_patched"  # server/domain/presets.py: both variants, same seed and recipe
 DEFAULT_STEPS = 30  # patched converges in about 25 steps, leaky keeps swinging; ~1 min on 2 cores
 POLL_SECONDS = 2.0
 
@@ -77,9 +77,10 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
 def demo_configs(steps: int) -> list[RunConfig]:
     """The leaky-vs-patched preset's runs with `steps` steps (validated as any launch is)."""
     from rollout_lens.server import launch
+    from rollout_lens.server.domain.presets import PRESETS
 
     try:
-        return launch.build_configs(launch.PRESETS[PRESET], {"steps": steps})
+        return launch.build_configs(PRESETS[PRESET], {"steps": steps})
     except launch.LaunchInvalid as exc:
         raise RolloutLensError(f"invalid demo: {exc}") from None
 
@@ -116,13 +117,13 @@ def train_all(
         while pending or running:
             while pending and len(running) < workers:
                 run_id, config = pending.pop(0)
-                proc = context.Process(
+                started = context.Process(
                     target=_train_one,
                     args=(settings, config.model_dump(mode="json"), run_id),
                     name=f"rollout-lens-demo-{run_id}",
                 )
-                proc.start()
-                running[run_id] = proc
+                started.start()
+                running[run_id] = started
             time.sleep(POLL_SECONDS)
             for run_id, proc in list(running.items()):
                 if not proc.is_alive():
@@ -167,7 +168,7 @@ def _train_one(settings: Settings, config: dict[str, Any], run_id: int) -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from rollout_lens.trainer.config import RunConfig
+    from rollout_lens.server.domain.runconfig import RunConfig
     from rollout_lens.trainer.run import train
 
     # A demo's output is its progress lines: no weight-loading bars, no library deprecations.

@@ -28,6 +28,7 @@ NOT_SOURCE = shutil.ignore_patterns(
     "*.pyc",
     "*_cache",
     "*.egg-info",
+    ".mypy-tree",
     "build",
     "dist",
     "test-artifacts",
@@ -44,6 +45,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # Without flags `build` makes the sdist, then the wheel from the unpacked sdist.
     done = subprocess.run(
         [sys.executable, "-m", "build", "--outdir", str(out), str(source)],
+        cwd=out,  # not the checkout, where a folder named `build` would shadow the module
         capture_output=True,
         text=True,
         timeout=600,
