@@ -364,6 +364,26 @@ def test_a_trainer_py_beside_the_script_does_not_shadow_ours(
     _assert_matches_oracle(rows, seen, group_size=4)
 
 
+def test_a_script_that_dies_keeps_what_it_recorded(user_model_dir: Path, tmp_path: Path) -> None:
+    folder = _user_folder(tmp_path)
+    url = f"sqlite:///{tmp_path / 'lens.db'}"
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(
+        [sys.executable, "user_grpo.py", "--model", str(user_model_dir), "--out", str(out)]
+        + ["--db", url, "--steps", "6", "--crash-at", "3"],
+        cwd=folder,
+        env=_script_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0 and "broke at step 3" in done.stderr
+    run, rows, steps, _ = load_run(url, _run_id(url))
+    assert run.status == "failed" and "stopped before the end of training" in (run.error or "")
+    assert [s.step for s in steps] == [1, 2, 3] and len(rows) == 3 * 8
+
+
 def test_accelerate_two_processes_recorded_once_by_the_main_one(
     user_model_dir: Path, tmp_path: Path
 ) -> None:

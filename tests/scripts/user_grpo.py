@@ -16,6 +16,7 @@ from pathlib import Path
 
 import user_script as us  # the user's own model and rewards, copied beside this script
 from datasets import Dataset
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from rollout_lens import RolloutLensCallback
@@ -30,6 +31,7 @@ parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--generations", type=int, default=4)
 parser.add_argument("--iterations", type=int, default=1)
 parser.add_argument("--logging-steps", type=int, default=1)
+parser.add_argument("--crash-at", type=int, default=0, help="raise at the end of this step")
 args = parser.parse_args()
 
 out = Path(args.out)
@@ -59,11 +61,24 @@ config = GRPOConfig(
     save_strategy="no",
     disable_tqdm=True,
 )
+
+
+crash_at = args.crash_at
+
+
+class CrashAt(TrainerCallback):
+    """The user's own bug, some steps in."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == crash_at:
+            raise RuntimeError(f"the user's script broke at step {state.global_step}")
+
+
 trainer = GRPOTrainer(
     model=str(us.build_model(Path(args.model))),
     reward_funcs=[says_the_color, us.is_short],
     args=config,
     train_dataset=Dataset.from_list(us.questions(64)),
-    callbacks=[RolloutLensCallback(project="user", database_url=args.db)],
+    callbacks=[RolloutLensCallback(project="user", database_url=args.db), CrashAt()],
 )
 trainer.train()
