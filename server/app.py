@@ -14,7 +14,7 @@ from rollout_lens.server.cache import ResponseCache
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory
 from rollout_lens.server.deps import render
-from rollout_lens.server.error_pages import HANDLED, handle_error
+from rollout_lens.server.error_pages import HANDLED, handle_error, publish_error_shapes
 from rollout_lens.server.routes import actions, api, exchange, pages, signin
 from rollout_lens.server.security import Guard
 from rollout_lens.server.sweeper import SWEEP_SECONDS, sweep_lost_runs
@@ -98,6 +98,7 @@ def create_app(
     app.include_router(signin.router)
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, handle_error)
+    publish_error_shapes(app)
 
     @app.get("/docs", include_in_schema=False)
     def docs(request: Request) -> HTMLResponse:

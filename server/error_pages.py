@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +21,39 @@ from rollout_lens.server.errors import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 HANDLED = (RolloutLensError, StarletteHTTPException, RequestValidationError)
+
+# What every 422 really carries (handle_error): a message, and FastAPI's own list of errors.
+# FastAPI documents its default shape (`detail` a list); the published schema says this instead.
+VALIDATION_ERROR_SCHEMA: dict[str, Any] = {
+    "title": "HTTPValidationError",
+    "type": "object",
+    "properties": {
+        "detail": {"type": "string", "title": "Detail", "description": "what was wrong"},
+        "errors": {
+            "type": "array",
+            "items": {"$ref": "#/components/schemas/ValidationError"},
+            "title": "Errors",
+            "description": "one entry per invalid field",
+        },
+    },
+    "required": ["detail", "errors"],
+}
+
+
+def publish_error_shapes(app: FastAPI) -> None:
+    """Make the app's OpenAPI schema describe the 422 bodies handle_error sends."""
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            components = schema.get("components", {}).get("schemas", {})
+            if "HTTPValidationError" in components:
+                components["HTTPValidationError"] = VALIDATION_ERROR_SCHEMA
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _describe(exc: Exception) -> tuple[int, str, dict[str, Any]]:

@@ -9,6 +9,7 @@ from fastapi import Path, Query
 from rollout_lens.server.errors import InvalidInput
 
 MAX_ID = 2**31 - 1  # the largest id or step the databases store (a 32-bit INTEGER)
+MAX_RUN_IDS = 100  # run ids one request may name (runs=, ids=): each is read in full
 
 # Path and query integers are validated once, here: an out-of-range value is a 422 naming it,
 # never a database error.
@@ -26,6 +27,8 @@ def split_list(values: Iterable[str] | None) -> list[str]:
 def run_ids(values: Iterable[str] | None) -> list[int]:
     """Run ids from `runs=1,2` or `runs=1&runs=2`."""
     items = split_list(values)
+    if len(items) > MAX_RUN_IDS:
+        raise InvalidInput(f"at most {MAX_RUN_IDS} run ids at once, got {len(items)}")
     try:
         ids = [int(item) for item in items]
     except ValueError:

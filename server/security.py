@@ -5,6 +5,7 @@ In order, for every HTTP request:
 1. **Host.** The `Host` header must name this dashboard: `localhost`, an IP address, the host
    `serve` listens on, or one of `ROLLOUT_LENS_ALLOWED_HOSTS` (`*`: any). Any other name is a
    421 — a DNS-rebinding page (evil.example resolving to 127.0.0.1) never reaches the API.
+   A NUL byte in the path or query string is a 400 (no parameter has a use for one).
 2. **Cross-site.** A state-changing request (POST, PUT, PATCH, DELETE) whose `Sec-Fetch-Site` is
    `cross-site` or `same-site`, or whose `Origin` is not this dashboard's own, is a 403.
 3. **Token.** With `ROLLOUT_LENS_AUTH_TOKEN` set, state-changing requests (every request, with
@@ -208,6 +209,8 @@ class Guard:
                 "this dashboard is not served under that host name; add it to "
                 "ROLLOUT_LENS_ALLOWED_HOSTS to reach it that way",
             )
+        if _has_nul(scope):
+            raise Refused(400, "refused: the request's path or query holds a NUL byte (%00)")
         method = scope["method"]
         unsafe = method in UNSAFE_METHODS
         if unsafe:
@@ -299,6 +302,13 @@ def _is_ip_literal(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _has_nul(scope: Scope) -> bool:
+    """Whether the path or the query string holds a NUL byte, which no parameter has a use for
+    (and PostgreSQL refuses in any string: it would be a 500 there)."""
+    query: bytes = scope.get("query_string", b"")
+    return "\x00" in scope["path"] or b"\x00" in query or b"%00" in query
 
 
 def _from_browser(headers: Headers) -> bool:

@@ -135,6 +135,27 @@ def test_api_rejects_a_bad_value_and_creates_nothing(
     assert run_count(session_factory) == 0 and messages(tmp_path) == 0
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("name", "a\x00b"), ("model", "tiny\x00"), ("control_tokens", ["<tool>", "\x00"])],
+)
+def test_api_rejects_a_nul_character_in_text_and_creates_nothing(
+    client: TestClient,
+    session_factory: sessionmaker[Session],
+    tmp_path: Path,
+    field: str,
+    value: Any,
+) -> None:
+    """Regression: a NUL in a run's name was stored on SQLite and a 500 on PostgreSQL (which
+    stores no NUL in text)."""
+    response = client.post("/api/runs", json={field: value})
+    assert response.status_code == 422, response.text
+    errors = response.json()["errors"]
+    assert [e["loc"] for e in errors] == [["body", field]]
+    assert "NUL" in errors[0]["msg"]
+    assert run_count(session_factory) == 0 and messages(tmp_path) == 0
+
+
 @pytest.mark.parametrize(("values", "field", "words"), BAD_COMBINATIONS)
 def test_api_puts_a_cross_field_error_on_the_field_it_names(
     client: TestClient,

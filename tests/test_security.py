@@ -42,6 +42,66 @@ def test_out_of_range_integers_are_a_4xx_with_a_message(client: TestClient, path
     assert "2147483647" in response.text or "greater than" in response.text
 
 
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("/api/runs/-1", "greater than or equal to 1"),
+        (f"/api/runs/{HUGE}", "2147483647"),
+        ("/api/runs/1/series?since=abc", "since: Input should be a valid integer"),
+        ("/api/runs/1/steps/1.5", "step: Input should be a valid integer"),
+    ],
+)
+def test_bad_path_and_query_numbers_are_a_422_naming_the_parameter(
+    client: TestClient, path: str, words: str
+) -> None:
+    response = client.get(path)
+    assert response.status_code == 422
+    body = response.json()
+    assert words in body["detail"] and body["errors"]
+
+
+THOUSAND_IDS = ",".join(str(i) for i in range(1, 1001))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"/compare?runs={THOUSAND_IDS}",
+        f"/api/compare?runs={THOUSAND_IDS}",
+        f"/api/alerts?runs={THOUSAND_IDS}",
+        f"/api/runs?ids={THOUSAND_IDS}",
+    ],
+)
+def test_a_thousand_run_ids_are_refused_with_a_message(client: TestClient, path: str) -> None:
+    response = client.get(path, headers={"accept": "application/json"})
+    assert response.status_code == 400
+    assert response.json() == {"detail": "at most 100 run ids at once, got 1000"}
+
+
+def test_a_hundred_run_ids_are_still_read(client: TestClient, session_factory) -> None:  # type: ignore[no-untyped-def]
+    run_id = make_run(session_factory, steps=1, seed=1)
+    ids = ",".join(str(i) for i in range(1, 101))
+    assert [r["id"] for r in client.get(f"/api/runs?ids={ids}").json()] == [run_id]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/runs?q=%00",
+        "/api/runs?sort=created%00",
+        "/api/runs/1/series?names=loss%00",
+        "/api/runs/%00",
+        "/runs/1?notice=%00",
+        "/?q=a%00b",
+    ],
+)
+def test_a_nul_byte_in_the_path_or_query_is_a_400(client: TestClient, path: str) -> None:
+    """No parameter has a use for a NUL, and PostgreSQL refuses one in any string (a 500)."""
+    response = client.get(path, headers={"accept": "application/json"})
+    assert response.status_code == 400
+    assert "NUL byte" in response.json()["detail"]
+
+
 def test_in_range_ids_still_work(client: TestClient, session_factory) -> None:  # type: ignore[no-untyped-def]
     run_id = make_run(session_factory, steps=3, seed=1)
     assert client.get(f"/api/runs/{run_id}/series?since=2147483647").status_code == 200

@@ -202,3 +202,15 @@ def test_openapi_documents_the_api(client) -> None:
     params = {p["name"]: p for p in spec["paths"]["/api/runs/{run_id}/series"]["get"]["parameters"]}
     assert {"names", "since", "until", "full", "max_points"} <= set(params)
     assert params["since"]["description"]
+
+
+def test_openapi_describes_the_422_bodies_sent(client) -> None:
+    """Regression (schemathesis): the schema published FastAPI's default 422 (`detail` a list)
+    while every 422 is `{"detail": message, "errors": [...]}`."""
+    spec = client.get("/openapi.json").json()
+    shape = spec["components"]["schemas"]["HTTPValidationError"]
+    assert shape["properties"]["detail"]["type"] == "string"
+    assert shape["properties"]["errors"]["type"] == "array"
+    body = client.get("/api/runs/0").json()
+    assert set(body) == {"detail", "errors"} and isinstance(body["detail"], str)
+    assert body["errors"][0]["loc"] == ["path", "run_id"]

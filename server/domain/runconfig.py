@@ -81,6 +81,14 @@ class RunConfig(BaseModel):
         description="Tokens whose probability is recorded at each position; default: the model's.",
     )
 
+    @field_validator("name", "model", "control_tokens")
+    @classmethod
+    def _no_nul(cls, value: str | list[str] | None) -> str | list[str] | None:
+        texts = [value] if isinstance(value, str) else value or []
+        if any("\x00" in text for text in texts):  # PostgreSQL stores no NUL in any text
+            raise ValueError("must not contain a NUL character (\\u0000)")
+        return value
+
     @field_validator("verifier")
     @classmethod
     def _known_verifier(cls, value: str) -> str:
