@@ -4,35 +4,37 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:`port` to `target`; `stop()` refuses new connections and cuts live ones."""
+    """Forwards 127.0.0.1:`port` to `target`; `stop()` cuts live connections and refuses new ones
+    until `start()`.
+
+    The listening socket is kept for the proxy's whole life: a port given back while "down" can
+    be taken by another socket (a client's connect to a port nobody listens on may even pick it as
+    its own local port and connect to itself), and the next start would fail. Down, the proxy
+    accepts and resets at once, which a database driver sees as the server going away.
+    """
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = int(probe.getsockname()[1])
-        self._listener: socket.socket | None = None
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = int(self._listener.getsockname()[1])
+        self.up = False
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
 
     def start(self) -> None:
-        if self._listener is not None:
-            return
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
-        listener.listen(16)
-        self._listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        self.up = True
 
     def stop(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.close()
+        self.up = False
         with self._lock:
             conns, self._conns = self._conns, []
         for conn in conns:
@@ -40,16 +42,24 @@ class TcpProxy:
                 conn.shutdown(socket.SHUT_RDWR)
             conn.close()
 
-    def _accept(self, listener: socket.socket) -> None:
+    def close(self) -> None:
+        """Stop for good and give the port back."""
+        self.stop()
+        self._listener.close()
+
+    def _accept(self) -> None:
         while True:
             try:
-                client, _ = listener.accept()
+                client, _ = self._listener.accept()
             except OSError:
-                return  # stopped
+                return  # closed
+            if not self.up:
+                _reset(client)
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
-                client.close()
+                _reset(client)
                 continue
             upstream.settimeout(None)
             with self._lock:
@@ -68,3 +78,10 @@ class TcpProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with a RST, as a server that is not there."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.close()

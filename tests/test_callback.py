@@ -204,7 +204,7 @@ class _Outage(TrainerCallback):
             self.proxy.stop()
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        if self.proxy._listener is None:
+        if not self.proxy.up:
             self.proxy.start()
 
     def _wait_for_steps(self) -> list[int]:
@@ -266,7 +266,7 @@ def test_database_down_at_start_and_mid_run(
             max_steps=8,
         )
     finally:
-        proxy.stop()
+        proxy.close()
     assert trainer.state.global_step == 8  # training never stopped
 
     run, rows, steps, _ = load_run(pg_database_url, _run_id(pg_database_url))
@@ -307,7 +307,7 @@ def test_bounded_buffer_drops_rollouts_first_and_counts_them(
             max_steps=6,
         )
     finally:
-        proxy.stop()
+        proxy.close()
     run, rows, steps, _ = load_run(pg_database_url, _run_id(pg_database_url))
 
     assert [s.step for s in steps] == list(range(1, 7))  # every step's values were kept
