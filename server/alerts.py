@@ -6,6 +6,7 @@ only after the condition has cleared, so a long collapse is one alert, not a tho
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -199,3 +200,44 @@ def evaluate(series: Mapping[str, Series], t: AlertThresholds) -> list[Alert]:
 def _mean(values: Sequence[float | None]) -> float:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else 0.0
+
+
+CONTEXT = 60  # steps of history the rules need: their windows are ≤ 2 × 25 steps
+COLUMN_INPUTS = (REWARD, ACCURACY, ZERO_STD)  # step columns: an entry every step, None or not
+
+
+class Watch:
+    """The rules applied as steps arrive: the last CONTEXT inputs of each series, evaluated
+    with the same functions as a whole history (`evaluate`), keeping the alerts of the newest
+    step. Equal to evaluating the whole history whenever each rule's window fits in CONTEXT
+    entries of its series (tests/test_alerts.py checks it on recorded runs)."""
+
+    def __init__(self, thresholds: AlertThresholds | None = None) -> None:
+        self.thresholds = thresholds or AlertThresholds()
+        self.inputs: dict[str, deque[tuple[int, float | None]]] = {}
+
+    def feed(self, step: int, values: Mapping[str, float | None]) -> None:
+        """Add one step's inputs (history) without evaluating."""
+        for name in READS:
+            value = values.get(name)
+            if value is None and name not in COLUMN_INPUTS:
+                continue  # a metric not logged at this step is absent, not None
+            self.inputs.setdefault(name, deque(maxlen=CONTEXT)).append((step, value))
+
+    def push(self, step: int, values: Mapping[str, float | None]) -> list[Alert]:
+        """Add one step and return the alerts that fire at it."""
+        self.feed(step, values)
+        series = {name: list(entries) for name, entries in self.inputs.items()}
+        return [a for a in evaluate(series, self.thresholds) if a.step == step]
+
+
+def from_history(steps: Sequence[tuple[int, Mapping[str, float | None]]]) -> dict[str, Series]:
+    """(step, inputs) of a whole run → the series `evaluate` reads, built as Watch builds them."""
+    out: dict[str, list[tuple[int, float | None]]] = {}
+    for step, values in steps:
+        for name in READS:
+            value = values.get(name)
+            if value is None and name not in COLUMN_INPUTS:
+                continue
+            out.setdefault(name, []).append((step, value))
+    return out

@@ -49,7 +49,9 @@ def pg_engine(pg_database_url: str) -> Iterator[Engine]:
 def _truncate_pg(engine: Engine) -> None:
     with engine.begin() as conn:
         conn.execute(
-            text("TRUNCATE runs, steps, rollouts, metrics, prompts RESTART IDENTITY CASCADE")
+            text(
+                "TRUNCATE runs, steps, rollouts, prompts, facts, run_tokens, rollups, alerts RESTART IDENTITY CASCADE"
+            )
         )
 
 

@@ -327,7 +327,9 @@ def _empty(url: str) -> None:
     upgrade(engine)
     with engine.begin() as conn:
         conn.execute(
-            text("TRUNCATE runs, steps, rollouts, metrics, prompts RESTART IDENTITY CASCADE")
+            text(
+                "TRUNCATE runs, steps, rollouts, prompts, facts, run_tokens, rollups, alerts RESTART IDENTITY CASCADE"
+            )
         )
     engine.dispose()
 

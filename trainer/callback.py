@@ -228,7 +228,6 @@ class RolloutLensCallback(TrainerCallback):
             control = r["control"] or [[] for _ in self.control_tokens]
             meta: dict[str, Any] = {
                 "rewards": dict(zip(names, r["rewards"], strict=False)),
-                "tokens": tokenizer.convert_ids_to_tokens(ids),
                 "truncated": not ids or ids[-1] not in eos,
             }
             if row:
@@ -251,6 +250,7 @@ class RolloutLensCallback(TrainerCallback):
                     if self.judges["format_valid"]
                     else True,
                     meta=meta,
+                    tokens=tokenizer.convert_ids_to_tokens(ids),
                 )
             )
         values: dict[str, float | None] = {}

@@ -1,0 +1,195 @@
+"""Per-bucket aggregates of every series (count, sum, min, max, first and last step), so a long
+run's chart reads a few hundred rows whatever its length.
+
+A bucket of `width` steps is rolled up once, when a step lands beyond its end (server.store
+.recording); until then it is the open bucket, aggregated from its steps when read. Each row
+packs six float64 numbers per series in all_names order: n, total, lo, hi, first, last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from rollout_lens.server.models import ROLLUP_WIDTHS, Rollup, Run, Step
+from rollout_lens.server.packing import pack_doubles, unpack_doubles
+from rollout_lens.server.store.layout import STEP_COLUMNS, all_names, row_values
+from sqlalchemy import Connection, delete, func, insert, select
+from sqlalchemy.orm import Session
+
+FIELDS = 6  # n, total, lo, hi, first step, last step
+Bucket = tuple[int, int, int, float, float, float]  # first, last, n, mean, lo, hi
+
+
+def aggregate(rows: Iterable[tuple[int, Sequence[float | None]]], n_names: int) -> list[float]:
+    """(step, values in all_names order) rows → FIELDS numbers per name (n = 0 where absent)."""
+    out = [0.0] * (FIELDS * n_names)
+    for step, values in rows:
+        for i, value in enumerate(values):
+            if value is None:
+                continue
+            at = FIELDS * i
+            if out[at] == 0:
+                out[at : at + FIELDS] = [1.0, value, value, value, step, step]
+                continue
+            out[at] += 1
+            out[at + 1] += value
+            out[at + 2] = min(out[at + 2], value)
+            out[at + 3] = max(out[at + 3], value)
+            out[at + 5] = step
+    return out
+
+
+def step_rows(
+    conn: Connection | Session, *, run_id: int, after: int, through: int | None, n_series: int
+) -> list[tuple[int, list[float | None]]]:
+    """(step, values in all_names order) of steps in (after, through]."""
+    query = select(Step.step, *STEP_COLUMNS, Step.series).where(
+        Step.run_id == run_id, Step.step > after
+    )
+    if through is not None:
+        query = query.where(Step.step <= through)
+    return [(row[0], row_values(row, n_series)) for row in conn.execute(query.order_by(Step.step))]
+
+
+def roll(
+    conn: Connection, *, run_id: int, width: int, first: int, last: int, n_series: int
+) -> None:
+    """Write the rollups of buckets first..last of `width` (those that hold steps)."""
+    rows = step_rows(
+        conn, run_id=run_id, after=first * width, through=(last + 1) * width, n_series=n_series
+    )
+    by_bucket: dict[int, list[tuple[int, list[float | None]]]] = {}
+    for step, values in rows:
+        by_bucket.setdefault((step - 1) // width, []).append((step, values))
+    n_names = len(all_names([""] * n_series))  # the step columns and the generic series
+    if by_bucket:
+        conn.execute(
+            insert(Rollup),
+            [
+                {
+                    "run_id": run_id,
+                    "width": width,
+                    "bucket": bucket,
+                    "data": pack_doubles(aggregate(members, n_names)),
+                }
+                for bucket, members in sorted(by_bucket.items())
+            ],
+        )
+
+
+def rolled_through(conn: Connection | Session, *, run_id: int) -> dict[int, int]:
+    """Width → the last bucket index rolled up (-1 when none)."""
+    found = dict(
+        conn.execute(
+            select(Rollup.width, func.max(Rollup.bucket))
+            .where(Rollup.run_id == run_id)
+            .group_by(Rollup.width)
+        ).all()
+    )
+    return {width: int(found.get(width, -1)) for width in ROLLUP_WIDTHS}
+
+
+def forget_after(conn: Connection | Session, *, run_id: int, step: int) -> None:
+    """Drop the rollups of buckets holding steps after `step` (a resume truncates them)."""
+    for width in ROLLUP_WIDTHS:
+        conn.execute(
+            delete(Rollup).where(
+                Rollup.run_id == run_id, Rollup.width == width, Rollup.bucket >= step // width
+            )
+        )
+
+
+def _buckets(flat: Sequence[float], index: int) -> Bucket | None:
+    at = FIELDS * index
+    if at + FIELDS > len(flat) or flat[at] == 0:
+        return None
+    n, total, lo, hi, first, last = flat[at : at + FIELDS]
+    return int(first), int(last), int(n), total / n, lo, hi
+
+
+def rollup_series(
+    session: Session, *, run_id: int, names: Sequence[str], width: int, since: int = 0
+) -> dict[str, list[Bucket]]:
+    """Buckets of `width` steps: name → [(first_step, last_step, n, mean, lo, hi)] by step.
+
+    Buckets that end after `since` are returned whole (the open bucket too, read from its
+    steps), so a live chart can replace the bucket it last drew.
+    """
+    series_names = session.scalar(select(Run.series_names).where(Run.id == run_id)) or []
+    layout = all_names(series_names)
+    wanted = [(name, layout.index(name)) for name in names if name in layout]
+    out: dict[str, list[Bucket]] = {}
+    if not wanted:
+        return out
+    rows = session.execute(
+        select(Rollup.bucket, Rollup.data)
+        .where(Rollup.run_id == run_id, Rollup.width == width, Rollup.bucket >= since // width)
+        .order_by(Rollup.bucket)
+    ).all()
+    flats = [(bucket, unpack_doubles(data)) for bucket, data in rows]
+    last_rolled = rows[-1][0] if rows else rolled_through(session, run_id=run_id)[width]
+    open_rows = step_rows(
+        session,
+        run_id=run_id,
+        after=(last_rolled + 1) * width,
+        through=None,
+        n_series=len(series_names),
+    )
+    by_bucket: dict[int, list[tuple[int, list[float | None]]]] = {}
+    for step, values in open_rows:
+        by_bucket.setdefault((step - 1) // width, []).append((step, values))
+    flats += [(b, aggregate(members, len(layout))) for b, members in sorted(by_bucket.items())]
+    for _, flat in flats:
+        for name, index in wanted:
+            bucket = _buckets(flat, index)
+            if bucket is not None and bucket[1] > since:
+                out.setdefault(name, []).append(bucket)
+    return out
+
+
+def latest_value(session: Session, *, run_id: int, name: str) -> tuple[int, float] | None:
+    """The last recorded (step, value) of a series, in a handful of rows however long the run:
+    the open tail's steps, then the newest rolled bucket that has it (its `last` field names the
+    step), searching each width over the steps that no wider rollup covers yet."""
+    series_names = session.scalar(select(Run.series_names).where(Run.id == run_id)) or []
+    layout = all_names(series_names)
+    if name not in layout:
+        return None
+    index, n_series = layout.index(name), len(series_names)
+    rolled = rolled_through(session, run_id=run_id)
+    ends = {width: (rolled[width] + 1) * width for width in ROLLUP_WIDTHS}  # steps rolled up
+    tail = step_rows(
+        session, run_id=run_id, after=ends[min(ROLLUP_WIDTHS)], through=None, n_series=n_series
+    )
+    found = _last_in(tail, index)
+    if found is not None:
+        return found
+    widths = sorted(ROLLUP_WIDTHS)
+    for width, wider in zip(widths, [*widths[1:], None], strict=True):
+        floor = ends[wider] if wider is not None else 0  # below this, a wider rollup answers
+        rows = session.execute(
+            select(Rollup.data)
+            .where(Rollup.run_id == run_id, Rollup.width == width, Rollup.bucket * width >= floor)
+            .order_by(Rollup.bucket.desc())
+        )
+        for (data,) in rows:
+            bucket = _buckets(unpack_doubles(data), index)
+            if bucket is not None:
+                last = bucket[1]
+                return _last_in(
+                    step_rows(
+                        session, run_id=run_id, after=last - 1, through=last, n_series=n_series
+                    ),
+                    index,
+                )
+    return None
+
+
+def _last_in(
+    rows: Sequence[tuple[int, Sequence[float | None]]], index: int
+) -> tuple[int, float] | None:
+    for step, values in reversed(rows):
+        value = values[index]
+        if value is not None:
+            return step, float(value)
+    return None
