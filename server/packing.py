@@ -75,7 +75,10 @@ def _half(value: float) -> float:
 
 def pack_halves(values: Sequence[float]) -> bytes:
     """float16 array → bytes (finite values beyond ±65504 clip to it)."""
-    return struct.pack(f"<{len(values)}e", *map(_half, values))
+    try:
+        return struct.pack(f"<{len(values)}e", *values)
+    except OverflowError:  # rare: clip only then (the per-value check costs more than packing)
+        return struct.pack(f"<{len(values)}e", *map(_half, values))
 
 
 def unpack_halves(data: bytes | None) -> list[float]:

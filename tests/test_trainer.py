@@ -10,7 +10,7 @@ from rollout_lens.server import store
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.models import Metric, Rollout, Step
+from rollout_lens.server.models import Rollout, Step
 from rollout_lens.trainer.run import train
 from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,7 +107,6 @@ def test_a_failing_run_is_marked_failed_with_its_error(train_settings: Settings)
         assert run.status == "failed" and "<no-such-token>" in (run.error or "")
         assert session.scalar(select(func.count()).select_from(Step)) == 0
         assert session.scalar(select(func.count()).select_from(Rollout)) == 0
-        assert session.scalar(select(func.count()).select_from(Metric)) == 0
 
 
 def test_leaky_prompts_list_every_tool(train_settings: Settings) -> None:

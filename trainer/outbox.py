@@ -50,6 +50,7 @@ class RunSpec:
     device: str
     source: RunSource = RunSource.callback
     notes: list[str] = field(default_factory=list)
+    keep_tokens_every: int | None = None
 
 
 @dataclass
@@ -273,6 +274,7 @@ class Outbox:
                 status=RunStatus.running,
                 source=spec.source,
                 notes=spec.notes,
+                keep_tokens_every=spec.keep_tokens_every,
             )
             store.mark_running(
                 session,

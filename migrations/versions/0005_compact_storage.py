@@ -84,6 +84,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("own_meta", sa.JSON(), nullable=True))
         for column in ("completion_ids", "token_logprobs", "control_probs"):
             batch_op.alter_column(column, existing_type=sa.LargeBinary(), nullable=True)
+        batch_op.alter_column("sum_logprob", existing_type=sa.Float(), nullable=True)
         batch_op.create_foreign_key(
             batch_op.f("fk_rollouts_facts_id_facts"), "facts", ["facts_id"], ["id"]
         )

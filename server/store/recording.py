@@ -14,7 +14,7 @@ import hashlib
 import json
 from collections import deque
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from rollout_lens.server import alerts as rules
@@ -33,11 +33,11 @@ from rollout_lens.server.packing import pack_half_matrix, pack_halves, pack_ints
 from rollout_lens.server.records import RolloutRecord, StepRecord
 from rollout_lens.server.series import STEP_SERIES, WINDOW
 from rollout_lens.server.store import layout, rollups
-from rollout_lens.server.store.sql import finite, greatest, upsert_insert
-from sqlalchemy import Connection, insert, select, update
+from rollout_lens.server.store.sql import finite, upsert_insert
+from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session
 
-STEPS, ROLLOUTS, ALERTS = Step.__table__, Rollout.__table__, AlertRow.__table__
+STEPS, ROLLOUTS = Step.__table__, Rollout.__table__
 TOKEN_ARRAYS = {"completion_ids": None, "token_logprobs": None, "control_probs": None}
 
 
@@ -49,10 +49,102 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
 
 
+STEP_COLUMNS = (
+    "run_id",
+    "step",
+    "rollout_step",
+    *STEP_SERIES,
+    "series",
+    "tokens_kept",
+    "recorded_at",
+)
+ROLLOUT_COLUMNS = (
+    "run_id",
+    "step",
+    "group",
+    "idx",
+    "prompt_id",
+    "target",
+    "completion",
+    "vote",
+    "verifier_reward",
+    "true_score",
+    "advantage",
+    "sum_logprob",
+    "format_valid",
+    "format_state",
+    "completion_ids",
+    "token_logprobs",
+    "control_probs",
+    "facts_id",
+    "own_meta",
+)
+ALERT_COLUMNS = ("run_id", "step", "kind", "series", "message")
+
+
+class _Driver:
+    """The every-step statements as the database driver takes them: SQL text made once, rows as
+    tuples. Building and compiling SQLAlchemy statements per step cost more than the database's
+    own work."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.postgres = conn.dialect.name == "postgresql"
+        mark = "%s" if self.postgres else "?"
+        biggest = "greatest" if self.postgres else "max"
+
+        def insert(table: str, columns: Sequence[str]) -> str:
+            names = ", ".join(f'"{c}"' for c in columns)
+            return f"INSERT INTO {table} ({names}) VALUES ({', '.join([mark] * len(columns))})"
+
+        self.insert_step = insert("steps", STEP_COLUMNS)
+        self.insert_rollouts = insert("rollouts", ROLLOUT_COLUMNS)
+        self.insert_alerts = insert("alerts", ALERT_COLUMNS)
+        self.update_run = (
+            f"UPDATE runs SET current_step = {biggest}(current_step, {mark}), "
+            f"recent_true_accuracy = {mark}, recent_reward = {mark}, heartbeat_at = {mark}, "
+            f"alerts_through = {biggest}(alerts_through, {mark}), "
+            f"device_seconds = device_seconds + {mark}, cost = cost + {mark} WHERE id = {mark}"
+        )
+        self.update_names = f"UPDATE runs SET series_names = {mark} WHERE id = {mark}"
+
+    def time(self, value: datetime) -> Any:
+        """SQLAlchemy keeps SQLite times as naive UTC text; PostgreSQL takes the datetime."""
+        if self.postgres:
+            return value
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+    def json(self, value: Any) -> Any:
+        if value is None:
+            return None
+        if self.postgres:
+            from psycopg.types.json import Json
+
+            return Json(value)
+        return json.dumps(value)
+
+    @staticmethod
+    def cursor(conn: Connection) -> Any:
+        """Driver SQL through the connection (its errors wrapped as SQLAlchemy's, so writers
+        tell a lost connection from a refused row)."""
+        return _DriverSql(conn)
+
+
+class _DriverSql:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, params: tuple[Any, ...]) -> None:
+        self.conn.exec_driver_sql(sql, params)
+
+    def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        self.conn.exec_driver_sql(sql, rows)
+
+
 class Recorder:
     """Writes the steps of one run (see the module docstring)."""
 
     def __init__(self, conn: Connection, *, run_id: int, control_tokens: Sequence[str]) -> None:
+        self.driver = _Driver(conn)
         self.run_id = run_id
         self.control_tokens = list(control_tokens)
         run = conn.execute(
@@ -127,47 +219,42 @@ class Recorder:
         else:
             self.newest = (self.newest[0], self.newest[1] or keep)
 
-        conn.execute(
-            insert(STEPS),
-            {
-                **values,
-                "run_id": self.run_id,
-                "step": step,
-                "rollout_step": record.rollout_step,
-                "series": layout.encode(metrics, self.series_names),
-                "tokens_kept": True,
-                "recorded_at": recorded_at or utcnow(),
-            },
+        driver = self.driver
+        cursor = driver.cursor(conn)
+        cursor.execute(
+            driver.insert_step,
+            (
+                self.run_id,
+                step,
+                record.rollout_step,
+                *values.values(),
+                layout.encode(metrics, self.series_names),
+                True,
+                driver.time(recorded_at or utcnow()),
+            ),
         )
-        self.add_rollouts(conn, step=record.rollout_step, rollouts=record.rollouts)
+        self.add_rollouts(conn, step=record.rollout_step, rollouts=record.rollouts, cursor=cursor)
         if fired:
-            conn.execute(
-                insert(ALERTS),
-                [
-                    {
-                        "run_id": self.run_id,
-                        "step": a.step,
-                        "kind": a.kind,
-                        "series": a.series,
-                        "message": a.message,
-                    }
-                    for a in fired
-                ],
+            cursor.executemany(
+                driver.insert_alerts,
+                [(self.run_id, a.step, a.kind, a.series, a.message) for a in fired],
             )
-        self.recent.append((values["true_accuracy"], values["reward_mean"]))
-        summary: dict[str, Any] = {
-            "current_step": greatest(conn)(Run.current_step, step),
-            "recent_true_accuracy": _mean(a for a, _ in self.recent),
-            "recent_reward": _mean(r for _, r in self.recent),
-            "heartbeat_at": utcnow(),
-            "alerts_through": greatest(conn)(Run.alerts_through, step),
-        }
-        if device_seconds:
-            summary["device_seconds"] = Run.device_seconds + device_seconds
-            summary["cost"] = Run.cost + device_seconds / 3600.0 * price_per_hour
         if new_names:
-            summary["series_names"] = list(self.series_names)
-        conn.execute(update(Run).where(Run.id == self.run_id).values(**summary))
+            cursor.execute(driver.update_names, (driver.json(self.series_names), self.run_id))
+        self.recent.append((values["true_accuracy"], values["reward_mean"]))
+        cursor.execute(
+            driver.update_run,
+            (
+                step,
+                _mean(a for a, _ in self.recent),
+                _mean(r for _, r in self.recent),
+                driver.time(utcnow()),
+                step,
+                device_seconds,
+                device_seconds / 3600.0 * price_per_hour,
+                self.run_id,
+            ),
+        )
         return fired
 
     def _keeps(self, step: int, fired: bool) -> bool:
@@ -208,45 +295,68 @@ class Recorder:
     # -- rollouts ------------------------------------------------------------------------------
 
     def add_rollouts(
-        self, conn: Connection, *, step: int, rollouts: Sequence[RolloutRecord]
+        self,
+        conn: Connection,
+        *,
+        step: int,
+        rollouts: Sequence[RolloutRecord],
+        cursor: Any = None,
     ) -> None:
         """Write rollouts generated at `step` (write calls it; an import may call it alone)."""
         if not rollouts:
             return
+        prompts = [_sha(r.prompt) for r in rollouts]
         prompt_ids = self._intern(
-            conn, Prompt, "text", self.prompt_ids, (r.prompt for r in rollouts)
+            conn,
+            Prompt,
+            "text",
+            self.prompt_ids,
+            dict(zip(prompts, (r.prompt for r in rollouts), strict=True)),
         )
         facts, own = _split_meta(rollouts)
-        facts_ids = self._intern(conn, Facts, "data", self.facts_ids, facts, dump=True)
+        by_object: dict[int, str] = {}  # a group's rollouts share one facts dict: hash it once
+        digests: list[str | None] = []
+        for f in facts:
+            if f and id(f) not in by_object:
+                by_object[id(f)] = _sha(_dumps(f))
+            digests.append(by_object[id(f)] if f else None)
+        facts_ids = self._intern(
+            conn,
+            Facts,
+            "data",
+            self.facts_ids,
+            {d: f for d, f in zip(digests, facts, strict=True) if d},
+        )
         self._add_tokens(conn, rollouts)
-        ctrl = self.control_tokens
-        conn.execute(
-            insert(ROLLOUTS),
+        ctrl, driver = self.control_tokens, self.driver
+        cursor = cursor or driver.cursor(conn)
+        cursor.executemany(
+            driver.insert_rollouts,
             [
-                {
-                    "run_id": self.run_id,
-                    "step": step,
-                    "group": r.group,
-                    "idx": r.index,
-                    "prompt_id": prompt_ids[_sha(r.prompt)],
-                    "target": r.target,
-                    "completion": r.completion,
-                    "vote": r.vote,
-                    "verifier_reward": float(r.verifier_reward),
-                    "true_score": finite(r.true_score),
-                    "advantage": float(r.advantage),
-                    "sum_logprob": r.sum_logprob,
-                    "format_valid": bool(r.format_valid),
-                    "format_state": r.format_state,
-                    "completion_ids": pack_ints(r.completion_ids),
-                    "token_logprobs": pack_halves(r.token_logprobs),
-                    "control_probs": pack_half_matrix(
+                (
+                    self.run_id,
+                    step,
+                    r.group,
+                    r.index,
+                    prompt_ids[p],
+                    r.target,
+                    r.completion,
+                    r.vote,
+                    float(r.verifier_reward),
+                    finite(r.true_score),
+                    float(r.advantage),
+                    finite(r.sum_logprob),
+                    bool(r.format_valid),
+                    r.format_state,
+                    pack_ints(r.completion_ids),
+                    pack_halves(r.token_logprobs),
+                    pack_half_matrix(
                         [r.control_probs.get(t) or [0.0] * len(r.completion_ids) for t in ctrl]
                     ),
-                    "facts_id": facts_ids[_sha(_dumps(f))] if f else None,
-                    "own_meta": o or None,
-                }
-                for r, f, o in zip(rollouts, facts, own, strict=True)
+                    facts_ids[d] if d else None,
+                    driver.json(o or None),
+                )
+                for r, p, d, o in zip(rollouts, prompts, digests, own, strict=True)
             ],
         )
 
@@ -256,16 +366,10 @@ class Recorder:
         model: Any,
         column: str,
         cache: dict[str, int],
-        items: Iterable[Any],
-        *,
-        dump: bool = False,
+        wanted: dict[str, Any],
     ) -> dict[str, int]:
-        """Store each distinct prompt text (or facts dict) once; return sha256 → id."""
-        wanted = {}
-        for item in items:
-            if dump and not item:
-                continue
-            wanted[_sha(_dumps(item) if dump else item)] = item
+        """Store each distinct prompt text (or facts dict) once, by sha256; return the cache of
+        sha256 → id (a run's few distinct prompts are looked up once, not every step)."""
         missing = {h: v for h, v in wanted.items() if h not in cache}
         if missing:
             conn.execute(
@@ -309,13 +413,11 @@ def _split_meta(
     for members in groups.values():
         metas = [{k: v for k, v in rollouts[i].meta.items() if k != "tokens"} for i in members]
         keys = set().union(*metas)
-        shared = {
-            k
-            for k in keys
-            if all(k in m for m in metas) and len({_dumps(m[k]) for m in metas}) == 1
-        }
+        first = metas[0]
+        shared = {k for k in keys if k in first and all(k in m and m[k] == first[k] for m in metas)}
+        group_facts = {k: v for k, v in first.items() if k in shared}
         for i, meta in zip(members, metas, strict=True):
-            facts[i] = {k: v for k, v in meta.items() if k in shared}
+            facts[i] = group_facts
             own[i] = {k: v for k, v in meta.items() if k not in shared}
     return facts, own
 

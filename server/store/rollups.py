@@ -54,27 +54,58 @@ def step_rows(
 def roll(
     conn: Connection, *, run_id: int, width: int, first: int, last: int, n_series: int
 ) -> None:
-    """Write the rollups of buckets first..last of `width` (those that hold steps)."""
-    rows = step_rows(
-        conn, run_id=run_id, after=first * width, through=(last + 1) * width, n_series=n_series
-    )
-    by_bucket: dict[int, list[tuple[int, list[float | None]]]] = {}
-    for step, values in rows:
-        by_bucket.setdefault((step - 1) // width, []).append((step, values))
+    """Write the rollups of buckets first..last of `width` (those that hold steps): the smallest
+    width from its steps, each wider one by merging the next smaller width's rows (rolled
+    first), so no roll reads more than ten rows per bucket."""
     n_names = len(all_names([""] * n_series))  # the step columns and the generic series
+    smaller = max((w for w in ROLLUP_WIDTHS if w < width), default=None)
+    by_bucket: dict[int, list[float]] = {}
+    if smaller is None:
+        rows = step_rows(
+            conn, run_id=run_id, after=first * width, through=(last + 1) * width, n_series=n_series
+        )
+        members: dict[int, list[tuple[int, list[float | None]]]] = {}
+        for step, values in rows:
+            members.setdefault((step - 1) // width, []).append((step, values))
+        by_bucket = {b: aggregate(m, n_names) for b, m in members.items()}
+    else:
+        ratio = width // smaller
+        parts = conn.execute(
+            select(Rollup.bucket, Rollup.data).where(
+                Rollup.run_id == run_id,
+                Rollup.width == smaller,
+                Rollup.bucket >= first * ratio,
+                Rollup.bucket < (last + 1) * ratio,
+            )
+        )
+        for bucket, data in parts:
+            merged = by_bucket.setdefault(bucket // ratio, [0.0] * (FIELDS * n_names))
+            merge(merged, unpack_doubles(data))
     if by_bucket:
         conn.execute(
             insert(Rollup),
             [
-                {
-                    "run_id": run_id,
-                    "width": width,
-                    "bucket": bucket,
-                    "data": pack_doubles(aggregate(members, n_names)),
-                }
-                for bucket, members in sorted(by_bucket.items())
+                {"run_id": run_id, "width": width, "bucket": b, "data": pack_doubles(flat)}
+                for b, flat in sorted(by_bucket.items())
             ],
         )
+
+
+def merge(into: list[float], part: Sequence[float]) -> None:
+    """Fold one bucket's aggregates into a wider bucket's (part may know fewer series)."""
+    for at in range(0, min(len(into), len(part)), FIELDS):
+        n = part[at]
+        if n == 0:
+            continue
+        if into[at] == 0:
+            into[at : at + FIELDS] = part[at : at + FIELDS]
+            continue
+        into[at] += n
+        into[at + 1] += part[at + 1]
+        into[at + 2] = min(into[at + 2], part[at + 2])
+        into[at + 3] = max(into[at + 3], part[at + 3])
+        into[at + 4] = min(into[at + 4], part[at + 4])
+        into[at + 5] = max(into[at + 5], part[at + 5])
 
 
 def rolled_through(conn: Connection | Session, *, run_id: int) -> dict[int, int]:
