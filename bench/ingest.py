@@ -79,7 +79,7 @@ def rows_of(engine: Engine, run_id: int) -> tuple[list[str], dict[str, list[str]
     with engine.connect() as conn:
         for table in STEP_TABLES:
             result = conn.execute(text(f"SELECT * FROM {table} WHERE run_id = :r"), {"r": run_id})
-            names = [c for c in result.keys() if c != "id"]
+            names = [c for c in result.keys() if c != "id"]  # noqa: SIM118 - a Result, not a dict
             columns[table] = names
             for row in result.mappings():
                 by_step.setdefault(row["step"], {t: [] for t in STEP_TABLES})[table].append(

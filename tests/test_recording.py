@@ -58,7 +58,9 @@ def test_every_encoding_round_trips(session_factory: sessionmaker[Session]) -> N
         assert store.steps(session, run_id=run_id)[0].loss is None
     empty, long, odd = got
     assert (empty["completion"], empty["completion_ids"], empty["token_logprobs"]) == ("", [], [])
-    assert empty["tokens"] is None and empty["control_token_probs"] == {t: [] for t in CONTROL_TOKENS}
+    assert empty["tokens"] is None and empty["control_token_probs"] == {
+        t: [] for t in CONTROL_TOKENS
+    }
     assert long["completion_ids"] == long_ids and long["tokens"] == [f"t{i}" for i in long_ids]
     assert long["token_logprobs"] == pytest.approx(long_logprobs, rel=1e-3, abs=1e-3)
     assert long["sum_logprob"] == pytest.approx(sum(long_logprobs))  # float64, not float16

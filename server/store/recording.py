@@ -19,7 +19,6 @@ from typing import Any
 
 from rollout_lens.server import alerts as rules
 from rollout_lens.server.models import (
-    ROLLUP_WIDTHS,
     AlertRow,
     Facts,
     Prompt,
@@ -152,7 +151,7 @@ class Recorder:
         ).one()
         self.series_names: list[str] = list(run.series_names or [])
         self.keep_every: int | None = run.keep_tokens_every or None
-        self.rolled = rollups.rolled_through(conn, run_id=run_id)
+        self.buckets = rollups.OpenBuckets(conn, run_id=run_id, n_series=len(self.series_names))
         history = conn.execute(
             select(Step.step, *layout.STEP_COLUMNS, Step.series)
             .where(Step.run_id == run_id)
@@ -206,7 +205,9 @@ class Recorder:
         metrics = {name: finite(value) for name, value in record.metrics.items()}
         new_names = [n for n in metrics if n not in self.series_names]
         self.series_names += new_names
-        self._roll_finished_buckets(conn, step)
+        self.buckets.add(
+            conn, step, [*values.values(), *(metrics.get(n) for n in self.series_names)]
+        )
 
         fired = self.watch.push(step, values | {n: v for n, v in metrics.items() if v is not None})
         if record.rollouts:
@@ -277,20 +278,6 @@ class Recorder:
             .where(STEPS.c.run_id == self.run_id, STEPS.c.rollout_step == old)
             .values(tokens_kept=False)
         )
-
-    def _roll_finished_buckets(self, conn: Connection, step: int) -> None:
-        for width in ROLLUP_WIDTHS:
-            finished = (step - 1) // width - 1  # every bucket before this step's
-            if finished > self.rolled[width]:
-                rollups.roll(
-                    conn,
-                    run_id=self.run_id,
-                    width=width,
-                    first=self.rolled[width] + 1,
-                    last=finished,
-                    n_series=len(self.series_names),
-                )
-                self.rolled[width] = finished
 
     # -- rollouts ------------------------------------------------------------------------------
 

@@ -108,6 +108,68 @@ def merge(into: list[float], part: Sequence[float]) -> None:
         into[at + 5] = max(into[at + 5], part[at + 5])
 
 
+class OpenBuckets:
+    """The unfinished bucket of each width, aggregated in memory as the recorder writes steps;
+    a bucket's row is written in the transaction of the first step past its end. Loaded from the
+    steps not yet rolled up (at most a bucket of each width) when a recorder starts."""
+
+    def __init__(self, conn: Connection, *, run_id: int, n_series: int) -> None:
+        self.run_id = run_id
+        self.open: dict[int, tuple[int, list[float]]] = {}
+        rolled = rolled_through(conn, run_id=run_id)
+        ends = {width: (rolled[width] + 1) * width for width in ROLLUP_WIDTHS}
+        rows = step_rows(
+            conn, run_id=run_id, after=min(ends.values()), through=None, n_series=n_series
+        )
+        n_names = len(all_names([""] * n_series))
+        for width in ROLLUP_WIDTHS:
+            members: dict[int, list[tuple[int, list[float | None]]]] = {}
+            for step, values in rows:
+                if step > ends[width]:
+                    members.setdefault((step - 1) // width, []).append((step, values))
+            buckets = sorted(members)
+            for bucket in buckets[:-1]:  # finished but never written (not expected; repaired)
+                self._write(conn, width, bucket, aggregate(members[bucket], n_names))
+            if buckets:
+                self.open[width] = (buckets[-1], aggregate(members[buckets[-1]], n_names))
+
+    def add(self, conn: Connection, step: int, values: Sequence[float | None]) -> None:
+        """Fold one step's values (all_names order) in; write the buckets it finishes."""
+        present = [(FIELDS * i, v) for i, v in enumerate(values) if v is not None]
+        size = FIELDS * len(values)
+        for width in ROLLUP_WIDTHS:
+            bucket = (step - 1) // width
+            current = self.open.get(width)
+            if current is not None and current[0] != bucket:
+                if bucket < current[0]:
+                    raise ValueError(f"step {step} comes after a later step: steps must rise")
+                self._write(conn, width, *current)
+                current = None
+            if current is None:
+                current = (bucket, [0.0] * size)
+                self.open[width] = current
+            flat = current[1]
+            if len(flat) < size:  # new series appeared
+                flat.extend([0.0] * (size - len(flat)))
+            for at, v in present:
+                if flat[at] == 0:
+                    flat[at : at + FIELDS] = [1.0, v, v, v, step, step]
+                    continue
+                flat[at] += 1
+                flat[at + 1] += v
+                if v < flat[at + 2]:
+                    flat[at + 2] = v
+                if v > flat[at + 3]:
+                    flat[at + 3] = v
+                flat[at + 5] = step
+
+    def _write(self, conn: Connection, width: int, bucket: int, flat: list[float]) -> None:
+        conn.execute(
+            insert(Rollup),
+            {"run_id": self.run_id, "width": width, "bucket": bucket, "data": pack_doubles(flat)},
+        )
+
+
 def rolled_through(conn: Connection | Session, *, run_id: int) -> dict[int, int]:
     """Width → the last bucket index rolled up (-1 when none)."""
     found = dict(
