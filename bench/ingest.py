@@ -57,22 +57,28 @@ def _new_run(engine: Engine, name: str, variant: str) -> int:
         ).id
 
 
-def record(engine: Engine, *, steps: int, variant: str, seed: int) -> tuple[int, float]:
-    """Write `steps` synthetic steps through the recorder; (run id, seconds spent writing)."""
+def record(
+    engine: Engine, *, steps: int, variant: str, seed: int, batch: int = 1
+) -> tuple[int, float]:
+    """Write `steps` synthetic steps through the recorder, `batch` steps per transaction (the
+    writer's batch when training outpaces it); (run id, seconds spent writing)."""
     run_id = _new_run(engine, f"recorder {variant}", variant)
     synthetic = SyntheticRun(variant=variant, seed=seed)
     records = [synthetic.step(step) for step in range(1, steps + 1)]  # built before the clock
     recorder: store.Recorder | None = None
     start = time.perf_counter()
-    for record_ in records:
+    for first in range(0, len(records), batch):
         with engine.begin() as conn:
             if recorder is None:
                 recorder = store.Recorder(conn, run_id=run_id, control_tokens=CONTROL_TOKENS)
-            recorder.write(conn, record_, device_seconds=0.5, price_per_hour=2.0)
+            for record_ in records[first : first + batch]:
+                recorder.write(conn, record_, device_seconds=0.5, price_per_hour=2.0)
     return run_id, time.perf_counter() - start
 
 
-def rows_of(engine: Engine, run_id: int) -> tuple[list[str], dict[str, list[str]], dict[int, dict[str, list[tuple[Any, ...]]]]]:
+def rows_of(
+    engine: Engine, run_id: int
+) -> tuple[list[str], dict[str, list[str]], dict[int, dict[str, list[tuple[Any, ...]]]]]:
     """The rows the recorder wrote, by step: table → column names, step → table → rows."""
     columns: dict[str, list[str]] = {}
     by_step: dict[int, dict[str, list[tuple[Any, ...]]]] = {}
@@ -118,7 +124,7 @@ def plain_sqlite(path: Path, columns: dict[str, list[str]], by_step: dict, run_i
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA foreign_keys=ON")
     inserts = {
-        t: f'INSERT INTO {t} ({", ".join(chr(34) + c + chr(34) for c in cols)}) VALUES ({", ".join("?" * len(cols))})'
+        t: f"INSERT INTO {t} ({', '.join(chr(34) + c + chr(34) for c in cols)}) VALUES ({', '.join('?' * len(cols))})"
         for t, cols in columns.items()
     }
     update = "UPDATE runs SET current_step = ?, heartbeat_at = ?, recent_reward = ? WHERE id = ?"
@@ -140,7 +146,7 @@ def plain_postgres(url: str, columns: dict[str, list[str]], by_step: dict, run_i
 
     conninfo = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
     copies = {
-        t: f'COPY {t} ({", ".join(chr(34) + c + chr(34) for c in cols)}) FROM STDIN'
+        t: f"COPY {t} ({', '.join(chr(34) + c + chr(34) for c in cols)}) FROM STDIN"
         for t, cols in columns.items()
     }
     with psycopg.connect(conninfo) as conn:
@@ -160,10 +166,17 @@ def plain_postgres(url: str, columns: dict[str, list[str]], by_step: dict, run_i
 
 
 def rate_round(
-    make_db: Callable[[str], tuple[Engine, str]], plain: Callable[..., float], steps: int, seed: int
-) -> tuple[float, float]:
-    """One alternation: recorder, then plain on the same rows; rollouts/s for both."""
+    make_db: Callable[[str], tuple[Engine, str]],
+    plain: Callable[..., float],
+    steps: int,
+    seed: int,
+) -> tuple[float, float, float]:
+    """One alternation: recorder (a step per transaction, then 10), then plain on the same rows
+    (a step per transaction); rollouts/s of each."""
     engine, _ = make_db("rec")
+    batched_engine, _ = make_db("batched")
+    _, batched_seconds = record(batched_engine, steps=steps, variant="leaky", seed=seed, batch=10)
+    batched_engine.dispose()
     run_id, rec_seconds = record(engine, steps=steps, variant="leaky", seed=seed)
     _, columns, by_step = rows_of(engine, run_id)
     n_rollouts = sum(len(t["rollouts"]) for t in by_step.values())
@@ -177,7 +190,7 @@ def rate_round(
             rows[table] = [r[:i] + (plain_run,) + r[i + 1 :] for r in rows[table]]
     engine.dispose()
     plain_seconds = plain(where, columns, by_step, plain_run)
-    return n_rollouts / rec_seconds, n_rollouts / plain_seconds
+    return n_rollouts / rec_seconds, n_rollouts / plain_seconds, n_rollouts / batched_seconds
 
 
 def sqlite_dbs(folder: Path) -> Callable[[str], tuple[Engine, Any]]:
@@ -215,13 +228,18 @@ def drop_postgres(url: str, names: list[str]) -> None:
 
 
 def rates(label: str, make_db: Callable, plain: Callable, steps: int, rounds: int) -> None:
-    pairs = [rate_round(make_db, plain, steps, seed) for seed in range(rounds)]
-    rec = statistics.median(p[0] for p in pairs)
-    base = statistics.median(p[1] for p in pairs)
+    warm, _ = make_db("warmup")  # first-use costs (imports, statement caches) paid untimed
+    record(warm, steps=12, variant="leaky", seed=99)
+    warm.dispose()
+    rounds_ = [rate_round(make_db, plain, steps, seed) for seed in range(rounds)]
+    rec = statistics.median(r[0] for r in rounds_)
+    base = statistics.median(r[1] for r in rounds_)
+    batched = statistics.median(r[2] for r in rounds_)
     print(
         f"{label}: recorder {rec:,.0f} rollouts/s ({8000 / rec:.2f} ms per step of 8), "
-        f"plain {base:,.0f} rollouts/s; ratio {rec / base:.2f} (median of {rounds} rounds, "
-        f"{steps} steps each)"
+        f"plain {base:,.0f} rollouts/s ({8000 / base:.2f} ms); ratio {rec / base:.2f}; "
+        f"recorder with 10 steps per transaction {batched:,.0f} rollouts/s, ratio "
+        f"{batched / base:.2f} (median of {rounds} rounds, {steps} steps each)"
     )
 
 

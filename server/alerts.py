@@ -236,7 +236,16 @@ class Watch:
     entries of its series (tests/test_alerts.py checks it on recorded runs)."""
 
     def __init__(self, thresholds: AlertThresholds | None = None) -> None:
-        self.thresholds = thresholds or AlertThresholds()
+        t = self.thresholds = thresholds or AlertThresholds()
+        # Entries each series needs: its rule's window, the point itself and the one before it
+        # (an episode starts where the condition was false a point earlier).
+        probe_window = t.spike_window + 2
+        self.keep = {name: probe_window for name in (*SPIKE_PROBES, *DROP_PROBES)} | {
+            COLLAPSED: 2,
+            ZERO_STD: t.signal_loss_window + 2,
+            REWARD: CONTEXT,  # reward hacking pairs reward with accuracy where both are present
+            ACCURACY: CONTEXT,
+        }
         self.inputs: dict[str, deque[tuple[int, float | None]]] = {}
 
     def feed(self, step: int, values: Mapping[str, float | None]) -> None:
@@ -245,7 +254,10 @@ class Watch:
             value = values.get(name)
             if value is None and name not in COLUMN_INPUTS:
                 continue  # a metric not logged at this step is absent, not None
-            self.inputs.setdefault(name, deque(maxlen=CONTEXT)).append((step, value))
+            entries = self.inputs.get(name)
+            if entries is None:
+                entries = self.inputs[name] = deque(maxlen=self.keep.get(name, CONTEXT))
+            entries.append((step, value))
 
     def push(self, step: int, values: Mapping[str, float | None]) -> list[Alert]:
         """Add one step and return the alerts that fire at it."""
@@ -254,7 +266,9 @@ class Watch:
         return [a for a in evaluate(series, self.thresholds, tail=2) if a.step == step]
 
 
-def from_history(steps: Sequence[tuple[int, Mapping[str, float | None]]]) -> dict[str, Series]:
+def from_history(
+    steps: Sequence[tuple[int, Mapping[str, float | None]]],
+) -> dict[str, list[tuple[int, float | None]]]:
     """(step, inputs) of a whole run → the series `evaluate` reads, built as Watch builds them."""
     out: dict[str, list[tuple[int, float | None]]] = {}
     for step, values in steps:

@@ -430,12 +430,14 @@ def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
 def nearest_kept_step(session: Session, *, run_id: int, step: int) -> int | None:
     """The step nearest `step` whose token-level data retention kept (ties: the earlier)."""
     kept = [Step.run_id == run_id, Step.tokens_kept.is_(True)]
-    below, above = session.execute(
+    row = session.execute(
         select(
             select(func.max(Step.step)).where(*kept, Step.step < step).scalar_subquery(),
             select(func.min(Step.step)).where(*kept, Step.step > step).scalar_subquery(),
         )
     ).one()
+    below: int | None = row[0]
+    above: int | None = row[1]
     if below is None or above is None:
         return below if above is None else above
     return below if step - below <= above - step else above

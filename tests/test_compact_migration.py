@@ -47,7 +47,12 @@ def _before(path: Path) -> tuple[dict, dict, dict]:
 def test_compact_migration_keeps_every_rollout_and_series(tmp_path: Path) -> None:
     path = tmp_path / "old.db"
     path.write_bytes(gzip.decompress(FIXTURE.read_bytes()))
+    with sqlite3.connect(path) as conn:  # a series logged without a value (NaN became NULL)
+        conn.execute(
+            "INSERT INTO metrics (run_id, step, name, value) VALUES (2, 3, 'custom/nan', NULL)"
+        )
     rollouts, metrics, step_counts = _before(path)
+    assert metrics[2]["custom/nan"] == [(3, None)]
     assert len(rollouts) == 416 and set(step_counts) == {1, 2}
 
     engine = make_engine(f"sqlite:///{path}")

@@ -108,7 +108,7 @@ def _move_series(conn: sa.Connection, run_id: int) -> None:
     from rollout_lens.server.store import layout
 
     names: list[str] = []
-    by_step: dict[int, dict[str, float]] = {}
+    by_step: dict[int, dict[str, float | None]] = {}
     rows = conn.execute(
         sa.text("SELECT step, name, value FROM metrics WHERE run_id = :r ORDER BY step, name"),
         {"r": run_id},
@@ -116,8 +116,7 @@ def _move_series(conn: sa.Connection, run_id: int) -> None:
     for step, name, value in rows:
         if name not in names:
             names.append(name)
-        if value is not None:
-            by_step.setdefault(step, {})[name] = value
+        by_step.setdefault(step, {})[name] = value  # None: logged without a finite value
     conn.execute(
         sa.text("UPDATE runs SET series_names = :n WHERE id = :r"),
         {"n": json.dumps(names), "r": run_id},

@@ -36,7 +36,6 @@ from rollout_lens.server.store.sql import finite, upsert_insert
 from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session
 
-STEPS, ROLLOUTS = Step.__table__, Rollout.__table__
 TOKEN_ARRAYS = {"completion_ids": None, "token_logprobs": None, "control_probs": None}
 
 
@@ -269,13 +268,13 @@ class Recorder:
             return
         old = self.newest[0]
         conn.execute(
-            update(ROLLOUTS)
-            .where(ROLLOUTS.c.run_id == self.run_id, ROLLOUTS.c.step == old)
+            update(Rollout)
+            .where(Rollout.run_id == self.run_id, Rollout.step == old)
             .values(**TOKEN_ARRAYS)
         )
         conn.execute(
-            update(STEPS)
-            .where(STEPS.c.run_id == self.run_id, STEPS.c.rollout_step == old)
+            update(Step)
+            .where(Step.run_id == self.run_id, Step.rollout_step == old)
             .values(tokens_kept=False)
         )
 
