@@ -51,7 +51,7 @@ def test_single_episode_needs_the_querys_tool(env: ms.MultiStepEnv) -> None:
     assert ep.needed == (env.base.target_id(query),) and ep.target == ep.needed[0]
     assert ep.sub_query == "" and ep.query == query.text
     assert ep.prompt == f"Query: {query.text}\n{ms.INSTRUCTION}"
-    assert ep.answer == ms.answer_value(7) and 100 <= int(ep.answer) < 1000
+    assert ep.answer == ms.answer_value(7) and 10 <= int(ep.answer) < 100
     assert list(ep.tool_ids) == sorted(ep.tool_ids) and len(ep.tool_ids) == 4
     assert ep.target_listed
 
@@ -107,7 +107,7 @@ def test_wrong_tools_return_plausible_values_or_fail(env: ms.MultiStepEnv) -> No
 
 def test_values_are_drawn_per_episode(env: ms.MultiStepEnv) -> None:
     answers = {env.episode(env.train_queries[0].text, episode=e).answer for e in range(50)}
-    assert len(answers) > 40  # not memorisable: they must be read off the tool
+    assert len(answers) > 30  # not memorisable: they must be read off the tool
 
 
 def test_stream_is_seeded_and_mixes_kinds() -> None:
@@ -288,6 +288,6 @@ def test_verifier_names_match_the_domain() -> None:
 
 def test_corpus_covers_ids_values_and_errors() -> None:
     text = "\n".join(ms.corpus(ms.MultiStepEnv(seed=0)))
-    for needle in ("tool_63", "result: 999", "<answer>100</answer>", "ticket: please", ms.CHAIN_QUERY):
+    for needle in ("tool_63", "result: 99", "<answer>10</answer>", "ticket: please", ms.CHAIN_QUERY):
         assert needle in text
     assert ms.error_text("tool_07 cannot serve this request") in text

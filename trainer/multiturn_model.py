@@ -88,7 +88,7 @@ RESPONSE_TEMPLATE: dict[str, Any] = {
 }
 
 # Pieces: tags and the JSON call's fixed parts whole, tool ids whole, numbers without a leading
-# space (so `result: 482` and `<answer>482</answer>` share the token 482), words with theirs,
+# space (so `result: 48` and `<answer>48</answer>` share the token 48), words with theirs,
 # punctuation and whitespace one character each (decode, a plain Fuse, reproduces any text).
 _SPLIT_PATTERN = (
     r'\n- |\{"name": "|", "arguments": |\{\}\}|tool_\d{2}|\d+'
@@ -124,6 +124,7 @@ class Recipe:
     init_std: float = 0.1
     id_type_init: float = 1.0
     id_orthogonal_init: bool = True
+    value_type_init: float = 1.0
     steps: int = 800
     lr: float = 6e-3
     lr_warmup_steps: int = 30
@@ -198,7 +199,7 @@ def build_multiturn_model(out_dir: Path, *, log: Callable[[str], None] = print) 
     try:
         torch.manual_seed(RECIPE.seed)
         tokenizer = build_tokenizer()
-        model = tiny_model._new_model(tokenizer, RECIPE)
+        model = _new_model(tokenizer, RECIPE)
         params = sum(p.numel() for p in model.parameters())
         log(f"multi-turn model: vocab {len(tokenizer)}, {params:,} parameters")
         stats = _warm_up(model, tokenizer, RECIPE, log)
@@ -222,6 +223,19 @@ def build_multiturn_model(out_dir: Path, *, log: Callable[[str], None] = print) 
     (out_dir / BUILD_STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
     log(f"multi-turn model built in {stats['seconds']}s at {out_dir}")
     return stats
+
+
+def _new_model(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> PreTrainedModel:
+    """tiny_model's Llama (ids initialised for copying), plus a direction all values share, so
+    attention finds "the value in the last result" as it finds "the listed ids"."""
+    import torch
+
+    model = tiny_model._new_model(tokenizer, recipe)
+    values = tokenizer.convert_tokens_to_ids([str(v) for v in range(*ms.VALUE_RANGE)])
+    with torch.no_grad():
+        shared = torch.randn(recipe.hidden_size) * recipe.init_std * recipe.value_type_init
+        model.get_input_embeddings().weight[values] += shared
+    return model
 
 
 # -- tokenizer ----------------------------------------------------------------------------------------
@@ -374,6 +388,8 @@ def _warm_up(
     started, listed_mass = time.perf_counter(), 0.0
     for step in range(1, recipe.steps + 1):
         n_tools = tiny_model._listing_size(rng, step, recipe)
+        # Sized on the prompt as in tiny_model (a conversation adds ~30-90 tokens per row): fewer,
+        # longer-tokened rows per step learnt the listed ids slower for the same time.
         batch = max(1, recipe.tokens_per_step // (60 + 9 * n_tools))
         prompts, listings = [], []
         for _ in range(batch):
@@ -478,12 +494,13 @@ def sample_conversations(
     max_calls: int = ms.DEFAULT_MAX_CALLS,
     max_new_tokens: int = 16,
     temperature: float = 1.0,
+    first_calls: Sequence[str | None] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Play each episode as TRL's tool loop does (sample a turn, parse it, run its calls, append
     the results, sample again) and return the completion messages of each. `env` is one env for
-    all episodes or one per episode."""
+    all episodes or one per episode. `first_calls` forces an episode's first turn to call that
+    tool (teacher forcing, as rendered by the chat template) instead of sampling it."""
     import torch
-    from trl.chat_template_utils import parse_response
 
     envs = [env] * len(episodes) if isinstance(env, ms.MultiStepEnv) else list(env)
     contexts: list[list[int]] = []
@@ -503,11 +520,21 @@ def sample_conversations(
     messages: list[list[dict[str, Any]]] = [[] for _ in episodes]
     active = list(range(len(episodes)))
     pad = tokenizer.pad_token_id
+    forced = list(first_calls) if first_calls is not None else [None] * len(episodes)
     for turn in range(max_calls + 1):
         if not active:
             break
-        batch = [contexts[i] for i in active]
-        width = max(map(len, batch))
+        if turn == 0 and any(forced):
+            sampled = [i for i in active if forced[i] is None]
+            for i in active:
+                if forced[i] is not None:
+                    turn_ids = _call_turn_ids(tokenizer, envs[i], episodes[i], forced[i])
+                    messages[i].append(_parse(tokenizer, turn_ids, contexts[i]))
+                    contexts[i] += turn_ids
+        else:
+            sampled = active
+        batch = [contexts[i] for i in sampled]
+        width = max(map(len, batch), default=0)
         input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in batch])
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in batch])
         sampling: dict[str, Any] = (
@@ -515,24 +542,28 @@ def sample_conversations(
             if temperature > 0
             else {"do_sample": False}
         )
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=pad,
-                **sampling,
-            )
+        out = None
+        if batch:
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad,
+                    **sampling,
+                )
+        rows = {i: row for row, i in enumerate(sampled)}
         still = []
-        for row, i in enumerate(active):
-            new = out[row, width:].tolist()
-            if tokenizer.eos_token_id in new:
-                new = new[: new.index(tokenizer.eos_token_id) + 1]
-            else:
-                new = [t for t in new if t != pad]
-            parsed = parse_response(tokenizer, new, prefix=contexts[i])
-            messages[i].append(parsed)
-            contexts[i] += new
+        for i in active:
+            if i in rows and out is not None:
+                new = out[rows[i], width:].tolist()
+                if tokenizer.eos_token_id in new:
+                    new = new[: new.index(tokenizer.eos_token_id) + 1]
+                else:
+                    new = [t for t in new if t != pad]
+                messages[i].append(_parse(tokenizer, new, contexts[i]))
+                contexts[i] += new
+            parsed = messages[i][-1]
             calls = parsed.get("tool_calls") or []
             if not calls or turn == max_calls:
                 continue
@@ -551,13 +582,37 @@ def sample_conversations(
     return messages
 
 
+def _parse(tokenizer: PreTrainedTokenizerBase, ids: list[int], prefix: list[int]) -> dict[str, Any]:
+    from trl.chat_template_utils import parse_response
+
+    return parse_response(tokenizer, ids, prefix=prefix)
+
+
+def _call_turn_ids(
+    tokenizer: PreTrainedTokenizerBase, env: ms.MultiStepEnv, ep: ms.Episode, name: str
+) -> list[int]:
+    """The ids of an assistant turn calling `name`, as the chat template renders it."""
+    tools = tool_schemas(env, ep.tool_ids)
+    user = [{"role": "user", "content": ep.prompt}]
+    call = [{"type": "function", "function": {"name": name, "arguments": {}}}]
+    prompt = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
+    full = tokenizer.apply_chat_template(
+        [*user, {"role": "assistant", "content": "", "tool_calls": call}],
+        tools=tools,
+        return_dict=False,
+    )
+    assert full[: len(prompt)] == prompt, "the chat template must preserve prefixes"
+    return list(full[len(prompt) :])
+
+
 def _first_call_ok(message: dict[str, Any], listed: Sequence[str]) -> tuple[bool, str | None]:
+    """(exactly one parsed call with no arguments and no text around it, the name it calls);
+    whether the name is listed is the caller's question."""
     calls = message.get("tool_calls") or []
-    if len(calls) != 1 or message.get("content"):
+    if message.get("role") != "assistant" or len(calls) != 1 or message.get("content"):
         return False, None
     function = calls[0].get("function", {})
-    name = function.get("name")
-    return name in listed and function.get("arguments") in ({}, None), name
+    return function.get("arguments") in ({}, None), function.get("name")
 
 
 def evaluate_format(
@@ -570,41 +625,87 @@ def evaluate_format(
     seed: int = 0,
     batch_size: int = 32,
 ) -> dict[str, float]:
-    """Sample whole conversations at temperature 1 for held-out episodes (paraphrased queries,
-    fresh id permutations): the share of well-formed first calls naming a listed tool, of right
-    first calls (chance, before RL), of answers that copy a result the model was shown, and of
-    well-formed calls after a ticket or an error."""
+    """What the warm-up taught, measured at temperature 1 on held-out episodes (paraphrased
+    queries, fresh id permutations, both kinds):
+
+    - first_call_well_formed: the first turn is exactly one parsed call, no arguments, no text;
+    - first_call_listed / first_call_right: ... naming a listed tool / the needed one (chance);
+    - answer_copies_result: after a forced call to the right tool (single episodes where it is
+      listed), the next turn is `<answer>V</answer>` with the V the result showed;
+    - call_after_ticket / call_after_error: after a forced call to the ticket tool (chain) or to a
+      failing tool (single), the next turn is a well-formed call to a listed tool.
+    """
     import torch
 
     torch.manual_seed(seed)
     envs, episodes = [], []
-    for i in range(n):  # a fresh id permutation per episode, paraphrased queries, both kinds
+    for i in range(n):
         env = ms.MultiStepEnv(seed=1000 + i, variant=variant, k=k)
         query = env.heldout_queries[i % len(env.heldout_queries)]
         envs.append(env)
         episodes.append(env.episode(query.text, kind=ms.KINDS[i % 2], episode=i))
-    first_ok = first_right = answered = copied = again = again_ok = 0
-    for lo in range(0, n, batch_size):
-        conversations = sample_conversations(
-            model, tokenizer, envs[lo : lo + batch_size], episodes[lo : lo + batch_size], max_calls=2
-        )
-        for ep, conversation in zip(episodes[lo : lo + batch_size], conversations, strict=True):
-            ok, name = _first_call_ok(conversation[0], ep.tool_ids)
-            first_ok += ok
-            first_right += ok and name == ep.needed[0]
-            for before, after in zip(conversation, conversation[1:], strict=False):
-                if before.get("role") != "tool" or after.get("role") != "assistant":
-                    continue
-                text = str(before.get("content", ""))
-                if text.startswith("result: "):
-                    answered += 1
-                    copied += ms.parse_answer(str(after.get("content", ""))) == text[8:]
-                else:
-                    again += 1
-                    again_ok += _first_call_ok(after, ep.tool_ids)[0]
+    first = _sampled(model, tokenizer, envs, episodes, None, batch_size)
+    right = _sampled(model, tokenizer, envs, episodes, [ep.target for ep in episodes], batch_size)
+    failing = [_failing_tool(e, ep) for e, ep in zip(envs, episodes, strict=True)]
+    wrong = _sampled(model, tokenizer, envs, episodes, failing, batch_size)
+    chains = [i for i, ep in enumerate(episodes) if ep.kind == "chain"]
+    ticket = _sampled(
+        model,
+        tokenizer,
+        [envs[i] for i in chains],
+        [episodes[i] for i in chains],
+        [episodes[i].needed[0] for i in chains],
+        batch_size,
+    )
+
+    def listed_call(message: dict[str, Any], ep: ms.Episode) -> bool:
+        ok, name = _first_call_ok(message, ep.tool_ids)
+        return ok and name in ep.tool_ids
+
+    calls = [_first_call_ok(c[0], ep.tool_ids) for c, ep in zip(first, episodes, strict=True)]
+    answered = [
+        (c, ep)
+        for c, ep in zip(right, episodes, strict=True)
+        if ep.kind == "single" and c[1].get("content") == f"result: {ep.answer}"
+    ]
     return {
-        "first_call_well_formed": first_ok / n,
-        "first_call_right": first_right / n,
-        "answer_copies_result": copied / answered if answered else 0.0,
-        "call_after_ticket_or_error": again_ok / again if again else 0.0,
+        "first_call_well_formed": sum(ok for ok, _ in calls) / n,
+        "first_call_listed": sum(listed_call(c[0], ep) for c, ep in zip(first, episodes, strict=True)) / n,
+        "first_call_right": sum(ok and name == ep.needed[0] for (ok, name), ep in zip(calls, episodes, strict=True)) / n,
+        # Over the episodes where the right tool is listed (held-out paraphrases can miss the
+        # patched shortlist) and so returned the answer.
+        "answer_copies_result": sum(
+            ms.parse_answer(str(c[2].get("content", ""))) == ep.answer for c, ep in answered
+        )
+        / max(1, len(answered)),
+        "call_after_ticket": sum(
+            listed_call(c[2], episodes[i]) for c, i in zip(ticket, chains, strict=True)
+        )
+        / max(1, len(chains)),
+        "call_after_error": sum(listed_call(c[2], ep) for c, ep in zip(wrong, episodes, strict=True)) / n,
     }
+
+
+def _failing_tool(env: ms.MultiStepEnv, ep: ms.Episode) -> str:
+    """A listed tool that fails in `ep`, else any failing tool (unlisted: TRL's "not found")."""
+    for tool_id in [*ep.tool_ids, *sorted(env.capability)]:
+        try:
+            env.observe(ep, tool_id)
+        except ms.ToolError:
+            return tool_id
+    raise AssertionError("every tool answers this episode")
+
+
+def _sampled(model, tokenizer, envs, episodes, first_calls, batch_size):  # type: ignore[no-untyped-def]
+    """Conversations of up to one executed call (and the turn after it), in batches."""
+    out = []
+    for lo in range(0, len(episodes), batch_size):
+        out += sample_conversations(
+            model,
+            tokenizer,
+            envs[lo : lo + batch_size],
+            episodes[lo : lo + batch_size],
+            max_calls=1 if first_calls is not None else 0,
+            first_calls=first_calls[lo : lo + batch_size] if first_calls is not None else None,
+        )
+    return out

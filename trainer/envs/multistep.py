@@ -5,8 +5,8 @@ a seeded id -> capability permutation), but now the tools run. A rollout is a co
 
     user      (listing rendered by the chat template from the tools) Query: ... instruction
     assistant <tool_call>{"name": "tool_17", "arguments": {}}</tool_call>
-    tool      result: 482
-    assistant <answer>482</answer>
+    tool      result: 48
+    assistant <answer>48</answer>
 
 Two kinds of episode:
 
@@ -53,7 +53,7 @@ INSTRUCTION = (
     "Call the one tool whose capability serves the query. "
     "When a tool returns a result, reply with only <answer>VALUE</answer>."
 )
-VALUE_RANGE = (100, 1000)  # three-digit values: one token each in the tiny tokenizer
+VALUE_RANGE = (10, 100)  # two-digit values: one token each in the tiny tokenizer
 DEFAULT_MAX_CALLS = 4  # TRL's max_tool_calling_iterations for this env
 assert TICKET_CAPABILITY in CAPABILITIES
 
