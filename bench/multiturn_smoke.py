@@ -95,8 +95,10 @@ def main() -> None:
             trainer.train()
             wall = time.perf_counter() - started
         logs = [h for h in trainer.state.log_history if "loss" in h]
-        print(f"\n{variant} ({config.mode}, {args.steps} steps, seed {args.seed}, lr {args.lr}, "
-              f"verifier {args.verifier}): {wall:.0f}s, {wall / max(1, len(logs)):.2f}s/step")
+        print(
+            f"\n{variant} ({config.mode}, {args.steps} steps, seed {args.seed}, lr {args.lr}, "
+            f"verifier {args.verifier}): {wall:.0f}s, {wall / max(1, len(logs)):.2f}s/step"
+        )
         print(f"{'steps':>9} " + " ".join(f"{name:>8}" for name, _ in COLUMNS))
         for lo in range(0, len(logs), args.every):
             bucket = logs[lo : lo + args.every]

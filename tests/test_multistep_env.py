@@ -13,7 +13,11 @@ from rollout_lens.trainer.envs.escalation import FORMAT_PARTIAL_CREDIT
 def call(name: str, arguments: dict[str, Any] | None = None) -> dict[str, Any]:
     """An assistant turn with one parsed tool call, as TRL's parser returns it."""
     function = {"name": name, "arguments": arguments or {}}
-    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": function}],
+    }
 
 
 def tool(name: str, content: str) -> dict[str, Any]:
@@ -24,7 +28,9 @@ def reply(text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": text}
 
 
-def play(env: ms.MultiStepEnv, ep: ms.Episode, names: list[str], final: str) -> list[dict[str, Any]]:
+def play(
+    env: ms.MultiStepEnv, ep: ms.Episode, names: list[str], final: str
+) -> list[dict[str, Any]]:
     """A conversation that calls `names` in turn through the env's tools, then says `final`."""
     box = ms.toolbox_class(env, ep.tool_ids)()
     box.reset(**ep.row())
@@ -143,7 +149,9 @@ def test_toolbox_methods_are_the_listed_tools_and_really_run(env: ms.MultiStepEn
     ep = env.episode(env.train_queries[1].text, kind="chain", episode=9)
     cls = ms.toolbox_class(env, ep.tool_ids)
     # What TRL's environment_factory sees: public functions on the class, plus reset.
-    public = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction) if not n.startswith("_")]
+    public = [
+        n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction) if not n.startswith("_")
+    ]
     assert public == sorted([*ep.tool_ids, "reset"])
     box = cls()
     assert box.reset(**ep.row()) is None  # TRL leaves the prompt as the dataset has it
@@ -218,16 +226,19 @@ def _fails(env: ms.MultiStepEnv, ep: ms.Episode, tool_id: str) -> bool:
     ("messages", "expected"),
     [
         # No call at all, a bare answer (a guess).
-        ([reply("<answer>123</answer>")], {"calls": 0, "turns": 1, "answer": "123", "first_call": None}),
+        (
+            [reply("<answer>123</answer>")],
+            {"calls": 0, "turns": 1, "answer": "123", "first_call": None},
+        ),
         # A call that did not parse: TRL leaves the text as content, runs nothing.
         (
             [reply('<tool_call>{"name": "tool_01", "arguments": {}</tool_call>')],
             {"calls": 0, "malformed_calls": 1, "turns": 1, "answer": None},
         ),
-        # The last turn still calls (TRL's iteration cap): no answer.
+        # The last turn still calls (TRL's iteration cap): not run, no answer.
         (
             [call("tool_01"), tool("tool_01", "result: 5"), call("tool_02")],
-            {"calls": 2, "turns": 2, "answer": None, "observed": ("5",)},
+            {"calls": 1, "unanswered_calls": 1, "turns": 2, "answer": None, "observed": ("5",)},
         ),
         # An unknown tool and bad arguments: TRL's own error observations.
         (
@@ -255,18 +266,28 @@ def test_read_rollout_table(messages: list[dict[str, Any]], expected: dict[str, 
 def test_two_calls_in_one_turn_count_twice() -> None:
     turn = call("tool_01")
     turn["tool_calls"] = turn["tool_calls"] * 2
-    facts = ms.read_rollout([turn], ("tool_01",))
+    facts = ms.read_rollout([turn, tool("tool_01", "a"), tool("tool_01", "b")], ("tool_01",))
     assert facts.calls == 2 and facts.right_calls == 2 and facts.turns == 1
+    assert facts.unanswered_calls == 0
+    assert ms.read_rollout([turn], ("tool_01",)).unanswered_calls == 2
 
 
 def test_chain_followed_needs_the_order() -> None:
-    messages = [call("tool_02"), tool("tool_02", "x"), call("tool_01"), tool("tool_01", "y"), reply("")]
+    messages = [
+        call("tool_02"),
+        tool("tool_02", "x"),
+        call("tool_01"),
+        tool("tool_01", "y"),
+        reply(""),
+    ]
     assert not ms.read_rollout(messages, ("tool_01", "tool_02")).chain_followed
     assert ms.read_rollout(messages, ("tool_02", "tool_01")).chain_followed
 
 
 def test_verifiers() -> None:
-    right = ms.read_rollout([call("tool_01"), tool("tool_01", "result: 5"), reply("<answer>5</answer>")], ("tool_01",))
+    right = ms.read_rollout(
+        [call("tool_01"), tool("tool_01", "result: 5"), reply("<answer>5</answer>")], ("tool_01",)
+    )
     guessed = ms.read_rollout([reply("<answer>7</answer>")], ("tool_01",))
     assert ms.make_verifier("exact")(right, "5") == 1.0
     assert ms.make_verifier("format")(right, "5") == 1.0
@@ -288,6 +309,12 @@ def test_verifier_names_match_the_domain() -> None:
 
 def test_corpus_covers_ids_values_and_errors() -> None:
     text = "\n".join(ms.corpus(ms.MultiStepEnv(seed=0)))
-    for needle in ("tool_63", "result: 99", "<answer>10</answer>", "ticket: please", ms.CHAIN_QUERY):
+    for needle in (
+        "tool_63",
+        "result: 99",
+        "<answer>10</answer>",
+        "ticket: please",
+        ms.CHAIN_QUERY,
+    ):
         assert needle in text
     assert ms.error_text("tool_07 cannot serve this request") in text

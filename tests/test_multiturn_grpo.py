@@ -23,7 +23,9 @@ def _train(trainer: Any) -> list[dict[str, Any]]:
 
     def observe(inputs):  # type: ignore[no-untyped-def]
         output = original(inputs)
-        outputs.append({"output": output, "inputs": inputs, "environments": list(trainer.environments)})
+        outputs.append(
+            {"output": output, "inputs": inputs, "environments": list(trainer.environments)}
+        )
         return output
 
     trainer._generate_and_score_completions = observe
@@ -55,7 +57,9 @@ def test_tiny_model_calls_tools_through_trls_loop(
         assert 0.0 <= log["multiturn/true_accuracy"] <= 1.0
         assert log["multiturn/calls"] == pytest.approx(log["tools/call_frequency"])
         assert log["multiturn/turns"] >= 1.0
-        assert log[f"rewards/{config.verifier}/mean"] == pytest.approx(log["multiturn/true_accuracy"])
+        assert log[f"rewards/{config.verifier}/mean"] == pytest.approx(
+            log["multiturn/true_accuracy"]
+        )
 
     eos = tokenizer.eos_token_id
     response_open, response_close = tokenizer.convert_tokens_to_ids(
@@ -78,7 +82,9 @@ def test_tiny_model_calls_tools_through_trls_loop(
             for (name, observation), result in zip(box.calls, results, strict=True):
                 assert result[0] == response_open and response_close in result
                 text = tokenizer.decode(result)
-                assert (observation if not observation.startswith("error: ") else observation[7:]) in text
+                assert (
+                    observation if not observation.startswith("error: ") else observation[7:]
+                ) in text
                 assert name in ep_listed(row)
             for value, a, b in runs:
                 if value == 1 and b < len(ids) and a < b:
@@ -117,7 +123,9 @@ def test_facts_agree_with_what_the_tools_saw(multiturn_model_dir: Path, tmp_path
     spy.__name__ = reward.__name__
     trainer.reward_funcs[0] = spy
     trainer.train()
-    for i, (messages, box) in enumerate(zip(seen["completions"], seen["environments"], strict=True)):
+    for i, (messages, box) in enumerate(
+        zip(seen["completions"], seen["environments"], strict=True)
+    ):
         facts = ms.read_rollout(messages, seen["rows"]["needed"][i])
         # Every parsed call reached the ToolBox unless TRL refused it (unknown name, arguments).
         refused = sum(
@@ -126,7 +134,9 @@ def test_facts_agree_with_what_the_tools_saw(multiturn_model_dir: Path, tmp_path
             if m["role"] == "tool"
         )
         assert facts.calls == len(box.calls) + refused
-        assert [n for n, _ in box.calls] == [n for n in facts.called if n in box.ep.tool_ids][: len(box.calls)]
+        assert [n for n, _ in box.calls] == [n for n in facts.called if n in box.ep.tool_ids][
+            : len(box.calls)
+        ]
 
 
 # -- a model with a real Qwen chat template ----------------------------------------------------------
@@ -180,7 +190,9 @@ def _scripted(model: Any, tokenizer: Any) -> None:
             text = tokenizer.decode(row)
             if "<tool_response>" not in text:
                 name = re.search(r'"name": "(tool_\d\d)"', text).group(1)  # the first listed
-                turn = f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call><|im_end|>'
+                turn = (
+                    f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call><|im_end|>'
+                )
             else:
                 found = re.findall(r"result: (\d+)", text)
                 turn = f"<answer>{found[-1] if found else 0}</answer><|im_end|>"
@@ -198,7 +210,9 @@ def test_a_qwen_chat_template_works_the_same_way(tmp_path: Path) -> None:
     model, tokenizer = _load(path)
     assert getattr(tokenizer, "response_template", None) is None
     _scripted(model, tokenizer)
-    config = mt.MultiTurnConfig(variant="patched", mode="mixed", steps=2, group_size=2, prompts_per_step=2)
+    config = mt.MultiTurnConfig(
+        variant="patched", mode="mixed", steps=2, group_size=2, prompts_per_step=2
+    )
     trainer = mt.make_trainer(config, model, tokenizer, tmp_path / "out")
     # TRL recognised the template and set its own Qwen3 parser on the tokenizer.
     assert trainer.processing_class.response_template is not None

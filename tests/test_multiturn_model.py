@@ -79,7 +79,9 @@ def test_tags_survive_skip_special_tokens_but_end_of_turn_does_not(tokenizer: An
     broken = '<tool_call>{"name": "tool_07"</tool_call></assistant>'
     ids = tokenizer(broken, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids, skip_special_tokens=True) == broken.removesuffix("</assistant>")
-    assert tokenizer.eos_token == "</assistant>" and "<tool_call>" not in tokenizer.all_special_tokens
+    assert (
+        tokenizer.eos_token == "</assistant>" and "<tool_call>" not in tokenizer.all_special_tokens
+    )
 
 
 def test_tokenizer_round_trips_every_env_text(tokenizer: Any) -> None:
@@ -99,7 +101,9 @@ def test_chat_template_lists_the_tools_and_renders_calls_and_results(tokenizer: 
     env, ep = _episode()
     tools = mm.tool_schemas(env, ep.tool_ids)
     user = [{"role": "user", "content": ep.prompt}]
-    prompt = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        user, tools=tools, add_generation_prompt=True, tokenize=False
+    )
     listing = ms.render_listing([(t, env.capability[t]) for t in ep.tool_ids])
     assert prompt == f"<user>{listing}\n{ep.prompt}</user><assistant>"
     calls = [{"type": "function", "function": {"name": ep.needed[0], "arguments": {}}}]
@@ -133,36 +137,51 @@ def test_concatenated_turns_tokenize_as_the_whole_conversation(tokenizer: Any) -
     env, ep = _episode()
     tools = mm.tool_schemas(env, ep.tool_ids)
     user = [{"role": "user", "content": ep.prompt}]
-    prompt = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        user, tools=tools, add_generation_prompt=True, return_dict=False
+    )
     pieces = list(prompt)
     pieces += tokenizer(mm.render_call(ep.needed[0]), add_special_tokens=False)["input_ids"]
     pieces += mm._suffix_ids(tokenizer, ep.needed[0], "result: 48")
     pieces += tokenizer(mm.render_answer("48"), add_special_tokens=False)["input_ids"]
     whole = tokenizer.decode(pieces)
     assert tokenizer(whole, add_special_tokens=False)["input_ids"] == pieces
-    assert mm._suffix_ids(tokenizer, "tool_01", "result: 48") == tokenizer(
-        mm.render_observation("result: 48"), add_special_tokens=False
-    )["input_ids"]
+    assert (
+        mm._suffix_ids(tokenizer, "tool_01", "result: 48")
+        == tokenizer(mm.render_observation("result: 48"), add_special_tokens=False)["input_ids"]
+    )
 
 
 @pytest.mark.parametrize(
     ("text", "calls", "content"),
     [
         (mm.render_call("tool_07"), ["tool_07"], ""),
-        (mm.render_call("tool_07").removesuffix("</assistant>") * 2 + "</assistant>", ["tool_07"] * 2, ""),
+        (
+            mm.render_call("tool_07").removesuffix("</assistant>") * 2 + "</assistant>",
+            ["tool_07"] * 2,
+            "",
+        ),
         (mm.render_answer("48"), [], "<answer>48</answer>"),
         # Broken JSON: TRL falls back to the decoded text, so the attempt shows as content.
-        ('<tool_call>{"name": "tool_07", "arguments": {}</tool_call></assistant>', [], '<tool_call>{"name": "tool_07", "arguments": {}</tool_call>'),
+        (
+            '<tool_call>{"name": "tool_07", "arguments": {}</tool_call></assistant>',
+            [],
+            '<tool_call>{"name": "tool_07", "arguments": {}</tool_call>',
+        ),
         ('<tool_call>{"name": "tool_07"', [], '<tool_call>{"name": "tool_07"'),
     ],
 )
-def test_response_template_parses_calls(tokenizer: Any, text: str, calls: list[str], content: str) -> None:
+def test_response_template_parses_calls(
+    tokenizer: Any, text: str, calls: list[str], content: str
+) -> None:
     from trl.chat_template_utils import parse_response
 
     prefix = tokenizer.apply_chat_template(
         [{"role": "user", "content": "x"}], add_generation_prompt=True, return_dict=False
     )
-    parsed = parse_response(tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"], prefix=prefix)
+    parsed = parse_response(
+        tokenizer, tokenizer(text, add_special_tokens=False)["input_ids"], prefix=prefix
+    )
     assert [c["function"]["name"] for c in parsed.get("tool_calls") or []] == calls
     assert all(c["function"]["arguments"] == {} for c in parsed.get("tool_calls") or [])
     assert parsed["content"] == content
@@ -177,11 +196,16 @@ def built(multiturn_model_dir: Path) -> tuple[Any, Any]:
 
 
 @pytest.mark.slow
-def test_build_is_cached_and_self_contained(multiturn_model_dir: Path, built: tuple[Any, Any]) -> None:
+def test_build_is_cached_and_self_contained(
+    multiturn_model_dir: Path, built: tuple[Any, Any]
+) -> None:
     stats_file = multiturn_model_dir / mm.BUILD_STATS_FILE
     before = stats_file.stat().st_mtime_ns
     lines: list[str] = []
-    assert mm.ensure_multiturn_model(multiturn_model_dir.parent, log=lines.append) == multiturn_model_dir
+    assert (
+        mm.ensure_multiturn_model(multiturn_model_dir.parent, log=lines.append)
+        == multiturn_model_dir
+    )
     assert lines == [] and stats_file.stat().st_mtime_ns == before
     stats = json.loads(stats_file.read_text())
     assert stats["recipe_hash"] == mm.RECIPE_HASH
@@ -209,7 +233,9 @@ def test_warm_up_makes_well_formed_calls_at_chance(built: tuple[Any, Any], varia
 
 
 @pytest.mark.slow
-def test_same_recipe_builds_the_same_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_same_recipe_builds_the_same_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import dataclasses
 
     from safetensors.torch import load_file

@@ -62,6 +62,7 @@ def dataset_rows(eps: Sequence[ms.Episode]) -> list[dict[str, Any]]:
 FACT_METRICS = (
     "calls",
     "right_calls",
+    "unanswered_calls",
     "malformed_calls",
     "tool_errors",
     "turns",

@@ -112,30 +112,12 @@ OBSERVATION_KINDS = ("result", "ticket", "error")
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """Everything that decides the built model; its hash names the cache directory."""
+class Recipe(tiny_model.Recipe):
+    """tiny_model's recipe (architecture, init, curriculum of listing sizes, learning rate) with
+    the conversation warm-up's own fields; its hash names the cache directory."""
 
-    seed: int = 0
-    hidden_size: int = 64
-    layers: int = 2
-    heads: int = 2
-    intermediate_size: int = 256
-    max_positions: int = 2048
-    init_std: float = 0.1
-    id_type_init: float = 1.0
-    id_orthogonal_init: bool = True
-    value_type_init: float = 1.0
     steps: int = 800
-    lr: float = 6e-3
-    lr_warmup_steps: int = 30
-    weight_decay: float = 0.0
-    tokens_per_step: int = 4096
-    min_tools: int = 2
-    max_tools: int = esc.TOOL_COUNT
-    first_max_tools: int = 4
-    curriculum_steps: int = 300
-    short_share: float = 0.6
-    short_max_tools: int = 16
+    value_type_init: float = 1.0
     max_calls: int = ms.DEFAULT_MAX_CALLS
     # What a warm-up conversation's tool returns after each call.
     result_share: float = 0.45
@@ -206,7 +188,10 @@ def build_multiturn_model(out_dir: Path, *, log: Callable[[str], None] = print) 
         model.eval()
         for variant in esc.VARIANTS:
             measured = evaluate_format(model, tokenizer, variant=variant, n=RECIPE.eval_prompts)
-            log(f"multi-turn model on {variant}: " + ", ".join(f"{k} {v:.3f}" for k, v in measured.items()))
+            log(
+                f"multi-turn model on {variant}: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in measured.items())
+            )
             stats[variant] = measured
     finally:
         torch.set_num_threads(threads)
@@ -318,7 +303,9 @@ class _Pieces:
         return self._cache[text]
 
 
-def _observation(rng: random.Random, recipe: Recipe, tool_id: str, queries: Sequence[str]) -> tuple[str, str]:
+def _observation(
+    rng: random.Random, recipe: Recipe, tool_id: str, queries: Sequence[str]
+) -> tuple[str, str]:
     """(kind, text) of what a warm-up tool returns."""
     roll = rng.random()
     if roll < recipe.result_share:
@@ -380,7 +367,9 @@ def _warm_up(
     pieces = _Pieces(tokenizer)
     pad = tokenizer.pad_token_id
     vocab = len(tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: tiny_model._lr_factor(s, recipe)
     )
@@ -391,13 +380,15 @@ def _warm_up(
         # Sized on the prompt as in tiny_model (a conversation adds ~30-90 tokens per row): fewer,
         # longer-tokened rows per step learnt the listed ids slower for the same time.
         batch = max(1, recipe.tokens_per_step // (60 + 9 * n_tools))
-        prompts, listings = [], []
+        prompts: list[str] = []
+        listings: list[list[str]] = []
         for _ in range(batch):
             ids = sorted(rng.sample(range(esc.TOOL_COUNT), n_tools))
             caps = rng.sample(esc.CAPABILITIES, n_tools)
+            names = [f"tool_{i:02d}" for i in ids]
             tools = [
-                {"type": "function", "function": {"name": f"tool_{i:02d}", "description": cap}}
-                for i, cap in zip(ids, caps, strict=True)
+                {"type": "function", "function": {"name": name, "description": cap}}
+                for name, cap in zip(names, caps, strict=True)
             ]
             chat = [{"role": "user", "content": ms.render_user(rng.choice(user_queries))}]
             prompts.append(
@@ -405,7 +396,7 @@ def _warm_up(
                     chat, tools=tools, add_generation_prompt=True, tokenize=False
                 )
             )
-            listings.append([t["function"]["name"] for t in tools])
+            listings.append(names)
         encoded = tokenizer.backend_tokenizer.encode_batch(prompts, add_special_tokens=False)
         rows = [
             _conversation(rng, pieces, e.ids, listed, recipe, queries)
@@ -527,8 +518,9 @@ def sample_conversations(
         if turn == 0 and any(forced):
             sampled = [i for i in active if forced[i] is None]
             for i in active:
-                if forced[i] is not None:
-                    turn_ids = _call_turn_ids(tokenizer, envs[i], episodes[i], forced[i])
+                name = forced[i]
+                if name is not None:
+                    turn_ids = _call_turn_ids(tokenizer, envs[i], episodes[i], name)
                     messages[i].append(_parse(tokenizer, turn_ids, contexts[i]))
                     contexts[i] += turn_ids
         else:
@@ -572,7 +564,9 @@ def sample_conversations(
                 try:
                     if name not in episodes[i].tool_ids:
                         raise ValueError(f"Tool {name} not found.")
-                    content = str(getattr(boxes[i], name)(**(call["function"].get("arguments") or {})))
+                    content = str(
+                        getattr(boxes[i], name)(**(call["function"].get("arguments") or {}))
+                    )
                 except Exception as exc:  # noqa: BLE001 - as TRL: any tool failure is an observation
                     content = str({"error": str(exc)})
                 messages[i].append({"role": "tool", "name": name, "content": content})
@@ -595,7 +589,9 @@ def _call_turn_ids(
     tools = tool_schemas(env, ep.tool_ids)
     user = [{"role": "user", "content": ep.prompt}]
     call = [{"type": "function", "function": {"name": name, "arguments": {}}}]
-    prompt = tokenizer.apply_chat_template(user, tools=tools, add_generation_prompt=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        user, tools=tools, add_generation_prompt=True, return_dict=False
+    )
     full = tokenizer.apply_chat_template(
         [*user, {"role": "assistant", "content": "", "tool_calls": call}],
         tools=tools,
@@ -670,8 +666,14 @@ def evaluate_format(
     ]
     return {
         "first_call_well_formed": sum(ok for ok, _ in calls) / n,
-        "first_call_listed": sum(listed_call(c[0], ep) for c, ep in zip(first, episodes, strict=True)) / n,
-        "first_call_right": sum(ok and name == ep.needed[0] for (ok, name), ep in zip(calls, episodes, strict=True)) / n,
+        "first_call_listed": sum(
+            listed_call(c[0], ep) for c, ep in zip(first, episodes, strict=True)
+        )
+        / n,
+        "first_call_right": sum(
+            ok and name == ep.needed[0] for (ok, name), ep in zip(calls, episodes, strict=True)
+        )
+        / n,
         # Over the episodes where the right tool is listed (held-out paraphrases can miss the
         # patched shortlist) and so returned the answer.
         "answer_copies_result": sum(
@@ -682,7 +684,10 @@ def evaluate_format(
             listed_call(c[2], episodes[i]) for c, i in zip(ticket, chains, strict=True)
         )
         / max(1, len(chains)),
-        "call_after_error": sum(listed_call(c[2], ep) for c, ep in zip(wrong, episodes, strict=True)) / n,
+        "call_after_error": sum(
+            listed_call(c[2], ep) for c, ep in zip(wrong, episodes, strict=True)
+        )
+        / n,
     }
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server.domain.task import TOOL_COUNT, VARIANTS
@@ -59,7 +59,7 @@ assert TICKET_CAPABILITY in CAPABILITIES
 
 # Words too common to make a tool "plausible" for a request.
 _STOPWORDS = frozenset(
-    "a an the to of for in on at by and or with from into about what it do is are".split()
+    "a an the to of for in on at by and or with from into about what it do is are".split()  # noqa: SIM905
 )
 _ANSWER = re.compile(r"\s*<answer>\s*([^<>]*?)\s*</answer>\s*")
 _RESULT = re.compile(r"result: (\S+)")
@@ -189,6 +189,7 @@ class MultiStepEnv:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         target = self.tool_for(query_text)
+        needed: tuple[str, ...]
         if kind == "single":
             query, sub_query, needed = query_text, "", (target,)
         else:
@@ -311,22 +312,23 @@ def environment_factories(
 class RolloutFacts:
     """What a multi-turn rollout did, read off TRL's completion messages."""
 
-    calls: int  # tool calls that parsed (TRL executed or tried each)
-    right_calls: int  # calls to a tool the episode needs
+    calls: int  # parsed calls that got a result (TRL ran them, or reported why it could not)
+    right_calls: int  # of those, calls to a tool the episode needs
+    unanswered_calls: int  # parsed calls without a result: TRL's iteration cap or length limit
     malformed_calls: int  # `<tool_call>` openings in assistant text that did not parse into calls
     tool_errors: int  # tool messages that are errors (a wrong tool, an unknown name, bad arguments)
     turns: int  # assistant messages
-    called: tuple[str, ...]  # tool names in call order
+    called: tuple[str, ...]  # names of the calls that got a result, in order
     first_call: str | None  # the first turn's first call: the single-turn env's "vote"
     answer: str | None  # the final turn's <answer>, None if it has none or calls a tool
     observed: tuple[str, ...]  # values tool results showed
     chain_followed: bool  # the needed tools were called in order (possibly with others between)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "calls": self.calls,
             "right_calls": self.right_calls,
+            "unanswered_calls": self.unanswered_calls,
             "malformed_calls": self.malformed_calls,
             "tool_errors": self.tool_errors,
             "turns": self.turns,
@@ -362,7 +364,19 @@ def read_rollout(messages: Sequence[Mapping[str, Any]], needed: Sequence[str]) -
     them to reward functions) and the tool ids its episode needs."""
     assistants = [m for m in messages if m.get("role") == "assistant"]
     tools = [m for m in messages if m.get("role") == "tool"]
-    called = tuple(_call_name(c) for m in assistants for c in (m.get("tool_calls") or []))
+    # TRL appends one tool message per call right after the turn that made it; calls it did not
+    # run (the iteration cap, a result that would overflow the length limit) have none.
+    called: list[str] = []
+    unanswered = 0
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        names = [_call_name(c) for c in message.get("tool_calls") or []]
+        results = 0
+        while i + 1 + results < len(messages) and messages[i + 1 + results].get("role") == "tool":
+            results += 1
+        called += names[:results]
+        unanswered += max(0, len(names) - results)
     malformed = sum(_text(m.get("content")).count("<tool_call>") for m in assistants)
     errors = sum(_text(m.get("content")).startswith(_ERROR_PREFIX) for m in tools)
     first_calls = assistants[0].get("tool_calls") if assistants else None
@@ -377,10 +391,11 @@ def read_rollout(messages: Sequence[Mapping[str, Any]], needed: Sequence[str]) -
     return RolloutFacts(
         calls=len(called),
         right_calls=sum(name in needed for name in called),
+        unanswered_calls=unanswered,
         malformed_calls=malformed,
         tool_errors=errors,
         turns=len(assistants),
-        called=called,
+        called=tuple(called),
         first_call=_call_name(first_calls[0]) if first_calls else None,
         answer=answer,
         observed=observed,
