@@ -220,16 +220,19 @@ def test_build_is_cached_and_self_contained(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["patched", "leaky"])
-def test_warm_up_makes_well_formed_calls_at_chance(built: tuple[Any, Any], variant: str) -> None:
+@pytest.mark.parametrize(("variant", "n"), [("patched", 64), ("leaky", 32)])
+def test_warm_up_makes_well_formed_calls_at_chance(
+    built: tuple[Any, Any], variant: str, n: int
+) -> None:
     tok, model = built
-    measured = mm.evaluate_format(model, tok, variant=variant, n=48, seed=1)
     # Held-out paraphrases under fresh id permutations, both kinds of episode, temperature 1.
+    measured = mm.evaluate_format(model, tok, variant=variant, n=n, seed=1)
     assert measured["first_call_well_formed"] > 0.9
     assert measured["first_call_listed"] > 0.7
-    assert measured["first_call_right"] < 0.4  # warm-up never saw a right tool: near chance
+    assert measured["first_call_right"] < 0.3  # warm-up never saw a right tool: near chance
     assert measured["answer_copies_result"] > 0.9
-    assert measured["call_after_ticket_or_error"] > 0.7
+    assert measured["call_after_ticket"] > 0.6
+    assert measured["call_after_error"] > 0.6
 
 
 @pytest.mark.slow
