@@ -108,7 +108,6 @@ _TAG_TOKENS = (
     "</answer>",
 )
 _TOKENIZER_SEEDS = range(8)
-OBSERVATION_KINDS = ("result", "ticket", "error")
 
 
 @dataclass(frozen=True)
@@ -293,7 +292,6 @@ class _Pieces:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[str, list[int]] = {}
-        self.tool_ids = tokenizer.convert_tokens_to_ids([f"tool_{i:02d}" for i in range(64)])
 
     def ids(self, text: str) -> list[int]:
         if text not in self._cache:
@@ -365,6 +363,8 @@ def _warm_up(
     queries = [q.text for q in env.train_queries + env.heldout_queries]
     user_queries = [*queries, ms.CHAIN_QUERY]
     pieces = _Pieces(tokenizer)
+    if tokenizer.convert_ids_to_tokens(pieces.ids(render_call("tool_00")))[2] != "tool_00":
+        raise RuntimeError("a call did not tokenize with its tool id as the third token")
     pad = tokenizer.pad_token_id
     vocab = len(tokenizer)
     optimizer = torch.optim.AdamW(
