@@ -52,7 +52,7 @@ def _observe(trainer: Any) -> list[dict[str, Any]]:
                         "ids": ids.tolist(),
                         "mask": output["tool_mask"][i][keep].tolist(),
                         "logprobs": logp.gather(1, ids[:, None]).squeeze(1).tolist(),
-                        "eos_probs": logp[:, trainer.eos_token_id].exp().tolist(),
+                        "eos_probs": logp[:, trainer.processing_class.eos_token_id].exp().tolist(),
                     }
                 )
         seen.append({"rows": rows, "boxes": boxes})
