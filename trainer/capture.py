@@ -132,10 +132,21 @@ class RolloutCapture:
             result = original(*args, **kwargs)
         finally:
             del model.generate
-        if not self._calls:
-            prompt_ids = kwargs.get("prompt_ids", args[0] if args else None)
-            self._prompt_ids = [list(p) for p in prompt_ids] if prompt_ids is not None else None
-        self._calls.append((probe, [list(ids) for ids in result[0]]))
+        if not self.tool_calling:
+            self._calls = [(probe, [])]  # one call per generation: no turns to stitch
+            return result
+        # trl 1.x returns (completion_ids, logprobs) and takes prompt ids; older ones returned
+        # (prompt_ids, completion_ids, logprobs, extra)
+        if isinstance(result, tuple) and len(result) >= 4:
+            prompt_ids, completion_ids = result[0], result[1]
+        else:
+            prompt_ids, completion_ids = (
+                kwargs.get("prompt_ids", args[0] if args else None),
+                result[0],
+            )
+        if not self._calls and prompt_ids is not None:
+            self._prompt_ids = [[int(t) for t in p] for p in prompt_ids]
+        self._calls.append((probe, [[int(t) for t in ids] for ids in completion_ids]))
         return result
 
     def _tool_loop(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -200,7 +211,10 @@ class RolloutCapture:
                     "reward": total,
                     "advantage": float(advantages[i]),
                     "row": _plain_columns(row),
-                    "tool_mask": masks[i],  # None unless TRL's tool loop ran
+                    # None unless TRL's tool loop ran (and its mask fits the ids)
+                    "tool_mask": masks[i]
+                    if masks[i] is not None and len(masks[i]) == len(ids_list[i])
+                    else None,
                     "prompt_ids": prompt_ids[i] if prompt_ids else None,
                 }
             )
