@@ -194,7 +194,12 @@ class RolloutCapture:
         weights = [float(w) for w in trainer.reward_weights.tolist()]
         advantages = output["advantages"].tolist()
         logprobs, control = self._logprobs(output, ids_list)
-        masks = self._tool_mask if self._tool_mask is not None else [None] * len(inputs)
+        # each row's tool_mask: None unless TRL's tool loop ran (and the mask fits the ids)
+        found = self._tool_mask or []
+        masks = [
+            found[i] if i < len(found) and len(found[i]) == len(ids) else None
+            for i, ids in enumerate(ids_list)
+        ]
         prompt_ids = self._prompt_ids if self.tool_calling else None
         rollouts = []
         for i, row in enumerate(inputs):
@@ -211,10 +216,7 @@ class RolloutCapture:
                     "reward": total,
                     "advantage": float(advantages[i]),
                     "row": _plain_columns(row),
-                    # None unless TRL's tool loop ran (and its mask fits the ids)
-                    "tool_mask": masks[i]
-                    if masks[i] is not None and len(masks[i]) == len(ids_list[i])
-                    else None,
+                    "tool_mask": masks[i],
                     "prompt_ids": prompt_ids[i] if prompt_ids else None,
                 }
             )
