@@ -146,6 +146,21 @@ def test_a_tool_calling_run_is_recorded_and_viewed_turn_by_turn(
         assert math.isclose(sum(r["token_logprobs"]), r["sum_logprob"], rel_tol=1e-3, abs_tol=1e-3)
         shapes.add((len(model_turns), len(results)))
     assert any(calls >= 2 for _, calls in shapes)  # some rollouts took several tool turns
+    # the control-token series count the model's positions only (tool results hold 0.0)
+    for step in (1, 2):
+        model_probs = [
+            p
+            for r in rows
+            if r["step"] == step
+            for p, v in zip(
+                r["control_token_probs"][eos],
+                seen[step - 1]["rows"][r["group"] * 4 + r["index"]]["mask"],
+                strict=True,
+            )  # fmt: skip
+            if v == 1
+        ]
+        (logged,) = [v for s, v in series[f"ctrl/{eos}/mean"] if s == step]
+        assert logged == pytest.approx(sum(model_probs) / len(model_probs), rel=1e-3, abs=1e-4)
 
     # the step viewer: each rollout a conversation, tool results marked not trained
     app = create_app(Settings(database_url=url), session_factory=make_session_factory(engine))
