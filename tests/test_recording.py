@@ -178,3 +178,16 @@ def test_step_by_step_alerts_equal_a_from_scratch_evaluation(
         assert queries.alerts(session, run_id=run_id, since=50) == [
             a for a in scratch if a["step"] > 50
         ]
+
+
+def test_retention_is_a_launch_setting() -> None:
+    from rollout_lens.server.domain.runconfig import RunConfig
+    from rollout_lens.server.launch import defaults, parse_form
+
+    _, raw = parse_form(defaults())  # the form as it first appears: the field left empty
+    assert raw["keep_tokens_every"] is None
+    assert RunConfig.model_validate(raw).run_columns()["keep_tokens_every"] is None
+    _, raw = parse_form(defaults() | {"keep_tokens_every": "50"})
+    assert RunConfig.model_validate(raw).run_columns()["keep_tokens_every"] == 50
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        RunConfig.model_validate(parse_form(defaults() | {"keep_tokens_every": "0"})[1])
