@@ -28,4 +28,4 @@ def test_ingest_bench_quick_prints_rates_and_sizes() -> None:
         assert re.search(r"recorder [\d,]+ rollouts/s .* plain [\d,]+ rollouts/s .* ratio \d", line)
     sizes = next(line for line in out.splitlines() if line.startswith("bytes per rollout"))
     ours, trl = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) B", sizes))
-    assert 0 < ours and 0 < trl
+    assert ours > 0 and trl > 0
