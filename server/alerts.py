@@ -42,9 +42,11 @@ class AlertThresholds:
     hacking_max_acc_change: float = 0.0  # …while true accuracy changes by at most this
     drop_below: float = 0.5  # a ~1 probe falling under this…
     drop_from: float = 0.9  # …after its trailing mean stood above this
-    signal_loss_share: float = 0.95  # stuck groups (solved ones: `solved_share`)…
+    signal_loss_share: float = 0.95  # stuck groups…
     signal_loss_window: int = 10  # …over at least this many steps
-    solved_share: float = 0.95
+    solved_share: float = 0.8  # solved groups (info)…
+    solved_window: int = WINDOW  # …over this many steps,
+    solved_quiet: int = WINDOW  # …again only after this many steps without (no flapping)
     # Shares of a step's completions or groups (collapse, stuck, solved) are judged over the last
     # N steps, N × groups_per_step ≥ min_groups: one bad group of 8 is not a collapse.
     groups_per_step: int = 1  # the run's prompts_per_step
@@ -61,8 +63,13 @@ class AlertThresholds:
 
     @property
     def groups_window(self) -> int:
-        """Steps the stuck and solved rules average over."""
+        """Steps the stuck-groups rule averages over."""
         return max(self.signal_loss_window, self.shares_window)
+
+    @property
+    def solved_steps(self) -> int:
+        """Steps the solved-groups rule averages over."""
+        return max(self.solved_window, self.shares_window)
 
 
 KINDS = {  # kind → how pages name it
@@ -109,14 +116,13 @@ def _present(series: Series) -> tuple[list[int], list[float]]:
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _episodes(steps: Sequence[int], flags: Sequence[bool]) -> list[int]:
-    """Steps where a condition turns on."""
-    out, previous = [], False
-    for step, flag in zip(steps, flags, strict=True):
-        if flag and not previous:
-            out.append(step)
-        previous = flag
-    return out
+def _episodes(steps: Sequence[int], flags: Sequence[bool], quiet: int = 1) -> list[int]:
+    """Steps where a condition turns on after being off for `quiet` points."""
+    return [
+        step
+        for i, (step, flag) in enumerate(zip(steps, flags, strict=True))
+        if flag and not any(flags[max(0, i - quiet) : i])
+    ]
 
 
 def _skip(i: int, n: int, tail: int | None) -> bool:
@@ -276,8 +282,9 @@ def signal_loss(
 def solved(share: Series, t: AlertThresholds, tail: int | None = None) -> list[Alert]:
     """Nearly every group solved (all its rollouts at the top reward): the task is learned
     there, and those groups give no gradient. Info, not a fault."""
-    w = t.groups_window
-    steps, flags = _group_share(share, t.solved_share, w, tail)
+    w, quiet = t.solved_steps, t.solved_quiet
+    # an episode starts where the last `quiet` points were off: evaluate them too
+    steps, flags = _group_share(share, t.solved_share, w, None if tail is None else tail + quiet)
     return [
         Alert(
             "solved",
@@ -285,7 +292,7 @@ def solved(share: Series, t: AlertThresholds, tail: int | None = None) -> list[A
             f"{t.solved_share:.0%}+ of groups were solved (every rollout at the top reward) over {w} steps: little gradient left (step {step})",
             series=SOLVED,
         )
-        for step in _episodes(steps, flags)
+        for step in _episodes(steps, flags, quiet)
     ]
 
 
@@ -338,7 +345,7 @@ class Watch:
             COLLAPSED: t.shares_window + 1,
             ZERO_STD: t.groups_window + 2,
             STUCK: t.groups_window + 2,
-            SOLVED: t.groups_window + 2,
+            SOLVED: t.solved_steps + t.solved_quiet + 2,
             REWARD: CONTEXT,  # reward hacking pairs reward with accuracy where both are present
             ACCURACY: CONTEXT,
         }

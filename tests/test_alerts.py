@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -125,7 +126,18 @@ SEVERITY_CASES = {
             "groups/stuck": _series([0.1] * 5 + [0.0] * 20),
         },
         T,
-        [("solved", 15, "info")],
+        [("solved", 25, "info")],
+    ),
+    # a converged run dipping for a few steps is not solved anew: one info, not one per dip
+    "solved, a dip, solved": (
+        {"groups/solved": _series([1.0] * 30 + [0.0] * 8 + [1.0] * 40)},
+        T,
+        [("solved", 25, "info")],
+    ),
+    "…without the quiet period": (
+        {"groups/solved": _series([1.0] * 30 + [0.0] * 8 + [1.0] * 40)},
+        replace(T, solved_quiet=1),
+        [("solved", 25, "info"), ("solved", 58, "info")],
     ),
     # all wrong (or all equal below the top): stuck — signal loss
     "stuck groups": (

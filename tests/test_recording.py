@@ -88,7 +88,8 @@ def test_every_encoding_round_trips(session_factory: sessionmaker[Session]) -> N
 def test_retention_keeps_every_nth_first_last_and_alert_steps(
     client: TestClient, session_factory: sessionmaker[Session]
 ) -> None:
-    run_id = make_run(session_factory, steps=0, keep_tokens_every=5)
+    # four groups a step: one step's collapse is enough groups to alert on
+    run_id = make_run(session_factory, steps=0, keep_tokens_every=5, prompts_per_step=4)
     rng = random.Random(1)
     for step in range(1, 13):
         collapsed = 0.9 if step == 7 else 0.0  # a collapse alert fires at step 7
@@ -134,7 +135,7 @@ def _scenario(name: str, step: int, rng: random.Random) -> tuple[dict, dict]:
     """(step columns, metrics) of one step of a scenario that trips one rule or none."""
     values: dict = {"reward_mean": 0.5, "true_accuracy": 0.5, "zero_std_share": 0.2}
     metrics: dict = {SPIKE: rng.uniform(0, 0.02), DROP: rng.uniform(0.95, 1.0), COLLAPSED: 0.0}
-    if name.startswith("every_position") or name in ("solved", "stuck"):
+    if name.startswith("every_position") or name in ("solved", "stuck", "solved_dips"):
         metrics |= {p: rng.uniform(0, 0.02) for p in SPIKE_PROBES}
         metrics |= {p: rng.uniform(0.95, 1.0) for p in DROP_PROBES}
         metrics |= {SOLVED_GROUPS: 0.1, STUCK_GROUPS: 0.1}
@@ -161,6 +162,8 @@ def _scenario(name: str, step: int, rng: random.Random) -> tuple[dict, dict]:
     if name == "solved" and step >= 30:  # all 8 right in every group
         values |= {"reward_mean": 1.0, "true_accuracy": 1.0, "zero_std_share": 1.0}
         metrics |= {SOLVED_GROUPS: 1.0, STUCK_GROUPS: 0.0}
+    if name == "solved_dips" and step >= 10:  # converged, with a dip: solved again (25 quiet)
+        metrics |= {SOLVED_GROUPS: 0.0 if 40 <= step <= 50 else 1.0, STUCK_GROUPS: 0.0}
     if name == "stuck" and 30 <= step < 60:  # all 8 wrong
         values |= {"reward_mean": 0.0, "true_accuracy": 0.0, "zero_std_share": 1.0}
         metrics |= {SOLVED_GROUPS: 0.0, STUCK_GROUPS: 1.0}
@@ -190,6 +193,7 @@ def _scenario(name: str, step: int, rng: random.Random) -> tuple[dict, dict]:
         ("signal_loss", {"signal_loss"}, 1),
         ("stuck", {"signal_loss"}, 3),
         ("solved", {"solved"}, 1),
+        ("solved_dips", {"solved"}, 2),
         ("sparse_probes", {"control_token_spike"}, 1),
         ("gaps", set(), 1),
     ],
@@ -218,6 +222,8 @@ def test_step_by_step_alerts_equal_a_from_scratch_evaluation(
                 "collapse_wide": [21],
                 "collapse_8": [20, 70],
             }[scenario]
+        if scenario == "solved_dips":  # the 25-step mean is under 80% for steps 45-69
+            assert [a["step"] for a in stored] == [29, 70]
         assert all(
             a["severity"] == ("info" if a["kind"] == "solved" else "warning") for a in stored
         )
