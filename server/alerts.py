@@ -88,7 +88,6 @@ SEVERITY = {
     "signal_loss": "warning",
     "solved": "info",
 }
-SEVERITIES = ("warning", "info")
 
 
 def severity(kind: str) -> str:
