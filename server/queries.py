@@ -90,8 +90,10 @@ def list_runs(
     query = query.order_by(key.is_(None), key.desc() if descending else key.asc(), Run.id.desc())
     runs = [run_dict(run) for run in session.scalars(query)]
     places = store.queue_positions(session) if any(r["status"] == "queued" for r in runs) else {}
+    warnings = warning_counts(session, run_ids=[r["id"] for r in runs])
     for run in runs:
         run["queue_position"] = places.get(run["id"])
+        run["warnings"] = warnings.get(run["id"], 0)
         run["text"] = live_text(run)
     return runs
 
@@ -337,6 +339,23 @@ def alerts(session: Session, *, run_id: int, since: int = 0) -> list[dict[str, A
     return [a.as_dict() for a in found]
 
 
+def warning_counts(session: Session, *, run_ids: Sequence[int]) -> dict[int, int]:
+    """Run id → how many of its stored alerts are warnings (runs without any are left out):
+    one grouped query over the alerts table, whatever the number of runs."""
+    if not run_ids:
+        return {}
+    warning_kinds = [k for k, s in rules.SEVERITY.items() if s == "warning"]
+    rows = session.execute(
+        select(AlertRow.run_id, func.count())
+        .where(
+            AlertRow.run_id.in_(run_ids),
+            or_(AlertRow.kind.in_(warning_kinds), AlertRow.kind.not_in(list(rules.SEVERITY))),
+        )
+        .group_by(AlertRow.run_id)
+    )
+    return {run_id: n for run_id, n in rows}
+
+
 def evaluate_alerts(session: Session, *, run_id: int, after: int = 0) -> list[rules.Alert]:
     """The alert rules over the recorded steps, keeping the alerts after `after` (the rules read
     rules.CONTEXT steps before it as history). after=0 is the from-scratch evaluation the
@@ -350,7 +369,10 @@ def evaluate_alerts(session: Session, *, run_id: int, after: int = 0) -> list[ru
         n_series=len(names) - len(STEP_SERIES),
     )
     history = [(step, dict(zip(names, values, strict=True))) for step, values in rows]
-    found = rules.evaluate(rules.from_history(history), rules.AlertThresholds())
+    thresholds = rules.AlertThresholds().for_run(
+        session.scalar(select(Run.prompts_per_step).where(Run.id == run_id))
+    )
+    found = rules.evaluate(rules.from_history(history), thresholds)
     return [a for a in found if a.step > after]
 
 
