@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rollout_lens.server import textsafe
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -15,10 +16,15 @@ def make_engine(url: str, *, busy_timeout_ms: int = 30_000) -> Engine:
     """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        engine = create_engine(url, pool_pre_ping=True, json_serializer=textsafe.json_dumps)
+        textsafe.install(engine)
+        return engine
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
+    engine = create_engine(
+        url, connect_args={"timeout": busy_timeout_ms / 1000}, json_serializer=textsafe.json_dumps
+    )
+    textsafe.install(engine)
 
     @event.listens_for(engine, "connect")
     def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]

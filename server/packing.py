@@ -62,3 +62,34 @@ def unpack_matrix(data: bytes | None, n_rows: int) -> list[list[float]]:
         raise ValueError(f"{len(flat)} values do not split into {n_rows} rows")
     width = len(flat) // n_rows
     return [flat[i * width : (i + 1) * width] for i in range(n_rows)]
+
+
+ITEM_BYTES = 4  # int32 and float32
+
+
+def count(data: bytes | None) -> int:
+    """How many int32/float32 values `data` holds."""
+    return len(data or b"") // ITEM_BYTES
+
+
+def head_ints(data: bytes | None, n: int) -> list[int]:
+    """The first n ints only (a page showing part of a long completion unpacks only that part)."""
+    return unpack_ints((data or b"")[: n * ITEM_BYTES])
+
+
+def head_floats(data: bytes | None, n: int) -> list[float]:
+    """The first n floats only."""
+    return unpack_floats((data or b"")[: n * ITEM_BYTES])
+
+
+def head_matrix(data: bytes | None, n_rows: int, n: int) -> list[list[float]]:
+    """The first n columns of each of n_rows equal rows (see unpack_matrix)."""
+    if n_rows == 0:
+        return []
+    values = count(data)
+    if values % n_rows:
+        raise ValueError(f"{values} values do not split into {n_rows} rows")
+    row_bytes = values // n_rows * ITEM_BYTES
+    cut = min(n * ITEM_BYTES, row_bytes)
+    raw = data or b""
+    return [unpack_floats(raw[i * row_bytes : i * row_bytes + cut]) for i in range(n_rows)]

@@ -405,8 +405,11 @@ def nearest_step(session: Session, *, run_id: int, step: int) -> int | None:
     return below if step - below <= above - step else above
 
 
-def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
-    """One step of a run as the step viewer shows it: its groups, rollouts and neighbours."""
+def step_detail(
+    session: Session, *, run_id: int, step: int, max_tokens: int | None = None
+) -> dict[str, Any]:
+    """One step of a run as the step viewer shows it: its groups, rollouts and neighbours
+    (per-token arrays cut to `max_tokens` positions: serialize.rollout_dict)."""
     run = store.get_run(session, run_id=run_id)
     row = session.scalar(select(Step).where(Step.run_id == run_id, Step.step == step))
     if row is None:
@@ -432,7 +435,9 @@ def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
         "step": step_dict(row),
         "metrics": {name: value for name, value in metrics},
         "nav": _neighbours(session, run_id, step),
-        "groups": viewer.group_views([rollout_dict(r, text, tokens) for r, text in rollouts]),
+        "groups": viewer.group_views(
+            [rollout_dict(r, text, tokens, max_tokens=max_tokens) for r, text in rollouts]
+        ),
     }
 
 
@@ -458,9 +463,11 @@ def compare(
     run_ids: Sequence[int],
     step: int | None = None,
     max_points: int | None = charts.MAX_POINTS,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Two or more runs: chart series, 25-step buckets, summary, config diff, and one step of the
-    first two side by side (the last step both have, unless `step` is given)."""
+    first two side by side (the last step both have, unless `step` is given; per-token arrays
+    cut to `max_tokens` positions, as step_detail)."""
     if len(run_ids) < 2:
         raise InvalidInput("compare needs at least two run ids, e.g. /compare?runs=1,2")
     if len(set(run_ids)) != len(run_ids):
@@ -483,7 +490,9 @@ def compare(
     side_by_side = []
     for run_id, last in zip(pair, lasts, strict=True):
         try:
-            detail: dict[str, Any] | None = step_detail(session, run_id=run_id, step=step)
+            detail: dict[str, Any] | None = step_detail(
+                session, run_id=run_id, step=step, max_tokens=max_tokens
+            )
         except StepNotFound:
             detail = None
         side_by_side.append({"run_id": run_id, "last_step": last, "detail": detail})

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_lens.server.textsafe import storable
+
+# RolloutRecord's text fields: made storable whenever they are set (server.textsafe).
+_TEXT_FIELDS = frozenset({"prompt", "completion", "vote", "target", "format_state"})
+
 
 @dataclass
 class RolloutRecord:
@@ -26,6 +31,11 @@ class RolloutRecord:
     format_valid: bool
     format_state: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _TEXT_FIELDS and isinstance(value, str):
+            value = storable(value)
+        object.__setattr__(self, name, value)
 
     @property
     def sum_logprob(self) -> float:

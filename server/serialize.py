@@ -6,21 +6,42 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_lens.server.models import Rollout, Run, RunSource, Step
-from rollout_lens.server.packing import unpack_floats, unpack_ints, unpack_matrix
+from rollout_lens.server.packing import (
+    count,
+    head_floats,
+    head_ints,
+    head_matrix,
+    unpack_floats,
+    unpack_ints,
+    unpack_matrix,
+)
 from rollout_lens.server.series import STEP_SERIES
 
 
-def rollout_dict(rollout: Rollout, prompt: str, control_tokens: Sequence[str]) -> dict[str, Any]:
-    """One rollout with its arrays decoded; keys match the JSONL export."""
-    probs = unpack_matrix(rollout.control_probs, len(control_tokens))
-    return {
+def rollout_dict(
+    rollout: Rollout, prompt: str, control_tokens: Sequence[str], *, max_tokens: int | None = None
+) -> dict[str, Any]:
+    """One rollout with its arrays decoded; keys match the JSONL export.
+
+    With `max_tokens` only the first max_tokens positions of the per-token arrays are decoded
+    (a page's view of a long completion: decoding 250,000 positions costs tens of ms) and
+    `tokens_total` says how many there are."""
+    if max_tokens is None:
+        ids = unpack_ints(rollout.completion_ids)
+        logprobs = unpack_floats(rollout.token_logprobs)
+        probs = unpack_matrix(rollout.control_probs, len(control_tokens))
+    else:
+        ids = head_ints(rollout.completion_ids, max_tokens)
+        logprobs = head_floats(rollout.token_logprobs, max_tokens)
+        probs = head_matrix(rollout.control_probs, len(control_tokens), max_tokens)
+    out = {
         "run_id": rollout.run_id,
         "step": rollout.step,
         "group": rollout.group,
         "index": rollout.index,
         "prompt": prompt,
         "completion": rollout.completion,
-        "completion_ids": unpack_ints(rollout.completion_ids),
+        "completion_ids": ids,
         "vote": rollout.vote,
         "target": rollout.target,
         "verifier_reward": rollout.verifier_reward,
@@ -29,10 +50,13 @@ def rollout_dict(rollout: Rollout, prompt: str, control_tokens: Sequence[str]) -
         "sum_logprob": rollout.sum_logprob,
         "format_valid": rollout.format_valid,
         "format_state": rollout.format_state,
-        "token_logprobs": unpack_floats(rollout.token_logprobs),
+        "token_logprobs": logprobs,
         "control_token_probs": dict(zip(control_tokens, probs, strict=True)),
         "meta": rollout.meta,
     }
+    if max_tokens is not None:
+        out["tokens_total"] = count(rollout.completion_ids)
+    return out
 
 
 def run_dict(run: Run) -> dict[str, Any]:

@@ -103,9 +103,10 @@ def step_page(detail: dict[str, Any], group: int) -> dict[str, Any]:
         )
     shown = groups[group] if groups else None
     if shown is not None:
+        limit = viewer.page_token_limit(len(shown["rollouts"]))
         for rollout in shown["rollouts"]:
-            rollout["cells"] = viewer.token_cells(rollout)
-            rollout["control_rows"] = viewer.control_rows(rollout)
+            rollout["cells"] = viewer.token_cells(rollout, limit)
+            rollout["control_rows"] = viewer.control_rows(rollout, min(limit, viewer.TABLE_TOKENS))
     return {"d": detail, "run": detail["run"], "group": shown, "group_index": group}
 
 
