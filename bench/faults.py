@@ -377,6 +377,8 @@ def disk_full(data_dir: Path, *, limit: int = 256 * 1024, steps: int = 200) -> F
     resource.prlimit(child.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)  # freed
     child.wait(timeout=90)
     reader.join(timeout=5)
+    if child.stderr is not None:
+        child.stderr.close()
     with session_scope(factory) as session:
         run = store.get_run(session, run_id=run_id)
         status, error = run.status, run.error or ""
