@@ -80,7 +80,8 @@ def token_texts(rollout: dict[str, Any], limit: int = VIEW_TOKENS) -> tuple[list
 def _split(text: str, most: int) -> list[str] | None:
     """`text` as the tiny tokenizer's pieces, or None when it has more than `most` pieces or
     characters no piece matches (stops early: a hostile text costs no more than a short one)."""
-    pieces, end = [], 0
+    pieces: list[str] = []
+    end = 0
     for match in _PIECES.finditer(text):
         if match.start() != end or len(pieces) == most:
             return None
