@@ -574,12 +574,12 @@ def run_all(pg_url: str | None) -> list[FaultResult]:
 
 def print_table(results: list[FaultResult]) -> None:
     print(
-        f"\n  {'fault':<40} {'database':<11} {'survived':>8} {'steps':>6} {'lost':>5} {'doubled':>7}  what happened"
+        f"\n  {'fault':<40} {'database':<11} {'survived':>8} {'counted':>7} {'lost':>5} {'doubled':>7}  what happened"
     )
     for r in results:
         print(
             f"  {r.scenario:<40} {r.database:<11} {'yes' if r.survived else 'NO':>8} "
-            f"{r.recorded:>6} {r.lost:>5} {r.duplicated:>7}  {r.note}"
+            f"{r.recorded:>7} {r.lost:>5} {r.duplicated:>7}  {r.note}"
         )
 
 

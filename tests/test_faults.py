@@ -198,18 +198,23 @@ def test_broker_down_then_two_workers_given_the_same_run(
         assert queued.status_code == 201, queued.text  # type: ignore[attr-defined]
         run_id = queued.json()["runs"][0]["id"]  # type: ignore[attr-defined]
         broker.stop()
-        refused = launch(32)
-        assert refused.status_code == 503  # type: ignore[attr-defined]
-        assert "cannot be reached" in refused.json()["detail"]  # type: ignore[attr-defined]
-        assert client.get("/").status_code == 200  # the dashboard keeps serving
-        with session_scope(factory) as session:
-            assert [r.id for r in store.list_runs(session)] == [run_id]  # nothing created
-            assert store.get_run(session, run_id=run_id).status == RunStatus.queued
-        broker.start()  # the append-only file still holds the queued run's message
-        enqueue_run(make_celery(settings), run_id=run_id)  # and a second delivery of it
         env = worker_env(data_dir, tiny_model_dir, broker_url=broker.url)
-        workers = [Worker(env, tmp_path / f"worker{i}.log") for i in range(2)]
+        workers = [Worker(env, tmp_path / "worker0.log")]  # started while Redis is down
         try:
+            refused = launch(32)
+            assert refused.status_code == 503  # type: ignore[attr-defined]
+            assert "cannot be reached" in refused.json()["detail"]  # type: ignore[attr-defined]
+            assert client.get("/").status_code == 200  # the dashboard keeps serving
+            with session_scope(factory) as session:
+                assert [r.id for r in store.list_runs(session)] == [run_id]  # nothing created
+                assert store.get_run(session, run_id=run_id).status == RunStatus.queued
+            deadline = time.monotonic() + 60
+            while "Cannot connect to redis" not in workers[0].text():
+                assert time.monotonic() < deadline, workers[0].text()[-3000:]
+                time.sleep(0.2)
+            broker.start()  # the append-only file still holds the queued run's message
+            enqueue_run(make_celery(settings), run_id=run_id)  # and a second delivery of it
+            workers.append(Worker(env, tmp_path / "worker1.log"))
             run = wait_for(factory, run_id, "completed", lambda r: r.status == "completed", workers)
             deadline = time.monotonic() + 60
             logs = ""
