@@ -246,7 +246,8 @@ def fill(
     batch: int = 100,
     progress: Callable[[int], None] | None = None,
 ) -> int:
-    """A synthetic run written through store.record_step, one transaction per `batch` steps."""
+    """A synthetic run written through the recorder (the trainer's write path), one transaction
+    per `batch` steps."""
     with session_scope(factory) as session:
         run = store.create_run(
             session,
@@ -270,18 +271,15 @@ def fill(
         )
         run_id = run.id
     synthetic = SyntheticRun(variant=variant, seed=seed)
+    recorder: store.Recorder | None = None
     for start in range(1, steps + 1, batch):
-        with session_scope(factory) as session:
+        with factory.kw["bind"].begin() as conn:
+            if recorder is None:
+                recorder = store.Recorder(conn, run_id=run_id, control_tokens=CONTROL_TOKENS)
             for step in range(start, min(start + batch, steps + 1)):
                 record = synthetic.step(step)
-                store.record_step(
-                    session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS
-                )
-                store.add_device_time(
-                    session,
-                    run_id=run_id,
-                    seconds=record.values["wall_time"] or 0,
-                    price_per_hour=2.0,
+                recorder.write(
+                    conn, record, device_seconds=record.values["wall_time"] or 0, price_per_hour=2.0
                 )
         if progress:
             progress(min(start + batch - 1, steps))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -55,7 +57,61 @@ def pack_matrix(rows: Sequence[Sequence[float]]) -> bytes:
 
 def unpack_matrix(data: bytes | None, n_rows: int) -> list[list[float]]:
     """bytes → n_rows equal rows."""
-    flat = unpack_floats(data)
+    return _rows(unpack_floats(data), n_rows)
+
+
+# Per-token arrays for display (logprobs, control-token probabilities) are stored as IEEE float16:
+# 11 significant bits, ±65504, NaN and ±inf kept. A probability is off by at most 2.5e-4 near 1
+# and reaches down to 6e-8; a logprob of -12.34 reads back as -12.34375 (a shade, a tooltip). Σ logprob, rewards
+# and advantages are float64 columns, computed from full precision before packing.
+_HALF_MAX = 65504.0
+
+
+def _half(value: float) -> float:
+    if value != value or value in (math.inf, -math.inf):  # NaN and infinities pack as they are
+        return value
+    return min(max(value, -_HALF_MAX), _HALF_MAX)
+
+
+def pack_halves(values: Sequence[float]) -> bytes:
+    """float16 array → bytes (finite values beyond ±65504 clip to it)."""
+    try:
+        return struct.pack(f"<{len(values)}e", *values)
+    except OverflowError:  # rare: clip only then (the per-value check costs more than packing)
+        return struct.pack(f"<{len(values)}e", *map(_half, values))
+
+
+def unpack_halves(data: bytes | None) -> list[float]:
+    """bytes → list of floats (float16 precision)."""
+    if not data:
+        return []
+    return list(struct.unpack(f"<{len(data) // 2}e", data))
+
+
+def pack_half_matrix(rows: Sequence[Sequence[float]]) -> bytes:
+    """Equal-length rows, row-major, float16 → bytes."""
+    width = len(rows[0]) if rows else 0
+    if any(len(row) != width for row in rows):
+        raise ValueError("pack_half_matrix needs rows of equal length")
+    return pack_halves([x for row in rows for x in row])
+
+
+def unpack_half_matrix(data: bytes | None, n_rows: int) -> list[list[float]]:
+    """bytes → n_rows equal float16 rows."""
+    return _rows(unpack_halves(data), n_rows)
+
+
+def pack_doubles(values: Iterable[float]) -> bytes:
+    """float64 array → bytes (a step's series, rollup aggregates)."""
+    return _to_bytes(array("d", values))
+
+
+def unpack_doubles(data: bytes | None) -> list[float]:
+    """bytes → list of floats (float64)."""
+    return _from_bytes("d", data).tolist()
+
+
+def _rows(flat: list[float], n_rows: int) -> list[list[float]]:
     if n_rows == 0:
         return []
     if len(flat) % n_rows:
@@ -64,32 +120,33 @@ def unpack_matrix(data: bytes | None, n_rows: int) -> list[list[float]]:
     return [flat[i * width : (i + 1) * width] for i in range(n_rows)]
 
 
-ITEM_BYTES = 4  # int32 and float32
+# Heads of the arrays: a page showing part of a long completion decodes only that part.
+INT_BYTES, HALF_BYTES = 4, 2
 
 
-def count(data: bytes | None) -> int:
-    """How many int32/float32 values `data` holds."""
-    return len(data or b"") // ITEM_BYTES
+def count_ints(data: bytes | None) -> int:
+    """How many int32 values `data` holds (a completion's token count)."""
+    return len(data or b"") // INT_BYTES
 
 
 def head_ints(data: bytes | None, n: int) -> list[int]:
-    """The first n ints only (a page showing part of a long completion unpacks only that part)."""
-    return unpack_ints((data or b"")[: n * ITEM_BYTES])
+    """The first n int32 values only."""
+    return unpack_ints((data or b"")[: n * INT_BYTES])
 
 
-def head_floats(data: bytes | None, n: int) -> list[float]:
-    """The first n floats only."""
-    return unpack_floats((data or b"")[: n * ITEM_BYTES])
+def head_halves(data: bytes | None, n: int) -> list[float]:
+    """The first n float16 values only."""
+    return unpack_halves((data or b"")[: n * HALF_BYTES])
 
 
-def head_matrix(data: bytes | None, n_rows: int, n: int) -> list[list[float]]:
-    """The first n columns of each of n_rows equal rows (see unpack_matrix)."""
+def head_half_matrix(data: bytes | None, n_rows: int, n: int) -> list[list[float]]:
+    """The first n columns of each of n_rows equal float16 rows (see unpack_half_matrix)."""
     if n_rows == 0:
         return []
-    values = count(data)
+    values = len(data or b"") // HALF_BYTES
     if values % n_rows:
         raise ValueError(f"{values} values do not split into {n_rows} rows")
-    row_bytes = values // n_rows * ITEM_BYTES
-    cut = min(n * ITEM_BYTES, row_bytes)
+    row_bytes = values // n_rows * HALF_BYTES
+    cut = min(n * HALF_BYTES, row_bytes)
     raw = data or b""
-    return [unpack_floats(raw[i * row_bytes : i * row_bytes + cut]) for i in range(n_rows)]
+    return [unpack_halves(raw[i * row_bytes : i * row_bytes + cut]) for i in range(n_rows)]

@@ -31,6 +31,8 @@ class RolloutRecord:
     format_valid: bool
     format_state: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # Each completion token's text (tokenizer.convert_ids_to_tokens), stored once per run and id.
+    tokens: list[str] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _TEXT_FIELDS and isinstance(value, str):

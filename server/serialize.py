@@ -2,38 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server.models import Rollout, Run, RunSource, Step
 from rollout_lens.server.packing import (
-    count,
-    head_floats,
+    count_ints,
+    head_half_matrix,
+    head_halves,
     head_ints,
-    head_matrix,
-    unpack_floats,
+    unpack_half_matrix,
+    unpack_halves,
     unpack_ints,
-    unpack_matrix,
 )
 from rollout_lens.server.series import STEP_SERIES
 
 
 def rollout_dict(
-    rollout: Rollout, prompt: str, control_tokens: Sequence[str], *, max_tokens: int | None = None
+    rollout: Rollout,
+    prompt: str,
+    control_tokens: Sequence[str],
+    token_texts: Mapping[int, str] | None = None,
+    *,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """One rollout with its arrays decoded; keys match the JSONL export.
 
+    `token_texts` (store.token_texts) gives each completion token's text: `tokens` is the list
+    of them when every id has one, else None. Where retention dropped the token arrays,
+    `tokens_kept` is False and the arrays are empty.
+
     With `max_tokens` only the first max_tokens positions of the per-token arrays are decoded
     (a page's view of a long completion: decoding 250,000 positions costs tens of ms) and
-    `tokens_total` says how many there are."""
+    `tokens_total` says how many there are.
+    """
     if max_tokens is None:
         ids = unpack_ints(rollout.completion_ids)
-        logprobs = unpack_floats(rollout.token_logprobs)
-        probs = unpack_matrix(rollout.control_probs, len(control_tokens))
+        logprobs = unpack_halves(rollout.token_logprobs)
+        probs = unpack_half_matrix(rollout.control_probs, len(control_tokens))
     else:
         ids = head_ints(rollout.completion_ids, max_tokens)
-        logprobs = head_floats(rollout.token_logprobs, max_tokens)
-        probs = head_matrix(rollout.control_probs, len(control_tokens), max_tokens)
+        logprobs = head_halves(rollout.token_logprobs, max_tokens)
+        probs = head_half_matrix(rollout.control_probs, len(control_tokens), max_tokens)
+    texts = token_texts or {}
+    tokens = [texts[i] for i in ids] if ids and all(i in texts for i in ids) else None
     out = {
         "run_id": rollout.run_id,
         "step": rollout.step,
@@ -42,6 +54,8 @@ def rollout_dict(
         "prompt": prompt,
         "completion": rollout.completion,
         "completion_ids": ids,
+        "tokens": tokens,
+        "tokens_kept": rollout.tokens_kept,
         "vote": rollout.vote,
         "target": rollout.target,
         "verifier_reward": rollout.verifier_reward,
@@ -51,11 +65,13 @@ def rollout_dict(
         "format_valid": rollout.format_valid,
         "format_state": rollout.format_state,
         "token_logprobs": logprobs,
-        "control_token_probs": dict(zip(control_tokens, probs, strict=True)),
+        "control_token_probs": dict(zip(control_tokens, probs, strict=True))
+        if rollout.tokens_kept
+        else {token: [] for token in control_tokens},
         "meta": rollout.meta,
     }
     if max_tokens is not None:
-        out["tokens_total"] = count(rollout.completion_ids)
+        out["tokens_total"] = count_ints(rollout.completion_ids)
     return out
 
 

@@ -121,6 +121,7 @@ def load_run(
 ) -> tuple[Run, list[dict[str, Any]], list[Step], dict[str, list[tuple[int, float | None]]]]:
     """A recorded run read back: (run, rollout dicts, steps, metric series)."""
     from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.packing import unpack_ints
     from rollout_lens.server.serialize import rollout_dict
 
     engine = make_engine(database_url)
@@ -128,9 +129,13 @@ def load_run(
         with session_scope(make_session_factory(engine)) as session:
             run = store.get_run(session, run_id=run_id)
             tokens = list(run.control_tokens)
-            rows = [
-                rollout_dict(r, p, tokens) for r, p in store.iter_rollouts(session, run_id=run_id)
-            ]
+            pairs = list(store.iter_rollouts(session, run_id=run_id))
+            texts = store.token_texts(
+                session,
+                run_id=run_id,
+                ids={i for r, _ in pairs for i in unpack_ints(r.completion_ids)},
+            )
+            rows = [rollout_dict(r, p, tokens, texts) for r, p in pairs]
             return (
                 run,
                 rows,

@@ -201,7 +201,7 @@ def test_a_long_completion_shows_its_first_tokens(
     assert "Shown the first 256 of 100,000 tokens" in panel.find("p", cls="clip-note").text
     assert len(panel.find("table", cls="ctrl").find("thead").find_all("th")) == 1 + 64
     api = client.get(f"/api/runs/{run_id}/steps/1").json()["groups"][0]["rollouts"][3]
-    assert len(api["completion_ids"]) == n and len(api["tokens"]) == 512  # the views are cut
+    assert len(api["completion_ids"]) == n and len(api["token_view"]) == 512  # the views are cut
 
 
 def test_unstorable_text_written_before_the_cleaning_still_renders(

@@ -54,12 +54,18 @@ class RolloutLensCallback(TrainerCallback):
         target: Callable[[dict[str, Any]], str | None] | None = None,
         control_tokens: Sequence[str] | None = None,
         buffer_mb: float = 256,
+        keep_tokens_every: int | None = None,
         settings: Settings | None = None,
     ) -> None:
         """`database_url` and the other settings default to the ROLLOUT_LENS_* environment;
         `vote`, `true_score` and `format_valid` judge a completion; `target` names the right
         answer of a row; `control_tokens` default to the tokenizer's tool-call tags and
-        end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away."""
+        end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away;
+        `keep_tokens_every` keeps token-level data only every N steps (and at the first and last
+        step and at alerts) for very long runs."""
+        if keep_tokens_every is not None and keep_tokens_every < 1:
+            raise ValueError(f"keep_tokens_every must be 1 or more, not {keep_tokens_every}")
+        self.keep_tokens_every = keep_tokens_every
         self.project = project
         self.name = name
         self.settings = settings or get_settings()
@@ -207,6 +213,7 @@ class RolloutLensCallback(TrainerCallback):
             control_tokens=self.control_tokens,
             device=str(trainer.accelerator.device),
             notes=notes,
+            keep_tokens_every=self.keep_tokens_every,
         )
 
     # -- the writer thread: raw step → StepRecord ----------------------------------------------
@@ -228,7 +235,6 @@ class RolloutLensCallback(TrainerCallback):
             control = r["control"] or [[] for _ in self.control_tokens]
             meta: dict[str, Any] = {
                 "rewards": dict(zip(names, r["rewards"], strict=False)),
-                "tokens": tokenizer.convert_ids_to_tokens(ids),
                 "truncated": not ids or ids[-1] not in eos,
             }
             if row:
@@ -251,6 +257,7 @@ class RolloutLensCallback(TrainerCallback):
                     if self.judges["format_valid"]
                     else True,
                     meta=meta,
+                    tokens=tokenizer.convert_ids_to_tokens(ids),
                 )
             )
         values: dict[str, float | None] = {}

@@ -285,7 +285,6 @@ class RecordingGRPOTrainer(GRPOTrainer):
             control_probs = dict(zip(self.control_tokens, control[i], strict=True))
             tokens = self.processing_class.convert_ids_to_tokens(ids)
             meta = {k: v for k, v in row.items() if k not in ("prompt", "target")}
-            meta["tokens"] = tokens
             meta["probes"] = self._probes(tokens, control_probs, watched[i], row)
             meta.update(self._row_meta.get(i, {}))
             rollouts.append(
@@ -305,6 +304,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
                     format_valid=judgement.format_valid,
                     format_state=judgement.format_state,
                     meta=meta,
+                    tokens=tokens,
                 )
             )
         for r, row in zip(rollouts, inputs, strict=True):

@@ -1,4 +1,5 @@
-"""A background writer: steps go to the database off the training thread, one transaction each."""
+"""A background writer: steps go to the database off the training thread; the steps waiting when
+it wakes share one transaction (one step each when training is slower than writing)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import threading
 from collections.abc import Callable, Sequence
 
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
 from rollout_lens.server.records import StepRecord
 from rollout_lens.trainer.retry import with_retries
+from sqlalchemy import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 _STOP = object()
+BATCH_STEPS = 32
 
 
 class StepWriter:
@@ -36,6 +38,8 @@ class StepWriter:
         give_up_after: float = 60.0,
     ) -> None:
         self.factory = factory
+        self.engine: Engine = factory.kw["bind"]
+        self._recorder: store.Recorder | None = None
         self.run_id = run_id
         self.control_tokens = list(control_tokens)
         self.price = price_per_device_hour
@@ -71,42 +75,54 @@ class StepWriter:
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
+            items = [self._queue.get()]
+            while len(items) < BATCH_STEPS:  # whatever else is waiting goes in the same commit
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if item is _STOP:
-                    return
-                if self._error is None:  # after an error, drain without writing
-                    self._write(item)
+                records = [item for item in items if isinstance(item, StepRecord)]
+                if records and self._error is None:  # after an error, drain without writing
+                    self._write(records)
             finally:
-                self._queue.task_done()
+                for _ in items:
+                    self._queue.task_done()
+            if any(item is _STOP for item in items):
+                return
 
-    def _write(self, item: object) -> None:
-        assert isinstance(item, StepRecord)
+    def _write(self, records: list[StepRecord]) -> None:
         try:
+            steps = f"{records[0].step}" + (f"–{records[-1].step}" if len(records) > 1 else "")
             with_retries(
-                lambda retried: self._commit(item, retried),
-                what=f"recording step {item.step} of run {self.run_id}",
+                lambda retried: self._commit(records, retried),
+                what=f"recording step {steps} of run {self.run_id}",
                 give_up_after=self.give_up_after,
             )
             if self.on_written is not None:
-                self.on_written(item)
+                for record in records:
+                    self.on_written(record)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 
-    def _commit(self, item: StepRecord, retried: bool) -> None:
+    def _commit(self, records: list[StepRecord], retried: bool) -> None:
         try:
-            with session_scope(self.factory) as session:
-                store.record_step(
-                    session, run_id=self.run_id, record=item, control_tokens=self.control_tokens
-                )
-                store.add_device_time(
-                    session,
-                    run_id=self.run_id,
-                    seconds=item.values.get("wall_time") or 0.0,
-                    price_per_hour=self.price,
-                )
-        except IntegrityError:
-            if not retried:
-                raise
-            # An earlier attempt committed but its answer was lost with the connection: the
-            # step is there, once (its primary key says so).
+            with self.engine.begin() as conn:
+                if self._recorder is None:
+                    self._recorder = store.Recorder(
+                        conn, run_id=self.run_id, control_tokens=self.control_tokens
+                    )
+                for record in records:
+                    self._recorder.write(
+                        conn,
+                        record,
+                        device_seconds=record.values.get("wall_time") or 0.0,
+                        price_per_hour=self.price,
+                    )
+        except BaseException as exc:
+            self._recorder = None  # its memory may be ahead of what was committed
+            if retried and isinstance(exc, IntegrityError):
+                # An earlier attempt committed but its answer was lost with the connection: the
+                # steps are there, once (the batch was one transaction; keys say so).
+                return
+            raise
