@@ -103,6 +103,7 @@ def record_main(database_url: str, run_id: int, first: int, interval: float) -> 
     times: list[float] = []
     errors: list[str] = []
     step = first
+    recorder: store.Recorder | None = None
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))
     print("ready", flush=True)
@@ -112,13 +113,19 @@ def record_main(database_url: str, run_id: int, first: int, interval: float) -> 
         started = time.perf_counter()
         try:
             with session_scope(factory) as session:
-                store.record_step(
-                    session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS
+                # The recorder is kept between steps, as a launched run's writer keeps it.
+                recorder = store.record_step(
+                    session,
+                    run_id=run_id,
+                    record=record,
+                    control_tokens=CONTROL_TOKENS,
+                    recorder=recorder,
                 )
                 store.add_device_time(session, run_id=run_id, seconds=0.1, price_per_hour=2.0)
             times.append((time.perf_counter() - started) * 1000)
             step += 1
         except Exception as exc:  # noqa: BLE001 - counted and reported, the load goes on
+            recorder = None  # its memory may be ahead of what was committed
             errors.append(f"{type(exc).__name__}: {exc}"[:300])
         next_at += interval
         time.sleep(max(0.0, next_at - time.monotonic()))
