@@ -32,13 +32,28 @@ def storable(text: str) -> str:
 
 
 def storable_value(value: Any) -> Any:
-    """Strings anywhere in a JSON-like value (keys too) made storable."""
+    """Strings anywhere in a JSON-like value (keys too) made storable; the same object when
+    there is nothing to replace (dicts shared by a group's rollouts stay shared)."""
+    return _cleaned(value) if _unstorable_inside(value) else value
+
+
+def _unstorable_inside(value: Any) -> bool:
+    if isinstance(value, str):
+        return _UNSTORABLE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_unstorable_inside(k) or _unstorable_inside(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_unstorable_inside(v) for v in value)
+    return False
+
+
+def _cleaned(value: Any) -> Any:
     if isinstance(value, str):
         return storable(value)
     if isinstance(value, dict):
-        return {storable_value(k): storable_value(v) for k, v in value.items()}
+        return {_cleaned(k): _cleaned(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [storable_value(v) for v in value]
+        return [_cleaned(v) for v in value]
     return value
 
 

@@ -147,6 +147,24 @@ def test_hostile_text_is_stored_and_shown_inert(
     assert run["config"]["nested"][IMG] == [clean, TEMPLATES]
     assert client.get(f"/api/compare?runs={run_id},{other}").status_code == 200
     assert client.get("/api/runs").status_code == 200
+    # Stored clean, not only shown clean: no NUL or lone surrogate (nor their JSON escapes).
+    engine = session_factory.kw["bind"]
+    cast = "::text" if engine.dialect.name == "postgresql" else ""
+    with engine.connect() as conn:
+        stored = [
+            str(value)
+            for sql in (
+                f"SELECT name, config{cast}, notes{cast} FROM runs",
+                f"SELECT completion, vote, own_meta{cast} FROM rollouts",
+                f"SELECT data{cast} FROM facts",
+                "SELECT text FROM prompts",
+            )
+            for row in conn.exec_driver_sql(sql)
+            for value in row
+        ]
+    assert any("\ufffd" in v or "\\ufffd" in v for v in stored)
+    for bad in ("\x00", "\ud800", "\\u0000", "\\ud800"):
+        assert not any(bad in v for v in stored), bad
 
 
 def test_a_1_mb_completion_is_cut_on_pages_and_whole_in_the_json(
