@@ -201,7 +201,7 @@ class RolloutLine(_Record):
     verifier_reward: float
     true_score: float | None
     advantage: float
-    sum_logprob: float
+    sum_logprob: float | None  # None: not a number (a NaN logprob)
     format_valid: bool
     format_state: str | None
     token_logprobs: list[float]

@@ -9,6 +9,7 @@ imported as `lost` (nothing records the copy).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -53,14 +54,14 @@ class Imported:
 
 @dataclass
 class _Rollout(RolloutRecord):
-    """A rollout as exported: its Σ logprob is the stored one (the float32 token logprobs need
-    not add up to it exactly)."""
+    """A rollout as exported: its Σ logprob is the stored one (the float16 token logprobs need
+    not add up to it exactly; None, a NaN sum, stays unknown)."""
 
-    stored_sum_logprob: float = 0.0
+    stored_sum_logprob: float | None = 0.0
 
     @property
     def sum_logprob(self) -> float:
-        return self.stored_sum_logprob
+        return math.nan if self.stored_sum_logprob is None else self.stored_sum_logprob
 
 
 def import_export(

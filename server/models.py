@@ -204,7 +204,7 @@ class Rollout(Base):
     verifier_reward: Mapped[float] = mapped_column(Float)
     true_score: Mapped[float | None] = mapped_column(Float)
     advantage: Mapped[float] = mapped_column(Float)
-    sum_logprob: Mapped[float | None] = mapped_column(Float)  # None: not finite (a NaN logprob)
+    sum_logprob: Mapped[float | None] = mapped_column(Float)  # None: NaN (a NaN logprob)
     format_valid: Mapped[bool] = mapped_column(Boolean)
     format_state: Mapped[str | None] = mapped_column(String(32))
     # Packed arrays (server.packing): int32 ids, float16 logprobs, float16 n_ctrl × T matrix;

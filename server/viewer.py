@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -127,6 +128,13 @@ def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
         t: [*ps[:n], *[None] * (n - len(ps[:n]))]
         for t, ps in rollout["control_token_probs"].items()
     }
+    sampled = sampled_positions(rollout.get("meta") or {}, n)
+    if sampled is not None:  # tool results: not sampled, no probability to show
+        probs = [p if keep else None for p, keep in zip(probs, sampled, strict=True)]
+        control = {
+            t: [p if k else None for p, k in zip(ps, sampled, strict=True)]
+            for t, ps in control.items()
+        }
     return rollout | {
         "token_view": texts,
         "tokens_exact": exact,
@@ -134,9 +142,75 @@ def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
         "tokens_total": rollout.get("tokens_total", len(rollout["completion_ids"])),
         "token_probs": probs,
         "control_view": control,
+        "sampled": sampled,
         "near_misses": [_near_misses(probs[i], control, i) for i in range(n)],
         "own_prompt": rollout["prompt"] != group_prompt,
     }
+
+
+def _turn_list(meta: dict[str, Any]) -> list[dict[str, Any]] | None:
+    turns = meta.get("turns")
+    if not isinstance(turns, list):
+        return None
+    return [t for t in turns if isinstance(t, dict) and t.get("role") in ("model", "tool")]
+
+
+def sampled_positions(meta: dict[str, Any], n: int) -> list[bool] | None:
+    """Per position of a tool-calling rollout, whether the model sampled it (its model turns);
+    None for a single-turn rollout (every position sampled)."""
+    turns = _turn_list(meta)
+    if turns is None:
+        return None
+    sampled = [False] * n
+    for turn in turns:
+        if turn["role"] == "model":
+            for i in range(max(0, int(turn["start"])), min(n, int(turn["end"]))):
+                sampled[i] = True
+    return sampled
+
+
+def _arguments_text(arguments: Any) -> str:
+    if arguments is None:
+        return ""
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+
+
+def turn_views(
+    rollout: dict[str, Any],
+    cells: list[dict[str, Any]],
+    rows: list[tuple[str, list[tuple[str, str]]]],
+) -> list[dict[str, Any]] | None:
+    """A tool-calling rollout as a conversation: per model turn its token cells, control-token
+    rows and Σ logprob; per tool stretch each call's name, arguments and result (untrusted
+    text: the template escapes it) and its token cells. None for a single-turn rollout."""
+    turns = _turn_list(rollout.get("meta") or {})
+    if turns is None:
+        return None
+    n = len(cells)
+    logprobs = rollout["token_logprobs"]
+    views = []
+    model_turn = 0
+    for turn in turns:
+        a, b = max(0, int(turn["start"])), min(n, int(turn["end"]))
+        calls = [
+            {
+                "name": str(c.get("name", "")),
+                "arguments": _arguments_text(c.get("arguments")),
+                "result": None if c.get("result") is None else str(c["result"]),
+            }
+            for c in turn.get("calls") or []
+            if isinstance(c, dict)
+        ]
+        view = {"role": turn["role"], "start": a, "end": b, "calls": calls, "cells": cells[a:b]}
+        if turn["role"] == "model":
+            view["number"] = model_turn
+            model_turn += 1
+            view["sum_logprob"] = sum(logprobs[a:b]) if len(logprobs) >= b else None
+            view["control_rows"] = [(label, row[a:b]) for label, row in rows]
+        views.append(view)
+    return views
 
 
 def _near_misses(
@@ -203,7 +277,14 @@ def token_cells(rollout: dict[str, Any], limit: int | None = None) -> list[dict[
     operations)."""
     cells = []
     control = rollout["control_view"]
+    sampled = rollout.get("sampled")
     for i, text in enumerate(rollout["token_view"][:limit]):
+        if sampled is not None and not sampled[i]:
+            title = (
+                f"#{i} · id {rollout['completion_ids'][i]} · tool result: not sampled, not trained"
+            )
+            cells.append({"text": text, "cls": "tok tool-tok", "title": title})
+            continue
         p = rollout["token_probs"][i]
         lines = [f"#{i} · id {rollout['completion_ids'][i]} · p={prob_text(p, 3)}"]
         lines += [f"p({t})={prob_text(ps[i], 3)}" for t, ps in control.items()]

@@ -106,7 +106,13 @@ def step_page(detail: dict[str, Any], group: int) -> dict[str, Any]:
         limit = viewer.page_token_limit(len(shown["rollouts"]))
         for rollout in shown["rollouts"]:
             rollout["cells"] = viewer.token_cells(rollout, limit)
-            rollout["control_rows"] = viewer.control_rows(rollout, min(limit, viewer.TABLE_TOKENS))
+            # A tool-calling rollout's turns each show their own positions' table rows.
+            turns = rollout.get("sampled") is not None
+            table = limit if turns else min(limit, viewer.TABLE_TOKENS)
+            rollout["control_rows"] = viewer.control_rows(rollout, table)
+            rollout["turn_views"] = viewer.turn_views(
+                rollout, rollout["cells"], rollout["control_rows"]
+            )
     return {"d": detail, "run": detail["run"], "group": shown, "group_index": group}
 
 

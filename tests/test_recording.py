@@ -68,6 +68,11 @@ def test_every_encoding_round_trips(session_factory: sessionmaker[Session]) -> N
     assert math.isnan(odd["token_logprobs"][0]) and odd["token_logprobs"][1] == -math.inf
     assert odd["token_logprobs"][2:] == [-65504.0, -0.5]
     assert odd["sum_logprob"] is None  # a NaN sum is no number: stored as NULL, not guessed
+    infinite = _rollout(0, [1, 2], [-0.5, -math.inf], "ab")
+    record_step(session_factory, run_id, 2, rollouts=[infinite])
+    with session_scope(session_factory) as session:
+        ((row, _),) = store.step_rollouts(session, run_id=run_id, step=2)
+        assert row.sum_logprob == -math.inf  # a token given no mass is kept as such
     # meta: the group's shared facts stored once, each rollout's own keys beside them
     assert [r["meta"] for r in got] == [
         {"query": "q", "probes": {"open_first": float(i)}} for i in range(3)
@@ -173,3 +178,16 @@ def test_step_by_step_alerts_equal_a_from_scratch_evaluation(
         assert queries.alerts(session, run_id=run_id, since=50) == [
             a for a in scratch if a["step"] > 50
         ]
+
+
+def test_retention_is_a_launch_setting() -> None:
+    from rollout_lens.server.domain.runconfig import RunConfig
+    from rollout_lens.server.launch import defaults, parse_form
+
+    _, raw = parse_form(defaults())  # the form as it first appears: the field left empty
+    assert raw["keep_tokens_every"] is None
+    assert RunConfig.model_validate(raw).run_columns()["keep_tokens_every"] is None
+    _, raw = parse_form(defaults() | {"keep_tokens_every": "50"})
+    assert RunConfig.model_validate(raw).run_columns()["keep_tokens_every"] == 50
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        RunConfig.model_validate(parse_form(defaults() | {"keep_tokens_every": "0"})[1])

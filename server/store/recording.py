@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from rollout_lens.server import alerts as rules
 from rollout_lens.server.models import (
     AlertRow,
@@ -41,6 +42,16 @@ TOKEN_ARRAYS = {"completion_ids": None, "token_logprobs": None, "control_probs":
 
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def json_text(value: Any) -> str:
+    """JSON text of a rollout's own meta: orjson (json.dumps of 8 small dicts of probes was the
+    write path's largest cost); NaN and infinities become null, as JSON has no such numbers.
+    Anything orjson refuses (lone surrogates, exotic types) goes through json.dumps."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(value, ensure_ascii=False, default=str)
 
 
 def _dumps(value: Any) -> str:
@@ -117,8 +128,8 @@ class _Driver:
         if self.postgres:
             from psycopg.types.json import Json
 
-            return Json(value)
-        return json.dumps(value)
+            return Json(value, dumps=json_text)
+        return json_text(value)
 
     @staticmethod
     def cursor(conn: Connection) -> Any:
@@ -185,6 +196,7 @@ class Recorder:
             conn.scalars(select(RunToken.token_id).where(RunToken.run_id == run_id))
         )
         self.prompt_ids: dict[str, int] = {}
+        self.prompt_shas: dict[str, str] = {}
         self.facts_ids: dict[str, int] = {}
 
     # -- a step --------------------------------------------------------------------------------
@@ -291,7 +303,7 @@ class Recorder:
         """Write rollouts generated at `step` (write calls it; an import may call it alone)."""
         if not rollouts:
             return
-        prompts = [_sha(r.prompt) for r in rollouts]
+        prompts = [self._prompt_sha(r.prompt) for r in rollouts]
         prompt_ids = self._intern(
             conn,
             Prompt,
@@ -331,7 +343,7 @@ class Recorder:
                     float(r.verifier_reward),
                     finite(r.true_score),
                     float(r.advantage),
-                    finite(r.sum_logprob),
+                    _not_nan(r.sum_logprob),
                     bool(r.format_valid),
                     r.format_state,
                     pack_ints(r.completion_ids),
@@ -345,6 +357,16 @@ class Recorder:
                 for r, p, d, o in zip(rollouts, prompts, digests, own, strict=True)
             ],
         )
+
+    def _prompt_sha(self, text: str) -> str:
+        """sha256 of a prompt, remembered by text (a dict lookup costs far less than hashing a
+        64-tool listing again for every rollout of every step)."""
+        digest = self.prompt_shas.get(text)
+        if digest is None:
+            if len(self.prompt_shas) > 4096:
+                self.prompt_shas.clear()
+            digest = self.prompt_shas[text] = _sha(text)
+        return digest
 
     def _intern(
         self,
@@ -400,12 +422,21 @@ def _split_meta(
         metas = [{k: v for k, v in rollouts[i].meta.items() if k != "tokens"} for i in members]
         keys = set().union(*metas)
         first = metas[0]
-        shared = {k for k in keys if k in first and all(k in m and m[k] == first[k] for m in metas)}
+        shared = {
+            k
+            for k in keys
+            if k in first and all(k in m and (m[k] is first[k] or m[k] == first[k]) for m in metas)
+        }
         group_facts = {k: v for k, v in first.items() if k in shared}
         for i, meta in zip(members, metas, strict=True):
             facts[i] = group_facts
             own[i] = {k: v for k, v in meta.items() if k not in shared}
     return facts, own
+
+
+def _not_nan(value: float) -> float | None:
+    """Σ logprob keeps -inf (a token the policy gave no mass); NaN is no number: NULL."""
+    return None if value != value else value
 
 
 def _mean(values: Iterable[float | None]) -> float | None:
