@@ -27,7 +27,7 @@ from rollout_lens.server.models import (
     RunStatus,
     Step,
 )
-from rollout_lens.server.packing import unpack_ints
+from rollout_lens.server.packing import head_ints, unpack_ints
 from rollout_lens.server.serialize import rollout_dict, run_dict, step_dict
 from rollout_lens.server.series import STEP_SERIES
 from rollout_lens.server.store import layout, rollups
@@ -417,9 +417,12 @@ def nearest_step(session: Session, *, run_id: int, step: int) -> int | None:
     return below if step - below <= above - step else above
 
 
-def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
+def step_detail(
+    session: Session, *, run_id: int, step: int, max_tokens: int | None = None
+) -> dict[str, Any]:
     """One step of a run as the step viewer shows it: its groups, rollouts and neighbours, and
-    where retention did not keep its token-level data, the nearest step that has it."""
+    where retention did not keep its token-level data, the nearest step that has it (per-token
+    arrays cut to `max_tokens` positions: serialize.rollout_dict)."""
     run = store.get_run(session, run_id=run_id)
     row = session.scalar(select(Step).where(Step.run_id == run_id, Step.step == step))
     if row is None:
@@ -433,9 +436,12 @@ def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
         .order_by(Rollout.group, Rollout.index)
     ).all()
     tokens = list(run.control_tokens)
-    ids = {i for r, _ in rollouts for i in unpack_ints(r.completion_ids)}
+    if max_tokens is None:
+        ids = {i for r, _ in rollouts for i in unpack_ints(r.completion_ids)}
+    else:
+        ids = {i for r, _ in rollouts for i in head_ints(r.completion_ids, max_tokens)}
     texts = store.token_texts(session, run_id=run_id, ids=ids)
-    dicts = [rollout_dict(r, text, tokens, texts) for r, text in rollouts]
+    dicts = [rollout_dict(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
     kept = all(r.tokens_kept for r, _ in rollouts)
     return {
         "run": run_dict(run),
@@ -487,9 +493,11 @@ def compare(
     run_ids: Sequence[int],
     step: int | None = None,
     max_points: int | None = charts.MAX_POINTS,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Two or more runs: chart series, 25-step buckets, summary, config diff, and one step of the
-    first two side by side (the last step both have, unless `step` is given)."""
+    first two side by side (the last step both have, unless `step` is given; per-token arrays
+    cut to `max_tokens` positions, as step_detail)."""
     if len(run_ids) < 2:
         raise InvalidInput("compare needs at least two run ids, e.g. /compare?runs=1,2")
     if len(set(run_ids)) != len(run_ids):
@@ -512,7 +520,9 @@ def compare(
     side_by_side = []
     for run_id, last in zip(pair, lasts, strict=True):
         try:
-            detail: dict[str, Any] | None = step_detail(session, run_id=run_id, step=step)
+            detail: dict[str, Any] | None = step_detail(
+                session, run_id=run_id, step=step, max_tokens=max_tokens
+            )
         except StepNotFound:
             detail = None
         side_by_side.append({"run_id": run_id, "last_step": last, "detail": detail})

@@ -14,6 +14,7 @@ from rollout_lens.server import launch, queries, views
 from rollout_lens.server.deps import AlertCacheDep, SessionDep, render
 from rollout_lens.server.params import OptionalRunId, OptionalStep, RunId, StepNo, run_ids
 from rollout_lens.server.responses import run_alerts
+from rollout_lens.server.viewer import VIEW_TOKENS
 
 router = APIRouter(include_in_schema=False)
 
@@ -76,14 +77,14 @@ def step_jump(
 def step_page(
     request: Request, session: SessionDep, run_id: RunId, step: StepNo, group: int = 0
 ) -> HTMLResponse:
-    detail = queries.step_detail(session, run_id=run_id, step=step)
+    detail = queries.step_detail(session, run_id=run_id, step=step, max_tokens=VIEW_TOKENS)
     return render(request, "step.html", views.step_page(detail, group))
 
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
 def step_card(request: Request, session: SessionDep, run_id: RunId, step: StepNo) -> HTMLResponse:
     """The compact step card the compare page swaps in when its step control moves."""
-    detail = queries.step_detail(session, run_id=run_id, step=step)
+    detail = queries.step_detail(session, run_id=run_id, step=step, max_tokens=VIEW_TOKENS)
     return render(request, "_step_card.html", {"d": detail, "run": detail["run"]})
 
 
@@ -94,5 +95,5 @@ def compare_page(
     runs: Annotated[list[str] | None, Query()] = None,
     step: OptionalStep = None,
 ) -> HTMLResponse:
-    data = queries.compare(session, run_ids=run_ids(runs), step=step)
+    data = queries.compare(session, run_ids=run_ids(runs), step=step, max_tokens=VIEW_TOKENS)
     return render(request, "compare.html", views.compare_page(data, _url(request)))
