@@ -12,7 +12,15 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from rollout_lens.server import launch, queries, views
 from rollout_lens.server.deps import AlertCacheDep, SessionDep, render
-from rollout_lens.server.params import OptionalRunId, OptionalStep, RunId, StepNo, run_ids
+from rollout_lens.server.params import (
+    OptionalRunId,
+    OptionalStep,
+    RunId,
+    RunsPage,
+    RunsPerPage,
+    StepNo,
+    run_ids,
+)
 from rollout_lens.server.responses import run_alerts
 
 router = APIRouter(include_in_schema=False)
@@ -32,11 +40,14 @@ def runs_page(
     q: str = "",
     sort: str = "created",
     order: Literal["asc", "desc"] = "desc",
+    page: RunsPage = 1,
+    per_page: RunsPerPage = queries.RUNS_PER_PAGE,
 ) -> HTMLResponse:
-    runs = queries.list_runs(session, q=q, sort=sort, descending=order == "desc")
-    return render(
-        request, "runs.html", views.runs_page(runs, _url(request), q=q, sort=sort, order=order)
+    data = queries.runs_page(
+        session, q=q, sort=sort, descending=order == "desc", page=page, per_page=per_page
     )
+    context = views.runs_page(data, _url(request), q=q, sort=sort, order=order)
+    return render(request, "runs.html", context)
 
 
 @router.get("/runs/new", name="new_run_page")
