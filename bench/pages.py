@@ -3,8 +3,8 @@
 Data (bench/pages_data.py, written through server.store): a synthetic leaky run of 10,000 steps ×
 8 rollouts whose prompts list all 64 tools, a 100-step run like it, nine more 10,000-step runs to
 compare with the long one, and short runs in every state up to 1,000 runs. Filled once into an
-SQLite file under --cache (about ten minutes; later runs reuse it) and copied row for row into a
-database created on the PostgreSQL server for --pg (dropped at the end).
+SQLite file under --cache (half an hour on two busy cores; later runs reuse it) and copied row
+for row into a database created on the PostgreSQL server for --pg (dropped at the end).
 
 It prints, from the app's own Server-Timing header through FastAPI's TestClient:
 - the step viewer, the run page and its series JSON, alerts: the long run vs the short one (the
@@ -79,32 +79,42 @@ def _kb(n: int) -> str:
 
 
 def figure_bytes(figs: list[dict[str, Any]]) -> dict[str, int]:
-    """What the bytes of Plotly figures go to: step axes, means, bands, the rest of each trace
-    (style, names, meta) and the layouts."""
-    out = {"x (steps)": 0, "y (means)": 0, "lo/hi (bands)": 0, "trace style": 0, "layout": 0}
+    """What the bytes of Plotly figures go to: data inside the traces (step axes, means, bands),
+    the rest of each trace (style, names, meta) and the layouts."""
+    out = {"traces: x": 0, "traces: y": 0, "traces: lo/hi": 0, "trace style": 0, "layout": 0}
     for fig in figs:
         out["layout"] += _size({k: v for k, v in fig.items() if k != "data"})
         for trace in fig["data"]:
             part = (trace.get("meta") or {}).get("part", "y")
-            out["x (steps)"] += _size(trace.get("x", []))
-            out["lo/hi (bands)" if part in ("lo", "hi") else "y (means)"] += _size(
+            out["traces: x"] += _size(trace.get("x", []))
+            out["traces: lo/hi" if part in ("lo", "hi") else "traces: y"] += _size(
                 trace.get("y", [])
             )
             out["trace style"] += _size({k: v for k, v in trace.items() if k not in ("x", "y")})
     return out
 
 
-def compare_json_bytes(data: dict[str, Any]) -> dict[str, int]:
-    """What the bytes of the compare JSON go to: each series part, the 25-step buckets, the rest."""
+def series_bytes(by_run: dict[str, Any]) -> dict[str, int]:
+    """What the bytes of per-run series payloads go to: each part (x, y, lo, hi), the 25-step
+    buckets, and the rest (names, run fields, cursors)."""
     out: dict[str, int] = {}
-    for per_run in data["series"].values():
+    for per_run in by_run.values():
         for entry in per_run["series"].values():
             for part, values in entry.items():
-                out[f"series {part}"] = out.get(f"series {part}", 0) + _size(values)
-        for key, value in per_run.items():
-            name = "25-step buckets" if key == "buckets" else "series (other)"
-            if key != "series":
-                out[name] = out.get(name, 0) + _size(value)
+                out[f"series: {part}"] = out.get(f"series: {part}", 0) + _size(values)
+        rest = {k: v for k, v in per_run.items() if k not in ("series", "buckets")}
+        out["series: other"] = out.get("series: other", 0) + _size(rest)
+        out["series: names"] = out.get("series: names", 0) + _size(list(per_run["series"]))
+        if "buckets" in per_run:
+            out["series: 25-step buckets"] = out.get("series: 25-step buckets", 0) + _size(
+                per_run["buckets"]
+            )
+    return out
+
+
+def compare_json_bytes(data: dict[str, Any]) -> dict[str, int]:
+    """What the bytes of the compare JSON go to: its series (series_bytes), then each other key."""
+    out = series_bytes(data["series"])
     for key, value in data.items():
         if key != "series":
             out[key] = _size(value)
@@ -213,11 +223,12 @@ def _compare(c: TestClient, data: Dataset, sizes: Sizes, repeat: int) -> None:
     html = bodies["compare page (HTML)"].decode()
     found = PAGE_DATA.search(html)
     page = json.loads(found.group(1)) if found else {}
-    figs = page.get("figures", [])
-    chart = _size(figs)
-    chart_gz = len(gzip.compress(json.dumps(figs, separators=(",", ":")).encode(), 6))
-    print(f"\n  compare page: chart data (the page's figures) {_kb(chart)} ({_kb(chart_gz)} gzip)")
-    _breakdown("the page's figures", figure_bytes(figs))
+    charts = {k: page[k] for k in ("figures", "series") if k in page}
+    chart = _size(charts)
+    chart_gz = len(gzip.compress(json.dumps(charts, separators=(",", ":")).encode(), 6))
+    print(f"\n  compare page: chart data (figures and series) {_kb(chart)} ({_kb(chart_gz)} gzip)")
+    parts = figure_bytes(charts.get("figures", [])) | series_bytes(charts.get("series", {}))
+    _breakdown("the page's chart data", parts)
     _breakdown("the JSON twin", compare_json_bytes(json.loads(bodies["compare JSON"])))
 
 

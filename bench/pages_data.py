@@ -46,7 +46,7 @@ class Sizes:
 
 
 FULL = Sizes(steps=10_000, small=100, compared=10, runs=1_000)
-QUICK = Sizes(steps=120, small=40, compared=10, runs=200, patched=4)
+QUICK = Sizes(steps=60, small=30, compared=10, runs=200, patched=2)
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,11 @@ def chart_values(values: Sequence[float | None], places: int | None) -> list[flo
 def chart_places(*parts: Sequence[float | None], digits: int = CHART_DIGITS) -> int | None:
     """The decimals that keep `digits` significant digits of the largest value in `parts`: a
     250-pixel chart and its 4-digit hover show no more (None when there is nothing to round)."""
-    top = max((abs(v) for part in parts for v in part if v is not None), default=0.0)
+    top = 0.0
+    for part in parts:
+        present = [v for v in part if v is not None]
+        if present:
+            top = max(top, max(present), -min(present))
     if not top or not math.isfinite(top):
         return None
     return digits - 1 - math.floor(math.log10(top))
