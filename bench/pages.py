@@ -129,7 +129,7 @@ def _breakdown(label: str, parts: dict[str, int]) -> None:
 
 
 def _line(label: str, p50: float, p95: float, extra: str = "") -> None:
-    print(f"  {label:<34} {p50:8.2f} {p95:8.2f}  {extra}")
+    print(f"  {label:<42} {p50:8.2f} {p95:8.2f}  {extra}")
 
 
 def chart_names(factory: Any, run_id: int) -> str:
@@ -162,7 +162,7 @@ def bench_database(url: str, sizes: Sizes, repeat: int) -> None:
     with TestClient(warm, base_url=loopback) as w, TestClient(cold, base_url=loopback) as c:
         _long_vs_short(w, c, data, sizes, names, repeat)
         _runs_page(w, data, runs[0].id, active, repeat)
-        _compare(c, data, sizes, max(3, repeat // 10))
+        _compare(w, c, data, sizes, max(3, repeat // 10))
     engine.dispose()
 
 
@@ -195,7 +195,8 @@ def _long_vs_short(
 
 
 def _runs_page(w: TestClient, data: Dataset, newest: int, active: list[int], repeat: int) -> None:
-    print(f"\n  runs page, {data.runs} runs: server time in ms  {'p50':>8} {'p95':>8}  bytes\n")
+    title = f"runs page, {data.runs} runs (ms)"
+    print(f"\n  {title:<42} {'p50':>8} {'p95':>8}  bytes\n")
     urls = {
         "runs page (HTML)": "/",
         "runs JSON": "/api/runs",
@@ -207,19 +208,22 @@ def _runs_page(w: TestClient, data: Dataset, newest: int, active: list[int], rep
         _line(label, p50, p95, _kb(len(_get(w, url)[1])))
 
 
-def _compare(c: TestClient, data: Dataset, sizes: Sizes, repeat: int) -> None:
+def _compare(w: TestClient, c: TestClient, data: Dataset, sizes: Sizes, repeat: int) -> None:
     ids = ",".join(map(str, data.compared))
     what = f"{len(data.compared)} runs × {sizes.steps} steps"
-    print(f"\n  compare, {what}: server time in ms  {'p50':>8} {'p95':>8}  bytes (gzip)\n")
+    title = f"compare, {what} (ms)"
+    print(f"\n  {title:<42} {'p50':>8} {'p95':>8}  bytes (gzip)\n")
     bodies = {}
     for label, url in (
         ("compare page (HTML)", f"/compare?runs={ids}"),
         ("compare JSON", f"/api/compare?runs={ids}"),
     ):
-        p50, p95 = measure(c, url, repeat)
-        body = _get(c, url)[1]
-        bodies[label] = body
-        _line(label, p50, p95, f"{_kb(len(body))} ({_kb(len(gzip.compress(body, 6)))})")
+        for client, kind in ((c, "cold"), (w, "unchanged runs")):
+            p50, p95 = measure(client, url, repeat)
+            body = _get(client, url)[1]
+            bodies[label] = body
+            size = f"{_kb(len(body))} ({_kb(len(gzip.compress(body, 6)))})"
+            _line(f"{label}, {kind}", p50, p95, size)
     html = bodies["compare page (HTML)"].decode()
     found = PAGE_DATA.search(html)
     page = json.loads(found.group(1)) if found else {}

@@ -8,7 +8,8 @@ run version in the API (server.cache); a live page asks only for steps after its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from rollout_lens.server import alerts as rules
@@ -515,6 +516,13 @@ COMPARE_POINTS = 1200  # points per compare chart, shared among its runs (MAX_PO
 MIN_COMPARE_POINTS = 60  # a run's share never drops below this
 COMPARE_BANDS = 3  # min–max bands up to this many runs: more overlaid bands hide the lines
 
+# memo(key, compute): compute() or what it returned before for the same key (see compare)
+Memo = Callable[[str, Callable[[], dict[str, Any]]], dict[str, Any]]
+
+
+def _no_memo(_key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    return compute()
+
 
 def compare(
     session: Session,
@@ -522,14 +530,16 @@ def compare(
     run_ids: Sequence[int],
     step: int | None = None,
     max_points: int | None = None,
+    memo: Memo = _no_memo,
 ) -> dict[str, Any]:
     """Two or more runs: chart series, summary, config diff, and one step of the first two side
     by side (the last step both have, unless `step` is given).
 
-    Bounded whatever the runs' length: each run's charts come from series() with its share of
-    COMPARE_POINTS (`max_points` per run if given), so a long run reads its rollups; values are
-    rounded to what a chart shows and bands are left out past COMPARE_BANDS runs; the summary
-    comes from series()' 25-step buckets and the run's summary columns, not from every step.
+    Each run's charts come from series() with its share of COMPARE_POINTS (`max_points` per run
+    if given), so a long run reads its rollups; values are rounded to what a chart shows and
+    bands are left out past COMPARE_BANDS runs. Its summary comes from series()' 25-step buckets
+    (queries.bucket_means) and the run's summary columns, not from every step in Python. A run's
+    part is the same until the run changes: `memo` may keep it, keyed by the run's version.
     """
     if len(run_ids) < 2:
         raise InvalidInput("compare needs at least two run ids, e.g. /compare?runs=1,2")
@@ -537,18 +547,15 @@ def compare(
         raise InvalidInput("compare needs distinct run ids")
     points = max_points or max(MIN_COMPARE_POINTS, COMPARE_POINTS // len(run_ids))
     bands = len(run_ids) <= COMPARE_BANDS
+    versions = run_versions(session, run_ids=run_ids)
     runs, by_run, summary = [], {}, []
     for run_id in run_ids:
-        run = run_dict(store.get_run(session, run_id=run_id))
+        run = run_dict(store.get_run(session, run_id=run_id))  # NotFound for a missing run
         runs.append(run)
-        ctrl = [vocab.ctrl(t, "mean") for t in run["control_tokens"]]
-        names = [*vocab.COMPARE_SERIES, *ctrl, *vocab.COMPARE_EXTRA]
-        data = series(session, run_id=run_id, names=names, max_points=points)
-        by_run[str(run_id)] = {
-            "bucket": data["bucket"],
-            "series": charts.chart_series(data["series"], bands=bands),
-        }
-        summary.append(_summary(session, run, data["buckets"]))
+        key = f"compare:{points}:{'bands' if bands else 'lines'}@{versions[run_id]}"
+        part = memo(key, partial(_compare_run, session, run, points=points, bands=bands))
+        by_run[str(run_id)] = part["charts"]
+        summary.append(part["summary"])
     pair = run_ids[:2]
     lasts = [_bounds(session, run_id=r)[1] for r in pair]
     if step is None:
@@ -571,6 +578,22 @@ def compare(
         "step": step,
         "max_step": max((s for s in lasts if s is not None), default=0),
         "side_by_side": side_by_side,
+    }
+
+
+def _compare_run(
+    session: Session, run: dict[str, Any], *, points: int, bands: bool
+) -> dict[str, Any]:
+    """One run's part of compare: its charts (rounded, bands or not) and its summary."""
+    ctrl = [vocab.ctrl(t, "mean") for t in run["control_tokens"]]
+    names = [*vocab.COMPARE_SERIES, *ctrl, *vocab.COMPARE_EXTRA]
+    data = series(session, run_id=run["id"], names=names, max_points=points)
+    return {
+        "charts": {
+            "bucket": data["bucket"],
+            "series": charts.chart_series(data["series"], bands=bands),
+        },
+        "summary": _summary(session, run, data["buckets"]),
     }
 
 

@@ -27,4 +27,4 @@ def test_the_page_bench_runs_and_prints_its_figures(capsys: pytest.CaptureFixtur
             "series: y",
         ):
             assert figure in section, (database, figure)
-    assert "runs page, 200 runs" in out and "10 runs × 60 steps" in out
+    assert "runs page, 200 runs (ms)" in out and "10 runs × 60 steps" in out

@@ -174,3 +174,16 @@ def test_runs_page_and_api_link_their_pages(session_factory, client) -> None:
         response = client.get(f"/api/runs?{bad}")
         assert response.status_code == 422 and response.json()["detail"], bad
         assert client.get(f"/?{bad}").status_code == 422, bad
+
+
+def test_compare_keeps_each_runs_part_until_the_run_changes(session_factory, client) -> None:
+    a, b = (_ramp(session_factory, 40, seed, f"kept {seed}") for seed in range(2))
+    first = client.get(f"/api/compare?runs={a},{b}").json()
+    again = client.get(f"/api/compare?runs={a},{b}").json()  # the runs' parts from memory
+    assert again == first and first["summary"][0]["steps"] == 40
+    record_step(session_factory, a, 41, values={"true_accuracy": 1.0, "reward_mean": 1.0})
+    moved = client.get(f"/api/compare?runs={a},{b}").json()
+    assert moved["summary"][0]["steps"] == 41 and moved["summary"][1] == first["summary"][1]
+    assert moved["series"][str(a)]["series"]["reward_mean"]["x"][-1] == 41
+    page = parse(client.get(f"/compare?runs={a},{b}").text).json("page-data")
+    assert page["series"] == moved["series"]

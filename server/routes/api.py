@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from rollout_lens.server import charts, launch, queries, views
-from rollout_lens.server.deps import AlertCacheDep, CacheDep, SessionDep
+from rollout_lens.server.deps import AlertCacheDep, CacheDep, CompareCacheDep, SessionDep
 from rollout_lens.server.params import (
     MAX_ID,
     RunId,
@@ -20,6 +20,7 @@ from rollout_lens.server.params import (
 from rollout_lens.server.responses import (
     DataResponse,
     alerts_of_runs,
+    memo,
     run_alerts,
     versioned,
     with_step_urls,
@@ -184,10 +185,12 @@ def get_step(session: SessionDep, run_id: RunId, step: StepNo) -> DataResponse:
 @router.get("/compare", response_class=DataResponse)
 def get_compare(
     session: SessionDep,
+    cache: CompareCacheDep,
     runs: Annotated[list[str], Query(description="two or more run ids, comma-separated")],
     step: Annotated[
         int | None, Query(ge=0, le=MAX_ID, description="the step shown side by side")
     ] = None,
 ) -> DataResponse:
     """Runs side by side: series, summary (convergence, stability, cost), config diff, one step."""
-    return DataResponse(queries.compare(session, run_ids=run_ids(runs), step=step))
+    data = queries.compare(session, run_ids=run_ids(runs), step=step, memo=memo(cache))
+    return DataResponse(data)

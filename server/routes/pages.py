@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from rollout_lens.server import launch, queries, views
-from rollout_lens.server.deps import AlertCacheDep, SessionDep, render
+from rollout_lens.server.deps import AlertCacheDep, CompareCacheDep, SessionDep, render
 from rollout_lens.server.params import (
     OptionalRunId,
     OptionalStep,
@@ -21,7 +21,7 @@ from rollout_lens.server.params import (
     StepNo,
     run_ids,
 )
-from rollout_lens.server.responses import run_alerts
+from rollout_lens.server.responses import memo, run_alerts
 
 router = APIRouter(include_in_schema=False)
 
@@ -102,8 +102,9 @@ def step_card(request: Request, session: SessionDep, run_id: RunId, step: StepNo
 def compare_page(
     request: Request,
     session: SessionDep,
+    cache: CompareCacheDep,
     runs: Annotated[list[str] | None, Query()] = None,
     step: OptionalStep = None,
 ) -> HTMLResponse:
-    data = queries.compare(session, run_ids=run_ids(runs), step=step)
+    data = queries.compare(session, run_ids=run_ids(runs), step=step, memo=memo(cache))
     return render(request, "compare.html", views.compare_page(data, _url(request)))
