@@ -2,7 +2,9 @@
 
 Two arms, each against a plain GRPOTrainer measured in the same rounds (alternating order):
 - launched: RecordingGRPOTrainer writing through the background StepWriter (runs from the form);
-- callback: an unmodified GRPOTrainer with RolloutLensCallback added (a user's own script).
+- callback: an unmodified GRPOTrainer with RolloutLensCallback added (a user's own script);
+- capture (with --arm all): the launched trainer with its records thrown away, no database: what
+  the training thread itself pays (probes, records), apart from the writer thread.
 Both write to a temporary SQLite file; the ratio of median step times is printed per arm.
 
     .venv/bin/python bench/overhead.py --steps 60 --rounds 3 --variant patched [--arm both]
@@ -57,6 +59,8 @@ def one_run(
     model = AutoModelForCausalLM.from_pretrained(model_path)
     control_tokens = default_control_tokens(tokenizer)
     writer = recorder = None
+    if arm == "capture":  # the launched trainer's capture with the records thrown away
+        recorder = Recorder(lambda record: None)
     if arm == "launched":
         with session_scope(factory) as session:
             run_id = store.create_run(session, **config.run_columns()).id
@@ -82,9 +86,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variant", choices=["patched", "leaky"], default="patched")
-    parser.add_argument("--arm", choices=["launched", "callback", "both"], default="both")
+    parser.add_argument(
+        "--arm", choices=["launched", "callback", "capture", "both", "all"], default="both"
+    )
     args = parser.parse_args()
-    arms = ["launched", "callback"] if args.arm == "both" else [args.arm]
+    arms = {"both": ["launched", "callback"], "all": ["capture", "launched", "callback"]}.get(
+        args.arm, [args.arm]
+    )
     # Evaluation is a separate feature with its own cost: off in both arms.
     config = RunConfig(variant=args.variant, steps=args.steps, eval_every=0)
     with tempfile.TemporaryDirectory() as tmp_dir:

@@ -3,8 +3,8 @@ short runs in every state for the runs page; all written through server.store (t
 write path), filled once into an SQLite file that later runs reuse, and copied row for row into
 PostgreSQL when the bench measures that too.
 
-Filling goes through store.create_run / record_step / add_device_time / mark_finished only, so it
-follows whatever those write. The cache file is named by FILL_VERSION, the schema's Alembic head
+Filling goes through store.create_run / Recorder / record_step / add_device_time / mark_finished
+only, so it follows whatever those write. The cache file is named by FILL_VERSION, the schema's Alembic head
 and the sizes: a new migration or a new fill is a new file.
 """
 
@@ -70,7 +70,8 @@ def fill(
     rollouts_every: int = 1,
     progress: Callable[[int], None] | None = None,
 ) -> int:
-    """A synthetic run written through store.record_step, one transaction per `batch` steps.
+    """A synthetic run written through store.Recorder (the trainer's write path), one
+    transaction per `batch` steps.
 
     With `rollouts_every` > 1 only every that many steps (and the last 5) keep their rollouts:
     a long run to overlay on charts, whose rollouts no measured page reads but at its end.
@@ -98,20 +99,16 @@ def fill(
         )
         run_id = run.id
     synthetic = SyntheticRun(variant=variant, seed=seed)
+    recorder: store.Recorder | None = None
     for start in range(1, steps + 1, batch):
-        with session_scope(factory) as session:
+        with factory.kw["bind"].begin() as conn:
+            if recorder is None:
+                recorder = store.Recorder(conn, run_id=run_id, control_tokens=CONTROL_TOKENS)
             for step in range(start, min(start + batch, steps + 1)):
                 keep = step % rollouts_every == 0 or step > steps - 5
                 record = synthetic.step(step, eval_every=eval_every, with_rollouts=keep)
-                store.record_step(
-                    session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS
-                )
-                store.add_device_time(
-                    session,
-                    run_id=run_id,
-                    seconds=record.values["wall_time"] or 0,
-                    price_per_hour=2.0,
-                )
+                seconds = record.values["wall_time"] or 0
+                recorder.write(conn, record, device_seconds=seconds, price_per_hour=2.0)
         if progress:
             progress(min(start + batch - 1, steps))
     if status != RunStatus.running:
@@ -157,10 +154,15 @@ def fill_sweep(factory: sessionmaker[Session], *, count: int, seed: int = 0) -> 
                 if status == RunStatus.queued:
                     continue
                 synthetic = SyntheticRun(variant=variant, seed=i)
+                recorder = None
                 for step in range(1, rng.randint(1, 2) + 1):
                     record = synthetic.step(step, with_rollouts=False)
-                    store.record_step(
-                        session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS
+                    recorder = store.record_step(
+                        session,
+                        run_id=run_id,
+                        record=record,
+                        control_tokens=CONTROL_TOKENS,
+                        recorder=recorder,
                     )
                 store.add_device_time(
                     session, run_id=run_id, seconds=rng.uniform(10, 5000), price_per_hour=2.0

@@ -71,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--sft-lr", type=float, dest="sft_learning_rate")
     train.add_argument("--eval-every", type=int, dest="eval_every", help="0: no evaluation")
     train.add_argument(
+        "--keep-tokens-every",
+        type=int,
+        dest="keep_tokens_every",
+        help="keep token-level data every N steps (and first, last, alerts); default: all",
+    )
+    train.add_argument(
         "--control-token", action="append", dest="control_tokens", help="repeat for each token"
     )
     train.add_argument("--name")

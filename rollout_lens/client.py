@@ -28,6 +28,8 @@ ROLLOUT_KEYS = (
     "prompt",
     "completion",
     "completion_ids",
+    "tokens",
+    "tokens_kept",
     "vote",
     "target",
     "verifier_reward",

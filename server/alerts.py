@@ -6,6 +6,7 @@ only after the condition has cleared, so a long collapse is one alert, not a tho
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -71,11 +72,21 @@ def _episodes(steps: Sequence[int], flags: Sequence[bool]) -> list[int]:
     return out
 
 
-def control_token_spikes(name: str, series: Series, t: AlertThresholds) -> list[Alert]:
+def _skip(i: int, n: int, tail: int | None) -> bool:
+    """Whether position i lies before the last `tail` positions (not evaluated: False)."""
+    return tail is not None and i < n - tail
+
+
+def control_token_spikes(
+    name: str, series: Series, t: AlertThresholds, tail: int | None = None
+) -> list[Alert]:
     """A probe far above its usual level: absolutely high, or a multiple of its trailing mean."""
     steps, values = _present(series)
     flags = []
     for i, value in enumerate(values):
+        if _skip(i, len(values), tail):
+            flags.append(False)
+            continue
         history = values[max(0, i - t.spike_window) : i]
         baseline = sum(history) / len(history) if history else None
         relative = (
@@ -95,11 +106,16 @@ def control_token_spikes(name: str, series: Series, t: AlertThresholds) -> list[
     ]
 
 
-def control_token_drops(name: str, series: Series, t: AlertThresholds) -> list[Alert]:
+def control_token_drops(
+    name: str, series: Series, t: AlertThresholds, tail: int | None = None
+) -> list[Alert]:
     """A probe that is ~1 in healthy calls (the opening tag first) suddenly losing its mass."""
     steps, values = _present(series)
     flags = []
     for i, value in enumerate(values):
+        if _skip(i, len(values), tail):
+            flags.append(False)
+            continue
         history = values[max(0, i - t.spike_window) : i]
         flags.append(
             bool(history) and sum(history) / len(history) >= t.drop_from and value < t.drop_below
@@ -130,7 +146,9 @@ def collapse(series: Series, t: AlertThresholds) -> list[Alert]:
     ]
 
 
-def reward_hacking(reward: Series, accuracy: Series, t: AlertThresholds) -> list[Alert]:
+def reward_hacking(
+    reward: Series, accuracy: Series, t: AlertThresholds, tail: int | None = None
+) -> list[Alert]:
     """Verifier reward rising over a window while true accuracy falls or stays flat."""
     acc_by_step = dict(accuracy)
     pairs = [
@@ -142,7 +160,7 @@ def reward_hacking(reward: Series, accuracy: Series, t: AlertThresholds) -> list
     steps, flags = [], []
     for i in range(len(pairs)):
         steps.append(pairs[i][0])
-        if i + 1 < 2 * w:
+        if i + 1 < 2 * w or _skip(i, len(pairs), tail):
             flags.append(False)
             continue
         before, after = pairs[i + 1 - 2 * w : i + 1 - w], pairs[i + 1 - w : i + 1]
@@ -160,8 +178,10 @@ def reward_hacking(reward: Series, accuracy: Series, t: AlertThresholds) -> list
     ]
 
 
-def signal_loss(zero_std: Series, t: AlertThresholds) -> list[Alert]:
+def signal_loss(zero_std: Series, t: AlertThresholds, tail: int | None = None) -> list[Alert]:
     """Nearly every group got identical rewards: advantages are zero, the gradient is empty."""
+    if tail is not None:  # the rolling mean at the last `tail` points needs a window before them
+        zero_std = zero_std[-(tail + t.signal_loss_window) :]
     steps = [s for s, v in zero_std]
     smoothed = analysis.rolling_mean([v for _, v in zero_std], t.signal_loss_window)
     flags = [
@@ -179,23 +199,82 @@ def signal_loss(zero_std: Series, t: AlertThresholds) -> list[Alert]:
     ]
 
 
-def evaluate(series: Mapping[str, Series], t: AlertThresholds) -> list[Alert]:
-    """Every alert for a run's series, ordered by step."""
+def evaluate(
+    series: Mapping[str, Series], t: AlertThresholds, tail: int | None = None
+) -> list[Alert]:
+    """Every alert for a run's series, ordered by step. With `tail`, conditions are evaluated
+    at each series' last `tail` points only (earlier ones count as false): what a recorder
+    needs to know whether an episode starts at the newest step (tail=2)."""
     alerts: list[Alert] = []
     for name, values in series.items():
         if name in SPIKE_PROBES:
-            alerts += control_token_spikes(name, values, t)
+            alerts += control_token_spikes(name, values, t, tail)
         if name in DROP_PROBES:
-            alerts += control_token_drops(name, values, t)
+            alerts += control_token_drops(name, values, t, tail)
     if COLLAPSED in series:
         alerts += collapse(series[COLLAPSED], t)
     if REWARD in series and ACCURACY in series:
-        alerts += reward_hacking(series[REWARD], series[ACCURACY], t)
+        alerts += reward_hacking(series[REWARD], series[ACCURACY], t, tail)
     if ZERO_STD in series:
-        alerts += signal_loss(series[ZERO_STD], t)
+        alerts += signal_loss(series[ZERO_STD], t, tail)
     return sorted(alerts, key=lambda a: (a.step, a.kind))
 
 
 def _mean(values: Sequence[float | None]) -> float:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else 0.0
+
+
+CONTEXT = 60  # steps of history the rules need: their windows are ≤ 2 × 25 steps
+COLUMN_INPUTS = (REWARD, ACCURACY, ZERO_STD)  # step columns: an entry every step, None or not
+
+
+class Watch:
+    """The rules applied as steps arrive: the last CONTEXT inputs of each series, evaluated
+    with the same functions as a whole history (`evaluate`), keeping the alerts of the newest
+    step. Equal to evaluating the whole history whenever each rule's window fits in CONTEXT
+    entries of its series (tests/test_alerts.py checks it on recorded runs)."""
+
+    def __init__(self, thresholds: AlertThresholds | None = None) -> None:
+        t = self.thresholds = thresholds or AlertThresholds()
+        # Entries each series needs: its rule's window, the point itself and the one before it
+        # (an episode starts where the condition was false a point earlier).
+        probe_window = t.spike_window + 2
+        self.keep = {name: probe_window for name in (*SPIKE_PROBES, *DROP_PROBES)} | {
+            COLLAPSED: 2,
+            ZERO_STD: t.signal_loss_window + 2,
+            REWARD: CONTEXT,  # reward hacking pairs reward with accuracy where both are present
+            ACCURACY: CONTEXT,
+        }
+        self.inputs: dict[str, deque[tuple[int, float | None]]] = {}
+
+    def feed(self, step: int, values: Mapping[str, float | None]) -> None:
+        """Add one step's inputs (history) without evaluating."""
+        for name in READS:
+            value = values.get(name)
+            if value is None and name not in COLUMN_INPUTS:
+                continue  # a metric not logged at this step is absent, not None
+            entries = self.inputs.get(name)
+            if entries is None:
+                entries = self.inputs[name] = deque(maxlen=self.keep.get(name, CONTEXT))
+            entries.append((step, value))
+
+    def push(self, step: int, values: Mapping[str, float | None]) -> list[Alert]:
+        """Add one step and return the alerts that fire at it."""
+        self.feed(step, values)
+        series = {name: list(entries) for name, entries in self.inputs.items()}
+        return [a for a in evaluate(series, self.thresholds, tail=2) if a.step == step]
+
+
+def from_history(
+    steps: Sequence[tuple[int, Mapping[str, float | None]]],
+) -> dict[str, list[tuple[int, float | None]]]:
+    """(step, inputs) of a whole run → the series `evaluate` reads, built as Watch builds them."""
+    out: dict[str, list[tuple[int, float | None]]] = {}
+    for step, values in steps:
+        for name in READS:
+            value = values.get(name)
+            if value is None and name not in COLUMN_INPUTS:
+                continue
+            out.setdefault(name, []).append((step, value))
+    return out

@@ -7,7 +7,17 @@ from __future__ import annotations
 from typing import Any, cast
 
 from rollout_lens.server.errors import InvalidState, NotFound
-from rollout_lens.server.models import Metric, Prompt, Rollout, Run, RunStatus, SeriesRollup, Step
+from rollout_lens.server.models import (
+    AlertRow,
+    Facts,
+    Prompt,
+    Rollout,
+    Rollup,
+    Run,
+    RunStatus,
+    RunToken,
+    Step,
+)
 from sqlalchemy import CursorResult, delete, exists, select, update
 from sqlalchemy.orm import Session
 
@@ -35,10 +45,21 @@ def delete_run(session: Session, *, run_id: int) -> str | None:
     prompt_ids = set(
         session.scalars(select(Rollout.prompt_id).where(Rollout.run_id == run_id).distinct())
     )
-    for table in (Rollout, Metric, SeriesRollup, Step):
+    facts_ids = set(
+        session.scalars(
+            select(Rollout.facts_id)
+            .where(Rollout.run_id == run_id, Rollout.facts_id.is_not(None))
+            .distinct()
+        )
+    )
+    for table in (Rollout, AlertRow, Rollup, RunToken, Step):
         session.execute(delete(table).where(table.run_id == run_id))
     session.execute(delete(Run).where(Run.id == run_id))
+    # Prompts and facts are shared between runs: only those no other run uses go.
     if prompt_ids:
         still_used = exists().where(Rollout.prompt_id == Prompt.id)
         session.execute(delete(Prompt).where(Prompt.id.in_(prompt_ids), ~still_used))
+    if facts_ids:
+        facts_used = exists().where(Rollout.facts_id == Facts.id)
+        session.execute(delete(Facts).where(Facts.id.in_(facts_ids), ~facts_used))
     return task_id

@@ -106,9 +106,14 @@ def step_record(step: Step, metrics: dict[str, float | None]) -> dict[str, Any]:
     )
 
 
-def rollout_record(rollout: Rollout, prompt: str, control_tokens: list[str]) -> dict[str, Any]:
-    """A rollout with every array (the API's rollout shape, plus its kind)."""
-    return {"kind": "rollout"} | rollout_dict(rollout, prompt, control_tokens)
+def rollout_record(
+    rollout: Rollout, prompt: str, control_tokens: list[str], token_texts: dict[int, str]
+) -> dict[str, Any]:
+    """A rollout with every array (the API's rollout shape, plus its kind). Where retention
+    dropped its token arrays they are empty lists."""
+    record = rollout_dict(rollout, prompt, control_tokens, token_texts)
+    del record["tokens_kept"]
+    return {"kind": "rollout"} | record
 
 
 def end_record(steps: int, rollouts: int) -> dict[str, Any]:
@@ -196,12 +201,15 @@ class RolloutLine(_Record):
     verifier_reward: float
     true_score: float | None
     advantage: float
-    sum_logprob: float
+    sum_logprob: float | None  # None: not a number (a NaN logprob)
     format_valid: bool
     format_state: str | None
     token_logprobs: list[float]
     control_token_probs: dict[str, list[float]]
     meta: dict[str, Any]
+    # Each completion token's text (absent from files of older versions, which kept them in
+    # meta["tokens"]; the importer reads either).
+    tokens: list[str] | None = None
 
 
 class EndLine(_Record):

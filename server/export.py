@@ -78,6 +78,7 @@ def export_chunks(
 def _jsonl_run(session: Session, run: Run) -> Iterator[str]:
     """Lines: the run, each step followed by the rollouts generated at it, then the end record."""
     tokens = list(run.control_tokens)
+    texts = store.token_texts(session, run_id=run.id)
     yield dumps(run_record(run)) + "\n"
     counts = {"steps": 0, "rollouts": 0}
     rollouts = iter(store.iter_rollouts(session, run_id=run.id, batch=ROW_GROUP))
@@ -87,7 +88,7 @@ def _jsonl_run(session: Session, run: Run) -> Iterator[str]:
         nonlocal pending
         while pending is not None and (step is None or pending[0].step <= step):
             counts["rollouts"] += 1
-            yield dumps(rollout_record(pending[0], pending[1], tokens)) + "\n"
+            yield dumps(rollout_record(pending[0], pending[1], tokens, texts)) + "\n"
             pending = next(rollouts, None)
 
     for step, metrics in store.iter_steps(session, run_id=run.id, page=STEP_PAGE):
@@ -169,6 +170,7 @@ def rollout_schema() -> Any:
             ("token_logprobs", floats),
             ("control_probs", pa.list_(floats)),
             ("meta", pa.string()),  # JSON text: meta is free-form
+            ("tokens", pa.list_(pa.string())),
         ]
     )
 
@@ -180,6 +182,7 @@ def _parquet_run(session: Session, run: Run) -> Iterator[bytes]:
     import pyarrow.parquet as pq
 
     tokens = list(run.control_tokens)
+    texts = store.token_texts(session, run_id=run.id)
     steps = "".join(
         dumps(step_record(step, metrics)) + "\n"
         for step, metrics in store.iter_steps(session, run_id=run.id, page=STEP_PAGE)
@@ -191,7 +194,8 @@ def _parquet_run(session: Session, run: Run) -> Iterator[bytes]:
     try:
         for rollout, prompt in store.iter_rollouts(session, run_id=run.id, batch=ROW_GROUP):
             # the API's shape, with the control-token probabilities as rows in header order
-            row = rollout_dict(rollout, prompt, tokens)
+            row = rollout_dict(rollout, prompt, tokens, texts)
+            del row["tokens_kept"]
             by_token = row.pop("control_token_probs")
             row["control_probs"] = [by_token[t] for t in tokens]
             row["meta"] = json.dumps(row["meta"], ensure_ascii=False)

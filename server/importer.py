@@ -9,6 +9,7 @@ imported as `lost` (nothing records the copy).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -53,14 +54,14 @@ class Imported:
 
 @dataclass
 class _Rollout(RolloutRecord):
-    """A rollout as exported: its Σ logprob is the stored one (the float32 token logprobs need
-    not add up to it exactly)."""
+    """A rollout as exported: its Σ logprob is the stored one (the float16 token logprobs need
+    not add up to it exactly; None, a NaN sum, stays unknown)."""
 
-    stored_sum_logprob: float = 0.0
+    stored_sum_logprob: float | None = 0.0
 
     @property
     def sum_logprob(self) -> float:
-        return self.stored_sum_logprob
+        return math.nan if self.stored_sum_logprob is None else self.stored_sum_logprob
 
 
 def import_export(
@@ -174,13 +175,14 @@ class _RunWriter:
         self._last_rollout: tuple[int, int, int] | None = None
         self._batch: list[RolloutRecord] = []
         self._batch_step = 0
+        self._recorder: store.Recorder | None = None
 
     def step(self, line: StepLine) -> None:
         if self._last_step is not None and line.step <= self._last_step:
             raise InvalidInput(f"step {line.step} after step {self._last_step} (steps must rise)")
         self._last_step = line.step
         self.steps += 1
-        store.record_step(
+        self._recorder = store.record_step(
             self.session,
             run_id=self.run_id,
             record=StepRecord(
@@ -191,6 +193,7 @@ class _RunWriter:
             ),
             control_tokens=self.tokens,
             recorded_at=_utc(line.recorded_at),
+            recorder=self._recorder,
         )
 
     def rollout(self, line: RolloutLine) -> None:
@@ -228,6 +231,7 @@ class _RunWriter:
                 format_valid=line.format_valid,
                 format_state=line.format_state,
                 meta=line.meta,
+                tokens=line.tokens,
                 stored_sum_logprob=line.sum_logprob,
             )
         )
@@ -237,13 +241,12 @@ class _RunWriter:
 
     def _flush(self) -> None:
         if self._batch:
-            store.add_rollouts(
-                self.session,
-                run_id=self.run_id,
-                step=self._batch_step,
-                rollouts=self._batch,
-                control_tokens=self.tokens,
-            )
+            conn = self.session.connection()
+            if self._recorder is None:
+                self._recorder = store.Recorder(
+                    conn, run_id=self.run_id, control_tokens=self.tokens
+                )
+            self._recorder.add_rollouts(conn, step=self._batch_step, rollouts=self._batch)
             self._batch = []
 
     def finish(self) -> None:

@@ -38,7 +38,7 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "Supervision",
         ("supervision", "supervised_per_group", "sft_every", "sft_steps", "sft_learning_rate"),
     ),
-    ("evaluation", "Evaluation", ("eval_every",)),
+    ("evaluation", "Evaluation and storage", ("eval_every", "keep_tokens_every")),
 )
 LABELS = {
     "name": "Name",
@@ -63,6 +63,7 @@ LABELS = {
     "sft_steps": "SFT steps",
     "sft_learning_rate": "SFT learning rate",
     "eval_every": "Evaluate every",
+    "keep_tokens_every": "Keep token data every",
 }
 # A field that matters only for some values of another (the form dims it otherwise).
 RELEVANT_WHEN = {

@@ -20,8 +20,9 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    true,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -106,6 +107,15 @@ class Run(Base):
     dropped_rollouts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     notes: Mapped[list[str]] = mapped_column(JSON, default=list, server_default="[]")
 
+    # Names of the generic per-step series, in the order of each step's packed `series` array
+    # (append-only: a name keeps its place for the life of the run).
+    series_names: Mapped[list[str]] = mapped_column(JSON, default=list, server_default="[]")
+    # Retention: token-level arrays are kept every N steps (and at the first and last step and
+    # wherever an alert fires); None keeps them at every step.
+    keep_tokens_every: Mapped[int | None] = mapped_column(Integer)
+    # Alerts are evaluated as steps are written; this is the last step they were evaluated at.
+    alerts_through: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
     # Summary columns kept current by every step write, so lists never scan steps.
     current_step: Mapped[int] = mapped_column(Integer, default=0)
     recent_true_accuracy: Mapped[float | None] = mapped_column(Float)
@@ -119,6 +129,28 @@ class Prompt(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    text: Mapped[str] = mapped_column(Text)
+
+
+class Facts(Base):
+    """Each distinct set of facts shared by a group's rollouts once (the prompt's listed tool ids,
+    query, hint, dataset row…): the part of a rollout's meta that all of its group agree on."""
+
+    __tablename__ = "facts"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class RunToken(Base):
+    """The text of each token id a run's completions used, once per run: the viewer shows a
+    completion token by token from its ids and these."""
+
+    __tablename__ = "run_tokens"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    token_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     text: Mapped[str] = mapped_column(Text)
 
 
@@ -148,6 +180,12 @@ class Step(Base):
     completion_length: Mapped[float | None] = mapped_column(Float)
     # These columns are server.series.STEP_SERIES (labels, units and order are named there).
 
+    # Every other series logged at this step: float64 values in the order of Run.series_names
+    # (NaN where a name was not logged); server.packing.
+    series: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # False once retention dropped the token-level arrays of this step's rollouts.
+    tokens_kept: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+
 
 class Rollout(Base):
     __tablename__ = "rollouts"
@@ -166,52 +204,57 @@ class Rollout(Base):
     verifier_reward: Mapped[float] = mapped_column(Float)
     true_score: Mapped[float | None] = mapped_column(Float)
     advantage: Mapped[float] = mapped_column(Float)
-    sum_logprob: Mapped[float] = mapped_column(Float)
+    sum_logprob: Mapped[float | None] = mapped_column(Float)  # None: NaN (a NaN logprob)
     format_valid: Mapped[bool] = mapped_column(Boolean)
     format_state: Mapped[str | None] = mapped_column(String(32))
-    # Packed arrays (server.packing): int32 ids, float32 logprobs, float32 n_ctrl × T matrix.
-    completion_ids: Mapped[bytes] = mapped_column(LargeBinary)
-    token_logprobs: Mapped[bytes] = mapped_column(LargeBinary)
-    control_probs: Mapped[bytes] = mapped_column(LargeBinary)
-    # Env facts about the prompt (query, listed ids, whether the target was listed…).
-    meta: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Packed arrays (server.packing): int32 ids, float16 logprobs, float16 n_ctrl × T matrix;
+    # NULL where retention did not keep them.
+    completion_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    token_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    control_probs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # The rollout's meta is facts (shared with its group, stored once) plus its own keys.
+    facts_id: Mapped[int | None] = mapped_column(ForeignKey("facts.id"), index=True)
+    own_meta: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    facts: Mapped[Facts | None] = relationship(lazy="joined")
 
+    @property
+    def meta(self) -> dict[str, Any]:
+        """Env facts and recorder extras, as the trainer handed them (token texts aside)."""
+        return {**(self.facts.data if self.facts else {}), **(self.own_meta or {})}
 
-class Metric(Base):
-    """Anything else logged per step: name → number."""
-
-    __tablename__ = "metrics"
-    __table_args__ = (
-        UniqueConstraint("run_id", "name", "step"),
-        Index("ix_metrics_run_step", "run_id", "step"),
-    )
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    step: Mapped[int] = mapped_column(Integer)
-    name: Mapped[str] = mapped_column(String(200))
-    value: Mapped[float | None] = mapped_column(Float)
+    @property
+    def tokens_kept(self) -> bool:
+        """False where retention dropped the token-level arrays."""
+        return self.completion_ids is not None
 
 
 ROLLUP_WIDTHS = (10, 100, 1000)  # steps per bucket: a chart of any run length reads few rows
 
 
-class SeriesRollup(Base):
-    """Per-bucket count, sum, min and max of each series, kept current by every step write.
+class Rollup(Base):
+    """Count, sum, min, max, first and last step of every series over one finished bucket of
+    `width` steps, packed (server.rollups): a long run's chart reads a few hundred rows.
 
-    Reading a long run's chart then costs at most a few hundred rows per series, whatever the
-    run's length; min and max keep one-step spikes visible.
+    Written when a step lands past the bucket's end; the open bucket is read from the steps.
     """
 
-    __tablename__ = "series_rollups"
+    __tablename__ = "rollups"
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    name: Mapped[str] = mapped_column(String(200), primary_key=True)
-    width: Mapped[int] = mapped_column(Integer, primary_key=True)
-    bucket: Mapped[int] = mapped_column(Integer, primary_key=True)  # (step - 1) // width
-    n: Mapped[int] = mapped_column(Integer)
-    total: Mapped[float] = mapped_column(Float)
-    lo: Mapped[float] = mapped_column(Float)
-    hi: Mapped[float] = mapped_column(Float)
-    first_step: Mapped[int] = mapped_column(Integer)
-    last_step: Mapped[int] = mapped_column(Integer)
+    width: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class AlertRow(Base):
+    """An alert, written with the step it fired at (server.alerts names the rules)."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (Index("ix_alerts_run_step", "run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(64))
+    series: Mapped[str | None] = mapped_column(String(200))
+    message: Mapped[str] = mapped_column(Text)

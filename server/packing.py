@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -55,7 +57,61 @@ def pack_matrix(rows: Sequence[Sequence[float]]) -> bytes:
 
 def unpack_matrix(data: bytes | None, n_rows: int) -> list[list[float]]:
     """bytes → n_rows equal rows."""
-    flat = unpack_floats(data)
+    return _rows(unpack_floats(data), n_rows)
+
+
+# Per-token arrays for display (logprobs, control-token probabilities) are stored as IEEE float16:
+# 11 significant bits, ±65504, NaN and ±inf kept. A probability is off by at most 2.5e-4 near 1
+# and reaches down to 6e-8; a logprob of -12.34 reads back as -12.34375 (a shade, a tooltip). Σ logprob, rewards
+# and advantages are float64 columns, computed from full precision before packing.
+_HALF_MAX = 65504.0
+
+
+def _half(value: float) -> float:
+    if value != value or value in (math.inf, -math.inf):  # NaN and infinities pack as they are
+        return value
+    return min(max(value, -_HALF_MAX), _HALF_MAX)
+
+
+def pack_halves(values: Sequence[float]) -> bytes:
+    """float16 array → bytes (finite values beyond ±65504 clip to it)."""
+    try:
+        return struct.pack(f"<{len(values)}e", *values)
+    except OverflowError:  # rare: clip only then (the per-value check costs more than packing)
+        return struct.pack(f"<{len(values)}e", *map(_half, values))
+
+
+def unpack_halves(data: bytes | None) -> list[float]:
+    """bytes → list of floats (float16 precision)."""
+    if not data:
+        return []
+    return list(struct.unpack(f"<{len(data) // 2}e", data))
+
+
+def pack_half_matrix(rows: Sequence[Sequence[float]]) -> bytes:
+    """Equal-length rows, row-major, float16 → bytes."""
+    width = len(rows[0]) if rows else 0
+    if any(len(row) != width for row in rows):
+        raise ValueError("pack_half_matrix needs rows of equal length")
+    return pack_halves([x for row in rows for x in row])
+
+
+def unpack_half_matrix(data: bytes | None, n_rows: int) -> list[list[float]]:
+    """bytes → n_rows equal float16 rows."""
+    return _rows(unpack_halves(data), n_rows)
+
+
+def pack_doubles(values: Iterable[float]) -> bytes:
+    """float64 array → bytes (a step's series, rollup aggregates)."""
+    return _to_bytes(array("d", values))
+
+
+def unpack_doubles(data: bytes | None) -> list[float]:
+    """bytes → list of floats (float64)."""
+    return _from_bytes("d", data).tolist()
+
+
+def _rows(flat: list[float], n_rows: int) -> list[list[float]]:
     if n_rows == 0:
         return []
     if len(flat) % n_rows:

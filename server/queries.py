@@ -20,7 +20,7 @@ from rollout_lens.server.formats import live_text
 from rollout_lens.server.models import (
     ACTIVE_STATUSES,
     ROLLUP_WIDTHS,
-    Metric,
+    AlertRow,
     Prompt,
     Rollout,
     Run,
@@ -28,8 +28,10 @@ from rollout_lens.server.models import (
     RunStatus,
     Step,
 )
+from rollout_lens.server.packing import unpack_ints
 from rollout_lens.server.serialize import rollout_dict, run_dict, step_dict
 from rollout_lens.server.series import STEP_SERIES
+from rollout_lens.server.store import layout, rollups
 from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
@@ -171,24 +173,8 @@ def _bounds(session: Session, *, run_id: int) -> tuple[int | None, int | None]:
 
 
 def series_names(session: Session, *, run_id: int) -> list[str]:
-    """The run's series: step columns, then generic metrics.
-
-    Metric names are read at the first and last recorded steps only (index seeks on
-    run_id, step), so the cost does not grow with the run; a series logged only in between is
-    still served when asked for by name.
-    """
-    first, last = _bounds(session, run_id=run_id)
-    if last is None:
-        return []
-    # One equality per step, reading `value` too, no DISTINCT/ORDER BY/IN: anything else lets
-    # SQLite prefer the covering (run_id, name, step) index and scan every metric of the run.
-    names: set[str] = set()
-    for step in {first, last}:
-        rows = session.execute(
-            select(Metric.name, Metric.value).where(Metric.run_id == run_id, Metric.step == step)
-        )
-        names.update(name for name, _ in rows)
-    return list(STEP_SERIES) + sorted(names)
+    """The run's series: step columns, then its generic series (one column of the run row)."""
+    return [*STEP_SERIES, *sorted(store.series_names(session, run_id=run_id))]
 
 
 def run_version(session: Session, *, run_id: int) -> str:
@@ -331,38 +317,38 @@ def _column_series(
 def _metric_series(
     session: Session, run_id: int, names: list[str], since: int, until: int | None, width: int
 ) -> dict[str, dict[str, list[Any]]]:
-    where = [
-        Metric.run_id == run_id,
-        Metric.name.in_(names),
-        *_step_filter(Metric.step, since, until),
-    ]
-    out: dict[str, dict[str, list[Any]]] = {}
-    if width == 1:
-        query = select(Metric.name, Metric.step, Metric.value).where(*where)
-        for name, step, value in session.execute(query.order_by(Metric.name, Metric.step)):
-            entry = out.setdefault(name, {"x": [], "y": []})
-            entry["x"].append(step)
-            entry["y"].append(value)
-        return {k: v for k, v in out.items() if any(y is not None for y in v["y"])}
-    bucket = ((Metric.step - 1) // width).label("bucket")
-    query = (
-        select(
-            Metric.name,
-            func.min(Metric.step),
-            func.avg(Metric.value),
-            func.min(Metric.value),
-            func.max(Metric.value),
-        )
-        .where(*where)
-        .group_by(Metric.name, bucket)
-        .order_by(Metric.name, bucket)
+    """Generic series from each step's packed values; buckets of `width` steps aggregated here
+    (the whole-history chart of a long run reads rollups instead)."""
+    layout_names = store.series_names(session, run_id=run_id)
+    wanted = [(n, layout_names.index(n)) for n in names if n in layout_names]
+    if not wanted:
+        return {}
+    query = select(Step.step, Step.series).where(
+        Step.run_id == run_id, *_step_filter(Step.step, since, until)
     )
-    result: Any = session.execute(query)  # five columns: more than select()'s typing tracks here
-    for name, step, mean, low, high in result:
-        entry = out.setdefault(name, {"x": [], "y": [], "lo": [], "hi": []})
-        for key, value in (("x", step), ("y", mean), ("lo", low), ("hi", high)):
-            entry[key].append(value)
-    return {k: v for k, v in out.items() if any(y is not None for y in v["y"])}
+    points: dict[str, list[tuple[int, float]]] = {}
+    for step, data in session.execute(query.order_by(Step.step)):
+        values = layout.decode(data, len(layout_names))
+        for name, index in wanted:
+            if (value := values[index]) is not None:
+                points.setdefault(name, []).append((step, value))
+    out: dict[str, dict[str, list[Any]]] = {}
+    for name, pts in points.items():
+        if width == 1:
+            out[name] = {"x": [s for s, _ in pts], "y": [v for _, v in pts]}
+            continue
+        entry: dict[str, list[Any]] = {"x": [], "y": [], "lo": [], "hi": []}
+        buckets: dict[int, list[tuple[int, float]]] = {}
+        for step, value in pts:
+            buckets.setdefault((step - 1) // width, []).append((step, value))
+        for members in buckets.values():
+            vals = [v for _, v in members]
+            entry["x"].append(members[0][0])
+            entry["y"].append(sum(vals) / len(vals))
+            entry["lo"].append(min(vals))
+            entry["hi"].append(max(vals))
+        out[name] = entry
+    return out
 
 
 def bucket_means(
@@ -392,36 +378,40 @@ def bucket_means(
 
 # --- alerts -------------------------------------------------------------------------------------
 
-ALERT_COLUMNS = tuple(n for n in rules.READS if n in STEP_SERIES)
-# The per-step metrics the rules read besides those columns. Of the positional probes only the
-# ones whose rise (end-of-turn right after the opening tag) or fall (the opening tag first) is the
-# failure; server.alerts says which rule reads which.
-ALERT_METRICS = tuple(n for n in rules.READS if n not in ALERT_COLUMNS)
-ALERT_CONTEXT = 60  # steps before `since` the rules see: their windows are ≤ 2 × 25 steps
-
 
 def alerts(session: Session, *, run_id: int, since: int = 0) -> list[dict[str, Any]]:
-    """The alert rules (server.alerts) over the run's per-step series; only alerts after `since`.
+    """The run's alerts after `since`: those its recorder wrote with each step (an index seek),
+    plus any for steps it did not evaluate (evaluated here from the steps, not stored)."""
+    run = store.get_run(session, run_id=run_id)
+    found = [
+        rules.Alert(kind, step, message, series)
+        for kind, step, message, series in session.execute(
+            select(AlertRow.kind, AlertRow.step, AlertRow.message, AlertRow.series)
+            .where(AlertRow.run_id == run_id, AlertRow.step > since)
+            .order_by(AlertRow.step, AlertRow.kind)
+        )
+    ]
+    through = max(run.alerts_through, since)
+    if run.current_step > through:
+        found += evaluate_alerts(session, run_id=run_id, after=through)
+    return [a.as_dict() for a in found]
 
-    A live page asks with its cursor: the rules then read the last ALERT_CONTEXT steps before it
-    as history, so an episode already under way is not reported again.
-    """
-    store.get_run(session, run_id=run_id)
-    start = max(0, since - ALERT_CONTEXT)
-    cols = [getattr(Step, n) for n in ALERT_COLUMNS]
-    rows = session.execute(
-        select(Step.step, *cols).where(Step.run_id == run_id, Step.step > start).order_by(Step.step)
-    ).all()
-    inputs: dict[str, list[tuple[int, float | None]]] = {
-        name: [(row[0], row[i]) for row in rows] for i, name in enumerate(ALERT_COLUMNS, start=1)
-    }
-    query = select(Metric.name, Metric.step, Metric.value).where(
-        Metric.run_id == run_id, Metric.name.in_(ALERT_METRICS), Metric.step > start
+
+def evaluate_alerts(session: Session, *, run_id: int, after: int = 0) -> list[rules.Alert]:
+    """The alert rules over the recorded steps, keeping the alerts after `after` (the rules read
+    rules.CONTEXT steps before it as history). after=0 is the from-scratch evaluation the
+    recorder's step-by-step one must equal."""
+    names = layout.all_names(store.series_names(session, run_id=run_id))
+    rows = rollups.step_rows(
+        session,
+        run_id=run_id,
+        after=max(0, after - rules.CONTEXT),
+        through=None,
+        n_series=len(names) - len(STEP_SERIES),
     )
-    for name, step, value in session.execute(query.order_by(Metric.name, Metric.step)):
-        inputs.setdefault(name, []).append((step, value))
-    found = rules.evaluate(inputs, rules.AlertThresholds())
-    return [a.as_dict() for a in found if a.step > since]
+    history = [(step, dict(zip(names, values, strict=True))) for step, values in rows]
+    found = rules.evaluate(rules.from_history(history), rules.AlertThresholds())
+    return [a for a in found if a.step > after]
 
 
 def run_versions(session: Session, *, run_ids: Sequence[int]) -> dict[int, str]:
@@ -466,7 +456,8 @@ def nearest_step(session: Session, *, run_id: int, step: int) -> int | None:
 
 
 def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
-    """One step of a run as the step viewer shows it: its groups, rollouts and neighbours."""
+    """One step of a run as the step viewer shows it: its groups, rollouts and neighbours, and
+    where retention did not keep its token-level data, the nearest step that has it."""
     run = store.get_run(session, run_id=run_id)
     row = session.scalar(select(Step).where(Step.run_id == run_id, Step.step == step))
     if row is None:
@@ -479,21 +470,37 @@ def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
         .where(Rollout.run_id == run_id, Rollout.step == row.rollout_step)
         .order_by(Rollout.group, Rollout.index)
     ).all()
-    # Sorted here, not by SQL: ORDER BY name steers SQLite to the (run_id, name, step) index and
-    # a scan of every metric of the run instead of a seek on (run_id, step).
-    metrics = sorted(
-        session.execute(
-            select(Metric.name, Metric.value).where(Metric.run_id == run_id, Metric.step == step)
-        ).all()
-    )
     tokens = list(run.control_tokens)
+    ids = {i for r, _ in rollouts for i in unpack_ints(r.completion_ids)}
+    texts = store.token_texts(session, run_id=run_id, ids=ids)
+    dicts = [rollout_dict(r, text, tokens, texts) for r, text in rollouts]
+    kept = all(r.tokens_kept for r, _ in rollouts)
     return {
         "run": run_dict(run),
         "step": step_dict(row),
-        "metrics": {name: value for name, value in metrics},
+        "metrics": dict(sorted(layout.named(row.series, run.series_names or []).items())),
         "nav": _neighbours(session, run_id, step),
-        "groups": viewer.group_views([rollout_dict(r, text, tokens) for r, text in rollouts]),
+        "tokens_kept": kept,
+        "nearest_kept": None if kept else nearest_kept_step(session, run_id=run_id, step=step),
+        "keep_tokens_every": run.keep_tokens_every,
+        "groups": viewer.group_views(dicts),
     }
+
+
+def nearest_kept_step(session: Session, *, run_id: int, step: int) -> int | None:
+    """The step nearest `step` whose token-level data retention kept (ties: the earlier)."""
+    kept = [Step.run_id == run_id, Step.tokens_kept.is_(True)]
+    row = session.execute(
+        select(
+            select(func.max(Step.step)).where(*kept, Step.step < step).scalar_subquery(),
+            select(func.min(Step.step)).where(*kept, Step.step > step).scalar_subquery(),
+        )
+    ).one()
+    below: int | None = row[0]
+    above: int | None = row[1]
+    if below is None or above is None:
+        return below if above is None else above
+    return below if step - below <= above - step else above
 
 
 # --- compare ------------------------------------------------------------------------------------
@@ -608,14 +615,6 @@ def _summary(
 
 
 def last_values(session: Session, *, run_id: int, names: Sequence[str]) -> dict[str, Any]:
-    """The latest recorded value of each named metric (index seeks on (run_id, name, step))."""
-    out: dict[str, Any] = {}
-    for name in names:
-        row = session.execute(
-            select(Metric.step, Metric.value)
-            .where(Metric.run_id == run_id, Metric.name == name)
-            .order_by(Metric.step.desc())
-            .limit(1)
-        ).one_or_none()
-        out[name] = None if row is None else {"step": row[0], "value": row[1]}
-    return out
+    """The latest recorded value of each named series: {step, value} or None (a few rows each,
+    through the rollups, however long the run)."""
+    return store.last_values(session, run_id=run_id, names=names)

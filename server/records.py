@@ -26,6 +26,8 @@ class RolloutRecord:
     format_valid: bool
     format_state: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # Each completion token's text (tokenizer.convert_ids_to_tokens), stored once per run and id.
+    tokens: list[str] | None = None
 
     @property
     def sum_logprob(self) -> float:

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server.models import Rollout, Run, RunSource, Step
-from rollout_lens.server.packing import unpack_floats, unpack_ints, unpack_matrix
+from rollout_lens.server.packing import unpack_half_matrix, unpack_halves, unpack_ints
 from rollout_lens.server.series import STEP_SERIES
 
 
-def rollout_dict(rollout: Rollout, prompt: str, control_tokens: Sequence[str]) -> dict[str, Any]:
-    """One rollout with its arrays decoded; keys match the JSONL export."""
-    probs = unpack_matrix(rollout.control_probs, len(control_tokens))
+def rollout_dict(
+    rollout: Rollout,
+    prompt: str,
+    control_tokens: Sequence[str],
+    token_texts: Mapping[int, str] | None = None,
+) -> dict[str, Any]:
+    """One rollout with its arrays decoded; keys match the JSONL export.
+
+    `token_texts` (store.token_texts) gives each completion token's text: `tokens` is the list
+    of them when every id has one, else None. Where retention dropped the token arrays,
+    `tokens_kept` is False and the arrays are empty.
+    """
+    probs = unpack_half_matrix(rollout.control_probs, len(control_tokens))
+    ids = unpack_ints(rollout.completion_ids)
+    texts = token_texts or {}
+    tokens = [texts[i] for i in ids] if ids and all(i in texts for i in ids) else None
     return {
         "run_id": rollout.run_id,
         "step": rollout.step,
@@ -20,7 +33,9 @@ def rollout_dict(rollout: Rollout, prompt: str, control_tokens: Sequence[str]) -
         "index": rollout.index,
         "prompt": prompt,
         "completion": rollout.completion,
-        "completion_ids": unpack_ints(rollout.completion_ids),
+        "completion_ids": ids,
+        "tokens": tokens,
+        "tokens_kept": rollout.tokens_kept,
         "vote": rollout.vote,
         "target": rollout.target,
         "verifier_reward": rollout.verifier_reward,
@@ -29,8 +44,10 @@ def rollout_dict(rollout: Rollout, prompt: str, control_tokens: Sequence[str]) -
         "sum_logprob": rollout.sum_logprob,
         "format_valid": rollout.format_valid,
         "format_state": rollout.format_state,
-        "token_logprobs": unpack_floats(rollout.token_logprobs),
-        "control_token_probs": dict(zip(control_tokens, probs, strict=True)),
+        "token_logprobs": unpack_halves(rollout.token_logprobs),
+        "control_token_probs": dict(zip(control_tokens, probs, strict=True))
+        if rollout.tokens_kept
+        else {token: [] for token in control_tokens},
         "meta": rollout.meta,
     }
 

@@ -209,6 +209,7 @@ def _write(
     last: int | None = None
     rollouts = 0
     groups_per_step = 1
+    recorder: store.Recorder | None = None
     for file in files:
         rows = _read(file.path).to_pylist()
         steps = {row["step"] for row in rows}
@@ -223,8 +224,9 @@ def _write(
         records = _rollouts(file.path, rows, group_size, components, rewards, extras)
         rollouts += len(records)
         groups_per_step = max(groups_per_step, len(records) // group_size)
-        store.record_step(
+        recorder = store.record_step(
             session,
+            recorder=recorder,
             run_id=run.id,
             record=StepRecord(
                 step=step,

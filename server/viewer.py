@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -22,7 +23,10 @@ def _matching_control_token(
     """The control token whose probability equals the sampled token's (so it was the one sampled)."""
     for token, probs in control.items():
         if position < len(probs) and math.isclose(
-            probs[position], prob, rel_tol=1e-4, abs_tol=1e-6
+            probs[position],
+            prob,
+            rel_tol=2e-3,
+            abs_tol=1e-4,  # float16 both sides
         ):
             return token
     return None
@@ -31,12 +35,13 @@ def _matching_control_token(
 def token_texts(rollout: dict[str, Any]) -> tuple[list[str], bool]:
     """A display string per completion token, and whether the strings are the real tokens.
 
-    Uses meta["tokens"] when the recorder stored them; else splits the completion text, which
+    Uses the token texts the recorder stored (`tokens`, from the run's token table); else splits
+    the completion text, which
     matches the tiny model's tokenizer; else labels each position by its id (or by the control
     token that was sampled there, recognised by its probability).
     """
     ids: list[int] = rollout["completion_ids"]
-    stored = (rollout.get("meta") or {}).get("tokens")
+    stored = rollout.get("tokens")
     if isinstance(stored, list) and len(stored) == len(ids):
         return [str(t) for t in stored], True
     probs = [math.exp(lp) for lp in rollout["token_logprobs"]]
@@ -89,14 +94,87 @@ def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
     control: dict[str, list[float | None]] = {
         t: [*ps[:n], *[None] * (n - len(ps))] for t, ps in rollout["control_token_probs"].items()
     }
+    sampled = sampled_positions(rollout.get("meta") or {}, n)
+    if sampled is not None:  # tool results: not sampled, no probability to show
+        probs = [p if keep else None for p, keep in zip(probs, sampled, strict=True)]
+        control = {
+            t: [p if k else None for p, k in zip(ps, sampled, strict=True)]
+            for t, ps in control.items()
+        }
     return rollout | {
-        "tokens": texts,
+        "token_view": texts,
         "tokens_exact": exact,
         "token_probs": probs,
         "control_view": control,
+        "sampled": sampled,
         "near_misses": [_near_misses(probs[i], control, i) for i in range(n)],
         "own_prompt": rollout["prompt"] != group_prompt,
     }
+
+
+def _turn_list(meta: dict[str, Any]) -> list[dict[str, Any]] | None:
+    turns = meta.get("turns")
+    if not isinstance(turns, list):
+        return None
+    return [t for t in turns if isinstance(t, dict) and t.get("role") in ("model", "tool")]
+
+
+def sampled_positions(meta: dict[str, Any], n: int) -> list[bool] | None:
+    """Per position of a tool-calling rollout, whether the model sampled it (its model turns);
+    None for a single-turn rollout (every position sampled)."""
+    turns = _turn_list(meta)
+    if turns is None:
+        return None
+    sampled = [False] * n
+    for turn in turns:
+        if turn["role"] == "model":
+            for i in range(max(0, int(turn["start"])), min(n, int(turn["end"]))):
+                sampled[i] = True
+    return sampled
+
+
+def _arguments_text(arguments: Any) -> str:
+    if arguments is None:
+        return ""
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+
+
+def turn_views(
+    rollout: dict[str, Any],
+    cells: list[dict[str, Any]],
+    rows: list[tuple[str, list[tuple[str, str]]]],
+) -> list[dict[str, Any]] | None:
+    """A tool-calling rollout as a conversation: per model turn its token cells, control-token
+    rows and Σ logprob; per tool stretch each call's name, arguments and result (untrusted
+    text: the template escapes it) and its token cells. None for a single-turn rollout."""
+    turns = _turn_list(rollout.get("meta") or {})
+    if turns is None:
+        return None
+    n = len(cells)
+    logprobs = rollout["token_logprobs"]
+    views = []
+    model_turn = 0
+    for turn in turns:
+        a, b = max(0, int(turn["start"])), min(n, int(turn["end"]))
+        calls = [
+            {
+                "name": str(c.get("name", "")),
+                "arguments": _arguments_text(c.get("arguments")),
+                "result": None if c.get("result") is None else str(c["result"]),
+            }
+            for c in turn.get("calls") or []
+            if isinstance(c, dict)
+        ]
+        view = {"role": turn["role"], "start": a, "end": b, "calls": calls, "cells": cells[a:b]}
+        if turn["role"] == "model":
+            view["number"] = model_turn
+            model_turn += 1
+            view["sum_logprob"] = sum(logprobs[a:b]) if len(logprobs) >= b else None
+            view["control_rows"] = [(label, row[a:b]) for label, row in rows]
+        views.append(view)
+    return views
 
 
 def _near_misses(
@@ -162,7 +240,14 @@ def token_cells(rollout: dict[str, Any]) -> list[dict[str, Any]]:
     a 64-token completion × every control token is thousands of template operations)."""
     cells = []
     control = rollout["control_view"]
-    for i, text in enumerate(rollout["tokens"]):
+    sampled = rollout.get("sampled")
+    for i, text in enumerate(rollout["token_view"]):
+        if sampled is not None and not sampled[i]:
+            title = (
+                f"#{i} · id {rollout['completion_ids'][i]} · tool result: not sampled, not trained"
+            )
+            cells.append({"text": text, "cls": "tok tool-tok", "title": title})
+            continue
         p = rollout["token_probs"][i]
         lines = [f"#{i} · id {rollout['completion_ids'][i]} · p={prob_text(p, 3)}"]
         lines += [f"p({t})={prob_text(ps[i], 3)}" for t, ps in control.items()]

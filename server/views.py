@@ -139,6 +139,9 @@ def step_page(detail: dict[str, Any], group: int) -> dict[str, Any]:
         for rollout in shown["rollouts"]:
             rollout["cells"] = viewer.token_cells(rollout)
             rollout["control_rows"] = viewer.control_rows(rollout)
+            rollout["turn_views"] = viewer.turn_views(
+                rollout, rollout["cells"], rollout["control_rows"]
+            )
     return {"d": detail, "run": detail["run"], "group": shown, "group_index": group}
 
 

@@ -49,7 +49,9 @@ def pg_engine(pg_database_url: str) -> Iterator[Engine]:
 def _truncate_pg(engine: Engine) -> None:
     with engine.begin() as conn:
         conn.execute(
-            text("TRUNCATE runs, steps, rollouts, metrics, prompts RESTART IDENTITY CASCADE")
+            text(
+                "TRUNCATE runs, steps, rollouts, prompts, facts, run_tokens, rollups, alerts RESTART IDENTITY CASCADE"
+            )
         )
 
 
@@ -112,3 +114,12 @@ def user_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.user_script import build_model
 
     return build_model(tmp_path_factory.mktemp("user-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def multiturn_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built multi-turn tiny model, cached like `tiny_model_dir` (its own folder there)."""
+    from rollout_lens.trainer.multiturn_model import ensure_multiturn_model
+
+    cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
+    return ensure_multiturn_model(Path(cache) if cache else tmp_path_factory.mktemp("models"))

@@ -121,6 +121,7 @@ def load_run(
 ) -> tuple[Run, list[dict[str, Any]], list[Step], dict[str, list[tuple[int, float | None]]]]:
     """A recorded run read back: (run, rollout dicts, steps, metric series)."""
     from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.packing import unpack_ints
     from rollout_lens.server.serialize import rollout_dict
 
     engine = make_engine(database_url)
@@ -128,9 +129,13 @@ def load_run(
         with session_scope(make_session_factory(engine)) as session:
             run = store.get_run(session, run_id=run_id)
             tokens = list(run.control_tokens)
-            rows = [
-                rollout_dict(r, p, tokens) for r, p in store.iter_rollouts(session, run_id=run_id)
-            ]
+            pairs = list(store.iter_rollouts(session, run_id=run_id))
+            texts = store.token_texts(
+                session,
+                run_id=run_id,
+                ids={i for r, _ in pairs for i in unpack_ints(r.completion_ids)},
+            )
+            rows = [rollout_dict(r, p, tokens, texts) for r, p in pairs]
             return (
                 run,
                 rows,
@@ -159,3 +164,53 @@ def rollouts_per_step(factory: sessionmaker[Session], run_id: int) -> dict[int, 
             .group_by(Rollout.step)
         )
         return {step: count for step, count in rows}
+
+
+# Untrusted text a tool could return (or a model could name): must render inert.
+HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">&amp;'
+
+
+def make_tool_rollouts(group_size: int = 2, *, result: str = HOSTILE) -> list[RolloutRecord]:
+    """A group of tool-calling rollouts as the callback records them: a model turn calling a
+    tool, the tool's result (masked, logprob 0.0), a model turn answering; `turns` in meta."""
+    ids = [5, 100, 6, 2, 7, 8, 9, 10, 2]
+    tokens = ["<tool>", "tool_01", "</tool>", "</assistant>", "<tool_response>", result, "</tool_response>", "42", "</assistant>"]  # fmt: skip
+    sampled = [True] * 4 + [False] * 3 + [True] * 2
+    turns = [
+        {
+            "role": "model",
+            "start": 0,
+            "end": 4,
+            "calls": [{"name": "tool_01", "arguments": {"q": result}}],
+        },  # fmt: skip
+        {
+            "role": "tool",
+            "start": 4,
+            "end": 7,
+            "calls": [{"name": "tool_01", "arguments": {"q": result}, "result": result}],
+        },  # fmt: skip
+        {"role": "model", "start": 7, "end": 9, "calls": []},
+    ]
+    out = []
+    for index in range(group_size):
+        logprobs = [-0.1 * (index + 1) if s else 0.0 for s in sampled]
+        out.append(
+            RolloutRecord(
+                group=0,
+                index=index,
+                prompt=make_prompt(TOOLS[:4]),
+                completion="".join(tokens),
+                completion_ids=list(ids),
+                token_logprobs=logprobs,
+                control_probs={t: [0.5 if s else 0.0 for s in sampled] for t in CONTROL_TOKENS},
+                vote="tool_01",
+                target="tool_01",
+                verifier_reward=1.0,
+                true_score=1.0,
+                advantage=0.0,
+                format_valid=True,
+                meta={"turns": turns, "answer": "42", "query": result},
+                tokens=list(tokens),
+            )
+        )
+    return out

@@ -242,3 +242,31 @@ def test_signing_in_with_a_token_in_the_browser(
             assert not [c for c in context.cookies() if c["name"] == "rl_session"]
         finally:
             context.close()
+
+
+def test_a_tool_result_with_markup_stays_text(
+    browser: Any, dashboard: tuple[str, sessionmaker[Session]]
+) -> None:
+    """A tool-calling rollout whose tool result, arguments and token texts carry a script and
+    an <img onerror>: in a real Chromium nothing runs and the result reads as the text it is."""
+    from tests.factories import HOSTILE, make_tool_rollouts, record_step
+
+    target, factory = dashboard
+    run_id = make_run(factory, steps=0, seed=7, status=RunStatus.completed)
+    record_step(factory, run_id, 1, values={"reward_mean": 1.0}, rollouts=make_tool_rollouts())
+    context = browser.new_context(base_url=target)
+    context.set_default_timeout(10_000)
+    dialogs: list[str] = []
+    try:
+        page = context.new_page()
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+        page.goto(f"/runs/{run_id}/steps/1")
+        page.wait_for_load_state("load")
+        result = page.locator("#rollout-0 .tool-result")
+        assert result.count() == 1 and result.text_content() == HOSTILE
+        assert page.locator("#rollout-0 .turn-tool .not-trained").is_visible()
+        assert page.evaluate("window.__pwned") is None
+        assert page.locator(".tool-result img, .tool-result script, .tool-args img").count() == 0
+        assert not dialogs
+    finally:
+        context.close()

@@ -123,10 +123,9 @@ def test_rollouts_of_a_step(served: tuple[str, str, int]) -> None:
     engine, factory = _read_db(database)
     with session_scope(factory) as session:
         tokens = list(store.get_run(session, run_id=run_id).control_tokens)
-        expected = [
-            rollout_dict(r, p, tokens)
-            for r, p in store.step_rollouts(session, run_id=run_id, step=2)
-        ]
+        pairs = store.step_rollouts(session, run_id=run_id, step=2)
+        texts = store.token_texts(session, run_id=run_id)
+        expected = [rollout_dict(r, p, tokens, texts) for r, p in pairs]
     engine.dispose()
     with Client(base) as lens:
         got = lens.rollouts(run_id, 2)

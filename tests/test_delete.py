@@ -6,14 +6,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi.testclient import TestClient
-from rollout_lens.server.models import Metric, Prompt, Rollout, Run, RunStatus, SeriesRollup, Step
+from rollout_lens.server.models import (
+    AlertRow,
+    Prompt,
+    Rollout,
+    Rollup,
+    Run,
+    RunStatus,
+    RunToken,
+    Step,
+)
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import make_run
 from tests.web_support import parse
 
-TABLES = (Run, Step, Rollout, Metric, SeriesRollup)
+TABLES = (Run, Step, Rollout, Rollup, RunToken, AlertRow)
 
 
 def _counts(factory: sessionmaker[Session], run_id: int) -> dict[str, int]:

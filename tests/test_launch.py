@@ -245,7 +245,7 @@ def test_the_form_has_every_field_with_its_default_and_help(client: TestClient) 
     assert page.by_id("f-steps").attrs["value"] == str(RunConfig().steps)
     assert page.by_id("f-learning_rate").attrs["value"] == "0.0003"
     groups = [g.find("legend").text for g in page.find_all("fieldset")]
-    assert groups == ["Task", "Model", "GRPO", "Supervision", "Evaluation"]
+    assert groups == ["Task", "Model", "GRPO", "Supervision", "Evaluation and storage"]
     presets = {a.attrs["data-preset"] for a in page.find_all("a", cls="preset")}
     assert presets == set(launch.PRESETS)
     assert (

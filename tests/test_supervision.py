@@ -28,7 +28,9 @@ def test_offpolicy_experts_are_marked_and_scored_with_the_group(train_settings: 
             assert r["completion"] == f"<tool>{r['target']}</tool>" and r["true_score"] == 1.0
             assert r["verifier_reward"] == 1.0 and r["format_state"] == "healthy_call"
             assert len(r["token_logprobs"]) == len(r["completion_ids"]) == 4
-            assert r["sum_logprob"] == pytest.approx(sum(r["token_logprobs"]), abs=1e-4)
+            assert r["sum_logprob"] == pytest.approx(
+                sum(r["token_logprobs"]), rel=1e-3, abs=2e-3
+            )  # float16 tokens
             assert r["meta"]["probes"]["target_logprob"] is not None
         assert abs(sum(r["advantage"] for r in group)) < 1e-3
     assert "probe/target_logprob/supervised/mean" in series

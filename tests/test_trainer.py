@@ -10,7 +10,7 @@ from rollout_lens.server import store
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.models import Metric, Rollout, Step
+from rollout_lens.server.models import Rollout, Step
 from rollout_lens.trainer.run import train
 from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,13 +43,14 @@ def test_every_step_and_rollout_is_recorded(train_settings: Settings) -> None:
     for r in rows:
         n = len(r["completion_ids"])
         assert n >= 1 and len(r["token_logprobs"]) == n
-        assert r["sum_logprob"] == pytest.approx(sum(r["token_logprobs"]), abs=1e-4)
+        # Σ logprob is float64 from full precision; the stored per-token ones are float16
+        assert r["sum_logprob"] == pytest.approx(sum(r["token_logprobs"]), rel=1e-3, abs=2e-3)
         assert all(lp <= 0 for lp in r["token_logprobs"])
         position_sums = [0.0] * n
         for probs in r["control_token_probs"].values():
             assert len(probs) == n and all(0.0 <= p <= 1.0 for p in probs)
             position_sums = [a + b for a, b in zip(position_sums, probs, strict=True)]
-        assert all(total <= 1.0 + 1e-5 for total in position_sums)
+        assert all(total <= 1.0 + 2e-3 for total in position_sums)  # float16: ±2.5e-4 each
         assert r["true_score"] == float(r["vote"] == r["target"])
         assert r["prompt"].startswith("<user>Tools:\n- tool_") and r["prompt"].endswith(
             "<assistant>"
@@ -84,9 +85,11 @@ def test_recorded_logprobs_are_the_sampling_policys(
             logits = model(ids).logits[0, len(prompt_ids) - 1 : -1] / 0.7
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         expected = logprobs.gather(1, torch.tensor(r["completion_ids"])[:, None]).squeeze(1)
-        assert r["token_logprobs"] == pytest.approx(expected.tolist(), abs=1e-4)
+        # per-token arrays are stored as float16 (display precision); Σ logprob at full precision
+        assert r["token_logprobs"] == pytest.approx(expected.tolist(), rel=1e-3, abs=1e-4)
+        assert r["sum_logprob"] == pytest.approx(expected.sum().item(), abs=1e-4)
         eot = logprobs[:, control_ids[2]].exp().tolist()
-        assert r["control_token_probs"]["</assistant>"] == pytest.approx(eot, abs=1e-4)
+        assert r["control_token_probs"]["</assistant>"] == pytest.approx(eot, rel=1e-3, abs=1e-4)
 
 
 def test_reused_generations_point_at_their_step(train_settings: Settings) -> None:
@@ -107,7 +110,6 @@ def test_a_failing_run_is_marked_failed_with_its_error(train_settings: Settings)
         assert run.status == "failed" and "<no-such-token>" in (run.error or "")
         assert session.scalar(select(func.count()).select_from(Step)) == 0
         assert session.scalar(select(func.count()).select_from(Rollout)) == 0
-        assert session.scalar(select(func.count()).select_from(Metric)) == 0
 
 
 def test_leaky_prompts_list_every_tool(train_settings: Settings) -> None:

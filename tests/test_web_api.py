@@ -138,7 +138,10 @@ def test_step_api_has_groups_votes_and_arrays(session_factory, client) -> None:
     assert sorted(i for v in group["votes"] for i in v["rollouts"]) == list(range(8))
     rollout = group["rollouts"][0]
     assert (
-        len(rollout["tokens"]) == len(rollout["completion_ids"]) == len(rollout["token_probs"]) == 4
+        len(rollout["token_view"])
+        == len(rollout["completion_ids"])
+        == len(rollout["token_probs"])
+        == 4
     )
     assert set(rollout["control_token_probs"]) == set(CONTROL_TOKENS)
     assert rollout["token_probs"][0] == pytest.approx(

@@ -144,7 +144,7 @@ def test_token_texts_prefer_recorded_tokens_then_the_text_then_ids() -> None:
         "<tool>tool_07</tool>",
         [5, 107, 6, 2],
         [0.9] * 4,
-        meta={"tokens": ["<tool>", "tool_07", "</tool>", "</assistant>"]},
+        tokens=["<tool>", "tool_07", "</tool>", "</assistant>"],
     )
     assert viewer.token_texts(recorded) == (["<tool>", "tool_07", "</tool>", "</assistant>"], True)
     split = _rollout("<tool>tool_07</tool>", [5, 107, 6], [0.9] * 3)

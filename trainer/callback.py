@@ -22,6 +22,7 @@ from typing import Any
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import RolloutRecord, StepRecord
+from rollout_lens.trainer import turns
 from rollout_lens.trainer.capture import Generation, RolloutCapture
 from rollout_lens.trainer.outbox import Outbox, RunSpec
 from rollout_lens.trainer.task import message_text
@@ -54,12 +55,18 @@ class RolloutLensCallback(TrainerCallback):
         target: Callable[[dict[str, Any]], str | None] | None = None,
         control_tokens: Sequence[str] | None = None,
         buffer_mb: float = 256,
+        keep_tokens_every: int | None = None,
         settings: Settings | None = None,
     ) -> None:
         """`database_url` and the other settings default to the ROLLOUT_LENS_* environment;
         `vote`, `true_score` and `format_valid` judge a completion; `target` names the right
         answer of a row; `control_tokens` default to the tokenizer's tool-call tags and
-        end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away."""
+        end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away;
+        `keep_tokens_every` keeps token-level data only every N steps (and at the first and last
+        step and at alerts) for very long runs."""
+        if keep_tokens_every is not None and keep_tokens_every < 1:
+            raise ValueError(f"keep_tokens_every must be 1 or more, not {keep_tokens_every}")
+        self.keep_tokens_every = keep_tokens_every
         self.project = project
         self.name = name
         self.settings = settings or get_settings()
@@ -186,6 +193,8 @@ class RolloutLensCallback(TrainerCallback):
         config["project"] = self.project
         config["reward_funcs"] = list(getattr(trainer, "reward_func_names", []) or [])
         config["judged"] = {name: fn is not None for name, fn in self.judges.items()}
+        if self.capture.tool_calling:
+            config["judged"]["vote"] = True  # the first tool each rollout called
         label = self.name or args.run_name or Path(args.output_dir or "run").name
         world = trainer.accelerator.num_processes
         group = int(getattr(trainer, "num_generations", None) or args.num_generations)
@@ -194,6 +203,13 @@ class RolloutLensCallback(TrainerCallback):
             trainer.model.config, "_name_or_path", "model"
         )
         notes = list(self.capture.notes)
+        if self.capture.tool_calling:
+            notes.append(
+                "tool-calling rollouts: recorded turn by turn (model turns with their logprobs "
+                "and control-token probabilities, tool results apart and not trained); votes "
+                "are the first tool each rollout called"
+                + ("" if self.judges["vote"] is None else " unless the vote function says")
+            )
         if not self.judges["true_score"]:
             notes.append("no true_score function given: true accuracy is not recorded")
         return RunSpec(
@@ -207,6 +223,7 @@ class RolloutLensCallback(TrainerCallback):
             control_tokens=self.control_tokens,
             device=str(trainer.accelerator.device),
             notes=notes,
+            keep_tokens_every=self.keep_tokens_every,
         )
 
     # -- the writer thread: raw step → StepRecord ----------------------------------------------
@@ -221,23 +238,29 @@ class RolloutLensCallback(TrainerCallback):
         names = list(getattr(trainer, "reward_func_names", []) or [])
         rollouts = []
         for i, r in enumerate(raw["rollouts"]):
-            text = message_text(r["completion"])
             ids = r["ids"]
+            mask = r.get("tool_mask")
+            # tool-calling: the whole conversation as the model saw it, tool results included
+            text = message_text(r["completion"]) if mask is None else tokenizer.decode(ids)
             row = r["row"]
             judged = {key: self._judge(key, fn, text, row) for key, fn in self.judges.items()}
             control = r["control"] or [[] for _ in self.control_tokens]
             meta: dict[str, Any] = {
                 "rewards": dict(zip(names, r["rewards"], strict=False)),
-                "tokens": tokenizer.convert_ids_to_tokens(ids),
                 "truncated": not ids or ids[-1] not in eos,
             }
             if row:
                 meta["row"] = row
+            if mask is not None:
+                meta["turns"] = turns.read_turns(mask, r["completion"])
+                meta["answer"] = turns.final_answer(r["completion"])
+                if self.judges["vote"] is None:  # the group's votes: the first tools called
+                    judged["vote"] = turns.first_call(meta["turns"])
             rollouts.append(
                 RolloutRecord(
                     group=i // group_size,
                     index=i % group_size,
-                    prompt=self._render_prompt(r["prompt"]),
+                    prompt=self._render_prompt(r["prompt"], r.get("prompt_ids")),
                     completion=text,
                     completion_ids=ids,
                     token_logprobs=r["logprobs"],
@@ -251,6 +274,7 @@ class RolloutLensCallback(TrainerCallback):
                     if self.judges["format_valid"]
                     else True,
                     meta=meta,
+                    tokens=tokenizer.convert_ids_to_tokens(ids),
                 )
             )
         values: dict[str, float | None] = {}
@@ -260,7 +284,7 @@ class RolloutLensCallback(TrainerCallback):
             # what no function judged is unknown, not zero
             if not self.judges["format_valid"]:
                 values["format_valid_rate"] = None
-            if not self.judges["vote"]:
+            if not self.judges["vote"] and not self.capture.tool_calling:
                 values["vote_agreement"] = values["vote_entropy"] = None
             self._last_summary = (raw["rollout_step"], values, series)
         elif self._last_summary is not None and self._last_summary[0] == raw["rollout_step"]:
@@ -300,8 +324,14 @@ class RolloutLensCallback(TrainerCallback):
         value = row.get("target")
         return None if value is None else str(value)
 
-    def _render_prompt(self, prompt: Any) -> str:
-        """The prompt as the model saw it (chat template applied), rendered once per text."""
+    def _render_prompt(self, prompt: Any, ids: list[int] | None = None) -> str:
+        """The prompt as the model saw it (chat template applied), rendered once per text; with
+        tools, its ids decoded (TRL rendered each prompt with its own tools)."""
+        if ids is not None:
+            key = repr(ids)
+            if key not in self._prompt_text:
+                self._prompt_text[key] = _tokenizer(self.trainer).decode(ids)
+            return self._prompt_text[key]
         if isinstance(prompt, str):
             return prompt
         key = repr(prompt)

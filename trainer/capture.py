@@ -16,17 +16,22 @@ rendered, user functions run and summaries computed later, on the writer's threa
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_lens.trainer import turns
 from rollout_lens.trainer.probe import GenerationProbe
+
+log = logging.getLogger("rollout_lens")
 
 # Methods of GRPOTrainer the capture wraps (present in TRL 1.0 to 1.x).
 _GENERATE = "_generate_single_turn"
 _REWARDS = "_calculate_rewards"
 _SCORE = "_generate_and_score_completions"
+_TOOL_LOOP = "_tool_call_loop"  # TRL's tool loop (tool-calling runs): its first result is tool_mask
 
 
 @dataclass
@@ -51,7 +56,12 @@ class RolloutCapture:
         self.control_token_ids = control_token_ids
         self.on_generation = on_generation
         self.notes: list[str] = []
-        self._probe: GenerationProbe | None = None  # the last generation's, when it probed
+        # Each `_generate_single_turn` call of the current generation: its probe and the ids it
+        # returned. One call for a single-turn generation; with tools, the first turn of every
+        # row, then one call per tool iteration on the rows that called a tool (trainer/turns.py).
+        self._calls: list[tuple[GenerationProbe, list[list[int]]]] = []
+        self._prompt_ids: list[list[int]] | None = None  # the first call's: the prompts as seen
+        self._tool_mask: list[list[int]] | None = None  # from TRL's tool loop, unpadded
         self._scored: tuple[list[Any], list[list[int]], list[list[float]]] | None = None
         missing = [name for name in (_REWARDS, _SCORE) if not hasattr(trainer, name)]
         if missing:
@@ -59,6 +69,7 @@ class RolloutCapture:
                 f"this TRL GRPOTrainer has no {', '.join(missing)}: Rollout Lens supports "
                 "trl>=1.0,<2"
             )
+        self._warned_stitch = False
         self.probing = self._can_probe()
 
     def _can_probe(self) -> bool:
@@ -72,11 +83,6 @@ class RolloutCapture:
         if getattr(trainer, "use_transformers_paged", False):
             self.notes.append(
                 "paged transformers generation: control-token probabilities are not recorded"
-            )
-            return False
-        if getattr(trainer, "tools", None):
-            self.notes.append(
-                "tool-calling rollouts: control-token probabilities are not recorded per turn yet"
             )
             return False
         if not hasattr(trainer, _GENERATE):
@@ -96,6 +102,14 @@ class RolloutCapture:
         setattr(trainer, _REWARDS, functools.partial(self._rewards, original_rewards))
         original_score = getattr(trainer, _SCORE)
         setattr(trainer, _SCORE, functools.partial(self._score, original_score))
+        if getattr(trainer, "tools", None) and hasattr(trainer, _TOOL_LOOP):
+            original_loop = getattr(trainer, _TOOL_LOOP)
+            setattr(trainer, _TOOL_LOOP, functools.partial(self._tool_loop, original_loop))
+
+    @property
+    def tool_calling(self) -> bool:
+        """Whether the trainer runs TRL's tool loop (rollouts are recorded turn by turn)."""
+        return bool(getattr(self.trainer, "tools", None)) and hasattr(self.trainer, _TOOL_LOOP)
 
     # -- the wrappers ------------------------------------------------------------------------------
 
@@ -118,7 +132,26 @@ class RolloutCapture:
             result = original(*args, **kwargs)
         finally:
             del model.generate
-        self._probe = probe
+        if not self.tool_calling:
+            self._calls = [(probe, [])]  # one call per generation: no turns to stitch
+            return result
+        # trl 1.x returns (completion_ids, logprobs) and takes prompt ids; older ones returned
+        # (prompt_ids, completion_ids, logprobs, extra)
+        if isinstance(result, tuple) and len(result) >= 4:
+            prompt_ids, completion_ids = result[0], result[1]
+        else:
+            prompt_ids, completion_ids = (
+                kwargs.get("prompt_ids", args[0] if args else None),
+                result[0],
+            )
+        if not self._calls and prompt_ids is not None:
+            self._prompt_ids = [[int(t) for t in p] for p in prompt_ids]
+        self._calls.append((probe, [[int(t) for t in ids] for ids in completion_ids]))
+        return result
+
+    def _tool_loop(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        self._tool_mask = [list(mask) for mask in result[0]]
         return result
 
     def _rewards(
@@ -138,7 +171,7 @@ class RolloutCapture:
         return rewards_per_func
 
     def _score(self, original: Callable[..., Any], inputs: list[dict[str, Any]]) -> Any:
-        self._probe, self._scored = None, None
+        self._calls, self._prompt_ids, self._tool_mask, self._scored = [], None, None, None
         output = original(inputs)
         trainer = self.trainer
         if not trainer.model.training or self._scored is None:
@@ -161,6 +194,13 @@ class RolloutCapture:
         weights = [float(w) for w in trainer.reward_weights.tolist()]
         advantages = output["advantages"].tolist()
         logprobs, control = self._logprobs(output, ids_list)
+        # each row's tool_mask: None unless TRL's tool loop ran (and the mask fits the ids)
+        found = self._tool_mask or []
+        masks = [
+            found[i] if i < len(found) and len(found[i]) == len(ids) else None
+            for i, ids in enumerate(ids_list)
+        ]
+        prompt_ids = self._prompt_ids if self.tool_calling else None
         rollouts = []
         for i, row in enumerate(inputs):
             rewards = [None if math.isnan(v) else float(v) for v in reward_rows[i]]
@@ -176,6 +216,8 @@ class RolloutCapture:
                     "reward": total,
                     "advantage": float(advantages[i]),
                     "row": _plain_columns(row),
+                    "tool_mask": masks[i],
+                    "prompt_ids": prompt_ids[i] if prompt_ids else None,
                 }
             )
         return rollouts
@@ -183,9 +225,23 @@ class RolloutCapture:
     def _logprobs(
         self, output: dict[str, Any], ids_list: list[list[int]]
     ) -> tuple[list[list[float]], list[list[list[float]]] | None]:
-        """The probe's rows when it ran; else the sampling (vLLM) or old-policy logprobs TRL has."""
-        if self._probe is not None and self._probe.used:
-            return self._probe.finish(ids_list)
+        """The probe's rows when it ran (stitched turn by turn with tools); else the sampling
+        (vLLM) or old-policy logprobs TRL has."""
+        if self._tool_mask is not None and self._calls:
+            stitched = turns.stitch(
+                self._calls, ids_list, self._tool_mask, len(self.control_token_ids)
+            )
+            if stitched is not None:
+                return stitched
+            if not self._warned_stitch:
+                self._warned_stitch = True
+                log.warning(
+                    "Rollout Lens: the generation calls did not line up with the tool turns; "
+                    "logprobs of this generation are not recorded"
+                )
+            return [[] for _ in ids_list], None
+        if len(self._calls) == 1 and self._calls[0][0].used:
+            return self._calls[0][0].finish(ids_list)
         for key in ("sampling_per_token_logps", "old_per_token_logps"):
             found = output.get(key)
             if found is not None:

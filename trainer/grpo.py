@@ -18,7 +18,7 @@ import torch
 from rollout_lens.server import series as vocab
 from rollout_lens.server.records import RolloutRecord, StepRecord
 from rollout_lens.trainer import metrics as m
-from rollout_lens.trainer import positional
+from rollout_lens.trainer import positional, turns
 from rollout_lens.trainer.probe import GenerationProbe
 from transformers import LogitsProcessorList, TrainerCallback
 from trl import GRPOTrainer
@@ -78,8 +78,18 @@ def summarize(rollouts: Sequence[RolloutRecord], group_size: int, control_tokens
         "completion_length": m.mean([float(len(r.completion_ids)) for r in rollouts]),
     }
     series: dict[str, float | None] = {}
+    # tool-calling rollouts: only the positions the model sampled (tool results hold 0.0)
+    sampled = [turns.model_positions(r.meta, len(r.completion_ids)) for r in rollouts]
     for token in control_tokens:
-        probs = [p for r in rollouts for p in r.control_probs.get(token, [])]
+        probs = [
+            p
+            for r, keep in zip(rollouts, sampled, strict=True)
+            for p in (
+                r.control_probs.get(token, [])
+                if keep is None
+                else [p for p, k in zip(r.control_probs.get(token, []), keep, strict=False) if k]
+            )
+        ]
         series[vocab.ctrl(token, "mean")] = m.mean(probs)
         series[vocab.ctrl(token, "max")] = max(probs) if probs else None
     states = [r.format_state for r in rollouts if r.format_state]
@@ -285,7 +295,6 @@ class RecordingGRPOTrainer(GRPOTrainer):
             control_probs = dict(zip(self.control_tokens, control[i], strict=True))
             tokens = self.processing_class.convert_ids_to_tokens(ids)
             meta = {k: v for k, v in row.items() if k not in ("prompt", "target")}
-            meta["tokens"] = tokens
             meta["probes"] = self._probes(tokens, control_probs, watched[i], row)
             meta.update(self._row_meta.get(i, {}))
             rollouts.append(
@@ -305,6 +314,7 @@ class RecordingGRPOTrainer(GRPOTrainer):
                     format_valid=judgement.format_valid,
                     format_state=judgement.format_state,
                     meta=meta,
+                    tokens=tokens,
                 )
             )
         for r, row in zip(rollouts, inputs, strict=True):

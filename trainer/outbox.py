@@ -2,14 +2,15 @@
 
 The TRL callback hands raw steps over with `put`, which never blocks and never raises. A daemon
 thread turns them into StepRecords (summaries, user functions: work kept off the training
-thread), creates the run when the database first answers and writes each step in its own
-transaction. While the database is unreachable the steps stay in memory, up to a byte budget;
+thread), creates the run when the database first answers and writes the steps waiting, up to
+BATCH_STEPS per transaction (one when training is slower than writing). While the database is unreachable the steps stay in memory, up to a byte budget;
 past it the oldest steps lose their rollouts first (their per-step values are kept), then whole
 steps go. What was dropped is counted on the run. Problems are logged once, not once per step.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
@@ -29,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger("rollout_lens")
 
+BATCH_STEPS = 32  # buffered steps written per transaction (a backlog drains in few commits)
 RETRY_FIRST_SECONDS = 0.5
 RETRY_MAX_SECONDS = 15.0
 
@@ -48,6 +50,7 @@ class RunSpec:
     device: str
     source: RunSource = RunSource.callback
     notes: list[str] = field(default_factory=list)
+    keep_tokens_every: int | None = None
 
 
 @dataclass
@@ -107,6 +110,7 @@ class Outbox:
         self._refusal_said = False
         self._engine: Engine | None = None
         self._factory: sessionmaker[Session] | None = None
+        self._recorder: store.Recorder | None = None
         self._thread = threading.Thread(target=self._loop, name="rollout-lens-outbox", daemon=True)
         self._thread.start()
 
@@ -240,16 +244,7 @@ class Outbox:
             if self.run_id is None:
                 self._create_run(factory)
             while self._buffer:
-                pending = self._buffer[0]
-                try:
-                    self._write(factory, pending.record)
-                except DBAPIError as exc:
-                    if _is_transient(exc):
-                        raise
-                    self._refused(pending.record, exc)  # this step only; the others go on
-                self._buffer.popleft()
-                self._buffered_bytes -= pending.size
-                self.written_steps += 1
+                self._write_batch(factory)
             self._report_drops(factory)
         except (OperationalError, DBAPIError, OSError) as exc:
             if isinstance(exc, DBAPIError) and not _is_transient(exc):
@@ -279,6 +274,7 @@ class Outbox:
                 status=RunStatus.running,
                 source=spec.source,
                 notes=spec.notes,
+                keep_tokens_every=spec.keep_tokens_every,
             )
             store.mark_running(
                 session,
@@ -290,25 +286,59 @@ class Outbox:
             self.run_id = run.id
         log.info("Rollout Lens: recording run %d (%s)", self.run_id, spec.name)
 
-    def _write(self, factory: sessionmaker[Session], record: StepRecord) -> None:
-        assert self.run_id is not None
+    def _write_batch(self, factory: sessionmaker[Session]) -> None:
+        """Write the oldest buffered steps (up to BATCH_STEPS) in one transaction; they leave the
+        buffer once committed. If the batch is refused, write them one at a time to find the
+        step the database refuses (dropped) or already has (a commit whose answer was lost)."""
+        batch = list(itertools.islice(self._buffer, BATCH_STEPS))
         try:
-            with session_scope(factory) as session:
-                store.record_step(
-                    session,
-                    run_id=self.run_id,
-                    record=record,
-                    control_tokens=self.spec.control_tokens,
-                )
-                store.add_device_time(
-                    session,
-                    run_id=self.run_id,
-                    seconds=record.values.get("wall_time") or 0.0,
-                    price_per_hour=self.price,
-                )
-        except IntegrityError:
+            self._commit(factory, [p.record for p in batch])
+        except DBAPIError as exc:
+            if _is_transient(exc) or len(batch) == 1:
+                self._settle(batch[0], exc)
+                return
+            batch = batch[:1]  # find the culprit: the next call goes on with the others
+            try:
+                self._commit(factory, [batch[0].record])
+            except DBAPIError as single:
+                self._settle(batch[0], single)
+                return
+        for pending in batch:
+            self._buffer.popleft()
+            self._buffered_bytes -= pending.size
+            self.written_steps += 1
+
+    def _settle(self, pending: _Pending, exc: DBAPIError) -> None:
+        """A step the database would not take: retry later, skip it, or drop it."""
+        if _is_transient(exc):
+            raise exc
+        if isinstance(exc, IntegrityError):
             # The step is there already: a commit whose answer the connection lost. Not twice.
-            log.info("Rollout Lens: step %d was already written", record.step)
+            log.info("Rollout Lens: step %d was already written", pending.record.step)
+        else:
+            self._refused(pending.record, exc)  # this step only; the others go on
+        self._buffer.popleft()
+        self._buffered_bytes -= pending.size
+
+    def _commit(self, factory: sessionmaker[Session], records: list[StepRecord]) -> None:
+        assert self.run_id is not None
+        engine = factory.kw["bind"]
+        try:
+            with engine.begin() as conn:
+                if self._recorder is None:
+                    self._recorder = store.Recorder(
+                        conn, run_id=self.run_id, control_tokens=self.spec.control_tokens
+                    )
+                for record in records:
+                    self._recorder.write(
+                        conn,
+                        record,
+                        device_seconds=record.values.get("wall_time") or 0.0,
+                        price_per_hour=self.price,
+                    )
+        except BaseException:
+            self._recorder = None  # its memory may be ahead of what was committed
+            raise
 
     def _refused(self, record: StepRecord, exc: DBAPIError) -> None:
         self.dropped_steps += 1

@@ -1,4 +1,5 @@
-"""A background writer: steps go to the database off the training thread, one transaction each."""
+"""A background writer: steps go to the database off the training thread; the steps waiting when
+it wakes share one transaction (one step each when training is slower than writing)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import threading
 from collections.abc import Callable, Sequence
 
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
 from rollout_lens.server.records import StepRecord
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 _STOP = object()
+BATCH_STEPS = 32
 
 
 class StepWriter:
@@ -32,6 +34,8 @@ class StepWriter:
         max_pending: int = 64,
     ) -> None:
         self.factory = factory
+        self.engine: Engine = factory.kw["bind"]
+        self._recorder: store.Recorder | None = None
         self.run_id = run_id
         self.control_tokens = list(control_tokens)
         self.price = price_per_device_hour
@@ -66,29 +70,39 @@ class StepWriter:
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()
+            items = [self._queue.get()]
+            while len(items) < BATCH_STEPS:  # whatever else is waiting goes in the same commit
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             try:
-                if item is _STOP:
-                    return
-                if self._error is None:  # after an error, drain without writing
-                    self._write(item)
+                records = [item for item in items if isinstance(item, StepRecord)]
+                if records and self._error is None:  # after an error, drain without writing
+                    self._write(records)
             finally:
-                self._queue.task_done()
+                for _ in items:
+                    self._queue.task_done()
+            if any(item is _STOP for item in items):
+                return
 
-    def _write(self, item: object) -> None:
-        assert isinstance(item, StepRecord)
+    def _write(self, records: list[StepRecord]) -> None:
         try:
-            with session_scope(self.factory) as session:
-                store.record_step(
-                    session, run_id=self.run_id, record=item, control_tokens=self.control_tokens
-                )
-                store.add_device_time(
-                    session,
-                    run_id=self.run_id,
-                    seconds=item.values.get("wall_time") or 0.0,
-                    price_per_hour=self.price,
-                )
+            with self.engine.begin() as conn:
+                if self._recorder is None:
+                    self._recorder = store.Recorder(
+                        conn, run_id=self.run_id, control_tokens=self.control_tokens
+                    )
+                for record in records:
+                    self._recorder.write(
+                        conn,
+                        record,
+                        device_seconds=record.values.get("wall_time") or 0.0,
+                        price_per_hour=self.price,
+                    )
             if self.on_written is not None:
-                self.on_written(item)
+                for record in records:
+                    self.on_written(record)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._recorder = None
             self._error = exc

@@ -80,6 +80,14 @@ class RunConfig(BaseModel):
         None,
         description="Tokens whose probability is recorded at each position; default: the model's.",
     )
+    keep_tokens_every: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_STEPS,
+        description="Keep token-level data (ids, probabilities, control-token probabilities) "
+        "every N steps, and at the first and last step and at alerts; empty: every step. "
+        "Completions, rewards and every per-step series are always kept.",
+    )
 
     @field_validator("name", "model", "control_tokens")
     @classmethod
@@ -133,6 +141,7 @@ class RunConfig(BaseModel):
             "variant": self.variant,
             "k": self.k if self.variant == "patched" else None,
             "config": self.model_dump(mode="json"),
+            "keep_tokens_every": self.keep_tokens_every,
         }
 
     @property

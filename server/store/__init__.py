@@ -1,0 +1,89 @@
+"""All SQL that writes, and the reads that export and scripts share, by job:
+
+- runs: run lifecycle and the launch queue;
+- recording: the write path (a Recorder per run: steps, rollouts, series, rollups, alerts);
+- rollups: per-bucket aggregates for long runs' charts;
+- reading: steps, rollouts and series read back;
+- layout, sql: how a step's series are packed; dialect helpers.
+
+The pages' reads live in server.queries. Callers use `store.<function>`.
+"""
+
+from rollout_lens.server.store.reading import (
+    iter_rollouts,
+    iter_steps,
+    last_step,
+    last_values,
+    metric_names,
+    metric_series,
+    series_names,
+    step_rollouts,
+    steps,
+    token_texts,
+)
+from rollout_lens.server.store.recording import Recorder, add_rollouts, record_step
+from rollout_lens.server.store.rollups import latest_value, rollup_series
+from rollout_lens.server.store.runs import (
+    RESUMABLE_STATUSES,
+    add_device_time,
+    cancel_requested,
+    claim_run,
+    create_run,
+    discard_queued_runs,
+    get_run,
+    heartbeat,
+    list_runs,
+    mark_finished,
+    mark_lost_runs,
+    mark_running,
+    queue_position,
+    queue_positions,
+    request_cancel,
+    requeue_for_resume,
+    restore_run_columns,
+    restore_status,
+    set_checkpoint,
+    set_dropped,
+    set_task_id,
+    truncate_after,
+)
+
+__all__ = [
+    "RESUMABLE_STATUSES",
+    "Recorder",
+    "add_device_time",
+    "add_rollouts",
+    "cancel_requested",
+    "claim_run",
+    "create_run",
+    "discard_queued_runs",
+    "get_run",
+    "heartbeat",
+    "iter_rollouts",
+    "iter_steps",
+    "last_step",
+    "last_values",
+    "latest_value",
+    "list_runs",
+    "mark_finished",
+    "mark_lost_runs",
+    "mark_running",
+    "metric_names",
+    "metric_series",
+    "queue_position",
+    "queue_positions",
+    "record_step",
+    "request_cancel",
+    "requeue_for_resume",
+    "restore_run_columns",
+    "restore_status",
+    "rollup_series",
+    "series_names",
+    "set_checkpoint",
+    "set_dropped",
+    "set_task_id",
+    "step_rollouts",
+    "steps",
+    "token_texts",
+    "truncate_after",
+]

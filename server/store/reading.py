@@ -1,0 +1,137 @@
+"""Reading what a run recorded, for export, the client and the pages' query modules: steps with
+their series, rollouts with their prompt, facts and token texts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from rollout_lens.server.models import Prompt, Rollout, Run, RunToken, Step
+from rollout_lens.server.store import layout
+from rollout_lens.server.store.rollups import latest_value
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+
+def last_step(session: Session, *, run_id: int) -> int:
+    """The highest recorded step of a run (0 when none)."""
+    value = session.scalar(select(func.max(Step.step)).where(Step.run_id == run_id))
+    return int(value or 0)
+
+
+def steps(session: Session, *, run_id: int, since: int = 0) -> list[Step]:
+    """Steps of a run after `since`, in order."""
+    query = select(Step).where(Step.run_id == run_id, Step.step > since).order_by(Step.step)
+    return list(session.scalars(query))
+
+
+def series_names(session: Session, *, run_id: int) -> list[str]:
+    """The run's generic series (not the step columns), in layout order."""
+    return list(session.scalar(select(Run.series_names).where(Run.id == run_id)) or [])
+
+
+def metric_names(session: Session, *, run_id: int) -> list[str]:
+    """Every generic series name a run recorded, sorted."""
+    return sorted(series_names(session, run_id=run_id))
+
+
+def step_rollouts(session: Session, *, run_id: int, step: int) -> list[tuple[Rollout, str]]:
+    """The rollouts the update at `step` trained on, with their prompt text, in group order."""
+    rollout_step = session.scalar(
+        select(Step.rollout_step).where(Step.run_id == run_id, Step.step == step)
+    )
+    query = (
+        select(Rollout, Prompt.text)
+        .join(Prompt, Prompt.id == Rollout.prompt_id)
+        .where(Rollout.run_id == run_id, Rollout.step == (rollout_step or step))
+        .order_by(Rollout.group, Rollout.index)
+    )
+    return [(r, text) for r, text in session.execute(query)]
+
+
+def iter_rollouts(
+    session: Session, *, run_id: int, batch: int = 500
+) -> Iterator[tuple[Rollout, str]]:
+    """Every rollout of a run with its prompt text, by step, group and index (streamed)."""
+    query = (
+        select(Rollout, Prompt.text)
+        .join(Prompt, Prompt.id == Rollout.prompt_id)
+        .where(Rollout.run_id == run_id)
+        .order_by(Rollout.step, Rollout.group, Rollout.index)
+        .execution_options(yield_per=batch)
+    )
+    yield from session.execute(query)  # rows unpack like (rollout, prompt text)
+
+
+def token_texts(
+    session: Session, *, run_id: int, ids: Iterable[int] | None = None
+) -> dict[int, str]:
+    """token id → text, for the ids given (all the run's when None) that the run's recorder
+    knew the text of."""
+    if ids is None:
+        rows = session.execute(
+            select(RunToken.token_id, RunToken.text).where(RunToken.run_id == run_id)
+        )
+        return {token_id: text for token_id, text in rows}
+    wanted = sorted(set(ids))
+    out: dict[int, str] = {}
+    for start in range(0, len(wanted), 500):  # bounded IN lists
+        chunk = wanted[start : start + 500]
+        rows = session.execute(
+            select(RunToken.token_id, RunToken.text).where(
+                RunToken.run_id == run_id, RunToken.token_id.in_(chunk)
+            )
+        )
+        out.update({token_id: text for token_id, text in rows})
+    return out
+
+
+def metric_series(
+    session: Session, *, run_id: int, names: Sequence[str] | None = None, since: int = 0
+) -> dict[str, list[tuple[int, float | None]]]:
+    """Generic series of a run after `since`: name → [(step, value)] ordered by step (None
+    where the step logged the name without a finite value)."""
+    all_series = series_names(session, run_id=run_id)
+    wanted = set(all_series if names is None else names)
+    out: dict[str, list[tuple[int, float | None]]] = {}
+    rows = session.execute(
+        select(Step.step, Step.series)
+        .where(Step.run_id == run_id, Step.step > since)
+        .order_by(Step.step)
+    )
+    for step, data in rows:
+        for name, value in layout.named(data, all_series).items():
+            if name in wanted:
+                out.setdefault(name, []).append((step, value))
+    return dict(sorted(out.items()))
+
+
+def iter_steps(
+    session: Session, *, run_id: int, page: int = 500
+) -> Iterator[tuple[Step, dict[str, float | None]]]:
+    """Every step of a run with its generic series (name → value), in order, read a page of
+    steps at a time (keyset paging: memory stays flat however long the run)."""
+    names = series_names(session, run_id=run_id)
+    after = 0
+    while True:
+        rows = list(
+            session.scalars(
+                select(Step)
+                .where(Step.run_id == run_id, Step.step > after)
+                .order_by(Step.step)
+                .limit(page)
+            )
+        )
+        if not rows:
+            return
+        after = rows[-1].step
+        for row in rows:
+            yield row, dict(sorted(layout.named(row.series, names).items()))
+
+
+def last_values(session: Session, *, run_id: int, names: Sequence[str]) -> dict[str, object]:
+    """The latest recorded value of each named series: {step, value} or None."""
+    out: dict[str, object] = {}
+    for name in names:
+        found = latest_value(session, run_id=run_id, name=name)
+        out[name] = None if found is None else {"step": found[0], "value": found[1]}
+    return out

@@ -1,0 +1,487 @@
+"""The write path: a run's steps, their rollouts and series, its summary columns, rollups and
+alerts — what a trainer writes every step, so it is built for speed.
+
+A Recorder holds what the run's next write needs (series layout, rollup progress, the last 25
+steps' means, the alert rules' windows, interned prompt and facts ids, token ids already known)
+and writes one step in a handful of cached Core statements. Only one recorder writes a run at a
+time (the worker training it, the callback's writer, an import). If a write's transaction rolls
+back, throw the recorder away and load a new one: its memory is ahead of the database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from rollout_lens.server import alerts as rules
+from rollout_lens.server.models import (
+    AlertRow,
+    Facts,
+    Prompt,
+    Rollout,
+    Run,
+    RunToken,
+    Step,
+    utcnow,
+)
+from rollout_lens.server.packing import pack_half_matrix, pack_halves, pack_ints
+from rollout_lens.server.records import RolloutRecord, StepRecord
+from rollout_lens.server.series import STEP_SERIES, WINDOW
+from rollout_lens.server.store import layout, rollups
+from rollout_lens.server.store.sql import finite, upsert_insert
+from sqlalchemy import Connection, select, update
+from sqlalchemy.orm import Session
+
+TOKEN_ARRAYS = {"completion_ids": None, "token_logprobs": None, "control_probs": None}
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def json_text(value: Any) -> str:
+    """JSON text of a rollout's own meta: orjson (json.dumps of 8 small dicts of probes was the
+    write path's largest cost); NaN and infinities become null, as JSON has no such numbers.
+    Anything orjson refuses (lone surrogates, exotic types) goes through json.dumps."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+
+
+STEP_COLUMNS = (
+    "run_id",
+    "step",
+    "rollout_step",
+    *STEP_SERIES,
+    "series",
+    "tokens_kept",
+    "recorded_at",
+)
+ROLLOUT_COLUMNS = (
+    "run_id",
+    "step",
+    "group",
+    "idx",
+    "prompt_id",
+    "target",
+    "completion",
+    "vote",
+    "verifier_reward",
+    "true_score",
+    "advantage",
+    "sum_logprob",
+    "format_valid",
+    "format_state",
+    "completion_ids",
+    "token_logprobs",
+    "control_probs",
+    "facts_id",
+    "own_meta",
+)
+ALERT_COLUMNS = ("run_id", "step", "kind", "series", "message")
+
+
+class _Driver:
+    """The every-step statements as the database driver takes them: SQL text made once, rows as
+    tuples. Building and compiling SQLAlchemy statements per step cost more than the database's
+    own work."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.postgres = conn.dialect.name == "postgresql"
+        mark = "%s" if self.postgres else "?"
+        biggest = "greatest" if self.postgres else "max"
+
+        def insert(table: str, columns: Sequence[str]) -> str:
+            names = ", ".join(f'"{c}"' for c in columns)
+            return f"INSERT INTO {table} ({names}) VALUES ({', '.join([mark] * len(columns))})"
+
+        self.insert_step = insert("steps", STEP_COLUMNS)
+        self.insert_rollouts = insert("rollouts", ROLLOUT_COLUMNS)
+        self.insert_alerts = insert("alerts", ALERT_COLUMNS)
+        self.update_run = (
+            f"UPDATE runs SET current_step = {biggest}(current_step, {mark}), "
+            f"recent_true_accuracy = {mark}, recent_reward = {mark}, heartbeat_at = {mark}, "
+            f"alerts_through = {biggest}(alerts_through, {mark}), "
+            f"device_seconds = device_seconds + {mark}, cost = cost + {mark} WHERE id = {mark}"
+        )
+        self.update_names = f"UPDATE runs SET series_names = {mark} WHERE id = {mark}"
+
+    def time(self, value: datetime) -> Any:
+        """SQLAlchemy keeps SQLite times as naive UTC text; PostgreSQL takes the datetime."""
+        if self.postgres:
+            return value
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+    def json(self, value: Any) -> Any:
+        if value is None:
+            return None
+        if self.postgres:
+            from psycopg.types.json import Json
+
+            return Json(value, dumps=json_text)
+        return json_text(value)
+
+    @staticmethod
+    def cursor(conn: Connection) -> Any:
+        """Driver SQL through the connection (its errors wrapped as SQLAlchemy's, so writers
+        tell a lost connection from a refused row)."""
+        return _DriverSql(conn)
+
+
+class _DriverSql:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def execute(self, sql: str, params: tuple[Any, ...]) -> None:
+        self.conn.exec_driver_sql(sql, params)
+
+    def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        self.conn.exec_driver_sql(sql, rows)
+
+
+class Recorder:
+    """Writes the steps of one run (see the module docstring)."""
+
+    def __init__(self, conn: Connection, *, run_id: int, control_tokens: Sequence[str]) -> None:
+        self.driver = _Driver(conn)
+        self.run_id = run_id
+        self.control_tokens = list(control_tokens)
+        run = conn.execute(
+            select(Run.series_names, Run.keep_tokens_every).where(Run.id == run_id)
+        ).one()
+        self.series_names: list[str] = list(run.series_names or [])
+        self.keep_every: int | None = run.keep_tokens_every or None
+        self.buckets = rollups.OpenBuckets(conn, run_id=run_id, n_series=len(self.series_names))
+        history = conn.execute(
+            select(Step.step, *layout.STEP_COLUMNS, Step.series)
+            .where(Step.run_id == run_id)
+            .order_by(Step.step.desc())
+            .limit(rules.CONTEXT)
+        ).all()[::-1]
+        names = layout.all_names(self.series_names)
+        self.recent: deque[tuple[float | None, float | None]] = deque(maxlen=WINDOW)
+        self.watch = rules.Watch()
+        for row in history:
+            values = dict(zip(names, layout.row_values(row, len(self.series_names)), strict=True))
+            self.recent.append((values["true_accuracy"], values["reward_mean"]))
+            self.watch.feed(row[0], values)
+        self.first_step: int | None = conn.scalar(
+            select(Step.step).where(Step.run_id == run_id).order_by(Step.step).limit(1)
+        )
+        # Retention: the newest rollouts are kept until the next arrive; then dropped unless a
+        # reason to keep them was found (every N steps, the first step, an alert).
+        self.newest: tuple[int, bool] | None = None
+        if history:
+            newest = conn.execute(
+                select(Step.step, Step.rollout_step)
+                .where(Step.run_id == run_id)
+                .order_by(Step.step.desc())
+                .limit(1)
+            ).one()
+            fired = conn.scalar(
+                select(AlertRow.id).where(AlertRow.run_id == run_id, AlertRow.step == newest[0])
+            )
+            self.newest = (newest[1], self._keeps(newest[1], fired is not None))
+        self.tokens_seen = set(
+            conn.scalars(select(RunToken.token_id).where(RunToken.run_id == run_id))
+        )
+        self.prompt_ids: dict[str, int] = {}
+        self.prompt_shas: dict[str, str] = {}
+        self.facts_ids: dict[str, int] = {}
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def write(
+        self,
+        conn: Connection,
+        record: StepRecord,
+        *,
+        recorded_at: datetime | None = None,
+        device_seconds: float = 0.0,
+        price_per_hour: float = 0.0,
+    ) -> list[rules.Alert]:
+        """Write one step (inside the caller's transaction); return the alerts it fired."""
+        step = record.step
+        values = {name: finite(record.values.get(name)) for name in STEP_SERIES}
+        metrics = {name: finite(value) for name, value in record.metrics.items()}
+        new_names = [n for n in metrics if n not in self.series_names]
+        self.series_names += new_names
+        self.buckets.add(
+            conn, step, [*values.values(), *(metrics.get(n) for n in self.series_names)]
+        )
+
+        fired = self.watch.push(step, values | {n: v for n, v in metrics.items() if v is not None})
+        if record.rollouts:
+            self._retire_newest(conn, record.rollout_step)
+        if self.first_step is None or step < self.first_step:
+            self.first_step = step
+        keep = self._keeps(record.rollout_step, bool(fired))
+        if self.newest is None or self.newest[0] != record.rollout_step:
+            self.newest = (record.rollout_step, keep)
+        else:
+            self.newest = (self.newest[0], self.newest[1] or keep)
+
+        driver = self.driver
+        cursor = driver.cursor(conn)
+        cursor.execute(
+            driver.insert_step,
+            (
+                self.run_id,
+                step,
+                record.rollout_step,
+                *values.values(),
+                layout.encode(metrics, self.series_names),
+                True,
+                driver.time(recorded_at or utcnow()),
+            ),
+        )
+        self.add_rollouts(conn, step=record.rollout_step, rollouts=record.rollouts, cursor=cursor)
+        if fired:
+            cursor.executemany(
+                driver.insert_alerts,
+                [(self.run_id, a.step, a.kind, a.series, a.message) for a in fired],
+            )
+        if new_names:
+            cursor.execute(driver.update_names, (driver.json(self.series_names), self.run_id))
+        self.recent.append((values["true_accuracy"], values["reward_mean"]))
+        cursor.execute(
+            driver.update_run,
+            (
+                step,
+                _mean(a for a, _ in self.recent),
+                _mean(r for _, r in self.recent),
+                driver.time(utcnow()),
+                step,
+                device_seconds,
+                device_seconds / 3600.0 * price_per_hour,
+                self.run_id,
+            ),
+        )
+        return fired
+
+    def _keeps(self, step: int, fired: bool) -> bool:
+        """Whether retention keeps the token arrays of the rollouts generated at `step`."""
+        every = self.keep_every
+        return every is None or fired or step % every == 0 or step == self.first_step
+
+    def _retire_newest(self, conn: Connection, rollout_step: int) -> None:
+        """New rollouts arrived: drop the previous newest ones' token arrays unless kept."""
+        if self.newest is None or self.newest[0] == rollout_step or self.newest[1]:
+            return
+        old = self.newest[0]
+        conn.execute(
+            update(Rollout)
+            .where(Rollout.run_id == self.run_id, Rollout.step == old)
+            .values(**TOKEN_ARRAYS)
+        )
+        conn.execute(
+            update(Step)
+            .where(Step.run_id == self.run_id, Step.rollout_step == old)
+            .values(tokens_kept=False)
+        )
+
+    # -- rollouts ------------------------------------------------------------------------------
+
+    def add_rollouts(
+        self,
+        conn: Connection,
+        *,
+        step: int,
+        rollouts: Sequence[RolloutRecord],
+        cursor: Any = None,
+    ) -> None:
+        """Write rollouts generated at `step` (write calls it; an import may call it alone)."""
+        if not rollouts:
+            return
+        prompts = [self._prompt_sha(r.prompt) for r in rollouts]
+        prompt_ids = self._intern(
+            conn,
+            Prompt,
+            "text",
+            self.prompt_ids,
+            dict(zip(prompts, (r.prompt for r in rollouts), strict=True)),
+        )
+        facts, own = _split_meta(rollouts)
+        by_object: dict[int, str] = {}  # a group's rollouts share one facts dict: hash it once
+        digests: list[str | None] = []
+        for f in facts:
+            if f and id(f) not in by_object:
+                by_object[id(f)] = _sha(_dumps(f))
+            digests.append(by_object[id(f)] if f else None)
+        facts_ids = self._intern(
+            conn,
+            Facts,
+            "data",
+            self.facts_ids,
+            {d: f for d, f in zip(digests, facts, strict=True) if d},
+        )
+        self._add_tokens(conn, rollouts)
+        ctrl, driver = self.control_tokens, self.driver
+        cursor = cursor or driver.cursor(conn)
+        cursor.executemany(
+            driver.insert_rollouts,
+            [
+                (
+                    self.run_id,
+                    step,
+                    r.group,
+                    r.index,
+                    prompt_ids[p],
+                    r.target,
+                    r.completion,
+                    r.vote,
+                    float(r.verifier_reward),
+                    finite(r.true_score),
+                    float(r.advantage),
+                    _not_nan(r.sum_logprob),
+                    bool(r.format_valid),
+                    r.format_state,
+                    pack_ints(r.completion_ids),
+                    pack_halves(r.token_logprobs),
+                    pack_half_matrix(
+                        [r.control_probs.get(t) or [0.0] * len(r.completion_ids) for t in ctrl]
+                    ),
+                    facts_ids[d] if d else None,
+                    driver.json(o or None),
+                )
+                for r, p, d, o in zip(rollouts, prompts, digests, own, strict=True)
+            ],
+        )
+
+    def _prompt_sha(self, text: str) -> str:
+        """sha256 of a prompt, remembered by text (a dict lookup costs far less than hashing a
+        64-tool listing again for every rollout of every step)."""
+        digest = self.prompt_shas.get(text)
+        if digest is None:
+            if len(self.prompt_shas) > 4096:
+                self.prompt_shas.clear()
+            digest = self.prompt_shas[text] = _sha(text)
+        return digest
+
+    def _intern(
+        self,
+        conn: Connection,
+        model: Any,
+        column: str,
+        cache: dict[str, int],
+        wanted: dict[str, Any],
+    ) -> dict[str, int]:
+        """Store each distinct prompt text (or facts dict) once, by sha256; return the cache of
+        sha256 → id (a run's few distinct prompts are looked up once, not every step)."""
+        missing = {h: v for h, v in wanted.items() if h not in cache}
+        if missing:
+            conn.execute(
+                upsert_insert(conn, model)
+                .values([{"sha256": h, column: v} for h, v in missing.items()])
+                .on_conflict_do_nothing(index_elements=["sha256"])
+            )
+            rows = conn.execute(select(model.sha256, model.id).where(model.sha256.in_(missing)))
+            cache.update({digest: row_id for digest, row_id in rows})
+        return cache
+
+    def _add_tokens(self, conn: Connection, rollouts: Sequence[RolloutRecord]) -> None:
+        new: dict[int, str] = {}
+        for r in rollouts:
+            texts = r.tokens if r.tokens is not None else r.meta.get("tokens")
+            if not texts or len(texts) != len(r.completion_ids):
+                continue
+            for token_id, text in zip(r.completion_ids, texts, strict=True):
+                if token_id not in self.tokens_seen and token_id not in new:
+                    new[token_id] = str(text)
+        if new:
+            conn.execute(
+                upsert_insert(conn, RunToken).on_conflict_do_nothing(
+                    index_elements=["run_id", "token_id"]
+                ),
+                [{"run_id": self.run_id, "token_id": i, "text": t} for i, t in new.items()],
+            )
+            self.tokens_seen.update(new)
+
+
+def _split_meta(
+    rollouts: Sequence[RolloutRecord],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each rollout's meta → (facts its whole group shares, its own keys); token texts are kept
+    apart (run_tokens), not in meta."""
+    groups: dict[int, list[int]] = {}
+    for i, r in enumerate(rollouts):
+        groups.setdefault(r.group, []).append(i)
+    facts: list[dict[str, Any]] = [{} for _ in rollouts]
+    own: list[dict[str, Any]] = [{} for _ in rollouts]
+    for members in groups.values():
+        metas = [{k: v for k, v in rollouts[i].meta.items() if k != "tokens"} for i in members]
+        keys = set().union(*metas)
+        first = metas[0]
+        shared = {
+            k
+            for k in keys
+            if k in first and all(k in m and (m[k] is first[k] or m[k] == first[k]) for m in metas)
+        }
+        group_facts = {k: v for k, v in first.items() if k in shared}
+        for i, meta in zip(members, metas, strict=True):
+            facts[i] = group_facts
+            own[i] = {k: v for k, v in meta.items() if k not in shared}
+    return facts, own
+
+
+def _not_nan(value: float) -> float | None:
+    """Σ logprob keeps -inf (a token the policy gave no mass); NaN is no number: NULL."""
+    return None if value != value else value
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+# --- the session-level entry points the rest of the code calls -----------------------------------
+
+
+def _refresh_run(session: Session, run_id: int) -> None:
+    """Core writes bypass the session: bring a Run it holds up to date."""
+    for obj in list(session.identity_map.values()):
+        if isinstance(obj, Run) and obj.id == run_id:
+            session.refresh(obj)
+
+
+def record_step(
+    session: Session,
+    *,
+    run_id: int,
+    record: StepRecord,
+    control_tokens: Sequence[str],
+    recorded_at: datetime | None = None,
+    recorder: Recorder | None = None,
+) -> Recorder:
+    """Write one step in the session's transaction; returns the recorder, which a caller that
+    writes many steps of the run passes back in (it saves reloading the run's state)."""
+    conn = session.connection()
+    recorder = recorder or Recorder(conn, run_id=run_id, control_tokens=control_tokens)
+    recorder.write(conn, record, recorded_at=recorded_at)
+    _refresh_run(session, run_id)
+    return recorder
+
+
+def add_rollouts(
+    session: Session,
+    *,
+    run_id: int,
+    step: int,
+    rollouts: Sequence[RolloutRecord],
+    control_tokens: Sequence[str],
+) -> None:
+    """Write rollouts generated at `step` alone (an import of rollouts without steps)."""
+    conn = session.connection()
+    Recorder(conn, run_id=run_id, control_tokens=control_tokens).add_rollouts(
+        conn, step=step, rollouts=rollouts
+    )

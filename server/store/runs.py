@@ -1,0 +1,301 @@
+"""Run lifecycle and the launch queue: create, claim, cancel, resume, finish, liveness."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from rollout_lens.server.errors import InvalidState, NotFound
+from rollout_lens.server.models import (
+    AlertRow,
+    Rollout,
+    Run,
+    RunSource,
+    RunStatus,
+    Step,
+    utcnow,
+)
+from rollout_lens.server.series import WINDOW
+from rollout_lens.server.store import rollups
+from sqlalchemy import CursorResult, delete, func, select, update
+from sqlalchemy.orm import Session
+
+RESUMABLE_STATUSES = (RunStatus.lost, RunStatus.failed, RunStatus.cancelled)
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+
+def create_run(
+    session: Session,
+    *,
+    name: str,
+    model: str,
+    total_steps: int,
+    group_size: int,
+    prompts_per_step: int = 1,
+    seed: int = 0,
+    variant: str | None = None,
+    k: int | None = None,
+    config: dict[str, Any] | None = None,
+    control_tokens: Sequence[str] = (),
+    status: RunStatus = RunStatus.queued,
+    source: RunSource = RunSource.launched,
+    notes: Sequence[str] = (),
+    keep_tokens_every: int | None = None,
+) -> Run:
+    """Insert a run and return it with its id."""
+    run = Run(
+        name=name,
+        model=model,
+        total_steps=total_steps,
+        group_size=group_size,
+        prompts_per_step=prompts_per_step,
+        seed=seed,
+        variant=variant,
+        k=k,
+        config=dict(config or {}),
+        control_tokens=list(control_tokens),
+        status=status,
+        source=source,
+        notes=list(notes),
+        keep_tokens_every=keep_tokens_every,
+    )
+    session.add(run)
+    session.flush()
+    return run
+
+
+def get_run(session: Session, *, run_id: int) -> Run:
+    """The run, or NotFound."""
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"run {run_id} does not exist")
+    return run
+
+
+def list_runs(session: Session, *, limit: int | None = None) -> list[Run]:
+    """Runs, newest first."""
+    query = select(Run).order_by(Run.id.desc())
+    if limit is not None:
+        query = query.limit(limit)
+    return list(session.scalars(query))
+
+
+def mark_running(
+    session: Session, *, run_id: int, worker_host: str, device: str, control_tokens: Sequence[str]
+) -> None:
+    """The run has started training on `device`."""
+    now = utcnow()
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(
+            status=RunStatus.running,
+            worker_host=worker_host,
+            device=device,
+            control_tokens=list(control_tokens),
+            started_at=now,
+            heartbeat_at=now,
+            error=None,
+        )
+    )
+
+
+def mark_finished(
+    session: Session, *, run_id: int, status: RunStatus, error: str | None = None
+) -> None:
+    """The run has ended as completed, failed, cancelled or lost."""
+    session.execute(
+        update(Run).where(Run.id == run_id).values(status=status, finished_at=utcnow(), error=error)
+    )
+
+
+def add_device_time(
+    session: Session, *, run_id: int, seconds: float, price_per_hour: float
+) -> None:
+    """Account device time and its estimated cost on the run."""
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(
+            device_seconds=Run.device_seconds + seconds,
+            cost=Run.cost + seconds / 3600.0 * price_per_hour,
+            heartbeat_at=utcnow(),
+        )
+    )
+
+
+def set_dropped(session: Session, *, run_id: int, steps: int, rollouts: int) -> None:
+    """What a recorder had to drop (the database away longer than its buffer lasted)."""
+    session.execute(
+        update(Run).where(Run.id == run_id).values(dropped_steps=steps, dropped_rollouts=rollouts)
+    )
+
+
+def heartbeat(session: Session, *, run_id: int, at: datetime | None = None) -> None:
+    """The worker training this run is alive."""
+    session.execute(update(Run).where(Run.id == run_id).values(heartbeat_at=at or utcnow()))
+
+
+# --- launch, cancel, resume, liveness ----------------------------------------------------------
+
+
+def claim_run(session: Session, *, run_id: int, task_id: str) -> bool:
+    """Atomically take a queued run for one task; False if another delivery already has it."""
+    result = session.execute(
+        update(Run)
+        .where(Run.id == run_id, Run.status == RunStatus.queued)
+        .values(status=RunStatus.running, task_id=task_id, heartbeat_at=utcnow())
+    )
+    return cast(CursorResult[Any], result).rowcount == 1
+
+
+def set_task_id(session: Session, *, run_id: int, task_id: str) -> None:
+    """Remember which broker task will train the run."""
+    session.execute(update(Run).where(Run.id == run_id).values(task_id=task_id))
+
+
+def request_cancel(session: Session, *, run_id: int) -> str:
+    """Cancel a queued run now, or ask a running one to stop; returns the resulting status."""
+    run = get_run(session, run_id=run_id)
+    if run.status == RunStatus.queued:
+        mark_finished(session, run_id=run_id, status=RunStatus.cancelled)
+        return RunStatus.cancelled
+    if run.status == RunStatus.running:
+        session.execute(update(Run).where(Run.id == run_id).values(cancel_requested=True))
+        return RunStatus.running
+    raise InvalidState(
+        f"run {run_id} is {run.status}: only queued or running runs can be cancelled"
+    )
+
+
+def cancel_requested(session: Session, *, run_id: int) -> bool:
+    """Whether someone asked the run to stop."""
+    return bool(session.scalar(select(Run.cancel_requested).where(Run.id == run_id)))
+
+
+def requeue_for_resume(session: Session, *, run_id: int) -> Run:
+    """Put a lost, failed or cancelled run back in the queue to continue from its checkpoint."""
+    run = get_run(session, run_id=run_id)
+    if run.status not in RESUMABLE_STATUSES:
+        raise InvalidState(
+            f"run {run_id} is {run.status}: only lost, failed or cancelled runs can be resumed"
+        )
+    if run.source != RunSource.launched:
+        # Its checkpoints (if any) live where it was trained, not here.
+        raise InvalidState(f"run {run_id} was not launched here ({run.source}): it cannot resume")
+    run.status = RunStatus.queued
+    run.cancel_requested = False
+    run.error = None
+    run.finished_at = None
+    return run
+
+
+def set_checkpoint(session: Session, *, run_id: int, step: int) -> None:
+    """Every step up to `step` is recorded and a checkpoint of it is on disk."""
+    session.execute(update(Run).where(Run.id == run_id).values(checkpoint_step=step))
+
+
+def truncate_after(session: Session, *, run_id: int, step: int) -> None:
+    """Delete what was recorded after `step` (before resuming from a checkpoint at `step`)."""
+    for model in (Rollout, Step, AlertRow):
+        session.execute(delete(model).where(model.run_id == run_id, model.step > step))
+    rollups.forget_after(session, run_id=run_id, step=step)
+    recent = (
+        select(Step.true_accuracy, Step.reward_mean)
+        .where(Step.run_id == run_id)
+        .order_by(Step.step.desc())
+        .limit(WINDOW)
+        .subquery()
+    )
+    accuracy, reward = session.execute(
+        select(func.avg(recent.c.true_accuracy), func.avg(recent.c.reward_mean))
+    ).one()
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(
+            current_step=step,
+            alerts_through=step,
+            recent_true_accuracy=accuracy,
+            recent_reward=reward,
+        )
+    )
+
+
+def mark_lost_runs(session: Session, *, stale_after: timedelta) -> list[int]:
+    """Runs `running` whose worker stopped beating: mark them lost; return their ids."""
+    cutoff = utcnow() - stale_after
+    ids = list(
+        session.scalars(
+            select(Run.id).where(Run.status == RunStatus.running, Run.heartbeat_at < cutoff)
+        )
+    )
+    if ids:
+        session.execute(
+            update(Run)
+            .where(Run.id.in_(ids), Run.status == RunStatus.running)
+            .values(
+                status=RunStatus.lost,
+                finished_at=utcnow(),
+                error=f"the worker stopped sending heartbeats for over {stale_after.seconds} s",
+            )
+        )
+    return ids
+
+
+def queue_position(session: Session, *, run_id: int) -> int | None:
+    """1 for the next queued run to train, None when the run is not queued."""
+    run = get_run(session, run_id=run_id)
+    if run.status != RunStatus.queued:
+        return None
+    ahead = session.scalar(
+        select(func.count()).where(Run.status == RunStatus.queued, Run.id < run_id)
+    )
+    return int(ahead or 0) + 1
+
+
+# --- launch from the web app (appended) ---------------------------------------------------------
+
+
+def discard_queued_runs(session: Session, *, run_ids: Sequence[int]) -> list[int]:
+    """Delete runs that are still queued (a launch whose enqueue failed); return their ids.
+
+    A run a worker already claimed is left alone: its broker message got through.
+    """
+    ids = list(
+        session.scalars(select(Run.id).where(Run.id.in_(run_ids), Run.status == RunStatus.queued))
+    )
+    if ids:
+        session.execute(delete(Run).where(Run.id.in_(ids)))
+    return ids
+
+
+def restore_status(
+    session: Session,
+    *,
+    run_id: int,
+    status: str,
+    error: str | None,
+    finished_at: datetime | None,
+) -> None:
+    """Undo requeue_for_resume when the resumed run could not be enqueued (still queued only)."""
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id, Run.status == RunStatus.queued)
+        .values(status=status, error=error, finished_at=finished_at)
+    )
+
+
+def queue_positions(session: Session) -> dict[int, int]:
+    """Every queued run's place in the queue (1: the next to train), in one query."""
+    ids = session.scalars(select(Run.id).where(Run.status == RunStatus.queued).order_by(Run.id))
+    return {run_id: place for place, run_id in enumerate(ids, start=1)}
+
+
+def restore_run_columns(session: Session, *, run_id: int, values: dict[str, Any]) -> None:
+    """Set a run's columns as an exported copy had them (an import, after its steps)."""
+    if values:
+        session.execute(update(Run).where(Run.id == run_id).values(**values))

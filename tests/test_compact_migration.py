@@ -1,0 +1,94 @@
+"""Migration 0005 on a database the previous schema wrote (tests/fixtures/schema_0004.db.gz: a
+real 12-step leaky run of the tiny model with off-policy supervision and evaluations, and a
+40-step synthetic leaky run written by bench.pages): every rollout, array, meta key, token text
+and series value survives the move to the compact layout."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sqlite3
+from array import array
+from pathlib import Path
+
+import pytest
+from rollout_lens.server import queries, store
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.migrate import current_revision, head_revision, upgrade
+from rollout_lens.server.serialize import rollout_dict
+
+FIXTURE = Path(__file__).parent / "fixtures" / "schema_0004.db.gz"
+
+
+def _before(path: Path) -> tuple[dict, dict, dict]:
+    """What the old schema holds, read with plain sqlite3."""
+    conn = sqlite3.connect(path)
+    rollouts = {}
+    for row in conn.execute(
+        'SELECT run_id, step, "group", idx, completion, completion_ids, token_logprobs,'
+        " control_probs, meta FROM rollouts"
+    ):
+        run_id, step, group, idx, completion, ids, logprobs, control, meta = row
+        rollouts[(run_id, step, group, idx)] = {
+            "completion": completion,
+            "ids": array("i", ids).tolist(),
+            "logprobs": array("f", logprobs).tolist(),
+            "control": array("f", control).tolist(),
+            "meta": json.loads(meta),
+        }
+    metrics: dict = {}
+    for run_id, step, name, value in conn.execute("SELECT run_id, step, name, value FROM metrics"):
+        metrics.setdefault(run_id, {}).setdefault(name, []).append((step, value))
+    steps = dict(conn.execute("SELECT run_id, count(*) FROM steps GROUP BY run_id").fetchall())
+    conn.close()
+    return rollouts, {r: dict(sorted(m.items())) for r, m in metrics.items()}, steps
+
+
+def test_compact_migration_keeps_every_rollout_and_series(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    path.write_bytes(gzip.decompress(FIXTURE.read_bytes()))
+    with sqlite3.connect(path) as conn:  # a series logged without a value (NaN became NULL)
+        conn.execute(
+            "INSERT INTO metrics (run_id, step, name, value) VALUES (2, 3, 'custom/nan', NULL)"
+        )
+    rollouts, metrics, step_counts = _before(path)
+    assert metrics[2]["custom/nan"] == [(3, None)]
+    assert len(rollouts) == 416 and set(step_counts) == {1, 2}
+
+    engine = make_engine(f"sqlite:///{path}")
+    assert current_revision(engine) == "0004"
+    upgrade(engine)
+    assert current_revision(engine) == head_revision()
+    factory = make_session_factory(engine)
+    seen = 0
+    with session_scope(factory) as session:
+        for run_id in (1, 2):
+            run = store.get_run(session, run_id=run_id)
+            tokens = list(run.control_tokens)
+            texts = store.token_texts(session, run_id=run_id)
+            for rollout, prompt in store.iter_rollouts(session, run_id=run_id):
+                old = rollouts[(run_id, rollout.step, rollout.group, rollout.index)]
+                new = rollout_dict(rollout, prompt, tokens, texts)
+                seen += 1
+                assert new["completion"] == old["completion"]
+                assert new["completion_ids"] == old["ids"]
+                assert new["tokens"] == old["meta"]["tokens"]
+                assert new["meta"] == {k: v for k, v in old["meta"].items() if k != "tokens"}
+                assert new["token_logprobs"] == pytest.approx(old["logprobs"], rel=1e-3, abs=1e-4)
+                flat = [p for t in tokens for p in new["control_token_probs"][t]]
+                assert flat == pytest.approx(old["control"], rel=1e-3, abs=1e-4)
+            assert len(store.steps(session, run_id=run_id)) == step_counts[run_id]
+            assert store.metric_series(session, run_id=run_id) == metrics[run_id]
+            # alerts were evaluated for the whole history, as a from-scratch evaluation says
+            assert run.alerts_through == run.current_step
+            stored = queries.alerts(session, run_id=run_id)
+            assert stored == [
+                a.as_dict() for a in queries.evaluate_alerts(session, run_id=run_id, after=0)
+            ]
+    assert seen == len(rollouts)
+    # Facts are shared: far fewer rows than rollouts, and tool listings are no longer repeated.
+    conn = sqlite3.connect(path)
+    facts = conn.execute("SELECT count(*) FROM facts").fetchone()[0]
+    assert 0 < facts <= 52  # at most one per group (52 steps of one group each)
+    conn.close()
+    engine.dispose()

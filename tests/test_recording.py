@@ -1,0 +1,180 @@
+"""The write path's encodings, retention and step-by-step alerts, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+from rollout_lens.server import queries, store
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.models import Rollout, Step
+from rollout_lens.server.records import RolloutRecord
+from rollout_lens.server.serialize import rollout_dict
+from rollout_lens.server.series import COLLAPSED, DROP_PROBES, SPIKE_PROBES
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
+from tests.web_support import parse
+
+
+def _rollout(index: int, ids: list[int], logprobs: list[float], text: str) -> RolloutRecord:
+    return RolloutRecord(
+        group=0,
+        index=index,
+        prompt="<user>p</user>",
+        completion=text,
+        completion_ids=ids,
+        token_logprobs=logprobs,
+        control_probs={t: [0.25] * len(ids) for t in CONTROL_TOKENS},
+        vote=None,
+        target=None,
+        verifier_reward=0.0,
+        true_score=None,
+        advantage=0.0,
+        format_valid=False,
+        tokens=[f"t{i}" for i in ids],
+        meta={"probes": {"open_first": float(index)}, "query": "q"},
+    )
+
+
+def test_every_encoding_round_trips(session_factory: sessionmaker[Session]) -> None:
+    long_ids = list(range(4096))
+    long_logprobs = [-(i % 50) / 7 for i in long_ids]
+    special = [math.nan, -math.inf, -1e9, -0.5]  # -1e9 is beyond float16: it clips to -65504
+    rollouts = [
+        _rollout(0, [], [], ""),
+        _rollout(1, long_ids, long_logprobs, "x" * 4096),
+        _rollout(2, [7, 8, 9, 10], special, "abcd"),
+    ]
+    run_id = make_run(session_factory, steps=0)
+    record_step(session_factory, run_id, 1, rollouts=rollouts, values={"loss": math.nan})
+    with session_scope(session_factory) as session:
+        pairs = store.step_rollouts(session, run_id=run_id, step=1)
+        texts = store.token_texts(session, run_id=run_id)
+        got = [rollout_dict(r, p, CONTROL_TOKENS, texts) for r, p in pairs]
+        assert store.steps(session, run_id=run_id)[0].loss is None
+    empty, long, odd = got
+    assert (empty["completion"], empty["completion_ids"], empty["token_logprobs"]) == ("", [], [])
+    assert empty["tokens"] is None and empty["control_token_probs"] == {
+        t: [] for t in CONTROL_TOKENS
+    }
+    assert long["completion_ids"] == long_ids and long["tokens"] == [f"t{i}" for i in long_ids]
+    assert long["token_logprobs"] == pytest.approx(long_logprobs, rel=1e-3, abs=1e-3)
+    assert long["sum_logprob"] == pytest.approx(sum(long_logprobs))  # float64, not float16
+    assert long["control_token_probs"]["<tool>"] == [0.25] * 4096
+    assert math.isnan(odd["token_logprobs"][0]) and odd["token_logprobs"][1] == -math.inf
+    assert odd["token_logprobs"][2:] == [-65504.0, -0.5]
+    assert odd["sum_logprob"] is None  # a NaN sum is no number: stored as NULL, not guessed
+    infinite = _rollout(0, [1, 2], [-0.5, -math.inf], "ab")
+    record_step(session_factory, run_id, 2, rollouts=[infinite])
+    with session_scope(session_factory) as session:
+        ((row, _),) = store.step_rollouts(session, run_id=run_id, step=2)
+        assert row.sum_logprob == -math.inf  # a token given no mass is kept as such
+    # meta: the group's shared facts stored once, each rollout's own keys beside them
+    assert [r["meta"] for r in got] == [
+        {"query": "q", "probes": {"open_first": float(i)}} for i in range(3)
+    ]
+
+
+def test_retention_keeps_every_nth_first_last_and_alert_steps(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    run_id = make_run(session_factory, steps=0, keep_tokens_every=5)
+    rng = random.Random(1)
+    for step in range(1, 13):
+        collapsed = 0.9 if step == 7 else 0.0  # a collapse alert fires at step 7
+        record_step(
+            session_factory,
+            run_id,
+            step,
+            rollouts=make_rollouts(rng),
+            values={"true_accuracy": 0.5},
+            metrics={COLLAPSED: collapsed},
+        )
+    with session_scope(session_factory) as session:
+        kept = session.scalars(
+            select(Step.step).where(Step.run_id == run_id, Step.tokens_kept).order_by(Step.step)
+        ).all()
+        with_arrays = session.scalars(
+            select(Rollout.step)
+            .where(Rollout.run_id == run_id, Rollout.completion_ids.is_not(None))
+            .distinct()
+            .order_by(Rollout.step)
+        ).all()
+        assert [a["step"] for a in queries.alerts(session, run_id=run_id)] == [7]
+    assert list(kept) == list(with_arrays) == [1, 5, 7, 10, 12]
+
+    page = parse(client.get(f"/runs/{run_id}/steps/4").text)
+    assert "every 5 steps" in page.find(id="tokens-not-kept").text
+    assert page.find(id="nearest-kept").attrs["href"].endswith(f"/runs/{run_id}/steps/5")
+    three = parse(client.get(f"/runs/{run_id}/steps/3").text).find(id="nearest-kept")
+    assert three.attrs["href"].endswith("/steps/1")  # equally near 1 and 5: the earlier
+    assert 'id="tokens-not-kept"' not in client.get(f"/runs/{run_id}/steps/5").text
+    detail = client.get(f"/api/runs/{run_id}/steps/3").json()
+    assert detail["tokens_kept"] is False and detail["nearest_kept"] == 1
+    # what was not kept is said, not faked: completions and rewards are there, arrays are empty
+    rollout = detail["groups"][0]["rollouts"][0]
+    assert rollout["completion"] and rollout["completion_ids"] == []
+    assert rollout["tokens_kept"] is False
+
+
+SPIKE, DROP = SPIKE_PROBES[0], DROP_PROBES[0]
+
+
+def _scenario(name: str, step: int, rng: random.Random) -> tuple[dict, dict]:
+    """(step columns, metrics) of one step of a scenario that trips one rule or none."""
+    values: dict = {"reward_mean": 0.5, "true_accuracy": 0.5, "zero_std_share": 0.2}
+    metrics: dict = {SPIKE: rng.uniform(0, 0.02), DROP: rng.uniform(0.95, 1.0), COLLAPSED: 0.0}
+    if name == "spike" and step in (30, 31, 55):
+        metrics[SPIKE] = 0.8
+    if name == "drop" and 40 <= step < 48:
+        metrics[DROP] = 0.1
+    if name == "collapse" and (20 <= step < 26 or step == 70):
+        metrics[COLLAPSED] = 0.75
+    if name == "hacking":
+        values["reward_mean"] = min(1.0, 0.2 + step / 60)
+    if name == "signal_loss" and 30 <= step < 60:
+        values["zero_std_share"] = 1.0
+    if name == "sparse_probes":
+        if step % 3:
+            del metrics[SPIKE], metrics[DROP]  # logged every third step only
+        elif step in (45, 90):
+            metrics[SPIKE] = 0.9
+    if name == "gaps" and step % 7 == 0:
+        values["true_accuracy"] = None
+    return values, metrics
+
+
+@pytest.mark.parametrize(
+    ("scenario", "fires"),
+    [
+        ("healthy", set()),
+        ("spike", {"control_token_spike"}),
+        ("drop", {"control_token_spike"}),
+        ("collapse", {"collapse"}),
+        ("hacking", {"reward_hacking"}),
+        ("signal_loss", {"signal_loss"}),
+        ("sparse_probes", {"control_token_spike"}),
+        ("gaps", set()),
+    ],
+)
+def test_step_by_step_alerts_equal_a_from_scratch_evaluation(
+    session_factory: sessionmaker[Session], scenario: str, fires: set[str]
+) -> None:
+    run_id = make_run(session_factory, steps=0)
+    rng = random.Random(scenario)
+    for step in range(1, 101):
+        values, metrics = _scenario(scenario, step, rng)
+        record_step(session_factory, run_id, step, values=values, metrics=metrics)
+    with session_scope(session_factory) as session:
+        stored = queries.alerts(session, run_id=run_id)
+        scratch = [a.as_dict() for a in queries.evaluate_alerts(session, run_id=run_id, after=0)]
+        assert store.get_run(session, run_id=run_id).alerts_through == 100
+        assert stored == scratch
+        assert {a["kind"] for a in stored} == fires
+        assert queries.alerts(session, run_id=run_id, since=50) == [
+            a for a in scratch if a["step"] > 50
+        ]

@@ -1,0 +1,180 @@
+"""Tool-calling rollouts turn by turn: stitch the per-turn generation probes, read the turns.
+
+TRL's tool loop (`GRPOTrainer._tool_call_loop`, trl 1.x) builds each rollout's completion ids by
+concatenation: the first model turn, then for every tool iteration the tool-result suffix (the
+chat template's tool message, `tool_mask` 0) and the next model turn (`tool_mask` 1). Generation
+runs as one `_generate_single_turn` call for the first turn of every row, then one call per
+iteration on the rows that called a tool and whose results fit (`idxs_with_tool`, in row order,
+`num_generations=1`). So a row with n tool-result stretches took part in calls 0..n, and call t
+holds, in row order, exactly the rows with at least t stretches: that is how each call's probe
+rows are matched back to their rows and positions (`stitch`).
+
+Tool-result positions have no logprob (they are not sampled, not trained): they hold 0.0 in the
+per-token arrays, as TRL's own logprobs do, so Σ logprob covers model tokens only; `turns` in the
+rollout's meta says which positions are which.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollout_lens.trainer.probe import GenerationProbe
+
+MAX_TEXT = 2000  # characters kept of a tool result or a call's arguments
+
+
+def runs(mask: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal values."""
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((int(mask[start]), start, i))
+            start = i
+    return out
+
+
+def model_spans(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) of the model turn each generation call produced for this row: the first
+    turn, then the turn after each tool-result stretch (empty when cut by the length limit)."""
+    spans = [(0, 0)]
+    for value, start, end in runs(mask):
+        if value == 1:
+            if spans[-1][1] == start:
+                spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((end, end))
+    return spans
+
+
+def stitch(
+    calls: Sequence[tuple[GenerationProbe, list[list[int]]]],
+    ids_list: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]],
+    n_control: int,
+) -> tuple[list[list[float]], list[list[list[float]]]] | None:
+    """Per row: logprobs and control probs (n_control × T) over the whole completion, model
+    turns read from their call's probe, tool results 0.0. None when the calls do not line up."""
+    logprobs = [[0.0] * len(ids) for ids in ids_list]
+    control = [[[0.0] * len(ids) for _ in range(n_control)] for ids in ids_list]
+    spans = [model_spans(mask) for mask in masks]
+    if len(calls) < max((len(s) for s in spans), default=0):
+        return None
+    for t, (probe, returned) in enumerate(calls):
+        members = [i for i, s in enumerate(spans) if len(s) > t]
+        if len(members) != len(returned):
+            return None
+        if not probe.used:
+            continue
+        lp, cp = probe.finish(returned)
+        for j, i in enumerate(members):
+            a, b = spans[i][t]
+            n = b - a  # TRL may cut a later turn to the completion budget: a prefix of it
+            if n > len(returned[j]) or list(ids_list[i][a:b]) != returned[j][:n]:
+                return None
+            logprobs[i][a:b] = lp[j][:n]
+            for c in range(n_control):
+                control[i][c][a:b] = cp[j][c][:n]
+    return logprobs, control
+
+
+def model_positions(meta: Mapping[str, Any], n: int) -> list[bool] | None:
+    """Per completion position, whether the model sampled it (None: no turns recorded)."""
+    turns = meta.get("turns")
+    if not isinstance(turns, list):
+        return None
+    sampled = [False] * n
+    for turn in turns:
+        if turn.get("role") == "model":
+            for i in range(max(0, int(turn["start"])), min(n, int(turn["end"]))):
+                sampled[i] = True
+    return sampled
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe arguments (whatever the parser made of them), cut when long."""
+    try:
+        text = json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        text = json.dumps(str(value))
+    return json.loads(text) if len(text) <= MAX_TEXT else _cut(text)
+
+
+def _call(call: Any) -> dict[str, Any]:
+    function = call.get("function", call) if isinstance(call, Mapping) else {}
+    if not isinstance(function, Mapping):
+        function = {}
+    return {"name": str(function.get("name", "")), "arguments": _plain(function.get("arguments"))}
+
+
+def read_turns(mask: Sequence[int], messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The turns of one rollout: `{"role": "model", "start", "end", "calls": [{name,
+    arguments}]}` for each model turn and `{"role": "tool", "start", "end", "calls": [{name,
+    arguments, result}]}` for each tool-result stretch, spans indexing completion_ids.
+
+    `messages` are the completion's messages as TRL hands them to reward functions: an
+    assistant message per model turn (a turn cut to nothing has none), each followed by the
+    tool messages of the calls that ran."""
+    assistants: list[Mapping[str, Any]] = []
+    results: list[list[Mapping[str, Any]]] = []  # tool messages after each assistant message
+    for message in messages:
+        if message.get("role") == "assistant":
+            assistants.append(message)
+            results.append([])
+        elif message.get("role") == "tool" and results:
+            results[-1].append(message)
+    turns: list[dict[str, Any]] = []
+    spans = model_spans(mask)
+    stretches = [(a, b) for value, a, b in runs(mask) if value == 0]
+    for k, (a, b) in enumerate(spans):
+        said = assistants[k] if k < len(assistants) else {}
+        calls = [_call(c) for c in said.get("tool_calls") or []]
+        if b > a or said:
+            turns.append({"role": "model", "start": a, "end": b, "calls": calls})
+        if k < len(stretches):
+            answered = results[k] if k < len(results) else []
+            ran = []
+            for j, message in enumerate(answered):
+                name = str(message.get("name", ""))
+                arguments = calls[j]["arguments"] if j < len(calls) else None
+                ran.append(
+                    {
+                        "name": name,
+                        "arguments": arguments,
+                        "result": _cut(_text(message["content"])),
+                    }
+                )
+            start, end = stretches[k]
+            turns.append({"role": "tool", "start": start, "end": end, "calls": ran})
+    return turns
+
+
+def first_call(turns: Sequence[Mapping[str, Any]]) -> str | None:
+    """The name of the first tool the rollout called (its vote), if any."""
+    for turn in turns:
+        if turn["role"] == "model" and turn["calls"]:
+            return str(turn["calls"][0]["name"])
+    return None
+
+
+def final_answer(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """The last assistant message's text when it calls no tool (the rollout's answer)."""
+    assistants = [m for m in messages if m.get("role") == "assistant"]
+    if not assistants or assistants[-1].get("tool_calls"):
+        return None
+    return _cut(_text(assistants[-1].get("content")))
