@@ -3,7 +3,7 @@
 Data (bench/pages_data.py, written through server.store): a synthetic leaky run of 10,000 steps ×
 8 rollouts whose prompts list all 64 tools, a 100-step run like it, nine more 10,000-step runs to
 compare with the long one, and short runs in every state up to 1,000 runs. Filled once into an
-SQLite file under --cache (half an hour on two busy cores; later runs reuse it) and copied row
+SQLite file under --cache (about two minutes; later runs reuse it) and copied row
 for row into a database created on the PostgreSQL server for --pg (dropped at the end).
 
 It prints, from the app's own Server-Timing header through FastAPI's TestClient:
