@@ -600,17 +600,20 @@ def _compare_run(
             "bucket": data["bucket"],
             "series": charts.chart_series(data["series"], bands=bands),
         },
-        "summary": _summary(session, run, data["buckets"]),
+        "summary": _summary(session, run, data["buckets"], evaluated=list(data["series"])),
     }
 
 
 def _summary(
-    session: Session, run: dict[str, Any], buckets: dict[str, list[Any]]
+    session: Session, run: dict[str, Any], buckets: dict[str, list[Any]], *, evaluated: list[str]
 ) -> dict[str, Any]:
     """Compare's summary of one run from its 25-step buckets (what series() returns beside its
-    charts), its summary columns, and its last evaluations (a few index seeks)."""
+    charts), its summary columns, and its last evaluations (read only for the evaluation series
+    its charts found)."""
+    names = [n for n in vocab.EVAL_SERIES if n in evaluated]
+    found = last_values(session, run_id=run["id"], names=names) if names else {}
     return charts.run_summary(run, buckets) | {
-        "final_eval": last_values(session, run_id=run["id"], names=list(vocab.EVAL_SERIES))
+        "final_eval": {n: found.get(n) for n in vocab.EVAL_SERIES}
     }
 
 
