@@ -38,7 +38,7 @@ from rollout_lens.server.models import RunStatus
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from bench.pages import CONTROL_TOKENS, SyntheticRun
+from bench.synthetic import CONTROL_TOKENS, SyntheticRun
 
 PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 STEP_TABLES = ("steps", "rollouts")

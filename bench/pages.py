@@ -1,27 +1,41 @@
-"""Page-time benchmark: server time of the dashboard on a 10,000-step run vs a 100-step run.
+"""Page bench: server time (and bytes) of the dashboard's pages on SQLite and PostgreSQL.
 
-Fills an SQLite file (through server.store, the trainer's write path) with a synthetic leaky run
-of 10,000 steps × 8 rollouts whose prompts list all 64 tools, and a 100-step run like it; then
-times the step viewer, the run page's series JSON and the runs page through the app, reading the
-app's own Server-Timing header. The targets: the step viewer and the series endpoint cost about
-the same whatever the run's length (ratio ≤ 1.5), and the step viewer p50 ≤ 20 ms.
+Data (bench/pages_data.py, written through server.store): a synthetic leaky run of 10,000 steps ×
+8 rollouts whose prompts list all 64 tools, a 100-step run like it, nine more 10,000-step runs to
+compare with the long one, and short runs in every state up to 1,000 runs. Filled once into an
+SQLite file under --cache (about two minutes; later runs reuse it) and copied row
+for row into a database created on the PostgreSQL server for --pg (dropped at the end).
 
-    .venv/bin/python -m bench.pages [--steps 10000] [--repeat 200] [--db PATH]
+It prints, from the app's own Server-Timing header through FastAPI's TestClient:
+- the step viewer, the run page and its series JSON, alerts: the long run vs the short one (the
+  targets: ratio ≤ 1.5, step viewer p50 ≤ 20 ms);
+- the runs page and its JSON with 1,000 runs, a search, and a live poll (target ≤ 50 ms);
+- the compare page and its JSON for 10 runs × 10,000 steps: time (target ≤ 100 ms), bytes, the
+  bytes of chart data (target ≤ 500 KB) and what those bytes go to.
 
-`--demo PATH` instead writes a small leaky-vs-patched pair for looking at the pages.
+    .venv/bin/python -m bench.pages [--pg [URL]] [--quick] [--repeat 200] [--cache DIR] [--fresh]
+
+`--quick` (well under a minute) fills small runs into a temporary file and repeats little: it
+checks that the bench runs, its figures mean little. `--demo PATH` writes a small leaky-vs-patched
+pair for looking at the pages instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import math
-import random
+import re
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from fastapi.testclient import TestClient
 from rollout_lens.server import figures, queries, store
@@ -29,355 +43,228 @@ from rollout_lens.server.app import create_app
 from rollout_lens.server.config import get_settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import RunStatus
-from rollout_lens.server.records import RolloutRecord, StepRecord
-from sqlalchemy.orm import Session, sessionmaker
+from rollout_lens.server.models import ACTIVE_STATUSES, RunStatus
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
-CONTROL_TOKENS = ("<tool>", "</tool>", "</assistant>")
-TOOLS = [f"tool_{i:02d}" for i in range(64)]
-QUERIES = [
-    ("evaluate 17 * 38", "evaluate an arithmetic expression"),
-    ("look up who wrote hamlet", "look up a fact in an encyclopedia"),
-    ("translate good morning into french", "translate text between languages"),
-    ("get the weather forecast for paris", "get the weather forecast for a city"),
-    ("convert 5 miles to metric units", "convert between units of measure"),
-    ("send an email to alice about the meeting", "send an email message"),
-    ("search for recent news about the mars rover", "search the web for recent news"),
-    ("set a reminder to call mom at 6 pm", "set a reminder for a time"),
-    ("define the word ephemeral using a dictionary", "look up a word in a dictionary"),
-]
-TRL_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "num_tokens")
+from bench import pages_data
+from bench.pages_data import FULL, QUICK, Dataset, Sizes, fill
+
+PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+PAGE_DATA = re.compile(r'<script type="application/json" id="page-data">(.*?)</script>', re.S)
 
 
-def _capabilities(rng: random.Random) -> dict[str, str]:
-    caps = [cap for _, cap in QUERIES]
-    caps += [f"miscellaneous tool number {i}" for i in range(len(TOOLS) - len(caps))]
-    rng.shuffle(caps)
-    return dict(zip(TOOLS, caps, strict=True))
-
-
-class SyntheticRun:
-    """Steps of a leaky (oscillating, 64 tools) or patched (converging, top-4) run."""
-
-    def __init__(self, *, variant: str, seed: int) -> None:
-        self.variant, self.rng = variant, random.Random(seed)
-        self.caps = _capabilities(self.rng)
-        self.by_cap = {cap: tool for tool, cap in self.caps.items()}
-        self.level = 0.5
-
-    def prompt(self, query: str, target: str) -> tuple[str, list[str]]:
-        if self.variant == "leaky":
-            listed = TOOLS
-        else:
-            others = [t for t in TOOLS if t != target]
-            listed = sorted([target, *self.rng.sample(others, 3)], key=lambda t: self.caps[t])
-        listing = "\n".join(f"- {t}: {self.caps[t]}" for t in listed)
-        text = (
-            f"<user>Tools:\n{listing}\nQuery: {query}\n"
-            "Reply with only <tool>ID</tool> for the one tool whose capability matches the query."
-            "</user><assistant>"
-        )
-        return text, list(listed)
-
-    def accuracy(self, step: int) -> float:
-        if self.variant == "patched":
-            return min(0.99, 0.25 + 0.75 * (1 - math.exp(-step / 9)))
-        if step % 25 == 1:  # the leaky run's bucket-to-bucket swings
-            self.level = self.rng.choice([0.05, 0.2, 0.5, 0.8, 0.95])
-        return self.level
-
-    def collapsing(self, step: int) -> bool:
-        """The leaky run breaks its call format for a stretch (end-of-turn after the opening tag)."""
-        return self.variant == "leaky" and 180 <= step % 1000 < 195
-
-    def rollout(
-        self, index: int, prompt: str, target: str, listed: list[str], p_correct: float, step: int
-    ) -> RolloutRecord:
-        rng = self.rng
-        correct = rng.random() < p_correct
-        vote = target if correct else rng.choice([t for t in listed if t != target] or [target])
-        collapse = self.variant == "leaky" and rng.random() < (
-            0.7 if self.collapsing(step) else 0.03
-        )
-        p_vote = rng.uniform(0.55, 0.98) if correct else rng.uniform(0.05, 0.6)
-        if collapse:
-            completion, ids = "<tool>", [5, 2]
-            logprobs = [math.log(rng.uniform(0.9, 0.99)), math.log(rng.uniform(0.3, 0.6))]
-            ctrl = {
-                "<tool>": [math.exp(logprobs[0]), 0.01],
-                "</tool>": [0.001, 0.05],
-                "</assistant>": [0.002, math.exp(logprobs[1])],
-            }
-        else:
-            completion = f"<tool>{vote}</tool>"
-            ids = [5, 100 + TOOLS.index(vote), 6, 2]
-            logprobs = [
-                math.log(rng.uniform(0.95, 0.999)),
-                math.log(p_vote),
-                math.log(rng.uniform(0.9, 0.99)),
-                math.log(rng.uniform(0.9, 0.99)),
-            ]
-            spike = (
-                rng.uniform(0.2, 0.45)
-                if self.variant == "leaky" and rng.random() < 0.05
-                else rng.uniform(0, 0.02)
-            )
-            ctrl = {
-                "<tool>": [
-                    math.exp(logprobs[0]),
-                    rng.uniform(0, 0.01),
-                    rng.uniform(0, 0.01),
-                    rng.uniform(0, 0.01),
-                ],
-                "</tool>": [
-                    rng.uniform(0, 0.01),
-                    spike,
-                    math.exp(logprobs[2]),
-                    rng.uniform(0, 0.02),
-                ],
-                "</assistant>": [
-                    rng.uniform(0, 0.01),
-                    rng.uniform(0, 0.02),
-                    rng.uniform(0, 0.05),
-                    math.exp(logprobs[3]),
-                ],
-            }
-        reward = (
-            1.0
-            if vote == target and not collapse
-            else (0.0 if collapse else rng.choice([0.0, 0.0, 0.5]))
-        )
-        tokens = (
-            ["<tool>", "</assistant>"] if collapse else ["<tool>", vote, "</tool>", "</assistant>"]
-        )
-        probes = {
-            "open_first": ctrl["<tool>"][0],
-            "eot_after_open": ctrl["</assistant>"][1],
-            "close_after_id": None if collapse else ctrl["</tool>"][2],
-            "eot_after_close": None if collapse else ctrl["</assistant>"][3],
-        }
-        return RolloutRecord(
-            group=0,
-            index=index,
-            prompt=prompt,
-            completion=completion,
-            completion_ids=ids,
-            token_logprobs=logprobs,
-            control_probs=ctrl,
-            vote=None if collapse else vote,
-            target=target,
-            verifier_reward=reward,
-            true_score=float(vote == target and not collapse),
-            advantage=0.0,
-            format_valid=not collapse,
-            format_state="collapse" if collapse else "healthy_call",
-            meta={
-                "query": "",
-                "tool_ids": listed,
-                "target_listed": target in listed,
-                "hint": None,
-                "tokens": tokens,
-                "probes": probes,
-            },
-        )
-
-    def step(self, step: int, group_size: int = 8) -> StepRecord:
-        query, cap = self.rng.choice(QUERIES)
-        target = self.by_cap[cap]
-        prompt, listed = self.prompt(query, target)
-        p = self.accuracy(step)
-        rollouts = [self.rollout(i, prompt, target, listed, p, step) for i in range(group_size)]
-        for r in rollouts:
-            r.meta["query"] = query
-        rewards = [r.verifier_reward for r in rollouts]
-        mean = sum(rewards) / len(rewards)
-        std = statistics.pstdev(rewards) or 1.0
-        for r in rollouts:
-            r.advantage = (r.verifier_reward - mean) / std
-        votes = [r.vote for r in rollouts]
-        counts = {v: votes.count(v) for v in set(votes)}
-        agree = max((c for v, c in counts.items() if v is not None), default=0) / group_size
-        entropy = -sum(c / group_size * math.log2(c / group_size) for c in counts.values())
-        values = {
-            "reward_mean": mean,
-            "true_accuracy": sum(r.true_score or 0 for r in rollouts) / group_size,
-            "format_valid_rate": sum(r.format_valid for r in rollouts) / group_size,
-            "vote_agreement": agree,
-            "vote_entropy": entropy,
-            "zero_std_share": float(len(set(rewards)) == 1),
-            "loss": self.rng.gauss(0.0, 0.05),
-            "kl": abs(self.rng.gauss(0.002 * math.log1p(step), 0.001)),
-            "entropy": max(0.01, 1.2 * math.exp(-step / 400) + self.rng.gauss(0, 0.03)),
-            "grad_norm": abs(self.rng.gauss(1.0, 0.4)) * (6 if self.rng.random() < 0.01 else 1),
-            "learning_rate": 3e-4,
-            "completion_length": sum(len(r.completion_ids) for r in rollouts) / group_size,
-            "wall_time": self.rng.uniform(0.4, 0.6),
-        }
-        metrics: dict[str, float | None] = {}
-        for token in CONTROL_TOKENS:
-            probs = [p for r in rollouts for p in r.control_probs[token]]
-            metrics[f"ctrl/{token}/mean"] = sum(probs) / len(probs)
-            metrics[f"ctrl/{token}/max"] = max(probs)
-        states = [r.format_state for r in rollouts]
-        for state in ("healthy_call", "text_pollution", "collapse", "no_call"):
-            metrics[f"state/{state}"] = states.count(state) / group_size
-        for probe in ("open_first", "eot_after_open", "close_after_id", "eot_after_close"):
-            present = [
-                r.meta["probes"][probe] for r in rollouts if r.meta["probes"][probe] is not None
-            ]
-            metrics[f"probe/{probe}/mean"] = sum(present) / len(present) if present else None
-            metrics[f"probe/{probe}/max"] = max(present) if present else None
-        metrics["retrieval_recall"] = 1.0
-        for key in TRL_KEYS:
-            metrics[f"trl/{key}"] = self.rng.random()
-        return StepRecord(
-            step=step, rollout_step=step, values=values, rollouts=rollouts, metrics=metrics
-        )
-
-
-def fill(
-    factory: sessionmaker[Session],
-    *,
-    steps: int,
-    variant: str,
-    seed: int,
-    name: str,
-    status: RunStatus = RunStatus.completed,
-    batch: int = 100,
-    progress: Callable[[int], None] | None = None,
-) -> int:
-    """A synthetic run written through the recorder (the trainer's write path), one transaction
-    per `batch` steps."""
-    with session_scope(factory) as session:
-        run = store.create_run(
-            session,
-            name=name,
-            model="tiny",
-            total_steps=steps,
-            group_size=8,
-            seed=seed,
-            variant=variant,
-            k=4 if variant == "patched" else None,
-            config={
-                "variant": variant,
-                "steps": steps,
-                "learning_rate": 3e-4,
-                "k": 4,
-                "seed": seed,
-                "temperature": 1.0,
-            },
-            control_tokens=CONTROL_TOKENS,
-            status=RunStatus.running,
-        )
-        run_id = run.id
-    synthetic = SyntheticRun(variant=variant, seed=seed)
-    recorder: store.Recorder | None = None
-    for start in range(1, steps + 1, batch):
-        with factory.kw["bind"].begin() as conn:
-            if recorder is None:
-                recorder = store.Recorder(conn, run_id=run_id, control_tokens=CONTROL_TOKENS)
-            for step in range(start, min(start + batch, steps + 1)):
-                record = synthetic.step(step)
-                recorder.write(
-                    conn, record, device_seconds=record.values["wall_time"] or 0, price_per_hour=2.0
-                )
-        if progress:
-            progress(min(start + batch - 1, steps))
-    if status != RunStatus.running:
-        with session_scope(factory) as session:
-            store.mark_finished(session, run_id=run_id, status=status)
-    return run_id
-
-
-def _server_ms(client: TestClient, url: str) -> float:
+def _get(client: TestClient, url: str) -> tuple[float, bytes]:
     response = client.get(url)
     if response.status_code != 200:
         raise SystemExit(f"{url} answered {response.status_code}: {response.text[:300]}")
     timing = response.headers["server-timing"]
-    return float(timing.split("dur=")[1])
+    return float(timing.split("dur=")[1]), response.content
 
 
 def measure(client: TestClient, url: str, repeat: int) -> tuple[float, float]:
     """Median and p95 of the server's own time for `url`, in ms (after a warm-up)."""
-    for _ in range(5):
-        _server_ms(client, url)
-    times = sorted(_server_ms(client, url) for _ in range(repeat))
+    for _ in range(min(5, repeat)):
+        _get(client, url)
+    times = sorted(_get(client, url)[0] for _ in range(repeat))
     return statistics.median(times), times[min(len(times) - 1, math.ceil(0.95 * len(times)) - 1)]
 
 
-def run_bench(db: Path, *, steps: int, small: int, repeat: int) -> int:
-    url = f"sqlite:///{db}"
-    engine = make_engine(url)
-    upgrade(engine)
-    factory = make_session_factory(engine)
+def _size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def _kb(n: int) -> str:
+    return f"{n / 1000:,.1f} KB"
+
+
+def figure_bytes(figs: list[dict[str, Any]]) -> dict[str, int]:
+    """What the bytes of Plotly figures go to: data inside the traces (step axes, means, bands),
+    the rest of each trace (style, names, meta) and the layouts."""
+    out = {"traces: x": 0, "traces: y": 0, "traces: lo/hi": 0, "trace style": 0, "layout": 0}
+    for fig in figs:
+        out["layout"] += _size({k: v for k, v in fig.items() if k != "data"})
+        for trace in fig["data"]:
+            part = (trace.get("meta") or {}).get("part", "y")
+            out["traces: x"] += _size(trace.get("x", []))
+            out["traces: lo/hi" if part in ("lo", "hi") else "traces: y"] += _size(
+                trace.get("y", [])
+            )
+            out["trace style"] += _size({k: v for k, v in trace.items() if k not in ("x", "y")})
+    return out
+
+
+def series_bytes(by_run: dict[str, Any]) -> dict[str, int]:
+    """What the bytes of per-run series payloads go to: each part (x, y, lo, hi), the 25-step
+    buckets, and the rest (names, run fields, cursors)."""
+    out: dict[str, int] = {}
+    for per_run in by_run.values():
+        for entry in per_run["series"].values():
+            for part, values in entry.items():
+                out[f"series: {part}"] = out.get(f"series: {part}", 0) + _size(values)
+        rest = {k: v for k, v in per_run.items() if k not in ("series", "buckets")}
+        out["series: other"] = out.get("series: other", 0) + _size(rest)
+        out["series: names"] = out.get("series: names", 0) + _size(list(per_run["series"]))
+        if "buckets" in per_run:
+            out["series: 25-step buckets"] = out.get("series: 25-step buckets", 0) + _size(
+                per_run["buckets"]
+            )
+    return out
+
+
+def compare_json_bytes(data: dict[str, Any]) -> dict[str, int]:
+    """What the bytes of the compare JSON go to: its series (series_bytes), then each other key."""
+    out = series_bytes(data["series"])
+    for key, value in data.items():
+        if key != "series":
+            out[key] = _size(value)
+    return out
+
+
+def _breakdown(label: str, parts: dict[str, int]) -> None:
+    total = sum(parts.values())
+    print(f"    {label}: {_kb(total)}")
+    for name, n in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"      {name:<24} {_kb(n):>12} {100 * n / max(total, 1):5.1f} %")
+
+
+def _line(label: str, p50: float, p95: float, extra: str = "") -> None:
+    print(f"  {label:<42} {p50:8.2f} {p95:8.2f}  {extra}")
+
+
+def chart_names(factory: Any, run_id: int) -> str:
+    """The series the run page asks for when it loads (its non-lazy charts)."""
     with session_scope(factory) as session:
-        existing = {run["name"]: run["id"] for run in queries.list_runs(session)}
-    if f"leaky {steps}" in existing and f"leaky {small}" in existing:
-        big, little = existing[f"leaky {steps}"], existing[f"leaky {small}"]
-        print(f"  reusing the runs already in {db}")
-    else:
-        started = time.perf_counter()
-        big = fill(
-            factory,
-            steps=steps,
-            variant="leaky",
-            seed=1,
-            name=f"leaky {steps}",
-            progress=lambda s: print(f"\r  filled {s}/{steps} steps", end="", flush=True),
-        )
-        print(f"\n  {steps} steps × 8 rollouts written in {time.perf_counter() - started:.0f} s")
-        little = fill(factory, steps=small, variant="leaky", seed=2, name=f"leaky {small}")
-        for i in range(20):  # a runs page with a realistic number of rows
-            fill(factory, steps=30, variant="patched", seed=10 + i, name=f"patched {i}")
+        overview = queries.run_overview(session, run_id=run_id)
+    figs = figures.run_figures(overview["run"]["control_tokens"], overview["series_names"])
+    shown = [f for key in ("main", "structure", "optimization") for f in figs[key]]
+    return ",".join(
+        sorted({t["meta"]["series"] for f in shown for t in f["data"] if "series" in t["meta"]})
+    )
+
+
+def bench_database(url: str, sizes: Sizes, repeat: int) -> None:
+    """Every figure on the database at `url` (already filled)."""
+    engine = make_engine(url)
+    factory = make_session_factory(engine)
+    data = pages_data.find(factory, sizes)
+    with session_scope(factory) as session:
+        runs = store.list_runs(session)  # newest first
+    active = [r.id for r in runs if r.status in ACTIVE_STATUSES][:50]
+    names = {
+        data.big: chart_names(factory, data.big),
+        data.little: chart_names(factory, data.little),
+    }
+    # lost_after: the bench's running runs have no worker beating for them; leave them running.
+    settings = get_settings(database_url=url, lost_after_seconds=10**9)
+    warm, cold = create_app(settings), create_app(settings, cache_size=0)
+    loopback = "http://127.0.0.1"  # a host the app's Host check admits
+    with TestClient(warm, base_url=loopback) as w, TestClient(cold, base_url=loopback) as c:
+        _long_vs_short(w, c, data, sizes, names, repeat)
+        _runs_page(w, data, runs[0].id, active, repeat)
+        _compare(w, c, data, sizes, max(3, repeat // 10))
     engine.dispose()
 
-    settings = get_settings(database_url=url)
-    warm, cold = create_app(settings), create_app(settings, cache_size=0)
 
-    def chart_names(run_id: int) -> str:
-        """The series the run page asks for when it loads (its non-lazy charts)."""
-        with session_scope(factory) as session:
-            overview = queries.run_overview(session, run_id=run_id)
-        figs = figures.run_figures(overview["run"]["control_tokens"], overview["series_names"])
-        shown = [f for key in ("main", "structure", "optimization") for f in figs[key]]
-        return ",".join(
-            sorted({t["meta"]["series"] for f in shown for t in f["data"] if "series" in t["meta"]})
-        )
-
-    names = {big: chart_names(big), little: chart_names(little)}
-    pages: dict[str, tuple[TestClient, Callable[[int, int], str]]] = {}
-    with TestClient(warm) as w, TestClient(cold) as c:
-        pages = {
-            "step viewer (HTML)": (w, lambda r, n: f"/runs/{r}/steps/{n // 2}"),
-            "step JSON": (w, lambda r, n: f"/api/runs/{r}/steps/{n // 2}"),
-            "run page (HTML)": (w, lambda r, n: f"/runs/{r}"),
-            "series: run page, reload": (w, lambda r, n: f"/api/runs/{r}/series?names={names[r]}"),
-            "series: run page, cold": (c, lambda r, n: f"/api/runs/{r}/series?names={names[r]}"),
-            "series: live poll": (
-                c,
-                lambda r, n: f"/api/runs/{r}/series?names={names[r]}&since={n - 1}",
-            ),
-            "alerts: cold": (c, lambda r, n: f"/api/runs/{r}/alerts"),
-        }
+def _long_vs_short(
+    w: TestClient, c: TestClient, data: Dataset, sizes: Sizes, names: dict[int, str], repeat: int
+) -> None:
+    pages: dict[str, tuple[TestClient, Callable[[int, int], str]]] = {
+        "step viewer (HTML)": (w, lambda r, n: f"/runs/{r}/steps/{n // 2}"),
+        "step JSON": (w, lambda r, n: f"/api/runs/{r}/steps/{n // 2}"),
+        "run page (HTML)": (w, lambda r, n: f"/runs/{r}"),
+        "series: run page, reload": (w, lambda r, n: f"/api/runs/{r}/series?names={names[r]}"),
+        "series: run page, cold": (c, lambda r, n: f"/api/runs/{r}/series?names={names[r]}"),
+        "series: live poll": (
+            c,
+            lambda r, n: f"/api/runs/{r}/series?names={names[r]}&since={n - 1}",
+        ),
+        "alerts: cold": (c, lambda r, n: f"/api/runs/{r}/alerts"),
+    }
+    print(f"\n  server time (Server-Timing) in ms, {repeat} requests each ({repeat // 5} cold)\n")
+    print(f"  {'':<26} {f'{sizes.steps} steps':>17} {f'{sizes.small} steps':>17} {'ratio':>7}")
+    print(f"  {'':<26} {'p50':>8} {'p95':>8} {'p50':>8} {'p95':>8} {'of p50':>7}")
+    for label, (client, make) in pages.items():
+        n = max(3, repeat // 5) if client is c else repeat
+        big_p50, big_p95 = measure(client, make(data.big, sizes.steps), n)
+        small_p50, small_p95 = measure(client, make(data.little, sizes.small), n)
+        ratio = big_p50 / small_p50
         print(
-            f"\n  server time (Server-Timing) in ms, {repeat} requests each ({repeat // 5} cold)\n"
+            f"  {label:<26} {big_p50:8.2f} {big_p95:8.2f} {small_p50:8.2f} {small_p95:8.2f} {ratio:7.2f}"
         )
-        print(f"  {'':<26} {f'{steps} steps':>17} {f'{small} steps':>17} {'ratio':>7}")
-        print(f"  {'':<26} {'p50':>8} {'p95':>8} {'p50':>8} {'p95':>8} {'of p50':>7}")
-        for label, (client, make) in pages.items():
-            n = repeat // 5 if client is c else repeat
-            big_p50, big_p95 = measure(client, make(big, steps), n)
-            small_p50, small_p95 = measure(client, make(little, small), n)
-            ratio = big_p50 / small_p50
-            print(
-                f"  {label:<26} {big_p50:8.2f} {big_p95:8.2f} {small_p50:8.2f} {small_p95:8.2f} {ratio:7.2f}"
-            )
-        with session_scope(factory) as session:
-            count = len(queries.list_runs(session))
-        p50, p95 = measure(w, "/", repeat)
-        print(f"  {f'runs page ({count} runs)':<26} {p50:8.2f} {p95:8.2f}")
-        p50, p95 = measure(w, "/api/runs", repeat)
-        print(f"  {f'runs JSON ({count} runs)':<26} {p50:8.2f} {p95:8.2f}")
+
+
+def _runs_page(w: TestClient, data: Dataset, newest: int, active: list[int], repeat: int) -> None:
+    title = f"runs page, {data.runs} runs (ms)"
+    print(f"\n  {title:<42} {'p50':>8} {'p95':>8}  bytes\n")
+    urls = {
+        "runs page (HTML)": "/",
+        "runs JSON": "/api/runs",
+        "runs page: search + sort, page 3": "/?q=sweep&sort=accuracy&order=asc&page=3",
+        "runs JSON: live poll": f"/api/runs?after={newest}&ids={','.join(map(str, active))}",
+    }
+    for label, url in urls.items():
+        p50, p95 = measure(w, url, repeat)
+        _line(label, p50, p95, _kb(len(_get(w, url)[1])))
+
+
+def _compare(w: TestClient, c: TestClient, data: Dataset, sizes: Sizes, repeat: int) -> None:
+    ids = ",".join(map(str, data.compared))
+    what = f"{len(data.compared)} runs × {sizes.steps} steps"
+    title = f"compare, {what} (ms)"
+    print(f"\n  {title:<42} {'p50':>8} {'p95':>8}  bytes (gzip)\n")
+    bodies = {}
+    for label, url in (
+        ("compare page (HTML)", f"/compare?runs={ids}"),
+        ("compare JSON", f"/api/compare?runs={ids}"),
+    ):
+        for client, kind in ((c, "cold"), (w, "unchanged runs")):
+            p50, p95 = measure(client, url, repeat)
+            body = _get(client, url)[1]
+            bodies[label] = body
+            size = f"{_kb(len(body))} ({_kb(len(gzip.compress(body, 6)))})"
+            _line(f"{label}, {kind}", p50, p95, size)
+    html = bodies["compare page (HTML)"].decode()
+    found = PAGE_DATA.search(html)
+    page = json.loads(found.group(1)) if found else {}
+    charts = {k: page[k] for k in ("figures", "series") if k in page}
+    chart = _size(charts)
+    chart_gz = len(gzip.compress(json.dumps(charts, separators=(",", ":")).encode(), 6))
+    print(f"\n  compare page: chart data (figures and series) {_kb(chart)} ({_kb(chart_gz)} gzip)")
+    parts = figure_bytes(charts.get("figures", [])) | series_bytes(charts.get("series", {}))
+    _breakdown("the page's chart data", parts)
+    _breakdown("the JSON twin", compare_json_bytes(json.loads(bodies["compare JSON"])))
+
+
+@contextmanager
+def pg_database(server_url: str) -> Iterator[str]:
+    """A fresh database on the PostgreSQL server at `server_url`, dropped afterwards."""
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    name = f"rollout_lens_bench_{uuid.uuid4().hex[:10]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def run(sizes: Sizes, *, repeat: int, sqlite_file: Path, pg: str | None) -> int:
+    print(f"\n== SQLite ({sqlite_file})")
+    bench_database(f"sqlite:///{sqlite_file}", sizes, repeat)
+    if pg:
+        with pg_database(pg) as url:
+            print(f"\n== PostgreSQL ({make_url(url).render_as_string(hide_password=True)})")
+            source = make_engine(f"sqlite:///{sqlite_file}")
+            target = make_engine(url)
+            upgrade(target)
+            rows = pages_data.copy_database(source, target)
+            source.dispose()
+            target.dispose()
+            print(f"  copied {rows:,} rows from the SQLite file")
+            bench_database(url, sizes, repeat)
     return 0
 
 
@@ -407,22 +294,33 @@ def demo(db: Path) -> int:
     return 0
 
 
+def _say(text: str) -> None:
+    print(text, end="", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10_000)
-    parser.add_argument("--small", type=int, default=100)
-    parser.add_argument("--repeat", type=int, default=200)
-    parser.add_argument("--db", type=Path, help="SQLite file to fill (default: a temporary one)")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small runs, few repeats, no cache")
+    parser.add_argument("--pg", nargs="?", const=PG_DEFAULT, help=f"also PostgreSQL ({PG_DEFAULT})")
+    parser.add_argument("--repeat", type=int, help="requests per figure (200; --quick 5)")
+    parser.add_argument("--steps", type=int, help="steps of the long runs (10,000; --quick 200)")
+    parser.add_argument("--runs", type=int, help="runs in all (1,000; --quick 300)")
+    parser.add_argument("--cache", type=Path, default=Path(".rollout-lens/bench"))
+    parser.add_argument("--fresh", action="store_true", help="fill a temporary file, not the cache")
     parser.add_argument("--demo", type=Path, help="write demo runs to this SQLite file and exit")
     args = parser.parse_args(argv)
     if args.demo:
         return demo(args.demo)
-    if args.db:
-        return run_bench(args.db, steps=args.steps, small=args.small, repeat=args.repeat)
-    with tempfile.TemporaryDirectory(prefix="rollout-lens-bench-") as tmp:
-        return run_bench(
-            Path(tmp) / "bench.db", steps=args.steps, small=args.small, repeat=args.repeat
-        )
+    sizes = QUICK if args.quick else FULL
+    sizes = replace(sizes, steps=args.steps or sizes.steps, runs=args.runs or sizes.runs)
+    repeat = args.repeat or (5 if args.quick else 200)
+    if args.fresh or args.quick:
+        with tempfile.TemporaryDirectory(prefix="rollout-lens-bench-") as tmp:
+            path = Path(tmp) / "bench.db"
+            pages_data.build(f"sqlite:///{path}", sizes, say=_say)
+            return run(sizes, repeat=repeat, sqlite_file=path, pg=args.pg)
+    path = pages_data.cached(sizes, args.cache, say=_say)
+    return run(sizes, repeat=repeat, sqlite_file=path, pg=args.pg)
 
 
 if __name__ == "__main__":

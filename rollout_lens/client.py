@@ -76,9 +76,17 @@ class Client:
     # --- reading ---------------------------------------------------------------------------
 
     def runs(self) -> list[dict[str, Any]]:
-        """Every run, newest first (the runs page's data)."""
-        runs: list[dict[str, Any]] = self._get("/api/runs")
-        return runs
+        """Every run, newest first (the runs page's data, read a page at a time).
+
+        Pages are read oldest first, so a run created meanwhile lands on a later page instead
+        of pushing one already read onto the next."""
+        runs: dict[int, dict[str, Any]] = {}
+        path: str | None = "/api/runs?sort=created&order=asc&per_page=200"
+        while path is not None:
+            page = self._get(path)
+            runs.update((run["id"], run) for run in page["runs"])
+            path = page["links"]["next"]
+        return sorted(runs.values(), key=lambda run: -run["id"])
 
     def run(self, run_id: int) -> dict[str, Any]:
         """One run's columns, plus its first_step, last_step, series_names, live state, alerts."""

@@ -59,3 +59,30 @@ def final_mean(values: Sequence[float | None], window: int = WINDOW) -> float | 
     """Mean of the last `window` recorded values."""
     present = [v for v in values if v is not None][-window:]
     return statistics.fmean(present) if present else None
+
+
+def first_bucket_reaching(
+    ends: Sequence[int],
+    values: Sequence[float | None],
+    last_step: int | None,
+    threshold: float = 0.9,
+) -> int | None:
+    """The end step of the first closed bucket (a step at or after its end recorded: it can
+    change no more) whose mean reaches `threshold`: by that step the last `WINDOW` steps
+    averaged at least that. None if no bucket does."""
+    if last_step is None:
+        return None
+    for end, value in zip(ends, values, strict=True):
+        if end <= last_step and value is not None and value >= threshold:
+            return end
+    return None
+
+
+def bucket_spread(
+    ends: Sequence[int], values: Sequence[float | None], after: int | None
+) -> float | None:
+    """Spread (max − min) of the bucket means of the buckets ending at or after step `after`."""
+    if after is None:
+        return None
+    tail = [v for end, v in zip(ends, values, strict=True) if end >= after and v is not None]
+    return max(tail) - min(tail) if tail else None

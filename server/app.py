@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 SWAGGER_JS = "vendor/swagger-ui-bundle-5.35.0.js"
 SWAGGER_CSS = "vendor/swagger-ui-5.35.0.css"
 ALERT_CACHE_SIZE = 4096
+COMPARE_CACHE_SIZE = 256
 
 
 def prepare_database(settings: Settings) -> None:
@@ -91,6 +92,8 @@ def create_app(
     # Alerts per run version: a few hundred bytes each, asked for by every runs page for every
     # run it lists, so many more are kept than whole series responses.
     app.state.alert_cache = ResponseCache(ALERT_CACHE_SIZE if cache_size else 0)
+    # Each run's part of a compare page (its rounded charts and summary, ~15 KB), per version.
+    app.state.compare_cache = ResponseCache(COMPARE_CACHE_SIZE if cache_size else 0)
     app.state.templates = make_templates()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(pages.router)

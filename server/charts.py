@@ -182,28 +182,62 @@ def live_summary(live: dict[str, Any]) -> str:
     return f"{status.capitalize()} at step {step} of {total}{resume}"
 
 
-def run_summary(
-    run: dict[str, Any],
-    steps: Sequence[int],
-    accuracy: Sequence[float | None],
-    reward: Sequence[float | None],
-) -> dict[str, Any]:
-    """Compare's summary row, with server.analysis's definitions (shared with the CLI and benches):
-    converged = first step whose trailing 25-step true accuracy reaches 0.9; stability = spread
-    (max − min) of the 25-step bucket accuracies from there on (0 is perfectly stable, the leaky
-    run's 0 ↔ 1 swings are 1); final = mean of the last 25 steps."""
-    converged = analysis.first_step_reaching(steps, accuracy, CONVERGED)
+def run_summary(run: dict[str, Any], buckets: dict[str, list[Any]]) -> dict[str, Any]:
+    """Compare's summary row from a run's 25-step buckets (bucket_table) and its summary columns:
+    converged = the end of the first closed 25-step bucket whose mean true accuracy reaches 0.9;
+    stability = spread (max − min) of the bucket accuracies from there on (0 is perfectly stable,
+    the leaky run's 0 ↔ 1 swings are 1); final = mean of the last 25 steps (the run's
+    recent_true_accuracy and recent_reward, which the writer keeps current)."""
+    ends, accuracy = buckets["end"], buckets["true_accuracy"]
+    converged = analysis.first_bucket_reaching(ends, accuracy, run["current_step"], CONVERGED)
     return {
         "run_id": run["id"],
         "name": run["name"],
         "steps": run["current_step"],
         "converged_at": converged,
-        "stability": analysis.stability(steps, accuracy, converged),
-        "final_accuracy": analysis.final_mean(accuracy),
-        "final_reward": analysis.final_mean(reward),
+        "stability": analysis.bucket_spread(ends, accuracy, converged),
+        "final_accuracy": run["recent_true_accuracy"],
+        "final_reward": run["recent_reward"],
         "device_minutes": run["device_minutes"],
         "cost": run["cost"],
     }
+
+
+CHART_DIGITS = 4  # significant digits of a chart's values, relative to the series' largest
+
+
+def chart_values(values: Sequence[float | None], places: int | None) -> list[float | int | None]:
+    """Values rounded to `places` decimals (None: as they are)."""
+    if places is None:
+        return list(values)
+    return [None if v is None else round(v, places) for v in values]
+
+
+def chart_places(*parts: Sequence[float | None], digits: int = CHART_DIGITS) -> int | None:
+    """The decimals that keep `digits` significant digits of the largest value in `parts`: a
+    250-pixel chart and its 4-digit hover show no more (None when there is nothing to round)."""
+    top = 0.0
+    for part in parts:
+        present = [v for v in part if v is not None]
+        if present:
+            top = max(top, max(present), -min(present))
+    if not top or not math.isfinite(top):
+        return None
+    return digits - 1 - math.floor(math.log10(top))
+
+
+def chart_series(
+    entries: dict[str, dict[str, list[Any]]], *, bands: bool
+) -> dict[str, dict[str, list[Any]]]:
+    """Series as a chart needs them: steps, values rounded to CHART_DIGITS significant digits of
+    the series' largest (JSON then carries ~7 characters a value instead of ~19), and the min–max
+    band (lo, hi) only with `bands` and where buckets merged steps (raw steps have none)."""
+    out = {}
+    for name, entry in entries.items():
+        parts = [p for p in (("y", "lo", "hi") if bands else ("y",)) if p in entry]
+        places = chart_places(*(entry[p] for p in parts))
+        out[name] = {"x": list(entry["x"])} | {p: chart_values(entry[p], places) for p in parts}
+    return out
 
 
 DIFF_COLUMNS = ("model", "variant", "k", "group_size", "prompts_per_step", "seed", "total_steps")

@@ -42,6 +42,12 @@ def get_alert_cache(request: Request) -> ResponseCache:
     return cache
 
 
+def get_compare_cache(request: Request) -> ResponseCache:
+    """The app's cache of each run's part of compare, keyed by run version."""
+    cache: ResponseCache = request.app.state.compare_cache
+    return cache
+
+
 def get_celery(request: Request) -> Celery:
     """The app's Celery client, made on first use (the embedded broker creates its folders)."""
     state = request.app.state
@@ -57,6 +63,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 CacheDep = Annotated[ResponseCache, Depends(get_cache)]
 CeleryDep = Annotated[Celery, Depends(get_celery)]
 AlertCacheDep = Annotated[ResponseCache, Depends(get_alert_cache)]
+CompareCacheDep = Annotated[ResponseCache, Depends(get_compare_cache)]
 
 
 def render(

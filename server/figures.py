@@ -514,10 +514,18 @@ assert tuple(COMPARE_EXTRA) == vocab.COMPARE_EXTRA
 
 
 def compare_figures(
-    runs: Sequence[dict[str, Any]], series_by_run: dict[str, dict[str, Any]], names: Sequence[str]
+    runs: Sequence[dict[str, Any]],
+    series_by_run: dict[str, dict[str, Any]],
+    names: Sequence[str],
+    *,
+    bands: bool = True,
 ) -> dict[str, list[dict[str, Any]]]:
     """Each run's series overlaid on shared-step charts, one color per run: main, control,
-    evaluation and collapse (the last two only where some run recorded them)."""
+    evaluation and collapse (the last two only where some run recorded them).
+
+    The traces come empty, tagged with meta {series, run, part}: the page sends each run's
+    series once beside them and its script fills them (a step axis per series, not per trace).
+    Without `bands`, a run's series is its mean line alone."""
     tokens: list[str] = []
     for run in runs:
         tokens += [t for t in run["control_tokens"] if t not in tokens]
@@ -525,12 +533,10 @@ def compare_figures(
     def overlay(fid: str, name: str, title: str, **kwargs: Any) -> dict[str, Any] | None:
         traces = []
         for j, run in enumerate(runs):
-            data = series_by_run[str(run["id"])]["series"].get(name)
-            if data is not None:
+            if name in series_by_run[str(run["id"])]["series"]:
                 color = RUN_COLORS[j % len(RUN_COLORS)]
-                traces += line(
-                    name, f"#{run['id']} {run['name']}", color, data=data, run_id=run["id"]
-                )
+                drawn = line(name, f"#{run['id']} {run['name']}", color, run_id=run["id"])
+                traces += drawn if bands else drawn[2:]
         return figure(fid, title, traces, y=UNIT_RANGE, **kwargs) if traces else None
 
     main = [overlay(f"c-{i}", n, label(n).capitalize()) for i, n in enumerate(names)]

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Path, Query
 from rollout_lens.server.errors import InvalidInput
+from rollout_lens.server.queries import MAX_RUNS_PER_PAGE
 
 MAX_ID = 2**31 - 1  # the largest id or step the databases store (a 32-bit INTEGER)
 MAX_RUN_IDS = 100  # run ids one request may name (runs=, ids=): each is read in full
@@ -17,6 +18,10 @@ RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="a run's id")]
 StepNo = Annotated[int, Path(ge=0, le=MAX_ID, description="a recorded step")]
 OptionalStep = Annotated[int | None, Query(ge=0, le=MAX_ID, description="a step")]
 OptionalRunId = Annotated[int | None, Query(ge=1, le=MAX_ID, description="a run's id")]
+RunsPage = Annotated[int, Query(ge=1, le=MAX_ID, description="which page of runs (from 1)")]
+RunsPerPage = Annotated[
+    int, Query(ge=1, le=MAX_RUNS_PER_PAGE, description="runs per page (default 50)")
+]
 
 
 def split_list(values: Iterable[str] | None) -> list[str]:

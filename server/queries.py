@@ -8,7 +8,8 @@ run version in the API (server.cache); a live page asks only for steps after its
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from rollout_lens.server import alerts as rules
@@ -58,6 +59,44 @@ def _like(word: str) -> str:
     return f"%{escaped}%"
 
 
+def _run_filters(q: str, ids: Sequence[int] | None, after: int | None) -> list[ColumnElement[bool]]:
+    """Every word of `q` in name, model, variant or status; `ids` or (with both) newer than `after`."""
+    where: list[ColumnElement[bool]] = []
+    for word in q.split():
+        pattern = _like(word)
+        columns = (Run.name, Run.model, Run.variant, Run.status)
+        where.append(or_(*(col.ilike(pattern, escape="\\") for col in columns)))
+    narrow: list[ColumnElement[bool]] = []
+    if ids is not None:
+        narrow.append(Run.id.in_(ids))
+    if after is not None:
+        narrow.append(Run.id > after)
+    if narrow:
+        where.append(or_(*narrow))
+    return where
+
+
+def _run_order(sort: str, descending: bool) -> list[Any]:
+    """The sort key, missing values last, then newest first."""
+    if sort not in RUN_SORTS:
+        raise InvalidInput(f"cannot sort runs by {sort!r}; choose one of {', '.join(RUN_SORTS)}")
+    key = RUN_SORTS[sort]
+    return [key.is_(None), key.desc() if descending else key.asc(), Run.id.desc()]
+
+
+def _listed(session: Session, runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Run rows as the runs list shows them: columns, place in the queue, warnings (one grouped
+    query over the page's runs), live text."""
+    out = [run_dict(run) for run in runs]
+    places = store.queue_positions(session) if any(r["status"] == "queued" for r in out) else {}
+    warnings = warning_counts(session, run_ids=[r["id"] for r in out])
+    for run in out:
+        run["queue_position"] = places.get(run["id"])
+        run["warnings"] = warnings.get(run["id"], 0)
+        run["text"] = live_text(run)
+    return out
+
+
 def list_runs(
     session: Session,
     *,
@@ -67,35 +106,57 @@ def list_runs(
     ids: Sequence[int] | None = None,
     after: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Runs matching every word of `q` (name, model, variant, status), sorted, missing values last.
+    """Every run matching every word of `q` (name, model, variant, status), sorted, missing
+    values last; `ids` and `after` narrow as in runs_page. The runs page reads runs_page."""
+    query = select(Run).where(*_run_filters(q, ids, after)).order_by(*_run_order(sort, descending))
+    return _listed(session, list(session.scalars(query)))
 
+
+RUNS_PER_PAGE = 50  # rows of the runs page
+MAX_RUNS_PER_PAGE = 200
+
+
+def runs_page(
+    session: Session,
+    *,
+    q: str = "",
+    sort: str = "created",
+    descending: bool = True,
+    page: int = 1,
+    per_page: int = RUNS_PER_PAGE,
+    ids: Sequence[int] | None = None,
+    after: int | None = None,
+) -> dict[str, Any]:
+    """One page of list_runs' runs, with how many match and the newest matching id.
+
+    Two statements whatever the number of runs (a count with the newest id, then the page's
+    rows), plus one for queue places when the page holds a queued run: the rows are the runs'
+    own columns (summary columns the writer keeps current), never a per-run read. Pages are
+    offsets into the sorted list; a page past the end is empty (with `pages` saying how many).
     `ids` and `after` narrow the list to those runs or (with both) to those runs plus any run
     newer than `after`: what a live runs page polls for.
     """
-    if sort not in RUN_SORTS:
-        raise InvalidInput(f"cannot sort runs by {sort!r}; choose one of {', '.join(RUN_SORTS)}")
-    query = select(Run)
-    for word in q.split():
-        pattern = _like(word)
-        columns = (Run.name, Run.model, Run.variant, Run.status)
-        query = query.where(or_(*(col.ilike(pattern, escape="\\") for col in columns)))
-    narrow: list[ColumnElement[bool]] = []
-    if ids is not None:
-        narrow.append(Run.id.in_(ids))
-    if after is not None:
-        narrow.append(Run.id > after)
-    if narrow:
-        query = query.where(or_(*narrow))
-    key = RUN_SORTS[sort]
-    query = query.order_by(key.is_(None), key.desc() if descending else key.asc(), Run.id.desc())
-    runs = [run_dict(run) for run in session.scalars(query)]
-    places = store.queue_positions(session) if any(r["status"] == "queued" for r in runs) else {}
-    warnings = warning_counts(session, run_ids=[r["id"] for r in runs])
-    for run in runs:
-        run["queue_position"] = places.get(run["id"])
-        run["warnings"] = warnings.get(run["id"], 0)
-        run["text"] = live_text(run)
-    return runs
+    if not 1 <= per_page <= MAX_RUNS_PER_PAGE:
+        raise InvalidInput(f"per_page goes from 1 to {MAX_RUNS_PER_PAGE}, got {per_page}")
+    if page < 1:
+        raise InvalidInput(f"pages are numbered from 1, got {page}")
+    where, order = _run_filters(q, ids, after), _run_order(sort, descending)
+    total, newest = session.execute(select(func.count(), func.max(Run.id)).where(*where)).one()
+    offset = (page - 1) * per_page
+    rows = session.scalars(
+        select(Run).where(*where).order_by(*order).offset(offset).limit(per_page)
+    )
+    runs = _listed(session, list(rows))
+    return {
+        "runs": runs,
+        "total": total,
+        "page": page,
+        "per_page": per_page,
+        "pages": max(1, -(-total // per_page)),
+        "first": offset + 1 if runs else None,
+        "last": offset + len(runs) if runs else None,
+        "newest": newest,
+    }
 
 
 def run_card(session: Session, *, run_id: int) -> dict[str, Any]:
@@ -487,32 +548,52 @@ def resolve_step(session: Session, *, run_id: int, step: int | None) -> int:
     return found
 
 
+COMPARE_POINTS = 1200  # points per compare chart, shared among its runs (MAX_POINTS each for two)
+MIN_COMPARE_POINTS = 60  # a run's share never drops below this
+COMPARE_BANDS = 3  # min–max bands up to this many runs: more overlaid bands hide the lines
+
+# memo(key, compute): compute() or what it returned before for the same key (see compare)
+Memo = Callable[[str, Callable[[], dict[str, Any]]], dict[str, Any]]
+
+
+def _no_memo(_key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    return compute()
+
+
 def compare(
     session: Session,
     *,
     run_ids: Sequence[int],
     step: int | None = None,
-    max_points: int | None = charts.MAX_POINTS,
+    max_points: int | None = None,
     max_tokens: int | None = None,
+    memo: Memo = _no_memo,
 ) -> dict[str, Any]:
-    """Two or more runs: chart series, 25-step buckets, summary, config diff, and one step of the
-    first two side by side (the last step both have, unless `step` is given; per-token arrays
-    cut to `max_tokens` positions, as step_detail)."""
+    """Two or more runs: chart series, summary, config diff, and one step of the first two side
+    by side (the last step both have, unless `step` is given; per-token arrays cut to
+    `max_tokens` positions, as step_detail).
+
+    Each run's charts come from series() with its share of COMPARE_POINTS (`max_points` per run
+    if given), so a long run reads its rollups; values are rounded to what a chart shows and
+    bands are left out past COMPARE_BANDS runs. Its summary comes from series()' 25-step buckets
+    (queries.bucket_means) and the run's summary columns, not from every step in Python. A run's
+    part is the same until the run changes: `memo` may keep it, keyed by the run's version.
+    """
     if len(run_ids) < 2:
         raise InvalidInput("compare needs at least two run ids, e.g. /compare?runs=1,2")
     if len(set(run_ids)) != len(run_ids):
         raise InvalidInput("compare needs distinct run ids")
-    runs, by_run = [], {}
+    points = max_points or max(MIN_COMPARE_POINTS, COMPARE_POINTS // len(run_ids))
+    bands = len(run_ids) <= COMPARE_BANDS
+    versions = run_versions(session, run_ids=run_ids)
+    runs, by_run, summary = [], {}, []
     for run_id in run_ids:
-        run = run_dict(store.get_run(session, run_id=run_id))
+        run = run_dict(store.get_run(session, run_id=run_id))  # NotFound for a missing run
         runs.append(run)
-        ctrl = [vocab.ctrl(t, "mean") for t in run["control_tokens"]]
-        by_run[run_id] = series(
-            session,
-            run_id=run_id,
-            names=[*vocab.COMPARE_SERIES, *ctrl, *vocab.COMPARE_EXTRA],
-            max_points=max_points,
-        )
+        key = f"compare:{points}:{'bands' if bands else 'lines'}@{versions[run_id]}"
+        part = memo(key, partial(_compare_run, session, run, points=points, bands=bands))
+        by_run[str(run_id)] = part["charts"]
+        summary.append(part["summary"])
     pair = run_ids[:2]
     lasts = [_bounds(session, run_id=r)[1] for r in pair]
     if step is None:
@@ -528,8 +609,11 @@ def compare(
         side_by_side.append({"run_id": run_id, "last_step": last, "detail": detail})
     return {
         "runs": runs,
-        "series": {str(k): v for k, v in by_run.items()},
-        "summary": [_summary(session, run) for run in runs],
+        "series": by_run,
+        "points": points,
+        "bands": bands,
+        "method": charts.DOWNSAMPLING,
+        "summary": summary,
         "config_diff": charts.config_diff(runs),
         "step": step,
         "max_step": max((s for s in lasts if s is not None), default=0),
@@ -537,16 +621,32 @@ def compare(
     }
 
 
-def _summary(session: Session, run: dict[str, Any]) -> dict[str, Any]:
-    """Compare's summary of one run from its per-step true accuracy and reward (two columns)."""
-    rows = session.execute(
-        select(Step.step, Step.true_accuracy, Step.reward_mean)
-        .where(Step.run_id == run["id"])
-        .order_by(Step.step)
-    ).all()
-    steps, accuracy, reward = (list(c) for c in zip(*rows, strict=True)) if rows else ([], [], [])
-    return charts.run_summary(run, steps, accuracy, reward) | {
-        "final_eval": last_values(session, run_id=run["id"], names=list(vocab.EVAL_SERIES))
+def _compare_run(
+    session: Session, run: dict[str, Any], *, points: int, bands: bool
+) -> dict[str, Any]:
+    """One run's part of compare: its charts (rounded, bands or not) and its summary."""
+    ctrl = [vocab.ctrl(t, "mean") for t in run["control_tokens"]]
+    names = [*vocab.COMPARE_SERIES, *ctrl, *vocab.COMPARE_EXTRA]
+    data = series(session, run_id=run["id"], names=names, max_points=points)
+    return {
+        "charts": {
+            "bucket": data["bucket"],
+            "series": charts.chart_series(data["series"], bands=bands),
+        },
+        "summary": _summary(session, run, data["buckets"], evaluated=list(data["series"])),
+    }
+
+
+def _summary(
+    session: Session, run: dict[str, Any], buckets: dict[str, list[Any]], *, evaluated: list[str]
+) -> dict[str, Any]:
+    """Compare's summary of one run from its 25-step buckets (what series() returns beside its
+    charts), its summary columns, and its last evaluations (read only for the evaluation series
+    its charts found)."""
+    names = [n for n in vocab.EVAL_SERIES if n in evaluated]
+    found = last_values(session, run_id=run["id"], names=names) if names else {}
+    return charts.run_summary(run, buckets) | {
+        "final_eval": {n: found.get(n) for n in vocab.EVAL_SERIES}
     }
 
 

@@ -44,6 +44,21 @@ class DataResponse(JSONResponse):
         return encode(content)
 
 
+def memo(cache: ResponseCache) -> queries.Memo:
+    """queries.Memo over `cache`: a part computed once per key (its run's version), kept as JSON."""
+
+    def remember(key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        body = cache.get(key)
+        if body is not None:
+            kept: dict[str, Any] = json.loads(body)
+            return kept
+        value = compute()
+        cache.put(key, encode(value))
+        return value
+
+    return remember
+
+
 def run_alerts(
     request: Request,
     session: Session,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlencode
 
 from rollout_lens.server import charts, figures, viewer
 from rollout_lens.server import series as vocab
 from rollout_lens.server.errors import NotFound
 from rollout_lens.server.models import ACTIVE_STATUSES
+from rollout_lens.server.queries import MAX_RUNS_PER_PAGE, RUNS_PER_PAGE
 
 Url = Callable[..., str]  # route name and path params → path
 
@@ -36,12 +38,42 @@ RUN_COLUMNS = (  # (sort key, header, numeric) of the runs table's sortable colu
 )
 
 
-def runs_page(
-    runs: list[dict[str, Any]], url: Url, *, q: str, sort: str, order: str
-) -> dict[str, Any]:
-    """The runs list, sortable, with what its script polls for."""
+def _runs_url(path: str, data: dict[str, Any], page: int, q: str, sort: str, order: str) -> str:
+    """A page of the runs list at `path`, keeping the search, the sort and the page size."""
+    params: dict[str, Any] = {"q": q, "sort": sort, "order": order, "page": page}
+    if data["per_page"] != RUNS_PER_PAGE:
+        params["per_page"] = data["per_page"]
+    query = {k: v for k, v in params.items() if v not in (None, "")}
+    return f"{path}?{urlencode(query)}"
+
+
+def page_links(
+    data: dict[str, Any], path: str, *, q: str, sort: str, order: str
+) -> dict[str, str | None]:
+    """The previous and next pages of a runs list at `path` (None at either end); from a page
+    past the end, previous is the last page."""
+    page, pages = data["page"], data["pages"]
+    return {
+        "prev": _runs_url(path, data, min(page - 1, pages), q, sort, order) if page > 1 else None,
+        "next": _runs_url(path, data, page + 1, q, sort, order) if page < pages else None,
+    }
+
+
+def runs_json(data: dict[str, Any], url: Url, *, q: str, sort: str, order: str) -> dict[str, Any]:
+    """The runs API's body: runs_page's page of runs plus the links to the pages around it."""
+    return data | {"links": page_links(data, url("list_runs"), q=q, sort=sort, order=order)}
+
+
+def runs_page(data: dict[str, Any], url: Url, *, q: str, sort: str, order: str) -> dict[str, Any]:
+    """One page of the runs list, sortable, with what its script polls for."""
+    runs = data["runs"]
     return {
         "runs": runs,
+        "p": data,
+        "links": page_links(data, url("runs_page"), q=q, sort=sort, order=order),
+        "json_url": _runs_url(url("list_runs"), data, data["page"], q, sort, order),
+        # a page size other than the default, which the search form keeps
+        "per_page": data["per_page"] if data["per_page"] != RUNS_PER_PAGE else None,
         "q": q,
         "sort": sort,
         "order": order,
@@ -49,9 +81,10 @@ def runs_page(
         "page": {
             "poll_ms": POLL_MS,
             "active": [r["id"] for r in runs if r["status"] in ACTIVE_STATUSES],
-            "newest": max((r["id"] for r in runs), default=0),
+            "newest": data["newest"] or 0,
             "q": q,
             "api": url("list_runs"),
+            "poll_size": MAX_RUNS_PER_PAGE,
             "alerts": url("list_alerts"),
         },
     }
@@ -118,11 +151,14 @@ def step_page(detail: dict[str, Any], group: int) -> dict[str, Any]:
 
 def compare_page(data: dict[str, Any], url: Url) -> dict[str, Any]:
     """Runs overlaid section by section, their summary and config diff, one step side by side."""
-    figs = figures.compare_figures(data["runs"], data["series"], vocab.COMPARE_SERIES)
+    figs = figures.compare_figures(
+        data["runs"], data["series"], vocab.COMPARE_SERIES, bands=data["bands"]
+    )
     # Run i is drawn in RUN_COLORS[i]; templates use the matching CSS class run-c{i}.
     colors = {run["id"]: i % len(figures.RUN_COLORS) for i, run in enumerate(data["runs"])}
     page = {
         "figures": [f for s in figures.COMPARE_SECTIONS for f in figs[s["group"]]],
+        "series": data["series"],  # run id → its series: what fills the figures' traces
         "step": data["step"],
         "max_step": data["max_step"],
         "pair": [s["run_id"] for s in data["side_by_side"]],

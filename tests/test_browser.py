@@ -398,3 +398,45 @@ def test_launch_form_keeps_values_and_shows_errors_in_place(tab: Tab, served: Se
         assert len(store.list_runs(session)) == len(served.runs)  # nothing was created
     # The form came back as a 422, which Chromium logs; that one is meant.
     tab.errors[:] = [e for e in tab.errors if "status of 422" not in e]
+
+
+def test_runs_page_pages_and_follows_the_runs_it_shows(tab: Tab, served: Served) -> None:
+    """Pages of two runs: Next and Previous keep the page size, a training run on page 2 is
+    followed live, a new run is announced, and Enter searches every run."""
+    page = tab.page
+    training = make_run(
+        served.factory, steps=2, seed=20, name="paged training", status=RunStatus.running
+    )
+    newer = [make_run(served.factory, steps=1, seed=21 + i, name=f"paged {i}") for i in range(2)]
+    served.runs |= {"paged training": training, "paged 0": newer[0], "paged 1": newer[1]}
+    ids = sorted(served.runs.values(), reverse=True)
+    page.goto("/?per_page=2")
+    shown = "#runs-table tbody tr"
+    assert page.locator(shown).count() == 2
+    assert page.locator("#showing").inner_text() == f"Showing 1–2 of {len(ids)}"
+    page.get_by_role("link", name="Next →").click()
+    page.wait_for_url(re.compile(r"page=2&per_page=2$"))
+    assert [
+        int(r) for r in page.locator(shown).evaluate_all("rows => rows.map((r) => r.dataset.runId)")
+    ] == ids[2:4]
+    assert page.locator("#showing").inner_text() == f"Showing 3–4 of {len(ids)}"
+    _shot(page, "runs-page-2")
+    # The training run on this page is followed; a run newer than every page is announced.
+    record_step(served.factory, training, 3, values={"true_accuracy": 1.0})
+    step = f"tr[data-run-id='{training}'] [data-field=current_step]"
+    page.wait_for_function(f"() => document.querySelector(\"{step}\").textContent === '3'")
+    served.runs["paged fresh"] = make_run(served.factory, steps=1, seed=30, name="paged fresh")
+    page.locator("#new-runs").wait_for()
+    assert page.locator("#new-runs-text").inner_text() == "1 new run."
+    page.get_by_role("link", name="← Previous").click()
+    page.wait_for_url(re.compile(r"page=1&per_page=2$"))
+    # Typing filters this page; Enter searches every run (keeping the page size).
+    page.locator("#run-filter").fill("leaky")
+    assert page.locator(f"{shown}:visible").count() == 0
+    assert page.locator("#filter-empty").is_visible()
+    page.locator("#run-filter").press("Enter")
+    page.wait_for_url(re.compile(r"q=leaky"))
+    assert page.locator(shown).count() == 1 and "per_page=2" in page.url
+    assert page.locator("#showing").inner_text() == "Showing 1–1 of 1"
+    with session_scope(served.factory) as session:
+        store.mark_finished(session, run_id=training, status=RunStatus.completed)

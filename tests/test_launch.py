@@ -556,7 +556,7 @@ def test_progress_has_queue_places_speed_and_eta(
         2,
         3,
     ]
-    listed = {r["id"]: r["queue_position"] for r in client.get("/api/runs").json()}
+    listed = {r["id"]: r["queue_position"] for r in client.get("/api/runs").json()["runs"]}
     assert listed == dict(zip(ids, [1, 2, 3], strict=True))
     runs_page = parse(client.get("/").text)
     assert (

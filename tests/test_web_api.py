@@ -25,20 +25,21 @@ def test_runs_api_filters_narrows_and_sorts(session_factory, client) -> None:
     b = make_run(session_factory, steps=2, seed=2, name="beta")
     with session_scope(session_factory) as session:
         store.mark_finished(session, run_id=a, status=RunStatus.completed)
-    runs = client.get("/api/runs").json()
+    runs = client.get("/api/runs").json()["runs"]
     assert [r["id"] for r in runs] == [b, a]
     assert runs[1]["status"] == "completed" and runs[1]["current_step"] == 3
     assert {"recent_true_accuracy", "recent_reward", "device_minutes", "cost", "config"} <= set(
         runs[0]
     )
-    assert [r["name"] for r in client.get("/api/runs?sort=name&order=asc").json()] == [
+    assert [r["name"] for r in client.get("/api/runs?sort=name&order=asc").json()["runs"]] == [
         "alpha",
         "beta",
     ]
-    assert [r["id"] for r in client.get("/api/runs?q=bet").json()] == [b]
+    assert [r["id"] for r in client.get("/api/runs?q=bet").json()["runs"]] == [b]
     # What a live runs page polls: the runs it follows, plus any newer than the newest it shows.
     c = make_run(session_factory, steps=1, seed=3, name="gamma")
-    assert {r["id"] for r in client.get(f"/api/runs?ids={a}&after={b}").json()} == {a, c}
+    polled = client.get(f"/api/runs?ids={a}&after={b}").json()
+    assert {r["id"] for r in polled["runs"]} == {a, c} and polled["newest"] == c
     assert client.get("/api/runs?sort=nope").status_code == 400
     assert client.get("/api/runs?ids=x").status_code == 400
 

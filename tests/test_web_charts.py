@@ -43,18 +43,55 @@ def test_bucket_table_names_step_ranges() -> None:
     assert table["true_accuracy"] == [1.0, 0.0]
 
 
-def test_run_summary_uses_the_shared_definitions() -> None:
-    steps = list(range(1, 101))
+def _buckets(accuracy: list[float]) -> dict[str, list]:
+    """bucket_table of per-step accuracies from step 1 (as queries.bucket_means reads them)."""
+    rows = [
+        (i // 25, len(accuracy[i : i + 25]), sum(accuracy[i : i + 25]) / len(accuracy[i : i + 25]))
+        for i in range(0, len(accuracy), 25)
+    ]
+    return charts.bucket_table([(i, n, acc, 0.5, 1.0) for i, n, acc in rows])
+
+
+def test_run_summary_reads_buckets_and_the_summary_columns() -> None:
     accuracy = [0.0] * 30 + [1.0] * 70
-    run = {"id": 1, "name": "r", "current_step": 100, "device_minutes": 2.0, "cost": 0.1}
-    summary = charts.run_summary(run, steps, accuracy, [0.5] * 100)
-    assert summary["converged_at"] == 53  # trailing 25-step mean first ≥ 0.9 at step 53
-    assert summary["stability"] == 0.0  # every bucket from step 53's on is 1.0
-    wobbly = charts.run_summary(run, steps, accuracy[:75] + [0.6] * 25, [0.5] * 100)
+    run = {
+        "id": 1,
+        "name": "r",
+        "current_step": 100,
+        "device_minutes": 2.0,
+        "cost": 0.1,
+        "recent_true_accuracy": 1.0,
+        "recent_reward": 0.5,
+    }
+    summary = charts.run_summary(run, _buckets(accuracy))
+    assert summary["converged_at"] == 75  # steps 51–75: the first bucket with a mean ≥ 0.9
+    assert summary["stability"] == 0.0  # every bucket from there on is 1.0
+    wobbly = charts.run_summary(run, _buckets(accuracy[:75] + [0.6] * 25))
     assert wobbly["stability"] == pytest.approx(0.4)
     assert summary["final_accuracy"] == 1.0 and summary["final_reward"] == 0.5
-    never = charts.run_summary(run, steps, [0.5] * 100, [0.5] * 100)
+    never = charts.run_summary(run, _buckets([0.5] * 100))
     assert never["converged_at"] is None and never["stability"] is None
+    # A bucket still filling cannot converge yet: steps 51–60 of a run at step 60.
+    live = charts.run_summary(run | {"current_step": 60}, _buckets([0.0] * 50 + [1.0] * 10))
+    assert live["converged_at"] is None
+
+
+def test_chart_series_round_to_what_a_chart_shows_and_drop_bands_on_request() -> None:
+    entry = {
+        "x": [1, 11],
+        "y": [0.123456789, 0.000123456],
+        "lo": [0.1, 0.0],
+        "hi": [0.987654321, 0.5],
+    }
+    shown = charts.chart_series({"a": entry}, bands=True)["a"]
+    assert shown == {"x": [1, 11], "y": [0.1235, 0.0001], "lo": [0.1, 0.0], "hi": [0.9877, 0.5]}
+    assert charts.chart_series({"a": entry}, bands=False) == {
+        "a": {"x": [1, 11], "y": [0.1235, 0.0001]}
+    }
+    small = charts.chart_series({"p": {"x": [1, 2], "y": [0.00123456, None]}}, bands=True)
+    assert small == {"p": {"x": [1, 2], "y": [0.001235, None]}}  # digits of its own scale
+    big = charts.chart_series({"n": {"x": [1], "y": [123456.7]}}, bands=False)
+    assert big["n"]["y"] == [123500.0]
 
 
 def test_config_diff_shows_only_what_differs() -> None:
@@ -234,12 +271,14 @@ def test_compare_figures_overlay_runs() -> None:
     }
     figs = figures.compare_figures(runs, series, ["true_accuracy", "vote_agreement"])
     assert [f["title"] for f in figs["main"]] == ["True accuracy"]
-    assert {t["meta"]["run"] for t in figs["main"][0]["data"]} == {1, 2}
-    assert [t["y"] for t in figs["main"][0]["data"] if t["meta"]["part"] == "lo"] == [
-        [0.1, 0.2],
-        [0.1, 0.2],
+    traces = figs["main"][0]["data"]
+    assert [(t["meta"]["run"], t["meta"]["part"]) for t in traces] == [
+        (run, part) for run in (1, 2) for part in ("lo", "hi", "y")
     ]
+    assert all(t["x"] == [] and t["y"] == [] for t in traces)  # the page's script fills them
     assert [f["title"] for f in figs["control"]] == ["<tool>"]
+    lines = figures.compare_figures(runs, series, ["true_accuracy"], bands=False)
+    assert [t["meta"]["part"] for t in lines["main"][0]["data"]] == ["y", "y"]
 
 
 def test_probe_details_group_each_probe_with_its_statistics_and_splits() -> None:

@@ -6,12 +6,21 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
-from rollout_lens.server import charts, launch, queries
-from rollout_lens.server.deps import AlertCacheDep, CacheDep, SessionDep
-from rollout_lens.server.params import MAX_ID, RunId, StepNo, run_ids, split_list
+from rollout_lens.server import charts, launch, queries, views
+from rollout_lens.server.deps import AlertCacheDep, CacheDep, CompareCacheDep, SessionDep
+from rollout_lens.server.params import (
+    MAX_ID,
+    RunId,
+    RunsPage,
+    RunsPerPage,
+    StepNo,
+    run_ids,
+    split_list,
+)
 from rollout_lens.server.responses import (
     DataResponse,
     alerts_of_runs,
+    memo,
     run_alerts,
     versioned,
     with_step_urls,
@@ -22,8 +31,16 @@ router = APIRouter(prefix="/api", tags=["runs"])
 Order = Literal["asc", "desc"]
 
 
+def _url(request: Request) -> views.Url:
+    def url(name: str, **params: object) -> str:
+        return str(request.app.url_path_for(name, **params))
+
+    return url
+
+
 @router.get("/runs", response_class=DataResponse)
 def list_runs(
+    request: Request,
     session: SessionDep,
     q: Annotated[
         str, Query(description="words that must all appear in name, model, variant or status")
@@ -36,14 +53,24 @@ def list_runs(
     after: Annotated[
         int | None, Query(ge=0, le=MAX_ID, description="only runs newer than this id (or in ids)")
     ] = None,
+    page: RunsPage = 1,
+    per_page: RunsPerPage = queries.RUNS_PER_PAGE,
 ) -> DataResponse:
-    """Runs with status, progress and last-25-step figures (the runs page)."""
+    """One page of runs with status, progress and last-25-step figures (the runs page): `runs`,
+    how many match (`total`, `pages`), which of them these are (`first`, `last`), the newest
+    matching id, and `links.prev` / `links.next` (null at either end)."""
     wanted = run_ids(ids) if ids else None
-    return DataResponse(
-        queries.list_runs(
-            session, q=q, sort=sort, descending=order == "desc", ids=wanted, after=after
-        )
+    data = queries.runs_page(
+        session,
+        q=q,
+        sort=sort,
+        descending=order == "desc",
+        page=page,
+        per_page=per_page,
+        ids=wanted,
+        after=after,
     )
+    return DataResponse(views.runs_json(data, _url(request), q=q, sort=sort, order=order))
 
 
 @router.get("/runs/{run_id}", response_class=DataResponse)
@@ -158,10 +185,12 @@ def get_step(session: SessionDep, run_id: RunId, step: StepNo) -> DataResponse:
 @router.get("/compare", response_class=DataResponse)
 def get_compare(
     session: SessionDep,
+    cache: CompareCacheDep,
     runs: Annotated[list[str], Query(description="two or more run ids, comma-separated")],
     step: Annotated[
         int | None, Query(ge=0, le=MAX_ID, description="the step shown side by side")
     ] = None,
 ) -> DataResponse:
     """Runs side by side: series, summary (convergence, stability, cost), config diff, one step."""
-    return DataResponse(queries.compare(session, run_ids=run_ids(runs), step=step))
+    data = queries.compare(session, run_ids=run_ids(runs), step=step, memo=memo(cache))
+    return DataResponse(data)

@@ -11,9 +11,17 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from rollout_lens.server import launch, queries, views
-from rollout_lens.server.deps import AlertCacheDep, SessionDep, render
-from rollout_lens.server.params import OptionalRunId, OptionalStep, RunId, StepNo, run_ids
-from rollout_lens.server.responses import run_alerts
+from rollout_lens.server.deps import AlertCacheDep, CompareCacheDep, SessionDep, render
+from rollout_lens.server.params import (
+    OptionalRunId,
+    OptionalStep,
+    RunId,
+    RunsPage,
+    RunsPerPage,
+    StepNo,
+    run_ids,
+)
+from rollout_lens.server.responses import memo, run_alerts
 from rollout_lens.server.viewer import VIEW_TOKENS
 
 router = APIRouter(include_in_schema=False)
@@ -33,11 +41,14 @@ def runs_page(
     q: str = "",
     sort: str = "created",
     order: Literal["asc", "desc"] = "desc",
+    page: RunsPage = 1,
+    per_page: RunsPerPage = queries.RUNS_PER_PAGE,
 ) -> HTMLResponse:
-    runs = queries.list_runs(session, q=q, sort=sort, descending=order == "desc")
-    return render(
-        request, "runs.html", views.runs_page(runs, _url(request), q=q, sort=sort, order=order)
+    data = queries.runs_page(
+        session, q=q, sort=sort, descending=order == "desc", page=page, per_page=per_page
     )
+    context = views.runs_page(data, _url(request), q=q, sort=sort, order=order)
+    return render(request, "runs.html", context)
 
 
 @router.get("/runs/new", name="new_run_page")
@@ -92,8 +103,11 @@ def step_card(request: Request, session: SessionDep, run_id: RunId, step: StepNo
 def compare_page(
     request: Request,
     session: SessionDep,
+    cache: CompareCacheDep,
     runs: Annotated[list[str] | None, Query()] = None,
     step: OptionalStep = None,
 ) -> HTMLResponse:
-    data = queries.compare(session, run_ids=run_ids(runs), step=step, max_tokens=VIEW_TOKENS)
+    data = queries.compare(
+        session, run_ids=run_ids(runs), step=step, max_tokens=VIEW_TOKENS, memo=memo(cache)
+    )
     return render(request, "compare.html", views.compare_page(data, _url(request)))

@@ -42,6 +42,20 @@ window.RL.charts = (() => {
     return changed;
   }
 
+  /** Fill a figure's per-run traces (meta.run) from each run's series before it is drawn:
+   *  the page sends a series' steps once, not once per trace. */
+  function fillRuns(fig, byRun) {
+    for (const trace of fig.data) {
+      const meta = trace.meta || {};
+      const run = byRun[meta.run];
+      const data = run && run.series[meta.series];
+      if (!data) continue;
+      trace.x = data.x;
+      trace.y = data[meta.part] || data.y; // no band sent: lo = hi = y
+    }
+    return fig;
+  }
+
   /** Replace the 25-step buckets a payload brings (the last one may still be filling). */
   function applyBuckets(el, buckets) {
     if (!buckets || !buckets.start.length) return false;
@@ -150,5 +164,5 @@ window.RL.charts = (() => {
     });
   }
 
-  return { draw, seriesNames, appendSeries, applyBuckets, hasData, redraw, syncX, onStepClick, ALERT_COLORS };
+  return { draw, fillRuns, seriesNames, appendSeries, applyBuckets, hasData, redraw, syncX, onStepClick, ALERT_COLORS };
 })();

@@ -3,7 +3,7 @@
 (() => {
   const page = RL.pageData();
   const C = RL.charts;
-  const els = page.figures.map(C.draw);
+  const els = page.figures.map((fig) => C.draw(C.fillRuns(fig, page.series)));
   for (const el of els) el.closest("figure").classList.toggle("no-data", !C.hasData(el));
   C.syncX([], els);
 

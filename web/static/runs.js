@@ -1,5 +1,6 @@
 "use strict";
-// The runs page: filter as you type, pick runs to compare, follow training runs live.
+// The runs page (one page of runs): filter this page as you type (Enter searches every run),
+// pick runs to compare, follow this page's training runs live and say when new runs appear.
 (() => {
   const page = RL.pageData();
   const table = document.getElementById("runs-table");
@@ -16,7 +17,6 @@
       row.hidden = !match;
       if (match) shown += 1;
     }
-    document.getElementById("run-count").textContent = String(shown);
     const empty = document.getElementById("filter-empty");
     if (empty) empty.hidden = shown > 0;
   }
@@ -45,8 +45,8 @@
   }
 
   const active = new Set(page.active);
-  let newest = page.newest;
-  const fresh = new Set();
+  let newest = page.newest; // the newest run matching this search, on this page or not
+  const fresh = new Set(); // runs newer than the page, since it loaded
 
   /** A "⚠ n" badge that opens the run's alerts, each a link to the step where it fired. */
   function alertBadge(alerts) {
@@ -82,10 +82,11 @@
 
   async function poll() {
     try {
-      const params = new URLSearchParams({ after: String(newest) });
+      // This page's training runs, and any run newer than the newest matching one.
+      const params = new URLSearchParams({ after: String(newest), per_page: String(page.poll_size) });
       if (active.size) params.set("ids", [...active].join(","));
       if (page.q) params.set("q", page.q);
-      const runs = await RL.getJSON(`${page.api}?${params}`);
+      const { runs } = await RL.getJSON(`${page.api}?${params}`);
       const moved = [];
       for (const run of runs) {
         const row = table && table.querySelector(`tr[data-run-id="${run.id}"]`);
