@@ -1,0 +1,74 @@
+"""All SQL of the dashboard's reads: keyword-only functions over a Session (routes → queries), one
+module per page:
+
+- runs: the runs list (paged) and what every run page shares (card, version, bounds, live state);
+- run_page: chart series, 25-step buckets, alerts;
+- step_page: the step viewer;
+- compare_page: compare.
+
+Every read costs the same whatever a run's length (index seeks on (run_id, step), rollups for a
+long history, alerts as the recorder wrote them), except compare's charts of runs it has not seen
+at their current version (kept by version in the API: server.cache).
+"""
+
+from rollout_lens.server.queries.compare_page import (
+    COMPARE_BANDS,
+    COMPARE_POINTS,
+    Memo,
+    compare,
+    last_values,
+)
+from rollout_lens.server.queries.run_page import (
+    alerts,
+    bucket_means,
+    evaluate_alerts,
+    series,
+)
+from rollout_lens.server.queries.runs import (
+    MAX_RUNS_PER_PAGE,
+    RUN_SORTS,
+    RUNS_PER_PAGE,
+    list_runs,
+    run_card,
+    run_live,
+    run_overview,
+    run_version,
+    run_versions,
+    runs_page,
+    series_names,
+    warning_counts,
+)
+from rollout_lens.server.queries.step_page import (
+    nearest_kept_step,
+    nearest_step,
+    resolve_step,
+    step_detail,
+)
+
+__all__ = [
+    "COMPARE_BANDS",
+    "COMPARE_POINTS",
+    "MAX_RUNS_PER_PAGE",
+    "RUNS_PER_PAGE",
+    "RUN_SORTS",
+    "Memo",
+    "alerts",
+    "bucket_means",
+    "compare",
+    "evaluate_alerts",
+    "last_values",
+    "list_runs",
+    "nearest_kept_step",
+    "nearest_step",
+    "resolve_step",
+    "run_card",
+    "run_live",
+    "run_overview",
+    "run_version",
+    "run_versions",
+    "runs_page",
+    "series",
+    "series_names",
+    "step_detail",
+    "warning_counts",
+]
