@@ -524,5 +524,5 @@ def test_a_healthy_converged_run_shows_no_warning(session_factory, client) -> No
     assert slot.text.strip() == ""
     slot = runs.find("tr", data_run_id=str(stuck)).find(cls="alerts-slot")
     assert slot.text.strip() == "⚠ 1"
-    listed = {r["id"]: r["warnings"] for r in client.get("/api/runs").json()}
+    listed = {r["id"]: r["warnings"] for r in client.get("/api/runs").json()["runs"]}
     assert listed[converged] == 0 and listed[stuck] == 1
