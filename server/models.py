@@ -228,7 +228,9 @@ class Rollout(Base):
         return self.completion_ids is not None
 
 
-ROLLUP_WIDTHS = (10, 100, 1000)  # steps per bucket: a chart of any run length reads few rows
+# Steps per bucket: a chart of any run length reads few rows; 25 is the run page's bucket table
+# (server.series.WINDOW).
+ROLLUP_WIDTHS = (10, 25, 100, 1000)
 
 
 class Rollup(Base):

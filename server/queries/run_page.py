@@ -140,9 +140,23 @@ def bucket_means(
 ) -> dict[str, list[Any]]:
     """25-step bucket means (steps 1–25, 26–50, …) of every bucket touched by steps after `since`.
 
-    A live page polls with its cursor and replaces the buckets it gets back by their index.
+    A live page polls with its cursor and replaces the buckets it gets back by their index. Read
+    from the 25-step rollups (a few hundred rows for a long run, however long); `n` is the number
+    of steps in the bucket that logged any of the three. With `until`, from the steps.
     """
     width = vocab.WINDOW
+    if until is None:
+        names = ("true_accuracy", "reward_mean", "format_valid_rate")
+        found = store.rollup_series(session, run_id=run_id, names=names, width=width, since=since)
+        rows: dict[int, list[Any]] = {}
+        for column, name in enumerate(names, start=2):
+            for first, _last, n, mean, _lo, _hi in found.get(name, []):
+                row = rows.setdefault(
+                    (first - 1) // width, [(first - 1) // width, 0, None, None, None]
+                )
+                row[1] = max(row[1], n)
+                row[column] = mean
+        return charts.bucket_table([rows[b] for b in sorted(rows)])
     bucket = ((Step.step - 1) // width).label("bucket")
     start = (since // width) * width  # the whole bucket holding step since+1
     query = (

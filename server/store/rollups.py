@@ -58,7 +58,7 @@ def roll(
     width from its steps, each wider one by merging the next smaller width's rows (rolled
     first), so no roll reads more than ten rows per bucket."""
     n_names = len(all_names([""] * n_series))  # the step columns and the generic series
-    smaller = max((w for w in ROLLUP_WIDTHS if w < width), default=None)
+    smaller = max((w for w in ROLLUP_WIDTHS if w < width and width % w == 0), default=None)
     by_bucket: dict[int, list[float]] = {}
     if smaller is None:
         rows = step_rows(
@@ -221,22 +221,50 @@ def rollup_series(
     ).all()
     flats = [(bucket, unpack_doubles(data)) for bucket, data in rows]
     last_rolled = rows[-1][0] if rows else rolled_through(session, run_id=run_id)[width]
-    open_rows = step_rows(
-        session,
-        run_id=run_id,
-        after=(last_rolled + 1) * width,
-        through=None,
-        n_series=len(series_names),
+    flats += sorted(
+        _tail(
+            session, run_id=run_id, width=width, after=(last_rolled + 1) * width, size=len(layout)
+        ).items()
     )
-    by_bucket: dict[int, list[tuple[int, list[float | None]]]] = {}
-    for step, values in open_rows:
-        by_bucket.setdefault((step - 1) // width, []).append((step, values))
-    flats += [(b, aggregate(members, len(layout))) for b, members in sorted(by_bucket.items())]
     for _, flat in flats:
         for name, index in wanted:
             bucket = _buckets(flat, index)
             if bucket is not None and bucket[1] > since:
                 out.setdefault(name, []).append(bucket)
+    return out
+
+
+def _tail(
+    session: Session, *, run_id: int, width: int, after: int, size: int
+) -> dict[int, list[float]]:
+    """Aggregates by bucket of `width` of the steps after `after` (not rolled up at this width):
+    the rolled rows of the widest width that divides it where they reach, then the steps."""
+    smaller = max((w for w in ROLLUP_WIDTHS if w < width and width % w == 0), default=None)
+    out: dict[int, list[float]] = {}
+    n_series = size - len(all_names([]))
+    if smaller is not None:
+        rows = session.execute(
+            select(Rollup.bucket, Rollup.data)
+            .where(
+                Rollup.run_id == run_id,
+                Rollup.width == smaller,
+                Rollup.bucket >= after // smaller,
+            )
+            .order_by(Rollup.bucket)
+        )
+        for bucket, data in rows:
+            merge(
+                out.setdefault(bucket * smaller // width, [0.0] * (FIELDS * size)),
+                unpack_doubles(data),
+            )
+            after = (bucket + 1) * smaller
+    members: dict[int, list[tuple[int, list[float | None]]]] = {}
+    for step, values in step_rows(
+        session, run_id=run_id, after=after, through=None, n_series=n_series
+    ):
+        members.setdefault((step - 1) // width, []).append((step, values))
+    for bucket, steps in members.items():
+        merge(out.setdefault(bucket, [0.0] * (FIELDS * size)), aggregate(steps, size))
     return out
 
 
