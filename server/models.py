@@ -231,6 +231,7 @@ class Rollout(Base):
 # Steps per bucket: a chart of any run length reads few rows; 25 is the run page's bucket table
 # (server.series.WINDOW).
 ROLLUP_WIDTHS = (10, 25, 100, 1000)
+CHART_WIDTHS = (10, 100, 1000)  # the ones charts read: at most a few hundred buckets each
 
 
 class Rollup(Base):

@@ -10,7 +10,7 @@ from rollout_lens.server import alerts as rules
 from rollout_lens.server import charts, store
 from rollout_lens.server import series as vocab
 from rollout_lens.server.models import (
-    ROLLUP_WIDTHS,
+    CHART_WIDTHS,
     AlertRow,
     Run,
     Step,
@@ -59,7 +59,7 @@ def series(
     ).one()
     width = 1 if lo is None or hi is None else charts.bucket_width(hi - lo + 1, max_points)
     out: dict[str, dict[str, list[Any]]] = {}
-    rollup = next((w for w in ROLLUP_WIDTHS if w >= width), None) if width > 1 else None
+    rollup = next((w for w in CHART_WIDTHS if w >= width), None) if width > 1 else None
     if rollup is not None and since == 0 and until is None:
         # A long run's whole history: read the buckets the writer keeps, not every step.
         width = rollup
