@@ -15,6 +15,7 @@ bytes on disk per rollout against TRL's own completions parquet.
    probabilities, probes, votes, true scores and every per-step series.
 
     .venv/bin/python -m bench.ingest [--steps 400] [--pg URL] [--quick]
+    .venv/bin/python -m bench.ingest --db .rollout-lens/rollout_lens.db   # a real database's bytes
 """
 
 from __future__ import annotations
@@ -292,13 +293,63 @@ def sizes(folder: Path, *, steps: int) -> None:
     )
 
 
+def database_sizes(path: Path, folder: Path) -> None:
+    """Bytes per rollout of an existing SQLite database (a copy, VACUUMed) against the same
+    rollouts written as TRL's log_completions writes them (one parquet per run and step)."""
+    import shutil
+    import sqlite3
+
+    import pandas as pd
+
+    copy = folder / "copy.db"
+    shutil.copy(path, copy)
+    for suffix in ("-wal", "-shm"):
+        if Path(f"{path}{suffix}").exists():
+            shutil.copy(f"{path}{suffix}", f"{copy}{suffix}")
+    raw = sqlite3.connect(copy)
+    raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    raw.execute("VACUUM")
+    n = raw.execute("SELECT count(*) FROM rollouts").fetchone()[0] or 1
+    trl_bytes = 0
+    rows = raw.execute(
+        "SELECT r.run_id, r.step, p.text, r.completion, r.verifier_reward, r.advantage FROM rollouts r"
+        ' JOIN prompts p ON p.id = r.prompt_id ORDER BY r.run_id, r.step, r."group", r.idx'
+    ).fetchall()
+    raw.close()
+    by_file: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
+    for row in rows:
+        by_file.setdefault((row[0], row[1]), []).append(row)
+    for (run_id, step), members in by_file.items():
+        out = folder / f"run{run_id}_completions_{step:05d}.parquet"
+        pd.DataFrame(
+            {
+                "step": [step] * len(members),
+                "prompt": [m[2] for m in members],
+                "completion": [m[3] for m in members],
+                "reward": [m[4] for m in members],
+                "advantage": [m[5] for m in members],
+            }
+        ).to_parquet(out)
+        trl_bytes += out.stat().st_size
+    ours = copy.stat().st_size / n
+    print(
+        f"bytes per rollout of {path} ({n} rollouts): recorder {ours:,.0f} B (VACUUMed), TRL "
+        f"completions parquet {trl_bytes / n:,.0f} B; ratio {ours / (trl_bytes / n):.2f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pg", default=PG_DEFAULT, help="a PostgreSQL URL ('' to skip)")
     parser.add_argument("--quick", action="store_true", help="a few seconds: CI keeps it working")
+    parser.add_argument("--db", type=Path, help="only measure this SQLite database's bytes")
     args = parser.parse_args(argv)
+    if args.db:
+        with tempfile.TemporaryDirectory() as tmp:
+            database_sizes(args.db, Path(tmp))
+        return 0
     steps, rounds = (40, 1) if args.quick else (args.steps, args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -288,7 +288,15 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
             queue = f"embedded queue; started a local worker, pid {worker.pid}"
         print(f"Rollout Lens on http://{args.host}:{args.port}/ (database {database}; {queue})")
         sys.stdout.flush()
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+        # Keep-alive 30 s, not uvicorn's 5: a server busy enough to run its timer late closes a
+        # connection its client has just sent a request on (a script's client does not retry).
+        uvicorn.run(
+            create_app(settings),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_keep_alive=30,
+        )
     finally:
         # Stop the local worker: terminate, then kill if it has not stopped within 10 s (a run it
         # was training is then marked lost by the heartbeat check, and can be resumed).

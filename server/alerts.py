@@ -6,16 +6,26 @@ only after the condition has cleared, so a long collapse is one alert, not a tho
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from rollout_lens.server import analysis
-from rollout_lens.server.series import COLLAPSED, DROP_PROBES, SPIKE_PROBES, WINDOW
+from rollout_lens.server.series import (
+    COLLAPSED,
+    DROP_PROBES,
+    SOLVED_GROUPS,
+    SPIKE_PROBES,
+    STUCK_GROUPS,
+    WINDOW,
+)
 
 Series = Sequence[tuple[int, float | None]]
 REWARD, ACCURACY, ZERO_STD = "reward_mean", "true_accuracy", "zero_std_share"
-READS = (REWARD, ACCURACY, ZERO_STD, *SPIKE_PROBES, *DROP_PROBES, COLLAPSED)  # every rule's input
+STUCK, SOLVED = STUCK_GROUPS, SOLVED_GROUPS
+# every rule's input
+READS = (REWARD, ACCURACY, ZERO_STD, STUCK, SOLVED, *SPIKE_PROBES, *DROP_PROBES, COLLAPSED)
 
 
 @dataclass(frozen=True)
@@ -26,14 +36,40 @@ class AlertThresholds:
     spike_ratio: float = 4.0  # …or this many times its trailing mean,
     spike_min: float = 0.2  # provided it is at least this large
     spike_window: int = 10
-    collapse_share: float = 0.5
+    collapse_share: float = 0.5  # collapsed completions, averaged over the shares window
     hacking_window: int = WINDOW
     hacking_min_rise: float = 0.1  # reward must rise at least this much over the window…
     hacking_max_acc_change: float = 0.0  # …while true accuracy changes by at most this
     drop_below: float = 0.5  # a ~1 probe falling under this…
     drop_from: float = 0.9  # …after its trailing mean stood above this
-    signal_loss_share: float = 0.95
-    signal_loss_window: int = 10
+    signal_loss_share: float = 0.95  # stuck groups…
+    signal_loss_window: int = 10  # …over at least this many steps
+    solved_share: float = 0.8  # solved groups (info)…
+    solved_window: int = WINDOW  # …over this many steps,
+    solved_quiet: int = WINDOW  # …again only after this many steps without (no flapping)
+    # Shares of a step's completions or groups (collapse, stuck, solved) are judged over the last
+    # N steps, N × groups_per_step ≥ min_groups: one bad group of 8 is not a collapse.
+    groups_per_step: int = 1  # the run's prompts_per_step
+    min_groups: int = 4
+
+    def for_run(self, prompts_per_step: int | None) -> AlertThresholds:
+        """These thresholds for a run that samples `prompts_per_step` groups a step."""
+        return replace(self, groups_per_step=max(1, prompts_per_step or 1))
+
+    @property
+    def shares_window(self) -> int:
+        """Steps a share rule averages over: enough of them to hold `min_groups` groups."""
+        return max(1, math.ceil(self.min_groups / max(1, self.groups_per_step)))
+
+    @property
+    def groups_window(self) -> int:
+        """Steps the stuck-groups rule averages over."""
+        return max(self.signal_loss_window, self.shares_window)
+
+    @property
+    def solved_steps(self) -> int:
+        """Steps the solved-groups rule averages over."""
+        return max(self.solved_window, self.shares_window)
 
 
 KINDS = {  # kind → how pages name it
@@ -41,7 +77,21 @@ KINDS = {  # kind → how pages name it
     "collapse": "collapse",
     "reward_hacking": "reward hacking",
     "signal_loss": "signal loss",
+    "solved": "groups solved",
 }
+# kind → severity: a warning asks a person to look; info says what a chart shows (a converged
+# run whose groups are all right has no spread left, which is no fault). Unknown kinds warn.
+SEVERITY = {
+    "control_token_spike": "warning",
+    "collapse": "warning",
+    "reward_hacking": "warning",
+    "signal_loss": "warning",
+    "solved": "info",
+}
+
+
+def severity(kind: str) -> str:
+    return SEVERITY.get(kind, "warning")
 
 
 @dataclass(frozen=True)
@@ -53,7 +103,10 @@ class Alert:
 
     def as_dict(self) -> dict[str, object]:
         """The JSON shape every page and script renders an alert from (routes add its `url`)."""
-        return asdict(self) | {"label": KINDS.get(self.kind, self.kind.replace("_", " "))}
+        return asdict(self) | {
+            "label": KINDS.get(self.kind, self.kind.replace("_", " ")),
+            "severity": severity(self.kind),
+        }
 
 
 def _present(series: Series) -> tuple[list[int], list[float]]:
@@ -62,14 +115,13 @@ def _present(series: Series) -> tuple[list[int], list[float]]:
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _episodes(steps: Sequence[int], flags: Sequence[bool]) -> list[int]:
-    """Steps where a condition turns on."""
-    out, previous = [], False
-    for step, flag in zip(steps, flags, strict=True):
-        if flag and not previous:
-            out.append(step)
-        previous = flag
-    return out
+def _episodes(steps: Sequence[int], flags: Sequence[bool], quiet: int = 1) -> list[int]:
+    """Steps where a condition turns on after being off for `quiet` points."""
+    return [
+        step
+        for i, (step, flag) in enumerate(zip(steps, flags, strict=True))
+        if flag and not any(flags[max(0, i - quiet) : i])
+    ]
 
 
 def _skip(i: int, n: int, tail: int | None) -> bool:
@@ -131,15 +183,25 @@ def control_token_drops(
     ]
 
 
-def collapse(series: Series, t: AlertThresholds) -> list[Alert]:
-    """Many completions whose call structure broke (empty, bare opening tag, unbalanced…)."""
+def collapse(series: Series, t: AlertThresholds, tail: int | None = None) -> list[Alert]:
+    """Many completions whose call structure broke (empty, bare opening tag, unbalanced…), on
+    average over the last `shares_window` steps where it was logged."""
     steps, values = _present(series)
-    flags = [v >= t.collapse_share for v in values]
+    w = t.shares_window
+    flags, means = [], []
+    for i in range(len(values)):
+        if i + 1 < w or _skip(i, len(values), tail):
+            flags.append(False)
+            means.append(0.0)
+            continue
+        means.append(sum(values[i + 1 - w : i + 1]) / w)
+        flags.append(means[-1] >= t.collapse_share)
+    over = f" over the last {w} steps" if w > 1 else ""
     return [
         Alert(
             "collapse",
             step,
-            f"{values[steps.index(step)]:.0%} of completions collapsed at step {step}",
+            f"{means[steps.index(step)]:.0%} of completions collapsed{over} at step {step}",
             series=COLLAPSED,
         )
         for step in _episodes(steps, flags)
@@ -178,24 +240,58 @@ def reward_hacking(
     ]
 
 
-def signal_loss(zero_std: Series, t: AlertThresholds, tail: int | None = None) -> list[Alert]:
-    """Nearly every group got identical rewards: advantages are zero, the gradient is empty."""
+def _group_share(
+    share: Series, limit: float, window: int, tail: int | None
+) -> tuple[list[int], list[bool]]:
+    """Steps of a share series, and whether its mean over `window` points reached `limit`."""
     if tail is not None:  # the rolling mean at the last `tail` points needs a window before them
-        zero_std = zero_std[-(tail + t.signal_loss_window) :]
-    steps = [s for s, v in zero_std]
-    smoothed = analysis.rolling_mean([v for _, v in zero_std], t.signal_loss_window)
+        share = share[-(tail + window) :]
+    steps = [s for s, v in share]
+    smoothed = analysis.rolling_mean([v for _, v in share], window)
     flags = [
-        i + 1 >= t.signal_loss_window and m is not None and m >= t.signal_loss_share
-        for i, m in enumerate(smoothed)
+        i + 1 >= window and m is not None and m >= limit - 1e-9 for i, m in enumerate(smoothed)
     ]
+    return steps, flags
+
+
+def signal_loss(
+    share: Series, t: AlertThresholds, tail: int | None = None, name: str = STUCK
+) -> list[Alert]:
+    """Nearly every group stuck (identical rewards below the top: advantages are zero and
+    there is nothing to learn from). Reads the stuck share, or for a run recorded without it
+    (before the split, or imported) the zero-std share."""
+    w = t.groups_window
+    steps, flags = _group_share(share, t.signal_loss_share, w, tail)
+    what = (
+        "were stuck (no reward spread below the top reward)"
+        if name == STUCK
+        else "had zero reward spread"
+    )
     return [
         Alert(
             "signal_loss",
             step,
-            f"{t.signal_loss_share:.0%}+ of groups had zero reward spread over {t.signal_loss_window} steps (step {step})",
-            series=ZERO_STD,
+            f"{t.signal_loss_share:.0%}+ of groups {what} over {w} steps (step {step})",
+            series=name,
         )
         for step in _episodes(steps, flags)
+    ]
+
+
+def solved(share: Series, t: AlertThresholds, tail: int | None = None) -> list[Alert]:
+    """Nearly every group solved (all its rollouts at the top reward): the task is learned
+    there, and those groups give no gradient. Info, not a fault."""
+    w, quiet = t.solved_steps, t.solved_quiet
+    # an episode starts where the last `quiet` points were off: evaluate them too
+    steps, flags = _group_share(share, t.solved_share, w, None if tail is None else tail + quiet)
+    return [
+        Alert(
+            "solved",
+            step,
+            f"{t.solved_share:.0%}+ of groups were solved (every rollout at the top reward) over {w} steps: little gradient left (step {step})",
+            series=SOLVED,
+        )
+        for step in _episodes(steps, flags, quiet)
     ]
 
 
@@ -212,11 +308,15 @@ def evaluate(
         if name in DROP_PROBES:
             alerts += control_token_drops(name, values, t, tail)
     if COLLAPSED in series:
-        alerts += collapse(series[COLLAPSED], t)
+        alerts += collapse(series[COLLAPSED], t, tail)
     if REWARD in series and ACCURACY in series:
         alerts += reward_hacking(series[REWARD], series[ACCURACY], t, tail)
-    if ZERO_STD in series:
-        alerts += signal_loss(series[ZERO_STD], t, tail)
+    if STUCK in series:  # only stuck groups lose the signal; solved ones are done
+        alerts += signal_loss(series[STUCK], t, tail)
+    elif ZERO_STD in series:  # recorded without the split: zero spread is all we know
+        alerts += signal_loss(series[ZERO_STD], t, tail, name=ZERO_STD)
+    if SOLVED in series:
+        alerts += solved(series[SOLVED], t, tail)
     return sorted(alerts, key=lambda a: (a.step, a.kind))
 
 
@@ -241,8 +341,10 @@ class Watch:
         # (an episode starts where the condition was false a point earlier).
         probe_window = t.spike_window + 2
         self.keep = {name: probe_window for name in (*SPIKE_PROBES, *DROP_PROBES)} | {
-            COLLAPSED: 2,
-            ZERO_STD: t.signal_loss_window + 2,
+            COLLAPSED: t.shares_window + 1,
+            ZERO_STD: t.groups_window + 2,
+            STUCK: t.groups_window + 2,
+            SOLVED: t.solved_steps + t.solved_quiet + 2,
             REWARD: CONTEXT,  # reward hacking pairs reward with accuracy where both are present
             ACCURACY: CONTEXT,
         }

@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from rollout_lens.server.cache import ResponseCache
 from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory
+from rollout_lens.server.db import WEB_POOL, make_engine, make_session_factory
 from rollout_lens.server.deps import render
 from rollout_lens.server.error_pages import HANDLED, handle_error, publish_error_shapes
 from rollout_lens.server.routes import actions, api, exchange, pages, signin
@@ -57,7 +57,9 @@ def create_app(
     """
     engine = None
     if session_factory is None:
-        engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
+        engine = make_engine(
+            settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms, **WEB_POOL
+        )
         session_factory = make_session_factory(engine)
 
     factory = session_factory

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from celery import Celery
 from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse
+from rollout_lens.server import textsafe
 from rollout_lens.server.cache import ResponseCache
 from rollout_lens.server.config import Settings
 from rollout_lens.server.queue import make_celery
@@ -69,7 +70,13 @@ def render(
     request: Request, template: str, context: dict[str, Any], *, status_code: int = 200
 ) -> HTMLResponse:
     """A page from web/templates (autoescaped) with `context`."""
-    response: HTMLResponse = request.app.state.templates.TemplateResponse(
-        request, template, context, status_code=status_code
-    )
+    templates = request.app.state.templates
+    try:
+        response: HTMLResponse = templates.TemplateResponse(
+            request, template, context, status_code=status_code
+        )
+    except UnicodeEncodeError:
+        # A lone surrogate stored before server.textsafe cleaned writes: show U+FFFD, not a 500.
+        html = templates.get_template(template).render({"request": request, **context})
+        return HTMLResponse(textsafe.storable(html), status_code=status_code)
     return response

@@ -22,6 +22,10 @@ COLORS = {
     "format_valid_rate": "#16a34a",
     "zero_std_share": "#64748b",
 }
+GROUP_SPREAD = (  # the zero-std groups split: (series, legend, color)
+    (vocab.SOLVED_GROUPS, "solved groups", "#059669"),
+    (vocab.STUCK_GROUPS, "stuck groups", "#b91c1c"),
+)
 TOKEN_COLORS = ("#db2777", "#0891b2", "#9333ea", "#ca8a04", "#4f46e5", "#059669")
 RUN_COLORS = (
     "#2563eb",
@@ -297,7 +301,7 @@ def probe_details(names: set[str]) -> list[dict[str, Any]]:
             f"probe-{probe}",
             title[:1].upper() + title[1:],
             traces,
-            alerts=["control_token_spike"] if probe == "eot_after_open" else [],
+            alerts=["control_token_spike"] if probe in vocab.POSITIONAL_PROBES else [],
             y=UNIT_RANGE if probe in vocab.POSITIONAL_PROBES else None,
         )
         fig["layout"]["showlegend"] = False  # the key above the charts names the lines
@@ -404,9 +408,15 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
             "format",
             "Format-valid rate · zero-std groups",
             line("format_valid_rate", label("format_valid_rate"), c["format_valid_rate"])
-            + line("zero_std_share", label("zero_std_share"), c["zero_std_share"], dash="dot"),
-            help="Share of completions that are a well-formed call, and of groups whose rewards are all equal (no gradient).",
-            alerts=["collapse", "signal_loss"],
+            + line("zero_std_share", label("zero_std_share"), c["zero_std_share"], dash="dot")
+            + [
+                trace
+                for name, text, color in GROUP_SPREAD
+                if name in have
+                for trace in line(name, text, color, dash="dash")
+            ],
+            help="Share of completions that are a well-formed call, and of groups whose rewards are all equal (no gradient): solved (all at the top reward) or stuck (all below it).",
+            alerts=["collapse", "signal_loss", "solved"],
             y=UNIT_RANGE,
         ),
     ]

@@ -210,8 +210,9 @@ def config_values(config: Mapping[str, Any]) -> dict[str, str]:
 def parse_form(form: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]:
     """(the text as typed, for redisplay; the raw values for RunConfig) from a submitted form.
 
-    Only RunConfig's fields are read; empty list fields mean "the default" (None), every other
-    value goes to RunConfig as typed, so its messages are the ones the user sees.
+    Only RunConfig's fields are read; empty list fields and other empty optional fields mean "the
+    default" (None), every other value goes to RunConfig as typed, so its messages are the ones
+    the user sees.
     """
     typed: dict[str, str] = {}
     raw: dict[str, Any] = {}
@@ -223,6 +224,8 @@ def parse_form(form: Mapping[str, str]) -> tuple[dict[str, str], dict[str, Any]]
         if name in LIST_FIELDS:
             items = [t for t in re.split(r"[,\s]+", text.strip()) if t]
             raw[name] = items or None
+        elif not text.strip() and RunConfig.model_fields[name].default is None:
+            raw[name] = None  # an optional field left empty: its default (e.g. keep every step)
         else:
             raw[name] = text.strip()
     return typed, raw

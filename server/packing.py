@@ -118,3 +118,35 @@ def _rows(flat: list[float], n_rows: int) -> list[list[float]]:
         raise ValueError(f"{len(flat)} values do not split into {n_rows} rows")
     width = len(flat) // n_rows
     return [flat[i * width : (i + 1) * width] for i in range(n_rows)]
+
+
+# Heads of the arrays: a page showing part of a long completion decodes only that part.
+INT_BYTES, HALF_BYTES = 4, 2
+
+
+def count_ints(data: bytes | None) -> int:
+    """How many int32 values `data` holds (a completion's token count)."""
+    return len(data or b"") // INT_BYTES
+
+
+def head_ints(data: bytes | None, n: int) -> list[int]:
+    """The first n int32 values only."""
+    return unpack_ints((data or b"")[: n * INT_BYTES])
+
+
+def head_halves(data: bytes | None, n: int) -> list[float]:
+    """The first n float16 values only."""
+    return unpack_halves((data or b"")[: n * HALF_BYTES])
+
+
+def head_half_matrix(data: bytes | None, n_rows: int, n: int) -> list[list[float]]:
+    """The first n columns of each of n_rows equal float16 rows (see unpack_half_matrix)."""
+    if n_rows == 0:
+        return []
+    values = len(data or b"") // HALF_BYTES
+    if values % n_rows:
+        raise ValueError(f"{values} values do not split into {n_rows} rows")
+    row_bytes = values // n_rows * HALF_BYTES
+    cut = min(n * HALF_BYTES, row_bytes)
+    raw = data or b""
+    return [unpack_halves(raw[i * row_bytes : i * row_bytes + cut]) for i in range(n_rows)]

@@ -28,7 +28,7 @@ from rollout_lens.server.models import (
     RunStatus,
     Step,
 )
-from rollout_lens.server.packing import unpack_ints
+from rollout_lens.server.packing import head_ints, unpack_ints
 from rollout_lens.server.serialize import rollout_dict, run_dict, step_dict
 from rollout_lens.server.series import STEP_SERIES
 from rollout_lens.server.store import layout, rollups
@@ -85,11 +85,14 @@ def _run_order(sort: str, descending: bool) -> list[Any]:
 
 
 def _listed(session: Session, runs: Sequence[Run]) -> list[dict[str, Any]]:
-    """Run rows as the runs list shows them: columns, place in the queue, live text."""
+    """Run rows as the runs list shows them: columns, place in the queue, stored warnings (one
+    grouped query for them all), live text."""
     out = [run_dict(run) for run in runs]
     places = store.queue_positions(session) if any(r["status"] == "queued" for r in out) else {}
+    warnings = warning_counts(session, run_ids=[r["id"] for r in out])
     for run in out:
         run["queue_position"] = places.get(run["id"])
+        run["warnings"] = warnings.get(run["id"], 0)
         run["text"] = live_text(run)
     return out
 
@@ -126,9 +129,10 @@ def runs_page(
 ) -> dict[str, Any]:
     """One page of list_runs' runs, with how many match and the newest matching id.
 
-    Two statements whatever the number of runs (a count with the newest id, then the page's
-    rows), plus one for queue places when the page holds a queued run: the rows are the runs'
-    own columns (summary columns the writer keeps current), never a per-run read. Pages are
+    Three statements whatever the number of runs (a count with the newest id, the page's rows,
+    their stored warnings grouped by run), plus one for queue places when the page holds a
+    queued run: the rows are the runs' own columns (summary columns the writer keeps current),
+    never a per-run read. Pages are
     offsets into the sorted list; a page past the end is empty (with `pages` saying how many).
     `ids` and `after` narrow the list to those runs or (with both) to those runs plus any run
     newer than `after`: what a live runs page polls for.
@@ -397,6 +401,23 @@ def alerts(session: Session, *, run_id: int, since: int = 0) -> list[dict[str, A
     return [a.as_dict() for a in found]
 
 
+def warning_counts(session: Session, *, run_ids: Sequence[int]) -> dict[int, int]:
+    """Run id → how many of its stored alerts are warnings (runs without any are left out):
+    one grouped query over the alerts table, whatever the number of runs."""
+    if not run_ids:
+        return {}
+    warning_kinds = [k for k, s in rules.SEVERITY.items() if s == "warning"]
+    rows = session.execute(
+        select(AlertRow.run_id, func.count())
+        .where(
+            AlertRow.run_id.in_(run_ids),
+            or_(AlertRow.kind.in_(warning_kinds), AlertRow.kind.not_in(list(rules.SEVERITY))),
+        )
+        .group_by(AlertRow.run_id)
+    )
+    return {run_id: n for run_id, n in rows}
+
+
 def evaluate_alerts(session: Session, *, run_id: int, after: int = 0) -> list[rules.Alert]:
     """The alert rules over the recorded steps, keeping the alerts after `after` (the rules read
     rules.CONTEXT steps before it as history). after=0 is the from-scratch evaluation the
@@ -410,7 +431,10 @@ def evaluate_alerts(session: Session, *, run_id: int, after: int = 0) -> list[ru
         n_series=len(names) - len(STEP_SERIES),
     )
     history = [(step, dict(zip(names, values, strict=True))) for step, values in rows]
-    found = rules.evaluate(rules.from_history(history), rules.AlertThresholds())
+    thresholds = rules.AlertThresholds().for_run(
+        session.scalar(select(Run.prompts_per_step).where(Run.id == run_id))
+    )
+    found = rules.evaluate(rules.from_history(history), thresholds)
     return [a for a in found if a.step > after]
 
 
@@ -455,9 +479,12 @@ def nearest_step(session: Session, *, run_id: int, step: int) -> int | None:
     return below if step - below <= above - step else above
 
 
-def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
+def step_detail(
+    session: Session, *, run_id: int, step: int, max_tokens: int | None = None
+) -> dict[str, Any]:
     """One step of a run as the step viewer shows it: its groups, rollouts and neighbours, and
-    where retention did not keep its token-level data, the nearest step that has it."""
+    where retention did not keep its token-level data, the nearest step that has it (per-token
+    arrays cut to `max_tokens` positions: serialize.rollout_dict)."""
     run = store.get_run(session, run_id=run_id)
     row = session.scalar(select(Step).where(Step.run_id == run_id, Step.step == step))
     if row is None:
@@ -471,9 +498,12 @@ def step_detail(session: Session, *, run_id: int, step: int) -> dict[str, Any]:
         .order_by(Rollout.group, Rollout.index)
     ).all()
     tokens = list(run.control_tokens)
-    ids = {i for r, _ in rollouts for i in unpack_ints(r.completion_ids)}
+    if max_tokens is None:
+        ids = {i for r, _ in rollouts for i in unpack_ints(r.completion_ids)}
+    else:
+        ids = {i for r, _ in rollouts for i in head_ints(r.completion_ids, max_tokens)}
     texts = store.token_texts(session, run_id=run_id, ids=ids)
-    dicts = [rollout_dict(r, text, tokens, texts) for r, text in rollouts]
+    dicts = [rollout_dict(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
     kept = all(r.tokens_kept for r, _ in rollouts)
     return {
         "run": run_dict(run),
@@ -537,10 +567,12 @@ def compare(
     run_ids: Sequence[int],
     step: int | None = None,
     max_points: int | None = None,
+    max_tokens: int | None = None,
     memo: Memo = _no_memo,
 ) -> dict[str, Any]:
     """Two or more runs: chart series, summary, config diff, and one step of the first two side
-    by side (the last step both have, unless `step` is given).
+    by side (the last step both have, unless `step` is given; per-token arrays cut to
+    `max_tokens` positions, as step_detail).
 
     Each run's charts come from series() with its share of COMPARE_POINTS (`max_points` per run
     if given), so a long run reads its rollups; values are rounded to what a chart shows and
@@ -570,7 +602,9 @@ def compare(
     side_by_side = []
     for run_id, last in zip(pair, lasts, strict=True):
         try:
-            detail: dict[str, Any] | None = step_detail(session, run_id=run_id, step=step)
+            detail: dict[str, Any] | None = step_detail(
+                session, run_id=run_id, step=step, max_tokens=max_tokens
+            )
         except StepNotFound:
             detail = None
         side_by_side.append({"run_id": run_id, "last_step": last, "detail": detail})

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_lens.server.textsafe import storable, storable_value
+
+# RolloutRecord's text fields: made storable whenever they are set (server.textsafe); the store
+# writes meta and token texts as JSON itself, past the engine's serializer.
+_TEXT_FIELDS = frozenset({"prompt", "completion", "vote", "target", "format_state"})
+_JSON_FIELDS = frozenset({"meta", "tokens"})
+
 
 @dataclass
 class RolloutRecord:
@@ -28,6 +35,13 @@ class RolloutRecord:
     meta: dict[str, Any] = field(default_factory=dict)
     # Each completion token's text (tokenizer.convert_ids_to_tokens), stored once per run and id.
     tokens: list[str] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _TEXT_FIELDS and isinstance(value, str):
+            value = storable(value)
+        elif name in _JSON_FIELDS:
+            value = storable_value(value)
+        object.__setattr__(self, name, value)
 
     @property
     def sum_logprob(self) -> float:

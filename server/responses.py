@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from rollout_lens.server import queries
+from rollout_lens.server import queries, textsafe
 from rollout_lens.server.cache import ResponseCache
 from sqlalchemy.orm import Session
 
@@ -31,7 +31,10 @@ def encode(content: Any) -> bytes:
         text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except ValueError:  # a non-finite float somewhere: rare, so only then walk the data
         text = json.dumps(_finite(content), ensure_ascii=False, separators=(",", ":"))
-    return text.encode("utf-8")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate stored before server.textsafe cleaned writes
+        return textsafe.storable(text).encode("utf-8")
 
 
 class DataResponse(JSONResponse):

@@ -6,7 +6,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server.models import Rollout, Run, RunSource, Step
-from rollout_lens.server.packing import unpack_half_matrix, unpack_halves, unpack_ints
+from rollout_lens.server.packing import (
+    count_ints,
+    head_half_matrix,
+    head_halves,
+    head_ints,
+    unpack_half_matrix,
+    unpack_halves,
+    unpack_ints,
+)
 from rollout_lens.server.series import STEP_SERIES
 
 
@@ -15,18 +23,30 @@ def rollout_dict(
     prompt: str,
     control_tokens: Sequence[str],
     token_texts: Mapping[int, str] | None = None,
+    *,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """One rollout with its arrays decoded; keys match the JSONL export.
 
     `token_texts` (store.token_texts) gives each completion token's text: `tokens` is the list
     of them when every id has one, else None. Where retention dropped the token arrays,
     `tokens_kept` is False and the arrays are empty.
+
+    With `max_tokens` only the first max_tokens positions of the per-token arrays are decoded
+    (a page's view of a long completion: decoding 250,000 positions costs tens of ms) and
+    `tokens_total` says how many there are.
     """
-    probs = unpack_half_matrix(rollout.control_probs, len(control_tokens))
-    ids = unpack_ints(rollout.completion_ids)
+    if max_tokens is None:
+        ids = unpack_ints(rollout.completion_ids)
+        logprobs = unpack_halves(rollout.token_logprobs)
+        probs = unpack_half_matrix(rollout.control_probs, len(control_tokens))
+    else:
+        ids = head_ints(rollout.completion_ids, max_tokens)
+        logprobs = head_halves(rollout.token_logprobs, max_tokens)
+        probs = head_half_matrix(rollout.control_probs, len(control_tokens), max_tokens)
     texts = token_texts or {}
     tokens = [texts[i] for i in ids] if ids and all(i in texts for i in ids) else None
-    return {
+    out = {
         "run_id": rollout.run_id,
         "step": rollout.step,
         "group": rollout.group,
@@ -44,12 +64,15 @@ def rollout_dict(
         "sum_logprob": rollout.sum_logprob,
         "format_valid": rollout.format_valid,
         "format_state": rollout.format_state,
-        "token_logprobs": unpack_halves(rollout.token_logprobs),
+        "token_logprobs": logprobs,
         "control_token_probs": dict(zip(control_tokens, probs, strict=True))
         if rollout.tokens_kept
         else {token: [] for token in control_tokens},
         "meta": rollout.meta,
     }
+    if max_tokens is not None:
+        out["tokens_total"] = count_ints(rollout.completion_ids)
+    return out
 
 
 def run_dict(run: Run) -> dict[str, Any]:

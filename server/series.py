@@ -7,7 +7,7 @@ sends. Adding a series is one entry here plus the code that computes it.
 
 Names: the per-step columns (STEP_SERIES) are plain (`reward_mean`); the rest are generic metrics
 with a family prefix: `ctrl/<token>/<stat>`, `state/<state>`, `probe/<probe>/<part>`,
-`eval/<set>`, `sft/…`, `trl/<TRL log key>`.
+`eval/<set>`, `groups/<solved|stuck>`, `sft/…`, `trl/<TRL log key>`.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ STEP_SPECS = (
 STEP_SERIES = tuple(s.name for s in STEP_SPECS)
 OPTIMIZATION = tuple(s.name for s in STEP_SPECS if s.group == "optimization")
 RETRIEVAL_RECALL = "retrieval_recall"  # share of rollouts whose target was listed
+# Groups with no reward spread (zero_std_share), split: solved (every rollout at the top reward:
+# the task is learned there) and stuck (all equal below it: nothing to learn from). Shares of
+# the step's groups; solved + stuck = zero_std_share.
+SOLVED_GROUPS = "groups/solved"
+STUCK_GROUPS = "groups/stuck"
 _SPECS = {s.name: s for s in STEP_SPECS}
 
 
@@ -97,12 +102,16 @@ def state_label(name: str) -> str:
 # --- probes: a control token where it matters, and the id position -------------------------------
 
 # Positional probes (trainer.positional): (chart title, legend short enough for a third of the
-# page). eot_after_open is the collapse signal.
+# page). series.BELONGS says which are ~1 in a healthy call, series.MISPLACED which are ~0;
+# eot_after_open is the classic collapse signal.
 POSITIONAL_PROBES = {
     "eot_after_open": ("end-of-turn after the opening tag", "end-of-turn after open tag"),
     "close_after_id": ("closing tag after the id", "close tag after id"),
     "eot_after_close": ("end-of-turn after the closing tag", "end-of-turn after close tag"),
     "open_first": ("opening tag first", "open tag first"),
+    "close_after_open": ("closing tag right after the opening tag", "close tag after open tag"),
+    "eot_after_id": ("end-of-turn after the id", "end-of-turn after id"),
+    "close_after_close": ("closing tag after the closing tag", "close tag after close tag"),
 }
 # Id-position probes: log-probabilities and bits, not probabilities.
 ID_PROBES = {
@@ -145,14 +154,15 @@ def trl(key: str) -> str:
 
 # --- what the alert rules read ------------------------------------------------------------------
 
-# A probe whose rise means a control token is winning at the wrong place. Not the others: the
-# opening tag first, the closing tag after the id and end-of-turn after the closing tag are ~1 in
-# every healthy call, and a control token's max over all positions is ~1 wherever it legitimately
-# ends the reply.
-SPIKE_PROBES = (probe("eot_after_open"),)
-# Probes that are ~1 in a healthy call: their fall is the other face of a control-token spike
-# (another token took the opening tag's place), as in the tiny model's collapse at lr 1e-3.
-DROP_PROBES = (probe("open_first"),)
+# Where each control token belongs and where it does not, as the alert rules watch them. A
+# control token's probability where it belongs is ~1 in every healthy call: its fall means another
+# token took its place (the tiny model's collapse at lr 1e-3 loses the opening tag first). Where
+# it does not belong it is ~0: its rise means a control token is winning at the wrong place. Not
+# a control token's max over all positions: that is ~1 wherever it legitimately ends the reply.
+BELONGS = ("open_first", "close_after_id", "eot_after_close")  # falling is the alarm
+MISPLACED = ("eot_after_open", "close_after_open", "eot_after_id", "close_after_close")  # rising
+SPIKE_PROBES = tuple(probe(p) for p in MISPLACED)
+DROP_PROBES = tuple(probe(p) for p in BELONGS)
 COLLAPSED = state(FormatState.collapse)
 
 # --- what compare overlays ------------------------------------------------------------------------

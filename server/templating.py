@@ -16,12 +16,14 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import Markup, escape
 from rollout_lens.server.formats import fmt_minutes, fmt_money, fmt_num, fmt_pct, fmt_when
 from rollout_lens.server.series import WINDOW
-from rollout_lens.server.viewer import prob_text
+from rollout_lens.server.textsafe import clip
+from rollout_lens.server.viewer import SHOWN_CHARS, prob_text
 from starlette.routing import NoMatchFound
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 TEMPLATES_DIR = WEB_DIR / "templates"
 STATIC_DIR = WEB_DIR / "static"
+CARD_CHARS = 2_000
 
 
 def _static_versions() -> dict[str, str]:
@@ -88,6 +90,8 @@ def make_templates() -> Jinja2Templates:
         window=WINDOW,
         csrf_token=csrf_token,
         access=access,
+        shown_chars=SHOWN_CHARS,  # of a long text (completion, prompt) a page shows
+        card_chars=CARD_CHARS,  # of a completion in compare's compact step card
     )
     env.filters.update(
         num=fmt_num,
@@ -98,6 +102,9 @@ def make_templates() -> Jinja2Templates:
         when=fmt_when,
         visible=visible_text,
         token=token_text,
+        token_cells_html=token_cells_html,
+        control_table_html=control_table_html,
+        clip=clip,
     )
     return Jinja2Templates(env=env)
 
@@ -124,3 +131,36 @@ def token_text(text: str) -> Markup:
     escaped = str(escape(text.replace("\n", "↵").replace("\t", "⇥")))
     spaced = escaped.replace(" ", '<span class="sp">·</span>')  # before any markup is added
     return Markup(_CONTROL_CHARS.sub(_picture, spaced))
+
+
+# The token view as HTML built here rather than by Jinja loops: a long completion is thousands of
+# cells (and positions × control tokens table cells), which a template renders several times
+# slower. Same markup the loops made; every text escaped (token_text, escape).
+
+
+def token_cells_html(cells: list[dict[str, Any]]) -> Markup:
+    """One `<span role="listitem">` per token cell (server.viewer.token_cells)."""
+    return Markup(
+        "".join(
+            f'<span role="listitem" class="{escape(c["cls"])}" tabindex="0" '
+            f'title="{escape(c["title"])}">{token_text(c["text"])}</span>'
+            for c in cells
+        )
+    )
+
+
+def control_table_html(
+    cells: list[dict[str, Any]], rows: list[tuple[str, list[tuple[str, str]]]]
+) -> Markup:
+    """The control-token table's head and body (server.viewer.control_rows)."""
+    head = "".join(f'<th scope="col" class="mono">{token_text(c["text"])}</th>' for c in cells)
+    body = "".join(
+        ('<tr><th scope="row">' if i == 0 else '<tr><th scope="row" class="mono">')
+        + f"{escape(label)}</th>"
+        + "".join(f'<td class="{escape(cls)}">{escape(text)}</td>' for cls, text in values)
+        + "</tr>"
+        for i, (label, values) in enumerate(rows)
+    )
+    return Markup(
+        f'<thead><tr><th scope="col">position</th>{head}</tr></thead><tbody>{body}</tbody>'
+    )

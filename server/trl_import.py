@@ -223,7 +223,13 @@ def _write(
         last = step
         records = _rollouts(file.path, rows, group_size, components, rewards, extras)
         rollouts += len(records)
-        groups_per_step = max(groups_per_step, len(records) // group_size)
+        if len(records) // group_size > groups_per_step:
+            # the alert rules judge shares over enough groups: tell them how many a step holds
+            groups_per_step = len(records) // group_size
+            store.restore_run_columns(
+                session, run_id=run.id, values={"prompts_per_step": groups_per_step}
+            )
+            recorder = None  # rebuilt from the steps so far, with that number
         recorder = store.record_step(
             session,
             recorder=recorder,

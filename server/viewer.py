@@ -16,6 +16,18 @@ _PIECES = re.compile(r"</?(?:tool|assistant|user)>|\n- |tool_\d+| ?(?!tool_\d)[^
 
 NEAR_MISS = 0.3  # a control token this likely where it was not sampled is a near format break
 
+# What one page shows of a rollout: a completion of a million characters (or tokens) must not
+# make the step viewer slow or huge. The JSON twin has everything; pages say what they cut.
+VIEW_TOKENS = 512  # token positions with a view (cells, probabilities, control-token rows)
+SHOWN_CHARS = 20_000  # characters of a completion, prompt, query or hint a page shows
+SPLIT_CHARS_PER_TOKEN = 64  # longer texts are not split into the tiny tokenizer's pieces
+# A token cell costs ~20 µs to build and render and a table cell ~5 µs: the step viewer shows
+# at most PAGE_TOKENS cells across a group's tab panels, and a control-token table of the first
+# TABLE_TOKENS positions (the hover text of each cell has the same numbers).
+PAGE_TOKENS = 2048
+MIN_PAGE_TOKENS = 128
+TABLE_TOKENS = 64
+
 
 def _matching_control_token(
     prob: float, control: dict[str, list[float]], position: int
@@ -32,34 +44,55 @@ def _matching_control_token(
     return None
 
 
-def token_texts(rollout: dict[str, Any]) -> tuple[list[str], bool]:
-    """A display string per completion token, and whether the strings are the real tokens.
+def token_texts(rollout: dict[str, Any], limit: int = VIEW_TOKENS) -> tuple[list[str], bool]:
+    """A display string for each of the first `limit` completion tokens, and whether the strings
+    are the real tokens.
 
     Uses the token texts the recorder stored (`tokens`, from the run's token table); else splits
     the completion text, which
     matches the tiny model's tokenizer; else labels each position by its id (or by the control
-    token that was sampled there, recognised by its probability).
+    token that was sampled there, recognised by its probability). A completion longer than
+    `limit` tokens is labelled, not split: splitting must read all of its text.
     """
-    ids: list[int] = rollout["completion_ids"]
-    stored = rollout.get("tokens")
+    ids: list[int] = rollout["completion_ids"]  # maybe only the first ones (tokens_total)
+    total = rollout.get("tokens_total", len(ids))
+    shown = min(total, limit, len(ids))
+    stored = rollout.get("tokens")  # the texts of `ids`, when the recorder stored them
     if isinstance(stored, list) and len(stored) == len(ids):
-        return [str(t) for t in stored], True
-    probs = [math.exp(lp) for lp in rollout["token_logprobs"]]
+        return [str(t) for t in stored[:shown]], True
+    logprobs = rollout["token_logprobs"]
     control = rollout["control_token_probs"]
 
     def label(i: int) -> str:
-        found = _matching_control_token(probs[i], control, i) if i < len(probs) else None
+        found = (
+            _matching_control_token(math.exp(logprobs[i]), control, i)
+            if i < len(logprobs)
+            else None
+        )
         return found or f"⟨{ids[i]}⟩"
 
     text = rollout["completion"]
-    pieces = _PIECES.findall(text)
-    if "".join(pieces) == text:
-        if len(pieces) == len(ids):
+    if total == len(ids) <= limit and len(text) <= limit * SPLIT_CHARS_PER_TOKEN:
+        pieces = _split(text, len(ids) + 1)
+        if pieces is not None and len(pieces) == len(ids):
             return pieces, True
         # The end-of-turn token is special: decoding drops it from the text.
-        if len(pieces) == len(ids) - 1:
+        if pieces is not None and len(pieces) == len(ids) - 1:
             return [*pieces, label(len(ids) - 1)], True
-    return [label(i) for i in range(len(ids))], False
+    return [label(i) for i in range(shown)], False
+
+
+def _split(text: str, most: int) -> list[str] | None:
+    """`text` as the tiny tokenizer's pieces, or None when it has more than `most` pieces or
+    characters no piece matches (stops early: a hostile text costs no more than a short one)."""
+    pieces: list[str] = []
+    end = 0
+    for match in _PIECES.finditer(text):
+        if match.start() != end or len(pieces) == most:
+            return None
+        pieces.append(match.group())
+        end = match.end()
+    return pieces if end == len(text) else None
 
 
 def probability_bin(p: float | None) -> int:
@@ -92,7 +125,8 @@ def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
     probs: list[float | None] = [math.exp(lp) for lp in rollout["token_logprobs"][:n]]
     probs += [None] * (n - len(probs))
     control: dict[str, list[float | None]] = {
-        t: [*ps[:n], *[None] * (n - len(ps))] for t, ps in rollout["control_token_probs"].items()
+        t: [*ps[:n], *[None] * (n - len(ps[:n]))]
+        for t, ps in rollout["control_token_probs"].items()
     }
     sampled = sampled_positions(rollout.get("meta") or {}, n)
     if sampled is not None:  # tool results: not sampled, no probability to show
@@ -104,6 +138,8 @@ def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
     return rollout | {
         "token_view": texts,
         "tokens_exact": exact,
+        # tokens has the first VIEW_TOKENS; a page reads only those (serialize's max_tokens)
+        "tokens_total": rollout.get("tokens_total", len(rollout["completion_ids"])),
         "token_probs": probs,
         "control_view": control,
         "sampled": sampled,
@@ -235,13 +271,14 @@ def prob_text(value: float | None, digits: int = 2) -> str:
     return f"<{floor:.{digits}f}" if 0 < value < floor / 2 else f"{value:.{digits}f}"
 
 
-def token_cells(rollout: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per token of a rollout view: text, CSS classes and hover text (built here, not in Jinja:
-    a 64-token completion × every control token is thousands of template operations)."""
+def token_cells(rollout: dict[str, Any], limit: int | None = None) -> list[dict[str, Any]]:
+    """Per token of a rollout view (the first `limit`): text, CSS classes and hover text (built
+    here, not in Jinja: a 64-token completion × every control token is thousands of template
+    operations)."""
     cells = []
     control = rollout["control_view"]
     sampled = rollout.get("sampled")
-    for i, text in enumerate(rollout["token_view"]):
+    for i, text in enumerate(rollout["token_view"][:limit]):
         if sampled is not None and not sampled[i]:
             title = (
                 f"#{i} · id {rollout['completion_ids'][i]} · tool result: not sampled, not trained"
@@ -259,9 +296,19 @@ def token_cells(rollout: dict[str, Any]) -> list[dict[str, Any]]:
     return cells
 
 
-def control_rows(rollout: dict[str, Any]) -> list[tuple[str, list[tuple[str, str]]]]:
-    """The control-token table: (row label, [(CSS class, text)] per position)."""
-    rows = [("sampled", [(f"p{probability_bin(p)}", prob_text(p)) for p in rollout["token_probs"]])]
+def control_rows(
+    rollout: dict[str, Any], limit: int | None = None
+) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The control-token table (its first `limit` positions): (row label, [(CSS class, text)]
+    per position)."""
+    sampled = rollout["token_probs"][:limit]
+    rows = [("sampled", [(f"p{probability_bin(p)}", prob_text(p)) for p in sampled])]
     for token, probs in rollout["control_view"].items():
-        rows.append((token, [(f"c{probability_bin(p)}", prob_text(p)) for p in probs]))
+        rows.append((token, [(f"c{probability_bin(p)}", prob_text(p)) for p in probs[:limit]]))
     return rows
+
+
+def page_token_limit(rollouts: int) -> int:
+    """Token cells per rollout on one page: PAGE_TOKENS shared by the group's rollouts (a tab
+    panel each), never fewer than MIN_PAGE_TOKENS."""
+    return max(MIN_PAGE_TOKENS, PAGE_TOKENS // max(rollouts, 1))

@@ -136,9 +136,13 @@ def step_page(detail: dict[str, Any], group: int) -> dict[str, Any]:
         )
     shown = groups[group] if groups else None
     if shown is not None:
+        limit = viewer.page_token_limit(len(shown["rollouts"]))
         for rollout in shown["rollouts"]:
-            rollout["cells"] = viewer.token_cells(rollout)
-            rollout["control_rows"] = viewer.control_rows(rollout)
+            rollout["cells"] = viewer.token_cells(rollout, limit)
+            # A tool-calling rollout's turns each show their own positions' table rows.
+            turns = rollout.get("sampled") is not None
+            table = limit if turns else min(limit, viewer.TABLE_TOKENS)
+            rollout["control_rows"] = viewer.control_rows(rollout, table)
             rollout["turn_views"] = viewer.turn_views(
                 rollout, rollout["cells"], rollout["control_rows"]
             )

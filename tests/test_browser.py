@@ -317,6 +317,7 @@ def test_run_page_marks_alerts_and_sft_phases_on_the_charts(tab: Tab, served: Se
     page.goto(f"/runs/{run}")
     page.wait_for_selector("body[data-charts-ready]")
     assert page.locator("#alert-list li").count() == 2
+    assert page.locator("#warning-count").inner_text() == "2 warnings"  # as run.js counts them
     probes = _annotations(page, "probes")
     assert len(probes) == 2 and probes[0].startswith("control token spike: probe/eot_after_open")
     assert _annotations(page, "states") == [probes[1]] and probes[1].startswith("collapse:")

@@ -54,6 +54,7 @@ BAD_VALUES: list[tuple[str, Any, str, str]] = [
     ("sft_steps", 0, "0", "greater than or equal to 1"),
     ("sft_learning_rate", 0, "0", "greater than 0"),
     ("eval_every", -5, "-5", "greater than or equal to 0"),
+    ("keep_tokens_every", 0, "0", "greater than or equal to 1"),
     ("control_tokens", "<tool>", None, "valid list"),
 ]
 # Values that are fine alone but not together: the message goes next to the field it names.

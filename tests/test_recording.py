@@ -12,7 +12,13 @@ from rollout_lens.server.db import session_scope
 from rollout_lens.server.models import Rollout, Step
 from rollout_lens.server.records import RolloutRecord
 from rollout_lens.server.serialize import rollout_dict
-from rollout_lens.server.series import COLLAPSED, DROP_PROBES, SPIKE_PROBES
+from rollout_lens.server.series import (
+    COLLAPSED,
+    DROP_PROBES,
+    SOLVED_GROUPS,
+    SPIKE_PROBES,
+    STUCK_GROUPS,
+)
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -82,7 +88,8 @@ def test_every_encoding_round_trips(session_factory: sessionmaker[Session]) -> N
 def test_retention_keeps_every_nth_first_last_and_alert_steps(
     client: TestClient, session_factory: sessionmaker[Session]
 ) -> None:
-    run_id = make_run(session_factory, steps=0, keep_tokens_every=5)
+    # four groups a step: one step's collapse is enough groups to alert on
+    run_id = make_run(session_factory, steps=0, keep_tokens_every=5, prompts_per_step=4)
     rng = random.Random(1)
     for step in range(1, 13):
         collapsed = 0.9 if step == 7 else 0.0  # a collapse alert fires at step 7
@@ -128,16 +135,38 @@ def _scenario(name: str, step: int, rng: random.Random) -> tuple[dict, dict]:
     """(step columns, metrics) of one step of a scenario that trips one rule or none."""
     values: dict = {"reward_mean": 0.5, "true_accuracy": 0.5, "zero_std_share": 0.2}
     metrics: dict = {SPIKE: rng.uniform(0, 0.02), DROP: rng.uniform(0.95, 1.0), COLLAPSED: 0.0}
+    if name.startswith("every_position") or name in ("solved", "stuck", "solved_dips"):
+        metrics |= {p: rng.uniform(0, 0.02) for p in SPIKE_PROBES}
+        metrics |= {p: rng.uniform(0.95, 1.0) for p in DROP_PROBES}
+        metrics |= {SOLVED_GROUPS: 0.1, STUCK_GROUPS: 0.1}
+    if name == "every_position_rise":  # each misplaced probe spikes at its own steps
+        for i, p in enumerate(SPIKE_PROBES):
+            if step in (20 + 15 * i, 21 + 15 * i):
+                metrics[p] = 0.7
+    if name == "every_position_fall":  # each probe where a token belongs falls in turn
+        for i, p in enumerate(DROP_PROBES):
+            if 25 + 20 * i <= step < 30 + 20 * i:
+                metrics[p] = 0.2
     if name == "spike" and step in (30, 31, 55):
         metrics[SPIKE] = 0.8
     if name == "drop" and 40 <= step < 48:
         metrics[DROP] = 0.1
-    if name == "collapse" and (20 <= step < 26 or step == 70):
+    if name.startswith("collapse") and (20 <= step < 26 or step == 70):
         metrics[COLLAPSED] = 0.75
+    if name == "one_bad_group" and step in (20, 50, 51 + 5):  # isolated bad groups
+        metrics[COLLAPSED] = 1.0
     if name == "hacking":
         values["reward_mean"] = min(1.0, 0.2 + step / 60)
-    if name == "signal_loss" and 30 <= step < 60:
+    if name == "signal_loss" and 30 <= step < 60:  # recorded without the solved/stuck split
         values["zero_std_share"] = 1.0
+    if name == "solved" and step >= 30:  # all 8 right in every group
+        values |= {"reward_mean": 1.0, "true_accuracy": 1.0, "zero_std_share": 1.0}
+        metrics |= {SOLVED_GROUPS: 1.0, STUCK_GROUPS: 0.0}
+    if name == "solved_dips" and step >= 10:  # converged, with a dip: solved again (25 quiet)
+        metrics |= {SOLVED_GROUPS: 0.0 if 40 <= step <= 50 else 1.0, STUCK_GROUPS: 0.0}
+    if name == "stuck" and 30 <= step < 60:  # all 8 wrong
+        values |= {"reward_mean": 0.0, "true_accuracy": 0.0, "zero_std_share": 1.0}
+        metrics |= {SOLVED_GROUPS: 0.0, STUCK_GROUPS: 1.0}
     if name == "sparse_probes":
         if step % 3:
             del metrics[SPIKE], metrics[DROP]  # logged every third step only
@@ -149,22 +178,30 @@ def _scenario(name: str, step: int, rng: random.Random) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize(
-    ("scenario", "fires"),
+    ("scenario", "fires", "prompts_per_step"),
     [
-        ("healthy", set()),
-        ("spike", {"control_token_spike"}),
-        ("drop", {"control_token_spike"}),
-        ("collapse", {"collapse"}),
-        ("hacking", {"reward_hacking"}),
-        ("signal_loss", {"signal_loss"}),
-        ("sparse_probes", {"control_token_spike"}),
-        ("gaps", set()),
+        ("healthy", set(), 1),
+        ("spike", {"control_token_spike"}, 1),
+        ("drop", {"control_token_spike"}, 1),
+        ("every_position_rise", {"control_token_spike"}, 1),
+        ("every_position_fall", {"control_token_spike"}, 1),
+        ("collapse", {"collapse"}, 1),
+        ("collapse_wide", {"collapse"}, 2),
+        ("collapse_8", {"collapse"}, 8),
+        ("one_bad_group", set(), 1),
+        ("hacking", {"reward_hacking"}, 1),
+        ("signal_loss", {"signal_loss"}, 1),
+        ("stuck", {"signal_loss"}, 3),
+        ("solved", {"solved"}, 1),
+        ("solved_dips", {"solved"}, 2),
+        ("sparse_probes", {"control_token_spike"}, 1),
+        ("gaps", set(), 1),
     ],
 )
 def test_step_by_step_alerts_equal_a_from_scratch_evaluation(
-    session_factory: sessionmaker[Session], scenario: str, fires: set[str]
+    session_factory: sessionmaker[Session], scenario: str, fires: set[str], prompts_per_step: int
 ) -> None:
-    run_id = make_run(session_factory, steps=0)
+    run_id = make_run(session_factory, steps=0, prompts_per_step=prompts_per_step)
     rng = random.Random(scenario)
     for step in range(1, 101):
         values, metrics = _scenario(scenario, step, rng)
@@ -175,6 +212,34 @@ def test_step_by_step_alerts_equal_a_from_scratch_evaluation(
         assert store.get_run(session, run_id=run_id).alerts_through == 100
         assert stored == scratch
         assert {a["kind"] for a in stored} == fires
+        if scenario == "every_position_rise":  # each misplaced probe, once
+            assert sorted(a["series"] for a in stored) == sorted(SPIKE_PROBES)
+        if scenario == "every_position_fall":
+            assert sorted(a["series"] for a in stored) == sorted(DROP_PROBES)
+        if scenario.startswith("collapse"):  # step 70's lone bad step is one only with 8 groups
+            assert [a["step"] for a in stored] == {
+                "collapse": [22],
+                "collapse_wide": [21],
+                "collapse_8": [20, 70],
+            }[scenario]
+        if scenario == "solved_dips":  # the 25-step mean is under 80% for steps 45-69
+            assert [a["step"] for a in stored] == [29, 70]
+        assert all(
+            a["severity"] == ("info" if a["kind"] == "solved" else "warning") for a in stored
+        )
         assert queries.alerts(session, run_id=run_id, since=50) == [
             a for a in scratch if a["step"] > 50
         ]
+
+
+def test_retention_is_a_launch_setting() -> None:
+    from rollout_lens.server.domain.runconfig import RunConfig
+    from rollout_lens.server.launch import defaults, parse_form
+
+    _, raw = parse_form(defaults())  # the form as it first appears: the field left empty
+    assert raw["keep_tokens_every"] is None
+    assert RunConfig.model_validate(raw).run_columns()["keep_tokens_every"] is None
+    _, raw = parse_form(defaults() | {"keep_tokens_every": "50"})
+    assert RunConfig.model_validate(raw).run_columns()["keep_tokens_every"] == 50
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        RunConfig.model_validate(parse_form(defaults() | {"keep_tokens_every": "0"})[1])

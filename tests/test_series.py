@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from rollout_lens.server import figures
 from rollout_lens.server import series as vocab
 from rollout_lens.server.models import Step
@@ -44,3 +45,30 @@ def test_labels_carry_their_units() -> None:
     assert vocab.label("vote_entropy") == "vote entropy (bits)"
     assert vocab.label("wall_time") == "step wall time (s)"
     assert vocab.label("trl/clip_ratio") == "trl/clip_ratio"  # unknown series: its name
+
+
+def test_positional_probes_read_each_control_token_where_it_belongs_and_where_it_does_not() -> None:
+    tokens = ["<tool>", "tool_01", "</tool>", "</assistant>"]
+    # each token's probability at position i is (i + 1) / 10 + its own offset
+    offset = {"<tool>": 0.0, "</tool>": 0.01, "</assistant>": 0.02}
+    probs = {t: [(i + 1) / 10 + d for i in range(len(tokens))] for t, d in offset.items()}
+    row = positional.control_probes(
+        tokens, probs, open_tag="<tool>", close_tag="</tool>", eot="</assistant>"
+    )
+    assert row == pytest.approx(
+        {
+            "open_first": 0.1,  # <tool> at 0
+            "eot_after_open": 0.22,  # </assistant> at 1
+            "close_after_open": 0.21,  # </tool> at 1
+            "close_after_id": 0.31,  # </tool> at 2
+            "eot_after_id": 0.32,  # </assistant> at 2
+            "eot_after_close": 0.42,  # </assistant> at 3
+            "close_after_close": 0.41,  # </tool> at 3
+        }
+    )
+    bare = positional.control_probes(
+        ["<tool>"], probs, open_tag="<tool>", close_tag="</tool>", eot="</assistant>"
+    )
+    assert {k for k, v in bare.items() if v is not None} == {"open_first"}
+    assert set(vocab.BELONGS) | set(vocab.MISPLACED) == set(vocab.POSITIONAL_PROBES)
+    assert not set(vocab.BELONGS) & set(vocab.MISPLACED)

@@ -78,6 +78,7 @@ def test_a_real_trl_run_becomes_a_run(
             "my trl run",
         )
         assert (run.group_size, run.total_steps, run.current_step) == (4, 4, 4)
+        assert run.prompts_per_step == 2  # 8 rows a step: what the alert rules' windows use
         assert run.config["reward_columns"] == REWARDS
         assert any("num_generations 4: detected" in note for note in run.notes)
         steps = store.steps(session, run_id=done.run_id)

@@ -170,7 +170,8 @@ def test_compare_api(session_factory, client) -> None:
 
 
 def test_alerts_api(session_factory, client) -> None:
-    run_id = make_run(session_factory, steps=2)
+    # four groups a step: one step holds enough groups for the collapse rule to judge it
+    run_id = make_run(session_factory, steps=2, prompts_per_step=4)
     for step in range(3, 31):
         collapse = 0.8 if step >= 20 else 0.0
         record_step(
@@ -183,7 +184,7 @@ def test_alerts_api(session_factory, client) -> None:
         )
     alerts = client.get(f"/api/runs/{run_id}/alerts").json()
     assert [(a["kind"], a["step"]) for a in alerts] == [("collapse", 20)]
-    assert "20" in alerts[0]["message"]
+    assert "20" in alerts[0]["message"] and alerts[0]["severity"] == "warning"
     # A page polling with its cursor hears of an episode once.
     assert client.get(f"/api/runs/{run_id}/alerts?since=19").json() == alerts
     assert client.get(f"/api/runs/{run_id}/alerts?since=25").json() == []

@@ -8,6 +8,7 @@ import re
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.models import RunStatus
+from rollout_lens.server.series import BELONGS, MISPLACED
 
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
 from tests.web_support import (
@@ -472,3 +473,56 @@ def test_alerts_of_many_runs_for_the_runs_list(session_factory, client) -> None:
     page = parse(client.get("/").text)
     assert page.json("page-data")["alerts"] == "/api/alerts"
     assert page.find("tr", data_run_id=str(collapsed)).find(cls="alerts-slot")
+
+
+def _record_converging_run(session_factory, *, solved: bool) -> int:
+    """A patched run of two groups a step, recorded from its rollouts as the trainer summarizes
+    them: learning for 29 steps, then every rollout right (`solved`) or every one wrong."""
+    from rollout_lens.trainer.grpo import summarize
+
+    rng = random.Random(11)
+    run_id = make_run(session_factory, steps=0, prompts_per_step=2)
+    for step in range(1, 81):
+        rollouts = make_rollouts(rng) + make_rollouts(rng)
+        for i, r in enumerate(rollouts):
+            r.group = i // 8
+            if step >= 30:
+                r.vote = r.target if solved else "none_of_them"
+                r.verifier_reward = r.true_score = float(solved)
+        values, metrics = summarize(rollouts, 8, CONTROL_TOKENS)
+        metrics |= {f"probe/{p}/mean": 0.01 for p in MISPLACED}
+        metrics |= {f"probe/{p}/mean": 0.98 for p in BELONGS}
+        record_step(
+            session_factory, run_id, step, values=values, rollouts=rollouts, metrics=metrics
+        )
+    return run_id
+
+
+def test_a_healthy_converged_run_shows_no_warning(session_factory, client) -> None:
+    converged = _record_converging_run(session_factory, solved=True)
+    stuck = _record_converging_run(session_factory, solved=False)
+    # no reward spread left in either: what the zero-std rule alone would call signal loss
+    for run_id in (converged, stuck):
+        zero_std = client.get(f"/api/runs/{run_id}/series?names=zero_std_share").json()
+        assert zero_std["series"]["zero_std_share"]["y"][-1] == 1.0
+    alerts = client.get(f"/api/runs/{converged}/alerts").json()
+    assert [(a["kind"], a["severity"]) for a in alerts] == [("solved", "info")]
+    page = parse(client.get(f"/runs/{converged}").text)
+    assert page.by_id("warning-count").text == "0 warnings"
+    assert page.by_id("alert-count").text == "1"
+    assert "severity-info" in page.by_id("alert-list").find("li").classes
+
+    alerts = client.get(f"/api/runs/{stuck}/alerts").json()
+    assert [(a["kind"], a["severity"], a["series"]) for a in alerts] == [
+        ("signal_loss", "warning", "groups/stuck")
+    ]
+    assert parse(client.get(f"/runs/{stuck}").text).by_id("warning-count").text == "1 warning"
+
+    # the runs list counts warnings from one grouped query: none for the converged run
+    runs = parse(client.get("/").text)
+    slot = runs.find("tr", data_run_id=str(converged)).find(cls="alerts-slot")
+    assert slot.text.strip() == ""
+    slot = runs.find("tr", data_run_id=str(stuck)).find(cls="alerts-slot")
+    assert slot.text.strip() == "⚠ 1"
+    listed = {r["id"]: r["warnings"] for r in client.get("/api/runs").json()["runs"]}
+    assert listed[converged] == 0 and listed[stuck] == 1

@@ -238,6 +238,8 @@ def record_collapse_run(
             config=COLLAPSE_CONFIG,
             control_tokens=CONTROL_TOKENS,
             status=RunStatus.completed,
+            # enough groups a step that the collapse alert judges one step (rollouts: group 0)
+            prompts_per_step=4,
         ).id
     for step in range(1, steps + 1):
         values, metrics = collapse_story(step, rng)

@@ -62,8 +62,14 @@ def split_logs(logs: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]
     return columns, series
 
 
-def summarize(rollouts: Sequence[RolloutRecord], group_size: int, control_tokens: Sequence[str]):
-    """Per-step values and extra series computed from the rollouts of one generation."""
+def summarize(
+    rollouts: Sequence[RolloutRecord],
+    group_size: int,
+    control_tokens: Sequence[str],
+    top_reward: float = 1.0,
+):
+    """Per-step values and extra series computed from the rollouts of one generation
+    (`top_reward`: the verifier's best reward, what a solved group's rollouts all got)."""
     grouped = m.groups(rollouts, group_size)
     scored = [r.true_score for r in rollouts if r.true_score is not None]
     values: dict[str, float | None] = {
@@ -77,7 +83,11 @@ def summarize(rollouts: Sequence[RolloutRecord], group_size: int, control_tokens
         ),
         "completion_length": m.mean([float(len(r.completion_ids)) for r in rollouts]),
     }
-    series: dict[str, float | None] = {}
+    spread = [m.no_spread([r.verifier_reward for r in g], top_reward) for g in grouped]
+    series: dict[str, float | None] = {
+        vocab.SOLVED_GROUPS: m.mean([float(s == "solved") for s in spread]),
+        vocab.STUCK_GROUPS: m.mean([float(s == "stuck") for s in spread]),
+    }
     # tool-calling rollouts: only the positions the model sampled (tool results hold 0.0)
     sampled = [turns.model_positions(r.meta, len(r.completion_ids)) for r in rollouts]
     for token in control_tokens:

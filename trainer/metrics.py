@@ -25,6 +25,14 @@ def is_zero_std(rewards: Sequence[float]) -> bool:
     return max(rewards) - min(rewards) < 1e-9 if rewards else True
 
 
+def no_spread(rewards: Sequence[float], top: float = 1.0) -> str | None:
+    """A group with no reward spread: "solved" (every reward at the top), "stuck" (all equal
+    below it); None for a group with spread."""
+    if not is_zero_std(rewards):
+        return None
+    return "solved" if rewards and min(rewards) >= top - 1e-9 else "stuck"
+
+
 def mean(values: Sequence[float]) -> float | None:
     """Arithmetic mean, None for no values."""
     return sum(values) / len(values) if values else None

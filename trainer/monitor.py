@@ -7,7 +7,9 @@ import time
 
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
+from rollout_lens.trainer.retry import with_retries
 from rollout_lens.trainer.writer import StepWriter
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 from transformers import TrainerCallback
 
@@ -41,8 +43,11 @@ class RunMonitor:
         now = time.monotonic()
         if not self._cancelled and now - self._checked_at >= CANCEL_POLL_SECONDS:
             self._checked_at = now
-            with session_scope(self.factory) as session:
-                self._cancelled = store.cancel_requested(session, run_id=self.run_id)
+            try:
+                with session_scope(self.factory) as session:
+                    self._cancelled = store.cancel_requested(session, run_id=self.run_id)
+            except DBAPIError:
+                pass  # the database is away: asked again next time; the writer waits for it
         return self._cancelled
 
     def _beat(self) -> None:
@@ -68,5 +73,13 @@ class CheckpointRecorder(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self.writer.flush()
-        with session_scope(self.factory) as session:
-            store.set_checkpoint(session, run_id=self.run_id, step=state.global_step)
+
+        def note(_retried: bool) -> None:
+            with session_scope(self.factory) as session:
+                store.set_checkpoint(session, run_id=self.run_id, step=state.global_step)
+
+        with_retries(
+            note,
+            what=f"noting checkpoint {state.global_step} of run {self.run_id}",
+            give_up_after=self.writer.give_up_after,
+        )

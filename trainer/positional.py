@@ -23,7 +23,10 @@ def control_probes(
     close_tag: str,
     eot: str,
 ) -> dict[str, float | None]:
-    """The four positional probes of one completion; None where the position does not exist."""
+    """The positional probes of one completion (vocab.POSITIONAL_PROBES); None where the
+    position does not exist. Where a control token belongs: the opening tag first, the closing
+    tag after the id, end-of-turn after the closing tag. Where it does not: end-of-turn or a
+    closing tag right after the opening tag, end-of-turn after the id, a second closing tag."""
     n = len(tokens)
 
     def at(token: str, position: int | None) -> float | None:
@@ -39,6 +42,9 @@ def control_probes(
         "eot_after_open": at(eot, None if opened is None else opened + 1),
         "close_after_id": at(close_tag, None if opened is None else opened + 2),
         "eot_after_close": at(eot, None if closed is None else closed + 1),
+        "close_after_open": at(close_tag, None if opened is None else opened + 1),
+        "eot_after_id": at(eot, None if opened is None else opened + 2),
+        "close_after_close": at(close_tag, None if closed is None else closed + 1),
     }
 
 

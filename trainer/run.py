@@ -25,6 +25,7 @@ from rollout_lens.trainer.evaluation import Evaluator
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from rollout_lens.trainer.modelref import check_model
 from rollout_lens.trainer.monitor import CheckpointRecorder, RunMonitor
+from rollout_lens.trainer.retry import DatabaseAway, mark_finished
 from rollout_lens.trainer.supervision import SFTPhases, SupervisedGRPOTrainer
 from rollout_lens.trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
 from rollout_lens.trainer.tiny_model import ensure_tiny_model
@@ -230,6 +231,7 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                 control_tokens=control_tokens,
                 price_per_device_hour=settings.price_per_device_hour,
                 on_written=on_step,
+                give_up_after=settings.lost_after_seconds,
             )
 
             def stop_requested() -> bool:
@@ -250,21 +252,23 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
             writer.close()
             status = RunStatus.cancelled if stop_requested() else RunStatus.completed
-            with session_scope(factory) as session:
-                store.mark_finished(session, run_id=run_id, status=status)
+            mark_finished(factory, run_id, settings.lost_after_seconds, status=status)
             return run_id
     except BaseException as exc:
         if writer is not None:
             with contextlib.suppress(RuntimeError):  # the original error is the one to report
                 writer.close()
         interrupted = isinstance(exc, KeyboardInterrupt)
-        with session_scope(factory) as session:
-            store.mark_finished(
-                session,
-                run_id=run_id,
+        try:
+            mark_finished(
+                factory,
+                run_id,
+                settings.lost_after_seconds,
                 status=RunStatus.cancelled if interrupted else RunStatus.failed,
                 error="interrupted" if interrupted else _error_text(exc),
             )
+        except DatabaseAway:
+            log.error("run %s %s; the dashboard will show it lost", run_id, _error_text(exc))
         raise
 
 

@@ -9,7 +9,9 @@ from collections.abc import Callable, Sequence
 
 from rollout_lens.server import store
 from rollout_lens.server.records import StepRecord
+from rollout_lens.trainer.retry import with_retries
 from sqlalchemy import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 _STOP = object()
@@ -20,7 +22,8 @@ class StepWriter:
     """Queue StepRecords from the trainer; a daemon thread writes them in order.
 
     A write error is re-raised on the training thread at the next `put` or at `close`, so a run
-    never trains on while its records are being lost.
+    never trains on while its records are being lost. A database that goes away is waited for
+    (trainer.retry) up to `give_up_after` seconds; meanwhile the queue fills and training waits.
     """
 
     def __init__(
@@ -32,6 +35,7 @@ class StepWriter:
         price_per_device_hour: float,
         on_written: Callable[[StepRecord], None] | None = None,
         max_pending: int = 64,
+        give_up_after: float = 60.0,
     ) -> None:
         self.factory = factory
         self.engine: Engine = factory.kw["bind"]
@@ -40,6 +44,7 @@ class StepWriter:
         self.control_tokens = list(control_tokens)
         self.price = price_per_device_hour
         self.on_written = on_written
+        self.give_up_after = give_up_after
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
         self._thread = threading.Thread(
@@ -88,6 +93,20 @@ class StepWriter:
 
     def _write(self, records: list[StepRecord]) -> None:
         try:
+            steps = f"{records[0].step}" + (f"–{records[-1].step}" if len(records) > 1 else "")
+            with_retries(
+                lambda retried: self._commit(records, retried),
+                what=f"recording step {steps} of run {self.run_id}",
+                give_up_after=self.give_up_after,
+            )
+            if self.on_written is not None:
+                for record in records:
+                    self.on_written(record)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+
+    def _commit(self, records: list[StepRecord], retried: bool) -> None:
+        try:
             with self.engine.begin() as conn:
                 if self._recorder is None:
                     self._recorder = store.Recorder(
@@ -100,9 +119,10 @@ class StepWriter:
                         device_seconds=record.values.get("wall_time") or 0.0,
                         price_per_hour=self.price,
                     )
-            if self.on_written is not None:
-                for record in records:
-                    self.on_written(record)
-        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-            self._recorder = None
-            self._error = exc
+        except BaseException as exc:
+            self._recorder = None  # its memory may be ahead of what was committed
+            if retried and isinstance(exc, IntegrityError):
+                # An earlier attempt committed but its answer was lost with the connection: the
+                # steps are there, once (the batch was one transaction; keys say so).
+                return
+            raise

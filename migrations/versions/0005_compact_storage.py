@@ -237,7 +237,11 @@ def _derive(conn: sa.Connection, run_id: int) -> None:
         (step, dict(zip(layout_names, values)))
         for step, values in rollups.step_rows(conn, run_id=run_id, after=0, through=None, n_series=len(names))
     ]
-    found = rules.evaluate(rules.from_history(history), rules.AlertThresholds())
+    per_step = conn.execute(
+        sa.text("SELECT prompts_per_step FROM runs WHERE id = :r"), {"r": run_id}
+    ).scalar()
+    thresholds = rules.AlertThresholds().for_run(per_step)
+    found = rules.evaluate(rules.from_history(history), thresholds)
     if found:
         conn.execute(
             sa.text(

@@ -22,6 +22,7 @@ from rollout_lens.server.params import (
     run_ids,
 )
 from rollout_lens.server.responses import memo, run_alerts
+from rollout_lens.server.viewer import VIEW_TOKENS
 
 router = APIRouter(include_in_schema=False)
 
@@ -87,14 +88,14 @@ def step_jump(
 def step_page(
     request: Request, session: SessionDep, run_id: RunId, step: StepNo, group: int = 0
 ) -> HTMLResponse:
-    detail = queries.step_detail(session, run_id=run_id, step=step)
+    detail = queries.step_detail(session, run_id=run_id, step=step, max_tokens=VIEW_TOKENS)
     return render(request, "step.html", views.step_page(detail, group))
 
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
 def step_card(request: Request, session: SessionDep, run_id: RunId, step: StepNo) -> HTMLResponse:
     """The compact step card the compare page swaps in when its step control moves."""
-    detail = queries.step_detail(session, run_id=run_id, step=step)
+    detail = queries.step_detail(session, run_id=run_id, step=step, max_tokens=VIEW_TOKENS)
     return render(request, "_step_card.html", {"d": detail, "run": detail["run"]})
 
 
@@ -106,5 +107,7 @@ def compare_page(
     runs: Annotated[list[str] | None, Query()] = None,
     step: OptionalStep = None,
 ) -> HTMLResponse:
-    data = queries.compare(session, run_ids=run_ids(runs), step=step, memo=memo(cache))
+    data = queries.compare(
+        session, run_ids=run_ids(runs), step=step, max_tokens=VIEW_TOKENS, memo=memo(cache)
+    )
     return render(request, "compare.html", views.compare_page(data, _url(request)))

@@ -157,7 +157,9 @@ class Recorder:
         self.run_id = run_id
         self.control_tokens = list(control_tokens)
         run = conn.execute(
-            select(Run.series_names, Run.keep_tokens_every).where(Run.id == run_id)
+            select(Run.series_names, Run.keep_tokens_every, Run.prompts_per_step).where(
+                Run.id == run_id
+            )
         ).one()
         self.series_names: list[str] = list(run.series_names or [])
         self.keep_every: int | None = run.keep_tokens_every or None
@@ -170,7 +172,7 @@ class Recorder:
         ).all()[::-1]
         names = layout.all_names(self.series_names)
         self.recent: deque[tuple[float | None, float | None]] = deque(maxlen=WINDOW)
-        self.watch = rules.Watch()
+        self.watch = rules.Watch(rules.AlertThresholds().for_run(run.prompts_per_step))
         for row in history:
             values = dict(zip(names, layout.row_values(row, len(self.series_names)), strict=True))
             self.recent.append((values["true_accuracy"], values["reward_mean"]))

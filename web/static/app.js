@@ -45,6 +45,7 @@ window.RL = (() => {
    *  message): the same markup as the alert_item macro in macros.html. */
   function alertItem(a) {
     const li = document.createElement("li");
+    li.className = `severity-${a.severity}`;
     const mark = document.createElement("span");
     mark.className = `alert-kind kind-${a.kind}`;
     mark.textContent = a.label;

@@ -29,6 +29,10 @@
     marks.alerts.push(...fresh);
     document.getElementById("alert-list").replaceChildren(...marks.alerts.map(RL.alertItem));
     document.getElementById("alert-count").textContent = String(marks.alerts.length);
+    const warnings = marks.alerts.filter((a) => a.severity === "warning").length;
+    const counter = document.getElementById("warning-count");
+    counter.textContent = `${warnings} warning${warnings === 1 ? "" : "s"}`;
+    counter.dataset.warnings = String(warnings);
     document.getElementById("alerts").hidden = marks.alerts.length === 0;
   }
 

@@ -53,7 +53,8 @@
     const details = document.createElement("details");
     details.className = "alert-badge";
     const summary = document.createElement("summary");
-    summary.textContent = `⚠ ${alerts.length}`;
+    const warnings = alerts.filter((a) => a.severity === "warning").length;
+    summary.textContent = warnings ? `⚠ ${warnings}` : `ℹ ${alerts.length}`;
     summary.title = `${alerts.length} alert${alerts.length === 1 ? "" : "s"}: ${[...new Set(alerts.map((a) => a.label))].join(", ")}`;
     const list = document.createElement("ul");
     list.append(...alerts.map(RL.alertItem));

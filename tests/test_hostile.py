@@ -1,0 +1,335 @@
+"""Hostile text in everything a run records — name, config, prompt, completion, vote, query,
+control tokens: HTML, scripts, template syntax, control characters, NUL, lone surrogates, 1 MB —
+is stored (SQLite and PostgreSQL) and shown inert on every page: parsed HTML, then Chromium."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from rollout_lens.server import store
+from rollout_lens.server.app import create_app
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.migrate import upgrade
+from rollout_lens.server.records import RolloutRecord
+from rollout_lens.server.textsafe import storable
+from rollout_lens.server.viewer import SHOWN_CHARS
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests import web_support
+from tests.factories import make_rollouts, record_step
+from tests.web_support import Node, parse
+
+# Each payload sets window.__pwned (and opens a dialog) if it ever runs.
+SCRIPT = "<script>window.__pwned='script';alert(1)</script>"
+IMG = "<img src=x onerror=\"window.__pwned='img';alert(2)\">"
+TEMPLATES = "{{ 7*7 }}{% if true %}jinja{% endif %}${7*7}"
+CONTROL = "\x07\x1b[31m\x7f"
+UNSTORABLE = "\x00\ud800"  # NUL (PostgreSQL refuses it) and a lone surrogate (UTF-8 cannot hold it)
+HOSTILE = f"{SCRIPT}{IMG}</textarea></pre>{TEMPLATES}{CONTROL}{UNSTORABLE}<b>end</b>"
+VOTE = "<img src=x onerror=alert(4)>{{7*7}}"  # votes and targets are 64 characters at most
+TOKEN = "<img src=x onerror=alert(5)>"  # a control token a user's tokenizer has
+CONTROL_TOKENS = ("<tool>", "</tool>", TOKEN)
+BIG = (HOSTILE * (2**20 // len(HOSTILE) + 1))[: 2**20]
+
+
+def hostile_rollouts(completion: str) -> list[RolloutRecord]:
+    rollouts = make_rollouts(random.Random(5), completion=completion)
+    for r in rollouts:
+        r.prompt = f"<user>{HOSTILE}</user><assistant>"
+        r.vote = VOTE
+        r.meta = r.meta | {"query": HOSTILE, "tool_ids": [VOTE], "hint": HOSTILE}
+        r.control_probs = {t: [0.5] * len(r.completion_ids) for t in CONTROL_TOKENS}
+    return rollouts
+
+
+def record_hostile_run(factory: sessionmaker[Session], *, completion: str = HOSTILE) -> int:
+    """A run whose every text is hostile, with two steps (through store.record_step)."""
+    with session_scope(factory) as session:
+        run_id = store.create_run(
+            session,
+            name=HOSTILE[:190],
+            model=IMG,
+            total_steps=2,
+            group_size=8,
+            config={"<b>key</b>": HOSTILE, "nested": {IMG: [HOSTILE, TEMPLATES]}},
+            control_tokens=CONTROL_TOKENS,
+            notes=[HOSTILE],
+        ).id
+    for step in (1, 2):
+        metrics = {f"ctrl/{TOKEN}/mean": 0.5}
+        with session_scope(factory) as session:
+            from rollout_lens.server.records import StepRecord
+
+            store.record_step(
+                session,
+                run_id=run_id,
+                record=StepRecord(
+                    step=step,
+                    rollout_step=step,
+                    values={"reward_mean": 0.5, "true_accuracy": 0.5},
+                    rollouts=hostile_rollouts(completion),
+                    metrics=metrics,
+                ),
+                control_tokens=CONTROL_TOKENS,
+            )
+    return run_id
+
+
+def assert_inert(html: str, url: str) -> Node:
+    """No element, attribute or script of the payload made it into the page as markup."""
+    tree = parse(html)
+    for script in tree.find_all("script"):
+        assert script.attrs.get("src", "").startswith("/static/") or (
+            script.attrs.get("type") == "application/json"
+        ), url
+        assert "__pwned" not in script.text or script.attrs.get("type") == "application/json", url
+        assert "</script" not in script.text.lower(), url
+    for node in tree.iter():
+        assert not any(name.startswith("on") for name in node.attrs), (url, node.tag, node.attrs)
+        assert node.tag not in ("textarea", "b"), (url, node.tag)
+        assert node.tag != "img" or node.attrs.get("src", "").startswith("/static/"), url
+    return tree
+
+
+def test_hostile_text_is_stored_and_shown_inert(
+    session_factory: sessionmaker[Session], client: TestClient
+) -> None:
+    run_id = record_hostile_run(session_factory)
+    other = record_hostile_run(session_factory)
+    clean = storable(HOSTILE)
+    assert clean.count("\ufffd") == 2 and "\x00" not in clean  # NUL and the surrogate, replaced
+
+    pages = {
+        "runs": "/",
+        "run": f"/runs/{run_id}",
+        "step": f"/runs/{run_id}/steps/1",
+        "card": f"/runs/{run_id}/steps/1/card",
+        "compare": f"/compare?runs={run_id},{other}",
+        "search": "/?q=%3Cscript%3E",
+    }
+    trees = {}
+    for name, url in pages.items():
+        response = client.get(url)
+        assert response.status_code == 200, (url, response.text[:500])
+        trees[name] = assert_inert(response.text, url)
+
+    step = trees["step"]
+    completion = step.find("pre", cls="completion")
+    # As text, control characters shown as pictures, the unstorable as U+FFFD.
+    assert completion.text.startswith(SCRIPT + IMG + "</textarea></pre>" + TEMPLATES + "␇␛")
+    assert "\ufffd\ufffd<b>end</b>" in completion.text
+    assert step.find("p", cls="query").text.startswith(SCRIPT)
+    assert TEMPLATES in step.find("pre", cls="prompt-text").text
+    assert VOTE in step.find("span", cls="vote-id").text
+    ctrl = step.find("table", cls="ctrl")
+    assert [th.text for th in ctrl.find("tbody").find_all("th")] == ["sampled", *CONTROL_TOKENS]
+    assert HOSTILE[:60] in trees["runs"].find("td", cls="name").text
+    assert TEMPLATES in trees["run"].find("details", cls="config").text
+    assert trees["card"].find("td", cls="completion-cell").text.startswith(SCRIPT)
+
+    # The JSON twins carry the same text, as JSON strings (storable, so they encode).
+    api = client.get(f"/api/runs/{run_id}/steps/1").json()
+    rollout = api["groups"][0]["rollouts"][0]
+    assert (
+        rollout["completion"] == clean and rollout["prompt"] == f"<user>{clean}</user><assistant>"
+    )
+    assert rollout["meta"]["query"] == clean
+    run = client.get(f"/api/runs/{run_id}").json()["run"]
+    assert run["name"] == storable(HOSTILE[:190]) and run["notes"] == [clean]
+    assert run["config"]["nested"][IMG] == [clean, TEMPLATES]
+    assert client.get(f"/api/compare?runs={run_id},{other}").status_code == 200
+    assert client.get("/api/runs").status_code == 200
+    # Stored clean, not only shown clean: no NUL or lone surrogate (nor their JSON escapes).
+    engine = session_factory.kw["bind"]
+    cast = "::text" if engine.dialect.name == "postgresql" else ""
+    with engine.connect() as conn:
+        stored = [
+            str(value)
+            for sql in (
+                f"SELECT name, config{cast}, notes{cast} FROM runs",
+                f"SELECT completion, vote, own_meta{cast} FROM rollouts",
+                f"SELECT data{cast} FROM facts",
+                "SELECT text FROM prompts",
+            )
+            for row in conn.exec_driver_sql(sql)
+            for value in row
+        ]
+    assert any("\ufffd" in v or "\\ufffd" in v for v in stored)
+    for bad in ("\x00", "\ud800", "\\u0000", "\\ud800"):
+        assert not any(bad in v for v in stored), bad
+
+
+def test_a_1_mb_completion_is_cut_on_pages_and_whole_in_the_json(
+    session_factory: sessionmaker[Session], client: TestClient
+) -> None:
+    run_id = record_hostile_run(session_factory, completion=BIG)
+    other = record_hostile_run(session_factory)
+    page = client.get(f"/runs/{run_id}/steps/1")
+    tree = assert_inert(page.text, "step")
+    assert len(page.content) < 2**20  # eight 1 MB completions, and the page is not 8 MB
+    panel = tree.by_id("rollout-0")
+    completion = panel.find("pre", cls="completion").text
+    assert completion == storable(BIG)[:SHOWN_CHARS].replace("\x07", "␇").replace(
+        "\x1b", "␛"
+    ).replace("\x7f", "␡")
+    note = panel.find("p", cls="clip-note")
+    assert "Shown 20,000 of 1,048,576 characters" in note.text
+    assert note.find("a").attrs["href"] == f"/api/runs/{run_id}/steps/1"
+    card = assert_inert(client.get(f"/compare?runs={run_id},{other}").text, "compare")
+    assert "of 1,048,576 characters" in card.find("td", cls="completion-cell").text
+    full = client.get(note.find("a").attrs["href"]).json()
+    assert full["groups"][0]["rollouts"][0]["completion"] == storable(BIG)
+
+
+def test_a_long_completion_shows_its_first_tokens(
+    session_factory: sessionmaker[Session], client: TestClient
+) -> None:
+    with session_scope(session_factory) as session:
+        run_id = store.create_run(
+            session, name="long", model="m", total_steps=1, group_size=8, control_tokens=["<t>"]
+        ).id
+    n = 100_000
+    rollouts = make_rollouts(random.Random(1))
+    for r in rollouts:
+        r.completion_ids = list(range(n))
+        r.token_logprobs = [-0.5] * n
+        r.control_probs = {"<t>": [0.25] * n}
+    with session_scope(session_factory) as session:
+        from rollout_lens.server.records import StepRecord
+
+        store.record_step(
+            session,
+            run_id=run_id,
+            record=StepRecord(step=1, rollout_step=1, values={}, rollouts=rollouts),
+            control_tokens=["<t>"],
+        )
+    tree = parse(client.get(f"/runs/{run_id}/steps/1").text)
+    panel = tree.by_id("rollout-3")
+    cells = panel.find("div", cls="tokens").find_all("span", role="listitem")
+    assert len(cells) == 256  # 2,048 a page over 8 rollouts
+    assert cells[255].attrs["title"].startswith("#255 · id 255 · p=0.607")
+    assert "Shown the first 256 of 100,000 tokens" in panel.find("p", cls="clip-note").text
+    assert len(panel.find("table", cls="ctrl").find("thead").find_all("th")) == 1 + 64
+    api = client.get(f"/api/runs/{run_id}/steps/1").json()["groups"][0]["rollouts"][3]
+    assert len(api["completion_ids"]) == n and len(api["token_view"]) == 512  # the views are cut
+
+
+def test_unstorable_text_written_before_the_cleaning_still_renders(
+    session_factory: sessionmaker[Session], client: TestClient
+) -> None:
+    """A lone surrogate already in a JSON column (as `\\ud800`, which both databases accept)
+    shows as U+FFFD rather than failing the page with a 500."""
+    run_id = record_hostile_run(session_factory)
+    raw = session_factory.kw["bind"].raw_connection()  # past the engine's cleaning
+    try:
+        cursor = raw.cursor()
+        marker = "%s" if "postgresql" in str(session_factory.kw["bind"].url) else "?"
+        cursor.execute(
+            f"UPDATE runs SET config = {marker}, notes = {marker} WHERE id = {run_id}",
+            ('{"legacy": "a\\ud800b"}', '["n\\udc00"]'),
+        )
+        raw.commit()
+    finally:
+        raw.close()
+    for url in ("/", f"/runs/{run_id}/steps/1", f"/api/compare?runs={run_id},{run_id + 1}"):
+        assert client.get(url).status_code in (200, 404), url
+    page = client.get(f"/runs/{run_id}")
+    assert page.status_code == 200 and "n\ufffd" in parse(page.text).text  # the note
+    api = client.get(f"/api/runs/{run_id}")
+    assert api.status_code == 200 and api.json()["run"]["config"] == {"legacy": "a\ufffdb"}
+
+
+@dataclass
+class Served:
+    url: str
+    runs: dict[str, int]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The app under uvicorn on an SQLite file holding two hostile runs (one with 1 MB texts)."""
+    import uvicorn
+
+    data_dir = tmp_path_factory.mktemp("hostile")
+    url = f"sqlite:///{data_dir / 'rollout-lens.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    factory = make_session_factory(engine)
+    runs = {
+        "hostile": record_hostile_run(factory),
+        "big": record_hostile_run(factory, completion=BIG),
+    }
+    record_step(factory, runs["hostile"], 3, rollouts=hostile_rollouts(HOSTILE))
+    settings = Settings(database_url=url, data_dir=data_dir, lost_after_seconds=3600)
+    port = web_support.free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    yield Served(f"http://127.0.0.1:{port}", runs)
+    server.should_exit = True
+    thread.join(timeout=10)
+    engine.dispose()
+
+
+@pytest.mark.browser
+def test_no_payload_runs_in_chromium(served: Served) -> None:
+    """Every page with hostile runs, in a real browser: no script of the payload runs, no dialog
+    opens, no JS error; tabs, keys and the compare step control work as usual."""
+    browser_gen = web_support.chromium_browser()
+    browser: Any = next(browser_gen)
+    dialogs: list[str] = []
+    errors: list[str] = []
+    context = browser.new_context(base_url=served.url)
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    hostile, big = served.runs["hostile"], served.runs["big"]
+    try:
+        for path in (
+            "/",
+            f"/runs/{hostile}",
+            f"/runs/{hostile}/steps/1",
+            f"/runs/{big}/steps/2",
+            f"/compare?runs={hostile},{big}",
+        ):
+            page.goto(path)
+            page.wait_for_load_state("networkidle")
+            if path.startswith(f"/runs/{hostile}") and "steps" not in path:
+                page.wait_for_selector("body[data-charts-ready]")
+            if "/steps/" in path:
+                for key in "1234567":
+                    page.keyboard.press(key)
+                assert page.locator("#rollout-7").is_visible()
+                text = page.locator("#rollout-7 pre.completion").inner_text()
+                assert text.startswith(SCRIPT + IMG), path
+                with page.expect_navigation():
+                    page.keyboard.press("ArrowRight" if path.endswith("/1") else "ArrowLeft")
+                page.wait_for_load_state("networkidle")
+                assert page.locator("#rollout-0 pre.completion").inner_text().startswith(SCRIPT)
+            if path.startswith("/compare"):
+                page.wait_for_selector("body[data-charts-ready]")
+                page.locator("#cmp-prev").click()  # step 1's cards, swapped in by compare.js
+                page.wait_for_selector(f".step-card[data-run='{hostile}'][data-step='1']")
+                assert TEMPLATES in page.locator(".pair-body").first.inner_text()
+            assert page.evaluate("window.__pwned") is None, path
+            assert page.locator("img[src=x]").count() == 0, path
+    finally:
+        context.close()
+        next(browser_gen, None)
+    assert dialogs == [] and errors == []
