@@ -50,7 +50,7 @@ from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from bench.pages import CONTROL_TOKENS, SyntheticRun
+from bench.synthetic import CONTROL_TOKENS, SyntheticRun
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get(

@@ -39,7 +39,8 @@ from rollout_lens.server.migrate import upgrade
 from rollout_lens.server.models import RunStatus
 
 from bench import faults
-from bench.pages import CONTROL_TOKENS, SyntheticRun, fill
+from bench.pages_data import fill
+from bench.synthetic import CONTROL_TOKENS, SyntheticRun
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCKED = "database is locked"
