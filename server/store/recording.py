@@ -3,8 +3,8 @@ alerts — what a trainer writes every step, so it is built for speed.
 
 A Recorder holds what the run's next write needs (series layout, rollup progress, the last 25
 steps' means, the alert rules' windows, interned prompt and facts ids, token ids already known)
-and writes one step in a handful of cached Core statements. Only one recorder writes a run at a
-time (the worker training it, the callback's writer, an import). If a write's transaction rolls
+and writes one step in a handful of driver-level statements (SQL text made once). Only one
+recorder writes a run at a time (the worker training it, the callback's writer, an import). If a write's transaction rolls
 back, throw the recorder away and load a new one: its memory is ahead of the database.
 """
 
