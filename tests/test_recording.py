@@ -116,6 +116,7 @@ def test_retention_keeps_every_nth_first_last_and_alert_steps(
 
     page = parse(client.get(f"/runs/{run_id}/steps/4").text)
     assert "every 5 steps" in page.find(id="tokens-not-kept").text
+    assert "token-level data not kept at this step" in page.text
     assert page.find(id="nearest-kept").attrs["href"].endswith(f"/runs/{run_id}/steps/5")
     three = parse(client.get(f"/runs/{run_id}/steps/3").text).find(id="nearest-kept")
     assert three.attrs["href"].endswith("/steps/1")  # equally near 1 and 5: the earlier
