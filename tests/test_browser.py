@@ -9,9 +9,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +31,7 @@ from tests.web_support import (
     PROBE_SPIKE_STEP,
     record_collapse_run,
     record_supervised_run,
+    serve_app,
 )
 
 playwright = pytest.importorskip("playwright.sync_api")
@@ -53,12 +51,6 @@ class Served:
     url: str
     factory: sessionmaker[Session]
     runs: dict[str, int] = field(default_factory=dict)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -85,26 +77,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "collapse": record_collapse_run(factory),
         "supervised": record_supervised_run(factory),
     }
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            # data_dir: where a launch from the form would queue (none here launches)
-            # lost_after: the factories' "running" runs have no worker beating for them
-            create_app(Settings(database_url=url, data_dir=data_dir, lost_after_seconds=3600)),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    yield Served(f"http://127.0.0.1:{port}", factory, runs)
-    server.should_exit = True
-    thread.join(timeout=10)
+    # data_dir: where a launch from the form would queue (none here launches)
+    # lost_after: the factories' "running" runs have no worker beating for them
+    app = create_app(Settings(database_url=url, data_dir=data_dir, lost_after_seconds=3600))
+    with serve_app(app) as base:
+        yield Served(base, factory, runs)
     engine.dispose()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -68,22 +67,11 @@ def _dashboard(data_dir: Path, **settings: Any) -> Iterator[tuple[str, sessionma
     engine = make_engine(url)
     upgrade(engine)
     factory = make_session_factory(engine)
-    port = web_support.free_port()
     config = Settings(database_url=url, data_dir=data_dir, lost_after_seconds=3600, **settings)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
     try:
-        yield f"http://127.0.0.1:{port}", factory
+        with web_support.serve_app(create_app(config)) as base:
+            yield base, factory
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.dispose()
 
 

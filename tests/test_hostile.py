@@ -5,8 +5,6 @@ is stored (SQLite and PostgreSQL) and shown inert on every page: parsed HTML, th
 from __future__ import annotations
 
 import random
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -256,8 +254,6 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """The app under uvicorn on an SQLite file holding two hostile runs (one with 1 MB texts)."""
-    import uvicorn
-
     data_dir = tmp_path_factory.mktemp("hostile")
     url = f"sqlite:///{data_dir / 'rollout-lens.db'}"
     engine = make_engine(url)
@@ -269,19 +265,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     }
     record_step(factory, runs["hostile"], 3, rollouts=hostile_rollouts(HOSTILE))
     settings = Settings(database_url=url, data_dir=data_dir, lost_after_seconds=3600)
-    port = web_support.free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    yield Served(f"http://127.0.0.1:{port}", runs)
-    server.should_exit = True
-    thread.join(timeout=10)
+    with web_support.serve_app(create_app(settings)) as base:
+        yield Served(base, runs)
     engine.dispose()
 
 

@@ -9,10 +9,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -40,12 +38,6 @@ ROOT = Path(__file__).resolve().parent.parent
 REDIS_URL = os.environ.get("ROLLOUT_LENS_TEST_LAUNCH_REDIS_URL", "redis://127.0.0.1:6379/14")
 ARTIFACTS = Path(os.environ.get("ROLLOUT_LENS_TEST_ARTIFACTS") or ROOT / "test-artifacts")
 TRAIN_TIMEOUT = 300  # seconds for a small run, worker start and model load included
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(tmp: Path, tiny_model_dir: Path, **extra: str) -> dict[str, str]:
@@ -148,19 +140,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    yield Stack(f"http://127.0.0.1:{port}", make_session_factory(engine), worker, log)
-    server.should_exit = True
-    thread.join(timeout=10)
+    with web_support.serve_app(create_app(settings)) as base:
+        yield Stack(base, make_session_factory(engine), worker, log)
     worker.terminate()
     try:
         worker.wait(timeout=30)
@@ -200,7 +181,7 @@ def _shot(page: Any, name: str) -> None:
 def test_serve_with_no_broker_trains_with_its_own_worker(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    port = _free_port()
+    port = web_support.free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     with (
