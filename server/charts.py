@@ -203,6 +203,16 @@ def run_summary(run: dict[str, Any], buckets: dict[str, list[Any]]) -> dict[str,
     }
 
 
+def last_window_mean(points: dict[str, list[Any]] | None) -> float | None:
+    """Mean of a series' chart points (`x`: steps, or each bucket's first step when downsampled)
+    from its last WINDOW steps: the last 25 steps' mean, or for a long run its last buckets'."""
+    if not points or not points.get("x"):
+        return None
+    first = points["x"][-1] - WINDOW
+    ys = [y for x, y in zip(points["x"], points["y"], strict=True) if x > first and y is not None]
+    return sum(ys) / len(ys) if ys else None
+
+
 CHART_DIGITS = 4  # significant digits of a chart's values, relative to the series' largest
 
 

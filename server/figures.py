@@ -14,6 +14,8 @@ from rollout_lens.server import series as vocab
 from rollout_lens.server.domain.task import SFT_MODES
 from rollout_lens.server.series import STEP_SERIES, WINDOW, label
 
+FREE = vocab.FORMAT_FREE_ACCURACY
+
 COLORS = {
     "reward_mean": "#2563eb",
     "true_accuracy": "#ea580c",
@@ -191,7 +193,7 @@ STATE_COLORS = {  # keyed by server.series.FormatState
 
 def _state_trace(name: str) -> dict[str, Any]:
     """A stacked share (no band: shares of one step add up to 1)."""
-    state = name.split("/", 1)[1]
+    state = name.rsplit("/", 1)[1]
     color = STATE_COLORS.get(state, NEUTRAL)
     return {
         "type": "scatter",
@@ -205,6 +207,80 @@ def _state_trace(name: str) -> dict[str, Any]:
         "hovertemplate": "%{y:.2f}",
         "meta": {"series": name, "part": "y"},
     }
+
+
+TURN_STATE_COLORS = {  # keyed by server.series.TurnState
+    "healthy_call": "#16a34a",
+    "text_pollution": "#ca8a04",
+    "open_call": "#ea580c",
+    "eot_in_call": "#dc2626",
+    "no_call": "#64748b",
+}
+
+
+def tool_use(names: set[str]) -> list[dict[str, Any]]:
+    """Charts of a tool-calling run: calls and turns per rollout, right-tool and failure rates,
+    and the structural state of the model turns at each position (1, 2, 3+)."""
+    out = []
+    counts = [n for n in (vocab.TOOL_CALLS, vocab.TOOL_TURNS) if n in names]
+    if counts:
+        traces = []
+        for n, color in zip(counts, (COLORS["true_accuracy"], NEUTRAL), strict=False):
+            traces += line(n, vocab.TOOL_SERIES[n], color)
+        out.append(
+            figure(
+                "tool-calls",
+                "Calls and turns per rollout",
+                traces,
+                help="Mean per rollout and step: tool calls TRL parsed from the model's turns, "
+                "and model turns (a turn after each tool result).",
+                y={"rangemode": "tozero"},
+            )
+        )
+    rates = [n for n in (vocab.RIGHT_TOOL_RATE, vocab.TOOL_FAILURE_RATE) if n in names]
+    if rates:
+        traces = []
+        for n, color in zip(rates, ("#16a34a", "#dc2626"), strict=False):
+            traces += line(n, vocab.TOOL_SERIES[n], color)
+        out.append(
+            figure(
+                "tool-rates",
+                "Right-tool rate Â· tool failure rate",
+                traces,
+                help="Share of calls to a tool the episode needs, and TRL's share of calls that "
+                "failed (an error, or a tool the rollout was not given).",
+                y=UNIT_RANGE,
+            )
+        )
+    for position in vocab.TURN_POSITIONS:
+        series = [
+            vocab.turn_state(position, s)
+            for s in vocab.TURN_STATES
+            if vocab.turn_state(position, s) in names
+        ]
+        if not series:
+            continue
+        traces = []
+        for name in series:
+            trace = _state_trace(name)
+            state = name.rsplit("/", 1)[1]
+            color = TURN_STATE_COLORS[state]
+            trace["line"]["color"], trace["fillcolor"] = color, _rgba(color, 0.55)
+            trace["name"] = plotly_text(vocab.state_label(state))
+            traces.append(trace)
+        which = {"1": "first", "2": "second", "3+": "third and later"}[position]
+        out.append(
+            figure(
+                f"turn-states-{position}",
+                f"Model turn {position}: structure",
+                traces,
+                help=f"Share of the {which} model turns per step that are a healthy call, a "
+                "call with stray text, a call left open (cut), end-of-turn inside a call, or no "
+                "call (an answer or text).",
+                y={"range": [0, 1.02]},
+            )
+        )
+    return out
 
 
 def _structure(names: set[str]) -> list[dict[str, Any]]:
@@ -379,8 +455,12 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
             "reward",
             "Verifier reward vs true accuracy",
             line("reward_mean", label("reward_mean"), c["reward_mean"])
-            + line("true_accuracy", label("true_accuracy"), c["true_accuracy"]),
-            help="Per step. The policy trains on the verifier's reward; true accuracy is exact match with the target.",
+            + line("true_accuracy", label("true_accuracy"), c["true_accuracy"])
+            + (line(FREE, label(FREE), c["true_accuracy"], dash="dot") if FREE in have else []),
+            help="Per step. The policy trains on the verifier's reward; true accuracy is exact "
+            "match with the target. Format-free accuracy (dotted, where recorded) reads the "
+            "answer whatever the structure around it: a gap between it and true accuracy is a "
+            "skill hidden by a broken format.",
             alerts=["reward_hacking"],
             y=UNIT_RANGE,
         ),
@@ -434,6 +514,7 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
             )
         )
     structure = _structure(have)
+    tools = tool_use(have)
     probes = probe_details(have)
     evals = evaluation(have)
     optimization = [
@@ -441,7 +522,14 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
         for n in vocab.OPTIMIZATION
         if n in have
     ]
-    shown = _used(main) | _used(structure) | _used(probes) | _used(evals) | set(STEP_SERIES)
+    shown = (
+        _used(main)
+        | _used(structure)
+        | _used(tools)
+        | _used(probes)
+        | _used(evals)
+        | set(STEP_SERIES)
+    )
     groups: dict[str, list[dict[str, Any]]] = {}
     for i, name in enumerate(n for n in names if n not in shown):
         prefix = name.split("/", 1)[0] if "/" in name else "other"
@@ -452,6 +540,7 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
     return {
         "main": main,
         "structure": structure,
+        "tools": tools,
         "probes": probes,
         "evaluation": evals,
         "optimization": optimization,
@@ -488,6 +577,7 @@ def section(
 RUN_SECTIONS = [
     section("main", always=True),
     section("structure", "Call structure", grid=3),
+    section("tools", "Tool use, turn by turn", grid=3),
     section("probes", "Probes in detail", grid=4, key="_probe_key.html"),
     section("evaluation", "Evaluation and SFT"),
     section("optimization", "Optimization", grid=4),
@@ -499,6 +589,7 @@ COMPARE_SECTIONS = [
     ),
     section("evaluation", "Evaluation", note="(greedy accuracy every E steps)", grid=3),
     section("collapse", "Collapse"),
+    section("tools", "Tool use", note="(tool-calling runs)", grid=3),
 ]
 
 
@@ -509,7 +600,13 @@ COMPARE_EXTRA = {  # compare's further overlays (series.COMPARE_EXTRA): series â
     },
     vocab.COLLAPSED: ("collapse", "Share of collapsed completions"),
     vocab.probe("eot_after_open"): ("collapse", "P(end-of-turn) after the opening tag"),
+    vocab.FORMAT_FREE_ACCURACY: ("main", "Format-free accuracy"),
+    vocab.TOOL_CALLS: ("tools", "Tool calls per rollout"),
+    vocab.TOOL_TURNS: ("tools", "Model turns per rollout"),
+    vocab.RIGHT_TOOL_RATE: ("tools", "Right-tool rate"),
+    vocab.TOOL_FAILURE_RATE: ("tools", "Tool failure rate"),
 }
+PER_ROLLOUT = (vocab.TOOL_CALLS, vocab.TOOL_TURNS)  # counts, not shares: no unit range
 assert tuple(COMPARE_EXTRA) == vocab.COMPARE_EXTRA
 
 
@@ -530,19 +627,20 @@ def compare_figures(
     for run in runs:
         tokens += [t for t in run["control_tokens"] if t not in tokens]
 
-    def overlay(fid: str, name: str, title: str, **kwargs: Any) -> dict[str, Any] | None:
+    def overlay(fid: str, name: str, title: str) -> dict[str, Any] | None:
         traces = []
         for j, run in enumerate(runs):
             if name in series_by_run[str(run["id"])]["series"]:
                 color = RUN_COLORS[j % len(RUN_COLORS)]
                 drawn = line(name, f"#{run['id']} {run['name']}", color, run_id=run["id"])
                 traces += drawn if bands else drawn[2:]
-        return figure(fid, title, traces, y=UNIT_RANGE, **kwargs) if traces else None
+        y = {"rangemode": "tozero"} if name in PER_ROLLOUT else UNIT_RANGE
+        return figure(fid, title, traces, y=y) if traces else None
 
     main = [overlay(f"c-{i}", n, label(n).capitalize()) for i, n in enumerate(names)]
     control = [overlay(f"t-{i}", vocab.ctrl(t, "mean"), t) for i, t in enumerate(tokens)]
     out = {"main": [f for f in main if f], "control": [f for f in control if f]}
-    out |= {"evaluation": [], "collapse": []}
+    out |= {"evaluation": [], "collapse": [], "tools": []}
     for i, (name, (section, title)) in enumerate(COMPARE_EXTRA.items()):
         fig = overlay(f"x-{i}", name, title)
         if fig is not None:

@@ -26,7 +26,21 @@ FORM_ERROR = "__all__"  # errors that belong to no single field
 # --- field specs --------------------------------------------------------------------------------
 
 GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("task", "Task", ("name", "variant", "k", "verifier", "verifier_noise", "seed")),
+    (
+        "task",
+        "Task",
+        (
+            "name",
+            "turns",
+            "variant",
+            "k",
+            "episodes",
+            "max_calls",
+            "verifier",
+            "verifier_noise",
+            "seed",
+        ),
+    ),
     ("model", "Model", ("model", "max_completion_tokens", "temperature", "control_tokens")),
     (
         "grpo",
@@ -42,7 +56,10 @@ GROUPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 LABELS = {
     "name": "Name",
+    "turns": "Turns",
     "variant": "Variant",
+    "episodes": "Episodes",
+    "max_calls": "Tool calls per rollout",
     "k": "Shortlist size k",
     "verifier": "Verifier",
     "verifier_noise": "Verifier noise",
@@ -68,7 +85,9 @@ LABELS = {
 # A field that matters only for some values of another (the form dims it otherwise).
 RELEVANT_WHEN = {
     "k": ("variant", ("patched",)),
-    "verifier_noise": ("verifier", ("noisy",)),
+    "episodes": ("turns", ("multi",)),
+    "max_calls": ("turns", ("multi",)),
+    "verifier_noise": ("verifier", ("noisy", "judge")),
     "supervised_per_group": ("supervision", ("offpolicy", "hint")),
     "sft_every": ("supervision", ("interleaved_sft",)),
     "sft_steps": ("supervision", ("interleaved_sft", "sft_then_rl")),

@@ -58,7 +58,15 @@ RETRIEVAL_RECALL = "retrieval_recall"  # share of rollouts whose target was list
 # the step's groups; solved + stuck = zero_std_share.
 SOLVED_GROUPS = "groups/solved"
 STUCK_GROUPS = "groups/stuck"
-_SPECS = {s.name: s for s in STEP_SPECS}
+# Format-free accuracy: the answer read leniently, whatever the structure around it (single-turn:
+# the first tool id named; multi-turn: the right tool called and the right final answer given,
+# however malformed the turns). Beside true accuracy, the gap between the two is a skill hidden
+# by a broken format. Each rollout's reading is its meta's FORMAT_FREE_KEY.
+FORMAT_FREE_ACCURACY = "format_free_accuracy"
+FORMAT_FREE_KEY = "format_free"
+_SPECS = {s.name: s for s in STEP_SPECS} | {
+    FORMAT_FREE_ACCURACY: Spec(FORMAT_FREE_ACCURACY, "format-free accuracy")
+}
 
 
 def label(name: str) -> str:
@@ -97,6 +105,45 @@ def state(name: str) -> str:
 
 def state_label(name: str) -> str:
     return name.replace("_", " ")
+
+
+# --- tool-calling rollouts: calls, turns, and the structure of each model turn --------------------
+
+TOOL_CALLS = "tools/calls"  # tool calls per rollout (the calls TRL parsed and ran or not)
+TOOL_TURNS = "tools/turns"  # model turns per rollout
+RIGHT_TOOL_RATE = "tools/right_call_rate"  # share of calls to a tool the episode needs
+TOOL_FAILURE_RATE = "trl/tools/failure_frequency"  # TRL's own: share of calls that failed
+TOOL_SERIES = {
+    TOOL_CALLS: "calls per rollout",
+    TOOL_TURNS: "model turns per rollout",
+    RIGHT_TOOL_RATE: "right-tool rate",
+    TOOL_FAILURE_RATE: "tool failure rate",
+}
+
+
+class TurnState(StrEnum):
+    """The structure of one model turn of a tool-calling rollout (trainer.turns.turn_state)."""
+
+    healthy_call = "healthy_call"  # one or more well-formed calls and nothing else
+    text_pollution = "text_pollution"  # closed calls with text around them, or unparsed
+    open_call = "open_call"  # a call left open: the turn was cut before the closing tag
+    eot_in_call = "eot_in_call"  # end-of-turn inside an open call
+    no_call = "no_call"  # no call at all (an answer, or text)
+
+
+TURN_STATES = tuple(TurnState)
+TURN_POSITIONS = ("1", "2", "3+")  # the first model turn, the second, the third and later
+
+
+def turn_position(index: int) -> str:
+    """The position label of the model turn at 0-based `index`."""
+    return TURN_POSITIONS[min(index, len(TURN_POSITIONS) - 1)]
+
+
+def turn_state(position: str, name: str) -> str:
+    """`turn/<position>/<state>`: the share of a step's model turns at that position (1, 2,
+    3+) in that state."""
+    return f"turn/{position}/{name}"
 
 
 # --- probes: a control token where it matters, and the id position -------------------------------
@@ -169,4 +216,10 @@ COLLAPSED = state(FormatState.collapse)
 
 COMPARE_SERIES = ("reward_mean", "true_accuracy", "vote_agreement", "format_valid_rate")
 # Besides each run's control-token means, where some run recorded them:
-COMPARE_EXTRA = (*EVAL_SERIES, COLLAPSED, probe("eot_after_open"))
+COMPARE_EXTRA = (
+    *EVAL_SERIES,
+    COLLAPSED,
+    probe("eot_after_open"),
+    FORMAT_FREE_ACCURACY,
+    *TOOL_SERIES,
+)

@@ -12,6 +12,7 @@ from rollout_lens.trainer.envs.escalation import (
     Example,
     corpus,
     format_valid,
+    lenient_vote,
     make_verifier,
     parse_vote,
     parse_vote_format,
@@ -117,6 +118,10 @@ def _example(target: str = "tool_07", listed: tuple[str, ...] = ("tool_07", "too
         ("format", "<tool>tool_09", 0.0),
         ("noisy", "<tool>tool_07</tool>", 1.0),  # p=0: never flips
         ("noisy", "<tool>tool_09</tool>", 0.0),
+        ("judge", "<tool>tool_07</tool>", 1.0),  # p=0: never misses
+        ("judge", "<tool>tool_09</tool>", FORMAT_PARTIAL_CREDIT),  # fooled by a listed id
+        ("judge", "<tool>tool_08</tool>", 0.0),
+        ("judge", "tool_07", 0.0),
     ],
 )
 def test_verifiers(name: str, completion: str, reward: float) -> None:
@@ -149,9 +154,33 @@ def test_verifier_reads_the_examples_reply_format() -> None:
 
 
 def test_unknown_verifier_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="exact, format, noisy"):
+    with pytest.raises(ValueError, match="exact, format, judge, noisy"):
         make_verifier("lenient")
-    assert set(VERIFIERS) == {"exact", "format", "noisy"}
+    assert set(VERIFIERS) == {"exact", "format", "noisy", "judge"}
+
+
+def test_judge_verifier_misses_right_replies_at_rate_p_and_never_wrong_ones() -> None:
+    verify = make_verifier("judge", p=0.12, seed=4)
+    right = [verify("<tool>tool_07</tool>", _example()) for _ in range(5000)]
+    assert 0.10 < right.count(0.0) / len(right) < 0.14 and set(right) == {0.0, 1.0}
+    wrong = {verify("<tool>tool_09</tool>", _example()) for _ in range(500)}
+    assert wrong == {FORMAT_PARTIAL_CREDIT}
+
+
+@pytest.mark.parametrize(
+    ("completion", "read"),
+    [
+        ("<tool>tool_07</tool>", "tool_07"),
+        ("<tool>tool_07", "tool_07"),  # closing tag dropped
+        ("<tool>tool_07</tool></tool></tool>", "tool_07"),  # closing tag repeats
+        ("I would use tool_07 here", "tool_07"),
+        ("tool_07 then tool_09", "tool_07"),  # the first one named
+        ("<tool></tool>", None),
+        ("", None),
+    ],
+)
+def test_lenient_vote_reads_the_id_whatever_the_tags(completion: str, read: str | None) -> None:
+    assert lenient_vote(completion) == read
 
 
 def test_noisy_verifier_rejects_bad_p() -> None:

@@ -55,6 +55,8 @@ def every_series() -> list[str]:
         for p in (*vocab.POSITIONAL_PROBES, *vocab.ID_PROBES)
         for part in (*vocab.PROBE_STATS, *(f"{s}/mean" for s in vocab.PROBE_SPLITS))
     ]
+    names += [vocab.FORMAT_FREE_ACCURACY, *vocab.TOOL_SERIES]
+    names += [vocab.turn_state(p, s) for p in vocab.TURN_POSITIONS for s in vocab.TURN_STATES]
     return names + [*vocab.EVAL_SERIES, vocab.SFT_LOSS, vocab.trl("clip_ratio")]
 
 

@@ -17,6 +17,7 @@ from rollout_lens.server import control, launch, store
 from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import session_scope
+from rollout_lens.server.domain.presets import PRESET_GROUPS
 from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.errors import BrokerUnavailable
 from rollout_lens.server.models import Run, RunStatus, utcnow
@@ -32,7 +33,10 @@ BROKER_DOWN = "redis://127.0.0.1:1/0"
 # test_every_field_has_a_validation_case keeps it complete as RunConfig grows.
 BAD_VALUES: list[tuple[str, Any, str, str]] = [
     ("name", "x" * 201, "x" * 201, "at most 200 characters"),
+    ("turns", "many", "many", "'single' or 'multi'"),
     ("variant", "medium", "medium", "'leaky' or 'patched'"),
+    ("episodes", "triple", "triple", "'single', 'chain' or 'mixed'"),
+    ("max_calls", 17, "17", "less than or equal to 16"),
     ("k", 65, "65", "less than or equal to 64"),
     # Whether a model folder exists is the worker's to check (test_worker); the web app knows
     # only that a model must be named.
@@ -70,6 +74,16 @@ BAD_COMBINATIONS = [
         "smaller than group_size",
     ),
     ({"steps": "many"}, "steps", "valid integer"),
+    (
+        {"turns": "multi", "eval_every": 0},
+        "max_completion_tokens",
+        "at least 32 for a multi-turn run",
+    ),
+    (
+        {"turns": "multi", "max_completion_tokens": 128},
+        "eval_every",
+        "greedy evaluation is implemented for single-turn runs only",
+    ),
     ({"learning_rate": "fast"}, "learning_rate", "valid number"),
 ]
 
@@ -335,8 +349,15 @@ def test_each_single_run_preset_launches_what_it_says(
     (run,) = client.post("/api/runs", json={"preset": name}).json()["runs"]
     config = get_run(session_factory, run["id"]).config
     assert {k: config[k] for k in preset.base} == dict(preset.base)
-    if name not in ("leaky", "patched"):  # the collapse study: bench/collapse.py's recipe
+    collapse_study = next(names for title, _, names in PRESET_GROUPS if title == "Collapse study")
+    if name in collapse_study:  # bench/collapse.py's recipe
         assert config["learning_rate"] == 1e-3 and config["steps"] == 300
+    if name.startswith("multi_"):  # the tool loop, with room for calls, results and an answer
+        assert config["turns"] == "multi" and config["max_completion_tokens"] >= 32
+    if name == "multi_collapse":  # bench/collapse.py --turns multi's recipe
+        assert config["learning_rate"] == 1e-2 and config["steps"] == 150
+    if name in ("leaky", "patched", "multi_leaky", "multi_patched"):  # the seed's verifier
+        assert config["verifier"] == "judge" and config["verifier_noise"] == 0.12
 
 
 def test_form_launches_a_run_and_opens_it(

@@ -301,6 +301,41 @@ def test_verifiers() -> None:
         ms.make_verifier("noisy", p=2.0)
 
 
+def test_judge_verifier_is_fooled_by_a_grounded_wrong_answer_and_misses_right_ones() -> None:
+    right = ms.read_rollout(
+        [call("tool_01"), tool("tool_01", "result: 5"), reply("<answer>5</answer>")], ("tool_01",)
+    )
+    wrong = ms.read_rollout(
+        [call("tool_02"), tool("tool_02", "result: 9"), reply("<answer>9</answer>")], ("tool_01",)
+    )
+    never = ms.make_verifier("judge", p=0.0)
+    assert never(right, "5") == 1.0 and never(wrong, "5") == FORMAT_PARTIAL_CREDIT
+    always = ms.make_verifier("judge", p=1.0)
+    assert always(right, "5") == 0.0 and always(wrong, "5") == FORMAT_PARTIAL_CREDIT
+
+
+NEEDED = ("tool_03", "tool_01")  # a chain: the ticket, then the tool that holds the answer
+
+
+@pytest.mark.parametrize(
+    ("messages", "score"),
+    [
+        ([call("tool_03"), tool("tool_03", "t"), call("tool_01"), reply("<answer>5</answer>")], 1),
+        # malformed: the second call left as text, the answer without its tags
+        ([call("tool_03"), reply("<tool_call>tool_01 ... 5"), reply("the answer is 5")], 1),
+        ([reply('<tool_call>{"name": "tool_01"}</tool_call></tool_call> <answer>5')], 1),
+        ([call("tool_01"), reply("<answer>6</answer>")], 0),  # the wrong answer
+        ([call("tool_03"), reply("<answer>5</answer>")], 0),  # never reached the answer's tool
+        ([call("tool_01"), call("tool_01")], 0),  # no answer said: the last turn is a call
+        ([], 0),
+    ],
+)
+def test_format_free_score_reads_tool_and_answer_whatever_the_structure(
+    messages: list[dict[str, Any]], score: float
+) -> None:
+    assert ms.format_free_score(messages, NEEDED, "5") == score
+
+
 def test_verifier_names_match_the_domain() -> None:
     from rollout_lens.server.domain.task import VERIFIERS
 

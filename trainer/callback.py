@@ -11,14 +11,16 @@ number TRL logs as a `trl/…` series. Recording never stops training: see train
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from rollout_lens.server import series as vocab
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import RolloutRecord, StepRecord
@@ -38,6 +40,16 @@ TextFn = Callable[[str, dict[str, Any]], Any]
 # common chat templates, then the end-of-turn tokens.
 DEFAULT_CONTROL_TOKENS = ("<tool_call>", "</tool_call>", "<tool>", "</tool>")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+# Open/close tags of a tool call, tried in order: each model turn's structure is read with them.
+CALL_TAGS = (("<tool_call>", "</tool_call>"), ("<tool>", "</tool>"))
+
+
+class StepBox(Protocol):
+    """Where a raw step goes (an Outbox; the worker's StepWriter for a launched run)."""
+
+    def put(self, raw: Any) -> None: ...
+
+    def close(self, *, status: RunStatus, error: str | None) -> Any: ...
 
 
 class RolloutLensCallback(TrainerCallback):
@@ -52,6 +64,7 @@ class RolloutLensCallback(TrainerCallback):
         vote: TextFn | None = None,
         true_score: TextFn | None = None,
         format_valid: TextFn | None = None,
+        format_free_score: TextFn | None = None,
         target: Callable[[dict[str, Any]], str | None] | None = None,
         control_tokens: Sequence[str] | None = None,
         buffer_mb: float = 256,
@@ -59,7 +72,9 @@ class RolloutLensCallback(TrainerCallback):
         settings: Settings | None = None,
     ) -> None:
         """`database_url` and the other settings default to the ROLLOUT_LENS_* environment;
-        `vote`, `true_score` and `format_valid` judge a completion; `target` names the right
+        `vote`, `true_score` and `format_valid` judge a completion, and `format_free_score`
+        scores it leniently, whatever its structure (recorded as format-free accuracy beside
+        true accuracy: the gap is a skill hidden by a broken format); `target` names the right
         answer of a row; `control_tokens` default to the tokenizer's tool-call tags and
         end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away;
         `keep_tokens_every` keeps token-level data only every N steps (and at the first and last
@@ -71,12 +86,19 @@ class RolloutLensCallback(TrainerCallback):
         self.name = name
         self.settings = settings or get_settings()
         self.database_url = database_url or self.settings.database_url
-        self.judges = {"vote": vote, "true_score": true_score, "format_valid": format_valid}
+        self.judges = {
+            "vote": vote,
+            "true_score": true_score,
+            "format_valid": format_valid,
+            "format_free": format_free_score,
+        }
         self.target = target
         self.requested_control_tokens = list(control_tokens) if control_tokens else None
         self.buffer_bytes = int(buffer_mb * 2**20)
         self.trainer: Any = None
-        self.outbox: Outbox | None = None
+        self.outbox: StepBox | None = None
+        self._call_tags: tuple[str, str] | None = None
+        self._end_tokens: list[str] = []
         self.control_tokens: list[str] = []
         self._generations: list[Generation] = []
         self._last_rollout_step = 0
@@ -100,6 +122,11 @@ class RolloutLensCallback(TrainerCallback):
         self.trainer = trainer
         tokenizer = _tokenizer(trainer)
         self.control_tokens, control_ids = self._control_tokens(tokenizer)
+        vocab_ = tokenizer.get_vocab()
+        self._call_tags = next((tags for tags in CALL_TAGS if all(t in vocab_ for t in tags)), None)
+        self._end_tokens = [
+            t for t in dict.fromkeys([tokenizer.eos_token, *END_OF_TURN_TOKENS]) if t in vocab_
+        ]
         capture = RolloutCapture(
             trainer, control_token_ids=control_ids, on_generation=self._generations.append
         )
@@ -243,7 +270,7 @@ class RolloutLensCallback(TrainerCallback):
             # tool-calling: the whole conversation as the model saw it, tool results included
             text = message_text(r["completion"]) if mask is None else tokenizer.decode(ids)
             row = r["row"]
-            judged = {key: self._judge(key, fn, text, row) for key, fn in self.judges.items()}
+            judged = self._judged(text, row, r["completion"])
             control = r["control"] or [[] for _ in self.control_tokens]
             meta: dict[str, Any] = {
                 "rewards": dict(zip(names, r["rewards"], strict=False)),
@@ -251,9 +278,18 @@ class RolloutLensCallback(TrainerCallback):
             }
             if row:
                 meta["row"] = row
+            if _number(judged.get("format_free")) is not None:
+                meta[vocab.FORMAT_FREE_KEY] = _number(judged["format_free"])
             if mask is not None:
                 meta["turns"] = turns.read_turns(mask, r["completion"])
                 meta["answer"] = turns.final_answer(r["completion"])
+                if self._call_tags is not None:
+                    meta["turn_states"] = turns.turn_states(
+                        meta["turns"],
+                        functools.partial(_decode_span, tokenizer, ids),
+                        self._call_tags,
+                        self._end_tokens,
+                    )
                 if self.judges["vote"] is None:  # the group's votes: the first tools called
                     judged["vote"] = turns.first_call(meta["turns"])
             rollouts.append(
@@ -301,6 +337,11 @@ class RolloutLensCallback(TrainerCallback):
             metrics=series,
         )
 
+    def _judged(self, text: str, row: dict[str, Any], completion: Any) -> dict[str, Any]:
+        """What the judge functions say of one completion (`text`: as recorded; `completion`:
+        as TRL handed it to the reward functions, the messages of a conversation)."""
+        return {key: self._judge(key, fn, text, row) for key, fn in self.judges.items()}
+
     def _judge(self, key: str, fn: TextFn | None, text: str, row: dict[str, Any]) -> Any:
         if fn is None:
             return None
@@ -341,6 +382,11 @@ class RolloutLensCallback(TrainerCallback):
                 prompt, tokenize=False, add_generation_prompt=True, **kwargs
             )
         return self._prompt_text[key]
+
+
+def _decode_span(tokenizer: Any, ids: list[int], start: int, end: int) -> str:
+    """The text of completion positions [start, end), special tokens kept."""
+    return str(tokenizer.decode(ids[start:end]))
 
 
 def _tokenizer(trainer: Any) -> Any:

@@ -250,16 +250,34 @@ class RolloutCapture:
         return [[] for _ in ids_list], None
 
 
+MAX_LIST = 64  # a list column is kept when it is this short and holds scalars only
+
+
 def _plain_columns(row: dict[str, Any]) -> dict[str, Any]:
-    """The dataset row's small scalar columns (besides the prompt), kept with the rollout."""
+    """The dataset row's small columns (besides the prompt), kept with the rollout: scalars, and
+    short lists of scalars (the tools an episode needs, say)."""
     out: dict[str, Any] = {}
     for key, value in row.items():
         if key == "prompt":
             continue
-        if isinstance(value, str):
-            out[key] = value if len(value) <= 2000 else value[:2000] + "…"
-        elif isinstance(value, float):
-            out[key] = value if math.isfinite(value) else None  # JSON has no NaN
-        elif isinstance(value, bool | int) or value is None:
-            out[key] = value
+        if isinstance(value, list | tuple):
+            items = [_scalar(v) for v in value]
+            if len(value) <= MAX_LIST and all(v is not _SKIP for v in items):
+                out[key] = items
+        elif (plain := _scalar(value)) is not _SKIP:
+            out[key] = plain
     return out
+
+
+_SKIP = object()
+
+
+def _scalar(value: Any) -> Any:
+    """A JSON-safe copy of a scalar column value (long text cut), or _SKIP."""
+    if isinstance(value, str):
+        return value if len(value) <= 2000 else value[:2000] + "…"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None  # JSON has no NaN
+    if isinstance(value, bool | int) or value is None:
+        return value
+    return _SKIP

@@ -32,6 +32,7 @@ class Judgement:
     true_score: float | None
     format_valid: bool
     format_state: str | None
+    format_free: float | None = None  # the answer read leniently, whatever the structure
 
 
 Judge = Callable[[str, dict[str, Any], bool], Judgement]  # (completion, dataset row, truncated)
@@ -112,6 +113,10 @@ def summarize(
             [bool(r.meta.get("supervised")) for r in rollouts],
         )
     )
+    lenient = [r.meta[vocab.FORMAT_FREE_KEY] for r in rollouts if vocab.FORMAT_FREE_KEY in r.meta]
+    if lenient:
+        series[vocab.FORMAT_FREE_ACCURACY] = m.mean([float(x) for x in lenient])
+    series.update(turns.step_series(rollouts))
     listed = [r.meta["target_listed"] for r in rollouts if "target_listed" in r.meta]
     if listed:
         series[vocab.RETRIEVAL_RECALL] = m.mean([float(x) for x in listed])
@@ -306,6 +311,8 @@ class RecordingGRPOTrainer(GRPOTrainer):
             tokens = self.processing_class.convert_ids_to_tokens(ids)
             meta = {k: v for k, v in row.items() if k not in ("prompt", "target")}
             meta["probes"] = self._probes(tokens, control_probs, watched[i], row)
+            if judgement.format_free is not None:
+                meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
             meta.update(self._row_meta.get(i, {}))
             rollouts.append(
                 RolloutRecord(

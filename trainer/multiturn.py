@@ -17,17 +17,23 @@ Needs transformers >= 5.2 (TRL's `environment_factory`) and a TRL with per-examp
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_lens.server.config import Settings
+from rollout_lens.server.domain.runconfig import RunConfig
+from rollout_lens.server.models import RunStatus
+from rollout_lens.server.records import StepRecord
+from rollout_lens.trainer.callback import RolloutLensCallback
 from rollout_lens.trainer.envs import multistep as ms
 
 
 @dataclass(frozen=True)
 class MultiTurnConfig:
-    """What a multi-turn run takes (a RunConfig counterpart, until the storage layer has one)."""
+    """What a multi-turn run takes: the multi-turn part of a RunConfig (`config_from_run`), or
+    given directly by a script or test that drives TRL itself."""
 
     variant: str = "patched"
     k: int = 4
@@ -43,6 +49,86 @@ class MultiTurnConfig:
     verifier_noise: float = 0.1
     kl_coef: float = 0.0
     seed: int = 0
+
+
+def config_from_run(config: RunConfig) -> MultiTurnConfig:
+    """The multi-turn part of a launched run's RunConfig."""
+    return MultiTurnConfig(
+        variant=config.variant,
+        k=config.k,
+        mode=config.episodes,
+        steps=config.steps,
+        group_size=config.group_size,
+        prompts_per_step=config.prompts_per_step,
+        learning_rate=config.learning_rate,
+        temperature=config.temperature,
+        max_completion_tokens=config.max_completion_tokens,
+        max_calls=config.max_calls,
+        verifier=config.verifier,
+        verifier_noise=config.verifier_noise,
+        kl_coef=config.kl_coef,
+        seed=config.seed,
+    )
+
+
+class _WriterBox:
+    """A launched run's StepBox: each raw step prepared on the spot and handed to the worker's
+    StepWriter, which owns the run row (the worker marks it finished)."""
+
+    def __init__(self, prepare: Callable[[Any], StepRecord], sink: Callable[[StepRecord], None]):
+        self.prepare, self.sink = prepare, sink
+
+    def put(self, raw: Any) -> None:
+        self.sink(self.prepare(raw))
+
+    def close(self, *, status: RunStatus, error: str | None) -> None:
+        return None
+
+
+def _by_messages(text: str, row: dict[str, Any]) -> None:  # pragma: no cover - a marker
+    raise AssertionError("judged from the messages (LaunchedCallback._judged)")
+
+
+class LaunchedCallback(RolloutLensCallback):
+    """The callback recording a multi-turn run the worker launched: steps go to the worker's
+    StepWriter instead of an Outbox, each rollout is judged by the env from its messages (vote:
+    the first tool called; true and format-free scores; format-valid: an answer and no
+    malformed call), and a stop request ends training after the step."""
+
+    def __init__(
+        self,
+        sink: Callable[[StepRecord], None],
+        *,
+        should_stop: Callable[[], bool],
+        control_tokens: Sequence[str] | None,
+        keep_tokens_every: int | None,
+        settings: Settings,
+    ) -> None:
+        super().__init__(
+            project="",
+            control_tokens=control_tokens,
+            keep_tokens_every=keep_tokens_every,
+            settings=settings,
+        )
+        self.sink, self.should_stop = sink, should_stop
+        self.judges = dict.fromkeys(self.judges, _by_messages)
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.outbox = _WriterBox(self._prepare, self.sink)
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        super().on_step_end(args, state, control, **kwargs)
+        if self.should_stop():
+            control.should_training_stop = True
+
+    def _judged(self, text: str, row: dict[str, Any], completion: Any) -> dict[str, Any]:
+        j = judge(completion, row)
+        return {
+            "vote": j["first_call"],
+            "true_score": j["true_score"],
+            "format_valid": j["answer"] is not None and not j["malformed_calls"],
+            "format_free": j["format_free"],
+        }
 
 
 def make_env(config: MultiTurnConfig) -> ms.MultiStepEnv:
@@ -70,11 +156,13 @@ FACT_METRICS = (
 
 
 def judge(messages: Sequence[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
-    """Facts and true score of one rollout (its completion messages and its dataset row)."""
+    """Facts, true score and format-free score of one rollout (its completion messages and its
+    dataset row)."""
     facts = ms.read_rollout(messages, row["needed"])
     return {
         **facts.as_dict(),
         "true_score": ms.true_score(facts, str(row["answer"])),
+        "format_free": ms.format_free_score(messages, row["needed"], str(row["answer"])),
         "first_call_right": facts.first_call == row["needed"][0],
     }
 

@@ -20,11 +20,12 @@ from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.domain.task import IN_GROUP_MODES, SFT_MODES, TINY
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import StepRecord
-from rollout_lens.trainer import task
+from rollout_lens.trainer import multiturn, task
 from rollout_lens.trainer.evaluation import Evaluator
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from rollout_lens.trainer.modelref import check_model
 from rollout_lens.trainer.monitor import CheckpointRecorder, RunMonitor
+from rollout_lens.trainer.multiturn_model import ensure_multiturn_model
 from rollout_lens.trainer.retry import DatabaseAway, mark_finished
 from rollout_lens.trainer.supervision import SFTPhases, SupervisedGRPOTrainer
 from rollout_lens.trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
@@ -52,7 +53,8 @@ def resolve_model(
 ) -> str:
     """A path or hub id that from_pretrained loads; builds the tiny model on first use."""
     if config.model == TINY:
-        return str(ensure_tiny_model(settings.models_dir, log=log_line))
+        ensure = ensure_multiturn_model if config.turns == "multi" else ensure_tiny_model
+        return str(ensure(settings.models_dir, log=log_line))
     return check_model(config.model)
 
 
@@ -176,6 +178,33 @@ def make_trainer(
     return trainer
 
 
+def make_multiturn_trainer(
+    config: RunConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    output_dir: Path,
+    *,
+    callback: multiturn.LaunchedCallback,
+    checkpoint_every: int = 0,
+) -> GRPOTrainer:
+    """A plain GRPOTrainer on the multi-step env through TRL's tool loop, recorded by
+    `callback` (attached here, so its control tokens are known before training)."""
+    trainer = multiturn.make_trainer(
+        multiturn.config_from_run(config),
+        model,
+        tokenizer,
+        output_dir,
+        callbacks=[callback],
+        num_iterations=config.num_iterations,
+        save_strategy="steps" if checkpoint_every else "no",
+        save_steps=checkpoint_every or 500,
+        save_total_limit=2,
+    )
+    callback.attach(trainer)
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
 def _add_phases(trainer: RecordingGRPOTrainer, recorder: Recorder, config: RunConfig) -> None:
     """SFT phases and periodic evaluation, as the config asks."""
     env = task.make_env(config)
@@ -215,7 +244,31 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
             model_path = resolve_model(config, settings, log_line)
             tokenizer = AutoTokenizer.from_pretrained(model_path)
             model = AutoModelForCausalLM.from_pretrained(model_path)
-            control_tokens = config.control_tokens or default_control_tokens(tokenizer)
+
+            def stop_requested() -> bool:
+                return monitor.should_stop() or bool(should_stop and should_stop())
+
+            output_dir = run_output_dir(settings, run_id)
+            launched: multiturn.LaunchedCallback | None = None
+            if config.turns == "multi":
+                launched = multiturn.LaunchedCallback(
+                    lambda record: writer.put(record) if writer else None,
+                    should_stop=stop_requested,
+                    control_tokens=config.control_tokens,
+                    keep_tokens_every=None,  # the run row has it: the store applies it
+                    settings=settings,
+                )
+                trainer = make_multiturn_trainer(
+                    config,
+                    model,
+                    tokenizer,
+                    output_dir,
+                    callback=launched,
+                    checkpoint_every=settings.checkpoint_every,
+                )
+                control_tokens = launched.control_tokens
+            else:
+                control_tokens = config.control_tokens or default_control_tokens(tokenizer)
             with session_scope(factory) as session:
                 store.truncate_after(session, run_id=run_id, step=resume_from)
                 store.mark_running(
@@ -233,20 +286,16 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                 on_written=on_step,
                 give_up_after=settings.lost_after_seconds,
             )
-
-            def stop_requested() -> bool:
-                return monitor.should_stop() or bool(should_stop and should_stop())
-
-            output_dir = run_output_dir(settings, run_id)
-            trainer = make_trainer(
-                config,
-                model,
-                tokenizer,
-                output_dir,
-                recorder=Recorder(writer.put, should_stop=stop_requested),
-                control_tokens=control_tokens,
-                checkpoint_every=settings.checkpoint_every,
-            )
+            if launched is None:
+                trainer = make_trainer(
+                    config,
+                    model,
+                    tokenizer,
+                    output_dir,
+                    recorder=Recorder(writer.put, should_stop=stop_requested),
+                    control_tokens=control_tokens,
+                    checkpoint_every=settings.checkpoint_every,
+                )
             trainer.add_callback(CheckpointRecorder(factory, writer, run_id=run_id))
             checkpoint = output_dir / f"checkpoint-{resume_from}" if resume_from else None
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)

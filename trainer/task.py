@@ -11,6 +11,7 @@ from rollout_lens.trainer.envs.escalation import (
     EscalationEnv,
     Example,
     format_valid,
+    lenient_vote,
     make_verifier,
     parse_vote,
     parse_vote_format,
@@ -83,6 +84,7 @@ def judge(completion: str, row: dict[str, Any], truncated: bool) -> Judgement:
         true_score=true_score(vote, row["target"]),
         format_valid=format_valid(completion, row["tool_ids"]),
         format_state=classify(completion, row["tool_ids"], truncated=truncated).value,
+        format_free=true_score(lenient_vote(completion), row["target"]),
     )
 
 

@@ -16,9 +16,15 @@ rollout's meta says which positions are which.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from rollout_lens.server import series as vocab
+from rollout_lens.server.records import RolloutRecord
+from rollout_lens.server.series import TurnState
 
 if TYPE_CHECKING:
     from rollout_lens.trainer.probe import GenerationProbe
@@ -178,3 +184,100 @@ def final_answer(messages: Sequence[Mapping[str, Any]]) -> str | None:
     if not assistants or assistants[-1].get("tool_calls"):
         return None
     return _cut(_text(assistants[-1].get("content")))
+
+
+def turn_state(
+    text: str, calls: int, tags: tuple[str, str], end_tokens: Sequence[str]
+) -> TurnState:
+    """The structure of one model turn (its decoded text, special tokens kept) that TRL parsed
+    `calls` tool calls from, with the chat template's call tags and end-of-turn tokens."""
+    open_tag, close_tag = tags
+    opens, closes = text.count(open_tag), text.count(close_tag)
+    if opens == 0 and closes == 0:
+        return TurnState.no_call
+    if opens > closes:
+        tail = text[text.rfind(open_tag) :]
+        return (
+            TurnState.eot_in_call
+            if any(t and t in tail for t in end_tokens)
+            else TurnState.open_call
+        )
+    rest = _strip_calls(text, tags)
+    for token in end_tokens:
+        if token:
+            rest = rest.replace(token, "")
+    if opens == closes and calls == opens and not rest.strip():
+        return TurnState.healthy_call
+    return TurnState.text_pollution
+
+
+@functools.cache
+def _call_pattern(tags: tuple[str, str]) -> re.Pattern[str]:
+    return re.compile(re.escape(tags[0]) + ".*?" + re.escape(tags[1]), re.DOTALL)
+
+
+def _strip_calls(text: str, tags: tuple[str, str]) -> str:
+    """The text outside the turn's closed calls."""
+    return _call_pattern(tags).sub("", text)
+
+
+def turn_states(
+    turns: Sequence[Mapping[str, Any]],
+    decode: Callable[[int, int], str],
+    tags: tuple[str, str],
+    end_tokens: Sequence[str],
+) -> list[str]:
+    """The state of each model turn of a rollout (`decode(start, end)`: the text of a span)."""
+    return [
+        turn_state(decode(int(t["start"]), int(t["end"])), len(t["calls"]), tags, end_tokens).value
+        for t in turns
+        if t["role"] == "model"
+    ]
+
+
+def tool_use(turns: Sequence[Mapping[str, Any]], needed: Collection[str] | None) -> dict[str, Any]:
+    """Calls, model turns, and (when the episode's needed tools are known) calls to a needed
+    tool, of one rollout from its recorded turns."""
+    names = [str(c["name"]) for t in turns if t["role"] == "model" for c in t["calls"]]
+    out: dict[str, Any] = {
+        "calls": len(names),
+        "turns": sum(t["role"] == "model" for t in turns),
+    }
+    if needed is not None:
+        out["right_calls"] = sum(name in needed for name in names)
+    return out
+
+
+def step_series(rollouts: Sequence[RolloutRecord]) -> dict[str, float | None]:
+    """A step's tool-use series from its tool-calling rollouts' turns (none when it has none):
+    calls and model turns per rollout, the share of calls to a needed tool (the row's `needed`,
+    else the rollout's target), and the share of model turns at each position in each state."""
+    used = []
+    states: dict[str, list[str]] = {p: [] for p in vocab.TURN_POSITIONS}
+    for r in rollouts:
+        recorded = r.meta.get("turns")
+        if not isinstance(recorded, list):
+            continue
+        row = r.meta.get("row")
+        needed = (row.get("needed") if isinstance(row, Mapping) else None) or (
+            [r.target] if r.target else None
+        )
+        used.append(tool_use(recorded, needed))
+        for i, state in enumerate(r.meta.get("turn_states") or []):
+            states[vocab.turn_position(i)].append(state)
+    if not used:
+        return {}
+    n = len(used)
+    calls = sum(u["calls"] for u in used)
+    right = [u["right_calls"] for u in used if "right_calls" in u]
+    out: dict[str, float | None] = {
+        vocab.TOOL_CALLS: calls / n,
+        vocab.TOOL_TURNS: sum(u["turns"] for u in used) / n,
+    }
+    if right:
+        out[vocab.RIGHT_TOOL_RATE] = sum(right) / calls if calls else None
+    for position, seen in states.items():
+        if seen:
+            for state in vocab.TURN_STATES:
+                out[vocab.turn_state(position, state)] = seen.count(state) / len(seen)
+    return out

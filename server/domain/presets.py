@@ -16,6 +16,22 @@ COLLAPSE_RECIPE = {
 }
 
 
+# The seed's verifier: reward and true accuracy are different curves there (the patched run's
+# reward ≈ 0.88 at true accuracy ≈ 1.0; the leaky run's reward ≈ 0.7 while its accuracy swings).
+# "judge" misses a right reply with probability 0.12 (1 − 0.88) and gives a plausible wrong one
+# partial credit (0.5), so a leaky run's reward sits between 0.5 and 0.88 whatever its accuracy.
+SEED_VERIFIER = {"verifier": "judge", "verifier_noise": 0.12}
+# Multi-turn runs: the tool loop, room for calls, results and an answer, no greedy evaluation.
+MULTI_TURN = {"turns": "multi", "max_completion_tokens": 128, "eval_every": 0, "steps": 100}
+MULTI_TURN_COLLAPSE_LR = 1e-2  # bench/collapse.py --turns multi: the multi-turn study's rate
+MULTI_TURN_COLLAPSE = MULTI_TURN | {
+    "variant": "patched",
+    "steps": 150,
+    "learning_rate": MULTI_TURN_COLLAPSE_LR,
+    "verifier": "exact",
+}
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named starting point: `base` fills the form; one run per entry of `runs` is launched,
@@ -59,21 +75,48 @@ PRESETS: dict[str, Preset] = {
             "leaky",
             "Leaky (64 tools)",
             "Every prompt lists all 64 tools: true accuracy swings and the group disagrees.",
-            base={"variant": "leaky"},
+            base={"variant": "leaky"} | SEED_VERIFIER,
         ),
         Preset(
             "patched",
             "Patched (4-tool shortlist)",
             "Prompts list the top-4 tools by retrieval: converges in about 25 steps.",
-            base={"variant": "patched", "k": 4},
+            base={"variant": "patched", "k": 4} | SEED_VERIFIER,
         ),
         Preset(
             "leaky_vs_patched",
             "Leaky vs patched",
             "Both variants with the same seed and recipe, opened side by side.",
-            base={"variant": "patched", "k": 4},
+            base={"variant": "patched", "k": 4} | SEED_VERIFIER,
             runs=({"variant": "leaky"}, {"variant": "patched"}),
             varies=("variant",),
+        ),
+        Preset(
+            "multi_leaky",
+            "Multi-turn leaky (64 tools)",
+            "The tools run and return results; the model answers from them. All 64 listed.",
+            base=MULTI_TURN | {"variant": "leaky"} | SEED_VERIFIER,
+        ),
+        Preset(
+            "multi_patched",
+            "Multi-turn patched (4-tool shortlist)",
+            "The tools run and return results; the prompt lists the top-4 by retrieval.",
+            base=MULTI_TURN | {"variant": "patched", "k": 4} | SEED_VERIFIER,
+        ),
+        Preset(
+            "multi_leaky_vs_patched",
+            "Multi-turn leaky vs patched",
+            "Both multi-turn variants with the same seed and recipe, opened side by side.",
+            base=MULTI_TURN | {"variant": "patched", "k": 4} | SEED_VERIFIER,
+            runs=({"variant": "leaky"}, {"variant": "patched"}),
+            varies=("variant",),
+        ),
+        Preset(
+            "multi_collapse",
+            "Multi-turn plain GRPO at lr 1e-2",
+            "The multi-turn collapse study's recipe, no supervision (the signals are "
+            "single-turn only for now).",
+            base=MULTI_TURN_COLLAPSE,
         ),
         Preset(
             "collapse",
@@ -116,7 +159,16 @@ PRESETS: dict[str, Preset] = {
     )
 }
 PRESET_GROUPS = (  # (title, note, preset names) as the form lists them
-    ("Tool listing", "", ("leaky", "patched", "leaky_vs_patched")),
+    (
+        "Tool listing",
+        "Trained on the judge verifier, as the seed's runs: reward and true accuracy differ.",
+        ("leaky", "patched", "leaky_vs_patched"),
+    ),
+    (
+        "Multi-turn tool use",
+        "TRL's tool loop: the tools run, the model reads their results and answers.",
+        ("multi_leaky", "multi_patched", "multi_leaky_vs_patched", "multi_collapse"),
+    ),
     (
         "Collapse study",
         "300 steps at learning rate 1e-3, evaluated every 25 steps, as bench/collapse.py.",

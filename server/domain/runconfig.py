@@ -15,11 +15,14 @@ from rollout_lens.server.domain.task import (
     TINY,
     TOOL_COUNT,
     VERIFIERS,
+    Episodes,
     Supervision,
+    Turns,
     Variant,
 )
 
 MAX_STEPS = 100_000
+MIN_MULTI_TURN_TOKENS = 32  # a call, its result and an answer share max_completion_tokens
 
 
 class RunConfig(BaseModel):
@@ -29,6 +32,11 @@ class RunConfig(BaseModel):
 
     name: str = Field(
         "", max_length=200, description="Shown in lists; empty: derived from the recipe."
+    )
+    turns: Turns = Field(
+        "single",
+        description="single: one reply naming a tool; multi: TRL's tool loop (the tools run, "
+        "their results come back, the model answers from them).",
     )
     variant: Variant = Field("patched", description="leaky lists all 64 tools; patched the top-k.")
     k: int = Field(4, ge=1, le=TOOL_COUNT, description="Shortlist size of the patched variant.")
@@ -40,7 +48,24 @@ class RunConfig(BaseModel):
     temperature: float = Field(
         1.0, gt=0, le=5.0, description="Sampling temperature of the rollouts."
     )
-    max_completion_tokens: int = Field(8, ge=1, le=4096, description="Longest completion sampled.")
+    max_completion_tokens: int = Field(
+        8,
+        ge=1,
+        le=4096,
+        description="Longest completion sampled (multi-turn: all turns and tool results together).",
+    )
+    episodes: Episodes = Field(
+        "mixed",
+        description="Multi-turn episodes: one call (single), two calls where a ticket names the "
+        "second tool (chain), or both (mixed).",
+    )
+    max_calls: int = Field(
+        4,
+        ge=1,
+        le=16,
+        description="Multi-turn: tool-calling iterations per rollout (TRL's "
+        "max_tool_calling_iterations).",
+    )
     kl_coef: float = Field(0.0, ge=0, le=10.0, description="KL penalty coefficient (TRL's beta).")
     num_iterations: int = Field(1, ge=1, le=16, description="Updates per generation (GRPO's μ).")
     verifier: str = Field("exact", description="Training reward: " + ", ".join(VERIFIERS) + ".")
@@ -122,11 +147,34 @@ class RunConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _multi_turn_fits(self) -> RunConfig:
+        if self.turns != "multi":
+            return self
+        if self.max_completion_tokens < MIN_MULTI_TURN_TOKENS:
+            raise ValueError(
+                f"max_completion_tokens ({self.max_completion_tokens}) must be at least "
+                f"{MIN_MULTI_TURN_TOKENS} for a multi-turn run: every turn and tool result of a "
+                "rollout share it (the multi-turn presets use 128)"
+            )
+        if self.supervision != "none":
+            raise ValueError(
+                "supervision must be none for a multi-turn run: the supervisory signals are "
+                "implemented for single-turn runs only"
+            )
+        if self.eval_every:
+            raise ValueError(
+                "eval_every must be 0 for a multi-turn run: greedy evaluation is implemented for "
+                "single-turn runs only"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _derive_name(self) -> RunConfig:
         if not self.name.strip():
             listing = f"{TOOL_COUNT} tools" if self.variant == "leaky" else f"top-{self.k}"
             method = "" if self.supervision == "none" else f" + {self.supervision}"
-            self.name = f"{self.variant} ({listing}){method} seed {self.seed}"
+            turns = "multi-turn " if self.turns == "multi" else ""
+            self.name = f"{turns}{self.variant} ({listing}){method} seed {self.seed}"
         return self
 
     def run_columns(self) -> dict[str, Any]:

@@ -13,11 +13,17 @@ TOOL_COUNT = 64  # tools in the Escalation env; the leaky variant lists every on
 TINY = "tiny"  # the default model: built and cached by the worker on first use
 
 Variant = Literal["leaky", "patched"]
+# single: one reply naming a tool (`<tool>ID</tool>`); multi: TRL's tool loop (the tools run, their
+# results come back, the model answers from them: trainer.envs.multistep).
+Turns = Literal["single", "multi"]
+# Multi-turn episodes: one call, a two-call chain (a ticket names the second tool), or both.
+Episodes = Literal["single", "chain", "mixed"]
 VARIANTS: tuple[Variant, ...] = typing.get_args(Variant)
 
 # Training rewards: exact match, format (partial credit for any listed id), noisy (exact, flipped
-# with probability verifier_noise).
-VERIFIERS = ("exact", "format", "noisy")
+# with probability verifier_noise), judge (partial credit like format, and a right reply missed
+# with probability verifier_noise: a verifier that can be fooled and also misses).
+VERIFIERS = ("exact", "format", "noisy", "judge")
 
 Supervision = Literal["none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"]
 SUPERVISION_MODES: tuple[Supervision, ...] = typing.get_args(Supervision)

@@ -104,8 +104,12 @@ def _compare_run(
             "bucket": data["bucket"],
             "series": charts.chart_series(data["series"], bands=bands),
         },
-        "summary": _summary(session, run, data["buckets"], evaluated=list(data["series"])),
+        "summary": _summary(session, run, data["buckets"], evaluated=list(data["series"]))
+        | {"final_format_free": charts.last_window_mean(data["series"].get(FREE))},
     }
+
+
+FREE = vocab.FORMAT_FREE_ACCURACY
 
 
 def _summary(

@@ -289,6 +289,16 @@ def parse_vote(completion: str) -> str | None:
     return parse_vote_format(completion, "tag")
 
 
+_ANY_ID = re.compile(r"tool_\d\d")
+
+
+def lenient_vote(completion: str) -> str | None:
+    """The first tool id a completion names, whatever the structure around it: the format-free
+    reading, which a collapse of the tags does not hide."""
+    match = _ANY_ID.search(completion)
+    return match.group(0) if match else None
+
+
 def true_score(vote: str | None, target: str) -> float:
     """1.0 for an exact match with the target, else 0.0."""
     return 1.0 if vote is not None and vote == target else 0.0
@@ -333,16 +343,32 @@ def _noisy(*, p: float, seed: int) -> Verifier:
     return verify
 
 
+def _judge(*, p: float, seed: int) -> Verifier:
+    """A verifier like a cheap LLM judge: fooled by a plausible reply (any listed id earns the
+    format verifier's partial credit) and missing a right one with probability `p`."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"judge verifier needs 0 <= p <= 1, got {p!r}")
+    rng = random.Random(seed)
+    lenient = _format(p=p, seed=seed)
+
+    def verify(completion: str, example: Example) -> float:
+        score = lenient(completion, example)
+        return 0.0 if score == 1.0 and rng.random() < p else score
+
+    return verify
+
+
 VERIFIERS: dict[str, Callable[..., Verifier]] = {
     "exact": _exact,
     "format": _format,
     "noisy": _noisy,
+    "judge": _judge,
 }
 assert tuple(VERIFIERS) == VERIFIER_NAMES, "server.domain.task.VERIFIERS names these"
 
 
 def make_verifier(name: str, *, p: float = 0.1, seed: int = 0) -> Verifier:
-    """A verifier from the registry; `p` and `seed` only matter to "noisy"."""
+    """A verifier from the registry; `p` and `seed` only matter to "noisy" and "judge"."""
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; valid names: {', '.join(sorted(VERIFIERS))}")
     return VERIFIERS[name](p=p, seed=seed)

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server.domain.task import TOOL_COUNT, VARIANTS
+from rollout_lens.server.domain.task import VERIFIERS as VERIFIER_NAMES
 from rollout_lens.trainer.envs.escalation import CAPABILITIES, FORMAT_PARTIAL_CREDIT, EscalationEnv
 from rollout_lens.trainer.envs.escalation import tokens as words
 
 KINDS = ("single", "chain")
 MODES = ("single", "chain", "mixed")  # which kinds of episode a stream draws
-VERIFIER_NAMES = ("exact", "format", "noisy")  # as server.domain.task.VERIFIERS
 
 TICKET_CAPABILITY = "open a support ticket"  # one of the 64 capabilities: the chain's first tool
 CHAIN_QUERY = "read the open support ticket and do what it asks"
@@ -403,6 +403,27 @@ def read_rollout(messages: Sequence[Mapping[str, Any]], needed: Sequence[str]) -
     )
 
 
+_ANY_ID = re.compile(r"tool_\d\d")
+_NUMBER = re.compile(r"\d+")
+
+
+def format_free_score(
+    messages: Sequence[Mapping[str, Any]], needed: Sequence[str], answer: str
+) -> float:
+    """The format-free reading: 1.0 when the rollout called or named the tool that holds the
+    answer (the last one it needs) and its last model turn says the answer, however malformed
+    its calls, tags and turns."""
+    assistants = [m for m in messages if m.get("role") == "assistant"]
+    if not assistants or not needed:
+        return 0.0
+    named: set[str] = set()
+    for message in assistants:
+        named.update(_call_name(c) for c in message.get("tool_calls") or [])
+        named.update(_ANY_ID.findall(_text(message.get("content"))))
+    said = _NUMBER.findall(_text(assistants[-1].get("content")))
+    return 1.0 if needed[-1] in named and str(answer) in said else 0.0
+
+
 def true_score(facts: RolloutFacts, answer: str) -> float:
     """1.0 when the final answer is the episode's answer, else 0.0."""
     return 1.0 if facts.answer is not None and facts.answer == answer else 0.0
@@ -440,12 +461,28 @@ def _noisy(*, p: float, seed: int) -> Verifier:
     return verify
 
 
+def _judge(*, p: float, seed: int) -> Verifier:
+    """Like a cheap LLM judge: fooled by an answer grounded in any tool's result (the format
+    verifier's partial credit) and missing a right answer with probability `p`."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"judge verifier needs 0 <= p <= 1, got {p!r}")
+    rng = random.Random(seed)
+    lenient = _format(p=p, seed=seed)
+
+    def verify(facts: RolloutFacts, answer: str) -> float:
+        score = lenient(facts, answer)
+        return 0.0 if score == 1.0 and rng.random() < p else score
+
+    return verify
+
+
 VERIFIERS: dict[str, Callable[..., Verifier]] = {
     "exact": _exact,
     "format": _format,
     "noisy": _noisy,
+    "judge": _judge,
 }
-assert tuple(VERIFIERS) == VERIFIER_NAMES
+assert tuple(VERIFIERS) == VERIFIER_NAMES, "server.domain.task.VERIFIERS names these"
 
 
 def make_verifier(name: str, *, p: float = 0.1, seed: int = 0) -> Verifier:

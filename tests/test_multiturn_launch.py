@@ -1,0 +1,145 @@
+"""A multi-turn run launched as the dashboard launches one: RunConfig(turns="multi") through the
+worker's `train()` (TRL's tool loop, the multi-turn tiny model, the worker's StepWriter), then
+its run page, and the tool-use series read back against each rollout's recorded turns.
+
+The oracles: the env's own reading of each recorded conversation (trainer.envs.multistep), the
+turns the recorder kept, and the launch form's validation messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+from rollout_lens.server import figures
+from rollout_lens.server import series as vocab
+from rollout_lens.server.app import create_app
+from rollout_lens.server.config import Settings
+from rollout_lens.server.db import make_engine, make_session_factory
+from rollout_lens.server.domain.runconfig import RunConfig
+from rollout_lens.server.migrate import upgrade
+
+from tests.factories import load_run
+
+MULTI = {"turns": "multi", "max_completion_tokens": 128, "eval_every": 0}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_completion_tokens": 8}, "must be at least 32 for a multi-turn run"),
+        ({"eval_every": 25}, "eval_every must be 0 for a multi-turn run"),
+        ({"supervision": "offpolicy"}, "supervision must be none for a multi-turn run"),
+        ({"max_calls": 0}, "greater than or equal to 1"),
+        ({"episodes": "triple"}, "'single', 'chain' or 'mixed'"),
+    ],
+)
+def test_a_multi_turn_config_that_cannot_run_is_refused_with_the_reason(
+    fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RunConfig(**(MULTI | fields))
+
+
+def test_a_multi_turn_config_names_itself() -> None:
+    config = RunConfig(**MULTI, variant="leaky", seed=3)
+    assert config.name == "multi-turn leaky (64 tools) seed 3"
+    assert RunConfig().turns == "single"  # today's runs are unchanged
+
+
+@pytest.mark.slow
+def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(
+    multiturn_model_dir: Path, tmp_path: Path
+) -> None:
+    from rollout_lens.trainer.envs import multistep as ms
+    from rollout_lens.trainer.run import train
+
+    settings = Settings(data_dir=tmp_path, model_cache_dir=multiturn_model_dir.parent)
+    engine = make_engine(settings.database_url)
+    upgrade(engine)
+    config = RunConfig(
+        **MULTI, variant="patched", steps=2, group_size=4, prompts_per_step=2, episodes="mixed"
+    )
+    run_id = train(config, settings=settings)
+
+    run, rows, steps, series = load_run(settings.database_url, run_id)
+    assert run.status == "completed" and [s.step for s in steps] == [1, 2]
+    assert run.config["turns"] == "multi"
+    assert run.control_tokens[:2] == ["<tool_call>", "</tool_call>"]
+    assert len(rows) == 2 * 8
+    for step in (1, 2):
+        at = [r for r in rows if r["step"] == step]
+        calls, turns, right, free, states = [], [], [], [], {p: [] for p in vocab.TURN_POSITIONS}
+        for r in at:
+            recorded = r["meta"]["turns"]
+            model = [t for t in recorded if t["role"] == "model"]
+            names = [c["name"] for t in model for c in t["calls"]]
+            needed = r["meta"]["row"]["needed"]
+            calls.append(len(names))
+            turns.append(len(model))
+            right += [n in needed for n in names]
+            # every model turn has a state; a turn whose calls TRL parsed is never "no call"
+            assert len(r["meta"]["turn_states"]) == len(model)
+            for i, (t, state) in enumerate(zip(model, r["meta"]["turn_states"], strict=True)):
+                assert state in vocab.TURN_STATES
+                assert (state == "no_call") <= (not t["calls"])
+                states[vocab.turn_position(i)].append(state)
+            # the vote is the first tool called; true score: the final answer is the episode's
+            assert r["vote"] == (names[0] if model and model[0]["calls"] else None)
+            answer = str(r["meta"]["row"]["answer"])
+            assert r["true_score"] == float(r["meta"]["answer"] == f"<answer>{answer}</answer>")
+            assert r["meta"]["format_free"] in (0.0, 1.0)
+            assert r["meta"]["format_free"] >= r["true_score"]  # lenient never below exact
+            free.append(r["meta"]["format_free"])
+
+        def logged(name: str, step: int = step) -> float | None:
+            return dict(series[name]).get(step)
+
+        assert logged(vocab.TOOL_CALLS) == pytest.approx(sum(calls) / len(at))
+        assert logged(vocab.TOOL_TURNS) == pytest.approx(sum(turns) / len(at))
+        if right:
+            assert logged(vocab.RIGHT_TOOL_RATE) == pytest.approx(sum(right) / len(right))
+        assert logged(vocab.FORMAT_FREE_ACCURACY) == pytest.approx(sum(free) / len(at))
+        for position, seen in states.items():
+            for state in vocab.TURN_STATES:
+                name = vocab.turn_state(position, state)
+                if seen:
+                    assert logged(name) == pytest.approx(seen.count(state) / len(seen))
+        assert vocab.TOOL_FAILURE_RATE in series  # TRL's own, recorded as it logs it
+
+    # the run page draws the tool-use section from those series, format-free beside accuracy
+    figs = figures.run_figures(run.control_tokens, [*vocab.STEP_SERIES, *series])
+    assert {"tool-calls", "tool-rates", "turn-states-1"} <= {f["id"] for f in figs["tools"]}
+    reward = next(f for f in figs["main"] if f["id"] == "reward")
+    assert vocab.FORMAT_FREE_ACCURACY in {t["meta"].get("series") for t in reward["data"]}
+    app = create_app(settings, session_factory=make_session_factory(engine))
+    page = TestClient(app, base_url="http://127.0.0.1").get(f"/runs/{run_id}")
+    assert page.status_code == 200 and 'id="charts-tools"' in page.text
+    assert config.max_calls == ms.DEFAULT_MAX_CALLS
+    engine.dispose()
+
+
+OPEN, CLOSE, EOT = "<tool_call>", "</tool_call>", "<|im_end|>"
+TAGS = (OPEN, CLOSE)
+
+
+@pytest.mark.parametrize(
+    ("text", "calls", "state"),
+    [
+        (f'{OPEN}{{"name": "tool_01"}}{CLOSE}{EOT}', 1, "healthy_call"),
+        (f"{OPEN}a{CLOSE}\n{OPEN}b{CLOSE}{EOT}", 2, "healthy_call"),
+        (f"let me see {OPEN}a{CLOSE}{EOT}", 1, "text_pollution"),
+        (f"{OPEN}a{CLOSE}{CLOSE}{EOT}", 1, "text_pollution"),  # a closing tag repeats
+        (f"{OPEN}not json{CLOSE}{EOT}", 0, "text_pollution"),  # closed but TRL parsed nothing
+        (f'{OPEN}{{"name": "tool_01"', 0, "open_call"),  # cut by the length limit
+        (f"{OPEN}{EOT}", 0, "eot_in_call"),
+        (f'{OPEN}{{"name": "tool_01"}}{EOT}', 0, "eot_in_call"),  # closing tag dropped
+        (f"<answer>5</answer>{EOT}", 0, "no_call"),
+        ("", 0, "no_call"),
+    ],
+)
+def test_turn_state_table(text: str, calls: int, state: str) -> None:
+    from rollout_lens.trainer.turns import turn_state
+
+    assert turn_state(text, calls, TAGS, [EOT]) == state
