@@ -159,6 +159,9 @@ POSITIONAL_PROBES = {
     "close_after_open": ("closing tag right after the opening tag", "close tag after open tag"),
     "eot_after_id": ("end-of-turn after the id", "end-of-turn after id"),
     "close_after_close": ("closing tag after the closing tag", "close tag after close tag"),
+    # tool-calling rollouts, at the first position of a model turn after a tool result
+    "open_after_result": ("opening tag after a tool result", "open tag after result"),
+    "eot_after_result": ("end-of-turn after a tool result", "end-of-turn after result"),
 }
 # Id-position probes: log-probabilities and bits, not probabilities.
 ID_PROBES = {
@@ -207,7 +210,16 @@ def trl(key: str) -> str:
 # it does not belong it is ~0: its rise means a control token is winning at the wrong place. Not
 # a control token's max over all positions: that is ~1 wherever it legitimately ends the reply.
 BELONGS = ("open_first", "close_after_id", "eot_after_close")  # falling is the alarm
-MISPLACED = ("eot_after_open", "close_after_open", "eot_after_id", "close_after_close")  # rising
+MISPLACED = (  # rising is the alarm
+    "eot_after_open",
+    "close_after_open",
+    "eot_after_id",
+    "close_after_close",
+    "eot_after_result",  # a tool-calling turn that ends as soon as the result is in
+)
+# Watched without an alarm: after a ticket's result another call is right, after the answer's
+# tool it is not, so neither its rise nor its fall alone is a fault.
+NEUTRAL_PROBES = ("open_after_result",)
 SPIKE_PROBES = tuple(probe(p) for p in MISPLACED)
 DROP_PROBES = tuple(probe(p) for p in BELONGS)
 COLLAPSED = state(FormatState.collapse)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from rollout_lens.server.alerts import KINDS, SEVERITY, Alert, AlertThresholds, evaluate
-from rollout_lens.server.series import BELONGS, MISPLACED, POSITIONAL_PROBES
+from rollout_lens.server.series import BELONGS, MISPLACED, NEUTRAL_PROBES, POSITIONAL_PROBES
 
 T = AlertThresholds()  # one group per step: share rules average over 4 steps
 T8 = T.for_run(8)  # eight groups per step: one step holds enough groups
@@ -191,7 +191,7 @@ def test_every_kind_has_a_severity_and_every_positional_probe_is_watched() -> No
     assert set(SEVERITY.values()) <= {"warning", "info"}
     assert [k for k, s in SEVERITY.items() if s == "info"] == ["solved"]
     assert Alert("something_new", 3, "step 3").as_dict()["severity"] == "warning"
-    assert sorted((*BELONGS, *MISPLACED)) == sorted(POSITIONAL_PROBES)
+    assert sorted((*BELONGS, *MISPLACED, *NEUTRAL_PROBES)) == sorted(POSITIONAL_PROBES)
 
 
 @pytest.mark.parametrize(("groups", "window"), [(1, 4), (2, 2), (3, 2), (4, 1), (8, 1)])

@@ -355,7 +355,7 @@ def test_each_single_run_preset_launches_what_it_says(
     if name.startswith("multi_"):  # the tool loop, with room for calls, results and an answer
         assert config["turns"] == "multi" and config["max_completion_tokens"] >= 32
     if name == "multi_collapse":  # bench/collapse.py --turns multi's recipe
-        assert config["learning_rate"] == 1e-2 and config["steps"] == 150
+        assert config["learning_rate"] == 3e-3 and config["steps"] == 150
     if name in ("leaky", "patched", "multi_leaky", "multi_patched"):  # the seed's verifier
         assert config["verifier"] == "judge" and config["verifier_noise"] == 0.12
 

@@ -107,6 +107,14 @@ def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(
                 if seen:
                     assert logged(name) == pytest.approx(seen.count(state) / len(seen))
         assert vocab.TOOL_FAILURE_RATE in series  # TRL's own, recorded as it logs it
+        # each rollout's state is its worst turn's; probes read at the turn boundaries
+        for r in at:
+            assert r["format_state"] in vocab.STATES
+            assert r["meta"]["probes"]["open_first"] is not None
+        assert logged(vocab.state("collapse")) == pytest.approx(
+            sum(r["format_state"] == "collapse" for r in at) / len(at)
+        )
+        assert logged(vocab.probe("open_first")) is not None
 
     # the run page draws the tool-use section from those series, format-free beside accuracy
     figs = figures.run_figures(run.control_tokens, [*vocab.STEP_SERIES, *series])
@@ -143,3 +151,43 @@ def test_turn_state_table(text: str, calls: int, state: str) -> None:
     from rollout_lens.trainer.turns import turn_state
 
     assert turn_state(text, calls, TAGS, [EOT]) == state
+
+
+def test_turn_probes_read_each_model_turn_and_the_turn_after_a_result() -> None:
+    from rollout_lens.trainer.positional import turn_probes
+
+    # model: <tool_call> x </tool_call> EOT | tool: r r | model: <answer> EOT
+    tokens = [OPEN, "x", CLOSE, EOT, "r", "r", "<answer>", EOT]
+    probs = {
+        OPEN: [0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0],
+        CLOSE: [0.0, 0.0, 0.8, 0.1, 0.0, 0.0, 0.0, 0.0],
+        EOT: [0.0, 0.3, 0.0, 0.7, 0.0, 0.0, 0.4, 0.9],
+    }
+    turns = [
+        {"role": "model", "start": 0, "end": 4, "calls": [{"name": "x"}]},
+        {"role": "tool", "start": 4, "end": 6, "calls": []},
+        {"role": "model", "start": 6, "end": 8, "calls": []},
+    ]
+    got = turn_probes(tokens, probs, turns, open_tag=OPEN, close_tag=CLOSE, eot=EOT)
+    assert got["open_first"] == 0.9  # the first turn only
+    assert got["eot_after_open"] == 0.3  # position 1, after the opening tag
+    assert got["eot_after_close"] == 0.7 and got["close_after_close"] == 0.1
+    assert got["open_after_result"] == 0.2 and got["eot_after_result"] == 0.4
+    assert got["close_after_id"] == 0.8  # the tiny template's call is one token here
+
+
+@pytest.mark.parametrize(
+    ("states", "state"),
+    [
+        (["healthy_call", "no_call"], "healthy_call"),
+        (["healthy_call", "eot_in_call"], "collapse"),
+        (["open_call"], "collapse"),
+        (["text_pollution", "no_call"], "text_pollution"),
+        (["no_call"], "no_call"),
+        ([], "no_call"),
+    ],
+)
+def test_a_tool_calling_rollouts_state_is_its_worst_turns(states: list[str], state: str) -> None:
+    from rollout_lens.trainer.turns import rollout_state
+
+    assert rollout_state(states) == state

@@ -24,6 +24,15 @@ def test_the_trainer_computes_every_probe_the_vocabulary_names() -> None:
     row |= positional.id_probes(
         {"tool_01": -0.1, "tool_02": -3.0}, ["tool_01", "tool_02"], "tool_01"
     )
+    turns = [
+        {"role": "model", "start": 0, "end": 2},
+        {"role": "tool", "start": 2, "end": 3},
+        {"role": "model", "start": 3, "end": 4},
+    ]
+    by_turn = positional.turn_probes(
+        tokens, probs, turns, open_tag="<tool>", close_tag="</tool>", eot="</assistant>"
+    )
+    row |= {k: v for k, v in by_turn.items() if k not in row}  # the two after a tool result
     assert set(row) == set(vocab.POSITIONAL_PROBES) | set(vocab.ID_PROBES)
     out = positional.aggregate([row], [True], [False])
     for probe in row:
@@ -70,5 +79,7 @@ def test_positional_probes_read_each_control_token_where_it_belongs_and_where_it
         ["<tool>"], probs, open_tag="<tool>", close_tag="</tool>", eot="</assistant>"
     )
     assert {k for k, v in bare.items() if v is not None} == {"open_first"}
-    assert set(vocab.BELONGS) | set(vocab.MISPLACED) == set(vocab.POSITIONAL_PROBES)
+    assert set(vocab.BELONGS) | set(vocab.MISPLACED) | set(vocab.NEUTRAL_PROBES) == set(
+        vocab.POSITIONAL_PROBES
+    )
     assert not set(vocab.BELONGS) & set(vocab.MISPLACED)

@@ -24,7 +24,7 @@ from rollout_lens.server import series as vocab
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import RolloutRecord, StepRecord
-from rollout_lens.trainer import turns
+from rollout_lens.trainer import positional, turns
 from rollout_lens.trainer.capture import Generation, RolloutCapture
 from rollout_lens.trainer.outbox import Outbox, RunSpec
 from rollout_lens.trainer.task import message_text
@@ -278,6 +278,8 @@ class RolloutLensCallback(TrainerCallback):
             }
             if row:
                 meta["row"] = row
+            tokens = tokenizer.convert_ids_to_tokens(ids)
+            format_state = None
             if _number(judged.get("format_free")) is not None:
                 meta[vocab.FORMAT_FREE_KEY] = _number(judged["format_free"])
             if mask is not None:
@@ -290,6 +292,17 @@ class RolloutLensCallback(TrainerCallback):
                         self._call_tags,
                         self._end_tokens,
                     )
+                    format_state = turns.rollout_state(meta["turn_states"])
+                    eot = next((t for t in self._end_tokens if t in self.control_tokens), None)
+                    if eot is not None and all(t in self.control_tokens for t in self._call_tags):
+                        meta["probes"] = positional.turn_probes(
+                            tokens,
+                            dict(zip(self.control_tokens, control, strict=False)),
+                            meta["turns"],
+                            open_tag=self._call_tags[0],
+                            close_tag=self._call_tags[1],
+                            eot=eot,
+                        )
                 if self.judges["vote"] is None:  # the group's votes: the first tools called
                     judged["vote"] = turns.first_call(meta["turns"])
             rollouts.append(
@@ -309,8 +322,9 @@ class RolloutLensCallback(TrainerCallback):
                     format_valid=bool(judged["format_valid"])
                     if self.judges["format_valid"]
                     else True,
+                    format_state=format_state,
                     meta=meta,
-                    tokens=tokenizer.convert_ids_to_tokens(ids),
+                    tokens=tokens,
                 )
             )
         values: dict[str, float | None] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rollout_lens.server import series as vocab
 
@@ -23,8 +24,8 @@ def control_probes(
     close_tag: str,
     eot: str,
 ) -> dict[str, float | None]:
-    """The positional probes of one completion (vocab.POSITIONAL_PROBES); None where the
-    position does not exist. Where a control token belongs: the opening tag first, the closing
+    """The positional probes of one completion (vocab.POSITIONAL_PROBES but the two after a
+    tool result, which turn_probes adds); None where the position does not exist. Where a control token belongs: the opening tag first, the closing
     tag after the id, end-of-turn after the closing tag. Where it does not: end-of-turn or a
     closing tag right after the opening tag, end-of-turn after the id, a second closing tag."""
     n = len(tokens)
@@ -46,6 +47,46 @@ def control_probes(
         "eot_after_id": at(eot, None if opened is None else opened + 2),
         "close_after_close": at(close_tag, None if closed is None else closed + 1),
     }
+
+
+def turn_probes(
+    tokens: Sequence[str],
+    probs: Mapping[str, Sequence[float]],
+    turns: Sequence[Mapping[str, Any]],
+    *,
+    open_tag: str,
+    close_tag: str,
+    eot: str,
+) -> dict[str, float | None]:
+    """The positional probes of a tool-calling rollout, read turn by turn: each model turn's
+    control_probes (the opening tag first only in the first turn), averaged over the turns where
+    the position exists, and at the first position of each model turn after a tool result the
+    opening tag (another call) and end-of-turn (ending without an answer)."""
+    found: dict[str, list[float]] = {}
+    after_result = False
+    for k, turn in enumerate(turns):
+        if turn["role"] != "model":
+            after_result = True
+            continue
+        a, b = int(turn["start"]), int(turn["end"])
+        part = {t: p[a:b] for t, p in probs.items()}
+        one = control_probes(tokens[a:b], part, open_tag=open_tag, close_tag=close_tag, eot=eot)
+        if k:
+            one["open_first"] = None
+        if after_result and b > a:
+            one["open_after_result"] = _first(part.get(open_tag))
+            one["eot_after_result"] = _first(part.get(eot))
+        after_result = False
+        for name, value in one.items():
+            if value is not None:
+                found.setdefault(name, []).append(value)
+    return {
+        name: (sum(found[name]) / len(found[name]) if name in found else None) for name in PROBES
+    }
+
+
+def _first(values: Sequence[float] | None) -> float | None:
+    return float(values[0]) if values else None
 
 
 def id_probes(

@@ -235,6 +235,19 @@ def turn_states(
     ]
 
 
+def rollout_state(states: Sequence[str]) -> str:
+    """A tool-calling rollout's structural state (a series.FormatState) from its turns' states:
+    collapse when any call broke (left open, or end-of-turn inside it), else text pollution when
+    any turn has stray text, else a healthy call when it called, else no call."""
+    if TurnState.eot_in_call in states or TurnState.open_call in states:
+        return vocab.FormatState.collapse.value
+    if TurnState.text_pollution in states:
+        return vocab.FormatState.text_pollution.value
+    if TurnState.healthy_call in states:
+        return vocab.FormatState.healthy_call.value
+    return vocab.FormatState.no_call.value
+
+
 def tool_use(turns: Sequence[Mapping[str, Any]], needed: Collection[str] | None) -> dict[str, Any]:
     """Calls, model turns, and (when the episode's needed tools are known) calls to a needed
     tool, of one rollout from its recorded turns."""

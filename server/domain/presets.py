@@ -23,7 +23,7 @@ COLLAPSE_RECIPE = {
 SEED_VERIFIER = {"verifier": "judge", "verifier_noise": 0.12}
 # Multi-turn runs: the tool loop, room for calls, results and an answer, no greedy evaluation.
 MULTI_TURN = {"turns": "multi", "max_completion_tokens": 128, "eval_every": 0, "steps": 100}
-MULTI_TURN_COLLAPSE_LR = 1e-2  # bench/collapse.py --turns multi: the multi-turn study's rate
+MULTI_TURN_COLLAPSE_LR = 3e-3  # bench/collapse.py --turns multi: the multi-turn study's rate
 MULTI_TURN_COLLAPSE = MULTI_TURN | {
     "variant": "patched",
     "steps": 150,
@@ -113,7 +113,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "multi_collapse",
-            "Multi-turn plain GRPO at lr 1e-2",
+            "Multi-turn plain GRPO at lr 3e-3",
             "The multi-turn collapse study's recipe, no supervision (the signals are "
             "single-turn only for now).",
             base=MULTI_TURN_COLLAPSE,
