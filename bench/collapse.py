@@ -1,37 +1,61 @@
-"""Control-token collapse on the CPU, and whether supervisory signals prevent it.
+"""Control-token collapse on the CPU across seeds, whether it is caught early, and what prevents it.
 
-Trains the patched tiny run with a too-high learning rate, once per method (plain GRPO and each
-supervisory signal), same seed and recipe; prints per method the 25-step true accuracy curve,
-whether and when it collapsed, the first control-token-spike alert and its lead over the fall of
-true accuracy, and the final in-distribution / format-OOD / content-OOD greedy accuracy.
+Trains one recorded run per method and seed (same recipe otherwise) through the worker's own
+`train()`, reads back what the dashboard shows (steps, series, the alerts the recorder wrote)
+and prints:
 
-    .venv/bin/python bench/collapse.py --lr 1e-3 --steps 300 --seed 0
+* per run: the 25-step true and format-free accuracy, when it collapsed, the first
+  control-token and collapse alerts;
+* per method: seeds collapsed, median collapse step, the lead of the first control-token
+  alert before the collapse, false alarms (control-token or collapse alerts on seeds that
+  never collapsed), final true / format-free accuracy and (single-turn) the last greedy
+  ID / format-OOD / content-OOD evaluation;
+* per alert rule (kind and series): collapses caught before they happened, median lead, false
+  alarms.
+
+A run collapsed at the first step where its 25-step true accuracy falls below 0.3 after reaching
+0.8, or where its 25-step share of structurally collapsed rollouts (state/collapse: a call left
+open or end-of-turn inside it, for tool-calling runs) first exceeds 0.5.
+
+    .venv/bin/python bench/collapse.py --lr 1e-3 --steps 300 --seeds 0          # single-turn
+    .venv/bin/python bench/collapse.py --turns multi --seeds 0 1 2 3 4           # multi-turn
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollout_lens.server import alerts, analysis, store  # noqa: E402
+from rollout_lens.server import analysis, queries, store  # noqa: E402
+from rollout_lens.server import series as vocab  # noqa: E402
 from rollout_lens.server.config import get_settings  # noqa: E402
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
 from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
 from rollout_lens.server.migrate import upgrade  # noqa: E402
 from rollout_lens.trainer.run import train  # noqa: E402
 
-METHODS = ("none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl")
+SINGLE_METHODS = ("none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl")
+# Multi-turn: plain GRPO at the study's rate, the SFT signals (expert conversations before RL, or
+# every 25 steps on the episodes that failed), the same rate with TRL's KL penalty toward the
+# starting model, and plain GRPO at a safe rate (healthy runs: where false alarms are counted).
+# The in-group signals (off-policy experts, hints) are single-turn only.
+MULTI_METHODS = ("none", "sft_then_rl", "interleaved_sft", "kl", "safe_lr")
+WARNING_KINDS = ("control_token_spike", "collapse")
 
 
 def collapse_step(
     steps: list[int], acc: list[float | None], peak_at_least: float = 0.8, fall_below: float = 0.3
 ) -> int | None:
-    """First step where the 25-step true accuracy falls below `fall_below` after reaching `peak_at_least`."""
+    """First step where the 25-step true accuracy falls below `fall_below` after reaching
+    `peak_at_least`."""
     peaked = False
     for step, mean in zip(steps, analysis.rolling_mean(acc), strict=True):
         if mean is None:
@@ -42,93 +66,180 @@ def collapse_step(
     return None
 
 
+def structural_collapse_step(
+    points: list[tuple[int, float | None]], above: float = 0.5
+) -> int | None:
+    """First step where the 25-step mean share of collapsed rollouts exceeds `above`."""
+    steps = [s for s, _ in points]
+    for step, mean in zip(steps, analysis.rolling_mean([v for _, v in points]), strict=True):
+        if mean is not None and mean > above:
+            return step
+    return None
+
+
+def config_for(args: argparse.Namespace, method: str, seed: int) -> RunConfig:
+    if args.turns == "multi":
+        return RunConfig(
+            turns="multi",
+            variant=args.variant,
+            steps=args.steps,
+            seed=seed,
+            learning_rate=args.safe_lr if method == "safe_lr" else args.lr,
+            kl_coef=args.kl if method == "kl" else 0.0,
+            supervision=method if method in ("sft_then_rl", "interleaved_sft") else "none",
+            sft_steps=50 if method == "sft_then_rl" else 5,
+            max_completion_tokens=128,
+            eval_every=25,
+            name=f"multi-turn {method} seed {seed}",
+        )
+    return RunConfig(
+        variant=args.variant,
+        steps=args.steps,
+        seed=seed,
+        learning_rate=args.lr,
+        supervision=method,
+        eval_every=25,
+        sft_steps=50 if method == "sft_then_rl" else 5,
+    )
+
+
+def measure(factory: Any, run_id: int) -> dict[str, Any]:
+    """What one recorded run says: curves, collapse, alerts, finals."""
+    with session_scope(factory) as session:
+        steps = store.steps(session, run_id=run_id)
+        series = store.metric_series(session, run_id=run_id)
+        alerts = queries.alerts(session, run_id=run_id)
+    numbers = [s.step for s in steps]
+    acc = [s.true_accuracy for s in steps]
+    free = [v for _, v in series.get(vocab.FORMAT_FREE_ACCURACY, [])]
+    by_accuracy = collapse_step(numbers, acc)
+    by_structure = structural_collapse_step(series.get(vocab.COLLAPSED, []))
+    fell = min((s for s in (by_accuracy, by_structure) if s is not None), default=None)
+    warnings = [a for a in alerts if a["kind"] in WARNING_KINDS]
+    ctrl = [a for a in warnings if a["kind"] == "control_token_spike"]
+    return {
+        "steps": numbers,
+        "acc": acc,
+        "free": free,
+        "fell": fell,
+        "why": "accuracy" if fell is not None and fell == by_accuracy else "structure",
+        "alerts": warnings,
+        "first_ctrl": ctrl[0] if ctrl else None,
+        "lead": (fell - ctrl[0]["step"])
+        if fell is not None and ctrl and ctrl[0]["step"] <= fell
+        else None,
+        "final_acc": analysis.final_mean(acc),
+        "final_free": analysis.final_mean(free) if free else None,
+        "peak_acc": max((v for v in analysis.rolling_mean(acc) if v is not None), default=0.0),
+        "eval": {
+            name: (series.get(f"eval/{name}") or [(0, None)])[-1][1]
+            for name in ("id", "format_ood", "content_ood")
+        },
+        "states": {
+            state: [v for _, v in series.get(vocab.state(state), [])]
+            for state in vocab.STATES
+            if series.get(vocab.state(state))
+        },
+    }
+
+
+def f(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--turns", default="single", choices=["single", "multi"])
+    parser.add_argument("--lr", type=float, help="default: 1e-3 single-turn, 3e-3 multi-turn")
+    parser.add_argument("--safe-lr", type=float, default=1e-3, help="multi-turn healthy arm")
+    parser.add_argument("--kl", type=float, default=0.1, help="multi-turn KL arm's beta")
+    parser.add_argument("--steps", type=int, help="default: 300 single-turn, 200 multi-turn")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--methods", nargs="+")
     parser.add_argument("--variant", default="patched", choices=["patched", "leaky"])
     args = parser.parse_args()
-    thresholds = alerts.AlertThresholds()
-    rows = []
+    multi = args.turns == "multi"
+    args.lr = args.lr or (3e-3 if multi else 1e-3)
+    args.steps = args.steps or (200 if multi else 300)
+    methods = args.methods or list(MULTI_METHODS if multi else SINGLE_METHODS)
+    results: dict[str, list[dict[str, Any]]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         settings = get_settings(data_dir=Path(tmp))
         engine = make_engine(settings.database_url)
         upgrade(engine)
         factory = make_session_factory(engine)
-        for method in args.methods:
-            config = RunConfig(
-                variant=args.variant,
-                steps=args.steps,
-                seed=args.seed,
-                learning_rate=args.lr,
-                supervision=method,
-                eval_every=25,
-                sft_steps=50 if method == "sft_then_rl" else 5,
-            )
-            started = time.perf_counter()
-            run_id = train(config, settings=settings)
-            wall = time.perf_counter() - started
-            with session_scope(factory) as session:
-                steps = store.steps(session, run_id=run_id)
-                series = store.metric_series(session, run_id=run_id)
-            numbers = [s.step for s in steps]
-            acc = [s.true_accuracy for s in steps]
-            fell = collapse_step(numbers, acc)
-            all_series = dict(series)
-            all_series["zero_std_share"] = [(s.step, s.zero_std_share) for s in steps]
-            spikes = [
-                a
-                for a in alerts.evaluate(all_series, thresholds)
-                if a.kind == "control_token_spike"
-            ]
-            first_spike = spikes[0] if spikes else None
-            before = [a for a in spikes if fell is not None and a.step <= fell]
-            lead = fell - before[0].step if before else None
-            print(f"\n== {config.name} (lr {args.lr}), wall {wall:.0f} s")
-            print(
-                "25-step true accuracy:",
-                " ".join(f"{v:.2f}" for _, v in analysis.buckets(numbers, acc)),
-            )
-            collapse_share = series.get("state/collapse", [])
-            print(
-                "25-step collapse share:",
-                " ".join(
-                    f"{v:.2f}"
-                    for _, v in analysis.buckets(
-                        [s for s, _ in collapse_share], [v for _, v in collapse_share]
-                    )
-                ),
-            )
-            print(
-                f"collapsed at step: {fell}; first control-token spike: {first_spike.message if first_spike else None}; lead: {lead}"
-            )
-            final = {
-                name: (series.get(f"eval/{name}") or [(0, None)])[-1][1]
-                for name in ("id", "format_ood", "content_ood")
-            }
-            rows.append(
-                (
-                    method,
-                    max((v for v in analysis.rolling_mean(acc) if v is not None), default=0.0),
-                    analysis.final_mean(acc),
-                    fell,
-                    lead,
-                    final,
-                    wall,
+        for method in methods:
+            for seed in args.seeds:
+                config = config_for(args, method, seed)
+                started = time.perf_counter()
+                run_id = train(config, settings=settings)
+                m = measure(factory, run_id) | {"seed": seed, "wall": time.perf_counter() - started}
+                results[method].append(m)
+                buckets = analysis.buckets(m["steps"], m["acc"])
+                print(f"\n== {config.name} (lr {config.learning_rate:g}), wall {m['wall']:.0f} s")
+                print("25-step true accuracy:  ", " ".join(f"{v:.2f}" for _, v in buckets))
+                if m["free"]:
+                    free = analysis.buckets(m["steps"][: len(m["free"])], m["free"])
+                    print("25-step format-free acc:", " ".join(f"{v:.2f}" for _, v in free))
+                for state, shares in m["states"].items():
+                    share = analysis.buckets(m["steps"][: len(shares)], shares)
+                    label = f"25-step {vocab.state_label(state)}:"
+                    print(f"{label:<24}", " ".join(f"{v:.2f}" for _, v in share))
+                first = m["first_ctrl"]
+                print(
+                    f"collapsed at: {m['fell']} ({m['why'] if m['fell'] else '-'}); first "
+                    f"control-token alert: {first['step'] if first else None} "
+                    f"({first['series'] if first else ''}); lead: {m['lead']}; warnings: "
+                    f"{len(m['alerts'])}",
+                    flush=True,
                 )
-            )
     print(
-        f"\n{'method':<16} {'peak acc25':>10} {'final acc25':>11} {'collapsed':>9} {'lead':>5} {'eval ID':>7} {'fmt-OOD':>7} {'cnt-OOD':>7} {'wall s':>6}"
+        f"\nRecipe: {args.turns}-turn {args.variant}, {args.steps} steps, lr {args.lr:g}, seeds {args.seeds}"
     )
-    for method, peak, final_acc, fell, lead, final, wall in rows:
-
-        def f(v: float | None) -> str:
-            return "-" if v is None else f"{v:.2f}"
-
+    print(
+        f"{'method':<16} {'collapsed':>9} {'median':>6} {'leads':>14} {'false al.':>9} "
+        f"{'acc25':>5} {'free25':>6} {'ID':>5} {'fmt':>5} {'cnt':>5}"
+    )
+    for method, runs in results.items():
+        fell = [r["fell"] for r in runs if r["fell"] is not None]
+        leads = [r["lead"] for r in runs if r["fell"] is not None]
+        false = sum(len(r["alerts"]) for r in runs if r["fell"] is None)
+        final = statistics.mean(r["final_acc"] or 0.0 for r in runs)
+        frees = [r["final_free"] for r in runs if r["final_free"] is not None]
+        evals = {
+            k: [r["eval"][k] for r in runs if r["eval"][k] is not None]
+            for k in ("id", "format_ood", "content_ood")
+        }
         print(
-            f"{method:<16} {peak:>10.2f} {f(final_acc):>11} {str(fell):>9} {str(lead):>5} {f(final['id']):>7} {f(final['format_ood']):>7} {f(final['content_ood']):>7} {wall:>6.0f}"
+            f"{method:<16} {len(fell):>4}/{len(runs):<4} "
+            f"{(statistics.median(fell) if fell else '-'):>6} "
+            f"{','.join('-' if x is None else str(x) for x in leads) or '-':>14} {false:>9} "
+            f"{final:>5.2f} {f(statistics.mean(frees) if frees else None):>6} "
+            + " ".join(f"{f(statistics.mean(v) if v else None):>5}" for v in evals.values())
+        )
+    rules: dict[str, dict[str, list[int]]] = defaultdict(
+        lambda: {"leads": [], "late": [], "false": []}
+    )
+    for runs in results.values():
+        for r in runs:
+            firsts: dict[str, int] = {}
+            for a in r["alerts"]:
+                firsts.setdefault(f"{a['kind']} {a['series'] or ''}".strip(), a["step"])
+            for rule, step in firsts.items():
+                if r["fell"] is None:
+                    rules[rule]["false"].append(step)
+                elif step <= r["fell"]:
+                    rules[rule]["leads"].append(r["fell"] - step)
+                else:
+                    rules[rule]["late"].append(step - r["fell"])
+    collapsed_runs = sum(r["fell"] is not None for runs in results.values() for r in runs)
+    print(f"\nPer alert rule (over {collapsed_runs} collapsed runs):")
+    print(f"{'rule':<52} {'caught':>6} {'median lead':>11} {'late':>4} {'false alarms':>12}")
+    for rule, got in sorted(rules.items()):
+        lead = statistics.median(got["leads"]) if got["leads"] else None
+        print(
+            f"{rule:<52} {len(got['leads']):>6} {('-' if lead is None else f'{lead:g}'):>11} "
+            f"{len(got['late']):>4} {len(got['false']):>12}"
         )
 
 

@@ -29,8 +29,8 @@ MULTI = {"turns": "multi", "max_completion_tokens": 128, "eval_every": 0}
     ("fields", "message"),
     [
         ({"max_completion_tokens": 8}, "must be at least 32 for a multi-turn run"),
-        ({"eval_every": 25}, "eval_every must be 0 for a multi-turn run"),
-        ({"supervision": "offpolicy"}, "supervision must be none for a multi-turn run"),
+        ({"supervision": "offpolicy"}, "supervision offpolicy is single-turn only"),
+        ({"supervision": "hint"}, "supervision hint is single-turn only"),
         ({"max_calls": 0}, "greater than or equal to 1"),
         ({"episodes": "triple"}, "'single', 'chain' or 'mixed'"),
     ],
@@ -191,3 +191,82 @@ def test_a_tool_calling_rollouts_state_is_its_worst_turns(states: list[str], sta
     from rollout_lens.trainer.turns import rollout_state
 
     assert rollout_state(states) == state
+
+
+@pytest.mark.slow
+def test_the_expert_conversation_trains_on_the_models_turns_only(
+    multiturn_model_dir: Path,
+) -> None:
+    from rollout_lens.trainer import multiturn_supervision as mts
+    from rollout_lens.trainer.envs import multistep as ms
+    from rollout_lens.trainer.multiturn_model import render_answer, render_call
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(multiturn_model_dir)
+    env = ms.MultiStepEnv(seed=2, variant="patched")
+    ep = env.episode(env.train_queries[3].text, kind="chain", episode=7)
+    ids, labels = mts.expert_sequence(tokenizer, env, ep)
+    assert len(ids) == len(labels)
+    # the whole conversation is what the template renders for it
+    messages = mts.expert_messages(env, ep)
+    assert (
+        ids
+        == list(
+            tokenizer.apply_chat_template(
+                messages,
+                tools=mts.tool_schemas(env, ep.tool_ids),
+                tokenize=True,
+                return_dict=False,
+            )
+        )[: len(ids)]
+    )
+    # the trained spans are the two calls and the answer, in order; the results are context
+    spans, current = [], []
+    for token, label in zip(ids, labels, strict=True):
+        if label != -100:
+            assert label == token
+            current.append(token)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    if current:
+        spans.append(tokenizer.decode(current))
+    assert spans == [render_call(ep.needed[0]), render_call(ep.needed[1]), render_answer(ep.answer)]
+    assert f"result: {ep.answer}" in tokenizer.decode(ids)  # the real result, not trained
+    # a row recorded with a rollout rebuilds its episode
+    assert mts.episode_from_row(ep.row()) == ep
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_with_sft_then_rl_and_evaluation(
+    multiturn_model_dir: Path, tmp_path: Path
+) -> None:
+    from rollout_lens.trainer import multiturn_supervision as mts
+    from rollout_lens.trainer.envs import multistep as ms
+    from rollout_lens.trainer.run import train
+
+    settings = Settings(data_dir=tmp_path, model_cache_dir=multiturn_model_dir.parent)
+    engine = make_engine(settings.database_url)
+    upgrade(engine)
+    config = RunConfig(
+        **(MULTI | {"eval_every": 1}),
+        steps=2,
+        group_size=4,
+        supervision="sft_then_rl",
+        sft_steps=3,
+    )
+    run_id = train(config, settings=settings)
+    run, _, steps, series = load_run(settings.database_url, run_id)
+    assert run.status == "completed" and len(steps) == 2
+    (sft,) = series[vocab.SFT_LOSS]
+    assert sft[0] == 1 and sft[1] is not None and sft[1] > 0
+    env = ms.MultiStepEnv(seed=0, variant="patched")
+    sizes = {name: len(eps) for name, eps in mts.eval_episodes(env).items()}
+    for name in ("id", "content_ood"):
+        points = series[vocab.eval_set(name)]
+        assert [s for s, _ in points] == [1, 2]
+        for _, value in points:  # a share of the set's episodes answered exactly
+            assert value is not None and 0 <= value <= 1
+            assert value * sizes[name] == pytest.approx(round(value * sizes[name]))
+    assert vocab.eval_set("format_ood") not in series
+    engine.dispose()

@@ -71,6 +71,9 @@ def config_from_run(config: RunConfig) -> MultiTurnConfig:
     )
 
 
+MAX_FAILURES = 4096  # failed rows kept for the next interleaved SFT phase
+
+
 class _WriterBox:
     """A launched run's StepBox: each raw step prepared on the spot and handed to the worker's
     StepWriter, which owns the run row (the worker marks it finished)."""
@@ -112,6 +115,23 @@ class LaunchedCallback(RolloutLensCallback):
         )
         self.sink, self.should_stop = sink, should_stop
         self.judges = dict.fromkeys(self.judges, _by_messages)
+        self._extra: dict[int, dict[str, float | None]] = {}
+        self._failed: list[dict[str, Any]] = []
+
+    def add_metrics(self, step: int, metrics: dict[str, float | None]) -> None:
+        """Extra series for `step` (evaluation, SFT phases), written with that step."""
+        self._extra.setdefault(step, {}).update(metrics)
+
+    def failures(self) -> list[dict[str, Any]]:
+        """The rows whose rollouts failed since the last call (interleaved SFT's examples)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _prepare(self, raw: dict[str, Any]) -> StepRecord:
+        record = super()._prepare(raw)
+        for step in [s for s in self._extra if s <= record.step]:
+            record.metrics.update(self._extra.pop(step))
+        return record
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self.outbox = _WriterBox(self._prepare, self.sink)
@@ -123,6 +143,8 @@ class LaunchedCallback(RolloutLensCallback):
 
     def _judged(self, text: str, row: dict[str, Any], completion: Any) -> dict[str, Any]:
         j = judge(completion, row)
+        if not j["true_score"] and len(self._failed) < MAX_FAILURES:
+            self._failed.append(row)
         return {
             "vote": j["first_call"],
             "true_score": j["true_score"],

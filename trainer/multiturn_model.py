@@ -527,8 +527,10 @@ def sample_conversations(
             sampled = active
         batch = [contexts[i] for i in sampled]
         width = max(map(len, batch), default=0)
-        input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in batch])
-        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in batch])
+        input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in batch], device=model.device)
+        mask = torch.tensor(
+            [[0] * (width - len(c)) + [1] * len(c) for c in batch], device=model.device
+        )
         sampling: dict[str, Any] = (
             {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
             if temperature > 0

@@ -21,6 +21,7 @@ from rollout_lens.server.domain.task import IN_GROUP_MODES, SFT_MODES, TINY
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import StepRecord
 from rollout_lens.trainer import multiturn, task
+from rollout_lens.trainer import multiturn_supervision as mts
 from rollout_lens.trainer.evaluation import Evaluator
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from rollout_lens.trainer.modelref import check_model
@@ -202,6 +203,31 @@ def make_multiturn_trainer(
     )
     callback.attach(trainer)
     trainer.remove_callback(PrinterCallback)
+    env = multiturn.make_env(multiturn.config_from_run(config))
+    if config.supervision in SFT_MODES:
+        trainer.add_callback(
+            SFTPhases(
+                trainer,
+                callback,
+                mode=config.supervision,
+                every=config.sft_every,
+                steps=config.sft_steps,
+                learning_rate=config.sft_learning_rate,
+                all_examples=lambda: mts.sft_rows(env),
+                encode=mts.row_encoder(tokenizer, env),
+                failures=callback.failures,
+            )
+        )
+    if config.eval_every:
+        trainer.add_callback(
+            mts.MultiTurnEvaluator(
+                trainer,
+                callback.add_metrics,
+                env,
+                every=config.eval_every,
+                max_calls=config.max_calls,
+            )
+        )
     return trainer
 
 

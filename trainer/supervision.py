@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from rollout_lens.server import series as vocab
 from rollout_lens.server.domain.task import IN_GROUP_MODES
-from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
+from rollout_lens.trainer.grpo import RecordingGRPOTrainer
 from transformers import TrainerCallback
 
 
@@ -84,30 +84,49 @@ class SupervisedGRPOTrainer(RecordingGRPOTrainer):
         return completion_ids, logprobs
 
 
+class MetricSink(Protocol):
+    """Where extra series for a step go (grpo.Recorder; multiturn.LaunchedCallback)."""
+
+    def add_metrics(self, step: int, metrics: dict[str, float | None]) -> None: ...
+
+
+Encoder = Callable[[Any], tuple[list[int], list[int]]]  # example -> (ids, labels, -100 = context)
+
+
 class SFTPhases(TrainerCallback):
     """Supervised fine-tuning on expert replies, at its own learning rate, on the training thread.
 
-    interleaved_sft: every `every` RL steps, `steps` SFT steps on the queries that failed since the
-    last phase. sft_then_rl: `steps` SFT steps on all training examples before the first RL step.
-    Each phase's loss goes into the series `sft/loss` at the step after which it ran.
+    interleaved_sft: every `every` RL steps, `steps` SFT steps on the examples that failed since
+    the last phase (`failures()` drains them; default: the trainer's recent_failures).
+    sft_then_rl: `steps` SFT steps on all training examples before the first RL step. Each
+    phase's loss goes into the series `sft/loss` at the step after which it ran.
+
+    An example is (prompt, target) with the reply `expert_reply(target)`, or anything `encode`
+    turns into (ids, labels): a multi-turn expert conversation, say.
     """
 
     def __init__(
         self,
-        trainer: RecordingGRPOTrainer,
-        recorder: Recorder,
+        trainer: Any,
+        recorder: MetricSink,
         *,
         mode: str,
         every: int,
         steps: int,
         learning_rate: float,
-        all_examples: Callable[[], list[tuple[Any, str]]],
-        expert_reply: Callable[[str], str],
+        all_examples: Callable[[], list[Any]],
+        expert_reply: Callable[[str], str] | None = None,
+        encode: Encoder | None = None,
+        failures: Callable[[], list[Any]] | None = None,
         batch_size: int = 16,
     ) -> None:
+        if (expert_reply is None) == (encode is None):
+            raise ValueError("SFTPhases needs expert_reply or encode (one of them)")
         self.trainer, self.recorder = trainer, recorder
         self.mode, self.every, self.steps, self.batch_size = mode, every, steps, batch_size
         self.all_examples, self.expert_reply = all_examples, expert_reply
+        self.encode: Encoder = encode or self._reply_sequence
+        self.failures = failures or self._recent_failures
         self.learning_rate = learning_rate
         self._optimizer: torch.optim.Optimizer | None = None
 
@@ -121,15 +140,14 @@ class SFTPhases(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if self.mode != "interleaved_sft" or state.global_step % self.every:
             return
-        failures = list(self.trainer.recent_failures)
-        self.trainer.recent_failures.clear()
+        failures = self.failures()
         if failures:
             loss = self._phase(failures)
             self.recorder.add_metrics(
                 state.global_step, {vocab.SFT_LOSS: loss, vocab.SFT_EXAMPLES: float(len(failures))}
             )
 
-    def _phase(self, examples: list[tuple[Any, str]]) -> float:
+    def _phase(self, examples: list[Any]) -> float:
         """`steps` SFT steps cycling through `examples`; returns the mean loss."""
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         if self._optimizer is None:
@@ -153,17 +171,29 @@ class SFTPhases(TrainerCallback):
         model.train(was_training)
         return sum(losses) / len(losses) if losses else math.nan
 
-    def _loss(self, model: torch.nn.Module, batch: list[tuple[Any, str]]) -> torch.Tensor:
-        """Cross-entropy on the expert reply tokens only (the prompt is context)."""
+    def _recent_failures(self) -> list[Any]:
+        failures = list(self.trainer.recent_failures)
+        self.trainer.recent_failures.clear()
+        return failures
+
+    def _reply_sequence(self, example: tuple[Any, str]) -> tuple[list[int], list[int]]:
+        """A single-turn example: the prompt as context, then the expert reply and end-of-turn."""
+        assert self.expert_reply is not None
+        prompt, target = example
+        eos = self.trainer.eos_token_ids[0]
+        prompt_ids, _, _ = self.trainer._tokenize_prompts([prompt])
+        tokenizer = self.trainer.processing_class
+        reply = tokenizer.encode(self.expert_reply(target), add_special_tokens=False) + [eos]
+        return list(prompt_ids[0]) + reply, [-100] * len(prompt_ids[0]) + reply
+
+    def _loss(self, model: torch.nn.Module, batch: list[Any]) -> torch.Tensor:
+        """Cross-entropy on the expert's tokens only (the rest is context)."""
         tokenizer = self.trainer.processing_class
         eos = self.trainer.eos_token_ids[0]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        sequences, labels = [], []
-        for prompt, target in batch:
-            prompt_ids, _, _ = self.trainer._tokenize_prompts([prompt])
-            reply = tokenizer.encode(self.expert_reply(target), add_special_tokens=False) + [eos]
-            sequences.append(list(prompt_ids[0]) + reply)
-            labels.append([-100] * len(prompt_ids[0]) + reply)
+        encoded = [self.encode(example) for example in batch]
+        sequences = [ids for ids, _ in encoded]
+        labels = [lab for _, lab in encoded]
         width = max(len(s) for s in sequences)
         device = self.trainer.accelerator.device
         ids = torch.tensor([s + [pad] * (width - len(s)) for s in sequences], device=device)

@@ -21,12 +21,12 @@ COLLAPSE_RECIPE = {
 # "judge" misses a right reply with probability 0.12 (1 − 0.88) and gives a plausible wrong one
 # partial credit (0.5), so a leaky run's reward sits between 0.5 and 0.88 whatever its accuracy.
 SEED_VERIFIER = {"verifier": "judge", "verifier_noise": 0.12}
-# Multi-turn runs: the tool loop, room for calls, results and an answer, no greedy evaluation.
-MULTI_TURN = {"turns": "multi", "max_completion_tokens": 128, "eval_every": 0, "steps": 100}
+# Multi-turn runs: the tool loop, room for calls, results and an answer.
+MULTI_TURN = {"turns": "multi", "max_completion_tokens": 128, "eval_every": 25, "steps": 100}
 MULTI_TURN_COLLAPSE_LR = 3e-3  # bench/collapse.py --turns multi: the multi-turn study's rate
 MULTI_TURN_COLLAPSE = MULTI_TURN | {
     "variant": "patched",
-    "steps": 150,
+    "steps": 200,
     "learning_rate": MULTI_TURN_COLLAPSE_LR,
     "verifier": "exact",
 }
@@ -114,9 +114,22 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "multi_collapse",
             "Multi-turn plain GRPO at lr 3e-3",
-            "The multi-turn collapse study's recipe, no supervision (the signals are "
-            "single-turn only for now).",
-            base=MULTI_TURN_COLLAPSE,
+            "The multi-turn collapse study's recipe with no supervision: the baseline.",
+            base=MULTI_TURN_COLLAPSE | {"supervision": "none"},
+        ),
+        Preset(
+            "multi_sft_then_rl",
+            "Multi-turn SFT then RL",
+            "50 SFT steps on expert conversations (the right calls, their results, the answer), "
+            "then RL at the study's rate.",
+            base=MULTI_TURN_COLLAPSE | {"supervision": "sft_then_rl", "sft_steps": 50},
+        ),
+        Preset(
+            "multi_interleaved_sft",
+            "Multi-turn interleaved SFT",
+            "Every 25 RL steps, 5 SFT steps on expert conversations of the episodes that failed.",
+            base=MULTI_TURN_COLLAPSE
+            | {"supervision": "interleaved_sft", "sft_every": 25, "sft_steps": 5},
         ),
         Preset(
             "collapse",
@@ -167,7 +180,13 @@ PRESET_GROUPS = (  # (title, note, preset names) as the form lists them
     (
         "Multi-turn tool use",
         "TRL's tool loop: the tools run, the model reads their results and answers.",
-        ("multi_leaky", "multi_patched", "multi_leaky_vs_patched", "multi_collapse"),
+        ("multi_leaky", "multi_patched", "multi_leaky_vs_patched"),
+    ),
+    (
+        "Multi-turn collapse study",
+        "200 steps at learning rate 3e-3, evaluated every 25 steps, as "
+        "bench/collapse.py --turns multi.",
+        ("multi_collapse", "multi_sft_then_rl", "multi_interleaved_sft"),
     ),
     (
         "Collapse study",

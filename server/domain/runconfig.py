@@ -156,15 +156,11 @@ class RunConfig(BaseModel):
                 f"{MIN_MULTI_TURN_TOKENS} for a multi-turn run: every turn and tool result of a "
                 "rollout share it (the multi-turn presets use 128)"
             )
-        if self.supervision != "none":
+        if self.supervision in IN_GROUP_MODES:
             raise ValueError(
-                "supervision must be none for a multi-turn run: the supervisory signals are "
-                "implemented for single-turn runs only"
-            )
-        if self.eval_every:
-            raise ValueError(
-                "eval_every must be 0 for a multi-turn run: greedy evaluation is implemented for "
-                "single-turn runs only"
+                f"supervision {self.supervision} is single-turn only: a multi-turn run takes "
+                "none, interleaved_sft or sft_then_rl (expert conversations between or before "
+                "RL)"
             )
         return self
 
