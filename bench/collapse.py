@@ -14,8 +14,9 @@ and prints:
   alarms.
 
 A run collapsed at the first step where its 25-step true accuracy falls below 0.3 after reaching
-0.8, or where its 25-step share of structurally collapsed rollouts (state/collapse: a call left
-open or end-of-turn inside it, for tool-calling runs) first exceeds 0.5.
+0.8, or where its 25-step share of structurally broken rollouts first exceeds 0.5: every rollout
+that is not a healthy call (a collapsed call, text polluting a call such as a repeated closing
+tag, or no call at all; for a tool-calling run, its worst turn's state).
 
     .venv/bin/python bench/collapse.py --lr 1e-3 --steps 300 --seeds 0          # single-turn
     .venv/bin/python bench/collapse.py --turns multi --seeds 0 1 2 3 4           # multi-turn
@@ -24,6 +25,8 @@ open or end-of-turn inside it, for tool-calling runs) first exceeds 0.5.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import statistics
 import sys
 import tempfile
@@ -67,11 +70,13 @@ def collapse_step(
 
 
 def structural_collapse_step(
-    points: list[tuple[int, float | None]], above: float = 0.5
+    healthy: list[tuple[int, float | None]], above: float = 0.5
 ) -> int | None:
-    """First step where the 25-step mean share of collapsed rollouts exceeds `above`."""
-    steps = [s for s, _ in points]
-    for step, mean in zip(steps, analysis.rolling_mean([v for _, v in points]), strict=True):
+    """First step where the 25-step mean share of broken rollouts (1 - healthy calls) exceeds
+    `above`."""
+    steps = [s for s, _ in healthy]
+    broken = [None if v is None else 1.0 - v for _, v in healthy]
+    for step, mean in zip(steps, analysis.rolling_mean(broken), strict=True):
         if mean is not None and mean > above:
             return step
     return None
@@ -103,48 +108,103 @@ def config_for(args: argparse.Namespace, method: str, seed: int) -> RunConfig:
     )
 
 
-def measure(factory: Any, run_id: int) -> dict[str, Any]:
-    """What one recorded run says: curves, collapse, alerts, finals."""
+def read_run(factory: Any, run_id: int) -> dict[str, Any]:
+    """What one recorded run says, as the dashboard reads it: curves, states, alerts, evals."""
     with session_scope(factory) as session:
         steps = store.steps(session, run_id=run_id)
         series = store.metric_series(session, run_id=run_id)
         alerts = queries.alerts(session, run_id=run_id)
-    numbers = [s.step for s in steps]
-    acc = [s.true_accuracy for s in steps]
-    free = [v for _, v in series.get(vocab.FORMAT_FREE_ACCURACY, [])]
-    by_accuracy = collapse_step(numbers, acc)
-    by_structure = structural_collapse_step(series.get(vocab.COLLAPSED, []))
-    fell = min((s for s in (by_accuracy, by_structure) if s is not None), default=None)
-    warnings = [a for a in alerts if a["kind"] in WARNING_KINDS]
-    ctrl = [a for a in warnings if a["kind"] == "control_token_spike"]
     return {
-        "steps": numbers,
-        "acc": acc,
-        "free": free,
-        "fell": fell,
-        "why": "accuracy" if fell is not None and fell == by_accuracy else "structure",
-        "alerts": warnings,
-        "first_ctrl": ctrl[0] if ctrl else None,
-        "lead": (fell - ctrl[0]["step"])
-        if fell is not None and ctrl and ctrl[0]["step"] <= fell
-        else None,
-        "final_acc": analysis.final_mean(acc),
-        "final_free": analysis.final_mean(free) if free else None,
-        "peak_acc": max((v for v in analysis.rolling_mean(acc) if v is not None), default=0.0),
+        "steps": [s.step for s in steps],
+        "acc": [s.true_accuracy for s in steps],
+        "free": [v for _, v in series.get(vocab.FORMAT_FREE_ACCURACY, [])],
+        "states": {
+            state: series.get(vocab.state(state), [])
+            for state in vocab.STATES
+            if series.get(vocab.state(state))
+        },
+        "alerts": [a for a in alerts if a["kind"] in WARNING_KINDS],
         "eval": {
             name: (series.get(f"eval/{name}") or [(0, None)])[-1][1]
             for name in ("id", "format_ood", "content_ood")
         },
-        "states": {
-            state: [v for _, v in series.get(vocab.state(state), [])]
-            for state in vocab.STATES
-            if series.get(vocab.state(state))
-        },
     }
+
+
+def judge(raw: dict[str, Any]) -> dict[str, Any]:
+    """Collapse step and cause, first control-token alert and its lead, final figures."""
+    numbers, acc = raw["steps"], raw["acc"]
+    by_accuracy = collapse_step(numbers, acc)
+    by_structure = structural_collapse_step(
+        [tuple(p) for p in raw["states"].get("healthy_call", [])]  # type: ignore[misc]
+    )
+    fell = min((s for s in (by_accuracy, by_structure) if s is not None), default=None)
+    ctrl = [a for a in raw["alerts"] if a["kind"] == "control_token_spike"]
+    lead = fell - ctrl[0]["step"] if fell is not None and ctrl and ctrl[0]["step"] <= fell else None
+    return raw | {
+        "fell": fell,
+        "why": "accuracy" if fell is not None and fell == by_accuracy else "structure",
+        "first_ctrl": ctrl[0] if ctrl else None,
+        "lead": lead,
+        "final_acc": analysis.final_mean(acc),
+        "final_free": analysis.final_mean(raw["free"]) if raw["free"] else None,
+    }
+
+
+def print_run(m: dict[str, Any]) -> None:
+    print(f"\n== {m['name']} (lr {m['lr']:g}), wall {m['wall']:.0f} s")
+    print(
+        "25-step true accuracy:  ",
+        " ".join(f"{v:.2f}" for _, v in analysis.buckets(m["steps"], m["acc"])),
+    )
+    if m["free"]:
+        free = analysis.buckets(m["steps"][: len(m["free"])], m["free"])
+        print("25-step format-free acc:", " ".join(f"{v:.2f}" for _, v in free))
+    for state, points in m["states"].items():
+        share = analysis.buckets([s for s, _ in points], [v for _, v in points])
+        label = f"25-step {vocab.state_label(state)}:"
+        print(f"{label:<24}", " ".join(f"{v:.2f}" for _, v in share))
+    first = m["first_ctrl"]
+    print(
+        f"collapsed at: {m['fell']} ({m['why'] if m['fell'] else '-'}); first "
+        f"control-token alert: {first['step'] if first else None} "
+        f"({first['series'] if first else ''}); lead: {m['lead']}; warnings: "
+        f"{len(m['alerts'])}",
+        flush=True,
+    )
 
 
 def f(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def train_all(
+    args: argparse.Namespace, methods: list[str], results: dict[str, list[dict[str, Any]]]
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        save = stack.enter_context(Path(args.save).open("a")) if args.save else None
+        settings = get_settings(data_dir=Path(tmp))
+        engine = make_engine(settings.database_url)
+        upgrade(engine)
+        factory = make_session_factory(engine)
+        for method in methods:
+            for seed in args.seeds:
+                config = config_for(args, method, seed)
+                started = time.perf_counter()
+                run_id = train(config, settings=settings)
+                raw = read_run(factory, run_id) | {
+                    "method": method,
+                    "seed": seed,
+                    "name": config.name,
+                    "lr": config.learning_rate,
+                    "wall": time.perf_counter() - started,
+                }
+                if save is not None:
+                    save.write(json.dumps(raw) + "\n")
+                    save.flush()
+                m = judge(raw)
+                results[method].append(m)
+                print_run(m)
 
 
 def main() -> None:
@@ -157,42 +217,21 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+")
     parser.add_argument("--variant", default="patched", choices=["patched", "leaky"])
+    parser.add_argument("--save", help="append each run's readings to this JSON-lines file")
+    parser.add_argument("--load", help="print the tables from a --save file, training nothing")
     args = parser.parse_args()
     multi = args.turns == "multi"
     args.lr = args.lr or (3e-3 if multi else 1e-3)
     args.steps = args.steps or (200 if multi else 300)
     methods = args.methods or list(MULTI_METHODS if multi else SINGLE_METHODS)
     results: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = get_settings(data_dir=Path(tmp))
-        engine = make_engine(settings.database_url)
-        upgrade(engine)
-        factory = make_session_factory(engine)
-        for method in methods:
-            for seed in args.seeds:
-                config = config_for(args, method, seed)
-                started = time.perf_counter()
-                run_id = train(config, settings=settings)
-                m = measure(factory, run_id) | {"seed": seed, "wall": time.perf_counter() - started}
-                results[method].append(m)
-                buckets = analysis.buckets(m["steps"], m["acc"])
-                print(f"\n== {config.name} (lr {config.learning_rate:g}), wall {m['wall']:.0f} s")
-                print("25-step true accuracy:  ", " ".join(f"{v:.2f}" for _, v in buckets))
-                if m["free"]:
-                    free = analysis.buckets(m["steps"][: len(m["free"])], m["free"])
-                    print("25-step format-free acc:", " ".join(f"{v:.2f}" for _, v in free))
-                for state, shares in m["states"].items():
-                    share = analysis.buckets(m["steps"][: len(shares)], shares)
-                    label = f"25-step {vocab.state_label(state)}:"
-                    print(f"{label:<24}", " ".join(f"{v:.2f}" for _, v in share))
-                first = m["first_ctrl"]
-                print(
-                    f"collapsed at: {m['fell']} ({m['why'] if m['fell'] else '-'}); first "
-                    f"control-token alert: {first['step'] if first else None} "
-                    f"({first['series'] if first else ''}); lead: {m['lead']}; warnings: "
-                    f"{len(m['alerts'])}",
-                    flush=True,
-                )
+    if args.load:
+        for line in Path(args.load).read_text().splitlines():
+            m = judge(json.loads(line))
+            results[m["method"]].append(m)
+            print_run(m)
+    else:
+        train_all(args, methods, results)
     print(
         f"\nRecipe: {args.turns}-turn {args.variant}, {args.steps} steps, lr {args.lr:g}, seeds {args.seeds}"
     )

@@ -15,7 +15,7 @@ from rollout_lens.server import store
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.domain.task import SUPERVISION_MODES, VARIANTS
+from rollout_lens.server.domain.task import EPISODES, SUPERVISION_MODES, TURNS, VARIANTS
 from rollout_lens.server.errors import RolloutLensError
 from rollout_lens.server.serialize import run_dict
 
@@ -50,7 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     train = sub.add_parser("train", help="train and record one GRPO run")
+    train.add_argument(
+        "--turns",
+        choices=TURNS,
+        help="single: one reply naming a tool (default); multi: TRL's tool loop",
+    )
     train.add_argument("--variant", choices=VARIANTS, default=None)
+    train.add_argument("--episodes", choices=EPISODES, help="multi-turn: single, chain or mixed")
+    train.add_argument(
+        "--max-calls", type=int, dest="max_calls", help="multi-turn: tool calls per rollout"
+    )
     train.add_argument("--steps", type=int)
     train.add_argument("--model", help="tiny (default), a local folder, or a hub id")
     train.add_argument("--k", type=int, help="shortlist size of the patched variant")
@@ -119,9 +128,13 @@ def _fail(message: str, *, status: int = 2) -> int:
 
 
 def _validation_text(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}" for err in exc.errors()
-    )
+    """Each error as `field: message`; a rule across fields names them in its message."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        message = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
 
 
 def _migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]

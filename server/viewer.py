@@ -119,6 +119,18 @@ def vote_histogram(votes: Sequence[str | None], target: str | None) -> list[dict
     )
 
 
+def answer_histogram(members: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A tool-calling group's final answers (meta.answer: the last turn's text when it calls no
+    tool) as vote_histogram rows; an answer is marked right when every rollout that gave it
+    scored 1, and None means the rollout ended on a call."""
+    answers = [(r.get("meta") or {}).get("answer") for r in members]
+    rows = vote_histogram(answers, None)
+    for row in rows:
+        scores = [members[i]["true_score"] for i in row["rollouts"]]
+        row["is_target"] = row["vote"] is not None and all((s or 0) >= 1 for s in scores)
+    return rows
+
+
 def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
     texts, exact = token_texts(rollout)
     n = len(texts)
@@ -250,6 +262,9 @@ def group_views(rollouts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "hint": meta.get("hint"),
                 "tool_count": len(meta.get("tool_ids") or []),
                 "votes": vote_histogram(votes, first["target"]),
+                "answers": answer_histogram(members)
+                if any("turns" in (r.get("meta") or {}) for r in members)
+                else [],
                 "agree": agree,
                 "size": len(members),
                 "correct": sum(1 for r in members if (r["true_score"] or 0) >= 1),

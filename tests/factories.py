@@ -209,7 +209,12 @@ def make_tool_rollouts(group_size: int = 2, *, result: str = HOSTILE) -> list[Ro
                 true_score=1.0,
                 advantage=0.0,
                 format_valid=True,
-                meta={"turns": turns, "answer": "42", "query": result},
+                # the last rollout answers with the hostile text, the others with 42
+                meta={
+                    "turns": turns,
+                    "answer": result if index == group_size - 1 else "42",
+                    "query": result,
+                },
                 tokens=list(tokens),
             )
         )

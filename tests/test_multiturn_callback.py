@@ -216,6 +216,10 @@ def test_tool_output_and_arguments_are_escaped(
     assert tool.find(cls="not-trained") is not None
     model = panel.find_all("li", cls="turn-model")
     assert len(model) == 2 and "Σ logprob -0.40" in model[0].text
+    # the group's final answers, hostile text shown as text; every rollout here scored 1
+    answers = page.by_id("answers").find_all("li", cls="vote")
+    assert [a.find(cls="vote-id").text for a in answers] == ["42", HOSTILE]
+    assert all("target" in a.classes for a in answers)
     # the API keeps the turns and the raw 0.0 of tool positions
     data = client.get(f"/api/runs/{run_id}/steps/1").json()
     rollout = data["groups"][0]["rollouts"][0]

@@ -46,6 +46,9 @@ def test_a_multi_turn_config_names_itself() -> None:
     config = RunConfig(**MULTI, variant="leaky", seed=3)
     assert config.name == "multi-turn leaky (64 tools) seed 3"
     assert RunConfig().turns == "single"  # today's runs are unchanged
+    # given no budget, a multi-turn run gets room for calls, results and an answer
+    assert RunConfig(turns="multi").max_completion_tokens == 128
+    assert RunConfig().max_completion_tokens == 8
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from rollout_lens.server.domain.task import (
 
 MAX_STEPS = 100_000
 MIN_MULTI_TURN_TOKENS = 32  # a call, its result and an answer share max_completion_tokens
+MULTI_TURN_TOKENS = 128  # a multi-turn run's budget when none is given
 
 
 class RunConfig(BaseModel):
@@ -52,7 +53,8 @@ class RunConfig(BaseModel):
         8,
         ge=1,
         le=4096,
-        description="Longest completion sampled (multi-turn: all turns and tool results together).",
+        description="Longest completion sampled (multi-turn: all turns and tool results "
+        "together; 128 when not given).",
     )
     episodes: Episodes = Field(
         "mixed",
@@ -145,6 +147,15 @@ class RunConfig(BaseModel):
                 f"({self.group_size}): at least one rollout per group must be the policy's own"
             )
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _multi_turn_budget(cls, data: Any) -> Any:
+        """A multi-turn run given no completion budget gets room for calls, results and an
+        answer (128 tokens) instead of the single reply's 8."""
+        if isinstance(data, dict) and data.get("turns") == "multi":
+            data.setdefault("max_completion_tokens", MULTI_TURN_TOKENS)
+        return data
 
     @model_validator(mode="after")
     def _multi_turn_fits(self) -> RunConfig:

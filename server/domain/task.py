@@ -16,8 +16,10 @@ Variant = Literal["leaky", "patched"]
 # single: one reply naming a tool (`<tool>ID</tool>`); multi: TRL's tool loop (the tools run, their
 # results come back, the model answers from them: trainer.envs.multistep).
 Turns = Literal["single", "multi"]
+TURNS: tuple[Turns, ...] = typing.get_args(Turns)
 # Multi-turn episodes: one call, a two-call chain (a ticket names the second tool), or both.
 Episodes = Literal["single", "chain", "mixed"]
+EPISODES: tuple[Episodes, ...] = typing.get_args(Episodes)
 VARIANTS: tuple[Variant, ...] = typing.get_args(Variant)
 
 # Training rewards: exact match, format (partial credit for any listed id), noisy (exact, flipped
