@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollout_lens.server import analysis, store  # noqa: E402
+from rollout_lens.server import analysis, queries, store  # noqa: E402
 from rollout_lens.server.config import get_settings  # noqa: E402
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
 from rollout_lens.server.domain.presets import PRESETS  # noqa: E402
@@ -104,6 +104,7 @@ def main() -> None:
             run_id = train(config, settings=settings)
             with session_scope(factory) as session:
                 steps = store.steps(session, run_id=run_id)
+                alerts = queries.alerts(session, run_id=run_id)
             numbers = [s.step for s in steps]
             out[config.variant] = {
                 "config": config,
@@ -111,6 +112,7 @@ def main() -> None:
                 "reward": analysis.buckets(numbers, [s.reward_mean for s in steps]),
                 "acc": analysis.buckets(numbers, [s.true_accuracy for s in steps]),
                 "votes": votes(factory, run_id),
+                "alerts": Counter(f"{a['severity']} {a['kind']}" for a in alerts),
             }
     first = next(iter(out.values()))["config"]
     print(
@@ -137,6 +139,8 @@ def main() -> None:
             f"groups split like the seed's (two ids with >= 2 votes) at {len(vote['split'])} "
             f"steps{' e.g. ' + ', '.join(map(str, vote['split'][:5])) if vote['split'] else ''}"
         )
+        alerts = ", ".join(f"{n} x {k}" for k, n in sorted(got["alerts"].items())) or "none"
+        print(f"  alerts: {alerts}")
         if v in SEED:
             print(f"  the seed: {SEED[v]}")
 

@@ -423,7 +423,8 @@ def evaluation(names: set[str]) -> list[dict[str, Any]]:
                 "Evaluation accuracy (greedy)",
                 traces,
                 help="Every E steps: the training queries (in-distribution), the same queries "
-                "asking for another reply format (format-OOD), held-out paraphrases (content-OOD).",
+                "asking for another reply format (format-OOD; single-turn runs), held-out "
+                "paraphrases (content-OOD). A multi-turn run plays each through the tool loop.",
                 y=UNIT_RANGE,
             )
         )

@@ -119,6 +119,12 @@ def vote_histogram(votes: Sequence[str | None], target: str | None) -> list[dict
     )
 
 
+def _row(meta: dict[str, Any]) -> dict[str, Any]:
+    """The dataset row a recorded rollout kept (the callback keeps its small columns)."""
+    row = meta.get("row")
+    return row if isinstance(row, dict) else {}
+
+
 def answer_histogram(members: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """A tool-calling group's final answers (meta.answer: the last turn's text when it calls no
     tool) as vote_histogram rows; an answer is marked right when every rollout that gave it
@@ -256,7 +262,7 @@ def group_views(rollouts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             {
                 "group": group,
                 "prompt": first["prompt"],
-                "query": meta.get("query"),
+                "query": meta.get("query") or _row(meta).get("query"),
                 "target": first["target"],
                 "target_listed": meta.get("target_listed"),
                 "hint": meta.get("hint"),

@@ -21,6 +21,7 @@ from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.migrate import upgrade
 
 from tests.factories import load_run
+from tests.web_support import parse
 
 MULTI = {"turns": "multi", "max_completion_tokens": 128, "eval_every": 0}
 
@@ -125,8 +126,30 @@ def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(
     reward = next(f for f in figs["main"] if f["id"] == "reward")
     assert vocab.FORMAT_FREE_ACCURACY in {t["meta"].get("series") for t in reward["data"]}
     app = create_app(settings, session_factory=make_session_factory(engine))
-    page = TestClient(app, base_url="http://127.0.0.1").get(f"/runs/{run_id}")
+    client = TestClient(app, base_url="http://127.0.0.1")
+    page = client.get(f"/runs/{run_id}")
     assert page.status_code == 200 and 'id="charts-tools"' in page.text
+    # the step viewer: the group's query, its votes (first tools called) and final answers
+    step = parse(client.get(f"/runs/{run_id}/steps/1").text)
+    group = [r for r in rows if r["step"] == 1 and r["group"] == 0]
+    assert (
+        step.find(cls="group-card").find("p", cls="query").text == group[0]["meta"]["row"]["query"]
+    )
+    shown = {
+        (a.find(cls="vote-id").text, int(a.find(cls="vote-count").text), "target" in a.classes)
+        for a in step.by_id("answers").find_all("li", cls="vote")
+    }
+    given = [r["meta"]["answer"] for r in group]
+    assert {(text or "no answer (ended on a call)", n) for text, n, _ in shown} == {
+        (a or "no answer (ended on a call)", given.count(a)) for a in set(given)
+    }
+    for text, _, right in shown:
+        scores = [
+            r["true_score"]
+            for r in group
+            if (r["meta"]["answer"] or "no answer (ended on a call)") == text
+        ]
+        assert right == (text != "no answer (ended on a call)" and all(s == 1.0 for s in scores))
     assert config.max_calls == ms.DEFAULT_MAX_CALLS
     engine.dispose()
 
@@ -159,24 +182,25 @@ def test_turn_state_table(text: str, calls: int, state: str) -> None:
 def test_turn_probes_read_each_model_turn_and_the_turn_after_a_result() -> None:
     from rollout_lens.trainer.positional import turn_probes
 
-    # model: <tool_call> x </tool_call> EOT | tool: r r | model: <answer> EOT
-    tokens = [OPEN, "x", CLOSE, EOT, "r", "r", "<answer>", EOT]
+    # model: <tool_call> {"name": x} </tool_call> EOT | tool: r r | model: <answer> EOT
+    tokens = [OPEN, '{"name": ', "x", "}", CLOSE, EOT, "r", "r", "<answer>", EOT]
     probs = {
-        OPEN: [0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0],
-        CLOSE: [0.0, 0.0, 0.8, 0.1, 0.0, 0.0, 0.0, 0.0],
-        EOT: [0.0, 0.3, 0.0, 0.7, 0.0, 0.0, 0.4, 0.9],
+        OPEN: [0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0],
+        CLOSE: [0.0, 0.05, 0.0, 0.0, 0.8, 0.1, 0.0, 0.0, 0.0, 0.0],
+        EOT: [0.0, 0.3, 0.0, 0.0, 0.15, 0.7, 0.0, 0.0, 0.4, 0.9],
     }
     turns = [
-        {"role": "model", "start": 0, "end": 4, "calls": [{"name": "x"}]},
-        {"role": "tool", "start": 4, "end": 6, "calls": []},
-        {"role": "model", "start": 6, "end": 8, "calls": []},
+        {"role": "model", "start": 0, "end": 6, "calls": [{"name": "x"}]},
+        {"role": "tool", "start": 6, "end": 8, "calls": []},
+        {"role": "model", "start": 8, "end": 10, "calls": []},
     ]
     got = turn_probes(tokens, probs, turns, open_tag=OPEN, close_tag=CLOSE, eot=EOT)
     assert got["open_first"] == 0.9  # the first turn only
-    assert got["eot_after_open"] == 0.3  # position 1, after the opening tag
+    assert got["eot_after_open"] == 0.3 and got["close_after_open"] == 0.05  # position 1
+    # "after the id": where the call closed, its JSON being several tokens
+    assert got["close_after_id"] == 0.8 and got["eot_after_id"] == 0.15
     assert got["eot_after_close"] == 0.7 and got["close_after_close"] == 0.1
     assert got["open_after_result"] == 0.2 and got["eot_after_result"] == 0.4
-    assert got["close_after_id"] == 0.8  # the tiny template's call is one token here
 
 
 @pytest.mark.parametrize(

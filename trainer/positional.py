@@ -59,9 +59,10 @@ def turn_probes(
     eot: str,
 ) -> dict[str, float | None]:
     """The positional probes of a tool-calling rollout, read turn by turn: each model turn's
-    control_probes (the opening tag first only in the first turn), averaged over the turns where
-    the position exists, and at the first position of each model turn after a tool result the
-    opening tag (another call) and end-of-turn (ending without an answer)."""
+    control_probes (the opening tag first only in the first turn; "after the id" at the
+    position where the call closed, its content being many tokens), averaged over the turns
+    where the position exists, and at the first position of each model turn after a tool result
+    the opening tag (another call) and end-of-turn (ending without an answer)."""
     found: dict[str, list[float]] = {}
     after_result = False
     for k, turn in enumerate(turns):
@@ -70,7 +71,18 @@ def turn_probes(
             continue
         a, b = int(turn["start"]), int(turn["end"])
         part = {t: p[a:b] for t, p in probs.items()}
-        one = control_probes(tokens[a:b], part, open_tag=open_tag, close_tag=close_tag, eot=eot)
+        turn = tokens[a:b]
+        one = control_probes(turn, part, open_tag=open_tag, close_tag=close_tag, eot=eot)
+        # A call's content is many tokens (its JSON), not one id: "after the id" is where the
+        # call closed, which is where the closing tag belongs (and end-of-turn does not).
+        opened = turn.index(open_tag) if open_tag in turn else None
+        closed = (
+            turn.index(close_tag, opened)
+            if opened is not None and close_tag in turn[opened:]
+            else None
+        )
+        one["close_after_id"] = _at(part.get(close_tag), closed)
+        one["eot_after_id"] = _at(part.get(eot), closed)
         if k:
             one["open_first"] = None
         if after_result and b > a:
@@ -86,7 +98,13 @@ def turn_probes(
 
 
 def _first(values: Sequence[float] | None) -> float | None:
-    return float(values[0]) if values else None
+    return _at(values, 0)
+
+
+def _at(values: Sequence[float] | None, position: int | None) -> float | None:
+    if values is None or position is None or not 0 <= position < len(values):
+        return None
+    return float(values[position])
 
 
 def id_probes(
@@ -121,15 +139,18 @@ def percentile(values: Sequence[float], q: float) -> float:
 def aggregate(
     rows: Sequence[Mapping[str, float | None]], rewarded: Sequence[bool], supervised: Sequence[bool]
 ) -> dict[str, float | None]:
-    """Per-step mean, p90 and max of each probe, and its mean split by reward and by origin."""
+    """Per-step mean, p90 and max of each probe some rollout measured, and its mean split by
+    reward and by origin."""
     out: dict[str, float | None] = {}
     names = [*PROBES, *ID_PROBES]
     for name in names:
         values = [(r.get(name), w, s) for r, w, s in zip(rows, rewarded, supervised, strict=True)]
         present = [v for v, _, _ in values if v is not None]
-        out[vocab.probe(name, "mean")] = sum(present) / len(present) if present else None
-        out[vocab.probe(name, "p90")] = percentile(present, 0.9) if present else None
-        out[vocab.probe(name, "max")] = max(present) if present else None
+        if not present:
+            continue  # not measured at this step (or by this kind of run): no series point
+        out[vocab.probe(name, "mean")] = sum(present) / len(present)
+        out[vocab.probe(name, "p90")] = percentile(present, 0.9)
+        out[vocab.probe(name, "max")] = max(present)
         for label, keep in zip(
             vocab.PROBE_SPLITS,
             (lambda w, s: w, lambda w, s: not w, lambda w, s: s, lambda w, s: not s),
