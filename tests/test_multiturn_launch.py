@@ -261,7 +261,7 @@ def test_the_expert_conversation_trains_on_the_models_turns_only(
     assert spans == [render_call(ep.needed[0]), render_call(ep.needed[1]), render_answer(ep.answer)]
     assert f"result: {ep.answer}" in tokenizer.decode(ids)  # the real result, not trained
     # a row recorded with a rollout rebuilds its episode
-    assert mts.episode_from_row(ep.row()) == ep
+    assert ms.Episode.from_row(ep.row()) == ep
 
 
 @pytest.mark.slow

@@ -71,20 +71,6 @@ def expert_sequence(
     return ids, labels
 
 
-def episode_from_row(row: dict[str, Any]) -> ms.Episode:
-    """The episode a dataset row (or a recorded rollout's row) describes."""
-    return ms.Episode(
-        episode=int(row["episode"]),
-        kind=str(row["kind"]),
-        query=str(row["query"]),
-        sub_query=str(row["sub_query"]),
-        needed=tuple(row["needed"]),
-        answer=str(row["answer"]),
-        tool_ids=tuple(row["tool_ids"]),
-        variant=str(row["variant"]),
-    )
-
-
 def sft_rows(env: ms.MultiStepEnv) -> list[dict[str, Any]]:
     """SFT-then-RL's data: one episode per training query and kind the env draws."""
     kinds = ms.KINDS if env.mode == "mixed" else (env.mode,)
@@ -98,7 +84,7 @@ def row_encoder(
     tokenizer: PreTrainedTokenizerBase, env: ms.MultiStepEnv
 ) -> Callable[[dict[str, Any]], tuple[list[int], list[int]]]:
     """SFTPhases' `encode` for multi-turn rows."""
-    return lambda row: expert_sequence(tokenizer, env, episode_from_row(row))
+    return lambda row: expert_sequence(tokenizer, env, ms.Episode.from_row(row))
 
 
 def eval_episodes(env: ms.MultiStepEnv) -> dict[str, list[ms.Episode]]:

@@ -71,14 +71,14 @@ def turn_probes(
             continue
         a, b = int(turn["start"]), int(turn["end"])
         part = {t: p[a:b] for t, p in probs.items()}
-        turn = tokens[a:b]
-        one = control_probes(turn, part, open_tag=open_tag, close_tag=close_tag, eot=eot)
+        said = list(tokens[a:b])
+        one = control_probes(said, part, open_tag=open_tag, close_tag=close_tag, eot=eot)
         # A call's content is many tokens (its JSON), not one id: "after the id" is where the
         # call closed, which is where the closing tag belongs (and end-of-turn does not).
-        opened = turn.index(open_tag) if open_tag in turn else None
+        opened = said.index(open_tag) if open_tag in said else None
         closed = (
-            turn.index(close_tag, opened)
-            if opened is not None and close_tag in turn[opened:]
+            said.index(close_tag, opened)
+            if opened is not None and close_tag in said[opened:]
             else None
         )
         one["close_after_id"] = _at(part.get(close_tag), closed)

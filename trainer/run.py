@@ -28,7 +28,7 @@ from rollout_lens.trainer.modelref import check_model
 from rollout_lens.trainer.monitor import CheckpointRecorder, RunMonitor
 from rollout_lens.trainer.multiturn_model import ensure_multiturn_model
 from rollout_lens.trainer.retry import DatabaseAway, mark_finished
-from rollout_lens.trainer.supervision import SFTPhases, SupervisedGRPOTrainer
+from rollout_lens.trainer.supervision import MetricSink, SFTPhases, SupervisedGRPOTrainer
 from rollout_lens.trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
 from rollout_lens.trainer.tiny_model import ensure_tiny_model
 from rollout_lens.trainer.writer import StepWriter
@@ -206,13 +206,10 @@ def make_multiturn_trainer(
     env = multiturn.make_env(multiturn.config_from_run(config))
     if config.supervision in SFT_MODES:
         trainer.add_callback(
-            SFTPhases(
+            _sft_phases(
                 trainer,
                 callback,
-                mode=config.supervision,
-                every=config.sft_every,
-                steps=config.sft_steps,
-                learning_rate=config.sft_learning_rate,
+                config,
                 all_examples=lambda: mts.sft_rows(env),
                 encode=mts.row_encoder(tokenizer, env),
                 failures=callback.failures,
@@ -231,18 +228,29 @@ def make_multiturn_trainer(
     return trainer
 
 
+def _sft_phases(trainer: Any, sink: MetricSink, config: RunConfig, **examples: Any) -> SFTPhases:
+    """The config's SFT phases (sft_then_rl or interleaved_sft) on `examples` (SFTPhases'
+    all_examples with expert_reply, or with encode and failures)."""
+    return SFTPhases(
+        trainer,
+        sink,
+        mode=config.supervision,
+        every=config.sft_every,
+        steps=config.sft_steps,
+        learning_rate=config.sft_learning_rate,
+        **examples,
+    )
+
+
 def _add_phases(trainer: RecordingGRPOTrainer, recorder: Recorder, config: RunConfig) -> None:
     """SFT phases and periodic evaluation, as the config asks."""
     env = task.make_env(config)
     if config.supervision in SFT_MODES:
         trainer.add_callback(
-            SFTPhases(
+            _sft_phases(
                 trainer,
                 recorder,
-                mode=config.supervision,
-                every=config.sft_every,
-                steps=config.sft_steps,
-                learning_rate=config.sft_learning_rate,
+                config,
                 all_examples=lambda: task.sft_examples(env),
                 expert_reply=task.expert_reply,
             )

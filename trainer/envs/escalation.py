@@ -6,6 +6,7 @@ import random
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rollout_lens.server.domain.task import TOOL_COUNT, VARIANTS
 from rollout_lens.server.domain.task import VERIFIERS as VERIFIER_NAMES
@@ -343,19 +344,26 @@ def _noisy(*, p: float, seed: int) -> Verifier:
     return verify
 
 
+def missing(
+    verify: Callable[..., float], *, p: float, seed: int, name: str
+) -> Callable[..., float]:
+    """`verify`, missing a reply it gives full credit with probability `p` (scored 0.0 then),
+    from a random stream of its own so it does not shift the env's draws."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name} verifier needs 0 <= p <= 1, got {p!r}")
+    rng = random.Random(seed)
+
+    def fallible(*args: Any) -> float:
+        score = verify(*args)
+        return 0.0 if score == 1.0 and rng.random() < p else score
+
+    return fallible
+
+
 def _judge(*, p: float, seed: int) -> Verifier:
     """A verifier like a cheap LLM judge: fooled by a plausible reply (any listed id earns the
     format verifier's partial credit) and missing a right one with probability `p`."""
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"judge verifier needs 0 <= p <= 1, got {p!r}")
-    rng = random.Random(seed)
-    lenient = _format(p=p, seed=seed)
-
-    def verify(completion: str, example: Example) -> float:
-        score = lenient(completion, example)
-        return 0.0 if score == 1.0 and rng.random() < p else score
-
-    return verify
+    return missing(_format(p=p, seed=seed), p=p, seed=seed, name="judge")
 
 
 VERIFIERS: dict[str, Callable[..., Verifier]] = {

@@ -41,7 +41,12 @@ from typing import Any
 
 from rollout_lens.server.domain.task import TOOL_COUNT, VARIANTS
 from rollout_lens.server.domain.task import VERIFIERS as VERIFIER_NAMES
-from rollout_lens.trainer.envs.escalation import CAPABILITIES, FORMAT_PARTIAL_CREDIT, EscalationEnv
+from rollout_lens.trainer.envs.escalation import (
+    CAPABILITIES,
+    FORMAT_PARTIAL_CREDIT,
+    EscalationEnv,
+    missing,
+)
 from rollout_lens.trainer.envs.escalation import tokens as words
 
 KINDS = ("single", "chain")
@@ -464,16 +469,7 @@ def _noisy(*, p: float, seed: int) -> Verifier:
 def _judge(*, p: float, seed: int) -> Verifier:
     """Like a cheap LLM judge: fooled by an answer grounded in any tool's result (the format
     verifier's partial credit) and missing a right answer with probability `p`."""
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"judge verifier needs 0 <= p <= 1, got {p!r}")
-    rng = random.Random(seed)
-    lenient = _format(p=p, seed=seed)
-
-    def verify(facts: RolloutFacts, answer: str) -> float:
-        score = lenient(facts, answer)
-        return 0.0 if score == 1.0 and rng.random() < p else score
-
-    return verify
+    return missing(_format(p=p, seed=seed), p=p, seed=seed, name="judge")
 
 
 VERIFIERS: dict[str, Callable[..., Verifier]] = {
