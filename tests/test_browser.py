@@ -377,6 +377,31 @@ def test_launch_form_keeps_values_and_shows_errors_in_place(tab: Tab, served: Se
     tab.errors[:] = [e for e in tab.errors if "status of 422" not in e]
 
 
+def test_launch_form_switches_the_budget_with_the_turns(tab: Tab, served: Served) -> None:
+    """Choosing multi-turn swaps the single reply's 8 tokens for 128 and brings the multi-turn
+    fields forward; a budget the user typed stays; a multi-turn preset fills the form."""
+    page = tab.page
+    page.goto("/runs/new")
+    page.wait_for_load_state("load")
+    tokens, episodes = page.locator("#f-max_completion_tokens"), page.locator("#f-episodes")
+    assert tokens.input_value() == "8"
+    playwright.expect(episodes.locator("..")).to_have_class(re.compile(r"\birrelevant\b"))
+    page.locator("#f-turns").select_option("multi")
+    assert tokens.input_value() == "128"
+    playwright.expect(episodes.locator("..")).not_to_have_class(re.compile(r"\birrelevant\b"))
+    page.locator("#f-turns").select_option("single")
+    assert tokens.input_value() == "8"
+    tokens.fill("64")
+    page.locator("#f-turns").select_option("multi")
+    assert tokens.input_value() == "64"  # typed by the user: kept
+    page.goto("/runs/new?preset=multi_leaky_vs_patched")
+    page.wait_for_load_state("load")
+    assert page.locator("#f-turns").input_value() == "multi"
+    assert tokens.input_value() == "128"
+    assert page.locator("#f-verifier").input_value() == "judge"
+    _shot(page, "launch-form-multi-turn")
+
+
 def test_runs_page_pages_and_follows_the_runs_it_shows(tab: Tab, served: Served) -> None:
     """Pages of two runs: Next and Previous keep the page size, a training run on page 2 is
     followed live, a new run is announced, and Enter searches every run."""

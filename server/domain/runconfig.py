@@ -70,9 +70,17 @@ class RunConfig(BaseModel):
     )
     kl_coef: float = Field(0.0, ge=0, le=10.0, description="KL penalty coefficient (TRL's beta).")
     num_iterations: int = Field(1, ge=1, le=16, description="Updates per generation (GRPO's μ).")
-    verifier: str = Field("exact", description="Training reward: " + ", ".join(VERIFIERS) + ".")
+    verifier: str = Field(
+        "exact",
+        description="Training reward: exact (match with the target), format (partial credit "
+        "for any listed id), noisy (exact, flipped at random), judge (format's partial credit, "
+        "and a right reply missed at random).",
+    )
     verifier_noise: float = Field(
-        0.1, ge=0, le=1, description="Flip probability of the noisy verifier."
+        0.1,
+        ge=0,
+        le=1,
+        description="noisy: the probability of flipping a reward; judge: of missing a right reply.",
     )
     seed: int = Field(
         0, ge=0, le=2**31 - 1, description="Seeds the env, the data order and the model."
@@ -80,7 +88,8 @@ class RunConfig(BaseModel):
     supervision: Supervision = Field(
         "none",
         description="Supervisory signal: expert rollouts in the group (offpolicy), hinted rollouts "
-        "(hint), erroneous-example SFT between RL phases (interleaved_sft), or SFT before RL.",
+        "(hint), erroneous-example SFT between RL phases (interleaved_sft), or SFT before RL. "
+        "Multi-turn runs take the two SFT signals.",
     )
     supervised_per_group: int = Field(
         1,
