@@ -75,7 +75,7 @@ BAD_COMBINATIONS = [
     ),
     ({"steps": "many"}, "steps", "valid integer"),
     (
-        {"turns": "multi", "eval_every": 0},
+        {"turns": "multi", "max_completion_tokens": 16},
         "max_completion_tokens",
         "at least 32 for a multi-turn run",
     ),
