@@ -17,16 +17,9 @@ through its own tool path with nothing model-specific in the calling code.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import random
-import shutil
-import tempfile
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from importlib import metadata
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +87,7 @@ _SPLIT_PATTERN = (
     r'\n- |\{"name": "|", "arguments": |\{\}\}|tool_\d{2}|\d+'
     r"| ?(?!tool_\d)[^\W_\d][^\W_]*|[^\w\s]|\s"
 )
-_PAD, _UNK, _BOS, _EOS = "<pad>", "<unk>", "<bos>", "</assistant>"
+_EOS = tiny_model._EOS  # end of turn, as in the single-turn model
 # Turn markers and tags: single tokens, not special (a stray one stays visible in decoded text).
 _TAG_TOKENS = (
     "<user>",
@@ -127,18 +120,10 @@ class Recipe(tiny_model.Recipe):
 RECIPE = Recipe()
 
 
-def _recipe_hash(recipe: Recipe) -> str:
-    digest = hashlib.sha256(json.dumps(asdict(recipe), sort_keys=True).encode())
-    # This module, the envs whose text it learns, and the single-turn builder it borrows from.
-    for path in (Path(__file__), Path(ms.__file__), Path(esc.__file__), Path(tiny_model.__file__)):
-        digest.update(path.read_bytes())
-    for package in ("torch", "transformers", "tokenizers"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            digest.update(f"{package}=={metadata.version(package)}".encode())
-    return digest.hexdigest()[:12]
-
-
-RECIPE_HASH = _recipe_hash(RECIPE)
+# This module, the envs whose text it learns, and the single-turn builder it borrows from.
+RECIPE_HASH = tiny_model.recipe_hash(
+    RECIPE, (Path(__file__), Path(ms.__file__), Path(esc.__file__), Path(tiny_model.__file__))
+)
 
 
 def model_dir(cache_dir: Path) -> Path:
@@ -148,65 +133,26 @@ def model_dir(cache_dir: Path) -> Path:
 
 def ensure_multiturn_model(cache_dir: Path, *, log: Callable[[str], None] = print) -> Path:
     """The built model's directory, building it first if it is missing (once across processes)."""
-    final = model_dir(cache_dir)
-    if (final / BUILD_STATS_FILE).is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tiny_model._build_lock(final.parent / f".{final.name}.lock"):
-        if (final / BUILD_STATS_FILE).is_file():
-            return final
-        for stale in final.parent.glob(f".{final.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-        try:
-            build_multiturn_model(staging, log=log)
-            try:
-                staging.rename(final)
-            except OSError:
-                if not (final / BUILD_STATS_FILE).is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return tiny_model.ensure_built(
+        model_dir(cache_dir), lambda out: build_multiturn_model(out, log=log)
+    )
 
 
 def build_multiturn_model(out_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train tokenizer and warm-up into `out_dir`; return the build stats."""
-    import torch
-
-    started = time.perf_counter()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same weights whatever the core count (see tiny_model)
-    try:
-        torch.manual_seed(RECIPE.seed)
-        tokenizer = build_tokenizer()
-        model = _new_model(tokenizer, RECIPE)
-        params = sum(p.numel() for p in model.parameters())
-        log(f"multi-turn model: vocab {len(tokenizer)}, {params:,} parameters")
-        stats = _warm_up(model, tokenizer, RECIPE, log)
-        model.eval()
-        for variant in esc.VARIANTS:
-            measured = evaluate_format(model, tokenizer, variant=variant, n=RECIPE.eval_prompts)
-            log(
-                f"multi-turn model on {variant}: "
-                + ", ".join(f"{k} {v:.3f}" for k, v in measured.items())
-            )
-            stats[variant] = measured
-    finally:
-        torch.set_num_threads(threads)
-    stats |= {
-        "recipe": asdict(RECIPE),
-        "recipe_hash": RECIPE_HASH,
-        "params": params,
-        "vocab_size": len(tokenizer),
-    }
-    out_dir = Path(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    model.save_pretrained(out_dir)
-    stats["seconds"] = round(time.perf_counter() - started, 1)
-    (out_dir / BUILD_STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
-    log(f"multi-turn model built in {stats['seconds']}s at {out_dir}")
-    return stats
+    return tiny_model.build_model(
+        out_dir,
+        "multi-turn model",
+        RECIPE,
+        RECIPE_HASH,
+        tokenizer=build_tokenizer,
+        new_model=_new_model,
+        warm_up=_warm_up,
+        evaluate=lambda model, tokenizer, variant: evaluate_format(
+            model, tokenizer, variant=variant, n=RECIPE.eval_prompts
+        ),
+        log=log,
+    )
 
 
 def _new_model(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> PreTrainedModel:
@@ -241,34 +187,9 @@ def render_observation(text: str) -> str:
 
 def build_tokenizer() -> PreTrainedTokenizerBase:
     """A BPE tokenizer that keeps every word, id, value and tag of the env whole."""
-    import string
-
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE(unk_token=_UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    trainer = trainers.BpeTrainer(
-        vocab_size=100_000,
-        min_frequency=1,
-        special_tokens=[_PAD, _UNK, _BOS, _EOS],
-        initial_alphabet=sorted(set(string.printable) - set("\r\x0b\x0c")),
-        show_progress=False,
-    )
     texts = [t for seed in _TOKENIZER_SEEDS for t in ms.corpus(ms.MultiStepEnv(seed=seed))]
     texts += [render_call(f"tool_{i:02d}") for i in range(esc.TOOL_COUNT)]
-    backend.train_from_iterator(texts, trainer)
-    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in _TAG_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=_BOS,
-        eos_token=_EOS,
-        pad_token=_PAD,
-        unk_token=_UNK,
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-    )
+    tokenizer = tiny_model.train_tokenizer(texts, _SPLIT_PATTERN, _TAG_TOKENS, CHAT_TEMPLATE)
     tokenizer.response_template = RESPONSE_TEMPLATE
     return tokenizer
 
@@ -374,7 +295,7 @@ def _warm_up(
         optimizer, lambda s: tiny_model._lr_factor(s, recipe)
     )
     model.train()
-    started, listed_mass = time.perf_counter(), 0.0
+    progress = tiny_model.WarmUp(recipe, log)
     for step in range(1, recipe.steps + 1):
         n_tools = tiny_model._listing_size(rng, step, recipe)
         # Sized on the prompt as in tiny_model (a conversation adds ~30-90 tokens per row): fewer,
@@ -422,25 +343,10 @@ def _warm_up(
         hard_loss = -logp_hard.gather(1, hard_tok[:, None]).sum()
         soft_loss = -(logp_soft * soft_target).sum()
         loss = (hard_loss + soft_loss) / len(rows)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             mass = (logp_soft.exp() * (soft_target > 0)).sum(-1).mean().item()
-        listed_mass = mass if step == 1 else 0.95 * listed_mass + 0.05 * mass
-        if step % 100 == 0 or step == recipe.steps:
-            log(
-                f"warm-up step {step}/{recipe.steps}: loss {loss.item():.3f}, "
-                f"mass on listed ids {listed_mass:.2f}, {time.perf_counter() - started:.0f}s"
-            )
-    return {
-        "warmup_steps": recipe.steps,
-        "warmup_seconds": round(time.perf_counter() - started, 1),
-        "warmup_final_loss": round(loss.item(), 4),
-        "warmup_listed_mass": round(listed_mass, 4),
-    }
+        progress.step(step, loss, mass, model, optimizer, schedule)
+    return progress.stats()
 
 
 # -- sampling conversations without TRL (evaluation) --------------------------------------------------

@@ -10,7 +10,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -84,10 +84,11 @@ class Recipe:
 RECIPE = Recipe()
 
 
-def _recipe_hash(recipe: Recipe) -> str:
+def recipe_hash(recipe: Recipe, sources: Sequence[Path]) -> str:
+    """Names a build: the recipe, the source files whose code and text it learns from, and the
+    libraries that save it."""
     digest = hashlib.sha256(json.dumps(asdict(recipe), sort_keys=True).encode())
-    # The code and the env's text are part of the recipe too; so are the libraries that save it.
-    for path in (Path(__file__), Path(esc.__file__)):
+    for path in sources:
         digest.update(path.read_bytes())
     for package in ("torch", "transformers", "tokenizers"):
         with contextlib.suppress(metadata.PackageNotFoundError):
@@ -95,7 +96,7 @@ def _recipe_hash(recipe: Recipe) -> str:
     return digest.hexdigest()[:12]
 
 
-RECIPE_HASH = _recipe_hash(RECIPE)
+RECIPE_HASH = recipe_hash(RECIPE, (Path(__file__), Path(esc.__file__)))
 
 
 def tiny_model_dir(cache_dir: Path) -> Path:
@@ -105,7 +106,13 @@ def tiny_model_dir(cache_dir: Path) -> Path:
 
 def ensure_tiny_model(cache_dir: Path, *, log: Callable[[str], None] = print) -> Path:
     """The built model's directory, building it first if it is missing."""
-    final = tiny_model_dir(cache_dir)
+    return ensure_built(tiny_model_dir(cache_dir), lambda out: build_tiny_model(out, log=log))
+
+
+def ensure_built(final: Path, build: Callable[[Path], Any]) -> Path:
+    """`final`, built by `build(staging folder)` first if it is missing: once across processes
+    (a file lock), into a staging folder renamed into place, so a killed build leaves nothing
+    that looks built."""
     if (final / BUILD_STATS_FILE).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +123,7 @@ def ensure_tiny_model(cache_dir: Path, *, log: Callable[[str], None] = print) ->
             shutil.rmtree(stale, ignore_errors=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
         try:
-            build_tiny_model(staging, log=log)
+            build(staging)
             try:
                 staging.rename(final)
             except OSError:
@@ -142,6 +149,40 @@ def _build_lock(path: Path) -> Iterator[None]:
 
 def build_tiny_model(out_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train tokenizer and warm-up into `out_dir`; return the build stats."""
+    return build_model(
+        out_dir,
+        "tiny model",
+        RECIPE,
+        RECIPE_HASH,
+        tokenizer=build_tokenizer,
+        new_model=_new_model,
+        warm_up=_warm_up,
+        evaluate=lambda model, tokenizer, variant: evaluate_replies(
+            model, tokenizer, variant=variant, n=RECIPE.eval_prompts
+        ),
+        headline=lambda stats: {
+            "listed_id_rate": stats["patched"]["listed"],
+            "accuracy": stats["patched"]["accuracy"],
+        },
+        log=log,
+    )
+
+
+def build_model(
+    out_dir: Path,
+    label: str,
+    recipe: Recipe,
+    built_hash: str,
+    *,
+    tokenizer: Callable[[], PreTrainedTokenizerBase],
+    new_model: Callable[[PreTrainedTokenizerBase, Any], PreTrainedModel],
+    warm_up: Callable[..., dict[str, Any]],
+    evaluate: Callable[[PreTrainedModel, PreTrainedTokenizerBase, str], dict[str, float]],
+    headline: Callable[[dict[str, Any]], dict[str, Any]] = lambda stats: {},
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Build a tiny model into `out_dir`: the tokenizer, the model, its warm-up, its evaluation
+    on both variants (in the stats), then save_built."""
     import torch
 
     started = time.perf_counter()
@@ -150,46 +191,68 @@ def build_tiny_model(out_dir: Path, *, log: Callable[[str], None] = print) -> di
     # share the cores (two spinning OpenMP pools on two cores ran 4.5x slower than one thread).
     torch.set_num_threads(1)
     try:
-        torch.manual_seed(RECIPE.seed)
-        tokenizer = build_tokenizer()
-        model = _new_model(tokenizer, RECIPE)
+        torch.manual_seed(recipe.seed)
+        built_tokenizer = tokenizer()
+        model = new_model(built_tokenizer, recipe)
         params = sum(p.numel() for p in model.parameters())
-        log(f"tiny model: vocab {len(tokenizer)}, {params:,} parameters")
-        stats = _warm_up(model, tokenizer, RECIPE, log)
+        log(f"{label}: vocab {len(built_tokenizer)}, {params:,} parameters")
+        stats = warm_up(model, built_tokenizer, recipe, log)
         model.eval()
         for variant in esc.VARIANTS:
-            measured = evaluate_replies(model, tokenizer, variant=variant, n=RECIPE.eval_prompts)
+            measured = evaluate(model, built_tokenizer, variant)
             summary = ", ".join(f"{k} {v:.3f}" for k, v in measured.items())
-            log(f"tiny model on {variant} prompts: {summary}")
+            log(f"{label} on {variant} prompts: {summary}")
             stats[variant] = measured
     finally:
         torch.set_num_threads(threads)
-    stats |= {
-        "recipe": asdict(RECIPE),
-        "recipe_hash": RECIPE_HASH,
-        "params": params,
+    stats |= headline(stats)
+    return save_built(out_dir, built_tokenizer, model, stats, recipe, built_hash, started, log)
+
+
+def save_built(
+    out_dir: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    model: PreTrainedModel,
+    stats: dict[str, Any],
+    recipe: Recipe,
+    built_hash: str,
+    started: float,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Save a built model and tokenizer with their build stats (what makes the folder built)."""
+    stats = stats | {
+        "recipe": asdict(recipe),
+        "recipe_hash": built_hash,
+        "params": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
-        "listed_id_rate": stats["patched"]["listed"],
-        "accuracy": stats["patched"]["accuracy"],
     }
     out_dir = Path(out_dir)
     tokenizer.save_pretrained(out_dir)
     model.save_pretrained(out_dir)
     stats["seconds"] = round(time.perf_counter() - started, 1)
     (out_dir / BUILD_STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
-    log(f"tiny model built in {stats['seconds']}s at {out_dir}")
+    log(f"model built in {stats['seconds']}s at {out_dir}")
     return stats
 
 
 def build_tokenizer() -> PreTrainedTokenizerBase:
     """A BPE tokenizer that keeps every word of the env's text whole and decodes it exactly."""
+    texts = [text for seed in _TOKENIZER_SEEDS for text in esc.corpus(esc.EscalationEnv(seed=seed))]
+    return train_tokenizer(texts, _SPLIT_PATTERN, _TURN_TOKENS, CHAT_TEMPLATE)
+
+
+def train_tokenizer(
+    texts: Sequence[str], split_pattern: str, added: Sequence[str], chat_template: str
+) -> PreTrainedTokenizerBase:
+    """A BPE tokenizer trained on `texts`, split by `split_pattern`, with the tokens `added`
+    whole (the chat template's tags) and `chat_template`."""
     import string
 
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE(unk_token=_UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(split_pattern), behavior="isolated")
     backend.decoder = decoders.Fuse()
     # The vocabulary is large enough that every piece of the corpus merges into one token; the
     # printable alphabet lets unseen words fall back to characters instead of <unk>.
@@ -200,16 +263,15 @@ def build_tokenizer() -> PreTrainedTokenizerBase:
         initial_alphabet=sorted(set(string.printable) - set("\r\x0b\x0c")),
         show_progress=False,
     )
-    texts = [text for seed in _TOKENIZER_SEEDS for text in esc.corpus(esc.EscalationEnv(seed=seed))]
     backend.train_from_iterator(texts, trainer)
-    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in _TURN_TOKENS])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in added])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=_BOS,
         eos_token=_EOS,
         pad_token=_PAD,
         unk_token=_UNK,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,  # would eat the spaces before punctuation
     )
 
@@ -286,7 +348,7 @@ def _warm_up(
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, recipe))
     model.train()
-    started, listed_mass = time.perf_counter(), 0.0
+    progress = WarmUp(recipe, log)
     for step in range(1, recipe.steps + 1):
         n_tools = _listing_size(rng, step, recipe)
         batch = max(1, recipe.tokens_per_step // (40 + 9 * n_tools))
@@ -317,25 +379,47 @@ def _warm_up(
         # pick, with far less variance than one sampled id.
         soft = -(logp[:, 1] * listed).sum(-1)
         loss = (hard + soft).mean()
+        with torch.no_grad():
+            mass = (logp[:, 1].exp() * (listed > 0)).sum(-1).mean().item()
+        progress.step(step, loss, mass, model, optimizer, schedule)
+    return progress.stats()
+
+
+class WarmUp:
+    """A warm-up's optimizer step, running mass on the listed ids, log lines and stats."""
+
+    def __init__(self, recipe: Recipe, log: Callable[[str], None]) -> None:
+        self.recipe, self.log = recipe, log
+        self.started, self.listed_mass, self.loss = time.perf_counter(), 0.0, math.nan
+
+    def step(
+        self, step: int, loss: Any, mass: float, model: Any, optimizer: Any, schedule: Any
+    ) -> None:
+        """Back-propagate `loss`, clip, step the optimizer and schedule; note `mass` (the
+        probability the id positions put on the listed ids)."""
+        import torch
+
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            mass = (logp[:, 1].exp() * (listed > 0)).sum(-1).mean().item()
-        listed_mass = mass if step == 1 else 0.95 * listed_mass + 0.05 * mass
-        if step % 100 == 0 or step == recipe.steps:
-            log(
-                f"warm-up step {step}/{recipe.steps}: loss {loss.item():.3f}, "
-                f"mass on listed ids {listed_mass:.2f}, {time.perf_counter() - started:.0f}s"
+        self.loss = loss.item()
+        self.listed_mass = mass if step == 1 else 0.95 * self.listed_mass + 0.05 * mass
+        if step % 100 == 0 or step == self.recipe.steps:
+            self.log(
+                f"warm-up step {step}/{self.recipe.steps}: loss {self.loss:.3f}, "
+                f"mass on listed ids {self.listed_mass:.2f}, "
+                f"{time.perf_counter() - self.started:.0f}s"
             )
-    return {
-        "warmup_steps": recipe.steps,
-        "warmup_seconds": round(time.perf_counter() - started, 1),
-        "warmup_final_loss": round(loss.item(), 4),
-        "warmup_listed_mass": round(listed_mass, 4),
-    }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "warmup_steps": self.recipe.steps,
+            "warmup_seconds": round(time.perf_counter() - self.started, 1),
+            "warmup_final_loss": round(self.loss, 4),
+            "warmup_listed_mass": round(self.listed_mass, 4),
+        }
 
 
 def _listing_size(rng: random.Random, step: int, recipe: Recipe) -> int:
