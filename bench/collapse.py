@@ -92,7 +92,8 @@ def config_for(args: argparse.Namespace, method: str, seed: int) -> RunConfig:
             learning_rate=args.safe_lr if method == "safe_lr" else args.lr,
             kl_coef=args.kl if method == "kl" else 0.0,
             supervision=method if method in ("sft_then_rl", "interleaved_sft") else "none",
-            sft_steps=50 if method == "sft_then_rl" else 5,
+            sft_steps=50 if method == "sft_then_rl" else args.sft_steps,
+            sft_every=args.sft_every,
             max_completion_tokens=128,
             eval_every=25,
             name=f"multi-turn {method} seed {seed}",
@@ -213,6 +214,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, help="default: 1e-3 single-turn, 3e-3 multi-turn")
     parser.add_argument("--safe-lr", type=float, default=1e-3, help="multi-turn healthy arm")
     parser.add_argument("--kl", type=float, default=0.1, help="multi-turn KL arm's beta")
+    parser.add_argument(
+        "--sft-every", type=int, default=25, help="interleaved SFT: RL steps between phases"
+    )
+    parser.add_argument("--sft-steps", type=int, default=5, help="interleaved SFT: steps per phase")
     parser.add_argument("--steps", type=int, help="default: 300 single-turn, 200 multi-turn")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+")
