@@ -46,10 +46,11 @@ from rollout_lens.server.migrate import upgrade  # noqa: E402
 from rollout_lens.trainer.run import train  # noqa: E402
 
 SINGLE_METHODS = ("none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl")
-# Multi-turn: plain GRPO at the study's rate, the SFT signals (expert conversations before RL, or
-# every 25 steps on the episodes that failed), the same rate with TRL's KL penalty toward the
-# starting model, and plain GRPO at a safe rate (healthy runs: where false alarms are counted).
-# The in-group signals (off-policy experts, hints) are single-turn only.
+# Multi-turn: plain GRPO at the study's rate; the SFT signals (expert conversations before RL,
+# or every 10 RL steps 10 SFT steps on the episodes that failed: every 25 steps 5 held none of 5
+# seeds); the same rate with TRL's KL penalty toward the starting model; and plain GRPO at a safe
+# rate (healthy runs: where false alarms are counted). The in-group signals (off-policy experts,
+# hints) are single-turn only.
 MULTI_METHODS = ("none", "sft_then_rl", "interleaved_sft", "kl", "safe_lr")
 WARNING_KINDS = ("control_token_spike", "collapse")
 
@@ -215,9 +216,11 @@ def main() -> None:
     parser.add_argument("--safe-lr", type=float, default=1e-3, help="multi-turn healthy arm")
     parser.add_argument("--kl", type=float, default=0.1, help="multi-turn KL arm's beta")
     parser.add_argument(
-        "--sft-every", type=int, default=25, help="interleaved SFT: RL steps between phases"
+        "--sft-every", type=int, default=10, help="multi-turn interleaved SFT: RL steps between"
     )
-    parser.add_argument("--sft-steps", type=int, default=5, help="interleaved SFT: steps per phase")
+    parser.add_argument(
+        "--sft-steps", type=int, default=10, help="multi-turn interleaved SFT: steps per phase"
+    )
     parser.add_argument("--steps", type=int, help="default: 300 single-turn, 200 multi-turn")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+")

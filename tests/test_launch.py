@@ -354,7 +354,7 @@ def test_each_single_run_preset_launches_what_it_says(
         assert config["learning_rate"] == 1e-3 and config["steps"] == 300
     if name.startswith("multi_"):  # the tool loop, with room for calls, results and an answer
         assert config["turns"] == "multi" and config["max_completion_tokens"] >= 32
-    if name in ("multi_collapse", "multi_sft_then_rl", "multi_interleaved_sft"):
+    if name in ("multi_collapse", "multi_sft_then_rl", "multi_interleaved_sft"):  # the study
         assert config["learning_rate"] == 3e-3 and config["steps"] == 200
     if name in ("leaky", "patched", "multi_leaky", "multi_patched"):  # the seed's verifier
         assert config["verifier"] == "judge" and config["verifier_noise"] == 0.12

@@ -127,9 +127,10 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "multi_interleaved_sft",
             "Multi-turn interleaved SFT",
-            "Every 25 RL steps, 5 SFT steps on expert conversations of the episodes that failed.",
+            "Every 10 RL steps, 10 SFT steps on expert conversations of the episodes that "
+            "failed: held 5 of 5 seeds at the study's rate.",
             base=MULTI_TURN_COLLAPSE
-            | {"supervision": "interleaved_sft", "sft_every": 25, "sft_steps": 5},
+            | {"supervision": "interleaved_sft", "sft_every": 10, "sft_steps": 10},
         ),
         Preset(
             "collapse",
