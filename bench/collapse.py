@@ -7,11 +7,15 @@ and prints:
 * per run: the 25-step true and format-free accuracy, when it collapsed, the first
   control-token and collapse alerts;
 * per method: seeds collapsed, median collapse step, the lead of the first control-token
-  alert before the collapse, false alarms (control-token or collapse alerts on seeds that
-  never collapsed), final true / format-free accuracy and (single-turn) the last greedy
-  ID / format-OOD / content-OOD evaluation;
-* per alert rule (kind and series): collapses caught before they happened, median lead, false
-  alarms.
+  alert before the collapse, false warnings (control-token or collapse alerts on seeds that
+  never collapsed, each alert episode counted), final true / format-free accuracy and the last
+  greedy ID / format-OOD (single-turn) / content-OOD evaluation;
+* per alert rule (kind and series): collapses it caught at or before the collapse step, the
+  median lead, how often it first fired late, and on how many runs that never collapsed it
+  fired (false runs).
+
+`--save FILE` appends each run's readings to a JSON-lines file; `--load FILE` prints the tables
+from such a file without training.
 
 A run collapsed at the first step where its 25-step true accuracy falls below 0.3 after reaching
 0.8, or where its 25-step share of structurally broken rollouts first exceeds 0.5: every rollout
@@ -241,10 +245,13 @@ def main() -> None:
     else:
         train_all(args, methods, results)
     print(
-        f"\nRecipe: {args.turns}-turn {args.variant}, {args.steps} steps, lr {args.lr:g}, seeds {args.seeds}"
+        f"\nRuns read from {args.load} (each run's lr is in its heading)"
+        if args.load
+        else f"\nRecipe: {args.turns}-turn {args.variant}, {args.steps} steps, lr {args.lr:g}, "
+        f"seeds {args.seeds}"
     )
     print(
-        f"{'method':<16} {'collapsed':>9} {'median':>6} {'leads':>14} {'false al.':>9} "
+        f"{'method':<16} {'collapsed':>9} {'median':>6} {'leads':>14} {'false warn':>10} "
         f"{'acc25':>5} {'free25':>6} {'ID':>5} {'fmt':>5} {'cnt':>5}"
     )
     for method, runs in results.items():
@@ -260,7 +267,7 @@ def main() -> None:
         print(
             f"{method:<16} {len(fell):>4}/{len(runs):<4} "
             f"{(statistics.median(fell) if fell else '-'):>6} "
-            f"{','.join('-' if x is None else str(x) for x in leads) or '-':>14} {false:>9} "
+            f"{','.join('-' if x is None else str(x) for x in leads) or '-':>14} {false:>10} "
             f"{final:>5.2f} {f(statistics.mean(frees) if frees else None):>6} "
             + " ".join(f"{f(statistics.mean(v) if v else None):>5}" for v in evals.values())
         )
@@ -281,12 +288,12 @@ def main() -> None:
                     rules[rule]["late"].append(step - r["fell"])
     collapsed_runs = sum(r["fell"] is not None for runs in results.values() for r in runs)
     print(f"\nPer alert rule (over {collapsed_runs} collapsed runs):")
-    print(f"{'rule':<52} {'caught':>6} {'median lead':>11} {'late':>4} {'false alarms':>12}")
+    print(f"{'rule':<52} {'caught':>6} {'median lead':>11} {'late':>4} {'false runs':>10}")
     for rule, got in sorted(rules.items()):
         lead = statistics.median(got["leads"]) if got["leads"] else None
         print(
             f"{rule:<52} {len(got['leads']):>6} {('-' if lead is None else f'{lead:g}'):>11} "
-            f"{len(got['late']):>4} {len(got['false']):>12}"
+            f"{len(got['late']):>4} {len(got['false']):>10}"
         )
 
 
