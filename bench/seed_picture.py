@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="FIELD=VALUE", help="RunConfig overrides"
     )
+    parser.add_argument("--only", choices=["leaky", "patched"], help="train one of the pair")
     args = parser.parse_args()
     preset = PRESETS["multi_leaky_vs_patched" if args.turns == "multi" else "leaky_vs_patched"]
     base = dict(preset.base) | {"steps": args.steps, "seed": args.seed, "eval_every": 0}
@@ -99,6 +100,8 @@ def main() -> None:
         upgrade(engine)
         factory = make_session_factory(engine)
         for run in preset.runs:
+            if args.only and run["variant"] != args.only:
+                continue
             config = RunConfig(**(base | dict(run)))
             started = time.perf_counter()
             run_id = train(config, settings=settings)
