@@ -110,7 +110,8 @@ class RunConfig(BaseModel):
         25,
         ge=0,
         le=MAX_STEPS,
-        description="Greedy evaluation (ID, format-OOD, content-OOD) every N steps; 0: off.",
+        description="Greedy evaluation (ID, format-OOD on single-turn runs, content-OOD) every "
+        "N steps; 0: off.",
     )
     control_tokens: list[str] | None = Field(
         None,
