@@ -322,23 +322,15 @@ class Outbox:
 
     def _commit(self, factory: sessionmaker[Session], records: list[StepRecord]) -> None:
         assert self.run_id is not None
-        engine = factory.kw["bind"]
-        try:
-            with engine.begin() as conn:
-                if self._recorder is None:
-                    self._recorder = store.Recorder(
-                        conn, run_id=self.run_id, control_tokens=self.spec.control_tokens
-                    )
-                for record in records:
-                    self._recorder.write(
-                        conn,
-                        record,
-                        device_seconds=record.values.get("wall_time") or 0.0,
-                        price_per_hour=self.price,
-                    )
-        except BaseException:
-            self._recorder = None  # its memory may be ahead of what was committed
-            raise
+        recorder, self._recorder = self._recorder, None  # kept only if the batch commits
+        self._recorder = store.write_batch(
+            factory.kw["bind"],
+            recorder,
+            records,
+            run_id=self.run_id,
+            control_tokens=self.spec.control_tokens,
+            price_per_hour=self.price,
+        )
 
     def _refused(self, record: StepRecord, exc: DBAPIError) -> None:
         self.dropped_steps += 1

@@ -106,22 +106,18 @@ class StepWriter:
             self._error = exc
 
     def _commit(self, records: list[StepRecord], retried: bool) -> None:
+        recorder, self._recorder = self._recorder, None  # kept only if the batch commits
         try:
-            with self.engine.begin() as conn:
-                if self._recorder is None:
-                    self._recorder = store.Recorder(
-                        conn, run_id=self.run_id, control_tokens=self.control_tokens
-                    )
-                for record in records:
-                    self._recorder.write(
-                        conn,
-                        record,
-                        device_seconds=record.values.get("wall_time") or 0.0,
-                        price_per_hour=self.price,
-                    )
-        except BaseException as exc:
-            self._recorder = None  # its memory may be ahead of what was committed
-            if retried and isinstance(exc, IntegrityError):
+            self._recorder = store.write_batch(
+                self.engine,
+                recorder,
+                records,
+                run_id=self.run_id,
+                control_tokens=self.control_tokens,
+                price_per_hour=self.price,
+            )
+        except IntegrityError:
+            if retried:
                 # An earlier attempt committed but its answer was lost with the connection: the
                 # steps are there, once (the batch was one transaction; keys say so).
                 return

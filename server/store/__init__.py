@@ -21,7 +21,7 @@ from rollout_lens.server.store.reading import (
     steps,
     token_texts,
 )
-from rollout_lens.server.store.recording import Recorder, add_rollouts, record_step
+from rollout_lens.server.store.recording import Recorder, add_rollouts, record_step, write_batch
 from rollout_lens.server.store.rollups import latest_value, rollup_series
 from rollout_lens.server.store.runs import (
     RESUMABLE_STATUSES,
@@ -86,4 +86,5 @@ __all__ = [
     "steps",
     "token_texts",
     "truncate_after",
+    "write_batch",
 ]

@@ -34,7 +34,7 @@ from rollout_lens.server.records import RolloutRecord, StepRecord
 from rollout_lens.server.series import STEP_SERIES, WINDOW
 from rollout_lens.server.store import layout, rollups
 from rollout_lens.server.store.sql import finite, upsert_insert
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session
 
 TOKEN_ARRAYS = {"completion_ids": None, "token_logprobs": None, "control_probs": None}
@@ -471,6 +471,33 @@ def record_step(
     recorder = recorder or Recorder(conn, run_id=run_id, control_tokens=control_tokens)
     recorder.write(conn, record, recorded_at=recorded_at)
     _refresh_run(session, run_id)
+    return recorder
+
+
+def write_batch(
+    engine: Engine,
+    recorder: Recorder | None,
+    records: Sequence[StepRecord],
+    *,
+    run_id: int,
+    control_tokens: Sequence[str],
+    price_per_hour: float,
+) -> Recorder:
+    """Write `records` in one transaction, each step charged its wall time as device time, with
+    `recorder` (built from the database when None); returns the recorder for the next batch.
+
+    When this raises, the recorder's memory may be ahead of what was committed: the caller
+    throws it away and passes None next time."""
+    with engine.begin() as conn:
+        if recorder is None:
+            recorder = Recorder(conn, run_id=run_id, control_tokens=control_tokens)
+        for record in records:
+            recorder.write(
+                conn,
+                record,
+                device_seconds=record.values.get("wall_time") or 0.0,
+                price_per_hour=price_per_hour,
+            )
     return recorder
 
 
