@@ -100,7 +100,8 @@ def model_positions(meta: Mapping[str, Any], n: int) -> list[bool] | None:
     return sampled
 
 
-def _text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a list of parts."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -121,11 +122,20 @@ def _plain(value: Any) -> Any:
     return json.loads(text) if len(text) <= MAX_TEXT else _cut(text)
 
 
-def _call(call: Any) -> dict[str, Any]:
+def _function(call: Any) -> Mapping[str, Any]:
+    """The function part of a parsed tool call (`{"type", "function": {name, arguments}}` or
+    the function itself)."""
     function = call.get("function", call) if isinstance(call, Mapping) else {}
-    if not isinstance(function, Mapping):
-        function = {}
-    return {"name": str(function.get("name", "")), "arguments": _plain(function.get("arguments"))}
+    return function if isinstance(function, Mapping) else {}
+
+
+def call_name(call: Any) -> str:
+    """The name of the tool a parsed call calls ("" when it names none)."""
+    return str(_function(call).get("name", ""))
+
+
+def _call(call: Any) -> dict[str, Any]:
+    return {"name": call_name(call), "arguments": _plain(_function(call).get("arguments"))}
 
 
 def read_turns(mask: Sequence[int], messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -162,7 +172,7 @@ def read_turns(mask: Sequence[int], messages: Sequence[Mapping[str, Any]]) -> li
                     {
                         "name": name,
                         "arguments": arguments,
-                        "result": _cut(_text(message["content"])),
+                        "result": _cut(content_text(message["content"])),
                     }
                 )
             start, end = stretches[k]
@@ -183,7 +193,7 @@ def final_answer(messages: Sequence[Mapping[str, Any]]) -> str | None:
     assistants = [m for m in messages if m.get("role") == "assistant"]
     if not assistants or assistants[-1].get("tool_calls"):
         return None
-    return _cut(_text(assistants[-1].get("content")))
+    return _cut(content_text(assistants[-1].get("content")))
 
 
 def turn_state(

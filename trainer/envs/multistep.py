@@ -48,6 +48,7 @@ from rollout_lens.trainer.envs.escalation import (
     missing,
 )
 from rollout_lens.trainer.envs.escalation import tokens as words
+from rollout_lens.trainer.turns import call_name, content_text
 
 KINDS = ("single", "chain")
 MODES = ("single", "chain", "mixed")  # which kinds of episode a stream draws
@@ -345,19 +346,6 @@ class RolloutFacts:
         }
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
-
-
-def _call_name(call: Any) -> str:
-    function = call.get("function", call) if isinstance(call, dict) else {}
-    return str(function.get("name", "")) if isinstance(function, dict) else ""
-
-
 def parse_answer(text: str) -> str | None:
     """The value of a reply that is exactly one `<answer>VALUE</answer>`; None otherwise."""
     match = _ANSWER.fullmatch(text)
@@ -376,19 +364,19 @@ def read_rollout(messages: Sequence[Mapping[str, Any]], needed: Sequence[str]) -
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        names = [_call_name(c) for c in message.get("tool_calls") or []]
+        names = [call_name(c) for c in message.get("tool_calls") or []]
         results = 0
         while i + 1 + results < len(messages) and messages[i + 1 + results].get("role") == "tool":
             results += 1
         called += names[:results]
         unanswered += max(0, len(names) - results)
-    malformed = sum(_text(m.get("content")).count("<tool_call>") for m in assistants)
-    errors = sum(_text(m.get("content")).startswith(_ERROR_PREFIX) for m in tools)
+    malformed = sum(content_text(m.get("content")).count("<tool_call>") for m in assistants)
+    errors = sum(content_text(m.get("content")).startswith(_ERROR_PREFIX) for m in tools)
     first_calls = assistants[0].get("tool_calls") if assistants else None
     answer = None
     if assistants and not assistants[-1].get("tool_calls"):
-        answer = parse_answer(_text(assistants[-1].get("content")))
-    observed = tuple(v for m in tools for v in _RESULT.findall(_text(m.get("content"))))
+        answer = parse_answer(content_text(assistants[-1].get("content")))
+    observed = tuple(v for m in tools for v in _RESULT.findall(content_text(m.get("content"))))
     position = 0
     for name in called:
         if position < len(needed) and name == needed[position]:
@@ -401,7 +389,7 @@ def read_rollout(messages: Sequence[Mapping[str, Any]], needed: Sequence[str]) -
         tool_errors=errors,
         turns=len(assistants),
         called=tuple(called),
-        first_call=_call_name(first_calls[0]) if first_calls else None,
+        first_call=call_name(first_calls[0]) if first_calls else None,
         answer=answer,
         observed=observed,
         chain_followed=position == len(needed),
@@ -423,9 +411,9 @@ def format_free_score(
         return 0.0
     named: set[str] = set()
     for message in assistants:
-        named.update(_call_name(c) for c in message.get("tool_calls") or [])
-        named.update(_ANY_ID.findall(_text(message.get("content"))))
-    said = _NUMBER.findall(_text(assistants[-1].get("content")))
+        named.update(call_name(c) for c in message.get("tool_calls") or [])
+        named.update(_ANY_ID.findall(content_text(message.get("content"))))
+    said = _NUMBER.findall(content_text(assistants[-1].get("content")))
     return 1.0 if needed[-1] in named and str(answer) in said else 0.0
 
 
