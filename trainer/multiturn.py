@@ -177,10 +177,15 @@ FACT_METRICS = (
 )
 
 
-def judge(messages: Sequence[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
+def judge(
+    messages: Sequence[dict[str, Any]],
+    row: dict[str, Any],
+    facts: ms.RolloutFacts | None = None,
+) -> dict[str, Any]:
     """Facts, true score and format-free score of one rollout (its completion messages and its
-    dataset row)."""
-    facts = ms.read_rollout(messages, row["needed"])
+    dataset row; `facts` when the caller has read them already)."""
+    if facts is None:
+        facts = ms.read_rollout(messages, row["needed"])
     return {
         **facts.as_dict(),
         "true_score": ms.true_score(facts, str(row["answer"])),
@@ -214,7 +219,7 @@ def make_reward_function(config: MultiTurnConfig):  # type: ignore[no-untyped-de
         for messages, truth, tools in zip(completions, answer, needed, strict=True):
             facts = ms.read_rollout(messages, tools)
             rewards.append(float(verifier(facts, str(truth))))
-            judged.append(judge(messages, {"needed": tools, "answer": truth}))
+            judged.append(judge(messages, {"needed": tools, "answer": truth}, facts))
         if log_metric is not None:  # TRL >= 1.13 hands reward functions a metric logger
             for name, value in step_summary(judged).items():
                 log_metric(f"multiturn/{name}", value)
