@@ -191,10 +191,10 @@ STATE_COLORS = {  # keyed by server.series.FormatState
 }
 
 
-def _state_trace(name: str) -> dict[str, Any]:
-    """A stacked share (no band: shares of one step add up to 1)."""
+def _state_trace(name: str, colors: dict[str, str] = STATE_COLORS) -> dict[str, Any]:
+    """A stacked share (no band: shares of one step add up to 1), colored by its state."""
     state = name.rsplit("/", 1)[1]
-    color = STATE_COLORS.get(state, NEUTRAL)
+    color = colors.get(state, NEUTRAL)
     return {
         "type": "scatter",
         "mode": "lines",
@@ -260,14 +260,7 @@ def tool_use(names: set[str]) -> list[dict[str, Any]]:
         ]
         if not series:
             continue
-        traces = []
-        for name in series:
-            trace = _state_trace(name)
-            state = name.rsplit("/", 1)[1]
-            color = TURN_STATE_COLORS[state]
-            trace["line"]["color"], trace["fillcolor"] = color, _rgba(color, 0.55)
-            trace["name"] = plotly_text(vocab.state_label(state))
-            traces.append(trace)
+        traces = [_state_trace(name, TURN_STATE_COLORS) for name in series]
         which = {"1": "first", "2": "second", "3+": "third and later"}[position]
         out.append(
             figure(
