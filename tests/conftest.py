@@ -98,14 +98,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_model(Path(cache) if cache else tmp_path_factory.mktemp("models"))
 
 
-@pytest.fixture
-def train_settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
-    """Settings for training into a fresh, migrated SQLite file with the cached tiny model."""
-    settings = Settings(data_dir=tmp_path, model_cache_dir=tiny_model_dir.parent)
+def _migrated_settings(data_dir: Path, model_dir: Path) -> Settings:
+    """Settings for training into a fresh, migrated SQLite file with a cached model."""
+    settings = Settings(data_dir=data_dir, model_cache_dir=model_dir.parent)
     engine = make_engine(settings.database_url)
     upgrade(engine)
     engine.dispose()
     return settings
+
+
+@pytest.fixture
+def train_settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
+    """Settings for training into a fresh, migrated SQLite file with the cached tiny model."""
+    return _migrated_settings(tmp_path, tiny_model_dir)
+
+
+@pytest.fixture
+def multiturn_settings(tmp_path: Path, multiturn_model_dir: Path) -> Settings:
+    """The same with the cached multi-turn tiny model."""
+    return _migrated_settings(tmp_path, multiturn_model_dir)
 
 
 @pytest.fixture(scope="session")

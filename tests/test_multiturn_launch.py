@@ -18,7 +18,6 @@ from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory
 from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.migrate import upgrade
 
 from tests.factories import load_run
 from tests.web_support import parse
@@ -53,15 +52,11 @@ def test_a_multi_turn_config_names_itself() -> None:
 
 
 @pytest.mark.slow
-def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(
-    multiturn_model_dir: Path, tmp_path: Path
-) -> None:
+def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(multiturn_settings: Settings) -> None:
     from rollout_lens.trainer.envs import multistep as ms
     from rollout_lens.trainer.run import train
 
-    settings = Settings(data_dir=tmp_path, model_cache_dir=multiturn_model_dir.parent)
-    engine = make_engine(settings.database_url)
-    upgrade(engine)
+    settings = multiturn_settings
     config = RunConfig(
         **MULTI, variant="patched", steps=2, group_size=4, prompts_per_step=2, episodes="mixed"
     )
@@ -125,6 +120,7 @@ def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(
     assert {"tool-calls", "tool-rates", "turn-states-1"} <= {f["id"] for f in figs["tools"]}
     reward = next(f for f in figs["main"] if f["id"] == "reward")
     assert vocab.FORMAT_FREE_ACCURACY in {t["meta"].get("series") for t in reward["data"]}
+    engine = make_engine(settings.database_url)
     app = create_app(settings, session_factory=make_session_factory(engine))
     client = TestClient(app, base_url="http://127.0.0.1")
     page = client.get(f"/runs/{run_id}")
@@ -265,16 +261,12 @@ def test_the_expert_conversation_trains_on_the_models_turns_only(
 
 
 @pytest.mark.slow
-def test_a_multi_turn_run_with_sft_then_rl_and_evaluation(
-    multiturn_model_dir: Path, tmp_path: Path
-) -> None:
+def test_a_multi_turn_run_with_sft_then_rl_and_evaluation(multiturn_settings: Settings) -> None:
     from rollout_lens.trainer import multiturn_supervision as mts
     from rollout_lens.trainer.envs import multistep as ms
     from rollout_lens.trainer.run import train
 
-    settings = Settings(data_dir=tmp_path, model_cache_dir=multiturn_model_dir.parent)
-    engine = make_engine(settings.database_url)
-    upgrade(engine)
+    settings = multiturn_settings
     config = RunConfig(
         **(MULTI | {"eval_every": 1}),
         steps=2,
@@ -296,4 +288,3 @@ def test_a_multi_turn_run_with_sft_then_rl_and_evaluation(
             assert value is not None and 0 <= value <= 1
             assert value * sizes[name] == pytest.approx(round(value * sizes[name]))
     assert vocab.eval_set("format_ood") not in series
-    engine.dispose()
