@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import context
 from rollout_lens.server.config import get_settings
 from rollout_lens.server.db import make_engine
+from rollout_lens.server.migrate import is_modelled
 from rollout_lens.server.models import Base
 
 config = context.config
@@ -16,7 +17,12 @@ def _url() -> str:
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=_url(), target_metadata=target_metadata, render_as_batch=True)
+    context.configure(
+        url=_url(),
+        target_metadata=target_metadata,
+        render_as_batch=True,
+        include_name=is_modelled,
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -33,7 +39,12 @@ def run_migrations_online() -> None:
 
 
 def _run(connection) -> None:  # type: ignore[no-untyped-def]
-    context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=True,
+        include_name=is_modelled,
+    )
     with context.begin_transaction():
         context.run_migrations()
 

@@ -12,12 +12,14 @@ from rollout_lens.server.models import (
     Facts,
     Prompt,
     Rollout,
+    RolloutData,
     Rollup,
     Run,
     RunStatus,
     RunToken,
     Step,
 )
+from rollout_lens.server.store import search
 from sqlalchemy import CursorResult, delete, exists, select, update
 from sqlalchemy.orm import Session
 
@@ -52,13 +54,23 @@ def delete_run(session: Session, *, run_id: int) -> str | None:
             .distinct()
         )
     )
+    # The arrays first (one statement, not a cascade row by row), then the search index.
+    session.execute(
+        delete(RolloutData).where(
+            RolloutData.rollout_id.in_(select(Rollout.id).where(Rollout.run_id == run_id))
+        )
+    )
+    search.drop_run(session.connection(), run_id=run_id)
     for table in (Rollout, AlertRow, Rollup, RunToken, Step):
         session.execute(delete(table).where(table.run_id == run_id))
     session.execute(delete(Run).where(Run.id == run_id))
     # Prompts and facts are shared between runs: only those no other run uses go.
     if prompt_ids:
         still_used = exists().where(Rollout.prompt_id == Prompt.id)
-        session.execute(delete(Prompt).where(Prompt.id.in_(prompt_ids), ~still_used))
+        unused = [Prompt.id.in_(prompt_ids), ~still_used]
+        gone = session.execute(select(Prompt.id, Prompt.text).where(*unused)).all()
+        search.forget_prompts(session.connection(), gone)
+        session.execute(delete(Prompt).where(*unused))
     if facts_ids:
         facts_used = exists().where(Rollout.facts_id == Facts.id)
         session.execute(delete(Facts).where(Facts.id.in_(facts_ids), ~facts_used))

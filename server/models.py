@@ -188,6 +188,9 @@ class Step(Base):
 
 
 class Rollout(Base):
+    """One rollout's scalars: what is filtered, sorted and listed (the explorer reads only these);
+    its per-token arrays are in RolloutData."""
+
     __tablename__ = "rollouts"
     # The unique constraint doubles as the index for "all rollouts of run R at step S".
     __table_args__ = (UniqueConstraint("run_id", "step", "group", "idx"),)
@@ -199,7 +202,6 @@ class Rollout(Base):
     index: Mapped[int] = mapped_column("idx", Integer)
     prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id"), index=True)
     target: Mapped[str | None] = mapped_column(String(64))
-    completion: Mapped[str] = mapped_column(Text)
     vote: Mapped[str | None] = mapped_column(String(64))
     verifier_reward: Mapped[float] = mapped_column(Float)
     true_score: Mapped[float | None] = mapped_column(Float)
@@ -207,15 +209,16 @@ class Rollout(Base):
     sum_logprob: Mapped[float | None] = mapped_column(Float)  # None: NaN (a NaN logprob)
     format_valid: Mapped[bool] = mapped_column(Boolean)
     format_state: Mapped[str | None] = mapped_column(String(32))
-    # Packed arrays (server.packing): int32 ids, float16 logprobs, float16 n_ctrl × T matrix;
-    # NULL where retention did not keep them.
-    completion_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
-    token_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
-    control_probs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # The completion's length in tokens, and how its text comes back (server.store.arrays):
+    # a TEXT_RULES id when the run's token texts of its ids rebuild it exactly, else NULL and
+    # the text is in RolloutData.text.
+    n_tokens: Mapped[int | None] = mapped_column(Integer)  # None: not known (no ids kept)
+    text_rule: Mapped[int | None] = mapped_column(Integer)
     # The rollout's meta is facts (shared with its group, stored once) plus its own keys.
     facts_id: Mapped[int | None] = mapped_column(ForeignKey("facts.id"), index=True)
     own_meta: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     facts: Mapped[Facts | None] = relationship(lazy="joined")
+    data: Mapped[RolloutData | None] = relationship(lazy="joined")
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -224,8 +227,24 @@ class Rollout(Base):
 
     @property
     def tokens_kept(self) -> bool:
-        """False where retention dropped the token-level arrays."""
-        return self.completion_ids is not None
+        """False where retention dropped the per-token logprobs and control-token
+        probabilities (ids stay: they are the text)."""
+        return self.data is not None and self.data.logprobs is not None
+
+
+class RolloutData(Base):
+    """A rollout's per-token arrays, compressed (server.store.arrays): apart from its scalars so
+    that scanning a run's rollouts never reads them."""
+
+    __tablename__ = "rollout_data"
+
+    rollout_id: Mapped[int] = mapped_column(
+        ForeignKey("rollouts.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)  # NULL: retention dropped it
+    control: Mapped[bytes | None] = mapped_column(LargeBinary)  # NULL: retention dropped it
+    text: Mapped[bytes | None] = mapped_column(LargeBinary)  # NULL: rebuilt from ids
 
 
 # Steps per bucket: a chart of any run length reads few rows; 25 is the run page's bucket table

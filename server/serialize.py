@@ -6,16 +6,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server.models import Rollout, Run, RunSource, Step
-from rollout_lens.server.packing import (
-    count_ints,
-    head_half_matrix,
-    head_halves,
-    head_ints,
-    unpack_half_matrix,
-    unpack_halves,
-    unpack_ints,
-)
 from rollout_lens.server.series import STEP_SERIES
+from rollout_lens.server.store import arrays
+
+
+def completion_text(rollout: Rollout, ids: Sequence[int], token_texts: Mapping[int, str]) -> str:
+    """A rollout's completion: rebuilt from its ids where the store found that exact, else the
+    text it stored (`token_texts` must hold the text of every id then)."""
+    if rollout.text_rule is not None:
+        return arrays.rebuild_text(rollout.text_rule, ids, token_texts)
+    data = rollout.data
+    return arrays.completion(None, None, data.text if data is not None else None, token_texts)
+
+
+def completion_ids(rollout: Rollout) -> list[int]:
+    """A rollout's token ids (empty when none were recorded)."""
+    return arrays.decode_ids(rollout.data.ids) if rollout.data is not None else []
 
 
 def rollout_dict(
@@ -28,23 +34,29 @@ def rollout_dict(
 ) -> dict[str, Any]:
     """One rollout with its arrays decoded; keys match the JSONL export.
 
-    `token_texts` (store.token_texts) gives each completion token's text: `tokens` is the list
-    of them when every id has one, else None. Where retention dropped the token arrays,
-    `tokens_kept` is False and the arrays are empty.
+    `token_texts` (store.token_texts) gives each completion token's text: it must hold every id
+    of a rollout whose text is rebuilt from its ids; `tokens` is the list of them when every id
+    has one, else None. Where retention dropped the per-token logprobs and control-token
+    probabilities, `tokens_kept` is False and those arrays are empty (the ids stay).
 
-    With `max_tokens` only the first max_tokens positions of the per-token arrays are decoded
-    (a page's view of a long completion: decoding 250,000 positions costs tens of ms) and
-    `tokens_total` says how many there are.
+    With `max_tokens` only the first max_tokens positions of the per-token arrays are returned
+    (a page's view of a long completion) and `tokens_total` says how many there are.
     """
-    if max_tokens is None:
-        ids = unpack_ints(rollout.completion_ids)
-        logprobs = unpack_halves(rollout.token_logprobs)
-        probs = unpack_half_matrix(rollout.control_probs, len(control_tokens))
-    else:
-        ids = head_ints(rollout.completion_ids, max_tokens)
-        logprobs = head_halves(rollout.token_logprobs, max_tokens)
-        probs = head_half_matrix(rollout.control_probs, len(control_tokens), max_tokens)
     texts = token_texts or {}
+    ids = completion_ids(rollout)
+    kept = rollout.tokens_kept
+    data = rollout.data
+    logprobs = arrays.decode_logprobs(data.logprobs) if kept and data else []
+    probs = (
+        arrays.decode_control(data.control, len(control_tokens))
+        if kept and data
+        else [[] for _ in control_tokens]
+    )
+    completion = completion_text(rollout, ids, texts)
+    total = len(ids)
+    if max_tokens is not None:
+        ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
+        probs = [row[:max_tokens] for row in probs]
     tokens = [texts[i] for i in ids] if ids and all(i in texts for i in ids) else None
     out = {
         "run_id": rollout.run_id,
@@ -52,10 +64,10 @@ def rollout_dict(
         "group": rollout.group,
         "index": rollout.index,
         "prompt": prompt,
-        "completion": rollout.completion,
+        "completion": completion,
         "completion_ids": ids,
         "tokens": tokens,
-        "tokens_kept": rollout.tokens_kept,
+        "tokens_kept": kept,
         "vote": rollout.vote,
         "target": rollout.target,
         "verifier_reward": rollout.verifier_reward,
@@ -65,13 +77,11 @@ def rollout_dict(
         "format_valid": rollout.format_valid,
         "format_state": rollout.format_state,
         "token_logprobs": logprobs,
-        "control_token_probs": dict(zip(control_tokens, probs, strict=True))
-        if rollout.tokens_kept
-        else {token: [] for token in control_tokens},
+        "control_token_probs": dict(zip(control_tokens, probs, strict=True)),
         "meta": rollout.meta,
     }
     if max_tokens is not None:
-        out["tokens_total"] = count_ints(rollout.completion_ids)
+        out["tokens_total"] = total
     return out
 
 

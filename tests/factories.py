@@ -121,8 +121,7 @@ def load_run(
 ) -> tuple[Run, list[dict[str, Any]], list[Step], dict[str, list[tuple[int, float | None]]]]:
     """A recorded run read back: (run, rollout dicts, steps, metric series)."""
     from rollout_lens.server.db import make_engine, make_session_factory
-    from rollout_lens.server.packing import unpack_ints
-    from rollout_lens.server.serialize import rollout_dict
+    from rollout_lens.server.serialize import completion_ids, rollout_dict
 
     engine = make_engine(database_url)
     try:
@@ -133,7 +132,7 @@ def load_run(
             texts = store.token_texts(
                 session,
                 run_id=run_id,
-                ids={i for r, _ in pairs for i in unpack_ints(r.completion_ids)},
+                ids={i for r, _ in pairs for i in completion_ids(r)},
             )
             rows = [rollout_dict(r, p, tokens, texts) for r, p in pairs]
             return (

@@ -18,6 +18,7 @@ from rollout_lens.server.errors import InvalidInput, InvalidState
 from rollout_lens.server.migrate import upgrade
 from rollout_lens.server.models import Run, RunSource, RunStatus
 from rollout_lens.server.records import RolloutRecord, StepRecord
+from rollout_lens.server.serialize import completion_ids, completion_text
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -210,7 +211,9 @@ def test_the_imported_run_is_a_run_like_any_other(
         assert store.rollup_series(
             session, run_id=copy, names=["custom/x"], width=10
         ) == store.rollup_series(session, run_id=source, names=["custom/x"], width=10)
-        assert [r.completion for r, _ in store.step_rollouts(session, run_id=copy, step=5)] == [
+        texts = store.token_texts(session, run_id=copy)
+        pairs = store.step_rollouts(session, run_id=copy, step=5)
+        assert [completion_text(r, completion_ids(r), texts) for r, _ in pairs] == [
             "",
             "<script>alert(1)</script> é",
         ]

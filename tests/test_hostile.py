@@ -17,6 +17,7 @@ from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.migrate import upgrade
 from rollout_lens.server.records import RolloutRecord
+from rollout_lens.server.serialize import completion_ids, completion_text
 from rollout_lens.server.textsafe import storable
 from rollout_lens.server.viewer import SHOWN_CHARS
 from sqlalchemy.orm import Session, sessionmaker
@@ -153,12 +154,18 @@ def test_hostile_text_is_stored_and_shown_inert(
             str(value)
             for sql in (
                 f"SELECT name, config{cast}, notes{cast} FROM runs",
-                f"SELECT completion, vote, own_meta{cast} FROM rollouts",
+                f"SELECT vote, own_meta{cast} FROM rollouts",
                 f"SELECT data{cast} FROM facts",
                 "SELECT text FROM prompts",
             )
             for row in conn.exec_driver_sql(sql)
             for value in row
+        ]
+    with session_scope(session_factory) as session:  # completions are stored compressed
+        texts = store.token_texts(session, run_id=run_id)
+        stored += [
+            completion_text(r, completion_ids(r), texts)
+            for r, _ in store.iter_rollouts(session, run_id=run_id)
         ]
     assert any("\ufffd" in v or "\\ufffd" in v for v in stored)
     for bad in ("\x00", "\ud800", "\\u0000", "\\ud800"):

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from rollout_lens.server import queries, store
 from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import Rollout, Step
+from rollout_lens.server.models import Rollout, RolloutData, Step
 from rollout_lens.server.records import RolloutRecord
 from rollout_lens.server.serialize import rollout_dict
 from rollout_lens.server.series import (
@@ -19,6 +19,7 @@ from rollout_lens.server.series import (
     SPIKE_PROBES,
     STUCK_GROUPS,
 )
+from rollout_lens.server.store import arrays
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -49,7 +50,7 @@ def _rollout(index: int, ids: list[int], logprobs: list[float], text: str) -> Ro
 def test_every_encoding_round_trips(session_factory: sessionmaker[Session]) -> None:
     long_ids = list(range(4096))
     long_logprobs = [-(i % 50) / 7 for i in long_ids]
-    special = [math.nan, -math.inf, -1e9, -0.5]  # -1e9 is beyond float16: it clips to -65504
+    special = [math.nan, -math.inf, -1e9, -0.5]  # -1e9 is below the stored floor: it reads -15
     rollouts = [
         _rollout(0, [], [], ""),
         _rollout(1, long_ids, long_logprobs, "x" * 4096),
@@ -72,7 +73,7 @@ def test_every_encoding_round_trips(session_factory: sessionmaker[Session]) -> N
     assert long["sum_logprob"] == pytest.approx(sum(long_logprobs))  # float64, not float16
     assert long["control_token_probs"]["<tool>"] == [0.25] * 4096
     assert math.isnan(odd["token_logprobs"][0]) and odd["token_logprobs"][1] == -math.inf
-    assert odd["token_logprobs"][2:] == [-65504.0, -0.5]
+    assert odd["token_logprobs"][2:] == [arrays.LOGPROB_FLOOR, -0.5]
     assert odd["sum_logprob"] is None  # a NaN sum is no number: stored as NULL, not guessed
     infinite = _rollout(0, [1, 2], [-0.5, -math.inf], "ab")
     record_step(session_factory, run_id, 2, rollouts=[infinite])
@@ -107,7 +108,8 @@ def test_retention_keeps_every_nth_first_last_and_alert_steps(
         ).all()
         with_arrays = session.scalars(
             select(Rollout.step)
-            .where(Rollout.run_id == run_id, Rollout.completion_ids.is_not(None))
+            .join(RolloutData, RolloutData.rollout_id == Rollout.id)
+            .where(Rollout.run_id == run_id, RolloutData.logprobs.is_not(None))
             .distinct()
             .order_by(Rollout.step)
         ).all()
@@ -116,16 +118,18 @@ def test_retention_keeps_every_nth_first_last_and_alert_steps(
 
     page = parse(client.get(f"/runs/{run_id}/steps/4").text)
     assert "every 5 steps" in page.find(id="tokens-not-kept").text
-    assert "token-level data not kept at this step" in page.text
+    assert "token probabilities not kept at this step" in page.text
     assert page.find(id="nearest-kept").attrs["href"].endswith(f"/runs/{run_id}/steps/5")
     three = parse(client.get(f"/runs/{run_id}/steps/3").text).find(id="nearest-kept")
     assert three.attrs["href"].endswith("/steps/1")  # equally near 1 and 5: the earlier
     assert 'id="tokens-not-kept"' not in client.get(f"/runs/{run_id}/steps/5").text
     detail = client.get(f"/api/runs/{run_id}/steps/3").json()
     assert detail["tokens_kept"] is False and detail["nearest_kept"] == 1
-    # what was not kept is said, not faked: completions and rewards are there, arrays are empty
+    # what was not kept is said, not faked: completions, their ids (they are the text) and
+    # rewards are there, probabilities are empty
     rollout = detail["groups"][0]["rollouts"][0]
-    assert rollout["completion"] and rollout["completion_ids"] == []
+    assert rollout["completion"] and rollout["completion_ids"]
+    assert rollout["token_logprobs"] == [] and not any(rollout["control_token_probs"].values())
     assert rollout["tokens_kept"] is False
 
 

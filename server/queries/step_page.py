@@ -12,9 +12,8 @@ from rollout_lens.server.models import (
     Rollout,
     Step,
 )
-from rollout_lens.server.packing import head_ints, unpack_ints
 from rollout_lens.server.queries.runs import _bounds
-from rollout_lens.server.serialize import rollout_dict, run_dict, step_dict
+from rollout_lens.server.serialize import completion_ids, rollout_dict, run_dict, step_dict
 from rollout_lens.server.store import layout
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -69,10 +68,7 @@ def step_detail(
         .order_by(Rollout.group, Rollout.index)
     ).all()
     tokens = list(run.control_tokens)
-    if max_tokens is None:
-        ids = {i for r, _ in rollouts for i in unpack_ints(r.completion_ids)}
-    else:
-        ids = {i for r, _ in rollouts for i in head_ints(r.completion_ids, max_tokens)}
+    ids = {i for r, _ in rollouts for i in completion_ids(r)}  # a text may be rebuilt from all
     texts = store.token_texts(session, run_id=run_id, ids=ids)
     dicts = [rollout_dict(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
     kept = all(r.tokens_kept for r, _ in rollouts)

@@ -23,21 +23,17 @@ from rollout_lens.server.models import (
     AlertRow,
     Facts,
     Prompt,
-    Rollout,
     Run,
     RunToken,
     Step,
     utcnow,
 )
-from rollout_lens.server.packing import pack_half_matrix, pack_halves, pack_ints
 from rollout_lens.server.records import RolloutRecord, StepRecord
 from rollout_lens.server.series import STEP_SERIES, WINDOW
-from rollout_lens.server.store import layout, rollups
+from rollout_lens.server.store import arrays, layout, rollups, search
 from rollout_lens.server.store.sql import finite, upsert_insert
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session
-
-TOKEN_ARRAYS = {"completion_ids": None, "token_logprobs": None, "control_probs": None}
 
 
 def _sha(text: str) -> str:
@@ -74,7 +70,6 @@ ROLLOUT_COLUMNS = (
     "idx",
     "prompt_id",
     "target",
-    "completion",
     "vote",
     "verifier_reward",
     "true_score",
@@ -82,12 +77,12 @@ ROLLOUT_COLUMNS = (
     "sum_logprob",
     "format_valid",
     "format_state",
-    "completion_ids",
-    "token_logprobs",
-    "control_probs",
+    "n_tokens",
+    "text_rule",
     "facts_id",
     "own_meta",
 )
+DATA_COLUMNS = ("rollout_id", "ids", "logprobs", "control", "text")
 ALERT_COLUMNS = ("run_id", "step", "kind", "series", "message")
 
 
@@ -107,6 +102,14 @@ class _Driver:
 
         self.insert_step = insert("steps", STEP_COLUMNS)
         self.insert_rollouts = insert("rollouts", ROLLOUT_COLUMNS)
+        self.insert_data = insert("rollout_data", DATA_COLUMNS)
+        self.rollout_ids = (
+            f'SELECT "group", idx, id FROM rollouts WHERE run_id = {mark} AND step = {mark}'
+        )
+        self.drop_arrays = (
+            f"UPDATE rollout_data SET logprobs = NULL, control = NULL WHERE rollout_id IN "
+            f"(SELECT id FROM rollouts WHERE run_id = {mark} AND step = {mark})"
+        )
         self.insert_alerts = insert("alerts", ALERT_COLUMNS)
         self.update_run = (
             f"UPDATE runs SET current_step = {biggest}(current_step, {mark}), "
@@ -147,6 +150,9 @@ class _DriverSql:
 
     def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
         self.conn.exec_driver_sql(sql, rows)
+
+    def fetch(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
+        return list(self.conn.exec_driver_sql(sql, params))
 
 
 class Recorder:
@@ -194,9 +200,13 @@ class Recorder:
                 select(AlertRow.id).where(AlertRow.run_id == run_id, AlertRow.step == newest[0])
             )
             self.newest = (newest[1], self._keeps(newest[1], fired is not None))
-        self.tokens_seen = set(
-            conn.scalars(select(RunToken.token_id).where(RunToken.run_id == run_id))
-        )
+        # The run's token texts: what rebuilds a completion's text from its ids.
+        self.token_texts: dict[int, str] = {
+            token_id: text
+            for token_id, text in conn.execute(
+                select(RunToken.token_id, RunToken.text).where(RunToken.run_id == run_id)
+            )
+        }
         self.prompt_ids: dict[str, int] = {}
         self.prompt_shas: dict[str, str] = {}
         self.facts_ids: dict[str, int] = {}
@@ -281,11 +291,7 @@ class Recorder:
         if self.newest is None or self.newest[0] == rollout_step or self.newest[1]:
             return
         old = self.newest[0]
-        conn.execute(
-            update(Rollout)
-            .where(Rollout.run_id == self.run_id, Rollout.step == old)
-            .values(**TOKEN_ARRAYS)
-        )
+        self.driver.cursor(conn).execute(self.driver.drop_arrays, (self.run_id, old))
         conn.execute(
             update(Step)
             .where(Step.run_id == self.run_id, Step.rollout_step == old)
@@ -328,7 +334,9 @@ class Recorder:
             {d: f for d, f in zip(digests, facts, strict=True) if d},
         )
         self._add_tokens(conn, rollouts)
-        ctrl, driver = self.control_tokens, self.driver
+        texts = self.token_texts
+        rules = [arrays.text_rule(r.completion, r.completion_ids, texts) for r in rollouts]
+        driver = self.driver
         cursor = cursor or driver.cursor(conn)
         cursor.executemany(
             driver.insert_rollouts,
@@ -340,7 +348,6 @@ class Recorder:
                     r.index,
                     prompt_ids[p],
                     r.target,
-                    r.completion,
                     r.vote,
                     float(r.verifier_reward),
                     finite(r.true_score),
@@ -348,16 +355,36 @@ class Recorder:
                     _not_nan(r.sum_logprob),
                     bool(r.format_valid),
                     r.format_state,
-                    pack_ints(r.completion_ids),
-                    pack_halves(r.token_logprobs),
-                    pack_half_matrix(
-                        [r.control_probs.get(t) or [0.0] * len(r.completion_ids) for t in ctrl]
-                    ),
+                    len(r.completion_ids),
+                    rule,
                     facts_ids[d] if d else None,
                     driver.json(o or None),
                 )
-                for r, p, d, o in zip(rollouts, prompts, digests, own, strict=True)
+                for r, p, d, o, rule in zip(rollouts, prompts, digests, own, rules, strict=True)
             ],
+        )
+        ids = {(g, i): rid for g, i, rid in cursor.fetch(driver.rollout_ids, (self.run_id, step))}
+        rollout_ids = [ids[(r.group, r.index)] for r in rollouts]
+        ctrl = self.control_tokens
+        cursor.executemany(
+            driver.insert_data,
+            [
+                (
+                    rid,
+                    arrays.encode_ids(r.completion_ids),
+                    arrays.encode_logprobs(r.token_logprobs),
+                    arrays.encode_control(
+                        [r.control_probs.get(t) or () for t in ctrl], len(r.completion_ids)
+                    ),
+                    None if rule is not None else arrays.encode_text(r.completion),
+                )
+                for r, rid, rule in zip(rollouts, rollout_ids, rules, strict=True)
+            ],
+        )
+        search.index_rollouts(
+            conn,
+            run_id=self.run_id,
+            rows=[(rid, r.completion) for r, rid in zip(rollouts, rollout_ids, strict=True)],
         )
 
     def _prompt_sha(self, text: str) -> str:
@@ -382,11 +409,14 @@ class Recorder:
         sha256 → id (a run's few distinct prompts are looked up once, not every step)."""
         missing = {h: v for h, v in wanted.items() if h not in cache}
         if missing:
-            conn.execute(
+            inserted = conn.execute(
                 upsert_insert(conn, model)
                 .values([{"sha256": h, column: v} for h, v in missing.items()])
                 .on_conflict_do_nothing(index_elements=["sha256"])
-            )
+                .returning(model.id, model.sha256)
+            ).all()
+            if model is Prompt:  # new prompts become searchable (not those another run added)
+                search.index_prompts(conn, [(row_id, missing[h]) for row_id, h in inserted])
             rows = conn.execute(select(model.sha256, model.id).where(model.sha256.in_(missing)))
             cache.update({digest: row_id for digest, row_id in rows})
         return cache
@@ -398,7 +428,7 @@ class Recorder:
             if not texts or len(texts) != len(r.completion_ids):
                 continue
             for token_id, text in zip(r.completion_ids, texts, strict=True):
-                if token_id not in self.tokens_seen and token_id not in new:
+                if token_id not in self.token_texts and token_id not in new:
                     new[token_id] = str(text)
         if new:
             conn.execute(
@@ -407,7 +437,7 @@ class Recorder:
                 ),
                 [{"run_id": self.run_id, "token_id": i, "text": t} for i, t in new.items()],
             )
-            self.tokens_seen.update(new)
+            self.token_texts.update(new)
 
 
 def _split_meta(

@@ -17,7 +17,7 @@ from rollout_lens.server.models import (
     utcnow,
 )
 from rollout_lens.server.series import WINDOW
-from rollout_lens.server.store import rollups
+from rollout_lens.server.store import rollups, search
 from sqlalchemy import CursorResult, delete, func, select, update
 from sqlalchemy.orm import Session
 
@@ -200,6 +200,7 @@ def set_checkpoint(session: Session, *, run_id: int, step: int) -> None:
 
 def truncate_after(session: Session, *, run_id: int, step: int) -> None:
     """Delete what was recorded after `step` (before resuming from a checkpoint at `step`)."""
+    search.forget_after(session.connection(), run_id=run_id, step=step)
     for model in (Rollout, Step, AlertRow):
         session.execute(delete(model).where(model.run_id == run_id, model.step > step))
     rollups.forget_after(session, run_id=run_id, step=step)

@@ -1,0 +1,245 @@
+"""How a rollout's per-token data is stored: token ids, logprobs and control-token probabilities
+compressed (zstd), control-token probabilities sparse, and the completion's text rebuilt from its
+ids where that gives it back exactly.
+
+At 512 rollouts × 1,000 tokens a step these arrays are nearly all of a run's bytes, so each is
+coded for its distribution:
+- ids: int32, bytes shuffled (every value's low bytes, then its next bytes…) so zstd sees runs
+  of zero high bytes; exact.
+- logprobs: 1/LOGPROB_SCALE nat steps as uint16 (a probability near 1 is off by at most 1.2e-4,
+  below the 3 decimals the viewer shows), down to LOGPROB_FLOOR; −inf and NaN kept; exact
+  enough that Σ logprob (a float64 column computed at full precision) is never recomputed.
+- control-token probabilities: only the positions where one is at least CONTROL_FLOOR, as
+  uint16 steps of 1/32768; every other position reads back as 0.0 (pages say so). Most of a
+  completion's control-token probabilities are near 0: a row is a few dozen positions.
+- text: where the run's token texts joined by one of TEXT_RULES give the completion back
+  exactly (checked on write), no text is stored; otherwise it is stored zstd-compressed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
+
+import numpy as np
+import zstandard
+
+LOGPROB_SCALE = 4096  # steps per nat
+LOGPROB_FLOOR = -15.0  # p = 3e-7; lower logprobs read back as this
+CONTROL_FLOOR = 1e-3  # control-token probabilities below this are not stored (read back as 0.0)
+_LP_NAN, _LP_NEG_INF = 65535, 65534
+_LP_MAX = int(-LOGPROB_FLOOR * LOGPROB_SCALE)  # 61440 < 65534
+_P_NAN, _P_SCALE = 65535, 32768  # a power of two: 0.5, 0.25… are exact
+_LEVEL = 3  # zstd level: level 3 writes at hundreds of MB/s; higher levels gain a few %
+
+_compressor = zstandard.ZstdCompressor(level=_LEVEL)
+_decompressor = zstandard.ZstdDecompressor()
+
+
+def _shuffle(values: np.ndarray) -> bytes:
+    """Little-endian values → their first bytes, then their second bytes… (zstd-friendly)."""
+    raw = values.astype(values.dtype.newbyteorder("<"), copy=False).view(np.uint8)
+    return raw.reshape(-1, values.dtype.itemsize).T.tobytes()
+
+
+def _unshuffle(data: bytes, dtype: str) -> np.ndarray:
+    kind = np.dtype(dtype).newbyteorder("<")
+    planes = np.frombuffer(data, np.uint8).reshape(kind.itemsize, -1)
+    return planes.T.copy().view(kind).reshape(-1)
+
+
+def _pack(payload: bytes) -> bytes:
+    return _compressor.compress(payload)
+
+
+def _unpack(data: bytes) -> bytes:
+    return _decompressor.decompress(data)
+
+
+# --- ids ---------------------------------------------------------------------------------------
+
+
+def encode_ids(ids: Sequence[int]) -> bytes:
+    """Token ids → compressed bytes (exact)."""
+    return _pack(_shuffle(np.asarray(ids, dtype=np.int32)))
+
+
+def decode_ids(data: bytes | None) -> list[int]:
+    """Compressed bytes → token ids."""
+    if not data:
+        return []
+    values: list[int] = _unshuffle(_unpack(data), "i4").tolist()
+    return values
+
+
+# --- logprobs ----------------------------------------------------------------------------------
+
+
+def encode_logprobs(logprobs: Sequence[float]) -> bytes:
+    """Per-token logprobs → compressed uint16 steps of 1/LOGPROB_SCALE nat."""
+    lp = np.asarray(logprobs, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        steps = np.rint(np.clip(-lp, 0.0, -LOGPROB_FLOOR) * LOGPROB_SCALE)
+    codes = np.where(np.isnan(lp), _LP_NAN, np.where(np.isneginf(lp), _LP_NEG_INF, 0))
+    codes = np.where(codes == 0, np.nan_to_num(steps), codes).astype(np.uint16)
+    return _pack(_shuffle(codes))
+
+
+def decode_logprobs(data: bytes | None) -> list[float]:
+    """Compressed bytes → per-token logprobs (−inf and NaN as they were written)."""
+    if not data:
+        return []
+    codes = _unshuffle(_unpack(data), "u2")
+    values = codes.astype(np.float64) / -LOGPROB_SCALE + 0.0  # + 0.0: no -0.0
+    values[codes == _LP_NEG_INF] = -math.inf
+    values[codes == _LP_NAN] = math.nan
+    out: list[float] = values.tolist()
+    return out
+
+
+# --- control-token probabilities ---------------------------------------------------------------
+
+
+def encode_control(rows: Sequence[Sequence[float]], length: int) -> bytes:
+    """Each control token's probability at each of `length` positions → compressed sparse rows:
+    per row, the count, the positions at or above CONTROL_FLOOR (or NaN) and their values."""
+    matrix = np.zeros((len(rows), length), dtype=np.float64)
+    for i, row in enumerate(rows):
+        given = np.asarray(row[:length], dtype=np.float64)
+        matrix[i, : len(given)] = given
+    keep = ~(matrix < CONTROL_FLOOR)  # NaN is kept
+    parts = [np.array([length], dtype="<u4").tobytes()]
+    for i in range(len(rows)):
+        positions = np.flatnonzero(keep[i]).astype(np.uint32)
+        kept = matrix[i, positions]
+        codes = np.rint(np.clip(np.nan_to_num(kept, nan=0.0), 0.0, 1.0) * _P_SCALE)
+        codes = np.where(np.isnan(kept), _P_NAN, codes).astype(np.uint16)
+        deltas = np.diff(positions, prepend=np.uint32(0)).astype(np.uint32)
+        parts += [
+            np.array([len(positions)], dtype="<u4").tobytes(),
+            _shuffle(deltas),
+            _shuffle(codes),
+        ]
+    return _pack(b"".join(parts))
+
+
+def decode_control(data: bytes | None, n_rows: int) -> list[list[float]]:
+    """Compressed sparse rows → n_rows dense rows (0.0 where nothing was stored)."""
+    if not data or n_rows == 0:
+        return [[] for _ in range(n_rows)]
+    raw = _unpack(data)
+    length = int(np.frombuffer(raw, "<u4", 1, 0)[0])
+    at = 4
+    rows: list[list[float]] = []
+    for _ in range(n_rows):
+        count = int(np.frombuffer(raw, "<u4", 1, at)[0])
+        at += 4
+        deltas = _unshuffle(raw[at : at + 4 * count], "u4")
+        at += 4 * count
+        codes = _unshuffle(raw[at : at + 2 * count], "u2")
+        at += 2 * count
+        dense = np.zeros(length, dtype=np.float64)
+        values = codes.astype(np.float64) / _P_SCALE
+        values[codes == _P_NAN] = math.nan
+        dense[np.cumsum(deltas, dtype=np.int64)] = values
+        rows.append(dense.tolist())
+    return rows
+
+
+# --- text --------------------------------------------------------------------------------------
+
+
+def encode_text(text: str) -> bytes:
+    """A completion's text → compressed bytes (surrogates kept, as the store's text is)."""
+    return _pack(text.encode("utf-8", "surrogatepass"))
+
+
+def decode_text(data: bytes) -> str:
+    return _unpack(data).decode("utf-8", "surrogatepass")
+
+
+@cache
+def _byte_level_table() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet (bytes_to_unicode) inverted, as a str.translate table:
+    character → the one-byte (latin-1) character of the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {c: chr(b) for b, c in zip(printable, chars, strict=True)}
+
+
+def _join(pieces: Sequence[str]) -> str:
+    return "".join(pieces)
+
+
+def _byte_level(pieces: Sequence[str]) -> str:
+    """Byte-level BPE tokens (Qwen, Llama 3, GPT-2: 'Ġword', 'Ċ') → the text they encode
+    (a character outside the alphabet raises: then this is not the rule)."""
+    return "".join(pieces).translate(_byte_level_table()).encode("latin-1").decode("utf-8")
+
+
+def _sentencepiece(pieces: Sequence[str]) -> str:
+    """SentencePiece tokens ('▁word', '<0x0A>') → text, the leading space kept."""
+    out = bytearray()
+    for piece in pieces:
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out.append(int(piece[3:5], 16))
+        else:
+            out += piece.replace("▁", " ").encode("utf-8")
+    return out.decode("utf-8")
+
+
+def _sentencepiece_stripped(pieces: Sequence[str]) -> str:
+    text = _sentencepiece(pieces)
+    return text[1:] if text.startswith(" ") else text
+
+
+# rule id → how token texts become text. A rule also says how many trailing tokens the text
+# leaves out (a special end-of-turn token that decoding skips): text_rule = id + 8 × dropped.
+TEXT_RULES: dict[int, Callable[[Sequence[str]], str]] = {
+    1: _join,
+    2: _byte_level,
+    3: _sentencepiece,
+    4: _sentencepiece_stripped,
+}
+_MAX_DROPPED = 2
+
+
+def text_rule(text: str, ids: Sequence[int], texts: Mapping[int, str]) -> int | None:
+    """The rule that rebuilds `text` exactly from the token texts of `ids`, or None (then the
+    text is stored)."""
+    if not ids or any(i not in texts for i in ids):
+        return None
+    pieces = [texts[i] for i in ids]
+    for dropped in range(min(_MAX_DROPPED, len(pieces) - 1) + 1):
+        kept = pieces[: len(pieces) - dropped]
+        for rule, build in TEXT_RULES.items():
+            try:
+                if build(kept) == text:
+                    return rule + 8 * dropped
+            except (ValueError, UnicodeError):
+                continue
+    return None
+
+
+def rebuild_text(rule: int, ids: Sequence[int], texts: Mapping[int, str]) -> str:
+    """The completion text that `text_rule` said `ids` rebuild."""
+    build, dropped = TEXT_RULES[rule % 8], rule // 8
+    kept = ids[: len(ids) - dropped] if dropped else ids
+    return build([texts[i] for i in kept])
+
+
+def completion(
+    rule: int | None, ids: bytes | None, text: bytes | None, texts: Mapping[int, str]
+) -> str:
+    """A stored completion's text: rebuilt from its ids by `rule`, else its stored text."""
+    if rule is not None:
+        return rebuild_text(rule, decode_ids(ids), texts)
+    return decode_text(text) if text is not None else ""

@@ -1,0 +1,165 @@
+"""Full-text search of completions and prompts, by the databases' own engines.
+
+SQLite: an FTS5 table per run (`rollout_fts_<run id>`, contentless: it holds the index, not the
+text, which the rollout's ids already hold), created with the run's first rollouts and dropped
+with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `rollout_search` holds each
+rollout's words as a stripped tsvector under a GIN index; prompts have a GIN expression index.
+
+Both engines see the same words: runs of letters and digits, lower-cased (`_` and every other
+character separates words), in the first SEARCH_CHARS characters of a text. A query is up to
+MAX_WORDS words, all of which must appear; a word ending in `*` matches as a prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from rollout_lens.server.errors import InvalidInput
+from rollout_lens.server.store.arrays import completion
+from sqlalchemy import Connection, text
+
+SEARCH_CHARS = 200_000  # a longer completion is searchable in its first 200,000 characters
+MAX_WORDS = 16
+_WORD = re.compile(r"[^\W_]+(\*?)")
+_SEPARATORS = re.compile(r"[\W_]+")
+_TOKENIZER = "unicode61 remove_diacritics 0"
+PG_PROMPT_WORDS = (
+    "to_tsvector('simple', regexp_replace(left(text, 200000), '[^[:alnum:]]+', ' ', 'g'))"
+)
+
+
+def fts_table(run_id: int) -> str:
+    """The SQLite FTS5 table of one run's completions."""
+    return f"rollout_fts_{int(run_id)}"
+
+
+def words(text_: str) -> str:
+    """The words search sees in a text, space-separated (what PostgreSQL's parser is given)."""
+    return _SEPARATORS.sub(" ", text_[:SEARCH_CHARS]).strip()
+
+
+def parse_query(q: str) -> list[tuple[str, bool]]:
+    """`q` → its words (lower-cased) and whether each is a prefix; refuses an empty or long one."""
+    found = [(m.group(0).rstrip("*").lower(), bool(m.group(1))) for m in _WORD.finditer(q)]
+    if not found:
+        raise InvalidInput("q: give at least one word (letters or digits) to search for")
+    if len(found) > MAX_WORDS:
+        raise InvalidInput(f"q: at most {MAX_WORDS} words, got {len(found)}")
+    return found
+
+
+def fts5_query(terms: Sequence[tuple[str, bool]]) -> str:
+    """Terms → an FTS5 MATCH expression: each quoted (no operator can be smuggled in), ANDed."""
+    return " ".join(f'"{word}"' + ("*" if prefix else "") for word, prefix in terms)
+
+
+def tsquery(terms: Sequence[tuple[str, bool]]) -> str:
+    """Terms → a to_tsquery('simple', …) text: words are letters and digits only, so safe."""
+    return " & ".join(word + (":*" if prefix else "") for word, prefix in terms)
+
+
+def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, str]]) -> None:
+    """Index (rollout id, completion text) pairs of one run."""
+    if not rows:
+        return
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            "INSERT INTO rollout_search (rollout_id, doc) "
+            "VALUES (%s, strip(to_tsvector('simple', %s)))",
+            [(rollout_id, words(t)) for rollout_id, t in rows],
+        )
+        return
+    table = fts_table(run_id)
+    conn.exec_driver_sql(
+        f"CREATE VIRTUAL TABLE IF NOT EXISTS {table} USING fts5("
+        f"text, content='', detail=none, tokenize='{_TOKENIZER}')"
+    )
+    conn.exec_driver_sql(
+        f"INSERT INTO {table} (rowid, text) VALUES (?, ?)",
+        [(rollout_id, t[:SEARCH_CHARS]) for rollout_id, t in rows],
+    )
+
+
+def index_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
+    """Index new prompts (PostgreSQL's expression index needs nothing)."""
+    if rows and conn.dialect.name != "postgresql":
+        conn.exec_driver_sql(
+            "INSERT INTO prompt_fts (rowid, text) VALUES (?, ?)",
+            [(prompt_id, t[:SEARCH_CHARS]) for prompt_id, t in rows],
+        )
+
+
+def forget_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
+    """Take prompts about to be deleted out of the index (SQLite needs their text to do so)."""
+    if rows and conn.dialect.name != "postgresql":
+        conn.exec_driver_sql(
+            "INSERT INTO prompt_fts (prompt_fts, rowid, text) VALUES ('delete', ?, ?)",
+            [(prompt_id, t[:SEARCH_CHARS]) for prompt_id, t in rows],
+        )
+
+
+def forget_after(conn: Connection, *, run_id: int, step: int) -> None:
+    """Take a run's rollouts after `step` out of its index, before they are deleted (a resume
+    from a checkpoint): SQLite's contentless index needs each text to remove it."""
+    if conn.dialect.name == "postgresql" or not has_index(conn, run_id=run_id):
+        return
+    rows = conn.exec_driver_sql(
+        "SELECT r.id, r.text_rule, d.ids, d.text FROM rollouts r "
+        "JOIN rollout_data d ON d.rollout_id = r.id WHERE r.run_id = ? AND r.step > ?",
+        (run_id, step),
+    ).all()
+    if not rows:
+        return
+    texts: dict[int, str] = dict(
+        conn.exec_driver_sql(
+            "SELECT token_id, text FROM run_tokens WHERE run_id = ?", (run_id,)
+        ).all()
+    )
+    table = fts_table(run_id)
+    conn.exec_driver_sql(
+        f"INSERT INTO {table} ({table}, rowid, text) VALUES ('delete', ?, ?)",
+        [
+            (rid, completion(rule, ids, text_, texts)[:SEARCH_CHARS])
+            for rid, rule, ids, text_ in rows
+        ],
+    )
+
+
+def drop_run(conn: Connection, *, run_id: int) -> None:
+    """A deleted run's index goes with it (PostgreSQL's rows cascade with the rollouts)."""
+    if conn.dialect.name != "postgresql":
+        conn.exec_driver_sql(f"DROP TABLE IF EXISTS {fts_table(run_id)}")
+
+
+def has_index(conn: Connection, *, run_id: int) -> bool:
+    """Whether the run has completions indexed (SQLite: its FTS table exists)."""
+    if conn.dialect.name == "postgresql":
+        return True
+    found = conn.execute(
+        text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :name"),
+        {"name": fts_table(run_id)},
+    ).first()
+    return found is not None
+
+
+def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, str]]:
+    """A SQL condition on a rollouts row aliased `r` that holds when its completion or its
+    prompt has every word of `q`, with its parameters."""
+    terms = parse_query(q)
+    if conn.dialect.name == "postgresql":
+        return (
+            "(r.id IN (SELECT rollout_id FROM rollout_search "
+            "WHERE doc @@ to_tsquery('simple', :search)) "
+            "OR r.prompt_id IN (SELECT id FROM prompts "
+            f"WHERE {PG_PROMPT_WORDS} @@ to_tsquery('simple', :search)))",
+            {"search": tsquery(terms)},
+        )
+    prompts = "r.prompt_id IN (SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :search)"
+    if not has_index(conn, run_id=run_id):
+        return f"({prompts})", {"search": fts5_query(terms)}
+    table = fts_table(run_id)
+    return (
+        f"(r.id IN (SELECT rowid FROM {table} WHERE {table} MATCH :search) OR {prompts})",
+        {"search": fts5_query(terms)},
+    )
