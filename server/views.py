@@ -15,7 +15,7 @@ from rollout_lens.server import charts, figures, viewer
 from rollout_lens.server import series as vocab
 from rollout_lens.server.errors import NotFound
 from rollout_lens.server.models import ACTIVE_STATUSES
-from rollout_lens.server.queries import MAX_RUNS_PER_PAGE, RUNS_PER_PAGE
+from rollout_lens.server.queries import MAX_RUNS_PER_PAGE, RUNS_PER_PAGE, RolloutQuery
 
 Url = Callable[..., str]  # route name and path params → path
 
@@ -173,4 +173,82 @@ def compare_page(data: dict[str, Any], url: Url) -> dict[str, Any]:
         "colors": colors,
         "page": page,
         "eval_columns": [(n, label) for n, label in EVAL_COLUMNS if n in evaluated],
+    }
+
+
+# --- rollout explorer ---------------------------------------------------------------------------
+
+EXPLORER_COLUMNS = (  # (sort key, header, numeric)
+    ("step", "Step", True),
+    ("group", "Group", True),
+    ("index", "#", True),
+    ("vote", "Vote", False),
+    ("target", "Target", False),
+    ("reward", "Reward", True),
+    ("true_score", "True", True),
+    ("advantage", "Adv.", True),
+    ("abs_advantage", "|Adv.|", True),
+    ("sum_logprob", "Σ logprob", True),
+    ("length", "Tokens", True),
+    ("state", "State", False),
+)
+
+
+def _explorer_url(path: str, filters: dict[str, Any], **changes: Any) -> str:
+    params = {k: v for k, v in (filters | changes).items() if v not in (None, "", False)}
+    params = {k: ("1" if v is True else v) for k, v in params.items()}
+    return f"{path}?{urlencode(params)}" if params else path
+
+
+def explorer_urls(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, Any]:
+    """The explorer's data with each row's links (its step, group and rollout) and the next
+    page's URL."""
+    for row in data["rollouts"]:
+        step = url("step_page", run_id=run_id, step=row["step"])
+        row["step_url"] = step
+        row["group_url"] = f"{step}?group={row['group']}"
+        row["rollout_url"] = f"{step}?group={row['group']}#r{row['index']}"
+    filters = data["filters"]
+    data["next_url"] = (
+        None
+        if data["next"] is None
+        else _explorer_url(url("list_rollouts", run_id=run_id), filters, after=data["next"])
+    )
+    return data
+
+
+def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, Any]:
+    """The explorer page: its rows, the filter form's values, sort links that keep the filters,
+    the next page and the JSON twin."""
+    data = explorer_urls(data, url, run_id=run_id)
+    path = url("explorer_page", run_id=run_id)
+    filters = data["filters"]
+    sort, order = filters.get("sort", "step"), filters.get("order", "asc")
+    headers = [
+        {
+            "key": key,
+            "label": label,
+            "numeric": numeric,
+            "active": key == sort,
+            "order": order if key == sort else None,
+            "url": _explorer_url(
+                path, filters, sort=key, order="desc" if key == sort and order == "asc" else "asc"
+            ),
+        }
+        for key, label, numeric in EXPLORER_COLUMNS
+    ]
+    return {
+        "run": data["run"],
+        "rows": data["rollouts"],
+        "total": data["total"],
+        "total_capped": data["total_capped"],
+        "f": dict.fromkeys(RolloutQuery.model_fields) | RolloutQuery().filters() | filters,
+        "headers": headers,
+        "first_url": _explorer_url(path, filters),
+        "next_page_url": None
+        if data["next"] is None
+        else _explorer_url(path, filters, after=data["next"]),
+        "json_url": _explorer_url(url("list_rollouts", run_id=run_id), filters),
+        "run_url": url("run_page", run_id=run_id),
+        "path": path,
     }

@@ -18,6 +18,7 @@ from rollout_lens.server.queries.compare_page import (
     compare,
     last_values,
 )
+from rollout_lens.server.queries.explorer import RolloutQuery, explore
 from rollout_lens.server.queries.run_page import (
     alerts,
     bucket_means,
@@ -46,6 +47,8 @@ from rollout_lens.server.queries.step_page import (
 )
 
 __all__ = [
+    "RolloutQuery",
+    "explore",
     "COMPARE_BANDS",
     "COMPARE_POINTS",
     "MAX_RUNS_PER_PAGE",

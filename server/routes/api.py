@@ -176,6 +176,22 @@ def list_presets() -> DataResponse:
     return DataResponse(launch.presets_data())
 
 
+@router.get("/runs/{run_id}/rollouts", response_class=DataResponse)
+def list_rollouts(
+    request: Request,
+    session: SessionDep,
+    run_id: RunId,
+    query: Annotated[queries.RolloutQuery, Query()],
+) -> DataResponse:
+    """A run's rollouts across steps, filtered (steps, group, state, format, vote, target,
+    reward / true score / advantage / length ranges, verifier ≠ truth, alert steps), searched
+    (`q`: words in completion or prompt, by the database's full-text index) and sorted, a page
+    at a time: pass `next` back as `after`. `total` stops counting at 100,000
+    (`total_capped`). Each row links to its step, group and rollout."""
+    data = queries.explore(session, run_id=run_id, query=query)
+    return DataResponse(views.explorer_urls(data, _url(request), run_id=run_id))
+
+
 @router.get("/runs/{run_id}/steps/{step}", response_class=DataResponse)
 def get_step(session: SessionDep, run_id: RunId, step: StepNo) -> DataResponse:
     """One step: its metrics, groups, vote histograms and rollouts with per-token arrays."""

@@ -75,6 +75,18 @@ def run_page(
     return render(request, "run.html", context)
 
 
+@router.get("/runs/{run_id}/rollouts", name="explorer_page")
+def explorer_page(
+    request: Request,
+    session: SessionDep,
+    run_id: RunId,
+    query: Annotated[queries.RolloutQuery, Query()],
+) -> HTMLResponse:
+    """The rollout explorer: a run's rollouts across steps, filtered, searched and sorted."""
+    data = queries.explore(session, run_id=run_id, query=query)
+    return render(request, "explorer.html", views.explorer_page(data, _url(request), run_id=run_id))
+
+
 @router.get("/runs/{run_id}/steps", name="step_jump")
 def step_jump(
     request: Request, session: SessionDep, run_id: RunId, step: OptionalStep = None

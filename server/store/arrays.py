@@ -19,8 +19,11 @@ coded for its distribution:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
+from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 import zstandard
@@ -57,7 +60,49 @@ def _unpack(data: bytes) -> bytes:
     return _decompressor.decompress(data)
 
 
-# --- ids ---------------------------------------------------------------------------------------
+def _floats(rows: Iterable[Iterable[float]]) -> np.ndarray:
+    """Many lists of floats → one float64 array (array('d') reads Python floats in C)."""
+    try:
+        return np.frombuffer(array("d", chain.from_iterable(rows)), dtype=np.float64)
+    except TypeError:  # None or another non-number: NaN, as a chart would show it
+        values = [float(x) if isinstance(x, (int, float)) else math.nan for row in rows for x in row]
+        return np.asarray(values, dtype=np.float64)
+
+
+def _logprob_codes(lp: np.ndarray) -> np.ndarray:
+    """Logprobs → uint16 steps of 1/LOGPROB_SCALE nat (NaN and −inf have codes of their own)."""
+    with np.errstate(invalid="ignore"):
+        steps = np.rint(np.clip(-lp, 0.0, -LOGPROB_FLOOR) * LOGPROB_SCALE)
+    codes = np.nan_to_num(steps).astype(np.uint16)
+    codes[np.isneginf(lp)] = _LP_NEG_INF
+    codes[np.isnan(lp)] = _LP_NAN
+    return codes
+
+
+def _probability_codes(p: np.ndarray) -> np.ndarray:
+    """Probabilities → uint16 steps of 1/_P_SCALE (NaN has a code of its own)."""
+    codes = np.rint(np.clip(np.nan_to_num(p, nan=0.0), 0.0, 1.0) * _P_SCALE).astype(np.uint16)
+    codes[np.isnan(p)] = _P_NAN
+    return codes
+
+
+def _sparse(rows: np.ndarray, codes: np.ndarray) -> bytes:
+    """A (rows × length) matrix and its codes → the sparse layout, compressed."""
+    length = rows.shape[1]
+    keep = ~(rows < CONTROL_FLOOR)  # NaN is kept
+    parts = [np.array([length], dtype="<u4").tobytes()]
+    for i in range(rows.shape[0]):
+        positions = np.flatnonzero(keep[i]).astype(np.uint32)
+        deltas = np.diff(positions, prepend=np.uint32(0)).astype(np.uint32)
+        parts += [
+            np.array([len(positions)], dtype="<u4").tobytes(),
+            _shuffle(deltas),
+            _shuffle(codes[i, positions]),
+        ]
+    return _pack(b"".join(parts))
+
+
+# --- ids, logprobs, control-token probabilities ------------------------------------------------
 
 
 def encode_ids(ids: Sequence[int]) -> bytes:
@@ -73,17 +118,9 @@ def decode_ids(data: bytes | None) -> list[int]:
     return values
 
 
-# --- logprobs ----------------------------------------------------------------------------------
-
-
 def encode_logprobs(logprobs: Sequence[float]) -> bytes:
     """Per-token logprobs → compressed uint16 steps of 1/LOGPROB_SCALE nat."""
-    lp = np.asarray(logprobs, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        steps = np.rint(np.clip(-lp, 0.0, -LOGPROB_FLOOR) * LOGPROB_SCALE)
-    codes = np.where(np.isnan(lp), _LP_NAN, np.where(np.isneginf(lp), _LP_NEG_INF, 0))
-    codes = np.where(codes == 0, np.nan_to_num(steps), codes).astype(np.uint16)
-    return _pack(_shuffle(codes))
+    return _pack(_shuffle(_logprob_codes(_floats([logprobs]))))
 
 
 def decode_logprobs(data: bytes | None) -> list[float]:
@@ -98,30 +135,50 @@ def decode_logprobs(data: bytes | None) -> list[float]:
     return out
 
 
-# --- control-token probabilities ---------------------------------------------------------------
+def _fit(row: Sequence[float], length: int) -> Sequence[float]:
+    """A control-token row cut or padded (with 0.0) to the completion's length."""
+    if len(row) == length:
+        return row
+    return [*row[:length], *[0.0] * (length - len(row))]
 
 
 def encode_control(rows: Sequence[Sequence[float]], length: int) -> bytes:
     """Each control token's probability at each of `length` positions → compressed sparse rows:
     per row, the count, the positions at or above CONTROL_FLOOR (or NaN) and their values."""
-    matrix = np.zeros((len(rows), length), dtype=np.float64)
-    for i, row in enumerate(rows):
-        given = np.asarray(row[:length], dtype=np.float64)
-        matrix[i, : len(given)] = given
-    keep = ~(matrix < CONTROL_FLOOR)  # NaN is kept
-    parts = [np.array([length], dtype="<u4").tobytes()]
-    for i in range(len(rows)):
-        positions = np.flatnonzero(keep[i]).astype(np.uint32)
-        kept = matrix[i, positions]
-        codes = np.rint(np.clip(np.nan_to_num(kept, nan=0.0), 0.0, 1.0) * _P_SCALE)
-        codes = np.where(np.isnan(kept), _P_NAN, codes).astype(np.uint16)
-        deltas = np.diff(positions, prepend=np.uint32(0)).astype(np.uint32)
-        parts += [
-            np.array([len(positions)], dtype="<u4").tobytes(),
-            _shuffle(deltas),
-            _shuffle(codes),
-        ]
-    return _pack(b"".join(parts))
+    matrix = _floats([_fit(row, length) for row in rows]).reshape(len(rows), length)
+    return _sparse(matrix, _probability_codes(matrix))
+
+
+def encode_rollouts(
+    ids: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    control: Sequence[Sequence[Sequence[float]]],
+) -> list[tuple[bytes, bytes, bytes]]:
+    """Many rollouts' (ids, logprobs, control-token rows) → their three blobs each, as
+    encode_ids, encode_logprobs and encode_control write them: the numbers are converted and
+    quantized for the whole batch at once (per rollout it cost more than the database write)."""
+    lengths = [len(x) for x in ids]
+    lp_lengths = [len(x) for x in logprobs]
+    lp_codes = _logprob_codes(_floats(logprobs))
+    n_rows = len(control[0]) if control else 0
+    fitted = [_fit(row, n) for rows, n in zip(control, lengths, strict=True) for row in rows]
+    values = _floats(fitted)
+    codes = _probability_codes(values)
+    out: list[tuple[bytes, bytes, bytes]] = []
+    at = lp_at = 0
+    for i, n in enumerate(lengths):
+        width = n_rows * n
+        matrix = values[at : at + width].reshape(n_rows, n)
+        out.append(
+            (
+                encode_ids(ids[i]),
+                _pack(_shuffle(lp_codes[lp_at : lp_at + lp_lengths[i]])),
+                _sparse(matrix, codes[at : at + width].reshape(n_rows, n)),
+            )
+        )
+        at += width
+        lp_at += lp_lengths[i]
+    return out
 
 
 def decode_control(data: bytes | None, n_rows: int) -> list[list[float]]:
@@ -215,9 +272,12 @@ _MAX_DROPPED = 2
 def text_rule(text: str, ids: Sequence[int], texts: Mapping[int, str]) -> int | None:
     """The rule that rebuilds `text` exactly from the token texts of `ids`, or None (then the
     text is stored)."""
-    if not ids or any(i not in texts for i in ids):
+    if not ids:
         return None
-    pieces = [texts[i] for i in ids]
+    try:
+        pieces = list(itemgetter(*ids)(texts)) if len(ids) > 1 else [texts[ids[0]]]
+    except KeyError:
+        return None
     for dropped in range(min(_MAX_DROPPED, len(pieces) - 1) + 1):
         kept = pieces[: len(pieces) - dropped]
         for rule, build in TEXT_RULES.items():
@@ -243,3 +303,22 @@ def completion(
     if rule is not None:
         return rebuild_text(rule, decode_ids(ids), texts)
     return decode_text(text) if text is not None else ""
+
+
+def preview(rule: int, pieces: Sequence[str]) -> str:
+    """The text the first pieces of a completion make under `rule` (a head: the cut may fall
+    inside a character, whose pieces are then left out)."""
+    build = TEXT_RULES[rule % 8]
+    for cut in range(min(4, len(pieces)) + 1):
+        try:
+            return build(pieces[: len(pieces) - cut])
+        except (ValueError, UnicodeError):
+            continue
+    return ""
+
+
+def text_head(data: bytes, n_chars: int) -> str:
+    """The first n_chars characters of a stored text, decompressing no more than needed."""
+    with _decompressor.stream_reader(data) as reader:
+        raw = reader.read(4 * n_chars)
+    return raw.decode("utf-8", "ignore")[:n_chars]

@@ -366,19 +366,16 @@ class Recorder:
         ids = {(g, i): rid for g, i, rid in cursor.fetch(driver.rollout_ids, (self.run_id, step))}
         rollout_ids = [ids[(r.group, r.index)] for r in rollouts]
         ctrl = self.control_tokens
+        blobs = arrays.encode_rollouts(
+            [r.completion_ids for r in rollouts],
+            [r.token_logprobs for r in rollouts],
+            [[r.control_probs.get(t) or () for t in ctrl] for r in rollouts],
+        )
         cursor.executemany(
             driver.insert_data,
             [
-                (
-                    rid,
-                    arrays.encode_ids(r.completion_ids),
-                    arrays.encode_logprobs(r.token_logprobs),
-                    arrays.encode_control(
-                        [r.control_probs.get(t) or () for t in ctrl], len(r.completion_ids)
-                    ),
-                    None if rule is not None else arrays.encode_text(r.completion),
-                )
-                for r, rid, rule in zip(rollouts, rollout_ids, rules, strict=True)
+                (rid, *blob, None if rule is not None else arrays.encode_text(r.completion))
+                for r, rid, rule, blob in zip(rollouts, rollout_ids, rules, blobs, strict=True)
             ],
         )
         search.index_rollouts(
@@ -422,14 +419,19 @@ class Recorder:
         return cache
 
     def _add_tokens(self, conn: Connection, rollouts: Sequence[RolloutRecord]) -> None:
+        """Store the text of each token id not seen before in this run (the first text given
+        for an id is its text)."""
+        known = self.token_texts
         new: dict[int, str] = {}
         for r in rollouts:
             texts = r.tokens if r.tokens is not None else r.meta.get("tokens")
             if not texts or len(texts) != len(r.completion_ids):
                 continue
-            for token_id, text in zip(r.completion_ids, texts, strict=True):
-                if token_id not in self.token_texts and token_id not in new:
-                    new[token_id] = str(text)
+            unseen = {i for i in set(r.completion_ids) if i not in known and i not in new}
+            if unseen:
+                for token_id, text in zip(r.completion_ids, texts, strict=True):
+                    if token_id in unseen and token_id not in new:
+                        new[token_id] = str(text)
         if new:
             conn.execute(
                 upsert_insert(conn, RunToken).on_conflict_do_nothing(
@@ -437,7 +439,7 @@ class Recorder:
                 ),
                 [{"run_id": self.run_id, "token_id": i, "text": t} for i, t in new.items()],
             )
-            self.token_texts.update(new)
+            known.update(new)
 
 
 def _split_meta(
