@@ -192,8 +192,25 @@ class Rollout(Base):
     its per-token arrays are in RolloutData."""
 
     __tablename__ = "rollouts"
-    # The unique constraint doubles as the index for "all rollouts of run R at step S".
-    __table_args__ = (UniqueConstraint("run_id", "step", "group", "idx"),)
+    # The unique constraint doubles as the index for "all rollouts of run R at step S"; the
+    # explorer filters and sorts a run's rollouts by the other indexed columns.
+    __table_args__ = (
+        UniqueConstraint("run_id", "step", "group", "idx"),
+        *(
+            Index(f"ix_rollouts_run_id_{column}", "run_id", column)
+            for column in (
+                "format_state",
+                "format_valid",
+                "vote",
+                "target",
+                "verifier_reward",
+                "true_score",
+                "advantage",
+                "n_tokens",
+                "disagree",
+            )
+        ),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
@@ -209,6 +226,8 @@ class Rollout(Base):
     sum_logprob: Mapped[float | None] = mapped_column(Float)  # None: NaN (a NaN logprob)
     format_valid: Mapped[bool] = mapped_column(Boolean)
     format_state: Mapped[str | None] = mapped_column(String(32))
+    # server.records.disagrees(verifier_reward, true_score), kept so that it can be filtered on.
+    disagree: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # The completion's length in tokens, and how its text comes back (server.store.arrays):
     # a TEXT_RULES id when the run's token texts of its ids rebuild it exactly, else NULL and
     # the text is in RolloutData.text.

@@ -7,6 +7,19 @@ from typing import Any
 
 from rollout_lens.server.textsafe import storable, storable_value
 
+# A verifier reward at or above this counts as "the verifier says right", and a true score at
+# or above it as right (true scores are 0/1): a rollout where the two fall on different sides is
+# one where the verifier and the truth disagree.
+DISAGREE_AT = 0.5
+
+
+def disagrees(verifier_reward: float | None, true_score: float | None) -> bool:
+    """Whether the verifier and the truth disagree about a rollout (never when truth is unknown)."""
+    if verifier_reward is None or true_score is None or true_score != true_score:
+        return False
+    return (verifier_reward >= DISAGREE_AT) != (true_score >= DISAGREE_AT)
+
+
 # RolloutRecord's text fields: made storable whenever they are set (server.textsafe); the store
 # writes meta and token texts as JSON itself, past the engine's serializer.
 _TEXT_FIELDS = frozenset({"prompt", "completion", "vote", "target", "format_state"})

@@ -30,6 +30,17 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 BATCH = 1000
+_INDEXED = (
+    "format_state",
+    "format_valid",
+    "vote",
+    "target",
+    "verifier_reward",
+    "true_score",
+    "advantage",
+    "n_tokens",
+    "disagree",
+)
 _Z = zstandard.ZstdCompressor(level=3)
 _SEARCH_CHARS = 200_000
 _TOKENIZER = "unicode61 remove_diacritics 0"
@@ -59,6 +70,9 @@ def upgrade() -> None:
     with op.batch_alter_table("rollouts", schema=None) as batch_op:
         batch_op.add_column(sa.Column("n_tokens", sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column("text_rule", sa.Integer(), nullable=True))
+        batch_op.add_column(
+            sa.Column("disagree", sa.Boolean(), server_default=sa.false(), nullable=False)
+        )
     if postgres:
         op.execute(
             "CREATE TABLE rollout_search (rollout_id INTEGER PRIMARY KEY "
@@ -78,10 +92,20 @@ def upgrade() -> None:
         tokens = control_tokens if isinstance(control_tokens, list) else json.loads(control_tokens or "[]")
         _move_rollouts(conn, run_id, len(tokens), postgres)
 
+    # Verifier and truth disagree: on different sides of 0.5 (server.records.disagrees in 0006).
+    op.execute(
+        "UPDATE rollouts SET disagree = (true_score IS NOT NULL AND "
+        "((verifier_reward >= 0.5 AND true_score < 0.5) OR (verifier_reward < 0.5 AND true_score >= 0.5)))"
+    )
+    for column in _INDEXED:
+        op.create_index(f"ix_rollouts_run_id_{column}", "rollouts", ["run_id", column])
     # Native DROP COLUMN (SQLite 3.35+): batch mode would copy the table and drop the old one,
     # which deletes every rollout_data row through the foreign key's cascade.
     for column in ("completion", "completion_ids", "token_logprobs", "control_probs"):
         op.execute(f"ALTER TABLE rollouts DROP COLUMN {column}")
+    if not postgres:  # the explorer's plans need the statistics (the recorder keeps them fresh)
+        op.execute("PRAGMA analysis_limit = 2000")
+        op.execute("ANALYZE rollouts")
 
 
 def _move_rollouts(conn: sa.Connection, run_id: int, n_control: int, postgres: bool) -> None:

@@ -17,19 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollout_lens.server import store
 from rollout_lens.server.errors import InvalidInput
 from rollout_lens.server.models import Prompt, Rollout
-
 from rollout_lens.server.store import arrays, search
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 MAX_PAGE = 200
+WALK_FROM = 20_000  # past this many matches, a page walks the sort order instead of sorting them
 MAX_ID = 2**31 - 1  # server.params.MAX_ID (params imports queries)
 COUNT_CAP = 100_000  # totals past this read "100,000+": counting millions of rows is not a page
 HEAD_TOKENS = 96  # a row's completion head: its first tokens
 HEAD_CHARS = 240
-# A verifier reward at or above this counts as "the verifier says right"; a true score at or
-# above it as right (scores are 0/1): the two disagree when they fall on different sides.
-DISAGREE_AT = 0.5
 
 # sort key → SQL expression on the rollouts row `r`
 SORTS: dict[str, str] = {
@@ -60,6 +57,9 @@ Sort = Literal[
     "target",
     "state",
 ]
+# Sort columns that can be NULL: NULLs sort first going up and last going down (SQLite's order,
+# which its indexes keep; PostgreSQL is told so).
+NULLABLE = frozenset({"true_score", "sum_logprob", "length", "vote", "target", "state"})
 _STEPS = re.compile(r"^\s*(\d*)\s*:\s*(\d*)\s*$|^\s*(\d+)\s*$")
 Number = Annotated[float | None, Field(ge=-1e300, le=1e300)]
 
@@ -149,17 +149,14 @@ class _Cursor:
         return found
 
 
-def disagrees(verifier_reward: float | None, true_score: float | None) -> bool:
-    """Whether the verifier and the truth disagree about a rollout (None: truth unknown)."""
-    if verifier_reward is None or true_score is None:
-        return False
-    return (verifier_reward >= DISAGREE_AT) != (true_score >= DISAGREE_AT)
-
-
 def _where(
-    session: Session, run_id: int, query: RolloutQuery
+    session: Session, run_id: int, query: RolloutQuery, *, walk: bool = False
 ) -> tuple[list[str], dict[str, Any]]:
+    """The filters as SQL on rollouts `r`. With `walk`, SQLite is kept from answering the
+    filters through their indexes (a unary + on the column), so that it walks the sort order's
+    index and stops at the page's end: right when most rows match, as the count just said."""
     clauses, params = ["r.run_id = :run"], {"run": run_id}
+    hint = "+" if walk and session.get_bind().dialect.name == "sqlite" else ""
 
     def add(clause: str, **values: Any) -> None:
         clauses.append(clause)
@@ -173,13 +170,13 @@ def _where(
     if query.group is not None:
         add('r."group" = :group', group=query.group)
     if query.state is not None:
-        add("r.format_state = :state", state=query.state)
+        add(f"{hint}r.format_state = :state", state=query.state)
     if query.format_valid is not None:
-        add("r.format_valid = :format_valid", format_valid=query.format_valid)
+        add(f"{hint}r.format_valid = :format_valid", format_valid=query.format_valid)
     if query.vote is not None:
-        add("r.vote = :vote", vote=query.vote)
+        add(f"{hint}r.vote = :vote", vote=query.vote)
     if query.target is not None:
-        add("r.target = :target", target=query.target)
+        add(f"{hint}r.target = :target", target=query.target)
     for column, name, op in (
         ("r.verifier_reward", "reward_min", ">="),
         ("r.verifier_reward", "reward_max", "<="),
@@ -192,13 +189,9 @@ def _where(
     ):
         value = getattr(query, name)
         if value is not None:
-            add(f"{column} {op} :{name}", **{name: value})
+            add(f"{hint}{column} {op} :{name}", **{name: value})
     if query.disagree:
-        add(
-            "r.true_score IS NOT NULL AND ((r.verifier_reward >= :cut AND r.true_score < :cut) "
-            "OR (r.verifier_reward < :cut AND r.true_score >= :cut))",
-            cut=DISAGREE_AT,
-        )
+        add(f"{hint}r.disagree = :disagree", disagree=True)
     if query.alert:
         add(
             "r.step IN (SELECT s.rollout_step FROM steps s JOIN alerts a "
@@ -211,17 +204,26 @@ def _where(
 
 
 def _after(query: RolloutQuery, cursor: _Cursor, params: dict[str, Any]) -> str:
-    """Rows past `cursor` in (value IS NULL, value, id) order, NULLs last either way."""
+    """Rows past `cursor` in (value, id) order, NULLs first going up and last going down."""
     column = SORTS[query.sort]
-    further, op = (">", ">") if query.order == "asc" else ("<", "<")
+    op = ">" if query.order == "asc" else "<"
     params["cursor_id"] = cursor.id
     if cursor.is_null:
-        return f"({column} IS NULL AND r.id {op} :cursor_id)"
+        tail = f"({column} IS NULL AND r.id {op} :cursor_id)"
+        return f"({tail} OR {column} IS NOT NULL)" if query.order == "asc" else tail
     params["cursor_value"] = cursor.value
-    return (
-        f"({column} IS NOT NULL AND ({column} {further} :cursor_value "
-        f"OR ({column} = :cursor_value AND r.id {op} :cursor_id)) OR {column} IS NULL)"
-    )
+    past = f"({column} {op} :cursor_value OR ({column} = :cursor_value AND r.id {op} :cursor_id))"
+    if query.sort in NULLABLE and query.order == "desc":
+        return f"({past} OR {column} IS NULL)"
+    return past
+
+
+def _order_by(session: Session, query: RolloutQuery) -> str:
+    column, direction = SORTS[query.sort], query.order.upper()
+    nulls = ""
+    if query.sort in NULLABLE and session.get_bind().dialect.name == "postgresql":
+        nulls = " NULLS FIRST" if query.order == "asc" else " NULLS LAST"
+    return f"{column} {direction}{nulls}, r.id {direction}"
 
 
 def explore(session: Session, *, run_id: int, query: RolloutQuery) -> dict[str, Any]:
@@ -234,16 +236,14 @@ def explore(session: Session, *, run_id: int, query: RolloutQuery) -> dict[str, 
         text(f"SELECT count(*) FROM (SELECT 1 FROM rollouts r WHERE {where} LIMIT :cap) AS m"),
         params | {"cap": COUNT_CAP + 1},
     ).scalar_one()
+    if counted > WALK_FROM and query.sort not in NULLABLE:
+        clauses, params = _where(session, run_id, query, walk=True)
     if query.after is not None:
         clauses.append(_after(query, _Cursor.decode(query.after, query), params))
-    column = SORTS[query.sort]
-    direction = query.order.upper()
     rows = session.execute(
         text(
-            f"SELECT r.id, {column} AS sort_value FROM rollouts r "
-            f"WHERE {' AND '.join(clauses)} "
-            f"ORDER BY ({column} IS NULL), {column} {direction}, r.id {direction} "
-            "LIMIT :limit"
+            f"SELECT r.id, {SORTS[query.sort]} AS sort_value FROM rollouts r "
+            f"WHERE {' AND '.join(clauses)} ORDER BY {_order_by(session, query)} LIMIT :limit"
         ),
         params | {"limit": query.limit + 1},
     ).all()
@@ -298,7 +298,7 @@ def _rows(session: Session, run_id: int, ids: list[int]) -> list[dict[str, Any]]
                 "format_valid": r.format_valid,
                 "format_state": r.format_state,
                 "length": r.n_tokens,
-                "disagree": disagrees(r.verifier_reward, r.true_score),
+                "disagree": r.disagree,
                 "prompt_head": _head(prompt),
                 "completion_head": _completion_head(r, heads[rid], texts),
             }

@@ -65,7 +65,9 @@ def _floats(rows: Iterable[Iterable[float]]) -> np.ndarray:
     try:
         return np.frombuffer(array("d", chain.from_iterable(rows)), dtype=np.float64)
     except TypeError:  # None or another non-number: NaN, as a chart would show it
-        values = [float(x) if isinstance(x, (int, float)) else math.nan for row in rows for x in row]
+        values = [
+            float(x) if isinstance(x, (int, float)) else math.nan for row in rows for x in row
+        ]
         return np.asarray(values, dtype=np.float64)
 
 

@@ -28,7 +28,7 @@ from rollout_lens.server.models import (
     Step,
     utcnow,
 )
-from rollout_lens.server.records import RolloutRecord, StepRecord
+from rollout_lens.server.records import RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.series import STEP_SERIES, WINDOW
 from rollout_lens.server.store import arrays, layout, rollups, search
 from rollout_lens.server.store.sql import finite, upsert_insert
@@ -77,12 +77,14 @@ ROLLOUT_COLUMNS = (
     "sum_logprob",
     "format_valid",
     "format_state",
+    "disagree",
     "n_tokens",
     "text_rule",
     "facts_id",
     "own_meta",
 )
 DATA_COLUMNS = ("rollout_id", "ids", "logprobs", "control", "text")
+ANALYZE_AT, ANALYZE_EVERY, ANALYZE_ROWS = (1, 10), 100, 2000
 ALERT_COLUMNS = ("run_id", "step", "kind", "series", "message")
 
 
@@ -207,6 +209,7 @@ class Recorder:
                 select(RunToken.token_id, RunToken.text).where(RunToken.run_id == run_id)
             )
         }
+        self.written = 0  # steps this recorder wrote (SQLite's statistics are refreshed by it)
         self.prompt_ids: dict[str, int] = {}
         self.prompt_shas: dict[str, str] = {}
         self.facts_ids: dict[str, int] = {}
@@ -266,6 +269,14 @@ class Recorder:
         if new_names:
             cursor.execute(driver.update_names, (driver.json(self.series_names), self.run_id))
         self.recent.append((values["true_accuracy"], values["reward_mean"]))
+        self.written += 1
+        if not driver.postgres and (
+            self.written in ANALYZE_AT or self.written % ANALYZE_EVERY == 0
+        ):
+            # SQLite plans by the statistics ANALYZE keeps (PostgreSQL's autovacuum keeps its
+            # own): without them the explorer's filters pick the wrong index as a run grows.
+            conn.exec_driver_sql(f"PRAGMA analysis_limit = {ANALYZE_ROWS}")
+            conn.exec_driver_sql("ANALYZE rollouts")
         cursor.execute(
             driver.update_run,
             (
@@ -355,6 +366,7 @@ class Recorder:
                     _not_nan(r.sum_logprob),
                     bool(r.format_valid),
                     r.format_state,
+                    disagrees(r.verifier_reward, r.true_score),
                     len(r.completion_ids),
                     rule,
                     facts_ids[d] if d else None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from rollout_lens.server.errors import InvalidInput
 from rollout_lens.server.store.arrays import completion
@@ -21,6 +22,7 @@ from sqlalchemy import Connection, text
 
 SEARCH_CHARS = 200_000  # a longer completion is searchable in its first 200,000 characters
 MAX_WORDS = 16
+MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _SEPARATORS = re.compile(r"[\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
@@ -143,23 +145,43 @@ def has_index(conn: Connection, *, run_id: int) -> bool:
     return found is not None
 
 
-def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, str]]:
+def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, Any]]:
     """A SQL condition on a rollouts row aliased `r` that holds when its completion or its
-    prompt has every word of `q`, with its parameters."""
+    prompt has every word of `q`, with its parameters.
+
+    The prompts that match are found first (a run has few): the condition is then a lookup of
+    the index's rollout ids, which the database reads from the index instead of testing every
+    rollout of the run."""
     terms = parse_query(q)
-    if conn.dialect.name == "postgresql":
-        return (
-            "(r.id IN (SELECT rollout_id FROM rollout_search "
-            "WHERE doc @@ to_tsquery('simple', :search)) "
-            "OR r.prompt_id IN (SELECT id FROM prompts "
-            f"WHERE {PG_PROMPT_WORDS} @@ to_tsquery('simple', :search)))",
-            {"search": tsquery(terms)},
+    postgres = conn.dialect.name == "postgresql"
+    if postgres:
+        prompts = conn.execute(
+            text(f"SELECT id FROM prompts WHERE {PG_PROMPT_WORDS} @@ to_tsquery('simple', :q)"),
+            {"q": tsquery(terms)},
+        ).scalars()
+        rollouts = (
+            "r.id IN (SELECT rollout_id FROM rollout_search "
+            "WHERE doc @@ to_tsquery('simple', :search))"
         )
-    prompts = "r.prompt_id IN (SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :search)"
-    if not has_index(conn, run_id=run_id):
-        return f"({prompts})", {"search": fts5_query(terms)}
-    table = fts_table(run_id)
-    return (
-        f"(r.id IN (SELECT rowid FROM {table} WHERE {table} MATCH :search) OR {prompts})",
-        {"search": fts5_query(terms)},
-    )
+        params: dict[str, Any] = {"search": tsquery(terms)}
+    else:
+        prompts = conn.execute(
+            text("SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :q"), {"q": fts5_query(terms)}
+        ).scalars()
+        table = fts_table(run_id)
+        rollouts = (
+            f"r.id IN (SELECT rowid FROM {table} WHERE {table} MATCH :search)"
+            if has_index(conn, run_id=run_id)
+            else "0 = 1"
+        )
+        params = {"search": fts5_query(terms)}
+    prompt_ids = list(prompts)[: MAX_PROMPTS + 1]
+    if not prompt_ids:
+        return f"({rollouts})", params
+    if len(prompt_ids) > MAX_PROMPTS:
+        raise InvalidInput(
+            f"q: the words are in more than {MAX_PROMPTS:,} prompts; add a word to narrow it"
+        )
+    marks = ", ".join(f":prompt{i}" for i in range(len(prompt_ids)))
+    params |= {f"prompt{i}": pid for i, pid in enumerate(prompt_ids)}
+    return f"({rollouts} OR r.prompt_id IN ({marks}))", params
