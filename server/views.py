@@ -195,8 +195,8 @@ EXPLORER_COLUMNS = (  # (sort key, header, numeric)
 
 
 def _explorer_url(path: str, filters: dict[str, Any], **changes: Any) -> str:
-    params = {k: v for k, v in (filters | changes).items() if v not in (None, "", False)}
-    params = {k: ("1" if v is True else v) for k, v in params.items()}
+    params = {k: v for k, v in (filters | changes).items() if v is not None and v != ""}
+    params = {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in params.items()}
     return f"{path}?{urlencode(params)}" if params else path
 
 
