@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 from collections.abc import Iterable
 from typing import Any
@@ -68,6 +69,7 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 PUBLIC_PREFIXES = ("/static/", "/login", "/logout")  # reachable without a token
 MAX_FORM_BYTES = 1 << 20  # a form larger than this is not searched for its CSRF token
 _SESSION_MESSAGE = b"rollout-lens session v1"
+log = logging.getLogger(__name__)
 
 
 # --- tokens ---------------------------------------------------------------------------------------
@@ -173,8 +175,12 @@ class Guard:
         )
         secure = scope.get("scheme") == "https"
 
+        started = False
+
         async def send_with_headers(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 out = MutableHeaders(scope=message)
                 for name, value in SECURITY_HEADERS.items():
                     if name not in out:
@@ -190,7 +196,16 @@ class Guard:
             response = await self._refusal(scope, refusal)
             await response(scope, receive, send_with_headers)
             return
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception:
+            if started:  # a streamed body failed half-way: nothing more can be sent
+                raise
+            # Answered here, inside the Guard, so that a 500 carries the security headers too
+            # (Starlette's own error middleware sits outside every middleware).
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            response = await _server_error(scope)
+            await response(scope, receive, send_with_headers)
 
     async def _check(
         self,
@@ -290,6 +305,15 @@ class Guard:
         )
         response.headers.update(refusal.headers)
         return response
+
+
+async def _server_error(scope: Scope) -> Response:
+    """The 500 of an unexpected error, rendered like every other error (HTML or JSON by
+    `Accept`); its detail stays in the log."""
+    from rollout_lens.server.error_pages import handle_error
+
+    message = "the server hit an unexpected error; its log has the details"
+    return await handle_error(Request(scope), HTTPException(500, message))
 
 
 def _is_ip_literal(name: str) -> bool:

@@ -316,3 +316,64 @@ def test_tokens_compare_in_constant_time() -> None:
     assert not security.matches_token("", ["a"])
     assert not security.matches_token("a", [])
     assert security.session_value("a") != "a"
+
+
+# --- crafted reads: a 4xx naming the limit, never a 500 ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("/api/runs?q=" + "+".join(f"w{i}" for i in range(1000)), "at most 20 words, got 1000"),
+        ("/?q=" + "+".join(f"w{i}" for i in range(21)), "at most 20 words, got 21"),
+        ("/api/runs?q=" + "x" * 201, "at most 200 characters"),
+        ("/api/runs/1/series?names=" + ",".join(f"s{i}" for i in range(2001)), "at most 500"),
+    ],
+)
+def test_crafted_reads_are_a_400_naming_the_limit(
+    client: TestClient, session_factory: sessionmaker[Session], path: str, words: str
+) -> None:
+    make_run(session_factory, steps=2)
+    response = client.get(path, headers={"accept": "application/json"})
+    assert response.status_code == 400, response.text[:300]
+    assert words in response.json()["detail"]
+
+
+def test_repeated_series_names_are_read_once(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    run_id = make_run(session_factory, steps=3)
+    once = client.get(f"/api/runs/{run_id}/series?names=loss").json()
+    repeated = client.get(f"/api/runs/{run_id}/series?names=" + ",".join(["loss"] * 2001))
+    assert repeated.status_code == 200
+    assert repeated.json()["series"] == once["series"]
+    words = client.get("/api/runs?q=" + "+".join(["run"] * 1000))
+    assert words.status_code == 200
+
+
+def test_a_server_error_carries_the_security_headers(tmp_path: Path) -> None:
+    """A real 500 (the runs table is gone): the same headers as every response, a page for a
+    browser and JSON for a script, and the database's message only in the log."""
+    from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.migrate import upgrade
+    from sqlalchemy import text
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'broken.db'}")
+    upgrade(engine)
+    with engine.begin() as conn:
+        conn.execute(text("PRAGMA foreign_keys=OFF"))
+        conn.execute(text("DROP TABLE runs"))
+    client = client_for(make_session_factory(engine), data_dir=tmp_path)
+    page = client.get("/", headers={"accept": "text/html"})
+    api = client.get("/api/runs")
+    assert page.status_code == api.status_code == 500
+    assert page.headers["content-type"].startswith("text/html")
+    assert parse(page.text).find(cls="error-status").text == "500"
+    assert "Something went wrong" in page.text
+    assert api.json() == {"detail": "the server hit an unexpected error; its log has the details"}
+    for response in (page, api):
+        assert "script-src 'self'" in response.headers["content-security-policy"]
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert response.headers["x-frame-options"] == "DENY"
+        assert "no such table" not in response.text
+    engine.dispose()
