@@ -15,6 +15,7 @@ from rollout_lens.server.config import Settings
 from rollout_lens.server.db import WEB_POOL, make_engine, make_session_factory
 from rollout_lens.server.deps import render
 from rollout_lens.server.error_pages import HANDLED, handle_error, publish_error_shapes
+from rollout_lens.server.flash import make_signer
 from rollout_lens.server.routes import actions, api, exchange, pages, signin
 from rollout_lens.server.security import Guard
 from rollout_lens.server.sweeper import SWEEP_SECONDS, sweep_lost_runs
@@ -84,7 +85,8 @@ def create_app(
         docs_url=None,  # served below from vendored assets: the dashboard works offline
         redoc_url=None,
     )
-    app.add_middleware(ServerTiming)
+    if settings.server_timing:  # off by default: it tells anyone how long each answer took
+        app.add_middleware(ServerTiming)
     app.add_middleware(Guard, settings=settings)  # outermost: host, origin, token, CSRF, headers
     app.state.settings = settings
     app.state.session_factory = session_factory
@@ -95,6 +97,7 @@ def create_app(
     # Each run's part of a compare page (its rounded charts and summary, ~15 KB), per version.
     app.state.compare_cache = ResponseCache(COMPARE_CACHE_SIZE if cache_size else 0)
     app.state.templates = make_templates()
+    app.state.flash_signer = make_signer()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(pages.router)
     app.include_router(api.router)

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
         "",
         description="Extra host names (comma-separated) the dashboard answers to; `*`: any.",
     )
+    server_timing: bool = Field(
+        False, description="Add a Server-Timing header (the server's own time) to responses."
+    )
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:

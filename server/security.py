@@ -105,19 +105,24 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def host_name(host_header: str) -> str:
-    """`example.org:8000` → `example.org`; `[::1]:8000` → `[::1]` (lower case)."""
-    host = host_header.strip().lower()
+def split_host(host: str) -> tuple[str, str]:
+    """`Example.org:8000` → (`example.org`, `8000`); `[::1]:8000` → (`[::1]`, `8000`); a bare
+    IPv6 address (an ALLOWED_HOSTS entry) → (`[::1]`, ``)."""
+    host = host.strip().lower()
     if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        end = host.find("]")
+        return (host, "") if end < 0 else (host[: end + 1], host[end + 1 :].removeprefix(":"))
+    if host.count(":") == 1:
+        name, port = host.split(":")
+        return name, port
+    return (f"[{host}]", "") if ":" in host else (host, "")
 
 
 def allowed_hosts(settings: Settings) -> frozenset[str]:
-    names = {
-        n if ":" not in n or n.startswith("[") else f"[{n}]" for n in settings.allowed_host_list
-    }
-    return LOOPBACK_NAMES | names
+    """The names the Host header may carry with any port, and `name:port` for an entry that
+    names its port (it matches that port only)."""
+    entries = (split_host(entry) for entry in settings.allowed_host_list)
+    return LOOPBACK_NAMES | {f"{name}:{port}" if port else name for name, port in entries}
 
 
 def safe_next(target: str) -> str:
@@ -217,8 +222,9 @@ class Guard:
         fresh_csrf: bool,
     ) -> Receive:
         """Raise Refused, or return the `receive` to pass on (a form's body is read and replayed)."""
-        name = host_name(headers.get("host", ""))
-        if not (self.any_host or name in self.hosts or _is_ip_literal(name)):
+        name, port = split_host(headers.get("host", ""))
+        known = name in self.hosts or f"{name}:{port}" in self.hosts
+        if not (self.any_host or known or _is_ip_literal(name)):
             raise Refused(
                 421,
                 "this dashboard is not served under that host name; add it to "

@@ -492,8 +492,9 @@ def test_resume_with_the_broker_down_changes_nothing(
     run = get_run(session_factory, run_id)
     assert (run.status, run.error) == ("failed", "OOM at step 3")
     response = down_client.post(f"/runs/{run_id}/resume", follow_redirects=False)
-    assert response.status_code == 303 and "notice=Not+resumed" in response.headers["location"]
+    assert response.status_code == 303 and response.headers["location"] == f"/runs/{run_id}"
     page = parse(down_client.get(response.headers["location"]).text)
+    assert "Not resumed" in page.by_id("notice").text
     assert "cannot be reached" in page.by_id("notice").text
 
 

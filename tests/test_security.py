@@ -377,3 +377,48 @@ def test_a_server_error_carries_the_security_headers(tmp_path: Path) -> None:
         assert response.headers["x-frame-options"] == "DENY"
         assert "no such table" not in response.text
     engine.dispose()
+
+
+# --- notices, Server-Timing, host entries with ports --------------------------------------------
+
+
+def test_notices_come_only_from_the_server(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    """A link cannot put words on a real page (`?notice=`, a forged cookie); a form action's
+    notice is shown once, on the page it redirects to."""
+    run_id = make_run(session_factory, steps=2, status=RunStatus.completed)
+    phishing = client.get(f"/runs/{run_id}?notice=Your+token+expired:+sign+in+at+evil.example")
+    assert phishing.status_code == 200 and "evil.example" not in phishing.text
+    assert not parse(phishing.text).find_all(id="notice")
+    forged = TestClient(client.app, base_url="http://127.0.0.1", cookies={"rl_notice": "Hi.x.y"})
+    assert not parse(forged.get(f"/runs/{run_id}").text).find_all(id="notice")
+    response = client.post(f"/runs/{run_id}/cancel", follow_redirects=False)
+    assert response.status_code == 303 and response.headers["location"] == f"/runs/{run_id}"
+    assert "notice" not in response.headers["location"]
+    cookie = response.headers["set-cookie"]
+    assert "rl_notice=" in cookie and "HttpOnly" in cookie and "cancelled" not in cookie
+    page = client.get(f"/runs/{run_id}")
+    assert "only queued or running runs can be cancelled" in parse(page.text).by_id("notice").text
+    again = client.get(f"/runs/{run_id}")  # shown once
+    assert not parse(again.text).find_all(id="notice")
+
+
+def test_server_timing_only_when_asked_for(
+    session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    plain = client_for(session_factory, data_dir=tmp_path)
+    assert "server-timing" not in plain.get("/api/runs").headers
+    timed = client_for(session_factory, data_dir=tmp_path, server_timing=True)
+    assert timed.get("/api/runs").headers["server-timing"].startswith("app;dur=")
+
+
+def test_allowed_hosts_with_a_port(session_factory: sessionmaker[Session], tmp_path: Path) -> None:
+    client = client_for(
+        session_factory, data_dir=tmp_path, allowed_hosts="lens.example:8443, docs.example"
+    )
+    assert client.get("/api/runs", headers={"Host": "lens.example:8443"}).status_code == 200
+    assert client.get("/api/runs", headers={"Host": "LENS.example:8443"}).status_code == 200
+    for other in ("lens.example:9000", "lens.example", "evil.example:8443"):
+        assert client.get("/api/runs", headers={"Host": other}).status_code == 421, other
+    assert client.get("/api/runs", headers={"Host": "docs.example:1234"}).status_code == 200

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Annotated, Any
-from urllib.parse import urlencode
 
 from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
-from rollout_lens.server import control, launch, queries
+from rollout_lens.server import control, flash, launch, queries
 from rollout_lens.server.deps import CeleryDep, SessionDep, SettingsDep, render
 from rollout_lens.server.errors import BrokerUnavailable, InvalidState
 from rollout_lens.server.params import RunId
@@ -130,9 +129,13 @@ def resume_api(session: SessionDep, celery: CeleryDep, run_id: RunId) -> JSONRes
 
 
 def _back_to_run(request: Request, run_id: int, notice: str = "") -> RedirectResponse:
-    """Back to the run page, with what went wrong as a notice there."""
+    """Back to the run page, with what went wrong as a notice there (a signed flash cookie:
+    only the server words notices)."""
     url = str(request.app.url_path_for("run_page", run_id=run_id))
-    return RedirectResponse(f"{url}?{urlencode({'notice': notice})}" if notice else url, 303)
+    response = RedirectResponse(url, 303)
+    if notice:
+        flash.leave(request, response, notice, path=url)
+    return response
 
 
 @router.post("/runs/{run_id}/cancel", include_in_schema=False)
