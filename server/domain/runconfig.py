@@ -2,7 +2,7 @@
 
 It checks what any host can know (ranges, choices, fields that must agree). Whether a model
 folder exists is known only where the run trains: the worker checks that (trainer.modelref) and
-fails the run with a message saying so.
+fails the run saying the model is not usable (the detail only in the worker's log).
 """
 
 from __future__ import annotations
