@@ -56,6 +56,9 @@ class Settings(BaseSettings):
         "",
         description="Extra host names (comma-separated) the dashboard answers to; `*`: any.",
     )
+    max_queued_runs: int = Field(
+        100, ge=1, description="Runs that may wait in the queue; a launch past it is refused."
+    )
     server_timing: bool = Field(
         False, description="Add a Server-Timing header (the server's own time) to responses."
     )

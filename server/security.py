@@ -67,7 +67,7 @@ CSRF_HEADER = "x-csrf-token"
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 PUBLIC_PREFIXES = ("/static/", "/login", "/logout")  # reachable without a token
-MAX_FORM_BYTES = 1 << 20  # a form larger than this is not searched for its CSRF token
+MAX_BODY_BYTES = 1 << 20  # the largest body of a POST, PUT, PATCH or DELETE (the API and forms)
 _SESSION_MESSAGE = b"rollout-lens session v1"
 log = logging.getLogger(__name__)
 
@@ -249,8 +249,11 @@ class Guard:
                     "or sign in at /login",
                     {"www-authenticate": "Bearer"},
                 )
-        if unsafe and not bearer and _from_browser(headers):
-            return await self._check_csrf(receive, headers, csrf, fresh_csrf)
+        if not unsafe:
+            return receive
+        body, receive = await read_body(receive, headers)
+        if not bearer and _from_browser(headers):
+            self._check_csrf(headers, body, csrf, fresh_csrf)
         return receive
 
     def _bearer(self, headers: Headers) -> bool:
@@ -282,14 +285,10 @@ class Guard:
                 )
 
     @staticmethod
-    async def _check_csrf(
-        receive: Receive, headers: Headers, csrf: str, fresh_csrf: bool
-    ) -> Receive:
+    def _check_csrf(headers: Headers, body: bytes, csrf: str, fresh_csrf: bool) -> None:
         sent = headers.get(CSRF_HEADER, "")
-        replay = receive
         content_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if not sent and content_type == "application/x-www-form-urlencoded":
-            body, replay = await _read_body(receive)
             values = parse_qs(body.decode("utf-8", "replace")).get(CSRF_FIELD, [""])
             sent = values[0]
         if fresh_csrf or not sent or not hmac.compare_digest(sent.encode(), csrf.encode()):
@@ -298,7 +297,6 @@ class Guard:
                 "refused: the form's security token is missing or out of date (CSRF check); "
                 "reload the page and try again",
             )
-        return replay
 
     @staticmethod
     async def _refusal(scope: Scope, refusal: Refused) -> Response:
@@ -354,15 +352,32 @@ def _login_url(scope: Scope) -> str:
     return f"/login?next={quote(target, safe='')}"
 
 
-async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
-    """The whole body (up to MAX_FORM_BYTES are searched) and a `receive` that replays it."""
+def _too_large(size: str) -> Refused:
+    return Refused(
+        413,
+        f"the request body is larger than {MAX_BODY_BYTES:,} bytes ({size}), the limit for the "
+        "API and forms; nothing was changed",
+    )
+
+
+async def read_body(receive: Receive, headers: Headers) -> tuple[bytes, Receive]:
+    """The whole body of a state-changing request and a `receive` that replays it; a 413 past
+    MAX_BODY_BYTES, said by Content-Length before reading or found while reading (chunked)."""
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large(f"{int(declared):,} declared")
     chunks: list[bytes] = []
+    size = 0
     more = True
     while more:
         message = await receive()
         if message["type"] != "http.request":
             break
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large("more were sent")
+        chunks.append(chunk)
         more = message.get("more_body", False)
     body = b"".join(chunks)
     replayed = False
@@ -374,7 +389,7 @@ async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
 
-    return (body if len(body) <= MAX_FORM_BYTES else b""), replay
+    return body, replay
 
 
 def session_cookie(token: str, *, secure: bool) -> dict[str, Any]:

@@ -422,3 +422,85 @@ def test_allowed_hosts_with_a_port(session_factory: sessionmaker[Session], tmp_p
     for other in ("lens.example:9000", "lens.example", "evil.example:8443"):
         assert client.get("/api/runs", headers={"Host": other}).status_code == 421, other
     assert client.get("/api/runs", headers={"Host": "docs.example:1234"}).status_code == 200
+
+
+# --- bounded launch input -------------------------------------------------------------------------
+
+
+def test_launch_text_and_lists_have_maximum_lengths(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    cases = [
+        ({"model": "x" * 501}, "model: String should have at most 500 characters"),
+        ({"name": "n" * 201}, "name: String should have at most 200 characters"),
+        ({"control_tokens": ["a"] * 100_000}, "control_tokens: List should have at most 64 items"),
+        (
+            {"control_tokens": ["t" * 101]},
+            "control_tokens: String should have at most 100 characters",
+        ),
+        ({"verifier": "v" * 10_000}, "verifier: String should have at most 32 characters"),
+    ]
+    for body, words in cases:
+        response = client.post("/api/runs", json={"steps": 1} | body)
+        assert response.status_code == 422, body.keys()
+        assert words in response.json()["detail"]
+        assert len(response.content) < 5_000  # the input is not echoed back
+    assert _runs(session_factory) == 0
+    ok = client.post(
+        "/api/runs", json={"steps": 1, "model": "m" * 500, "control_tokens": ["t"] * 64}
+    )
+    assert ok.status_code == 201
+    assert len(client.get("/").content) < 200_000
+
+
+def test_a_body_over_1_mb_is_a_413(session_factory: sessionmaker[Session], tmp_path: Path) -> None:
+    """Declared (Content-Length) or streamed (chunked) to a real server: refused with a 413 that
+    names the limit, and nothing is created; a form is capped the same way."""
+    import httpx
+    from rollout_lens.server.app import create_app
+    from rollout_lens.server.config import Settings
+
+    from tests.web_support import serve_app
+
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    app = create_app(Settings(database_url=url, data_dir=tmp_path), session_factory=session_factory)
+    with serve_app(app) as base, httpx.Client(base_url=base, timeout=30) as http:
+        declared = http.post("/api/runs", json={"steps": 1, "model": "x" * 2_000_000})
+        assert declared.status_code == 413
+        assert "larger than 1,048,576 bytes" in declared.json()["detail"]
+
+        def chunks():  # no Content-Length: Transfer-Encoding: chunked
+            yield b'{"steps": 1, "model": "'
+            for _ in range(50):
+                yield b"x" * 100_000
+            yield b'"}'
+
+        streamed = http.post(
+            "/api/runs", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert streamed.status_code == 413
+        assert "content-security-policy" in streamed.headers
+        form = http.post("/runs/new", data={"name": "n" * 1_100_000, "steps": "1"})
+        assert form.status_code == 413 and "1,048,576 bytes" in form.text
+        fine = httpx.post(f"{base}/api/runs", json={"steps": 1, "name": "n" * 200}, timeout=30)
+        assert fine.status_code == 201  # a script's (the client above now has cookies)
+    assert _runs(session_factory) == 1
+
+
+def test_queued_runs_are_capped(session_factory: sessionmaker[Session], tmp_path: Path) -> None:
+    client = client_for(session_factory, data_dir=tmp_path, max_queued_runs=3)
+    for _ in range(3):
+        assert client.post("/api/runs", json={"steps": 100_000}).status_code == 201
+    refused = client.post("/api/runs", json={"steps": 100_000})
+    assert refused.status_code == 409
+    detail = refused.json()["detail"]
+    assert "the queue is full: 3 runs wait and at most 3 may" in detail
+    assert "ROLLOUT_LENS_MAX_QUEUED_RUNS" in detail
+    form = client.post("/runs/new", data={"steps": "5"})
+    assert form.status_code == 409 and "the queue is full" in form.text
+    failed = make_run(session_factory, steps=1, status=RunStatus.failed)
+    resumed = client.post(f"/api/runs/{failed}/resume")
+    assert resumed.status_code == 409 and "the queue is full" in resumed.json()["detail"]
+    assert _runs(session_factory) == 4  # three queued, and the failed one, still failed
+    client.post("/api/runs/1/cancel")  # room for one again
+    assert client.post("/api/runs", json={"steps": 5}).status_code == 201

@@ -295,6 +295,12 @@ def restore_status(
     )
 
 
+def queued_count(session: Session) -> int:
+    """How many runs wait in the queue."""
+    count = session.scalar(select(func.count()).where(Run.status == RunStatus.queued))
+    return int(count or 0)
+
+
 def queue_positions(session: Session) -> dict[int, int]:
     """Every queued run's place in the queue (1: the next to train), in one query."""
     ids = session.scalars(select(Run.id).where(Run.status == RunStatus.queued).order_by(Run.id))
