@@ -10,20 +10,24 @@ In order, for every HTTP request:
    `cross-site` or `same-site`, or whose `Origin` is not this dashboard's own, is a 403.
 3. **Token.** With `ROLLOUT_LENS_AUTH_TOKEN` set, state-changing requests (every request, with
    `ROLLOUT_LENS_AUTH_READ`) need one of its tokens: `Authorization: Bearer <token>`, or the
-   session cookie the sign-in form (`/login`) sets. Tokens are compared in constant time and never
-   logged, echoed or stored in the cookie (the cookie holds an HMAC of the token).
-4. **CSRF.** A state-changing request from a browser (one that carries cookies, `Origin` or
+   session cookie the sign-in form (`/login`) sets: the random id of a server-side session
+   (server/browser_sessions.py). Tokens are compared in constant time and never logged or echoed;
+   wrong ones lock their client address out for a growing time (server/ratelimit.py: 429).
+4. **Body.** A state-changing request's body is read here, at most MAX_BODY_BYTES (else 413), and
+   replayed to the app.
+5. **CSRF.** A state-changing request from a browser (one that carries cookies, `Origin` or
    `Sec-Fetch-*` headers) and not authenticated by a Bearer header must carry the CSRF token of
    its double-submit cookie: in the form field `csrf_token` or the `X-CSRF-Token` header. Pages
    put the token in their forms and in `<meta name="csrf-token">` for scripts.
 
 Every response gets the security headers (CSP without inline scripts, nosniff, referrer policy,
-frame denial). Refusals are rendered by the one error handler (JSON for the API, a page otherwise).
+frame denial), an unexpected error's 500 too (answered here: Starlette's own error middleware
+sits outside). Refusals are rendered by the one error handler (JSON for the API, a page
+otherwise).
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import secrets
@@ -31,7 +35,11 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
+from rollout_lens.server import browser_sessions
 from rollout_lens.server.config import Settings
+from rollout_lens.server.ratelimit import FailureLimiter, client_address, too_many_message
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -68,7 +76,6 @@ UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 PUBLIC_PREFIXES = ("/static/", "/login", "/logout")  # reachable without a token
 MAX_BODY_BYTES = 1 << 20  # the largest body of a POST, PUT, PATCH or DELETE (the API and forms)
-_SESSION_MESSAGE = b"rollout-lens session v1"
 log = logging.getLogger(__name__)
 
 
@@ -78,18 +85,6 @@ log = logging.getLogger(__name__)
 def matches_token(candidate: str, tokens: Iterable[str]) -> bool:
     """Whether `candidate` is one of `tokens`, comparing each in constant time (all of them)."""
     return find_token(candidate, tokens) is not None
-
-
-def session_value(token: str) -> str:
-    """What the session cookie holds for a token: an HMAC keyed by it, never the token itself."""
-    return hmac.new(token.encode(), _SESSION_MESSAGE, hashlib.sha256).hexdigest()
-
-
-def valid_session(cookie: str, tokens: Iterable[str]) -> bool:
-    found = False
-    for token in tokens:
-        found |= hmac.compare_digest(cookie.encode(), session_value(token).encode())
-    return found
 
 
 def is_loopback_host(host: str) -> bool:
@@ -155,12 +150,31 @@ class Refused(Exception):
 class Guard:
     """The pure ASGI middleware described in the module docstring."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        limiter: FailureLimiter,
+    ) -> None:
         self.app = app
         self.tokens = settings.auth_token_list
         self.auth_read = settings.auth_read
         self.any_host = "*" in settings.allowed_host_list
         self.hosts = allowed_hosts(settings)
+        self.session_factory = session_factory
+        self.limiter = limiter
+
+    def _signed_in(self, cookie: str) -> bool:
+        """Whether `cookie` is a live server-side session of a current token (a database read,
+        run in a worker thread)."""
+        try:
+            with self.session_factory() as session:
+                found = browser_sessions.signed_in_with(session, cookie, self.tokens)
+        except Exception:  # a database that cannot answer signs no one in (and is logged)
+            log.exception("could not read the session of a signed-in browser")
+            return False
+        return found is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -175,8 +189,11 @@ class Guard:
             csrf = secrets.token_urlsafe(32)
         state["csrf_token"] = csrf
         state["auth_enabled"] = bool(self.tokens)
-        state["signed_in"] = bool(self.tokens) and valid_session(
-            cookies.get(SESSION_COOKIE, ""), self.tokens
+        session_cookie = cookies.get(SESSION_COOKIE, "")
+        state["signed_in"] = (
+            bool(self.tokens and session_cookie)
+            and not scope["path"].startswith("/static/")
+            and await run_in_threadpool(self._signed_in, session_cookie)
         )
         secure = scope.get("scheme") == "https"
 
@@ -237,7 +254,7 @@ class Guard:
         if unsafe:
             self._check_same_origin(headers)
         path: str = scope["path"]
-        bearer = self._bearer(headers)
+        bearer = self._bearer(scope, headers)
         if self.tokens and (unsafe or self.auth_read) and not path.startswith(PUBLIC_PREFIXES):
             signed_in = scope["state"]["signed_in"]
             if not (bearer or signed_in):
@@ -256,13 +273,20 @@ class Guard:
             self._check_csrf(headers, body, csrf, fresh_csrf)
         return receive
 
-    def _bearer(self, headers: Headers) -> bool:
-        """Whether the request carries a valid Bearer token (401 for one that is wrong)."""
+    def _bearer(self, scope: Scope, headers: Headers) -> bool:
+        """Whether the request carries a valid Bearer token: 401 for one that is wrong, 429 (not
+        checked) while its address is locked out for sending wrong ones (server.ratelimit)."""
         scheme, _, value = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not self.tokens:
             return False
+        address = client_address(scope)
+        wait = self.limiter.retry_after(address)
+        if wait:
+            raise Refused(429, too_many_message(wait), {"retry-after": str(wait)})
         if not matches_token(value.strip(), self.tokens):
+            self.limiter.failed(address)
             raise Refused(401, "the token is not valid", {"www-authenticate": "Bearer"})
+        self.limiter.succeeded(address)
         return True
 
     @staticmethod
@@ -392,11 +416,12 @@ async def read_body(receive: Receive, headers: Headers) -> tuple[bytes, Receive]
     return body, replay
 
 
-def session_cookie(token: str, *, secure: bool) -> dict[str, Any]:
-    """Arguments of Response.set_cookie for a signed-in browser."""
+def session_cookie(value: str, *, max_age: int, secure: bool) -> dict[str, Any]:
+    """Arguments of Response.set_cookie for a signed-in browser (`value`: its session's id)."""
     return {
         "key": SESSION_COOKIE,
-        "value": session_value(token),
+        "value": value,
+        "max_age": max_age,
         "httponly": True,
         "samesite": "strict",
         "secure": secure,
