@@ -72,6 +72,7 @@ class FailureLimiter:
             self._by_address.pop(address, None)
 
     def __len__(self) -> int:
+        """How many addresses it remembers (at most MAX_ADDRESSES)."""
         return len(self._by_address)
 
 
@@ -84,6 +85,7 @@ def client_address(scope: Mapping[str, Any]) -> str:
 
 
 def too_many_message(seconds: int) -> str:
+    """The 429's words: what happened, how long to wait, and that guessing on costs more."""
     return (
         f"too many wrong tokens from this address: try again in {seconds} s (each further "
         "wrong token doubles the wait, up to 5 minutes)"

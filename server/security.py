@@ -377,6 +377,7 @@ def _login_url(scope: Scope) -> str:
 
 
 def _too_large(size: str) -> Refused:
+    """The 413 of a body past MAX_BODY_BYTES, naming the limit."""
     return Refused(
         413,
         f"the request body is larger than {MAX_BODY_BYTES:,} bytes ({size}), the limit for the "

@@ -191,3 +191,16 @@ def test_short_tokens_are_refused_at_start(
     assert "auth_token: each access token needs at least 16 characters" in err
     assert "token 1 of 1 is shorter" in err
     assert not (tmp_path / "rollout-lens.db").exists()
+
+
+def test_the_limiter_remembers_a_bounded_number_of_addresses() -> None:
+    from rollout_lens.server.ratelimit import MAX_ADDRESSES, FailureLimiter
+
+    limiter = FailureLimiter()
+    for _ in range(FREE_FAILURES + 1):
+        limiter.failed("first")
+    assert limiter.retry_after("first") == 1
+    for i in range(MAX_ADDRESSES):
+        limiter.failed(f"10.{i // 65536}.{i // 256 % 256}.{i % 256}")
+    assert len(limiter) == MAX_ADDRESSES
+    assert limiter.retry_after("first") == 0  # the least recently failing one went first

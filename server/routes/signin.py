@@ -16,13 +16,14 @@ from rollout_lens.server.ratelimit import FailureLimiter, client_address, too_ma
 router = APIRouter(include_in_schema=False)
 
 
-def _form(request: Request, next: str, needed: bool, error: str = "") -> dict[str, object]:
+def _form(next: str, needed: bool, error: str = "") -> dict[str, object]:
+    """login.html's context (`next` kept on this site)."""
     return {"next": security.safe_next(next), "error": error, "needed": needed}
 
 
 @router.get("/login", name="login_page")
 def login_page(request: Request, settings: SettingsDep, next: str = "/") -> HTMLResponse:
-    return render(request, "login.html", _form(request, next, bool(settings.auth_token_list)))
+    return render(request, "login.html", _form(next, bool(settings.auth_token_list)))
 
 
 @router.post("/login", name="login")
@@ -41,14 +42,14 @@ def login(
     address = client_address(request.scope)
     wait = limiter.retry_after(address)
     if wait:
-        context = _form(request, next, needed, too_many_message(wait))
+        context = _form(next, needed, too_many_message(wait))
         refused = render(request, "login.html", context, status_code=429)
         refused.headers["retry-after"] = str(wait)
         return refused
     found = security.find_token(token, settings.auth_token_list)
     if found is None:
         limiter.failed(address)
-        context = _form(request, next, needed, "That token is not valid.")
+        context = _form(next, needed, "That token is not valid.")
         return render(request, "login.html", context, status_code=401)
     limiter.succeeded(address)
     lifetime = timedelta(hours=settings.session_hours)
