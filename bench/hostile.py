@@ -125,7 +125,7 @@ def run_bench(db: Path, *, repeat: int) -> int:
     }
     ids = list(cases.values())
     other = {run_id: ids[(i + 1) % len(ids)] for i, run_id in enumerate(ids)}
-    app = create_app(get_settings(database_url=url), cache_size=0)
+    app = create_app(get_settings(database_url=url, server_timing=True), cache_size=0)
     print(f"\n  a step of 8 rollouts; server time in ms, {repeat} requests each\n")
     print(f"  {'':<28} {'page':<22} {'p50':>8} {'p95':>8} {'body':>10}")
     worst = 0.0

@@ -199,6 +199,7 @@ def serving(database_url: str, data_dir: Path) -> Iterator[tuple[str, Path]]:
         "ROLLOUT_LENS_DATA_DIR": str(data_dir),
         # A broker URL so that serve starts no local worker (nothing here launches a run).
         "ROLLOUT_LENS_BROKER_URL": "redis://127.0.0.1:6379/11",
+        "ROLLOUT_LENS_SERVER_TIMING": "true",  # the server's own time, read from each answer
     }
     with log.open("wb") as out:
         proc = subprocess.Popen(

@@ -156,7 +156,7 @@ def bench_database(url: str, sizes: Sizes, repeat: int) -> None:
         data.little: chart_names(factory, data.little),
     }
     # lost_after: the bench's running runs have no worker beating for them; leave them running.
-    settings = get_settings(database_url=url, lost_after_seconds=10**9)
+    settings = get_settings(database_url=url, lost_after_seconds=10**9, server_timing=True)
     warm, cold = create_app(settings), create_app(settings, cache_size=0)
     loopback = "http://127.0.0.1"  # a host the app's Host check admits
     with TestClient(warm, base_url=loopback) as w, TestClient(cold, base_url=loopback) as c:

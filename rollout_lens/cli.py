@@ -18,6 +18,7 @@ from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.domain.task import EPISODES, SUPERVISION_MODES, TURNS, VARIANTS
 from rollout_lens.server.errors import RolloutLensError
 from rollout_lens.server.serialize import run_dict
+from rollout_lens.server.textsafe import printable
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -123,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str, *, status: int = 2) -> int:
-    print(f"rollout-lens: error: {message}", file=sys.stderr)
+    print(f"rollout-lens: error: {printable(message)}", file=sys.stderr)
     return status
 
 
@@ -188,7 +189,7 @@ def _train(args: argparse.Namespace, settings: Settings) -> int:
 
     with ProgressBar(total=config.steps, disabled=args.quiet) as bar:
         run_id = train(config, settings=settings, on_step=bar.update, log_line=bar.write)
-    print(f"run {run_id} ({config.name}) recorded in {settings.database_url}")
+    print(f"run {run_id} ({printable(config.name)}) recorded in {settings.database_url}")
     print(f"run_id={run_id}")
     return 0
 
@@ -205,9 +206,12 @@ def _runs(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     print(f"{'id':>4}  {'status':<10} {'step':>11}  {'acc25':>5}  {'rew25':>5}  name")
     for r in runs:
+        # Every text came from a run (a name sent through the web API, say): no terminal
+        # escapes get through. The JSON format escapes them already (\u001b).
         print(
-            f"{r['id']:>4}  {r['status']:<10} {r['current_step']:>5}/{r['total_steps']:<5}  "
-            f"{_num(r['recent_true_accuracy'])}  {_num(r['recent_reward'])}  {r['name']}"
+            f"{r['id']:>4}  {printable(r['status']):<10} "
+            f"{r['current_step']:>5}/{r['total_steps']:<5}  "
+            f"{_num(r['recent_true_accuracy'])}  {_num(r['recent_reward'])}  {printable(r['name'])}"
         )
     return 0
 

@@ -11,6 +11,7 @@ from rollout_lens.server import export
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.errors import InvalidInput
+from rollout_lens.server.textsafe import printable
 
 
 def add_commands(sub: Any) -> None:
@@ -98,7 +99,7 @@ def _import(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         engine.dispose()
     print(
-        f"imported run {done.run_id} ({done.name}) from {args.file}: {done.steps} steps, "
+        f"imported run {done.run_id} ({printable(done.name)}) from {args.file}: {done.steps} steps, "
         f"{done.rollouts} rollouts"
     )
     print(f"run_id={done.run_id}")
@@ -123,7 +124,7 @@ def _import_trl(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         engine.dispose()
     print(
-        f"imported run {done.run_id} ({done.name}) from {args.output_dir}: {done.steps} logged "
+        f"imported run {done.run_id} ({printable(done.name)}) from {args.output_dir}: {done.steps} logged "
         f"steps, {done.rollouts} rollouts"
     )
     print(f"run_id={done.run_id}")

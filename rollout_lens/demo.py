@@ -19,6 +19,7 @@ from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.errors import RolloutLensError
 from rollout_lens.server.models import RunStatus
+from rollout_lens.server.textsafe import printable
 
 if TYPE_CHECKING:
     from rollout_lens.server.domain.runconfig import RunConfig
@@ -58,7 +59,7 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     mode = "side by side" if workers > 1 else "one after the other"
     print(f"Training {len(configs)} runs of {args.steps} steps, {mode}:", flush=True)
     for run_id, config in zip(run_ids, configs, strict=True):
-        print(f"  run {run_id}: {config.name}", flush=True)
+        print(f"  run {run_id}: {printable(config.name)}", flush=True)
     started = time.perf_counter()
     failed = train_all(settings, configs, run_ids, workers=workers, report=_print_line)
     print(f"Trained in {time.perf_counter() - started:.0f} s.", flush=True)
@@ -220,5 +221,9 @@ def _report_failures(settings: Settings, failed: Sequence[int]) -> int:
         for run_id in failed:
             run = store.get_run(session, run_id=run_id)
             first = (run.error or "no error recorded").splitlines()[0]
-            print(f"rollout-lens: run {run_id} ({run.name}) {run.status}: {first}", file=sys.stderr)
+            print(
+                f"rollout-lens: run {run_id} ({printable(run.name)}) {run.status}: "
+                f"{printable(first)}",
+                file=sys.stderr,
+            )
     return 1

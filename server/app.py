@@ -15,6 +15,8 @@ from rollout_lens.server.config import Settings
 from rollout_lens.server.db import WEB_POOL, make_engine, make_session_factory
 from rollout_lens.server.deps import render
 from rollout_lens.server.error_pages import HANDLED, handle_error, publish_error_shapes
+from rollout_lens.server.flash import make_signer
+from rollout_lens.server.ratelimit import FailureLimiter
 from rollout_lens.server.routes import actions, api, exchange, pages, signin
 from rollout_lens.server.security import Guard
 from rollout_lens.server.sweeper import SWEEP_SECONDS, sweep_lost_runs
@@ -84,8 +86,12 @@ def create_app(
         docs_url=None,  # served below from vendored assets: the dashboard works offline
         redoc_url=None,
     )
-    app.add_middleware(ServerTiming)
-    app.add_middleware(Guard, settings=settings)  # outermost: host, origin, token, CSRF, headers
+    if settings.server_timing:  # off by default: it tells anyone how long each answer took
+        app.add_middleware(ServerTiming)
+    # Wrong tokens per client address, shared by the Guard (Bearer) and the sign-in form.
+    app.state.token_limiter = limiter = FailureLimiter()
+    # outermost: host, origin, token, body size, CSRF, headers
+    app.add_middleware(Guard, settings=settings, session_factory=factory, limiter=limiter)
     app.state.settings = settings
     app.state.session_factory = session_factory
     app.state.response_cache = ResponseCache(cache_size)
@@ -95,6 +101,7 @@ def create_app(
     # Each run's part of a compare page (its rounded charts and summary, ~15 KB), per version.
     app.state.compare_cache = ResponseCache(COMPARE_CACHE_SIZE if cache_size else 0)
     app.state.templates = make_templates()
+    app.state.flash_signer = make_signer()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(pages.router)
     app.include_router(api.router)

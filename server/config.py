@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIN_TOKEN_CHARS = 16
 
 
 class Settings(BaseSettings):
     """Every knob of Rollout Lens; each field is documented in the README."""
 
-    model_config = SettingsConfigDict(env_prefix="ROLLOUT_LENS_", extra="ignore")
+    # hide_input_in_errors: a refused setting's message never repeats its value (a token, or a
+    # database URL with its password).
+    model_config = SettingsConfigDict(
+        env_prefix="ROLLOUT_LENS_", extra="ignore", hide_input_in_errors=True
+    )
 
     data_dir: Path = Field(
         Path(".rollout-lens"),
@@ -52,10 +58,37 @@ class Settings(BaseSettings):
         description="Token(s), comma-separated, that changing anything needs (empty: none).",
     )
     auth_read: bool = Field(False, description="Whether reading also needs a token.")
+    session_hours: float = Field(
+        12.0,
+        gt=0,
+        le=24 * 90,
+        description="How long a browser stays signed in before it must sign in again.",
+    )
     allowed_hosts: str = Field(
         "",
         description="Extra host names (comma-separated) the dashboard answers to; `*`: any.",
     )
+    max_queued_runs: int = Field(
+        100, ge=1, description="Runs that may wait in the queue; a launch past it is refused."
+    )
+    server_timing: bool = Field(
+        False, description="Add a Server-Timing header (the server's own time) to responses."
+    )
+
+    @field_validator("auth_token")
+    @classmethod
+    def _strong_tokens(cls, value: SecretStr) -> SecretStr:
+        """Refuse a token short enough to guess; the message never shows a token."""
+        tokens = [t.strip() for t in value.get_secret_value().split(",") if t.strip()]
+        short = [str(i) for i, t in enumerate(tokens, start=1) if len(t) < MIN_TOKEN_CHARS]
+        if short:
+            which = f"token {short[0]}" if len(short) == 1 else f"tokens {', '.join(short)}"
+            raise ValueError(
+                f"each access token needs at least {MIN_TOKEN_CHARS} characters (a short one "
+                f"can be guessed); {which} of {len(tokens)} is shorter. Make one with: "
+                "python -c 'import secrets; print(secrets.token_urlsafe(24))'"
+            )
+        return value
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:

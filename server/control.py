@@ -14,18 +14,35 @@ from celery import Celery
 from rollout_lens.server import deletion, store
 from rollout_lens.server.config import Settings
 from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.errors import BrokerUnavailable
+from rollout_lens.server.errors import BrokerUnavailable, QueueFull
 from rollout_lens.server.queue import check_broker, enqueue_run, revoke_task
 from sqlalchemy.orm import Session
 
 
-def launch_runs(session: Session, celery: Celery, configs: Sequence[RunConfig]) -> list[int]:
-    """Create one queued run per config and enqueue each; all or nothing.
+def check_room(session: Session, *, adding: int, max_queued: int) -> None:
+    """QueueFull unless `adding` more runs keep the queue within `max_queued` (checked before
+    anything is queued: a script cannot fill the workers' queue for days)."""
+    waiting = store.queued_count(session)
+    if waiting + adding > max_queued:
+        runs = "a run" if adding == 1 else f"{adding} runs"
+        raise QueueFull(
+            f"the queue is full: {waiting} runs wait and at most {max_queued} may "
+            f"(ROLLOUT_LENS_MAX_QUEUED_RUNS), so {runs} cannot be queued now; let some start "
+            "or cancel some"
+        )
+
+
+def launch_runs(
+    session: Session, celery: Celery, configs: Sequence[RunConfig], *, max_queued: int
+) -> list[int]:
+    """Create one queued run per config and enqueue each; all or nothing (QueueFull past
+    `max_queued` waiting runs).
 
     The broker is checked before any row exists; if an enqueue still fails, the runs created
     for this launch are deleted again (the rows are committed first: a worker may pick a
     message up at once and must find its run).
     """
+    check_room(session, adding=len(configs), max_queued=max_queued)
     check_broker(celery)
     ids = [store.create_run(session, **c.run_columns()).id for c in configs]
     session.commit()
@@ -46,8 +63,10 @@ def cancel(session: Session, run_id: int) -> None:
     session.commit()
 
 
-def resume(session: Session, celery: Celery, run_id: int) -> None:
-    """Queue a lost, failed or cancelled run again; the worker resumes from its checkpoint."""
+def resume(session: Session, celery: Celery, run_id: int, *, max_queued: int) -> None:
+    """Queue a lost, failed or cancelled run again; the worker resumes from its checkpoint
+    (QueueFull past `max_queued` waiting runs)."""
+    check_room(session, adding=1, max_queued=max_queued)
     check_broker(celery)
     before = store.get_run(session, run_id=run_id)
     status, error, finished_at = before.status, before.error, before.finished_at

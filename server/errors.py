@@ -30,5 +30,9 @@ class InvalidState(RolloutLensError):
     """An action that the run's current status does not allow."""
 
 
+class QueueFull(InvalidState):
+    """Queuing more runs would pass ROLLOUT_LENS_MAX_QUEUED_RUNS: nothing was queued."""
+
+
 class BrokerUnavailable(RolloutLensError):
     """The task queue cannot be reached: nothing was queued."""

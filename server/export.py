@@ -30,6 +30,7 @@ from rollout_lens.server.exchange_format import (
 from rollout_lens.server.models import Run
 from rollout_lens.server.serialize import rollout_dict
 from rollout_lens.server.series import STEP_SERIES
+from rollout_lens.server.textsafe import csv_cell
 from sqlalchemy.orm import Session
 
 FORMATS = ("jsonl", "parquet", "csv")
@@ -252,13 +253,16 @@ def _steps_chunks(session: Session, run: Run, fmt: str) -> Iterator[bytes]:
 
 
 def _steps_csv(columns: list[str], rows: Iterator[dict[str, Any]]) -> Iterator[str]:
+    """The CSV text; every cell through textsafe.csv_cell (a metric named `=HYPERLINK(…)` is
+    text in a spreadsheet, not a formula)."""
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(columns)
+    # RFC 4180's CRLF: the csv module then quotes a cell holding a CR too, not only an LF
+    writer = csv.writer(buffer, lineterminator="\r\n")
+    writer.writerow([csv_cell(c) for c in columns])
     for row in rows:
         writer.writerow(
             [
-                iso(v) if isinstance(v, datetime) else ("" if v is None else v)
+                csv_cell(iso(v) if isinstance(v, datetime) else ("" if v is None else v))
                 for v in (row.get(c) for c in columns)
             ]
         )

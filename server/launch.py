@@ -17,7 +17,7 @@ import annotated_types
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from rollout_lens.server.domain.presets import PRESET_GROUPS, PRESETS, Preset
-from rollout_lens.server.domain.runconfig import RunConfig
+from rollout_lens.server.domain.runconfig import MAX_NAME, RunConfig
 from rollout_lens.server.domain.task import VARIANTS, VERIFIERS
 from rollout_lens.server.errors import InvalidInput
 
@@ -313,7 +313,7 @@ def build_configs(preset: Preset | None, values: Mapping[str, Any]) -> list[RunC
             continue
         label = preset.run_label(run)
         if label and label not in config.name:  # "leaky (64 tools)" already says leaky
-            config = config.model_copy(update={"name": f"{config.name} · {label}"[:200]})
+            config = config.model_copy(update={"name": f"{config.name} · {label}"[:MAX_NAME]})
         configs.append(config)
     if errors:
         raise LaunchInvalid(errors)

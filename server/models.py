@@ -299,3 +299,20 @@ class AlertRow(Base):
     kind: Mapped[str] = mapped_column(String(64))
     series: Mapped[str | None] = mapped_column(String(200))
     message: Mapped[str] = mapped_column(Text)
+
+
+class BrowserSession(Base):
+    """A browser signed in with an access token (server/browser_sessions.py): kept here, so that
+    signing out ends it and no other server knows it.
+
+    Holds the SHA-256 of the cookie's random value (a database reader cannot replay a cookie),
+    an HMAC of the token it signed in with (never the token: changing the tokens ends it), and
+    when it expires.
+    """
+
+    __tablename__ = "sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_digest: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

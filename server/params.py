@@ -11,6 +11,7 @@ from rollout_lens.server.queries import MAX_RUNS_PER_PAGE
 
 MAX_ID = 2**31 - 1  # the largest id or step the databases store (a 32-bit INTEGER)
 MAX_RUN_IDS = 100  # run ids one request may name (runs=, ids=): each is read in full
+MAX_SERIES_NAMES = 500  # series one request may name: each is a column of one statement
 
 # Path and query integers are validated once, here: an out-of-range value is a 422 naming it,
 # never a database error.
@@ -42,3 +43,14 @@ def run_ids(values: Iterable[str] | None) -> list[int]:
     if out_of_range:
         raise InvalidInput(f"run ids go from 1 to {MAX_ID}, got {', '.join(out_of_range)}")
     return ids
+
+
+def series_names(values: Iterable[str] | None) -> list[str] | None:
+    """Series names from `names=a,b` (repeats dropped, first order kept); None for all of them.
+    More than MAX_SERIES_NAMES distinct names is an InvalidInput naming the limit."""
+    if not values:
+        return None
+    names = list(dict.fromkeys(split_list(values)))
+    if len(names) > MAX_SERIES_NAMES:
+        raise InvalidInput(f"at most {MAX_SERIES_NAMES} series names at once, got {len(names)}")
+    return names

@@ -10,27 +10,36 @@ In order, for every HTTP request:
    `cross-site` or `same-site`, or whose `Origin` is not this dashboard's own, is a 403.
 3. **Token.** With `ROLLOUT_LENS_AUTH_TOKEN` set, state-changing requests (every request, with
    `ROLLOUT_LENS_AUTH_READ`) need one of its tokens: `Authorization: Bearer <token>`, or the
-   session cookie the sign-in form (`/login`) sets. Tokens are compared in constant time and never
-   logged, echoed or stored in the cookie (the cookie holds an HMAC of the token).
-4. **CSRF.** A state-changing request from a browser (one that carries cookies, `Origin` or
+   session cookie the sign-in form (`/login`) sets: the random id of a server-side session
+   (server/browser_sessions.py). Tokens are compared in constant time and never logged or echoed;
+   wrong ones lock their client address out for a growing time (server/ratelimit.py: 429).
+4. **Body.** A state-changing request's body is read here, at most MAX_BODY_BYTES (else 413), and
+   replayed to the app.
+5. **CSRF.** A state-changing request from a browser (one that carries cookies, `Origin` or
    `Sec-Fetch-*` headers) and not authenticated by a Bearer header must carry the CSRF token of
    its double-submit cookie: in the form field `csrf_token` or the `X-CSRF-Token` header. Pages
    put the token in their forms and in `<meta name="csrf-token">` for scripts.
 
 Every response gets the security headers (CSP without inline scripts, nosniff, referrer policy,
-frame denial). Refusals are rendered by the one error handler (JSON for the API, a page otherwise).
+frame denial), an unexpected error's 500 too (answered here: Starlette's own error middleware
+sits outside). Refusals are rendered by the one error handler (JSON for the API, a page
+otherwise).
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
+import logging
 import secrets
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
+from rollout_lens.server import browser_sessions
 from rollout_lens.server.config import Settings
+from rollout_lens.server.ratelimit import FailureLimiter, client_address, too_many_message
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -66,8 +75,8 @@ CSRF_HEADER = "x-csrf-token"
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 PUBLIC_PREFIXES = ("/static/", "/login", "/logout")  # reachable without a token
-MAX_FORM_BYTES = 1 << 20  # a form larger than this is not searched for its CSRF token
-_SESSION_MESSAGE = b"rollout-lens session v1"
+MAX_BODY_BYTES = 1 << 20  # the largest body of a POST, PUT, PATCH or DELETE (the API and forms)
+log = logging.getLogger(__name__)
 
 
 # --- tokens ---------------------------------------------------------------------------------------
@@ -76,18 +85,6 @@ _SESSION_MESSAGE = b"rollout-lens session v1"
 def matches_token(candidate: str, tokens: Iterable[str]) -> bool:
     """Whether `candidate` is one of `tokens`, comparing each in constant time (all of them)."""
     return find_token(candidate, tokens) is not None
-
-
-def session_value(token: str) -> str:
-    """What the session cookie holds for a token: an HMAC keyed by it, never the token itself."""
-    return hmac.new(token.encode(), _SESSION_MESSAGE, hashlib.sha256).hexdigest()
-
-
-def valid_session(cookie: str, tokens: Iterable[str]) -> bool:
-    found = False
-    for token in tokens:
-        found |= hmac.compare_digest(cookie.encode(), session_value(token).encode())
-    return found
 
 
 def is_loopback_host(host: str) -> bool:
@@ -103,19 +100,24 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def host_name(host_header: str) -> str:
-    """`example.org:8000` → `example.org`; `[::1]:8000` → `[::1]` (lower case)."""
-    host = host_header.strip().lower()
+def split_host(host: str) -> tuple[str, str]:
+    """`Example.org:8000` → (`example.org`, `8000`); `[::1]:8000` → (`[::1]`, `8000`); a bare
+    IPv6 address (an ALLOWED_HOSTS entry) → (`[::1]`, ``)."""
+    host = host.strip().lower()
     if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        end = host.find("]")
+        return (host, "") if end < 0 else (host[: end + 1], host[end + 1 :].removeprefix(":"))
+    if host.count(":") == 1:
+        name, port = host.split(":")
+        return name, port
+    return (f"[{host}]", "") if ":" in host else (host, "")
 
 
 def allowed_hosts(settings: Settings) -> frozenset[str]:
-    names = {
-        n if ":" not in n or n.startswith("[") else f"[{n}]" for n in settings.allowed_host_list
-    }
-    return LOOPBACK_NAMES | names
+    """The names the Host header may carry with any port, and `name:port` for an entry that
+    names its port (it matches that port only)."""
+    entries = (split_host(entry) for entry in settings.allowed_host_list)
+    return LOOPBACK_NAMES | {f"{name}:{port}" if port else name for name, port in entries}
 
 
 def safe_next(target: str) -> str:
@@ -148,12 +150,31 @@ class Refused(Exception):
 class Guard:
     """The pure ASGI middleware described in the module docstring."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        session_factory: sessionmaker[Session],
+        limiter: FailureLimiter,
+    ) -> None:
         self.app = app
         self.tokens = settings.auth_token_list
         self.auth_read = settings.auth_read
         self.any_host = "*" in settings.allowed_host_list
         self.hosts = allowed_hosts(settings)
+        self.session_factory = session_factory
+        self.limiter = limiter
+
+    def _signed_in(self, cookie: str) -> bool:
+        """Whether `cookie` is a live server-side session of a current token (a database read,
+        run in a worker thread)."""
+        try:
+            with self.session_factory() as session:
+                found = browser_sessions.signed_in_with(session, cookie, self.tokens)
+        except Exception:  # a database that cannot answer signs no one in (and is logged)
+            log.exception("could not read the session of a signed-in browser")
+            return False
+        return found is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -168,13 +189,20 @@ class Guard:
             csrf = secrets.token_urlsafe(32)
         state["csrf_token"] = csrf
         state["auth_enabled"] = bool(self.tokens)
-        state["signed_in"] = bool(self.tokens) and valid_session(
-            cookies.get(SESSION_COOKIE, ""), self.tokens
+        session_cookie = cookies.get(SESSION_COOKIE, "")
+        state["signed_in"] = (
+            bool(self.tokens and session_cookie)
+            and not scope["path"].startswith("/static/")
+            and await run_in_threadpool(self._signed_in, session_cookie)
         )
         secure = scope.get("scheme") == "https"
 
+        started = False
+
         async def send_with_headers(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 out = MutableHeaders(scope=message)
                 for name, value in SECURITY_HEADERS.items():
                     if name not in out:
@@ -190,7 +218,16 @@ class Guard:
             response = await self._refusal(scope, refusal)
             await response(scope, receive, send_with_headers)
             return
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception:
+            if started:  # a streamed body failed half-way: nothing more can be sent
+                raise
+            # Answered here, inside the Guard, so that a 500 carries the security headers too
+            # (Starlette's own error middleware sits outside every middleware).
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            response = await _server_error(scope)
+            await response(scope, receive, send_with_headers)
 
     async def _check(
         self,
@@ -202,8 +239,9 @@ class Guard:
         fresh_csrf: bool,
     ) -> Receive:
         """Raise Refused, or return the `receive` to pass on (a form's body is read and replayed)."""
-        name = host_name(headers.get("host", ""))
-        if not (self.any_host or name in self.hosts or _is_ip_literal(name)):
+        name, port = split_host(headers.get("host", ""))
+        known = name in self.hosts or f"{name}:{port}" in self.hosts
+        if not (self.any_host or known or _is_ip_literal(name)):
             raise Refused(
                 421,
                 "this dashboard is not served under that host name; add it to "
@@ -216,7 +254,7 @@ class Guard:
         if unsafe:
             self._check_same_origin(headers)
         path: str = scope["path"]
-        bearer = self._bearer(headers)
+        bearer = self._bearer(scope, headers)
         if self.tokens and (unsafe or self.auth_read) and not path.startswith(PUBLIC_PREFIXES):
             signed_in = scope["state"]["signed_in"]
             if not (bearer or signed_in):
@@ -228,17 +266,27 @@ class Guard:
                     "or sign in at /login",
                     {"www-authenticate": "Bearer"},
                 )
-        if unsafe and not bearer and _from_browser(headers):
-            return await self._check_csrf(receive, headers, csrf, fresh_csrf)
+        if not unsafe:
+            return receive
+        body, receive = await read_body(receive, headers)
+        if not bearer and _from_browser(headers):
+            self._check_csrf(headers, body, csrf, fresh_csrf)
         return receive
 
-    def _bearer(self, headers: Headers) -> bool:
-        """Whether the request carries a valid Bearer token (401 for one that is wrong)."""
+    def _bearer(self, scope: Scope, headers: Headers) -> bool:
+        """Whether the request carries a valid Bearer token: 401 for one that is wrong, 429 (not
+        checked) while its address is locked out for sending wrong ones (server.ratelimit)."""
         scheme, _, value = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not self.tokens:
             return False
+        address = client_address(scope)
+        wait = self.limiter.retry_after(address)
+        if wait:
+            raise Refused(429, too_many_message(wait), {"retry-after": str(wait)})
         if not matches_token(value.strip(), self.tokens):
+            self.limiter.failed(address)
             raise Refused(401, "the token is not valid", {"www-authenticate": "Bearer"})
+        self.limiter.succeeded(address)
         return True
 
     @staticmethod
@@ -261,14 +309,10 @@ class Guard:
                 )
 
     @staticmethod
-    async def _check_csrf(
-        receive: Receive, headers: Headers, csrf: str, fresh_csrf: bool
-    ) -> Receive:
+    def _check_csrf(headers: Headers, body: bytes, csrf: str, fresh_csrf: bool) -> None:
         sent = headers.get(CSRF_HEADER, "")
-        replay = receive
         content_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if not sent and content_type == "application/x-www-form-urlencoded":
-            body, replay = await _read_body(receive)
             values = parse_qs(body.decode("utf-8", "replace")).get(CSRF_FIELD, [""])
             sent = values[0]
         if fresh_csrf or not sent or not hmac.compare_digest(sent.encode(), csrf.encode()):
@@ -277,7 +321,6 @@ class Guard:
                 "refused: the form's security token is missing or out of date (CSRF check); "
                 "reload the page and try again",
             )
-        return replay
 
     @staticmethod
     async def _refusal(scope: Scope, refusal: Refused) -> Response:
@@ -290,6 +333,15 @@ class Guard:
         )
         response.headers.update(refusal.headers)
         return response
+
+
+async def _server_error(scope: Scope) -> Response:
+    """The 500 of an unexpected error, rendered like every other error (HTML or JSON by
+    `Accept`); its detail stays in the log."""
+    from rollout_lens.server.error_pages import handle_error
+
+    message = "the server hit an unexpected error; its log has the details"
+    return await handle_error(Request(scope), HTTPException(500, message))
 
 
 def _is_ip_literal(name: str) -> bool:
@@ -324,15 +376,33 @@ def _login_url(scope: Scope) -> str:
     return f"/login?next={quote(target, safe='')}"
 
 
-async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
-    """The whole body (up to MAX_FORM_BYTES are searched) and a `receive` that replays it."""
+def _too_large(size: str) -> Refused:
+    """The 413 of a body past MAX_BODY_BYTES, naming the limit."""
+    return Refused(
+        413,
+        f"the request body is larger than {MAX_BODY_BYTES:,} bytes ({size}), the limit for the "
+        "API and forms; nothing was changed",
+    )
+
+
+async def read_body(receive: Receive, headers: Headers) -> tuple[bytes, Receive]:
+    """The whole body of a state-changing request and a `receive` that replays it; a 413 past
+    MAX_BODY_BYTES, said by Content-Length before reading or found while reading (chunked)."""
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large(f"{int(declared):,} declared")
     chunks: list[bytes] = []
+    size = 0
     more = True
     while more:
         message = await receive()
         if message["type"] != "http.request":
             break
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large("more were sent")
+        chunks.append(chunk)
         more = message.get("more_body", False)
     body = b"".join(chunks)
     replayed = False
@@ -344,14 +414,15 @@ async def _read_body(receive: Receive) -> tuple[bytes, Receive]:
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
 
-    return (body if len(body) <= MAX_FORM_BYTES else b""), replay
+    return body, replay
 
 
-def session_cookie(token: str, *, secure: bool) -> dict[str, Any]:
-    """Arguments of Response.set_cookie for a signed-in browser."""
+def session_cookie(value: str, *, max_age: int, secure: bool) -> dict[str, Any]:
+    """Arguments of Response.set_cookie for a signed-in browser (`value`: its session's id)."""
     return {
         "key": SESSION_COOKIE,
-        "value": session_value(token),
+        "value": value,
+        "max_age": max_age,
         "httponly": True,
         "samesite": "strict",
         "secure": secure,

@@ -87,3 +87,26 @@ def clip(text: str | None, limit: int) -> str:
     """At most `limit` characters of `text`, with an ellipsis when cut (long names in lists)."""
     text = text or ""
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# Terminal controls: C0 (ESC starts colour and title sequences, BEL ends OSC), DEL, C1 (CSI and
+# OSC in one byte) and the bidirectional overrides that reorder what a terminal shows.
+_TERMINAL_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: object) -> str:
+    """`text` with every terminal control character removed: what a command prints of a run
+    (its name, status, error) can recolour, retitle or rewrite no terminal."""
+    return _TERMINAL_CONTROLS.sub("", str(text))
+
+
+# OWASP's rule for CSV injection: a cell a spreadsheet would read as a formula.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: object) -> object:
+    """A CSV cell a spreadsheet shows as text: a string beginning with = + - @ tab or CR gets a
+    leading `'` (OWASP); numbers and other values unchanged (-0.5 stays a number)."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value

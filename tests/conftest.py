@@ -50,7 +50,7 @@ def _truncate_pg(engine: Engine) -> None:
     with engine.begin() as conn:
         conn.execute(
             text(
-                "TRUNCATE runs, steps, rollouts, prompts, facts, run_tokens, rollups, alerts RESTART IDENTITY CASCADE"
+                "TRUNCATE runs, steps, rollouts, prompts, facts, run_tokens, rollups, alerts, sessions RESTART IDENTITY CASCADE"
             )
         )
 

@@ -194,7 +194,7 @@ def test_the_delete_button_asks_first(
 def test_signing_in_with_a_token_in_the_browser(
     browser: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    token = "browser-token-42"
+    token = "browser-token-0042"
     with _dashboard(tmp_path_factory.mktemp("guarded"), auth_token=token) as (target, factory):
         context = browser.new_context(base_url=target)
         context.set_default_timeout(10_000)
@@ -218,18 +218,35 @@ def test_signing_in_with_a_token_in_the_browser(
                 page.click("#login-button")
             (cookie,) = [c for c in context.cookies() if c["name"] == "rl_session"]
             assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
-            assert token not in cookie["value"]
+            assert token not in cookie["value"] and cookie["expires"] > 0  # it expires
             page.goto("/runs/new")
             page.fill("#f-steps", "5")
             with page.expect_navigation():
                 page.click("#launch-button")
             assert _count(factory) == (1, 0)
+            assert _launch_with_cookie(target, cookie["value"]) == 201  # a copy works…
             with page.expect_navigation():
                 page.click("#logout-button")
             assert page.locator("#login-link").is_visible()
             assert not [c for c in context.cookies() if c["name"] == "rl_session"]
+            assert _launch_with_cookie(target, cookie["value"]) == 401  # …until sign-out
+            assert _count(factory) == (2, 0)
         finally:
             context.close()
+
+
+def _launch_with_cookie(target: str, session_cookie: str) -> int:
+    """A launch from another client holding a copy of a browser's session cookie."""
+    import httpx
+
+    csrf = "copied-csrf-0123456789abcdefghijklmnopq"
+    response = httpx.post(
+        f"{target}/api/runs",
+        json={"steps": 1},
+        cookies={"rl_session": session_cookie, "rl_csrf": csrf},
+        headers={"X-CSRF-Token": csrf},
+    )
+    return response.status_code
 
 
 def test_a_tool_result_with_markup_stays_text(

@@ -117,3 +117,31 @@ def test_runs_on_an_unmigrated_database_says_how_to_fix(cli_env: dict[str, str])
 def test_bad_setting_is_reported(cli_env: dict[str, str]) -> None:
     done = _cli(["runs"], cli_env | {"ROLLOUT_LENS_PRICE_PER_DEVICE_HOUR": "cheap"})
     assert done.returncode == 2 and "price_per_device_hour" in done.stderr
+
+
+def test_runs_prints_no_terminal_escapes_from_a_run(tmp_path: Path) -> None:
+    """A name sent through the web API with colour, title (OSC) and bidi sequences: `runs`
+    prints its text and none of the control characters."""
+    from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.migrate import upgrade
+
+    from tests.web_support import client_for
+
+    url = f"sqlite:///{tmp_path / 'rollout-lens.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    client = client_for(make_session_factory(engine), data_dir=tmp_path)
+    name = "\u001b[31mRED\u001b]0;pwned-title\u0007 \u009b2J\u202eevil"
+    launched = client.post("/api/runs", json={"steps": 1, "name": name})
+    assert launched.status_code == 201, launched.text
+    engine.dispose()
+    done = _cli(
+        ["runs"], {"ROLLOUT_LENS_DATABASE_URL": url, "ROLLOUT_LENS_DATA_DIR": str(tmp_path)}
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if "RED" in x]
+    assert line.endswith("[31mRED]0;pwned-title 2Jevil")
+    for control in ("\x1b", "\x07", "\x9b", "\u202e"):
+        assert control not in done.stdout
+    listed = _cli(["runs", "--format", "json"], {"ROLLOUT_LENS_DATABASE_URL": url})
+    assert "\x1b" not in listed.stdout and json.loads(listed.stdout)[0]["name"] == name

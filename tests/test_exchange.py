@@ -396,3 +396,34 @@ def test_cli_import_of_a_damaged_file_fails_clearly(
     err = capsys.readouterr().err
     assert f"rollout-lens: error: {bad}: line 4: not valid JSON" in err
     assert _count_runs(factory) == 1
+
+
+FORMULAS = [
+    '=HYPERLINK("http://evil.example","x")',
+    "@SUM(A1:A9)",
+    "+1+1",
+    "-2+3",
+    "\tcmd",
+    "\rcmd",
+]
+
+
+def test_the_steps_csv_neutralises_formulas(session_factory: sessionmaker[Session]) -> None:
+    """Metric names a spreadsheet would run as formulas are text in the download (OWASP: a
+    leading `'`); negative numbers stay numbers."""
+    import csv
+
+    from tests.factories import record_step
+
+    run_id = make_run(session_factory, steps=0)
+    metrics: dict[str, float | None] = {name: -0.5 for name in FORMULAS}
+    record_step(session_factory, run_id, 1, values={"loss": -1.25}, metrics=metrics)
+    client = client_for(session_factory)
+    response = client.get(f"/api/runs/{run_id}/export?format=csv&what=steps")
+    assert response.status_code == 200
+    header, row = list(csv.reader(io.StringIO(response.text, newline="")))
+    by_name = dict(zip(header, row, strict=True))
+    for name in FORMULAS:
+        assert by_name["'" + name] == "-0.5"
+    assert by_name["loss"] == "-1.25"
+    assert not [cell for cell in header + row if cell[:1] in ("=", "@", "+", "\t", "\r")]

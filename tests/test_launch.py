@@ -21,6 +21,7 @@ from rollout_lens.server.domain.presets import PRESET_GROUPS
 from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.errors import BrokerUnavailable
 from rollout_lens.server.models import Run, RunStatus, utcnow
+from rollout_lens.trainer.modelref import unusable
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -492,8 +493,9 @@ def test_resume_with_the_broker_down_changes_nothing(
     run = get_run(session_factory, run_id)
     assert (run.status, run.error) == ("failed", "OOM at step 3")
     response = down_client.post(f"/runs/{run_id}/resume", follow_redirects=False)
-    assert response.status_code == 303 and "notice=Not+resumed" in response.headers["location"]
+    assert response.status_code == 303 and response.headers["location"] == f"/runs/{run_id}"
     page = parse(down_client.get(response.headers["location"]).text)
+    assert "Not resumed" in page.by_id("notice").text
     assert "cannot be reached" in page.by_id("notice").text
 
 
@@ -681,4 +683,39 @@ def test_the_web_takes_a_model_folder_and_the_worker_fails_a_run_without_it(
     train_run.apply(args=[run["id"]])  # what the worker runs, here in the test's process
     failed = get_run(session_factory, run["id"])
     assert failed.status == RunStatus.failed
-    assert "neither `tiny`, a hub id, nor an existing folder on this host" in (failed.error or "")
+    assert failed.error == f"invalid run config: {unusable(missing)}"
+
+
+def test_a_launched_model_folder_tells_readers_nothing_of_the_workers_disk(
+    client: TestClient,
+    session_factory: sessionmaker[Session],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A missing folder, a folder without config.json (`/etc`) and one whose config.json does not
+    load all fail with one message; only the worker's log says which it was."""
+    from rollout_lens.trainer.tasks import train_run
+
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("SECRET-LINE not json")
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    monkeypatch.setenv("ROLLOUT_LENS_DATABASE_URL", url)
+    monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path))
+    for model in ("/etc", str(tmp_path / "no-such-folder"), "~root/.ssh", str(broken)):
+        response = client.post("/api/runs", json={"model": model, "steps": 1})
+        (run,) = response.json()["runs"]
+        with caplog.at_level("WARNING"):
+            train_run.apply(args=[run["id"]])
+        failed = get_run(session_factory, run["id"])
+        assert failed.status == RunStatus.failed
+        first = (failed.error or "").splitlines()[0]
+        # the config check (before training) or the loading (in it): the same words
+        assert first.split(": ", 1)[1] == unusable(model), failed.error
+        told = (failed.error or "").replace(model, "MODEL")  # the name was the reader's own
+        for leak in ("config.json", "exist", "folder", "SECRET-LINE", "JSON"):
+            assert leak not in told, (model, failed.error)
+    logged = caplog.text
+    assert "no config.json" in logged and "nor an existing folder" in logged
+    assert "broken-model" in logged

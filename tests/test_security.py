@@ -232,7 +232,7 @@ TOKEN = "s3cret-token-abc"
 
 @pytest.fixture
 def guarded(session_factory: sessionmaker[Session], tmp_path: Path) -> TestClient:
-    return client_for(session_factory, data_dir=tmp_path, auth_token=f"other-one, {TOKEN}")
+    return client_for(session_factory, data_dir=tmp_path, auth_token=f"other-token-0123, {TOKEN}")
 
 
 def test_a_token_guards_every_change(
@@ -315,4 +315,191 @@ def test_tokens_compare_in_constant_time() -> None:
     assert security.matches_token("b", ["a", "b"])
     assert not security.matches_token("", ["a"])
     assert not security.matches_token("a", [])
-    assert security.session_value("a") != "a"
+
+
+# --- crafted reads: a 4xx naming the limit, never a 500 ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("/api/runs?q=" + "+".join(f"w{i}" for i in range(1000)), "at most 20 words, got 1000"),
+        ("/?q=" + "+".join(f"w{i}" for i in range(21)), "at most 20 words, got 21"),
+        ("/api/runs?q=" + "x" * 201, "at most 200 characters"),
+        ("/api/runs/1/series?names=" + ",".join(f"s{i}" for i in range(2001)), "at most 500"),
+    ],
+)
+def test_crafted_reads_are_a_400_naming_the_limit(
+    client: TestClient, session_factory: sessionmaker[Session], path: str, words: str
+) -> None:
+    make_run(session_factory, steps=2)
+    response = client.get(path, headers={"accept": "application/json"})
+    assert response.status_code == 400, response.text[:300]
+    assert words in response.json()["detail"]
+
+
+def test_repeated_series_names_are_read_once(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    run_id = make_run(session_factory, steps=3)
+    once = client.get(f"/api/runs/{run_id}/series?names=loss").json()
+    repeated = client.get(f"/api/runs/{run_id}/series?names=" + ",".join(["loss"] * 2001))
+    assert repeated.status_code == 200
+    assert repeated.json()["series"] == once["series"]
+    words = client.get("/api/runs?q=" + "+".join(["run"] * 1000))
+    assert words.status_code == 200
+
+
+def test_a_server_error_carries_the_security_headers(tmp_path: Path) -> None:
+    """A real 500 (the runs table is gone): the same headers as every response, a page for a
+    browser and JSON for a script, and the database's message only in the log."""
+    from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.migrate import upgrade
+    from sqlalchemy import text
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'broken.db'}")
+    upgrade(engine)
+    with engine.begin() as conn:
+        conn.execute(text("PRAGMA foreign_keys=OFF"))
+        conn.execute(text("DROP TABLE runs"))
+    client = client_for(make_session_factory(engine), data_dir=tmp_path)
+    page = client.get("/", headers={"accept": "text/html"})
+    api = client.get("/api/runs")
+    assert page.status_code == api.status_code == 500
+    assert page.headers["content-type"].startswith("text/html")
+    assert parse(page.text).find(cls="error-status").text == "500"
+    assert "Something went wrong" in page.text
+    assert api.json() == {"detail": "the server hit an unexpected error; its log has the details"}
+    for response in (page, api):
+        assert "script-src 'self'" in response.headers["content-security-policy"]
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert response.headers["x-frame-options"] == "DENY"
+        assert "no such table" not in response.text
+    engine.dispose()
+
+
+# --- notices, Server-Timing, host entries with ports --------------------------------------------
+
+
+def test_notices_come_only_from_the_server(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    """A link cannot put words on a real page (`?notice=`, a forged cookie); a form action's
+    notice is shown once, on the page it redirects to."""
+    run_id = make_run(session_factory, steps=2, status=RunStatus.completed)
+    phishing = client.get(f"/runs/{run_id}?notice=Your+token+expired:+sign+in+at+evil.example")
+    assert phishing.status_code == 200 and "evil.example" not in phishing.text
+    assert not parse(phishing.text).find_all(id="notice")
+    forged = TestClient(client.app, base_url="http://127.0.0.1", cookies={"rl_notice": "Hi.x.y"})
+    assert not parse(forged.get(f"/runs/{run_id}").text).find_all(id="notice")
+    response = client.post(f"/runs/{run_id}/cancel", follow_redirects=False)
+    assert response.status_code == 303 and response.headers["location"] == f"/runs/{run_id}"
+    assert "notice" not in response.headers["location"]
+    cookie = response.headers["set-cookie"]
+    assert "rl_notice=" in cookie and "HttpOnly" in cookie and "cancelled" not in cookie
+    page = client.get(f"/runs/{run_id}")
+    assert "only queued or running runs can be cancelled" in parse(page.text).by_id("notice").text
+    again = client.get(f"/runs/{run_id}")  # shown once
+    assert not parse(again.text).find_all(id="notice")
+
+
+def test_server_timing_only_when_asked_for(
+    session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    plain = client_for(session_factory, data_dir=tmp_path)
+    assert "server-timing" not in plain.get("/api/runs").headers
+    timed = client_for(session_factory, data_dir=tmp_path, server_timing=True)
+    assert timed.get("/api/runs").headers["server-timing"].startswith("app;dur=")
+
+
+def test_allowed_hosts_with_a_port(session_factory: sessionmaker[Session], tmp_path: Path) -> None:
+    client = client_for(
+        session_factory, data_dir=tmp_path, allowed_hosts="lens.example:8443, docs.example"
+    )
+    assert client.get("/api/runs", headers={"Host": "lens.example:8443"}).status_code == 200
+    assert client.get("/api/runs", headers={"Host": "LENS.example:8443"}).status_code == 200
+    for other in ("lens.example:9000", "lens.example", "evil.example:8443"):
+        assert client.get("/api/runs", headers={"Host": other}).status_code == 421, other
+    assert client.get("/api/runs", headers={"Host": "docs.example:1234"}).status_code == 200
+
+
+# --- bounded launch input -------------------------------------------------------------------------
+
+
+def test_launch_text_and_lists_have_maximum_lengths(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    cases = [
+        ({"model": "x" * 501}, "model: String should have at most 500 characters"),
+        ({"name": "n" * 201}, "name: String should have at most 200 characters"),
+        ({"control_tokens": ["a"] * 100_000}, "control_tokens: List should have at most 64 items"),
+        (
+            {"control_tokens": ["t" * 101]},
+            "control_tokens: String should have at most 100 characters",
+        ),
+        ({"verifier": "v" * 10_000}, "verifier: String should have at most 32 characters"),
+    ]
+    for body, words in cases:
+        response = client.post("/api/runs", json={"steps": 1} | body)
+        assert response.status_code == 422, body.keys()
+        assert words in response.json()["detail"]
+        assert len(response.content) < 5_000  # the input is not echoed back
+    assert _runs(session_factory) == 0
+    ok = client.post(
+        "/api/runs", json={"steps": 1, "model": "m" * 500, "control_tokens": ["t"] * 64}
+    )
+    assert ok.status_code == 201
+    assert len(client.get("/").content) < 200_000
+
+
+def test_a_body_over_1_mb_is_a_413(session_factory: sessionmaker[Session], tmp_path: Path) -> None:
+    """Declared (Content-Length) or streamed (chunked) to a real server: refused with a 413 that
+    names the limit, and nothing is created; a form is capped the same way."""
+    import httpx
+    from rollout_lens.server.app import create_app
+    from rollout_lens.server.config import Settings
+
+    from tests.web_support import serve_app
+
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    app = create_app(Settings(database_url=url, data_dir=tmp_path), session_factory=session_factory)
+    with serve_app(app) as base, httpx.Client(base_url=base, timeout=30) as http:
+        declared = http.post("/api/runs", json={"steps": 1, "model": "x" * 2_000_000})
+        assert declared.status_code == 413
+        assert "larger than 1,048,576 bytes" in declared.json()["detail"]
+
+        def chunks():  # no Content-Length: Transfer-Encoding: chunked
+            yield b'{"steps": 1, "model": "'
+            for _ in range(50):
+                yield b"x" * 100_000
+            yield b'"}'
+
+        streamed = http.post(
+            "/api/runs", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert streamed.status_code == 413
+        assert "content-security-policy" in streamed.headers
+        form = http.post("/runs/new", data={"name": "n" * 1_100_000, "steps": "1"})
+        assert form.status_code == 413 and "1,048,576 bytes" in form.text
+        fine = httpx.post(f"{base}/api/runs", json={"steps": 1, "name": "n" * 200}, timeout=30)
+        assert fine.status_code == 201  # a script's (the client above now has cookies)
+    assert _runs(session_factory) == 1
+
+
+def test_queued_runs_are_capped(session_factory: sessionmaker[Session], tmp_path: Path) -> None:
+    client = client_for(session_factory, data_dir=tmp_path, max_queued_runs=3)
+    for _ in range(3):
+        assert client.post("/api/runs", json={"steps": 100_000}).status_code == 201
+    refused = client.post("/api/runs", json={"steps": 100_000})
+    assert refused.status_code == 409
+    detail = refused.json()["detail"]
+    assert "the queue is full: 3 runs wait and at most 3 may" in detail
+    assert "ROLLOUT_LENS_MAX_QUEUED_RUNS" in detail
+    form = client.post("/runs/new", data={"steps": "5"})
+    assert form.status_code == 409 and "the queue is full" in form.text
+    failed = make_run(session_factory, steps=1, status=RunStatus.failed)
+    resumed = client.post(f"/api/runs/{failed}/resume")
+    assert resumed.status_code == 409 and "the queue is full" in resumed.json()["detail"]
+    assert _runs(session_factory) == 4  # three queued, and the failed one, still failed
+    client.post("/api/runs/1/cancel")  # room for one again
+    assert client.post("/api/runs", json={"steps": 5}).status_code == 201

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -13,8 +14,10 @@ from rollout_lens.server.models import (
     Prompt,
     Rollout,
     Rollup,
+    Run,
     RunStatus,
     Step,
+    utcnow,
 )
 from rollout_lens.server.records import StepRecord
 from rollout_lens.server.serialize import rollout_dict
@@ -226,3 +229,26 @@ def test_rollups_are_kept_current_and_rebuilt_after_truncation(session_factory) 
             assert _same(
                 _rollups(session, run_id, width), _rollups_from_raw(session, run_id, width)
             )
+
+
+@pytest.mark.parametrize(
+    ("stale_after", "said"),
+    [
+        (timedelta(seconds=90), "over 90 s"),
+        (timedelta(days=2, seconds=5), "over 172,805 s"),
+        (timedelta(seconds=1.5), "over 1.5 s"),
+    ],
+)
+def test_a_lost_run_says_its_whole_threshold(
+    session_factory, stale_after: timedelta, said: str
+) -> None:
+    run_id = make_run(session_factory, steps=1)
+    with session_scope(session_factory) as session:
+        store.mark_running(session, run_id=run_id, worker_host="h", device="cpu", control_tokens=[])
+        run = session.get(Run, run_id)
+        run.heartbeat_at = utcnow() - stale_after - timedelta(seconds=10)
+    with session_scope(session_factory) as session:
+        assert store.mark_lost_runs(session, stale_after=stale_after) == [run_id]
+    with session_scope(session_factory) as session:
+        error = store.get_run(session, run_id=run_id).error
+    assert error == f"the worker stopped sending heartbeats for {said}"

@@ -151,7 +151,7 @@ def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> No
     port = _free_port()
     for extra_args, env_extra in (
         (["--insecure"], {}),
-        ([], {"ROLLOUT_LENS_AUTH_TOKEN": "tok-123", "ROLLOUT_LENS_AUTH_READ": "true"}),
+        ([], {"ROLLOUT_LENS_AUTH_TOKEN": "tok-123-0123456789", "ROLLOUT_LENS_AUTH_READ": "true"}),
     ):
         env = _env(
             ROLLOUT_LENS_DATA_DIR=str(tmp_path), ROLLOUT_LENS_BROKER_URL="redis://127.0.0.1:1/0"
@@ -166,7 +166,7 @@ def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> No
             stderr=subprocess.STDOUT,
             text=True,
         ) as proc:
-            lens = Client(base, token="tok-123" if env_extra else None, timeout=1)
+            lens = Client(base, token="tok-123-0123456789" if env_extra else None, timeout=1)
             try:
                 runs, started = None, time.perf_counter()
                 while runs is None and time.perf_counter() - started < 20:
@@ -191,4 +191,4 @@ def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> No
         if extra_args:
             assert "warning: serving on 0.0.0.0 with no access token" in output
         else:
-            assert "warning" not in output and "tok-123" not in output
+            assert "warning" not in output and "tok-123-0123456789" not in output

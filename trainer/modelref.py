@@ -19,6 +19,13 @@ class ModelUnavailable(ValueError):
     """The model named by a run is not one this host can load."""
 
 
+def unusable(model: str) -> str:
+    """What a launched run's page says of a model the worker could not use: no more than that.
+    Whether a folder exists, or what its files hold, stays in the worker's log (anyone who can
+    read the dashboard could otherwise probe the worker's disk by launching `/etc`)."""
+    return f"model {model.strip()!r} is not a usable model on this worker (its log says why)"
+
+
 def check_model(model: str) -> str:
     """`tiny`, a hub id as given, or a local model folder as an absolute path on this host;
     ModelUnavailable when it is a folder that is missing or was not saved with save_pretrained."""

@@ -24,7 +24,7 @@ from rollout_lens.trainer import multiturn, task
 from rollout_lens.trainer import multiturn_supervision as mts
 from rollout_lens.trainer.evaluation import Evaluator
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
-from rollout_lens.trainer.modelref import check_model
+from rollout_lens.trainer.modelref import ModelUnavailable, check_model, unusable
 from rollout_lens.trainer.monitor import CheckpointRecorder, RunMonitor
 from rollout_lens.trainer.multiturn_model import ensure_multiturn_model
 from rollout_lens.trainer.retry import DatabaseAway, mark_finished
@@ -57,6 +57,17 @@ def resolve_model(
         ensure = ensure_multiturn_model if config.turns == "multi" else ensure_tiny_model
         return str(ensure(settings.models_dir, log=log_line))
     return check_model(config.model)
+
+
+def load_model(named: str, path: str) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+    """The tokenizer and model at `path`; a folder that does not load is ModelUnavailable saying
+    no more than modelref.unusable (transformers' message can quote the folder's files), with
+    the detail in this process's log."""
+    try:
+        return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    except Exception:  # any loading error: its text is for the operator only
+        log.warning("model %r could not be loaded from %s", named, path, exc_info=True)
+        raise ModelUnavailable(unusable(named)) from None
 
 
 def default_control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -276,8 +287,7 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                 torch.set_num_threads(settings.torch_threads)
             set_seed(config.seed)
             model_path = resolve_model(config, settings, log_line)
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
-            model = AutoModelForCausalLM.from_pretrained(model_path)
+            tokenizer, model = load_model(config.model, model_path)
 
             def stop_requested() -> bool:
                 return monitor.should_stop() or bool(should_stop and should_stop())

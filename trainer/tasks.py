@@ -12,7 +12,7 @@ from rollout_lens.server.db import make_engine, make_session_factory, session_sc
 from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.models import Run, RunStatus
 from rollout_lens.server.queue import TRAIN_TASK
-from rollout_lens.trainer.modelref import ModelUnavailable, check_model
+from rollout_lens.trainer.modelref import ModelUnavailable, check_model, unusable
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +37,12 @@ def train_run(self, run_id: int) -> str:  # type: ignore[no-untyped-def]
             config = RunConfig.model_validate(config_data)
             check_model(config.model)  # only this host knows whether a model folder exists
         except (ValidationError, ModelUnavailable) as exc:
+            error = f"invalid run config: {exc}"
+            if isinstance(exc, ModelUnavailable):
+                log.warning("run %s: %s", run_id, exc)  # the detail, for the worker's operator
+                error = f"invalid run config: {unusable(str(config_data.get('model', '')))}"
             with session_scope(factory) as session:
-                store.mark_finished(
-                    session,
-                    run_id=run_id,
-                    status=RunStatus.failed,
-                    error=f"invalid run config: {exc}",
-                )
+                store.mark_finished(session, run_id=run_id, status=RunStatus.failed, error=error)
             return f"run {run_id} failed: invalid config"
         # Only now the ML stack: the worker process stays light until a run arrives.
         from rollout_lens.trainer.run import resume_step, train

@@ -2,14 +2,21 @@
 
 It checks what any host can know (ranges, choices, fields that must agree). Whether a model
 folder exists is known only where the run trains: the worker checks that (trainer.modelref) and
-fails the run with a message saying so.
+fails the run saying the model is not usable (the detail only in the worker's log).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 from rollout_lens.server.domain.task import (
     IN_GROUP_MODES,
     TINY,
@@ -22,6 +29,13 @@ from rollout_lens.server.domain.task import (
 )
 
 MAX_STEPS = 100_000
+# Text a run keeps, bounded where the database's columns are (runs.name, runs.model) and where a
+# page lists it: a launch can never make the runs page megabytes long.
+MAX_NAME = 200
+MAX_MODEL = 500
+MAX_CONTROL_TOKENS = 64
+MAX_CONTROL_TOKEN = 100
+ControlToken = Annotated[str, StringConstraints(max_length=MAX_CONTROL_TOKEN)]
 MIN_MULTI_TURN_TOKENS = 32  # a call, its result and an answer share max_completion_tokens
 MULTI_TURN_TOKENS = 128  # a multi-turn run's budget when none is given
 
@@ -32,7 +46,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(
-        "", max_length=200, description="Shown in lists; empty: derived from the recipe."
+        "", max_length=MAX_NAME, description="Shown in lists; empty: derived from the recipe."
     )
     turns: Turns = Field(
         "single",
@@ -41,7 +55,12 @@ class RunConfig(BaseModel):
     )
     variant: Variant = Field("patched", description="leaky lists all 64 tools; patched the top-k.")
     k: int = Field(4, ge=1, le=TOOL_COUNT, description="Shortlist size of the patched variant.")
-    model: str = Field(TINY, min_length=1, description="`tiny`, a local model folder, or a hub id.")
+    model: str = Field(
+        TINY,
+        min_length=1,
+        max_length=MAX_MODEL,
+        description="`tiny`, a local model folder, or a hub id.",
+    )
     steps: int = Field(150, ge=1, le=MAX_STEPS, description="Optimizer steps.")
     group_size: int = Field(8, ge=2, le=64, description="Rollouts per prompt (G).")
     prompts_per_step: int = Field(1, ge=1, le=64, description="Groups per step.")
@@ -72,6 +91,7 @@ class RunConfig(BaseModel):
     num_iterations: int = Field(1, ge=1, le=16, description="Updates per generation (GRPO's μ).")
     verifier: str = Field(
         "exact",
+        max_length=32,
         description="Training reward: exact (match with the target), format (partial credit "
         "for any listed id), noisy (exact, flipped at random), judge (format's partial credit, "
         "and a right reply missed at random).",
@@ -113,8 +133,9 @@ class RunConfig(BaseModel):
         description="Greedy evaluation (ID, format-OOD on single-turn runs, content-OOD) every "
         "N steps; 0: off.",
     )
-    control_tokens: list[str] | None = Field(
+    control_tokens: list[ControlToken] | None = Field(
         None,
+        max_length=MAX_CONTROL_TOKENS,
         description="Tokens whose probability is recorded at each position; default: the model's.",
     )
     keep_tokens_every: int | None = Field(

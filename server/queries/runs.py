@@ -42,15 +42,33 @@ RUN_SORTS: dict[str, Any] = {
 }
 
 
+MAX_SEARCH_WORDS = 20
+MAX_SEARCH_WORD = 200  # a run name's length
+
+
 def _like(word: str) -> str:
     escaped = word.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     return f"%{escaped}%"
 
 
+def search_words(q: str) -> list[str]:
+    """The words of a search (repeats dropped); InvalidInput past MAX_SEARCH_WORDS words or a word
+    longer than MAX_SEARCH_WORD (each word is four LIKEs of one statement)."""
+    words = list(dict.fromkeys(q.split()))
+    if len(words) > MAX_SEARCH_WORDS:
+        raise InvalidInput(f"a search takes at most {MAX_SEARCH_WORDS} words, got {len(words)}")
+    long = max((len(w) for w in words), default=0)
+    if long > MAX_SEARCH_WORD:
+        raise InvalidInput(
+            f"a search word has at most {MAX_SEARCH_WORD} characters, got one of {long}"
+        )
+    return words
+
+
 def _run_filters(q: str, ids: Sequence[int] | None, after: int | None) -> list[ColumnElement[bool]]:
     """Every word of `q` in name, model, variant or status; `ids` or (with both) newer than `after`."""
     where: list[ColumnElement[bool]] = []
-    for word in q.split():
+    for word in search_words(q):
         pattern = _like(word)
         columns = (Run.name, Run.model, Run.variant, Run.status)
         where.append(or_(*(col.ilike(pattern, escape="\\") for col in columns)))

@@ -8,15 +8,15 @@ CSRF token.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Annotated, Any
-from urllib.parse import urlencode
 
 from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
-from rollout_lens.server import control, launch, queries
+from rollout_lens.server import control, flash, launch, queries
 from rollout_lens.server.deps import CeleryDep, SessionDep, SettingsDep, render
-from rollout_lens.server.errors import BrokerUnavailable, InvalidState
+from rollout_lens.server.errors import BrokerUnavailable, InvalidState, QueueFull
 from rollout_lens.server.params import RunId
 from rollout_lens.server.responses import DataResponse
 from starlette.concurrency import run_in_threadpool
@@ -66,6 +66,10 @@ def _invalid(errors: dict[str, str]) -> RequestValidationError:
     tags=["actions"],
     responses={
         201: {"description": "The created runs and the page that shows them"},
+        409: {
+            "description": "The queue is full (ROLLOUT_LENS_MAX_QUEUED_RUNS); nothing was created"
+        },
+        413: {"description": "The body is larger than 1 MB; nothing was created"},
         422: {"description": "A field failed validation; nothing was created"},
         503: {"description": "The task queue cannot be reached; nothing was created"},
     },
@@ -74,6 +78,7 @@ def launch_api(
     request: Request,
     session: SessionDep,
     celery: CeleryDep,
+    settings: SettingsDep,
     body: Annotated[
         dict[str, Any],
         Body(
@@ -88,13 +93,15 @@ def launch_api(
         configs = launch.configs_from_request(body)
     except launch.LaunchInvalid as exc:
         raise _invalid(exc.errors) from None
-    ids = control.launch_runs(session, celery, configs)
+    ids = control.launch_runs(session, celery, configs, max_queued=settings.max_queued_runs)
     content = {"runs": queries.list_runs(session, ids=ids, descending=False)}
     return DataResponse(content | {"url": _opened(request, ids)}, status_code=201)
 
 
 @router.post("/runs/new", include_in_schema=False)
-async def launch_form(request: Request, session: SessionDep, celery: CeleryDep) -> Response:
+async def launch_form(
+    request: Request, session: SessionDep, celery: CeleryDep, settings: SettingsDep
+) -> Response:
     """The launch form's submit: redirect to the new run(s), or the form again with messages."""
     form = await request.form()  # async only for this; the database and broker work is sync
     submitted = {k: str(v) for k, v in form.items()}
@@ -102,13 +109,19 @@ async def launch_form(request: Request, session: SessionDep, celery: CeleryDep) 
     preset = launch.submitted_preset(submitted)
     try:
         configs = launch.build_configs(preset, raw)
-        ids = await run_in_threadpool(control.launch_runs, session, celery, configs)
+        ids = await run_in_threadpool(
+            partial(control.launch_runs, max_queued=settings.max_queued_runs),
+            session,
+            celery,
+            configs,
+        )
     except launch.LaunchInvalid as exc:
         context = launch.form_context(typed, preset=preset, errors=exc.errors)
         return render(request, "new_run.html", context, status_code=422)
-    except BrokerUnavailable as exc:
+    except (BrokerUnavailable, QueueFull) as exc:
         context = launch.form_context(typed, preset=preset, broker_error=str(exc))
-        return render(request, "new_run.html", context, status_code=503)
+        status = 409 if isinstance(exc, QueueFull) else 503
+        return render(request, "new_run.html", context, status_code=status)
     return RedirectResponse(_opened(request, ids), status_code=303)
 
 
@@ -123,16 +136,22 @@ def cancel_api(session: SessionDep, run_id: RunId) -> JSONResponse:
 
 
 @router.post("/api/runs/{run_id}/resume", tags=["actions"])
-def resume_api(session: SessionDep, celery: CeleryDep, run_id: RunId) -> JSONResponse:
+def resume_api(
+    session: SessionDep, celery: CeleryDep, settings: SettingsDep, run_id: RunId
+) -> JSONResponse:
     """Queue a lost, failed or cancelled run again to continue from its last checkpoint."""
-    control.resume(session, celery, run_id)
+    control.resume(session, celery, run_id, max_queued=settings.max_queued_runs)
     return JSONResponse(queries.run_live(session, run_id=run_id))
 
 
 def _back_to_run(request: Request, run_id: int, notice: str = "") -> RedirectResponse:
-    """Back to the run page, with what went wrong as a notice there."""
+    """Back to the run page, with what went wrong as a notice there (a signed flash cookie:
+    only the server words notices)."""
     url = str(request.app.url_path_for("run_page", run_id=run_id))
-    return RedirectResponse(f"{url}?{urlencode({'notice': notice})}" if notice else url, 303)
+    response = RedirectResponse(url, 303)
+    if notice:
+        flash.leave(request, response, notice, path=url)
+    return response
 
 
 @router.post("/runs/{run_id}/cancel", include_in_schema=False)
@@ -146,10 +165,10 @@ def cancel_form(request: Request, session: SessionDep, run_id: RunId) -> Redirec
 
 @router.post("/runs/{run_id}/resume", include_in_schema=False)
 def resume_form(
-    request: Request, session: SessionDep, celery: CeleryDep, run_id: RunId
+    request: Request, session: SessionDep, celery: CeleryDep, settings: SettingsDep, run_id: RunId
 ) -> RedirectResponse:
     try:
-        control.resume(session, celery, run_id)
+        control.resume(session, celery, run_id, max_queued=settings.max_queued_runs)
     except (InvalidState, BrokerUnavailable) as exc:
         return _back_to_run(request, run_id, f"Not resumed: {exc}")
     return _back_to_run(request, run_id)

@@ -15,7 +15,7 @@ from rollout_lens.server.params import (
     RunsPerPage,
     StepNo,
     run_ids,
-    split_list,
+    series_names,
 )
 from rollout_lens.server.responses import (
     DataResponse,
@@ -116,7 +116,7 @@ def get_series(
     downsampled: see `method` in the response. Responses carry an ETag that changes with every
     recorded step; a full history (since=0) of an unchanged run is served from memory.
     """
-    wanted = split_list(names) if names else None
+    wanted = series_names(names)
     return versioned(
         request,
         session,

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
-from rollout_lens.server import launch, queries, views
+from rollout_lens.server import flash, launch, queries, views
 from rollout_lens.server.deps import AlertCacheDep, CompareCacheDep, SessionDep, render
 from rollout_lens.server.params import (
     OptionalRunId,
@@ -67,12 +67,15 @@ def run_page(
     cache: AlertCacheDep,
     run_id: RunId,
     full: bool = False,
-    notice: str = "",
 ) -> HTMLResponse:
+    """A run's page, with the notice a form action left for it (server.flash), if any."""
     overview = queries.run_overview(session, run_id=run_id)
     overview["alerts"] = run_alerts(request, session, cache, run_id)
+    notice = flash.read(request)
     context = views.run_page(overview, _url(request), full=full, notice=notice)
-    return render(request, "run.html", context)
+    response = render(request, "run.html", context)
+    flash.forget(request, response, path=request.url.path)
+    return response
 
 
 @router.get("/runs/{run_id}/rollouts", name="explorer_page")

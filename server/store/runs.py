@@ -241,10 +241,16 @@ def mark_lost_runs(session: Session, *, stale_after: timedelta) -> list[int]:
             .values(
                 status=RunStatus.lost,
                 finished_at=utcnow(),
-                error=f"the worker stopped sending heartbeats for over {stale_after.seconds} s",
+                error="the worker stopped sending heartbeats for over "
+                f"{_seconds_text(stale_after.total_seconds())} s",
             )
         )
     return ids
+
+
+def _seconds_text(seconds: float) -> str:
+    """`86400.0` → `86,400`; `1.5` → `1.5`: the whole threshold (timedelta.seconds drops days)."""
+    return f"{seconds:,.3f}".rstrip("0").rstrip(".")
 
 
 def queue_position(session: Session, *, run_id: int) -> int | None:
@@ -288,6 +294,12 @@ def restore_status(
         .where(Run.id == run_id, Run.status == RunStatus.queued)
         .values(status=status, error=error, finished_at=finished_at)
     )
+
+
+def queued_count(session: Session) -> int:
+    """How many runs wait in the queue."""
+    count = session.scalar(select(func.count()).where(Run.status == RunStatus.queued))
+    return int(count or 0)
 
 
 def queue_positions(session: Session) -> dict[int, int]:
