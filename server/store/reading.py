@@ -18,6 +18,12 @@ def last_step(session: Session, *, run_id: int) -> int:
     return int(value or 0)
 
 
+def last_recorded_step(session: Session, *, run_id: int) -> int | None:
+    """The highest recorded step of a run, or None when it has none (a run may hold step 0)."""
+    value = session.scalar(select(func.max(Step.step)).where(Step.run_id == run_id))
+    return None if value is None else int(value)
+
+
 def steps(session: Session, *, run_id: int, since: int = 0) -> list[Step]:
     """Steps of a run after `since`, in order."""
     query = select(Step).where(Step.run_id == run_id, Step.step > since).order_by(Step.step)
