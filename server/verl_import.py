@@ -98,11 +98,12 @@ class VerlDump:
     # -- files ---------------------------------------------------------------------------------
 
     def scan(self) -> list[DumpFile]:
-        """The train dumps and, with a validation folder, its dumps."""
+        """The train dumps and, with a validation folder, its dumps from step 1 on (verl's step 0
+        is the validation before training: a run's steps start at 1, so it becomes a note)."""
         found = numbered(self.folder, FILE_NAME)
         if self.validation is not None:
             found += numbered(self.validation, FILE_NAME, "validation")
-        return found
+        return [f for f in found if f.step >= 1]
 
     def check(self, unit: Unit) -> Checked:
         out = Checked()
@@ -159,6 +160,7 @@ class VerlDump:
                 f"evaluation: verl's validation dumps in {self.validation.resolve()}; "
                 f"{VALIDATION} is their mean {self.true_score_key or 'score'}"
             )
+            notes += self._before_training()
         return RunPlan(
             name=self.name or f"verl {folder.name}",
             model=self.model or "unknown",
@@ -179,6 +181,31 @@ class VerlDump:
             },
             notes=notes,
         )
+
+    def _before_training(self) -> list[str]:
+        """A note of the validation before training (verl's step 0), when its dump reads whole."""
+        assert self.validation is not None
+        path = self.validation / "0.jsonl"
+        try:
+            rows = read_lines(DumpFile(path, 0, "validation")) if path.is_file() else []
+        except InvalidInput:
+            return []  # still being written, or damaged: the run goes on without the note
+        if not rows:
+            return []
+        value = self._validation_mean(rows)
+        what = self.true_score_key or "score"
+        shown = "—" if value is None else f"{value:.4g}"
+        return [
+            f"validation before training (verl's step 0): mean {what} {shown} over {len(rows)} "
+            "samples (not charted: steps start at 1)"
+        ]
+
+    def _validation_mean(self, rows: list[dict[str, Any]]) -> float | None:
+        """A validation dump's mean true score, or its mean score without one."""
+        key = self.true_score_key
+        if key and any(key in row for row in rows):
+            return _key_mean(rows, key)
+        return mean(row["score"] for row in rows)
 
     def adopt(self, run: Run) -> None:
         config = run.config or {}
@@ -219,11 +246,7 @@ class VerlDump:
         validation = unit.of("validation")
         if validation is not None:
             rows = read_lines(validation)
-            key = self.true_score_key
-            if key and any(key in row for row in rows):
-                metrics[VALIDATION] = _key_mean(rows, key)
-            else:
-                metrics[VALIDATION] = mean(row["score"] for row in rows)
+            metrics[VALIDATION] = self._validation_mean(rows)
             metrics[verl("val/score")] = mean(row["score"] for row in rows)
             for k, ok in _numeric(rows).items():
                 if ok:

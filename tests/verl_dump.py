@@ -16,7 +16,12 @@ from typing import Any
 import pytest
 
 SOURCE = "verl/trainer/ppo/ray_trainer.py"
-METHODS = ("_write_generations", "_dump_generations", "_init_dump_executor", "_shutdown_dump_executor")
+METHODS = (
+    "_write_generations",
+    "_dump_generations",
+    "_init_dump_executor",
+    "_shutdown_dump_executor",
+)
 
 # verl v0.4.1, verl/trainer/ppo/ray_trainer.py, RayPPOTrainer._dump_generations, as released (the
 # dump before verl added `gts`, written synchronously in one write).
@@ -120,3 +125,34 @@ def dump(
         for future in list(host._dump_futures):
             future.result()
     return folder / f"{step}.jsonl"
+
+
+def grpo_advantages(scores: list[float], groups: list[int]) -> list[float]:
+    """Each sample's advantage by verl's own `compute_grpo_outcome_advantage` (core_algos.py, its
+    registering decorator left off), on torch as verl runs it."""
+    import numpy as np
+    import torch
+
+    path = Path(str(distribution("verl").locate_file("verl/trainer/ppo/core_algos.py")))
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    node = next(
+        n
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef) and n.name == "compute_grpo_outcome_advantage"
+    )
+    node.decorator_list = []
+    namespace: dict[str, Any] = {
+        "torch": torch,
+        "np": np,
+        "defaultdict": __import__("collections").defaultdict,
+        "Optional": __import__("typing").Optional,
+        "AlgoConfig": object,  # only an annotation
+    }
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    rewards = torch.tensor(scores, dtype=torch.float32)[:, None]
+    advantages, _ = namespace["compute_grpo_outcome_advantage"](
+        token_level_rewards=rewards,
+        response_mask=torch.ones_like(rewards),
+        index=np.array([str(g) for g in groups], dtype=object),
+    )
+    return [float(a) for a in advantages[:, 0]]
