@@ -119,9 +119,12 @@ class VerlDump:
         return out
 
     def wants_more(self, unit: Unit) -> bool:
-        # verl writes a step's validation dump next to its train dump when it validates there:
-        # the step waits for it (or for the next step's file), so its evaluation lands with it.
-        return self.validation is not None and unit.of("validation") is None
+        # verl writes a step's validation dump next to its train dump (after it in RayPPOTrainer,
+        # before it in the v1 trainer) when it validates there: the newest step waits for both
+        # (or for a later step's file), so its evaluation lands with its rollouts.
+        return unit.of("train") is None or (
+            self.validation is not None and unit.of("validation") is None
+        )
 
     # -- the run -------------------------------------------------------------------------------
 

@@ -376,3 +376,258 @@ def half(text: bytes) -> bytes:
     while text[cut - 1 : cut] == b"\n":
         cut += 1
     return text[:cut]
+
+
+def follow_args(folder: Path, *more: str) -> list[str]:
+    return ["import-verl", str(folder), "--follow", "--settle", "0.3", *more]
+
+
+def test_follow_records_steps_as_verl_writes_them(
+    session_factory: sessionmaker[Session],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The follower in this thread (the CLI in-process), verl's dump code in another: steps are
+    recorded as they appear, a half-written file is not read until whole, the run is running
+    with its heartbeat and live series meanwhile, and --idle ends it as completed."""
+    import threading
+
+    from rollout_lens.cli import main
+    from tests.web_support import client_for
+
+    _use_database(monkeypatch, session_factory, tmp_path)
+    folder = tmp_path / "rollout"
+    folder.mkdir()
+    scratch = verl_dump.trainer()  # writes step 3 elsewhere, for its bytes
+    full = write_step(scratch, tmp_path / "scratch", 3).read_bytes()
+    seen: dict[str, Any] = {}
+    failed: list[BaseException] = []
+
+    def verl_trains() -> None:
+        try:
+            host = verl_dump.trainer()
+            for step in (1, 2):
+                write_step(host, folder, step)
+            wait_for(lambda: recorded(session_factory) == [1, 2], "steps 1 and 2")
+            run = newest_run(session_factory)
+            assert run is not None
+            seen["live"] = (run.status, run.heartbeat_at, run.worker_host)
+            with client_for(session_factory) as client:
+                seen["page"] = client.get(f"/runs/{run.id}").text
+                seen["progress"] = client.get(f"/api/runs/{run.id}/progress").json()
+                seen["series"] = client.get(
+                    f"/api/runs/{run.id}/series", params={"since": 1}
+                ).json()
+            # verl's writer mid-way through step 3's file: settled past --settle, not whole.
+            (folder / "3.jsonl").write_bytes(half(full))
+            time.sleep(1.2)
+            seen["half"] = recorded(session_factory)
+            before = newest_run(session_factory)
+            assert before is not None and before.heartbeat_at is not None
+            seen["beats"] = (run.heartbeat_at, before.heartbeat_at)
+            (folder / "3.jsonl").write_bytes(full)
+            wait_for(lambda: 3 in recorded(session_factory), "step 3")
+            for step in (4, 5):
+                write_step(host, folder, step)
+            host._shutdown_dump_executor()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            failed.append(exc)
+
+    thread = threading.Thread(target=verl_trains)
+    thread.start()
+    try:
+        status = main(follow_args(folder, "--idle", "2"))
+    finally:
+        thread.join(timeout=60)
+    assert not failed, failed
+    assert status == 0
+    out, err = capsys.readouterr()
+    assert "completed (no new step for 2 s)" in out and "waiting for dump files" in err
+
+    assert seen["live"][0] == RunStatus.running and seen["live"][2]
+    assert 'data-status="running"' in seen["page"]
+    assert seen["progress"]["can_cancel"] is True
+    assert seen["series"]["series"]["reward_mean"]["x"] == [2]
+    assert seen["half"] == [1, 2]  # the half-written file was not read
+    assert seen["beats"][1] > seen["beats"][0]  # the heartbeat went on while waiting
+    run = newest_run(session_factory)
+    assert run is not None
+    assert (run.status, run.current_step, run.total_steps) == (RunStatus.completed, 5, 5)
+    assert run.finished_at is not None
+    rollouts = rollouts_of(session_factory, run.id)
+    assert recorded(session_factory) == [1, 2, 3, 4, 5]
+    step3 = [r["completion"] for r in rollouts if r["step"] == 3]
+    assert step3 == [row["output"] for row in lines(tmp_path / "scratch" / "3.jsonl")]
+    assert len(rollouts) == 5 * N * len(PROMPTS)
+
+
+def test_a_restart_resumes_after_the_last_recorded_step(
+    session_factory: sessionmaker[Session],
+    dumps: Dumps,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rollout_lens.cli import main
+
+    _use_database(monkeypatch, session_factory, tmp_path)
+    later = tmp_path / "later"  # steps 4 and 5 arrive after the first follower stopped
+    later.mkdir()
+    for step in (4, 5):
+        shutil.move(dumps.rollout / f"{step}.jsonl", later / f"{step}.jsonl")
+        shutil.move(dumps.validation / f"{step}.jsonl", later / f"val-{step}.jsonl")
+    args = follow_args(dumps.rollout, "--validation", str(dumps.validation), "--idle", "0.5")
+    assert main(args) == 0
+    assert recorded(session_factory) == [1, 2, 3]
+    run = newest_run(session_factory)
+    assert run is not None and run.status == RunStatus.completed
+    notes = list(run.notes)
+    for step in (4, 5):
+        shutil.move(later / f"{step}.jsonl", dumps.rollout / f"{step}.jsonl")
+        shutil.move(later / f"val-{step}.jsonl", dumps.validation / f"{step}.jsonl")
+    # Options given again must agree with the run's; left out, the run's own are taken.
+    assert main([*args, "--n", "2"]) == 2
+    assert "with --n 4, not 2" in capsys.readouterr().err
+    assert main(follow_args(dumps.rollout, "--idle", "0.5")) == 0
+    assert f"resuming run {run.id} (verl rollout) after step 3" in capsys.readouterr().err
+    assert recorded(session_factory) == [1, 2, 3, 4, 5]
+    again = newest_run(session_factory)
+    assert again is not None
+    assert (again.id, again.status, again.notes, again.current_step) == (
+        run.id,
+        RunStatus.completed,
+        notes,
+        5,
+    )
+    rollouts = rollouts_of(session_factory, run.id)
+    assert len(rollouts) == 5 * N * len(PROMPTS)
+    assert len({(r["step"], r["group"], r["index"]) for r in rollouts}) == len(rollouts)
+    with session_scope(session_factory) as session:
+        series = store.metric_series(session, run_id=run.id)
+    assert [s for s, _ in series["eval/validation"]] == [2, 4, 5]
+
+
+def test_a_run_followed_elsewhere_is_not_taken_over(
+    session_factory: sessionmaker[Session],
+    dumps: Dumps,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rollout_lens.cli import main
+
+    _use_database(monkeypatch, session_factory, tmp_path)
+    assert main(follow_args(dumps.rollout, "--idle", "0.3")) == 0
+    run = newest_run(session_factory)
+    assert run is not None
+    with session_scope(session_factory) as session:
+        store.mark_following(session, run_id=run.id, worker_host="another-host")
+    assert main(follow_args(dumps.rollout, "--idle", "0.3")) == 2
+    assert "is being followed already" in capsys.readouterr().err
+
+
+def test_cancel_in_the_dashboard_stops_the_follower(
+    session_factory: sessionmaker[Session],
+    dumps: Dumps,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import threading
+
+    from rollout_lens.cli import main
+    from tests.web_support import client_for
+
+    _use_database(monkeypatch, session_factory, tmp_path)
+
+    def press_cancel() -> None:
+        run = wait_for(lambda: newest_run(session_factory), "the run")
+        with client_for(session_factory) as client:
+            client.post(f"/api/runs/{run.id}/cancel").raise_for_status()
+
+    thread = threading.Thread(target=press_cancel)
+    thread.start()
+    try:
+        assert main(follow_args(dumps.rollout)) == 0  # no --idle: only the cancel ends it
+    finally:
+        thread.join(timeout=30)
+    assert "cancelled (cancelled in the dashboard)" in capsys.readouterr().out
+    run = newest_run(session_factory)
+    assert run is not None and run.status == RunStatus.cancelled
+
+
+def test_bad_input_when_following_creates_nothing(
+    session_factory: sessionmaker[Session],
+    dumps: Dumps,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rollout_lens.cli import main
+
+    _use_database(monkeypatch, session_factory, tmp_path)
+    message = _damage(dumps.rollout, "malformed line")
+    assert main(follow_args(dumps.rollout, "--idle", "5")) == 2
+    assert message in capsys.readouterr().err
+    assert run_count(session_factory) == 0
+
+
+def test_ctrl_c_ends_the_followed_run_cleanly(
+    session_factory: sessionmaker[Session],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CLI as a process: Ctrl-C (SIGINT) cancels the run it follows and exits 130; a second
+    follower resumes it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from rollout_lens.cli import main
+
+    folder = tmp_path / "rollout"
+    host = verl_dump.trainer()
+    for step in (1, 2):
+        write_step(host, folder, step)
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LENS_")} | {
+        "ROLLOUT_LENS_DATABASE_URL": url,
+        "ROLLOUT_LENS_DATA_DIR": str(tmp_path / "data"),
+        "ROLLOUT_LENS_HEARTBEAT_SECONDS": "0.2",
+    }
+    with subprocess.Popen(
+        [sys.executable, "-m", "rollout_lens", *follow_args(folder)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            wait_for(lambda: recorded(session_factory) == [1, 2] or proc.poll(), "steps 1, 2")
+            write_step(host, folder, 3)
+            wait_for(lambda: 3 in recorded(session_factory) or proc.poll(), "step 3")
+            run = newest_run(session_factory)
+            assert run is not None and run.status == RunStatus.running
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 130, err
+    assert "cancelled (interrupted; run the same command again to resume)" in out
+    assert "Traceback" not in err
+    run = newest_run(session_factory)
+    assert run is not None
+    assert (run.status, run.current_step) == (RunStatus.cancelled, 3)
+    assert run.finished_at is not None
+
+    for step in (4, 5):
+        write_step(host, folder, step)
+    host._shutdown_dump_executor()
+    _use_database(monkeypatch, session_factory, tmp_path)
+    assert main(follow_args(folder, "--idle", "0.5")) == 0
+    again = newest_run(session_factory)
+    assert again is not None and (again.id, again.status) == (run.id, RunStatus.completed)
+    assert recorded(session_factory) == [1, 2, 3, 4, 5]
