@@ -7,7 +7,6 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import verl_dump
+from tests.follow_support import half, newest_run, recorded, use_database, wait_for
 
 N = 4  # verl's actor_rollout_ref.rollout.n
 PROMPTS = [  # as verl decodes them: the chat template applied, special tokens skipped
@@ -300,16 +300,6 @@ def test_bad_input_is_refused_and_creates_nothing(
     assert run_count(session_factory) == 0
 
 
-def _use_database(
-    monkeypatch: pytest.MonkeyPatch, factory: sessionmaker[Session], tmp_path: Path
-) -> None:
-    """The CLI's settings: this test's database, a quick heartbeat."""
-    url = factory.kw["bind"].url.render_as_string(hide_password=False)
-    monkeypatch.setenv("ROLLOUT_LENS_DATABASE_URL", url)
-    monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("ROLLOUT_LENS_HEARTBEAT_SECONDS", "0.2")
-
-
 def test_the_cli_imports_a_verl_run(
     session_factory: sessionmaker[Session],
     dumps: Dumps,
@@ -319,7 +309,7 @@ def test_the_cli_imports_a_verl_run(
 ) -> None:
     from rollout_lens.cli import main
 
-    _use_database(monkeypatch, session_factory, tmp_path)
+    use_database(monkeypatch, session_factory, tmp_path)
     args = ["import-verl", str(dumps.rollout), "--validation", str(dumps.validation)]
     assert (
         main([*args, "--name", "gsm8k grpo", "--model", "Qwen/Qwen2.5-0.5B", "--settle", "0"]) == 0
@@ -341,41 +331,7 @@ def test_the_cli_imports_a_verl_run(
     assert run_count(session_factory) == 1
 
 
-# --- following a folder while verl writes it -------------------------------------------------------
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    """Poll `check` every 50 ms until it returns something truthy (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return found
-
-
-def newest_run(factory: sessionmaker[Session]) -> Run | None:
-    with session_scope(factory) as session:
-        run = session.scalars(select(Run).order_by(Run.id.desc())).first()
-        if run is not None:
-            session.expunge(run)
-        return run
-
-
-def recorded(factory: sessionmaker[Session]) -> list[int]:
-    """The steps recorded in the newest run."""
-    run = newest_run(factory)
-    if run is None:
-        return []
-    with session_scope(factory) as session:
-        return [s.step for s in store.steps(session, run_id=run.id)]
-
-
-def half(text: bytes) -> bytes:
-    """The first part of a file as a writer leaves it mid-way: cut inside a line."""
-    cut = len(text) // 2
-    while text[cut - 1 : cut] == b"\n":
-        cut += 1
-    return text[:cut]
+# --- following a folder while verl writes it ----------------------------------------------------
 
 
 def follow_args(folder: Path, *more: str) -> list[str]:
@@ -396,7 +352,7 @@ def test_follow_records_steps_as_verl_writes_them(
     from rollout_lens.cli import main
     from tests.web_support import client_for
 
-    _use_database(monkeypatch, session_factory, tmp_path)
+    use_database(monkeypatch, session_factory, tmp_path)
     folder = tmp_path / "rollout"
     folder.mkdir()
     scratch = verl_dump.trainer()  # writes step 3 elsewhere, for its bytes
@@ -471,7 +427,7 @@ def test_a_restart_resumes_after_the_last_recorded_step(
 ) -> None:
     from rollout_lens.cli import main
 
-    _use_database(monkeypatch, session_factory, tmp_path)
+    use_database(monkeypatch, session_factory, tmp_path)
     later = tmp_path / "later"  # steps 4 and 5 arrive after the first follower stopped
     later.mkdir()
     for step in (4, 5):
@@ -517,7 +473,7 @@ def test_a_run_followed_elsewhere_is_not_taken_over(
 ) -> None:
     from rollout_lens.cli import main
 
-    _use_database(monkeypatch, session_factory, tmp_path)
+    use_database(monkeypatch, session_factory, tmp_path)
     assert main(follow_args(dumps.rollout, "--idle", "0.3")) == 0
     run = newest_run(session_factory)
     assert run is not None
@@ -539,7 +495,7 @@ def test_cancel_in_the_dashboard_stops_the_follower(
     from rollout_lens.cli import main
     from tests.web_support import client_for
 
-    _use_database(monkeypatch, session_factory, tmp_path)
+    use_database(monkeypatch, session_factory, tmp_path)
 
     def press_cancel() -> None:
         run = wait_for(lambda: newest_run(session_factory), "the run")
@@ -566,7 +522,7 @@ def test_bad_input_when_following_creates_nothing(
 ) -> None:
     from rollout_lens.cli import main
 
-    _use_database(monkeypatch, session_factory, tmp_path)
+    use_database(monkeypatch, session_factory, tmp_path)
     message = _damage(dumps.rollout, "malformed line")
     assert main(follow_args(dumps.rollout, "--idle", "5")) == 2
     assert message in capsys.readouterr().err
@@ -626,7 +582,7 @@ def test_ctrl_c_ends_the_followed_run_cleanly(
     for step in (4, 5):
         write_step(host, folder, step)
     host._shutdown_dump_executor()
-    _use_database(monkeypatch, session_factory, tmp_path)
+    use_database(monkeypatch, session_factory, tmp_path)
     assert main(follow_args(folder, "--idle", "0.5")) == 0
     again = newest_run(session_factory)
     assert again is not None and (again.id, again.status) == (run.id, RunStatus.completed)
