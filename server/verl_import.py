@@ -49,7 +49,10 @@ TRUE_SCORE_KEY = "acc"  # taken as the true score when present and no other key 
 EPSILON = 1e-6  # verl's compute_grpo_outcome_advantage
 TARGET_CHARS = 64  # the rollouts' target column; a longer ground truth is kept whole in meta
 VALIDATION = vocab.eval_set("validation")
-NO_TOKENS = "verl's dump has no token ids, logprobs or control-token probabilities"
+NO_TOKENS = (
+    "verl's dump has no token ids, logprobs or control-token probabilities, nor loss, KL, "
+    "entropy or grad norm (verl logs those to its own loggers)"
+)
 
 
 def verl(key: str) -> str:
