@@ -41,6 +41,9 @@ from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 POLL_SECONDS = 1.0  # how often the folder is listed
+# Steps per transaction once the run exists: a long catch-up commits (and so shows its heartbeat)
+# now and then, and the sweeper does not take the run for lost.
+STEPS_PER_WRITE = 20
 SLICE_SECONDS = 0.1  # how often a wait looks at stop()
 
 
@@ -54,8 +57,6 @@ class Followed:
     steps: int
     rollouts: int
     ended: str
-    resumed_after: int | None = None
-    resumed: bool = False
 
 
 class Follower:
@@ -101,17 +102,17 @@ class Follower:
         """Follow until idle, stopped or cancelled (module docstring); InvalidInput on bad input."""
         self.fmt.scan()  # a missing folder is refused before anything is looked up
         self._resume()
-        resumed_after = self.after
-        if self.run_id is None:
+        if self.run_id is None and not self.fmt.scan():
             self.say(f"waiting for dump files in {self.fmt.folder}")
         try:
             ended = self._loop()
         except InvalidInput as exc:
             self._finish(RunStatus.failed, str(exc))
             raise
-        return Followed(
-            self.run_id, self.name, self.steps, self.rollouts, ended, resumed_after, self.resumed
-        )
+        except KeyboardInterrupt:  # a second Ctrl-C: the write in progress was rolled back
+            self._finish(RunStatus.cancelled, None)
+            raise
+        return Followed(self.run_id, self.name, self.steps, self.rollouts, ended)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -120,7 +121,7 @@ class Follower:
             if self.stop():
                 self._finish(RunStatus.cancelled, None)
                 return "interrupted"
-            self._record(final=False)
+            busy = self._record(final=False)
             now = self.clock()
             self.active_at = max(self.active_at, self.settling.last_change)
             if self.run_id is not None and now - self.beat_at >= self.heartbeat_seconds:
@@ -129,22 +130,24 @@ class Follower:
                     self._finish(RunStatus.cancelled, None)
                     return "cancelled"
             if self.idle is not None and now - self.active_at >= self.idle:
-                self._record(final=True)
+                while self._record(final=True):
+                    pass
                 if self.run_id is None:
                     raise InvalidInput(f"{self.fmt.empty} (waited {self.idle:g} s)")
                 self._finish(RunStatus.completed, None)
                 return "idle"
-            self._wait(self.poll)
+            if not busy:  # more steps may be waiting: look again at once
+                self._wait(self.poll)
 
     def _wait(self, seconds: float) -> None:
         end = self.clock() + seconds
         while not self.stop() and (left := end - self.clock()) > 0:
             time.sleep(min(SLICE_SECONDS, left))
 
-    def _record(self, *, final: bool) -> None:
-        """Record the steps ready now; at the end (`final`) the newest also without the file it
-        waits for. A newest file that does not read whole is left for later (or, at the end,
-        reported and left out)."""
+    def _record(self, *, final: bool) -> bool:
+        """Record the steps ready now (at most STEPS_PER_WRITE); at the end (`final`) the newest
+        also without the file it waits for. A newest file that does not read whole is left for
+        later (or, at the end, reported and left out). Whether any step was recorded."""
         fmt = self.fmt
         found = units(
             fmt.scan(),
@@ -153,18 +156,20 @@ class Follower:
             wants_more=fmt.wants_more,
             final=final,
         )
+        if self.writer is not None:
+            found = found[:STEPS_PER_WRITE]
         checked = readable(fmt, found, final=False)
         if final and len(checked) < len(found):
             self.say(f"{found[len(checked)].files[0].path} never read whole: not recorded")
         if not checked:
-            return
+            return False
         ready = [unit for unit, _ in checked]
         plan = None
         if self.writer is None:
             try:
                 plan = self.fmt.plan([c for _, c in checked])
             except Incomplete:
-                return  # not enough read yet to plan the run (verl: validation dumps alone)
+                return False  # not enough read yet to plan the run (verl: validation dumps alone)
         try:
             with session_scope(self.factory) as session:
                 if plan is not None:
@@ -182,6 +187,7 @@ class Follower:
         self.rollouts += rollouts
         self.active_at = self.beat_at = self.clock()
         self.say(_recorded(ready, rollouts))
+        return True
 
     def _create(self, session: Session, plan: RunPlan) -> None:
         run_id = create_run(session, self.fmt, plan, RunStatus.running)

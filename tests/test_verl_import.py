@@ -399,7 +399,8 @@ def test_follow_records_steps_as_verl_writes_them(
     assert not failed, failed
     assert status == 0
     out, err = capsys.readouterr()
-    assert "completed (no new step for 2 s)" in out and "waiting for dump files" in err
+    assert "completed (no new step for 2 s)" in out
+    assert "created run 1 (verl rollout)" in err and "recorded step 3 (12 rollouts)" in err
 
     assert seen["live"][0] == RunStatus.running and seen["live"][2]
     assert 'data-status="running"' in seen["page"]
@@ -425,9 +426,12 @@ def test_a_restart_resumes_after_the_last_recorded_step(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    from rollout_lens.server import follow
+
     from rollout_lens.cli import main
 
     use_database(monkeypatch, session_factory, tmp_path)
+    monkeypatch.setattr(follow, "STEPS_PER_WRITE", 1)  # a resumed catch-up, step by step
     later = tmp_path / "later"  # steps 4 and 5 arrive after the first follower stopped
     later.mkdir()
     for step in (4, 5):
@@ -446,7 +450,9 @@ def test_a_restart_resumes_after_the_last_recorded_step(
     assert main([*args, "--n", "2"]) == 2
     assert "with --n 4, not 2" in capsys.readouterr().err
     assert main(follow_args(dumps.rollout, "--idle", "0.5")) == 0
-    assert f"resuming run {run.id} (verl rollout) after step 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"resuming run {run.id} (verl rollout) after step 3" in err
+    assert "recorded step 4 (12 rollouts)" in err and "recorded step 5 (12 rollouts)" in err
     assert recorded(session_factory) == [1, 2, 3, 4, 5]
     again = newest_run(session_factory)
     assert again is not None
