@@ -87,6 +87,14 @@ def _follow_options(parser: argparse.ArgumentParser) -> None:
         help="with --follow: end the run as completed after this long without a new step",
     )
     parser.add_argument(
+        "--total-steps",
+        type=int,
+        dest="total_steps",
+        metavar="N",
+        help="the steps the trainer will run (verl: trainer.total_training_steps; TRL: "
+        "max_steps), for progress and ETA while following (default: the last step recorded)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=SETTLE_SECONDS,
@@ -131,6 +139,8 @@ def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -
         raise InvalidInput("--idle goes with --follow")
     if args.settle < 0 or (args.idle is not None and args.idle <= 0):
         raise InvalidInput("--settle must be at least 0 and --idle more than 0 seconds")
+    if args.total_steps is not None and args.total_steps < 1:
+        raise InvalidInput(f"--total-steps must be at least 1, not {args.total_steps}")
     files = fmt.scan()  # a clear error before the database is touched (or created)
     if not files and not args.follow:
         raise InvalidInput(fmt.empty)
@@ -139,7 +149,7 @@ def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -
         if not args.follow:
             from rollout_lens.server.dump_import import import_dumps
 
-            done = import_dumps(factory, fmt, settle=args.settle)
+            done = import_dumps(factory, fmt, settle=args.settle, total_steps=args.total_steps)
             print(
                 f"imported run {done.run_id} ({done.name}) from {fmt.folder}: {done.steps} "
                 f"{what}, {done.rollouts} rollouts"
@@ -161,6 +171,7 @@ def _follow(factory: Any, fmt: Any, args: argparse.Namespace, settings: Settings
             host=socket.gethostname(),
             idle=args.idle,
             settle=args.settle,
+            total_steps=args.total_steps,
             heartbeat_seconds=settings.heartbeat_seconds,
             lost_after_seconds=settings.lost_after_seconds,
             stop=lambda: stopping() is not None,

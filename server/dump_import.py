@@ -90,9 +90,12 @@ def readable(fmt: DumpFormat, found: Sequence[Unit], *, final: bool) -> list[tup
 class StepWriter:
     """Writes a run's steps through the store's Recorder, kept between steps and batches."""
 
-    def __init__(self, run_id: int, *, prompts_per_step: int = 1) -> None:
+    def __init__(
+        self, run_id: int, *, prompts_per_step: int = 1, total_steps: int | None = None
+    ) -> None:
         self.run_id = run_id
         self.prompts_per_step = prompts_per_step
+        self.total_steps = total_steps  # the trainer's planned steps, when told
         self.recorder: store.Recorder | None = None
 
     def write(self, session: Session, records: Iterable[StepRecord]) -> tuple[int, int]:
@@ -120,7 +123,8 @@ class StepWriter:
             rollouts += len(record.rollouts)
             last = record.step
         if last is not None:
-            store.restore_run_columns(session, run_id=self.run_id, values={"total_steps": last})
+            total = max(last, self.total_steps or 0)
+            store.restore_run_columns(session, run_id=self.run_id, values={"total_steps": total})
         return steps, rollouts
 
     def reset(self) -> None:
@@ -154,6 +158,7 @@ def import_dumps(
     fmt: DumpFormat,
     *,
     settle: float = SETTLE_SECONDS,
+    total_steps: int | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Imported:
     """Create a completed run of every step in the folder, in one transaction: InvalidInput, and
@@ -179,7 +184,7 @@ def import_dumps(
     try:
         with session_scope(factory) as session:
             run_id = create_run(session, fmt, plan, RunStatus.completed)
-            steps, rollouts = StepWriter(run_id).write(
+            steps, rollouts = StepWriter(run_id, total_steps=total_steps).write(
                 session, (fmt.record(unit) for unit in found)
             )
     except (IntegrityError, DataError) as exc:

@@ -70,6 +70,7 @@ class Follower:
         host: str,
         idle: float | None = None,
         settle: float = SETTLE_SECONDS,
+        total_steps: int | None = None,
         heartbeat_seconds: float = 5.0,
         lost_after_seconds: float = 60.0,
         poll: float = POLL_SECONDS,
@@ -81,6 +82,7 @@ class Follower:
         self.fmt = fmt
         self.host = host
         self.idle = idle
+        self.total_steps = total_steps
         self.heartbeat_seconds = heartbeat_seconds
         self.lost_after_seconds = lost_after_seconds
         self.poll = poll
@@ -193,7 +195,7 @@ class Follower:
         run_id = create_run(session, self.fmt, plan, RunStatus.running)
         store.mark_following(session, run_id=run_id, worker_host=self.host)
         self.run_id, self.name = run_id, plan.name
-        self.writer = StepWriter(run_id)
+        self.writer = StepWriter(run_id, total_steps=self.total_steps)
         self.say(f"created run {run_id} ({plan.name}), following {self.fmt.folder}")
 
     def _forget(self) -> None:
@@ -224,7 +226,11 @@ class Follower:
             self.fmt.adopt(run)
             self.after = store.last_recorded_step(session, run_id=run.id)
             self.run_id, self.name, self.resumed = run.id, run.name, True
-            self.writer = StepWriter(run.id, prompts_per_step=run.prompts_per_step)
+            self.writer = StepWriter(
+                run.id,
+                prompts_per_step=run.prompts_per_step,
+                total_steps=self.total_steps or run.total_steps,
+            )
             store.mark_following(session, run_id=run.id, worker_host=self.host)
         where = "before its first step" if self.after is None else f"after step {self.after}"
         self.say(f"resuming run {self.run_id} ({self.name}) {where}")

@@ -368,7 +368,7 @@ def test_follow_records_steps_as_verl_writes_them(
             wait_for(lambda: recorded(session_factory) == [1, 2], "steps 1 and 2")
             run = newest_run(session_factory)
             assert run is not None
-            seen["live"] = (run.status, run.heartbeat_at, run.worker_host)
+            seen["live"] = (run.status, run.heartbeat_at, run.worker_host, run.total_steps)
             with client_for(session_factory) as client:
                 seen["page"] = client.get(f"/runs/{run.id}").text
                 seen["progress"] = client.get(f"/api/runs/{run.id}/progress").json()
@@ -393,7 +393,7 @@ def test_follow_records_steps_as_verl_writes_them(
     thread = threading.Thread(target=verl_trains)
     thread.start()
     try:
-        status = main(follow_args(folder, "--idle", "2"))
+        status = main(follow_args(folder, "--idle", "2", "--total-steps", "8"))
     finally:
         thread.join(timeout=60)
     assert not failed, failed
@@ -403,6 +403,7 @@ def test_follow_records_steps_as_verl_writes_them(
     assert "created run 1 (verl rollout)" in err and "recorded step 3 (12 rollouts)" in err
 
     assert seen["live"][0] == RunStatus.running and seen["live"][2]
+    assert seen["live"][3] == 8  # --total-steps: progress and ETA while following
     assert 'data-status="running"' in seen["page"]
     assert seen["progress"]["can_cancel"] is True
     assert seen["series"]["series"]["reward_mean"]["x"] == [2]
@@ -410,7 +411,7 @@ def test_follow_records_steps_as_verl_writes_them(
     assert seen["beats"][1] > seen["beats"][0]  # the heartbeat went on while waiting
     run = newest_run(session_factory)
     assert run is not None
-    assert (run.status, run.current_step, run.total_steps) == (RunStatus.completed, 5, 5)
+    assert (run.status, run.current_step, run.total_steps) == (RunStatus.completed, 5, 8)
     assert run.finished_at is not None
     rollouts = rollouts_of(session_factory, run.id)
     assert recorded(session_factory) == [1, 2, 3, 4, 5]
