@@ -87,6 +87,12 @@ def _follow_options(parser: argparse.ArgumentParser) -> None:
         help="with --follow: end the run as completed after this long without a new step",
     )
     parser.add_argument(
+        "--new",
+        action="store_true",
+        help="with --follow: start a new run even where one follows this folder (the trainer "
+        "started over in it)",
+    )
+    parser.add_argument(
         "--total-steps",
         type=int,
         dest="total_steps",
@@ -135,8 +141,8 @@ def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -
     """Import the folder in one go, or follow it."""
     from rollout_lens.cli import _migrated_factory
 
-    if args.idle is not None and not args.follow:
-        raise InvalidInput("--idle goes with --follow")
+    if (args.idle is not None or args.new) and not args.follow:
+        raise InvalidInput("--idle and --new go with --follow")
     if args.settle < 0 or (args.idle is not None and args.idle <= 0):
         raise InvalidInput("--settle must be at least 0 and --idle more than 0 seconds")
     if args.total_steps is not None and args.total_steps < 1:
@@ -172,6 +178,7 @@ def _follow(factory: Any, fmt: Any, args: argparse.Namespace, settings: Settings
             idle=args.idle,
             settle=args.settle,
             total_steps=args.total_steps,
+            new=args.new,
             heartbeat_seconds=settings.heartbeat_seconds,
             lost_after_seconds=settings.lost_after_seconds,
             stop=lambda: stopping() is not None,

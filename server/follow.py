@@ -36,7 +36,7 @@ from rollout_lens.server.dump_import import (
     refused,
 )
 from rollout_lens.server.errors import InvalidInput
-from rollout_lens.server.models import RunStatus, utcnow
+from rollout_lens.server.models import Run, RunStatus, utcnow
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -45,6 +45,9 @@ POLL_SECONDS = 1.0  # how often the folder is listed
 # now and then, and the sweeper does not take the run for lost.
 STEPS_PER_WRITE = 20
 SLICE_SECONDS = 0.1  # how often a wait looks at stop()
+# A first step's file modified this long after it was recorded means the trainer started over
+# (the margin absorbs a file system's clock being off from this machine's).
+REWRITTEN_AFTER = 60.0
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Follower:
         idle: float | None = None,
         settle: float = SETTLE_SECONDS,
         total_steps: int | None = None,
+        new: bool = False,
         heartbeat_seconds: float = 5.0,
         lost_after_seconds: float = 60.0,
         poll: float = POLL_SECONDS,
@@ -83,6 +87,7 @@ class Follower:
         self.host = host
         self.idle = idle
         self.total_steps = total_steps
+        self.new = new  # a new run even where one follows this folder
         self.heartbeat_seconds = heartbeat_seconds
         self.lost_after_seconds = lost_after_seconds
         self.poll = poll
@@ -214,8 +219,9 @@ class Follower:
             run = store.followed_run(
                 session, source=self.fmt.source, key=self.fmt.folder_key, folder=folder
             )
-            if run is None:
+            if run is None or self.new:
                 return
+            self._check_same_training(session, run)
             if run.status == RunStatus.running and run.heartbeat_at is not None:
                 age = (utcnow() - utc(run.heartbeat_at)).total_seconds()
                 if age < self.lost_after_seconds:
@@ -234,6 +240,24 @@ class Follower:
             store.mark_following(session, run_id=run.id, worker_host=self.host)
         where = "before its first step" if self.after is None else f"after step {self.after}"
         self.say(f"resuming run {self.run_id} ({self.name}) {where}")
+
+    def _check_same_training(self, session: Session, run: Run) -> None:
+        """Refuse to resume a run whose first step's file was written again after it was
+        recorded: the trainer started over in this folder (a new run; verl resuming from a
+        checkpoint rewrites only the steps after it)."""
+        first = store.first_recorded(session, run_id=run.id)
+        if first is None:
+            return
+        step, at = first
+        path = next((f.path for f in self.fmt.scan() if f.step == step), None)
+        if path is None:
+            return
+        written = datetime.fromtimestamp(path.stat().st_mtime, UTC)
+        if (written - utc(at)).total_seconds() > REWRITTEN_AFTER:
+            raise InvalidInput(
+                f"{path} was written again after run {run.id} ({run.name}) recorded it: the "
+                "trainer started over in this folder. Pass --new for a new run"
+            )
 
     def _beat(self) -> bool:
         """Beat the heartbeat; whether someone pressed Cancel in the dashboard."""

@@ -103,6 +103,11 @@ class VerlDump:
     def scan(self) -> list[DumpFile]:
         """The train dumps and, with a validation folder, its dumps from step 1 on (verl's step 0
         is the validation before training: a run's steps start at 1, so it becomes a note)."""
+        if not self.folder.is_dir():
+            raise InvalidInput(
+                f"{self.folder}: no such directory (verl makes it at its first dump: create it "
+                "to follow a run from its start)"
+            )
         found = numbered(self.folder, FILE_NAME)
         if self.validation is not None:
             found += numbered(self.validation, FILE_NAME, "validation")

@@ -327,7 +327,7 @@ def test_the_cli_imports_a_verl_run(
     assert main(["import-verl", str(tmp_path / "nowhere")]) == 2
     assert "nowhere: no such directory" in capsys.readouterr().err
     assert main(["import-verl", str(dumps.validation), "--idle", "3"]) == 2
-    assert "--idle goes with --follow" in capsys.readouterr().err
+    assert "--idle and --new go with --follow" in capsys.readouterr().err
     assert run_count(session_factory) == 1
 
 
@@ -594,3 +594,29 @@ def test_ctrl_c_ends_the_followed_run_cleanly(
     again = newest_run(session_factory)
     assert again is not None and (again.id, again.status) == (run.id, RunStatus.completed)
     assert recorded(session_factory) == [1, 2, 3, 4, 5]
+
+
+def test_a_trainer_starting_over_in_the_folder_is_a_new_run(
+    session_factory: sessionmaker[Session],
+    dumps: Dumps,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """verl run again with the same rollout_data_dir writes step 1 anew: resuming the old run
+    would record nothing of it, so the follower refuses and --new starts a new run."""
+    import os
+
+    from rollout_lens.cli import main
+
+    use_database(monkeypatch, session_factory, tmp_path)
+    assert main(follow_args(dumps.rollout, "--idle", "0.3")) == 0
+    host = verl_dump.trainer()
+    first = write_step(host, dumps.rollout, 1)
+    host._shutdown_dump_executor()
+    later = time.time() + 120  # written again two minutes after the follower recorded it
+    os.utime(first, (later, later))
+    assert main(follow_args(dumps.rollout, "--idle", "0.3")) == 2
+    assert "the trainer started over in this folder. Pass --new" in capsys.readouterr().err
+    assert main(follow_args(dumps.rollout, "--idle", "0.3", "--new")) == 0
+    assert run_count(session_factory) == 2 and recorded(session_factory) == [1, 2, 3, 4, 5]

@@ -10,6 +10,7 @@ The pages' reads live in server.queries. Callers use `store.<function>`.
 """
 
 from rollout_lens.server.store.reading import (
+    first_recorded,
     iter_rollouts,
     iter_steps,
     last_recorded_step,
@@ -60,6 +61,7 @@ __all__ = [
     "claim_run",
     "create_run",
     "discard_queued_runs",
+    "first_recorded",
     "followed_run",
     "get_run",
     "heartbeat",
