@@ -190,17 +190,21 @@ def _follow(factory: Any, fmt: Any, args: argparse.Namespace, settings: Settings
     status = {"idle": "completed", "interrupted": "cancelled", "cancelled": "cancelled"}
     why = {
         "idle": f"no new step for {args.idle:g} s" if args.idle else "",
-        "interrupted": "interrupted; run the same command again to resume",
+        "interrupted": "interrupted; follow the folder again (without --new) to resume",
         "cancelled": "cancelled in the dashboard",
     }
     print(
         f"run {followed.run_id} ({followed.name}) {status[followed.ended]} "
-        f"({why[followed.ended]}): {followed.steps} steps, {followed.rollouts} rollouts recorded "
-        "by this follower"
+        f"({why[followed.ended]}): {_count(followed.steps, 'step')}, "
+        f"{_count(followed.rollouts, 'rollout')} recorded by this follower"
     )
     print(f"run_id={followed.run_id}")
     signum = stopping()
     return 128 + signum if followed.ended == "interrupted" and signum else 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _say(message: str) -> None:

@@ -252,3 +252,12 @@ def test_follow_a_trl_output_dir_while_it_is_written(
     with session_scope(session_factory) as session:
         count = sum(1 for _ in store.iter_rollouts(session, run_id=run.id))
     assert count == len(_rows(trl_output))
+    # Again on the same folder: the run is resumed after its last step, nothing recorded twice.
+    again = ["import-trl", str(out), "--follow", "--idle", "0.3", "--settle", "0.3"]
+    assert main([*again, "--num-generations", "2"]) == 2
+    assert "with --num-generations 4, not 2" in capsys.readouterr().err
+    assert main(again) == 0
+    assert f"resuming run {run.id}" in capsys.readouterr().err
+    assert recorded(session_factory) == sorted({r["step"] for r in _rows(trl_output)})
+    resumed = newest_run(session_factory)
+    assert resumed is not None and (resumed.id, resumed.status) == (run.id, RunStatus.completed)

@@ -579,7 +579,7 @@ def test_ctrl_c_ends_the_followed_run_cleanly(
             if proc.poll() is None:
                 proc.kill()
     assert proc.returncode == 130, err
-    assert "cancelled (interrupted; run the same command again to resume)" in out
+    assert "cancelled (interrupted; follow the folder again (without --new) to resume)" in out
     assert "Traceback" not in err
     run = newest_run(session_factory)
     assert run is not None
