@@ -393,13 +393,13 @@ def test_follow_records_steps_as_verl_writes_them(
     thread = threading.Thread(target=verl_trains)
     thread.start()
     try:
-        status = main(follow_args(folder, "--idle", "2", "--total-steps", "8"))
+        status = main(follow_args(folder, "--idle", "3", "--total-steps", "8"))
     finally:
         thread.join(timeout=60)
     assert not failed, failed
     assert status == 0
     out, err = capsys.readouterr()
-    assert "completed (no new step for 2 s)" in out
+    assert "completed (no new step for 3 s)" in out
     assert "created run 1 (verl rollout)" in err and "recorded step 3 (12 rollouts)" in err
 
     assert seen["live"][0] == RunStatus.running and seen["live"][2]
@@ -512,7 +512,8 @@ def test_cancel_in_the_dashboard_stops_the_follower(
     thread = threading.Thread(target=press_cancel)
     thread.start()
     try:
-        assert main(follow_args(dumps.rollout)) == 0  # no --idle: only the cancel ends it
+        # Only the cancel ends it (the --idle is a safety net should the cancel not come).
+        assert main(follow_args(dumps.rollout, "--idle", "30")) == 0
     finally:
         thread.join(timeout=30)
     assert "cancelled (cancelled in the dashboard)" in capsys.readouterr().out
