@@ -14,7 +14,8 @@ transaction: a bad one creates nothing. Following ends:
 
 A follower started again on the same folder resumes the newest run of that folder and source
 after its last recorded step (read from the database), so no step is recorded twice; a run whose
-follower still beats its heartbeat is refused.
+follower still beats its heartbeat is refused, and so is one whose first step's file was written
+again since it was recorded (the trainer started over there: `new` starts a new run).
 """
 
 from __future__ import annotations
