@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl
 	touch $@
 
 demo: $(VENV)/.installed
@@ -32,6 +33,9 @@ test:
 	$(PYTHON) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TEST_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	# verl's own dump code writes the import-verl tests' input (tests/verl_dump.py reads it from
+	# verl's source): verl alone, without its requirements (Ray, vLLM, a transformers pin).
+	$(TEST_VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl
 	$(TEST_VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
 	$(TEST_VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(MAKE) typecheck MYPY=$(CURDIR)/$(TEST_VENV)/bin/mypy

@@ -1,4 +1,5 @@
-"""The `export`, `import` and `import-trl` commands: move runs between databases, bring TRL's."""
+"""The `export` and `import` commands: move runs between databases (cli_dumps brings TRL's and
+verl's own files in)."""
 
 from __future__ import annotations
 
@@ -36,26 +37,6 @@ def add_commands(sub: Any) -> None:
     into.add_argument("file", type=Path)
     into.add_argument("--name", help="the new run's name (default: the exported one)")
     into.set_defaults(handler=_import)
-
-    trl = sub.add_parser(
-        "import-trl", help="create a run from TRL's completions/completions_NNNNN.parquet files"
-    )
-    trl.add_argument("output_dir", type=Path, help="the GRPOTrainer's output_dir")
-    trl.add_argument("--name", help="the new run's name (default: TRL <folder name>)")
-    trl.add_argument(
-        "--num-generations",
-        type=int,
-        dest="num_generations",
-        help="completions per prompt (default: detected from runs of identical prompts)",
-    )
-    trl.add_argument("--model", default="unknown", help="the model that was trained")
-    trl.add_argument(
-        "--reward",
-        action="append",
-        dest="rewards",
-        help="a reward column (repeat; default: every numeric column besides step and advantage)",
-    )
-    trl.set_defaults(handler=_import_trl)
 
 
 def _export(args: argparse.Namespace, settings: Settings) -> int:
@@ -101,31 +82,6 @@ def _import(args: argparse.Namespace, settings: Settings) -> int:
     print(
         f"imported run {done.run_id} ({printable(done.name)}) from {args.file}: {done.steps} steps, "
         f"{done.rollouts} rollouts"
-    )
-    print(f"run_id={done.run_id}")
-    return 0
-
-
-def _import_trl(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.cli import _migrated_factory
-    from rollout_lens.server.trl_import import completion_files, import_trl
-
-    completion_files(args.output_dir)  # a clear error before the database is touched
-    engine, factory = _migrated_factory(settings)
-    try:
-        done = import_trl(
-            factory,
-            args.output_dir,
-            name=args.name,
-            num_generations=args.num_generations,
-            model=args.model,
-            reward_columns=args.rewards,
-        )
-    finally:
-        engine.dispose()
-    print(
-        f"imported run {done.run_id} ({printable(done.name)}) from {args.output_dir}: {done.steps} logged "
-        f"steps, {done.rollouts} rollouts"
     )
     print(f"run_id={done.run_id}")
     return 0

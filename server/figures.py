@@ -378,7 +378,12 @@ def probe_details(names: set[str]) -> list[dict[str, Any]]:
     return out
 
 
-EVAL_COLORS = {"id": "#2563eb", "format_ood": "#ea580c", "content_ood": "#9333ea"}
+EVAL_COLORS = {
+    "id": "#2563eb",
+    "format_ood": "#ea580c",
+    "content_ood": "#9333ea",
+    "validation": "#0891b2",
+}
 SFT_SERIES = vocab.SFT_LOSS
 
 
@@ -387,7 +392,8 @@ def expected_series(config: dict[str, Any] | None) -> list[str]:
     every E steps, SFT phases): the page charts them before their first point arrives."""
     if not config:
         return []
-    out = list(vocab.EVAL_SERIES) if config.get("eval_every") else []
+    launched = [vocab.eval_set(n) for n in vocab.LAUNCHED_EVAL_SETS]
+    out = launched if config.get("eval_every") else []
     if config.get("supervision") in SFT_MODES:
         out.append(SFT_SERIES)
     return out
@@ -417,7 +423,9 @@ def evaluation(names: set[str]) -> list[dict[str, Any]]:
                 traces,
                 help="Every E steps: the training queries (in-distribution), the same queries "
                 "asking for another reply format (format-OOD; single-turn runs), held-out "
-                "paraphrases (content-OOD). A multi-turn run plays each through the tool loop.",
+                "paraphrases (content-OOD). A multi-turn run plays each through the tool loop. "
+                "A verl run's validation: the mean true score (else score) of its validation "
+                "dump.",
                 y=UNIT_RANGE,
             )
         )

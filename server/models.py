@@ -56,10 +56,16 @@ class RunSource(enum.StrEnum):
     launched = "launched"
     callback = "callback"  # a user's own GRPOTrainer with RolloutLensCallback
     trl_import = "trl-import"  # TRL's completions/*.parquet
+    verl_import = "verl-import"  # verl's rollout dumps ({step}.jsonl)
     import_ = "import"  # a file written by `rollout-lens export`
 
 
-EXTERNAL_SOURCES = (RunSource.callback, RunSource.trl_import, RunSource.import_)
+EXTERNAL_SOURCES = (
+    RunSource.callback,
+    RunSource.trl_import,
+    RunSource.verl_import,
+    RunSource.import_,
+)
 
 
 class Base(DeclarativeBase):

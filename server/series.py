@@ -184,7 +184,10 @@ EVAL_SETS = {  # set → (legend, column header)
     "id": ("in-distribution", "ID"),
     "format_ood": ("format-OOD", "Format-OOD"),
     "content_ood": ("content-OOD", "Content-OOD"),
+    # verl's validation dumps (import-verl --validation): their mean true score, else score
+    "validation": ("validation", "Validation"),
 }
+LAUNCHED_EVAL_SETS = ("id", "format_ood", "content_ood")  # what runs launched here evaluate
 
 
 def eval_set(name: str) -> str:

@@ -5,25 +5,33 @@ batch: columns `step`, `prompt`, `completion`, one column per reward function (n
 any `log_extra` columns, and `advantage`. Each file becomes a step; rows are grouped by runs of
 identical consecutive prompts (TRL generates a prompt's `num_generations` completions side by
 side). There are no token ids, logprobs or control-token probabilities in those files.
+server/dump_import.py imports a folder in one go; server/follow.py follows it while TRL writes.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
+from rollout_lens.server.dump_files import SETTLE_SECONDS, DumpFile, Incomplete, Unit, numbered
+from rollout_lens.server.dump_import import RunPlan, import_dumps
+from rollout_lens.server.dump_rows import (
+    detect_group_size,
+    keys,
+    number,
+    plain,
+    positions,
+    run_lengths,
+    step_values,
+    text_rollout,
+)
 from rollout_lens.server.errors import InvalidInput
 from rollout_lens.server.importer import Imported
-from rollout_lens.server.models import RunSource, RunStatus
+from rollout_lens.server.models import Run, RunSource
 from rollout_lens.server.records import RolloutRecord, StepRecord
-from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 REQUIRED = ("step", "prompt", "completion", "advantage")
@@ -32,27 +40,152 @@ FILE_NAME = re.compile(r"^completions_(\d+)\.parquet$")
 
 
 @dataclass
-class _File:
-    path: Path
-    number: int
+class Checked:
+    """What planning needs of a file: its prompts' run lengths and its other columns."""
+
+    lengths: list[int]
+    numeric: dict[str, bool]  # every column beyond the required ones → is it a number
 
 
-def completion_files(output_dir: Path) -> list[_File]:
-    """The completions files of a TRL output directory (or of its completions/ folder), in order."""
-    if not output_dir.is_dir():
-        raise InvalidInput(f"{output_dir}: no such directory")
-    folder = output_dir / "completions" if (output_dir / "completions").is_dir() else output_dir
-    found = [
-        _File(path, int(match.group(1)))
-        for path in folder.iterdir()
-        if path.is_file() and (match := FILE_NAME.match(path.name))
-    ]
-    if not found:
-        raise InvalidInput(
+class TrlDump:
+    """A TRL output_dir's completions files, read file by file."""
+
+    source = RunSource.trl_import
+    folder_key = "trl_output_dir"
+
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        name: str | None = None,
+        num_generations: int | None = None,
+        model: str = "unknown",
+        reward_columns: Sequence[str] | None = None,
+    ) -> None:
+        if num_generations is not None and num_generations < 1:
+            raise InvalidInput(f"num_generations must be at least 1, not {num_generations}")
+        self.folder = output_dir
+        self.name = name
+        self.num_generations = num_generations
+        self.model = model
+        self.reward_columns = list(reward_columns) if reward_columns is not None else None
+        self.rewards: list[str] = []
+        self.extras: list[str] = []
+        self.empty = (
             f"{output_dir}: no completions/completions_NNNNN.parquet files (GRPOTrainer writes "
             "them with log_completions=True)"
         )
-    return sorted(found, key=lambda f: f.number)
+
+    def scan(self) -> list[DumpFile]:
+        """The completions files of the output directory (or of its completions/ folder)."""
+        nested = self.folder / "completions"
+        return numbered(nested if nested.is_dir() else self.folder, FILE_NAME)
+
+    def check(self, unit: Unit) -> Checked:
+        path = unit.files[0].path
+        schema = _read(path, schema_only=True)
+        missing = [c for c in REQUIRED if c not in schema.names]
+        if missing:
+            raise InvalidInput(
+                f"{path}: no column {', '.join(missing)} (TRL writes {', '.join(REQUIRED)})"
+            )
+        numeric = {f.name: _is_number(f.type) for f in schema if f.name not in REQUIRED}
+        prompts = _read(path, columns=["prompt"]).column("prompt").to_pylist()
+        return Checked(run_lengths(keys(prompts)), numeric)
+
+    def wants_more(self, unit: Unit) -> bool:
+        return False
+
+    def plan(self, checked: Sequence[Any]) -> RunPlan:
+        numeric: dict[str, bool] = {}
+        for c in checked:
+            for column, is_number in c.numeric.items():
+                numeric.setdefault(column, is_number)
+        lengths = [n for c in checked for n in c.lengths]
+        detected = self.num_generations is None
+        group_size = self.num_generations or detect_group_size(
+            lengths, str(self.folder), "num_generations", "--num-generations"
+        )
+        self.num_generations = group_size
+        self.rewards, self.extras = _split_columns(numeric, self.reward_columns)
+        components = [c for c in self.rewards if c != TOTAL]
+        notes = [
+            f"imported from TRL's completions files in {self.folder}: only the steps TRL logged, "
+            "each with its last generation batch",
+            "no token ids, logprobs or control-token probabilities (TRL does not write them)",
+        ]
+        if detected:
+            notes.append(f"num_generations {group_size}: detected from runs of identical prompts")
+        return RunPlan(
+            name=self.name or f"TRL {self.folder.resolve().name}",
+            model=self.model,
+            group_size=group_size,
+            config={
+                self.folder_key: str(self.folder.resolve()),
+                "num_generations": group_size,
+                "reward_columns": self.rewards,
+                "extra_columns": self.extras,
+                "verifier_reward": TOTAL
+                if TOTAL in self.rewards
+                else f"sum of {', '.join(components)}",
+                "judged": {"vote": False, "true_score": False, "format_valid": False},
+            },
+            notes=notes,
+        )
+
+    def adopt(self, run: Run) -> None:
+        config = run.config or {}
+        stored_n = config.get("num_generations") or run.group_size
+        rewards = list(config.get("reward_columns") or [])
+        if self.num_generations is not None and self.num_generations != stored_n:
+            raise InvalidInput(
+                f"run {run.id} ({run.name}) follows {self.folder} with --num-generations "
+                f"{stored_n}, not {self.num_generations}: leave it out to resume that run"
+            )
+        if self.reward_columns is not None and self.reward_columns != rewards:
+            raise InvalidInput(
+                f"run {run.id} ({run.name}) follows {self.folder} with the reward columns "
+                f"{rewards}, not {self.reward_columns}: leave --reward out to resume that run"
+            )
+        self.num_generations = int(stored_n)
+        self.rewards, self.extras = rewards, list(config.get("extra_columns") or [])
+
+    def record(self, unit: Unit) -> StepRecord:
+        path = unit.files[0].path
+        rows = _read(path).to_pylist()
+        steps = {row["step"] for row in rows}
+        if len(steps) != 1 or not isinstance(next(iter(steps)), int):
+            raise InvalidInput(
+                f"{path}: one step per file expected, found {sorted(steps, key=str)[:5]}"
+            )
+        step = steps.pop()
+        if step != unit.step:
+            raise InvalidInput(f"{path}: step {step} in the file of step {unit.step}")
+        records = self._rollouts(path, rows)
+        assert self.num_generations is not None
+        return StepRecord(
+            step=step,
+            rollout_step=step,
+            values=step_values(records, self.num_generations),
+            rollouts=records,
+            metrics=_reward_means(records, self.rewards),
+        )
+
+    def _rollouts(self, path: Path, rows: list[dict[str, Any]]) -> list[RolloutRecord]:
+        """A file's rows as rollouts, grouped by runs of identical prompts."""
+        assert self.num_generations is not None
+        places = positions(
+            keys(row["prompt"] for row in rows),
+            self.num_generations,
+            str(path),
+            "rows",
+            "num_generations",
+        )
+        components = [c for c in self.rewards if c != TOTAL]
+        return [
+            _rollout(path, i, row, group, index, components, self.rewards, self.extras)
+            for i, (row, (group, index)) in enumerate(zip(rows, places, strict=True))
+        ]
 
 
 def import_trl(
@@ -63,49 +196,22 @@ def import_trl(
     num_generations: int | None = None,
     model: str = "unknown",
     reward_columns: Sequence[str] | None = None,
+    settle: float = SETTLE_SECONDS,
 ) -> Imported:
     """Create a run (source `trl-import`) from TRL's completions files; InvalidInput, and nothing
     created, for a directory without them or a damaged file."""
-    files = completion_files(output_dir)
-    if num_generations is not None and num_generations < 1:
-        raise InvalidInput(f"num_generations must be at least 1, not {num_generations}")
-    # A first pass over the schemas and the prompt column: checks every file opens and has the
-    # columns, and finds the group size, before anything is written.
-    lengths: list[int] = []
-    numeric: dict[str, bool] = {}  # every column beyond the required ones → is it a number
-    for file in files:
-        schema = _read(file.path, schema_only=True)
-        missing = [c for c in REQUIRED if c not in schema.names]
-        if missing:
-            raise InvalidInput(
-                f"{file.path}: no column {', '.join(missing)} (TRL writes {', '.join(REQUIRED)})"
-            )
-        for field in schema:
-            if field.name not in REQUIRED:
-                numeric.setdefault(field.name, _is_number(field.type))
-        prompts = _read(file.path, columns=["prompt"]).column("prompt").to_pylist()
-        lengths.extend(_run_lengths(_keys(prompts)))
-    group_size = num_generations or _detect_group_size(lengths, output_dir)
-    rewards, extras = _split_columns(numeric, reward_columns)
-    try:
-        with session_scope(factory) as session:
-            return _write(
-                session,
-                files,
-                output_dir=output_dir,
-                name=name or f"TRL {output_dir.resolve().name}",
-                model=model,
-                group_size=group_size,
-                detected=num_generations is None,
-                rewards=rewards,
-                extras=extras,
-            )
-    except (IntegrityError, DataError) as exc:
-        raise InvalidInput(f"{output_dir}: the database refused a value: {exc.orig}") from exc
+    fmt = TrlDump(
+        output_dir,
+        name=name,
+        num_generations=num_generations,
+        model=model,
+        reward_columns=reward_columns,
+    )
+    return import_dumps(factory, fmt, settle=settle)
 
 
 def _read(path: Path, *, columns: list[str] | None = None, schema_only: bool = False) -> Any:
-    """A file's schema, or its table (those columns); InvalidInput if it is not Parquet."""
+    """A file's schema, or its table (those columns); Incomplete if it is not (yet) Parquet."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -114,41 +220,13 @@ def _read(path: Path, *, columns: list[str] | None = None, schema_only: bool = F
             return pq.read_schema(path)
         return pq.read_table(path, columns=columns)
     except (pa.ArrowException, OSError) as exc:
-        raise InvalidInput(f"{path}: not a readable Parquet file ({exc})") from exc
+        raise Incomplete(f"{path}: not a readable Parquet file ({exc})") from exc
 
 
 def _is_number(kind: Any) -> bool:
     import pyarrow as pa
 
     return bool(pa.types.is_floating(kind) or pa.types.is_integer(kind))
-
-
-def _keys(prompts: Iterable[Any]) -> list[str]:
-    """Prompts as comparable text (a conversational prompt is a list of messages)."""
-    return [p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in prompts]
-
-
-def _run_lengths(keys: list[str]) -> list[int]:
-    """Lengths of the runs of identical consecutive keys."""
-    lengths: list[int] = []
-    for i, key in enumerate(keys):
-        if i and key == keys[i - 1]:
-            lengths[-1] += 1
-        else:
-            lengths.append(1)
-    return lengths
-
-
-def _detect_group_size(lengths: list[int], output_dir: Path) -> int:
-    """num_generations: the common divisor of every run of identical prompts (a prompt asked
-    twice in a row makes a run of 2G, not a different G)."""
-    size = math.gcd(*lengths)
-    if size < 2:
-        raise InvalidInput(
-            f"{output_dir}: cannot tell num_generations from the files (runs of identical "
-            f"prompts of lengths {sorted(set(lengths))[:8]}); pass --num-generations"
-        )
-    return size
 
 
 def _split_columns(
@@ -168,132 +246,9 @@ def _split_columns(
     return rewards, [c for c in numeric if c not in rewards]
 
 
-def _write(
-    session: Session,
-    files: list[_File],
-    *,
-    output_dir: Path,
-    name: str,
-    model: str,
-    group_size: int,
-    detected: bool,
-    rewards: list[str],
-    extras: list[str],
-) -> Imported:
-    components = [c for c in rewards if c != TOTAL]
-    notes = [
-        f"imported from TRL's completions files in {output_dir}: only the steps TRL logged, each "
-        "with its last generation batch",
-        "no token ids, logprobs or control-token probabilities (TRL does not write them)",
-    ]
-    if detected:
-        notes.append(f"num_generations {group_size}: detected from runs of identical prompts")
-    run = store.create_run(
-        session,
-        name=name,
-        model=model,
-        total_steps=0,
-        group_size=group_size,
-        config={
-            "trl_output_dir": str(output_dir.resolve()),
-            "num_generations": group_size,
-            "reward_columns": rewards,
-            "extra_columns": extras,
-            "verifier_reward": TOTAL if TOTAL in rewards else f"sum of {', '.join(components)}",
-            "judged": {"vote": False, "true_score": False, "format_valid": False},
-        },
-        status=RunStatus.completed,
-        source=RunSource.trl_import,
-        notes=notes,
-    )
-    last: int | None = None
-    rollouts = 0
-    groups_per_step = 1
-    recorder: store.Recorder | None = None
-    for file in files:
-        rows = _read(file.path).to_pylist()
-        steps = {row["step"] for row in rows}
-        if len(steps) != 1 or not isinstance(next(iter(steps)), int):
-            raise InvalidInput(
-                f"{file.path}: one step per file expected, found {sorted(steps, key=str)[:5]}"
-            )
-        step = steps.pop()
-        if last is not None and step <= last:
-            raise InvalidInput(f"{file.path}: step {step} comes after step {last}")
-        last = step
-        records = _rollouts(file.path, rows, group_size, components, rewards, extras)
-        rollouts += len(records)
-        if len(records) // group_size > groups_per_step:
-            # the alert rules judge shares over enough groups: tell them how many a step holds
-            groups_per_step = len(records) // group_size
-            store.restore_run_columns(
-                session, run_id=run.id, values={"prompts_per_step": groups_per_step}
-            )
-            recorder = None  # rebuilt from the steps so far, with that number
-        recorder = store.record_step(
-            session,
-            recorder=recorder,
-            run_id=run.id,
-            record=StepRecord(
-                step=step,
-                rollout_step=step,
-                values=_step_values(records, group_size),
-                rollouts=records,
-                metrics=_reward_means(records, rewards),
-            ),
-            control_tokens=(),
-        )
-    store.restore_run_columns(
-        session,
-        run_id=run.id,
-        values={"total_steps": last or 0, "prompts_per_step": groups_per_step},
-    )
-    return Imported(run.id, name, len(files), rollouts)
-
-
-def _rollouts(
-    path: Path,
-    rows: list[dict[str, Any]],
-    group_size: int,
-    components: list[str],
-    rewards: list[str],
-    extras: list[str],
-) -> list[RolloutRecord]:
-    """A file's rows as rollouts, grouped by runs of identical prompts."""
-    keys = _keys(row["prompt"] for row in rows)
-    out: list[RolloutRecord] = []
-    start = 0
-    group = 0
-    for length in _run_lengths(keys):
-        if length % group_size:
-            raise InvalidInput(
-                f"{path}: rows {start + 1}-{start + length} repeat one prompt {length} times, not "
-                f"a multiple of num_generations {group_size}"
-            )
-        for offset in range(length):
-            row = rows[start + offset]
-            if offset and offset % group_size == 0:
-                group += 1
-            out.append(
-                _rollout(
-                    path,
-                    start + offset,
-                    row,
-                    group,
-                    offset % group_size,
-                    components,
-                    rewards,
-                    extras,
-                )
-            )
-        group += 1
-        start += length
-    return out
-
-
 def _rollout(
     path: Path,
-    number: int,
+    number_: int,
     row: dict[str, Any],
     group: int,
     index: int,
@@ -303,73 +258,37 @@ def _rollout(
 ) -> RolloutRecord:
     advantage = row["advantage"]
     if not isinstance(advantage, int | float):
-        raise InvalidInput(f"{path}: row {number + 1}: advantage is {advantage!r}, not a number")
-    scores = {name: _number(row.get(name)) for name in rewards}
+        raise InvalidInput(f"{path}: row {number_ + 1}: advantage is {advantage!r}, not a number")
+    scores = {name: number(row.get(name)) for name in rewards}
     total = scores.get(TOTAL) if TOTAL in scores else None
     if total is None:
         total = sum(v for c in components if (v := scores.get(c)) is not None)
     meta: dict[str, Any] = {"rewards": scores}
     if extras:
-        meta["extra"] = {name: _plain(row.get(name)) for name in extras}
+        meta["extra"] = {name: plain(row.get(name)) for name in extras}
     prompt, completion = row["prompt"], row["completion"]
     if not isinstance(completion, str):
-        meta["completion_messages"] = _plain(completion)
-    return RolloutRecord(
+        meta["completion_messages"] = plain(completion)
+    return text_rollout(
         group=group,
         index=index,
-        prompt=_text(prompt, path, number, "prompt"),
-        completion=_text(completion, path, number, "completion"),
-        completion_ids=[],
-        token_logprobs=[],
-        control_probs={},
-        vote=None,
+        prompt=_text(prompt, path, number_, "prompt"),
+        completion=_text(completion, path, number_, "completion"),
         target=None,
         verifier_reward=float(total),
         true_score=None,
         advantage=float(advantage),
-        format_valid=True,
-        format_state="unchecked",
         meta=meta,
     )
 
 
-def _number(value: Any) -> float | None:
-    """A reward as a finite float, or None (a reward function may return None: NaN in TRL)."""
-    if isinstance(value, int | float) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-def _plain(value: Any) -> Any:
-    """A value JSON can hold in any database (non-finite floats become None)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, str | int | bool):
-        return value
-    return str(value)
-
-
-def _text(value: Any, path: Path, number: int, column: str) -> str:
+def _text(value: Any, path: Path, number_: int, column: str) -> str:
     """A prompt or completion as text: a conversation becomes `role: content` lines."""
     if isinstance(value, str):
         return value
     if isinstance(value, list) and all(isinstance(m, dict) for m in value):
         return "\n".join(f"{m.get('role', '?')}: {m.get('content') or ''}" for m in value)
-    raise InvalidInput(f"{path}: row {number + 1}: {column} is {type(value).__name__}, not text")
-
-
-def _step_values(records: list[RolloutRecord], group_size: int) -> dict[str, float | None]:
-    """The step columns TRL's rows allow: mean reward and the share of groups with one reward."""
-    rewards = [r.verifier_reward for r in records]
-    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
-    return {
-        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-        "zero_std_share": sum(len(set(g)) == 1 for g in groups) / len(groups) if groups else None,
-    }
+    raise InvalidInput(f"{path}: row {number_ + 1}: {column} is {type(value).__name__}, not text")
 
 
 def _reward_means(records: list[RolloutRecord], rewards: list[str]) -> dict[str, float | None]:

@@ -194,3 +194,70 @@ def test_the_imported_run_shows_in_the_dashboard(
         series = client.get(f"/api/runs/{done.run_id}/series", params={"full": 1}).json()
     assert series["series"]["reward_mean"]["x"] == [1, 2, 3, 4]
     assert set(series["series"]) >= {f"rewards/{name}/mean" for name in REWARDS}
+
+
+def test_follow_a_trl_output_dir_while_it_is_written(
+    session_factory: sessionmaker[Session],
+    trl_output: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`import-trl --follow`: TRL's files appear one by one (one half-written for a while, as
+    pandas leaves a Parquet file before its footer), the run is live, --idle completes it."""
+    import threading
+    import time
+
+    from rollout_lens.cli import main
+    from tests.follow_support import half, newest_run, recorded, use_database, wait_for
+
+    use_database(monkeypatch, session_factory, tmp_path)
+    files = sorted((trl_output / "completions").glob("completions_*.parquet"))
+    out = tmp_path / "out"
+    (out / "completions").mkdir(parents=True)
+    seen: dict[str, object] = {}
+    failed: list[BaseException] = []
+
+    def trl_trains() -> None:
+        try:
+            for f in files[:2]:
+                shutil.copy(f, out / "completions" / f.name)
+            wait_for(lambda: len(recorded(session_factory)) == 2, "two steps")
+            run = newest_run(session_factory)
+            seen["status"] = run.status if run else None
+            third = out / "completions" / files[2].name
+            third.write_bytes(half(files[2].read_bytes()))
+            time.sleep(1.2)
+            seen["half"] = len(recorded(session_factory))
+            third.write_bytes(files[2].read_bytes())
+            shutil.copy(files[3], out / "completions" / files[3].name)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            failed.append(exc)
+
+    thread = threading.Thread(target=trl_trains)
+    thread.start()
+    try:
+        status = main(["import-trl", str(out), "--follow", "--idle", "1.5", "--settle", "0.3"])
+    finally:
+        thread.join(timeout=60)
+    assert not failed, failed
+    assert status == 0 and "completed (no new step for 1.5 s)" in capsys.readouterr().out
+    assert (seen["status"], seen["half"]) == (RunStatus.running, 2)
+    run = newest_run(session_factory)
+    assert run is not None and (run.status, run.source) == (
+        RunStatus.completed,
+        RunSource.trl_import,
+    )
+    assert recorded(session_factory) == sorted({r["step"] for r in _rows(trl_output)})
+    with session_scope(session_factory) as session:
+        count = sum(1 for _ in store.iter_rollouts(session, run_id=run.id))
+    assert count == len(_rows(trl_output))
+    # Again on the same folder: the run is resumed after its last step, nothing recorded twice.
+    again = ["import-trl", str(out), "--follow", "--idle", "0.3", "--settle", "0.3"]
+    assert main([*again, "--num-generations", "2"]) == 2
+    assert "with --num-generations 4, not 2" in capsys.readouterr().err
+    assert main(again) == 0
+    assert f"resuming run {run.id}" in capsys.readouterr().err
+    assert recorded(session_factory) == sorted({r["step"] for r in _rows(trl_output)})
+    resumed = newest_run(session_factory)
+    assert resumed is not None and (resumed.id, resumed.status) == (run.id, RunStatus.completed)

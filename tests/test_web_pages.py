@@ -457,6 +457,7 @@ def test_compare_summary_has_the_final_evaluation(session_factory, client) -> No
         "eval/id": None,
         "eval/format_ood": None,
         "eval/content_ood": None,
+        "eval/validation": None,
     }
     assert page.by_id("charts-evaluation") and page.by_id("charts-collapse")
 

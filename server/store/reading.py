@@ -4,6 +4,7 @@ their series, rollouts with their prompt, facts and token texts."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime
 
 from rollout_lens.server.models import Prompt, Rollout, Run, RunToken, Step
 from rollout_lens.server.store import layout
@@ -16,6 +17,23 @@ def last_step(session: Session, *, run_id: int) -> int:
     """The highest recorded step of a run (0 when none)."""
     value = session.scalar(select(func.max(Step.step)).where(Step.run_id == run_id))
     return int(value or 0)
+
+
+def last_recorded_step(session: Session, *, run_id: int) -> int | None:
+    """The highest recorded step of a run, or None when it has none (a run may hold step 0)."""
+    value = session.scalar(select(func.max(Step.step)).where(Step.run_id == run_id))
+    return None if value is None else int(value)
+
+
+def first_recorded(session: Session, *, run_id: int) -> tuple[int, datetime] | None:
+    """A run's first recorded step and when it was recorded, or None when it has none."""
+    row = session.execute(
+        select(Step.step, Step.recorded_at)
+        .where(Step.run_id == run_id)
+        .order_by(Step.step)
+        .limit(1)
+    ).first()
+    return None if row is None else (int(row[0]), row[1])
 
 
 def steps(session: Session, *, run_id: int, since: int = 0) -> list[Step]:

@@ -308,6 +308,26 @@ def queue_positions(session: Session) -> dict[int, int]:
     return {run_id: place for place, run_id in enumerate(ids, start=1)}
 
 
+def followed_run(session: Session, *, source: RunSource, key: str, folder: str) -> Run | None:
+    """The newest run of `source` whose config[key] is `folder` (the run a follower resumes)."""
+    runs = session.scalars(select(Run).where(Run.source == source).order_by(Run.id.desc()))
+    return next((run for run in runs if (run.config or {}).get(key) == folder), None)
+
+
+def mark_following(session: Session, *, run_id: int, worker_host: str) -> None:
+    """A follower (`import-verl --follow`, `import-trl --follow`) records the run from now on."""
+    run = get_run(session, run_id=run_id)
+    now = utcnow()
+    run.status = RunStatus.running
+    run.worker_host = worker_host
+    run.started_at = run.started_at or now
+    run.heartbeat_at = now
+    run.finished_at = None
+    run.error = None
+    run.cancel_requested = False
+    session.flush()
+
+
 def restore_run_columns(session: Session, *, run_id: int, values: dict[str, Any]) -> None:
     """Set a run's columns as an exported copy had them (an import, after its steps)."""
     if values:

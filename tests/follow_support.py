@@ -1,0 +1,59 @@
+"""Helpers of the tests that follow a dump folder while it is written (verl's and TRL's)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rollout_lens.server import store
+from rollout_lens.server.db import session_scope
+from rollout_lens.server.models import Run
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+
+def use_database(
+    monkeypatch: pytest.MonkeyPatch, factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    """The CLI's settings: this test's database, a quick heartbeat."""
+    url = factory.kw["bind"].url.render_as_string(hide_password=False)
+    monkeypatch.setenv("ROLLOUT_LENS_DATABASE_URL", url)
+    monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("ROLLOUT_LENS_HEARTBEAT_SECONDS", "0.2")
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    """Poll `check` every 50 ms until it returns something truthy (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return found
+
+
+def newest_run(factory: sessionmaker[Session]) -> Run | None:
+    with session_scope(factory) as session:
+        run = session.scalars(select(Run).order_by(Run.id.desc())).first()
+        if run is not None:
+            session.expunge(run)
+        return run
+
+
+def recorded(factory: sessionmaker[Session]) -> list[int]:
+    """The steps recorded in the newest run."""
+    run = newest_run(factory)
+    if run is None:
+        return []
+    with session_scope(factory) as session:
+        return [s.step for s in store.steps(session, run_id=run.id)]
+
+
+def half(text: bytes) -> bytes:
+    """The first part of a file as a writer leaves it mid-way: cut inside a line."""
+    cut = len(text) // 2
+    while text[cut - 1 : cut] == b"\n":
+        cut += 1
+    return text[:cut]
