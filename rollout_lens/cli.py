@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollout_lens import cli_dumps, cli_exchange, demo
+from rollout_lens import cli_dumps, cli_exchange, cli_rollouts, demo
 from rollout_lens.server import store
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
 
     cli_exchange.add_commands(sub)  # export, import
     cli_dumps.add_commands(sub)  # import-trl, import-verl
+    cli_rollouts.add_commands(sub)  # rollouts
 
     worker = sub.add_parser("worker", help="train queued runs (a Celery worker, one run at a time)")
     worker.add_argument("--loglevel", default="INFO")

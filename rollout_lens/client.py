@@ -121,7 +121,7 @@ class Client:
             frame["recorded_at"] = pd.to_datetime(frame["recorded_at"], utc=True)
         return frame.set_index("step") if "step" in frame else frame
 
-    def rollouts(self, run_id: int, step: int) -> list[dict[str, Any]]:
+    def step_rollouts(self, run_id: int, step: int) -> list[dict[str, Any]]:
         """The rollouts the update at `step` trained on, in group order, with every array."""
         detail = self._get(f"/api/runs/{int(run_id)}/steps/{int(step)}")
         return [
@@ -129,6 +129,28 @@ class Client:
             for group in detail["groups"]
             for rollout in group["rollouts"]
         ]
+
+    def rollouts(self, run_id: int, *, max_rows: int | None = 10_000, **filters: Any) -> Any:
+        """Rollouts across steps, as the explorer finds them (`/runs/{id}/rollouts`): filters
+        by keyword — steps="100:200" (or a (first, last) pair), group, state, format_valid, vote,
+        target, reward_min/max, true_min/max, adv_min/max, len_min/max, disagree=True,
+        alert=True, q="words" — and sort/order. A DataFrame (one row a rollout, with its links)
+        when pandas is importable, else a list of dicts; at most `max_rows` (None: all)."""
+        params = {key: _param(value) for key, value in filters.items() if value is not None}
+        params["limit"] = 200
+        rows: list[dict[str, Any]] = []
+        page = self._get(f"/api/runs/{int(run_id)}/rollouts", params)
+        while True:
+            rows += page["rollouts"]
+            if page["next"] is None or (max_rows is not None and len(rows) >= max_rows):
+                break
+            page = self._get(f"/api/runs/{int(run_id)}/rollouts", params | {"after": page["next"]})
+        rows = rows[:max_rows] if max_rows is not None else rows
+        try:
+            import pandas as pd
+        except ImportError:
+            return rows
+        return pd.DataFrame.from_records(rows)
 
     def export(
         self,
@@ -176,6 +198,16 @@ class Client:
     def _unreachable(self, exc: httpx.HTTPError) -> ClientError:
         kind = type(exc).__name__
         return ClientError(f"cannot reach Rollout Lens at {self.base_url}: {kind}: {exc}")
+
+
+def _param(value: Any) -> Any:
+    """A filter's value as the API reads it: booleans as true/false, a step pair as A:B."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        first, last = value
+        return f"{'' if first is None else int(first)}:{'' if last is None else int(last)}"
+    return value
 
 
 def _raise_for_status(response: httpx.Response) -> None:

@@ -128,7 +128,7 @@ def test_rollouts_of_a_step(served: tuple[str, str, int]) -> None:
         expected = [rollout_dict(r, p, tokens, texts) for r, p in pairs]
     engine.dispose()
     with Client(base) as lens:
-        got = lens.rollouts(run_id, 2)
+        got = lens.step_rollouts(run_id, 2)
     assert [tuple(r) for r in got] == [ROLLOUT_KEYS] * len(expected)
     assert json.dumps(got) == json.dumps(expected)
 

@@ -296,3 +296,36 @@ def test_the_explorer_page_lists_escapes_and_links(
     # every sortable header keeps the search
     headers = [a.attrs["href"] for a in table.find("thead").find_all("a")]
     assert headers and all("q=gamma" in h for h in headers)
+
+
+def test_the_client_and_the_cli_find_what_the_api_finds(
+    session_factory: sessionmaker[Session], explored: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollout_lens.cli import main
+    from rollout_lens.client import Client
+
+    run_id, truth = explored
+    expected = _expected_order(
+        [r for r in truth if r["step"] >= 2 and r["disagree"]], "reward", "desc"
+    )
+    with client_for(session_factory) as http:
+        lens = Client("http://testserver")
+        lens._http = http  # the in-process app: the client's own code, no socket
+        frame = lens.rollouts(run_id, steps=(2, None), disagree=True, sort="reward", order="desc")
+        capped = lens.rollouts(run_id, max_rows=3)
+    assert list(frame["id"]) == expected
+    assert list(frame["verifier_reward"]) == sorted(frame["verifier_reward"], reverse=True)
+    assert len(capped) == 3
+
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    env = {"ROLLOUT_LENS_DATABASE_URL": url}
+    argv = ["rollouts", str(run_id), "--steps", "2:", "--disagree", "--sort", "reward"]
+    argv += ["--order", "desc", "--format", "csv", "--limit", "100"]
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        assert main(argv) == 0
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert [int(line.split(",")[0]) for line in lines[1:]] == expected
+        assert main(["rollouts", str(run_id), "--steps", "x"]) == 2
+        assert "--steps: " in capsys.readouterr().err

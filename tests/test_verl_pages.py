@@ -116,7 +116,7 @@ def test_the_client_reads_a_verl_run(
         run = lens.run(run_id)
         assert (run["source"], run["status"]) == ("verl-import", RunStatus.completed)
         rows = lens.series(run_id, ["reward_mean", "eval/validation"])
-        rollouts = lens.rollouts(run_id, 3)
+        rollouts = lens.step_rollouts(run_id, 3)
     steps = list(rows.index) if hasattr(rows, "index") else [r["step"] for r in rows]
     assert steps == list(range(1, STEPS + 1))
     assert len(rollouts) == 12 and rollouts[0]["completion_ids"] == []
