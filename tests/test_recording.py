@@ -124,7 +124,10 @@ def test_retention_keeps_every_nth_first_last_and_alert_steps(
     detail = client.get(f"/api/runs/{run_id}/steps/3").json()
     assert detail["tokens_kept"] is False and detail["nearest_kept"] == 1
     # what was not kept is said, not faked: completions and rewards are there, arrays are empty
-    rollout = detail["groups"][0]["rollouts"][0]
+    assert detail["groups"][0]["size"] == 8  # the overview reads no arrays
+    group = client.get(f"/api/runs/{run_id}/steps/3/groups/0").json()
+    assert group["tokens_kept"] is False and group["nearest_kept"] == 1
+    rollout = group["rollouts"][0]
     assert rollout["completion"] and rollout["completion_ids"] == []
     assert rollout["tokens_kept"] is False
 
