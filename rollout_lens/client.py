@@ -47,7 +47,7 @@ ROLLOUT_KEYS = (
 # How rollouts() pages a step: the API's largest pages, every token position (2**31 - 1: the
 # largest max_tokens the API takes).
 GROUPS_PER_REQUEST = 500
-ROLLOUTS_PER_REQUEST = 64
+ROLLOUTS_PER_REQUEST = 32
 ALL_TOKENS = 2**31 - 1
 
 

@@ -359,7 +359,7 @@ def test_missing_groups_are_404_and_bad_parameters_422(session_factory, client) 
         f"/api/runs/{run_id}/steps/2?sort=prompt",
         f"/api/runs/{run_id}/steps/2/groups/-1",
         f"/api/runs/{run_id}/steps/2/groups/0?max_tokens=-1",
-        f"/api/runs/{run_id}/steps/2/groups/0?limit=65",
+        f"/api/runs/{run_id}/steps/2/groups/0?limit=33",
         f"/runs/{run_id}/steps/2/groups/x",
     ):
         response = client.get(path)

@@ -84,7 +84,7 @@ SCALAR_KEYS = (
 GROUPS_PER_PAGE = 100  # overview rows a page (HTML and JSON)
 MAX_GROUPS_PER_PAGE = 500
 ROLLOUTS_PER_PAGE = 16  # a group's rollouts in one JSON answer
-MAX_ROLLOUTS_PER_PAGE = 64
+MAX_ROLLOUTS_PER_PAGE = 32  # 32 × JSON_TOKENS positions: ~1.2 MB at 4 control tokens
 # Per-token positions of each rollout in a group's JSON: 16 rollouts × 256 positions of ids,
 # logprobs, token texts and 4 control tokens' probabilities are ~0.5 MB (the 2 MB ceiling).
 JSON_TOKENS = 256
