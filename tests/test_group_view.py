@@ -16,7 +16,7 @@ import pytest
 from rollout_lens.server import viewer
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.params import GroupSort, Look
-from rollout_lens.server.queries import JSON_TOKENS, disagrees_sql
+from rollout_lens.server.queries import GROUPS_PER_PAGE, JSON_TOKENS, disagrees_sql
 from rollout_lens.server.records import RolloutRecord
 from sqlalchemy import literal, select
 
@@ -95,6 +95,13 @@ def _order(rows: dict[int, dict[str, Any]], key: str, desc: bool) -> list[int]:
             reverse=desc,
         )
     ]
+
+
+def _no_inline_script(page: Any) -> None:
+    """CSP: scripts only from files (and the page-data JSON), no inline event handlers."""
+    for script in page.find_all("script"):
+        assert script.attrs.get("src") or script.attrs.get("type") == "application/json"
+    assert not [n for n in page.iter() if any(a.startswith("on") for a in n.attrs)]
 
 
 def test_the_sorts_and_looks_the_routes_take_are_the_viewers() -> None:
@@ -232,6 +239,7 @@ def test_overview_page_rows_flags_and_links(session_factory, client) -> None:
         if want["query"]:
             assert row.find("td", cls="prompt-cell").find("a").text == want["query"]
     assert "<b>" not in response.text.split('id="groups-table"')[1]
+    _no_inline_script(page)
     looks = {a.attrs["data-look"]: a for a in page.by_id("looks").find_all("a")}
     assert looks["disagree"].attrs["href"] == f"/runs/{run_id}/steps/2?look=disagree"
     assert looks["disagree"].find("b").text == str(
@@ -287,6 +295,7 @@ def test_group_page_table_tabs_and_neighbours(session_factory, client) -> None:
     tabs = page.by_id("rollout-tabs").find_all("button")
     assert [i for i, t in enumerate(tabs) if "disagree" in t.classes] == marked
     assert len(page.find_all("div", cls="tab-panel")) == len(members)
+    _no_inline_script(page)
     assert page.by_id("prev-group").attrs["href"] == f"/runs/{run_id}/steps/2/groups/{flagged - 1}"
     assert page.by_id("next-group").attrs["href"] == f"/runs/{run_id}/steps/2/groups/{flagged + 1}"
     assert page.by_id("overview-link").attrs["href"] == f"/runs/{run_id}/steps/2"
@@ -401,3 +410,20 @@ def test_compare_shows_one_group_of_a_step_and_says_how_many(session_factory, cl
     side = api["side_by_side"][0]["detail"]
     assert side["header"]["group"] == 4 and side["group_nav"]["count"] == 5
     assert {r["group"] for r in side["rollouts"]} == {4}
+
+
+def test_the_overview_pages_a_step_of_many_groups(session_factory, client) -> None:
+    run_id = make_run(session_factory, steps=0, prompts_per_step=GROUPS_PER_PAGE + 5)
+    rollouts = make_groups(random.Random(3), groups=GROUPS_PER_PAGE + 5, group_size=2)
+    record_step(session_factory, run_id, 1, values={"reward_mean": 0.5}, rollouts=rollouts)
+    seen: list[int] = []
+    path: str | None = f"/runs/{run_id}/steps/1?sort=reward_mean&order=desc"
+    while path is not None:
+        page = parse(client.get(path).text)
+        rows = page.by_id("groups-table").find("tbody").find_all("tr")
+        assert len(rows) <= GROUPS_PER_PAGE
+        seen += [int(r.attrs["data-group"]) for r in rows]
+        nxt = page.find("nav", cls="pager").find_all("a", rel="next")
+        path = nxt[0].attrs["href"] if nxt else None
+    assert seen == _order(_expected(rollouts), "reward_mean", True)
+    assert "groups 101–105 of 105" in page.find("nav", cls="pager").text
