@@ -18,7 +18,7 @@ from rollout_lens.server.db import session_scope
 from rollout_lens.server.params import GroupSort, Look
 from rollout_lens.server.queries import GROUPS_PER_PAGE, JSON_TOKENS, disagrees_sql
 from rollout_lens.server.records import RolloutRecord
-from sqlalchemy import literal, select
+from sqlalchemy import event, literal, select
 
 from tests.factories import make_groups, make_run, record_step
 from tests.web_support import parse
@@ -427,3 +427,35 @@ def test_the_overview_pages_a_step_of_many_groups(session_factory, client) -> No
         path = nxt[0].attrs["href"] if nxt else None
     assert seen == _order(_expected(rollouts), "reward_mean", True)
     assert "groups 101–105 of 105" in page.find("nav", cls="pager").text
+
+
+ARRAYS = ("completion_ids", "token_logprobs", "control_probs", "completion")
+
+
+def test_the_overview_reads_no_token_arrays_and_stays_small(session_factory, client) -> None:
+    """64 groups × 8 rollouts: the overview's statements name no array or completion column,
+    and the page stays under 300 KB; a group's JSON of 16 rollouts × 1,024 tokens under 2 MB."""
+    run_id = make_run(session_factory, steps=0, prompts_per_step=64)
+    rollouts = make_groups(random.Random(5), groups=64, tokens=8)
+    big = make_groups(random.Random(6), groups=1, group_size=16, tokens=1024)
+    for r in big:
+        r.group = 64
+    record_step(session_factory, run_id, 1, values={"reward_mean": 0.5}, rollouts=rollouts + big)
+    engine = session_factory.kw["bind"]
+    statements: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        page = client.get(f"/runs/{run_id}/steps/1?sort=disagree&order=desc")
+        data = client.get(f"/api/runs/{run_id}/steps/1?limit=500").json()
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    rollout_reads = [s for s in statements if "FROM rollouts" in s]
+    assert rollout_reads and not [s for s in rollout_reads for a in ARRAYS if f"rollouts.{a}" in s]
+    assert page.status_code == 200 and len(page.content) < 300 * 1024
+    assert data["total"] == 65 and len(data["groups"]) == 65
+    group = client.get(f"/api/runs/{run_id}/steps/1/groups/64")
+    assert len(group.json()["rollouts"]) == 16 and len(group.content) < 2 * 2**20
