@@ -164,7 +164,7 @@ def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
         "sampled": sampled,
         "near_misses": [_near_misses(probs[i], control, i) for i in range(n)],
         "own_prompt": rollout["prompt"] != group_prompt,
-        "disagree": disagrees(rollout["verifier_reward"], rollout["true_score"]),
+        "disagree": disagrees(rollout.get("verifier_reward"), rollout.get("true_score")),
     }
 
 
