@@ -224,6 +224,18 @@ def _group_neighbours(
     return {"first": first, "prev": prev, "next": nxt, "last": last, "count": count}
 
 
+def _token_texts(
+    session: Session, *, run_id: int, rollouts: list[Rollout], limit: int | None
+) -> dict[int, str]:
+    """The texts of the token ids serialize.rollout_dict needs for these rollouts: those of
+    their first `limit` positions (all when None)."""
+    if limit is None:
+        ids = {i for r in rollouts for i in unpack_ints(r.completion_ids)}
+    else:
+        ids = {i for r in rollouts for i in head_ints(r.completion_ids, limit)}
+    return store.token_texts(session, run_id=run_id, ids=ids)
+
+
 def has_group(session: Session, *, run_id: int, step: int, group: int) -> bool:
     """Whether the update at `step` trained on rollouts of `group` (False for a missing step)."""
     rollout_step = select(Step.rollout_step).where(Step.run_id == run_id, Step.step == step)
@@ -275,11 +287,9 @@ def group_detail(
     rollouts = session.execute(query).all()
     run = store.get_run(session, run_id=run_id)  # already in the session: no second read
     tokens = list(run.control_tokens)
-    if max_tokens is None:
-        ids = {i for r, _ in rollouts for i in unpack_ints(r.completion_ids)}
-    else:
-        ids = {i for r, _ in rollouts for i in head_ints(r.completion_ids, max_tokens)}
-    texts = store.token_texts(session, run_id=run_id, ids=ids)
+    texts = _token_texts(
+        session, run_id=run_id, rollouts=[r for r, _ in rollouts], limit=max_tokens
+    )
     dicts = [rollout_dict(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
     return head | {
         "tokens_kept": head["tokens_kept"] and all(r.tokens_kept for r, _ in rollouts),
