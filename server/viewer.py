@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -347,6 +348,7 @@ def group_summary(rows: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
     states = Counter(
         r["format_state"] or ("valid" if r["format_valid"] else "invalid") for r in rows
     )
+    disagree_at = [r["index"] for r in rows if disagrees(r["verifier_reward"], r["true_score"])]
     solved = bool(rows) and len(known) == size and all(s >= 1 for s in known)
     spread = max(rewards) - min(rewards) if rewards else None
     target = rows[0]["target"] if rows else None
@@ -367,10 +369,8 @@ def group_summary(rows: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
         "agreement": agree / size if size else None,
         "states": dict(sorted(states.items(), key=lambda kv: (-kv[1], kv[0]))),
         "broken": sum(1 for r in rows if broken(r["format_valid"], r["format_state"])),
-        "disagree": sum(1 for r in rows if disagrees(r["verifier_reward"], r["true_score"])),
-        "disagree_at": [
-            r["index"] for r in rows if disagrees(r["verifier_reward"], r["true_score"])
-        ],
+        "disagree": len(disagree_at),
+        "disagree_at": disagree_at,
         "solved": solved,
         "stuck": spread is not None and spread < SPREAD_EPS and not solved,
         "max_abs_advantage": max((abs(a) for a in advantages), default=None),
@@ -445,9 +445,7 @@ def prompt_labels(heads: dict[int, str]) -> dict[int, str]:
     texts = list(heads.values())
     common = 0
     if len(texts) > 1:
-        shortest = min(len(t) for t in texts)
-        while common < shortest and len({t[common] for t in texts}) == 1:
-            common += 1
+        common = len(os.path.commonprefix(texts))
         # back to the start of the line where the prompts part (a question's first words), or
         # of the word when that line started long before
         line = texts[0].rfind("\n", 0, common) + 1
