@@ -154,14 +154,7 @@ def step_page(
     sort, order, look = overview["sort"], overview["order"], overview["look"]
 
     def here(**changes: Any) -> str:
-        params = {"sort": sort, "order": order, "look": look, "offset": 0} | changes
-        query = {
-            k: v
-            for k, v in params.items()
-            if v not in (None, "")
-            and (k, v) not in (("sort", "group"), ("order", "asc"))
-            and not (k == "offset" and v == 0)
-        }
+        query = _overview_query({"sort": sort, "order": order, "look": look} | changes)
         path = url("step_page", run_id=run["id"], step=step)
         return f"{path}?{urlencode(query)}" if query else path
 
@@ -208,12 +201,16 @@ def step_page(
             "prev": here(offset=max(0, offset - limit)) if offset > 0 else None,
             "next": here(offset=offset + limit) if offset + limit < total else None,
         },
-        "keep_query": {
-            k: v
-            for k, v in (("sort", sort), ("order", order), ("look", look))
-            if v is not None and (k, v) not in (("sort", "group"), ("order", "asc"))
-        },
+        # what the step links keep: the overview's sort and filter
+        "keep_query": _overview_query({"sort": sort, "order": order, "look": look}),
     }
+
+
+def _overview_query(params: dict[str, Any]) -> dict[str, Any]:
+    """An overview URL's parameters without the defaults (group order, ascending, no filter,
+    the first page)."""
+    defaults = {"sort": "group", "order": "asc", "look": None, "offset": 0}
+    return {k: v for k, v in params.items() if v not in (None, "") and defaults.get(k) != v}
 
 
 def step_json(data: dict[str, Any], url: Url) -> dict[str, Any]:
@@ -236,7 +233,7 @@ def step_json(data: dict[str, Any], url: Url) -> dict[str, Any]:
     }
 
 
-def group_page(detail: dict[str, Any], url: Url) -> dict[str, Any]:
+def group_page(detail: dict[str, Any]) -> dict[str, Any]:
     """One group of a step: its rollouts (tabs, tokens) and the table of all of them, with links
     to the groups around it and to the step's overview."""
     return {
@@ -247,7 +244,6 @@ def group_page(detail: dict[str, Any], url: Url) -> dict[str, Any]:
         "summary": detail["summary"],
         "gnav": detail["group_nav"],
         "overview": False,
-        "shown_tabs": len(detail["rollouts"]),
     }
 
 

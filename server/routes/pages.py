@@ -157,7 +157,7 @@ def group_page(
         limit=queries.GROUP_TABS,
         page_budget=True,
     )
-    return render(request, "group.html", views.group_page(detail, _url(request)))
+    return render(request, "group.html", views.group_page(detail))
 
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
