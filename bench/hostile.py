@@ -136,7 +136,8 @@ def run_bench(db: Path, *, repeat: int) -> int:
                 "compare card (HTML)": f"/runs/{run_id}/steps/1/card",
                 "compare page (HTML)": f"/compare?runs={run_id},{other[run_id]}",
                 "run page (HTML)": f"/runs/{run_id}",
-                "step JSON (all data)": f"/api/runs/{run_id}/steps/1",
+                "step JSON (groups)": f"/api/runs/{run_id}/steps/1",
+                "group JSON (a page)": f"/api/runs/{run_id}/steps/1/groups/0",
             }
             for page, path in pages.items():
                 n = max(3, repeat // 5) if "JSON" in page else repeat

@@ -172,6 +172,8 @@ def _long_vs_short(
     pages: dict[str, tuple[TestClient, Callable[[int, int], str]]] = {
         "step viewer (HTML)": (w, lambda r, n: f"/runs/{r}/steps/{n // 2}"),
         "step JSON": (w, lambda r, n: f"/api/runs/{r}/steps/{n // 2}"),
+        "group page (HTML)": (w, lambda r, n: f"/runs/{r}/steps/{n // 2}/groups/0"),
+        "group JSON": (w, lambda r, n: f"/api/runs/{r}/steps/{n // 2}/groups/0"),
         "run page (HTML)": (w, lambda r, n: f"/runs/{r}"),
         "series: run page, reload": (w, lambda r, n: f"/api/runs/{r}/series?names={names[r]}"),
         "series: run page, cold": (c, lambda r, n: f"/api/runs/{r}/series?names={names[r]}"),

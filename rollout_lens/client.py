@@ -44,6 +44,13 @@ ROLLOUT_KEYS = (
 )
 
 
+# How rollouts() pages a step: the API's largest pages, every token position (2**31 - 1: the
+# largest max_tokens the API takes).
+GROUPS_PER_REQUEST = 500
+ROLLOUTS_PER_REQUEST = 32
+ALL_TOKENS = 2**31 - 1
+
+
 class ClientError(Exception):
     """The server answered with an error (`status`), or could not be reached (`status` None)."""
 
@@ -122,13 +129,25 @@ class Client:
         return frame.set_index("step") if "step" in frame else frame
 
     def step_rollouts(self, run_id: int, step: int) -> list[dict[str, Any]]:
-        """The rollouts the update at `step` trained on, in group order, with every array."""
-        detail = self._get(f"/api/runs/{int(run_id)}/steps/{int(step)}")
-        return [
-            {key: rollout.get(key) for key in ROLLOUT_KEYS}
-            for group in detail["groups"]
-            for rollout in group["rollouts"]
-        ]
+        """The rollouts the update at `step` trained on, in group order, with every array.
+
+        Gathered group by group: the step's groups a page at a time, then each group's rollouts
+        a page at a time with all their token positions."""
+        base = f"/api/runs/{int(run_id)}/steps/{int(step)}"
+        groups: list[int] = []
+        path: str | None = f"{base}?limit={GROUPS_PER_REQUEST}"
+        while path is not None:
+            page = self._get(path)
+            groups += [summary["group"] for summary in page["groups"]]
+            path = page["links"]["next"]
+        rollouts = []
+        for group in groups:
+            path = f"{base}/groups/{group}?limit={ROLLOUTS_PER_REQUEST}&max_tokens={ALL_TOKENS}"
+            while path is not None:
+                part = self._get(path)
+                rollouts += [{key: r.get(key) for key in ROLLOUT_KEYS} for r in part["rollouts"]]
+                path = part["next"]
+        return rollouts
 
     def rollouts(self, run_id: int, *, max_rows: int | None = 10_000, **filters: Any) -> Any:
         """Rollouts across steps, as the explorer finds them (`/runs/{id}/rollouts`): filters

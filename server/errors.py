@@ -22,6 +22,14 @@ class StepNotFound(NotFound):
         self.run_id, self.step, self.nearest = run_id, step, nearest
 
 
+class GroupNotFound(StepNotFound):
+    """A group that the step did not record; the 404 page offers the step's groups overview."""
+
+    def __init__(self, *, run_id: int, step: int, group: int) -> None:
+        NotFound.__init__(self, f"step {step} of run {run_id} has no group {group}")
+        self.run_id, self.step, self.nearest, self.group = run_id, step, step, group
+
+
 class InvalidInput(RolloutLensError):
     """Input that fails validation."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Path, Query
 from rollout_lens.server.errors import InvalidInput
@@ -17,6 +17,33 @@ MAX_SERIES_NAMES = 500  # series one request may name: each is a column of one s
 # never a database error.
 RunId = Annotated[int, Path(ge=1, le=MAX_ID, description="a run's id")]
 StepNo = Annotated[int, Path(ge=0, le=MAX_ID, description="a recorded step")]
+GroupNo = Annotated[int, Path(ge=0, le=MAX_ID, description="a group of the step (from 0)")]
+OptionalGroup = Annotated[int | None, Query(ge=0, le=MAX_ID, description="a group of the step")]
+Offset = Annotated[int, Query(ge=0, le=MAX_ID, description="how many rows to skip")]
+# The groups overview's sort columns and filters (server.viewer.GROUP_SORTS and LOOKS: a test
+# keeps these the same); anything else is a 422 naming the choices.
+GroupSort = Annotated[
+    Literal[
+        "group",
+        "label",
+        "reward_mean",
+        "reward_std",
+        "accuracy",
+        "agreement",
+        "broken",
+        "disagree",
+        "max_abs_advantage",
+    ],
+    Query(description="the overview column to sort groups by"),
+]
+GroupOrder = Annotated[Literal["asc", "desc"], Query(description="sort order")]
+Look = Annotated[
+    Literal["disagree", "stuck", "broken", "solved"] | None,
+    Query(
+        description="only the groups that need a look: verifier ≠ truth in a rollout, no reward "
+        "spread, a broken call, or every rollout correct"
+    ),
+]
 OptionalStep = Annotated[int | None, Query(ge=0, le=MAX_ID, description="a step")]
 OptionalRunId = Annotated[int | None, Query(ge=1, le=MAX_ID, description="a run's id")]
 RunsPage = Annotated[int, Query(ge=1, le=MAX_ID, description="which page of runs (from 1)")]

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_lens.server.textsafe import storable, storable_value
 
-# A verifier reward at or above this counts as "the verifier says right", and a true score at
-# or above it as right (true scores are 0/1): a rollout where the two fall on different sides is
-# one where the verifier and the truth disagree.
+# Verifier and truth disagree: the verifier passed (reward ≥ DISAGREE_AT) a rollout whose true
+# score is 0, or failed (reward < DISAGREE_AT) one whose true score is 1. The one definition:
+# the step viewer flags it, the recorder stores it (rollouts.disagree) for the explorer's filter.
 DISAGREE_AT = 0.5
 
 
 def disagrees(verifier_reward: float | None, true_score: float | None) -> bool:
-    """Whether the verifier and the truth disagree about a rollout (never when truth is unknown)."""
-    if verifier_reward is None or true_score is None or true_score != true_score:
+    """Whether the verifier's reward and the true score disagree (DISAGREE_AT); False when
+    either is unknown or not finite."""
+    if verifier_reward is None or true_score is None:
         return False
-    return (verifier_reward >= DISAGREE_AT) != (true_score >= DISAGREE_AT)
+    if not (math.isfinite(verifier_reward) and math.isfinite(true_score)):
+        return False
+    passed = verifier_reward >= DISAGREE_AT
+    return (passed and true_score == 0) or (not passed and true_score >= 1)
 
 
 # RolloutRecord's text fields: made storable whenever they are set (server.textsafe); the store

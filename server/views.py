@@ -13,9 +13,9 @@ from urllib.parse import urlencode
 
 from rollout_lens.server import charts, figures, viewer
 from rollout_lens.server import series as vocab
-from rollout_lens.server.errors import NotFound
 from rollout_lens.server.models import ACTIVE_STATUSES
 from rollout_lens.server.queries import MAX_RUNS_PER_PAGE, RUNS_PER_PAGE, RolloutQuery
+from rollout_lens.server.records import DISAGREE_AT, disagrees
 
 Url = Callable[..., str]  # route name and path params → path
 
@@ -127,26 +127,152 @@ def run_page(overview: dict[str, Any], url: Url, *, full: bool, notice: str) -> 
     }
 
 
-def step_page(detail: dict[str, Any], group: int) -> dict[str, Any]:
-    """One group of a step, each rollout with its token cells and control-token rows."""
-    groups = detail["groups"]
-    if groups and not 0 <= group < len(groups):
-        raise NotFound(
-            f"step {detail['step']['step']} of run {detail['run']['id']} has no group {group}"
+def group_view(detail: dict[str, Any]) -> dict[str, Any] | None:
+    """A group_detail's rollouts as the viewer shows them (viewer.group_views), each with its
+    token cells and control-token rows within the page's token budget; None for no rollouts."""
+    if not detail["rollouts"]:
+        return None
+    (shown,) = viewer.group_views(detail["rollouts"])
+    limit = viewer.page_token_limit(len(shown["rollouts"]))
+    for rollout in shown["rollouts"]:
+        rollout["cells"] = viewer.token_cells(rollout, limit)
+        # A tool-calling rollout's turns each show their own positions' table rows.
+        turns = rollout.get("sampled") is not None
+        table = limit if turns else min(limit, viewer.TABLE_TOKENS)
+        rollout["control_rows"] = viewer.control_rows(rollout, table)
+        rollout["turn_views"] = viewer.turn_views(
+            rollout, rollout["cells"], rollout["control_rows"]
         )
-    shown = groups[group] if groups else None
-    if shown is not None:
-        limit = viewer.page_token_limit(len(shown["rollouts"]))
-        for rollout in shown["rollouts"]:
-            rollout["cells"] = viewer.token_cells(rollout, limit)
-            # A tool-calling rollout's turns each show their own positions' table rows.
-            turns = rollout.get("sampled") is not None
-            table = limit if turns else min(limit, viewer.TABLE_TOKENS)
-            rollout["control_rows"] = viewer.control_rows(rollout, table)
-            rollout["turn_views"] = viewer.turn_views(
-                rollout, rollout["cells"], rollout["control_rows"]
-            )
-    return {"d": detail, "run": detail["run"], "group": shown, "group_index": group}
+    return shown
+
+
+def step_page(
+    overview: dict[str, Any], url: Url, *, detail: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A step: its groups overview (step_groups: sortable rows, filters for the groups that need
+    a look, pages), or with one group (`detail`: group_detail) that group's rollouts as today."""
+    run, step = overview["run"], overview["step"]["step"]
+    sort, order, look = overview["sort"], overview["order"], overview["look"]
+
+    def here(**changes: Any) -> str:
+        query = _overview_query({"sort": sort, "order": order, "look": look} | changes)
+        path = url("step_page", run_id=run["id"], step=step)
+        return f"{path}?{urlencode(query)}" if query else path
+
+    offset, limit, total = overview["offset"], overview["limit"], overview["total"]
+    columns = [
+        {
+            "key": key,
+            "label": label,
+            "numeric": numeric,
+            "active": key == sort,
+            # a column first sorts the way that brings the ones to look at up: high first
+            "href": here(
+                sort=key,
+                order=("asc" if order == "desc" else "desc")
+                if key == sort
+                else ("asc" if key in ("group", "label") else "desc"),
+            ),
+        }
+        for key, (label, numeric) in viewer.GROUP_SORTS.items()
+    ]
+    looks = [
+        {
+            "key": key,
+            "label": label,
+            "count": overview["counts"][key],
+            "active": key == look,
+            "href": here(look=None if key == look else key),
+        }
+        for key, label in viewer.LOOKS.items()
+    ]
+    group = group_view(detail) if detail is not None else None
+    return {
+        "d": overview if detail is None else detail,
+        "o": overview,
+        "run": run,
+        "group": group,
+        "group_index": group["group"] if group else None,
+        "overview": detail is None,
+        "disagree_reward": DISAGREE_AT,
+        "columns": columns,
+        "looks": looks,
+        "all_groups": here(look=None),
+        "links": {
+            "prev": here(offset=max(0, offset - limit)) if offset > 0 else None,
+            "next": here(offset=offset + limit) if offset + limit < total else None,
+        },
+        # what the step links keep: the overview's sort and filter
+        "keep_query": _overview_query({"sort": sort, "order": order, "look": look}),
+    }
+
+
+def _overview_query(params: dict[str, Any]) -> dict[str, Any]:
+    """An overview URL's parameters without the defaults (group order, ascending, no filter,
+    the first page)."""
+    defaults = {"sort": "group", "order": "asc", "look": None, "offset": 0}
+    return {k: v for k, v in params.items() if v not in (None, "") and defaults.get(k) != v}
+
+
+def step_json(data: dict[str, Any], url: Url) -> dict[str, Any]:
+    """A step's JSON twin: step_groups plus the links to the pages of groups around this one
+    (None at either end), keeping the sort and the look."""
+    run_id, step = data["run"]["id"], data["step"]["step"]
+    offset, limit, total = data["offset"], data["limit"], data["total"]
+
+    def at(start: int) -> str:
+        params = {"sort": data["sort"], "order": data["order"], "look": data["look"]}
+        query = {k: v for k, v in params.items() if v is not None}
+        query |= {"offset": start, "limit": limit}
+        return f"{url('get_step', run_id=run_id, step=step)}?{urlencode(query)}"
+
+    return data | {
+        "links": {
+            "prev": at(max(0, offset - limit)) if offset > 0 else None,
+            "next": at(offset + limit) if offset + limit < total else None,
+        }
+    }
+
+
+def group_page(detail: dict[str, Any]) -> dict[str, Any]:
+    """One group of a step: its rollouts (tabs, tokens) and the table of all of them, with links
+    to the groups around it and to the step's overview."""
+    return {
+        "d": detail,
+        "run": detail["run"],
+        "group": group_view(detail),
+        "group_index": detail["summary"]["group"],
+        "summary": detail["summary"],
+        "gnav": detail["group_nav"],
+        "overview": False,
+    }
+
+
+def group_json(detail: dict[str, Any], url: Url, *, limit: int, max_tokens: int) -> dict[str, Any]:
+    """A group's JSON twin: group_detail with each rollout's `disagree` flag and `sampled`
+    positions (its `tokens_total` comes from serialize), and the link to its next page of
+    rollouts (None at the end)."""
+    run_id, step = detail["run"]["id"], detail["step"]["step"]
+    group = detail["summary"]["group"]
+    end = detail["offset"] + len(detail["rollouts"])
+    path = url("get_group", run_id=run_id, step=step, group=group)
+    rollouts = [
+        r
+        | {
+            "disagree": disagrees(r["verifier_reward"], r["true_score"]),
+            # a tool-calling rollout's positions the model sampled (None: every one)
+            "sampled": viewer.sampled_positions(r["meta"] or {}, len(r["completion_ids"])),
+        }
+        for r in detail["rollouts"]
+    ]
+    return detail | {
+        "rollouts": rollouts,
+        "limit": limit,
+        "max_tokens": max_tokens,
+        "next": f"{path}?{urlencode({'offset': end, 'limit': limit, 'max_tokens': max_tokens})}"
+        if end < detail["rollouts_total"]
+        else None,
+    }
 
 
 def compare_page(data: dict[str, Any], url: Url) -> dict[str, Any]:
@@ -160,6 +286,7 @@ def compare_page(data: dict[str, Any], url: Url) -> dict[str, Any]:
         "figures": [f for s in figures.COMPARE_SECTIONS for f in figs[s["group"]]],
         "series": data["series"],  # run id → its series: what fills the figures' traces
         "step": data["step"],
+        "group": data["group"],
         "max_step": data["max_step"],
         "pair": [s["run_id"] for s in data["side_by_side"]],
         "steps": {s["run_id"]: url("step_jump", run_id=s["run_id"]) for s in data["side_by_side"]},

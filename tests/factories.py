@@ -218,3 +218,61 @@ def make_tool_rollouts(group_size: int = 2, *, result: str = HOSTILE) -> list[Ro
             )
         )
     return out
+
+
+STATES = ("healthy_call", "text_pollution", "collapse", "no_call")
+
+
+def make_groups(
+    rng: random.Random, *, groups: int, group_size: int = 8, tokens: int = 4
+) -> list[RolloutRecord]:
+    """A step of several groups with something to look at: groups the verifier misjudges,
+    stuck ones (one reward for all), solved ones, broken calls, malformed votes, groups without
+    a query (named by their prompt), `tokens` positions a rollout; rewards and advantages are
+    multiples of 1/8, so sums are exact whatever their order."""
+    out = []
+    for g in range(groups):
+        kind = rng.choice(["mixed", "mixed", "stuck", "solved", "misjudged"])
+        tool_ids = rng.sample(TOOLS, 4)
+        target = tool_ids[0]
+        query = f"query {g} <b>{rng.choice(['add', 'find', 'send'])}</b>" if g % 3 else None
+        prompt = make_prompt(tool_ids, query=query or f"untitled {g}")
+        members = []
+        for index in range(group_size):
+            if kind == "solved":
+                vote: str | None = target
+            else:
+                vote = rng.choice([*tool_ids, None])
+            true = float(vote == target)
+            if kind == "stuck":
+                reward = 0.5 if g % 2 else 0.0
+            elif kind == "misjudged" and rng.random() < 0.5:
+                reward = 1.0 - true
+            else:
+                reward = true if rng.random() > 0.1 else 0.5
+            state = "healthy_call" if vote is not None else rng.choice(STATES[1:])
+            ids = [rng.randrange(1000) for _ in range(tokens)]
+            members.append(
+                RolloutRecord(
+                    group=g,
+                    index=index,
+                    prompt=prompt,
+                    completion=f"<tool>{vote}</tool> " + " ".join(f"w{i}" for i in ids),
+                    completion_ids=ids,
+                    token_logprobs=[-rng.random() for _ in range(tokens)],
+                    control_probs={
+                        t: [rng.random() for _ in range(tokens)] for t in CONTROL_TOKENS
+                    },
+                    vote=vote,
+                    target=target,
+                    verifier_reward=reward,
+                    true_score=true,
+                    advantage=rng.randrange(-16, 17) / 8,
+                    format_valid=vote is not None,
+                    format_state=state,
+                    meta={"tool_ids": tool_ids, "target_listed": True}
+                    | ({"query": query} if query else {}),
+                )
+            )
+        out += members
+    return out

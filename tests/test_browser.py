@@ -24,7 +24,7 @@ from rollout_lens.server.models import RunStatus
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import web_support
-from tests.factories import make_rollouts, make_run, record_step
+from tests.factories import make_groups, make_rollouts, make_run, record_step
 from tests.web_support import (
     COLLAPSE_STEP,
     HINT,
@@ -53,6 +53,18 @@ class Served:
     runs: dict[str, int] = field(default_factory=dict)
 
 
+GROUPS = 12
+
+
+def _groups_run(factory: sessionmaker[Session]) -> int:
+    """Two steps of GROUPS groups × 8 rollouts of 40 tokens (tests.factories.make_groups)."""
+    run_id = make_run(factory, steps=0, name="many groups", prompts_per_step=GROUPS)
+    for step in (1, 2):
+        rollouts = make_groups(random.Random(step), groups=GROUPS, tokens=40)
+        record_step(factory, run_id, step, values={"reward_mean": 0.5}, rollouts=rollouts)
+    return run_id
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """The app under uvicorn on a loopback port, on an SQLite file with four runs."""
@@ -76,6 +88,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         ),
         "collapse": record_collapse_run(factory),
         "supervised": record_supervised_run(factory),
+        "groups": _groups_run(factory),
     }
     # data_dir: where a launch from the form would queue (none here launches)
     # lost_after: the factories' "running" runs have no worker beating for them
@@ -442,3 +455,62 @@ def test_runs_page_pages_and_follows_the_runs_it_shows(tab: Tab, served: Served)
     assert page.locator("#showing").inner_text() == "Showing 1–1 of 1"
     with session_scope(served.factory) as session:
         store.mark_finished(session, run_id=training, status=RunStatus.completed)
+
+
+def test_groups_overview_group_page_and_keys_between_groups(tab: Tab, served: Served) -> None:
+    page = tab.page
+    run = served.runs["groups"]
+    page.goto(f"/runs/{run}/steps/1")
+    rows = page.locator("#groups-table tbody tr")
+    assert rows.count() == GROUPS
+    _shot(page, "step-groups")
+    # the groups that need a look: verifier ≠ truth
+    page.locator("#looks a[data-look=disagree]").click()
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/1\?look=disagree$"))
+    flagged = [int(g) for g in rows.evaluate_all("rs => rs.map(r => r.dataset.group)")]
+    assert flagged and all(
+        "flag-disagree" in (rows.nth(i).get_attribute("class") or "") for i in range(len(flagged))
+    )
+    # sorted by the largest |advantage|, biggest first
+    page.locator("th[data-sort=max_abs_advantage] a").click()
+    page.wait_for_url(re.compile(r"sort=max_abs_advantage&order=desc"))
+    values = [
+        float(t) for t in page.locator("#groups-table tbody tr td:last-child").all_inner_texts()
+    ]
+    assert values == sorted(values, reverse=True)
+    order = [int(g) for g in rows.evaluate_all("rs => rs.map(r => r.dataset.group)")]
+    # j moves down the rows, Enter opens the group
+    page.keyboard.press("j")
+    page.keyboard.press("j")
+    assert "current" in (rows.nth(1).get_attribute("class") or "")
+    page.keyboard.press("Enter")
+    group = order[1]
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/1/groups/{group}$"))
+    assert page.locator("#group-number").inner_text() == str(group)
+    table = page.locator("#group-table tbody tr")
+    assert table.count() == 8
+    marked = table.evaluate_all(
+        "rs => rs.filter(r => r.dataset.disagree).map(r => r.dataset.index)"
+    )
+    tabs = page.locator("#rollout-tabs [role=tab][data-disagree]")
+    assert marked and tabs.count() == len(marked)
+    # a table row's number opens its rollout
+    table.nth(int(marked[0])).locator("button[data-tab]").click()
+    assert page.locator(f"#tab-{marked[0]}").get_attribute("aria-selected") == "true"
+    assert page.locator(f"#rollout-{marked[0]}").is_visible()
+    _shot(page, "group-page")
+    # ] and [ move between groups keeping the rollout open; ← → move between steps keeping both
+    page.keyboard.press("3")
+    there, back = ("]", "[") if group + 1 < GROUPS else ("[", "]")
+    other = group + 1 if there == "]" else group - 1
+    page.keyboard.press(there)
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/1/groups/{other}#r3$"))
+    assert page.locator("#tab-3").get_attribute("aria-selected") == "true"
+    page.keyboard.press(back)
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/1/groups/{group}#r3$"))
+    page.keyboard.press("ArrowRight")
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/2/groups/{group}#r3$"))
+    assert page.locator("#tab-3").get_attribute("aria-selected") == "true"
+    page.locator("#overview-link").click()
+    page.wait_for_url(re.compile(rf"/runs/{run}/steps/2$"))
+    assert page.locator("#groups-table tbody tr").count() == GROUPS

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -200,3 +201,44 @@ def test_errors_carry_the_servers_message(served: tuple[str, str, int], tmp_path
     ):
         nowhere.runs()
     assert unreachable.value.status is None
+
+
+def test_rollouts_of_a_step_of_many_groups_come_page_by_page(tmp_path: Path) -> None:
+    """A step of 502 groups (past one page of the step's groups), the first of 70 rollouts (past
+    one page of a group's rollouts) and of 300 tokens each (past the group JSON's default cut):
+    Client.rollouts gathers them all, in group order, with every array."""
+    from rollout_lens.server.app import create_app
+    from rollout_lens.server.config import Settings
+    from rollout_lens.server.records import RolloutRecord
+
+    from tests.factories import make_groups, record_step
+    from tests.web_support import serve_app
+
+    database = f"sqlite:///{tmp_path / 'groups.db'}"
+    engine = make_engine(database)
+    upgrade(engine)
+    factory = make_session_factory(engine)
+    run_id = make_run(factory, steps=0, name="many groups")
+    rng = random.Random(11)
+    big = make_groups(rng, groups=1, group_size=70, tokens=300)
+    small: list[RolloutRecord] = []
+    for g in range(1, 502):
+        (one,) = make_groups(rng, groups=1, group_size=1)
+        one.group = g
+        small.append(one)
+    record_step(factory, run_id, 1, values={"reward_mean": 0.5}, rollouts=big + small)
+    with session_scope(factory) as session:
+        tokens = list(store.get_run(session, run_id=run_id).control_tokens)
+        pairs = store.step_rollouts(session, run_id=run_id, step=1)
+        texts = store.token_texts(session, run_id=run_id)
+        expected = [rollout_dict(r, p, tokens, texts) for r, p in pairs]
+    app = create_app(Settings(database_url=database, data_dir=tmp_path), session_factory=factory)
+    with serve_app(app) as base, Client(base) as lens:
+        got = lens.step_rollouts(run_id, 1)
+    engine.dispose()
+    assert len(got) == 70 + 501 and [(r["group"], r["index"]) for r in got[:3]] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+    ]
+    assert json.dumps(got) == json.dumps(expected)

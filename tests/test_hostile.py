@@ -16,6 +16,7 @@ from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.migrate import upgrade
+from rollout_lens.server.queries import JSON_TOKENS
 from rollout_lens.server.records import RolloutRecord
 from rollout_lens.server.serialize import completion_ids, completion_text
 from rollout_lens.server.textsafe import storable
@@ -135,8 +136,8 @@ def test_hostile_text_is_stored_and_shown_inert(
     assert trees["card"].find("td", cls="completion-cell").text.startswith(SCRIPT)
 
     # The JSON twins carry the same text, as JSON strings (storable, so they encode).
-    api = client.get(f"/api/runs/{run_id}/steps/1").json()
-    rollout = api["groups"][0]["rollouts"][0]
+    api = client.get(f"/api/runs/{run_id}/steps/1/groups/0").json()
+    rollout = api["rollouts"][0]
     assert (
         rollout["completion"] == clean and rollout["prompt"] == f"<user>{clean}</user><assistant>"
     )
@@ -187,11 +188,11 @@ def test_a_1_mb_completion_is_cut_on_pages_and_whole_in_the_json(
     ).replace("\x7f", "␡")
     note = panel.find("p", cls="clip-note")
     assert "Shown 20,000 of 1,048,576 characters" in note.text
-    assert note.find("a").attrs["href"] == f"/api/runs/{run_id}/steps/1"
+    assert note.find("a").attrs["href"] == f"/api/runs/{run_id}/steps/1/groups/0?offset=0&limit=1"
     card = assert_inert(client.get(f"/compare?runs={run_id},{other}").text, "compare")
     assert "of 1,048,576 characters" in card.find("td", cls="completion-cell").text
     full = client.get(note.find("a").attrs["href"]).json()
-    assert full["groups"][0]["rollouts"][0]["completion"] == storable(BIG)
+    assert [r["completion"] for r in full["rollouts"]] == [storable(BIG)]
 
 
 def test_a_long_completion_shows_its_first_tokens(
@@ -223,8 +224,12 @@ def test_a_long_completion_shows_its_first_tokens(
     assert cells[255].attrs["title"].startswith("#255 · id 255 · p=0.607")
     assert "Shown the first 256 of 100,000 tokens" in panel.find("p", cls="clip-note").text
     assert len(panel.find("table", cls="ctrl").find("thead").find_all("th")) == 1 + 64
-    api = client.get(f"/api/runs/{run_id}/steps/1").json()["groups"][0]["rollouts"][3]
-    assert len(api["completion_ids"]) == n and len(api["token_view"]) == 512  # the views are cut
+    link = panel.find("p", cls="clip-note").find("a").attrs["href"]
+    assert link == f"/api/runs/{run_id}/steps/1/groups/0?offset=3&limit=1&max_tokens={n}"
+    (whole,) = client.get(link).json()["rollouts"]
+    assert whole["index"] == 3 and whole["completion_ids"] == list(range(n))
+    cut = client.get(f"/api/runs/{run_id}/steps/1/groups/0").json()["rollouts"][3]
+    assert len(cut["completion_ids"]) == JSON_TOKENS and cut["tokens_total"] == n
 
 
 def test_unstorable_text_written_before_the_cleaning_still_renders(

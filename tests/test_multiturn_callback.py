@@ -221,8 +221,8 @@ def test_tool_output_and_arguments_are_escaped(
     assert [a.find(cls="vote-id").text for a in answers] == ["42", HOSTILE]
     assert all("target" in a.classes for a in answers)
     # the API keeps the turns and the raw 0.0 of tool positions
-    data = client.get(f"/api/runs/{run_id}/steps/1").json()
-    rollout = data["groups"][0]["rollouts"][0]
+    data = client.get(f"/api/runs/{run_id}/steps/1/groups/0").json()
+    rollout = data["rollouts"][0]
     assert rollout["meta"]["turns"][1]["calls"][0]["result"] == HOSTILE
     assert rollout["sampled"] == [True] * 4 + [False] * 3 + [True] * 2
 

@@ -125,8 +125,11 @@ def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(multiturn_settings: 
     client = TestClient(app, base_url="http://127.0.0.1")
     page = client.get(f"/runs/{run_id}")
     assert page.status_code == 200 and 'id="charts-tools"' in page.text
-    # the step viewer: the group's query, its votes (first tools called) and final answers
-    step = parse(client.get(f"/runs/{run_id}/steps/1").text)
+    # the step viewer (two groups a step: the overview, then group 0's page): the group's query,
+    # its votes (first tools called) and final answers
+    overview = parse(client.get(f"/runs/{run_id}/steps/1").text)
+    assert len(overview.by_id("groups-table").find("tbody").find_all("tr")) == 2
+    step = parse(client.get(f"/runs/{run_id}/steps/1/groups/0").text)
     group = [r for r in rows if r["step"] == 1 and r["group"] == 0]
     assert (
         step.find(cls="group-card").find("p", cls="query").text == group[0]["meta"]["row"]["query"]

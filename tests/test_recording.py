@@ -127,7 +127,10 @@ def test_retention_keeps_every_nth_first_last_and_alert_steps(
     assert detail["tokens_kept"] is False and detail["nearest_kept"] == 1
     # what was not kept is said, not faked: completions, their ids (they are the text) and
     # rewards are there, probabilities are empty
-    rollout = detail["groups"][0]["rollouts"][0]
+    assert detail["groups"][0]["size"] == 8  # the overview reads no arrays
+    group = client.get(f"/api/runs/{run_id}/steps/3/groups/0").json()
+    assert group["tokens_kept"] is False and group["nearest_kept"] == 1
+    rollout = group["rollouts"][0]
     assert rollout["completion"] and rollout["completion_ids"]
     assert rollout["token_logprobs"] == [] and not any(rollout["control_token_probs"].values())
     assert rollout["tokens_kept"] is False

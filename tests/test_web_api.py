@@ -132,21 +132,18 @@ def test_step_api_has_groups_votes_and_arrays(session_factory, client) -> None:
     assert data["metrics"] == {
         "ctrl/</assistant>/max": pytest.approx(data["metrics"]["ctrl/</assistant>/max"])
     }
-    (group,) = data["groups"]
-    assert group["query"] == "17 * 38" and group["size"] == 8
-    assert sum(v["count"] for v in group["votes"]) == 8
-    assert sorted(i for v in group["votes"] for i in v["rollouts"]) == list(range(8))
+    (summary,) = data["groups"]
+    assert summary["label"] == "17 * 38" and summary["size"] == 8
+    assert sum(v["count"] for v in summary["votes"]) == 8
+    group = client.get(f"/api/runs/{run_id}/steps/2/groups/0").json()
+    assert group["header"]["query"] == "17 * 38" and group["header"]["size"] == 8
+    assert group["summary"] == summary | {"label": ""}  # a group alone is not labelled
+    assert sorted(i for v in group["header"]["votes"] for i in v["rollouts"]) == list(range(8))
     rollout = group["rollouts"][0]
-    assert (
-        len(rollout["token_view"])
-        == len(rollout["completion_ids"])
-        == len(rollout["token_probs"])
-        == 4
-    )
+    assert len(rollout["completion_ids"]) == len(rollout["token_logprobs"]) == 4
+    assert rollout["tokens_total"] == 4 and rollout["sampled"] is None
     assert set(rollout["control_token_probs"]) == set(CONTROL_TOKENS)
-    assert rollout["token_probs"][0] == pytest.approx(
-        2.718281828 ** rollout["token_logprobs"][0], rel=1e-6
-    )
+    assert all(len(p) == 4 for p in rollout["control_token_probs"].values())
     assert client.get(f"/api/runs/{run_id}/steps/9").status_code == 404
 
 
@@ -199,6 +196,7 @@ def test_openapi_documents_the_api(client) -> None:
         "/api/runs/{run_id}/series",
         "/api/runs/{run_id}/alerts",
         "/api/runs/{run_id}/steps/{step}",
+        "/api/runs/{run_id}/steps/{step}/groups/{group}",
         "/api/compare",
     } <= paths
     assert not any(

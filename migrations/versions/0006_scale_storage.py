@@ -92,10 +92,11 @@ def upgrade() -> None:
         tokens = control_tokens if isinstance(control_tokens, list) else json.loads(control_tokens or "[]")
         _move_rollouts(conn, run_id, len(tokens), postgres)
 
-    # Verifier and truth disagree: on different sides of 0.5 (server.records.disagrees in 0006).
+    # Verifier and truth disagree: the verifier passed (reward >= 0.5) a rollout whose true score
+    # is 0, or failed one whose true score is 1 (server.records.disagrees when 0006 was written).
     op.execute(
-        "UPDATE rollouts SET disagree = (true_score IS NOT NULL AND "
-        "((verifier_reward >= 0.5 AND true_score < 0.5) OR (verifier_reward < 0.5 AND true_score >= 0.5)))"
+        "UPDATE rollouts SET disagree = COALESCE((verifier_reward >= 0.5 AND true_score = 0) "
+        "OR (verifier_reward < 0.5 AND true_score >= 1), false)"
     )
     for column in _INDEXED:
         op.create_index(f"ix_rollouts_run_id_{column}", "rollouts", ["run_id", column])

@@ -3,7 +3,7 @@ module per page:
 
 - runs: the runs list (paged) and what every run page shares (card, version, bounds, live state);
 - run_page: chart series, 25-step buckets, alerts;
-- step_page: the step viewer;
+- step_page: the step viewer (a step's groups overview, one group's rollouts, compare's card);
 - compare_page: compare.
 
 Every read costs the same whatever a run's length (index seeks on (run_id, step), rollups for a
@@ -40,16 +40,33 @@ from rollout_lens.server.queries.runs import (
     warning_counts,
 )
 from rollout_lens.server.queries.step_page import (
+    GROUP_TABS,
+    GROUPS_PER_PAGE,
+    JSON_TOKENS,
+    MAX_GROUPS_PER_PAGE,
+    MAX_ROLLOUTS_PER_PAGE,
+    ROLLOUTS_PER_PAGE,
+    disagrees_sql,
+    group_detail,
+    has_group,
     nearest_kept_step,
     nearest_step,
     resolve_step,
-    step_detail,
+    step_card,
+    step_groups,
+    step_head,
 )
 
 __all__ = [
     "RolloutQuery",
     "explore",
     "COMPARE_BANDS",
+    "GROUPS_PER_PAGE",
+    "GROUP_TABS",
+    "JSON_TOKENS",
+    "MAX_GROUPS_PER_PAGE",
+    "MAX_ROLLOUTS_PER_PAGE",
+    "ROLLOUTS_PER_PAGE",
     "COMPARE_POINTS",
     "MAX_RUNS_PER_PAGE",
     "RUNS_PER_PAGE",
@@ -58,6 +75,9 @@ __all__ = [
     "alerts",
     "bucket_means",
     "compare",
+    "disagrees_sql",
+    "group_detail",
+    "has_group",
     "evaluate_alerts",
     "last_values",
     "list_runs",
@@ -72,6 +92,8 @@ __all__ = [
     "runs_page",
     "series",
     "series_names",
-    "step_detail",
+    "step_card",
+    "step_groups",
+    "step_head",
     "warning_counts",
 ]

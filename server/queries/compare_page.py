@@ -12,7 +12,7 @@ from rollout_lens.server import series as vocab
 from rollout_lens.server.errors import InvalidInput, StepNotFound
 from rollout_lens.server.queries.run_page import series
 from rollout_lens.server.queries.runs import _bounds, run_versions
-from rollout_lens.server.queries.step_page import step_detail
+from rollout_lens.server.queries.step_page import step_card
 from rollout_lens.server.serialize import run_dict
 from sqlalchemy.orm import Session
 
@@ -37,12 +37,14 @@ def compare(
     run_ids: Sequence[int],
     step: int | None = None,
     max_points: int | None = None,
-    max_tokens: int | None = None,
+    group: int = 0,
+    max_tokens: int | None = 0,
     memo: Memo = _no_memo,
 ) -> dict[str, Any]:
     """Two or more runs: chart series, summary, config diff, and one step of the first two side
-    by side (the last step both have, unless `step` is given; per-token arrays cut to
-    `max_tokens` positions, as step_detail).
+    by side (the last step both have, unless `step` is given): one group of it (the first, or
+    `group`; step_card: a step of 64 groups is not 512 rollouts here), per-token arrays cut to
+    `max_tokens` positions (none by default).
 
     Each run's charts come from series() with its share of COMPARE_POINTS (`max_points` per run
     if given), so a long run reads its rollups; values are rounded to what a chart shows and
@@ -72,8 +74,8 @@ def compare(
     side_by_side = []
     for run_id, last in zip(pair, lasts, strict=True):
         try:
-            detail: dict[str, Any] | None = step_detail(
-                session, run_id=run_id, step=step, max_tokens=max_tokens
+            detail: dict[str, Any] | None = step_card(
+                session, run_id=run_id, step=step, group=group, max_tokens=max_tokens
             )
         except StepNotFound:
             detail = None
@@ -87,6 +89,7 @@ def compare(
         "summary": summary,
         "config_diff": charts.config_diff(runs),
         "step": step,
+        "group": group,
         "max_step": max((s for s in lasts if s is not None), default=0),
         "side_by_side": side_by_side,
     }

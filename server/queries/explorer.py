@@ -69,29 +69,37 @@ class RolloutQuery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    steps: str | None = Field(None, description="a step or a range A:B (either end open)")
-    group: int | None = Field(None, ge=0, le=MAX_ID, description="one group of each step")
-    state: str | None = Field(None, max_length=32, description="structural state (format_state)")
-    format_valid: bool | None = Field(None, description="format-valid or not")
-    vote: str | None = Field(None, max_length=64, description="the tool id voted for")
-    target: str | None = Field(None, max_length=64, description="the target id")
-    reward_min: Number = Field(None, description="verifier reward at least")
-    reward_max: Number = Field(None, description="verifier reward at most")
-    true_min: Number = Field(None, description="true score at least")
-    true_max: Number = Field(None, description="true score at most")
-    adv_min: Number = Field(None, description="advantage at least")
-    adv_max: Number = Field(None, description="advantage at most")
-    len_min: int | None = Field(None, ge=0, le=MAX_ID, description="tokens at least")
-    len_max: int | None = Field(None, ge=0, le=MAX_ID, description="tokens at most")
-    disagree: bool = Field(False, description="only where verifier reward and true score disagree")
-    alert: bool = Field(False, description="only steps where an alert fired")
-    q: str | None = Field(
-        None, max_length=1000, description="words that must all appear in completion or prompt"
+    steps: str | None = Field(default=None, description="a step or a range A:B (either end open)")
+    group: int | None = Field(default=None, ge=0, le=MAX_ID, description="one group of each step")
+    state: str | None = Field(
+        default=None, max_length=32, description="structural state (format_state)"
     )
-    sort: Sort = Field("step", description="the column to sort by")
+    format_valid: bool | None = Field(default=None, description="format-valid or not")
+    vote: str | None = Field(default=None, max_length=64, description="the tool id voted for")
+    target: str | None = Field(default=None, max_length=64, description="the target id")
+    reward_min: Number = Field(default=None, description="verifier reward at least")
+    reward_max: Number = Field(default=None, description="verifier reward at most")
+    true_min: Number = Field(default=None, description="true score at least")
+    true_max: Number = Field(default=None, description="true score at most")
+    adv_min: Number = Field(default=None, description="advantage at least")
+    adv_max: Number = Field(default=None, description="advantage at most")
+    len_min: int | None = Field(default=None, ge=0, le=MAX_ID, description="tokens at least")
+    len_max: int | None = Field(default=None, ge=0, le=MAX_ID, description="tokens at most")
+    disagree: bool = Field(
+        default=False, description="only where verifier reward and true score disagree"
+    )
+    alert: bool = Field(default=False, description="only steps where an alert fired")
+    q: str | None = Field(
+        default=None, max_length=1000, description="words that must all appear in completion or prompt"
+    )
+    sort: Sort = Field(default="step", description="the column to sort by")
     order: Literal["asc", "desc"] = "asc"
-    after: str | None = Field(None, max_length=500, description="the `next` cursor of a page")
-    limit: int = Field(50, ge=1, le=MAX_PAGE, description=f"rows a page (at most {MAX_PAGE})")
+    after: str | None = Field(
+        default=None, max_length=500, description="the `next` cursor of a page"
+    )
+    limit: int = Field(
+        default=50, ge=1, le=MAX_PAGE, description=f"rows a page (at most {MAX_PAGE})"
+    )
 
     @field_validator("steps")
     @classmethod

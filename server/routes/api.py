@@ -10,6 +10,11 @@ from rollout_lens.server import charts, launch, queries, views
 from rollout_lens.server.deps import AlertCacheDep, CacheDep, CompareCacheDep, SessionDep
 from rollout_lens.server.params import (
     MAX_ID,
+    GroupNo,
+    GroupOrder,
+    GroupSort,
+    Look,
+    Offset,
     RunId,
     RunsPage,
     RunsPerPage,
@@ -193,9 +198,81 @@ def list_rollouts(
 
 
 @router.get("/runs/{run_id}/steps/{step}", response_class=DataResponse)
-def get_step(session: SessionDep, run_id: RunId, step: StepNo) -> DataResponse:
-    """One step: its metrics, groups, vote histograms and rollouts with per-token arrays."""
-    return DataResponse(queries.step_detail(session, run_id=run_id, step=step))
+def get_step(
+    request: Request,
+    session: SessionDep,
+    run_id: RunId,
+    step: StepNo,
+    sort: GroupSort = "group",
+    order: GroupOrder = "asc",
+    look: Look = None,
+    offset: Offset = 0,
+    limit: Annotated[
+        int,
+        Query(
+            ge=1,
+            le=queries.MAX_GROUPS_PER_PAGE,
+            description=f"groups per page (default {queries.GROUPS_PER_PAGE})",
+        ),
+    ] = queries.GROUPS_PER_PAGE,
+) -> DataResponse:
+    """One step: its metrics and neighbours, and its groups overview a page at a time: one
+    summary a group (reward mean and spread, true accuracy, vote split and agreement, structural
+    states, broken calls, verifier ≠ truth, solved/stuck, largest |advantage|), no rollouts.
+    `total` groups match (`groups_in_step` in all); `links.next` / `links.prev` page them. A
+    group's rollouts: `/api/runs/{run_id}/steps/{step}/groups/{group}`."""
+    data = queries.step_groups(
+        session,
+        run_id=run_id,
+        step=step,
+        sort=sort,
+        descending=order == "desc",
+        look=look,
+        offset=offset,
+        limit=limit,
+    )
+    return DataResponse(views.step_json(data, _url(request)))
+
+
+@router.get("/runs/{run_id}/steps/{step}/groups/{group}", response_class=DataResponse)
+def get_group(
+    request: Request,
+    session: SessionDep,
+    run_id: RunId,
+    step: StepNo,
+    group: GroupNo,
+    offset: Offset = 0,
+    limit: Annotated[
+        int,
+        Query(
+            ge=1,
+            le=queries.MAX_ROLLOUTS_PER_PAGE,
+            description=f"rollouts per page (default {queries.ROLLOUTS_PER_PAGE})",
+        ),
+    ] = queries.ROLLOUTS_PER_PAGE,
+    max_tokens: Annotated[
+        int,
+        Query(
+            ge=0,
+            le=MAX_ID,
+            description="per-token positions of each rollout (ids, logprobs, control-token "
+            f"probabilities; default {queries.JSON_TOKENS}); `tokens_total` says how many it has",
+        ),
+    ] = queries.JSON_TOKENS,
+) -> DataResponse:
+    """One group of a step: its summary, vote histogram and rollouts (a page of `limit` from
+    `offset`, `rollouts_total` in all, `next` the following page) with their per-token arrays
+    cut to `max_tokens` positions and a `disagree` flag (verifier ≠ truth)."""
+    detail = queries.group_detail(
+        session,
+        run_id=run_id,
+        step=step,
+        group=group,
+        max_tokens=max_tokens,
+        offset=offset,
+        limit=limit,
+    )
+    return DataResponse(views.group_json(detail, _url(request), limit=limit, max_tokens=max_tokens))
 
 
 @router.get("/compare", response_class=DataResponse)
@@ -206,7 +283,18 @@ def get_compare(
     step: Annotated[
         int | None, Query(ge=0, le=MAX_ID, description="the step shown side by side")
     ] = None,
+    group: Annotated[
+        int, Query(ge=0, le=MAX_ID, description="the group of that step shown side by side")
+    ] = 0,
 ) -> DataResponse:
-    """Runs side by side: series, summary (convergence, stability, cost), config diff, one step."""
-    data = queries.compare(session, run_ids=run_ids(runs), step=step, memo=memo(cache))
+    """Runs side by side: series, summary (convergence, stability, cost), config diff, one group
+    of one step (its rollouts' per-token arrays cut to the group JSON's default positions)."""
+    data = queries.compare(
+        session,
+        run_ids=run_ids(runs),
+        step=step,
+        group=group,
+        max_tokens=queries.JSON_TOKENS,
+        memo=memo(cache),
+    )
     return DataResponse(data)

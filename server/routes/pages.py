@@ -13,6 +13,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from rollout_lens.server import flash, launch, queries, views
 from rollout_lens.server.deps import AlertCacheDep, CompareCacheDep, SessionDep, render
 from rollout_lens.server.params import (
+    MAX_ID,
+    GroupNo,
+    GroupOrder,
+    GroupSort,
+    Look,
+    Offset,
+    OptionalGroup,
     OptionalRunId,
     OptionalStep,
     RunId,
@@ -25,6 +32,7 @@ from rollout_lens.server.responses import memo, run_alerts
 from rollout_lens.server.viewer import VIEW_TOKENS
 
 router = APIRouter(include_in_schema=False)
+CardGroup = Annotated[int, Query(ge=0, le=MAX_ID, description="the group shown")]
 
 
 def _url(request: Request) -> views.Url:
@@ -92,25 +100,88 @@ def explorer_page(
 
 @router.get("/runs/{run_id}/steps", name="step_jump")
 def step_jump(
-    request: Request, session: SessionDep, run_id: RunId, step: OptionalStep = None
+    request: Request,
+    session: SessionDep,
+    run_id: RunId,
+    step: OptionalStep = None,
+    group: OptionalGroup = None,
 ) -> RedirectResponse:
+    """The recorded step nearest `step`; with `group`, that group's page when the step has it
+    (else the step's groups overview)."""
     found = queries.resolve_step(session, run_id=run_id, step=step)
-    url = request.app.url_path_for("step_page", run_id=run_id, step=found)
+    if group is not None and queries.has_group(session, run_id=run_id, step=found, group=group):
+        url = request.app.url_path_for("group_page", run_id=run_id, step=found, group=group)
+    else:
+        url = request.app.url_path_for("step_page", run_id=run_id, step=found)
     return RedirectResponse(str(url), status_code=303)
 
 
-@router.get("/runs/{run_id}/steps/{step}", name="step_page")
+@router.get("/runs/{run_id}/steps/{step}", name="step_page", response_model=None)
 def step_page(
-    request: Request, session: SessionDep, run_id: RunId, step: StepNo, group: int = 0
+    request: Request,
+    session: SessionDep,
+    run_id: RunId,
+    step: StepNo,
+    sort: GroupSort = "group",
+    order: GroupOrder = "asc",
+    look: Look = None,
+    offset: Offset = 0,
+    group: OptionalGroup = None,
+) -> HTMLResponse | RedirectResponse:
+    """A step: its groups overview, or with one group that group's rollouts (as before groups
+    had pages). `?group=` (the old group switch) is that group's page now."""
+    if group is not None:
+        url = request.app.url_path_for("group_page", run_id=run_id, step=step, group=group)
+        return RedirectResponse(str(url), status_code=307)
+    overview = queries.step_groups(
+        session,
+        run_id=run_id,
+        step=step,
+        sort=sort,
+        descending=order == "desc",
+        look=look,
+        offset=offset,
+        limit=queries.GROUPS_PER_PAGE,
+    )
+    detail = None
+    if overview["groups_in_step"] == 1 and look is None:
+        only = overview["groups"][0]["group"]
+        detail = queries.group_detail(
+            session,
+            run_id=run_id,
+            step=step,
+            group=only,
+            max_tokens=VIEW_TOKENS,
+            limit=queries.GROUP_TABS,
+            page_budget=True,
+        )
+    return render(request, "step.html", views.step_page(overview, _url(request), detail=detail))
+
+
+@router.get("/runs/{run_id}/steps/{step}/groups/{group}", name="group_page")
+def group_page(
+    request: Request, session: SessionDep, run_id: RunId, step: StepNo, group: GroupNo
 ) -> HTMLResponse:
-    detail = queries.step_detail(session, run_id=run_id, step=step, max_tokens=VIEW_TOKENS)
-    return render(request, "step.html", views.step_page(detail, group))
+    """One group of a step: its rollouts #0…#G−1 (tabs, tokens) and a table of all of them."""
+    detail = queries.group_detail(
+        session,
+        run_id=run_id,
+        step=step,
+        group=group,
+        max_tokens=VIEW_TOKENS,
+        limit=queries.GROUP_TABS,
+        page_budget=True,
+    )
+    return render(request, "group.html", views.group_page(detail))
 
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
-def step_card(request: Request, session: SessionDep, run_id: RunId, step: StepNo) -> HTMLResponse:
-    """The compact step card the compare page swaps in when its step control moves."""
-    detail = queries.step_detail(session, run_id=run_id, step=step, max_tokens=VIEW_TOKENS)
+def step_card(
+    request: Request, session: SessionDep, run_id: RunId, step: StepNo, group: CardGroup = 0
+) -> HTMLResponse:
+    """The compact step card the compare page swaps in when its step control moves: one group
+    (the first, or `group`), saying how many the step has."""
+    detail = queries.step_card(session, run_id=run_id, step=step, group=group)
     return render(request, "_step_card.html", {"d": detail, "run": detail["run"]})
 
 
@@ -121,8 +192,7 @@ def compare_page(
     cache: CompareCacheDep,
     runs: Annotated[list[str] | None, Query()] = None,
     step: OptionalStep = None,
+    group: CardGroup = 0,
 ) -> HTMLResponse:
-    data = queries.compare(
-        session, run_ids=run_ids(runs), step=step, max_tokens=VIEW_TOKENS, memo=memo(cache)
-    )
+    data = queries.compare(session, run_ids=run_ids(runs), step=step, group=group, memo=memo(cache))
     return render(request, "compare.html", views.compare_page(data, _url(request)))

@@ -75,7 +75,7 @@ def _logprob_codes(lp: np.ndarray) -> np.ndarray:
     """Logprobs → uint16 steps of 1/LOGPROB_SCALE nat (NaN and −inf have codes of their own)."""
     with np.errstate(invalid="ignore"):
         steps = np.rint(np.clip(-lp, 0.0, -LOGPROB_FLOOR) * LOGPROB_SCALE)
-    codes = np.nan_to_num(steps).astype(np.uint16)
+    codes: np.ndarray = np.nan_to_num(steps).astype(np.uint16)
     codes[np.isneginf(lp)] = _LP_NEG_INF
     codes[np.isnan(lp)] = _LP_NAN
     return codes
@@ -83,7 +83,9 @@ def _logprob_codes(lp: np.ndarray) -> np.ndarray:
 
 def _probability_codes(p: np.ndarray) -> np.ndarray:
     """Probabilities → uint16 steps of 1/_P_SCALE (NaN has a code of its own)."""
-    codes = np.rint(np.clip(np.nan_to_num(p, nan=0.0), 0.0, 1.0) * _P_SCALE).astype(np.uint16)
+    codes: np.ndarray = np.rint(np.clip(np.nan_to_num(p, nan=0.0), 0.0, 1.0) * _P_SCALE).astype(
+        np.uint16
+    )
     codes[np.isnan(p)] = _P_NAN
     return codes
 

@@ -31,7 +31,8 @@
     const mine = ++request;
     await Promise.all(
       bodies.map(async (body) => {
-        const response = await fetch(`${page.steps[body.dataset.run]}/${step}/card`);
+        const group = page.group ? `?group=${page.group}` : "";
+        const response = await fetch(`${page.steps[body.dataset.run]}/${step}/card${group}`);
         if (mine !== request) return; // a newer step was asked for meanwhile
         if (response.ok) body.innerHTML = await response.text();
         else missing(body, step);

@@ -1,8 +1,10 @@
 "use strict";
-// The step viewer: rollout tabs, keyboard (←/→ steps, Home/End, 0–9 rollouts), slider and jump.
+// The step viewer: rollout tabs, keyboard (←/→ steps, Home/End, 0–9 rollouts, [/] groups, j/k
+// overview rows), slider and jump.
 (() => {
   const tabs = [...document.querySelectorAll('[role="tab"]')];
   const nav = document.getElementById("step-nav");
+  const rows = [...document.querySelectorAll("#groups-table tbody tr")];
 
   function select(index, focus = false) {
     if (!tabs[index]) return;
@@ -19,9 +21,9 @@
 
   const currentHash = () => (/^#r\d+$/.test(window.location.hash) ? window.location.hash : "");
 
-  /** Step links carry the selected rollout, so stepping keeps the same #n open. */
+  /** Step and group links carry the selected rollout, so moving keeps the same #n open. */
   function keepTabInLinks() {
-    for (const id of ["first-step", "prev-step", "next-step", "last-step"]) {
+    for (const id of ["first-step", "prev-step", "next-step", "last-step", "prev-group", "next-group"]) {
       const link = document.getElementById(id);
       if (link && link.hasAttribute("href")) link.href = link.href.split("#")[0] + currentHash();
     }
@@ -39,24 +41,44 @@
     if (link && link.hasAttribute("href")) window.location.href = link.href;
   }
 
+  /** The overview's rows: j/k move the focus (to the row's group link), Enter opens it. */
+  function moveRow(by) {
+    const at = rows.findIndex((row) => row.contains(document.activeElement));
+    const next = rows[Math.min(rows.length - 1, Math.max(0, at < 0 ? 0 : at + by))];
+    if (!next) return;
+    rows.forEach((row) => row.classList.toggle("current", row === next));
+    next.querySelector("a.group-link").focus();
+  }
+
   document.addEventListener("keydown", (event) => {
     if (RL.isTyping(event) || RL.hasModifier(event)) return;
-    const keys = { ArrowLeft: "prev-step", ArrowRight: "next-step", Home: "first-step", End: "last-step" };
+    const keys = {
+      ArrowLeft: "prev-step",
+      ArrowRight: "next-step",
+      Home: "first-step",
+      End: "last-step",
+      "[": "prev-group",
+      "]": "next-group",
+    };
     if (keys[event.key]) {
       event.preventDefault();
       follow(keys[event.key]);
     } else if (/^[0-9]$/.test(event.key) && tabs[Number(event.key)]) {
       event.preventDefault();
       select(Number(event.key), true);
+    } else if ((event.key === "j" || event.key === "k") && rows.length) {
+      event.preventDefault();
+      moveRow(event.key === "j" ? 1 : -1);
     }
   });
 
   if (nav) {
     const slider = document.getElementById("step-slider");
     const input = document.getElementById("step-input");
+    const group = nav.dataset.group === undefined ? "" : `&group=${nav.dataset.group}`;
     slider.addEventListener("input", () => (input.value = slider.value));
     slider.addEventListener("change", () => {
-      window.location.href = `${nav.dataset.jump}?step=${slider.value}${currentHash()}`;
+      window.location.href = `${nav.dataset.jump}?step=${slider.value}${group}${currentHash()}`;
     });
   }
 })();
