@@ -7,10 +7,11 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from rollout_lens.server import queries, textsafe
+from rollout_lens.server import queries, textsafe, views
 from rollout_lens.server.cache import ResponseCache
 from sqlalchemy.orm import Session
 
@@ -90,10 +91,13 @@ def alerts_of_runs(
 def with_step_urls(
     request: Request, run_id: int, alerts: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Alerts as every page and script renders them: Alert.as_dict plus the step's page."""
+    """Alerts as every page and script renders them: Alert.as_dict plus the step's page and the
+    explorer showing the rollouts that tripped it (views.alert_rollouts)."""
+    explorer = str(request.app.url_path_for("explorer_page", run_id=run_id))
     for alert in alerts:
         url = request.app.url_path_for("step_page", run_id=run_id, step=alert["step"])
         alert["url"] = str(url)
+        alert["rollouts_url"] = f"{explorer}?{urlencode(views.alert_rollouts(alert))}"
     return alerts
 
 

@@ -331,10 +331,9 @@ def explorer_urls(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, A
     """The explorer's data with each row's links (its step, group and rollout) and the next
     page's URL."""
     for row in data["rollouts"]:
-        step = url("step_page", run_id=run_id, step=row["step"])
-        row["step_url"] = step
-        row["group_url"] = f"{step}?group={row['group']}"
-        row["rollout_url"] = f"{step}?group={row['group']}#r{row['index']}"
+        row["step_url"] = url("step_page", run_id=run_id, step=row["step"])
+        row["group_url"] = url("group_page", run_id=run_id, step=row["step"], group=row["group"])
+        row["rollout_url"] = f"{row['group_url']}#r{row['index']}"
     filters = data["filters"]
     data["next_url"] = (
         None
@@ -379,3 +378,16 @@ def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, A
         "run_url": url("run_page", run_id=run_id),
         "path": path,
     }
+
+
+def alert_rollouts(alert: dict[str, Any]) -> dict[str, str]:
+    """The explorer's filters that show the rollouts an alert is about: those of its step, in
+    a collapsed state for a collapse, where verifier and truth disagree over the reward-hacking
+    window, broken (not format-valid) for a control-token spike."""
+    step = int(alert["step"])
+    kind = alert["kind"]
+    if kind == "reward_hacking":
+        first = max(0, step - 2 * vocab.WINDOW + 1)
+        return {"steps": f"{first}:{step}", "disagree": "true", "sort": "step", "order": "desc"}
+    extra = {"collapse": {"state": "collapse"}, "control_token_spike": {"format_valid": "false"}}
+    return {"steps": str(step), **extra.get(kind, {})}

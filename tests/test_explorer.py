@@ -181,7 +181,9 @@ def test_every_filter_matches_the_brute_force_answer(
     by_id = {r["id"]: r for r in truth}
     for row in rows:
         assert row["disagree"] == by_id[row["id"]]["disagree"]
-        assert row["rollout_url"].endswith(f"?group={row['group']}#r{row['index']}")
+        assert row["rollout_url"].endswith(
+            f"/steps/{row['step']}/groups/{row['group']}#r{row['index']}"
+        )
 
 
 def _expected_order(truth: list[dict[str, Any]], sort: str, order: str) -> list[int]:
@@ -329,3 +331,37 @@ def test_the_client_and_the_cli_find_what_the_api_finds(
         assert [int(line.split(",")[0]) for line in lines[1:]] == expected
         assert main(["rollouts", str(run_id), "--steps", "x"]) == 2
         assert "--steps: " in capsys.readouterr().err
+
+
+def test_an_alert_links_to_the_rollouts_that_tripped_it(
+    session_factory: sessionmaker[Session],
+) -> None:
+    from rollout_lens.server.series import COLLAPSED
+
+    from tests.factories import make_rollouts, make_run, record_step
+
+    run_id = make_run(session_factory, steps=0, prompts_per_step=4)  # alerts judge one step
+    rng = random.Random(3)
+    for step in range(1, 9):
+        rollouts = make_rollouts(rng)
+        if step == 6:  # a collapse: most of the step's rollouts lose their call structure
+            for r in rollouts[:6]:
+                r.format_state = "collapse"
+        record_step(
+            session_factory,
+            run_id,
+            step,
+            rollouts=rollouts,
+            metrics={COLLAPSED: 0.75 if step == 6 else 0.0},
+        )
+    with client_for(session_factory) as client:
+        alerts = client.get(f"/api/runs/{run_id}/alerts").json()
+        collapse = next(a for a in alerts if a["kind"] == "collapse")
+        assert collapse["step"] == 6 and "state=collapse" in collapse["rollouts_url"]
+        found = client.get(collapse["rollouts_url"])
+        run_page = client.get(f"/runs/{run_id}")
+    rows = parse(found.text).find(id="rollouts-table").find_all("tr")
+    listed = [tr for tr in rows if tr.attrs.get("data-rollout-id")]
+    assert len(listed) == 6  # the step's six collapsed rollouts, no other
+    links = [a.attrs["href"] for a in parse(run_page.text).find(id="alert-list").find_all("a")]
+    assert collapse["rollouts_url"] in links

@@ -90,7 +90,9 @@ class RolloutQuery(BaseModel):
     )
     alert: bool = Field(default=False, description="only steps where an alert fired")
     q: str | None = Field(
-        default=None, max_length=1000, description="words that must all appear in completion or prompt"
+        default=None,
+        max_length=1000,
+        description="words that must all appear in completion or prompt",
     )
     sort: Sort = Field(default="step", description="the column to sort by")
     order: Literal["asc", "desc"] = "asc"

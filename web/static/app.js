@@ -53,6 +53,13 @@ window.RL = (() => {
     link.href = a.url;
     link.textContent = `step ${a.step}`;
     li.append(mark, link, document.createTextNode(` ${a.message}`));
+    if (a.rollouts_url) {
+      const rollouts = document.createElement("a");
+      rollouts.className = "alert-rollouts";
+      rollouts.href = a.rollouts_url;
+      rollouts.textContent = "rollouts";
+      li.append(document.createTextNode(" "), rollouts);
+    }
     return li;
   }
 
