@@ -129,7 +129,9 @@ class Client:
         return frame.set_index("step") if "step" in frame else frame
 
     def step_rollouts(self, run_id: int, step: int) -> list[dict[str, Any]]:
-        """The rollouts the update at `step` trained on, in group order, with every array.
+        """The rollouts the update at `step` trained on, in group order, with their arrays (up
+        to 16,384 positions and 16,000 characters of text each, as the JSON API answers;
+        `export` has everything).
 
         Gathered group by group: the step's groups a page at a time, then each group's rollouts
         a page at a time with all their token positions."""

@@ -14,7 +14,12 @@ from urllib.parse import urlencode
 from rollout_lens.server import charts, figures, viewer
 from rollout_lens.server import series as vocab
 from rollout_lens.server.models import ACTIVE_STATUSES
-from rollout_lens.server.queries import MAX_RUNS_PER_PAGE, RUNS_PER_PAGE, RolloutQuery
+from rollout_lens.server.queries import (
+    JSON_TEXT_CHARS,
+    MAX_RUNS_PER_PAGE,
+    RUNS_PER_PAGE,
+    RolloutQuery,
+)
 from rollout_lens.server.records import DISAGREE_AT, disagrees
 
 Url = Callable[..., str]  # route name and path params → path
@@ -256,9 +261,14 @@ def group_json(detail: dict[str, Any], url: Url, *, limit: int, max_tokens: int)
     group = detail["summary"]["group"]
     end = detail["offset"] + len(detail["rollouts"])
     path = url("get_group", run_id=run_id, step=step, group=group)
+    cut = JSON_TEXT_CHARS
     rollouts = [
         r
         | {
+            "completion": r["completion"][:cut],
+            "completion_chars": len(r["completion"]),
+            "prompt": r["prompt"][:cut],
+            "prompt_chars": len(r["prompt"]),
             "disagree": disagrees(r["verifier_reward"], r["true_score"]),
             # a tool-calling rollout's positions the model sampled (None: every one)
             "sampled": viewer.sampled_positions(r["meta"] or {}, len(r["completion_ids"])),

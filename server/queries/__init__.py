@@ -42,6 +42,8 @@ from rollout_lens.server.queries.runs import (
 from rollout_lens.server.queries.step_page import (
     GROUP_TABS,
     GROUPS_PER_PAGE,
+    JSON_POSITIONS,
+    JSON_TEXT_CHARS,
     JSON_TOKENS,
     MAX_GROUPS_PER_PAGE,
     MAX_ROLLOUTS_PER_PAGE,
@@ -63,6 +65,8 @@ __all__ = [
     "COMPARE_BANDS",
     "GROUPS_PER_PAGE",
     "GROUP_TABS",
+    "JSON_POSITIONS",
+    "JSON_TEXT_CHARS",
     "JSON_TOKENS",
     "MAX_GROUPS_PER_PAGE",
     "MAX_ROLLOUTS_PER_PAGE",

@@ -236,15 +236,17 @@ def _order_by(session: Session, query: RolloutQuery) -> str:
     return f"{column} {direction}{nulls}, r.id {direction}"
 
 
-def explore(session: Session, *, run_id: int, query: RolloutQuery) -> dict[str, Any]:
-    """One page of a run's rollouts that match `query`: rows, a bounded total, and the cursor of
-    the next page (None on the last)."""
+def explore(
+    session: Session, *, run_id: int, query: RolloutQuery, count_cap: int = COUNT_CAP
+) -> dict[str, Any]:
+    """One page of a run's rollouts that match `query`: rows, a total counted up to
+    `count_cap`, and the cursor of the next page (None on the last)."""
     run = store.get_run(session, run_id=run_id)
     clauses, params = _where(session, run_id, query)
     where = " AND ".join(clauses)
     counted = session.execute(
         text(f"SELECT count(*) FROM (SELECT 1 FROM rollouts r WHERE {where} LIMIT :cap) AS m"),
-        params | {"cap": COUNT_CAP + 1},
+        params | {"cap": count_cap + 1},
     ).scalar_one()
     if counted > WALK_FROM and query.sort not in NULLABLE:
         clauses, params = _where(session, run_id, query, walk=True)
@@ -266,8 +268,8 @@ def explore(session: Session, *, run_id: int, query: RolloutQuery) -> dict[str, 
     return {
         "run": {"id": run.id, "name": run.name, "control_tokens": list(run.control_tokens)},
         "rollouts": _rows(session, run_id, [r[0] for r in rows]),
-        "total": min(counted, COUNT_CAP),
-        "total_capped": counted > COUNT_CAP,
+        "total": min(counted, count_cap),
+        "total_capped": counted > count_cap,
         "next": cursor,
         "filters": query.filters(),
     }

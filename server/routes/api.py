@@ -262,7 +262,11 @@ def get_group(
 ) -> DataResponse:
     """One group of a step: its summary, vote histogram and rollouts (a page of `limit` from
     `offset`, `rollouts_total` in all, `next` the following page) with their per-token arrays
-    cut to `max_tokens` positions and a `disagree` flag (verifier ≠ truth)."""
+    cut to `max_tokens` positions and a `disagree` flag (verifier ≠ truth). No answer holds more
+    than 16,384 positions (a page has fewer rollouts when each asks for many) nor more than
+    16,000 characters of a completion or prompt (`completion_chars`, `prompt_chars`)."""
+    max_tokens = min(max_tokens, queries.JSON_POSITIONS)
+    limit = min(limit, max(1, queries.JSON_POSITIONS // max(max_tokens, 1)))
     detail = queries.group_detail(
         session,
         run_id=run_id,
