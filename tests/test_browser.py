@@ -514,3 +514,42 @@ def test_groups_overview_group_page_and_keys_between_groups(tab: Tab, served: Se
     page.locator("#overview-link").click()
     page.wait_for_url(re.compile(rf"/runs/{run}/steps/2$"))
     assert page.locator("#groups-table tbody tr").count() == GROUPS
+
+
+def test_the_rollout_explorer_filters_sorts_pages_and_opens_a_rollout(
+    tab: Tab, served: Served
+) -> None:
+    page = tab.page
+    run_id = served.runs["groups"]
+    page.goto(f"/runs/{run_id}")
+    page.locator("#explorer-link").click()
+    page.wait_for_url(f"**/runs/{run_id}/rollouts")
+    total = int(page.locator("#rollout-count").inner_text().replace(",", ""))
+    assert total == 2 * GROUPS * 8
+    # filter: verifier ≠ truth at step 2, sorted by |advantage| going down
+    form = page.locator("#explorer-filters")
+    form.locator("input[name=steps]").fill("2")
+    form.locator("input[name=disagree]").check()
+    form.get_by_role("button", name="Filter").click()
+    page.wait_for_url("**disagree=true**")
+    rows = page.locator("#rollouts-table tbody tr")
+    assert rows.count() > 0
+    for i in range(rows.count()):
+        assert "disagree" in (rows.nth(i).get_attribute("class") or "")
+        assert rows.nth(i).locator("td").first.inner_text() == "2"
+    page.get_by_role("link", name="|Adv.|").click()
+    page.get_by_role("link", name="|Adv.|").click()  # again: going down
+    page.wait_for_url("**order=desc**")
+    values = [
+        abs(float(v))
+        for v in page.locator("#rollouts-table tbody tr td:nth-child(9)").all_inner_texts()
+    ]
+    assert values == sorted(values, reverse=True) and "disagree=true" in page.url
+    _shot(page, "explorer")
+    # a row opens its rollout on its group's page, the tab of that rollout selected
+    first = rows.first
+    group, index = first.locator("td").nth(1).inner_text(), first.locator("td").nth(2).inner_text()
+    first.locator("td.completion-head a").click()
+    page.wait_for_url(f"**/runs/{run_id}/steps/2/groups/{group}#r{index.lstrip('#')}")
+    assert page.locator(f"#tab-{index.lstrip('#')}[aria-selected=true]").count() == 1
+    _shot(page, "explorer-rollout")

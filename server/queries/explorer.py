@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollout_lens.server import store
 from rollout_lens.server.errors import InvalidInput
 from rollout_lens.server.models import Prompt, Rollout
@@ -102,6 +102,14 @@ class RolloutQuery(BaseModel):
     limit: int = Field(
         default=50, ge=1, le=MAX_PAGE, description=f"rows a page (at most {MAX_PAGE})"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _blank_fields_are_unset(cls, data: Any) -> Any:
+        """The filter form sends every field; an empty one is no filter."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (isinstance(v, str) and not v.strip())}
+        return data
 
     @field_validator("steps")
     @classmethod
