@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sqlite3
 from array import array
 from pathlib import Path
@@ -26,12 +27,14 @@ def _before(path: Path) -> tuple[dict, dict, dict]:
     conn = sqlite3.connect(path)
     rollouts = {}
     for row in conn.execute(
-        'SELECT run_id, step, "group", idx, completion, completion_ids, token_logprobs,'
-        " control_probs, meta FROM rollouts"
+        'SELECT r.run_id, r.step, r."group", r.idx, r.completion, r.completion_ids,'
+        " r.token_logprobs, r.control_probs, r.meta, p.text FROM rollouts r"
+        " JOIN prompts p ON p.id = r.prompt_id"
     ):
-        run_id, step, group, idx, completion, ids, logprobs, control, meta = row
+        run_id, step, group, idx, completion, ids, logprobs, control, meta, prompt = row
         rollouts[(run_id, step, group, idx)] = {
             "completion": completion,
+            "prompt": prompt,
             "ids": array("i", ids).tolist(),
             "logprobs": array("f", logprobs).tolist(),
             "control": array("f", control).tolist(),
@@ -43,6 +46,10 @@ def _before(path: Path) -> tuple[dict, dict, dict]:
     steps = dict(conn.execute("SELECT run_id, count(*) FROM steps GROUP BY run_id").fetchall())
     conn.close()
     return rollouts, {r: dict(sorted(m.items())) for r, m in metrics.items()}, steps
+
+
+def _words(text: str) -> set[str]:
+    return {w.lower() for w in re.findall(r"[^\W_]+", text)}
 
 
 def test_compact_migration_keeps_every_rollout_and_series(tmp_path: Path) -> None:
@@ -92,6 +99,23 @@ def test_compact_migration_keeps_every_rollout_and_series(tmp_path: Path) -> Non
             assert stored == [
                 a.as_dict() for a in queries.evaluate_alerts(session, run_id=run_id, after=0)
             ]
+            # 0006 indexed every completion and prompt: search finds what a scan of them finds
+            mine = {k: v for k, v in rollouts.items() if k[0] == run_id}
+            word = next(w for v in mine.values() for w in re.findall(r"[^\W_]+", v["completion"]))
+            query = queries.RolloutQuery(q=word, limit=200)
+            found = queries.explore(session, run_id=run_id, query=query)
+            rows = found["rollouts"]
+            while found["next"]:
+                query = query.model_copy(update={"after": found["next"]})
+                found = queries.explore(session, run_id=run_id, query=query)
+                rows += found["rollouts"]
+            expected = {
+                k[1:]
+                for k, v in mine.items()
+                if word.lower() in _words(v["completion"]) or word.lower() in _words(v["prompt"])
+            }
+            assert {(r["step"], r["group"], r["index"]) for r in rows} == expected
+            assert found["total"] == len(expected) > 0
     assert seen == len(rollouts)
     # Facts are shared: far fewer rows than rollouts, and tool listings are no longer repeated.
     conn = sqlite3.connect(path)
