@@ -20,17 +20,15 @@ from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.domain.task import IN_GROUP_MODES, SFT_MODES, TINY
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import StepRecord
-from rollout_lens.trainer import multiturn, task
+from rollout_lens.trainer import multiturn, prebuilt, task
 from rollout_lens.trainer import multiturn_supervision as mts
 from rollout_lens.trainer.evaluation import Evaluator
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from rollout_lens.trainer.modelref import check_model
 from rollout_lens.trainer.monitor import CheckpointRecorder, RunMonitor
-from rollout_lens.trainer.multiturn_model import ensure_multiturn_model
 from rollout_lens.trainer.retry import DatabaseAway, mark_finished
 from rollout_lens.trainer.supervision import MetricSink, SFTPhases, SupervisedGRPOTrainer
 from rollout_lens.trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
-from rollout_lens.trainer.tiny_model import ensure_tiny_model
 from rollout_lens.trainer.writer import StepWriter
 from transformers import (
     AutoModelForCausalLM,
@@ -52,10 +50,11 @@ KNOWN_CONTROL_TOKENS = (TINY_CONTROL_TOKENS, ("<tool_call>", "</tool_call>", "<|
 def resolve_model(
     config: RunConfig, settings: Settings, log_line: Callable[[str], None] = log.info
 ) -> str:
-    """A path or hub id that from_pretrained loads; builds the tiny model on first use."""
+    """A path or hub id that from_pretrained loads; installs (or builds) the tiny model on first
+    use."""
     if config.model == TINY:
-        ensure = ensure_multiturn_model if config.turns == "multi" else ensure_tiny_model
-        return str(ensure(settings.models_dir, log=log_line))
+        kind = prebuilt.MULTITURN if config.turns == "multi" else prebuilt.TINY
+        return str(prebuilt.ensure(kind, settings.models_dir, log=log_line))
     return check_model(config.model)
 
 

@@ -1,0 +1,138 @@
+"""The tiny models as the package ships them: installed into the cache instead of built, when the
+packaged build's recipe hash is the one this install would build (same recipe, sources and
+torch/transformers/tokenizers versions); otherwise built as before.
+
+Kept apart from tiny_model and multiturn_model on purpose: their source text is part of their
+recipe hash, so code that only installs a build must not live there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout_lens.trainer import multiturn_model, tiny_model
+
+import rollout_lens
+
+# rollout_lens/models/<name>/: the files `make prebuilt` writes and the wheel carries.
+PACKAGED = Path(rollout_lens.__file__).resolve().parent / "models"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One tiny model: its packaged folder name, its label, where the cache keeps it, its build."""
+
+    name: str
+    label: str
+    recipe_hash: str
+    cache_dir: Callable[[Path], Path]
+    build: Callable[..., dict[str, Any]]
+    steps: int
+
+
+TINY = Kind(
+    "tiny",
+    "tiny model",
+    tiny_model.RECIPE_HASH,
+    tiny_model.tiny_model_dir,
+    tiny_model.build_tiny_model,
+    tiny_model.RECIPE.steps,
+)
+MULTITURN = Kind(
+    "tiny-multiturn",
+    "multi-turn model",
+    multiturn_model.RECIPE_HASH,
+    multiturn_model.model_dir,
+    multiturn_model.build_multiturn_model,
+    multiturn_model.RECIPE.steps,
+)
+KINDS = (TINY, MULTITURN)
+
+
+def packaged_dir(kind: Kind) -> Path:
+    """Where the package keeps `kind`'s prebuilt files."""
+    return PACKAGED / kind.name
+
+
+def packaged_hash(kind: Kind) -> str | None:
+    """The recipe hash the packaged build was made for (None: nothing packaged)."""
+    stats = packaged_dir(kind) / tiny_model.BUILD_STATS_FILE
+    if not stats.is_file():
+        return None
+    return str(json.loads(stats.read_text()).get("recipe_hash") or "") or None
+
+
+def is_ready(kind: Kind, cache_dir: Path) -> bool:
+    """Whether the cache already holds `kind` for this install's recipe."""
+    return (kind.cache_dir(cache_dir) / tiny_model.BUILD_STATS_FILE).is_file()
+
+
+def will_build(kind: Kind, cache_dir: Path) -> bool:
+    """Whether ensuring `kind` means training it (minutes), not finding or copying it."""
+    return not is_ready(kind, cache_dir) and packaged_hash(kind) != kind.recipe_hash
+
+
+def ensure(kind: Kind, cache_dir: Path, *, log: Callable[[str], None] = print) -> Path:
+    """`kind`'s folder in the cache: there already, copied from the package when its recipe hash
+    matches, else built (once across processes: tiny_model.ensure_built's lock and rename)."""
+
+    def install(out: Path) -> None:
+        found = packaged_hash(kind)
+        if found == kind.recipe_hash:
+            for item in packaged_dir(kind).iterdir():
+                if item.is_file():
+                    shutil.copyfile(item, out / item.name)
+            log(f"{kind.label}: installed the packaged build ({found})")
+            return
+        why = "none packaged" if found is None else f"the packaged one is {found}"
+        log(f"{kind.label}: building recipe {kind.recipe_hash} ({why}); this takes a few minutes")
+        kind.build(out, log=log)
+
+    return tiny_model.ensure_built(kind.cache_dir(cache_dir), install)
+
+
+def ensure_tiny(cache_dir: Path, *, log: Callable[[str], None] = print) -> Path:
+    """The single-turn tiny model's folder (see `ensure`)."""
+    return ensure(TINY, cache_dir, log=log)
+
+
+def ensure_multiturn(cache_dir: Path, *, log: Callable[[str], None] = print) -> Path:
+    """The multi-turn tiny model's folder (see `ensure`)."""
+    return ensure(MULTITURN, cache_dir, log=log)
+
+
+_WARM_UP = re.compile(r"warm-up step (\d+)/(\d+)")
+
+
+def build_progress(line: str) -> tuple[int, int] | None:
+    """(step, of steps) from a build's warm-up log line; None for its other lines."""
+    match = _WARM_UP.search(line)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def write_packaged(kind: Kind, *, log: Callable[[str], None] = print) -> Path:
+    """Build `kind` afresh (deterministic: seeded, one thread) into the package's folder."""
+    target = packaged_dir(kind)
+    staging = target.with_name(f".{kind.name}-staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    kind.build(staging, log=log)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def main() -> None:
+    """`make prebuilt`: rebuild every packaged model for this install's recipe hashes."""
+    for kind in KINDS:
+        print(f"{kind.label}: {write_packaged(kind)} ({kind.recipe_hash})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
