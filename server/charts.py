@@ -279,7 +279,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 def shown_config(run: dict[str, Any]) -> dict[str, Any] | None:
     """A run's launch config with the values its own columns hold instead (k: a leaky run lists
     every tool, so its k is none there as on its card, the runs list and compare)."""
-    config = run.get("config")
+    config: dict[str, Any] | None = run.get("config")
     if not config:
         return config
     return config | {c: run.get(c) for c in DIFF_COLUMNS if c in config and c in run}

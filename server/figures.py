@@ -553,17 +553,20 @@ def run_figures(
     tools = tool_use(have)
     probes = probe_details(have)
     evals = evaluation(have)
-    optimization = [
-        figure(
-            f"s-{n}",
-            label(n),
-            line(n, label(n), NEUTRAL),
-            small=True,
-            **_optimization_notes(n, config),
-        )
-        for n in vocab.OPTIMIZATION
-        if n in have
-    ]
+    optimization = []
+    for n in vocab.OPTIMIZATION:
+        if n in have:
+            notes = _optimization_notes(n, config)
+            optimization.append(
+                figure(
+                    f"s-{n}",
+                    label(n),
+                    line(n, label(n), NEUTRAL),
+                    small=True,
+                    help=notes.get("help", ""),
+                    empty=notes.get("empty", ""),
+                )
+            )
     shown = (
         _used(main)
         | _used(structure)
