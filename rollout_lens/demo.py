@@ -169,7 +169,7 @@ def progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
                 window = min(run.current_step, WINDOW)
                 text += f" accuracy {acc:.2f} (last {window} step{'s' if window > 1 else ''})"
             if run.status == RunStatus.queued:  # its process is loading torch and the model
-                text += " (starting)"
+                text += f" ({run.phase or 'starting'})"
             elif run.status != RunStatus.running:
                 text += f" ({run.status})"
             parts.append(text)

@@ -140,8 +140,9 @@ def run_progress(run: dict[str, Any]) -> dict[str, Any]:
         "cost",
         "error",
         "finished_at",
+        "phase",
     )
-    out = {k: run[k] for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
+    out = {k: run.get(k) for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
     return out | {"text": live_text(out)}
 
 
@@ -182,8 +183,13 @@ def live_summary(live: dict[str, Any]) -> str:
     if status == "running":
         text = f"Step {step} of {total}"
         rate, eta = live.get("steps_per_second"), live.get("eta_seconds")
-        if rate:
+        phase = live.get("phase")
+        if phase:  # before its first step: building its model, loading, starting
+            text = phase[:1].upper() + phase[1:]
+        elif rate:
             text += f" · {rate:.2f} steps/s · ETA {duration_text(eta or 0)}"
+        elif step == 0:
+            text += " · the first step is under way…"
         else:
             text += " · measuring speed…"
         if live.get("cancel_requested"):

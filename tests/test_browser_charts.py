@@ -139,7 +139,7 @@ def test_smoothing_and_log_scale_apply_to_every_chart_and_stay_in_the_url(
     assert _shown(page, "reward", "true_accuracy") == accuracy
 
     page.locator("#smoothing").fill("0.6")
-    page.wait_for_function("document.body.dataset.view === '0.6:0'")
+    page.wait_for_function("() => document.body.dataset.view === '0.6:0'")
     assert "smooth=0.6" in page.url
     smoothed = _shown(page, "reward", "true_accuracy")
     assert smoothed == pytest.approx(_ema(accuracy, 0.6))
@@ -151,7 +151,7 @@ def test_smoothing_and_log_scale_apply_to_every_chart_and_stay_in_the_url(
     assert _shown(page, "s-grad_norm", "grad_norm") == pytest.approx(_ema(grad, 0.6))
 
     page.locator("#log-scale").check()
-    page.wait_for_function("document.body.dataset.view === '0.6:1'")
+    page.wait_for_function("() => document.body.dataset.view === '0.6:1'")
     assert "log=1" in page.url and _axis_types(page) == {"log"}
     _shot(page, "charts-smoothed-log")
 

@@ -349,6 +349,14 @@ def test_compare_figures_add_evaluation_and_collapse_overlays() -> None:
             "Queued, 12th in line (11 ahead): waiting for a worker",
         ),
         ({"status": "running", "current_step": 4}, "Step 4 of 100 · measuring speed…"),
+        ({"status": "running"}, "Step 0 of 100 · the first step is under way…"),
+        (
+            {
+                "status": "running",
+                "phase": "building the multi-turn model: warm-up step 300 of 800 (about 3 min)",
+            },
+            "Building the multi-turn model: warm-up step 300 of 800 (about 3 min)",
+        ),
         (
             {"status": "running", "current_step": 40, "steps_per_second": 2.0, "eta_seconds": 30},
             "Step 40 of 100 · 2.00 steps/s · ETA 30 s",

@@ -107,6 +107,24 @@ def ensure_multiturn(cache_dir: Path, *, log: Callable[[str], None] = print) -> 
     return ensure(MULTITURN, cache_dir, log=log)
 
 
+def estimate_seconds(kind: Kind) -> float | None:
+    """How long building `kind` took when the packaged build was made (one idle core)."""
+    stats = packaged_dir(kind) / tiny_model.BUILD_STATS_FILE
+    if not stats.is_file():
+        return None
+    seconds = json.loads(stats.read_text()).get("seconds")
+    return float(seconds) if seconds else None
+
+
+def estimate_text(kind: Kind) -> str:
+    """ "about 3 minutes on an idle core" (longer on a busy machine), from the packaged build."""
+    seconds = estimate_seconds(kind)
+    if seconds is None:
+        return "a few minutes"
+    minutes = max(1, round(seconds / 60 + 0.49))
+    return f"about {minutes} minute{'s' if minutes > 1 else ''} on an idle core"
+
+
 _WARM_UP = re.compile(r"warm-up step (\d+)/(\d+)")
 
 

@@ -48,14 +48,38 @@ KNOWN_CONTROL_TOKENS = (TINY_CONTROL_TOKENS, ("<tool_call>", "</tool_call>", "<|
 
 
 def resolve_model(
-    config: RunConfig, settings: Settings, log_line: Callable[[str], None] = log.info
+    config: RunConfig,
+    settings: Settings,
+    log_line: Callable[[str], None] = log.info,
+    phase: Callable[[str], None] = lambda text: None,
 ) -> str:
     """A path or hub id that from_pretrained loads; installs (or builds) the tiny model on first
-    use."""
-    if config.model == TINY:
-        kind = prebuilt.MULTITURN if config.turns == "multi" else prebuilt.TINY
+    use, telling `phase` how a build goes."""
+    if config.model != TINY:
+        return check_model(config.model)
+    kind = prebuilt.MULTITURN if config.turns == "multi" else prebuilt.TINY
+    if not prebuilt.will_build(kind, settings.models_dir):
         return str(prebuilt.ensure(kind, settings.models_dir, log=log_line))
-    return check_model(config.model)
+    about = prebuilt.estimate_text(kind)
+    phase(f"building the {kind.label} (once; cached for later runs; {about})")
+
+    def progress(line: str) -> None:
+        log_line(line)
+        done = prebuilt.build_progress(line)
+        if done:
+            phase(f"building the {kind.label}: warm-up step {done[0]} of {done[1]} ({about})")
+
+    return str(prebuilt.ensure(kind, settings.models_dir, log=progress))
+
+
+def _phase_writer(factory: Any, run_id: int) -> Callable[[str], None]:
+    """Writes what the run is doing before its first step onto its row (the pages show it)."""
+
+    def write(text: str) -> None:
+        with session_scope(factory) as session:
+            store.set_phase(session, run_id=run_id, phase=text)
+
+    return write
 
 
 def default_control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
@@ -274,7 +298,10 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
             if settings.torch_threads:
                 torch.set_num_threads(settings.torch_threads)
             set_seed(config.seed)
-            model_path = resolve_model(config, settings, log_line)
+            phase = _phase_writer(factory, run_id)
+            phase("starting: loading the model")
+            model_path = resolve_model(config, settings, log_line, phase)
+            phase("starting: loading the model and preparing TRL's trainer")
             tokenizer = AutoTokenizer.from_pretrained(model_path)
             model = AutoModelForCausalLM.from_pretrained(model_path)
 

@@ -44,6 +44,7 @@ from rollout_lens.server.store.runs import (
     restore_status,
     set_checkpoint,
     set_dropped,
+    set_phase,
     set_task_id,
     truncate_after,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "series_names",
     "set_checkpoint",
     "set_dropped",
+    "set_phase",
     "set_task_id",
     "step_rollouts",
     "steps",
