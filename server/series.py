@@ -180,10 +180,10 @@ def probe(name: str, part: str = "mean") -> str:
 
 # --- evaluation and SFT phases ------------------------------------------------------------------
 
-EVAL_SETS = {  # set → (legend, column header)
-    "id": ("in-distribution", "ID"),
-    "format_ood": ("format-OOD", "Format-OOD"),
-    "content_ood": ("content-OOD", "Content-OOD"),
+EVAL_SETS = {  # set → (legend, column header: words, not "ID", which reads as a run id)
+    "id": ("in-distribution", "Eval: training queries"),
+    "format_ood": ("format-OOD", "Eval: other reply format"),
+    "content_ood": ("content-OOD", "Eval: paraphrased queries"),
 }
 
 

@@ -58,7 +58,10 @@ def _record_run(factory: Any, seed: int) -> int:
             "learning_rate": LEARNING_RATE,
             "grad_norm": 0.5 + acc,
         }
-        record_step(factory, run_id, step, values=values)
+        evaluated = {f"eval/{n}": acc for n in ("id", "format_ood", "content_ood")}
+        record_step(
+            factory, run_id, step, values=values, metrics=evaluated if step % 10 == 0 else {}
+        )
     with session_scope(factory) as session:
         store.mark_finished(session, run_id=run_id, status=RunStatus.completed)
     return run_id
@@ -233,3 +236,20 @@ def test_buckets_are_drawn_over_their_steps_on_the_shared_axis(
 
 def _axis_range(page: Page, figure: str) -> list[float]:
     return page.evaluate(f"() => document.getElementById('fig-{figure}')._fullLayout.yaxis.range")
+
+
+def test_compares_summary_fits_a_1400_pixel_window(
+    page: Page, served: tuple[str, list[int]]
+) -> None:
+    page.goto(f"/compare?runs={served[1][0]},{served[1][1]}")
+    page.wait_for_selector("body[data-charts-ready]")
+    box = page.locator("table.summary").locator("xpath=..")
+    widths = box.evaluate("(el) => [el.scrollWidth, el.clientWidth]")
+    assert widths[0] <= widths[1], f"the summary scrolls sideways: {widths}"
+    headers = page.locator("table.summary th").all_text_contents()
+    assert [h.replace("\n", " ") for h in headers[-5:-2]] == [
+        "Eval: training queries",
+        "Eval: other reply format",
+        "Eval: paraphrased queries",
+    ]
+    _shot(page, "compare-summary")

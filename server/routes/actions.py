@@ -94,7 +94,9 @@ def launch_api(
 
 
 @router.post("/runs/new", include_in_schema=False)
-async def launch_form(request: Request, session: SessionDep, celery: CeleryDep) -> Response:
+async def launch_form(
+    request: Request, session: SessionDep, celery: CeleryDep, settings: SettingsDep
+) -> Response:
     """The launch form's submit: redirect to the new run(s), or the form again with messages."""
     form = await request.form()  # async only for this; the database and broker work is sync
     submitted = {k: str(v) for k, v in form.items()}
@@ -104,7 +106,8 @@ async def launch_form(request: Request, session: SessionDep, celery: CeleryDep) 
         configs = launch.build_configs(preset, raw)
         ids = await run_in_threadpool(control.launch_runs, session, celery, configs)
     except launch.LaunchInvalid as exc:
-        context = launch.form_context(typed, preset=preset, errors=exc.errors)
+        builds = launch.model_builds(settings.models_dir)
+        context = launch.form_context(typed, preset=preset, errors=exc.errors, builds=builds)
         return render(request, "new_run.html", context, status_code=422)
     except BrokerUnavailable as exc:
         context = launch.form_context(typed, preset=preset, broker_error=str(exc))

@@ -11,7 +11,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from rollout_lens.server import launch, queries, views
-from rollout_lens.server.deps import AlertCacheDep, CompareCacheDep, SessionDep, render
+from rollout_lens.server.deps import (
+    AlertCacheDep,
+    CompareCacheDep,
+    SessionDep,
+    SettingsDep,
+    render,
+)
 from rollout_lens.server.params import (
     OptionalRunId,
     OptionalStep,
@@ -53,11 +59,16 @@ def runs_page(
 
 @router.get("/runs/new", name="new_run_page")
 def new_run_page(
-    request: Request, session: SessionDep, preset: str = "", clone: OptionalRunId = None
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    preset: str = "",
+    clone: OptionalRunId = None,
 ) -> HTMLResponse:
-    """The launch form: RunConfig's defaults, a preset's values, or a run's config (Clone)."""
+    """The launch form: its defaults, a preset's values, or a run's config (Clone)."""
     source = None if clone is None else queries.run_card(session, run_id=clone)
-    return render(request, "new_run.html", launch.start_form(preset, source))
+    builds = launch.model_builds(settings.models_dir)
+    return render(request, "new_run.html", launch.start_form(preset, source, builds))
 
 
 @router.get("/runs/{run_id}", name="run_page")

@@ -182,7 +182,7 @@ window.RL.charts = (() => {
       const xs = rows ? rows.flatMap((r) => [r.x0, r.x1]) : trace.x.filter((x, i) => trace.y[i] !== null && x !== null);
       first = Math.min(first, ...xs);
       last = Math.max(last, ...xs);
-      const name = el.figure && el.figure.small ? "" : `${plain(trace.name)} `;
+      const name = el.figure && el.figure.small ? "" : `${plain(trace.name)} = `;
       parts.push(`${name}${short(ys[0])}`);
     }
     if (!parts.length || !(last > first)) return null;
