@@ -22,6 +22,7 @@ from rollout_lens.server.queries.run_page import (
     alerts,
     bucket_means,
     evaluate_alerts,
+    known_series,
     series,
 )
 from rollout_lens.server.queries.runs import (
@@ -56,6 +57,7 @@ __all__ = [
     "bucket_means",
     "compare",
     "evaluate_alerts",
+    "known_series",
     "last_values",
     "list_runs",
     "nearest_kept_step",

@@ -14,7 +14,7 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
-from rollout_lens.server import control, launch, queries
+from rollout_lens.server import api_models, control, launch, queries
 from rollout_lens.server.deps import CeleryDep, SessionDep, SettingsDep, render
 from rollout_lens.server.errors import BrokerUnavailable, InvalidState
 from rollout_lens.server.params import RunId
@@ -64,8 +64,12 @@ def _invalid(errors: dict[str, str]) -> RequestValidationError:
     "/api/runs",
     status_code=201,
     tags=["actions"],
+    summary="Launch runs",
     responses={
-        201: {"description": "The created runs and the page that shows them"},
+        201: {
+            "description": "The created runs and the page that shows them",
+            "model": api_models.Launched,
+        },
         422: {"description": "A field failed validation; nothing was created"},
         503: {"description": "The task queue cannot be reached; nothing was created"},
     },
@@ -118,14 +122,24 @@ async def launch_form(
 # --- cancel and resume --------------------------------------------------------------------------
 
 
-@router.post("/api/runs/{run_id}/cancel", tags=["actions"])
+@router.post(
+    "/api/runs/{run_id}/cancel",
+    tags=["actions"],
+    summary="Cancel a run",
+    responses={200: {"model": api_models.Progress}},
+)
 def cancel_api(session: SessionDep, run_id: RunId) -> JSONResponse:
     """Cancel a queued run at once, or ask a running one to stop; 409 for a finished run."""
     control.cancel(session, run_id)
     return JSONResponse(queries.run_live(session, run_id=run_id))
 
 
-@router.post("/api/runs/{run_id}/resume", tags=["actions"])
+@router.post(
+    "/api/runs/{run_id}/resume",
+    tags=["actions"],
+    summary="Resume a run",
+    responses={200: {"model": api_models.Progress}},
+)
 def resume_api(session: SessionDep, celery: CeleryDep, run_id: RunId) -> JSONResponse:
     """Queue a lost, failed or cancelled run again to continue from its last checkpoint."""
     control.resume(session, celery, run_id)
@@ -164,7 +178,11 @@ def resume_form(
 @router.delete(
     "/api/runs/{run_id}",
     tags=["actions"],
-    responses={409: {"description": "The run is training: cancel it first"}},
+    summary="Delete a run",
+    responses={
+        200: {"model": api_models.Deleted},
+        409: {"description": "The run is training: cancel it first"},
+    },
 )
 def delete_api(
     session: SessionDep, celery: CeleryDep, settings: SettingsDep, run_id: RunId
