@@ -29,8 +29,9 @@ DEFAULT_STEPS = 30  # patched converges in about 25 steps, leaky keeps swinging;
 POLL_SECONDS = 2.0
 # The one line printed above the compare URL: what the two runs show.
 WHAT_TO_LOOK_AT = (
-    "Look at the top chart: the leaky run's verifier reward climbs while its true accuracy "
-    "stays low (the judge gives partial credit), the patched run's two lines rise together."
+    "Look at the verifier reward and true accuracy charts: the leaky run's reward sits at 0.5 "
+    "(the judge's partial credit for naming any listed tool) while its true accuracy stays near "
+    "0; the patched run's reward and accuracy climb together."
 )
 
 

@@ -78,26 +78,29 @@ window.RL.charts = (() => {
     applyAxes(el);
   }
 
-  /** Lines that lie on one another (most of their points equal) are drawn nested: the first
-   *  widest, beneath, each next one thinner on top, so both colors show. */
+  /** Lines that lie on one another (most of their points within half a percent of the chart's
+   *  span) are drawn nested: the first widest, beneath, each next one thinner on top, so both
+   *  colors show. */
   function nestOverlaps(el) {
-    const lines = el.data.filter((t) => t.meta && (t.meta.part === "y") && t.line && !t.stackgroup);
+    const lines = el.data.filter((t) => t.meta && t.meta.part === "y" && t.line && !t.stackgroup);
+    const values = lines.flatMap((t) => t.y.filter((v) => v !== null && v !== undefined));
+    const span = values.length ? Math.max(...values) - Math.min(...values) || Math.abs(values[0]) || 1 : 1;
     for (const t of lines) {
       if (!baseWidth.has(t)) baseWidth.set(t, t.line.width || 1.7);
       t.line.width = baseWidth.get(t);
     }
     for (let i = 0; i < lines.length; i += 1) {
       let under = 0; // how many later lines lie on this one
-      for (let j = i + 1; j < lines.length; j += 1) if (overlap(lines[i], lines[j])) under += 1;
+      for (let j = i + 1; j < lines.length; j += 1) if (overlap(lines[i], lines[j], span * 0.005)) under += 1;
       if (under) lines[i].line.width = baseWidth.get(lines[i]) + 1.6 * under;
     }
   }
 
-  function overlap(a, b) {
+  function overlap(a, b, tolerance) {
     if (a.x.length < 2 || a.x.length !== b.x.length) return false;
     let same = 0;
     for (let k = 0; k < a.y.length; k += 1) {
-      if (a.y[k] !== null && b.y[k] !== null && Math.abs(a.y[k] - b.y[k]) <= 1e-9 * Math.max(1, Math.abs(a.y[k]))) same += 1;
+      if (a.y[k] !== null && b.y[k] !== null && Math.abs(a.y[k] - b.y[k]) <= tolerance) same += 1;
     }
     return same >= a.y.length / 2;
   }
@@ -163,8 +166,9 @@ window.RL.charts = (() => {
     return Number.isInteger(n) ? String(n) : Number(n.toPrecision(3)).toString();
   }
 
-  /** "name 0.5 · other 1, constant over steps 1–30" when every series of the chart that has
-   *  data kept one value over at least two steps (raw values, not smoothed); else null. */
+  /** "name = 0.5 · other = 1: constant over steps 1–30" when every series of the chart that has
+   *  data kept one value (to 4 significant digits) over at least two steps (raw values, not
+   *  smoothed); else null. */
   function flatSummary(el) {
     const parts = [];
     let first = Infinity;
@@ -176,7 +180,8 @@ window.RL.charts = (() => {
       if (!ys.length) continue;
       const lo = Math.min(...ys);
       const hi = Math.max(...ys);
-      if (hi - lo > 1e-12 * Math.max(1, Math.abs(hi))) return null;
+      // Unchanged to display precision (a probability of 0.99998 ± 1e-6 is a flat line at 1).
+      if (hi - lo > 1e-4 * Math.max(Math.abs(hi), Math.abs(lo))) return null;
       // A bucket's marker sits at its centre: the steps it covers are its segment's ends.
       const rows = meta.part === "center" && el.buckets ? [...el.buckets.values()] : null;
       const xs = rows ? rows.flatMap((r) => [r.x0, r.x1]) : trace.x.filter((x, i) => trace.y[i] !== null && x !== null);
