@@ -326,7 +326,7 @@ def _serve(args: argparse.Namespace, settings: Settings, *, announce: Sequence[s
         # Keep-alive 30 s, not uvicorn's 5: a server busy enough to run its timer late closes a
         # connection its client has just sent a request on (a script's client does not retry).
         uvicorn.run(
-            create_app(settings),
+            create_app(settings, model_builds=_launch_notes(settings)),
             host=args.host,
             port=args.port,
             log_level="warning",
@@ -343,6 +343,13 @@ def _serve(args: argparse.Namespace, settings: Settings, *, announce: Sequence[s
                 worker.kill()
                 worker.wait()
     return 0
+
+
+def _launch_notes(settings: Settings):  # type: ignore[no-untyped-def]
+    """The launch form's warnings of a model build (trainer.prebuilt; no torch import)."""
+    from rollout_lens.trainer import prebuilt
+
+    return lambda: prebuilt.launch_notes(settings.models_dir)
 
 
 def worker_log_path(settings: Settings) -> Path:

@@ -11,7 +11,6 @@ import re
 import types
 import typing
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import annotated_types
@@ -219,25 +218,6 @@ def defaults() -> dict[str, str]:
     for name, info in RunConfig.model_fields.items():
         out[name] = display(FORM_DEFAULTS.get(name, info.get_default(call_default_factory=True)))
     out["name"] = ""
-    return out
-
-
-def model_builds(models_dir: Path, kinds: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """turns → a warning for each tiny model (`kinds`: turns → trainer.prebuilt.Kind; default
-    both) a launch would first have to build on this machine; none when the package's prebuilt
-    model serves, the usual case."""
-    from rollout_lens.trainer import prebuilt  # light: torch loads only inside a build
-
-    kinds = kinds or {"single": prebuilt.TINY, "multi": prebuilt.MULTITURN}
-    out = {}
-    for turns, kind in kinds.items():
-        if prebuilt.will_build(kind, models_dir):
-            out[turns] = (
-                f"The first {'multi-turn' if turns == 'multi' else 'single-turn'} run on this "
-                f"machine builds the {kind.label} before its first step "
-                f"({prebuilt.estimate_text(kind)}, longer on a busy one); later runs reuse it. "
-                "Its page shows the build's progress."
-            )
     return out
 
 

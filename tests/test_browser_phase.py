@@ -98,3 +98,29 @@ def test_a_run_whose_model_is_being_built_says_so_live(
     )
     page.goto(f"/runs/{run_id}")
     assert live.inner_text().startswith("Step 1 of 10")
+
+
+def test_the_launch_form_warns_of_a_build_for_the_chosen_turns(
+    browser: Browser, tmp_path: Any
+) -> None:
+    url = f"sqlite:///{tmp_path / 'rollout-lens.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    note = "The first multi-turn run on this machine builds the multi-turn model before its first step (about 3 minutes on an idle core, longer on a busy one); later runs reuse it."
+    app = create_app(
+        Settings(database_url=url, data_dir=tmp_path), model_builds=lambda: {"multi": note}
+    )
+    with web_support.serve_app(app) as base:
+        context = browser.new_context(viewport={"width": 1400, "height": 900}, base_url=base)
+        page = context.new_page()
+        page.goto("/runs/new")
+        warning = page.locator("#model-build-multi")
+        budget = page.locator("#help-max_completion_tokens .field-default")
+        assert not warning.is_visible() and budget.inner_text() == "default 8"
+        page.locator("#f-turns").select_option("multi")
+        assert warning.is_visible() and warning.inner_text() == note
+        assert budget.inner_text() == "default 128"
+        assert page.locator("#f-max_completion_tokens").input_value() == "128"
+        page.screenshot(path=str(ARTIFACTS / "launch-form-build-warning.png"))
+        context.close()
+    engine.dispose()

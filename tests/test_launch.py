@@ -697,7 +697,7 @@ def test_form_errors_speak_in_the_forms_labels(client: TestClient) -> None:
 
 
 def test_the_form_shows_effective_defaults_and_warns_of_a_model_build(
-    client: TestClient, tmp_path: Path
+    client: TestClient, session_factory: sessionmaker[Session], tmp_path: Path
 ) -> None:
     from rollout_lens.trainer import prebuilt
 
@@ -707,9 +707,15 @@ def test_the_form_shows_effective_defaults_and_warns_of_a_model_build(
     assert budget.text == "default 8"
     assert json.loads(budget.attrs["data-by-turns"]) == {"single": "8", "multi": "128"}
     # The packaged models serve this install: nothing to build, nothing to warn of.
-    assert launch.model_builds(tmp_path / "models") == {}
+    assert prebuilt.launch_notes(tmp_path / "models") == {}
     assert not page.find_all(cls="model-build")
     # Where a launch would build one (another torch: another recipe hash), the form says so.
     other = dataclasses.replace(prebuilt.MULTITURN, recipe_hash="000000000000")
-    builds = launch.model_builds(tmp_path / "models", {"multi": other})
-    assert "builds the multi-turn model before its first step (about 3 minutes" in builds["multi"]
+    notes = prebuilt.launch_notes(tmp_path / "models", {"multi": other})
+    assert "builds the multi-turn model before its first step (about 3 minutes" in notes["multi"]
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    settings = Settings(data_dir=tmp_path, database_url=url)
+    app = create_app(settings, session_factory=session_factory, model_builds=lambda: notes)
+    warned = TestClient(app, base_url="http://127.0.0.1")
+    form = parse(warned.get("/runs/new").text)
+    assert form.by_id("model-build-multi").text == notes["multi"]

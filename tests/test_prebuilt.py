@@ -38,6 +38,7 @@ def test_a_different_recipe_is_built_instead(tmp_path: Path) -> None:
     def build(out: Path, *, log: Any) -> dict[str, Any]:
         built.append(out)
         log("warm-up step 100/700: loss 2.5, mass on listed ids 0.4, 10s")
+        log(f"model built in 3.0s at {out}")
         (out / BUILD_STATS_FILE).write_text("{}")
         return {}
 
@@ -49,4 +50,6 @@ def test_a_different_recipe_is_built_instead(tmp_path: Path) -> None:
     assert len(built) == 1 and prebuilt.is_ready(kind, tmp_path) and path.is_dir()
     assert lines[0].startswith("tiny model: building recipe 000000000000 (the packaged one is ")
     assert prebuilt.build_progress(lines[1]) == (100, 700)
+    # The staging folder the build wrote into is gone: the line names where the model stays.
+    assert lines[2] == f"model built in 3.0s at {path}" and path.is_dir()
     assert prebuilt.build_progress("model built in 3.0s") is None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,8 @@ def ensure(kind: Kind, cache_dir: Path, *, log: Callable[[str], None] = print) -
     """`kind`'s folder in the cache: there already, copied from the package when its recipe hash
     matches, else built (once across processes: tiny_model.ensure_built's lock and rename)."""
 
+    final = kind.cache_dir(cache_dir)
+
     def install(out: Path) -> None:
         found = packaged_hash(kind)
         if found == kind.recipe_hash:
@@ -92,9 +94,10 @@ def ensure(kind: Kind, cache_dir: Path, *, log: Callable[[str], None] = print) -
             return
         why = "none packaged" if found is None else f"the packaged one is {found}"
         log(f"{kind.label}: building recipe {kind.recipe_hash} ({why}); this takes a few minutes")
-        kind.build(out, log=log)
+        # The build names its staging folder, renamed into place when done: print where it stays.
+        kind.build(out, log=lambda line: log(line.replace(str(out), str(final))))
 
-    return tiny_model.ensure_built(kind.cache_dir(cache_dir), install)
+    return tiny_model.ensure_built(final, install)
 
 
 def ensure_tiny(cache_dir: Path, *, log: Callable[[str], None] = print) -> Path:
@@ -123,6 +126,24 @@ def estimate_text(kind: Kind) -> str:
         return "a few minutes"
     minutes = max(1, round(seconds / 60 + 0.49))
     return f"about {minutes} minute{'s' if minutes > 1 else ''} on an idle core"
+
+
+def launch_notes(cache_dir: Path, kinds: Mapping[str, Kind] | None = None) -> dict[str, str]:
+    """turns → a warning for each tiny model (`kinds`: turns → Kind; default both) that a launch
+    would first have to build on this machine; none while the packaged models serve (the usual
+    case). What the launch form shows (the CLI's `serve` hands it to the web app, which imports
+    nothing from the trainer)."""
+    kinds = kinds or {"single": TINY, "multi": MULTITURN}
+    out = {}
+    for turns, kind in kinds.items():
+        if will_build(kind, cache_dir):
+            out[turns] = (
+                f"The first {'multi-turn' if turns == 'multi' else 'single-turn'} run on this "
+                f"machine builds the {kind.label} before its first step "
+                f"({estimate_text(kind)}, longer on a busy one); later runs reuse it. "
+                "Its page shows the build's progress."
+            )
+    return out
 
 
 _WARM_UP = re.compile(r"warm-up step (\d+)/(\d+)")

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from rollout_lens.server import api_models, control, launch, queries
-from rollout_lens.server.deps import CeleryDep, SessionDep, SettingsDep, render
+from rollout_lens.server.deps import CeleryDep, SessionDep, SettingsDep, model_builds, render
 from rollout_lens.server.errors import BrokerUnavailable, InvalidState
 from rollout_lens.server.params import RunId
 from rollout_lens.server.responses import DataResponse
@@ -98,9 +98,7 @@ def launch_api(
 
 
 @router.post("/runs/new", include_in_schema=False)
-async def launch_form(
-    request: Request, session: SessionDep, celery: CeleryDep, settings: SettingsDep
-) -> Response:
+async def launch_form(request: Request, session: SessionDep, celery: CeleryDep) -> Response:
     """The launch form's submit: redirect to the new run(s), or the form again with messages."""
     form = await request.form()  # async only for this; the database and broker work is sync
     submitted = {k: str(v) for k, v in form.items()}
@@ -110,7 +108,7 @@ async def launch_form(
         configs = launch.build_configs(preset, raw)
         ids = await run_in_threadpool(control.launch_runs, session, celery, configs)
     except launch.LaunchInvalid as exc:
-        builds = launch.model_builds(settings.models_dir)
+        builds = model_builds(request)
         context = launch.form_context(typed, preset=preset, errors=exc.errors, builds=builds)
         return render(request, "new_run.html", context, status_code=422)
     except BrokerUnavailable as exc:

@@ -15,7 +15,7 @@ from rollout_lens.server.deps import (
     AlertCacheDep,
     CompareCacheDep,
     SessionDep,
-    SettingsDep,
+    model_builds,
     render,
 )
 from rollout_lens.server.params import (
@@ -59,16 +59,12 @@ def runs_page(
 
 @router.get("/runs/new", name="new_run_page")
 def new_run_page(
-    request: Request,
-    session: SessionDep,
-    settings: SettingsDep,
-    preset: str = "",
-    clone: OptionalRunId = None,
+    request: Request, session: SessionDep, preset: str = "", clone: OptionalRunId = None
 ) -> HTMLResponse:
     """The launch form: its defaults, a preset's values, or a run's config (Clone)."""
     source = None if clone is None else queries.run_card(session, run_id=clone)
-    builds = launch.model_builds(settings.models_dir)
-    return render(request, "new_run.html", launch.start_form(preset, source, builds))
+    context = launch.start_form(preset, source, model_builds(request))
+    return render(request, "new_run.html", context)
 
 
 @router.get("/runs/{run_id}", name="run_page")
