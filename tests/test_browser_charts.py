@@ -202,6 +202,8 @@ def test_series_that_never_changed_fold_to_one_line(
 
     lr.locator(".flat-toggle").click()
     assert lr.locator(".plot").is_visible() and lr.locator(".flat-toggle").inner_text() == "fold"
+    # Unfolded, the constant line sits halfway up a 0…2×value axis, not at 0 on −0.5…0.5.
+    assert _axis_range(page, "s-learning_rate") == pytest.approx([0, 2 * LEARNING_RATE])
 
 
 def test_buckets_are_drawn_over_their_steps_on_the_shared_axis(

@@ -108,7 +108,6 @@ window.RL.charts = (() => {
   /** The server's y axes, on a log scale when the view asks (a fixed 0…1 range and the
    *  "include 0…1" rule do not apply on a log axis), and the page's shared step range. */
   function applyAxes(el) {
-    if (!baseAxes.has(el)) baseAxes.set(el, { yaxis: { ...el.layout.yaxis }, yaxis2: el.layout.yaxis2 && { ...el.layout.yaxis2 } });
     const base = baseAxes.get(el);
     for (const name of ["yaxis", "yaxis2"]) {
       if (!base[name]) continue;
@@ -118,6 +117,8 @@ window.RL.charts = (() => {
         delete axis.autorangeoptions;
         delete axis.rangemode;
         Object.assign(axis, { type: "log", autorange: true });
+      } else if (name === "yaxis" && el.flat && !el.layout.yaxis2 && !axis.range && !axis.autorangeoptions) {
+        Object.assign(axis, { range: flatRange(el.flat.values), autorange: false });
       }
       el.layout[name] = axis;
     }
@@ -166,11 +167,13 @@ window.RL.charts = (() => {
     return Number.isInteger(n) ? String(n) : Number(n.toPrecision(3)).toString();
   }
 
-  /** "name = 0.5 · other = 1: constant over steps 1–30" when every series of the chart that has
-   *  data kept one value (to 4 significant digits) over at least two steps (raw values, not
-   *  smoothed); else null. */
+  /** {text: "name = 0.5 · other = 1: constant over steps 1–30", values} when every series of
+   *  the chart that has data kept one value (to 4 significant digits) over at least two steps
+   *  (raw values, not smoothed); else null. */
   function flatSummary(el) {
+    if (!hasData(el)) return null;
     const parts = [];
+    const values = [];
     let first = Infinity;
     let last = -Infinity;
     for (const trace of el.data) {
@@ -189,16 +192,27 @@ window.RL.charts = (() => {
       last = Math.max(last, ...xs);
       const name = el.figure && el.figure.small ? "" : `${plain(trace.name)} = `;
       parts.push(`${name}${short(ys[0])}`);
+      values.push(ys[0]);
     }
     if (!parts.length || !(last > first)) return null;
-    return `${parts.join(" · ")}: constant over steps ${first}–${last}`;
+    return { text: `${parts.join(" · ")}: constant over steps ${first}–${last}`, values };
+  }
+
+  /** A y range that shows a constant line for what it is (Plotly's own centres 0.0003 on
+   *  −0.5…0.5): from 0 to twice the value, or about it when the values straddle 0. */
+  function flatRange(values) {
+    const lo = Math.min(...values);
+    const hi = Math.max(...values);
+    if (lo >= 0) return [0, hi > 0 ? hi * 2 : 1];
+    if (hi <= 0) return [lo * 2, 0];
+    return [lo * 1.5, hi * 1.5];
   }
 
   function fold(el) {
     const figure = el.closest("figure");
     const summary = figure.querySelector(".flat-summary");
     if (!summary) return;
-    const text = hasData(el) ? flatSummary(el) : null;
+    const text = el.flat ? el.flat.text : null;
     figure.classList.toggle("flat", text !== null);
     summary.hidden = text === null;
     if (text !== null) summary.querySelector(".flat-text").textContent = text;
@@ -225,6 +239,8 @@ window.RL.charts = (() => {
   function draw(fig) {
     const el = document.getElementById(`fig-${fig.id}`);
     el.figure = fig;
+    // As the server laid them out: Plotly writes its autorange into the layout it is given.
+    baseAxes.set(el, { yaxis: { ...fig.layout.yaxis }, yaxis2: fig.layout.yaxis2 && { ...fig.layout.yaxis2 } });
     Plotly.newPlot(el, fig.data, fig.layout, CONFIG);
     drawnEls.push(el);
     return el;
@@ -350,6 +366,7 @@ window.RL.charts = (() => {
   /** Redraw after in-place changes (datarevision tells Plotly.react that data changed).
    *  marks: {alerts, bands} drawn on every chart that shows that kind of alert / on every chart. */
   function redraw(el, marks) {
+    el.flat = flatSummary(el);
     shape(el);
     const layout = el.layout;
     layout.datarevision = (layout.datarevision || 0) + 1;
