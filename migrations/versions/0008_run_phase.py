@@ -1,7 +1,8 @@
 """run phase: what a claimed run is doing before its first step (building its model, loading)
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0008
+Revises: 0005 on the firstten branch; 0007 once merged (main has 0006 scale storage and 0007
+sessions: set down_revision to '0007' when merging, nothing else changes)
 Create Date: 2026-12-01 08:15:00
 """
 
@@ -11,8 +12,8 @@ import sqlalchemy as sa
 from alembic import op
 
 
-revision: str = "0006"
-down_revision: str | None = "0005"
+revision: str = "0008"
+down_revision: str | None = "0005"  # "0007" on main (see above)
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
