@@ -155,7 +155,9 @@ window.RL.charts = (() => {
 
   // --- folding charts whose series never changed ---------------------------------------------
 
-  const decoder = document.createElement("textarea"); // trace names are HTML-escaped for Plotly
+  // Trace names are HTML-escaped for Plotly (figures.plotly_text): a textarea decodes the
+  // entities (its content is RCDATA: no element is ever created) and the text goes out as text.
+  const decoder = document.createElement("textarea");
 
   function plain(text) {
     decoder.innerHTML = text || "";
@@ -408,7 +410,7 @@ window.RL.charts = (() => {
         const zoomed = !event["xaxis.autorange"];
         for (const o of group) o.zoomed = zoomed;
         group.syncing = true;
-        if (!zoomed) update = { ...update }; // the chart reset itself too: give it the shared range
+        // A reset resets the chart itself to the shared range too (Plotly autoranged it).
         const others = zoomed ? group.filter((o) => o !== el) : group;
         Promise.all(others.map((o) => Plotly.relayout(o, update))).finally(() => {
           group.syncing = false;
