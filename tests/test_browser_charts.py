@@ -255,3 +255,27 @@ def test_compares_summary_fits_a_1400_pixel_window(
         "Eval: paraphrased queries",
     ]
     _shot(page, "compare-summary")
+
+
+def test_a_zoom_is_shared_and_a_reset_returns_every_chart_to_the_runs_steps(
+    page: Page, served: tuple[str, list[int]]
+) -> None:
+    page.goto(f"/runs/{served[1][0]}")
+    page.wait_for_selector("body[data-charts-ready]")
+    ranges = """() => ["reward", "buckets", "s-grad_norm"].map(
+        (id) => document.getElementById(`fig-${id}`)._fullLayout.xaxis.range.map(Math.round))"""
+    page.evaluate(
+        "() => Plotly.relayout(document.getElementById('fig-reward'), {'xaxis.range': [5, 12]})"
+    )
+    page.wait_for_function(f"() => ({ranges})().every((r) => r[0] === 5 && r[1] === 12)")
+    # What a double-click does: autorange, which goes back to steps 1–30 on every chart (not
+    # to each chart's own extent).
+    page.evaluate(
+        "() => Plotly.relayout(document.getElementById('fig-buckets'), {'xaxis.autorange': true})"
+    )
+    page.wait_for_function(
+        """() => ["reward", "buckets", "s-grad_norm"].every((id) => {
+            const r = document.getElementById(`fig-${id}`)._fullLayout.xaxis.range;
+            return r[0] === 0.5 && r[1] === 30.5;
+        })"""
+    )
