@@ -2,18 +2,24 @@
 #   make demo   install into .venv, train a short leaky and a short patched run, serve, print the compare URL
 #   make run    install into .venv and start the dashboard on the embedded default
 #   make test   build a fresh virtual environment from pyproject.toml and run every test
+# Options reach the command through ARGS: make demo ARGS="--port 8701 --steps 40".
 PYTHON ?= python3
 VENV ?= .venv
 TEST_VENV ?= .venv-test
-EXTRAS ?= train,test
-# The tiny model is built once (about 3 minutes) and cached here for later runs and tests.
+# The demo and the dashboard need the ML stack only; the test tools go into the test venv (and
+# into .venv when `make lint` first needs them).
+EXTRAS ?= train
+TEST_EXTRAS ?= train,test
+ARGS ?=
+# The tiny models ship prebuilt in the package (rollout_lens/models/) and are copied here on
+# first use; they are built instead (minutes) only where torch/transformers differ from the build's.
 export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
 
 # mypy needs the import names: a tree of links that lays server/ and trainer/ out as
 # rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
 MYPY_TREE = .mypy-tree
 
-.PHONY: demo run test lint typecheck
+.PHONY: demo run test lint typecheck prebuilt
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,17 +28,26 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl
 	touch $@
 
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(TEST_EXTRAS)]'
+	touch $@
+
 demo: $(VENV)/.installed
-	$(VENV)/bin/rollout-lens demo
+	$(VENV)/bin/rollout-lens demo $(ARGS)
 
 run: $(VENV)/.installed
-	$(VENV)/bin/rollout-lens serve
+	$(VENV)/bin/rollout-lens serve $(ARGS)
+
+# Rebuild the packaged tiny models (after changing a recipe, its env's text or a pinned torch,
+# transformers or tokenizers): seeded, one thread, so the same versions give the same weights.
+prebuilt: $(VENV)/.installed
+	$(VENV)/bin/python -m rollout_lens.trainer.prebuilt
 
 test:
 	rm -rf $(TEST_VENV)
 	$(PYTHON) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TEST_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(TEST_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(TEST_EXTRAS)]'
 	# verl's own dump code writes the import-verl tests' input (tests/verl_dump.py reads it from
 	# verl's source): verl alone, without its requirements (Ray, vLLM, a transformers pin).
 	$(TEST_VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl
@@ -41,7 +56,7 @@ test:
 	$(MAKE) typecheck MYPY=$(CURDIR)/$(TEST_VENV)/bin/mypy
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
 	$(VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(MAKE) typecheck

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rollout_lens.trainer import multiturn as mt  # noqa: E402
-from rollout_lens.trainer.multiturn_model import ensure_multiturn_model  # noqa: E402
+from rollout_lens.trainer.prebuilt import ensure_multiturn  # noqa: E402
 
 COLUMNS = (
     ("true acc", "multiturn/true_accuracy"),
@@ -68,7 +68,7 @@ def main() -> None:
     path = args.model
     if path == "tiny":
         cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR", ".rollout-lens/models")
-        path = str(ensure_multiturn_model(Path(cache)))
+        path = str(ensure_multiturn(Path(cache)))
     for variant in args.variants:
         config = mt.MultiTurnConfig(
             variant=variant,

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -119,7 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(handler=_serve)
 
-    build = sub.add_parser("build-model", help="build (or find cached) the default tiny model")
+    build = sub.add_parser(
+        "build-model", help="install (or build, or find cached) a default tiny model"
+    )
+    build.add_argument("--turns", choices=TURNS, default="single", help="which tiny model")
     build.set_defaults(handler=_build_model)
     demo.add_parser(sub)
     return parser
@@ -263,7 +267,9 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace, settings: Settings) -> int:
+def _serve(args: argparse.Namespace, settings: Settings, *, announce: Sequence[str] = ()) -> int:
+    """Serve the dashboard (and a local worker on the embedded queue); `announce` is printed
+    once the port answers, so a URL in it is the last line and opens at once."""
     import signal
     import subprocess
 
@@ -287,6 +293,9 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
             "anyone who can reach this port can launch, cancel and delete runs",
             file=sys.stderr,
         )
+    problem = port_problem(args.host, args.port)
+    if problem:  # before the database, the worker or anything else is started
+        return _fail(problem)
     prepare_database(settings)
     database = make_url(settings.database_url).render_as_string(hide_password=True)
 
@@ -302,15 +311,28 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
             queue = "broker from ROLLOUT_LENS_BROKER_URL; start workers with `rollout-lens worker`"
         else:
             # The embedded default: one machine, nothing to install. The worker is a child process
-            # (same environment: the same database and broker folder) that trains queued runs.
-            worker = subprocess.Popen([sys.executable, "-m", "rollout_lens", "worker"])
-            queue = f"embedded queue; started a local worker, pid {worker.pid}"
+            # (same environment: the same database and broker folder) that trains queued runs;
+            # its banner and warnings go to a log file, not between the dashboard's lines.
+            log_path = worker_log_path(settings)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with log_path.open("ab") as log_file:
+                worker = subprocess.Popen(
+                    [sys.executable, "-m", "rollout_lens", "worker"],
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                )
+            queue = (
+                f"embedded queue; started a local worker, pid {worker.pid}, "
+                f"logging to {log_path.resolve()}"
+            )
         print(f"Rollout Lens on http://{args.host}:{args.port}/ (database {database}; {queue})")
         sys.stdout.flush()
+        if announce:
+            _announce_when_listening(args.host, args.port, announce)
         # Keep-alive 30 s, not uvicorn's 5: a server busy enough to run its timer late closes a
         # connection its client has just sent a request on (a script's client does not retry).
         uvicorn.run(
-            create_app(settings),
+            create_app(settings, model_builds=_launch_notes(settings)),
             host=args.host,
             port=args.port,
             log_level="warning",
@@ -329,6 +351,65 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _launch_notes(settings: Settings):  # type: ignore[no-untyped-def]
+    """The launch form's warnings of a model build (trainer.prebuilt; no torch import)."""
+    from rollout_lens.trainer import prebuilt
+
+    return lambda: prebuilt.launch_notes(settings.models_dir)
+
+
+def worker_log_path(settings: Settings) -> Path:
+    """Where `serve`'s local worker writes its output."""
+    return settings.data_dir / "worker.log"
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the dashboard cannot listen on host:port (None: it can), found by binding it as
+    uvicorn will; checked before anything is built or started."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"cannot listen on {host}: {exc.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (
+                    f"port {port} on {host} is already in use; pick another with --port "
+                    f'(make demo ARGS="--port 8701")'
+                )
+            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return None
+
+
+def _announce_when_listening(host: str, port: int, lines: Sequence[str]) -> None:
+    """Print `lines` from a thread as soon as host:port accepts connections."""
+    import socket
+    import threading
+
+    target = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+
+    def wait_then_print() -> None:
+        import time
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((target, port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.05)
+        print("\n".join(lines), flush=True)
+
+    threading.Thread(target=wait_then_print, name="announce", daemon=True).start()
+
+
 def _served_settings(settings: Settings, host: str) -> Settings:
     """The settings with the host served on among the allowed host names (and, on every
     interface, this machine's own names)."""
@@ -342,10 +423,11 @@ def _served_settings(settings: Settings, host: str) -> Settings:
 
 
 def _build_model(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.trainer.tiny_model import ensure_tiny_model
+    from rollout_lens.trainer import prebuilt
 
-    path = ensure_tiny_model(settings.models_dir)
-    print(f"tiny model at {path}")
+    kind = prebuilt.MULTITURN if args.turns == "multi" else prebuilt.TINY
+    path = prebuilt.ensure(kind, settings.models_dir)
+    print(f"{kind.label} at {path}")
     return 0
 
 

@@ -19,14 +19,21 @@ from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.errors import RolloutLensError
 from rollout_lens.server.models import RunStatus
+from rollout_lens.server.series import WINDOW
 from rollout_lens.server.textsafe import printable
 
 if TYPE_CHECKING:
     from rollout_lens.server.domain.runconfig import RunConfig
 
 PRESET = "leaky_vs_patched"  # server/domain/presets.py: both variants, same seed and recipe
-DEFAULT_STEPS = 30  # patched converges in about 25 steps, leaky keeps swinging; ~1 min on 2 cores
+DEFAULT_STEPS = 30  # patched climbs to ~0.5 true accuracy, leaky stays near 0; 30-50 s on 2 cores
 POLL_SECONDS = 2.0
+# The one line printed above the compare URL: what the two runs show.
+WHAT_TO_LOOK_AT = (
+    "Look at the verifier reward and true accuracy charts: the leaky run's reward sits at 0.5 "
+    "(the judge's partial credit for naming any listed tool) while its true accuracy stays near "
+    "0; the patched run's reward and accuracy climb together."
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -45,6 +52,8 @@ def add_parser(sub: Any) -> None:
 
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     """Train both runs (printing progress), print the compare URL, then serve unless told not to."""
+    from rollout_lens.cli import _serve, port_problem
+
     configs = demo_configs(args.steps)
     missing = [m for m in ("torch", "transformers", "trl") if importlib.util.find_spec(m) is None]
     if missing:
@@ -52,6 +61,9 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
             f"the demo trains, which needs {', '.join(missing)}: "
             "pip install 'rollout-lens[train]' (the dashboard alone does not)"
         )
+    problem = None if args.no_serve else port_problem(args.host, args.port)
+    if problem:  # now, not after a model build and two trainings
+        raise RolloutLensError(problem)
     _migrate(settings)
     _ensure_model(settings)
     run_ids = _create_runs(settings, configs)
@@ -66,13 +78,12 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     if failed:
         return _report_failures(settings, failed)
     url = compare_url(args.host, args.port, run_ids)
-    print(f"Compare them at {url}", flush=True)
     if args.no_serve:
-        print(f"Start the dashboard with `rollout-lens serve --port {args.port}`.", flush=True)
+        print(f"Start the dashboard with `rollout-lens serve --port {args.port}`, then", flush=True)
+        print(f"{WHAT_TO_LOOK_AT}\nCompare them at {url}", flush=True)
         return 0
-    from rollout_lens.cli import _serve
-
-    return _serve(args, settings)
+    print("Starting the dashboard (Ctrl-C stops it)…", flush=True)
+    return _serve(args, settings, announce=[WHAT_TO_LOOK_AT, f"Compare them at {url}"])
 
 
 def demo_configs(steps: int) -> list[RunConfig]:
@@ -148,7 +159,8 @@ def train_all(
 
 
 def progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
-    """One line: each run's variant, step, status and 25-step true accuracy."""
+    """One line: each run's variant, step, status and true accuracy over its last 25 steps (or
+    all its steps, before it has 25)."""
     parts = []
     with _session(settings) as session:
         for run_id in run_ids:
@@ -156,8 +168,11 @@ def progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
             acc = run.recent_true_accuracy
             text = f"{run.variant} {run.current_step}/{run.total_steps}"
             if acc is not None:
-                text += f" acc25 {acc:.2f}"
-            if run.status != RunStatus.running:
+                window = min(run.current_step, WINDOW)
+                text += f" accuracy {acc:.2f} (last {window} step{'s' if window > 1 else ''})"
+            if run.status == RunStatus.queued:  # its process is loading torch and the model
+                text += f" ({run.phase or 'starting'})"
+            elif run.status != RunStatus.running:
                 text += f" ({run.status})"
             parts.append(text)
     return "  " + " | ".join(parts)
@@ -200,15 +215,29 @@ def _migrate(settings: Settings) -> None:
 
 
 def _ensure_model(settings: Settings) -> None:
-    from rollout_lens.trainer.tiny_model import BUILD_STATS_FILE, ensure_tiny_model, tiny_model_dir
+    """The tiny model in the cache: copied from the package, or built (then with progress)."""
+    from rollout_lens.trainer import prebuilt
 
-    if not (tiny_model_dir(settings.models_dir) / BUILD_STATS_FILE).is_file():
-        print(
-            f"Building the tiny model once (about 2 minutes on 2 CPU cores; cached in "
-            f"{settings.models_dir}):",
-            flush=True,
-        )
-    ensure_tiny_model(settings.models_dir, log=_print_line)
+    if not prebuilt.will_build(prebuilt.TINY, settings.models_dir):
+        path = prebuilt.ensure_tiny(settings.models_dir, log=lambda line: None)
+        print(f"Tiny model: {path.resolve()}", flush=True)
+        return
+    print(
+        "Building the tiny model once (this install's torch/transformers differ from the "
+        "packaged build's; about 2 minutes on 2 idle CPU cores):",
+        flush=True,
+    )
+    path = prebuilt.ensure_tiny(settings.models_dir, log=_build_line)
+    print(f"Tiny model: {path.resolve()}", flush=True)
+
+
+def _build_line(line: str) -> None:
+    """A build's progress as the demo shows it: warm-up steps, not their noisy per-batch loss."""
+    from rollout_lens.trainer.prebuilt import build_progress
+
+    progress = build_progress(line)
+    if progress:
+        print(f"  warm-up step {progress[0]} of {progress[1]}", flush=True)
 
 
 def _create_runs(settings: Settings, configs: Sequence[RunConfig]) -> list[int]:

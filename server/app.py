@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -51,11 +51,14 @@ def create_app(
     session_factory: sessionmaker[Session] | None = None,
     cache_size: int = 64,
     sweep_seconds: float = SWEEP_SECONDS,
+    model_builds: Callable[[], Mapping[str, str]] | None = None,
 ) -> FastAPI:
     """The dashboard on the settings' database (or on `session_factory`, which tests pass).
 
     `cache_size` bounds the series responses kept in memory (0: none, alerts included); every
     `sweep_seconds` the app marks runs whose worker stopped sending heartbeats `lost`.
+    `model_builds` says which tiny models a launch would first have to build (turns → warning
+    for the launch form; `serve` passes trainer.prebuilt's, the web app imports no trainer).
     """
     engine = None
     if session_factory is None:
@@ -94,6 +97,7 @@ def create_app(
     app.add_middleware(Guard, settings=settings, session_factory=factory, limiter=limiter)
     app.state.settings = settings
     app.state.session_factory = session_factory
+    app.state.model_builds = model_builds or dict
     app.state.response_cache = ResponseCache(cache_size)
     # Alerts per run version: a few hundred bytes each, asked for by every runs page for every
     # run it lists, so many more are kept than whole series responses.

@@ -96,7 +96,8 @@ def rollup_series(
 
 
 def bucket_table(rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
-    """(bucket, count, accuracy, reward, format-valid) rows → column lists, with step ranges."""
+    """(bucket, count, accuracy, reward, format-valid) rows → column lists, with step ranges and
+    where a chart draws each bucket (bucket_geometry)."""
     table: dict[str, list[Any]] = {
         k: []
         for k in ("index", "start", "end", "n", "true_accuracy", "reward_mean", "format_valid_rate")
@@ -110,7 +111,20 @@ def bucket_table(rows: Sequence[Sequence[Any]]) -> dict[str, list[Any]]:
         table["true_accuracy"].append(acc)
         table["reward_mean"].append(reward)
         table["format_valid_rate"].append(valid)
-    return table
+    return table | bucket_geometry(table["start"], table["n"])
+
+
+def bucket_geometry(starts: Sequence[int], counts: Sequence[int]) -> dict[str, list[Any]]:
+    """Where a chart draws each bucket on the step axis the other charts share: a segment over
+    the steps it holds (x0–x1; steps are recorded from each bucket's start without gaps), a
+    marker at its centre, and `partial` where it holds fewer than WINDOW steps (still filling)."""
+    x1 = [start + max(n, 1) - 1 for start, n in zip(starts, counts, strict=True)]
+    return {
+        "x0": list(starts),
+        "x1": x1,
+        "center": [(a + b) / 2 for a, b in zip(starts, x1, strict=True)],
+        "partial": [n < WINDOW for n in counts],
+    }
 
 
 def run_progress(run: dict[str, Any]) -> dict[str, Any]:
@@ -126,8 +140,9 @@ def run_progress(run: dict[str, Any]) -> dict[str, Any]:
         "cost",
         "error",
         "finished_at",
+        "phase",
     )
-    out = {k: run[k] for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
+    out = {k: run.get(k) for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
     return out | {"text": live_text(out)}
 
 
@@ -168,8 +183,13 @@ def live_summary(live: dict[str, Any]) -> str:
     if status == "running":
         text = f"Step {step} of {total}"
         rate, eta = live.get("steps_per_second"), live.get("eta_seconds")
-        if rate:
+        phase = live.get("phase")
+        if phase:  # before its first step: building its model, loading, starting
+            text = phase[:1].upper() + phase[1:]
+        elif rate:
             text += f" · {rate:.2f} steps/s · ETA {duration_text(eta or 0)}"
+        elif step == 0:
+            text += " · the first step is under way…"
         else:
             text += " · measuring speed…"
         if live.get("cancel_requested"):
@@ -262,6 +282,15 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): value}
 
 
+def shown_config(run: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's launch config with the values its own columns hold instead (k: a leaky run lists
+    every tool, so its k is none there as on its card, the runs list and compare)."""
+    config: dict[str, Any] | None = run.get("config")
+    if not config:
+        return config
+    return config | {c: run.get(c) for c in DIFF_COLUMNS if c in config and c in run}
+
+
 def config_rows(config: dict[str, Any] | None) -> list[tuple[str, str]]:
     """A launch config as (dotted key, JSON value) rows for a table."""
     if not config:
@@ -273,7 +302,7 @@ def config_diff(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Keys whose values differ between runs (run columns and flattened launch config)."""
     flat = []
     for run in runs:
-        values = _flatten(run.get("config") or {}) if run.get("config") else {}
+        values = _flatten(shown_config(run) or {})
         for column in DIFF_COLUMNS:  # the run's own columns win: they are what the pages show
             values[column] = run.get(column)
         flat.append(values)

@@ -30,6 +30,12 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
+def model_builds(request: Request) -> dict[str, str]:
+    """Which tiny models a launch would first have to build on this machine (turns → warning),
+    as create_app was told (none unless `serve` said)."""
+    return dict(request.app.state.model_builds())
+
+
 def get_cache(request: Request) -> ResponseCache:
     """The app's cache of encoded series responses."""
     cache: ResponseCache = request.app.state.response_cache

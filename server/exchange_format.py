@@ -9,10 +9,11 @@ JSON in the file's key-value metadata (see server.export).
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from rollout_lens.server.formats import iso
 from rollout_lens.server.models import Rollout, Run, Step
 from rollout_lens.server.serialize import rollout_dict
 from rollout_lens.server.series import STEP_SERIES
@@ -41,14 +42,6 @@ RUN_AFTER_STEPS = (  # restored once the steps are written (writing a step refre
     "recent_reward",
 )
 Time = Annotated[datetime | None, Field(strict=False)]  # ISO 8601 text in the file
-
-
-def iso(value: datetime | None) -> str | None:
-    """A stored time as ISO 8601 in UTC (SQLite hands back naive UTC, PostgreSQL aware)."""
-    if value is None:
-        return None
-    aware = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-    return aware.isoformat()
 
 
 def dumps(record: dict[str, Any]) -> str:

@@ -22,11 +22,11 @@ from rollout_lens.server.exchange_format import (
     META_STEPS,
     dumps,
     end_record,
-    iso,
     rollout_record,
     run_record,
     step_record,
 )
+from rollout_lens.server.formats import iso
 from rollout_lens.server.models import Run
 from rollout_lens.server.serialize import rollout_dict
 from rollout_lens.server.series import STEP_SERIES

@@ -99,18 +99,39 @@ def line(
     ]
 
 
-def _bucket_line(series: str, color: str) -> dict[str, Any]:
-    return {
-        "type": "scatter",
-        "mode": "lines+markers",
-        "x": [],
-        "y": [],
-        "name": plotly_text(label(series)),
-        "line": {"color": color, "width": 2, "shape": "hv"},
-        "marker": {"size": 5, "color": color},
-        "hovertemplate": "%{y:.3f}",
-        "meta": {"bucket": series},
-    }
+def _bucket_lines(series: str, color: str) -> list[dict[str, Any]]:
+    """A bucket series as three traces the page fills (charts.bucket_geometry): a segment over
+    each closed bucket's steps, a dotted one over the bucket still filling, and a marker at each
+    centre (open while partial) that carries the hover."""
+    common = {"type": "scatter", "x": [], "y": [], "legendgroup": series, "hoverinfo": "skip"}
+    return [
+        common
+        | {
+            "mode": "lines",
+            "line": {"color": color, "width": 2.2},
+            "showlegend": False,
+            "meta": {"bucket": series, "part": "closed"},
+        },
+        common
+        | {
+            "mode": "lines",
+            "line": {"color": color, "width": 2.2, "dash": "dot"},
+            "showlegend": False,
+            "meta": {"bucket": series, "part": "partial"},
+        },
+        {
+            "type": "scatter",
+            "mode": "markers",
+            "x": [],
+            "y": [],
+            "legendgroup": series,
+            "name": plotly_text(label(series)),
+            "marker": {"size": 7, "color": color, "line": {"color": color, "width": 1.5}},
+            "customdata": [],
+            "hovertemplate": "%{customdata}: %{y:.3f}",
+            "meta": {"bucket": series, "part": "center"},
+        },
+    ]
 
 
 def layout(
@@ -154,9 +175,11 @@ def figure(
     small: bool = False,
     wide: bool = False,
     alerts: Sequence[str] = (),
+    empty: str = "",
     **layout_args: Any,
 ) -> dict[str, Any]:
-    """One chart: its title and help for the card, Plotly data and layout, alert kinds it shows."""
+    """One chart: its title and help for the card, Plotly data and layout, alert kinds it shows,
+    and what its card says while it has no data (`empty`; default "no data recorded")."""
     spec = layout(height=180 if small else 250, **layout_args)
     if small:  # one series: the card's title names it
         spec["showlegend"] = False
@@ -168,6 +191,7 @@ def figure(
         "small": small,
         "wide": wide,
         "alerts": list(alerts),
+        "empty": empty,
         "data": traces,
         "layout": spec,
     }
@@ -446,10 +470,28 @@ def _used(figs: Sequence[dict[str, Any]]) -> set[str]:
     return {t["meta"]["series"] for f in figs for t in f["data"] if "series" in t.get("meta", {})}
 
 
-def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str, Any]:
+def _optimization_notes(name: str, config: dict[str, Any] | None) -> dict[str, str]:
+    """What an optimization chart must say for the run's config: KL is not computed at β = 0,
+    and GRPO's loss is then 0 by construction (while its gradient is not)."""
+    if not config or config.get("kl_coef") != 0:
+        return {}
+    if name == "kl":
+        return {"empty": "not computed (β = 0)", "help": "TRL computes KL only when β > 0."}
+    if name == "loss" and config.get("num_iterations", 1) == 1:
+        return {
+            "help": "0 by construction at β = 0 with one update per batch: a group's advantages "
+            "sum to 0 and the policy ratio is 1. Its gradient is not 0: read grad norm."
+        }
+    return {}
+
+
+def run_figures(
+    control_tokens: Sequence[str], names: Sequence[str], config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The run page's charts (empty; the page fills them): main, structure (states and probes),
     probe details, evaluation, optimization, and every other recorded series grouped by prefix
-    (trl/…) for a lazily opened section."""
+    (trl/…) for a lazily opened section; `config` (a launch config) adds what its settings
+    explain (KL at β = 0)."""
     have = set(names)
     c = COLORS
     main = [
@@ -469,11 +511,11 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
         figure(
             "buckets",
             f"{WINDOW}-step buckets",
-            [
-                _bucket_line("reward_mean", c["reward_mean"]),
-                _bucket_line("true_accuracy", c["true_accuracy"]),
-            ],
-            help=f"Mean of steps 1–{WINDOW}, {WINDOW + 1}–{2 * WINDOW}, … A leaky run swings between buckets; a patched run converges.",
+            _bucket_lines("reward_mean", c["reward_mean"])
+            + _bucket_lines("true_accuracy", c["true_accuracy"]),
+            help=f"Mean of steps 1–{WINDOW}, {WINDOW + 1}–{2 * WINDOW}, …, drawn over the steps "
+            "each holds, the dot at its centre; dotted and open: the bucket still filling. A "
+            "leaky run swings between buckets; a patched run converges.",
             alerts=["reward_hacking"],
             y=UNIT_RANGE,
         ),
@@ -519,11 +561,20 @@ def run_figures(control_tokens: Sequence[str], names: Sequence[str]) -> dict[str
     tools = tool_use(have)
     probes = probe_details(have)
     evals = evaluation(have)
-    optimization = [
-        figure(f"s-{n}", label(n), line(n, label(n), NEUTRAL), small=True)
-        for n in vocab.OPTIMIZATION
-        if n in have
-    ]
+    optimization = []
+    for n in vocab.OPTIMIZATION:
+        if n in have:
+            notes = _optimization_notes(n, config)
+            optimization.append(
+                figure(
+                    f"s-{n}",
+                    label(n),
+                    line(n, label(n), NEUTRAL),
+                    small=True,
+                    help=notes.get("help", ""),
+                    empty=notes.get("empty", ""),
+                )
+            )
     shown = (
         _used(main)
         | _used(structure)

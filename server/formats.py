@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 
@@ -34,6 +34,15 @@ def fmt_minutes(value: float | None) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
+def iso(value: datetime | None) -> str | None:
+    """A stored time as ISO 8601 in UTC with its zone (SQLite hands back naive UTC, PostgreSQL
+    aware)."""
+    if value is None:
+        return None
+    aware = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    return aware.isoformat()
+
+
 def fmt_when(value: str | datetime | None) -> str:
     """An ISO timestamp as 'YYYY-MM-DD HH:MM' UTC."""
     if value is None:
@@ -52,6 +61,7 @@ LIVE_FORMATS: dict[str, Callable[[Any], str]] = {
     "cost": fmt_money,
     "finished_at": fmt_when,
     "queue_position": lambda place: f"#{place} in queue" if place else "",
+    "phase": lambda phase: phase or "",
 }
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import annotated_types
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
-from rollout_lens.server.domain.presets import PRESET_GROUPS, PRESETS, Preset
-from rollout_lens.server.domain.runconfig import MAX_NAME, RunConfig
+from rollout_lens.server.domain.presets import PRESET_GROUPS, PRESETS, SEED_VERIFIER, Preset
+from rollout_lens.server.domain.runconfig import MAX_NAME, MULTI_TURN_TOKENS, RunConfig
 from rollout_lens.server.domain.task import VARIANTS, VERIFIERS
 from rollout_lens.server.errors import InvalidInput
 
@@ -178,7 +178,7 @@ def field_specs(values: Mapping[str, str], errors: Mapping[str, str]) -> list[di
             specs.append(
                 {
                     "name": name,
-                    "label": LABELS.get(name, name.replace("_", " ").capitalize()),
+                    "label": label(name),
                     "help": info.description or "",
                     "range": _range_text(bounds),
                     "kind": "select" if options else kind,
@@ -186,7 +186,8 @@ def field_specs(values: Mapping[str, str], errors: Mapping[str, str]) -> list[di
                     "min": bounds.get("min", bounds.get("above")),
                     "max": bounds.get("max"),
                     "value": values.get(name, ""),
-                    "default": display(info.get_default(call_default_factory=True)),
+                    "default": defaults()[name] if name != "name" else "",
+                    "default_by_turns": DEFAULTS_BY_TURNS.get(name),
                     "error": errors.get(name),
                     "when": {"field": when[0], "values": list(when[1])} if when else None,
                 }
@@ -198,11 +199,24 @@ def field_specs(values: Mapping[str, str], errors: Mapping[str, str]) -> list[di
 # --- values, configs, errors --------------------------------------------------------------------
 
 
+# Where the form starts from RunConfig's defaults: the verifier every preset trains on (the
+# API and the CLI keep RunConfig's "exact").
+FORM_DEFAULTS: dict[str, Any] = dict(SEED_VERIFIER)
+# A default that depends on another field: the completion budget of a multi-turn run.
+DEFAULTS_BY_TURNS = {
+    "max_completion_tokens": {
+        "single": display(RunConfig.model_fields["max_completion_tokens"].default),
+        "multi": display(MULTI_TURN_TOKENS),
+    }
+}
+
+
 def defaults() -> dict[str, str]:
-    """RunConfig's defaults as form text (name empty: derived from the recipe)."""
+    """The form's defaults as text: RunConfig's, with FORM_DEFAULTS on top (name empty: derived
+    from the recipe)."""
     out = {}
     for name, info in RunConfig.model_fields.items():
-        out[name] = display(info.get_default(call_default_factory=True))
+        out[name] = display(FORM_DEFAULTS.get(name, info.get_default(call_default_factory=True)))
     out["name"] = ""
     return out
 
@@ -259,8 +273,9 @@ class LaunchInvalid(Exception):
 
 
 def field_errors(exc: ValidationError) -> dict[str, str]:
-    """A pydantic error per field. Errors of the model as a whole (e.g. supervised_per_group vs
-    group_size) go to the field their message names first."""
+    """A message per field, in the form's words: its label and what it must be ("Group size G
+    must be at least 2"), not its id and pydantic's phrasing. Errors of the model as a whole
+    (e.g. supervised_per_group vs group_size) go to the field their message names first."""
     out: dict[str, str] = {}
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
@@ -268,8 +283,54 @@ def field_errors(exc: ValidationError) -> dict[str, str]:
         name = loc[0] if loc else _named_field(message)
         if loc and name not in RunConfig.model_fields and len(loc) == 1:
             message = f"{name} is not a setting of a run"
+        elif loc and err["type"] != "value_error":
+            message = f"{label(name)} {_requirement(err)}"
+        elif loc:  # a validator's message on one field
+            message = f"{label(name)}: {_with_labels(message)}"
+        else:
+            message = _with_labels(message)
+            message = message[:1].upper() + message[1:]
         out.setdefault(name, message)
     return out
+
+
+def label(name: str) -> str:
+    """A field's label on the form (its id made readable for a field the form does not name)."""
+    return LABELS.get(name, name.replace("_", " ").capitalize())
+
+
+def _requirement(err: Any) -> str:
+    """What a value must be, from pydantic's error type and its context."""
+    kind, ctx = err["type"], err.get("ctx") or {}
+    words: dict[str, Callable[[], str]] = {
+        "greater_than_equal": lambda: f"must be at least {_number(ctx['ge'])}",
+        "less_than_equal": lambda: f"must be at most {_number(ctx['le'])}",
+        "greater_than": lambda: f"must be greater than {_number(ctx['gt'])}",
+        "less_than": lambda: f"must be less than {_number(ctx['lt'])}",
+        "int_parsing": lambda: "must be a whole number",
+        "int_from_float": lambda: "must be a whole number",
+        "float_parsing": lambda: "must be a number",
+        "string_too_long": lambda: f"must be at most {ctx['max_length']} characters",
+        "string_too_short": lambda: f"must have at least {ctx['min_length']} character",
+        "list_type": lambda: "must be a list of tokens",
+        "extra_forbidden": lambda: "is not a setting of a run",
+    }
+    if kind in words:
+        return words[kind]()
+    text = str(err["msg"])  # e.g. literal_error: "Input should be 'leaky' or 'patched'"
+    return (
+        "must be" + text.removeprefix("Input should be")
+        if text.startswith("Input should be")
+        else text
+    )
+
+
+def _with_labels(message: str) -> str:
+    """A validator's message with the field ids it names replaced by their labels."""
+    for name in sorted(RunConfig.model_fields, key=len, reverse=True):
+        if "_" in name:  # plain words (steps, seed) also occur as words in the prose
+            message = re.sub(rf"\b{name}\b", label(name), message)
+    return message
 
 
 def _named_field(message: str) -> str:
@@ -368,22 +429,25 @@ def columns_config(run: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def start_form(preset_name: str = "", source: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The form page's context as first opened: RunConfig's defaults, a preset's values, or the
+def start_form(
+    preset_name: str = "",
+    source: Mapping[str, Any] | None = None,
+    builds: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The form page's context as first opened: the form's defaults, a preset's values, or the
     config of the run `source` (a run_dict, for Clone). InvalidInput for an unknown preset."""
     if source is not None:
         # An external run's config is its own trainer's (a GRPOConfig, say), not a RunConfig.
         launched = bool(source["config"]) and not source.get("external")
         clone = {"id": source["id"], "name": source["name"], "has_config": launched}
-        return form_context(
-            config_values(source["config"] if launched else columns_config(source)), clone=clone
-        )
+        values = config_values(source["config"] if launched else columns_config(source))
+        return form_context(values, clone=clone, builds=builds)
     if preset_name:
         preset = PRESETS.get(preset_name)
         if preset is None:
             raise InvalidInput(f"no preset {preset_name!r}; choose one of {', '.join(PRESETS)}")
-        return form_context(preset_values(preset), preset=preset)
-    return form_context(defaults())
+        return form_context(preset_values(preset), preset=preset, builds=builds)
+    return form_context(defaults(), builds=builds)
 
 
 def form_context(
@@ -393,10 +457,13 @@ def form_context(
     clone: dict[str, Any] | None = None,
     errors: Mapping[str, str] | None = None,
     broker_error: str | None = None,
+    builds: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """new_run.html's context: `values` as typed and each error next to its field."""
+    """new_run.html's context: `values` as typed, each error next to its field, and the model
+    builds a launch would wait for (model_builds)."""
     errors = errors or {}
     return {
+        "builds": dict(builds or {}),
         "groups": field_specs(defaults() | dict(values), errors),
         "presets": PRESETS,
         "preset_groups": PRESET_GROUPS,

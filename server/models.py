@@ -112,6 +112,9 @@ class Run(Base):
     dropped_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     dropped_rollouts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     notes: Mapped[list[str]] = mapped_column(JSON, default=list, server_default="[]")
+    # What a claimed run is doing before its first step (its model being built, loading): the
+    # pages say so instead of "step 0". Cleared when it starts training and when it ends.
+    phase: Mapped[str | None] = mapped_column(String(200))
 
     # Names of the generic per-step series, in the order of each step's packed `series` array
     # (append-only: a name keeps its place for the life of the run).

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollout_lens.server.formats import iso
 from rollout_lens.server.models import Rollout, Run, RunSource, Step
 from rollout_lens.server.series import STEP_SERIES
 from rollout_lens.server.store import arrays
@@ -111,13 +112,15 @@ def run_dict(run: Run) -> dict[str, Any]:
         "dropped_steps": run.dropped_steps,
         "dropped_rollouts": run.dropped_rollouts,
         "notes": run.notes,
+        "phase": run.phase,
         "judged": judged(run),
         "control_tokens": run.control_tokens,
         "config": run.config,
-        "created_at": run.created_at.isoformat() if run.created_at else None,
-        "started_at": run.started_at.isoformat() if run.started_at else None,
-        "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-        "heartbeat_at": run.heartbeat_at.isoformat() if run.heartbeat_at else None,
+        # UTC with its zone: SQLite hands stored times back naive.
+        "created_at": iso(run.created_at),
+        "started_at": iso(run.started_at),
+        "finished_at": iso(run.finished_at),
+        "heartbeat_at": iso(run.heartbeat_at),
     }
 
 

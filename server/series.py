@@ -180,12 +180,12 @@ def probe(name: str, part: str = "mean") -> str:
 
 # --- evaluation and SFT phases ------------------------------------------------------------------
 
-EVAL_SETS = {  # set → (legend, column header)
-    "id": ("in-distribution", "ID"),
-    "format_ood": ("format-OOD", "Format-OOD"),
-    "content_ood": ("content-OOD", "Content-OOD"),
+EVAL_SETS = {  # set → (legend, column header: words, not "ID", which reads as a run id)
+    "id": ("in-distribution", "Eval: training queries"),
+    "format_ood": ("format-OOD", "Eval: other reply format"),
+    "content_ood": ("content-OOD", "Eval: paraphrased queries"),
     # verl's validation dumps (import-verl --validation): their mean true score, else score
-    "validation": ("validation", "Validation"),
+    "validation": ("validation", "Eval: verl validation"),
 }
 LAUNCHED_EVAL_SETS = ("id", "format_ood", "content_ood")  # what runs launched here evaluate
 

@@ -101,7 +101,7 @@ def run_page(overview: dict[str, Any], url: Url, *, full: bool, notice: str) -> 
     run_id = run["id"]
     names = overview["series_names"]
     names += [n for n in figures.expected_series(run["config"]) if n not in names]
-    figs = figures.run_figures(run["control_tokens"], names)
+    figs = figures.run_figures(run["control_tokens"], names, run["config"])
     page = {
         "run_id": run_id,
         "series": url("get_series", run_id=run_id),
@@ -116,6 +116,7 @@ def run_page(overview: dict[str, Any], url: Url, *, full: bool, notice: str) -> 
         "sections": figures.RUN_SECTIONS,
         "initial_alerts": overview["alerts"],
         "no_steps": overview["last_step"] is None,
+        "first_step": overview["first_step"],
         "sft_series": figures.SFT_SERIES if figures.SFT_SERIES in names else None,
         "sft_before_rl": (run["config"] or {}).get("supervision") == "sft_then_rl",
     }
@@ -123,7 +124,7 @@ def run_page(overview: dict[str, Any], url: Url, *, full: bool, notice: str) -> 
         "o": overview,
         "run": run,
         "live": overview["live"],
-        "config": charts.config_rows(run["config"]),
+        "config": charts.config_rows(charts.shown_config(run)),
         "figures": figs,
         "sections": figures.RUN_SECTIONS,
         "full": full,

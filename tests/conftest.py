@@ -92,10 +92,10 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built tiny model: cached under ROLLOUT_LENS_MODEL_CACHE_DIR if set, else per session."""
-    from rollout_lens.trainer.tiny_model import ensure_tiny_model
+    from rollout_lens.trainer.prebuilt import ensure_tiny
 
     cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
-    return ensure_tiny_model(Path(cache) if cache else tmp_path_factory.mktemp("models"))
+    return ensure_tiny(Path(cache) if cache else tmp_path_factory.mktemp("models"))
 
 
 def _migrated_settings(data_dir: Path, model_dir: Path) -> Settings:
@@ -130,7 +130,7 @@ def user_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def multiturn_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built multi-turn tiny model, cached like `tiny_model_dir` (its own folder there)."""
-    from rollout_lens.trainer.multiturn_model import ensure_multiturn_model
+    from rollout_lens.trainer.prebuilt import ensure_multiturn
 
     cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
-    return ensure_multiturn_model(Path(cache) if cache else tmp_path_factory.mktemp("models"))
+    return ensure_multiturn(Path(cache) if cache else tmp_path_factory.mktemp("models"))

@@ -377,8 +377,8 @@ def test_launch_form_keeps_values_and_shows_errors_in_place(tab: Tab, served: Se
     page.locator("#f-seed").fill("12")
     page.locator("#launch-button").click()
     page.wait_for_selector("#form-errors")
-    assert "less than or equal to 64" in page.locator("#err-k").inner_text()
-    assert "smaller than group_size" in page.locator("#err-supervised_per_group").inner_text()
+    assert "Shortlist size k must be at most 64" in page.locator("#err-k").inner_text()
+    assert "smaller than Group size G" in page.locator("#err-supervised_per_group").inner_text()
     assert (
         page.locator("#f-k").input_value() == "99" and page.locator("#f-seed").input_value() == "12"
     )

@@ -4,6 +4,8 @@ broker keeps the messages as files in the test's folder)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import time
 from datetime import timedelta
@@ -37,44 +39,44 @@ BAD_VALUES: list[tuple[str, Any, str, str]] = [
     ("turns", "many", "many", "'single' or 'multi'"),
     ("variant", "medium", "medium", "'leaky' or 'patched'"),
     ("episodes", "triple", "triple", "'single', 'chain' or 'mixed'"),
-    ("max_calls", 17, "17", "less than or equal to 16"),
-    ("k", 65, "65", "less than or equal to 64"),
+    ("max_calls", 17, "17", "at most 16"),
+    ("k", 65, "65", "at most 64"),
     # Whether a model folder exists is the worker's to check (test_worker); the web app knows
     # only that a model must be named.
     ("model", "", "", "at least 1 character"),
-    ("steps", 100_001, "100001", "less than or equal to 100000"),
-    ("group_size", 1, "1", "greater than or equal to 2"),
-    ("prompts_per_step", 0, "0", "greater than or equal to 1"),
+    ("steps", 100_001, "100001", "at most 100000"),
+    ("group_size", 1, "1", "at least 2"),
+    ("prompts_per_step", 0, "0", "at least 1"),
     ("learning_rate", -0.001, "-1e-3", "greater than 0"),
     ("temperature", 0, "0", "greater than 0"),
-    ("max_completion_tokens", 0, "0", "greater than or equal to 1"),
-    ("kl_coef", -1, "-1", "greater than or equal to 0"),
-    ("num_iterations", 17, "17", "less than or equal to 16"),
+    ("max_completion_tokens", 0, "0", "at least 1"),
+    ("kl_coef", -1, "-1", "at least 0"),
+    ("num_iterations", 17, "17", "at most 16"),
     ("verifier", "lenient", "lenient", "unknown verifier 'lenient'"),
-    ("verifier_noise", 1.5, "1.5", "less than or equal to 1"),
-    ("seed", -1, "-1", "greater than or equal to 0"),
+    ("verifier_noise", 1.5, "1.5", "at most 1"),
+    ("seed", -1, "-1", "at least 0"),
     ("supervision", "magic", "magic", "'offpolicy'"),
-    ("supervised_per_group", 64, "64", "less than or equal to 63"),
-    ("sft_every", 0, "0", "greater than or equal to 1"),
-    ("sft_steps", 0, "0", "greater than or equal to 1"),
+    ("supervised_per_group", 64, "64", "at most 63"),
+    ("sft_every", 0, "0", "at least 1"),
+    ("sft_steps", 0, "0", "at least 1"),
     ("sft_learning_rate", 0, "0", "greater than 0"),
-    ("eval_every", -5, "-5", "greater than or equal to 0"),
-    ("keep_tokens_every", 0, "0", "greater than or equal to 1"),
-    ("control_tokens", "<tool>", None, "valid list"),
+    ("eval_every", -5, "-5", "at least 0"),
+    ("keep_tokens_every", 0, "0", "at least 1"),
+    ("control_tokens", "<tool>", None, "must be a list"),
 ]
 # Values that are fine alone but not together: the message goes next to the field it names.
 BAD_COMBINATIONS = [
     (
         {"supervision": "hint", "supervised_per_group": 8},
         "supervised_per_group",
-        "smaller than group_size",
+        "smaller than Group size G",
     ),
     (
         {"supervision": "offpolicy", "group_size": 4, "supervised_per_group": 4},
         "supervised_per_group",
-        "smaller than group_size",
+        "smaller than Group size G",
     ),
-    ({"steps": "many"}, "steps", "valid integer"),
+    ({"steps": "many"}, "steps", "Steps must be a whole number"),
     (
         {"turns": "multi", "max_completion_tokens": 16},
         "max_completion_tokens",
@@ -85,7 +87,7 @@ BAD_COMBINATIONS = [
         "supervision",
         "single-turn only",
     ),
-    ({"learning_rate": "fast"}, "learning_rate", "valid number"),
+    ({"learning_rate": "fast"}, "learning_rate", "Learning rate must be a number"),
 ]
 
 
@@ -248,7 +250,7 @@ def test_form_puts_the_group_size_message_next_to_supervised_per_group(
     )
     assert response.status_code == 422
     page = parse(response.text)
-    assert "smaller than group_size" in page.by_id("err-supervised_per_group").text
+    assert "smaller than Group size G" in page.by_id("err-supervised_per_group").text
     assert run_count(session_factory) == 0
 
 
@@ -371,7 +373,9 @@ def test_form_launches_a_run_and_opens_it(
     (run_id,) = [r.id for r in _runs(session_factory)]
     assert response.headers["location"] == f"/runs/{run_id}"
     config = get_run(session_factory, run_id).config
-    assert config == RunConfig(steps=9, seed=5).model_dump(mode="json")
+    # The form starts on the presets' verifier (judge), not RunConfig's exact.
+    assert config == RunConfig(steps=9, seed=5, **launch.FORM_DEFAULTS).model_dump(mode="json")
+    assert config["verifier"] == "judge"
     assert messages(tmp_path) == 1
 
 
@@ -719,3 +723,36 @@ def test_a_launched_model_folder_tells_readers_nothing_of_the_workers_disk(
     logged = caplog.text
     assert "no config.json" in logged and "nor an existing folder" in logged
     assert "broken-model" in logged
+
+
+def test_form_errors_speak_in_the_forms_labels(client: TestClient) -> None:
+    response = client.post("/runs/new", data=form_data(group_size="1", steps="many"))
+    assert response.status_code == 422
+    banner = parse(response.text).by_id("form-errors").text
+    assert "Group size G must be at least 2" in banner and "Steps must be a whole number" in banner
+    assert "group_size" not in banner and "Input should be" not in banner
+
+
+def test_the_form_shows_effective_defaults_and_warns_of_a_model_build(
+    client: TestClient, session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    from rollout_lens.trainer import prebuilt
+
+    page = parse(client.get("/runs/new").text)
+    assert page.by_id("f-verifier").find("option", selected="").text == "judge"
+    budget = page.by_id("help-max_completion_tokens").find(cls="field-default")
+    assert budget.text == "default 8"
+    assert json.loads(budget.attrs["data-by-turns"]) == {"single": "8", "multi": "128"}
+    # The packaged models serve this install: nothing to build, nothing to warn of.
+    assert prebuilt.launch_notes(tmp_path / "models") == {}
+    assert not page.find_all(cls="model-build")
+    # Where a launch would build one (another torch: another recipe hash), the form says so.
+    other = dataclasses.replace(prebuilt.MULTITURN, recipe_hash="000000000000")
+    notes = prebuilt.launch_notes(tmp_path / "models", {"multi": other})
+    assert "builds the multi-turn model before its first step (about 3 minutes" in notes["multi"]
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    settings = Settings(data_dir=tmp_path, database_url=url)
+    app = create_app(settings, session_factory=session_factory, model_builds=lambda: notes)
+    warned = TestClient(app, base_url="http://127.0.0.1")
+    form = parse(warned.get("/runs/new").text)
+    assert form.by_id("model-build-multi").text == notes["multi"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -176,3 +177,75 @@ def test_dockerfile_copies_what_the_package_is_built_from() -> None:
     assert needed <= copied, f"the Dockerfile does not COPY {sorted(needed - copied)}"
     install = next(line for line in dockerfile.splitlines() if "'.[train]'" in line)
     assert "-c constraints.txt" in install and " -e " not in install
+
+
+# What only the tests and the linters use: the demo's and the dashboard's install leave them out.
+TEST_TOOLS = {
+    "pytest",
+    "playwright",
+    "ruff",
+    "mypy",
+    "schemathesis",
+    "build",
+    "plotly",
+    "hypothesis",
+}
+
+
+def _make_variable(name: str) -> str:
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        match = re.match(rf"{name}\s*\?=\s*(.*)$", line)
+        if match:
+            return match.group(1).strip()
+    raise AssertionError(f"the Makefile sets no {name}")
+
+
+@pytest.mark.slow
+def test_the_demos_install_leaves_the_test_tools_out(tmp_path: Path) -> None:
+    extras = _make_variable("EXTRAS")  # what `make demo` and `make run` install into .venv
+    assert "test" not in extras.split(","), extras
+    # pip resolves the install as `make demo` would and reports it, installing nothing.
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q"]
+        + ["--report", str(report), "-c", str(ROOT / "constraints.txt"), f".[{extras}]"],
+        cwd=ROOT,
+        env=_outside_env(tmp_path / "data"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert {"torch", "transformers", "trl"} <= names
+    assert not names & TEST_TOOLS, f"the demo's install brings {sorted(names & TEST_TOOLS)}"
+
+
+def test_the_prebuilt_models_are_packaged_for_the_current_recipes() -> None:
+    from rollout_lens.trainer import prebuilt
+
+    for kind in prebuilt.KINDS:
+        assert (prebuilt.packaged_dir(kind) / "model.safetensors").is_file(), kind.name
+        # A recipe, an env's text or a pinned library changed without `make prebuilt`: the
+        # package would still work (it builds instead), only slowly.
+        assert prebuilt.packaged_hash(kind) == kind.recipe_hash, (
+            f"rollout_lens/models/{kind.name} is stale: run `make prebuilt`"
+        )
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_prebuilt_models(artifacts: dict[str, Path]) -> None:
+    import zipfile
+
+    from rollout_lens.trainer import prebuilt
+
+    with zipfile.ZipFile(artifacts["wheel"]) as wheel:
+        names = set(wheel.namelist())
+    for kind in prebuilt.KINDS:
+        for name in (
+            "model.safetensors",
+            "tokenizer.json",
+            "config.json",
+            "rollout_lens_build.json",
+        ):
+            assert f"rollout_lens/models/{kind.name}/{name}" in names, (kind.name, name)

@@ -349,6 +349,14 @@ def test_compare_figures_add_evaluation_and_collapse_overlays() -> None:
             "Queued, 12th in line (11 ahead): waiting for a worker",
         ),
         ({"status": "running", "current_step": 4}, "Step 4 of 100 · measuring speed…"),
+        ({"status": "running"}, "Step 0 of 100 · the first step is under way…"),
+        (
+            {
+                "status": "running",
+                "phase": "building the multi-turn model: warm-up step 300 of 800 (about 3 min)",
+            },
+            "Building the multi-turn model: warm-up step 300 of 800 (about 3 min)",
+        ),
         (
             {"status": "running", "current_step": 40, "steps_per_second": 2.0, "eta_seconds": 30},
             "Step 40 of 100 · 2.00 steps/s · ETA 30 s",
@@ -384,3 +392,45 @@ def test_steps_per_second_from_recent_steps() -> None:
     assert charts.steps_per_second(recent[:1]) is None
     assert charts.steps_per_second([(2, t0), (1, t0)]) is None  # no measurable time yet
     assert charts.duration_text(3725) == "1 h 02 min" and charts.duration_text(61) == "1 min 01 s"
+
+
+def test_buckets_are_drawn_over_the_steps_they_hold() -> None:
+    # A 30-step run: steps 1–25 closed, 26–30 still filling (5 of 25).
+    geometry = charts.bucket_geometry([1, 26], [25, 5])
+    assert geometry == {
+        "x0": [1, 26],
+        "x1": [25, 30],
+        "center": [13.0, 28.0],
+        "partial": [False, True],
+    }
+    # A 10-step run is one partial bucket over steps 1–10, not a dot at step 1.
+    assert charts.bucket_geometry([1], [10]) == {
+        "x0": [1],
+        "x1": [10],
+        "center": [5.5],
+        "partial": [True],
+    }
+    table = charts.bucket_table([(0, 25, 1.0, 0.9, 1.0), (1, 1, 0.0, 0.5, None)])
+    assert table["x1"] == [25, 26] and table["center"] == [13.0, 26.0]
+    assert table["partial"] == [False, True]
+
+
+def test_kl_and_loss_say_what_beta_zero_means() -> None:
+    names = ["loss", "kl", "grad_norm"]
+    at_zero = figures.run_figures([], names, {"kl_coef": 0.0, "num_iterations": 1})
+    by_id = {f["id"]: f for f in at_zero["optimization"]}
+    assert by_id["s-kl"]["empty"] == "not computed (β = 0)"
+    assert "0 by construction" in by_id["s-loss"]["help"]
+    assert by_id["s-grad_norm"]["empty"] == ""
+    with_kl = figures.run_figures([], names, {"kl_coef": 0.04, "num_iterations": 1})
+    assert all(f["empty"] == "" and f["help"] == "" for f in with_kl["optimization"])
+    # A run recorded from a user's own script has no launch config: nothing is claimed.
+    assert all(f["empty"] == "" for f in figures.run_figures([], names)["optimization"])
+
+
+def test_k_reads_the_same_in_the_config_panel_as_on_the_card() -> None:
+    leaky = {"variant": "leaky", "k": None, "config": {"variant": "leaky", "k": 4, "lr": 1}}
+    assert dict(charts.config_rows(charts.shown_config(leaky)))["k"] == "null"
+    patched = {"variant": "patched", "k": 4, "config": {"variant": "patched", "k": 4}}
+    assert dict(charts.config_rows(charts.shown_config(patched)))["k"] == "4"
+    assert charts.shown_config({"config": None}) is None

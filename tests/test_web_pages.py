@@ -447,7 +447,13 @@ def test_compare_summary_has_the_final_evaluation(session_factory, client) -> No
     plain = make_run(session_factory, steps=5, seed=2)
     page = parse(client.get(f"/compare?runs={first},{plain}").text)
     headers = [th.text for th in page.find("table", cls="summary").find_all("th")]
-    assert headers[-5:] == ["ID", "Format-OOD", "Content-OOD", "Device-min", "Cost"]
+    assert headers[-5:] == [
+        "Eval: training queries",
+        "Eval: other reply format",
+        "Eval: paraphrased queries",
+        "Device-min",
+        "Cost",
+    ]
     cells = page.find_all("td", data_eval="eval/id")
     assert cells[0].find("span").attrs["title"] == "at step 120" and cells[1].text.strip() == "—"
     summary = client.get(f"/api/compare?runs={first},{plain}").json()["summary"]

@@ -192,3 +192,52 @@ def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> No
             assert "warning: serving on 0.0.0.0 with no access token" in output
         else:
             assert "warning" not in output and "tok-123-0123456789" not in output
+
+
+@pytest.mark.parametrize("command", [["serve"], ["demo", "--steps", "1"]])
+def test_a_busy_port_fails_before_anything_starts(tmp_path: Path, command: list[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "rollout_lens", *command, "--port", str(port)],
+            env=_env(ROLLOUT_LENS_DATA_DIR=str(tmp_path / "data")),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
+    assert "--port" in done.stderr and "Traceback" not in done.stderr
+    # Nothing was started, built or created: no worker, no database, no model.
+    assert "Rollout Lens on" not in done.stdout and "worker" not in done.stdout
+    assert not (tmp_path / "data").exists()
+
+
+def test_the_local_workers_output_goes_to_a_log_file(tmp_path: Path) -> None:
+    port = _free_port()
+    with subprocess.Popen(
+        [sys.executable, "-m", "rollout_lens", "serve", "--port", str(port)],
+        env=_env(ROLLOUT_LENS_DATA_DIR=str(tmp_path)),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        log = tmp_path / "worker.log"
+        deadline = time.monotonic() + 60
+        while (
+            "ready" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline
+        ):
+            assert proc.poll() is None, first
+            time.sleep(0.2)
+        proc.terminate()
+        rest = proc.communicate(timeout=30)[0]
+    assert f"logging to {log}" in first, first
+    assert "ready" in log.read_text(), log.read_text()[-2000:]
+    # Celery's banner and warnings stay in the log: the terminal has the dashboard's line only.
+    assert "celery" not in (first + rest).lower() and "Warning" not in first + rest, first + rest

@@ -20,17 +20,15 @@ from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.domain.task import IN_GROUP_MODES, SFT_MODES, TINY
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import StepRecord
-from rollout_lens.trainer import multiturn, task
+from rollout_lens.trainer import multiturn, prebuilt, task
 from rollout_lens.trainer import multiturn_supervision as mts
 from rollout_lens.trainer.evaluation import Evaluator
 from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
 from rollout_lens.trainer.modelref import ModelUnavailable, check_model, unusable
 from rollout_lens.trainer.monitor import CheckpointRecorder, RunMonitor
-from rollout_lens.trainer.multiturn_model import ensure_multiturn_model
 from rollout_lens.trainer.retry import DatabaseAway, mark_finished
 from rollout_lens.trainer.supervision import MetricSink, SFTPhases, SupervisedGRPOTrainer
 from rollout_lens.trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
-from rollout_lens.trainer.tiny_model import ensure_tiny_model
 from rollout_lens.trainer.writer import StepWriter
 from transformers import (
     AutoModelForCausalLM,
@@ -50,13 +48,38 @@ KNOWN_CONTROL_TOKENS = (TINY_CONTROL_TOKENS, ("<tool_call>", "</tool_call>", "<|
 
 
 def resolve_model(
-    config: RunConfig, settings: Settings, log_line: Callable[[str], None] = log.info
+    config: RunConfig,
+    settings: Settings,
+    log_line: Callable[[str], None] = log.info,
+    phase: Callable[[str], None] = lambda text: None,
 ) -> str:
-    """A path or hub id that from_pretrained loads; builds the tiny model on first use."""
-    if config.model == TINY:
-        ensure = ensure_multiturn_model if config.turns == "multi" else ensure_tiny_model
-        return str(ensure(settings.models_dir, log=log_line))
-    return check_model(config.model)
+    """A path or hub id that from_pretrained loads; installs (or builds) the tiny model on first
+    use, telling `phase` how a build goes."""
+    if config.model != TINY:
+        return check_model(config.model)
+    kind = prebuilt.MULTITURN if config.turns == "multi" else prebuilt.TINY
+    if not prebuilt.will_build(kind, settings.models_dir):
+        return str(prebuilt.ensure(kind, settings.models_dir, log=log_line))
+    about = prebuilt.estimate_text(kind)
+    phase(f"building the {kind.label} (once; cached for later runs; {about})")
+
+    def progress(line: str) -> None:
+        log_line(line)
+        done = prebuilt.build_progress(line)
+        if done:
+            phase(f"building the {kind.label}: warm-up step {done[0]} of {done[1]} ({about})")
+
+    return str(prebuilt.ensure(kind, settings.models_dir, log=progress))
+
+
+def _phase_writer(factory: Any, run_id: int) -> Callable[[str], None]:
+    """Writes what the run is doing before its first step onto its row (the pages show it)."""
+
+    def write(text: str) -> None:
+        with session_scope(factory) as session:
+            store.set_phase(session, run_id=run_id, phase=text)
+
+    return write
 
 
 def load_model(named: str, path: str) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
@@ -286,7 +309,10 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
             if settings.torch_threads:
                 torch.set_num_threads(settings.torch_threads)
             set_seed(config.seed)
-            model_path = resolve_model(config, settings, log_line)
+            phase = _phase_writer(factory, run_id)
+            phase("starting: loading the model")
+            model_path = resolve_model(config, settings, log_line, phase)
+            phase("starting: loading the model and preparing TRL's trainer")
             tokenizer, model = load_model(config.model, model_path)
 
             def stop_requested() -> bool:

@@ -23,6 +23,7 @@ from rollout_lens.server.queries.run_page import (
     alerts,
     bucket_means,
     evaluate_alerts,
+    known_series,
     series,
 )
 from rollout_lens.server.queries.runs import (
@@ -83,6 +84,7 @@ __all__ = [
     "group_detail",
     "has_group",
     "evaluate_alerts",
+    "known_series",
     "last_values",
     "list_runs",
     "nearest_kept_step",

@@ -9,6 +9,7 @@ from typing import Any
 from rollout_lens.server import alerts as rules
 from rollout_lens.server import charts, store
 from rollout_lens.server import series as vocab
+from rollout_lens.server.figures import expected_series
 from rollout_lens.server.models import (
     CHART_WIDTHS,
     AlertRow,
@@ -23,6 +24,14 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
 # --- chart series -------------------------------------------------------------------------------
+
+
+def known_series(session: Session, *, run_id: int) -> list[str]:
+    """The series a run can be asked for: those it recorded and those its launch config promises
+    before their first point (evaluation every E steps, SFT phases)."""
+    run = store.get_run(session, run_id=run_id)
+    names = series_names(session, run_id=run_id)
+    return names + [n for n in expected_series(run.config) if n not in names]
 
 
 def _step_filter(column: Any, since: int, until: int | None) -> list[ColumnElement[bool]]:

@@ -14,8 +14,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse, Response
-from rollout_lens.server import control, flash, launch, queries
-from rollout_lens.server.deps import CeleryDep, SessionDep, SettingsDep, render
+from rollout_lens.server import api_models, control, flash, launch, queries
+from rollout_lens.server.deps import CeleryDep, SessionDep, SettingsDep, model_builds, render
 from rollout_lens.server.errors import BrokerUnavailable, InvalidState, QueueFull
 from rollout_lens.server.params import RunId
 from rollout_lens.server.responses import DataResponse
@@ -64,8 +64,12 @@ def _invalid(errors: dict[str, str]) -> RequestValidationError:
     "/api/runs",
     status_code=201,
     tags=["actions"],
+    summary="Launch runs",
     responses={
-        201: {"description": "The created runs and the page that shows them"},
+        201: {
+            "description": "The created runs and the page that shows them",
+            "model": api_models.Launched,
+        },
         409: {
             "description": "The queue is full (ROLLOUT_LENS_MAX_QUEUED_RUNS); nothing was created"
         },
@@ -116,7 +120,8 @@ async def launch_form(
             configs,
         )
     except launch.LaunchInvalid as exc:
-        context = launch.form_context(typed, preset=preset, errors=exc.errors)
+        builds = model_builds(request)
+        context = launch.form_context(typed, preset=preset, errors=exc.errors, builds=builds)
         return render(request, "new_run.html", context, status_code=422)
     except (BrokerUnavailable, QueueFull) as exc:
         context = launch.form_context(typed, preset=preset, broker_error=str(exc))
@@ -128,14 +133,24 @@ async def launch_form(
 # --- cancel and resume --------------------------------------------------------------------------
 
 
-@router.post("/api/runs/{run_id}/cancel", tags=["actions"])
+@router.post(
+    "/api/runs/{run_id}/cancel",
+    tags=["actions"],
+    summary="Cancel a run",
+    responses={200: {"model": api_models.Progress}},
+)
 def cancel_api(session: SessionDep, run_id: RunId) -> JSONResponse:
     """Cancel a queued run at once, or ask a running one to stop; 409 for a finished run."""
     control.cancel(session, run_id)
     return JSONResponse(queries.run_live(session, run_id=run_id))
 
 
-@router.post("/api/runs/{run_id}/resume", tags=["actions"])
+@router.post(
+    "/api/runs/{run_id}/resume",
+    tags=["actions"],
+    summary="Resume a run",
+    responses={200: {"model": api_models.Progress}},
+)
 def resume_api(
     session: SessionDep, celery: CeleryDep, settings: SettingsDep, run_id: RunId
 ) -> JSONResponse:
@@ -180,7 +195,11 @@ def resume_form(
 @router.delete(
     "/api/runs/{run_id}",
     tags=["actions"],
-    responses={409: {"description": "The run is training: cancel it first"}},
+    summary="Delete a run",
+    responses={
+        200: {"model": api_models.Deleted},
+        409: {"description": "The run is training: cancel it first"},
+    },
 )
 def delete_api(
     session: SessionDep, celery: CeleryDep, settings: SettingsDep, run_id: RunId

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from rollout_lens.server import charts, launch, queries, views
+from rollout_lens.server import api_models, charts, launch, queries, views
 from rollout_lens.server.deps import AlertCacheDep, CacheDep, CompareCacheDep, SessionDep
 from rollout_lens.server.params import (
     MAX_ID,
@@ -43,7 +44,12 @@ def _url(request: Request) -> views.Url:
     return url
 
 
-@router.get("/runs", response_class=DataResponse)
+@router.get(
+    "/runs",
+    response_class=DataResponse,
+    summary="List runs",
+    responses={200: {"model": api_models.RunsPage}},
+)
 def list_runs(
     request: Request,
     session: SessionDep,
@@ -78,7 +84,12 @@ def list_runs(
     return DataResponse(views.runs_json(data, _url(request), q=q, sort=sort, order=order))
 
 
-@router.get("/runs/{run_id}", response_class=DataResponse)
+@router.get(
+    "/runs/{run_id}",
+    response_class=DataResponse,
+    summary="Get a run",
+    responses={200: {"model": api_models.RunOverview}},
+)
 def get_run(
     request: Request, session: SessionDep, cache: AlertCacheDep, run_id: RunId
 ) -> DataResponse:
@@ -88,14 +99,24 @@ def get_run(
     return DataResponse(overview | {"alerts": run_alerts(request, session, cache, run_id)})
 
 
-@router.get("/runs/{run_id}/progress", response_class=DataResponse)
+@router.get(
+    "/runs/{run_id}/progress",
+    response_class=DataResponse,
+    summary="Get a run's live progress",
+    responses={200: {"model": api_models.Progress}},
+)
 def get_progress(session: SessionDep, run_id: RunId) -> DataResponse:
     """A run's live state: status, step, place in the queue, steps per second, ETA, and whether
     it can be cancelled or resumed. Cheap (a few index seeks): what live pages poll."""
     return DataResponse(queries.run_live(session, run_id=run_id))
 
 
-@router.get("/runs/{run_id}/series", response_class=DataResponse)
+@router.get(
+    "/runs/{run_id}/series",
+    response_class=DataResponse,
+    summary="Get a run's chart series",
+    responses={200: {"model": api_models.Series}},
+)
 def get_series(
     request: Request,
     session: SessionDep,
@@ -122,6 +143,11 @@ def get_series(
     recorded step; a full history (since=0) of an unchanged run is served from memory.
     """
     wanted = series_names(names)
+    if wanted:
+        known = queries.known_series(session, run_id=run_id)
+        unknown = [n for n in wanted if n not in known]
+        if unknown:
+            raise _unknown_series(unknown, known)
     return versioned(
         request,
         session,
@@ -139,7 +165,20 @@ def get_series(
     )
 
 
-@router.get("/runs/{run_id}/alerts", response_class=DataResponse)
+def _unknown_series(unknown: list[str], known: list[str]) -> RequestValidationError:
+    """A 422 that names the series asked for that the run does not have, and those it has."""
+    shown = ", ".join(known[:200]) + (f" (and {len(known) - 200} more)" if len(known) > 200 else "")
+    message = f"unknown series {', '.join(unknown)}; this run has {shown}"
+    error = {"type": "value_error", "loc": ("query", "names"), "msg": message, "input": unknown}
+    return RequestValidationError([error])
+
+
+@router.get(
+    "/runs/{run_id}/alerts",
+    response_class=DataResponse,
+    summary="List a run's alerts",
+    responses={200: {"model": list[api_models.Alert]}},
+)
 def get_alerts(
     request: Request,
     session: SessionDep,
@@ -162,7 +201,12 @@ def get_alerts(
     )
 
 
-@router.get("/alerts", response_class=DataResponse)
+@router.get(
+    "/alerts",
+    response_class=DataResponse,
+    summary="List alerts of several runs",
+    responses={200: {"model": dict[str, list[api_models.Alert]]}},
+)
 def list_alerts(
     request: Request,
     session: SessionDep,
@@ -174,14 +218,24 @@ def list_alerts(
     return DataResponse(alerts_of_runs(request, session, cache, run_ids(runs)))
 
 
-@router.get("/presets", response_class=DataResponse)
+@router.get(
+    "/presets",
+    response_class=DataResponse,
+    summary="List launch presets and fields",
+    responses={200: {"model": api_models.Presets}},
+)
 def list_presets() -> DataResponse:
     """The launch form as data: its presets and every RunConfig field with default, help and
     bounds (launch with POST /api/runs)."""
     return DataResponse(launch.presets_data())
 
 
-@router.get("/runs/{run_id}/rollouts", response_class=DataResponse)
+@router.get(
+    "/runs/{run_id}/rollouts",
+    response_class=DataResponse,
+    summary="Find a run's rollouts",
+    responses={200: {"model": api_models.Rollouts}},
+)
 def list_rollouts(
     request: Request,
     session: SessionDep,
@@ -197,7 +251,12 @@ def list_rollouts(
     return DataResponse(views.explorer_urls(data, _url(request), run_id=run_id))
 
 
-@router.get("/runs/{run_id}/steps/{step}", response_class=DataResponse)
+@router.get(
+    "/runs/{run_id}/steps/{step}",
+    response_class=DataResponse,
+    summary="Get one step and its groups",
+    responses={200: {"model": api_models.Step}},
+)
 def get_step(
     request: Request,
     session: SessionDep,
@@ -234,7 +293,12 @@ def get_step(
     return DataResponse(views.step_json(data, _url(request)))
 
 
-@router.get("/runs/{run_id}/steps/{step}/groups/{group}", response_class=DataResponse)
+@router.get(
+    "/runs/{run_id}/steps/{step}/groups/{group}",
+    response_class=DataResponse,
+    summary="Get one group of a step",
+    responses={200: {"model": api_models.Group}},
+)
 def get_group(
     request: Request,
     session: SessionDep,
@@ -279,7 +343,12 @@ def get_group(
     return DataResponse(views.group_json(detail, _url(request), limit=limit, max_tokens=max_tokens))
 
 
-@router.get("/compare", response_class=DataResponse)
+@router.get(
+    "/compare",
+    response_class=DataResponse,
+    summary="Compare runs",
+    responses={200: {"model": api_models.Compare}},
+)
 def get_compare(
     session: SessionDep,
     cache: CompareCacheDep,

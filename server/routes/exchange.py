@@ -15,7 +15,12 @@ from sqlalchemy.orm import Session, sessionmaker
 router = APIRouter(prefix="/api", tags=["export"])
 
 
-@router.get("/runs/{run_id}/export", name="export_run", response_class=StreamingResponse)
+@router.get(
+    "/runs/{run_id}/export",
+    name="export_run",
+    response_class=StreamingResponse,
+    summary="Export a run",
+)
 def export_run(
     request: Request,
     session: SessionDep,

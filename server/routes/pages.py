@@ -11,7 +11,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from rollout_lens.server import flash, launch, queries, views
-from rollout_lens.server.deps import AlertCacheDep, CompareCacheDep, SessionDep, render
+from rollout_lens.server.deps import (
+    AlertCacheDep,
+    CompareCacheDep,
+    SessionDep,
+    model_builds,
+    render,
+)
 from rollout_lens.server.params import (
     MAX_ID,
     GroupNo,
@@ -63,9 +69,10 @@ def runs_page(
 def new_run_page(
     request: Request, session: SessionDep, preset: str = "", clone: OptionalRunId = None
 ) -> HTMLResponse:
-    """The launch form: RunConfig's defaults, a preset's values, or a run's config (Clone)."""
+    """The launch form: its defaults, a preset's values, or a run's config (Clone)."""
     source = None if clone is None else queries.run_card(session, run_id=clone)
-    return render(request, "new_run.html", launch.start_form(preset, source))
+    context = launch.start_form(preset, source, model_builds(request))
+    return render(request, "new_run.html", context)
 
 
 @router.get("/runs/{run_id}", name="run_page")

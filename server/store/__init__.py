@@ -49,6 +49,7 @@ from rollout_lens.server.store.runs import (
     restore_status,
     set_checkpoint,
     set_dropped,
+    set_phase,
     set_task_id,
     truncate_after,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "series_names",
     "set_checkpoint",
     "set_dropped",
+    "set_phase",
     "set_task_id",
     "step_rollouts",
     "steps",

@@ -99,6 +99,7 @@ def mark_running(
             started_at=now,
             heartbeat_at=now,
             error=None,
+            phase=None,
         )
     )
 
@@ -108,8 +109,20 @@ def mark_finished(
 ) -> None:
     """The run has ended as completed, failed, cancelled or lost."""
     session.execute(
-        update(Run).where(Run.id == run_id).values(status=status, finished_at=utcnow(), error=error)
+        update(Run)
+        .where(Run.id == run_id)
+        .values(status=status, finished_at=utcnow(), error=error, phase=None)
     )
+
+
+PHASE_LENGTH = 200
+
+
+def set_phase(session: Session, *, run_id: int, phase: str | None) -> None:
+    """What the run is doing before its first step (None: nothing to say beyond its status);
+    it counts as a heartbeat."""
+    text = None if phase is None else phase[:PHASE_LENGTH]
+    session.execute(update(Run).where(Run.id == run_id).values(phase=text, heartbeat_at=utcnow()))
 
 
 def add_device_time(
@@ -147,7 +160,12 @@ def claim_run(session: Session, *, run_id: int, task_id: str) -> bool:
     result = session.execute(
         update(Run)
         .where(Run.id == run_id, Run.status == RunStatus.queued)
-        .values(status=RunStatus.running, task_id=task_id, heartbeat_at=utcnow())
+        .values(
+            status=RunStatus.running,
+            task_id=task_id,
+            heartbeat_at=utcnow(),
+            phase="starting: the worker is loading torch and TRL",
+        )
     )
     return cast(CursorResult[Any], result).rowcount == 1
 

@@ -1,12 +1,10 @@
 "use strict";
-// Plotly glue: draw the server's figures, fill them from the series API, keep x axes in step.
+// Plotly glue: draw the server's figures, fill them from the series API, keep x axes in step,
+// and apply the page's one smoothing and log-scale setting (kept in the URL) to every chart.
 window.RL.charts = (() => {
-  const CONFIG = {
-    displaylogo: false,
-    responsive: true,
-    modeBarButtonsToRemove: ["lasso2d", "select2d", "autoScale2d", "toggleSpikelines"],
-    toImageButtonOptions: { format: "png", scale: 2 },
-  };
+  // No mode bar: it sat on legends and data wherever hover is missing (touch, headless).
+  // Drag zooms, double-click resets; the chart note says so.
+  const CONFIG = { displaylogo: false, responsive: true, displayModeBar: false, doubleClick: "reset" };
   const ALERT_COLORS = {
     reward_hacking: "#dc2626",
     collapse: "#d97706",
@@ -14,10 +12,239 @@ window.RL.charts = (() => {
     signal_loss: "#64748b",
   };
 
+  // --- the page's view: smoothing and log scale, read from and written to the URL ---------------
+
+  const view = readView();
+  const drawnEls = []; // every chart drawn on the page: a view change reshapes them all
+  const raw = new WeakMap(); // trace → the values as received ({y}), before smoothing
+  const baseAxes = new WeakMap(); // chart → its y axes as the server laid them out
+  const baseWidth = new WeakMap(); // trace → its line width as the server set it
+  let stepRange = null; // [first, last] step the page's charts share on their x axis
+
+  function readView() {
+    const params = new URLSearchParams(window.location.search);
+    const smooth = Number(params.get("smooth"));
+    return { smooth: smooth > 0 && smooth < 1 ? Math.round(smooth * 100) / 100 : 0, log: params.get("log") === "1" };
+  }
+
+  function writeView() {
+    const url = new URL(window.location.href);
+    if (view.smooth) url.searchParams.set("smooth", String(view.smooth));
+    else url.searchParams.delete("smooth");
+    if (view.log) url.searchParams.set("log", "1");
+    else url.searchParams.delete("log");
+    history.replaceState(null, "", url);
+  }
+
+  /** W&B's exponential moving average, debiased (the first points are not pulled to 0);
+   *  nulls stay gaps and do not count. weight 0 returns the values unchanged. */
+  function ema(values, weight) {
+    if (!weight) return values;
+    let last = 0;
+    let n = 0;
+    return values.map((v) => {
+      if (v === null || v === undefined || !Number.isFinite(v)) return null;
+      last = last * weight + (1 - weight) * v;
+      n += 1;
+      return last / (1 - weight ** n);
+    });
+  }
+
+  function rawOf(trace) {
+    if (!raw.has(trace)) raw.set(trace, { y: trace.y.slice() });
+    return raw.get(trace);
+  }
+
+  /** Set every series trace's shown values from its raw ones and the view: the mean line
+   *  smoothed; its band spans the raw values (min–max) and the smoothed line. */
+  function shape(el) {
+    const byKey = new Map();
+    for (const trace of el.data) {
+      const meta = trace.meta || {};
+      if (!meta.series) continue;
+      const key = `${meta.run}:${meta.series}`;
+      if (!byKey.has(key)) byKey.set(key, {});
+      byKey.get(key)[meta.part] = trace;
+    }
+    for (const parts of byKey.values()) {
+      if (!parts.y) continue;
+      const smooth = parts.y.stackgroup ? 0 : view.smooth; // stacked shares stay shares
+      const mean = ema(rawOf(parts.y).y, smooth);
+      parts.y.y = mean;
+      if (parts.lo) parts.lo.y = rawOf(parts.lo).y.map((v, i) => (smooth && mean[i] !== null && v !== null ? Math.min(v, mean[i]) : v));
+      if (parts.hi) parts.hi.y = rawOf(parts.hi).y.map((v, i) => (smooth && mean[i] !== null && v !== null ? Math.max(v, mean[i]) : v));
+    }
+    nestOverlaps(el);
+    applyAxes(el);
+  }
+
+  /** Lines that lie on one another (most of their points within half a percent of the chart's
+   *  span) are drawn nested: the first widest, beneath, each next one thinner on top, so both
+   *  colors show. */
+  function nestOverlaps(el) {
+    const lines = el.data.filter((t) => t.meta && t.meta.part === "y" && t.line && !t.stackgroup);
+    const values = lines.flatMap((t) => t.y.filter((v) => v !== null && v !== undefined));
+    const span = values.length ? Math.max(...values) - Math.min(...values) || Math.abs(values[0]) || 1 : 1;
+    for (const t of lines) {
+      if (!baseWidth.has(t)) baseWidth.set(t, t.line.width || 1.7);
+      t.line.width = baseWidth.get(t);
+    }
+    for (let i = 0; i < lines.length; i += 1) {
+      let under = 0; // how many later lines lie on this one
+      for (let j = i + 1; j < lines.length; j += 1) if (overlap(lines[i], lines[j], span * 0.005)) under += 1;
+      if (under) lines[i].line.width = baseWidth.get(lines[i]) + 1.6 * under;
+    }
+  }
+
+  function overlap(a, b, tolerance) {
+    if (a.x.length < 2 || a.x.length !== b.x.length) return false;
+    let same = 0;
+    for (let k = 0; k < a.y.length; k += 1) {
+      if (a.y[k] !== null && b.y[k] !== null && Math.abs(a.y[k] - b.y[k]) <= tolerance) same += 1;
+    }
+    return same >= a.y.length / 2;
+  }
+
+  /** The server's y axes, on a log scale when the view asks (a fixed 0…1 range and the
+   *  "include 0…1" rule do not apply on a log axis), and the page's shared step range. */
+  function applyAxes(el) {
+    const base = baseAxes.get(el);
+    for (const name of ["yaxis", "yaxis2"]) {
+      if (!base[name]) continue;
+      const axis = { ...base[name] };
+      if (view.log) {
+        delete axis.range;
+        delete axis.autorangeoptions;
+        delete axis.rangemode;
+        Object.assign(axis, { type: "log", autorange: true });
+      } else if (name === "yaxis" && el.flat && !el.layout.yaxis2 && !axis.range && !axis.autorangeoptions) {
+        Object.assign(axis, { range: flatRange(el.flat.values), autorange: false });
+      }
+      el.layout[name] = axis;
+    }
+    if (stepRange && !el.zoomed) {
+      el.layout.xaxis = { ...el.layout.xaxis, range: [stepRange[0] - 0.5, stepRange[1] + 0.5], autorange: false };
+    }
+  }
+
+  /** The step range every chart of the page shows (until the reader zooms). */
+  function setStepRange(first, last) {
+    if (Number.isFinite(first) && Number.isFinite(last) && last >= first) stepRange = [first, last];
+  }
+
+  /** Wire the page's chart controls (partial _chart_controls.html) to the view. */
+  function controls() {
+    const slider = document.getElementById("smoothing");
+    const shown = document.getElementById("smoothing-value");
+    const log = document.getElementById("log-scale");
+    if (!slider) return;
+    slider.value = String(view.smooth);
+    shown.textContent = String(view.smooth);
+    log.checked = view.log;
+    const apply = () => {
+      view.smooth = Number(slider.value) >= 0.01 ? Number(slider.value) : 0;
+      view.log = log.checked;
+      shown.textContent = String(view.smooth);
+      writeView();
+      for (const el of drawnEls) redraw(el);
+      document.body.dataset.view = `${view.smooth}:${view.log ? 1 : 0}`;
+    };
+    slider.addEventListener("input", apply);
+    log.addEventListener("change", apply);
+  }
+
+  // --- folding charts whose series never changed ---------------------------------------------
+
+  // Trace names are HTML-escaped for Plotly (figures.plotly_text): a textarea decodes the
+  // entities (its content is RCDATA: no element is ever created) and the text goes out as text.
+  const decoder = document.createElement("textarea");
+
+  function plain(text) {
+    decoder.innerHTML = text || "";
+    return decoder.value;
+  }
+
+  function short(v) {
+    const n = Number(v);
+    return Number.isInteger(n) ? String(n) : Number(n.toPrecision(3)).toString();
+  }
+
+  /** {text: "name = 0.5 · other = 1: constant over steps 1–30", values} when every series of
+   *  the chart that has data kept one value (to 4 significant digits) over at least two steps
+   *  (raw values, not smoothed); else null. */
+  function flatSummary(el) {
+    if (!hasData(el)) return null;
+    const parts = [];
+    const values = [];
+    let first = Infinity;
+    let last = -Infinity;
+    for (const trace of el.data) {
+      const meta = trace.meta || {};
+      if (!(meta.part === "y" || meta.part === "center")) continue;
+      const ys = (meta.part === "y" ? rawOf(trace).y : trace.y).filter((v) => v !== null && v !== undefined);
+      if (!ys.length) continue;
+      const lo = Math.min(...ys);
+      const hi = Math.max(...ys);
+      // Unchanged to display precision (a probability of 0.99998 ± 1e-6 is a flat line at 1).
+      if (hi - lo > 1e-4 * Math.max(Math.abs(hi), Math.abs(lo))) return null;
+      // A bucket's marker sits at its centre: the steps it covers are its segment's ends.
+      const rows = meta.part === "center" && el.buckets ? [...el.buckets.values()] : null;
+      const xs = rows ? rows.flatMap((r) => [r.x0, r.x1]) : trace.x.filter((x, i) => trace.y[i] !== null && x !== null);
+      first = Math.min(first, ...xs);
+      last = Math.max(last, ...xs);
+      const name = el.figure && el.figure.small ? "" : `${plain(trace.name)} = `;
+      parts.push(`${name}${short(ys[0])}`);
+      values.push(ys[0]);
+    }
+    if (!parts.length || !(last > first)) return null;
+    return { text: `${parts.join(" · ")}: constant over steps ${first}–${last}`, values };
+  }
+
+  /** A y range that shows a constant line for what it is (Plotly's own centres 0.0003 on
+   *  −0.5…0.5): from 0 to twice the value, or about it when the values straddle 0. */
+  function flatRange(values) {
+    const lo = Math.min(...values);
+    const hi = Math.max(...values);
+    if (lo >= 0) return [0, hi > 0 ? hi * 2 : 1];
+    if (hi <= 0) return [lo * 2, 0];
+    return [lo * 1.5, hi * 1.5];
+  }
+
+  function fold(el) {
+    const figure = el.closest("figure");
+    const summary = figure.querySelector(".flat-summary");
+    if (!summary) return;
+    const text = el.flat ? el.flat.text : null;
+    figure.classList.toggle("flat", text !== null);
+    summary.hidden = text === null;
+    if (text !== null) summary.querySelector(".flat-text").textContent = text;
+  }
+
+  function countFlat() {
+    const counter = document.getElementById("flat-count");
+    if (!counter) return;
+    const n = document.querySelectorAll("figure.flat").length;
+    counter.textContent = n ? `${n} chart${n === 1 ? "" : "s"} folded: their series never changed` : "";
+  }
+
+  document.addEventListener("click", (event) => {
+    const button = event.target.closest && event.target.closest(".flat-toggle");
+    if (!button) return;
+    const figure = button.closest("figure");
+    const open = figure.classList.toggle("unfolded");
+    button.textContent = open ? "fold" : "show chart";
+    button.setAttribute("aria-expanded", String(open));
+    const el = figure.querySelector(".plot");
+    if (open && el.data) Plotly.Plots.resize(el);
+  });
+
   function draw(fig) {
     const el = document.getElementById(`fig-${fig.id}`);
-    Plotly.newPlot(el, fig.data, fig.layout, CONFIG);
     el.figure = fig;
+    // As the server laid them out: Plotly writes its autorange into the layout it is given.
+    baseAxes.set(el, { yaxis: { ...fig.layout.yaxis }, yaxis2: fig.layout.yaxis2 && { ...fig.layout.yaxis2 } });
+    Plotly.newPlot(el, fig.data, fig.layout, CONFIG);
+    drawnEls.push(el);
     return el;
   }
 
@@ -35,8 +262,10 @@ window.RL.charts = (() => {
       const meta = trace.meta || {};
       const data = meta.series && payload.series[meta.series];
       if (!data || !data.x.length) continue;
+      const kept = rawOf(trace);
       trace.x = trace.x.concat(data.x);
-      trace.y = trace.y.concat(data[meta.part] || data.y); // raw points: lo = hi = y
+      kept.y = kept.y.concat(data[meta.part] || data.y); // raw points: lo = hi = y
+      trace.y = kept.y; // shape() smooths it for the view
       changed = true;
     }
     return changed;
@@ -52,30 +281,57 @@ window.RL.charts = (() => {
       if (!data) continue;
       trace.x = data.x;
       trace.y = data[meta.part] || data.y; // no band sent: lo = hi = y
+      raw.set(trace, { y: trace.y });
     }
     return fig;
   }
 
-  /** Replace the 25-step buckets a payload brings (the last one may still be filling). */
+  /** Merge the 25-step buckets a payload brings (by index: the last may still be filling) and
+   *  draw each over the steps it holds (server charts.bucket_geometry): closed buckets as solid
+   *  segments, the filling one dotted, a marker at each centre (open while partial). */
   function applyBuckets(el, buckets) {
     if (!buckets || !buckets.start.length) return false;
-    const first = buckets.start[0];
+    const table = (el.buckets = el.buckets || new Map());
+    buckets.index.forEach((index, i) => {
+      const row = {};
+      for (const key of Object.keys(buckets)) row[key] = buckets[key][i];
+      table.set(index, row);
+    });
+    const rows = [...table.values()].sort((a, b) => a.index - b.index);
     let changed = false;
     for (const trace of el.data) {
-      const key = trace.meta && trace.meta.bucket;
-      if (!key) continue;
-      let keep = trace.x.length;
-      while (keep > 0 && trace.x[keep - 1] >= first) keep -= 1;
-      trace.x = trace.x.slice(0, keep).concat(buckets.start);
-      trace.y = trace.y.slice(0, keep).concat(buckets[key]);
-      trace.mode = trace.x.length > 80 ? "lines" : "lines+markers"; // markers only while readable
+      const meta = trace.meta || {};
+      if (!meta.bucket) continue;
+      const x = [];
+      const y = [];
+      const text = [];
+      const symbols = [];
+      for (const row of rows) {
+        const v = row[meta.bucket];
+        if (v === null || v === undefined) continue;
+        if (meta.part === "center") {
+          x.push(row.center);
+          y.push(v);
+          symbols.push(row.partial ? "circle-open" : "circle");
+          text.push(row.partial ? `steps ${row.x0}–${row.x1} (${row.n} of ${row.end - row.start + 1} so far)` : `steps ${row.start}–${row.end}`);
+        } else if ((meta.part === "partial") === Boolean(row.partial)) {
+          x.push(row.x0, row.x1, null);
+          y.push(v, v, null);
+        }
+      }
+      trace.x = x;
+      trace.y = y;
+      if (meta.part === "center") {
+        trace.customdata = text;
+        trace.marker = { ...trace.marker, symbol: symbols };
+      }
       changed = true;
     }
     return changed;
   }
 
   function hasData(el) {
-    return el.data.some((t) => t.meta && (t.meta.part === "y" || t.meta.bucket) && t.y.some((v) => v !== null));
+    return el.data.some((t) => t.meta && (t.meta.part === "y" || t.meta.part === "center") && t.y.some((v) => v !== null && v !== undefined));
   }
 
   /** A dotted vertical line at each alert this chart shows. */
@@ -112,6 +368,8 @@ window.RL.charts = (() => {
   /** Redraw after in-place changes (datarevision tells Plotly.react that data changed).
    *  marks: {alerts, bands} drawn on every chart that shows that kind of alert / on every chart. */
   function redraw(el, marks) {
+    el.flat = flatSummary(el);
+    shape(el);
     const layout = el.layout;
     layout.datarevision = (layout.datarevision || 0) + 1;
     if (marks) {
@@ -121,14 +379,16 @@ window.RL.charts = (() => {
     }
     Plotly.react(el, el.data, layout, CONFIG);
     el.closest("figure").classList.toggle("no-data", !hasData(el));
+    fold(el);
+    countFlat();
     const last = el.figure && document.querySelector(`[data-last-of="${el.figure.id}"]`);
     if (last) last.textContent = lastValue(el);
   }
 
-  /** "· last 0.0123" for a small chart's caption: its main trace's latest value. */
+  /** "· last 0.0123" for a small chart's caption: its main trace's latest (raw) value. */
   function lastValue(el) {
     const trace = el.data.find((t) => t.meta && t.meta.part === "y");
-    const ys = trace ? trace.y.filter((v) => v !== null) : [];
+    const ys = trace ? rawOf(trace).y.filter((v) => v !== null) : [];
     return ys.length ? `· last ${Number(ys[ys.length - 1]).toPrecision(3)}` : "";
   }
 
@@ -142,10 +402,17 @@ window.RL.charts = (() => {
         let update = null;
         if (event["xaxis.range[0]"] !== undefined) update = { "xaxis.range": [event["xaxis.range[0]"], event["xaxis.range[1]"]] };
         else if (event["xaxis.range"]) update = { "xaxis.range": event["xaxis.range"] };
-        else if (event["xaxis.autorange"]) update = { "xaxis.autorange": true };
+        else if (event["xaxis.autorange"]) {
+          // Reset: back to the page's shared step range, not each chart's own autorange.
+          update = stepRange ? { "xaxis.range": [stepRange[0] - 0.5, stepRange[1] + 0.5] } : { "xaxis.autorange": true };
+        }
         if (!update) return;
+        const zoomed = !event["xaxis.autorange"];
+        for (const o of group) o.zoomed = zoomed;
         group.syncing = true;
-        Promise.all(group.filter((o) => o !== el).map((o) => Plotly.relayout(o, update))).finally(() => {
+        // A reset resets the chart itself to the shared range too (Plotly autoranged it).
+        const others = zoomed ? group.filter((o) => o !== el) : group;
+        Promise.all(others.map((o) => Plotly.relayout(o, update))).finally(() => {
           group.syncing = false;
         });
       });
@@ -164,5 +431,5 @@ window.RL.charts = (() => {
     });
   }
 
-  return { draw, fillRuns, seriesNames, appendSeries, applyBuckets, hasData, redraw, syncX, onStepClick, ALERT_COLORS };
+  return { draw, fillRuns, seriesNames, appendSeries, applyBuckets, hasData, redraw, syncX, onStepClick, controls, setStepRange, view, ALERT_COLORS };
 })();

@@ -3,8 +3,10 @@
 (() => {
   const page = RL.pageData();
   const C = RL.charts;
+  C.setStepRange(1, page.max_step || 1);
   const els = page.figures.map((fig) => C.draw(C.fillRuns(fig, page.series)));
-  for (const el of els) el.closest("figure").classList.toggle("no-data", !C.hasData(el));
+  for (const el of els) C.redraw(el); // the view (smoothing, log scale, shared steps), folding
+  C.controls();
   C.syncX([], els);
 
   const slider = document.getElementById("cmp-slider");

@@ -20,13 +20,26 @@
   // tokens cannot hold a call, its result and an answer); a value the user typed stays.
   const turns = form.elements.namedItem("turns");
   const budget = form.elements.namedItem("max_completion_tokens");
+  // The "default N" each field's help shows follows the turns too (the server's
+  // launch.DEFAULTS_BY_TURNS), and so does the note on a model this launch would build first.
+  function showTurns() {
+    const chosen = turns && "value" in turns ? turns.value : "single";
+    for (const span of form.querySelectorAll(".field-default[data-by-turns]")) {
+      const byTurns = JSON.parse(span.dataset.byTurns);
+      if (byTurns[chosen] !== undefined) span.textContent = `default ${byTurns[chosen]}`;
+    }
+    for (const note of form.querySelectorAll(".model-build")) note.hidden = note.dataset.turns !== chosen;
+  }
   if (turns && budget && "value" in turns && "value" in budget) {
-    const defaults = { single: "8", multi: "128" }; // RunConfig's default and MULTI_TURN_TOKENS
+    const span = form.querySelector("#help-max_completion_tokens .field-default[data-by-turns]");
+    const defaults = span ? JSON.parse(span.dataset.byTurns) : { single: "8", multi: "128" };
     turns.addEventListener("change", () => {
       const other = turns.value === "multi" ? defaults.single : defaults.multi;
       if (budget.value.trim() === other || budget.value.trim() === "") budget.value = defaults[turns.value] || budget.value;
+      showTurns();
     });
   }
+  showTurns();
   // One launch per click: a second submit while the first is on its way would queue twice.
   form.addEventListener("submit", () => {
     const button = document.getElementById("launch-button");

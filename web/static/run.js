@@ -48,6 +48,7 @@
 
   function apply(els, payload) {
     collectBands(payload);
+    if (cursor > 0) C.setStepRange(page.first_step || 1, cursor);
     for (const el of els) {
       C.appendSeries(el, payload);
       C.applyBuckets(el, payload.buckets);
@@ -114,6 +115,7 @@
   }
 
   async function start() {
+    C.controls();
     const payload = await RL.getJSON(seriesUrl(names, 0));
     cursor = payload.cursor;
     marks.alerts = [...page.initial_alerts];
