@@ -81,14 +81,17 @@ def test_a_verl_run_works_like_any_other(
         assert series["eval/validation"]["x"] == [2, 4, 5]
         assert "verl/acc" in series and not any(n.startswith("ctrl/") for n in series)
 
-        viewer = client.get(f"/runs/{run_id}/steps/2", params={"group": 1})
+        viewer = client.get(f"/runs/{run_id}/steps/2/groups/1")
         assert viewer.status_code == 200
         assert "Weng earns $12 an hour" in viewer.text and ANSWERS[1] in viewer.text
         parsed = web_support.parse(viewer.text)
         assert len(parsed.by_id("rollout-tabs").find_all("button")) == 4
         detail = client.get(f"/api/runs/{run_id}/steps/2").json()
-        assert [len(g["rollouts"]) for g in detail["groups"]] == [4, 4, 4]
-        assert detail["groups"][0]["rollouts"][0]["prompt"] == PROMPTS[0]
+        assert [g["size"] for g in detail["groups"]] == [4, 4, 4]
+        first = client.get(f"/api/runs/{run_id}/steps/2/groups/0").json()
+        assert first["rollouts"][0]["prompt"] == PROMPTS[0]
+        found = client.get(f"/api/runs/{run_id}/rollouts", params={"q": "Weng"}).json()
+        assert {r["group"] for r in found["rollouts"]} == {1} and found["total"] == 4 * STEPS
 
         both = f"{run_id},{launched}"
         assert client.get("/compare", params={"runs": both}).status_code == 200
@@ -157,7 +160,7 @@ def test_chromium_shows_a_verl_run(browser: Any, dumps: Dumps, tmp_path: Path) -
                 assert page.locator(f"#fig-{figure} svg.main-svg").count() >= 1, figure
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "verl-run.png"), full_page=True)
-            page.goto(f"/runs/{run_id}/steps/{STEPS}")
+            page.goto(f"/runs/{run_id}/steps/{STEPS}/groups/0")
             page.keyboard.press("2")
             assert page.locator("#tab-2").get_attribute("aria-selected") == "true"
             assert page.locator("#rollout-2 .completion").inner_text().startswith("She sold")
