@@ -210,20 +210,24 @@ def _encode_logprobs(logprobs: list[float]) -> bytes:
 
 
 def _encode_control(rows: list[list[float]], length: int) -> bytes:
-    matrix = np.zeros((len(rows), length), dtype=np.float64)
-    for i, row in enumerate(rows):
+    # [length, each row's count] u4, then every row's gaps between kept positions (u4, from 0
+    # for a row's first) and every row's codes (u2, 1/32768; NaN 65535), each shuffled
+    counts, gaps, codes = [], [], []
+    for row in rows:
+        values = np.zeros(length, dtype=np.float64)
         given = np.asarray(row[:length], dtype=np.float64)
-        matrix[i, : len(given)] = given
-    keep = ~(matrix < 1e-3)
-    parts = [np.array([length], dtype="<u4").tobytes()]
-    for i in range(len(rows)):
-        positions = np.flatnonzero(keep[i]).astype(np.uint32)
-        kept = matrix[i, positions]
-        codes = np.rint(np.clip(np.nan_to_num(kept, nan=0.0), 0.0, 1.0) * 32768)
-        codes = np.where(np.isnan(kept), 65535, codes).astype(np.uint16)
-        deltas = np.diff(positions, prepend=np.uint32(0)).astype(np.uint32)
-        parts += [np.array([len(positions)], dtype="<u4").tobytes(), _shuffle(deltas), _shuffle(codes)]
-    return _Z.compress(b"".join(parts))
+        values[: len(given)] = given
+        kept = np.flatnonzero(~(values < 1e-3))
+        counts.append(len(kept))
+        gaps.append(np.diff(kept, prepend=0).astype(np.uint32))
+        p = values[kept]
+        code = np.rint(np.clip(np.nan_to_num(p, nan=0.0), 0.0, 1.0) * 32768).astype(np.uint16)
+        code[np.isnan(p)] = 65535
+        codes.append(code)
+    head = np.array([length, *counts], dtype="<u4").tobytes()
+    gap_bytes = _shuffle(np.concatenate(gaps) if gaps else np.zeros(0, np.uint32))
+    code_bytes = _shuffle(np.concatenate(codes) if codes else np.zeros(0, np.uint16))
+    return _Z.compress(head + gap_bytes + code_bytes)
 
 
 def _byte_table() -> dict[int, str]:

@@ -90,20 +90,26 @@ def _probability_codes(p: np.ndarray) -> np.ndarray:
     return codes
 
 
-def _sparse(rows: np.ndarray, codes: np.ndarray) -> bytes:
-    """A (rows × length) matrix and its codes → the sparse layout, compressed."""
-    length = rows.shape[1]
-    keep = ~(rows < CONTROL_FLOOR)  # NaN is kept
-    parts = [np.array([length], dtype="<u4").tobytes()]
-    for i in range(rows.shape[0]):
-        positions = np.flatnonzero(keep[i]).astype(np.uint32)
-        deltas = np.diff(positions, prepend=np.uint32(0)).astype(np.uint32)
-        parts += [
-            np.array([len(positions)], dtype="<u4").tobytes(),
-            _shuffle(deltas),
-            _shuffle(codes[i, positions]),
-        ]
-    return _pack(b"".join(parts))
+def _kept(values: np.ndarray, row_length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where rows of `row_length` laid end to end in `values` are at or above CONTROL_FLOOR (or
+    NaN): (index into values, the gap from the row's previous kept position — from 0 for its
+    first — and how many each row keeps)."""
+    n_rows = len(values) // row_length if row_length else 0
+    at = np.flatnonzero(~(values < CONTROL_FLOOR))  # NaN is kept
+    row = at // row_length if row_length else at
+    position = at - row * row_length
+    gaps = np.diff(position, prepend=0)
+    starts = np.flatnonzero(np.diff(row, prepend=-1))  # each row's first kept position
+    gaps[starts] = position[starts]
+    counts = np.bincount(row, minlength=n_rows) if n_rows else np.zeros(0, dtype=np.int64)
+    return at, gaps.astype(np.uint32), counts
+
+
+def _sparse(length: int, counts: np.ndarray, gaps: np.ndarray, codes: np.ndarray) -> bytes:
+    """One rollout's control-token rows, sparse: its length, each row's count of kept positions,
+    then every row's gaps (uint32) and every row's codes (uint16), each shuffled; compressed."""
+    head = np.concatenate(([length], counts)).astype("<u4").tobytes()
+    return _pack(head + _shuffle(gaps) + _shuffle(codes))
 
 
 # --- ids, logprobs, control-token probabilities ------------------------------------------------
@@ -147,10 +153,12 @@ def _fit(row: Sequence[float], length: int) -> Sequence[float]:
 
 
 def encode_control(rows: Sequence[Sequence[float]], length: int) -> bytes:
-    """Each control token's probability at each of `length` positions → compressed sparse rows:
-    per row, the count, the positions at or above CONTROL_FLOOR (or NaN) and their values."""
-    matrix = _floats([_fit(row, length) for row in rows]).reshape(len(rows), length)
-    return _sparse(matrix, _probability_codes(matrix))
+    """Each control token's probability at each of `length` positions → compressed sparse rows
+    (only the positions where it is at least CONTROL_FLOOR, or NaN)."""
+    values = _floats([_fit(row, length) for row in rows])
+    at, gaps, counts = _kept(values, length)
+    counts = counts if length else np.zeros(len(rows), dtype=np.int64)
+    return _sparse(length, counts, gaps, _probability_codes(values[at]))
 
 
 def encode_rollouts(
@@ -167,20 +175,34 @@ def encode_rollouts(
     n_rows = len(control[0]) if control else 0
     fitted = [_fit(row, n) for rows, n in zip(control, lengths, strict=True) for row in rows]
     values = _floats(fitted)
-    codes = _probability_codes(values)
+    # Kept positions of every row of every rollout at once; a rollout's rows are consecutive,
+    # so its kept positions are one slice of them.
+    at = np.flatnonzero(~(values < CONTROL_FLOOR))
+    codes = _probability_codes(values[at])
+    row_starts = np.repeat(np.cumsum([0, *lengths[:-1]]) * n_rows, n_rows) + np.tile(
+        np.arange(n_rows), len(lengths)
+    ) * np.repeat(lengths, n_rows)
+    row_of = np.searchsorted(row_starts, at, side="right") - 1
+    position = at - row_starts[row_of]
+    gaps = np.diff(position, prepend=0)
+    firsts = np.flatnonzero(np.diff(row_of, prepend=-1))
+    gaps[firsts] = position[firsts]
+    gaps = gaps.astype(np.uint32)
+    counts = np.bincount(row_of, minlength=len(row_starts))
+    ends = np.cumsum(counts)
     out: list[tuple[bytes, bytes, bytes]] = []
-    at = lp_at = 0
+    lp_at = 0
     for i, n in enumerate(lengths):
-        width = n_rows * n
-        matrix = values[at : at + width].reshape(n_rows, n)
+        first_row = i * n_rows
+        a = int(ends[first_row - 1]) if first_row else 0
+        b = int(ends[first_row + n_rows - 1]) if n_rows else a
         out.append(
             (
                 encode_ids(ids[i]),
                 _pack(_shuffle(lp_codes[lp_at : lp_at + lp_lengths[i]])),
-                _sparse(matrix, codes[at : at + width].reshape(n_rows, n)),
+                _sparse(n, counts[first_row : first_row + n_rows], gaps[a:b], codes[a:b]),
             )
         )
-        at += width
         lp_at += lp_lengths[i]
     return out
 
@@ -190,22 +212,24 @@ def decode_control(data: bytes | None, n_rows: int) -> list[list[float]]:
     if not data or n_rows == 0:
         return [[] for _ in range(n_rows)]
     raw = _unpack(data)
-    length = int(np.frombuffer(raw, "<u4", 1, 0)[0])
-    at = 4
-    rows: list[list[float]] = []
-    for _ in range(n_rows):
-        count = int(np.frombuffer(raw, "<u4", 1, at)[0])
-        at += 4
-        deltas = _unshuffle(raw[at : at + 4 * count], "u4")
-        at += 4 * count
-        codes = _unshuffle(raw[at : at + 2 * count], "u2")
-        at += 2 * count
-        dense = np.zeros(length, dtype=np.float64)
-        values = codes.astype(np.float64) / _P_SCALE
-        values[codes == _P_NAN] = math.nan
-        dense[np.cumsum(deltas, dtype=np.int64)] = values
-        rows.append(dense.tolist())
-    return rows
+    head = np.frombuffer(raw, "<u4", 1 + n_rows, 0)
+    length, counts = int(head[0]), head[1:].astype(np.int64)
+    total = int(counts.sum())
+    at = 4 * (1 + n_rows)
+    gaps = _unshuffle(raw[at : at + 4 * total], "u4").astype(np.int64)
+    codes = _unshuffle(raw[at + 4 * total : at + 6 * total], "u2")
+    values = codes.astype(np.float64) / _P_SCALE
+    values[codes == _P_NAN] = math.nan
+    dense = np.zeros((n_rows, length), dtype=np.float64)
+    row = np.repeat(np.arange(n_rows), counts)
+    if total:
+        # positions: the running sum of gaps, restarted at each row's first
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        running = np.cumsum(gaps)
+        base = np.repeat(running[starts] - gaps[starts], counts)
+        dense[row, running - base] = values
+    out: list[list[float]] = dense.tolist()
+    return out
 
 
 # --- text --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import json
 from collections import deque
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
+from itertools import filterfalse
 from typing import Any
 
 import orjson
@@ -439,7 +440,7 @@ class Recorder:
             texts = r.tokens if r.tokens is not None else r.meta.get("tokens")
             if not texts or len(texts) != len(r.completion_ids):
                 continue
-            unseen = {i for i in set(r.completion_ids) if i not in known and i not in new}
+            unseen = set(filterfalse(known.__contains__, set(r.completion_ids))) - new.keys()
             if unseen:
                 for token_id, text in zip(r.completion_ids, texts, strict=True):
                     if token_id in unseen and token_id not in new:
