@@ -441,10 +441,8 @@ class Recorder:
             if not texts or len(texts) != len(r.completion_ids):
                 continue
             unseen = set(filterfalse(known.__contains__, set(r.completion_ids))) - new.keys()
-            if unseen:
-                for token_id, text in zip(r.completion_ids, texts, strict=True):
-                    if token_id in unseen and token_id not in new:
-                        new[token_id] = str(text)
+            for token_id in unseen:  # a few a rollout: look each up where it first appears
+                new[token_id] = str(texts[r.completion_ids.index(token_id)])
         if new:
             conn.execute(
                 upsert_insert(conn, RunToken).on_conflict_do_nothing(
