@@ -1,0 +1,60 @@
+"""bench/scale.py in its --quick mode on SQLite and on PostgreSQL, so the scale bench keeps
+running as the write path and the pages change under it. Its figures are printed for people, not
+asserted (timed tests on a shared machine mean little): only its sections and figure names."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import scale
+from tests.conftest import PG_URL
+
+SECTIONS = ("== data", "== write", "== disk at 4 steps", "== fill to 10 steps")
+PAGES = (
+    "step viewer",
+    "group page",
+    "step JSON",
+    "group JSON",
+    "run page",
+    "series JSON",
+    "explorer page",
+    "explorer steps=A:B",
+    "explorer q= rare",
+    "explorer q= common",
+    "explorer sort=advantage&order=desc",
+    "explorer second keyset page",
+)
+
+
+def _check(out: str, databases: tuple[str, ...]) -> None:
+    for heading in SECTIONS:
+        assert heading in out, heading
+    for database in databases:
+        writes = out.split("== write", 1)[1].split("\n== ", 1)[0]
+        assert f"  {database} " in writes, database
+        for steps in ("4 steps", "10 steps"):
+            section = out.split(f"== pages, {database}, {steps}", 1)[1].split("\n== ", 1)[0]
+            for figure in PAGES:
+                assert figure in section, (database, steps, figure)
+    for figure in ("median", "p90", "M tokens/s", "TRL parquet", "TRL completions parquet"):
+        assert figure in out, figure
+    assert "SQLite, after VACUUM" in out and "× parquet" in out
+
+
+def test_the_scale_bench_runs_on_sqlite(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scale.main(["--quick"]) == 0
+    _check(capsys.readouterr().out, ("SQLite",))
+
+
+@pytest.mark.postgres
+def test_the_scale_bench_runs_on_postgres(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scale.main(["--quick", "--pg", PG_URL]) == 0
+    out = capsys.readouterr().out
+    _check(out, ("SQLite", "PostgreSQL"))
+    assert "PostgreSQL, tables+TOAST+indexes" in out
+
+
+def test_the_profile_mode_prints_the_write_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scale.main(["--profile", "--groups", "2", "--tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "one step written in" in out and "write_batch" in out
