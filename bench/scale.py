@@ -546,6 +546,9 @@ def pages_section(
 ) -> list[str]:
     errors: list[str] = []
     for db in dbs:
+        if not db.url.startswith("sqlite"):
+            with db.engine.begin() as conn:  # the statistics autovacuum would have gathered
+                conn.execute(text("ANALYZE"))
         print(
             f"\n== pages, {db.label}, {steps:,} steps ({rollouts:,} rollouts): server time"
             f" (Server-Timing), step {max(1, plan.steps // 2)}, group {run.shape.groups // 2}"

@@ -58,3 +58,15 @@ def test_the_profile_mode_prints_the_write_path(capsys: pytest.CaptureFixture[st
     assert scale.main(["--profile", "--groups", "2", "--tokens", "32"]) == 0
     out = capsys.readouterr().out
     assert "one step written in" in out and "write_batch" in out
+
+
+def test_the_second_keyset_page_follows_the_next_cursor_however_it_is_given() -> None:
+    base = "/api/runs/1/rollouts?sort=advantage&order=desc"
+    assert scale.next_page(base, b'{"rows": [], "next": null}') is None
+    assert scale.next_page(base, b"<html>") is None
+    assert scale.next_page(base, b'{"next": "k 1"}') == f"{base}&cursor=k%201"
+    assert scale.next_page(base, b'{"page": {"next": "?cursor=2"}}') == (
+        "/api/runs/1/rollouts?cursor=2"
+    )
+    follow = b'{"next": "http://127.0.0.1/api/runs/1/rollouts?cursor=3"}'
+    assert scale.next_page(base, follow) == "/api/runs/1/rollouts?cursor=3"
