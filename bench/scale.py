@@ -15,21 +15,26 @@ stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
 2. Disk, after --steps full-shape steps: the SQLite file after VACUUM (by table and index from
    dbstat), PostgreSQL's pg_total_relation_size of every table (heap + TOAST + indexes), and the
    TRL-style parquet (one file a step: step, prompt, completion, the reward, advantage; pandas
-   `to_parquet` defaults, as GRPOTrainer.log writes them): bytes a rollout and a token, ratio.
+   `to_parquet` defaults, as GRPOTrainer.log writes them): bytes a rollout and a token, ratio;
+   then a rollout's bytes by column (text, binary and JSON columns, read from the schema).
 3. Pages, at --steps and again after a fill to --fill-to steps (rollouts of ~--fill-tokens
    tokens: at 1,000 steps that is 512,000 rollouts): p50/p90 of the app's own Server-Timing
    through FastAPI's TestClient, and bytes, for the step viewer, a group's page, their JSON, the
    run page and its series, and the rollout explorer, one query per filter kind plus a second
-   keyset page. A route that answers 404 (not built yet) prints `n/a (404)`; any other non-200
-   is an error (the bench goes on and exits 1). Targets are printed beside each figure.
+   keyset page; at step --steps/2, its middle group. A page gets --repeat requests after a
+   warm-up, fewer (at least 2) once --budget seconds are spent on it, so a page that takes
+   seconds shows n = 2 or 3. PostgreSQL is ANALYZEd first (as autovacuum would have). A route
+   that answers 404 (not built yet) prints `n/a (404)`; any other non-200 is an error (the bench
+   goes on and exits 1). Targets are printed beside each figure.
 
     .venv/bin/python -m bench.scale [--pg [URL]] [--quick] [--groups 64] [--group-size 8]
         [--tokens 1024] [--vocab 150000] [--ctrl 4] [--steps 100] [--fill-to 1000]
-        [--fill-tokens 64] [--repeat 20] [--cache DIR]
+        [--fill-tokens 64] [--repeat 20] [--budget 4] [--cache DIR]
     .venv/bin/python -m bench.scale --profile [--pg]   # cProfile of one step's write, no pages
 
-The full run with --pg takes about FULL_MINUTES minutes on two busy cores (most of it building
-and writing the steps) and about 4 GB of disk under --cache (a temporary folder by default).
+The full run with --pg takes about 12 minutes on two busy cores (the 100 full steps about 5,
+the fill about 5, the pages the rest; building steps is a third of it) and about 4 GB of disk
+under --cache (a temporary folder by default, removed at the end).
 `--quick` (well under a minute: a few small steps, 2 requests a page) keeps it working in CI.
 """
 
@@ -60,7 +65,7 @@ from rollout_lens.server.db import make_engine, make_session_factory, session_sc
 from rollout_lens.server.migrate import upgrade
 from rollout_lens.server.models import RunSource, RunStatus
 from rollout_lens.server.records import StepRecord
-from sqlalchemy import Engine, text
+from sqlalchemy import JSON, Engine, LargeBinary, String, inspect, text
 
 from bench.pages import PG_DEFAULT, chart_names, pg_database
 from bench.scale_data import ScaleRun, Shape, trl_table
@@ -271,6 +276,35 @@ def print_disk(dbs: list[Database], written: Written, sqlite_file: Path) -> None
             total, pg_parts = postgres_bytes(db.engine)
             line("PostgreSQL, tables+TOAST+indexes", total, _mark(total / n < trl))
             _postgres_parts(pg_parts, total)
+        _column_parts(db.engine, n)
+
+
+def column_bytes(engine: Engine, table: str = "rollouts") -> dict[str, int]:
+    """Bytes of each text, binary and JSON column of `table` as the database holds them
+    (PostgreSQL: pg_column_size, after its compression; SQLite: the value's bytes). The columns
+    are read from the schema, so a new storage format is measured as it is."""
+    kinds = (String, LargeBinary, JSON)
+    wide = [c["name"] for c in inspect(engine).get_columns(table) if isinstance(c["type"], kinds)]
+    if engine.dialect.name == "postgresql":
+        size = 'COALESCE(SUM(pg_column_size("{}")), 0)'
+    else:
+        size = 'COALESCE(SUM(length(CAST("{}" AS BLOB))), 0)'
+    sql = f"SELECT {', '.join(size.format(c) for c in wide)} FROM {table}"
+    with engine.connect() as conn:
+        sums = conn.execute(text(sql)).one() if wide else ()
+    return dict(zip(wide, (int(x) for x in sums), strict=True))
+
+
+def _column_parts(engine: Engine, n: int) -> None:
+    """Where a rollout's bytes go, by column (the columns over 1 % of them)."""
+    parts = column_bytes(engine)
+    total = sum(parts.values()) or 1
+    shown = [
+        f"{name} {_size(size / n)} ({100 * size / total:.0f} %)"
+        for name, size in sorted(parts.items(), key=lambda kv: -kv[1])
+        if size >= total / 100
+    ]
+    print(f"    a rollout's text, binary and JSON columns: {', '.join(shown)}")
 
 
 def _sqlite_parts(parts: dict[str, tuple[int, int]], total: int) -> None:

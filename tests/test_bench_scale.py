@@ -39,6 +39,7 @@ def _check(out: str, databases: tuple[str, ...]) -> None:
     for figure in ("median", "p90", "M tokens/s", "TRL parquet", "TRL completions parquet"):
         assert figure in out, figure
     assert "SQLite, after VACUUM" in out and "× parquet" in out
+    assert "a rollout's text, binary and JSON columns:" in out
 
 
 def test_the_scale_bench_runs_on_sqlite(capsys: pytest.CaptureFixture[str]) -> None:
