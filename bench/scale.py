@@ -30,7 +30,7 @@ stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
     .venv/bin/python -m bench.scale [--pg [URL]] [--quick] [--groups 64] [--group-size 8]
         [--tokens 1024] [--vocab 150000] [--ctrl 4] [--steps 100] [--fill-to 1000]
         [--fill-tokens 64] [--repeat 20] [--budget 4] [--cache DIR]
-    .venv/bin/python -m bench.scale --profile [--pg]   # cProfile of one step's write, no pages
+    .venv/bin/python -m bench.scale --profile [WARM] [--pg]   # cProfile of step WARM+1's write
 
 The full run with --pg takes about 12 minutes on two busy cores (the 100 full steps about 5,
 the fill about 5, the pages the rest; building steps is a third of it) and about 4 GB of disk
@@ -594,34 +594,45 @@ def pages_section(
 # --- --profile ---------------------------------------------------------------------------------
 
 
-def profile_write(shape: Shape, folder: Path, pg: str | None, top: int = 20) -> int:
-    """cProfile of one full-shape step's write on each database (after two unprofiled steps,
-    which pay the run's first token texts and statement caches): top entries by own time and
-    by cumulative time."""
+def profile_write(shape: Shape, folder: Path, pg: str | None, warm: int, top: int = 20) -> int:
+    """cProfile of one full-shape step's write on each database, after `warm` unprofiled steps
+    (the first steps pay for most of the run's token texts): top entries by own time and by
+    cumulative time."""
     run = ScaleRun(shape)
     with ExitStack() as stack:
-        dbs = [open_database("SQLite", f"sqlite:///{folder / 'profile.db'}", run, 3)]
+        dbs = [open_database("SQLite", f"sqlite:///{folder / 'profile.db'}", run, warm + 1)]
         if pg:
-            dbs.append(open_database("PostgreSQL", stack.enter_context(pg_database(pg)), run, 3))
+            url = stack.enter_context(pg_database(pg))
+            dbs.append(open_database("PostgreSQL", url, run, warm + 1))
         stack.callback(lambda: [db.engine.dispose() for db in dbs])
-        records = [run.step(step) for step in (1, 2, 3)]
+        for step in range(1, warm + 1):
+            record = run.step(step)
+            for db in dbs:
+                db.write(record)
+        record = run.step(warm + 1)
         for db in dbs:
-            db.write(records[0])
-            db.write(records[1])
+            known = len(db.recorder.tokens_seen) if db.recorder else 0
             profiler = cProfile.Profile()
             profiler.enable()
-            seconds = db.write(records[2])
+            seconds = db.write(record)
             profiler.disable()
-            print(f"\n== {db.label}: one step written in {seconds * 1000:.0f} ms under cProfile")
-            for order in ("tottime", "cumulative"):
-                out = io.StringIO()
-                stats = pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(order)
-                stats.print_stats(top)
-                lines = out.getvalue().splitlines()
-                start = next(i for i, line in enumerate(lines) if "ncalls" in line)
-                print(f"\n  by {order}:")
-                print("\n".join(f"  {line}" for line in lines[start:] if line.strip()))
+            new = len(db.recorder.tokens_seen) - known if db.recorder else 0
+            print(
+                f"\n== {db.label}: step {warm + 1} written in {seconds * 1000:.0f} ms under"
+                f" cProfile ({new:,} token ids new to the run)"
+            )
+            _print_profile(profiler, top)
     return 0
+
+
+def _print_profile(profiler: cProfile.Profile, top: int) -> None:
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(order).print_stats(top)
+        lines = out.getvalue().splitlines()
+        start = next(i for i, line in enumerate(lines) if "ncalls" in line)
+        print(f"\n  by {order}:")
+        print("\n".join(f"  {line}" for line in lines[start:] if line.strip()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -639,7 +650,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, help="requests a page (20; --quick 2)")
     parser.add_argument("--budget", type=float, default=4.0, help="seconds a page, past 2 requests")
     parser.add_argument("--cache", type=Path, help="keep the databases and parquet files here")
-    parser.add_argument("--profile", action="store_true", help="profile one step's write, exit")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        type=int,
+        const=10,
+        metavar="WARM",
+        help="profile one step's write after WARM steps (10), and exit",
+    )
     args = parser.parse_args(argv)
     quick = QUICK if args.quick else {}
 
@@ -663,8 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         budget=args.budget,
     )
     with _folder(args.cache) as folder:
-        if args.profile:
-            return profile_write(shape, folder, args.pg)
+        if args.profile is not None:
+            return profile_write(shape, folder, args.pg, args.profile)
         return run_bench(plan, folder, args.pg)
 
 

@@ -56,9 +56,10 @@ def test_the_scale_bench_runs_on_postgres(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_the_profile_mode_prints_the_write_path(capsys: pytest.CaptureFixture[str]) -> None:
-    assert scale.main(["--profile", "--groups", "2", "--tokens", "32"]) == 0
+    assert scale.main(["--profile", "2", "--groups", "2", "--tokens", "32"]) == 0
     out = capsys.readouterr().out
-    assert "one step written in" in out and "write_batch" in out
+    assert "step 3 written in" in out and "token ids new to the run" in out
+    assert "write_batch" in out
 
 
 def test_the_second_keyset_page_follows_the_next_cursor_however_it_is_given() -> None:
