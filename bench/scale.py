@@ -32,7 +32,7 @@ stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
         [--fill-tokens 64] [--repeat 20] [--budget 4] [--cache DIR]
     .venv/bin/python -m bench.scale --profile [WARM] [--pg]   # cProfile of step WARM+1's write
 
-The full run with --pg takes about 12 minutes on two busy cores (the 100 full steps about 5,
+The full run with --pg takes 9 to 12 minutes on two busy cores (the 100 full steps 4 to 5,
 the fill about 5, the pages the rest; building steps is a third of it) and about 4 GB of disk
 under --cache (a temporary folder by default, removed at the end).
 `--quick` (well under a minute: a few small steps, 2 requests a page) keeps it working in CI.
