@@ -7,16 +7,25 @@ Two arms, each against a plain GRPOTrainer measured in the same rounds (alternat
   the training thread itself pays (probes, records), apart from the writer thread.
 Both write to a temporary SQLite file; the ratio of median step times is printed per arm.
 
+`--shape ROLLOUTSxTOKENSxVOCAB` (e.g. 64x128x32000, issue 17's write-keeps-up shape) measures a
+larger step: groups of 8 up to that many rollouts a step, every completion exactly that many
+tokens long (end-of-turn held back until then), and the tiny model with its vocabulary widened
+to that size (built in the bench: new pieces the tokenizer decodes, embedding rows drawn around
+the old ones), so the logits, the logprobs and the control-token probabilities span it.
+
     .venv/bin/python bench/overhead.py --steps 60 --rounds 3 --variant patched [--arm both]
+    .venv/bin/python bench/overhead.py --shape 64x128x32000 --arm callback --steps 30 --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -31,9 +40,50 @@ from rollout_lens.trainer.callback import RolloutLensCallback  # noqa: E402
 from rollout_lens.trainer.grpo import Recorder  # noqa: E402
 from rollout_lens.trainer.run import default_control_tokens, make_trainer, resolve_model  # noqa: E402
 from rollout_lens.trainer.writer import StepWriter  # noqa: E402
+from sqlalchemy import text  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed  # noqa: E402
 
 WARMUP_STEPS = 5  # the first steps pay for lazy initialisation in both arms
+GROUP_SIZE = 8  # rollouts a prompt at --shape
+TARGET = 1.05  # a recorded step's time over the plain TRL step's (issue 17)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A step of `rollouts` completions of exactly `tokens` tokens over a `vocab`-token model."""
+
+    rollouts: int
+    tokens: int
+    vocab: int
+
+
+def parse_shape(text: str) -> Shape:
+    rollouts, tokens, vocab = (int(part) for part in text.lower().split("x"))
+    if rollouts % GROUP_SIZE or not 0 < rollouts <= GROUP_SIZE * 64:
+        raise argparse.ArgumentTypeError(f"rollouts must be a multiple of {GROUP_SIZE} up to 512")
+    return Shape(rollouts, tokens, vocab)
+
+
+def widened_model(model_path: str, vocab: int, out: Path, seed: int) -> str:
+    """The model at `model_path` with its vocabulary widened to `vocab` tokens, saved in `out`:
+    pieces " w<id>" the tokenizer decodes (so a recorder stores each sampled token's text), and
+    embedding rows drawn around the old ones (transformers' mean resizing, seeded)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    tokenizer.save_pretrained(out)
+    data = json.loads((Path(model_path) / "tokenizer.json").read_text())
+    pieces = data["model"]["vocab"]
+    # Turn markers are added tokens past the pieces: give them their ids among the pieces, or
+    # the tokenizer would move them past the new ones.
+    for added in data["added_tokens"]:
+        pieces.setdefault(added["content"], added["id"])
+    for token_id in range(len(pieces), vocab):
+        pieces[f" w{token_id}"] = token_id
+    (out / "tokenizer.json").write_text(json.dumps(data))
+    set_seed(seed)
+    model.resize_token_embeddings(vocab, mean_resizing=True)
+    model.save_pretrained(out)
+    return str(out)
 
 
 class StepTimer(TrainerCallback):
@@ -50,10 +100,23 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._t)
 
 
+def recorded_shape(engine) -> str:  # type: ignore[no-untyped-def]
+    """What the recorded arms wrote, to show the shape held: rollouts a step, tokens each."""
+    with engine.connect() as conn:
+        steps, tokens = conn.execute(
+            text("SELECT count(*), avg(completion_length) FROM steps")
+        ).one()
+        rollouts = conn.scalar(text("SELECT count(*) FROM rollouts"))
+    if not steps or not rollouts:
+        return "recorded: no rollouts (no recording arm ran)"
+    return f"recorded: {rollouts / steps:.0f} rollouts a step, {tokens:.1f} tokens each on average"
+
+
 def one_run(
     config: RunConfig, model_path: str, tmp: Path, factory, arm: str, url: str
 ) -> list[float]:  # type: ignore[no-untyped-def]
-    """Median-ready step times of one run; `arm` is plain, launched or callback."""
+    """Median-ready step times of one run; `arm` is plain, launched or callback; completions
+    are held to exactly max_completion_tokens when it is over the default (--shape)."""
     set_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
@@ -71,6 +134,8 @@ def one_run(
     trainer = make_trainer(
         config, model, tokenizer, tmp / "out", recorder=recorder, control_tokens=control_tokens
     )
+    if config.max_completion_tokens > RunConfig().max_completion_tokens:
+        trainer.generation_config.min_new_tokens = config.max_completion_tokens
     if arm == "callback":  # what a user adds to their script, nothing else
         trainer.add_callback(RolloutLensCallback(project="bench", database_url=url))
     timer = StepTimer()
@@ -81,7 +146,7 @@ def one_run(
     return timer.times[WARMUP_STEPS:]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
@@ -89,12 +154,23 @@ def main() -> None:
     parser.add_argument(
         "--arm", choices=["launched", "callback", "capture", "both", "all"], default="both"
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--shape", type=parse_shape, help="ROLLOUTSxTOKENSxVOCAB, e.g. 64x128x32000 (issue 17)"
+    )
+    args = parser.parse_args(argv)
     arms = {"both": ["launched", "callback"], "all": ["capture", "launched", "callback"]}.get(
         args.arm, [args.arm]
     )
     # Evaluation is a separate feature with its own cost: off in both arms.
     config = RunConfig(variant=args.variant, steps=args.steps, eval_every=0)
+    if args.shape:
+        config = config.model_copy(
+            update={
+                "group_size": GROUP_SIZE,
+                "prompts_per_step": args.shape.rollouts // GROUP_SIZE,
+                "max_completion_tokens": args.shape.tokens,
+            }
+        )
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         settings = get_settings(data_dir=tmp)
@@ -102,6 +178,10 @@ def main() -> None:
         upgrade(engine)
         factory = make_session_factory(engine)
         model_path = resolve_model(config, settings, print)
+        if args.shape:
+            wide = tmp / f"vocab-{args.shape.vocab}"
+            wide.mkdir()
+            model_path = widened_model(model_path, args.shape.vocab, wide, config.seed)
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)  # as trainer.run.train does
         times: dict[str, list[float]] = {"plain": [], **{arm: [] for arm in arms}}
@@ -113,18 +193,30 @@ def main() -> None:
                 print(
                     f"round {round_ + 1} {arm:<8}: median {statistics.median(step_times) * 1e3:.1f} ms/step"
                 )
+        if args.shape:
+            print(recorded_shape(engine))
+        engine.dispose()
     plain = times["plain"]
+    shape = (
+        f", {args.shape.rollouts} rollouts x {args.shape.tokens} tokens a step, a"
+        f" {args.shape.vocab:,}-token vocabulary"
+        if args.shape
+        else ""
+    )
     print(
-        f"\n{args.variant}, {args.steps} steps x {args.rounds} rounds per arm ({len(plain)} timed steps each)"
+        f"\n{args.variant}{shape}, {args.steps} steps x {args.rounds} rounds per arm"
+        f" ({len(plain)} timed steps each)"
     )
     for arm, arm_times in times.items():
         print(
             f"{arm:<9} median {statistics.median(arm_times) * 1e3:7.1f} ms/step   mean {statistics.fmean(arm_times) * 1e3:7.1f}"
         )
     for arm in arms:
+        median = statistics.median(times[arm]) / statistics.median(plain)
         print(
-            f"ratio {arm}/plain: median {statistics.median(times[arm]) / statistics.median(plain):.3f}"
+            f"ratio {arm}/plain: median {median:.3f}"
             f"   mean {statistics.fmean(times[arm]) / statistics.fmean(plain):.3f}"
+            f"   (target ≤ {TARGET:.2f}: {'met' if median <= TARGET else 'not met'})"
         )
 
 

@@ -1,0 +1,703 @@
+"""Scale bench: a user's GRPO shape written through the real write path, its bytes on disk
+against TRL's own completions parquet, and the pages that read it at 100 and 1,000 steps.
+
+Data (bench/scale_data.py): steps of 64 groups × 8 rollouts × ~1,024 tokens (varying per
+rollout), 4 control tokens, a 150k vocabulary; token ids Zipf-like, token texts that concatenate
+to the completion, logprobs mostly near 0, control-token probabilities mostly near 0 with the
+close tag near 1 at the call's end, a dataset of 256 tool-listing prompts (a few KB each)
+recurring across steps, group-normalised advantages, a few verifier/truth disagreements, a
+stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
+
+1. Write. Each step is built (untimed), then written by `store.write_batch` (the StepWriter's
+   one transaction with a kept Recorder) into a migrated SQLite file and, with --pg, a database
+   created on that PostgreSQL server (dropped at the end): ms a step (median, p90, max) and
+   M completion tokens/s; TRL's parquet of the same step is written and timed beside it.
+2. Disk, after --steps full-shape steps: the SQLite file after VACUUM (by table and index from
+   dbstat), PostgreSQL's pg_total_relation_size of every table (heap + TOAST + indexes), and the
+   TRL-style parquet (one file a step: step, prompt, completion, the reward, advantage; pandas
+   `to_parquet` defaults, as GRPOTrainer.log writes them): bytes a rollout and a token, ratio;
+   then a rollout's bytes by column (text, binary and JSON columns, read from the schema).
+3. Pages, at --steps and again after a fill to --fill-to steps (rollouts of ~--fill-tokens
+   tokens: at 1,000 steps that is 512,000 rollouts): p50/p90 of the app's own Server-Timing
+   through FastAPI's TestClient, and bytes, for the step viewer, a group's page, their JSON, the
+   run page and its series, and the rollout explorer, one query per filter kind plus a second
+   keyset page; at step --steps/2, its middle group. A page gets --repeat requests after a
+   warm-up, fewer (at least 2) once --budget seconds are spent on it, so a page that takes
+   seconds shows n = 2 or 3. PostgreSQL is ANALYZEd first (as autovacuum would have). A route
+   that answers 404 (not built yet) prints `n/a (404)`; any other non-200 is an error (the bench
+   goes on and exits 1). Targets are printed beside each figure.
+
+    .venv/bin/python -m bench.scale [--pg [URL]] [--quick] [--groups 64] [--group-size 8]
+        [--tokens 1024] [--vocab 150000] [--ctrl 4] [--steps 100] [--fill-to 1000]
+        [--fill-tokens 64] [--repeat 20] [--budget 4] [--cache DIR]
+    .venv/bin/python -m bench.scale --profile [WARM] [--pg]   # cProfile of step WARM+1's write
+
+The full run with --pg takes 9 to 12 minutes on two busy cores (the 100 full steps 4 to 5,
+the fill about 5, the pages the rest; building steps is a third of it) and about 4 GB of disk
+under --cache (a temporary folder by default, removed at the end).
+`--quick` (well under a minute: a few small steps, 2 requests a page) keeps it working in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import math
+import pstats
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote, urlencode, urlsplit
+
+from fastapi.testclient import TestClient
+from rollout_lens.server import store
+from rollout_lens.server.app import create_app
+from rollout_lens.server.config import get_settings
+from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.migrate import upgrade
+from rollout_lens.server.models import RunSource, RunStatus
+from rollout_lens.server.records import StepRecord
+from sqlalchemy import JSON, Engine, LargeBinary, String, inspect, text
+
+from bench.pages import PG_DEFAULT, chart_names, pg_database
+from bench.scale_data import ScaleRun, Shape, trl_table
+
+QUICK = {"groups": 4, "tokens": 96, "steps": 4, "fill_to": 10, "fill_tokens": 16, "repeat": 2}
+WRITE_TARGET_MS = 300
+TOKENS_TARGET = 1.7  # M tokens/s
+STEP_PAGE_KB, JSON_MB = 300, 2
+
+
+@dataclass
+class Database:
+    """One database the bench writes: its engine, run and the write times of its steps."""
+
+    label: str
+    url: str
+    engine: Engine
+    run_id: int
+    control_tokens: tuple[str, ...]
+    recorder: store.Recorder | None = None
+    seconds: list[float] = field(default_factory=list)
+    fill_seconds: list[float] = field(default_factory=list)
+
+    def write(self, record: StepRecord) -> float:
+        """Write one step as the StepWriter does; seconds."""
+        start = time.perf_counter()
+        self.recorder = store.write_batch(
+            self.engine,
+            self.recorder,
+            [record],
+            run_id=self.run_id,
+            control_tokens=self.control_tokens,
+            price_per_hour=2.0,
+        )
+        return time.perf_counter() - start
+
+
+def open_database(label: str, url: str, run: ScaleRun, total_steps: int) -> Database:
+    """Migrate the database at `url` and create the bench's run in it."""
+    engine = make_engine(url)
+    upgrade(engine)
+    shape = run.shape
+    with session_scope(make_session_factory(engine)) as session:
+        run_id = store.create_run(
+            session,
+            name=f"scale {shape.groups}x{shape.group_size}x{shape.tokens}",
+            model="Qwen/Qwen3-8B",
+            total_steps=total_steps,
+            group_size=shape.group_size,
+            prompts_per_step=shape.groups,
+            config={"groups": shape.groups, "tokens": shape.tokens, "vocab": shape.vocab},
+            control_tokens=run.control_tokens,
+            status=RunStatus.running,
+            source=RunSource.callback,
+        ).id
+    return Database(label, url, engine, run_id, run.control_tokens)
+
+
+# --- figures -----------------------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _mark(ok: bool) -> str:
+    return "✓" if ok else "✗"
+
+
+# --- 1. write ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Written:
+    """What the full-shape steps came to: counts, and the parquet files beside them."""
+
+    rollouts: int = 0
+    tokens: int = 0
+    build_seconds: list[float] = field(default_factory=list)
+    parquet_seconds: list[float] = field(default_factory=list)
+    parquet_bytes: int = 0
+
+
+def write_steps(
+    run: ScaleRun, dbs: list[Database], steps: range, parquet: Path | None, tokens: int | None
+) -> Written:
+    """Build each step (untimed), write it to every database (timed), and its TRL parquet."""
+    import pandas as pd
+
+    written = Written()
+    for step in steps:
+        start = time.perf_counter()
+        record = run.step(step, tokens=tokens)
+        written.build_seconds.append(time.perf_counter() - start)
+        written.rollouts += len(record.rollouts)
+        written.tokens += sum(len(r.completion_ids) for r in record.rollouts)
+        for db in dbs:
+            (db.seconds if parquet else db.fill_seconds).append(db.write(record))
+        if parquet is not None:
+            path = parquet / f"completions_{step:05d}.parquet"
+            start = time.perf_counter()
+            pd.DataFrame(trl_table(record)).to_parquet(path)
+            written.parquet_seconds.append(time.perf_counter() - start)
+            written.parquet_bytes += path.stat().st_size
+        _progress(f"step {step}/{steps.stop - 1}")
+    _progress("")
+    return written
+
+
+def _progress(note: str) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r  {note:<40}\r" if note else "\r" + " " * 44 + "\r")
+        sys.stderr.flush()
+
+
+def print_write(dbs: list[Database], written: Written, steps: int, fill: bool = False) -> None:
+    per_step, per_rollout = written.tokens / steps, written.tokens / written.rollouts
+    print(
+        f"  {steps} steps of {written.rollouts // steps:,} rollouts × ~{per_rollout:,.0f} tokens"
+        f" ({per_step:,.0f} tokens a step); building a step took"
+        f" {statistics.median(written.build_seconds):.2f} s (untimed)"
+    )
+    print(f"  {'':<12} {'median':>9} {'p90':>9} {'max':>9} {'M tokens/s':>11}   target")
+    for db in dbs:
+        times = db.fill_seconds if fill else db.seconds
+        ms = [t * 1000 for t in times]
+        rate = written.tokens / sum(times) / 1e6
+        median = statistics.median(ms)
+        target = "" if fill else f"≤ {WRITE_TARGET_MS} ms, ≥ {TOKENS_TARGET} M tokens/s"
+        ok = "" if fill else _mark(median <= WRITE_TARGET_MS and rate >= TOKENS_TARGET)
+        print(f"  {db.label:<12} {_spread(ms)} {rate:11.2f}   {target} {ok}")
+    if written.parquet_seconds:
+        print(f"  {'TRL parquet':<12} {_spread([t * 1000 for t in written.parquet_seconds])}")
+
+
+def _spread(ms: list[float]) -> str:
+    return f"{statistics.median(ms):7.0f}ms {_pct(ms, 0.9):7.0f}ms {max(ms):7.0f}ms"
+
+
+# --- 2. disk -----------------------------------------------------------------------------------
+
+
+def sqlite_bytes(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The file's bytes after VACUUM, and table → (its pages, its indexes' pages) from dbstat."""
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.execute("VACUUM")
+        owners = dict(conn.execute("SELECT name, tbl_name FROM sqlite_master"))
+        parts: dict[str, tuple[int, int]] = {}
+        try:
+            pages = conn.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall()
+        except sqlite3.OperationalError:  # an SQLite built without dbstat
+            pages = []
+        for name, size in pages:
+            table = owners.get(name, name)
+            own, indexes = parts.get(table, (0, 0))
+            parts[table] = (own + size, indexes) if name == table else (own, indexes + size)
+    finally:
+        conn.close()
+    return path.stat().st_size, parts
+
+
+def postgres_bytes(engine: Engine) -> tuple[int, dict[str, tuple[int, int, int]]]:
+    """pg_total_relation_size of every table, and table → (heap, TOAST, indexes)."""
+    sql = text(
+        "SELECT c.relname, pg_table_size(c.oid) - COALESCE(pg_total_relation_size("
+        "NULLIF(c.reltoastrelid, 0)), 0), COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid,"
+        " 0)), 0), pg_indexes_size(c.oid), pg_total_relation_size(c.oid) FROM pg_class c JOIN"
+        " pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind = 'r'"
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(sql).all()
+    return sum(r[4] for r in rows), {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+
+def print_disk(dbs: list[Database], written: Written, sqlite_file: Path) -> None:
+    n, tokens = written.rollouts, written.tokens
+    trl = written.parquet_bytes / n
+    print(
+        f"  {n:,} rollouts, {tokens / 1e6:,.1f} M completion tokens; target: the database's "
+        "bytes a rollout below the parquet's"
+    )
+    print(f"  {'':<34} {'total':>10} {'a rollout':>11} {'a token':>9} {'× parquet':>10}")
+
+    def line(label: str, total: int, mark: str = "") -> None:
+        print(
+            f"  {label:<34} {_size(total):>10} {_size(total / n):>11} {total / tokens:7.1f} B"
+            f" {total / n / trl:10.2f} {mark}"
+        )
+
+    line("TRL completions parquet", written.parquet_bytes)
+    for db in dbs:
+        if db.url.startswith("sqlite"):
+            db.engine.dispose()  # VACUUM needs the file to itself
+            total, parts = sqlite_bytes(sqlite_file)
+            line("SQLite, after VACUUM", total, _mark(total / n < trl))
+            _sqlite_parts(parts, total)
+        else:
+            total, pg_parts = postgres_bytes(db.engine)
+            line("PostgreSQL, tables+TOAST+indexes", total, _mark(total / n < trl))
+            _postgres_parts(pg_parts, total)
+        _column_parts(db.engine, n)
+
+
+def column_bytes(engine: Engine, table: str = "rollouts") -> dict[str, int]:
+    """Bytes of each text, binary and JSON column of `table` as the database holds them
+    (PostgreSQL: pg_column_size, after its compression; SQLite: the value's bytes). The columns
+    are read from the schema, so a new storage format is measured as it is."""
+    kinds = (String, LargeBinary, JSON)
+    wide = [c["name"] for c in inspect(engine).get_columns(table) if isinstance(c["type"], kinds)]
+    if engine.dialect.name == "postgresql":
+        size = 'COALESCE(SUM(pg_column_size("{}")), 0)'
+    else:
+        size = 'COALESCE(SUM(length(CAST("{}" AS BLOB))), 0)'
+    sql = f"SELECT {', '.join(size.format(c) for c in wide)} FROM {table}"
+    with engine.connect() as conn:
+        sums = conn.execute(text(sql)).one() if wide else ()
+    return dict(zip(wide, (int(x) for x in sums), strict=True))
+
+
+def _column_parts(engine: Engine, n: int) -> None:
+    """Where a rollout's bytes go, by column (the columns over 1 % of them)."""
+    parts = column_bytes(engine)
+    total = sum(parts.values()) or 1
+    shown = [
+        f"{name} {_size(size / n)} ({100 * size / total:.0f} %)"
+        for name, size in sorted(parts.items(), key=lambda kv: -kv[1])
+        if size >= total / 100
+    ]
+    print(f"    a rollout's text, binary and JSON columns: {', '.join(shown)}")
+
+
+def _sqlite_parts(parts: dict[str, tuple[int, int]], total: int) -> None:
+    """Tables holding at least 0.1 % of the file, largest first."""
+    for table, (own, indexes) in sorted(parts.items(), key=lambda kv: -sum(kv[1])):
+        if own + indexes >= total / 1000:
+            share = 100 * (own + indexes) / total
+            sizes = f"table {_size(own):>10}  indexes {_size(indexes):>10}"
+            print(f"    {table:<20} {sizes}  {share:5.1f} %")
+
+
+def _postgres_parts(parts: dict[str, tuple[int, int, int]], total: int) -> None:
+    """Tables holding at least 0.1 % of the total, largest first."""
+    for table, (heap, toast, indexes) in sorted(parts.items(), key=lambda kv: -sum(kv[1])):
+        if heap + toast + indexes >= total / 1000:
+            share = 100 * (heap + toast + indexes) / total
+            print(
+                f"    {table:<20} heap {_size(heap):>10}  TOAST {_size(toast):>10}"
+                f"  indexes {_size(indexes):>10}  {share:5.1f} %"
+            )
+
+
+def database_size(db: Database, sqlite_file: Path) -> int:
+    """Bytes of a database as it stands (SQLite: file and WAL; PostgreSQL: every table)."""
+    if db.url.startswith("sqlite"):
+        wal = Path(f"{sqlite_file}-wal")
+        return sqlite_file.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+    return postgres_bytes(db.engine)[0]
+
+
+# --- 3. pages ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Page:
+    label: str
+    url: str
+    ms_target: float | None = None  # p50
+    kb_target: float | None = None
+
+
+@dataclass
+class Answer:
+    status: int
+    ms: float  # the app's own time (Server-Timing)
+    body: bytes
+
+
+def _get(client: TestClient, url: str) -> Answer:
+    response = client.get(url)
+    timing = response.headers.get("server-timing", "dur=0")
+    return Answer(response.status_code, float(timing.split("dur=")[1]), response.content)
+
+
+def measure(client: TestClient, url: str, repeat: int, budget: float) -> tuple[list[float], Answer]:
+    """Server times of `url` (ms) after a warm-up: `repeat` requests, or fewer (at least 2) once
+    `budget` seconds are spent, so a page taking seconds does not hold the bench for minutes."""
+    first = _get(client, url)
+    if first.status != 200:
+        return [], first
+    times = [first.ms] if first.ms > 1000 else []  # seconds of work: no warm-up cost to hide
+    last, started = first, time.perf_counter()
+    while len(times) < repeat and not (len(times) >= 2 and time.perf_counter() - started > budget):
+        last = _get(client, url)
+        if last.status != 200:
+            return [], last
+        times.append(last.ms)
+    return times, last
+
+
+def explorer_queries(
+    run_id: int, steps: int, shape: Shape, words: tuple[str, str], vote: str
+) -> list[Page]:
+    """One explorer query a filter kind (the rollout explorer of issue 17, item 4)."""
+    a = max(1, steps // 2)
+    b = min(steps, a + max(1, steps // 10))
+    filters = {
+        "steps=A:B": {"steps": f"{a}:{b}"},
+        "group=": {"group": shape.groups // 2},
+        "state=": {"state": "collapse"},
+        "format_valid=": {"format_valid": 0},
+        "vote=": {"vote": vote},
+        "target=": {"target": vote},
+        "reward_min=&reward_max=": {"reward_min": 0.5, "reward_max": 1},
+        "true_min=": {"true_min": 1},
+        "adv_min=": {"adv_min": 2},
+        "adv_max=": {"adv_max": -2},
+        "disagree=1": {"disagree": 1},
+        "len_min=": {"len_min": int(shape.tokens * 1.5)},
+        "len_max=": {"len_max": max(8, shape.tokens // 4)},
+        "alert=1": {"alert": 1},
+        f"q= rare ({words[0]})": {"q": words[0]},
+        f"q= common ({words[1]})": {"q": words[1]},
+        "sort=advantage&order=desc": {"sort": "advantage", "order": "desc"},
+    }
+    return [
+        Page(
+            f"explorer {label}",
+            f"/api/runs/{run_id}/rollouts?{urlencode(query)}",
+            200,
+            JSON_MB * 1000,
+        )
+        for label, query in filters.items()
+    ]
+
+
+def page_list(run_id: int, step: int, group: int, names: str) -> list[Page]:
+    return [
+        Page("step viewer", f"/runs/{run_id}/steps/{step}", 100, STEP_PAGE_KB),
+        Page("group page", f"/runs/{run_id}/steps/{step}/groups/{group}", 100),
+        Page("step JSON", f"/api/runs/{run_id}/steps/{step}", None, JSON_MB * 1000),
+        Page("group JSON", f"/api/runs/{run_id}/steps/{step}/groups/{group}", None, JSON_MB * 1000),
+        Page("run page", f"/runs/{run_id}"),
+        Page("series JSON", f"/api/runs/{run_id}/series?names={names}", None, JSON_MB * 1000),
+        Page("explorer page", f"/runs/{run_id}/rollouts", 200),
+    ]
+
+
+def next_page(base: str, body: bytes) -> str | None:
+    """The URL of the keyset page after the one `body` answered (its `next` cursor)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    cursor = None
+    for holder in (data, data.get("page") if isinstance(data, dict) else None):
+        if isinstance(holder, dict):
+            cursor = cursor or holder.get("next") or holder.get("next_cursor")
+    if cursor is None:
+        return None
+    if isinstance(cursor, str) and cursor.startswith(("/", "http")):  # a URL: keep its path
+        parts = urlsplit(cursor)
+        return parts.path + (f"?{parts.query}" if parts.query else "")
+    if isinstance(cursor, str) and cursor.startswith("?"):
+        return base.split("?", 1)[0] + cursor
+    value = cursor if isinstance(cursor, str) else json.dumps(cursor, separators=(",", ":"))
+    return f"{base}&cursor={quote(value)}"
+
+
+def _total(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return ""
+    total = data.get("total") if isinstance(data, dict) else None
+    return f"{total:,} rows" if isinstance(total, int) else ""
+
+
+class PageBench:
+    """Measures pages of one database and prints a row each; remembers errors."""
+
+    def __init__(self, client: TestClient, repeat: int, budget: float) -> None:
+        self.client, self.repeat, self.budget = client, repeat, budget
+        self.errors: list[str] = []
+
+    def row(self, page: Page) -> Answer | None:
+        times, answer = measure(self.client, page.url, self.repeat, self.budget)
+        if answer.status == 404:
+            print(f"  {page.label:<40} {'n/a (404)':>28}")
+            return None
+        if answer.status != 200:
+            self.errors.append(f"{page.url} answered {answer.status}: {answer.body[:300]!r}")
+            print(f"  {page.label:<40} ERROR {answer.status}")
+            return None
+        p50, p90, size = statistics.median(times), _pct(times, 0.9), len(answer.body)
+        wants, ok = [], True
+        if page.ms_target is not None:
+            wants.append(f"≤ {page.ms_target:.0f} ms")
+            ok &= p50 <= page.ms_target
+        if page.kb_target is not None:
+            wants.append(f"≤ {_size(page.kb_target * 1000).replace('.0 ', ' ')}")
+            ok &= size <= page.kb_target * 1000
+        want = f"{', '.join(wants)} {_mark(ok)}" if wants else ""
+        print(
+            f"  {page.label:<40} {len(times):>3} {p50:9.1f} {p90:9.1f} {_size(size):>10}  "
+            f"{want:<22} {_total(answer.body)}"
+        )
+        return answer
+
+
+def bench_pages(
+    db: Database, run: ScaleRun, plan: Plan, steps: int, words: tuple[str, str]
+) -> list[str]:
+    """Every page figure on `db` at `steps` steps; the errors met."""
+    names = chart_names(make_session_factory(db.engine), db.run_id)
+    # lost_after: no worker beats for the bench's running run; leave it running
+    settings = get_settings(database_url=db.url, lost_after_seconds=10**9)
+    shape, step, group = run.shape, max(1, plan.steps // 2), run.shape.groups // 2
+    vote = run.rows[0].target
+    repeat, budget = plan.repeat, plan.budget
+    print(f"  {'page':<40} {'n':>3} {'p50 ms':>9} {'p90 ms':>9} {'bytes':>10}  target")
+    with TestClient(create_app(settings), base_url="http://127.0.0.1") as client:
+        bench = PageBench(client, repeat, budget)
+        for page in page_list(db.run_id, step, group, names):
+            bench.row(page)
+        for page in explorer_queries(db.run_id, steps, shape, words, vote):
+            answer = bench.row(page)
+            if page.label.startswith("explorer sort="):
+                following = None if answer is None else next_page(page.url, answer.body)
+                if following is None:
+                    why = "n/a (no next cursor)" if answer else "n/a (no first page)"
+                    print(f"  {'explorer second keyset page':<40} {why:>28}")
+                else:
+                    bench.row(Page("explorer second keyset page", following, 200, JSON_MB * 1000))
+    return bench.errors
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: Shape
+    steps: int  # full-shape steps: write, disk and the first pages
+    fill_to: int  # steps in all for the second pages
+    fill_tokens: int
+    repeat: int
+    budget: float  # seconds a page's requests may take beyond the first two
+
+
+def run_bench(plan: Plan, folder: Path, pg: str | None) -> int:
+    """Every section on SQLite (and PostgreSQL); 1 if a page answered an error."""
+    shape = plan.shape
+    started = time.perf_counter()
+    run = ScaleRun(shape)
+    print(
+        f"== data: {shape.groups} groups × {shape.group_size} rollouts × ~{shape.tokens:,} tokens,"
+        f" {len(run.control_tokens)} control tokens, a {shape.vocab:,}-token vocabulary,"
+        f" {shape.prompts} prompts ({statistics.mean(len(r.prompt) for r in run.rows) / 1000:.1f}"
+        " KB each)"
+    )
+    words = run.words.search_words(plan.steps * shape.rollouts * shape.tokens)
+    print(f"  search words: {words[0]!r} (rare: some 30 uses), {words[1]!r} (in most completions)")
+    sqlite_file = folder / "scale.db"
+    parquet = folder / "completions"
+    parquet.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        dbs = [open_database("SQLite", f"sqlite:///{sqlite_file}", run, plan.fill_to)]
+        if pg:
+            url = stack.enter_context(pg_database(pg))
+            dbs.append(open_database("PostgreSQL", url, run, plan.fill_to))
+        stack.callback(lambda: [db.engine.dispose() for db in dbs])
+        print("\n== write: store.write_batch, one step a transaction (ms a step)")
+        written = write_steps(run, dbs, range(1, plan.steps + 1), parquet, None)
+        print_write(dbs, written, plan.steps)
+        print(f"\n== disk at {plan.steps} steps")
+        print_disk(dbs, written, sqlite_file)
+        errors = pages_section(dbs, run, plan, plan.steps, written.rollouts, words)
+        if plan.fill_to > plan.steps:
+            print(f"\n== fill to {plan.fill_to:,} steps (rollouts of ~{plan.fill_tokens} tokens)")
+            filled = write_steps(
+                run, dbs, range(plan.steps + 1, plan.fill_to + 1), None, plan.fill_tokens
+            )
+            print_write(dbs, filled, plan.fill_to - plan.steps, fill=True)
+            for db in dbs:
+                size = _size(database_size(db, sqlite_file))
+                print(f"  {db.label} at {plan.fill_to:,} steps: {size} (no VACUUM)")
+            rollouts = written.rollouts + filled.rollouts
+            errors += pages_section(dbs, run, plan, plan.fill_to, rollouts, words)
+    print(f"\n== done in {(time.perf_counter() - started) / 60:.1f} min")
+    for error in errors:
+        print(f"ERROR {error}")
+    return 1 if errors else 0
+
+
+def pages_section(
+    dbs: list[Database],
+    run: ScaleRun,
+    plan: Plan,
+    steps: int,
+    rollouts: int,
+    words: tuple[str, str],
+) -> list[str]:
+    errors: list[str] = []
+    for db in dbs:
+        if not db.url.startswith("sqlite"):
+            with db.engine.begin() as conn:  # the statistics autovacuum would have gathered
+                conn.execute(text("ANALYZE"))
+        print(
+            f"\n== pages, {db.label}, {steps:,} steps ({rollouts:,} rollouts): server time"
+            f" (Server-Timing), step {max(1, plan.steps // 2)}, group {run.shape.groups // 2}"
+        )
+        errors += bench_pages(db, run, plan, steps, words)
+    return errors
+
+
+# --- --profile ---------------------------------------------------------------------------------
+
+
+def profile_write(shape: Shape, folder: Path, pg: str | None, warm: int, top: int = 20) -> int:
+    """cProfile of one full-shape step's write on each database, after `warm` unprofiled steps
+    (the first steps pay for most of the run's token texts): top entries by own time and by
+    cumulative time."""
+    run = ScaleRun(shape)
+    with ExitStack() as stack:
+        dbs = [open_database("SQLite", f"sqlite:///{folder / 'profile.db'}", run, warm + 1)]
+        if pg:
+            url = stack.enter_context(pg_database(pg))
+            dbs.append(open_database("PostgreSQL", url, run, warm + 1))
+        stack.callback(lambda: [db.engine.dispose() for db in dbs])
+        for step in range(1, warm + 1):
+            record = run.step(step)
+            for db in dbs:
+                db.write(record)
+        record = run.step(warm + 1)
+        for db in dbs:
+            known = len(db.recorder.tokens_seen) if db.recorder else 0
+            profiler = cProfile.Profile()
+            profiler.enable()
+            seconds = db.write(record)
+            profiler.disable()
+            new = len(db.recorder.tokens_seen) - known if db.recorder else 0
+            print(
+                f"\n== {db.label}: step {warm + 1} written in {seconds * 1000:.0f} ms under"
+                f" cProfile ({new:,} token ids new to the run)"
+            )
+            _print_profile(profiler, top)
+    return 0
+
+
+def _print_profile(profiler: cProfile.Profile, top: int) -> None:
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(order).print_stats(top)
+        lines = out.getvalue().splitlines()
+        start = next(i for i, line in enumerate(lines) if "ncalls" in line)
+        print(f"\n  by {order}:")
+        print("\n".join(f"  {line}" for line in lines[start:] if line.strip()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--pg", nargs="?", const=PG_DEFAULT, help=f"also PostgreSQL ({PG_DEFAULT})")
+    parser.add_argument("--quick", action="store_true", help="a few small steps, 2 requests a page")
+    parser.add_argument("--groups", type=int, help="prompts a step (64)")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--tokens", type=int, help="mean completion tokens a rollout (1,024)")
+    parser.add_argument("--vocab", type=int, default=150_000)
+    parser.add_argument("--ctrl", type=int, default=4, help="control tokens watched")
+    parser.add_argument("--steps", type=int, help="steps at the full shape (100)")
+    parser.add_argument("--fill-to", type=int, help="steps in all for the second pages (1,000)")
+    parser.add_argument("--fill-tokens", type=int, help="tokens a rollout of the fill (64)")
+    parser.add_argument("--repeat", type=int, help="requests a page (20; --quick 2)")
+    parser.add_argument("--budget", type=float, default=4.0, help="seconds a page, past 2 requests")
+    parser.add_argument("--cache", type=Path, help="keep the databases and parquet files here")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        type=int,
+        const=10,
+        metavar="WARM",
+        help="profile one step's write after WARM steps (10), and exit",
+    )
+    args = parser.parse_args(argv)
+    quick = QUICK if args.quick else {}
+
+    def pick(name: str, default: int) -> int:
+        value = getattr(args, name)
+        return value if value is not None else quick.get(name, default)
+
+    shape = Shape(
+        groups=pick("groups", 64),
+        group_size=args.group_size,
+        tokens=pick("tokens", 1024),
+        vocab=args.vocab,
+        ctrl=args.ctrl,
+    )
+    plan = Plan(
+        shape=shape,
+        steps=pick("steps", 100),
+        fill_to=pick("fill_to", 1000),
+        fill_tokens=pick("fill_tokens", 64),
+        repeat=pick("repeat", 20),
+        budget=args.budget,
+    )
+    with _folder(args.cache) as folder:
+        if args.profile is not None:
+            return profile_write(shape, folder, args.pg, args.profile)
+        return run_bench(plan, folder, args.pg)
+
+
+@contextmanager
+def _folder(cache: Path | None) -> Iterator[Path]:
+    """`cache` (kept) or a temporary folder (removed)."""
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="scale-", dir=cache))
+        print(f"  files kept under {folder}")
+        yield folder
+        return
+    with tempfile.TemporaryDirectory(prefix="rollout-lens-scale-") as tmp:
+        yield Path(tmp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

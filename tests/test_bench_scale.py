@@ -1,0 +1,74 @@
+"""bench/scale.py in its --quick mode on SQLite and on PostgreSQL, so the scale bench keeps
+running as the write path and the pages change under it. Its figures are printed for people, not
+asserted (timed tests on a shared machine mean little): only its sections and figure names."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import scale
+from tests.conftest import PG_URL
+
+SECTIONS = ("== data", "== write", "== disk at 4 steps", "== fill to 10 steps")
+PAGES = (
+    "step viewer",
+    "group page",
+    "step JSON",
+    "group JSON",
+    "run page",
+    "series JSON",
+    "explorer page",
+    "explorer steps=A:B",
+    "explorer q= rare",
+    "explorer q= common",
+    "explorer sort=advantage&order=desc",
+    "explorer second keyset page",
+)
+
+
+def _check(out: str, databases: tuple[str, ...]) -> None:
+    for heading in SECTIONS:
+        assert heading in out, heading
+    for database in databases:
+        writes = out.split("== write", 1)[1].split("\n== ", 1)[0]
+        assert f"  {database} " in writes, database
+        for steps in ("4 steps", "10 steps"):
+            section = out.split(f"== pages, {database}, {steps}", 1)[1].split("\n== ", 1)[0]
+            for figure in PAGES:
+                assert figure in section, (database, steps, figure)
+    for figure in ("median", "p90", "M tokens/s", "TRL parquet", "TRL completions parquet"):
+        assert figure in out, figure
+    assert "SQLite, after VACUUM" in out and "× parquet" in out
+    assert "a rollout's text, binary and JSON columns:" in out
+
+
+def test_the_scale_bench_runs_on_sqlite(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scale.main(["--quick"]) == 0
+    _check(capsys.readouterr().out, ("SQLite",))
+
+
+@pytest.mark.postgres
+def test_the_scale_bench_runs_on_postgres(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scale.main(["--quick", "--pg", PG_URL]) == 0
+    out = capsys.readouterr().out
+    _check(out, ("SQLite", "PostgreSQL"))
+    assert "PostgreSQL, tables+TOAST+indexes" in out
+
+
+def test_the_profile_mode_prints_the_write_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert scale.main(["--profile", "2", "--groups", "2", "--tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "step 3 written in" in out and "token ids new to the run" in out
+    assert "write_batch" in out
+
+
+def test_the_second_keyset_page_follows_the_next_cursor_however_it_is_given() -> None:
+    base = "/api/runs/1/rollouts?sort=advantage&order=desc"
+    assert scale.next_page(base, b'{"rows": [], "next": null}') is None
+    assert scale.next_page(base, b"<html>") is None
+    assert scale.next_page(base, b'{"next": "k 1"}') == f"{base}&cursor=k%201"
+    assert scale.next_page(base, b'{"page": {"next": "?cursor=2"}}') == (
+        "/api/runs/1/rollouts?cursor=2"
+    )
+    follow = b'{"next": "http://127.0.0.1/api/runs/1/rollouts?cursor=3"}'
+    assert scale.next_page(base, follow) == "/api/runs/1/rollouts?cursor=3"
