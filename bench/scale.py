@@ -432,7 +432,9 @@ def next_page(base: str, body: bytes) -> str | None:
     cursor = None
     for holder in (data, data.get("page") if isinstance(data, dict) else None):
         if isinstance(holder, dict):
-            cursor = cursor or holder.get("next") or holder.get("next_cursor")
+            cursor = (
+                cursor or holder.get("next_url") or holder.get("next") or holder.get("next_cursor")
+            )
     if cursor is None:
         return None
     if isinstance(cursor, str) and cursor.startswith(("/", "http")):  # a URL: keep its path
