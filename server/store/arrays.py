@@ -223,11 +223,11 @@ def decode_control(data: bytes | None, n_rows: int) -> list[list[float]]:
     dense = np.zeros((n_rows, length), dtype=np.float64)
     row = np.repeat(np.arange(n_rows), counts)
     if total:
-        # positions: the running sum of gaps, restarted at each row's first
-        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        # positions: the running sum of gaps, restarted at each row's first (an empty row starts
+        # where the next one does)
         running = np.cumsum(gaps)
-        base = np.repeat(running[starts] - gaps[starts], counts)
-        dense[row, running - base] = values
+        before = np.concatenate(([0], running))[np.concatenate(([0], np.cumsum(counts)[:-1]))]
+        dense[row, running - np.repeat(before, counts)] = values
     out: list[list[float]] = dense.tolist()
     return out
 
