@@ -311,6 +311,7 @@ def _requirement(err: Any) -> str:
         "int_from_float": lambda: "must be a whole number",
         "float_parsing": lambda: "must be a number",
         "string_too_long": lambda: f"must be at most {ctx['max_length']} characters",
+        "too_long": lambda: f"must have at most {ctx['max_length']} items",
         "string_too_short": lambda: f"must have at least {ctx['min_length']} character",
         "list_type": lambda: "must be a list of tokens",
         "extra_forbidden": lambda: "is not a setting of a run",

@@ -15,6 +15,7 @@ from rollout_lens.server import charts, figures, viewer
 from rollout_lens.server import series as vocab
 from rollout_lens.server.models import ACTIVE_STATUSES
 from rollout_lens.server.queries import (
+    JSON_TEXT_BUDGET,
     JSON_TEXT_CHARS,
     MAX_RUNS_PER_PAGE,
     RUNS_PER_PAGE,
@@ -262,7 +263,7 @@ def group_json(detail: dict[str, Any], url: Url, *, limit: int, max_tokens: int)
     group = detail["summary"]["group"]
     end = detail["offset"] + len(detail["rollouts"])
     path = url("get_group", run_id=run_id, step=step, group=group)
-    cut = JSON_TEXT_CHARS
+    cut = max(JSON_TEXT_CHARS, JSON_TEXT_BUDGET // max(limit, 1))
     rollouts = [
         r
         | {

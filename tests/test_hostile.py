@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from rollout_lens.server import store
+from rollout_lens.server import queries, store
 from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
@@ -191,8 +191,11 @@ def test_a_1_mb_completion_is_cut_on_pages_and_whole_in_the_json(
     assert note.find("a").attrs["href"] == f"/api/runs/{run_id}/steps/1/groups/0?offset=0&limit=1"
     card = assert_inert(client.get(f"/compare?runs={run_id},{other}").text, "compare")
     assert "of 1,048,576 characters" in card.find("td", cls="completion-cell").text
+    # the JSON of that one rollout: as much as a 2 MB answer holds, and how much there is
     full = client.get(note.find("a").attrs["href"]).json()
-    assert [r["completion"] for r in full["rollouts"]] == [storable(BIG)]
+    (one,) = full["rollouts"]
+    assert one["completion"] == storable(BIG)[: queries.JSON_TEXT_BUDGET]
+    assert one["completion_chars"] == len(storable(BIG))
 
 
 def test_a_long_completion_shows_its_first_tokens(
@@ -226,8 +229,10 @@ def test_a_long_completion_shows_its_first_tokens(
     assert len(panel.find("table", cls="ctrl").find("thead").find_all("th")) == 1 + 64
     link = panel.find("p", cls="clip-note").find("a").attrs["href"]
     assert link == f"/api/runs/{run_id}/steps/1/groups/0?offset=3&limit=1&max_tokens={n}"
+    # one rollout's JSON: as many positions as a 2 MB answer holds, and how many there are
     (whole,) = client.get(link).json()["rollouts"]
-    assert whole["index"] == 3 and whole["completion_ids"] == list(range(n))
+    assert whole["index"] == 3 and whole["completion_ids"] == list(range(queries.JSON_POSITIONS))
+    assert whole["tokens_total"] == n
     cut = client.get(f"/api/runs/{run_id}/steps/1/groups/0").json()["rollouts"][3]
     assert len(cut["completion_ids"]) == JSON_TOKENS and cut["tokens_total"] == n
 

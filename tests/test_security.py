@@ -430,14 +430,17 @@ def test_launch_text_and_lists_have_maximum_lengths(
     client: TestClient, session_factory: sessionmaker[Session]
 ) -> None:
     cases = [
-        ({"model": "x" * 501}, "model: String should have at most 500 characters"),
-        ({"name": "n" * 201}, "name: String should have at most 200 characters"),
-        ({"control_tokens": ["a"] * 100_000}, "control_tokens: List should have at most 64 items"),
+        ({"model": "x" * 501}, "model: Model must be at most 500 characters"),
+        ({"name": "n" * 201}, "name: Name must be at most 200 characters"),
+        (
+            {"control_tokens": ["a"] * 100_000},
+            "control_tokens: Control tokens must have at most 64 items",
+        ),
         (
             {"control_tokens": ["t" * 101]},
-            "control_tokens: String should have at most 100 characters",
+            "control_tokens: Control tokens must be at most 100 characters",
         ),
-        ({"verifier": "v" * 10_000}, "verifier: String should have at most 32 characters"),
+        ({"verifier": "v" * 10_000}, "verifier: Verifier must be at most 32 characters"),
     ]
     for body, words in cases:
         response = client.post("/api/runs", json={"steps": 1} | body)

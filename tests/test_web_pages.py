@@ -218,6 +218,7 @@ def test_step_viewer_navigation(session_factory, client) -> None:
         "prev-step": f"/runs/{run_id}/steps/2",
         "next-step": f"/runs/{run_id}/steps/4",
         "last-step": f"/runs/{run_id}/steps/5",
+        "step-rollouts": f"/runs/{run_id}/rollouts?steps=3",  # the step in the explorer
     }
     slider = page.by_id("step-slider")
     assert (slider.attrs["min"], slider.attrs["max"], slider.attrs["value"]) == ("1", "5", "3")

@@ -90,10 +90,12 @@ MAX_ROLLOUTS_PER_PAGE = 32  # 32 × JSON_TOKENS positions: ~1.2 MB at 4 control 
 JSON_TOKENS = 256
 # What one group JSON answer holds at most, so that none passes 2 MB: token positions over all
 # its rollouts (a page holds fewer rollouts when each asks for more positions; ~50 bytes each)
-# and characters of each completion and prompt (`completion_chars` and `prompt_chars` say how
-# many there are; the export has everything).
+# and characters of each completion and prompt, JSON_TEXT_BUDGET shared by a page's rollouts
+# but never fewer than JSON_TEXT_CHARS (`completion_chars` and `prompt_chars` say how many
+# there are; the export has everything).
 JSON_POSITIONS = 16_384
 JSON_TEXT_CHARS = 16_000
+JSON_TEXT_BUDGET = 500_000
 GROUP_TABS = 64  # rollouts a group's page shows in full (tabs); the JSON pages every one
 QUERY_CHARS = 500  # of a group's query read for its overview label
 

@@ -328,7 +328,8 @@ def get_group(
     `offset`, `rollouts_total` in all, `next` the following page) with their per-token arrays
     cut to `max_tokens` positions and a `disagree` flag (verifier ≠ truth). No answer holds more
     than 16,384 positions (a page has fewer rollouts when each asks for many) nor more than
-    16,000 characters of a completion or prompt (`completion_chars`, `prompt_chars`)."""
+    500,000 characters of a completion or prompt shared by its rollouts (16,000 at least;
+    `completion_chars` and `prompt_chars` say how many there are: the export has them whole)."""
     max_tokens = min(max_tokens, queries.JSON_POSITIONS)
     limit = min(limit, max(1, queries.JSON_POSITIONS // max(max_tokens, 1)))
     detail = queries.group_detail(
