@@ -25,11 +25,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
-	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(TEST_EXTRAS)]'
+	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl
 	touch $@
 
 demo: $(VENV)/.installed
