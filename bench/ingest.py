@@ -293,6 +293,25 @@ def sizes(folder: Path, *, steps: int) -> None:
     )
 
 
+def _rollout_rows(path: Path) -> list[tuple[Any, ...]]:
+    """(run, step, prompt, completion, reward, advantage) of every rollout, read through the
+    store (a completion's text may be rebuilt from its token ids)."""
+    from rollout_lens.server.serialize import completion_ids, completion_text
+
+    engine = make_engine(f"sqlite:///{path}")
+    rows = []
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            for run in store.list_runs(session):
+                texts = store.token_texts(session, run_id=run.id)
+                for r, prompt in store.iter_rollouts(session, run_id=run.id):
+                    text_ = completion_text(r, completion_ids(r), texts)
+                    rows.append((run.id, r.step, prompt, text_, r.verifier_reward, r.advantage))
+    finally:
+        engine.dispose()
+    return rows
+
+
 def database_sizes(path: Path, folder: Path) -> None:
     """Bytes per rollout of an existing SQLite database (a copy, VACUUMed) against the same
     rollouts written as TRL's log_completions writes them (one parquet per run and step)."""
@@ -310,12 +329,9 @@ def database_sizes(path: Path, folder: Path) -> None:
     raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     raw.execute("VACUUM")
     n = raw.execute("SELECT count(*) FROM rollouts").fetchone()[0] or 1
-    trl_bytes = 0
-    rows = raw.execute(
-        "SELECT r.run_id, r.step, p.text, r.completion, r.verifier_reward, r.advantage FROM rollouts r"
-        ' JOIN prompts p ON p.id = r.prompt_id ORDER BY r.run_id, r.step, r."group", r.idx'
-    ).fetchall()
     raw.close()
+    trl_bytes = 0
+    rows = _rollout_rows(path)
     by_file: dict[tuple[int, int], list[tuple[Any, ...]]] = {}
     for row in rows:
         by_file.setdefault((row[0], row[1]), []).append(row)
