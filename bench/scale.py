@@ -493,7 +493,7 @@ def bench_pages(
     """Every page figure on `db` at `steps` steps; the errors met."""
     names = chart_names(make_session_factory(db.engine), db.run_id)
     # lost_after: no worker beats for the bench's running run; leave it running
-    settings = get_settings(database_url=db.url, lost_after_seconds=10**9)
+    settings = get_settings(database_url=db.url, lost_after_seconds=10**9, server_timing=True)
     shape, step, group = run.shape, max(1, plan.steps // 2), run.shape.groups // 2
     vote = run.rows[0].target
     repeat, budget = plan.repeat, plan.budget
