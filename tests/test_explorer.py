@@ -365,3 +365,21 @@ def test_an_alert_links_to_the_rollouts_that_tripped_it(
     assert len(listed) == 6  # the step's six collapsed rollouts, no other
     links = [a.attrs["href"] for a in parse(run_page.text).find(id="alert-list").find_all("a")]
     assert collapse["rollouts_url"] in links
+
+
+def test_a_resume_takes_the_steps_it_redoes_out_of_the_search(
+    session_factory: sessionmaker[Session], explored: Any
+) -> None:
+    """Resuming from a checkpoint deletes the steps after it; their words leave the index (on
+    SQLite the index holds no text of its own), and the steps written again are found."""
+    run_id, truth = explored
+    late = {r["id"] for r in truth if r["step"] > 3 and _has(r, "gamma")}
+    assert late  # the fixture has gamma after step 3
+    with session_scope(session_factory) as session:
+        store.truncate_after(session, run_id=run_id, step=3)
+    _record(session_factory, run_id, random.Random(99), range(4, 6))
+    again = _truth(session_factory, run_id)
+    expected = sorted(r["id"] for r in again if _has(r, "gamma"))
+    with client_for(session_factory) as client:
+        rows, total = _all_pages(client, f"/api/runs/{run_id}/rollouts?q=gamma&limit=50")
+    assert sorted(r["id"] for r in rows) == expected and total == len(expected)

@@ -171,12 +171,13 @@ def _move_rollouts(conn: sa.Connection, run_id: int, n_control: int, postgres: b
         else:
             conn.exec_driver_sql(
                 f"INSERT INTO rollout_fts_{int(run_id)} (rowid, text) VALUES (?, ?)",
-                [(rid, t[:_SEARCH_CHARS]) for rid, t in search],
+                [(rid, _words(t)) for rid, t in search],
             )
 
 
 def _words(text: str) -> str:
-    return re.sub(r"[\W_]+", " ", text[:_SEARCH_CHARS]).strip()
+    # each distinct word once, lower-cased: what both engines index (server.store.search.words)
+    return " ".join(dict.fromkeys(re.findall(r"[^\W_]+", text[:_SEARCH_CHARS].lower())))
 
 
 def _halves(blob: bytes) -> list[float]:

@@ -24,7 +24,7 @@ SEARCH_CHARS = 200_000  # a longer completion is searchable in its first 200,000
 MAX_WORDS = 16
 MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
 _WORD = re.compile(r"[^\W_]+(\*?)")
-_SEPARATORS = re.compile(r"[\W_]+")
+_WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
 PG_PROMPT_WORDS = (
     "to_tsvector('simple', regexp_replace(left(text, 200000), '[^[:alnum:]]+', ' ', 'g'))"
@@ -37,8 +37,10 @@ def fts_table(run_id: int) -> str:
 
 
 def words(text_: str) -> str:
-    """The words search sees in a text, space-separated (what PostgreSQL's parser is given)."""
-    return _SEPARATORS.sub(" ", text_[:SEARCH_CHARS]).strip()
+    """The words search sees in a text: each distinct one once, lower-cased, space-separated —
+    what both engines index (a search asks which words a text has, not where or how often, so
+    a 1,000-token completion is a few hundred words to parse)."""
+    return " ".join(dict.fromkeys(_WORDS.findall(text_[:SEARCH_CHARS].lower())))
 
 
 def parse_query(q: str) -> list[tuple[str, bool]]:
@@ -79,16 +81,17 @@ def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, s
     )
     conn.exec_driver_sql(
         f"INSERT INTO {table} (rowid, text) VALUES (?, ?)",
-        [(rollout_id, t[:SEARCH_CHARS]) for rollout_id, t in rows],
+        [(rollout_id, words(t)) for rollout_id, t in rows],
     )
 
 
 def index_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
-    """Index new prompts (PostgreSQL's expression index needs nothing)."""
+    """Index new prompts, whole (SQLite's index is over the prompts table, which `rebuild` and
+    `delete` read; PostgreSQL's expression index needs nothing)."""
     if rows and conn.dialect.name != "postgresql":
         conn.exec_driver_sql(
             "INSERT INTO prompt_fts (rowid, text) VALUES (?, ?)",
-            [(prompt_id, t[:SEARCH_CHARS]) for prompt_id, t in rows],
+            rows,
         )
 
 
@@ -97,7 +100,7 @@ def forget_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
     if rows and conn.dialect.name != "postgresql":
         conn.exec_driver_sql(
             "INSERT INTO prompt_fts (prompt_fts, rowid, text) VALUES ('delete', ?, ?)",
-            [(prompt_id, t[:SEARCH_CHARS]) for prompt_id, t in rows],
+            rows,
         )
 
 
@@ -121,10 +124,7 @@ def forget_after(conn: Connection, *, run_id: int, step: int) -> None:
     table = fts_table(run_id)
     conn.exec_driver_sql(
         f"INSERT INTO {table} ({table}, rowid, text) VALUES ('delete', ?, ?)",
-        [
-            (rid, completion(rule, ids, text_, texts)[:SEARCH_CHARS])
-            for rid, rule, ids, text_ in rows
-        ],
+        [(rid, words(completion(rule, ids, text_, texts))) for rid, rule, ids, text_ in rows],
     )
 
 
@@ -159,9 +159,11 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
             text(f"SELECT id FROM prompts WHERE {PG_PROMPT_WORDS} @@ to_tsquery('simple', :q)"),
             {"q": tsquery(terms)},
         ).scalars()
+        # ANY(ARRAY(…)): the matches are read once through the GIN index; as `IN (…)` the
+        # planner may walk the run's rollouts and test each one's words instead
         rollouts = (
-            "r.id IN (SELECT rollout_id FROM rollout_search "
-            "WHERE doc @@ to_tsquery('simple', :search))"
+            "r.id = ANY(ARRAY(SELECT rollout_id FROM rollout_search "
+            "WHERE doc @@ to_tsquery('simple', :search)))"
         )
         params: dict[str, Any] = {"search": tsquery(terms)}
     else:
