@@ -91,7 +91,7 @@ def index_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
     if rows and conn.dialect.name != "postgresql":
         conn.exec_driver_sql(
             "INSERT INTO prompt_fts (rowid, text) VALUES (?, ?)",
-            rows,
+            [(prompt_id, t) for prompt_id, t in rows],
         )
 
 
@@ -100,7 +100,7 @@ def forget_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
     if rows and conn.dialect.name != "postgresql":
         conn.exec_driver_sql(
             "INSERT INTO prompt_fts (prompt_fts, rowid, text) VALUES ('delete', ?, ?)",
-            rows,
+            [(prompt_id, t) for prompt_id, t in rows],
         )
 
 
