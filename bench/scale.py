@@ -613,12 +613,12 @@ def profile_write(shape: Shape, folder: Path, pg: str | None, warm: int, top: in
                 db.write(record)
         record = run.step(warm + 1)
         for db in dbs:
-            known = len(db.recorder.tokens_seen) if db.recorder else 0
+            known = len(db.recorder.token_texts) if db.recorder else 0
             profiler = cProfile.Profile()
             profiler.enable()
             seconds = db.write(record)
             profiler.disable()
-            new = len(db.recorder.tokens_seen) - known if db.recorder else 0
+            new = len(db.recorder.token_texts) - known if db.recorder else 0
             print(
                 f"\n== {db.label}: step {warm + 1} written in {seconds * 1000:.0f} ms under"
                 f" cProfile ({new:,} token ids new to the run)"
