@@ -6,8 +6,9 @@ with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `rollout_searc
 rollout's words as a stripped tsvector under a GIN index; prompts have a GIN expression index.
 
 Both engines see the same words: runs of letters and digits, lower-cased (`_` and every other
-character separates words), in the first SEARCH_CHARS characters of a text. A query is up to
-MAX_WORDS words, all of which must appear; a word ending in `*` matches as a prefix.
+character separates words), in the first SEARCH_CHARS characters of a completion (a prompt is
+indexed whole on SQLite, in its first SEARCH_CHARS on PostgreSQL). A query is up to MAX_WORDS
+words, all of which must appear; a word ending in `*` matches as a prefix.
 """
 
 from __future__ import annotations
