@@ -160,11 +160,12 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
             text(f"SELECT id FROM prompts WHERE {PG_PROMPT_WORDS} @@ to_tsquery('simple', :q)"),
             {"q": tsquery(terms)},
         ).scalars()
-        # ANY(ARRAY(…)): the matches are read once through the GIN index; as `IN (…)` the
-        # planner may walk the run's rollouts and test each one's words instead
+        # A materialized CTE: the matches are read once through the GIN index (a plain
+        # `IN (…)` let the planner walk the run's rollouts and test each one's words; an
+        # ARRAY(…) of many thousand ids was searched linearly for every row)
         rollouts = (
-            "r.id = ANY(ARRAY(SELECT rollout_id FROM rollout_search "
-            "WHERE doc @@ to_tsquery('simple', :search)))"
+            "r.id IN (WITH found AS MATERIALIZED (SELECT rollout_id FROM rollout_search "
+            "WHERE doc @@ to_tsquery('simple', :search)) SELECT rollout_id FROM found)"
         )
         params: dict[str, Any] = {"search": tsquery(terms)}
     else:
