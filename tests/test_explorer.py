@@ -138,7 +138,7 @@ FILTERS: list[tuple[str, Any]] = [
     ("true_max=0", lambda r: r["true_score"] is not None and r["true_score"] <= 0),
     ("adv_min=1", lambda r: r["advantage"] >= 1),
     ("adv_max=-0.5", lambda r: r["advantage"] <= -0.5),
-    ("len_min=3&len_max=5", lambda r: 3 <= r["length"] <= 5),
+    ("len_min=3&len_max=5", lambda r: r["length"] is not None and 3 <= r["length"] <= 5),
     ("disagree=1", lambda r: r["disagree"]),
     ("q=gamma", lambda r: _has(r, "gamma")),
     ("q=alpha+beta", lambda r: _has(r, "alpha beta")),

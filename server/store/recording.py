@@ -368,7 +368,8 @@ class Recorder:
                     bool(r.format_valid),
                     r.format_state,
                     disagrees(r.verifier_reward, r.true_score),
-                    len(r.completion_ids),
+                    # no ids for a text (an import of text alone): its length is not known
+                    len(r.completion_ids) if r.completion_ids or not r.completion else None,
                     rule,
                     facts_ids[d] if d else None,
                     driver.json(o or None),
