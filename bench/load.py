@@ -278,9 +278,11 @@ def run_load(
         log_text = log.read_text(errors="replace")
     writer = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"errors": ["no output"]}
     writer["seconds"] = recording
+    lines = log_text.splitlines()
     server_errors = [
-        line
-        for line in log_text.splitlines()
+        # a traceback with what follows it (its frames and its error), so a failure says why
+        "\n".join(lines[i : i + 90]) if "Traceback" in line else line
+        for i, line in enumerate(lines)
         if LOCKED in line or "Traceback" in line or " 500 " in line or "ERROR" in line
     ]
     return LoadResult(

@@ -110,3 +110,20 @@ def test_a_stored_text_is_read_back_whole_or_by_its_head() -> None:
     data = arrays.encode_text(text)
     assert arrays.decode_text(data) == text and arrays.text_head(data, 9) == text[:9]
     assert arrays.completion(None, None, data, {}) == text
+
+
+def test_threads_code_and_decode_at_once() -> None:
+    """The web app decodes on a pool of threads (one shared zstd decompressor once corrupted
+    concurrent reads under load): every thread reads back exactly what it wrote."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(seed: int) -> bool:
+        rng = random.Random(seed)
+        for _ in range(200):
+            ids = [rng.randrange(150_000) for _ in range(rng.randrange(1, 3000))]
+            if arrays.decode_ids(arrays.encode_ids(ids)) != ids:
+                return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(work, range(16)))

@@ -19,6 +19,7 @@ coded for its distribution:
 from __future__ import annotations
 
 import math
+import threading
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache
@@ -36,8 +37,18 @@ _LP_MAX = int(-LOGPROB_FLOOR * LOGPROB_SCALE)  # 61440 < 65534
 _P_NAN, _P_SCALE = 65535, 32768  # a power of two: 0.5, 0.25… are exact
 _LEVEL = 3  # zstd level: level 3 writes at hundreds of MB/s; higher levels gain a few %
 
-_compressor = zstandard.ZstdCompressor(level=_LEVEL)
-_decompressor = zstandard.ZstdDecompressor()
+# zstandard's (de)compressors must not be shared between threads (the web app serves requests
+# on a pool of them: one shared decompressor corrupted concurrent reads): one each per thread.
+_local = threading.local()
+
+
+def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    pair: tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor] | None = getattr(
+        _local, "pair", None
+    )
+    if pair is None:
+        pair = _local.pair = (zstandard.ZstdCompressor(level=_LEVEL), zstandard.ZstdDecompressor())
+    return pair
 
 
 def _shuffle(values: np.ndarray) -> bytes:
@@ -53,11 +64,11 @@ def _unshuffle(data: bytes, dtype: str) -> np.ndarray:
 
 
 def _pack(payload: bytes) -> bytes:
-    return _compressor.compress(payload)
+    return _zstd()[0].compress(payload)
 
 
 def _unpack(data: bytes) -> bytes:
-    return _decompressor.decompress(data)
+    return _zstd()[1].decompress(data)
 
 
 def _floats(rows: Iterable[Iterable[float]]) -> np.ndarray:
@@ -347,6 +358,6 @@ def preview(rule: int, pieces: Sequence[str]) -> str:
 
 def text_head(data: bytes, n_chars: int) -> str:
     """The first n_chars characters of a stored text, decompressing no more than needed."""
-    with _decompressor.stream_reader(data) as reader:
+    with _zstd()[1].stream_reader(data) as reader:
         raw = reader.read(4 * n_chars)
     return raw.decode("utf-8", "ignore")[:n_chars]
