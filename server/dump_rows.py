@@ -12,6 +12,23 @@ from typing import Any
 from rollout_lens.server.errors import InvalidInput
 from rollout_lens.server.records import RolloutRecord
 
+BLANK: Any = object()  # what json_line gives for a blank line (a line may hold `null`)
+
+
+def json_line(raw: bytes, where: str) -> Any:
+    """One line of a JSON Lines file decoded (BLANK for a blank line); a line that is not UTF-8
+    or not JSON is refused naming `where`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{where}: not UTF-8 text ({exc.reason})") from exc
+    if not text.strip():
+        return BLANK
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+
 
 @dataclass
 class TextRollout(RolloutRecord):

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
+from rollout_lens.server.dump_rows import BLANK, json_line
 from rollout_lens.server.errors import InvalidInput
 from rollout_lens.server.exchange_format import (
     FORMAT,
@@ -284,19 +285,9 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             where = f"line {number}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InvalidInput(f"{where}: not UTF-8 text ({exc.reason})") from exc
-            if not text.strip():
-                continue
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise InvalidInput(
-                    f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"
-                ) from exc
-            yield where, _parse(where, data)
+            data = json_line(raw, where)
+            if data is not BLANK:
+                yield where, _parse(where, data)
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:

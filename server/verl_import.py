@@ -28,7 +28,9 @@ from rollout_lens.server import series as vocab
 from rollout_lens.server.dump_files import DumpFile, Incomplete, Unit, numbered
 from rollout_lens.server.dump_import import RunPlan
 from rollout_lens.server.dump_rows import (
+    BLANK,
     detect_group_size,
+    json_line,
     keys,
     mean,
     number,
@@ -316,19 +318,9 @@ def read_lines(file: DumpFile) -> list[dict[str, Any]]:
     rows = []
     for number_, raw in enumerate(lines[:-1], start=1):
         where = f"{path} line {number_}"
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidInput(f"{where}: not UTF-8 text ({exc.reason})") from exc
-        if not text.strip():
-            continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidInput(
-                f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"
-            ) from exc
-        rows.append(_sample(row, where, file.step))
+        row = json_line(raw, where)
+        if row is not BLANK:
+            rows.append(_sample(row, where, file.step))
     return rows
 
 
