@@ -144,7 +144,7 @@ def record_steps(
     from rollout_lens.trainer.writer import StepWriter
 
     synthetic = SyntheticRun(variant="leaky", seed=run_id)
-    writer = StepWriter(
+    writer = StepWriter.for_launched(
         factory,
         run_id=run_id,
         control_tokens=CONTROL_TOKENS,
@@ -484,7 +484,7 @@ def _record_main(
     """The recording process: steps through StepWriter; a failure is put on the run."""
     import logging
 
-    from rollout_lens.trainer.retry import DatabaseAway, mark_finished
+    from rollout_lens.trainer.writer import DatabaseAway, mark_finished
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     engine = make_engine(database_url)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.trainer import multiturn as mt  # noqa: E402
 from rollout_lens.trainer.prebuilt import ensure_multiturn  # noqa: E402
 
@@ -70,10 +71,11 @@ def main() -> None:
         cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR", ".rollout-lens/models")
         path = str(ensure_multiturn(Path(cache)))
     for variant in args.variants:
-        config = mt.MultiTurnConfig(
+        config = RunConfig(
+            turns="multi",
             variant=variant,
             k=args.k,
-            mode=args.mode,
+            episodes=args.mode,
             steps=args.steps,
             group_size=args.group_size,
             prompts_per_step=args.prompts_per_step,

@@ -1,10 +1,11 @@
 """What recording costs: the same tiny GRPO run with and without recording, in one process.
 
 Two arms, each against a plain GRPOTrainer measured in the same rounds (alternating order):
-- launched: RecordingGRPOTrainer writing through the background StepWriter (runs from the form);
+- launched: the launched run's recorder (RolloutLensCallback with the task's judge, probes and
+  hooks) writing through the worker's StepWriter (runs from the form);
 - callback: an unmodified GRPOTrainer with RolloutLensCallback added (a user's own script);
-- capture (with --arm all): the launched trainer with its records thrown away, no database: what
-  the training thread itself pays (probes, records), apart from the writer thread.
+- capture (with --arm all): the launched recorder with its records prepared and thrown away, no
+  database: what the training thread itself pays (probes, records), apart from the writer thread.
 Both write to a temporary SQLite file; the ratio of median step times is printed per arm.
 
 `--shape ROLLOUTSxTOKENSxVOCAB` (e.g. 64x128x32000, issue 17's write-keeps-up shape) measures a
@@ -37,8 +38,12 @@ from rollout_lens.server.db import make_engine, make_session_factory, session_sc
 from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
 from rollout_lens.server.migrate import upgrade  # noqa: E402
 from rollout_lens.trainer.callback import RolloutLensCallback  # noqa: E402
-from rollout_lens.trainer.grpo import Recorder  # noqa: E402
-from rollout_lens.trainer.run import default_control_tokens, make_trainer, resolve_model  # noqa: E402
+from rollout_lens.trainer.run import (  # noqa: E402
+    default_control_tokens,
+    make_trainer,
+    recorder,
+    resolve_model,
+)
 from rollout_lens.trainer.writer import StepWriter  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed  # noqa: E402
@@ -112,6 +117,18 @@ def recorded_shape(engine) -> str:  # type: ignore[no-untyped-def]
     return f"recorded: {rollouts / steps:.0f} rollouts a step, {tokens:.1f} tokens each on average"
 
 
+class Discard:
+    """A sink that prepares each step as a launched run's writer does, then drops it."""
+
+    prepare = staticmethod(lambda raw: raw)
+
+    def put(self, raw: object) -> None:
+        self.prepare(raw)
+
+    def close(self, **_: object) -> bool:
+        return True
+
+
 def one_run(
     config: RunConfig, model_path: str, tmp: Path, factory, arm: str, url: str
 ) -> list[float]:  # type: ignore[no-untyped-def]
@@ -121,19 +138,19 @@ def one_run(
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
     control_tokens = default_control_tokens(tokenizer)
-    writer = recorder = None
-    if arm == "capture":  # the launched trainer's capture with the records thrown away
-        recorder = Recorder(lambda record: None)
+    writer = callback = None
+    if arm in ("capture", "launched"):  # the launched run's recorder
+        callback = recorder(config, settings=get_settings(), control_tokens=control_tokens)
+    if arm == "capture":  # ... with its records prepared on the training thread, then dropped
+        callback.sink = Discard()  # type: ignore[assignment]
     if arm == "launched":
         with session_scope(factory) as session:
             run_id = store.create_run(session, **config.run_columns()).id
-        writer = StepWriter(
+        writer = StepWriter.for_launched(
             factory, run_id=run_id, control_tokens=control_tokens, price_per_device_hour=0
         )
-        recorder = Recorder(writer.put)
-    trainer = make_trainer(
-        config, model, tokenizer, tmp / "out", recorder=recorder, control_tokens=control_tokens
-    )
+        callback.sink = writer  # type: ignore[union-attr]
+    trainer = make_trainer(config, model, tokenizer, tmp / "out", callback=callback)
     if config.max_completion_tokens > RunConfig().max_completion_tokens:
         trainer.generation_config.min_new_tokens = config.max_completion_tokens
     if arm == "callback":  # what a user adds to their script, nothing else

@@ -195,7 +195,7 @@ class RolloutLine(_Record):
     true_score: float | None
     advantage: float
     sum_logprob: float | None  # None: not a number (a NaN logprob)
-    format_valid: bool
+    format_valid: bool | None  # None: nothing judged it (no format_valid function)
     format_state: str | None
     token_logprobs: list[float]
     control_token_probs: dict[str, list[float]]

@@ -233,7 +233,7 @@ class Rollout(Base):
     true_score: Mapped[float | None] = mapped_column(Float)
     advantage: Mapped[float] = mapped_column(Float)
     sum_logprob: Mapped[float | None] = mapped_column(Float)  # None: NaN (a NaN logprob)
-    format_valid: Mapped[bool] = mapped_column(Boolean)
+    format_valid: Mapped[bool | None] = mapped_column(Boolean)  # None: nothing judged it
     format_state: Mapped[str | None] = mapped_column(String(32))
     # server.records.disagrees(verifier_reward, true_score), kept so that it can be filtered on.
     disagree: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

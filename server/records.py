@@ -48,7 +48,7 @@ class RolloutRecord:
     verifier_reward: float
     true_score: float | None
     advantage: float
-    format_valid: bool
+    format_valid: bool | None  # None: nothing judged it (no format_valid function)
     format_state: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     # Each completion token's text (tokenizer.convert_ids_to_tokens), stored once per run and id.
@@ -62,7 +62,11 @@ class RolloutRecord:
         object.__setattr__(self, name, value)
 
     @property
-    def sum_logprob(self) -> float:
+    def sum_logprob(self) -> float | None:
+        """Σ logprob of the completion; None when its tokens' logprobs were not measured (a
+        generation path without them), never a 0.0 that reads as certainty."""
+        if not self.token_logprobs and self.completion_ids:
+            return None
         return float(sum(self.token_logprobs))
 
 

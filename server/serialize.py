@@ -129,8 +129,11 @@ JUDGEMENTS = ("vote", "true_score", "format_valid")
 
 def judged(run: Run) -> dict[str, bool]:
     """Which judgements of a completion the run's recorder could make: all for runs launched
-    here; for external runs only those the user gave a function for (config["judged"])."""
-    given = (run.config or {}).get("judged")
+    here; for external runs only those the user gave a function for (the callback keeps them
+    in config["rollout_lens"]["judged"], beside the GRPOConfig; imports in config["judged"])."""
+    config = run.config or {}
+    recorder = config.get("rollout_lens")
+    given = recorder.get("judged") if isinstance(recorder, dict) else config.get("judged")
     if not isinstance(given, dict):
         return dict.fromkeys(JUDGEMENTS, True)
     return {name: bool(given.get(name)) for name in JUDGEMENTS}

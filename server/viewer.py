@@ -263,9 +263,9 @@ def group_header(members: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "prompt": first["prompt"],
         "query": meta.get("query") or _row(meta).get("query"),
         "target": first["target"],
-        "target_listed": meta.get("target_listed"),
-        "hint": meta.get("hint"),
-        "tool_count": len(meta.get("tool_ids") or []),
+        "target_listed": meta.get("target_listed", _row(meta).get("target_listed")),
+        "hint": meta.get("hint") or _row(meta).get("hint"),
+        "tool_count": len(meta.get("tool_ids") or _row(meta).get("tool_ids") or []),
         "votes": vote_histogram(votes, first["target"]),
         "answers": answer_histogram(members)
         if any("turns" in (r.get("meta") or {}) for r in members)

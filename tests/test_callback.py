@@ -133,7 +133,9 @@ def test_one_line_records_every_rollout_once(user_model_dir: Path, tmp_path: Pat
 
     assert run.source == "callback" and run.status == "completed" and run.name == "colors/out"
     assert run.group_size == 4 and run.total_steps == 6 and run.current_step == 6
-    assert run.config["num_iterations"] == 2 and run.config["project"] == "colors"
+    # the GRPOConfig as given (its own `project` too); the callback's facts beside it
+    assert run.config["num_iterations"] == 2 and run.config["project"] != "colors"
+    assert run.config["rollout_lens"]["project"] == "colors"
     assert run.control_tokens == ["<|im_end|>"]
     assert [s.step for s in steps] == [1, 2, 3, 4, 5, 6]
     # num_iterations=2: a generation every other step, reused (not re-recorded) by the next one

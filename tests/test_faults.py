@@ -156,7 +156,7 @@ def test_a_database_that_stays_away_fails_the_writer_clearly(
     engine = make_engine(parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(False))
     factory = make_session_factory(engine)
     run_id = factories.make_run(factory, steps=2)
-    writer = StepWriter(
+    writer = StepWriter.for_launched(
         factory,
         run_id=run_id,
         control_tokens=factories.CONTROL_TOKENS,

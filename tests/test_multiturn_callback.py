@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.server.store import arrays
 from rollout_lens.trainer import multiturn as mt
 from rollout_lens.trainer import turns as tt
@@ -86,8 +87,13 @@ def test_a_tool_calling_run_is_recorded_and_viewed_turn_by_turn(
     callback = RolloutLensCallback(
         project="tools", database_url=url, target=lambda row: row["needed"][0]
     )
-    config = mt.MultiTurnConfig(
-        variant="patched", mode="mixed", steps=2, group_size=4, prompts_per_step=2
+    config = RunConfig(
+        turns="multi",
+        variant="patched",
+        episodes="mixed",
+        steps=2,
+        group_size=4,
+        prompts_per_step=2,
     )
     trainer = mt.make_trainer(config, model, tokenizer, tmp_path / "out", callbacks=[callback])
     seen = _observe(trainer)
@@ -100,7 +106,7 @@ def test_a_tool_calling_run_is_recorded_and_viewed_turn_by_turn(
     assert run.control_tokens == ["<tool_call>", "</tool_call>", eos]
     assert not any("not recorded per turn" in n for n in run.notes)
     assert any("turn by turn" in n for n in run.notes)
-    assert run.config["judged"]["vote"] is True
+    assert run.config["rollout_lens"]["judged"]["vote"] is True
     assert len(rows) == 2 * 8
     shapes = set()
     for r in rows:
@@ -133,7 +139,9 @@ def test_a_tool_calling_run_is_recorded_and_viewed_turn_by_turn(
             ]
             text = tokenizer.decode(ids[turn["start"] : turn["end"]])
             assert all(c["result"] in text for c in turn["calls"])
-        assert r["vote"] == (
+        # the vote is the final answer (no vote function given); the first call is beside it
+        assert r["vote"] == r["meta"]["answer"]
+        assert r["meta"]["first_call"] == (
             model_turns[0]["calls"][0]["name"] if model_turns[0]["calls"] else None
         )
         last = model_turns[-1]

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from rollout_lens.server.domain.runconfig import RunConfig
 from rollout_lens.trainer import multiturn as mt
 from rollout_lens.trainer import multiturn_model as mm
 from rollout_lens.trainer.envs import multistep as ms
@@ -46,7 +47,9 @@ def test_tiny_model_calls_tools_through_trls_loop(
 ) -> None:
     torch.manual_seed(0)
     model, tokenizer = _load(multiturn_model_dir)
-    config = mt.MultiTurnConfig(variant=variant, steps=steps, group_size=4, prompts_per_step=2)
+    config = RunConfig(
+        turns="multi", variant=variant, steps=steps, group_size=4, prompts_per_step=2
+    )
     trainer = mt.make_trainer(config, model, tokenizer, tmp_path)
     outputs = _train(trainer)
 
@@ -108,7 +111,7 @@ def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
 def test_facts_agree_with_what_the_tools_saw(multiturn_model_dir: Path, tmp_path: Path) -> None:
     torch.manual_seed(1)
     model, tokenizer = _load(multiturn_model_dir)
-    config = mt.MultiTurnConfig(variant="patched", mode="chain", steps=1, group_size=8)
+    config = RunConfig(turns="multi", variant="patched", episodes="chain", steps=1, group_size=8)
     trainer = mt.make_trainer(config, model, tokenizer, tmp_path)
     seen: dict[str, Any] = {}
     reward = trainer.reward_funcs[0]
@@ -208,8 +211,13 @@ def test_a_qwen_chat_template_works_the_same_way(tmp_path: Path) -> None:
     model, tokenizer = _load(path)
     assert getattr(tokenizer, "response_template", None) is None
     _scripted(model, tokenizer)
-    config = mt.MultiTurnConfig(
-        variant="patched", mode="mixed", steps=2, group_size=2, prompts_per_step=2
+    config = RunConfig(
+        turns="multi",
+        variant="patched",
+        episodes="mixed",
+        steps=2,
+        group_size=2,
+        prompts_per_step=2,
     )
     trainer = mt.make_trainer(config, model, tokenizer, tmp_path / "out")
     # TRL recognised the template and set its own Qwen3 parser on the tokenizer.

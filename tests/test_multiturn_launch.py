@@ -7,6 +7,7 @@ turns the recorder kept, and the launch form's validation messages."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,20 @@ def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(multiturn_settings: 
                 assert state in vocab.TURN_STATES
                 assert (state == "no_call") <= (not t["calls"])
                 states[vocab.turn_position(i)].append(state)
-            # the vote is the first tool called; true score: the final answer is the episode's
-            assert r["vote"] == (names[0] if model and model[0]["calls"] else None)
+            # the vote is the tool whose result gave the final answer (else the answer itself),
+            # the first tool called beside it; true score: the final answer is the episode's
+            given = re.fullmatch(
+                r"\s*<answer>\s*([^<>]*?)\s*</answer>\s*", r["meta"]["answer"] or ""
+            )
+            shown_by = [
+                c["name"]
+                for t in recorded
+                if t["role"] == "tool"
+                for c in t["calls"]
+                if given and given.group(1) in re.findall(r"result: (\S+)", c["result"])
+            ]
+            assert r["vote"] == (shown_by[-1] if shown_by else r["meta"]["answer"])
+            assert r["meta"]["first_call"] == (names[0] if model and model[0]["calls"] else None)
             answer = str(r["meta"]["row"]["answer"])
             assert r["true_score"] == float(r["meta"]["answer"] == f"<answer>{answer}</answer>")
             assert r["meta"]["format_free"] in (0.0, 1.0)

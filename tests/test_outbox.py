@@ -1,4 +1,5 @@
-"""The callback's outbox on its own: steps in, a run and its steps out, never an exception."""
+"""The writer under a user's script (BufferAndDrop) on its own: steps in, a run and its steps out,
+never an exception."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 import pytest
 from rollout_lens.server.records import StepRecord
-from rollout_lens.trainer.outbox import Outbox, RunSpec, record_size
+from rollout_lens.trainer.writer import RunSpec, StepWriter, record_size
 
 from tests.factories import CONTROL_TOKENS, load_run, make_rollouts
 
@@ -40,7 +41,7 @@ def _step(step: int, **meta: object) -> StepRecord:
 
 
 def test_steps_in_run_out(sqlite_url: str) -> None:
-    outbox = Outbox(database_url=sqlite_url, spec=_spec(), prepare=lambda raw: raw)
+    outbox = StepWriter.for_script(database_url=sqlite_url, spec=_spec(), prepare=lambda raw: raw)
     for step in (1, 2, 3):
         outbox.put(_step(step))
     assert outbox.close() is True
@@ -58,7 +59,9 @@ def test_a_refused_step_is_dropped_and_counted_the_others_go_on(
 
     _empty(pg_database_url)
     caplog.set_level(logging.WARNING, logger="rollout_lens")
-    outbox = Outbox(database_url=pg_database_url, spec=_spec(), prepare=lambda raw: raw)
+    outbox = StepWriter.for_script(
+        database_url=pg_database_url, spec=_spec(), prepare=lambda raw: raw
+    )
     outbox.put(_step(1))
     outbox.put(_step(2, bad=float("nan")))  # PostgreSQL's JSON has no NaN: refused
     outbox.put(_step(3, bad=float("inf")))
@@ -78,7 +81,7 @@ def test_a_prepare_error_drops_that_step_only(sqlite_url: str) -> None:
         assert isinstance(raw, StepRecord)
         return raw
 
-    outbox = Outbox(database_url=sqlite_url, spec=_spec(), prepare=prepare)
+    outbox = StepWriter.for_script(database_url=sqlite_url, spec=_spec(), prepare=prepare)
     for raw in (_step(1), "bad", _step(3)):
         outbox.put(raw)
     outbox.close()

@@ -59,7 +59,8 @@ def test_every_step_and_rollout_is_recorded(train_settings: Settings) -> None:
         assert r["prompt"].startswith("<user>Tools:\n- tool_") and r["prompt"].endswith(
             "<assistant>"
         )
-        assert r["meta"]["target_listed"] is True and r["target"] in r["meta"]["tool_ids"]
+        row = r["meta"]["row"]  # the dataset row's columns
+        assert row["target_listed"] is True and r["target"] in row["tool_ids"]
     for s in steps:
         assert (
             s.loss is not None
@@ -120,5 +121,5 @@ def test_a_failing_run_is_marked_failed_with_its_error(train_settings: Settings)
 def test_leaky_prompts_list_every_tool(train_settings: Settings) -> None:
     run_id = train(RunConfig(variant="leaky", steps=1, seed=4), settings=train_settings)
     _, rows, steps, _ = load_run(train_settings.database_url, run_id)
-    assert all(len(r["meta"]["tool_ids"]) == 64 for r in rows)
+    assert all(len(r["meta"]["row"]["tool_ids"]) == 64 for r in rows)
     assert math.isfinite(steps[0].loss)

@@ -5,7 +5,12 @@
 
 Every optimizer step becomes a recorded step with the rollouts it trained on (each exactly once,
 with its group and index), TRL's logged loss/KL/… on the steps where TRL logs, and every other
-number TRL logs as a `trl/…` series. Recording never stops training: see trainer/outbox.py.
+number TRL logs as a `trl/…` series. Recording never stops a user's training: see
+trainer/writer.py (BufferAndDrop).
+
+This is the one recording path: runs launched from the dashboard are recorded by the same
+callback, with the worker's writer as its `sink` (WaitThenFail), the task's `judge`, its
+`watch_tokens` (the id-position probe) and its GenerationHooks (in-group supervision).
 """
 
 from __future__ import annotations
@@ -18,42 +23,35 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from rollout_lens.server import series as vocab
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import RolloutRecord, StepRecord
 from rollout_lens.trainer import positional, turns
-from rollout_lens.trainer.capture import Generation, RolloutCapture
-from rollout_lens.trainer.outbox import Outbox, RunSpec
-from rollout_lens.trainer.task import message_text
+from rollout_lens.trainer.capture import Generation, GenerationHooks, RolloutCapture
+from rollout_lens.trainer.judging import Completion, FunctionJudge, Judge, Judgement, TextFn
+from rollout_lens.trainer.judging import message_text as message_text
+from rollout_lens.trainer.summary import split_logs, summarize
+from rollout_lens.trainer.writer import RunSpec, StepWriter
 from transformers import TrainerCallback
 
 log = logging.getLogger("rollout_lens")
-
-# Completion → value functions a user may pass for what TRL does not know. Each is called as
-# fn(completion_text, row) where row holds the dataset columns of the prompt (not the prompt).
-TextFn = Callable[[str, dict[str, Any]], Any]
 
 # Tokens watched by default when they are single tokens of the tokenizer: tool-call tags of the
 # common chat templates, then the end-of-turn tokens.
 DEFAULT_CONTROL_TOKENS = ("<tool_call>", "</tool_call>", "<tool>", "</tool>")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
-# Open/close tags of a tool call, tried in order: each model turn's structure is read with them.
+# Open/close tags of a tool call, tried in order: a completion's structure is read with them.
 CALL_TAGS = (("<tool_call>", "</tool_call>"), ("<tool>", "</tool>"))
 
-
-class StepBox(Protocol):
-    """Where a raw step goes (an Outbox; the worker's StepWriter for a launched run)."""
-
-    def put(self, raw: Any) -> None: ...
-
-    def close(self, *, status: RunStatus, error: str | None) -> Any: ...
+# The recorder's own facts, kept in the stored config beside (not inside) the GRPOConfig's keys.
+CONFIG_KEY = "rollout_lens"
 
 
 class RolloutLensCallback(TrainerCallback):
-    """Records an unmodified `trl.GRPOTrainer` run into Rollout Lens."""
+    """Records a `trl.GRPOTrainer` run into Rollout Lens."""
 
     def __init__(
         self,
@@ -70,6 +68,11 @@ class RolloutLensCallback(TrainerCallback):
         buffer_mb: float = 256,
         keep_tokens_every: int | None = None,
         settings: Settings | None = None,
+        judge: Judge | None = None,
+        watch_tokens: Sequence[str] = (),
+        hooks: GenerationHooks | None = None,
+        sink: StepWriter | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> None:
         """`database_url` and the other settings default to the ROLLOUT_LENS_* environment;
         `vote`, `true_score` and `format_valid` judge a completion, and `format_free_score`
@@ -78,36 +81,54 @@ class RolloutLensCallback(TrainerCallback):
         answer of a row; `control_tokens` default to the tokenizer's tool-call tags and
         end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away;
         `keep_tokens_every` keeps token-level data only every N steps (and at the first and last
-        step and at alerts) for very long runs."""
+        step and at alerts) for very long runs.
+
+        For a task of your own: `judge` replaces the four functions (a Completion in, a
+        Judgement out); `watch_tokens` (answer tokens, e.g. tool ids) are probed right after the
+        opening call tag; `hooks` change generation (trainer/capture.py); `sink` is the writer
+        steps go to (default: one that creates the run and never stops training);
+        `should_stop` is asked after every step."""
         if keep_tokens_every is not None and keep_tokens_every < 1:
             raise ValueError(f"keep_tokens_every must be 1 or more, not {keep_tokens_every}")
+        if judge is not None and any(
+            fn is not None for fn in (vote, true_score, format_valid, format_free_score)
+        ):
+            raise ValueError("pass a judge or the vote/true_score/format_valid functions, not both")
         self.keep_tokens_every = keep_tokens_every
         self.project = project
         self.name = name
         self.settings = settings or get_settings()
         self.database_url = database_url or self.settings.database_url
-        self.judges = {
-            "vote": vote,
-            "true_score": true_score,
-            "format_valid": format_valid,
-            "format_free": format_free_score,
-        }
+        self.functions = FunctionJudge(
+            vote=vote,
+            true_score=true_score,
+            format_valid=format_valid,
+            format_free=format_free_score,
+        )
+        self.judge: Judge = judge or self.functions
         self.target = target
         self.requested_control_tokens = list(control_tokens) if control_tokens else None
+        self.watch_tokens = list(watch_tokens)
+        self.hooks = hooks
         self.buffer_bytes = int(buffer_mb * 2**20)
+        self.sink: StepWriter | None = sink
+        self._own_sink = False  # made here at the start of training (no sink given)
+        self.should_stop = should_stop
         self.trainer: Any = None
-        self.outbox: StepBox | None = None
+        self.capture: RolloutCapture | None = None
         self._call_tags: tuple[str, str] | None = None
         self._end_tokens: list[str] = []
+        self._eot: str | None = None  # the end-of-turn token among the control tokens
         self.control_tokens: list[str] = []
+        self._watched: list[str] = []
         self._generations: list[Generation] = []
         self._last_rollout_step = 0
         self._pending: dict[str, Any] | None = None  # the step waiting for its logs
+        self._extra: dict[int, dict[str, float | None]] = {}  # step -> series (add_metrics)
         self._step_started = 0.0
         self._prompt_text: dict[str, str] = {}
-        self._failed_judges: set[str] = set()
         # (rollout step, values, series) of the last generation: a step that reuses it
-        # (num_iterations > 1) shows the same rollout-derived values, as launched runs do.
+        # (num_iterations > 1) shows the same rollout-derived values, never its logged ones.
         self._last_summary: tuple[int, dict[str, float | None], dict[str, float | None]] | None = (
             None
         )
@@ -127,20 +148,33 @@ class RolloutLensCallback(TrainerCallback):
         self._end_tokens = [
             t for t in dict.fromkeys([tokenizer.eos_token, *END_OF_TURN_TOKENS]) if t in vocab_
         ]
+        self._watched = [t for t in self.watch_tokens if t in vocab_]
         capture = RolloutCapture(
-            trainer, control_token_ids=control_ids, on_generation=self._generations.append
+            trainer,
+            control_token_ids=control_ids,
+            on_generation=self._generations.append,
+            watch_ids=[vocab_[t] for t in self._watched],
+            after_token_id=vocab_[self._call_tags[0]] if self._call_tags else None,
+            hooks=self.hooks,
         )
         if not capture.probing:
             self.control_tokens = []
+        self._eot = next((t for t in self._end_tokens if t in self.control_tokens), None)
         capture.install()
         self.capture = capture
         self._installed = True
 
+    def add_metrics(self, step: int, metrics: dict[str, float | None]) -> None:
+        """Extra series for `step` (evaluation, SFT phases, your own), written with that step
+        (or the first step recorded after it)."""
+        self._extra.setdefault(step, {}).update(metrics)
+
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if not self._installed:
             self.attach(_find_trainer())
-        if state.is_world_process_zero:
-            self.outbox = Outbox(
+        if self.sink is None and state.is_world_process_zero:
+            self._own_sink = True
+            self.sink = StepWriter.for_script(
                 database_url=self.database_url,
                 spec=self._run_spec(args, state),
                 prepare=self._prepare,
@@ -150,12 +184,14 @@ class RolloutLensCallback(TrainerCallback):
                 busy_timeout_ms=self.settings.sqlite_busy_timeout_ms,
             )
             atexit.register(self._at_exit)
+        elif self.sink is not None:
+            self.sink.prepare = self._prepare
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self._step_started = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        if self.outbox is None:
+        if self.sink is None:
             return
         self._send_pending()
         step = state.global_step
@@ -172,6 +208,8 @@ class RolloutLensCallback(TrainerCallback):
             "wall_time": time.perf_counter() - self._step_started,
             "logs": {},
         }
+        if self.should_stop is not None and self.should_stop():
+            control.should_training_stop = True
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
         # Trainer logs a step right after its on_step_end: the logs join that step.
@@ -181,47 +219,68 @@ class RolloutLensCallback(TrainerCallback):
                 self._send_pending()
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        self._close(RunStatus.completed, None)
+        if self._own_sink:
+            self._close(RunStatus.completed, None)
+        else:
+            self._send_pending()  # the worker closes its writer and marks the run
 
     def _at_exit(self) -> None:
         """The script ended without on_train_end (an exception): keep what was recorded."""
         self._close(RunStatus.failed, "the training script stopped before the end of training")
 
     def _close(self, status: RunStatus, error: str | None) -> None:
-        if self.outbox is None:
+        if self.sink is None:
             return
         self._send_pending()
-        outbox, self.outbox = self.outbox, None
-        outbox.close(status=status, error=error)
+        sink, self.sink = self.sink, None
+        sink.close(status=status, error=error)
         atexit.unregister(self._at_exit)
 
     def _send_pending(self) -> None:
-        if self._pending is not None and self.outbox is not None:
-            self.outbox.put(self._pending)
+        if self._pending is not None and self.sink is not None:
+            step = self._pending["step"]
+            extra: dict[str, float | None] = {}
+            for early in sorted(s for s in self._extra if s <= step):
+                extra.update(self._extra.pop(early))
+            self._pending["metrics"] = extra
+            self.sink.put(self._pending)
         self._pending = None
 
     # -- the run -------------------------------------------------------------------------------
 
     def _control_tokens(self, tokenizer: Any) -> tuple[list[str], list[int]]:
-        vocab = tokenizer.get_vocab()
+        vocab_ = tokenizer.get_vocab()
         if self.requested_control_tokens is not None:
-            missing = [t for t in self.requested_control_tokens if t not in vocab]
+            missing = [t for t in self.requested_control_tokens if t not in vocab_]
             if missing:
                 raise ValueError(f"control tokens not in the tokenizer's vocabulary: {missing}")
             tokens = self.requested_control_tokens
         else:
             candidates = [*DEFAULT_CONTROL_TOKENS, tokenizer.eos_token, *END_OF_TURN_TOKENS]
-            tokens = list(dict.fromkeys(t for t in candidates if t and t in vocab))
-        return list(tokens), [vocab[t] for t in tokens]
+            tokens = list(dict.fromkeys(t for t in candidates if t and t in vocab_))
+        return list(tokens), [vocab_[t] for t in tokens]
+
+    @property
+    def tool_calling(self) -> bool:
+        return self.capture is not None and self.capture.tool_calling
 
     def _run_spec(self, args: Any, state: Any) -> RunSpec:
         trainer = self.trainer
-        config = json.loads(args.to_json_string())
-        config["project"] = self.project
-        config["reward_funcs"] = list(getattr(trainer, "reward_func_names", []) or [])
-        config["judged"] = {name: fn is not None for name, fn in self.judges.items()}
-        if self.capture.tool_calling:
-            config["judged"]["vote"] = True  # the first tool each rollout called
+        assert self.capture is not None
+        config = json.loads(args.to_json_string())  # the GRPOConfig as given
+        judged = {
+            "vote": self.functions.given("vote") or self.tool_calling,
+            "true_score": self.functions.given("true_score"),
+            "format_valid": self.functions.given("format_valid"),
+            "format_free": self.functions.given("format_free"),
+        }
+        if self.judge is not self.functions:
+            judged = dict.fromkeys(judged, True)  # a task's judge says everything
+        config[CONFIG_KEY] = {
+            "project": self.project,
+            "reward_funcs": list(getattr(trainer, "reward_func_names", []) or []),
+            "judged": judged,
+        }
         label = self.name or args.run_name or Path(args.output_dir or "run").name
         world = trainer.accelerator.num_processes
         group = int(getattr(trainer, "num_generations", None) or args.num_generations)
@@ -230,15 +289,22 @@ class RolloutLensCallback(TrainerCallback):
             trainer.model.config, "_name_or_path", "model"
         )
         notes = list(self.capture.notes)
-        if self.capture.tool_calling:
+        if self.tool_calling:
             notes.append(
                 "tool-calling rollouts: recorded turn by turn (model turns with their logprobs "
                 "and control-token probabilities, tool results apart and not trained); votes "
-                "are the first tool each rollout called"
-                + ("" if self.judges["vote"] is None else " unless the vote function says")
+                "are each rollout's final answer, with its first call beside"
+                + ("" if not self.functions.given("vote") else " unless the vote function says")
             )
-        if not self.judges["true_score"]:
+        if not judged["true_score"]:
             notes.append("no true_score function given: true accuracy is not recorded")
+        if not judged["format_valid"]:
+            notes.append(
+                "no format_valid function given: format validity is not recorded (unknown, not "
+                "valid); the structural state is read from the tokenizer's call tags"
+                if self._call_tags
+                else "no format_valid function given: format validity is not recorded"
+            )
         return RunSpec(
             name=f"{self.project}/{label}" if self.project else label,
             model=str(model),
@@ -253,96 +319,29 @@ class RolloutLensCallback(TrainerCallback):
             keep_tokens_every=self.keep_tokens_every,
         )
 
-    # -- the writer thread: raw step → StepRecord ----------------------------------------------
+    # -- raw step → StepRecord (the writer's thread for a script, the training thread launched) --
 
     def _prepare(self, raw: dict[str, Any]) -> StepRecord:
-        from rollout_lens.trainer.grpo import split_logs, summarize
-
         trainer = self.trainer
         group_size = int(trainer.num_generations)
-        tokenizer = _tokenizer(trainer)
-        eos = set(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-        names = list(getattr(trainer, "reward_func_names", []) or [])
-        rollouts = []
-        for i, r in enumerate(raw["rollouts"]):
-            ids = r["ids"]
-            mask = r.get("tool_mask")
-            # tool-calling: the whole conversation as the model saw it, tool results included
-            text = message_text(r["completion"]) if mask is None else tokenizer.decode(ids)
-            row = r["row"]
-            judged = self._judged(text, row, r["completion"])
-            control = r["control"] or [[] for _ in self.control_tokens]
-            meta: dict[str, Any] = {
-                "rewards": dict(zip(names, r["rewards"], strict=False)),
-                "truncated": not ids or ids[-1] not in eos,
-            }
-            if row:
-                meta["row"] = row
-            tokens = tokenizer.convert_ids_to_tokens(ids)
-            format_state = None
-            if _number(judged.get("format_free")) is not None:
-                meta[vocab.FORMAT_FREE_KEY] = _number(judged["format_free"])
-            if mask is not None:
-                meta["turns"] = turns.read_turns(mask, r["completion"])
-                meta["answer"] = turns.final_answer(r["completion"])
-                if self._call_tags is not None:
-                    meta["turn_states"] = turns.turn_states(
-                        meta["turns"],
-                        functools.partial(_decode_span, tokenizer, ids),
-                        self._call_tags,
-                        self._end_tokens,
-                    )
-                    format_state = turns.rollout_state(meta["turn_states"])
-                    eot = next((t for t in self._end_tokens if t in self.control_tokens), None)
-                    if eot is not None and all(t in self.control_tokens for t in self._call_tags):
-                        meta["probes"] = positional.turn_probes(
-                            tokens,
-                            dict(zip(self.control_tokens, control, strict=False)),
-                            meta["turns"],
-                            open_tag=self._call_tags[0],
-                            close_tag=self._call_tags[1],
-                            eot=eot,
-                        )
-                if self.judges["vote"] is None:  # the group's votes: the first tools called
-                    judged["vote"] = turns.first_call(meta["turns"])
-            rollouts.append(
-                RolloutRecord(
-                    group=i // group_size,
-                    index=i % group_size,
-                    prompt=self._render_prompt(r["prompt"], r.get("prompt_ids")),
-                    completion=text,
-                    completion_ids=ids,
-                    token_logprobs=r["logprobs"],
-                    control_probs=dict(zip(self.control_tokens, control, strict=False)),
-                    vote=None if judged["vote"] is None else str(judged["vote"]),
-                    target=self._target(row),
-                    verifier_reward=r["reward"],
-                    true_score=_number(judged["true_score"]),
-                    advantage=r["advantage"],
-                    format_valid=bool(judged["format_valid"])
-                    if self.judges["format_valid"]
-                    else True,
-                    format_state=format_state,
-                    meta=meta,
-                    tokens=tokens,
-                )
-            )
+        rollouts = [self._rollout(i, r, group_size) for i, r in enumerate(raw["rollouts"])]
         values: dict[str, float | None] = {}
         series: dict[str, float | None] = {}
         if rollouts:
             values, series = summarize(rollouts, group_size, self.control_tokens)
             # what no function judged is unknown, not zero
-            if not self.judges["format_valid"]:
-                values["format_valid_rate"] = None
-            if not self.judges["vote"] and not self.capture.tool_calling:
+            unjudged = self.judge is self.functions and not self.functions.given("vote")
+            if unjudged and not self.tool_calling:
                 values["vote_agreement"] = values["vote_entropy"] = None
-            self._last_summary = (raw["rollout_step"], values, series)
+            # copies: the logs below belong to this step only, not to a step reusing these
+            self._last_summary = (raw["rollout_step"], dict(values), dict(series))
         elif self._last_summary is not None and self._last_summary[0] == raw["rollout_step"]:
             values, series = dict(self._last_summary[1]), dict(self._last_summary[2])
         values["wall_time"] = raw["wall_time"]
         columns, logged = split_logs(raw["logs"])
         values.update(columns)
         series.update(logged)
+        series.update(raw.get("metrics") or {})
         return StepRecord(
             step=raw["step"],
             rollout_step=raw["rollout_step"],
@@ -351,23 +350,107 @@ class RolloutLensCallback(TrainerCallback):
             metrics=series,
         )
 
-    def _judged(self, text: str, row: dict[str, Any], completion: Any) -> dict[str, Any]:
-        """What the judge functions say of one completion (`text`: as recorded; `completion`:
-        as TRL handed it to the reward functions, the messages of a conversation)."""
-        return {key: self._judge(key, fn, text, row) for key, fn in self.judges.items()}
-
-    def _judge(self, key: str, fn: TextFn | None, text: str, row: dict[str, Any]) -> Any:
-        if fn is None:
-            return None
-        try:
-            return fn(text, row)
-        except Exception as exc:  # noqa: BLE001 - a user's function must not stop recording
-            if key not in self._failed_judges:
-                self._failed_judges.add(key)
-                log.warning(
-                    "Rollout Lens: the %s function raised (recorded as empty): %s", key, exc
+    def _rollout(self, i: int, r: dict[str, Any], group_size: int) -> RolloutRecord:
+        trainer = self.trainer
+        tokenizer = _tokenizer(trainer)
+        eos = set(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        names = list(getattr(trainer, "reward_func_names", []) or [])
+        ids = r["ids"]
+        mask = r.get("tool_mask")
+        # tool-calling: the whole conversation as the model saw it, tool results included
+        text = message_text(r["completion"]) if mask is None else tokenizer.decode(ids)
+        row = r["row"]
+        truncated = not ids or ids[-1] not in eos
+        judgement: Judgement = self.judge(
+            Completion(
+                text=text,
+                messages=r["completion"],
+                row=row,
+                prompt=r.get("prompt"),
+                truncated=truncated,
+            )
+        )
+        control = r["control"] or [[] for _ in self.control_tokens]
+        control_probs = dict(zip(self.control_tokens, control, strict=False))
+        tokens = tokenizer.convert_ids_to_tokens(ids)
+        meta: dict[str, Any] = {
+            "rewards": dict(zip(names, r["rewards"], strict=False)),
+            "truncated": truncated,
+        }
+        if row:
+            meta["row"] = row
+        meta.update(r.get("meta") or {})
+        if judgement.format_free is not None:
+            meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
+        vote, format_state = judgement.vote, judgement.format_state
+        probes: dict[str, float | None] = {}
+        if mask is not None:
+            meta["turns"] = turns.read_turns(mask, r["completion"])
+            meta["answer"] = turns.final_answer(r["completion"])
+            meta["first_call"] = turns.first_call(meta["turns"])
+            if self._call_tags is not None:
+                meta["turn_states"] = turns.turn_states(
+                    meta["turns"],
+                    functools.partial(_decode_span, tokenizer, ids),
+                    self._call_tags,
+                    self._end_tokens,
                 )
-            return None
+                if format_state is None:
+                    format_state = turns.rollout_state(meta["turn_states"])
+                if self._probing_tags():
+                    probes = positional.turn_probes(
+                        tokens, control_probs, meta["turns"], **self._roles()
+                    )
+            if vote is None and not self.functions.given("vote"):
+                vote = meta["answer"]  # the group's votes: each rollout's final answer
+        elif self._call_tags is not None:
+            if format_state is None:
+                format_state = turns.completion_state(
+                    tokenizer.decode(ids), self._call_tags, self._end_tokens, truncated=truncated
+                )
+            if self._probing_tags():
+                probes = positional.control_probes(tokens, control_probs, **self._roles())
+        watched = r.get("watched")
+        if watched is not None:
+            probes.update(
+                positional.id_probes(
+                    dict(zip(self._watched, watched, strict=True)),
+                    row.get("tool_ids") or [],
+                    row.get("target"),
+                )
+            )
+        if probes:
+            meta["probes"] = probes
+        return RolloutRecord(
+            group=i // group_size,
+            index=i % group_size,
+            prompt=self._render_prompt(r.get("prompt"), r.get("prompt_ids")),
+            completion=text,
+            completion_ids=ids,
+            token_logprobs=r["logprobs"],
+            control_probs=control_probs,
+            vote=None if vote is None else str(vote),
+            target=self._target(row),
+            verifier_reward=r["reward"],
+            true_score=judgement.true_score,
+            advantage=r["advantage"],
+            format_valid=judgement.format_valid,
+            format_state=format_state,
+            meta=meta,
+            tokens=tokens,
+        )
+
+    def _probing_tags(self) -> bool:
+        """Positional probes need both call tags and an end-of-turn among the control tokens."""
+        return (
+            self._call_tags is not None
+            and self._eot is not None
+            and all(t in self.control_tokens for t in self._call_tags)
+        )
+
+    def _roles(self) -> dict[str, str]:
+        assert self._call_tags is not None and self._eot is not None
+        return {"open_tag": self._call_tags[0], "close_tag": self._call_tags[1], "eot": self._eot}
 
     def _target(self, row: dict[str, Any]) -> str | None:
         if self.target is not None:
@@ -406,15 +489,6 @@ def _decode_span(tokenizer: Any, ids: list[int], start: int, end: int) -> str:
 def _tokenizer(trainer: Any) -> Any:
     processing = trainer.processing_class
     return getattr(processing, "tokenizer", None) or processing
-
-
-def _number(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _find_trainer() -> Any:

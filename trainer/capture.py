@@ -1,13 +1,18 @@
 """Capture every generation of an unmodified TRL GRPOTrainer, rollout by rollout, in group order.
 
 `RolloutCapture.install(trainer)` wraps three of the trainer's own methods on the instance (no
-subclass, nothing for the user to change):
+subclass, nothing for the user to change; every run is recorded this way, launched or a user's):
 - generation, to bind a GenerationProbe (sampled-token logprobs and control-token
   probabilities read off the logits, one log-softmax per token) when transformers generates;
 - reward calculation, to keep the completions and each reward function's values;
 - `_generate_and_score_completions`, to pair them with the advantages and hand one generation
   on. Under several processes the rollouts of every process are gathered to the main one in
   process order, which is the order TRL forms its groups in.
+
+A run launched from the dashboard adds to this through GenerationHooks: in-group supervision
+(rows sampled from a hinted prompt, or replaced by an expert reply, measured by one forward pass
+of the policy) and its failures collected for SFT; the id-position probe is the probe's
+`watch_ids` after the opening tag.
 
 Work on the training thread is kept to copying ids and numbers into plain lists; prompts are
 rendered, user functions run and summaries computed later, on the writer's thread.
@@ -34,6 +39,33 @@ _SCORE = "_generate_and_score_completions"
 _TOOL_LOOP = "_tool_call_loop"  # TRL's tool loop (tool-calling runs): its first result is tool_mask
 
 
+class GenerationHooks:
+    """What a run adds around generation; every method may be left as it is (no change).
+
+    `rows` are the dataset rows of the generation in progress (TRL's inputs, prompt included),
+    one per completion, in group order."""
+
+    def sampling_prompts(
+        self, trainer: Any, prompt_ids: list[list[int]], rows: list[dict[str, Any]], group: int
+    ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
+        """The prompts to sample from (the update still sees TRL's own), and meta per row."""
+        return prompt_ids, {}
+
+    def replace_completions(
+        self,
+        trainer: Any,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        rows: list[dict[str, Any]],
+        group: int,
+    ) -> tuple[dict[int, list[int]], dict[int, dict[str, Any]]]:
+        """Completions to train on instead of the sampled ones (row -> ids), and meta per row."""
+        return {}, {}
+
+    def on_generation(self, rollouts: list[dict[str, Any]]) -> None:
+        """Every training generation's rollouts (this process's), as soon as they are scored."""
+
+
 @dataclass
 class Generation:
     """The rollouts of one generation, all processes together, in TRL's group order."""
@@ -51,11 +83,22 @@ class RolloutCapture:
         *,
         control_token_ids: list[int],
         on_generation: Callable[[Generation], None],
+        watch_ids: list[int] | None = None,
+        after_token_id: int | None = None,
+        hooks: GenerationHooks | None = None,
     ) -> None:
+        """`watch_ids` (e.g. every tool id) are read right after `after_token_id` (the opening
+        tag): the distribution the policy chooses its answer from."""
         self.trainer = trainer
         self.control_token_ids = control_token_ids
         self.on_generation = on_generation
+        self.watch_ids = list(watch_ids or [])
+        self.after_token_id = after_token_id
+        self.hooks = hooks or GenerationHooks()
         self.notes: list[str] = []
+        self._inputs: list[dict[str, Any]] = []  # the rows of the generation in progress
+        self._row_meta: dict[int, dict[str, Any]] = {}  # row -> meta from the hooks
+        self._replaced: dict[int, tuple[list[float], list[list[float]], list[float] | None]] = {}
         # Each `_generate_single_turn` call of the current generation: its probe and the ids it
         # returned. One call for a single-turn generation; with tools, the first turn of every
         # row, then one call per tool iteration on the rows that called a tool (trainer/turns.py).
@@ -80,9 +123,11 @@ class RolloutCapture:
                 "control-token probabilities are not recorded"
             )
             return False
-        if getattr(trainer, "use_transformers_paged", False):
+        if getattr(trainer, "use_transformers_continuous_batching", False) or getattr(
+            trainer, "use_transformers_paged", False
+        ):
             self.notes.append(
-                "paged transformers generation: control-token probabilities are not recorded"
+                "continuous-batching generation: control-token probabilities are not recorded"
             )
             return False
         if not hasattr(trainer, _GENERATE):
@@ -117,8 +162,21 @@ class RolloutCapture:
         from transformers import LogitsProcessorList
 
         trainer = self.trainer
-        probe = GenerationProbe(self.control_token_ids, float(trainer.temperature or 1.0))
+        probe = GenerationProbe(
+            self.control_token_ids,
+            float(trainer.temperature or 1.0),
+            after_token_id=self.after_token_id,
+            watch_ids=self.watch_ids,
+        )
         model = trainer.accelerator.unwrap_model(trainer.model)
+        training = bool(trainer.model.training) and not self.tool_calling
+        training = training and len(args) >= 4  # (prompt_ids, images, fields, num_generations)
+        if training:
+            sampled_from, meta = self.hooks.sampling_prompts(
+                trainer, list(args[0]), self._inputs, int(args[3])
+            )
+            self._row_meta.update(meta)
+            args = (sampled_from, *args[1:])
         generate = type(model).generate
 
         def probed_generate(*g_args: Any, **g_kwargs: Any) -> Any:
@@ -134,6 +192,8 @@ class RolloutCapture:
             del model.generate
         if not self.tool_calling:
             self._calls = [(probe, [])]  # one call per generation: no turns to stitch
+            if training:
+                result = self._replace(probe, args, result)
             return result
         # trl 1.x returns (completion_ids, logprobs) and takes prompt ids; older ones returned
         # (prompt_ids, completion_ids, logprobs, extra)
@@ -148,6 +208,47 @@ class RolloutCapture:
             self._prompt_ids = [[int(t) for t in p] for p in prompt_ids]
         self._calls.append((probe, [[int(t) for t in ids] for ids in completion_ids]))
         return result
+
+    def _replace(self, probe: GenerationProbe, args: tuple[Any, ...], result: Any) -> Any:
+        """The hooks' replacement completions (expert replies), measured by a forward pass: the
+        probe saw the sampled reply, not the one trained on."""
+        completion_ids, logprobs = result[0], result[1]
+        prompt_ids = [list(p) for p in args[0]]
+        replaced, meta = self.hooks.replace_completions(
+            self.trainer, prompt_ids, [list(c) for c in completion_ids], self._inputs, int(args[3])
+        )
+        self._row_meta.update(meta)
+        if not replaced:
+            return result
+        completion_ids = list(completion_ids)
+        for i, ids in replaced.items():
+            completion_ids[i] = list(ids)
+            if probe.used:
+                self._replaced[i] = self.forward_probe(prompt_ids[i], list(ids))
+        return (completion_ids, logprobs, *result[2:])
+
+    def forward_probe(
+        self, prompt_ids: list[int], completion_ids: list[int]
+    ) -> tuple[list[float], list[list[float]], list[float] | None]:
+        """Logprobs, control probs and watched logprobs of a completion the policy did not
+        sample (an expert reply): one no-grad forward at the sampling temperature."""
+        import torch
+
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        with torch.no_grad():
+            ids = torch.tensor([prompt_ids + completion_ids], device=trainer.accelerator.device)
+            logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+            logprobs = torch.log_softmax(logits / float(trainer.temperature or 1.0), dim=-1)
+            sampled = logprobs.gather(1, ids[0, len(prompt_ids) :, None]).squeeze(1).tolist()
+            control = logprobs[:, self.control_token_ids].exp().T.tolist()
+            watched = None
+            after = self.after_token_id
+            if self.watch_ids and after is not None and after in completion_ids:
+                position = completion_ids.index(after) + 1
+                if position < len(completion_ids):
+                    watched = logprobs[position, self.watch_ids].tolist()
+        return sampled, control, watched
 
     def _tool_loop(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
@@ -172,11 +273,13 @@ class RolloutCapture:
 
     def _score(self, original: Callable[..., Any], inputs: list[dict[str, Any]]) -> Any:
         self._calls, self._prompt_ids, self._tool_mask, self._scored = [], None, None, None
+        self._inputs, self._row_meta, self._replaced = list(inputs), {}, {}
         output = original(inputs)
         trainer = self.trainer
         if not trainer.model.training or self._scored is None:
             return output  # evaluation: not a training generation
         local = self._local_rollouts(inputs, output)
+        self.hooks.on_generation(local)
         accelerator = trainer.accelerator
         if accelerator.num_processes > 1:
             from accelerate.utils import gather_object
@@ -194,6 +297,14 @@ class RolloutCapture:
         weights = [float(w) for w in trainer.reward_weights.tolist()]
         advantages = output["advantages"].tolist()
         logprobs, control = self._logprobs(output, ids_list)
+        watched: list[list[float] | None] = [None] * len(ids_list)
+        if len(self._calls) == 1 and self.watch_ids:
+            watched = [self._calls[0][0].watched(i) for i in range(len(ids_list))]
+        for i, (sampled, probs, seen) in self._replaced.items():
+            logprobs[i] = sampled
+            if control is not None:
+                control[i] = probs
+            watched[i] = seen
         # each row's tool_mask: None unless TRL's tool loop ran (and the mask fits the ids)
         found = self._tool_mask or []
         masks = [
@@ -218,6 +329,8 @@ class RolloutCapture:
                     "row": _plain_columns(row),
                     "tool_mask": masks[i],
                     "prompt_ids": prompt_ids[i] if prompt_ids else None,
+                    "watched": watched[i],
+                    "meta": self._row_meta.get(i, {}),
                 }
             )
         return rollouts

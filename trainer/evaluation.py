@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from rollout_lens.server import series as vocab
-from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
+from rollout_lens.trainer.supervision import MetricSink
 from transformers import GenerationConfig, TrainerCallback
 
 
@@ -25,8 +26,8 @@ class Evaluator(TrainerCallback):
 
     def __init__(
         self,
-        trainer: RecordingGRPOTrainer,
-        recorder: Recorder,
+        trainer: Any,  # a GRPOTrainer
+        recorder: MetricSink,
         sets: Mapping[str, Sequence[EvalItem]],
         *,
         every: int,

@@ -7,8 +7,7 @@ import time
 
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
-from rollout_lens.trainer.retry import with_retries
-from rollout_lens.trainer.writer import StepWriter
+from rollout_lens.trainer.writer import StepWriter, with_retries
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 from transformers import TrainerCallback

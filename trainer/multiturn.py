@@ -17,147 +17,52 @@ Needs transformers >= 5.2 (TRL's `environment_factory`) and a TRL with per-examp
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout_lens.server.config import Settings
 from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.models import RunStatus
-from rollout_lens.server.records import StepRecord
-from rollout_lens.trainer.callback import RolloutLensCallback
 from rollout_lens.trainer.envs import multistep as ms
-
-
-@dataclass(frozen=True)
-class MultiTurnConfig:
-    """What a multi-turn run takes: the multi-turn part of a RunConfig (`config_from_run`), or
-    given directly by a script or test that drives TRL itself."""
-
-    variant: str = "patched"
-    k: int = 4
-    mode: str = "mixed"  # single, chain or mixed episodes
-    steps: int = 30
-    group_size: int = 8
-    prompts_per_step: int = 1
-    learning_rate: float = 3e-4
-    temperature: float = 1.0
-    max_completion_tokens: int = 128  # all turns together, tool results included
-    max_calls: int = ms.DEFAULT_MAX_CALLS  # TRL's max_tool_calling_iterations
-    verifier: str = "exact"
-    verifier_noise: float = 0.1
-    kl_coef: float = 0.0
-    seed: int = 0
-
-
-def config_from_run(config: RunConfig) -> MultiTurnConfig:
-    """The multi-turn part of a launched run's RunConfig."""
-    return MultiTurnConfig(
-        variant=config.variant,
-        k=config.k,
-        mode=config.episodes,
-        steps=config.steps,
-        group_size=config.group_size,
-        prompts_per_step=config.prompts_per_step,
-        learning_rate=config.learning_rate,
-        temperature=config.temperature,
-        max_completion_tokens=config.max_completion_tokens,
-        max_calls=config.max_calls,
-        verifier=config.verifier,
-        verifier_noise=config.verifier_noise,
-        kl_coef=config.kl_coef,
-        seed=config.seed,
-    )
-
+from rollout_lens.trainer.grpo import grpo_args
+from rollout_lens.trainer.judging import Completion, Judgement
 
 MAX_FAILURES = 4096  # failed rows kept for the next interleaved SFT phase
 
 
-class _WriterBox:
-    """A launched run's StepBox: each raw step prepared on the spot and handed to the worker's
-    StepWriter, which owns the run row (the worker marks it finished)."""
+class MultiTurnJudge:
+    """A launched multi-turn run's Judge: each rollout judged by the env from its messages.
+    Vote: the tool whose result gave the final answer (else the answer itself; the first call
+    is kept beside it in the rollout's meta); true and format-free scores; format-valid: an
+    answer and no malformed call. It also keeps the rows that failed for interleaved SFT."""
 
-    def __init__(self, prepare: Callable[[Any], StepRecord], sink: Callable[[StepRecord], None]):
-        self.prepare, self.sink = prepare, sink
-
-    def put(self, raw: Any) -> None:
-        self.sink(self.prepare(raw))
-
-    def close(self, *, status: RunStatus, error: str | None) -> None:
-        return None
-
-
-def _by_messages(text: str, row: dict[str, Any]) -> None:  # pragma: no cover - a marker
-    raise AssertionError("judged from the messages (LaunchedCallback._judged)")
-
-
-class LaunchedCallback(RolloutLensCallback):
-    """The callback recording a multi-turn run the worker launched: steps go to the worker's
-    StepWriter instead of an Outbox, each rollout is judged by the env from its messages (vote:
-    the first tool called; true and format-free scores; format-valid: an answer and no
-    malformed call), and a stop request ends training after the step."""
-
-    def __init__(
-        self,
-        sink: Callable[[StepRecord], None],
-        *,
-        should_stop: Callable[[], bool],
-        control_tokens: Sequence[str] | None,
-        keep_tokens_every: int | None,
-        settings: Settings,
-    ) -> None:
-        super().__init__(
-            project="",
-            control_tokens=control_tokens,
-            keep_tokens_every=keep_tokens_every,
-            settings=settings,
-        )
-        self.sink, self.should_stop = sink, should_stop
-        self.judges = dict.fromkeys(self.judges, _by_messages)
-        self._extra: dict[int, dict[str, float | None]] = {}
+    def __init__(self) -> None:
         self._failed: list[dict[str, Any]] = []
 
-    def add_metrics(self, step: int, metrics: dict[str, float | None]) -> None:
-        """Extra series for `step` (evaluation, SFT phases), written with that step."""
-        self._extra.setdefault(step, {}).update(metrics)
+    def __call__(self, completion: Completion) -> Judgement:
+        row = completion.row
+        j = judge(completion.messages, row)
+        if not j["true_score"] and len(self._failed) < MAX_FAILURES:
+            self._failed.append(row)
+        return Judgement(
+            vote=j["answered_by"] or j["answer"],
+            true_score=j["true_score"],
+            format_valid=j["answer"] is not None and not j["malformed_calls"],
+            format_free=j["format_free"],
+        )
 
     def failures(self) -> list[dict[str, Any]]:
         """The rows whose rollouts failed since the last call (interleaved SFT's examples)."""
         failed, self._failed = self._failed, []
         return failed
 
-    def _prepare(self, raw: dict[str, Any]) -> StepRecord:
-        record = super()._prepare(raw)
-        for step in [s for s in self._extra if s <= record.step]:
-            record.metrics.update(self._extra.pop(step))
-        return record
 
-    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        self.outbox = _WriterBox(self._prepare, self.sink)
-
-    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        super().on_step_end(args, state, control, **kwargs)
-        if self.should_stop():
-            control.should_training_stop = True
-
-    def _judged(self, text: str, row: dict[str, Any], completion: Any) -> dict[str, Any]:
-        j = judge(completion, row)
-        if not j["true_score"] and len(self._failed) < MAX_FAILURES:
-            self._failed.append(row)
-        return {
-            "vote": j["first_call"],
-            "true_score": j["true_score"],
-            "format_valid": j["answer"] is not None and not j["malformed_calls"],
-            "format_free": j["format_free"],
-        }
+def make_env(config: RunConfig) -> ms.MultiStepEnv:
+    return ms.MultiStepEnv(
+        seed=config.seed, variant=config.variant, k=config.k, mode=config.episodes
+    )
 
 
-def make_env(config: MultiTurnConfig) -> ms.MultiStepEnv:
-    return ms.MultiStepEnv(seed=config.seed, variant=config.variant, k=config.k, mode=config.mode)
-
-
-def episodes(env: ms.MultiStepEnv, config: MultiTurnConfig) -> list[ms.Episode]:
+def episodes(env: ms.MultiStepEnv, config: RunConfig) -> list[ms.Episode]:
     """One episode per group the run trains on, drawn with the run's seed."""
     return list(env.stream(config.steps * config.prompts_per_step, seed=config.seed))
 
@@ -209,7 +114,7 @@ def step_summary(judged: Sequence[dict[str, Any]]) -> dict[str, float]:
     return summary
 
 
-def make_reward_function(config: MultiTurnConfig):  # type: ignore[no-untyped-def]
+def make_reward_function(config: RunConfig):  # type: ignore[no-untyped-def]
     """TRL reward function: the configured verifier on each rollout's facts (its name names
     TRL's `rewards/<name>` metric). Logs the step's facts through TRL's `log_metric`."""
     verifier = ms.make_verifier(config.verifier, p=config.verifier_noise, seed=config.seed)
@@ -229,48 +134,14 @@ def make_reward_function(config: MultiTurnConfig):  # type: ignore[no-untyped-de
     return reward
 
 
-def grpo_args(config: MultiTurnConfig, output_dir: Path, **overrides: Any):  # type: ignore[no-untyped-def]
-    """TRL's config: G rollouts x prompts_per_step groups per step, up to max_calls tool turns."""
-    import torch
-    from trl import GRPOConfig
-
-    cuda = torch.cuda.is_available()
-    kwargs: dict[str, Any] = {
-        "output_dir": str(output_dir),
-        "per_device_train_batch_size": config.group_size * config.prompts_per_step,
-        "num_generations": config.group_size,
-        "steps_per_generation": 1,
-        "gradient_accumulation_steps": 1,
-        "max_steps": config.steps,
-        "learning_rate": config.learning_rate,
-        "lr_scheduler_type": "constant",
-        "temperature": config.temperature,
-        "max_completion_length": config.max_completion_tokens,
-        "max_tool_calling_iterations": config.max_calls,
-        "beta": config.kl_coef,
-        "seed": config.seed,
-        "data_seed": config.seed,
-        "shuffle_dataset": False,
-        "logging_steps": 1,
-        "report_to": "none",
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "bf16": cuda and torch.cuda.is_bf16_supported(),
-        "activation_checkpointing": False,
-        "use_cpu": not cuda,
-        "dataloader_num_workers": 0,
-    }
-    return GRPOConfig(**(kwargs | overrides))
-
-
 def make_trainer(  # type: ignore[no-untyped-def]
-    config: MultiTurnConfig,
+    config: RunConfig,
     model,
     tokenizer,
     output_dir: Path,
     *,
     callbacks: Sequence[Any] = (),
-    **args_overrides: Any,
+    checkpoint_every: int = 0,
 ):
     """A plain GRPOTrainer on the multi-step env; any model whose chat template TRL can drive
     tools through (the tiny multi-turn model, a Qwen chat template, ...)."""
@@ -286,7 +157,7 @@ def make_trainer(  # type: ignore[no-untyped-def]
             model=model,
             processing_class=tokenizer,
             reward_funcs=[make_reward_function(config)],
-            args=grpo_args(config, output_dir, **args_overrides),
+            args=grpo_args(config, output_dir, checkpoint_every=checkpoint_every),
             train_dataset=Dataset.from_list(dataset_rows(eps)),
             environment_factory=ms.environment_factories(env, eps),
             callbacks=list(callbacks) or None,

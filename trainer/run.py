@@ -22,14 +22,21 @@ from rollout_lens.server.models import RunStatus
 from rollout_lens.server.records import StepRecord
 from rollout_lens.trainer import multiturn, prebuilt, task
 from rollout_lens.trainer import multiturn_supervision as mts
+from rollout_lens.trainer.callback import RolloutLensCallback
+from rollout_lens.trainer.capture import GenerationHooks
 from rollout_lens.trainer.evaluation import Evaluator
-from rollout_lens.trainer.grpo import Recorder, RecordingGRPOTrainer
+from rollout_lens.trainer.grpo import grpo_args as grpo_args
 from rollout_lens.trainer.modelref import ModelUnavailable, check_model, unusable
 from rollout_lens.trainer.monitor import CheckpointRecorder, RunMonitor
-from rollout_lens.trainer.retry import DatabaseAway, mark_finished
-from rollout_lens.trainer.supervision import MetricSink, SFTPhases, SupervisedGRPOTrainer
+from rollout_lens.trainer.supervision import (
+    Failures,
+    Hooks,
+    InGroupSupervision,
+    MetricSink,
+    SFTPhases,
+)
 from rollout_lens.trainer.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
-from rollout_lens.trainer.writer import StepWriter
+from rollout_lens.trainer.writer import DatabaseAway, StepWriter, mark_finished
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -38,7 +45,7 @@ from transformers import (
     PrinterCallback,
     set_seed,
 )
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 log = logging.getLogger(__name__)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # silence the fork warning
@@ -109,39 +116,6 @@ def device_name() -> str:
     return "cpu"
 
 
-def grpo_args(config: RunConfig, output_dir: Path, *, checkpoint_every: int = 0) -> GRPOConfig:
-    """TRL's config for one run: G rollouts × prompts_per_step groups per optimizer step."""
-    cuda = torch.cuda.is_available()
-    return GRPOConfig(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=config.group_size * config.prompts_per_step,
-        num_generations=config.group_size,
-        steps_per_generation=1,
-        gradient_accumulation_steps=1,
-        num_iterations=config.num_iterations,
-        max_steps=config.steps,
-        learning_rate=config.learning_rate,
-        lr_scheduler_type="constant",
-        temperature=config.temperature,
-        max_completion_length=config.max_completion_tokens,
-        beta=config.kl_coef,
-        seed=config.seed,
-        data_seed=config.seed,
-        shuffle_dataset=False,  # the env's stream is already drawn with the run's seed
-        logging_steps=1,
-        report_to="none",
-        save_strategy="steps" if checkpoint_every else "no",
-        save_steps=checkpoint_every or 500,
-        save_total_limit=2,
-        disable_tqdm=True,
-        # TRL defaults both on; bf16 only pays on CUDA and checkpointing only for big models.
-        bf16=cuda and torch.cuda.is_bf16_supported(),
-        activation_checkpointing=False,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
-    )
-
-
 def train(
     config: RunConfig,
     *,
@@ -170,95 +144,80 @@ def train(
         engine.dispose()
 
 
+def recorder(
+    config: RunConfig,
+    *,
+    settings: Settings,
+    control_tokens: list[str] | None,
+    should_stop: Callable[[], bool] | None = None,
+) -> RolloutLensCallback:
+    """The callback that records a launched run (the one every run is recorded by), with what
+    the run's task adds: its judge, the id-position probe, in-group supervision and the
+    failures interleaved SFT trains on. Its sink (the worker's writer) is set by `_train`."""
+    if config.turns == "multi":
+        return RolloutLensCallback(
+            project="",
+            control_tokens=control_tokens,
+            settings=settings,
+            judge=multiturn.MultiTurnJudge(),
+            should_stop=should_stop,
+        )
+    hooks: list[GenerationHooks] = [task.failures()]
+    if config.supervision in IN_GROUP_MODES:
+        hooks.append(
+            InGroupSupervision(
+                mode=config.supervision,
+                per_group=config.supervised_per_group,
+                expert_reply=lambda row: task.expert_reply(row["target"]),
+                hinted_prompt=task.hinted_prompt,
+            )
+        )
+    return RolloutLensCallback(
+        project="",
+        control_tokens=control_tokens,
+        settings=settings,
+        judge=task.judge,
+        watch_tokens=task.id_tokens(),
+        hooks=Hooks(*hooks),
+        should_stop=should_stop,
+    )
+
+
 def make_trainer(
     config: RunConfig,
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     output_dir: Path,
     *,
-    recorder: Recorder | None,
-    control_tokens: list[str],
+    callback: RolloutLensCallback | None,
     checkpoint_every: int = 0,
 ) -> GRPOTrainer:
-    """The Escalation GRPO trainer for `config`; a plain GRPOTrainer when `recorder` is None."""
-    kwargs = {
-        "model": model,
-        "processing_class": tokenizer,
-        "reward_funcs": [task.make_reward_function(config)],
-        "args": grpo_args(config, output_dir, checkpoint_every=checkpoint_every),
-        "train_dataset": Dataset.from_list(task.dataset_rows(task.make_env(config), config)),
-    }
-    if recorder is None:
-        trainer = GRPOTrainer(**kwargs)
+    """A plain GRPOTrainer on the run's task (the Escalation env, or the multi-step env
+    through TRL's tool loop), recorded by `callback` (attached here, so its control tokens are
+    known before training) with the run's SFT phases and evaluation; unrecorded when None."""
+    callbacks = [callback] if callback is not None else []
+    if config.turns == "multi":
+        trainer = multiturn.make_trainer(
+            config,
+            model,
+            tokenizer,
+            output_dir,
+            callbacks=callbacks,
+            checkpoint_every=checkpoint_every,
+        )
     else:
-        recording: dict[str, Any] = {
-            "recorder": recorder,
-            "control_tokens": control_tokens,
-            "judge": task.judge,
-            "id_tokens": task.id_tokens(),
-        }
-        if config.supervision in IN_GROUP_MODES:
-            trainer = SupervisedGRPOTrainer(
-                **kwargs,
-                **recording,
-                mode=config.supervision,
-                per_group=config.supervised_per_group,
-                expert_reply=lambda row: task.expert_reply(row["target"]),
-                hinted_prompt=task.hinted_prompt,
-            )
-        else:
-            trainer = RecordingGRPOTrainer(**kwargs, **recording)
-        _add_phases(trainer, recorder, config)
+        trainer = GRPOTrainer(
+            model=model,
+            processing_class=tokenizer,
+            reward_funcs=[task.make_reward_function(config)],
+            args=grpo_args(config, output_dir, checkpoint_every=checkpoint_every),
+            train_dataset=Dataset.from_list(task.dataset_rows(task.make_env(config), config)),
+            callbacks=callbacks or None,
+        )
     trainer.remove_callback(PrinterCallback)  # a progress bar and the database replace it
-    return trainer
-
-
-def make_multiturn_trainer(
-    config: RunConfig,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    output_dir: Path,
-    *,
-    callback: multiturn.LaunchedCallback,
-    checkpoint_every: int = 0,
-) -> GRPOTrainer:
-    """A plain GRPOTrainer on the multi-step env through TRL's tool loop, recorded by
-    `callback` (attached here, so its control tokens are known before training)."""
-    trainer = multiturn.make_trainer(
-        multiturn.config_from_run(config),
-        model,
-        tokenizer,
-        output_dir,
-        callbacks=[callback],
-        num_iterations=config.num_iterations,
-        save_strategy="steps" if checkpoint_every else "no",
-        save_steps=checkpoint_every or 500,
-        save_total_limit=2,
-    )
-    callback.attach(trainer)
-    trainer.remove_callback(PrinterCallback)
-    env = multiturn.make_env(multiturn.config_from_run(config))
-    if config.supervision in SFT_MODES:
-        trainer.add_callback(
-            _sft_phases(
-                trainer,
-                callback,
-                config,
-                all_examples=lambda: mts.sft_rows(env),
-                encode=mts.row_encoder(tokenizer, env),
-                failures=callback.failures,
-            )
-        )
-    if config.eval_every:
-        trainer.add_callback(
-            mts.MultiTurnEvaluator(
-                trainer,
-                callback.add_metrics,
-                env,
-                every=config.eval_every,
-                max_calls=config.max_calls,
-            )
-        )
+    if callback is not None:
+        callback.attach(trainer)
+        _add_phases(trainer, callback, config)
     return trainer
 
 
@@ -276,25 +235,53 @@ def _sft_phases(trainer: Any, sink: MetricSink, config: RunConfig, **examples: A
     )
 
 
-def _add_phases(trainer: RecordingGRPOTrainer, recorder: Recorder, config: RunConfig) -> None:
+def _add_phases(trainer: GRPOTrainer, callback: RolloutLensCallback, config: RunConfig) -> None:
     """SFT phases and periodic evaluation, as the config asks."""
-    env = task.make_env(config)
+    if config.turns == "multi":
+        env = multiturn.make_env(config)
+        judge = callback.judge
+        assert isinstance(judge, multiturn.MultiTurnJudge)
+        if config.supervision in SFT_MODES:
+            trainer.add_callback(
+                _sft_phases(
+                    trainer,
+                    callback,
+                    config,
+                    all_examples=lambda: mts.sft_rows(env),
+                    encode=mts.row_encoder(trainer.processing_class, env),
+                    failures=judge.failures,
+                )
+            )
+        if config.eval_every:
+            trainer.add_callback(
+                mts.MultiTurnEvaluator(
+                    trainer,
+                    callback.add_metrics,
+                    env,
+                    every=config.eval_every,
+                    max_calls=config.max_calls,
+                )
+            )
+        return
+    single = task.make_env(config)
     if config.supervision in SFT_MODES:
+        failures = next(h for h in callback.hooks.hooks if isinstance(h, Failures))  # type: ignore[union-attr]
         trainer.add_callback(
             _sft_phases(
                 trainer,
-                recorder,
+                callback,
                 config,
-                all_examples=lambda: task.sft_examples(env),
+                all_examples=lambda: task.sft_examples(single),
                 expert_reply=task.expert_reply,
+                failures=failures.drain,
             )
         )
     if config.eval_every:
         trainer.add_callback(
             Evaluator(
                 trainer,
-                recorder,
-                task.eval_sets(env),
+                callback,
+                task.eval_sets(single),
                 every=config.eval_every,
                 max_new_tokens=config.max_completion_tokens,
             )
@@ -319,26 +306,22 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                 return monitor.should_stop() or bool(should_stop and should_stop())
 
             output_dir = run_output_dir(settings, run_id)
-            launched: multiturn.LaunchedCallback | None = None
-            if config.turns == "multi":
-                launched = multiturn.LaunchedCallback(
-                    lambda record: writer.put(record) if writer else None,
-                    should_stop=stop_requested,
-                    control_tokens=config.control_tokens,
-                    keep_tokens_every=None,  # the run row has it: the store applies it
-                    settings=settings,
-                )
-                trainer = make_multiturn_trainer(
-                    config,
-                    model,
-                    tokenizer,
-                    output_dir,
-                    callback=launched,
-                    checkpoint_every=settings.checkpoint_every,
-                )
-                control_tokens = launched.control_tokens
-            else:
-                control_tokens = config.control_tokens or default_control_tokens(tokenizer)
+            callback = recorder(
+                config,
+                settings=settings,
+                control_tokens=config.control_tokens
+                or (None if config.turns == "multi" else default_control_tokens(tokenizer)),
+                should_stop=stop_requested,
+            )
+            trainer = make_trainer(
+                config,
+                model,
+                tokenizer,
+                output_dir,
+                callback=callback,
+                checkpoint_every=settings.checkpoint_every,
+            )
+            control_tokens = callback.control_tokens
             with session_scope(factory) as session:
                 store.truncate_after(session, run_id=run_id, step=resume_from)
                 store.mark_running(
@@ -348,7 +331,7 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                     device=device_name(),
                     control_tokens=control_tokens,
                 )
-            writer = StepWriter(
+            writer = StepWriter.for_launched(
                 factory,
                 run_id=run_id,
                 control_tokens=control_tokens,
@@ -356,16 +339,7 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                 on_written=on_step,
                 give_up_after=settings.lost_after_seconds,
             )
-            if launched is None:
-                trainer = make_trainer(
-                    config,
-                    model,
-                    tokenizer,
-                    output_dir,
-                    recorder=Recorder(writer.put, should_stop=stop_requested),
-                    control_tokens=control_tokens,
-                    checkpoint_every=settings.checkpoint_every,
-                )
+            callback.sink = writer
             trainer.add_callback(CheckpointRecorder(factory, writer, run_id=run_id))
             checkpoint = output_dir / f"checkpoint-{resume_from}" if resume_from else None
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)

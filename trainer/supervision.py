@@ -4,88 +4,122 @@ phases before or between RL phases, on the erroneous examples."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from rollout_lens.server import series as vocab
 from rollout_lens.server.domain.task import IN_GROUP_MODES
-from rollout_lens.trainer.grpo import RecordingGRPOTrainer
+from rollout_lens.trainer.capture import GenerationHooks
 from transformers import TrainerCallback
 
 
-class SupervisedGRPOTrainer(RecordingGRPOTrainer):
-    """Recording GRPO whose groups mix in supervised rollouts.
+class InGroupSupervision(GenerationHooks):
+    """Groups that mix in supervised rollouts, through the capture's hooks (a plain GRPOTrainer).
 
-    offpolicy: the last `n` rollouts of each group are replaced by the expert reply; they are
-    scored and normalised with the group. hint: the last `n` rollouts are sampled from the prompt
-    with a hint appended; the update sees the completion under the plain prompt (hint stripped),
-    because TRL keeps the prompt ids it tokenized, not the ones generation used.
+    offpolicy: the last `per_group` rollouts of each group are replaced by the expert reply;
+    they are scored and normalised with the group, and measured by one forward pass of the
+    policy. hint: the last `per_group` rollouts are sampled from the prompt with a hint
+    appended; the update sees the completion under the plain prompt (hint stripped), because
+    TRL keeps the prompt ids it tokenized, not the ones generation used.
     """
 
     def __init__(
         self,
-        *args: Any,
+        *,
         mode: str,
         per_group: int,
         expert_reply: Callable[[dict[str, Any]], str],
         hinted_prompt: Callable[[dict[str, Any]], Any],
-        **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
         if mode not in IN_GROUP_MODES:
             raise ValueError(f"unknown in-group supervision {mode!r}")
         self.mode, self.per_group = mode, per_group
         self.expert_reply, self.hinted_prompt = expert_reply, hinted_prompt
 
-    def _supervised_rows(self, n_rows: int, group_size: int) -> list[int]:
-        if not self.model.training:
-            return []
-        return [i for i in range(n_rows) if i % group_size >= group_size - self.per_group]
+    def _rows(self, n_rows: int, group: int) -> list[int]:
+        return [i for i in range(n_rows) if i % group >= group - self.per_group]
 
-    def _generate_single_turn(
-        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
-    ):  # type: ignore[no-untyped-def]
-        rows = self._supervised_rows(len(prompt_ids), num_generations)
-        if self.mode == "hint":
-            sampled_from = list(prompt_ids)
-            for i in rows:
-                hinted, _, _ = self._tokenize_prompts([self.hinted_prompt(self._inputs[i])])
-                sampled_from[i] = hinted[0]
-                self._row_meta[i] = {
-                    "supervised": "hint",
-                    "hint_shown": self._inputs[i].get("hint"),
-                }
-            return super()._generate_single_turn(
-                sampled_from, images, multimodal_fields, num_generations, has_tool_images
-            )
+    def sampling_prompts(self, trainer, prompt_ids, rows, group):  # type: ignore[no-untyped-def]
+        if self.mode != "hint":
+            return prompt_ids, {}
+        sampled_from, meta = list(prompt_ids), {}
+        for i in self._rows(len(prompt_ids), group):
+            hinted, _, _ = trainer._tokenize_prompts([self.hinted_prompt(rows[i])])
+            sampled_from[i] = hinted[0]
+            meta[i] = {"supervised": "hint", "hint_shown": rows[i].get("hint")}
+        return sampled_from, meta
 
-        completion_ids, logprobs = super()._generate_single_turn(
-            prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-        )
-        eos = self.eos_token_ids[0]
-        for i in rows:
-            expert = self.processing_class.encode(
-                self.expert_reply(self._inputs[i]), add_special_tokens=False
+    def replace_completions(self, trainer, prompt_ids, completion_ids, rows, group):  # type: ignore[no-untyped-def]
+        if self.mode != "offpolicy":
+            return {}, {}
+        eos = trainer.eos_token_ids[0]
+        replaced, meta = {}, {}
+        for i in self._rows(len(completion_ids), group):
+            expert = trainer.processing_class.encode(
+                self.expert_reply(rows[i]), add_special_tokens=False
             )
-            completion_ids[i] = [*expert, eos]
-            self._row_meta[i] = {"supervised": "expert"}
-            if (
-                self._probe_rows is not None
-            ):  # the probe saw the sampled reply: measure the expert's
-                sampled, control, watched = self.forward_probe(
-                    list(prompt_ids[i]), completion_ids[i]
-                )
-                self._probe_rows[0][i], self._probe_rows[1][i], self._probe_rows[2][i] = (
-                    sampled,
-                    control,
-                    watched,
-                )
-        return completion_ids, logprobs
+            replaced[i] = [*expert, eos]
+            meta[i] = {"supervised": "expert"}
+        return replaced, meta
+
+
+class Failures(GenerationHooks):
+    """The rows whose rollouts failed, kept for the next interleaved SFT phase (at most
+    `keep`): `failed(rollout)` says which, `example(rollout)` what to keep of one."""
+
+    def __init__(
+        self,
+        failed: Callable[[dict[str, Any]], bool],
+        example: Callable[[dict[str, Any]], Any],
+        *,
+        keep: int = 4096,
+    ) -> None:
+        self.failed, self.example = failed, example
+        self.recent: deque[Any] = deque(maxlen=keep)
+
+    def on_generation(self, rollouts: list[dict[str, Any]]) -> None:
+        self.recent.extend(self.example(r) for r in rollouts if self.failed(r))
+
+    def drain(self) -> list[Any]:
+        """The failures since the last call (interleaved SFT's examples)."""
+        failures = list(self.recent)
+        self.recent.clear()
+        return failures
+
+
+class Hooks(GenerationHooks):
+    """Several hooks as one (each sees what the one before returned)."""
+
+    def __init__(self, *hooks: GenerationHooks) -> None:
+        self.hooks = hooks
+
+    def sampling_prompts(self, trainer, prompt_ids, rows, group):  # type: ignore[no-untyped-def]
+        meta: dict[int, dict[str, Any]] = {}
+        for hook in self.hooks:
+            prompt_ids, more = hook.sampling_prompts(trainer, prompt_ids, rows, group)
+            meta.update(more)
+        return prompt_ids, meta
+
+    def replace_completions(self, trainer, prompt_ids, completion_ids, rows, group):  # type: ignore[no-untyped-def]
+        replaced: dict[int, list[int]] = {}
+        meta: dict[int, dict[str, Any]] = {}
+        for hook in self.hooks:
+            more, more_meta = hook.replace_completions(
+                trainer, prompt_ids, completion_ids, rows, group
+            )
+            replaced.update(more)
+            meta.update(more_meta)
+        return replaced, meta
+
+    def on_generation(self, rollouts: list[dict[str, Any]]) -> None:
+        for hook in self.hooks:
+            hook.on_generation(rollouts)
 
 
 class MetricSink(Protocol):
-    """Where extra series for a step go (grpo.Recorder; multiturn.LaunchedCallback)."""
+    """Where extra series for a step go (RolloutLensCallback.add_metrics)."""
 
     def add_metrics(self, step: int, metrics: dict[str, float | None]) -> None: ...
 
@@ -97,7 +131,7 @@ class SFTPhases(TrainerCallback):
     """Supervised fine-tuning on expert replies, at its own learning rate, on the training thread.
 
     interleaved_sft: every `every` RL steps, `steps` SFT steps on the examples that failed since
-    the last phase (`failures()` drains them; default: the trainer's recent_failures).
+    the last phase (`failures()` drains them: Failures.drain).
     sft_then_rl: `steps` SFT steps on all training examples before the first RL step. Each
     phase's loss goes into the series `sft/loss` at the step after which it ran.
 
@@ -117,7 +151,7 @@ class SFTPhases(TrainerCallback):
         all_examples: Callable[[], list[Any]],
         expert_reply: Callable[[str], str] | None = None,
         encode: Encoder | None = None,
-        failures: Callable[[], list[Any]] | None = None,
+        failures: Callable[[], list[Any]] = list,
         batch_size: int = 16,
     ) -> None:
         if (expert_reply is None) == (encode is None):
@@ -126,7 +160,7 @@ class SFTPhases(TrainerCallback):
         self.mode, self.every, self.steps, self.batch_size = mode, every, steps, batch_size
         self.all_examples, self.expert_reply = all_examples, expert_reply
         self.encode: Encoder = encode or self._reply_sequence
-        self.failures = failures or self._recent_failures
+        self.failures = failures
         self.learning_rate = learning_rate
         self._optimizer: torch.optim.Optimizer | None = None
 
@@ -170,11 +204,6 @@ class SFTPhases(TrainerCallback):
         self._optimizer.zero_grad(set_to_none=True)
         model.train(was_training)
         return sum(losses) / len(losses) if losses else math.nan
-
-    def _recent_failures(self) -> list[Any]:
-        failures = list(self.trainer.recent_failures)
-        self.trainer.recent_failures.clear()
-        return failures
 
     def _reply_sequence(self, example: tuple[Any, str]) -> tuple[list[int], list[int]]:
         """A single-turn example: the prompt as context, then the expert reply and end-of-turn."""

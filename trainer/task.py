@@ -19,8 +19,9 @@ from rollout_lens.trainer.envs.escalation import (
     true_score,
 )
 from rollout_lens.trainer.evaluation import EvalItem
-from rollout_lens.trainer.grpo import Judgement, message_text
+from rollout_lens.trainer.judging import Completion, Judgement, message_text
 from rollout_lens.trainer.structure import classify
+from rollout_lens.trainer.supervision import Failures
 
 
 def id_tokens() -> list[str]:
@@ -76,15 +77,24 @@ def make_reward_function(config: RunConfig):  # type: ignore[no-untyped-def]
     return reward
 
 
-def judge(completion: str, row: dict[str, Any], truncated: bool) -> Judgement:
+def judge(completion: Completion) -> Judgement:
     """Vote, true score and format state of one Escalation completion."""
-    vote = parse_vote(completion)
+    text, row = completion.text, completion.row
+    vote = parse_vote(text)
     return Judgement(
         vote=vote,
         true_score=true_score(vote, row["target"]),
-        format_valid=format_valid(completion, row["tool_ids"]),
-        format_state=classify(completion, row["tool_ids"], truncated=truncated).value,
-        format_free=true_score(lenient_vote(completion), row["target"]),
+        format_valid=format_valid(text, row["tool_ids"]),
+        format_state=classify(text, row["tool_ids"], truncated=completion.truncated).value,
+        format_free=true_score(lenient_vote(text), row["target"]),
+    )
+
+
+def failures() -> Failures:
+    """The (prompt messages, target) of rollouts that missed: erroneous-example SFT's data."""
+    return Failures(
+        lambda r: true_score(parse_vote(message_text(r["completion"])), r["row"]["target"]) == 0,
+        lambda r: (r["prompt"], r["row"]["target"]),
     )
 
 

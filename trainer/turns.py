@@ -245,6 +245,25 @@ def turn_states(
     ]
 
 
+def completion_state(
+    text: str, tags: tuple[str, str], end_tokens: Sequence[str], *, truncated: bool
+) -> str:
+    """A single-turn completion's structural state (a series.FormatState) read with the
+    tokenizer's own call tags (`text` decoded with its special tokens): its one model turn's
+    state, every closed call counting as a call; an empty or cut-off completion is a collapse."""
+    stripped = text
+    for token in end_tokens:
+        if token:
+            stripped = stripped.replace(token, "")
+    if not stripped.strip():
+        return vocab.FormatState.collapse.value
+    closed = len(_call_pattern(tags).findall(text))
+    state = turn_state(text, closed, tags, end_tokens)
+    if truncated and state != TurnState.no_call:
+        return vocab.FormatState.collapse.value
+    return rollout_state([state])
+
+
 def rollout_state(states: Sequence[str]) -> str:
     """A tool-calling rollout's structural state (a series.FormatState) from its turns' states:
     collapse when any call broke (left open, or end-of-turn inside it), else text pollution when

@@ -365,7 +365,7 @@ class Recorder:
                     finite(r.true_score),
                     float(r.advantage),
                     _not_nan(r.sum_logprob),
-                    bool(r.format_valid),
+                    None if r.format_valid is None else bool(r.format_valid),
                     r.format_state,
                     disagrees(r.verifier_reward, r.true_score),
                     # no ids for a text (an import of text alone): its length is not known
@@ -480,9 +480,9 @@ def _split_meta(
     return facts, own
 
 
-def _not_nan(value: float) -> float | None:
+def _not_nan(value: float | None) -> float | None:
     """Σ logprob keeps -inf (a token the policy gave no mass); NaN is no number: NULL."""
-    return None if value != value else value
+    return None if value is None or value != value else value
 
 
 def _mean(values: Iterable[float | None]) -> float | None:

@@ -329,6 +329,7 @@ class RolloutFacts:
     answer: str | None  # the final turn's <answer>, None if it has none or calls a tool
     observed: tuple[str, ...]  # values tool results showed
     chain_followed: bool  # the needed tools were called in order (possibly with others between)
+    answered_by: str | None = None  # the last called tool whose result showed the answer given
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -343,6 +344,7 @@ class RolloutFacts:
             "answer": self.answer,
             "observed": list(self.observed),
             "chain_followed": self.chain_followed,
+            "answered_by": self.answered_by,
         }
 
 
@@ -360,6 +362,7 @@ def read_rollout(messages: Sequence[Mapping[str, Any]], needed: Sequence[str]) -
     # TRL appends one tool message per call right after the turn that made it; calls it did not
     # run (the iteration cap, a result that would overflow the length limit) have none.
     called: list[str] = []
+    shown: list[tuple[str, list[str]]] = []  # (tool called, the values its result showed)
     unanswered = 0
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
@@ -369,6 +372,9 @@ def read_rollout(messages: Sequence[Mapping[str, Any]], needed: Sequence[str]) -
         while i + 1 + results < len(messages) and messages[i + 1 + results].get("role") == "tool":
             results += 1
         called += names[:results]
+        for k, name in enumerate(names[:results]):
+            content = content_text(messages[i + 1 + k].get("content"))
+            shown.append((name, _RESULT.findall(content)))
         unanswered += max(0, len(names) - results)
     malformed = sum(content_text(m.get("content")).count("<tool_call>") for m in assistants)
     errors = sum(content_text(m.get("content")).startswith(_ERROR_PREFIX) for m in tools)
@@ -393,6 +399,10 @@ def read_rollout(messages: Sequence[Mapping[str, Any]], needed: Sequence[str]) -
         answer=answer,
         observed=observed,
         chain_followed=position == len(needed),
+        answered_by=next(
+            (name for name, values in reversed(shown) if answer is not None and answer in values),
+            None,
+        ),
     )
 
 
