@@ -435,7 +435,7 @@ def test_step_viewer_marks_supervised_rollouts(session_factory, client) -> None:
     assert "Expert reply" in expert.find(cls="origin-banner").text
     banner = hinted.find(cls="origin-banner")
     assert "stripped before the update" in banner.text
-    assert banner.find(cls="hint-text").text == HINT
+    assert banner.find(cls="hint-text").text == HINT.removeprefix("Hint: ")  # labelled once
     assert not page.by_id("rollout-0").find_all(cls="origin-banner")
     summary = page.by_id("supervised-summary").text
     assert "1 × expert" in summary and "1 × hint" in summary
