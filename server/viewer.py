@@ -385,9 +385,12 @@ def answer_vote(vote: str | None, meta: dict[str, Any] | None) -> dict[str, Any]
     first = first_call(turns) if legacy else meta.get("first_call")
     answer = meta.get("answer")
     answer = None if answer is None else str(answer)
-    source = None
-    if not legacy and vote is not None and vote != answer:
-        source = vote
+    # the vote names a tool only when the rollout called a tool of that name; otherwise it is
+    # the answer itself (as text or as the value the trainer read from it)
+    called = {
+        str(c.get("name")) for t in turns for c in t.get("calls") or [] if isinstance(c, dict)
+    }
+    source = vote if not legacy and vote is not None and vote in called else None
     return {
         "legacy": legacy,
         "vote": vote,
@@ -452,10 +455,10 @@ def group_header(members: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if hint is None and hinted:
         hint = (hinted[0].get("meta") or {}).get("hint_shown")
     vote_rows = vote_histogram(votes, first["target"])
-    if vote_kind == "answer":  # a vote that is the answer text itself: no tool result gave it
-        said = {v["answer"] for v in multi if v is not None and v["answer"] is not None}
+    if vote_kind == "answer":  # a vote that is the answer itself: no tool result gave it
+        sources = {v["source"] for v in multi if v is not None}
         for row in vote_rows:
-            if row["vote"] in said:
+            if row["vote"] is not None and row["vote"] not in sources:
                 row["label"] = f"answer {answer_value(row['vote'])}"
     return {
         "group": first["group"],

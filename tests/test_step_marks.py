@@ -51,6 +51,22 @@ def test_a_new_runs_vote_is_the_answer_and_the_tool_that_gave_it() -> None:
     assert silent["answer_value"] == "77"
 
 
+def test_a_vote_names_a_tool_only_when_the_rollout_called_it() -> None:
+    meta = make_multiturn_group()[2].meta  # called tool_12, answered <answer>31</answer>
+    for vote in ("31", "<answer>31</answer>", "tool_59"):  # the value, the text, a tool not called
+        view = viewer.answer_vote(vote, meta)
+        assert view is not None and view["source"] is None and view["answer_value"] == "31"
+    members = _dicts(legacy=False)
+    members[2]["vote"] = "31"
+    labels = {r["vote"]: r.get("label") for r in viewer.group_header(members)["votes"]}
+    assert labels == {
+        "tool_59": None,
+        "31": "answer 31",
+        "<answer>77</answer>": "answer 77",
+        None: None,
+    }
+
+
 def test_a_run_recorded_before_votes_with_its_first_call_derived_from_its_turns() -> None:
     views = [viewer.answer_vote(r["vote"], r["meta"]) for r in _dicts(legacy=True)]
     assert all(v is not None and v["legacy"] for v in views)
