@@ -23,6 +23,7 @@ from rollout_lens.server.viewer import (
     SHOWN_CHARS,
     STATES,
     answer_vote,
+    call_limit,
     format_badge,
     hint_body,
     prob_text,
@@ -104,6 +105,7 @@ def make_templates() -> Jinja2Templates:
         # the step viewer's marks (server.viewer): a rollout's vote and format badges, and
         # what the key under its tabs explains
         answer_vote=answer_vote,
+        call_limit=call_limit,
         format_badge=format_badge,
         format_states=STATES,
         near_miss=NEAR_MISS,

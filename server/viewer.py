@@ -355,6 +355,16 @@ def format_badge(
     return badge
 
 
+def call_limit(config: dict[str, Any] | None) -> int | None:
+    """How many tool calls a run let a rollout make: `max_calls` of a run launched here, else
+    TRL's `max_tool_calling_iterations` in a recorded GRPOConfig; None when neither says."""
+    for key in ("max_calls", "max_tool_calling_iterations"):
+        value = (config or {}).get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def first_call(turns: Sequence[dict[str, Any]]) -> str | None:
     """The name of the first tool a tool-calling rollout called (the first model turn with a
     call), if any: what runs recorded before `meta.first_call` stored as the vote."""

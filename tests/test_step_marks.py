@@ -230,3 +230,11 @@ def test_a_hint_is_labelled_once_and_says_who_saw_it() -> None:
     members[0]["meta"] = {"hint": "Hint: in meta."} | {"turns": []}
     header = viewer.group_header(members)
     assert header["hint"] == "in meta." and header["hint_shown_to"] == [3]
+
+
+def test_the_call_limit_is_the_runs_max_calls_or_trls_iterations() -> None:
+    assert viewer.call_limit({"max_calls": 4, "max_tool_calling_iterations": 9}) == 4
+    assert viewer.call_limit({"max_tool_calling_iterations": 9}) == 9  # a recorded GRPOConfig
+    assert viewer.call_limit({"max_tool_calling_iterations": None}) is None
+    assert viewer.call_limit({"max_calls": True}) is None
+    assert viewer.call_limit(None) is None
