@@ -301,7 +301,7 @@ class ScaleRun:
     def _series(
         self, rng: np.random.Generator, step: int, rollouts: list[RolloutRecord]
     ) -> tuple[dict[str, float | None], dict[str, float | None]]:
-        """The step's values and series as the trainer computes them (trainer.grpo.summarize)."""
+        """The step's values and series as the trainer computes them (trainer.summary.summarize)."""
         grouped = m.groups(rollouts, self.shape.group_size)
         rewards = [[r.verifier_reward for r in g] for g in grouped]
         lengths = [len(r.completion_ids) for r in rollouts]

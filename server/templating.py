@@ -15,9 +15,19 @@ from fastapi import Request
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup, escape
 from rollout_lens.server.formats import fmt_minutes, fmt_money, fmt_num, fmt_pct, fmt_when
+from rollout_lens.server.records import DISAGREE_AT
 from rollout_lens.server.series import WINDOW
 from rollout_lens.server.textsafe import clip
-from rollout_lens.server.viewer import SHOWN_CHARS, prob_text
+from rollout_lens.server.viewer import (
+    NEAR_MISS,
+    SHOWN_CHARS,
+    STATES,
+    answer_vote,
+    call_limit,
+    format_badge,
+    hint_body,
+    prob_text,
+)
 from starlette.routing import NoMatchFound
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
@@ -92,6 +102,14 @@ def make_templates() -> Jinja2Templates:
         access=access,
         shown_chars=SHOWN_CHARS,  # of a long text (completion, prompt) a page shows
         card_chars=CARD_CHARS,  # of a completion in compare's compact step card
+        # the step viewer's marks (server.viewer): a rollout's vote and format badges, and
+        # what the key under its tabs explains
+        answer_vote=answer_vote,
+        call_limit=call_limit,
+        format_badge=format_badge,
+        format_states=STATES,
+        near_miss=NEAR_MISS,
+        disagree_reward=DISAGREE_AT,
     )
     env.filters.update(
         num=fmt_num,
@@ -105,6 +123,7 @@ def make_templates() -> Jinja2Templates:
         token_cells_html=token_cells_html,
         control_table_html=control_table_html,
         clip=clip,
+        hint_body=hint_body,
     )
     return Jinja2Templates(env=env)
 

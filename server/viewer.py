@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import math
@@ -208,32 +209,229 @@ def turn_views(
     """A tool-calling rollout as a conversation: per model turn its token cells, control-token
     rows and Σ logprob; per tool stretch each call's name, arguments and result (untrusted
     text: the template escapes it) and its token cells. None for a single-turn rollout."""
-    turns = _turn_list(rollout.get("meta") or {})
+    meta = rollout.get("meta") or {}
+    turns = _turn_list(meta)
     if turns is None:
         return None
+    recorded = meta.get("turn_states")
+    states: list[Any] = recorded if isinstance(recorded, list) else []
     n = len(cells)
     logprobs = rollout["token_logprobs"]
     views = []
     model_turn = 0
     for turn in turns:
         a, b = max(0, int(turn["start"])), min(n, int(turn["end"]))
-        calls = [
-            {
-                "name": str(c.get("name", "")),
-                "arguments": _arguments_text(c.get("arguments")),
-                "result": None if c.get("result") is None else str(c["result"]),
-            }
-            for c in turn.get("calls") or []
-            if isinstance(c, dict)
-        ]
+        calls = []
+        for c in turn.get("calls") or []:
+            if not isinstance(c, dict):
+                continue
+            result = None if c.get("result") is None else str(c["result"])
+            calls.append(
+                {
+                    "name": str(c.get("name", "")),
+                    "arguments": _arguments_text(c.get("arguments")),
+                    "result": result,
+                    "result_json": None if result is None else result_json(result),
+                }
+            )
         view = {"role": turn["role"], "start": a, "end": b, "calls": calls, "cells": cells[a:b]}
         if turn["role"] == "model":
             view["number"] = model_turn
+            state = states[model_turn] if model_turn < len(states) else None
+            view["state"] = None if state is None else state_badge(str(state), turn=True)
             model_turn += 1
             view["sum_logprob"] = sum(logprobs[a:b]) if len(logprobs) >= b else None
             view["control_rows"] = [(label, row[a:b]) for label, row in rows]
+            view["control_summary"] = control_summary(rollout.get("control_view") or {}, a, b)
         views.append(view)
     return views
+
+
+def control_summary(
+    control: dict[str, list[float | None]], start: int, end: int
+) -> list[tuple[str, str, int]]:
+    """The one line a folded control-token table shows: per control token, its largest
+    probability over positions [start, end) of a turn and the position it was at (first of
+    ties); tokens with no probability there are left out."""
+    out = []
+    for token, probs in control.items():
+        seen = [(p, i) for i in range(start, min(end, len(probs))) if (p := probs[i]) is not None]
+        if seen:
+            p, at = max(seen, key=lambda pi: (pi[0], -pi[1]))
+            out.append((token, prob_text(p), at))
+    return out
+
+
+# --- what a mark on the step viewer means ----------------------------------------------------
+
+# A tool result longer than this is shown as the text it is: parsing it is not worth the time
+# (the recorder keeps 2,000 characters of one; longer is a hand-made record).
+RESULT_PARSE_CHARS = 20_000
+
+
+def result_json(text: str) -> str | None:
+    """A tool result as pretty-printed JSON when it is a JSON object or array, or a Python
+    literal dict or list (what TRL's `str()` of a tool's return value or of an error looks
+    like: `{'error': ...}`); None otherwise (shown as the text it is). Read with json.loads and
+    ast.literal_eval only, never eval: the result is untrusted text."""
+    stripped = text.strip()
+    if len(stripped) > RESULT_PARSE_CHARS or stripped[:1] not in ("{", "["):
+        return None
+    value: Any = None
+    try:
+        value = json.loads(stripped)
+    except (ValueError, RecursionError):
+        try:
+            value = ast.literal_eval(stripped)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+    if not isinstance(value, dict | list):
+        return None
+    try:
+        return json.dumps(value, indent=2, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):  # a set, bytes, a tuple key: not JSON
+        return None
+
+
+# Structural states (series.FormatState, series.TurnState, and what a page says without one)
+# → (tone, meaning). The tone colours the badge: ok green, warn amber, bad red, none grey.
+STATES: dict[str, tuple[str, str]] = {
+    "healthy_call": ("ok", "well-formed call(s) naming a listed tool, nothing else"),
+    "text_pollution": ("warn", "a call with stray text around it, or naming an unknown tool"),
+    "no_call": ("warn", "no call at all (an answer, or text)"),
+    "collapse": ("bad", "the call structure broke: empty, unbalanced tags, cut off"),
+    "open_call": ("bad", "a call left open: the turn was cut before its closing tag"),
+    "eot_in_call": ("bad", "end-of-turn inside an open call"),
+    "valid": ("ok", "format-valid (no structural state recorded)"),
+    "invalid": ("bad", "not format-valid (no structural state recorded)"),
+    "unchecked": ("none", "the importer did not check the format"),
+}
+
+
+def state_badge(state: str, *, turn: bool = False) -> dict[str, str]:
+    """A structural state as a badge: its name, tone (STATES; unknown states grey) and meaning.
+    A model turn without a call (`turn`) is how a tool-calling rollout answers: grey, not amber."""
+    tone, meaning = STATES.get(state, ("none", "a state this dashboard does not know"))
+    if turn and state == "no_call":
+        tone, meaning = "none", "no call: the final answer, or text"
+    return {"state": state, "tone": tone, "meaning": meaning}
+
+
+def format_badge(
+    format_valid: bool | None,
+    format_state: str | None,
+    meta: dict[str, Any] | None,
+    max_calls: int | None = None,
+) -> dict[str, Any]:
+    """A rollout's format marks: its structural state as recorded (`format_state`; for a
+    tool-calling rollout the whole rollout's, its worst turn's) coloured by what it means, and
+    when the rollout is not format-valid although its state is fine, why (`problem`): a
+    tool-calling rollout that never gave a final answer because it ended on a call, or
+    simply not format-valid."""
+    state = format_state or ("valid" if format_valid else "invalid")
+    badge: dict[str, Any] = state_badge(state) | {"valid": format_valid, "problem": None}
+    turns = _turn_list(meta or {})
+    if format_valid is not False:
+        return badge
+    if turns is not None and (meta or {}).get("answer") is None:
+        ran = sum(len(t.get("calls") or []) for t in turns if t["role"] == "tool")
+        out = max_calls is not None and ran >= max_calls
+        badge["problem"] = {
+            "label": "ran out of calls" if out else "no final answer",
+            "title": (
+                f"no final answer: the rollout ended on a call after {ran} tool results, "
+                f"the run's limit (max_calls {max_calls})"
+                if out
+                else "no final answer: the rollout ended on a tool call (the call limit or the "
+                "length limit stopped it)"
+            ),
+        }
+    elif badge["tone"] == "ok":
+        badge["problem"] = {
+            "label": "not format-valid",
+            "title": "its structure is fine, but the run's format check failed it"
+            + (" (a malformed call, or an answer out of format)" if turns is not None else ""),
+        }
+    return badge
+
+
+def call_limit(config: dict[str, Any] | None) -> int | None:
+    """How many tool calls a run let a rollout make: `max_calls` of a run launched here, else
+    TRL's `max_tool_calling_iterations` in a recorded GRPOConfig; None when neither says."""
+    for key in ("max_calls", "max_tool_calling_iterations"):
+        value = (config or {}).get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def first_call(turns: Sequence[dict[str, Any]]) -> str | None:
+    """The name of the first tool a tool-calling rollout called (the first model turn with a
+    call), if any: what runs recorded before `meta.first_call` stored as the vote."""
+    for turn in turns:
+        if turn.get("role") == "model":
+            for call in turn.get("calls") or []:
+                if isinstance(call, dict):
+                    return str(call.get("name", ""))
+    return None
+
+
+_ANSWER_TAG = re.compile(r"\s*<answer>\s*([^<>]*?)\s*</answer>\s*")
+
+
+def answer_vote(vote: str | None, meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """How a tool-calling rollout's vote reads; None for a single-turn rollout.
+
+    Runs that record `meta.first_call` vote with the final answer: `vote` is the tool whose
+    result gave the answer (`source`), else the answer text itself, else None; the first call
+    is shown beside it. Runs recorded before (`legacy`) stored the first tool called as the
+    vote: it is derived here from `meta.turns` and said to be the vote. `answer` is the final
+    answer text (`meta.answer`), `answer_value` what a whole `<answer>V</answer>` holds."""
+    meta = meta or {}
+    turns = _turn_list(meta)
+    if turns is None:
+        return None
+    legacy = "first_call" not in meta
+    first = first_call(turns) if legacy else meta.get("first_call")
+    answer = meta.get("answer")
+    answer = None if answer is None else str(answer)
+    # the vote names a tool only when the rollout called a tool of that name; otherwise it is
+    # the answer itself (as text or as the value the trainer read from it)
+    called = {
+        str(c.get("name")) for t in turns for c in t.get("calls") or [] if isinstance(c, dict)
+    }
+    source = vote if not legacy and vote is not None and vote in called else None
+    return {
+        "legacy": legacy,
+        "vote": vote,
+        "answer": answer,
+        "answer_value": None if answer is None else answer_value(answer),
+        "source": source,
+        "first_call": None if first is None else str(first),
+    }
+
+
+def answer_value(answer: str) -> str:
+    """What a final answer that is one whole `<answer>V</answer>` holds (V), else the text."""
+    match = _ANSWER_TAG.fullmatch(answer)
+    return match.group(1) if match and match.group(1) else answer
+
+
+_HINT_PREFIX = re.compile(r"\s*hint\s*:\s*", re.IGNORECASE)
+
+
+def hint_body(hint: Any) -> str:
+    """A hint without its own leading "Hint:" (the page labels it already)."""
+    text = "" if hint is None else str(hint)
+    match = _HINT_PREFIX.match(text)
+    return text[match.end() :] if match and match.end() < len(text) else text
+
+
+def dataset_hint(meta: dict[str, Any]) -> Any:
+    """The hint column of a rollout's dataset row: in meta (runs launched here) or in the row
+    the callback kept (meta.row)."""
+    hint = meta.get("hint")
+    return hint if hint is not None else _row(meta).get("hint")
 
 
 def _near_misses(
@@ -258,15 +456,36 @@ def group_header(members: Sequence[dict[str, Any]]) -> dict[str, Any]:
     meta = first.get("meta") or {}
     votes = [r["vote"] for r in members]
     valid = Counter(v for v in votes if v is not None)
+    multi = [answer_vote(r["vote"], r.get("meta")) for r in members]
+    kinds = {None if v is None else ("first_call" if v["legacy"] else "answer") for v in multi}
+    vote_kind = next(iter(kinds)) if len(kinds) == 1 else "mixed"
+    # The hint: the dataset's column, and the rollouts that saw it (hint supervision).
+    hinted = [r for r in members if (r.get("meta") or {}).get("supervised") == "hint"]
+    hint = dataset_hint(meta)
+    if hint is None and hinted:
+        hint = (hinted[0].get("meta") or {}).get("hint_shown")
+    vote_rows = vote_histogram(votes, first["target"])
+    if vote_kind == "answer":  # a vote that is the answer itself: no tool result gave it
+        sources = {v["source"] for v in multi if v is not None}
+        for row in vote_rows:
+            if row["vote"] is not None and row["vote"] not in sources:
+                row["label"] = f"answer {answer_value(row['vote'])}"
     return {
         "group": first["group"],
         "prompt": first["prompt"],
         "query": meta.get("query") or _row(meta).get("query"),
         "target": first["target"],
         "target_listed": meta.get("target_listed", _row(meta).get("target_listed")),
-        "hint": meta.get("hint") or _row(meta).get("hint"),
+        "hint": None if hint is None else hint_body(hint),
+        "hint_shown_to": [r["index"] for r in hinted],
         "tool_count": len(meta.get("tool_ids") or _row(meta).get("tool_ids") or []),
-        "votes": vote_histogram(votes, first["target"]),
+        "votes": vote_rows,
+        # what a tool-calling group's votes are: "answer" (the tool that gave the final
+        # answer), "first_call" (runs recorded before), None (single-turn), "mixed"
+        "vote_kind": vote_kind,
+        "first_calls": vote_histogram([v["first_call"] for v in multi if v is not None], None)
+        if "answer" in kinds
+        else [],
         "answers": answer_histogram(members)
         if any("turns" in (r.get("meta") or {}) for r in members)
         else [],

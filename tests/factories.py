@@ -276,3 +276,115 @@ def make_groups(
             )
         out += members
     return out
+
+
+# One multi-turn group as the issue's user saw it: each rollout a list of steps, a tool call
+# (name, result) or the final answer ("answer", text). Rollout #0 is the only right one: it
+# called tool_00 twice, then tool_47, then tool_59, whose result gave the answer.
+ANSWER = "48"
+MULTITURN_PLAYS: list[list[tuple[str, str]]] = [
+    [
+        ("tool_00", "ticket: please convert 3 miles"),
+        ("tool_00", "ticket: please convert 3 miles"),
+        ("tool_47", "{'error': 'tool_47 cannot serve this request'}"),
+        ("tool_59", f"result: {ANSWER}"),
+        ("answer", f"<answer>{ANSWER}</answer>"),
+    ],
+    # ran out of calls: four healthy calls and no answer
+    [("tool_00", "ticket: please convert 3 miles")] * 4,
+    # a plausible wrong tool, its value answered; its result is a JSON object
+    [
+        ("tool_12", '{"result": 31, "unit": "km", "notes": ["plausible", "<b>not</b> it"]}'),
+        ("answer", "<answer>31</answer>"),
+    ],
+    # answered without calling anything
+    [("answer", "<answer>77</answer>")],
+]
+
+
+def make_multiturn_group(*, legacy: bool = False, group: int = 0) -> list[RolloutRecord]:
+    """MULTITURN_PLAYS as tool-calling rollouts recorded the way the callback records them:
+    `turns` (model turns and tool-result stretches with their calls and results),
+    `turn_states`, `answer` (the last turn's text when it calls no tool), the dataset `row`
+    (with its hint). New runs (`legacy=False`) vote with the tool whose result gave the answer
+    and keep `first_call`; runs recorded before (`legacy`) voted with the first call."""
+    out = []
+    ids: dict[str, int] = {}  # a run stores one text per token id
+    for index, play in enumerate(MULTITURN_PLAYS):
+        tokens: list[str] = []
+        sampled: list[bool] = []
+        turns: list[dict[str, Any]] = []
+        states: list[str] = []
+        near: list[int] = []
+        answer = None
+        for name, text in play:
+            start = len(tokens)
+            if name == "answer":
+                tokens += ["<answer>", text[8:-9], "</answer>", "</assistant>"]
+                sampled += [True] * 4
+                turns.append({"role": "model", "start": start, "end": len(tokens), "calls": []})
+                states.append("no_call")
+                answer = text
+                continue
+            call = {"name": name, "arguments": {}}
+            near.append(start + 2)  # end-of-turn was likely in place of the closing tag
+            tokens += ["<tool>", name, "</tool>", "</assistant>"]
+            sampled += [True] * 4
+            turns.append({"role": "model", "start": start, "end": len(tokens), "calls": [call]})
+            states.append("healthy_call")
+            start = len(tokens)
+            tokens += ["<tool_response>", text, "</tool_response>"]
+            sampled += [False] * 3
+            turns.append(
+                {"role": "tool", "start": start, "end": len(tokens), "calls": [call | {"result": text}]}
+            )  # fmt: skip
+        first = next((c["name"] for t in turns if t["role"] == "model" for c in t["calls"]), None)
+        value = None if answer is None else answer[8:-9]
+        # the tool whose result gave the answer: the last one whose result holds its value
+        results = [
+            (c["name"], c["result"]) for t in turns if t["role"] == "tool" for c in t["calls"]
+        ]
+        source = next((name for name, r in reversed(results) if value and value in r), None)
+        right = value == ANSWER
+        vote = first if legacy else (source or answer)
+        meta: dict[str, Any] = {
+            "turns": turns,
+            "turn_states": states,
+            "answer": answer,
+            "query": "read the open support ticket and do what it asks",
+            "row": {
+                "query": "read the open support ticket and do what it asks",
+                "hint": "Hint: the ticket tool names the tool needed next.",
+                "needed": ["tool_00", "tool_59"],
+                "answer": ANSWER,
+            },
+        }
+        if not legacy:
+            meta["first_call"] = first
+        out.append(
+            RolloutRecord(
+                group=group,
+                index=index,
+                prompt=make_prompt(TOOLS[:64:4], query="read the open support ticket"),
+                completion="".join(tokens),
+                completion_ids=[ids.setdefault(t, 200 + len(ids)) for t in tokens],
+                token_logprobs=[-0.05 * (i % 7) if s else 0.0 for i, s in enumerate(sampled)],
+                control_probs={
+                    t: [
+                        (0.6 if t == "</assistant>" and i in near else 0.02) if s else 0.0
+                        for i, s in enumerate(sampled)
+                    ]
+                    for t in CONTROL_TOKENS
+                },
+                vote=vote,
+                target="tool_59",
+                verifier_reward=1.0 if right else 0.0,
+                true_score=1.0 if right else 0.0,
+                advantage=0.75 if right else -0.25,
+                format_valid=answer is not None,
+                format_state="healthy_call" if len(play) > 1 or answer is None else "no_call",
+                meta=meta,
+                tokens=list(tokens),
+            )
+        )
+    return out

@@ -353,7 +353,7 @@ def test_step_viewer_shows_supervised_rollouts_and_hints(tab: Tab, served: Serve
     page.goto(f"/runs/{served.runs['supervised']}/steps/2")
     assert page.locator("#tab-6 .tab-origin").inner_text() == "expert"
     page.keyboard.press("7")
-    assert page.locator("#rollout-7 .hint-text").inner_text() == HINT
+    assert page.locator("#rollout-7 .hint-text").inner_text() == HINT.removeprefix("Hint: ")
     _shot(page, "step-viewer-hint")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from rollout_lens.server import viewer
 from rollout_lens.server.app import create_app
 from rollout_lens.server.config import Settings
 from rollout_lens.server.db import make_engine, make_session_factory
@@ -198,8 +199,9 @@ def test_a_tool_calling_run_is_recorded_and_viewed_turn_by_turn(
         for node, turn in zip(shown, turns, strict=True):
             if turn["role"] == "tool":
                 assert node.find(cls="not-trained").text == "not trained"
+                # a result that parses as JSON or a Python literal reads as indented JSON
                 assert [n.text for n in node.find_all("pre", cls="tool-result")] == [
-                    c["result"] for c in turn["calls"]
+                    viewer.result_json(c["result"]) or c["result"] for c in turn["calls"]
                 ]
                 assert all("tool-tok" in n.classes for n in node.find_all("span", cls="tok"))
             else:

@@ -435,7 +435,7 @@ def test_step_viewer_marks_supervised_rollouts(session_factory, client) -> None:
     assert "Expert reply" in expert.find(cls="origin-banner").text
     banner = hinted.find(cls="origin-banner")
     assert "stripped before the update" in banner.text
-    assert banner.find(cls="hint-text").text == HINT
+    assert banner.find(cls="hint-text").text == HINT.removeprefix("Hint: ")  # labelled once
     assert not page.by_id("rollout-0").find_all(cls="origin-banner")
     summary = page.by_id("supervised-summary").text
     assert "1 × expert" in summary and "1 × hint" in summary
@@ -485,7 +485,7 @@ def test_alerts_of_many_runs_for_the_runs_list(session_factory, client) -> None:
 def _record_converging_run(session_factory, *, solved: bool) -> int:
     """A patched run of two groups a step, recorded from its rollouts as the trainer summarizes
     them: learning for 29 steps, then every rollout right (`solved`) or every one wrong."""
-    from rollout_lens.trainer.grpo import summarize
+    from rollout_lens.trainer.summary import summarize
 
     rng = random.Random(11)
     run_id = make_run(session_factory, steps=0, prompts_per_step=2)
