@@ -17,7 +17,7 @@ from markupsafe import Markup, escape
 from rollout_lens.server.formats import fmt_minutes, fmt_money, fmt_num, fmt_pct, fmt_when
 from rollout_lens.server.series import WINDOW
 from rollout_lens.server.textsafe import clip
-from rollout_lens.server.viewer import SHOWN_CHARS, prob_text
+from rollout_lens.server.viewer import SHOWN_CHARS, broken, prob_text, state_name
 from starlette.routing import NoMatchFound
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
@@ -92,6 +92,8 @@ def make_templates() -> Jinja2Templates:
         access=access,
         shown_chars=SHOWN_CHARS,  # of a long text (completion, prompt) a page shows
         card_chars=CARD_CHARS,  # of a completion in compare's compact step card
+        broken=broken,  # a rollout's format is bad only when known to be (viewer.broken)
+        state_name=state_name,  # its state, valid/invalid, or None: not recorded
     )
     env.filters.update(
         num=fmt_num,

@@ -305,6 +305,14 @@ def broken(format_valid: bool | None, format_state: str | None) -> bool:
     return format_valid is False or (format_state is not None and format_state != HEALTHY_STATE)
 
 
+def state_name(format_valid: bool | None, format_state: str | None) -> str | None:
+    """What a rollout's structure is called: its structural state, else valid or invalid by its
+    format function; None when neither was recorded (no function: unknown, not invalid)."""
+    if format_state:
+        return format_state
+    return None if format_valid is None else ("valid" if format_valid else "invalid")
+
+
 def _finite(values: Sequence[float | None]) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
 
@@ -333,7 +341,7 @@ def group_summary(rows: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
     agree = max(valid.values()) if valid else 0
     advantages = _finite([r["advantage"] for r in rows])
     states = Counter(
-        r["format_state"] or ("valid" if r["format_valid"] else "invalid") for r in rows
+        state for r in rows if (state := state_name(r["format_valid"], r["format_state"]))
     )
     disagree_at = [r["index"] for r in rows if disagrees(r["verifier_reward"], r["true_score"])]
     solved = bool(rows) and len(known) == size and all(s >= 1 for s in known)
