@@ -11,7 +11,7 @@ from urllib.parse import urlencode
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from rollout_lens.server import queries, textsafe, views
+from rollout_lens.server import queries, serialize, store, textsafe, views
 from rollout_lens.server.cache import ResponseCache
 from sqlalchemy.orm import Session
 
@@ -75,7 +75,7 @@ def run_alerts(
     if body is None:
         body = encode(queries.alerts(session, run_id=run_id))
         cache.put(key, body)
-    return with_step_urls(request, run_id, json.loads(body))
+    return with_step_urls(request, session, run_id, json.loads(body))
 
 
 def alerts_of_runs(
@@ -89,15 +89,20 @@ def alerts_of_runs(
 
 
 def with_step_urls(
-    request: Request, run_id: int, alerts: list[dict[str, Any]]
+    request: Request, session: Session, run_id: int, alerts: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """Alerts as every page and script renders them: Alert.as_dict plus the step's page and the
-    explorer showing the rollouts that tripped it (views.alert_rollouts)."""
+    explorer showing the rollouts that tripped it (views.alert_rollouts; what it may filter on
+    depends on what the run judged)."""
+    if not alerts:
+        return alerts
     explorer = str(request.app.url_path_for("explorer_page", run_id=run_id))
+    format_judged = serialize.judged(store.get_run(session, run_id=run_id))["format_valid"]
     for alert in alerts:
         url = request.app.url_path_for("step_page", run_id=run_id, step=alert["step"])
         alert["url"] = str(url)
-        alert["rollouts_url"] = f"{explorer}?{urlencode(views.alert_rollouts(alert))}"
+        filters = views.alert_rollouts(alert, format_judged=format_judged)
+        alert["rollouts_url"] = f"{explorer}?{urlencode(filters)}"
     return alerts
 
 

@@ -23,10 +23,12 @@ from rollout_lens.server.viewer import (
     SHOWN_CHARS,
     STATES,
     answer_vote,
+    broken,
     call_limit,
     format_badge,
     hint_body,
     prob_text,
+    state_name,
 )
 from starlette.routing import NoMatchFound
 
@@ -110,6 +112,8 @@ def make_templates() -> Jinja2Templates:
         format_states=STATES,
         near_miss=NEAR_MISS,
         disagree_reward=DISAGREE_AT,
+        broken=broken,  # a rollout's format is bad only when known to be (viewer.broken)
+        state_name=state_name,  # its state, valid/invalid, or None: not recorded
     )
     env.filters.update(
         num=fmt_num,

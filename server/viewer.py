@@ -305,6 +305,7 @@ STATES: dict[str, tuple[str, str]] = {
     "valid": ("ok", "format-valid (no structural state recorded)"),
     "invalid": ("bad", "not format-valid (no structural state recorded)"),
     "unchecked": ("none", "the importer did not check the format"),
+    "not recorded": ("none", "no format_valid function was given: unknown, not invalid"),
 }
 
 
@@ -328,7 +329,7 @@ def format_badge(
     when the rollout is not format-valid although its state is fine, why (`problem`): a
     tool-calling rollout that never gave a final answer because it ended on a call, or
     simply not format-valid."""
-    state = format_state or ("valid" if format_valid else "invalid")
+    state = state_name(format_valid, format_state) or "not recorded"
     badge: dict[str, Any] = state_badge(state) | {"valid": format_valid, "problem": None}
     turns = _turn_list(meta or {})
     if format_valid is not False:
@@ -524,6 +525,14 @@ def broken(format_valid: bool | None, format_state: str | None) -> bool:
     return format_valid is False or (format_state is not None and format_state != HEALTHY_STATE)
 
 
+def state_name(format_valid: bool | None, format_state: str | None) -> str | None:
+    """What a rollout's structure is called: its structural state, else valid or invalid by its
+    format function; None when neither was recorded (no function: unknown, not invalid)."""
+    if format_state:
+        return format_state
+    return None if format_valid is None else ("valid" if format_valid else "invalid")
+
+
 def _finite(values: Sequence[float | None]) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
 
@@ -552,7 +561,7 @@ def group_summary(rows: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
     agree = max(valid.values()) if valid else 0
     advantages = _finite([r["advantage"] for r in rows])
     states = Counter(
-        r["format_state"] or ("valid" if r["format_valid"] else "invalid") for r in rows
+        state for r in rows if (state := state_name(r["format_valid"], r["format_state"]))
     )
     disagree_at = [r["index"] for r in rows if disagrees(r["verifier_reward"], r["true_score"])]
     solved = bool(rows) and len(known) == size and all(s >= 1 for s in known)

@@ -392,14 +392,17 @@ def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, A
     }
 
 
-def alert_rollouts(alert: dict[str, Any]) -> dict[str, str]:
+def alert_rollouts(alert: dict[str, Any], *, format_judged: bool = True) -> dict[str, str]:
     """The explorer's filters that show the rollouts an alert is about: those of its step, in
     a collapsed state for a collapse, where verifier and truth disagree over the reward-hacking
-    window, broken (not format-valid) for a control-token spike."""
+    window, broken (not format-valid) for a control-token spike when the run judged format
+    validity (without a format function none is known invalid: the whole step)."""
     step = int(alert["step"])
     kind = alert["kind"]
     if kind == "reward_hacking":
         first = max(0, step - 2 * vocab.WINDOW + 1)
         return {"steps": f"{first}:{step}", "disagree": "true", "sort": "step", "order": "desc"}
-    extra = {"collapse": {"state": "collapse"}, "control_token_spike": {"format_valid": "false"}}
+    extra = {"collapse": {"state": "collapse"}}
+    if format_judged:
+        extra["control_token_spike"] = {"format_valid": "false"}
     return {"steps": str(step), **extra.get(kind, {})}

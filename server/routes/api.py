@@ -195,7 +195,7 @@ def get_alerts(
         cache,
         run_id,
         lambda: with_step_urls(
-            request, run_id, queries.alerts(session, run_id=run_id, since=since)
+            request, session, run_id, queries.alerts(session, run_id=run_id, since=since)
         ),
         keep=since == 0,
     )
