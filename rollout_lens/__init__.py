@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any
 # migrations/ at the repository's top, as the project lays them out); an installed wheel has
 # them inside it. Either way they are imported as rollout_lens.server, rollout_lens.trainer, ...
 _checkout = Path(__file__).resolve().parent.parent
-if not (Path(__file__).parent / "server").is_dir() and (_checkout / "server" / "app.py").is_file():
+if (
+    not (Path(__file__).parent / "server").is_dir()
+    and (_checkout / "server" / "__init__.py").is_file()
+):
     __path__.append(str(_checkout))
 
 if TYPE_CHECKING:

@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
         help="serve beyond loopback without ROLLOUT_LENS_AUTH_TOKEN (anyone who reaches the "
         "port can launch and delete runs)",
     )
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=serve_dashboard)
 
     build = sub.add_parser(
         "build-model", help="install (or build, or find cached) a default tiny model"
@@ -144,7 +144,7 @@ def _validation_text(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
+def migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
     from rollout_lens.server.migrate import upgrade
 
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
@@ -152,7 +152,7 @@ def _migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
     return engine, make_session_factory(engine)
 
 
-def _open_factory(settings: Settings):  # type: ignore[no-untyped-def]
+def open_factory(settings: Settings):  # type: ignore[no-untyped-def]
     from rollout_lens.server.migrate import ensure_current
 
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
@@ -163,7 +163,7 @@ def _open_factory(settings: Settings):  # type: ignore[no-untyped-def]
 def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
     from rollout_lens.server.migrate import current_revision
 
-    engine, _ = _migrated_factory(settings)
+    engine, _ = migrated_factory(settings)
     print(f"database {settings.database_url} is at revision {current_revision(engine)}")
     return 0
 
@@ -188,7 +188,7 @@ def _train(args: argparse.Namespace, settings: Settings) -> int:
         config = config.model_copy(update={"model": check_model(config.model)})
     except ModelUnavailable as exc:
         return _fail(f"invalid run: model: {exc}")
-    engine, factory = _migrated_factory(settings)
+    engine, factory = migrated_factory(settings)
     engine.dispose()
     from rollout_lens.trainer.progress import ProgressBar
     from rollout_lens.trainer.run import train
@@ -201,7 +201,7 @@ def _train(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _runs(args: argparse.Namespace, settings: Settings) -> int:
-    engine, factory = _open_factory(settings)
+    engine, factory = open_factory(settings)
     with session_scope(factory) as session:
         runs = [run_dict(r) for r in store.list_runs(session)]
     if args.format == "json":
@@ -233,7 +233,7 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
 
     from rollout_lens.server.queue import QUEUE, make_celery
 
-    engine, factory = _migrated_factory(settings)
+    engine, factory = migrated_factory(settings)
     with session_scope(factory) as session:
         lost = store.mark_lost_runs(
             session, stale_after=timedelta(seconds=settings.lost_after_seconds)
@@ -267,7 +267,9 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace, settings: Settings, *, announce: Sequence[str] = ()) -> int:
+def serve_dashboard(
+    args: argparse.Namespace, settings: Settings, *, announce: Sequence[str] = ()
+) -> int:
     """Serve the dashboard (and a local worker on the embedded queue); `announce` is printed
     once the port answers, so a URL in it is the last line and opens at once."""
     import signal

@@ -140,7 +140,7 @@ def _import_verl(args: argparse.Namespace, settings: Settings) -> int:
 
 def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -> int:
     """Import the folder in one go, or follow it."""
-    from rollout_lens.cli import _migrated_factory
+    from rollout_lens.cli import migrated_factory
 
     if (args.idle is not None or args.new) and not args.follow:
         raise InvalidInput("--idle and --new go with --follow")
@@ -151,7 +151,7 @@ def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -
     files = fmt.scan()  # a clear error before the database is touched (or created)
     if not files and not args.follow:
         raise InvalidInput(fmt.empty)
-    engine, factory = _migrated_factory(settings)
+    engine, factory = migrated_factory(settings)
     try:
         if not args.follow:
             from rollout_lens.server.dump_import import import_dumps

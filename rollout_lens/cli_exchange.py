@@ -40,10 +40,10 @@ def add_commands(sub: Any) -> None:
 
 
 def _export(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.cli import _open_factory
+    from rollout_lens.cli import open_factory
 
     export.check(args.format, args.what)
-    engine, factory = _open_factory(settings)
+    engine, factory = open_factory(settings)
     try:
         with session_scope(factory) as session:
             # Raises before anything is written when the run does not exist.
@@ -69,12 +69,12 @@ def _export(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _import(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.cli import _migrated_factory
+    from rollout_lens.cli import migrated_factory
     from rollout_lens.server.importer import import_export
 
     if not args.file.is_file():  # before the database is touched (or created)
         raise InvalidInput(f"{args.file}: no such file")
-    engine, factory = _migrated_factory(settings)
+    engine, factory = migrated_factory(settings)
     try:
         done = import_export(factory, args.file, name=args.name)
     finally:

@@ -68,11 +68,11 @@ def _query(args: argparse.Namespace) -> Any:
 
 
 def _rollouts(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.cli import _open_factory
+    from rollout_lens.cli import open_factory
     from rollout_lens.server import queries
 
     query = _query(args)
-    engine, factory = _open_factory(settings)
+    engine, factory = open_factory(settings)
     rows: list[dict[str, Any]] = []
     try:
         with session_scope(factory) as session:

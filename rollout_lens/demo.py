@@ -52,7 +52,7 @@ def add_parser(sub: Any) -> None:
 
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     """Train both runs (printing progress), print the compare URL, then serve unless told not to."""
-    from rollout_lens.cli import _serve, port_problem
+    from rollout_lens.cli import port_problem, serve_dashboard
 
     configs = demo_configs(args.steps)
     missing = [m for m in ("torch", "transformers", "trl") if importlib.util.find_spec(m) is None]
@@ -83,7 +83,7 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
         print(f"{WHAT_TO_LOOK_AT}\nCompare them at {url}", flush=True)
         return 0
     print("Starting the dashboard (Ctrl-C stops it)…", flush=True)
-    return _serve(args, settings, announce=[WHAT_TO_LOOK_AT, f"Compare them at {url}"])
+    return serve_dashboard(args, settings, announce=[WHAT_TO_LOOK_AT, f"Compare them at {url}"])
 
 
 def demo_configs(steps: int) -> list[RunConfig]:

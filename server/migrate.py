@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from rollout_lens.server import ROOT
 from rollout_lens.server.errors import DatabaseBehind
 from sqlalchemy import Engine
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = ROOT / "migrations"
 
 
 def is_modelled(name: str | None, type_: str, _parents: object = None) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
@@ -14,6 +13,7 @@ import jinja2
 from fastapi import Request
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup, escape
+from rollout_lens.server import ROOT
 from rollout_lens.server.formats import fmt_minutes, fmt_money, fmt_num, fmt_pct, fmt_when
 from rollout_lens.server.records import DISAGREE_AT
 from rollout_lens.server.series import WINDOW
@@ -32,7 +32,7 @@ from rollout_lens.server.viewer import (
 )
 from starlette.routing import NoMatchFound
 
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+WEB_DIR = ROOT / "web"
 TEMPLATES_DIR = WEB_DIR / "templates"
 STATIC_DIR = WEB_DIR / "static"
 CARD_CHARS = 2_000

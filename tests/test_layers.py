@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+from rollout_lens.server import routes
+
 SERVER = Path(__file__).resolve().parent.parent / "server"
+ROUTES = Path(routes.__file__).resolve().parent
 
 
 def _imports(path: Path) -> set[str]:
@@ -26,8 +34,116 @@ def test_the_web_app_imports_nothing_from_the_trainer() -> None:
 
 
 def test_route_modules_do_not_import_each_other() -> None:
-    routes = {p.stem for p in (SERVER / "routes").glob("*.py") if p.stem != "__init__"}
-    for path in (SERVER / "routes").glob("*.py"):
-        imported = _imports(path)
-        others = {f"rollout_lens.server.routes.{r}" for r in routes if r != path.stem}
-        assert not imported & others, path
+    package = routes.__name__
+    names = {p.stem for p in ROUTES.glob("*.py") if p.stem != "__init__"}
+    assert names, ROUTES
+    for path in ROUTES.glob("*.py"):
+        others = {f"{package}.{r}" for r in names if r != path.stem}
+        assert not _imports(path) & others, path
+
+
+# What a user's TRL script pays for its one line: the recorder, not the demo's task, its envs,
+# the model builders, the worker or the CLI. trl is the user's own import, made when they build
+# their GRPOTrainer, not ours.
+NOT_LOADED_BY_THE_CALLBACK = (
+    "rollout_lens.trainer.envs",
+    "rollout_lens.trainer.task",
+    "rollout_lens.trainer.evaluation",
+    "rollout_lens.trainer.supervision",
+    "rollout_lens.trainer.multiturn",
+    "rollout_lens.trainer.tiny_model",
+    "rollout_lens.trainer.prebuilt",
+    "rollout_lens.trainer.run",
+    "rollout_lens.trainer.tasks",
+    "rollout_lens.demo",
+    "rollout_lens.cli",
+    "trl",
+)
+
+
+def _loaded_after(statement: str) -> list[str]:
+    """The modules a fresh interpreter holds after `statement`."""
+    code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return list(json.loads(done.stdout.splitlines()[-1]))
+
+
+def _under(modules: list[str], prefixes: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if any(m == p or m.startswith(p + ".") for p in prefixes)]
+
+
+def test_the_forbidden_list_names_modules_that_exist() -> None:
+    # A renamed module left here would make the test below pass for nothing.
+    assert [m for m in NOT_LOADED_BY_THE_CALLBACK if importlib.util.find_spec(m) is None] == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="callback.py imports trainer.task (the Escalation demo) and grpo.py imports trl at its "
+    "top; the recorder's rewrite removes both, and then this mark",
+)
+def test_the_callback_loads_no_task_env_demo_or_trl() -> None:
+    loaded = _loaded_after("from rollout_lens import RolloutLensCallback")
+    assert "rollout_lens.trainer.callback" in loaded
+    assert _under(loaded, NOT_LOADED_BY_THE_CALLBACK) == []
+
+
+ROOT = SERVER.parent
+SOURCES = ("server", "trainer", "rollout_lens", "tests", "bench", "migrations")
+# trainer/retry.py reads outbox's idea of a transient error; the one writer the recording path's
+# rewrite makes of outbox, writer and retry ends it. Remove the entry then (the test says so).
+KNOWN_PRIVATE_IMPORTS = {("trainer/retry.py", "rollout_lens.trainer.outbox._is_transient")}
+
+
+def _our_modules() -> set[str]:
+    found = set()
+    for top in ("server", "trainer"):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found.add(".".join(("rollout_lens", *parts)))
+    found.update(f"rollout_lens.{p.stem}" for p in (ROOT / "rollout_lens").glob("*.py"))
+    return found
+
+
+def _private_uses(path: Path, modules: set[str]) -> set[str]:
+    """`from rollout_lens.x import _name` and `module._name` where `module` is one of ours."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound: dict[str, str] = {}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rollout_lens"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.add(full)
+                if full in modules:
+                    bound[alias.asname or alias.name] = full
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in modules:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.add(f"{bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    modules = _our_modules()
+    found = {
+        (path.relative_to(ROOT).as_posix(), name)
+        for top in SOURCES
+        for path in (ROOT / top).rglob("*.py")
+        for name in _private_uses(path, modules)
+    }
+    # Equal, not a subset: an entry that no longer happens must leave the list.
+    assert found == KNOWN_PRIVATE_IMPORTS

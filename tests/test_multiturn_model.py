@@ -142,12 +142,12 @@ def test_concatenated_turns_tokenize_as_the_whole_conversation(tokenizer: Any) -
     )
     pieces = list(prompt)
     pieces += tokenizer(mm.render_call(ep.needed[0]), add_special_tokens=False)["input_ids"]
-    pieces += mm._suffix_ids(tokenizer, ep.needed[0], "result: 48")
+    pieces += mm.suffix_ids(tokenizer, ep.needed[0], "result: 48")
     pieces += tokenizer(mm.render_answer("48"), add_special_tokens=False)["input_ids"]
     whole = tokenizer.decode(pieces)
     assert tokenizer(whole, add_special_tokens=False)["input_ids"] == pieces
     assert (
-        mm._suffix_ids(tokenizer, "tool_01", "result: 48")
+        mm.suffix_ids(tokenizer, "tool_01", "result: 48")
         == tokenizer(mm.render_observation("result: 48"), add_special_tokens=False)["input_ids"]
     )
 

@@ -87,7 +87,7 @@ _SPLIT_PATTERN = (
     r'\n- |\{"name": "|", "arguments": |\{\}\}|tool_\d{2}|\d+'
     r"| ?(?!tool_\d)[^\W_\d][^\W_]*|[^\w\s]|\s"
 )
-_EOS = tiny_model._EOS  # end of turn, as in the single-turn model
+_EOS = tiny_model.EOS_TOKEN  # end of turn, as in the single-turn model
 # Turn markers and tags: single tokens, not special (a stray one stays visible in decoded text).
 _TAG_TOKENS = (
     "<user>",
@@ -160,7 +160,7 @@ def _new_model(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> PreTrained
     attention finds "the value in the last result" as it finds "the listed ids"."""
     import torch
 
-    model = tiny_model._new_model(tokenizer, recipe)
+    model = tiny_model.fresh_model(tokenizer, recipe)
     values = tokenizer.convert_tokens_to_ids([str(v) for v in range(*ms.VALUE_RANGE)])
     with torch.no_grad():
         shared = torch.randn(recipe.hidden_size) * recipe.init_std * recipe.value_type_init
@@ -292,12 +292,12 @@ def _warm_up(
         model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: tiny_model._lr_factor(s, recipe)
+        optimizer, lambda s: tiny_model.lr_factor(s, recipe)
     )
     model.train()
     progress = tiny_model.WarmUp(recipe, log)
     for step in range(1, recipe.steps + 1):
-        n_tools = tiny_model._listing_size(rng, step, recipe)
+        n_tools = tiny_model.listing_size(rng, step, recipe)
         # Sized on the prompt as in tiny_model (a conversation adds ~30-90 tokens per row): fewer,
         # longer-tokened rows per step learnt the listed ids slower for the same time.
         batch = max(1, recipe.tokens_per_step // (60 + 9 * n_tools))
@@ -360,7 +360,7 @@ def tool_schemas(env: ms.MultiStepEnv, tool_ids: Sequence[str]) -> list[dict[str
     return [get_json_schema(getattr(box, t)) for t in sorted(tool_ids)]
 
 
-def _suffix_ids(tokenizer: PreTrainedTokenizerBase, name: str, content: str) -> list[int]:
+def suffix_ids(tokenizer: PreTrainedTokenizerBase, name: str, content: str) -> list[int]:
     """Token ids TRL appends after a call: the tool message and the next generation prompt
     (the same construction as GRPOTrainer._get_tool_suffix_ids)."""
     call = [{"type": "function", "function": {"name": name, "arguments": {}}}]
@@ -478,7 +478,7 @@ def sample_conversations(
                 except Exception as exc:  # noqa: BLE001 - as TRL: any tool failure is an observation
                     content = str({"error": str(exc)})
                 messages[i].append({"role": "tool", "name": name, "content": content})
-                contexts[i] += _suffix_ids(tokenizer, name, content)
+                contexts[i] += suffix_ids(tokenizer, name, content)
             still.append(i)
         active = still
     return messages

@@ -47,7 +47,7 @@ CHAT_TEMPLATE = (
 # whitespace characters. Ids and tags stay whole so each is one token; whitespace is kept as
 # pieces so decode (a plain Fuse) reproduces the text exactly.
 _SPLIT_PATTERN = r"\n- |</?tool>|tool_\d{2}| ?(?!tool_\d)[^\W_]+|[^\w\s]|\s"
-_PAD, _UNK, _BOS, _EOS = "<pad>", "<unk>", "<bos>", "</assistant>"
+PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<unk>", "<bos>", "</assistant>"
 # Turn markers are single tokens but not special: a stray one stays visible in a decoded reply.
 _TURN_TOKENS = ("<user>", "</user>", "<assistant>")
 _TOKENIZER_SEEDS = range(8)  # several id permutations, so the vocabulary does not depend on a seed
@@ -155,7 +155,7 @@ def build_tiny_model(out_dir: Path, *, log: Callable[[str], None] = print) -> di
         RECIPE,
         RECIPE_HASH,
         tokenizer=build_tokenizer,
-        new_model=_new_model,
+        new_model=fresh_model,
         warm_up=_warm_up,
         evaluate=lambda model, tokenizer, variant: evaluate_replies(
             model, tokenizer, variant=variant, n=RECIPE.eval_prompts
@@ -251,7 +251,7 @@ def train_tokenizer(
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.BPE(unk_token=_UNK))
+    backend = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(split_pattern), behavior="isolated")
     backend.decoder = decoders.Fuse()
     # The vocabulary is large enough that every piece of the corpus merges into one token; the
@@ -259,7 +259,7 @@ def train_tokenizer(
     trainer = trainers.BpeTrainer(
         vocab_size=100_000,
         min_frequency=1,
-        special_tokens=[_PAD, _UNK, _BOS, _EOS],
+        special_tokens=[PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN],
         initial_alphabet=sorted(set(string.printable) - set("\r\x0b\x0c")),
         show_progress=False,
     )
@@ -267,16 +267,16 @@ def train_tokenizer(
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in added])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=_BOS,
-        eos_token=_EOS,
-        pad_token=_PAD,
-        unk_token=_UNK,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
         chat_template=chat_template,
         clean_up_tokenization_spaces=False,  # would eat the spaces before punctuation
     )
 
 
-def _new_model(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> PreTrainedModel:
+def fresh_model(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
     special_ids = {
@@ -346,11 +346,11 @@ def _warm_up(
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, recipe))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
     model.train()
     progress = WarmUp(recipe, log)
     for step in range(1, recipe.steps + 1):
-        n_tools = _listing_size(rng, step, recipe)
+        n_tools = listing_size(rng, step, recipe)
         batch = max(1, recipe.tokens_per_step // (40 + 9 * n_tools))
         chats, listed = [], torch.zeros(batch, len(tokenizer))
         for row in range(batch):
@@ -422,7 +422,7 @@ class WarmUp:
         }
 
 
-def _listing_size(rng: random.Random, step: int, recipe: Recipe) -> int:
+def listing_size(rng: random.Random, step: int, recipe: Recipe) -> int:
     # Log-uniform sizes up to a cap that grows over the curriculum: short listings teach copying
     # fast and cheaply, and only a listing much shorter than 64 says which ids *not* to name.
     ramp = min(1.0, step / max(1, recipe.curriculum_steps))
@@ -432,7 +432,7 @@ def _listing_size(rng: random.Random, step: int, recipe: Recipe) -> int:
     return round(2 ** rng.uniform(math.log2(recipe.min_tools), math.log2(cap)))
 
 
-def _lr_factor(step: int, recipe: Recipe) -> float:
+def lr_factor(step: int, recipe: Recipe) -> float:
     if step < recipe.lr_warmup_steps:
         return (step + 1) / recipe.lr_warmup_steps
     progress = (step - recipe.lr_warmup_steps) / max(1, recipe.steps - recipe.lr_warmup_steps)

@@ -137,7 +137,7 @@ def _move_rollouts(conn: sa.Connection, run_id: int) -> None:
     float16 arrays. The same split the recorder makes (server.store.recording)."""
     from rollout_lens.server.packing import pack_halves, unpack_floats
     from rollout_lens.server.packing import unpack_ints
-    from rollout_lens.server.store.recording import _dumps, _sha
+    from rollout_lens.server.store.recording import canonical_json, sha256_text
 
     tokens: dict[int, str] = {}
     after = -1
@@ -169,14 +169,14 @@ def _move_rollouts(conn: sa.Connection, run_id: int) -> None:
             metas = [m for _, m in members]
             keys = set().union(*metas)
             shared = {
-                k for k in keys if all(k in m for m in metas) and len({_dumps(m[k]) for m in metas}) == 1
+                k for k in keys if all(k in m for m in metas) and len({canonical_json(m[k]) for m in metas}) == 1
             }
             for rid, meta in members:
                 facts = {k: v for k, v in meta.items() if k in shared}
                 own = {k: v for k, v in meta.items() if k not in shared}
                 facts_id = None
                 if facts:
-                    digest = _sha(_dumps(facts))
+                    digest = sha256_text(canonical_json(facts))
                     facts_id = conn.execute(
                         sa.text("SELECT id FROM facts WHERE sha256 = :h"), {"h": digest}
                     ).scalar()

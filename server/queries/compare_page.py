@@ -11,7 +11,7 @@ from rollout_lens.server import charts, store
 from rollout_lens.server import series as vocab
 from rollout_lens.server.errors import InvalidInput, StepNotFound
 from rollout_lens.server.queries.run_page import series
-from rollout_lens.server.queries.runs import _bounds, run_versions
+from rollout_lens.server.queries.runs import run_versions, step_bounds
 from rollout_lens.server.queries.step_page import step_card
 from rollout_lens.server.serialize import run_dict
 from sqlalchemy.orm import Session
@@ -68,7 +68,7 @@ def compare(
         by_run[str(run_id)] = part["charts"]
         summary.append(part["summary"])
     pair = run_ids[:2]
-    lasts = [_bounds(session, run_id=r)[1] for r in pair]
+    lasts = [step_bounds(session, run_id=r)[1] for r in pair]
     if step is None:
         step = min((s for s in lasts if s is not None), default=0)
     side_by_side = []

@@ -103,7 +103,7 @@ def _listed(session: Session, runs: Sequence[Run]) -> list[dict[str, Any]]:
     return out
 
 
-def list_runs(
+def matching_runs(
     session: Session,
     *,
     q: str = "",
@@ -133,7 +133,7 @@ def runs_page(
     ids: Sequence[int] | None = None,
     after: int | None = None,
 ) -> dict[str, Any]:
-    """One page of list_runs' runs, with how many match and the newest matching id.
+    """One page of matching_runs' runs, with how many match and the newest matching id.
 
     Two statements whatever the number of runs (a count with the newest id, then the page's
     rows), plus one for queue places when the page holds a queued run: the rows are the runs'
@@ -170,7 +170,7 @@ def run_card(session: Session, *, run_id: int) -> dict[str, Any]:
     return run_dict(store.get_run(session, run_id=run_id))
 
 
-def _bounds(session: Session, *, run_id: int) -> tuple[int | None, int | None]:
+def step_bounds(session: Session, *, run_id: int) -> tuple[int | None, int | None]:
     """First and last recorded step: one statement, two index seeks."""
     first, last = session.execute(
         select(
@@ -207,7 +207,7 @@ def run_overview(session: Session, *, run_id: int) -> dict[str, Any]:
     """A run, its step bounds, the names of its recorded series and its live state (its alerts
     read every step: the routes add them from their cache, see routes.api.run_alerts)."""
     run = store.get_run(session, run_id=run_id)
-    first, last = _bounds(session, run_id=run_id)
+    first, last = step_bounds(session, run_id=run_id)
     return {
         "run": run_dict(run),
         "first_step": first,

@@ -14,7 +14,7 @@ from rollout_lens.server.models import (
     Rollout,
     Step,
 )
-from rollout_lens.server.queries.runs import _bounds
+from rollout_lens.server.queries.runs import step_bounds
 from rollout_lens.server.records import DISAGREE_AT
 from rollout_lens.server.serialize import completion_ids, rollout_dict, run_dict, step_dict
 from rollout_lens.server.store import layout
@@ -360,7 +360,7 @@ def resolve_step(session: Session, *, run_id: int, step: int | None) -> int:
     """The recorded step nearest `step` (the last one when None), for jump links and sliders."""
     store.get_run(session, run_id=run_id)
     found = (
-        _bounds(session, run_id=run_id)[1]
+        step_bounds(session, run_id=run_id)[1]
         if step is None
         else nearest_step(session, run_id=run_id, step=step)
     )

@@ -98,7 +98,7 @@ def launch_api(
     except launch.LaunchInvalid as exc:
         raise _invalid(exc.errors) from None
     ids = control.launch_runs(session, celery, configs, max_queued=settings.max_queued_runs)
-    content = {"runs": queries.list_runs(session, ids=ids, descending=False)}
+    content = {"runs": queries.matching_runs(session, ids=ids, descending=False)}
     return DataResponse(content | {"url": _opened(request, ids)}, status_code=201)
 
 

@@ -37,7 +37,7 @@ from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session
 
 
-def _sha(text: str) -> str:
+def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -51,7 +51,7 @@ def json_text(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def _dumps(value: Any) -> str:
+def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
 
 
@@ -336,7 +336,7 @@ class Recorder:
         digests: list[str | None] = []
         for f in facts:
             if f and id(f) not in by_object:
-                by_object[id(f)] = _sha(_dumps(f))
+                by_object[id(f)] = sha256_text(canonical_json(f))
             digests.append(by_object[id(f)] if f else None)
         facts_ids = self._intern(
             conn,
@@ -405,7 +405,7 @@ class Recorder:
         if digest is None:
             if len(self.prompt_shas) > 4096:
                 self.prompt_shas.clear()
-            digest = self.prompt_shas[text] = _sha(text)
+            digest = self.prompt_shas[text] = sha256_text(text)
         return digest
 
     def _intern(
