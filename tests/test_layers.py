@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from rollout_lens.server import routes
 
 SERVER = Path(__file__).resolve().parent.parent / "server"
