@@ -17,7 +17,6 @@ from rollout_lens.server.models import ACTIVE_STATUSES
 from rollout_lens.server.series import WINDOW
 
 MAX_POINTS = 600  # points per chart series before steps are merged (about a chart's width)
-CONVERGED = 0.9  # 25-step true accuracy that counts as converged
 
 DOWNSAMPLING = (
     "Series longer than max_points steps are cut into buckets of `bucket` consecutive steps "
@@ -204,12 +203,12 @@ def live_summary(live: dict[str, Any]) -> str:
 
 def run_summary(run: dict[str, Any], buckets: dict[str, list[Any]]) -> dict[str, Any]:
     """Compare's summary row from a run's 25-step buckets (bucket_table) and its summary columns:
-    converged = the end of the first closed 25-step bucket whose mean true accuracy reaches 0.9;
+    converged = analysis.converged_at (the first closed 25-step bucket reaching 0.9 true accuracy);
     stability = spread (max − min) of the bucket accuracies from there on (0 is perfectly stable,
     the leaky run's 0 ↔ 1 swings are 1); final = mean of the last 25 steps (the run's
     recent_true_accuracy and recent_reward, which the writer keeps current)."""
     ends, accuracy = buckets["end"], buckets["true_accuracy"]
-    converged = analysis.first_bucket_reaching(ends, accuracy, run["current_step"], CONVERGED)
+    converged = analysis.converged_at(ends, accuracy, run["current_step"])
     return {
         "run_id": run["id"],
         "name": run["name"],

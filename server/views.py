@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
 
-from rollout_lens.server import charts, figures, viewer
+from rollout_lens.server import analysis, charts, figures, viewer
 from rollout_lens.server import series as vocab
 from rollout_lens.server.models import ACTIVE_STATUSES
 from rollout_lens.server.queries import (
@@ -312,6 +312,7 @@ def compare_page(data: dict[str, Any], url: Url) -> dict[str, Any]:
         "colors": colors,
         "page": page,
         "eval_columns": [(n, label) for n, label in EVAL_COLUMNS if n in evaluated],
+        "converged": analysis.CONVERGED,
     }
 
 

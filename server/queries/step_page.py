@@ -4,7 +4,7 @@ nearest step whose token data retention kept."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from rollout_lens.server import store, viewer
 from rollout_lens.server.errors import GroupNotFound, InvalidInput, NotFound, StepNotFound
@@ -306,7 +306,8 @@ def group_detail(
             session, run_id=run_id, rollout_step=row.rollout_step, group=group
         ),
         "summary": viewer.group_summary(scalars, ""),
-        "header": viewer.group_header(dicts) if dicts else None,
+        # viewer reads the rollouts as plain mappings (RolloutData is one)
+        "header": viewer.group_header(cast(list[dict[str, Any]], dicts)) if dicts else None,
         "rollouts_total": len(scalars),
         "offset": offset,
         "rollouts": dicts,
