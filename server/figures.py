@@ -7,7 +7,7 @@ API without knowing which chart holds what. Undownsampled data has lo = hi = y: 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server import series as vocab
@@ -650,7 +650,7 @@ PER_ROLLOUT = (vocab.TOOL_CALLS, vocab.TOOL_TURNS)  # counts, not shares: no uni
 
 
 def compare_figures(
-    runs: Sequence[dict[str, Any]],
+    runs: Sequence[Mapping[str, Any]],
     series_by_run: dict[str, dict[str, Any]],
     names: Sequence[str],
     *,

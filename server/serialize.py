@@ -7,7 +7,7 @@ from typing import Any
 
 from rollout_lens.server.formats import iso
 from rollout_lens.server.models import Rollout, Run, RunSource, Step
-from rollout_lens.server.read_models import RolloutWindow
+from rollout_lens.server.read_models import RolloutWindow, RunData
 from rollout_lens.server.series import STEP_SERIES
 from rollout_lens.server.store import arrays
 
@@ -88,8 +88,8 @@ def rollout_dict(
     return out
 
 
-def run_dict(run: Run) -> dict[str, Any]:
-    """A run's columns, JSON-ready."""
+def run_dict(run: Run) -> RunData:
+    """A run's columns, JSON-ready (the run card)."""
     return {
         "id": run.id,
         "name": run.name,
