@@ -31,3 +31,13 @@ def test_route_modules_do_not_import_each_other() -> None:
         imported = _imports(path)
         others = {f"rollout_lens.server.routes.{r}" for r in routes if r != path.stem}
         assert not imported & others, path
+
+
+def test_the_client_reads_shapes_only() -> None:
+    """The notebook client takes a rollout's keys from server.read_models, which imports
+    nothing of ours: reading a dashboard loads no SQLAlchemy, store or app."""
+    client = SERVER.parent / "rollout_lens" / "client.py"
+    ours = {m for m in _imports(client) if m.startswith("rollout_lens")}
+    assert ours <= {"rollout_lens.server", "rollout_lens.server.read_models"}, ours
+    shapes = _imports(SERVER / "read_models.py")
+    assert not {m for m in shapes if m.startswith("rollout_lens")}, shapes
