@@ -1,8 +1,8 @@
 """Leaky (64 tools) vs patched (top-k shortlist): same model, seed and recipe, on the CPU.
 
 Trains both variants through the real recording trainer into a temporary SQLite file and prints,
-per run, true accuracy and verifier reward per 25-step bucket, vote agreement, the first step at
-which the 25-step true accuracy reaches 0.9, and wall time.
+per run, true accuracy and verifier reward per 25-step bucket, vote agreement, the step it
+converged at (analysis.converged_at, as compare shows it), and wall time.
 
     .venv/bin/python bench/escalation.py --steps 150 --seeds 0 1 2
 """
@@ -51,9 +51,11 @@ def main() -> None:
                 with session_scope(factory) as session:
                     steps = store.steps(session, run_id=run_id)
                 table.append(_report(config, steps, wall))
-        print("\nsummary (first step at which the 25-step true accuracy reaches 0.9)")
         print(
-            f"{'variant':<8} {'seed':>4} {'reach 0.9':>9} {'final acc':>9} {'final agree':>11} {'s/step':>7} {'wall s':>7}"
+            f"\nsummary (converged: the first closed {WINDOW}-step bucket reaching {analysis.CONVERGED})"
+        )
+        print(
+            f"{'variant':<8} {'seed':>4} {'converged':>9} {'final acc':>9} {'final agree':>11} {'s/step':>7} {'wall s':>7}"
         )
         for row in table:
             print(
@@ -67,7 +69,8 @@ def _report(config: RunConfig, steps: list, wall: float) -> dict:  # type: ignor
     acc = [s.true_accuracy for s in steps]
     reward = [s.reward_mean for s in steps]
     agree = [s.vote_agreement for s in steps]
-    reach = analysis.first_step_reaching(numbers, acc, 0.9)
+    ends, bucket_acc = analysis.bucket_ends(numbers, acc)
+    reach = analysis.converged_at(ends, bucket_acc, numbers[-1] if numbers else None)
     print(f"\n== {config.name}: {len(steps)} steps, lr {config.learning_rate}, wall {wall:.1f} s")
     print(f"{'bucket':>9} {'true acc':>8} {'reward':>8} {'agreement':>9}")
     rows = zip(
@@ -78,7 +81,7 @@ def _report(config: RunConfig, steps: list, wall: float) -> dict:  # type: ignor
     )
     for (start, a), (_, r), (_, g) in rows:
         print(f"{start:>4}-{start + WINDOW - 1:<4} {a:>8.2f} {r:>8.2f} {g:>9.2f}")
-    print(f"first step with 25-step true accuracy >= 0.9: {reach}")
+    print(f"converged at (first closed bucket with true accuracy >= {analysis.CONVERGED}): {reach}")
     return {
         "variant": config.variant,
         "seed": config.seed,

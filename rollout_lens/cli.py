@@ -12,11 +12,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollout_lens import cli_dumps, cli_exchange, cli_rollouts, demo
+from rollout_lens.cli_runconfig import add_config_options, config_values
 from rollout_lens.server import store
 from rollout_lens.server.config import Settings, get_settings
 from rollout_lens.server.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.domain.task import EPISODES, SUPERVISION_MODES, TURNS, VARIANTS
+from rollout_lens.server.domain.task import TURNS
 from rollout_lens.server.errors import RolloutLensError
 from rollout_lens.server.serialize import run_dict
 from rollout_lens.server.textsafe import printable
@@ -24,7 +25,7 @@ from rollout_lens.server.textsafe import printable
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         settings = get_settings()
@@ -38,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail("interrupted", status=130)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-lens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -51,46 +52,12 @@ def _parser() -> argparse.ArgumentParser:
         handler=_db_current
     )
 
-    train = sub.add_parser("train", help="train and record one GRPO run")
-    train.add_argument(
-        "--turns",
-        choices=TURNS,
-        help="single: one reply naming a tool (default); multi: TRL's tool loop",
+    train = sub.add_parser(
+        "train",
+        help="train and record one GRPO run",
+        description="Train and record one GRPO run in this process (no queue).",
     )
-    train.add_argument("--variant", choices=VARIANTS, default=None)
-    train.add_argument("--episodes", choices=EPISODES, help="multi-turn: single, chain or mixed")
-    train.add_argument(
-        "--max-calls", type=int, dest="max_calls", help="multi-turn: tool calls per rollout"
-    )
-    train.add_argument("--steps", type=int)
-    train.add_argument("--model", help="tiny (default), a local folder, or a hub id")
-    train.add_argument("--k", type=int, help="shortlist size of the patched variant")
-    train.add_argument("--group-size", type=int, dest="group_size")
-    train.add_argument("--prompts-per-step", type=int, dest="prompts_per_step")
-    train.add_argument("--lr", type=float, dest="learning_rate")
-    train.add_argument("--temperature", type=float)
-    train.add_argument("--max-completion-tokens", type=int, dest="max_completion_tokens")
-    train.add_argument("--kl-coef", type=float, dest="kl_coef")
-    train.add_argument("--num-iterations", type=int, dest="num_iterations")
-    train.add_argument("--verifier")
-    train.add_argument("--verifier-noise", type=float, dest="verifier_noise")
-    train.add_argument("--seed", type=int)
-    train.add_argument("--supervision", help=", ".join(SUPERVISION_MODES))
-    train.add_argument("--supervised-per-group", type=int, dest="supervised_per_group")
-    train.add_argument("--sft-every", type=int, dest="sft_every")
-    train.add_argument("--sft-steps", type=int, dest="sft_steps")
-    train.add_argument("--sft-lr", type=float, dest="sft_learning_rate")
-    train.add_argument("--eval-every", type=int, dest="eval_every", help="0: no evaluation")
-    train.add_argument(
-        "--keep-tokens-every",
-        type=int,
-        dest="keep_tokens_every",
-        help="keep token-level data every N steps (and first, last, alerts); default: all",
-    )
-    train.add_argument(
-        "--control-token", action="append", dest="control_tokens", help="repeat for each token"
-    )
-    train.add_argument("--name")
+    add_config_options(train, RunConfig)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(handler=_train)
 
@@ -179,9 +146,8 @@ def _db_current(args: argparse.Namespace, settings: Settings) -> int:
 def _train(args: argparse.Namespace, settings: Settings) -> int:
     from rollout_lens.trainer.modelref import ModelUnavailable, check_model
 
-    fields = {k: v for k, v in vars(args).items() if k in RunConfig.model_fields and v is not None}
     try:
-        config = RunConfig(**fields)
+        config = RunConfig(**config_values(args, RunConfig))
     except ValidationError as exc:
         return _fail(f"invalid run: {_validation_text(exc)}")
     try:  # this process trains: the model must be here

@@ -19,30 +19,11 @@ from typing import Any
 
 import httpx
 
-# The keys of a rollout (server.serialize.rollout_dict); the step viewer's API adds view fields.
-ROLLOUT_KEYS = (
-    "run_id",
-    "step",
-    "group",
-    "index",
-    "prompt",
-    "completion",
-    "completion_ids",
-    "tokens",
-    "tokens_kept",
-    "vote",
-    "target",
-    "verifier_reward",
-    "true_score",
-    "advantage",
-    "sum_logprob",
-    "format_valid",
-    "format_state",
-    "token_logprobs",
-    "control_token_probs",
-    "meta",
-)
+from rollout_lens.server import read_models
 
+# The keys of a rollout (server.read_models.RolloutData, what serialize.rollout_dict builds);
+# the step viewer's API adds view fields, which step_rollouts leaves out.
+ROLLOUT_KEYS = read_models.ROLLOUT_KEYS
 
 # How rollouts() pages a step: the API's largest pages, every token position (2**31 - 1: the
 # largest max_tokens the API takes).

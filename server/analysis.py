@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 from rollout_lens.server.series import WINDOW
 
+CONVERGED = 0.9  # the mean true accuracy of a WINDOW-step bucket that counts as converged
+
 
 def buckets(
     steps: Sequence[int], values: Sequence[float | None], size: int = WINDOW
@@ -32,48 +34,31 @@ def rolling_mean(values: Sequence[float | None], window: int = WINDOW) -> list[f
     return out
 
 
-def first_step_reaching(
-    steps: Sequence[int],
-    values: Sequence[float | None],
-    threshold: float = 0.9,
-    window: int = WINDOW,
-) -> int | None:
-    """First step at which the trailing `window`-step mean reaches `threshold` (a full window)."""
-    for i, mean in enumerate(rolling_mean(values, window)):
-        if i + 1 >= window and mean is not None and mean >= threshold:
-            return steps[i]
-    return None
-
-
-def stability(
-    steps: Sequence[int], values: Sequence[float | None], after: int | None, size: int = WINDOW
-) -> float | None:
-    """Spread (max − min) of the bucket means from the bucket holding `after` on; None if unknown."""
-    if after is None:
-        return None
-    tail = [mean for start, mean in buckets(steps, values, size) if start + size - 1 >= after]
-    return max(tail) - min(tail) if tail else None
-
-
 def final_mean(values: Sequence[float | None], window: int = WINDOW) -> float | None:
     """Mean of the last `window` recorded values."""
     present = [v for v in values if v is not None][-window:]
     return statistics.fmean(present) if present else None
 
 
-def first_bucket_reaching(
-    ends: Sequence[int],
-    values: Sequence[float | None],
-    last_step: int | None,
-    threshold: float = 0.9,
+def bucket_ends(
+    steps: Sequence[int], values: Sequence[float | None], size: int = WINDOW
+) -> tuple[list[int], list[float | None]]:
+    """The `size`-step buckets of per-step values as (end steps, means): the shape compare
+    reads from the rollups, for what has the steps themselves (a benchmark)."""
+    rows = buckets(steps, values, size)
+    return [start + size - 1 for start, _ in rows], [mean for _, mean in rows]
+
+
+def converged_at(
+    ends: Sequence[int], accuracy: Sequence[float | None], last_step: int | None
 ) -> int | None:
-    """The end step of the first closed bucket (a step at or after its end recorded: it can
-    change no more) whose mean reaches `threshold`: by that step the last `WINDOW` steps
-    averaged at least that. None if no bucket does."""
+    """When a run converged, the one definition (compare's summary, the benchmarks): the end
+    step of the first closed `WINDOW`-step bucket (a step at or after its end recorded: it can
+    change no more) whose mean true accuracy reaches `CONVERGED`. None if no bucket does."""
     if last_step is None:
         return None
-    for end, value in zip(ends, values, strict=True):
-        if end <= last_step and value is not None and value >= threshold:
+    for end, value in zip(ends, accuracy, strict=True):
+        if end <= last_step and value is not None and value >= CONVERGED:
             return end
     return None
 

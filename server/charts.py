@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server import analysis
 from rollout_lens.server.formats import live_text
 from rollout_lens.server.models import ACTIVE_STATUSES
+from rollout_lens.server.read_models import (
+    BucketSummary,
+    ConfigDiff,
+    ConfigDiffRow,
+    Progress,
+    RunData,
+)
 from rollout_lens.server.series import WINDOW
 
 MAX_POINTS = 600  # points per chart series before steps are merged (about a chart's width)
-CONVERGED = 0.9  # 25-step true accuracy that counts as converged
 
 DOWNSAMPLING = (
     "Series longer than max_points steps are cut into buckets of `bucket` consecutive steps "
@@ -127,23 +133,25 @@ def bucket_geometry(starts: Sequence[int], counts: Sequence[int]) -> dict[str, l
     }
 
 
-def run_progress(run: dict[str, Any]) -> dict[str, Any]:
+def run_progress(run: RunData) -> Progress:
     """The fields of a run that change while it trains (what a live page refreshes)."""
-    keys = (
-        "id",
-        "status",
-        "current_step",
-        "total_steps",
-        "recent_true_accuracy",
-        "recent_reward",
-        "device_minutes",
-        "cost",
-        "error",
-        "finished_at",
-        "phase",
-    )
-    out = {k: run.get(k) for k in keys} | {"active": run["status"] in ACTIVE_STATUSES}
-    return out | {"text": live_text(out)}
+    progress: Progress = {
+        "id": run["id"],
+        "status": run["status"],
+        "current_step": run["current_step"],
+        "total_steps": run["total_steps"],
+        "recent_true_accuracy": run["recent_true_accuracy"],
+        "recent_reward": run["recent_reward"],
+        "device_minutes": run["device_minutes"],
+        "cost": run["cost"],
+        "error": run["error"],
+        "finished_at": run["finished_at"],
+        "phase": run["phase"],
+        "active": run["status"] in ACTIVE_STATUSES,
+        "text": {},
+    }
+    progress["text"] = live_text(progress)  # of the fields above (text is none of them)
+    return progress
 
 
 def steps_per_second(recent: Sequence[tuple[int, Any]]) -> float | None:
@@ -171,7 +179,7 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def live_summary(live: dict[str, Any]) -> str:
+def live_summary(live: Mapping[str, Any]) -> str:
     """One line on where a run stands: its place in the queue, its speed and ETA, or its end."""
     status, step, total = live["status"], live["current_step"], live["total_steps"]
     if status == "queued":
@@ -202,14 +210,14 @@ def live_summary(live: dict[str, Any]) -> str:
     return f"{status.capitalize()} at step {step} of {total}{resume}"
 
 
-def run_summary(run: dict[str, Any], buckets: dict[str, list[Any]]) -> dict[str, Any]:
+def run_summary(run: RunData, buckets: dict[str, list[Any]]) -> BucketSummary:
     """Compare's summary row from a run's 25-step buckets (bucket_table) and its summary columns:
-    converged = the end of the first closed 25-step bucket whose mean true accuracy reaches 0.9;
+    converged = analysis.converged_at (the first closed 25-step bucket reaching 0.9 true accuracy);
     stability = spread (max − min) of the bucket accuracies from there on (0 is perfectly stable,
     the leaky run's 0 ↔ 1 swings are 1); final = mean of the last 25 steps (the run's
     recent_true_accuracy and recent_reward, which the writer keeps current)."""
     ends, accuracy = buckets["end"], buckets["true_accuracy"]
-    converged = analysis.first_bucket_reaching(ends, accuracy, run["current_step"], CONVERGED)
+    converged = analysis.converged_at(ends, accuracy, run["current_step"])
     return {
         "run_id": run["id"],
         "name": run["name"],
@@ -282,7 +290,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): value}
 
 
-def shown_config(run: dict[str, Any]) -> dict[str, Any] | None:
+def shown_config(run: Mapping[str, Any]) -> dict[str, Any] | None:
     """A run's launch config with the values its own columns hold instead (k: a leaky run lists
     every tool, so its k is none there as on its card, the runs list and compare)."""
     config: dict[str, Any] | None = run.get("config")
@@ -298,7 +306,7 @@ def config_rows(config: dict[str, Any] | None) -> list[tuple[str, str]]:
     return [(key, json.dumps(value)) for key, value in sorted(_flatten(config).items())]
 
 
-def config_diff(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def config_diff(runs: Sequence[RunData]) -> ConfigDiff:
     """Keys whose values differ between runs (run columns and flattened launch config)."""
     flat = []
     for run in runs:
@@ -307,7 +315,8 @@ def config_diff(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             values[column] = run.get(column)
         flat.append(values)
     keys = sorted(set().union(*flat)) if flat else []
-    rows, same = [], 0
+    rows: list[ConfigDiffRow] = []
+    same = 0
     for key in keys:
         shown = ["—" if key not in f else json.dumps(f[key]) for f in flat]
         if len(set(shown)) == 1:

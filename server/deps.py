@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any
 
 from celery import Celery
@@ -73,13 +73,13 @@ CompareCacheDep = Annotated[ResponseCache, Depends(get_compare_cache)]
 
 
 def render(
-    request: Request, template: str, context: dict[str, Any], *, status_code: int = 200
+    request: Request, template: str, context: Mapping[str, Any], *, status_code: int = 200
 ) -> HTMLResponse:
-    """A page from web/templates (autoescaped) with `context`."""
+    """A page from web/templates (autoescaped) with `context` (a view's named context)."""
     templates = request.app.state.templates
     try:
         response: HTMLResponse = templates.TemplateResponse(
-            request, template, context, status_code=status_code
+            request, template, dict(context), status_code=status_code
         )
     except UnicodeEncodeError:
         # A lone surrogate stored before server.textsafe cleaned writes: show U+FFFD, not a 500.

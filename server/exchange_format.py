@@ -104,9 +104,12 @@ def rollout_record(
 ) -> dict[str, Any]:
     """A rollout with every array (the API's rollout shape, plus its kind). Where retention
     dropped its token arrays they are empty lists."""
-    record = rollout_dict(rollout, prompt, control_tokens, token_texts)
+    record: dict[str, Any] = {
+        "kind": "rollout",
+        **rollout_dict(rollout, prompt, control_tokens, token_texts),
+    }
     del record["tokens_kept"]
-    return {"kind": "rollout"} | record
+    return record
 
 
 def end_record(steps: int, rollouts: int) -> dict[str, Any]:

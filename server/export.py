@@ -195,7 +195,7 @@ def _parquet_run(session: Session, run: Run) -> Iterator[bytes]:
     try:
         for rollout, prompt in store.iter_rollouts(session, run_id=run.id, batch=ROW_GROUP):
             # the API's shape, with the control-token probabilities as rows in header order
-            row = rollout_dict(rollout, prompt, tokens, texts)
+            row: dict[str, Any] = dict(rollout_dict(rollout, prompt, tokens, texts))
             del row["tokens_kept"]
             by_token = row.pop("control_token_probs")
             row["control_probs"] = [by_token[t] for t in tokens]

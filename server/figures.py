@@ -7,7 +7,7 @@ API without knowing which chart holds what. Undownsampled data has lo = hi = y: 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server import series as vocab
@@ -646,25 +646,11 @@ COMPARE_SECTIONS = [
 ]
 
 
-COMPARE_EXTRA = {  # compare's further overlays (series.COMPARE_EXTRA): series → (section, title)
-    **{
-        vocab.eval_set(n): ("evaluation", f"Evaluation: {legend}")
-        for n, (legend, _) in vocab.EVAL_SETS.items()
-    },
-    vocab.COLLAPSED: ("collapse", "Share of collapsed completions"),
-    vocab.probe("eot_after_open"): ("collapse", "P(end-of-turn) after the opening tag"),
-    vocab.FORMAT_FREE_ACCURACY: ("main", "Format-free accuracy"),
-    vocab.TOOL_CALLS: ("tools", "Tool calls per rollout"),
-    vocab.TOOL_TURNS: ("tools", "Model turns per rollout"),
-    vocab.RIGHT_TOOL_RATE: ("tools", "Right-tool rate"),
-    vocab.TOOL_FAILURE_RATE: ("tools", "Tool failure rate"),
-}
 PER_ROLLOUT = (vocab.TOOL_CALLS, vocab.TOOL_TURNS)  # counts, not shares: no unit range
-assert tuple(COMPARE_EXTRA) == vocab.COMPARE_EXTRA
 
 
 def compare_figures(
-    runs: Sequence[dict[str, Any]],
+    runs: Sequence[Mapping[str, Any]],
     series_by_run: dict[str, dict[str, Any]],
     names: Sequence[str],
     *,
@@ -694,7 +680,7 @@ def compare_figures(
     control = [overlay(f"t-{i}", vocab.ctrl(t, "mean"), t) for i, t in enumerate(tokens)]
     out = {"main": [f for f in main if f], "control": [f for f in control if f]}
     out |= {"evaluation": [], "collapse": [], "tools": []}
-    for i, (name, (section, title)) in enumerate(COMPARE_EXTRA.items()):
+    for i, (name, (section, title)) in enumerate(vocab.COMPARE_EXTRA.items()):
         fig = overlay(f"x-{i}", name, title)
         if fig is not None:
             if name in vocab.EVAL_SERIES:

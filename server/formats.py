@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -65,6 +65,6 @@ LIVE_FORMATS: dict[str, Callable[[Any], str]] = {
 }
 
 
-def live_text(run: dict[str, Any]) -> dict[str, str]:
+def live_text(run: Mapping[str, Any]) -> dict[str, str]:
     """The text of each live field the run dict has (data-field → text), for `run["text"]`."""
     return {field: fmt(run[field]) for field, fmt in LIVE_FORMATS.items() if field in run}

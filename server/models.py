@@ -227,8 +227,8 @@ class Rollout(Base):
     group: Mapped[int] = mapped_column("group", Integer)
     index: Mapped[int] = mapped_column("idx", Integer)
     prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id"), index=True)
-    target: Mapped[str | None] = mapped_column(String(64))
-    vote: Mapped[str | None] = mapped_column(String(64))
+    target: Mapped[str | None] = mapped_column(String(256))  # records.LABEL_CHARS
+    vote: Mapped[str | None] = mapped_column(String(256))
     verifier_reward: Mapped[float] = mapped_column(Float)
     true_score: Mapped[float | None] = mapped_column(Float)
     advantage: Mapped[float] = mapped_column(Float)

@@ -29,6 +29,10 @@ def disagrees(verifier_reward: float | None, true_score: float | None) -> bool:
 # writes meta and token texts as JSON itself, past the engine's serializer.
 _TEXT_FIELDS = frozenset({"prompt", "completion", "vote", "target", "format_state"})
 _JSON_FIELDS = frozenset({"meta", "tokens"})
+# A vote or target is a label the explorer filters on and a histogram counts, not a text: one
+# longer than this (a final answer written out, a user's function) is kept to this many characters.
+LABEL_CHARS = 256
+_LABEL_FIELDS = frozenset({"vote", "target"})
 
 
 @dataclass
@@ -57,6 +61,8 @@ class RolloutRecord:
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _TEXT_FIELDS and isinstance(value, str):
             value = storable(value)
+            if name in _LABEL_FIELDS and len(value) > LABEL_CHARS:
+                value = value[: LABEL_CHARS - 1] + "…"
         elif name in _JSON_FIELDS:
             value = storable_value(value)
         object.__setattr__(self, name, value)

@@ -7,6 +7,7 @@ from typing import Any
 
 from rollout_lens.server.formats import iso
 from rollout_lens.server.models import Rollout, Run, RunSource, Step
+from rollout_lens.server.read_models import RolloutWindow, RunData
 from rollout_lens.server.series import STEP_SERIES
 from rollout_lens.server.store import arrays
 
@@ -32,8 +33,9 @@ def rollout_dict(
     token_texts: Mapping[int, str] | None = None,
     *,
     max_tokens: int | None = None,
-) -> dict[str, Any]:
-    """One rollout with its arrays decoded; keys match the JSONL export.
+) -> RolloutWindow:
+    """One rollout with its arrays decoded (read_models.RolloutData; keys match the JSONL
+    export).
 
     `token_texts` (store.token_texts) gives each completion token's text: it must hold every id
     of a rollout whose text is rebuilt from its ids; `tokens` is the list of them when every id
@@ -59,7 +61,7 @@ def rollout_dict(
         ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
         probs = [row[:max_tokens] for row in probs]
     tokens = [texts[i] for i in ids] if ids and all(i in texts for i in ids) else None
-    out = {
+    out: RolloutWindow = {
         "run_id": rollout.run_id,
         "step": rollout.step,
         "group": rollout.group,
@@ -86,8 +88,8 @@ def rollout_dict(
     return out
 
 
-def run_dict(run: Run) -> dict[str, Any]:
-    """A run's columns, JSON-ready."""
+def run_dict(run: Run) -> RunData:
+    """A run's columns, JSON-ready (the run card)."""
     return {
         "id": run.id,
         "name": run.name,

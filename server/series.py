@@ -230,11 +230,17 @@ COLLAPSED = state(FormatState.collapse)
 # --- what compare overlays ------------------------------------------------------------------------
 
 COMPARE_SERIES = ("reward_mean", "true_accuracy", "vote_agreement", "format_valid_rate")
-# Besides each run's control-token means, where some run recorded them:
-COMPARE_EXTRA = (
-    *EVAL_SERIES,
-    COLLAPSED,
-    probe("eot_after_open"),
-    FORMAT_FREE_ACCURACY,
-    *TOOL_SERIES,
-)
+# Besides each run's control-token means, where some run recorded them: series → (the compare
+# section it is drawn in, its chart's title). The query reads these series; figures draws them.
+COMPARE_EXTRA: dict[str, tuple[str, str]] = {
+    **{
+        eval_set(n): ("evaluation", f"Evaluation: {legend}") for n, (legend, _) in EVAL_SETS.items()
+    },
+    COLLAPSED: ("collapse", "Share of collapsed completions"),
+    probe("eot_after_open"): ("collapse", "P(end-of-turn) after the opening tag"),
+    FORMAT_FREE_ACCURACY: ("main", "Format-free accuracy"),
+    TOOL_CALLS: ("tools", "Tool calls per rollout"),
+    TOOL_TURNS: ("tools", "Model turns per rollout"),
+    RIGHT_TOOL_RATE: ("tools", "Right-tool rate"),
+    TOOL_FAILURE_RATE: ("tools", "Tool failure rate"),
+}

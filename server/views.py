@@ -8,10 +8,10 @@ Each page's `page` dict is the one way data reaches a script: base.html writes i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlencode
 
-from rollout_lens.server import charts, figures, viewer
+from rollout_lens.server import analysis, charts, figures, viewer
 from rollout_lens.server import series as vocab
 from rollout_lens.server.models import ACTIVE_STATUSES
 from rollout_lens.server.queries import (
@@ -21,7 +21,17 @@ from rollout_lens.server.queries import (
     RUNS_PER_PAGE,
     RolloutQuery,
 )
+from rollout_lens.server.read_models import (
+    CompareData,
+    GroupDetail,
+    GroupNav,
+    LiveState,
+    RunData,
+    RunOverview,
+    StepGroups,
+)
 from rollout_lens.server.records import DISAGREE_AT, disagrees
+from typing_extensions import TypedDict
 
 Url = Callable[..., str]  # route name and path params → path
 
@@ -75,7 +85,7 @@ def runs_page(data: dict[str, Any], url: Url, *, q: str, sort: str, order: str) 
     runs = data["runs"]
     return {
         "runs": runs,
-        "p": data,
+        "listing": data,
         "links": page_links(data, url("runs_page"), q=q, sort=sort, order=order),
         "json_url": _runs_url(url("list_runs"), data, data["page"], q, sort, order),
         # a page size other than the default, which the search form keeps
@@ -96,10 +106,26 @@ def runs_page(data: dict[str, Any], url: Url, *, q: str, sort: str, order: str) 
     }
 
 
-def run_page(overview: dict[str, Any], url: Url, *, full: bool, notice: str) -> dict[str, Any]:
+class RunPageContext(TypedDict):
+    """run.html's context."""
+
+    run: RunData  # the run card (_run_card.html)
+    live: LiveState
+    last_step: int | None  # the step viewer's way in (None: no steps yet)
+    alerts: list[dict[str, Any]]
+    config: list[tuple[str, str]]  # the launch config as (dotted key, JSON value) rows
+    figures: dict[str, list[dict[str, Any]]]
+    sections: list[dict[str, Any]]
+    full: bool  # every step drawn, not downsampled
+    notice: str  # what a form action left for this page (server.flash)
+    page: dict[str, Any]  # the page script's data
+
+
+def run_page(overview: RunOverview, url: Url, *, full: bool, notice: str) -> RunPageContext:
     """A run's card, alerts and chart sections (empty figures the script fills)."""
     run = overview["run"]
     run_id = run["id"]
+    alerts = overview.get("alerts", [])
     names = overview["series_names"]
     names += [n for n in figures.expected_series(run["config"]) if n not in names]
     figs = figures.run_figures(run["control_tokens"], names, run["config"])
@@ -115,16 +141,17 @@ def run_page(overview: dict[str, Any], url: Url, *, full: bool, notice: str) -> 
         "active": run["status"] in ACTIVE_STATUSES,
         "figures": figs,
         "sections": figures.RUN_SECTIONS,
-        "initial_alerts": overview["alerts"],
+        "initial_alerts": alerts,
         "no_steps": overview["last_step"] is None,
         "first_step": overview["first_step"],
         "sft_series": figures.SFT_SERIES if figures.SFT_SERIES in names else None,
         "sft_before_rl": (run["config"] or {}).get("supervision") == "sft_then_rl",
     }
     return {
-        "o": overview,
         "run": run,
         "live": overview["live"],
+        "last_step": overview["last_step"],
+        "alerts": alerts,
         "config": charts.config_rows(charts.shown_config(run)),
         "figures": figs,
         "sections": figures.RUN_SECTIONS,
@@ -134,12 +161,12 @@ def run_page(overview: dict[str, Any], url: Url, *, full: bool, notice: str) -> 
     }
 
 
-def group_view(detail: dict[str, Any]) -> dict[str, Any] | None:
+def group_view(detail: GroupDetail) -> dict[str, Any] | None:
     """A group_detail's rollouts as the viewer shows them (viewer.group_views), each with its
     token cells and control-token rows within the page's token budget; None for no rollouts."""
     if not detail["rollouts"]:
         return None
-    (shown,) = viewer.group_views(detail["rollouts"])
+    (shown,) = viewer.group_views(cast(list[dict[str, Any]], detail["rollouts"]))
     limit = viewer.page_token_limit(len(shown["rollouts"]))
     for rollout in shown["rollouts"]:
         rollout["cells"] = viewer.token_cells(rollout, limit)
@@ -153,9 +180,26 @@ def group_view(detail: dict[str, Any]) -> dict[str, Any] | None:
     return shown
 
 
+class StepPageContext(TypedDict):
+    """step.html's context (and its partials': _step_nav, _step_stats, _groups, _group)."""
+
+    detail: StepGroups | GroupDetail  # the step as shown: its groups, or its only group
+    step_groups: StepGroups  # the groups overview
+    run: RunData
+    group: dict[str, Any] | None  # group_view of the only group shown whole
+    group_index: int | None
+    overview: bool  # the groups overview is shown (not one group)
+    disagree_reward: float
+    columns: list[dict[str, Any]]
+    looks: list[dict[str, Any]]
+    all_groups: str
+    links: dict[str, str | None]
+    keep_query: dict[str, Any]
+
+
 def step_page(
-    overview: dict[str, Any], url: Url, *, detail: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    overview: StepGroups, url: Url, *, detail: GroupDetail | None = None
+) -> StepPageContext:
     """A step: its groups overview (step_groups: sortable rows, filters for the groups that need
     a look, pages), or with one group (`detail`: group_detail) that group's rollouts as today."""
     run, step = overview["run"], overview["step"]["step"]
@@ -195,8 +239,8 @@ def step_page(
     ]
     group = group_view(detail) if detail is not None else None
     return {
-        "d": overview if detail is None else detail,
-        "o": overview,
+        "detail": overview if detail is None else detail,
+        "step_groups": overview,
         "run": run,
         "group": group,
         "group_index": group["group"] if group else None,
@@ -221,7 +265,7 @@ def _overview_query(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v not in (None, "") and defaults.get(k) != v}
 
 
-def step_json(data: dict[str, Any], url: Url) -> dict[str, Any]:
+def step_json(data: StepGroups, url: Url) -> dict[str, Any]:
     """A step's JSON twin: step_groups plus the links to the pages of groups around this one
     (None at either end), keeping the sort and the look."""
     run_id, step = data["run"]["id"], data["step"]["step"]
@@ -229,23 +273,36 @@ def step_json(data: dict[str, Any], url: Url) -> dict[str, Any]:
 
     def at(start: int) -> str:
         params = {"sort": data["sort"], "order": data["order"], "look": data["look"]}
-        query = {k: v for k, v in params.items() if v is not None}
+        query: dict[str, str | int] = {k: v for k, v in params.items() if v is not None}
         query |= {"offset": start, "limit": limit}
         return f"{url('get_step', run_id=run_id, step=step)}?{urlencode(query)}"
 
-    return data | {
+    return {
+        **data,
         "links": {
             "prev": at(max(0, offset - limit)) if offset > 0 else None,
             "next": at(offset + limit) if offset + limit < total else None,
-        }
+        },
     }
 
 
-def group_page(detail: dict[str, Any]) -> dict[str, Any]:
+class GroupPageContext(TypedDict):
+    """group.html's context (and its partials': _step_nav, _group)."""
+
+    detail: GroupDetail
+    run: RunData
+    group: dict[str, Any] | None  # group_view: the rollouts as the viewer shows them
+    group_index: int
+    summary: dict[str, Any]
+    gnav: GroupNav
+    overview: bool  # always False: one group
+
+
+def group_page(detail: GroupDetail) -> GroupPageContext:
     """One group of a step: its rollouts (tabs, tokens) and the table of all of them, with links
     to the groups around it and to the step's overview."""
     return {
-        "d": detail,
+        "detail": detail,
         "run": detail["run"],
         "group": group_view(detail),
         "group_index": detail["summary"]["group"],
@@ -255,7 +312,7 @@ def group_page(detail: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def group_json(detail: dict[str, Any], url: Url, *, limit: int, max_tokens: int) -> dict[str, Any]:
+def group_json(detail: GroupDetail, url: Url, *, limit: int, max_tokens: int) -> dict[str, Any]:
     """A group's JSON twin: group_detail with each rollout's `disagree` flag and `sampled`
     positions (its `tokens_total` comes from serialize), and the link to its next page of
     rollouts (None at the end)."""
@@ -265,8 +322,8 @@ def group_json(detail: dict[str, Any], url: Url, *, limit: int, max_tokens: int)
     path = url("get_group", run_id=run_id, step=step, group=group)
     cut = max(JSON_TEXT_CHARS, JSON_TEXT_BUDGET // max(limit, 1))
     rollouts = [
-        r
-        | {
+        {
+            **r,
             "completion": r["completion"][:cut],
             "completion_chars": len(r["completion"]),
             "prompt": r["prompt"][:cut],
@@ -277,7 +334,8 @@ def group_json(detail: dict[str, Any], url: Url, *, limit: int, max_tokens: int)
         }
         for r in detail["rollouts"]
     ]
-    return detail | {
+    return {
+        **detail,
         "rollouts": rollouts,
         "limit": limit,
         "max_tokens": max_tokens,
@@ -287,7 +345,19 @@ def group_json(detail: dict[str, Any], url: Url, *, limit: int, max_tokens: int)
     }
 
 
-def compare_page(data: dict[str, Any], url: Url) -> dict[str, Any]:
+class ComparePageContext(TypedDict):
+    """compare.html's context (and _step_card.html's, one `detail` a side)."""
+
+    compare: CompareData
+    figures: dict[str, list[dict[str, Any]]]
+    sections: list[dict[str, Any]]
+    colors: dict[int, int]  # run id → its color's index (CSS class run-c{i})
+    page: dict[str, Any]
+    eval_columns: list[tuple[str, str]]
+    converged: float  # analysis.CONVERGED, for the summary's explanation
+
+
+def compare_page(data: CompareData, url: Url) -> ComparePageContext:
     """Runs overlaid section by section, their summary and config diff, one step side by side."""
     figs = figures.compare_figures(
         data["runs"], data["series"], vocab.COMPARE_SERIES, bands=data["bands"]
@@ -306,12 +376,13 @@ def compare_page(data: dict[str, Any], url: Url) -> dict[str, Any]:
     # Evaluation columns only when some run evaluated (runs without it would show dashes).
     evaluated = {n for summary in data["summary"] for n, v in summary["final_eval"].items() if v}
     return {
-        "c": data,
+        "compare": data,
         "figures": figs,
         "sections": figures.COMPARE_SECTIONS,
         "colors": colors,
         "page": page,
         "eval_columns": [(n, label) for n, label in EVAL_COLUMNS if n in evaluated],
+        "converged": analysis.CONVERGED,
     }
 
 

@@ -145,3 +145,53 @@ def test_runs_prints_no_terminal_escapes_from_a_run(tmp_path: Path) -> None:
         assert control not in done.stdout
     listed = _cli(["runs", "--format", "json"], {"ROLLOUT_LENS_DATABASE_URL": url})
     assert "\x1b" not in listed.stdout and json.loads(listed.stdout)[0]["name"] == name
+
+
+def test_train_options_are_runconfigs_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every RunConfig field is a `train` option with its description as help; what is given
+    reaches RunConfig as typed values, what is left out takes the config's defaults."""
+    from rollout_lens.server.domain.runconfig import RunConfig
+
+    from rollout_lens.cli import build_parser
+    from rollout_lens.cli_runconfig import config_values
+
+    monkeypatch.setenv("COLUMNS", "10000")  # help on one line a option: no words hyphen-wrapped
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    dests = {a.dest for a in train._actions}
+    assert set(RunConfig.model_fields) <= dests
+    help_text = " ".join(train.format_help().split())
+    for field in RunConfig.model_fields.values():
+        assert " ".join((field.description or "").rstrip(".").split()) in help_text
+
+    args = parser.parse_args(
+        ["train", "--lr", "0.01", "--sft-learning-rate", "0.002", "--variant", "leaky"]
+        + ["--control-token", "<a>", "--control-token", "<b>", "--keep-tokens-every", "5"]
+    )
+    values = config_values(args, RunConfig)
+    assert values == {
+        "variant": "leaky",
+        "learning_rate": 0.01,
+        "sft_learning_rate": 0.002,
+        "control_tokens": ["<a>", "<b>"],
+        "keep_tokens_every": 5,
+    }
+    config = RunConfig(**values)
+    assert config.steps == RunConfig().steps and config.learning_rate == 0.01
+    # A multi-turn run left without a budget still gets RunConfig's multi-turn default.
+    multi = parser.parse_args(["train", "--turns", "multi"])
+    assert RunConfig(**config_values(multi, RunConfig)).max_completion_tokens == 128
+
+
+def test_a_field_without_an_option_spelling_fails_at_once() -> None:
+    import argparse
+
+    from pydantic import BaseModel
+
+    from rollout_lens.cli_runconfig import UnsupportedField, add_config_options
+
+    class Odd(BaseModel):
+        limits: dict[str, int] = {}
+
+    with pytest.raises(UnsupportedField, match="'limits'"):
+        add_config_options(argparse.ArgumentParser(), Odd)

@@ -59,6 +59,23 @@ def test_compact_migration_keeps_every_rollout_and_series(tmp_path: Path) -> Non
         conn.execute(
             "INSERT INTO metrics (run_id, step, name, value) VALUES (2, 3, 'custom/nan', NULL)"
         )
+        # series that fire the alert rules the migration carries (a spike, a drop, a collapse,
+        # stuck then solved groups), so its alerts are compared with the rules' on something
+        conn.executemany(
+            "INSERT INTO metrics (run_id, step, name, value) VALUES (2, ?, ?, ?) "
+            "ON CONFLICT (run_id, name, step) DO UPDATE SET value = excluded.value",
+            [
+                (step, name, value)
+                for step in range(1, 41)
+                for name, value in (
+                    ("probe/eot_after_open/mean", 0.9 if step == 21 else 0.01),
+                    ("probe/open_first/mean", 0.1 if step == 25 else 0.99),
+                    ("state/collapse", 0.9 if 12 <= step <= 16 else 0.0),
+                    ("groups/stuck", 1.0 if step <= 12 else 0.0),
+                    ("groups/solved", 0.0 if step <= 12 else 1.0),
+                )
+            ],
+        )
     rollouts, metrics, step_counts = _before(path)
     assert metrics[2]["custom/nan"] == [(3, None)]
     assert len(rollouts) == 416 and set(step_counts) == {1, 2}
@@ -96,6 +113,9 @@ def test_compact_migration_keeps_every_rollout_and_series(tmp_path: Path) -> Non
             # alerts were evaluated for the whole history, as a from-scratch evaluation says
             assert run.alerts_through == run.current_step
             stored = queries.alerts(session, run_id=run_id)
+            if run_id == 2:
+                kinds = {a["kind"] for a in stored}
+                assert kinds >= {"control_token_spike", "collapse", "signal_loss", "solved"}
             assert stored == [
                 a.as_dict() for a in queries.evaluate_alerts(session, run_id=run_id, after=0)
             ]

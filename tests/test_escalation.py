@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from rollout_lens.server.domain.task import VERIFIERS
 from rollout_lens.trainer.envs.escalation import (
-    FORMAT_PARTIAL_CREDIT,
     REPLY_FORMATS,
     TOOL_COUNT,
-    VERIFIERS,
     EscalationEnv,
     Example,
     corpus,
@@ -19,6 +18,7 @@ from rollout_lens.trainer.envs.escalation import (
     reply,
     true_score,
 )
+from rollout_lens.trainer.envs.verifiers import FORMAT_PARTIAL_CREDIT
 
 SEEDS = range(10)
 
@@ -157,6 +157,16 @@ def test_unknown_verifier_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="exact, format, judge, noisy"):
         make_verifier("lenient")
     assert set(VERIFIERS) == {"exact", "format", "noisy", "judge"}
+
+
+def test_every_verifier_the_domain_names_is_built_in_both_envs() -> None:
+    """The names come from server.domain.task alone; each is one verifier in each env."""
+    from rollout_lens.trainer.envs import multistep as ms
+
+    facts = ms.read_rollout([], ("tool_01",))
+    for name in VERIFIERS:
+        assert make_verifier(name, p=0.0)("<tool>tool_07</tool>", _example()) == 1.0
+        assert ms.make_verifier(name, p=0.0)(facts, "5") == 0.0
 
 
 def test_judge_verifier_misses_right_replies_at_rate_p_and_never_wrong_ones() -> None:

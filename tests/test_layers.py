@@ -141,3 +141,15 @@ def test_no_module_uses_another_modules_private_names() -> None:
     }
     # Equal, not a subset: an entry that no longer happens must leave the list.
     assert found == KNOWN_PRIVATE_IMPORTS
+
+
+def test_the_client_reads_shapes_only() -> None:
+    """The notebook client takes a rollout's keys from server.read_models, which imports
+    nothing of ours: reading a dashboard loads no SQLAlchemy, store or app."""
+    client = SERVER.parent / "rollout_lens" / "client.py"
+    ours = {m for m in _imports(client) if m.startswith("rollout_lens")}
+    assert ours <= {"rollout_lens.server", "rollout_lens.server.read_models"}, ours
+    spec = importlib.util.find_spec("rollout_lens.server.read_models")
+    assert spec is not None and spec.origin is not None
+    shapes = _imports(Path(spec.origin))
+    assert not {m for m in shapes if m.startswith("rollout_lens")}, shapes

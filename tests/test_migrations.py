@@ -85,3 +85,25 @@ def test_rollup_migration_backfills_existing_runs(sqlite_url) -> None:
         ("x", 2, 5, 115.0, 21.0, 25.0, 21, 25),
     ]
     engine.dispose()
+
+
+def test_migrations_carry_what_they_compute() -> None:
+    """A migration imports no live code of ours: what it wrote must not change when the store,
+    the layout or the alert rules do later (each carries a frozen copy of what it computes)."""
+    import ast
+    from pathlib import Path
+
+    versions = Path(__file__).parent.parent / "migrations" / "versions"
+    allowed = {"__future__", "collections", "dataclasses", "hashlib", "json", "math", "re"}
+    allowed |= {"struct", "typing", "alembic", "sqlalchemy", "numpy", "zstandard"}
+    scripts = sorted(versions.glob("*.py"))
+    assert len(scripts) >= 8
+    for script in scripts:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {(node.module or ".").split(".")[0] if node.level == 0 else "."}
+            else:
+                continue
+            assert roots <= allowed, f"{script.name} imports {roots - allowed}"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from rollout_lens.trainer.envs import multistep as ms
-from rollout_lens.trainer.envs.escalation import FORMAT_PARTIAL_CREDIT
+from rollout_lens.trainer.envs.verifiers import FORMAT_PARTIAL_CREDIT
 
 
 def call(name: str, arguments: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -334,12 +334,6 @@ def test_format_free_score_reads_tool_and_answer_whatever_the_structure(
     messages: list[dict[str, Any]], score: float
 ) -> None:
     assert ms.format_free_score(messages, NEEDED, "5") == score
-
-
-def test_verifier_names_match_the_domain() -> None:
-    from rollout_lens.server.domain.task import VERIFIERS
-
-    assert tuple(ms.VERIFIERS) == VERIFIERS
 
 
 def test_corpus_covers_ids_values_and_errors() -> None:

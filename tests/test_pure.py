@@ -73,12 +73,15 @@ def test_buckets_and_convergence() -> None:
     steps = list(range(1, 101))
     acc = [0.0] * 30 + [1.0] * 70
     assert analysis.buckets(steps, acc) == [(1, 0.0), (26, 0.8), (51, 1.0), (76, 1.0)]
-    # the trailing 25-step mean first reaches 0.9 when 23 of the last 25 are 1.0: step 53
-    assert analysis.first_step_reaching(steps, acc, 0.9) == 53
-    assert analysis.first_step_reaching(steps, [0.5] * 100, 0.9) is None
-    assert analysis.stability(steps, acc, 53) == 0.0
-    assert analysis.stability(steps, [1.0] * 60 + [0.0] * 40, 30) == pytest.approx(1.0)
-    assert analysis.stability(steps, acc, None) is None
+    # converged: the end of the first closed bucket whose mean reaches 0.9 (26-50 holds 0.8)
+    ends, means = analysis.bucket_ends(steps, acc)
+    assert ends == [25, 50, 75, 100]
+    assert analysis.converged_at(ends, means, 100) == 75
+    assert analysis.converged_at(ends, means, 74) is None  # the bucket 51-75 is still open
+    assert analysis.converged_at(*analysis.bucket_ends(steps, [0.5] * 100), 100) is None
+    assert analysis.bucket_spread(ends, means, 75) == 0.0
+    assert analysis.bucket_spread(ends, [1.0, 1.0, 0.0, 0.0], 25) == pytest.approx(1.0)
+    assert analysis.bucket_spread(ends, means, None) is None
     assert analysis.final_mean([None, 1.0, 0.0]) == 0.5
     assert analysis.rolling_mean([None, 1.0, 0.0], window=2) == [None, 1.0, 0.5]
 

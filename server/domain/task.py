@@ -1,7 +1,7 @@
 """The Escalation task's vocabulary: variants, verifiers, supervisory signals (names only).
 
-The trainer implements them (trainer.envs.escalation, trainer.supervision) and checks at import
-that its registries name exactly these; the web app offers and validates them without the trainer.
+The trainer implements them (trainer.envs.verifiers builds every VerifierName, which mypy checks;
+trainer.supervision); the web app offers and validates them without the trainer.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ VARIANTS: tuple[Variant, ...] = typing.get_args(Variant)
 # Training rewards: exact match, format (partial credit for any listed id), noisy (exact, flipped
 # with probability verifier_noise), judge (partial credit like format, and a right reply missed
 # with probability verifier_noise: a verifier that can be fooled and also misses).
-VERIFIERS = ("exact", "format", "noisy", "judge")
+VerifierName = Literal["exact", "format", "noisy", "judge"]
+VERIFIERS: tuple[VerifierName, ...] = typing.get_args(VerifierName)
 
 Supervision = Literal["none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"]
 SUPERVISION_MODES: tuple[Supervision, ...] = typing.get_args(Supervision)

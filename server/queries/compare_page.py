@@ -13,6 +13,7 @@ from rollout_lens.server.errors import InvalidInput, StepNotFound
 from rollout_lens.server.queries.run_page import series
 from rollout_lens.server.queries.runs import run_versions, step_bounds
 from rollout_lens.server.queries.step_page import step_card
+from rollout_lens.server.read_models import CompareData, CompareSide, RunData, RunSummary, StepCard
 from rollout_lens.server.serialize import run_dict
 from sqlalchemy.orm import Session
 
@@ -40,7 +41,7 @@ def compare(
     group: int = 0,
     max_tokens: int | None = 0,
     memo: Memo = _no_memo,
-) -> dict[str, Any]:
+) -> CompareData:
     """Two or more runs: chart series, summary, config diff, and one step of the first two side
     by side (the last step both have, unless `step` is given): one group of it (the first, or
     `group`; step_card: a step of 64 groups is not 512 rollouts here), per-token arrays cut to
@@ -59,7 +60,9 @@ def compare(
     points = max_points or max(MIN_COMPARE_POINTS, COMPARE_POINTS // len(run_ids))
     bands = len(run_ids) <= COMPARE_BANDS
     versions = run_versions(session, run_ids=run_ids)
-    runs, by_run, summary = [], {}, []
+    runs: list[RunData] = []
+    by_run: dict[str, Any] = {}
+    summary: list[RunSummary] = []
     for run_id in run_ids:
         run = run_dict(store.get_run(session, run_id=run_id))  # NotFound for a missing run
         runs.append(run)
@@ -71,10 +74,10 @@ def compare(
     lasts = [step_bounds(session, run_id=r)[1] for r in pair]
     if step is None:
         step = min((s for s in lasts if s is not None), default=0)
-    side_by_side = []
+    side_by_side: list[CompareSide] = []
     for run_id, last in zip(pair, lasts, strict=True):
         try:
-            detail: dict[str, Any] | None = step_card(
+            detail: StepCard | None = step_card(
                 session, run_id=run_id, step=step, group=group, max_tokens=max_tokens
             )
         except StepNotFound:
@@ -95,9 +98,7 @@ def compare(
     }
 
 
-def _compare_run(
-    session: Session, run: dict[str, Any], *, points: int, bands: bool
-) -> dict[str, Any]:
+def _compare_run(session: Session, run: RunData, *, points: int, bands: bool) -> dict[str, Any]:
     """One run's part of compare: its charts (rounded, bands or not) and its summary."""
     ctrl = [vocab.ctrl(t, "mean") for t in run["control_tokens"]]
     names = [*vocab.COMPARE_SERIES, *ctrl, *vocab.COMPARE_EXTRA]
@@ -107,8 +108,13 @@ def _compare_run(
             "bucket": data["bucket"],
             "series": charts.chart_series(data["series"], bands=bands),
         },
-        "summary": _summary(session, run, data["buckets"], evaluated=list(data["series"]))
-        | {"final_format_free": charts.last_window_mean(data["series"].get(FREE))},
+        "summary": _summary(
+            session,
+            run,
+            data["buckets"],
+            evaluated=list(data["series"]),
+            format_free=charts.last_window_mean(data["series"].get(FREE)),
+        ),
     }
 
 
@@ -116,15 +122,22 @@ FREE = vocab.FORMAT_FREE_ACCURACY
 
 
 def _summary(
-    session: Session, run: dict[str, Any], buckets: dict[str, list[Any]], *, evaluated: list[str]
-) -> dict[str, Any]:
+    session: Session,
+    run: RunData,
+    buckets: dict[str, list[Any]],
+    *,
+    evaluated: list[str],
+    format_free: float | None,
+) -> RunSummary:
     """Compare's summary of one run from its 25-step buckets (what series() returns beside its
     charts), its summary columns, and its last evaluations (read only for the evaluation series
     its charts found)."""
     names = [n for n in vocab.EVAL_SERIES if n in evaluated]
     found = last_values(session, run_id=run["id"], names=names) if names else {}
-    return charts.run_summary(run, buckets) | {
-        "final_eval": {n: found.get(n) for n in vocab.EVAL_SERIES}
+    return {
+        **charts.run_summary(run, buckets),
+        "final_eval": {n: found.get(n) for n in vocab.EVAL_SERIES},
+        "final_format_free": format_free,
     }
 
 

@@ -18,6 +18,7 @@ from rollout_lens.server.models import (
     RunStatus,
     Step,
 )
+from rollout_lens.server.read_models import ListedRun, LiveState, RunData, RunOverview
 from rollout_lens.server.serialize import run_dict
 from rollout_lens.server.series import STEP_SERIES
 from sqlalchemy import ColumnElement, func, or_, select
@@ -90,16 +91,23 @@ def _run_order(sort: str, descending: bool) -> list[Any]:
     return [key.is_(None), key.desc() if descending else key.asc(), Run.id.desc()]
 
 
-def _listed(session: Session, runs: Sequence[Run]) -> list[dict[str, Any]]:
+def _listed(session: Session, runs: Sequence[Run]) -> list[ListedRun]:
     """Run rows as the runs list shows them: columns, place in the queue, warnings (one grouped
     query over the page's runs), live text."""
-    out = [run_dict(run) for run in runs]
-    places = store.queue_positions(session) if any(r["status"] == "queued" for r in out) else {}
-    warnings = warning_counts(session, run_ids=[r["id"] for r in out])
-    for run in out:
-        run["queue_position"] = places.get(run["id"])
-        run["warnings"] = warnings.get(run["id"], 0)
-        run["text"] = live_text(run)
+    columns = [run_dict(run) for run in runs]
+    queued = any(r["status"] == "queued" for r in columns)
+    places = store.queue_positions(session) if queued else {}
+    warnings = warning_counts(session, run_ids=[r["id"] for r in columns])
+    out: list[ListedRun] = []
+    for run in columns:
+        listed: ListedRun = {
+            **run,
+            "queue_position": places.get(run["id"]),
+            "warnings": warnings.get(run["id"], 0),
+            "text": {},
+        }
+        listed["text"] = live_text(listed)
+        out.append(listed)
     return out
 
 
@@ -111,7 +119,7 @@ def matching_runs(
     descending: bool = True,
     ids: Sequence[int] | None = None,
     after: int | None = None,
-) -> list[dict[str, Any]]:
+) -> list[ListedRun]:
     """Every run matching every word of `q` (name, model, variant, status), sorted, missing
     values last; `ids` and `after` narrow as in runs_page. The runs page reads runs_page."""
     query = select(Run).where(*_run_filters(q, ids, after)).order_by(*_run_order(sort, descending))
@@ -165,7 +173,7 @@ def runs_page(
     }
 
 
-def run_card(session: Session, *, run_id: int) -> dict[str, Any]:
+def run_card(session: Session, *, run_id: int) -> RunData:
     """One run's columns (NotFound if there is none)."""
     return run_dict(store.get_run(session, run_id=run_id))
 
@@ -203,7 +211,7 @@ def _version_token(run_id: int, created: Any, beat: Any, step: int, status: str)
     return f"{run_id}:{created.isoformat() if created else ''}:{beat.isoformat() if beat else ''}:{step}:{status}"
 
 
-def run_overview(session: Session, *, run_id: int) -> dict[str, Any]:
+def run_overview(session: Session, *, run_id: int) -> RunOverview:
     """A run, its step bounds, the names of its recorded series and its live state (its alerts
     read every step: the routes add them from their cache, see routes.api.run_alerts)."""
     run = store.get_run(session, run_id=run_id)
@@ -220,7 +228,7 @@ def run_overview(session: Session, *, run_id: int) -> dict[str, Any]:
 RATE_WINDOW = 10  # recent steps that the steps-per-second figure averages over
 
 
-def run_live(session: Session, *, run_id: int) -> dict[str, Any]:
+def run_live(session: Session, *, run_id: int) -> LiveState:
     """What a live page shows besides the charts: progress, place in the queue, steps per second
     and ETA, and which of cancel and resume apply. Reads at most RATE_WINDOW step rows."""
     run = store.get_run(session, run_id=run_id)
@@ -235,7 +243,8 @@ def run_live(session: Session, *, run_id: int) -> dict[str, Any]:
         ).all()
         rate = charts.steps_per_second([(s, t) for s, t in recent])
     remaining = max(run.total_steps - run.current_step, 0)
-    live = out | {
+    live: LiveState = {
+        **out,
         "queue_position": store.queue_position(session, run_id=run_id),
         "steps_per_second": rate,
         "eta_seconds": remaining / rate if rate else None,
@@ -243,8 +252,12 @@ def run_live(session: Session, *, run_id: int) -> dict[str, Any]:
         "checkpoint_step": run.checkpoint_step,
         "can_cancel": run.status in ACTIVE_STATUSES and not run.cancel_requested,
         "can_resume": run.status in store.RESUMABLE_STATUSES and run.source == RunSource.launched,
+        "summary": "",
     }
-    return live | {"summary": charts.live_summary(live), "text": live_text(live)}
+    # both read the fields above: the text gains the queue position, `text` keeps its place
+    live["summary"] = charts.live_summary(live)
+    live["text"] = live_text(live)
+    return live
 
 
 def run_versions(session: Session, *, run_ids: Sequence[int]) -> dict[int, str]:

@@ -4,7 +4,7 @@ nearest step whose token data retention kept."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from rollout_lens.server import store, viewer
 from rollout_lens.server.errors import GroupNotFound, InvalidInput, NotFound, StepNotFound
@@ -15,6 +15,14 @@ from rollout_lens.server.models import (
     Step,
 )
 from rollout_lens.server.queries.runs import step_bounds
+from rollout_lens.server.read_models import (
+    GroupDetail,
+    GroupNav,
+    StepCard,
+    StepGroups,
+    StepHead,
+    StepNav,
+)
 from rollout_lens.server.records import DISAGREE_AT
 from rollout_lens.server.serialize import completion_ids, rollout_dict, run_dict, step_dict
 from rollout_lens.server.store import layout
@@ -24,7 +32,7 @@ from sqlalchemy.orm import Session
 # --- step viewer --------------------------------------------------------------------------------
 
 
-def _neighbours(session: Session, run_id: int, step: int) -> dict[str, int | None]:
+def _neighbours(session: Session, run_id: int, step: int) -> StepNav:
     """First, previous, next and last recorded steps around `step`: one statement of index seeks."""
     this_run = Step.run_id == run_id
     first, prev, nxt, last = session.execute(
@@ -109,7 +117,7 @@ def disagrees_sql(verifier_reward: Any, true_score: Any) -> Any:
     )
 
 
-def step_head(session: Session, *, run_id: int, step: int) -> tuple[Step, dict[str, Any]]:
+def step_head(session: Session, *, run_id: int, step: int) -> tuple[Step, StepHead]:
     """A recorded step's row and what every view of it shows: run, step columns, metrics,
     neighbours, whether retention kept its token data (and the nearest step that kept it)."""
     run = store.get_run(session, run_id=run_id)
@@ -186,7 +194,7 @@ def step_groups(
     look: str | None = None,
     offset: int = 0,
     limit: int = GROUPS_PER_PAGE,
-) -> dict[str, Any]:
+) -> StepGroups:
     """A step as its groups overview: one row a group (viewer.group_summary) from the rollouts'
     scalar columns only, sorted by a viewer.GROUP_SORTS column, optionally only the groups that
     need a `look` (viewer.LOOKS), a page of `limit` rows from `offset`; `total` rows match and
@@ -201,7 +209,8 @@ def step_groups(
     counts = {name: sum(viewer.needs_look(s, name) for s in summaries) for name in viewer.LOOKS}
     chosen = [s for s in summaries if look is None or viewer.needs_look(s, look)]
     ordered = viewer.sort_groups(chosen, sort, descending=descending)
-    return head | {
+    return {
+        **head,
         "groups_in_step": len(summaries),
         "rollouts_in_step": len(rows),
         "counts": counts,
@@ -215,9 +224,7 @@ def step_groups(
     }
 
 
-def _group_neighbours(
-    session: Session, *, run_id: int, rollout_step: int, group: int
-) -> dict[str, int | None]:
+def _group_neighbours(session: Session, *, run_id: int, rollout_step: int, group: int) -> GroupNav:
     """First, previous, next and last group around `group` at a step, and how many it has."""
     here = [Rollout.run_id == run_id, Rollout.step == rollout_step]
     first, prev, nxt, last, count = session.execute(
@@ -270,7 +277,7 @@ def group_detail(
     offset: int = 0,
     limit: int | None = None,
     page_budget: bool = False,
-) -> dict[str, Any]:
+) -> GroupDetail:
     """One group of a step: its overview row, its header (viewer.group_header), its neighbours,
     and its rollouts from `offset` (at most `limit`) with their arrays decoded by
     serialize.rollout_dict, cut to `max_tokens` positions (with `page_budget`, to no more than
@@ -300,13 +307,15 @@ def group_detail(
         session, run_id=run_id, rollouts=[r for r, _ in rollouts], limit=max_tokens
     )
     dicts = [rollout_dict(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
-    return head | {
+    return {
+        **head,
         "tokens_kept": head["tokens_kept"] and all(r.tokens_kept for r, _ in rollouts),
         "group_nav": _group_neighbours(
             session, run_id=run_id, rollout_step=row.rollout_step, group=group
         ),
         "summary": viewer.group_summary(scalars, ""),
-        "header": viewer.group_header(dicts) if dicts else None,
+        # viewer reads the rollouts as plain mappings (RolloutData is one)
+        "header": viewer.group_header(cast(list[dict[str, Any]], dicts)) if dicts else None,
         "rollouts_total": len(scalars),
         "offset": offset,
         "rollouts": dicts,
@@ -315,7 +324,7 @@ def group_detail(
 
 def step_card(
     session: Session, *, run_id: int, step: int, group: int = 0, max_tokens: int | None = 0
-) -> dict[str, Any]:
+) -> StepCard:
     """Compare's compact step: one group of it (group_detail; `max_tokens` per-token positions,
     none by default: the card shows no tokens) and how many groups the step has. A step without
     that group (or without rollouts) has `header` None and no rollouts."""
@@ -331,7 +340,8 @@ def step_card(
     except GroupNotFound:
         row, head = step_head(session, run_id=run_id, step=step)
         nav = _group_neighbours(session, run_id=run_id, rollout_step=row.rollout_step, group=group)
-        return head | {
+        return {
+            **head,
             "group_nav": nav,
             "header": None,
             "asked_group": group,

@@ -189,7 +189,7 @@ def step_card(
     """The compact step card the compare page swaps in when its step control moves: one group
     (the first, or `group`), saying how many the step has."""
     detail = queries.step_card(session, run_id=run_id, step=step, group=group)
-    return render(request, "_step_card.html", {"d": detail, "run": detail["run"]})
+    return render(request, "_step_card.html", {"detail": detail, "run": detail["run"]})
 
 
 @router.get("/compare", name="compare_page")

@@ -6,13 +6,11 @@ import random
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from rollout_lens.server.domain.task import TOOL_COUNT, VARIANTS
-from rollout_lens.server.domain.task import VERIFIERS as VERIFIER_NAMES
+from rollout_lens.trainer.envs import verifiers
 
 REPLY_FORMATS = ("tag", "bracket", "json")
-FORMAT_PARTIAL_CREDIT = 0.5
 
 # (capability, training query, held-out paraphrases). Each training query shares more words with
 # its target's capability than with all but at most three other tools, so top-4 retrieval always
@@ -313,73 +311,22 @@ def format_valid(completion: str, tool_ids: Sequence[str], reply_format: str = "
 Verifier = Callable[[str, Example], float]
 
 
-def _exact(*, p: float, seed: int) -> Verifier:
-    def verify(completion: str, example: Example) -> float:
-        return true_score(parse_vote_format(completion, example.reply_format), example.target)
-
-    return verify
+def _plausible(completion: str, example: Example) -> bool:
+    """A well-formed reply naming a listed id: the format verifier's partial credit."""
+    return parse_vote_format(completion, example.reply_format) in example.tool_ids
 
 
-def _format(*, p: float, seed: int) -> Verifier:
-    def verify(completion: str, example: Example) -> float:
-        vote = parse_vote_format(completion, example.reply_format)
-        if vote == example.target:
-            return 1.0
-        # Hackable on purpose: any listed id earns partial credit, so reward can drift from truth.
-        return FORMAT_PARTIAL_CREDIT if vote in example.tool_ids else 0.0
-
-    return verify
+def _true_score(completion: str, example: Example) -> float:
+    return true_score(parse_vote_format(completion, example.reply_format), example.target)
 
 
-def _noisy(*, p: float, seed: int) -> Verifier:
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"noisy verifier needs 0 <= p <= 1, got {p!r}")
-    rng = random.Random(seed)  # its own stream, so noise doesn't shift the env's draws
-    exact = _exact(p=p, seed=seed)
-
-    def verify(completion: str, example: Example) -> float:
-        score = exact(completion, example)
-        return 1.0 - score if rng.random() < p else score
-
-    return verify
-
-
-def missing(
-    verify: Callable[..., float], *, p: float, seed: int, name: str
-) -> Callable[..., float]:
-    """`verify`, missing a reply it gives full credit with probability `p` (scored 0.0 then),
-    from a random stream of its own so it does not shift the env's draws."""
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"{name} verifier needs 0 <= p <= 1, got {p!r}")
-    rng = random.Random(seed)
-
-    def fallible(*args: Any) -> float:
-        score = verify(*args)
-        return 0.0 if score == 1.0 and rng.random() < p else score
-
-    return fallible
-
-
-def _judge(*, p: float, seed: int) -> Verifier:
-    """A verifier like a cheap LLM judge: fooled by a plausible reply (any listed id earns the
-    format verifier's partial credit) and missing a right one with probability `p`."""
-    return missing(_format(p=p, seed=seed), p=p, seed=seed, name="judge")
-
-
-VERIFIERS: dict[str, Callable[..., Verifier]] = {
-    "exact": _exact,
-    "format": _format,
-    "noisy": _noisy,
-    "judge": _judge,
-}
-assert tuple(VERIFIERS) == VERIFIER_NAMES, "server.domain.task.VERIFIERS names these"
+SCORING = verifiers.Scoring(true_score=_true_score, plausible=_plausible)
 
 
 def make_verifier(name: str, *, p: float = 0.1, seed: int = 0) -> Verifier:
-    """A verifier from the registry; `p` and `seed` only matter to "noisy" and "judge"."""
-    if name not in VERIFIERS:
-        raise ValueError(f"unknown verifier {name!r}; valid names: {', '.join(sorted(VERIFIERS))}")
-    return VERIFIERS[name](p=p, seed=seed)
+    """A verifier of replies by name (trainer.envs.verifiers); `p` and `seed` only matter to
+    "noisy" and "judge"."""
+    return verifiers.make(name, SCORING, p=p, seed=seed)
 
 
 def corpus(env: EscalationEnv) -> list[str]:

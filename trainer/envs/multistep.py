@@ -40,12 +40,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server.domain.task import TOOL_COUNT, VARIANTS
-from rollout_lens.server.domain.task import VERIFIERS as VERIFIER_NAMES
+from rollout_lens.trainer.envs import verifiers
 from rollout_lens.trainer.envs.escalation import (
     CAPABILITIES,
-    FORMAT_PARTIAL_CREDIT,
     EscalationEnv,
-    missing,
 )
 from rollout_lens.trainer.envs.escalation import tokens as words
 from rollout_lens.trainer.turns import call_name, content_text
@@ -437,52 +435,19 @@ def true_score(facts: RolloutFacts, answer: str) -> float:
 Verifier = Callable[[RolloutFacts, str], float]  # (facts, true answer) -> reward
 
 
-def _exact(*, p: float, seed: int) -> Verifier:
-    return true_score
+def _plausible(facts: RolloutFacts, answer: str) -> bool:
+    """An answer grounded in *a* tool's result, not necessarily the right tool's: a wrong tool's
+    plausible value earns the format verifier's partial credit."""
+    return facts.answer in facts.observed
 
 
-def _format(*, p: float, seed: int) -> Verifier:
-    def verify(facts: RolloutFacts, answer: str) -> float:
-        if true_score(facts, answer):
-            return 1.0
-        # Hackable on purpose: it checks the answer is grounded in *a* tool result, not that it
-        # came from the right tool, so a wrong tool's plausible value earns partial credit.
-        return FORMAT_PARTIAL_CREDIT if facts.answer in facts.observed else 0.0
-
-    return verify
-
-
-def _noisy(*, p: float, seed: int) -> Verifier:
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"noisy verifier needs 0 <= p <= 1, got {p!r}")
-    rng = random.Random(seed)
-
-    def verify(facts: RolloutFacts, answer: str) -> float:
-        score = true_score(facts, answer)
-        return 1.0 - score if rng.random() < p else score
-
-    return verify
-
-
-def _judge(*, p: float, seed: int) -> Verifier:
-    """Like a cheap LLM judge: fooled by an answer grounded in any tool's result (the format
-    verifier's partial credit) and missing a right answer with probability `p`."""
-    return missing(_format(p=p, seed=seed), p=p, seed=seed, name="judge")
-
-
-VERIFIERS: dict[str, Callable[..., Verifier]] = {
-    "exact": _exact,
-    "format": _format,
-    "noisy": _noisy,
-    "judge": _judge,
-}
-assert tuple(VERIFIERS) == VERIFIER_NAMES, "server.domain.task.VERIFIERS names these"
+SCORING = verifiers.Scoring(true_score=true_score, plausible=_plausible)
 
 
 def make_verifier(name: str, *, p: float = 0.1, seed: int = 0) -> Verifier:
-    if name not in VERIFIERS:
-        raise ValueError(f"unknown verifier {name!r}; valid names: {', '.join(sorted(VERIFIERS))}")
-    return VERIFIERS[name](p=p, seed=seed)
+    """A verifier of conversations by name (trainer.envs.verifiers); `p` and `seed` only matter
+    to "noisy" and "judge"."""
+    return verifiers.make(name, SCORING, p=p, seed=seed)
 
 
 # -- text a tokenizer must cover --------------------------------------------------------------------
