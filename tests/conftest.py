@@ -7,6 +7,7 @@ database whose rows are deleted, and sequences restarted, before each test.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import uuid
@@ -25,6 +26,48 @@ from sqlalchemy.orm import Session, sessionmaker
 PG_URL = os.environ.get(
     "ROLLOUT_LENS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
+
+# What needs the train extra (torch, transformers, TRL) is marked `trains`, so that the dashboard's
+# tests run where only the dashboard is installed (`make test` checks that in a venv of its own,
+# with `-m "not slow and not trains"`): the tests taking one of these fixtures (the tiny models,
+# a user's model) ...
+TRAINER_FIXTURES = frozenset(
+    {
+        "tiny_model_dir",
+        "multiturn_model_dir",
+        "user_model_dir",
+        "train_settings",
+        "multiturn_settings",
+    }
+)
+# ... and every test of these modules, which import the ML stack at their top: without it they
+# cannot even be collected, so they are left out there (the header says so).
+TRAINER_MODULES = frozenset(
+    {
+        "test_callback.py",
+        "test_multiturn_callback.py",
+        "test_multiturn_grpo.py",
+        "test_multiturn_model.py",  # its module fixture trains a tokenizer (tokenizers)
+        "test_outbox.py",  # the trainer's writer; one test reuses test_callback's helpers
+        "test_supervision.py",
+        "test_trainer.py",
+    }
+)
+TRAIN_EXTRA = importlib.util.find_spec("torch") is not None
+collect_ignore = [] if TRAIN_EXTRA else sorted(TRAINER_MODULES)
+
+
+def pytest_report_header() -> str | None:
+    if TRAIN_EXTRA:
+        return None
+    return f"train extra absent (no torch): not collected: {', '.join(collect_ignore)}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.path.name in TRAINER_MODULES or fixtures & TRAINER_FIXTURES:
+            item.add_marker(pytest.mark.trains)
 
 
 @pytest.fixture(scope="session")
