@@ -1,16 +1,23 @@
 # Three commands do all the set-up on a fresh machine (Python 3.11+ with venv):
 #   make demo   install into .venv, train a short leaky and a short patched run, serve, print the compare URL
 #   make run    install into .venv and start the dashboard on the embedded default
-#   make test   build a fresh virtual environment from pyproject.toml and run every test
+#   make test   build a fresh virtual environment from pyproject.toml and run every test (and the
+#               dashboard's tests again in a venv without the train extra)
 # Options reach the command through ARGS: make demo ARGS="--port 8701 --steps 40".
 PYTHON ?= python3
 VENV ?= .venv
 TEST_VENV ?= .venv-test
+# The dashboard's own tests again, where only the dashboard and the test tools are installed.
+WEB_TEST_VENV ?= .venv-test-web
 # The demo and the dashboard need the ML stack only; the test tools go into the test venv (and
 # into .venv when `make lint` first needs them).
 EXTRAS ?= train
 TEST_EXTRAS ?= train,test
 ARGS ?=
+# The suite waits on subprocesses, Celery workers, Chromium and the databases more than on the
+# CPU: two pytest-xdist processes, each taking a whole file at a time (a file's module fixtures
+# are built once, and the files that flush a Redis database each have their own).
+PYTEST_XDIST ?= -n 2 --dist loadfile
 # The tiny models ship prebuilt in the package (rollout_lens/models/) and are copied here on
 # first use; they are built instead (minutes) only where torch/transformers differ from the build's.
 export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
@@ -54,7 +61,13 @@ test:
 	$(TEST_VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
 	$(TEST_VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(MAKE) typecheck MYPY=$(CURDIR)/$(TEST_VENV)/bin/mypy
-	$(TEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+	# The dashboard without the train extra (no torch, transformers or TRL): its tests must be
+	# collected and pass there too (tests/conftest.py marks the rest `trains`).
+	rm -rf $(WEB_TEST_VENV)
+	$(PYTHON) -m venv $(WEB_TEST_VENV)
+	$(WEB_TEST_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test]'
+	$(WEB_TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) -m "not slow and not trains" $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check rollout_lens server trainer tests bench migrations

@@ -1,10 +1,17 @@
-"""Shared fixtures: real databases (an SQLite file and the PostgreSQL server), migrated by Alembic."""
+"""Shared fixtures: real databases (an SQLite file and the PostgreSQL server), migrated by Alembic.
+
+Alembic runs once per session and backend, not once per test (0.7 s each): each test's SQLite
+file is a copy of a file migrated at the start, and the PostgreSQL tests share one migrated
+database whose rows are deleted, and sequences restarted, before each test.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +26,48 @@ from sqlalchemy.orm import Session, sessionmaker
 PG_URL = os.environ.get(
     "ROLLOUT_LENS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
+
+# What needs the train extra (torch, transformers, TRL) is marked `trains`, so that the dashboard's
+# tests run where only the dashboard is installed (`make test` checks that in a venv of its own,
+# with `-m "not slow and not trains"`): the tests taking one of these fixtures (the tiny models,
+# a user's model) ...
+TRAINER_FIXTURES = frozenset(
+    {
+        "tiny_model_dir",
+        "multiturn_model_dir",
+        "user_model_dir",
+        "train_settings",
+        "multiturn_settings",
+    }
+)
+# ... and every test of these modules, which import the ML stack at their top: without it they
+# cannot even be collected, so they are left out there (the header says so).
+TRAINER_MODULES = frozenset(
+    {
+        "test_callback.py",
+        "test_multiturn_callback.py",
+        "test_multiturn_grpo.py",
+        "test_multiturn_model.py",  # its module fixture trains a tokenizer (tokenizers)
+        "test_outbox.py",  # the trainer's writer; one test reuses test_callback's helpers
+        "test_supervision.py",
+        "test_trainer.py",
+    }
+)
+TRAIN_EXTRA = importlib.util.find_spec("torch") is not None
+collect_ignore = [] if TRAIN_EXTRA else sorted(TRAINER_MODULES)
+
+
+def pytest_report_header() -> str | None:
+    if TRAIN_EXTRA:
+        return None
+    return f"train extra absent (no torch): not collected: {', '.join(collect_ignore)}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.path.name in TRAINER_MODULES or fixtures & TRAINER_FIXTURES:
+            item.add_marker(pytest.mark.trains)
 
 
 @pytest.fixture(scope="session")
@@ -46,27 +95,76 @@ def pg_engine(pg_database_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
-def _truncate_pg(engine: Engine) -> None:
-    with engine.begin() as conn:
-        conn.execute(
+@pytest.fixture(scope="session")
+def _pg_reset(pg_engine: Engine) -> Callable[[], None]:
+    """Empties the session's PostgreSQL database as a fresh migration leaves it: no rows, every
+    sequence at its start. DELETE, not TRUNCATE: on these small tables TRUNCATE costs about
+    0.25 s a test (new files for each table and index), DELETE a few ms; a database per test
+    from a template costs more still (each DROP DATABASE waits on a checkpoint, about 2 s).
+    Every table the migrations made is listed from the catalogue, so a new one is emptied too."""
+    with pg_engine.connect() as conn:
+        tables = conn.execute(
             text(
-                "TRUNCATE runs, steps, rollouts, prompts, facts, run_tokens, rollups, alerts, sessions RESTART IDENTITY CASCADE"
+                "SELECT quote_ident(tablename) FROM pg_tables WHERE schemaname = 'public'"
+                " AND tablename <> 'alembic_version'"
             )
-        )
+        ).scalars()
+        deletes = [f"DELETE FROM {name}" for name in tables]
+        sequences = conn.execute(
+            text(
+                "SELECT quote_ident(sequencename), start_value FROM pg_sequences"
+                " WHERE schemaname = 'public'"
+            )
+        ).all()
+        restarts = [f"SELECT setval('{name}', {start}, false)" for name, start in sequences]
+
+    def reset() -> None:
+        with pg_engine.begin() as conn:
+            # Foreign keys are triggers: off for this transaction, so the tables empty in any
+            # order (every one is emptied, so none is left pointing at a deleted row).
+            conn.execute(text("SET LOCAL session_replication_role = replica"))
+            for statement in deletes + restarts:
+                conn.execute(text(statement))
+
+    return reset
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An SQLite file migrated to head once per session; tests get copies (`migrated_sqlite`)."""
+    path = tmp_path_factory.mktemp("template") / "migrated.db"
+    eng = make_engine(f"sqlite:///{path}")
+    upgrade(eng)
+    eng.dispose()
+    # Closing the last connection checkpoints the WAL into the file and removes it: the one
+    # file is the whole database. If it were not, a copy of it alone would lose the schema.
+    assert not path.with_name(path.name + "-wal").exists()
+    return path
+
+
+@pytest.fixture(scope="session")
+def migrated_sqlite(sqlite_template: Path) -> Callable[[Path], str]:
+    """Copy the migrated template to `path` (a test's own file) and return its URL."""
+
+    def copy(path: Path) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(sqlite_template, path)
+        return f"sqlite:///{path}"
+
+    return copy
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
-    """A migrated, empty database: an SQLite file, then the PostgreSQL server."""
+    """A migrated, empty database: the test's own SQLite file, then the PostgreSQL server."""
     if request.param == "sqlite":
-        eng = make_engine(f"sqlite:///{tmp_path / 'test.db'}")
-        upgrade(eng)
+        copy = request.getfixturevalue("migrated_sqlite")
+        eng = make_engine(copy(tmp_path / "test.db"))
         yield eng
         eng.dispose()
     else:
-        pg = request.getfixturevalue("pg_engine")
-        _truncate_pg(pg)
-        yield pg
+        request.getfixturevalue("_pg_reset")()
+        yield request.getfixturevalue("pg_engine")
 
 
 @pytest.fixture
@@ -98,25 +196,31 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny(Path(cache) if cache else tmp_path_factory.mktemp("models"))
 
 
-def _migrated_settings(data_dir: Path, model_dir: Path) -> Settings:
+def _migrated_settings(
+    data_dir: Path, model_dir: Path, migrated_sqlite: Callable[[Path], str]
+) -> Settings:
     """Settings for training into a fresh, migrated SQLite file with a cached model."""
     settings = Settings(data_dir=data_dir, model_cache_dir=model_dir.parent)
-    engine = make_engine(settings.database_url)
-    upgrade(engine)
-    engine.dispose()
+    url = make_url(settings.database_url)
+    assert url.get_backend_name() == "sqlite" and url.database, settings.database_url
+    migrated_sqlite(Path(url.database))
     return settings
 
 
 @pytest.fixture
-def train_settings(tmp_path: Path, tiny_model_dir: Path) -> Settings:
+def train_settings(
+    tmp_path: Path, tiny_model_dir: Path, migrated_sqlite: Callable[[Path], str]
+) -> Settings:
     """Settings for training into a fresh, migrated SQLite file with the cached tiny model."""
-    return _migrated_settings(tmp_path, tiny_model_dir)
+    return _migrated_settings(tmp_path, tiny_model_dir, migrated_sqlite)
 
 
 @pytest.fixture
-def multiturn_settings(tmp_path: Path, multiturn_model_dir: Path) -> Settings:
+def multiturn_settings(
+    tmp_path: Path, multiturn_model_dir: Path, migrated_sqlite: Callable[[Path], str]
+) -> Settings:
     """The same with the cached multi-turn tiny model."""
-    return _migrated_settings(tmp_path, multiturn_model_dir)
+    return _migrated_settings(tmp_path, multiturn_model_dir, migrated_sqlite)
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import PG_URL
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_ingest_bench_quick_prints_rates_and_sizes() -> None:
+    pytest.importorskip("pandas")  # writes TRL's parquet files as TRL does, with pandas
     done = subprocess.run(
         [sys.executable, "-m", "bench.ingest", "--quick", "--pg", PG_URL],
         cwd=ROOT,

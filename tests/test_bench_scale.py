@@ -43,12 +43,14 @@ def _check(out: str, databases: tuple[str, ...]) -> None:
 
 
 def test_the_scale_bench_runs_on_sqlite(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("pandas")  # writes TRL's parquet files as TRL does, with pandas
     assert scale.main(["--quick"]) == 0
     _check(capsys.readouterr().out, ("SQLite",))
 
 
 @pytest.mark.postgres
 def test_the_scale_bench_runs_on_postgres(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("pandas")  # writes TRL's parquet files as TRL does, with pandas
     assert scale.main(["--quick", "--pg", PG_URL]) == 0
     out = capsys.readouterr().out
     _check(out, ("SQLite", "PostgreSQL"))

@@ -1,4 +1,6 @@
-"""The `rollout-lens` command, run as a user runs it (a subprocess on a real SQLite file)."""
+"""The `rollout-lens` command on a real SQLite file: through `cli.main` in this process (an
+interpreter start costs seconds), and as a user runs it (a subprocess) where the entry point
+itself is what is checked: its exit status and what reaches the terminal."""
 
 from __future__ import annotations
 
@@ -6,9 +8,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from rollout_lens import cli
 
 EXPORT_KEYS = {
     "run_id",
@@ -42,6 +47,27 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[st
 @pytest.fixture
 def cli_env(tmp_path: Path) -> dict[str, str]:
     return {"ROLLOUT_LENS_DATA_DIR": str(tmp_path / "data")}
+
+
+def _main(
+    args: list[str],
+    env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `rollout-lens ARGS` run in this process, as the entry
+    point (rollout_lens/__main__.py) turns them: main's return value or argparse's SystemExit.
+    An exception main lets through fails the test here, where a subprocess prints a traceback."""
+    with monkeypatch.context() as patched:
+        for name, value in env.items():
+            patched.setenv(name, value)
+        try:
+            status = cli.main(args)
+        except SystemExit as exc:
+            assert isinstance(exc.code, int), exc.code
+            status = exc.code
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 @pytest.mark.slow
@@ -99,37 +125,61 @@ def test_train_runs_and_export(
         (["export", "7"], "run 7 does not exist"),
     ],
 )
-def test_bad_arguments_fail_clearly(cli_env: dict[str, str], args: list[str], message: str) -> None:
-    _cli(["db", "upgrade"], cli_env)
-    done = _cli(args, cli_env)
-    assert done.returncode == 2
-    assert message in done.stderr
+def test_bad_arguments_fail_clearly(
+    cli_env: dict[str, str],
+    args: list[str],
+    message: str,
+    migrated_sqlite: Callable[[Path], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    migrated_sqlite(Path(cli_env["ROLLOUT_LENS_DATA_DIR"]) / "rollout-lens.db")
+    status, _, err = _main(args, cli_env, monkeypatch, capsys)
+    assert status == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_the_entry_point_exits_with_the_status_of_a_bad_argument(cli_env: dict[str, str]) -> None:
+    """`python -m rollout_lens` (as the console script) exits with argparse's status 2."""
+    done = _cli(["train", "--steps", "many"], cli_env)
+    assert done.returncode == 2 and "invalid int value" in done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_runs_on_an_unmigrated_database_says_how_to_fix(cli_env: dict[str, str]) -> None:
+def test_runs_on_an_unmigrated_database_says_how_to_fix(
+    cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The entry point exits with the status main returns (not only argparse's SystemExit).
     done = _cli(["runs"], cli_env)
     assert done.returncode == 2 and "rollout-lens db upgrade" in done.stderr
-    assert _cli(["db", "upgrade"], cli_env).returncode == 0
-    assert "no runs yet" in _cli(["runs"], cli_env).stdout
+    assert _main(["db", "upgrade"], cli_env, monkeypatch, capsys)[0] == 0
+    status, out, _ = _main(["runs"], cli_env, monkeypatch, capsys)
+    assert status == 0 and "no runs yet" in out
 
 
-def test_bad_setting_is_reported(cli_env: dict[str, str]) -> None:
-    done = _cli(["runs"], cli_env | {"ROLLOUT_LENS_PRICE_PER_DEVICE_HOUR": "cheap"})
-    assert done.returncode == 2 and "price_per_device_hour" in done.stderr
+def test_bad_setting_is_reported(
+    cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = cli_env | {"ROLLOUT_LENS_PRICE_PER_DEVICE_HOUR": "cheap"}
+    status, _, err = _main(["runs"], env, monkeypatch, capsys)
+    assert status == 2 and "price_per_device_hour" in err
 
 
-def test_runs_prints_no_terminal_escapes_from_a_run(tmp_path: Path) -> None:
+def test_runs_prints_no_terminal_escapes_from_a_run(
+    tmp_path: Path,
+    migrated_sqlite: Callable[[Path], str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """A name sent through the web API with colour, title (OSC) and bidi sequences: `runs`
-    prints its text and none of the control characters."""
+    prints its text and none of the control characters (a subprocess: what reaches a terminal)."""
     from rollout_lens.server.db import make_engine, make_session_factory
-    from rollout_lens.server.migrate import upgrade
 
     from tests.web_support import client_for
 
-    url = f"sqlite:///{tmp_path / 'rollout-lens.db'}"
+    url = migrated_sqlite(tmp_path / "rollout-lens.db")
     engine = make_engine(url)
-    upgrade(engine)
     client = client_for(make_session_factory(engine), data_dir=tmp_path)
     name = "\u001b[31mRED\u001b]0;pwned-title\u0007 \u009b2J\u202eevil"
     launched = client.post("/api/runs", json={"steps": 1, "name": name})
@@ -143,8 +193,10 @@ def test_runs_prints_no_terminal_escapes_from_a_run(tmp_path: Path) -> None:
     assert line.endswith("[31mRED]0;pwned-title 2Jevil")
     for control in ("\x1b", "\x07", "\x9b", "\u202e"):
         assert control not in done.stdout
-    listed = _cli(["runs", "--format", "json"], {"ROLLOUT_LENS_DATABASE_URL": url})
-    assert "\x1b" not in listed.stdout and json.loads(listed.stdout)[0]["name"] == name
+    status, listed, _ = _main(
+        ["runs", "--format", "json"], {"ROLLOUT_LENS_DATABASE_URL": url}, monkeypatch, capsys
+    )
+    assert status == 0 and "\x1b" not in listed and json.loads(listed)[0]["name"] == name
 
 
 def test_train_options_are_runconfigs_fields(monkeypatch: pytest.MonkeyPatch) -> None:

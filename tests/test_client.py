@@ -91,6 +91,7 @@ def test_runs_and_run(served: tuple[str, str, int]) -> None:
 
 
 def test_series_is_a_dataframe_by_step_with_every_step(served: tuple[str, str, int]) -> None:
+    pytest.importorskip("pandas")  # the optional `pandas` extra (the train extra brings it)
     base, database, run_id = served
     engine, factory = _read_db(database)
     with session_scope(factory) as session:

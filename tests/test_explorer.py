@@ -303,6 +303,7 @@ def test_the_explorer_page_lists_escapes_and_links(
 def test_the_client_and_the_cli_find_what_the_api_finds(
     session_factory: sessionmaker[Session], explored: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    pytest.importorskip("pandas")  # the optional `pandas` extra (the train extra brings it)
     from rollout_lens.cli import main
     from rollout_lens.client import Client
 

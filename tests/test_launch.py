@@ -690,6 +690,7 @@ def test_the_web_takes_a_model_folder_and_the_worker_fails_a_run_without_it(
     assert failed.error == f"invalid run config: {unusable(missing)}"
 
 
+@pytest.mark.trains  # the embedded worker loads the trainer to find the folder unusable
 def test_a_launched_model_folder_tells_readers_nothing_of_the_workers_disk(
     client: TestClient,
     session_factory: sessionmaker[Session],
@@ -733,6 +734,7 @@ def test_form_errors_speak_in_the_forms_labels(client: TestClient) -> None:
     assert "group_size" not in banner and "Input should be" not in banner
 
 
+@pytest.mark.trains  # whether a build is needed depends on the installed torch and transformers
 def test_the_form_shows_effective_defaults_and_warns_of_a_model_build(
     client: TestClient, session_factory: sessionmaker[Session], tmp_path: Path
 ) -> None:

@@ -221,6 +221,7 @@ def test_the_demos_install_leaves_the_test_tools_out(tmp_path: Path) -> None:
     assert not names & TEST_TOOLS, f"the demo's install brings {sorted(names & TEST_TOOLS)}"
 
 
+@pytest.mark.trains  # a recipe's hash includes the installed torch and transformers versions
 def test_the_prebuilt_models_are_packaged_for_the_current_recipes() -> None:
     from rollout_lens.trainer import prebuilt
 

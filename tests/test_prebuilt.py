@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rollout_lens.trainer import prebuilt
 from rollout_lens.trainer.tiny_model import BUILD_STATS_FILE
 
 
+@pytest.mark.trains  # a recipe's hash includes the installed torch and transformers versions
 def test_a_matching_packaged_build_is_copied_not_built(tmp_path: Path) -> None:
     lines: list[str] = []
     for kind in prebuilt.KINDS:

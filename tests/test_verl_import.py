@@ -39,6 +39,9 @@ ANSWERS = ["72", "10", "50"]
 STEPS = 5
 VALIDATED = (0, 2, 4, 5)  # val_before_train at 0, test_freq 2, and the last step
 
+# verl's own dump code (tests/verl_dump.py, with torch) writes these tests' input.
+pytestmark = pytest.mark.trains
+
 
 @dataclass
 class Dumps:

@@ -31,6 +31,9 @@ ARTIFACTS = Path(
     or Path(__file__).resolve().parent.parent / "test-artifacts"
 )
 
+# verl's own dump code (tests/verl_dump.py, with torch) writes these tests' input.
+pytestmark = pytest.mark.trains
+
 
 def imported(factory: sessionmaker[Session], dumps: Dumps) -> int:  # noqa: F811
     return import_dumps(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
 from rollout_lens.server import store
 from rollout_lens.server.db import session_scope
 from rollout_lens.server.models import RunStatus
@@ -505,6 +506,7 @@ def _record_converging_run(session_factory, *, solved: bool) -> int:
     return run_id
 
 
+@pytest.mark.trains  # records the runs with the trainer's own code (torch)
 def test_a_healthy_converged_run_shows_no_warning(session_factory, client) -> None:
     converged = _record_converging_run(session_factory, solved=True)
     stuck = _record_converging_run(session_factory, solved=False)

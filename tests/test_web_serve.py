@@ -196,7 +196,11 @@ def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> No
             assert "warning" not in output and "tok-123-0123456789" not in output
 
 
-@pytest.mark.parametrize("command", [["serve"], ["demo", "--steps", "1"]])
+@pytest.mark.parametrize(
+    "command",
+    # The demo trains: without the train extra it says so before it looks at the port.
+    [["serve"], pytest.param(["demo", "--steps", "1"], marks=pytest.mark.trains)],
+)
 def test_a_busy_port_fails_before_anything_starts(tmp_path: Path, command: list[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

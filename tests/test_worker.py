@@ -162,8 +162,15 @@ def test_cancel_a_queued_run(harness: Harness) -> None:
     with session_scope(harness.factory) as session:
         assert store.queue_position(session, run_id=run_id) == 1
         assert store.request_cancel(session, run_id=run_id) == "cancelled"
-    harness.start_worker()  # receives the message and must not train a cancelled run
-    time.sleep(8)
+    worker = harness.start_worker()  # receives the message and must not train a cancelled run
+    # Until the worker has taken the message and decided (trainer/tasks.py logs the skip), not
+    # a fixed 8 s: a worker that trained it instead would not log this and fail the wait.
+    skipped = f"run {run_id} is cancelled, not queued: skipping this delivery"
+    deadline = time.monotonic() + 120
+    while skipped not in worker.log.read_text():
+        assert worker.proc.poll() is None, worker.log.read_text()[-3000:]
+        assert time.monotonic() < deadline, worker.log.read_text()[-3000:]
+        time.sleep(0.2)
     assert harness.run(run_id).status == "cancelled" and harness.recorded_steps(run_id) == []
 
 
@@ -174,9 +181,14 @@ def test_killed_worker_is_lost_then_resumed_without_gaps(harness: Harness) -> No
     run_id = harness.launch(config)
     harness.wait("passed its first checkpoint", lambda r: r.current_step >= 12, run_id)
     worker.kill()
-    time.sleep(3.5)
-    with session_scope(harness.factory) as session:
-        assert store.mark_lost_runs(session, stale_after=timedelta(seconds=3)) == [run_id]
+    # Polled until its last heartbeat is over 3 s old (a fixed 3.5 s before): found lost then.
+    deadline = time.monotonic() + 30
+    lost_ids: list[int] = []
+    while not lost_ids and time.monotonic() < deadline:
+        time.sleep(0.2)
+        with session_scope(harness.factory) as session:
+            lost_ids = store.mark_lost_runs(session, stale_after=timedelta(seconds=3))
+    assert lost_ids == [run_id]
     lost = harness.run(run_id)
     assert lost.status == "lost" and lost.checkpoint_step and lost.checkpoint_step >= 10
     recorded_before = harness.recorded_steps(run_id)
