@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from rollout_lens.server import routes
 
 SERVER = Path(__file__).resolve().parent.parent / "server"
@@ -73,11 +74,13 @@ def _under(modules: list[str], prefixes: tuple[str, ...]) -> list[str]:
     return [m for m in modules if any(m == p or m.startswith(p + ".") for p in prefixes)]
 
 
+@pytest.mark.trains  # trl and the trainer's modules are found where the train extra is
 def test_the_forbidden_list_names_modules_that_exist() -> None:
     # A renamed module left here would make the test below pass for nothing.
     assert [m for m in NOT_LOADED_BY_THE_CALLBACK if importlib.util.find_spec(m) is None] == []
 
 
+@pytest.mark.trains
 def test_the_callback_loads_no_task_env_demo_or_trl() -> None:
     loaded = _loaded_after("from rollout_lens import RolloutLensCallback")
     assert "rollout_lens.trainer.callback" in loaded
