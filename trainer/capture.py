@@ -165,6 +165,12 @@ class RolloutCapture:
         if wanted == "forward":
             if hasattr(trainer, _LOGPS) and hasattr(trainer, _LOSS):
                 self.notes.append(self._forward_note())
+                if getattr(trainer, "mask_truncated_completions", False):
+                    self.notes.append(
+                        "mask_truncated_completions: TRL's pass does not see a truncated "
+                        "completion, so its logprobs and control-token probabilities are not "
+                        "recorded"
+                    )
                 return "forward"
             self.notes.append(
                 "this TRL version scores completions elsewhere: logprobs and control-token "
