@@ -183,51 +183,103 @@ def test_generate_both_readings_agree_with_the_pre_step_model(
         assert len(r["control_token_probs"][EOT]) == len(r["completion_ids"])
 
 
-def test_continuous_batching_is_read_off_the_scoring_pass(
-    user_model_dir: Path, tmp_path: Path
-) -> None:
-    """transformers' continuous batching (generate_batch) gives no logprobs and no logits: the
-    scoring pass gives both. It stands for every generator that is not `generate`."""
+@pytest.fixture(scope="module")
+def cb_run(user_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """One step with transformers' continuous batching (generate_batch: no logprobs, no
+    logits), recorded twice: read off the scoring pass into a database, and with generate's
+    reading (which cannot run there) into a Prepared sink."""
+    tmp = tmp_path_factory.mktemp("cb")
     trainer = _trainer(
         user_model_dir,
-        tmp_path / "out",
+        tmp / "out",
         per_device_train_batch_size=8,
         use_transformers_continuous_batching=True,
     )
     eot = trainer.processing_class.convert_tokens_to_ids(EOT)
     oracle = _oracle(trainer, [eot])
-    url = f"sqlite:///{tmp_path / 'lens.db'}"
-    callback, kept = _record(trainer, url)
+    url = f"sqlite:///{tmp / 'lens.db'}"
+    forward, kept = _record(trainer, url)
+    unread, unread_kept = _record(trainer, None, reading="generate")
     trainer.train()
+    return SimpleNamespace(
+        url=url, oracle=oracle, kept=kept, unread=unread, unread_kept=unread_kept
+    )
 
-    assert _assert_oracle(kept, oracle) == 8
-    run, rows, _, _ = load_run(url, 1)
+
+def test_continuous_batching_is_read_off_the_scoring_pass(cb_run: SimpleNamespace) -> None:
+    """It stands for every generator that is not `generate` (vLLM's too): the reading does not
+    depend on how a completion was sampled."""
+    assert _assert_oracle(cb_run.kept, cb_run.oracle) == 8
+    run, rows, _, _ = load_run(cb_run.url, 1)
     assert run.control_tokens == [EOT]
     (note,) = [n for n in run.notes if "scoring forward pass" in n]
     assert note.startswith("continuous-batching generation")
-    for r, t in zip(rows, oracle[0], strict=True):
+    for r, t in zip(rows, cb_run.oracle[0], strict=True):
+        assert r["completion_ids"] == t["ids"]
         assert r["sum_logprob"] == pytest.approx(sum(t["logprobs"]), abs=1e-4)
 
 
-def test_continuous_batching_without_the_forward_reading_records_nothing(
-    user_model_dir: Path, tmp_path: Path
+def test_continuous_batching_with_generates_reading_records_no_numbers(
+    cb_run: SimpleNamespace,
 ) -> None:
     """No fake numbers: generate's probe never runs under continuous batching, so that reading
-    records no control tokens and no logprobs, and the run's notes say so."""
-    from rollout_lens.trainer.capture import RolloutCapture
-
-    trainer = _trainer(user_model_dir, tmp_path / "out", use_transformers_continuous_batching=True)
-    capture = RolloutCapture(
-        trainer, control_token_ids=[1], on_generation=lambda g: None, reading="generate"
-    )
-    assert capture.reading is None and not capture.probing
-    assert capture.notes == [
+    records no control tokens, no logprobs and Σ logprob unknown, and its notes say why."""
+    callback = cb_run.unread
+    assert callback.capture.reading is None and callback.control_tokens == []
+    assert callback.capture.notes[-1] == (
         "continuous-batching generation: control-token probabilities are not recorded"
-    ]
-    output = {"advantages": torch.zeros(2)}
-    assert capture._logprobs(output, [[1, 2], [3]]) == ([[], []], None)
-    with pytest.raises(ValueError, match="reading must be one of"):
-        RolloutCapture(trainer, control_token_ids=[1], on_generation=print, reading="vllm")
+    )
+    (record,) = callback.sink.records
+    assert len(record.rollouts) == 8
+    for r in record.rollouts:
+        assert r.completion_ids and r.token_logprobs == [] and r.control_probs == {}
+        assert r.sum_logprob is None
+
+
+@pytest.mark.browser
+def test_continuous_batching_run_page_and_step_viewer(cb_run: SimpleNamespace) -> None:
+    """The run's page says where its numbers were read; the step viewer shows each rollout's
+    control-token row and Σ logprob from them (Chromium)."""
+    from rollout_lens.server.app import create_app
+    from rollout_lens.server.config import Settings
+    from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.store import arrays
+    from rollout_lens.server.viewer import prob_text
+
+    from tests.web_support import chromium_browser, serve_app
+
+    engine = make_engine(cb_run.url)
+    app = create_app(
+        Settings(database_url=cb_run.url), session_factory=make_session_factory(engine)
+    )
+    browsers = chromium_browser()
+    browser = next(browsers)
+    try:
+        with serve_app(app) as base:
+            page = browser.new_page()
+            page.goto(f"{base}/runs/1")
+            notes = page.locator(".recording-notes li").all_inner_texts()
+            assert any(
+                n.startswith("continuous-batching generation: per-token logprobs") for n in notes
+            )
+            page.goto(f"{base}/runs/1/steps/1/groups/0")
+            first = cb_run.oracle[0][0]
+            panel = page.locator(".tab-panel").first
+            row = panel.locator("table.ctrl tr", has=page.locator(f"th:text-is('{EOT}')"))
+            cells = row.locator("td").all_inner_texts()
+            assert len(cells) == len(first["ids"])
+            for cell, p in zip(cells, first["control"][0], strict=True):
+                stored = p if p >= arrays.CONTROL_FLOOR else 0.0  # the floor reads 0
+                # two decimals of a float16 value: the oracle's text, or its neighbour's
+                assert cell in {prob_text(stored), prob_text(stored + 0.005)} | (
+                    {prob_text(stored - 0.005)} if stored >= 0.005 else set()
+                )
+            shown = panel.locator(".stat", has_text="Σ logprob").locator(".value").inner_text()
+            assert float(shown) == pytest.approx(sum(first["logprobs"]), abs=0.006)
+            page.close()
+    finally:
+        browsers.close()
+        engine.dispose()
 
 
 def test_vllm_by_its_configuration(user_model_dir: Path, tmp_path: Path) -> None:
