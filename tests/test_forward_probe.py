@@ -346,9 +346,12 @@ def test_tool_calling_run_is_read_off_the_scoring_pass(
         assert a["logprobs"] == pytest.approx(b["logprobs"], rel=REL, abs=ABS)
 
 
-def test_forward_probe_matches_full_logits_with_scale_and_soft_cap() -> None:
+def test_forward_probe_matches_full_logits_with_scale_and_soft_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The probe's transform is TRL's fused head's (logit scale, soft cap, bias, temperature):
-    checked on a module with all four against full logits."""
+    checked on a module with all four against full logits, whole and a row at a time."""
+    from rollout_lens.trainer import probe as probe_module
     from rollout_lens.trainer.probe import ForwardProbe
 
     torch.manual_seed(0)
@@ -374,3 +377,8 @@ def test_forward_probe_matches_full_logits_with_scale_and_soft_cap() -> None:
     position, z = chunk.watched[0]
     assert position == 2
     assert torch.allclose(z - log_z[0, 2], logp[0, 2, [10, 11, 12]], atol=1e-5)
+    # a row at a time (the probe bounds its float32 copies to POSITIONS positions)
+    monkeypatch.setattr(probe_module, "POSITIONS", 4)
+    rowwise = probe._chunk(hidden, labels)
+    assert torch.allclose(rowwise.sampled, chunk.sampled, atol=1e-6)
+    assert torch.allclose(rowwise.control, chunk.control, atol=1e-6)

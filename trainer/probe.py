@@ -91,6 +91,9 @@ class GenerationProbe(LogitsProcessor):
         return logprobs, probs
 
 
+POSITIONS = 4096  # positions whose float32 hidden states the probe copies at once
+
+
 @dataclass
 class _Chunk:
     """What the backbone hook kept of one chunk of TRL's forward: the transformed logits of the
@@ -205,18 +208,30 @@ class ForwardProbe:
 
     def _chunk(self, hidden: torch.Tensor, labels: torch.Tensor) -> _Chunk:
         with torch.no_grad():
-            h = hidden.detach().float()
-            sampled = self._logits(torch.einsum("bkh,bkh->bk", h, self._rows(labels)), labels)
-            ids = torch.tensor(self.control_ids, device=h.device)
-            control = self._logits(h @ self._rows(ids).T, ids)
+            ids = torch.tensor(self.control_ids, device=hidden.device)
+            control_rows = self._rows(ids)
+            sampled_parts, control_parts = [], []
+            # a few rows at a time: the float32 copies (hidden states, the sampled tokens' head
+            # rows) stay near POSITIONS × width, whatever the batch
+            step = max(1, POSITIONS // max(1, labels.size(1)))
+            for start in range(0, hidden.size(0), step):
+                h = hidden[start : start + step].detach().float()
+                y = labels[start : start + step]
+                dots = torch.einsum("bkh,bkh->bk", h, self._rows(y))
+                sampled_parts.append(self._logits(dots, y))
+                control_parts.append(self._logits(h @ control_rows.T, ids))
+            sampled = torch.cat(sampled_parts)
+            control = torch.cat(control_parts)
             watched: dict[int, tuple[int, torch.Tensor]] = {}
+            h = hidden
             if self.watch_ids and self.after_token_id is not None:
                 # the first position right after the opening tag (never the completion's first)
                 after = labels[:, :-1] == self.after_token_id
                 ids = torch.tensor(self.watch_ids, device=h.device)
                 for r in after.any(dim=1).nonzero().flatten().tolist():
                     position = int(after[r].nonzero()[0]) + 1
-                    watched[r] = (position, self._logits(h[r, position] @ self._rows(ids).T, ids))
+                    z = h[r, position].detach().float() @ self._rows(ids).T
+                    watched[r] = (position, self._logits(z, ids))
         return _Chunk(sampled, control, watched)
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
