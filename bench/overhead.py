@@ -16,6 +16,7 @@ the old ones), so the logits, the logprobs and the control-token probabilities s
 
     .venv/bin/python bench/overhead.py --steps 60 --rounds 3 --variant patched [--arm both]
     .venv/bin/python bench/overhead.py --shape 64x128x32000 --arm callback --steps 30 --rounds 2
+    .venv/bin/python bench/overhead.py --arm callback --reading generate   # generate's probe
 """
 
 from __future__ import annotations
@@ -130,7 +131,13 @@ class Discard:
 
 
 def one_run(
-    config: RunConfig, model_path: str, tmp: Path, factory, arm: str, url: str
+    config: RunConfig,
+    model_path: str,
+    tmp: Path,
+    factory,
+    arm: str,
+    url: str,
+    reading: str = "forward",
 ) -> list[float]:  # type: ignore[no-untyped-def]
     """Median-ready step times of one run; `arm` is plain, launched or callback; completions
     are held to exactly max_completion_tokens when it is over the default (--shape)."""
@@ -141,6 +148,8 @@ def one_run(
     writer = callback = None
     if arm in ("capture", "launched"):  # the launched run's recorder
         callback = recorder(config, settings=get_settings(), control_tokens=control_tokens)
+    if callback is not None:
+        callback.reading = reading
     if arm == "capture":  # ... with its records prepared on the training thread, then dropped
         callback.sink = Discard()  # type: ignore[assignment]
     if arm == "launched":
@@ -154,7 +163,9 @@ def one_run(
     if config.max_completion_tokens > RunConfig().max_completion_tokens:
         trainer.generation_config.min_new_tokens = config.max_completion_tokens
     if arm == "callback":  # what a user adds to their script, nothing else
-        trainer.add_callback(RolloutLensCallback(project="bench", database_url=url))
+        trainer.add_callback(
+            RolloutLensCallback(project="bench", database_url=url, reading=reading)
+        )
     timer = StepTimer()
     trainer.add_callback(timer)
     trainer.train()
@@ -170,6 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", choices=["patched", "leaky"], default="patched")
     parser.add_argument(
         "--arm", choices=["launched", "callback", "capture", "both", "all"], default="both"
+    )
+    parser.add_argument(
+        "--reading",
+        choices=["forward", "generate"],
+        default="forward",
+        help="where the recorder reads logprobs and control-token probabilities",
     )
     parser.add_argument(
         "--shape", type=parse_shape, help="ROLLOUTSxTOKENSxVOCAB, e.g. 64x128x32000 (issue 17)"
@@ -205,7 +222,9 @@ def main(argv: list[str] | None = None) -> None:
         for round_ in range(args.rounds):
             order = ["plain", *arms]
             for arm in order if round_ % 2 == 0 else order[::-1]:
-                step_times = one_run(config, model_path, tmp, factory, arm, settings.database_url)
+                step_times = one_run(
+                    config, model_path, tmp, factory, arm, settings.database_url, args.reading
+                )
                 times[arm].extend(step_times)
                 print(
                     f"round {round_ + 1} {arm:<8}: median {statistics.median(step_times) * 1e3:.1f} ms/step"
@@ -221,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
         else ""
     )
     print(
-        f"\n{args.variant}{shape}, {args.steps} steps x {args.rounds} rounds per arm"
+        f"\n{args.variant}{shape}, reading {args.reading}, {args.steps} steps x {args.rounds}"
+        " rounds per arm"
         f" ({len(plain)} timed steps each)"
     )
     for arm, arm_times in times.items():

@@ -73,6 +73,7 @@ class RolloutLensCallback(TrainerCallback):
         hooks: GenerationHooks | None = None,
         sink: StepWriter | None = None,
         should_stop: Callable[[], bool] | None = None,
+        reading: str = "forward",
     ) -> None:
         """`database_url` and the other settings default to the ROLLOUT_LENS_* environment;
         `vote`, `true_score` and `format_valid` judge a completion, and `format_free_score`
@@ -87,7 +88,9 @@ class RolloutLensCallback(TrainerCallback):
         Judgement out); `watch_tokens` (answer tokens, e.g. tool ids) are probed right after the
         opening call tag; `hooks` change generation (trainer/capture.py); `sink` is the writer
         steps go to (default: one that creates the run and never stops training);
-        `should_stop` is asked after every step."""
+        `should_stop` is asked after every step; `reading` is where per-token logprobs and
+        control-token probabilities are read: "forward" (TRL's own scoring pass, on every
+        generation path) or "generate" (generate's logits; other paths record none)."""
         if keep_tokens_every is not None and keep_tokens_every < 1:
             raise ValueError(f"keep_tokens_every must be 1 or more, not {keep_tokens_every}")
         if judge is not None and any(
@@ -114,6 +117,7 @@ class RolloutLensCallback(TrainerCallback):
         self.sink: StepWriter | None = sink
         self._own_sink = False  # made here at the start of training (no sink given)
         self.should_stop = should_stop
+        self.reading = reading
         self.trainer: Any = None
         self.capture: RolloutCapture | None = None
         self._call_tags: tuple[str, str] | None = None
@@ -156,6 +160,7 @@ class RolloutLensCallback(TrainerCallback):
             watch_ids=[vocab_[t] for t in self._watched],
             after_token_id=vocab_[self._call_tags[0]] if self._call_tags else None,
             hooks=self.hooks,
+            reading=self.reading,
         )
         if not capture.probing:
             self.control_tokens = []
@@ -191,6 +196,8 @@ class RolloutLensCallback(TrainerCallback):
         self._step_started = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.capture is not None:
+            self.capture.flush(state.global_step)  # every process: it may gather
         if self.sink is None:
             return
         self._send_pending()

@@ -1,13 +1,27 @@
 """Capture every generation of an unmodified TRL GRPOTrainer, rollout by rollout, in group order.
 
-`RolloutCapture.install(trainer)` wraps three of the trainer's own methods on the instance (no
+`RolloutCapture.install(trainer)` wraps some of the trainer's own methods on the instance (no
 subclass, nothing for the user to change; every run is recorded this way, launched or a user's):
-- generation, to bind a GenerationProbe (sampled-token logprobs and control-token
-  probabilities read off the logits, one log-softmax per token) when transformers generates;
+- TRL's scoring forward pass (`_get_per_token_logps_and_entropies`, and `_compute_loss` to know
+  which rollouts a micro-batch holds), to read sampled-token logprobs and control-token
+  probabilities with a ForwardProbe: on every generation path (transformers' generate,
+  continuous batching, vLLM, TRL's tool loop), from the pass at the weights that sampled;
+- generation, for the hooks below (and, with `reading="generate"`, to bind a GenerationProbe:
+  the same numbers read off generate's logits, one log-softmax per token);
 - reward calculation, to keep the completions and each reward function's values;
 - `_generate_and_score_completions`, to pair them with the advantages and hand one generation
   on. Under several processes the rollouts of every process are gathered to the main one in
   process order, which is the order TRL forms its groups in.
+
+Which forward pass is the sampling policy's: TRL computes an old-policy pass inside
+`_generate_and_score_completions` (num_iterations > 1, a generation spread over optimizer steps,
+vLLM's importance-sampling correction); it runs right after generation, before any update, so
+its weights are the ones that sampled. Otherwise TRL skips it because every micro-batch of the
+generation is trained within one optimizer step (gradient_accumulation_steps is a multiple of
+steps_per_generation × num_iterations): all of its loss passes run before that step's update,
+at the sampling weights, so each rollout's first loss pass is read. TRL shuffles a generation
+and splits it into micro-batches (`_prepare_inputs`); a row-id column added to the generation's
+output travels with them and says which rollout each row is.
 
 A run launched from the dashboard adds to this through GenerationHooks: in-group supervision
 (rows sampled from a hinted prompt, or replaced by an expert reply, measured by one forward pass
@@ -28,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_lens.trainer import turns
-from rollout_lens.trainer.probe import GenerationProbe
+from rollout_lens.trainer.probe import ForwardProbe, GenerationProbe
 
 log = logging.getLogger("rollout_lens")
 
@@ -37,6 +51,12 @@ _GENERATE = "_generate_single_turn"
 _REWARDS = "_calculate_rewards"
 _SCORE = "_generate_and_score_completions"
 _TOOL_LOOP = "_tool_call_loop"  # TRL's tool loop (tool-calling runs): its first result is tool_mask
+_LOGPS = "_get_per_token_logps_and_entropies"  # TRL's scoring forward pass (fused LM head)
+_LOSS = "_compute_loss"  # one micro-batch's loss: its own scoring pass
+ROW_KEY = "rollout_lens_row"  # the column of row ids added to a generation's output
+
+# The readings a capture can take: off TRL's scoring pass, or off generate's logits.
+READINGS = ("forward", "generate")
 
 
 class GenerationHooks:
@@ -74,6 +94,16 @@ class Generation:
     rollouts: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass
+class _Pending:
+    """This process's rollouts of a generation whose readings come from its loss passes."""
+
+    rollout_step: int
+    rollouts: list[dict[str, Any]]
+    rows: list[int]  # the row id of each rollout
+    masks: list[list[int] | None]  # each rollout's tool_mask
+
+
 class RolloutCapture:
     """Wraps a GRPOTrainer's generation and scoring to hand each generation to `on_generation`."""
 
@@ -86,9 +116,15 @@ class RolloutCapture:
         watch_ids: list[int] | None = None,
         after_token_id: int | None = None,
         hooks: GenerationHooks | None = None,
+        reading: str = "forward",
     ) -> None:
         """`watch_ids` (e.g. every tool id) are read right after `after_token_id` (the opening
-        tag): the distribution the policy chooses its answer from."""
+        tag): the distribution the policy chooses its answer from. `reading` says where the
+        logprobs and control-token probabilities come from: "forward" (TRL's scoring pass,
+        every generation path) or "generate" (generate's logits; other paths record none)."""
+        if reading not in READINGS:
+            raise ValueError(f"reading must be one of {READINGS}, not {reading!r}")
+        self.reading: str | None = reading
         self.trainer = trainer
         self.control_token_ids = control_token_ids
         self.on_generation = on_generation
@@ -113,7 +149,48 @@ class RolloutCapture:
                 "trl>=1.0,<2"
             )
         self._warned_stitch = False
-        self.probing = self._can_probe()
+        self._warned_unread = False
+        self.forward: ForwardProbe | None = None
+        self._arm: list[int | None] | None = None  # row ids of the next scoring pass to read
+        self._next_row = 0  # row ids are unique over the run
+        self._rows: list[int] = []  # the row ids of the generation in progress
+        self._pending: list[_Pending] = []  # generations waiting for their loss passes
+        self._wanted: set[int] = set()  # their row ids not read yet
+        self.reading = self._choose_reading(reading)
+        self.probing = self.reading is not None
+
+    def _choose_reading(self, wanted: str) -> str | None:
+        """Where this trainer's readings can come from (None: nowhere), with the run's note."""
+        trainer = self.trainer
+        if wanted == "forward":
+            if hasattr(trainer, _LOGPS) and hasattr(trainer, _LOSS):
+                self.notes.append(self._forward_note())
+                if getattr(trainer, "mask_truncated_completions", False):
+                    self.notes.append(
+                        "mask_truncated_completions: TRL's pass does not see a truncated "
+                        "completion, so its logprobs and control-token probabilities are not "
+                        "recorded"
+                    )
+                return "forward"
+            self.notes.append(
+                "this TRL version scores completions elsewhere: logprobs and control-token "
+                "probabilities are not read off its forward pass"
+            )
+        return "generate" if self._can_probe() else None
+
+    def _forward_note(self) -> str:
+        trainer = self.trainer
+        if getattr(trainer, "use_vllm", False):
+            path = "generation by vLLM (its own sampling logprobs are not recorded)"
+        elif getattr(trainer, "use_transformers_continuous_batching", False):
+            path = "continuous-batching generation"
+        else:
+            path = "generation by transformers' generate"
+        return (
+            f"{path}: per-token logprobs and control-token probabilities are read off TRL's "
+            "own scoring forward pass at the weights that sampled (its old-policy pass when it "
+            "computes one, else each rollout's first loss pass before the optimizer step)"
+        )
 
     def _can_probe(self) -> bool:
         trainer = self.trainer
@@ -140,9 +217,23 @@ class RolloutCapture:
     def install(self) -> None:
         """Wrap the trainer's methods on the instance."""
         trainer = self.trainer
-        if self.probing:
+        if self.reading == "generate" or (
+            self.reading == "forward" and hasattr(trainer, _GENERATE)
+        ):
             original_generate = getattr(trainer, _GENERATE)
             setattr(trainer, _GENERATE, functools.partial(self._generate, original_generate))
+        if self.reading == "forward":
+            self.forward = ForwardProbe(
+                trainer.accelerator.unwrap_model(trainer.model),
+                self.control_token_ids,
+                float(trainer.temperature or 1.0),
+                after_token_id=self.after_token_id,
+                watch_ids=self.watch_ids,
+            )
+            original_logps = getattr(trainer, _LOGPS)
+            setattr(trainer, _LOGPS, functools.partial(self._scoring_pass, original_logps))
+            original_loss = getattr(trainer, _LOSS)
+            setattr(trainer, _LOSS, functools.partial(self._loss, original_loss))
         original_rewards = getattr(trainer, _REWARDS)
         setattr(trainer, _REWARDS, functools.partial(self._rewards, original_rewards))
         original_score = getattr(trainer, _SCORE)
@@ -162,13 +253,6 @@ class RolloutCapture:
         from transformers import LogitsProcessorList
 
         trainer = self.trainer
-        probe = GenerationProbe(
-            self.control_token_ids,
-            float(trainer.temperature or 1.0),
-            after_token_id=self.after_token_id,
-            watch_ids=self.watch_ids,
-        )
-        model = trainer.accelerator.unwrap_model(trainer.model)
         training = bool(trainer.model.training) and not self.tool_calling
         training = training and len(args) >= 4  # (prompt_ids, images, fields, num_generations)
         if training:
@@ -177,6 +261,17 @@ class RolloutCapture:
             )
             self._row_meta.update(meta)
             args = (sampled_from, *args[1:])
+        if self.reading != "generate":
+            # the scoring pass reads every row (every turn of a tool-calling one) at once
+            result = original(*args, **kwargs)
+            return self._replace(None, args, result) if training else result
+        probe = GenerationProbe(
+            self.control_token_ids,
+            float(trainer.temperature or 1.0),
+            after_token_id=self.after_token_id,
+            watch_ids=self.watch_ids,
+        )
+        model = trainer.accelerator.unwrap_model(trainer.model)
         generate = type(model).generate
 
         def probed_generate(*g_args: Any, **g_kwargs: Any) -> Any:
@@ -209,9 +304,10 @@ class RolloutCapture:
         self._calls.append((probe, [[int(t) for t in ids] for ids in completion_ids]))
         return result
 
-    def _replace(self, probe: GenerationProbe, args: tuple[Any, ...], result: Any) -> Any:
-        """The hooks' replacement completions (expert replies), measured by a forward pass: the
-        probe saw the sampled reply, not the one trained on."""
+    def _replace(self, probe: GenerationProbe | None, args: tuple[Any, ...], result: Any) -> Any:
+        """The hooks' replacement completions (expert replies), measured by a forward pass when
+        generate's probe read them (it saw the sampled reply, not the one trained on); TRL's
+        scoring pass reads the reply trained on itself."""
         completion_ids, logprobs = result[0], result[1]
         prompt_ids = [list(p) for p in args[0]]
         replaced, meta = self.hooks.replace_completions(
@@ -223,7 +319,7 @@ class RolloutCapture:
         completion_ids = list(completion_ids)
         for i, ids in replaced.items():
             completion_ids[i] = list(ids)
-            if probe.used:
+            if probe is not None and probe.used:
                 self._replaced[i] = self.forward_probe(prompt_ids[i], list(ids))
         return (completion_ids, logprobs, *result[2:])
 
@@ -255,6 +351,42 @@ class RolloutCapture:
         self._tool_mask = [list(mask) for mask in result[0]]
         return result
 
+    def _scoring_pass(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """TRL's `_get_per_token_logps_and_entropies`: read by the ForwardProbe when armed."""
+        names = ("model", "input_ids", "attention_mask", "logits_to_keep")
+        named = dict(zip(names, args, strict=False))
+        named.update(kwargs)
+        if self._arm is None or self.forward is None or "input_ids" not in named:
+            return original(*args, **kwargs)
+        if named.get("model") is getattr(self.trainer, "ref_model", None):
+            return original(*args, **kwargs)  # the reference model: not the policy
+        rows, self._arm = self._arm, None  # one pass: the next policy pass only
+        batch_size = named.get("batch_size", args[4] if len(args) > 4 else None)
+        return self.forward.read(
+            lambda: original(*args, **kwargs),
+            named["input_ids"],
+            named["attention_mask"],
+            int(named["logits_to_keep"]),
+            batch_size,
+            rows,
+        )
+
+    def _loss(self, original: Callable[..., Any], model: Any, inputs: Any) -> Any:
+        """One micro-batch's loss: its scoring pass is read for the rollouts still waiting."""
+        found = inputs.get(ROW_KEY) if isinstance(inputs, dict) else None
+        if found is None or not self._wanted:
+            return original(model, inputs)
+        rows = [r if r in self._wanted else None for r in found.tolist()]
+        if not any(r is not None for r in rows):
+            return original(model, inputs)
+        self._arm = rows
+        try:
+            return original(model, inputs)
+        finally:
+            self._arm = None
+            assert self.forward is not None
+            self._wanted.difference_update(self.forward.readings)
+
     def _rewards(
         self,
         original: Callable[..., Any],
@@ -274,13 +406,67 @@ class RolloutCapture:
     def _score(self, original: Callable[..., Any], inputs: list[dict[str, Any]]) -> Any:
         self._calls, self._prompt_ids, self._tool_mask, self._scored = [], None, None, None
         self._inputs, self._row_meta, self._replaced = list(inputs), {}, {}
-        output = original(inputs)
         trainer = self.trainer
-        if not trainer.model.training or self._scored is None:
+        training = bool(trainer.model.training)
+        self._rows = list(range(self._next_row, self._next_row + len(inputs)))
+        if self.forward is not None and training:
+            self._next_row += len(inputs)
+            # TRL's old-policy pass, when it computes one, is the next pass of the policy
+            self._arm = list(self._rows)
+        try:
+            output = original(inputs)
+        finally:
+            self._arm = None
+        if not training or self._scored is None:
             return output  # evaluation: not a training generation
-        local = self._local_rollouts(inputs, output)
+        pending = False
+        if self.forward is not None and "old_per_token_logps" not in output:
+            # No old-policy pass: what was read (a PEFT reference pass, if any) is not the
+            # policy's. Each rollout's first loss pass is read instead (the module docstring).
+            for row in self._rows:
+                self.forward.readings.pop(row, None)
+            output[ROW_KEY] = torch_rows(self._rows, output["advantages"].device)
+            self._wanted.update(self._rows)
+            pending = True
+        local = self._local_rollouts(inputs, output, read_now=not pending)
         self.hooks.on_generation(local)
-        accelerator = trainer.accelerator
+        step = trainer.state.global_step + 1
+        if pending:
+            masks = [r["tool_mask"] for r in local]
+            self._pending.append(_Pending(step, local, list(self._rows), masks))
+        else:
+            self._hand_on(step, local)
+        return output
+
+    def flush(self, step: int) -> None:
+        """Hand on the generations read off their loss passes, at the end of the optimizer
+        step that trained them (every process calls this: it may gather)."""
+        while self._pending and self._pending[0].rollout_step <= step:
+            waiting = self._pending.pop(0)
+            assert self.forward is not None
+            unread = 0
+            for rollout, row, mask in zip(
+                waiting.rollouts, waiting.rows, waiting.masks, strict=True
+            ):
+                self._wanted.discard(row)
+                taken = self.forward.take(row, len(rollout["ids"]), mask)
+                if taken is None:
+                    unread += 1
+                    continue
+                rollout["logprobs"], rollout["control"], rollout["watched"] = taken
+            if unread and not self._warned_unread:
+                self._warned_unread = True
+                log.warning(
+                    "Rollout Lens: %d rollouts of the generation trained at step %d were not "
+                    "seen whole by a scoring pass before the update; their logprobs and "
+                    "control-token probabilities are not recorded",
+                    unread,
+                    waiting.rollout_step,
+                )
+            self._hand_on(waiting.rollout_step, waiting.rollouts)
+
+    def _hand_on(self, rollout_step: int, local: list[dict[str, Any]]) -> None:
+        accelerator = self.trainer.accelerator
         if accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
@@ -288,30 +474,48 @@ class RolloutCapture:
         else:
             everything = local
         if accelerator.is_main_process:
-            self.on_generation(Generation(trainer.state.global_step + 1, everything))
-        return output
+            self.on_generation(Generation(rollout_step, everything))
 
-    def _local_rollouts(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> list[dict]:
+    def _local_rollouts(
+        self, inputs: list[dict[str, Any]], output: dict[str, Any], *, read_now: bool = True
+    ) -> list[dict]:
         trainer = self.trainer
         completions, ids_list, reward_rows = self._scored  # type: ignore[misc]
         weights = [float(w) for w in trainer.reward_weights.tolist()]
         advantages = output["advantages"].tolist()
-        logprobs, control = self._logprobs(output, ids_list)
-        watched: list[list[float] | None] = [None] * len(ids_list)
-        if len(self._calls) == 1 and self.watch_ids:
-            watched = [self._calls[0][0].watched(i) for i in range(len(ids_list))]
-        for i, (sampled, probs, seen) in self._replaced.items():
-            logprobs[i] = sampled
-            if control is not None:
-                control[i] = probs
-            watched[i] = seen
         # each row's tool_mask: None unless TRL's tool loop ran (and the mask fits the ids)
         found = self._tool_mask or []
         masks = [
             found[i] if i < len(found) and len(found[i]) == len(ids) else None
             for i, ids in enumerate(ids_list)
         ]
-        prompt_ids = self._prompt_ids if self.tool_calling else None
+        watched: list[list[float] | None] = [None] * len(ids_list)
+        if self.forward is not None:
+            # read now (the old-policy pass) or filled in by `flush` after the loss passes
+            logprobs: list[list[float]] = [[] for _ in ids_list]
+            control: list[list[list[float]] | None] | None = [None] * len(ids_list)
+            for i, ids in enumerate(ids_list):
+                taken = self.forward.take(self._rows[i], len(ids), masks[i]) if read_now else None
+                if taken is not None:
+                    logprobs[i], control[i], watched[i] = taken  # type: ignore[index]
+        else:
+            logprobs, generated = self._logprobs(output, ids_list)
+            control = list(generated) if generated is not None else None
+            if len(self._calls) == 1 and self.watch_ids:
+                watched = [self._calls[0][0].watched(i) for i in range(len(ids_list))]
+        for i, (sampled, probs, seen) in self._replaced.items():
+            logprobs[i] = sampled
+            if control is not None:
+                control[i] = probs
+            watched[i] = seen
+        prompt_ids = self._prompt_ids
+        if self.tool_calling and prompt_ids is None:
+            prompt_ids = [
+                ids[mask.bool()].tolist()
+                for ids, mask in zip(output["prompt_ids"], output["prompt_mask"], strict=True)
+            ]
+        if not self.tool_calling:
+            prompt_ids = None
         rollouts = []
         for i, row in enumerate(inputs):
             rewards = [None if math.isnan(v) else float(v) for v in reward_rows[i]]
@@ -364,6 +568,13 @@ class RolloutCapture:
 
 
 MAX_LIST = 64  # a list column is kept when it is this short and holds scalars only
+
+
+def torch_rows(rows: list[int], device: Any) -> Any:
+    """Row ids as a tensor TRL shuffles and splits with the rest of a generation."""
+    import torch
+
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def _plain_columns(row: dict[str, Any]) -> dict[str, Any]:
