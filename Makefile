@@ -26,7 +26,7 @@ export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
 # rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
 MYPY_TREE = .mypy-tree
 
-.PHONY: demo run test lint typecheck prebuilt
+.PHONY: demo run test lint typecheck tree imports prebuilt
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,7 @@ run: $(VENV)/.installed
 # Rebuild the packaged tiny models (after changing a recipe, its env's text or a pinned torch,
 # transformers or tokenizers): seeded, one thread, so the same versions give the same weights.
 prebuilt: $(VENV)/.installed
-	$(VENV)/bin/python -m rollout_lens.trainer.prebuilt
+	$(VENV)/bin/python -m rollout_lens.trainer.builders.prebuilt
 
 test:
 	rm -rf $(TEST_VENV)
@@ -61,6 +61,7 @@ test:
 	$(TEST_VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
 	$(TEST_VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(MAKE) typecheck MYPY=$(CURDIR)/$(TEST_VENV)/bin/mypy
+	$(MAKE) imports LINT_IMPORTS=$(CURDIR)/$(TEST_VENV)/bin/lint-imports
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 	# The dashboard without the train extra (no torch, transformers or TRL): its tests must be
 	# collected and pass there too (tests/conftest.py marks the rest `trains`).
@@ -73,11 +74,20 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
 	$(VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(MAKE) typecheck
+	$(MAKE) imports
 
 MYPY ?= $(CURDIR)/$(VENV)/bin/mypy
-typecheck:
+tree:
 	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)/rollout_lens
 	for f in $(CURDIR)/rollout_lens/*.py; do ln -s $$f $(MYPY_TREE)/rollout_lens/; done
 	ln -s $(CURDIR)/server $(MYPY_TREE)/rollout_lens/server
 	ln -s $(CURDIR)/trainer $(MYPY_TREE)/rollout_lens/trainer
+
+typecheck: tree
 	cd $(MYPY_TREE) && $(MYPY) --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache
+
+# The layers' contracts ([tool.importlinter] in pyproject.toml), on the same tree of links: the
+# tree's rollout_lens comes first on PYTHONPATH, so server/ and trainer/ have their import names.
+LINT_IMPORTS ?= $(CURDIR)/$(VENV)/bin/lint-imports
+imports: tree
+	cd $(MYPY_TREE) && PYTHONPATH=. $(LINT_IMPORTS) --no-cache --no-logo $(CURDIR)/pyproject.toml

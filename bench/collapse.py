@@ -41,13 +41,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollout_lens.server import analysis, queries, store  # noqa: E402
-from rollout_lens.server import series as vocab  # noqa: E402
-from rollout_lens.server.config import get_settings  # noqa: E402
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
-from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
-from rollout_lens.server.migrate import upgrade  # noqa: E402
-from rollout_lens.trainer.run import train  # noqa: E402
+from rollout_lens.server import store  # noqa: E402
+from rollout_lens.server.core import analysis, vocab  # noqa: E402
+from rollout_lens.server.core.config import get_settings  # noqa: E402
+from rollout_lens.server.core.runconfig import RunConfig  # noqa: E402
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope  # noqa: E402
+from rollout_lens.server.store.migrate import upgrade  # noqa: E402
+from rollout_lens.server.webapp import queries  # noqa: E402
+from rollout_lens.trainer.worker.run import train  # noqa: E402
 
 SINGLE_METHODS = ("none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl")
 # Multi-turn: plain GRPO at the study's rate; the SFT signals (expert conversations before RL,

@@ -17,13 +17,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollout_lens.server import analysis, store  # noqa: E402
-from rollout_lens.server.config import get_settings  # noqa: E402
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
-from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
-from rollout_lens.server.migrate import upgrade  # noqa: E402
-from rollout_lens.server.series import WINDOW  # noqa: E402
-from rollout_lens.trainer.run import train  # noqa: E402
+from rollout_lens.server import store  # noqa: E402
+from rollout_lens.server.core import analysis  # noqa: E402
+from rollout_lens.server.core.config import get_settings  # noqa: E402
+from rollout_lens.server.core.runconfig import RunConfig  # noqa: E402
+from rollout_lens.server.core.vocab import WINDOW  # noqa: E402
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope  # noqa: E402
+from rollout_lens.server.store.migrate import upgrade  # noqa: E402
+from rollout_lens.trainer.worker.run import train  # noqa: E402
 
 
 def main() -> None:

@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from rollout_lens.server import store
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import Rollout, RunStatus, Step
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import Rollout, RunStatus, Step
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -141,7 +141,7 @@ def record_steps(
 ) -> None:
     """Steps first..last through a launched run's StepWriter, one every `interval` seconds
     (`between(step)` after each is handed over). Raises what the writer raises."""
-    from rollout_lens.trainer.writer import StepWriter
+    from rollout_lens.trainer.recorder.writer import StepWriter
 
     synthetic = SyntheticRun(variant="leaky", seed=run_id)
     writer = StepWriter.for_launched(
@@ -275,9 +275,9 @@ def broker_down(data_dir: Path, *, queued: int = 2) -> FaultResult:
     """Redis stopped with runs queued: launch is refused (503, nothing created); restarted, the
     queued runs' messages are all there, once each."""
     from fastapi.testclient import TestClient
-    from rollout_lens.server.app import create_app
-    from rollout_lens.server.config import Settings
-    from rollout_lens.server.queue import QUEUE, make_celery
+    from rollout_lens.server.core.config import Settings
+    from rollout_lens.server.core.queue import QUEUE, make_celery
+    from rollout_lens.server.webapp.app import create_app
 
     data_dir.mkdir(parents=True, exist_ok=True)
     database_url = f"sqlite:///{data_dir / 'broker.db'}"
@@ -342,8 +342,8 @@ def disk_full(data_dir: Path, *, limit: int = 256 * 1024, steps: int = 200) -> F
     """SQLite cannot grow its files (RLIMIT_FSIZE on the recording process): the run fails with
     the database's message, steps before it intact; the web app still serves them."""
     from fastapi.testclient import TestClient
-    from rollout_lens.server.app import create_app
-    from rollout_lens.server.config import Settings
+    from rollout_lens.server.core.config import Settings
+    from rollout_lens.server.webapp.app import create_app
 
     data_dir.mkdir(parents=True, exist_ok=True)
     database_url = f"sqlite:///{data_dir / 'full.db'}"
@@ -484,7 +484,7 @@ def _record_main(
     """The recording process: steps through StepWriter; a failure is put on the run."""
     import logging
 
-    from rollout_lens.trainer.writer import DatabaseAway, mark_finished
+    from rollout_lens.trainer.recorder.writer import DatabaseAway, mark_finished
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     engine = make_engine(database_url)

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 from rollout_lens.server import store
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import get_settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.records import RolloutRecord, StepRecord
+from rollout_lens.server.core.config import get_settings
+from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.webapp.app import create_app
 
 CONTROL_TOKENS = ("<tool>", "</tool>", "</assistant>")
 MB = 2**20

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from rollout_lens.server import store
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import RunStatus
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import RunStatus
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -296,7 +296,7 @@ def sizes(folder: Path, *, steps: int) -> None:
 def _rollout_rows(path: Path) -> list[tuple[Any, ...]]:
     """(run, step, prompt, completion, reward, advantage) of every rollout, read through the
     store (a completion's text may be rebuilt from its token ids)."""
-    from rollout_lens.server.serialize import completion_ids, completion_text
+    from rollout_lens.server.store.serialize import completion_ids, completion_text
 
     engine = make_engine(f"sqlite:///{path}")
     rows = []

@@ -34,9 +34,9 @@ from typing import Any
 
 import httpx
 from rollout_lens.server import store
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import RunStatus
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import RunStatus
 
 from bench import faults
 from bench.pages_data import fill

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.trainer import multiturn as mt  # noqa: E402
-from rollout_lens.trainer.prebuilt import ensure_multiturn  # noqa: E402
+from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.trainer.builders.prebuilt import ensure_multiturn  # noqa: E402
+from rollout_lens.trainer.escalation import multiturn as mt  # noqa: E402
 
 COLUMNS = (
     ("true acc", "multiturn/true_accuracy"),

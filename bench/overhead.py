@@ -34,18 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from rollout_lens.server import store  # noqa: E402
-from rollout_lens.server.config import get_settings  # noqa: E402
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
-from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
-from rollout_lens.server.migrate import upgrade  # noqa: E402
-from rollout_lens.trainer.callback import RolloutLensCallback  # noqa: E402
-from rollout_lens.trainer.run import (  # noqa: E402
+from rollout_lens.server.core.config import get_settings  # noqa: E402
+from rollout_lens.server.core.runconfig import RunConfig  # noqa: E402
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope  # noqa: E402
+from rollout_lens.server.store.migrate import upgrade  # noqa: E402
+from rollout_lens.trainer.recorder.callback import RolloutLensCallback  # noqa: E402
+from rollout_lens.trainer.recorder.writer import StepWriter  # noqa: E402
+from rollout_lens.trainer.worker.run import (  # noqa: E402
     default_control_tokens,
     make_trainer,
     recorder,
     resolve_model,
 )
-from rollout_lens.trainer.writer import StepWriter  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed  # noqa: E402
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             wide.mkdir()
             model_path = widened_model(model_path, args.shape.vocab, wide, config.seed)
         if settings.torch_threads:
-            torch.set_num_threads(settings.torch_threads)  # as trainer.run.train does
+            torch.set_num_threads(settings.torch_threads)  # as trainer.worker.run.train does
         times: dict[str, list[float]] = {"plain": [], **{arm: [] for arm in arms}}
         for round_ in range(args.rounds):
             order = ["plain", *arms]

@@ -38,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
-from rollout_lens.server import figures, queries, store
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import get_settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import ACTIVE_STATUSES, RunStatus
+from rollout_lens.server import store
+from rollout_lens.server.core.config import get_settings
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import ACTIVE_STATUSES, RunStatus
+from rollout_lens.server.webapp import queries
+from rollout_lens.server.webapp.app import create_app
+from rollout_lens.server.webapp.pages import plotly_figures
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -136,7 +138,7 @@ def chart_names(factory: Any, run_id: int) -> str:
     """The series the run page asks for when it loads (its non-lazy charts)."""
     with session_scope(factory) as session:
         overview = queries.run_overview(session, run_id=run_id)
-    figs = figures.run_figures(overview["run"]["control_tokens"], overview["series_names"])
+    figs = plotly_figures.run_figures(overview["run"]["control_tokens"], overview["series_names"])
     shown = [f for key in ("main", "structure", "optimization") for f in figs[key]]
     return ",".join(
         sorted({t["meta"]["series"] for f in shown for t in f["data"] if "series" in t["meta"]})

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout_lens.server import store
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import head_revision, upgrade
-from rollout_lens.server.models import Base, RunStatus
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import head_revision, upgrade
+from rollout_lens.server.store.models import Base, RunStatus
 from sqlalchemy import Engine, Integer, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 

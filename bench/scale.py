@@ -59,12 +59,12 @@ from urllib.parse import quote, urlencode, urlsplit
 
 from fastapi.testclient import TestClient
 from rollout_lens.server import store
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import get_settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import RunSource, RunStatus
-from rollout_lens.server.records import StepRecord
+from rollout_lens.server.core.config import get_settings
+from rollout_lens.server.core.records import StepRecord
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import RunSource, RunStatus
+from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import JSON, Engine, LargeBinary, String, inspect, text
 
 from bench.pages import PG_DEFAULT, chart_names, pg_database

@@ -23,9 +23,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from rollout_lens.server import series as vocab
-from rollout_lens.server.records import RolloutRecord, StepRecord
-from rollout_lens.trainer import metrics as m
+from rollout_lens.server.core import vocab
+from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.trainer.recorder import metrics as m
 
 from bench.synthetic import TOOLS
 
@@ -301,7 +301,7 @@ class ScaleRun:
     def _series(
         self, rng: np.random.Generator, step: int, rollouts: list[RolloutRecord]
     ) -> tuple[dict[str, float | None], dict[str, float | None]]:
-        """The step's values and series as the trainer computes them (trainer.summary.summarize)."""
+        """The step's values and series as the trainer computes them (trainer.recorder.summary.summarize)."""
         grouped = m.groups(rollouts, self.shape.group_size)
         rewards = [[r.verifier_reward for r in g] for g in grouped]
         lengths = [len(r.completion_ids) for r in rollouts]

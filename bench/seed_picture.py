@@ -29,13 +29,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rollout_lens.server import analysis, queries, store  # noqa: E402
-from rollout_lens.server.config import get_settings  # noqa: E402
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope  # noqa: E402
-from rollout_lens.server.domain.presets import PRESETS  # noqa: E402
-from rollout_lens.server.domain.runconfig import RunConfig  # noqa: E402
-from rollout_lens.server.migrate import upgrade  # noqa: E402
-from rollout_lens.trainer.run import train  # noqa: E402
+from rollout_lens.server import store  # noqa: E402
+from rollout_lens.server.core import analysis  # noqa: E402
+from rollout_lens.server.core.config import get_settings  # noqa: E402
+from rollout_lens.server.core.presets import PRESETS  # noqa: E402
+from rollout_lens.server.core.runconfig import RunConfig  # noqa: E402
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope  # noqa: E402
+from rollout_lens.server.store.migrate import upgrade  # noqa: E402
+from rollout_lens.server.webapp import queries  # noqa: E402
+from rollout_lens.trainer.worker.run import train  # noqa: E402
 
 SEED = {  # the seed's figures (000_…: Qwen2.5-1.5B-Instruct, seed 4, 500 steps)
     "leaky": "reward ~0.7 throughout; true accuracy swings 0.0 <-> 1.0 between 25-step buckets",

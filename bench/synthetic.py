@@ -8,7 +8,7 @@ import math
 import random
 import statistics
 
-from rollout_lens.server.records import RolloutRecord, StepRecord
+from rollout_lens.server.core.records import RolloutRecord, StepRecord
 
 CONTROL_TOKENS = ("<tool>", "</tool>", "</assistant>")
 TOOLS = [f"tool_{i:02d}" for i in range(64)]

@@ -1,12 +1,12 @@
-"""Alembic environment: one schema (server.models), batch mode for SQLite."""
+"""Alembic environment: one schema (server.store.models), batch mode for SQLite."""
 
 from __future__ import annotations
 
 from alembic import context
-from rollout_lens.server.config import get_settings
-from rollout_lens.server.db import make_engine
-from rollout_lens.server.migrate import is_modelled
-from rollout_lens.server.models import Base
+from rollout_lens.server.core.config import get_settings
+from rollout_lens.server.store.db import make_engine
+from rollout_lens.server.store.migrate import is_modelled
+from rollout_lens.server.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata

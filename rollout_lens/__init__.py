@@ -24,15 +24,15 @@ if (
 
 if TYPE_CHECKING:
     from rollout_lens.client import Client
-    from rollout_lens.server.config import Settings
-    from rollout_lens.trainer.callback import RolloutLensCallback
+    from rollout_lens.server.core.config import Settings
+    from rollout_lens.trainer.recorder.callback import RolloutLensCallback
 
 __all__ = ["Client", "RolloutLensCallback", "Settings", "__version__"]
 
 _LAZY = {
     "Client": "rollout_lens.client",
-    "RolloutLensCallback": "rollout_lens.trainer.callback",
-    "Settings": "rollout_lens.server.config",
+    "RolloutLensCallback": "rollout_lens.trainer.recorder.callback",
+    "Settings": "rollout_lens.server.core.config",
 }
 
 

@@ -14,13 +14,13 @@ from pydantic import ValidationError
 from rollout_lens import cli_dumps, cli_exchange, cli_rollouts, demo
 from rollout_lens.cli_runconfig import add_config_options, config_values
 from rollout_lens.server import store
-from rollout_lens.server.config import Settings, get_settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.domain.task import TURNS
-from rollout_lens.server.errors import RolloutLensError
-from rollout_lens.server.serialize import run_dict
-from rollout_lens.server.textsafe import printable
+from rollout_lens.server.core.config import Settings, get_settings
+from rollout_lens.server.core.errors import RolloutLensError
+from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.server.core.task_vocab import TURNS
+from rollout_lens.server.core.textsafe import printable
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.serialize import run_dict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,7 +112,7 @@ def _validation_text(exc: ValidationError) -> str:
 
 
 def migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
-    from rollout_lens.server.migrate import upgrade
+    from rollout_lens.server.store.migrate import upgrade
 
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     upgrade(engine)
@@ -120,7 +120,7 @@ def migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
 
 
 def open_factory(settings: Settings):  # type: ignore[no-untyped-def]
-    from rollout_lens.server.migrate import ensure_current
+    from rollout_lens.server.store.migrate import ensure_current
 
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     ensure_current(engine)
@@ -128,7 +128,7 @@ def open_factory(settings: Settings):  # type: ignore[no-untyped-def]
 
 
 def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.server.migrate import current_revision
+    from rollout_lens.server.store.migrate import current_revision
 
     engine, _ = migrated_factory(settings)
     print(f"database {settings.database_url} is at revision {current_revision(engine)}")
@@ -136,7 +136,7 @@ def _db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _db_current(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.server.migrate import current_revision, head_revision
+    from rollout_lens.server.store.migrate import current_revision, head_revision
 
     engine = make_engine(settings.database_url)
     print(f"{current_revision(engine) or 'empty'} (latest: {head_revision()})")
@@ -144,7 +144,7 @@ def _db_current(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _train(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.trainer.modelref import ModelUnavailable, check_model
+    from rollout_lens.trainer.worker.modelref import ModelUnavailable, check_model
 
     try:
         config = RunConfig(**config_values(args, RunConfig))
@@ -156,8 +156,8 @@ def _train(args: argparse.Namespace, settings: Settings) -> int:
         return _fail(f"invalid run: model: {exc}")
     engine, factory = migrated_factory(settings)
     engine.dispose()
-    from rollout_lens.trainer.progress import ProgressBar
-    from rollout_lens.trainer.run import train
+    from rollout_lens.trainer.recorder.progress import ProgressBar
+    from rollout_lens.trainer.worker.run import train
 
     with ProgressBar(total=config.steps, disabled=args.quiet) as bar:
         run_id = train(config, settings=settings, on_step=bar.update, log_line=bar.write)
@@ -197,7 +197,7 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
     import socket
     from datetime import timedelta
 
-    from rollout_lens.server.queue import QUEUE, make_celery
+    from rollout_lens.server.core.queue import QUEUE, make_celery
 
     engine, factory = migrated_factory(settings)
     with session_scope(factory) as session:
@@ -207,7 +207,7 @@ def _worker(args: argparse.Namespace, settings: Settings) -> int:
     if lost:
         print(f"marked runs {lost} lost: their worker stopped sending heartbeats")
     engine.dispose()
-    app = make_celery(settings, include=["rollout_lens.trainer.tasks"])
+    app = make_celery(settings, include=["rollout_lens.trainer.worker.tasks"])
     name = args.name or f"rollout-lens-{socket.gethostname()}-{os.getpid()}@%h"
     # One run at a time per process, in the main process: a prefork child hangs on its first
     # torch operation when torch already ran in the parent.
@@ -244,8 +244,8 @@ def serve_dashboard(
     import uvicorn
     from sqlalchemy.engine import make_url
 
-    from rollout_lens.server.app import create_app, prepare_database
-    from rollout_lens.server.security import is_loopback_host
+    from rollout_lens.server.webapp.app import create_app, prepare_database
+    from rollout_lens.server.webapp.http.security import is_loopback_host
 
     settings = _served_settings(settings, args.host)
     if not is_loopback_host(args.host) and not settings.auth_token_list:
@@ -320,8 +320,8 @@ def serve_dashboard(
 
 
 def _launch_notes(settings: Settings):  # type: ignore[no-untyped-def]
-    """The launch form's warnings of a model build (trainer.prebuilt; no torch import)."""
-    from rollout_lens.trainer import prebuilt
+    """The launch form's warnings of a model build (trainer.builders.prebuilt; no torch import)."""
+    from rollout_lens.trainer.builders import prebuilt
 
     return lambda: prebuilt.launch_notes(settings.models_dir)
 
@@ -391,7 +391,7 @@ def _served_settings(settings: Settings, host: str) -> Settings:
 
 
 def _build_model(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.trainer import prebuilt
+    from rollout_lens.trainer.builders import prebuilt
 
     kind = prebuilt.MULTITURN if args.turns == "multi" else prebuilt.TINY
     path = prebuilt.ensure(kind, settings.models_dir)

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rollout_lens.server.config import Settings
-from rollout_lens.server.dump_files import SETTLE_SECONDS
-from rollout_lens.server.errors import InvalidInput
-from rollout_lens.server.textsafe import printable
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.textsafe import printable
+from rollout_lens.server.exchange.dump_files import SETTLE_SECONDS
 
 INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as a shell reports it
 
@@ -112,7 +112,7 @@ def _follow_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _import_trl(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.server.trl_import import TrlDump
+    from rollout_lens.server.exchange.trl_import import TrlDump
 
     fmt = TrlDump(
         args.output_dir,
@@ -125,7 +125,7 @@ def _import_trl(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _import_verl(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.server.verl_import import VerlDump
+    from rollout_lens.server.exchange.verl_import import VerlDump
 
     fmt = VerlDump(
         args.folder,
@@ -154,7 +154,7 @@ def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -
     engine, factory = migrated_factory(settings)
     try:
         if not args.follow:
-            from rollout_lens.server.dump_import import import_dumps
+            from rollout_lens.server.exchange.dump_import import import_dumps
 
             done = import_dumps(factory, fmt, settle=args.settle, total_steps=args.total_steps)
             print(
@@ -169,7 +169,7 @@ def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -
 
 
 def _follow(factory: Any, fmt: Any, args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.server.follow import Follower
+    from rollout_lens.server.exchange.follow import Follower
 
     with _stop_on_signals() as stopping:
         followed = Follower(

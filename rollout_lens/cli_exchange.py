@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollout_lens.server import export
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.errors import InvalidInput
-from rollout_lens.server.textsafe import printable
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.textsafe import printable
+from rollout_lens.server.exchange import export
+from rollout_lens.server.store.db import session_scope
 
 
 def add_commands(sub: Any) -> None:
@@ -70,7 +70,7 @@ def _export(args: argparse.Namespace, settings: Settings) -> int:
 
 def _import(args: argparse.Namespace, settings: Settings) -> int:
     from rollout_lens.cli import migrated_factory
-    from rollout_lens.server.importer import import_export
+    from rollout_lens.server.exchange.importer import import_export
 
     if not args.file.is_file():  # before the database is touched (or created)
         raise InvalidInput(f"{args.file}: no such file")

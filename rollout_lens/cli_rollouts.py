@@ -11,10 +11,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.errors import InvalidInput
-from rollout_lens.server.textsafe import csv_cell, printable
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.textsafe import csv_cell, printable
+from rollout_lens.server.store.db import session_scope
 
 COLUMNS = ("id", "step", "group", "index", "vote", "target", "verifier_reward", "true_score",
            "advantage", "sum_logprob", "length", "format_state", "disagree", "completion_head")  # fmt: skip
@@ -51,7 +51,7 @@ def add_commands(sub: Any) -> None:
 
 
 def _query(args: argparse.Namespace) -> Any:
-    from rollout_lens.server.queries import RolloutQuery
+    from rollout_lens.server.webapp.queries import RolloutQuery
 
     given = {
         key: getattr(args, key)
@@ -69,7 +69,7 @@ def _query(args: argparse.Namespace) -> Any:
 
 def _rollouts(args: argparse.Namespace, settings: Settings) -> int:
     from rollout_lens.cli import open_factory
-    from rollout_lens.server import queries
+    from rollout_lens.server.webapp import queries
 
     query = _query(args)
     engine, factory = open_factory(settings)

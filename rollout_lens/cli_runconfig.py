@@ -1,6 +1,6 @@
 """`rollout-lens train`'s run options, derived field by field from RunConfig.
 
-RunConfig (server/domain/runconfig.py) is the one description of a run: its fields give each
+RunConfig (server/core/runconfig.py) is the one description of a run: its fields give each
 option's name, type, choices, range, default and help text, so a field added there is an option
 here with nothing retyped. argparse only parses the text into the field's type (a bad number or
 choice fails there, naming the option); every other rule is RunConfig's and its message is the

@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from rollout_lens.server import read_models
+from rollout_lens.server.core import read_models
 
-# The keys of a rollout (server.read_models.RolloutData, what serialize.rollout_dict builds);
+# The keys of a rollout (server.core.read_models.RolloutData, what serialize.rollout_dict builds);
 # the step viewer's API adds view fields, which step_rollouts leaves out.
 ROLLOUT_KEYS = read_models.ROLLOUT_KEYS
 

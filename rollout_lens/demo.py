@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from rollout_lens.server import store
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.errors import RolloutLensError
-from rollout_lens.server.models import RunStatus
-from rollout_lens.server.series import WINDOW
-from rollout_lens.server.textsafe import printable
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.errors import RolloutLensError
+from rollout_lens.server.core.textsafe import printable
+from rollout_lens.server.core.vocab import WINDOW
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.models import RunStatus
 
 if TYPE_CHECKING:
-    from rollout_lens.server.domain.runconfig import RunConfig
+    from rollout_lens.server.core.runconfig import RunConfig
 
-PRESET = "leaky_vs_patched"  # server/domain/presets.py: both variants, same seed and recipe
+PRESET = "leaky_vs_patched"  # server/core/presets.py: both variants, same seed and recipe
 DEFAULT_STEPS = 30  # patched climbs to ~0.5 true accuracy, leaky stays near 0; 30-50 s on 2 cores
 POLL_SECONDS = 2.0
 # The one line printed above the compare URL: what the two runs show.
@@ -88,12 +88,12 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
 
 def demo_configs(steps: int) -> list[RunConfig]:
     """The leaky-vs-patched preset's runs with `steps` steps (validated as any launch is)."""
-    from rollout_lens.server import launch
-    from rollout_lens.server.domain.presets import PRESETS
+    from rollout_lens.server.core.presets import PRESETS
+    from rollout_lens.server.webapp.pages import launch_fields
 
     try:
-        return launch.build_configs(PRESETS[PRESET], {"steps": steps})
-    except launch.LaunchInvalid as exc:
+        return launch_fields.build_configs(PRESETS[PRESET], {"steps": steps})
+    except launch_fields.LaunchInvalid as exc:
         raise RolloutLensError(f"invalid demo: {exc}") from None
 
 
@@ -184,8 +184,8 @@ def _train_one(settings: Settings, config: dict[str, Any], run_id: int) -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from rollout_lens.server.domain.runconfig import RunConfig
-    from rollout_lens.trainer.run import train
+    from rollout_lens.server.core.runconfig import RunConfig
+    from rollout_lens.trainer.worker.run import train
 
     # A demo's output is its progress lines: no weight-loading bars, no library deprecations.
     hf_logging.disable_progress_bar()
@@ -209,14 +209,14 @@ def _session(settings: Settings) -> Iterator[Session]:
 
 
 def _migrate(settings: Settings) -> None:
-    from rollout_lens.server.app import prepare_database
+    from rollout_lens.server.webapp.app import prepare_database
 
     prepare_database(settings)
 
 
 def _ensure_model(settings: Settings) -> None:
     """The tiny model in the cache: copied from the package, or built (then with progress)."""
-    from rollout_lens.trainer import prebuilt
+    from rollout_lens.trainer.builders import prebuilt
 
     if not prebuilt.will_build(prebuilt.TINY, settings.models_dir):
         path = prebuilt.ensure_tiny(settings.models_dir, log=lambda line: None)
@@ -233,7 +233,7 @@ def _ensure_model(settings: Settings) -> None:
 
 def _build_line(line: str) -> None:
     """A build's progress as the demo shows it: warm-up steps, not their noisy per-batch loss."""
-    from rollout_lens.trainer.prebuilt import build_progress
+    from rollout_lens.trainer.builders.prebuilt import build_progress
 
     progress = build_progress(line)
     if progress:

@@ -1,4 +1,7 @@
-"""Rollout Lens: the web app, the store and the CLI (no torch, transformers or trl here)."""
+"""Rollout Lens's server side, one package per layer, each importing only those below it:
+webapp -> exchange -> store -> core (import-linter keeps it so: see pyproject.toml).
+No torch, transformers or trl here.
+"""
 
 from pathlib import Path
 

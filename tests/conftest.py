@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory
-from rollout_lens.server.migrate import upgrade
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.store.db import make_engine, make_session_factory
+from rollout_lens.server.store.migrate import upgrade
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -190,7 +190,7 @@ def sqlite_url(tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built tiny model: cached under ROLLOUT_LENS_MODEL_CACHE_DIR if set, else per session."""
-    from rollout_lens.trainer.prebuilt import ensure_tiny
+    from rollout_lens.trainer.builders.prebuilt import ensure_tiny
 
     cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
     return ensure_tiny(Path(cache) if cache else tmp_path_factory.mktemp("models"))
@@ -234,7 +234,7 @@ def user_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def multiturn_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built multi-turn tiny model, cached like `tiny_model_dir` (its own folder there)."""
-    from rollout_lens.trainer.prebuilt import ensure_multiturn
+    from rollout_lens.trainer.builders.prebuilt import ensure_multiturn
 
     cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
     return ensure_multiturn(Path(cache) if cache else tmp_path_factory.mktemp("models"))

@@ -6,9 +6,9 @@ import random
 from typing import Any
 
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import Run, Step
-from rollout_lens.server.records import RolloutRecord, StepRecord
+from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import Run, Step
 from sqlalchemy.orm import Session, sessionmaker
 
 CONTROL_TOKENS = ("<tool>", "</tool>", "</assistant>")
@@ -120,8 +120,8 @@ def load_run(
     database_url: str, run_id: int
 ) -> tuple[Run, list[dict[str, Any]], list[Step], dict[str, list[tuple[int, float | None]]]]:
     """A recorded run read back: (run, rollout dicts, steps, metric series)."""
-    from rollout_lens.server.db import make_engine, make_session_factory
-    from rollout_lens.server.serialize import completion_ids, rollout_dict
+    from rollout_lens.server.store.db import make_engine, make_session_factory
+    from rollout_lens.server.store.serialize import completion_ids, rollout_dict
 
     engine = make_engine(database_url)
     try:
@@ -153,7 +153,7 @@ def recorded_steps(factory: sessionmaker[Session], run_id: int) -> list[int]:
 
 def rollouts_per_step(factory: sessionmaker[Session], run_id: int) -> dict[int, int]:
     """step → how many rollouts were recorded for it."""
-    from rollout_lens.server.models import Rollout
+    from rollout_lens.server.store.models import Rollout
     from sqlalchemy import func, select
 
     with session_scope(factory) as session:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import Run
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import Run
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 

@@ -6,8 +6,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from rollout_lens.server.alerts import KINDS, SEVERITY, Alert, AlertThresholds, evaluate
-from rollout_lens.server.series import BELONGS, MISPLACED, NEUTRAL_PROBES, POSITIONAL_PROBES
+from rollout_lens.server.core.alerts import KINDS, SEVERITY, Alert, AlertThresholds, evaluate
+from rollout_lens.server.core.vocab import BELONGS, MISPLACED, NEUTRAL_PROBES, POSITIONAL_PROBES
 
 T = AlertThresholds()  # one group per step: share rules average over 4 steps
 T8 = T.for_run(8)  # eight groups per step: one step holds enough groups

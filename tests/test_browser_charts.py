@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from playwright.sync_api import Browser, Page
 from rollout_lens.server import store
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import RunStatus
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import RunStatus
+from rollout_lens.server.webapp.app import create_app
 
 from tests import web_support
 from tests.factories import CONTROL_TOKENS, record_step

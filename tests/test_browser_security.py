@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import Run, RunStatus
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.store.db import make_engine, make_session_factory
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import Run, RunStatus
+from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_lens.server.config import Settings
+from rollout_lens.server.core.config import Settings
 from sqlalchemy.engine import make_url
 from transformers import TrainerCallback
 
@@ -80,7 +80,7 @@ def _train(
 
 def _run_id(url: str) -> int:
     from rollout_lens.server import store
-    from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+    from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 
     engine = make_engine(url)
     with session_scope(make_session_factory(engine)) as session:
@@ -246,8 +246,8 @@ _CUT_CONNECTIONS = pytest.mark.filterwarnings(
 def test_database_down_at_start_and_mid_run(
     user_model_dir: Path, tmp_path: Path, pg_database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from rollout_lens.server.db import make_engine
-    from rollout_lens.server.migrate import upgrade
+    from rollout_lens.server.store.db import make_engine
+    from rollout_lens.server.store.migrate import upgrade
 
     from rollout_lens import RolloutLensCallback
 
@@ -323,8 +323,8 @@ def test_bounded_buffer_drops_rollouts_first_and_counts_them(
 
 
 def _empty(url: str) -> None:
-    from rollout_lens.server.db import make_engine
-    from rollout_lens.server.migrate import upgrade
+    from rollout_lens.server.store.db import make_engine
+    from rollout_lens.server.store.migrate import upgrade
     from sqlalchemy import text
 
     engine = make_engine(url)

@@ -174,7 +174,7 @@ def test_runs_prints_no_terminal_escapes_from_a_run(
 ) -> None:
     """A name sent through the web API with colour, title (OSC) and bidi sequences: `runs`
     prints its text and none of the control characters (a subprocess: what reaches a terminal)."""
-    from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.store.db import make_engine, make_session_factory
 
     from tests.web_support import client_for
 
@@ -202,7 +202,7 @@ def test_runs_prints_no_terminal_escapes_from_a_run(
 def test_train_options_are_runconfigs_fields(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every RunConfig field is a `train` option with its description as help; what is given
     reaches RunConfig as typed values, what is left out takes the config's defaults."""
-    from rollout_lens.server.domain.runconfig import RunConfig
+    from rollout_lens.server.core.runconfig import RunConfig
 
     from rollout_lens.cli import build_parser
     from rollout_lens.cli_runconfig import config_values

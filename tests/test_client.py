@@ -16,10 +16,11 @@ from pathlib import Path
 import httpx
 import pyarrow.parquet as pq
 import pytest
-from rollout_lens.server import export, store
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.serialize import rollout_dict, step_dict
+from rollout_lens.server import store
+from rollout_lens.server.exchange import export
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.serialize import rollout_dict, step_dict
 
 from rollout_lens import Client
 from rollout_lens.client import ROLLOUT_KEYS, ClientError
@@ -208,9 +209,9 @@ def test_rollouts_of_a_step_of_many_groups_come_page_by_page(tmp_path: Path) -> 
     """A step of 502 groups (past one page of the step's groups), the first of 70 rollouts (past
     one page of a group's rollouts) and of 300 tokens each (past the group JSON's default cut):
     Client.rollouts gathers them all, in group order, with every array."""
-    from rollout_lens.server.app import create_app
-    from rollout_lens.server.config import Settings
-    from rollout_lens.server.records import RolloutRecord
+    from rollout_lens.server.core.config import Settings
+    from rollout_lens.server.core.records import RolloutRecord
+    from rollout_lens.server.webapp.app import create_app
 
     from tests.factories import make_groups, record_step
     from tests.web_support import serve_app

@@ -13,11 +13,12 @@ from array import array
 from pathlib import Path
 
 import pytest
-from rollout_lens.server import queries, store
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import current_revision, head_revision, upgrade
-from rollout_lens.server.serialize import rollout_dict
+from rollout_lens.server import store
 from rollout_lens.server.store import arrays
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import current_revision, head_revision, upgrade
+from rollout_lens.server.store.serialize import rollout_dict
+from rollout_lens.server.webapp import queries
 
 FIXTURE = Path(__file__).parent / "fixtures" / "schema_0004.db.gz"
 

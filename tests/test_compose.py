@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from rollout_lens.server.config import Settings
+from rollout_lens.server.core.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 

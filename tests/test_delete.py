@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi.testclient import TestClient
-from rollout_lens.server.models import (
+from rollout_lens.server.store.models import (
     AlertRow,
     Prompt,
     Rollout,

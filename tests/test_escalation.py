@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from rollout_lens.server.domain.task import VERIFIERS
-from rollout_lens.trainer.envs.escalation import (
+from rollout_lens.server.core.task_vocab import VERIFIERS
+from rollout_lens.trainer.envs.onestep import (
     REPLY_FORMATS,
     TOOL_COUNT,
     EscalationEnv,
@@ -160,7 +160,7 @@ def test_unknown_verifier_lists_valid_names() -> None:
 
 
 def test_every_verifier_the_domain_names_is_built_in_both_envs() -> None:
-    """The names come from server.domain.task alone; each is one verifier in each env."""
+    """The names come from server.core.task_vocab alone; each is one verifier in each env."""
     from rollout_lens.trainer.envs import multistep as ms
 
     facts = ms.read_rollout([], ("tool_01",))

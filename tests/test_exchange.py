@@ -12,13 +12,15 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from rollout_lens.server import export, importer, queries, store
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.errors import InvalidInput, InvalidState
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import Run, RunSource, RunStatus
-from rollout_lens.server.records import RolloutRecord, StepRecord
-from rollout_lens.server.serialize import completion_ids, completion_text
+from rollout_lens.server import store
+from rollout_lens.server.core.errors import InvalidInput, InvalidState
+from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.exchange import export, importer
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import Run, RunSource, RunStatus
+from rollout_lens.server.store.serialize import completion_ids, completion_text
+from rollout_lens.server.webapp import queries
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.records import RolloutRecord, StepRecord, disagrees
-from rollout_lens.server.serialize import completion_ids, completion_text
+from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.serialize import completion_ids, completion_text
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS
@@ -337,7 +337,7 @@ def test_the_client_and_the_cli_find_what_the_api_finds(
 def test_an_alert_links_to_the_rollouts_that_tripped_it(
     session_factory: sessionmaker[Session],
 ) -> None:
-    from rollout_lens.server.series import COLLAPSED
+    from rollout_lens.server.core.vocab import COLLAPSED
 
     from tests.factories import make_rollouts, make_run, record_step
 

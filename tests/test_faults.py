@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from rollout_lens.server import store
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import Run, RunStatus
-from rollout_lens.server.queue import enqueue_run, make_celery
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.queue import enqueue_run, make_celery
+from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import Run, RunStatus
+from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -148,7 +148,7 @@ def test_a_worker_rides_out_postgresql_going_away(tmp_path: Path, tiny_model_dir
 def test_a_database_that_stays_away_fails_the_writer_clearly(
     pg_database_url: str, pg_engine: Engine
 ) -> None:
-    from rollout_lens.trainer.writer import StepWriter
+    from rollout_lens.trainer.recorder.writer import StepWriter
 
     parsed = make_url(pg_database_url)
     proxy = TcpProxy((parsed.host or "127.0.0.1", parsed.port or 5432))
@@ -165,7 +165,7 @@ def test_a_database_that_stays_away_fails_the_writer_clearly(
     )
     proxy.stop()
     started = time.monotonic()
-    from rollout_lens.server.records import StepRecord
+    from rollout_lens.server.core.records import StepRecord
 
     writer.put(StepRecord(step=3, rollout_step=3, values={}))
     with pytest.raises(

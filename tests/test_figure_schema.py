@@ -14,8 +14,8 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 from fastapi.testclient import TestClient
-from rollout_lens.server import figures
-from rollout_lens.server import series as vocab
+from rollout_lens.server.core import vocab
+from rollout_lens.server.webapp.pages import plotly_figures
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS, make_run
@@ -61,7 +61,9 @@ def every_series() -> list[str]:
 
 
 def test_a_misspelt_property_is_rejected() -> None:
-    good = figures.figure("f", "title", figures.line("reward_mean", "reward", "#2563eb"))
+    good = plotly_figures.figure(
+        "f", "title", plotly_figures.line("reward_mean", "reward", "#2563eb")
+    )
     validate(good)
     bad_trace = json.loads(json.dumps(good))
     bad_trace["data"][2]["hovertemplat"] = "%{y}"
@@ -78,7 +80,7 @@ def test_a_misspelt_property_is_rejected() -> None:
 
 
 def test_every_run_figure_is_valid() -> None:
-    built = figures.run_figures(list(CONTROL_TOKENS), every_series())
+    built = plotly_figures.run_figures(list(CONTROL_TOKENS), every_series())
     found = list(figures_in(built))
     assert len(found) > 20
     for fig in found:
@@ -89,7 +91,7 @@ def test_every_compare_figure_is_valid_with_data() -> None:
     runs = [{"id": i, "name": f"run {i}", "control_tokens": list(CONTROL_TOKENS)} for i in (1, 2)]
     points = {"x": [1, 2, 3], "y": [0.1, 0.5, None], "lo": [0.0, 0.4, None], "hi": [0.2, 0.6, None]}
     series = {str(r["id"]): {"series": dict.fromkeys(every_series(), points)} for r in runs}
-    built = figures.compare_figures(runs, series, vocab.COMPARE_SERIES)
+    built = plotly_figures.compare_figures(runs, series, vocab.COMPARE_SERIES)
     found = list(figures_in(built))
     assert len(found) >= len(vocab.COMPARE_SERIES) + len(vocab.COMPARE_EXTRA)
     for fig in found:

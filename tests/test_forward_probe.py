@@ -240,11 +240,11 @@ def test_continuous_batching_with_generates_reading_records_no_numbers(
 def test_continuous_batching_run_page_and_step_viewer(cb_run: SimpleNamespace) -> None:
     """The run's page says where its numbers were read; the step viewer shows each rollout's
     control-token row and Σ logprob from them (Chromium)."""
-    from rollout_lens.server.app import create_app
-    from rollout_lens.server.config import Settings
-    from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.core.config import Settings
     from rollout_lens.server.store import arrays
-    from rollout_lens.server.viewer import prob_text
+    from rollout_lens.server.store.db import make_engine, make_session_factory
+    from rollout_lens.server.webapp.app import create_app
+    from rollout_lens.server.webapp.pages.stepview import prob_text
 
     from tests.web_support import chromium_browser, serve_app
 
@@ -287,7 +287,7 @@ def test_vllm_by_its_configuration(user_model_dir: Path, tmp_path: Path) -> None
     the capture's decision on a trainer configured for vLLM: read off the scoring pass (TRL's
     old-policy pass, which vLLM's importance-sampling correction always computes), with the note;
     and with the generate reading, nothing recorded but vLLM's own sampling logprobs."""
-    from rollout_lens.trainer.capture import RolloutCapture
+    from rollout_lens.trainer.recorder.capture import RolloutCapture
 
     trainer = _trainer(user_model_dir, tmp_path / "out")
     trainer.use_vllm = True  # what GRPOTrainer sets from GRPOConfig(use_vllm=True)
@@ -321,8 +321,8 @@ def test_tool_calling_run_is_read_off_the_scoring_pass(
     """TRL's tool loop generates turn by turn; the scoring pass reads the whole conversation at
     once, tool results at 0.0 (not sampled, not trained), and agrees with generate's probes
     stitched turn by turn."""
-    from rollout_lens.server.domain.runconfig import RunConfig
-    from rollout_lens.trainer import multiturn as mt
+    from rollout_lens.server.core.runconfig import RunConfig
+    from rollout_lens.trainer.escalation import multiturn as mt
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -351,8 +351,8 @@ def test_forward_probe_matches_full_logits_with_scale_and_soft_cap(
 ) -> None:
     """The probe's transform is TRL's fused head's (logit scale, soft cap, bias, temperature):
     checked on a module with all four against full logits, whole and a row at a time."""
-    from rollout_lens.trainer import probe as probe_module
-    from rollout_lens.trainer.probe import ForwardProbe
+    from rollout_lens.trainer.recorder import probe as probe_module
+    from rollout_lens.trainer.recorder.probe import ForwardProbe
 
     torch.manual_seed(0)
     H, V = 8, 50

@@ -21,10 +21,10 @@ import schemathesis
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
-from rollout_lens.server import control
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.errors import BrokerUnavailable
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.errors import BrokerUnavailable
+from rollout_lens.server.webapp import control
+from rollout_lens.server.webapp.app import create_app
 from schemathesis.specs.openapi.checks import response_schema_conformance
 from sqlalchemy.orm import Session, sessionmaker
 

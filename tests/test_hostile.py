@@ -11,16 +11,17 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from rollout_lens.server import queries, store
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.queries import JSON_TOKENS
-from rollout_lens.server.records import RolloutRecord
-from rollout_lens.server.serialize import completion_ids, completion_text
-from rollout_lens.server.textsafe import storable
-from rollout_lens.server.viewer import SHOWN_CHARS
+from rollout_lens.server import store
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.records import RolloutRecord
+from rollout_lens.server.core.textsafe import storable
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.serialize import completion_ids, completion_text
+from rollout_lens.server.webapp import queries
+from rollout_lens.server.webapp.app import create_app
+from rollout_lens.server.webapp.pages.stepview import SHOWN_CHARS
+from rollout_lens.server.webapp.queries import JSON_TOKENS
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import web_support
@@ -66,7 +67,7 @@ def record_hostile_run(factory: sessionmaker[Session], *, completion: str = HOST
     for step in (1, 2):
         metrics = {f"ctrl/{TOKEN}/mean": 0.5}
         with session_scope(factory) as session:
-            from rollout_lens.server.records import StepRecord
+            from rollout_lens.server.core.records import StepRecord
 
             store.record_step(
                 session,
@@ -212,7 +213,7 @@ def test_a_long_completion_shows_its_first_tokens(
         r.token_logprobs = [-0.5] * n
         r.control_probs = {"<t>": [0.25] * n}
     with session_scope(session_factory) as session:
-        from rollout_lens.server.records import StepRecord
+        from rollout_lens.server.core.records import StepRecord
 
         store.record_step(
             session,

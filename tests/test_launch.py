@@ -15,15 +15,17 @@ from typing import Any
 import pytest
 from celery import Celery
 from fastapi.testclient import TestClient
-from rollout_lens.server import control, launch, store
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.domain.presets import PRESET_GROUPS
-from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.errors import BrokerUnavailable
-from rollout_lens.server.models import Run, RunStatus, utcnow
-from rollout_lens.trainer.modelref import unusable
+from rollout_lens.server import store
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.errors import BrokerUnavailable
+from rollout_lens.server.core.presets import PRESET_GROUPS
+from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import Run, RunStatus, utcnow
+from rollout_lens.server.webapp import control
+from rollout_lens.server.webapp.app import create_app
+from rollout_lens.server.webapp.pages import launch_fields
+from rollout_lens.trainer.worker.modelref import unusable
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -109,7 +111,7 @@ def messages(tmp_path: Path) -> int:
 
 def form_data(**changes: str) -> dict[str, str]:
     """What the browser submits: every field's text, as the form shows it, with `changes`."""
-    return launch.defaults() | changes
+    return launch_fields.defaults() | changes
 
 
 def failed_run(factory: sessionmaker[Session], *, error: str, **columns: Any) -> int:
@@ -265,7 +267,7 @@ def test_the_form_has_every_field_with_its_default_and_help(client: TestClient) 
     groups = [g.find("legend").text for g in page.find_all("fieldset")]
     assert groups == ["Task", "Model", "GRPO", "Supervision", "Evaluation and storage"]
     presets = {a.attrs["data-preset"] for a in page.find_all("a", cls="preset")}
-    assert presets == set(launch.PRESETS)
+    assert presets == set(launch_fields.PRESETS)
     assert (
         "novalidate" in page.by_id("launch-form").attrs
     )  # the server's messages, not the browser's
@@ -289,7 +291,7 @@ def test_presets_fill_the_form(client: TestClient) -> None:
 
 def test_presets_api_lists_presets_and_every_field(client: TestClient) -> None:
     data = client.get("/api/presets").json()
-    assert [p["name"] for p in data["presets"]] == list(launch.PRESETS)
+    assert [p["name"] for p in data["presets"]] == list(launch_fields.PRESETS)
     fields = {f["name"]: f for f in data["fields"]}
     assert set(fields) == set(RunConfig.model_fields)
     assert fields["k"]["min"] == 1 and fields["k"]["max"] == 64 and fields["k"]["default"] == "4"
@@ -344,11 +346,11 @@ def test_api_launches_a_preset_with_overrides(
     assert messages(tmp_path) == 5
 
 
-@pytest.mark.parametrize("name", [n for n, p in launch.PRESETS.items() if not p.compares])
+@pytest.mark.parametrize("name", [n for n, p in launch_fields.PRESETS.items() if not p.compares])
 def test_each_single_run_preset_launches_what_it_says(
     client: TestClient, session_factory: sessionmaker[Session], name: str
 ) -> None:
-    preset = launch.PRESETS[name]
+    preset = launch_fields.PRESETS[name]
     (run,) = client.post("/api/runs", json={"preset": name}).json()["runs"]
     config = get_run(session_factory, run["id"]).config
     assert {k: config[k] for k in preset.base} == dict(preset.base)
@@ -374,7 +376,9 @@ def test_form_launches_a_run_and_opens_it(
     assert response.headers["location"] == f"/runs/{run_id}"
     config = get_run(session_factory, run_id).config
     # The form starts on the presets' verifier (judge), not RunConfig's exact.
-    assert config == RunConfig(steps=9, seed=5, **launch.FORM_DEFAULTS).model_dump(mode="json")
+    assert config == RunConfig(steps=9, seed=5, **launch_fields.FORM_DEFAULTS).model_dump(
+        mode="json"
+    )
     assert config["verifier"] == "judge"
     assert messages(tmp_path) == 1
 
@@ -675,7 +679,7 @@ def test_the_web_takes_a_model_folder_and_the_worker_fails_a_run_without_it(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from rollout_lens.trainer.tasks import train_run
+    from rollout_lens.trainer.worker.tasks import train_run
 
     missing = str(tmp_path / "no-such-model")
     response = client.post("/api/runs", json={"model": missing, "steps": 3})
@@ -700,7 +704,7 @@ def test_a_launched_model_folder_tells_readers_nothing_of_the_workers_disk(
 ) -> None:
     """A missing folder, a folder without config.json (`/etc`) and one whose config.json does not
     load all fail with one message; only the worker's log says which it was."""
-    from rollout_lens.trainer.tasks import train_run
+    from rollout_lens.trainer.worker.tasks import train_run
 
     broken = tmp_path / "broken-model"
     broken.mkdir()
@@ -738,7 +742,7 @@ def test_form_errors_speak_in_the_forms_labels(client: TestClient) -> None:
 def test_the_form_shows_effective_defaults_and_warns_of_a_model_build(
     client: TestClient, session_factory: sessionmaker[Session], tmp_path: Path
 ) -> None:
-    from rollout_lens.trainer import prebuilt
+    from rollout_lens.trainer.builders import prebuilt
 
     page = parse(client.get("/runs/new").text)
     assert page.by_id("f-verifier").find("option", selected="").text == "judge"

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import redis
 from rollout_lens.server import store
-from rollout_lens.server.app import create_app, prepare_database
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.models import Run
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.models import Run
+from rollout_lens.server.webapp.app import create_app, prepare_database
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import factories, web_support

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rollout_lens.server import routes
+from rollout_lens.server.webapp import routes
 
 SERVER = Path(__file__).resolve().parent.parent / "server"
 ROUTES = Path(routes.__file__).resolve().parent
@@ -47,14 +47,14 @@ def test_route_modules_do_not_import_each_other() -> None:
 # their GRPOTrainer, not ours.
 NOT_LOADED_BY_THE_CALLBACK = (
     "rollout_lens.trainer.envs",
-    "rollout_lens.trainer.task",
-    "rollout_lens.trainer.evaluation",
-    "rollout_lens.trainer.supervision",
-    "rollout_lens.trainer.multiturn",
-    "rollout_lens.trainer.tiny_model",
-    "rollout_lens.trainer.prebuilt",
-    "rollout_lens.trainer.run",
-    "rollout_lens.trainer.tasks",
+    "rollout_lens.trainer.escalation.task",
+    "rollout_lens.trainer.escalation.evaluation",
+    "rollout_lens.trainer.escalation.supervision",
+    "rollout_lens.trainer.escalation.multiturn",
+    "rollout_lens.trainer.builders.tiny_model",
+    "rollout_lens.trainer.builders.prebuilt",
+    "rollout_lens.trainer.worker.run",
+    "rollout_lens.trainer.worker.tasks",
     "rollout_lens.demo",
     "rollout_lens.cli",
     "trl",
@@ -83,7 +83,7 @@ def test_the_forbidden_list_names_modules_that_exist() -> None:
 @pytest.mark.trains
 def test_the_callback_loads_no_task_env_demo_or_trl() -> None:
     loaded = _loaded_after("from rollout_lens import RolloutLensCallback")
-    assert "rollout_lens.trainer.callback" in loaded
+    assert "rollout_lens.trainer.recorder.callback" in loaded
     assert _under(loaded, NOT_LOADED_BY_THE_CALLBACK) == []
 
 
@@ -147,12 +147,16 @@ def test_no_module_uses_another_modules_private_names() -> None:
 
 
 def test_the_client_reads_shapes_only() -> None:
-    """The notebook client takes a rollout's keys from server.read_models, which imports
+    """The notebook client takes a rollout's keys from server.core.read_models, which imports
     nothing of ours: reading a dashboard loads no SQLAlchemy, store or app."""
     client = SERVER.parent / "rollout_lens" / "client.py"
     ours = {m for m in _imports(client) if m.startswith("rollout_lens")}
-    assert ours <= {"rollout_lens.server", "rollout_lens.server.read_models"}, ours
-    spec = importlib.util.find_spec("rollout_lens.server.read_models")
+    assert ours <= {
+        "rollout_lens.server",
+        "rollout_lens.server.core",
+        "rollout_lens.server.core.read_models",
+    }, ours
+    spec = importlib.util.find_spec("rollout_lens.server.core.read_models")
     assert spec is not None and spec.origin is not None
     shapes = _imports(Path(spec.origin))
     assert not {m for m in shapes if m.startswith("rollout_lens")}, shapes

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from rollout_lens.server.db import make_engine
-from rollout_lens.server.errors import DatabaseBehind
-from rollout_lens.server.migrate import (
+from rollout_lens.server.core.errors import DatabaseBehind
+from rollout_lens.server.store.db import make_engine
+from rollout_lens.server.store.migrate import (
     current_revision,
     ensure_current,
     head_revision,
     is_modelled,
     upgrade,
 )
-from rollout_lens.server.models import Base
+from rollout_lens.server.store.models import Base
 from sqlalchemy import text
 
 

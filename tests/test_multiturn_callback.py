@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from rollout_lens.server import viewer
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory
-from rollout_lens.server.domain.runconfig import RunConfig
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store import arrays
-from rollout_lens.trainer import multiturn as mt
-from rollout_lens.trainer import turns as tt
+from rollout_lens.server.store.db import make_engine, make_session_factory
+from rollout_lens.server.webapp.app import create_app
+from rollout_lens.server.webapp.pages import stepview
+from rollout_lens.trainer.escalation import multiturn as mt
+from rollout_lens.trainer.recorder import turns as tt
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import HOSTILE, load_run, make_run, make_tool_rollouts, record_step
@@ -201,7 +201,7 @@ def test_a_tool_calling_run_is_recorded_and_viewed_turn_by_turn(
                 assert node.find(cls="not-trained").text == "not trained"
                 # a result that parses as JSON or a Python literal reads as indented JSON
                 assert [n.text for n in node.find_all("pre", cls="tool-result")] == [
-                    viewer.result_json(c["result"]) or c["result"] for c in turn["calls"]
+                    stepview.result_json(c["result"]) or c["result"] for c in turn["calls"]
                 ]
                 assert all("tool-tok" in n.classes for n in node.find_all("span", cls="tok"))
             else:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.trainer import multiturn as mt
-from rollout_lens.trainer import multiturn_model as mm
+from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.trainer.builders import multiturn_model as mm
 from rollout_lens.trainer.envs import multistep as ms
+from rollout_lens.trainer.escalation import multiturn as mt
 
 pytestmark = pytest.mark.slow
 

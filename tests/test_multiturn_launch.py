@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
-from rollout_lens.server import figures
-from rollout_lens.server import series as vocab
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory
-from rollout_lens.server.domain.runconfig import RunConfig
+from rollout_lens.server.core import vocab
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.server.store.db import make_engine, make_session_factory
+from rollout_lens.server.webapp.app import create_app
+from rollout_lens.server.webapp.pages import plotly_figures
 
 from tests.factories import load_run
 from tests.web_support import parse
@@ -55,7 +55,7 @@ def test_a_multi_turn_config_names_itself() -> None:
 @pytest.mark.slow
 def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(multiturn_settings: Settings) -> None:
     from rollout_lens.trainer.envs import multistep as ms
-    from rollout_lens.trainer.run import train
+    from rollout_lens.trainer.worker.run import train
 
     settings = multiturn_settings
     config = RunConfig(
@@ -129,7 +129,7 @@ def test_a_launched_multi_turn_run_is_recorded_turn_by_turn(multiturn_settings: 
         assert logged(vocab.probe("open_first")) is not None
 
     # the run page draws the tool-use section from those series, format-free beside accuracy
-    figs = figures.run_figures(run.control_tokens, [*vocab.STEP_SERIES, *series])
+    figs = plotly_figures.run_figures(run.control_tokens, [*vocab.STEP_SERIES, *series])
     assert {"tool-calls", "tool-rates", "turn-states-1"} <= {f["id"] for f in figs["tools"]}
     reward = next(f for f in figs["main"] if f["id"] == "reward")
     assert vocab.FORMAT_FREE_ACCURACY in {t["meta"].get("series") for t in reward["data"]}
@@ -186,13 +186,13 @@ TAGS = (OPEN, CLOSE)
     ],
 )
 def test_turn_state_table(text: str, calls: int, state: str) -> None:
-    from rollout_lens.trainer.turns import turn_state
+    from rollout_lens.trainer.recorder.turns import turn_state
 
     assert turn_state(text, calls, TAGS, [EOT]) == state
 
 
 def test_turn_probes_read_each_model_turn_and_the_turn_after_a_result() -> None:
-    from rollout_lens.trainer.positional import turn_probes
+    from rollout_lens.trainer.recorder.positional import turn_probes
 
     # model: <tool_call> {"name": x} </tool_call> EOT | tool: r r | model: <answer> EOT
     tokens = [OPEN, '{"name": ', "x", "}", CLOSE, EOT, "r", "r", "<answer>", EOT]
@@ -227,7 +227,7 @@ def test_turn_probes_read_each_model_turn_and_the_turn_after_a_result() -> None:
     ],
 )
 def test_a_tool_calling_rollouts_state_is_its_worst_turns(states: list[str], state: str) -> None:
-    from rollout_lens.trainer.turns import rollout_state
+    from rollout_lens.trainer.recorder.turns import rollout_state
 
     assert rollout_state(states) == state
 
@@ -236,9 +236,9 @@ def test_a_tool_calling_rollouts_state_is_its_worst_turns(states: list[str], sta
 def test_the_expert_conversation_trains_on_the_models_turns_only(
     multiturn_model_dir: Path,
 ) -> None:
-    from rollout_lens.trainer import multiturn_supervision as mts
+    from rollout_lens.trainer.builders.multiturn_model import render_answer, render_call
     from rollout_lens.trainer.envs import multistep as ms
-    from rollout_lens.trainer.multiturn_model import render_answer, render_call
+    from rollout_lens.trainer.escalation import multiturn_supervision as mts
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(multiturn_model_dir)
@@ -278,9 +278,9 @@ def test_the_expert_conversation_trains_on_the_models_turns_only(
 
 @pytest.mark.slow
 def test_a_multi_turn_run_with_sft_then_rl_and_evaluation(multiturn_settings: Settings) -> None:
-    from rollout_lens.trainer import multiturn_supervision as mts
     from rollout_lens.trainer.envs import multistep as ms
-    from rollout_lens.trainer.run import train
+    from rollout_lens.trainer.escalation import multiturn_supervision as mts
+    from rollout_lens.trainer.worker.run import train
 
     settings = multiturn_settings
     config = RunConfig(

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_lens.trainer import multiturn_model as mm
-from rollout_lens.trainer import tiny_model
+from rollout_lens.trainer.builders import multiturn_model as mm
+from rollout_lens.trainer.builders import tiny_model
 from rollout_lens.trainer.envs import multistep as ms
 
 

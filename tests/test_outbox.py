@@ -7,8 +7,8 @@ import logging
 import random
 
 import pytest
-from rollout_lens.server.records import StepRecord
-from rollout_lens.trainer.writer import RunSpec, StepWriter, record_size
+from rollout_lens.server.core.records import StepRecord
+from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter, record_size
 
 from tests.factories import CONTROL_TOKENS, load_run, make_rollouts
 

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from rollout_lens.server.migrate import head_revision
+from rollout_lens.server.store.migrate import head_revision
 
 ROOT = Path(__file__).resolve().parent.parent
 # What the build never needs: version control, virtual environments, caches and build outputs.
@@ -223,7 +223,7 @@ def test_the_demos_install_leaves_the_test_tools_out(tmp_path: Path) -> None:
 
 @pytest.mark.trains  # a recipe's hash includes the installed torch and transformers versions
 def test_the_prebuilt_models_are_packaged_for_the_current_recipes() -> None:
-    from rollout_lens.trainer import prebuilt
+    from rollout_lens.trainer.builders import prebuilt
 
     for kind in prebuilt.KINDS:
         assert (prebuilt.packaged_dir(kind) / "model.safetensors").is_file(), kind.name
@@ -238,7 +238,7 @@ def test_the_prebuilt_models_are_packaged_for_the_current_recipes() -> None:
 def test_the_wheel_carries_the_prebuilt_models(artifacts: dict[str, Path]) -> None:
     import zipfile
 
-    from rollout_lens.trainer import prebuilt
+    from rollout_lens.trainer.builders import prebuilt
 
     with zipfile.ZipFile(artifacts["wheel"]) as wheel:
         names = set(wheel.namelist())

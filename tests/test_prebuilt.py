@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_lens.trainer import prebuilt
-from rollout_lens.trainer.tiny_model import BUILD_STATS_FILE
+from rollout_lens.trainer.builders import prebuilt
+from rollout_lens.trainer.builders.tiny_model import BUILD_STATS_FILE
 
 
 @pytest.mark.trains  # a recipe's hash includes the installed torch and transformers versions

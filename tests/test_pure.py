@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from rollout_lens.server import analysis
-from rollout_lens.server.packing import (
+from rollout_lens.server.core import analysis
+from rollout_lens.server.store.packing import (
     pack_floats,
     pack_ints,
     pack_matrix,
@@ -14,8 +14,8 @@ from rollout_lens.server.packing import (
     unpack_ints,
     unpack_matrix,
 )
-from rollout_lens.trainer import metrics
-from rollout_lens.trainer.structure import FormatState, classify
+from rollout_lens.trainer.recorder import metrics
+from rollout_lens.trainer.recorder.structure import FormatState, classify
 
 LISTED = ["tool_07", "tool_27"]
 

@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from rollout_lens.server import queries, store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.errors import InvalidInput
-from rollout_lens.server.models import RunStatus
+from rollout_lens.server import store
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import RunStatus
+from rollout_lens.server.webapp import queries
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 

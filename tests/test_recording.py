@@ -7,12 +7,9 @@ import random
 
 import pytest
 from fastapi.testclient import TestClient
-from rollout_lens.server import queries, store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import Rollout, RolloutData, Step
-from rollout_lens.server.records import RolloutRecord
-from rollout_lens.server.serialize import rollout_dict
-from rollout_lens.server.series import (
+from rollout_lens.server import store
+from rollout_lens.server.core.records import RolloutRecord
+from rollout_lens.server.core.vocab import (
     COLLAPSED,
     DROP_PROBES,
     SOLVED_GROUPS,
@@ -20,6 +17,10 @@ from rollout_lens.server.series import (
     STUCK_GROUPS,
 )
 from rollout_lens.server.store import arrays
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import Rollout, RolloutData, Step
+from rollout_lens.server.store.serialize import rollout_dict
+from rollout_lens.server.webapp import queries
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -241,8 +242,8 @@ def test_step_by_step_alerts_equal_a_from_scratch_evaluation(
 
 
 def test_retention_is_a_launch_setting() -> None:
-    from rollout_lens.server.domain.runconfig import RunConfig
-    from rollout_lens.server.launch import defaults, parse_form
+    from rollout_lens.server.core.runconfig import RunConfig
+    from rollout_lens.server.webapp.pages.launch_fields import defaults, parse_form
 
     _, raw = parse_form(defaults())  # the form as it first appears: the field left empty
     assert raw["keep_tokens_every"] is None

@@ -6,9 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from rollout_lens.server import queries, store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.records import RolloutRecord
+from rollout_lens.server import store
+from rollout_lens.server.core.records import RolloutRecord
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.webapp import queries
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from rollout_lens.server import security
-from rollout_lens.server.models import Run, RunStatus
+from rollout_lens.server.store.models import Run, RunStatus
+from rollout_lens.server.webapp.http import security
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -353,8 +353,8 @@ def test_repeated_series_names_are_read_once(
 def test_a_server_error_carries_the_security_headers(tmp_path: Path) -> None:
     """A real 500 (the runs table is gone): the same headers as every response, a page for a
     browser and JSON for a script, and the database's message only in the log."""
-    from rollout_lens.server.db import make_engine, make_session_factory
-    from rollout_lens.server.migrate import upgrade
+    from rollout_lens.server.store.db import make_engine, make_session_factory
+    from rollout_lens.server.store.migrate import upgrade
     from sqlalchemy import text
 
     engine = make_engine(f"sqlite:///{tmp_path / 'broken.db'}")
@@ -459,8 +459,8 @@ def test_a_body_over_1_mb_is_a_413(session_factory: sessionmaker[Session], tmp_p
     """Declared (Content-Length) or streamed (chunked) to a real server: refused with a 413 that
     names the limit, and nothing is created; a form is capped the same way."""
     import httpx
-    from rollout_lens.server.app import create_app
-    from rollout_lens.server.config import Settings
+    from rollout_lens.server.core.config import Settings
+    from rollout_lens.server.webapp.app import create_app
 
     from tests.web_support import serve_app
 

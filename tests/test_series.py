@@ -1,12 +1,12 @@
-"""The series vocabulary (server.series) is the one the store, the trainer and the charts use."""
+"""The series vocabulary (server.core.vocab) is the one the store, the trainer and the charts use."""
 
 from __future__ import annotations
 
 import pytest
-from rollout_lens.server import figures
-from rollout_lens.server import series as vocab
-from rollout_lens.server.models import Step
-from rollout_lens.trainer import positional
+from rollout_lens.server.core import vocab
+from rollout_lens.server.store.models import Step
+from rollout_lens.server.webapp.pages import plotly_figures
+from rollout_lens.trainer.recorder import positional
 
 
 def test_every_step_series_is_a_column_of_the_steps_table() -> None:
@@ -46,7 +46,7 @@ def test_every_probe_part_is_drawn() -> None:
         for p in (*vocab.POSITIONAL_PROBES, *vocab.ID_PROBES)
         for part in (*vocab.PROBE_STATS, *(f"{s}/mean" for s in vocab.PROBE_SPLITS))
     }
-    drawn = {t["meta"]["series"] for f in figures.probe_details(names) for t in f["data"]}
+    drawn = {t["meta"]["series"] for f in plotly_figures.probe_details(names) for t in f["data"]}
     assert drawn == names
 
 

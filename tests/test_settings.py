@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from rollout_lens.server.config import Settings
+from rollout_lens.server.core.config import Settings
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

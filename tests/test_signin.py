@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
-from rollout_lens.server import browser_sessions
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import BrowserSession, Run
-from rollout_lens.server.ratelimit import FREE_FAILURES
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.store import browser_sessions
+from rollout_lens.server.store.db import make_engine, make_session_factory
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import BrowserSession, Run
+from rollout_lens.server.webapp.http.ratelimit import FREE_FAILURES
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -194,7 +194,7 @@ def test_short_tokens_are_refused_at_start(
 
 
 def test_the_limiter_remembers_a_bounded_number_of_addresses() -> None:
-    from rollout_lens.server.ratelimit import MAX_ADDRESSES, FailureLimiter
+    from rollout_lens.server.webapp.http.ratelimit import MAX_ADDRESSES, FailureLimiter
 
     limiter = FailureLimiter()
     for _ in range(FREE_FAILURES + 1):

@@ -1,4 +1,4 @@
-"""The step viewer's marks, pure (server.viewer): how a tool-calling rollout's vote reads (new runs
+"""The step viewer's marks, pure (server.webapp.pages.stepview): how a tool-calling rollout's vote reads (new runs
 and runs recorded before `meta.first_call`), tool results as formatted JSON, the format badge,
 folded control-token tables' one line, and hints."""
 
@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from rollout_lens.server import viewer
+from rollout_lens.server.webapp.pages import stepview
 
 from tests.factories import make_multiturn_group
 
@@ -32,7 +32,7 @@ def _dicts(legacy: bool) -> list[dict[str, Any]]:
 
 def test_a_new_runs_vote_is_the_answer_and_the_tool_that_gave_it() -> None:
     right, out_of_calls, wrong, silent = (
-        viewer.answer_vote(r["vote"], r["meta"]) for r in _dicts(legacy=False)
+        stepview.answer_vote(r["vote"], r["meta"]) for r in _dicts(legacy=False)
     )
     assert right == {
         "legacy": False,
@@ -54,11 +54,11 @@ def test_a_new_runs_vote_is_the_answer_and_the_tool_that_gave_it() -> None:
 def test_a_vote_names_a_tool_only_when_the_rollout_called_it() -> None:
     meta = make_multiturn_group()[2].meta  # called tool_12, answered <answer>31</answer>
     for vote in ("31", "<answer>31</answer>", "tool_59"):  # the value, the text, a tool not called
-        view = viewer.answer_vote(vote, meta)
+        view = stepview.answer_vote(vote, meta)
         assert view is not None and view["source"] is None and view["answer_value"] == "31"
     members = _dicts(legacy=False)
     members[2]["vote"] = "31"
-    labels = {r["vote"]: r.get("label") for r in viewer.group_header(members)["votes"]}
+    labels = {r["vote"]: r.get("label") for r in stepview.group_header(members)["votes"]}
     assert labels == {
         "tool_59": None,
         "31": "answer 31",
@@ -68,7 +68,7 @@ def test_a_vote_names_a_tool_only_when_the_rollout_called_it() -> None:
 
 
 def test_a_run_recorded_before_votes_with_its_first_call_derived_from_its_turns() -> None:
-    views = [viewer.answer_vote(r["vote"], r["meta"]) for r in _dicts(legacy=True)]
+    views = [stepview.answer_vote(r["vote"], r["meta"]) for r in _dicts(legacy=True)]
     assert all(v is not None and v["legacy"] for v in views)
     assert [v["first_call"] for v in views if v] == ["tool_00", "tool_00", "tool_12", None]
     assert [v["vote"] for v in views if v] == ["tool_00", "tool_00", "tool_12", None]
@@ -77,10 +77,10 @@ def test_a_run_recorded_before_votes_with_its_first_call_derived_from_its_turns(
 
 
 def test_a_single_turn_rollout_has_no_answer_vote() -> None:
-    assert viewer.answer_vote("tool_03", {"query": "q"}) is None
-    assert viewer.answer_vote(None, None) is None
+    assert stepview.answer_vote("tool_03", {"query": "q"}) is None
+    assert stepview.answer_vote(None, None) is None
     # turns that are not a list are not turns
-    assert viewer.answer_vote("tool_03", {"turns": "tool_00"}) is None
+    assert stepview.answer_vote("tool_03", {"turns": "tool_00"}) is None
 
 
 def test_first_call_skips_tool_stretches_and_turns_without_calls() -> None:
@@ -89,12 +89,12 @@ def test_first_call_skips_tool_stretches_and_turns_without_calls() -> None:
         {"role": "tool", "start": 2, "end": 3, "calls": [{"name": "tool_09", "result": "x"}]},
         {"role": "model", "start": 3, "end": 5, "calls": [{"name": "tool_04"}, {"name": "t"}]},
     ]
-    assert viewer.first_call(turns) == "tool_04"
-    assert viewer.first_call([]) is None
+    assert stepview.first_call(turns) == "tool_04"
+    assert stepview.first_call([]) is None
 
 
 def test_group_votes_first_calls_and_answers_of_a_multiturn_group() -> None:
-    header = viewer.group_header(_dicts(legacy=False))
+    header = stepview.group_header(_dicts(legacy=False))
     assert header["vote_kind"] == "answer"
     votes = {row["vote"]: row for row in header["votes"]}
     assert votes["tool_59"]["is_target"] and votes["tool_59"]["rollouts"] == [0]
@@ -105,7 +105,7 @@ def test_group_votes_first_calls_and_answers_of_a_multiturn_group() -> None:
         ("tool_12", [2]),
         (None, [3]),
     ]
-    legacy = viewer.group_header(_dicts(legacy=True))
+    legacy = stepview.group_header(_dicts(legacy=True))
     assert legacy["vote_kind"] == "first_call" and legacy["first_calls"] == []
     assert legacy["votes"][0]["vote"] == "tool_00" and legacy["votes"][0]["count"] == 2
 
@@ -126,7 +126,7 @@ def test_group_votes_first_calls_and_answers_of_a_multiturn_group() -> None:
 def test_tool_results_that_are_json_or_python_literals_read_as_formatted_json(
     text: str, value: Any
 ) -> None:
-    shown = viewer.result_json(text)
+    shown = stepview.result_json(text)
     assert shown is not None
     assert json.loads(shown) == value
     assert shown == json.dumps(value, indent=2, ensure_ascii=False)
@@ -151,7 +151,7 @@ def test_tool_results_that_are_json_or_python_literals_read_as_formatted_json(
     ],
 )
 def test_other_tool_results_stay_text(text: str) -> None:
-    assert viewer.result_json(text) is None
+    assert stepview.result_json(text) is None
 
 
 def test_turn_views_format_results_and_fold_tables_to_their_maxima() -> None:
@@ -164,7 +164,7 @@ def test_turn_views_format_results_and_fold_tables_to_their_maxima() -> None:
         },
     }
     cells = [{"text": str(i), "cls": "tok", "title": ""} for i in range(32)]
-    views = viewer.turn_views(rollout, cells, [("sampled", [])])
+    views = stepview.turn_views(rollout, cells, [("sampled", [])])
     assert views is not None
     tool_results = [c for v in views if v["role"] == "tool" for c in v["calls"]]
     assert tool_results[2]["result_json"] == '{\n  "error": "tool_47 cannot serve this request"\n}'
@@ -180,61 +180,61 @@ def test_turn_views_format_results_and_fold_tables_to_their_maxima() -> None:
 
 def test_control_summary_takes_the_first_of_equal_maxima_and_stays_in_range() -> None:
     control: dict[str, list[float | None]] = {"a": [0.5, 0.7, 0.7, 0.99], "b": [0.1]}
-    assert viewer.control_summary(control, 0, 3) == [("a", "0.70", 1), ("b", "0.10", 0)]
-    assert viewer.control_summary(control, 2, 10) == [("a", "0.99", 3)]
-    assert viewer.control_summary(control, 4, 8) == []
+    assert stepview.control_summary(control, 0, 3) == [("a", "0.70", 1), ("b", "0.10", 0)]
+    assert stepview.control_summary(control, 2, 10) == [("a", "0.99", 3)]
+    assert stepview.control_summary(control, 4, 8) == []
 
 
 def test_the_format_badge_is_the_state_coloured_by_meaning_and_says_why_not_valid() -> None:
     group = make_multiturn_group()
     # ran out of calls: every call well-formed (healthy, green), not valid for lack of an answer
-    out = viewer.format_badge(False, "healthy_call", group[1].meta, max_calls=4)
+    out = stepview.format_badge(False, "healthy_call", group[1].meta, max_calls=4)
     assert (out["state"], out["tone"], out["valid"]) == ("healthy_call", "ok", False)
     assert out["problem"]["label"] == "ran out of calls"
     assert "4 tool results" in out["problem"]["title"]
     # without the run's limit, or under it, only that it ended on a call
-    assert viewer.format_badge(False, "healthy_call", group[1].meta)["problem"]["label"] == (
+    assert stepview.format_badge(False, "healthy_call", group[1].meta)["problem"]["label"] == (
         "no final answer"
     )
-    assert viewer.format_badge(False, "healthy_call", group[1].meta, 8)["problem"]["label"] == (
+    assert stepview.format_badge(False, "healthy_call", group[1].meta, 8)["problem"]["label"] == (
         "no final answer"
     )
     # a right rollout: nothing more to say
-    right = viewer.format_badge(True, "healthy_call", group[0].meta, 4)
+    right = stepview.format_badge(True, "healthy_call", group[0].meta, 4)
     assert right["problem"] is None and right["tone"] == "ok"
     # single-turn: the state's own tone; a broken state explains itself
-    assert viewer.format_badge(False, "collapse", {})["tone"] == "bad"
-    assert viewer.format_badge(False, "collapse", {})["problem"] is None
-    assert viewer.format_badge(False, "text_pollution", {})["tone"] == "warn"
-    odd = viewer.format_badge(False, "healthy_call", {})
+    assert stepview.format_badge(False, "collapse", {})["tone"] == "bad"
+    assert stepview.format_badge(False, "collapse", {})["problem"] is None
+    assert stepview.format_badge(False, "text_pollution", {})["tone"] == "warn"
+    odd = stepview.format_badge(False, "healthy_call", {})
     assert odd["problem"]["label"] == "not format-valid"
     # no state recorded: valid / invalid; an importer's unchecked and an unknown state are grey
-    assert viewer.format_badge(True, None, None)["state"] == "valid"
-    assert viewer.format_badge(False, None, None)["tone"] == "bad"
-    assert viewer.format_badge(True, "unchecked", None)["tone"] == "none"
-    assert viewer.format_badge(True, "<b>new</b>", None)["tone"] == "none"
+    assert stepview.format_badge(True, None, None)["state"] == "valid"
+    assert stepview.format_badge(False, None, None)["tone"] == "bad"
+    assert stepview.format_badge(True, "unchecked", None)["tone"] == "none"
+    assert stepview.format_badge(True, "<b>new</b>", None)["tone"] == "none"
 
 
 def test_a_hint_is_labelled_once_and_says_who_saw_it() -> None:
-    assert viewer.hint_body("Hint: the query needs X.") == "the query needs X."
-    assert viewer.hint_body("  HINT :no space") == "no space"
-    assert viewer.hint_body("Hint:") == "Hint:"  # nothing after it: left as it is
-    assert viewer.hint_body("Use the hint: X") == "Use the hint: X"
-    assert viewer.hint_body(None) == ""
+    assert stepview.hint_body("Hint: the query needs X.") == "the query needs X."
+    assert stepview.hint_body("  HINT :no space") == "no space"
+    assert stepview.hint_body("Hint:") == "Hint:"  # nothing after it: left as it is
+    assert stepview.hint_body("Use the hint: X") == "Use the hint: X"
+    assert stepview.hint_body(None) == ""
     # the dataset's hint: in meta (launched runs) or in the row the callback kept
-    header = viewer.group_header(_dicts(legacy=False))
+    header = stepview.group_header(_dicts(legacy=False))
     assert header["hint"] == "the ticket tool names the tool needed next."
     assert header["hint_shown_to"] == []
     members = _dicts(legacy=False)
     members[3]["meta"] = {"supervised": "hint", "hint_shown": "Hint: shown one."}
     members[0]["meta"] = {"hint": "Hint: in meta."} | {"turns": []}
-    header = viewer.group_header(members)
+    header = stepview.group_header(members)
     assert header["hint"] == "in meta." and header["hint_shown_to"] == [3]
 
 
 def test_the_call_limit_is_the_runs_max_calls_or_trls_iterations() -> None:
-    assert viewer.call_limit({"max_calls": 4, "max_tool_calling_iterations": 9}) == 4
-    assert viewer.call_limit({"max_tool_calling_iterations": 9}) == 9  # a recorded GRPOConfig
-    assert viewer.call_limit({"max_tool_calling_iterations": None}) is None
-    assert viewer.call_limit({"max_calls": True}) is None
-    assert viewer.call_limit(None) is None
+    assert stepview.call_limit({"max_calls": 4, "max_tool_calling_iterations": 9}) == 4
+    assert stepview.call_limit({"max_tool_calling_iterations": 9}) == 9  # a recorded GRPOConfig
+    assert stepview.call_limit({"max_tool_calling_iterations": None}) is None
+    assert stepview.call_limit({"max_calls": True}) is None
+    assert stepview.call_limit(None) is None

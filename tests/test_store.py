@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import (
+from rollout_lens.server.core.records import StepRecord
+from rollout_lens.server.core.vocab import STEP_SERIES
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import (
     ROLLUP_WIDTHS,
     Prompt,
     Rollout,
@@ -19,9 +21,7 @@ from rollout_lens.server.models import (
     Step,
     utcnow,
 )
-from rollout_lens.server.records import StepRecord
-from rollout_lens.server.serialize import rollout_dict
-from rollout_lens.server.series import STEP_SERIES
+from rollout_lens.server.store.serialize import rollout_dict
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -118,7 +118,7 @@ def test_status_transitions_and_cost(session_factory) -> None:
 
 
 def test_missing_run_is_not_found(session_factory) -> None:
-    from rollout_lens.server.errors import NotFound
+    from rollout_lens.server.core.errors import NotFound
 
     with pytest.raises(NotFound, match="run 999"), session_scope(session_factory) as session:
         store.get_run(session, run_id=999)

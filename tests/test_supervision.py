@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from rollout_lens.server.config import Settings
-from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.trainer.run import train
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.trainer.worker.run import train
 
 from tests.factories import load_run
 

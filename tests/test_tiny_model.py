@@ -8,15 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_lens.trainer import tiny_model
-from rollout_lens.trainer.envs.escalation import REPLY_FORMATS, EscalationEnv, corpus, reply
-from rollout_lens.trainer.tiny_model import (
+from rollout_lens.trainer.builders import tiny_model
+from rollout_lens.trainer.builders.tiny_model import (
     BUILD_STATS_FILE,
     CONTROL_TOKENS,
     RECIPE_HASH,
     ensure_tiny_model,
     tiny_model_dir,
 )
+from rollout_lens.trainer.envs.onestep import REPLY_FORMATS, EscalationEnv, corpus, reply
 
 
 def test_model_dir_is_named_by_the_recipe_hash(tmp_path: Path) -> None:

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 from rollout_lens.server import store
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.models import Rollout, Step
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store import arrays
-from rollout_lens.trainer.run import train
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.models import Rollout, Step
+from rollout_lens.trainer.worker.run import train
 from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.errors import InvalidInput
-from rollout_lens.server.models import Run, RunSource, RunStatus
-from rollout_lens.server.serialize import rollout_dict
-from rollout_lens.server.trl_import import import_trl
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.exchange.trl_import import import_trl
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import Run, RunSource, RunStatus
+from rollout_lens.server.store.serialize import rollout_dict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -40,7 +40,7 @@ def trl_output(user_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         use_cpu=True,
         save_strategy="no",
         disable_tqdm=True,
-        # As trainer/run.py: GRPOConfig's default gradient checkpointing goes through names
+        # As trainer/worker/run.py: GRPOConfig's default gradient checkpointing goes through names
         # transformers 5 deprecates (FutureWarnings, errors under pytest), and buys nothing here.
         activation_checkpointing=False,
     )

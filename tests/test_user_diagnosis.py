@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_lens.server import series as vocab
+from rollout_lens.server.core import vocab
 
 from tests import user_script as us
 from tests.factories import load_run
@@ -120,8 +120,9 @@ def _train(model: Path, out: Path, url: str, rewards: list[Any], **config: Any) 
 
 def _only_run(url: str) -> tuple[int, list[dict[str, Any]]]:
     """The one recorded run's id and its alerts, as the pages get them."""
-    from rollout_lens.server import queries, store
-    from rollout_lens.server.db import make_engine, make_session_factory, session_scope
+    from rollout_lens.server import store
+    from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+    from rollout_lens.server.webapp import queries
 
     engine = make_engine(url)
     try:
@@ -170,7 +171,7 @@ def test_a_single_turn_script_gets_the_diagnosis_and_trains_into_the_alerts(
 ) -> None:
     """Item 3: structural states and positional probes read with the tokenizer's own call tags,
     and a run trained into a collapse (lr 0.5) raises the collapse and control-token alerts."""
-    from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.store.db import make_engine, make_session_factory
     from transformers import AutoTokenizer
 
     from tests.web_support import client_for, parse
@@ -269,7 +270,7 @@ def test_logged_values_only_where_trl_logged_and_format_validity_unknown(
     step) with logging_steps=3: TRL logs at steps 3 and 6, and only those steps have logged
     values; the steps reusing a generation have its rollout-derived values; the stored config
     is the GRPOConfig as given; format validity is unknown, and the step viewer says so."""
-    from rollout_lens.server.db import make_engine, make_session_factory
+    from rollout_lens.server.store.db import make_engine, make_session_factory
 
     from tests.web_support import client_for, parse
 
@@ -377,7 +378,7 @@ def test_logged_values_only_where_trl_logged_and_format_validity_unknown(
 def test_unknown_format_validity_is_neither_invalid_nor_broken() -> None:
     """The groups overview's states and broken count: a rollout no function judged (and with no
     structural state) is not recorded, not invalid; False and a broken state still count."""
-    from rollout_lens.server import viewer
+    from rollout_lens.server.webapp.pages import stepview
 
     def row(index: int, valid: bool | None, state: str | None) -> dict[str, Any]:
         return {
@@ -393,13 +394,13 @@ def test_unknown_format_validity_is_neither_invalid_nor_broken() -> None:
             "format_state": state,
         }
 
-    unknown = viewer.group_summary([row(i, None, None) for i in range(4)], "q")
+    unknown = stepview.group_summary([row(i, None, None) for i in range(4)], "q")
     assert unknown["states"] == {} and unknown["broken"] == 0
-    mixed = viewer.group_summary(
+    mixed = stepview.group_summary(
         [row(0, None, "healthy_call"), row(1, False, None), row(2, True, None), row(3, None, None)],
         "q",
     )
     assert mixed["states"] == {"healthy_call": 1, "invalid": 1, "valid": 1}
     assert mixed["broken"] == 1
-    assert viewer.state_name(None, "collapse") == "collapse"
-    assert viewer.broken(None, "collapse") and not viewer.broken(None, "healthy_call")
+    assert stepview.state_name(None, "collapse") == "collapse"
+    assert stepview.broken(None, "collapse") and not stepview.broken(None, "healthy_call")

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.dump_import import import_dumps
-from rollout_lens.server.errors import InvalidInput
-from rollout_lens.server.models import Run, RunSource, RunStatus
-from rollout_lens.server.serialize import rollout_dict
-from rollout_lens.server.verl_import import VerlDump
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.exchange.dump_import import import_dumps
+from rollout_lens.server.exchange.verl_import import VerlDump
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import Run, RunSource, RunStatus
+from rollout_lens.server.store.serialize import rollout_dict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -430,7 +430,7 @@ def test_a_restart_resumes_after_the_last_recorded_step(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from rollout_lens.server import follow
+    from rollout_lens.server.exchange import follow
 
     from rollout_lens.cli import main
 

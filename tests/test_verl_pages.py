@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_lens.server import export
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.dump_import import import_dumps
-from rollout_lens.server.importer import import_export
-from rollout_lens.server.models import RunStatus
-from rollout_lens.server.verl_import import VerlDump
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.exchange import export
+from rollout_lens.server.exchange.dump_import import import_dumps
+from rollout_lens.server.exchange.importer import import_export
+from rollout_lens.server.exchange.verl_import import VerlDump
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import RunStatus
+from rollout_lens.server.webapp.app import create_app
 from sqlalchemy.orm import Session, sessionmaker
 
 from rollout_lens import Client
@@ -137,8 +137,8 @@ def browser() -> Iterator[Any]:
 def test_chromium_shows_a_verl_run(browser: Any, dumps: Dumps, tmp_path: Path) -> None:  # noqa: F811
     """The run page (notes, charts, evaluation) and the step viewer of an imported verl run, in
     Chromium; screenshots verl-run.png and verl-step.png."""
-    from rollout_lens.server.db import make_engine, make_session_factory
-    from rollout_lens.server.migrate import upgrade
+    from rollout_lens.server.store.db import make_engine, make_session_factory
+    from rollout_lens.server.store.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'rollout-lens.db'}"
     engine = make_engine(url)

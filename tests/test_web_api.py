@@ -6,9 +6,9 @@ import random
 
 import pytest
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import RunStatus
-from rollout_lens.server.series import STEP_SERIES
+from rollout_lens.server.core.vocab import STEP_SERIES
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import RunStatus
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step

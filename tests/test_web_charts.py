@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from rollout_lens.server import charts, figures, viewer
-from rollout_lens.server.formats import fmt_num
-from rollout_lens.server.templating import token_text, visible_text
+from rollout_lens.server.core.display import fmt_num
+from rollout_lens.server.webapp.http.templating import token_text, visible_text
+from rollout_lens.server.webapp.pages import chart_data, plotly_figures, stepview
 
 
 @pytest.mark.parametrize(
@@ -25,20 +25,20 @@ from rollout_lens.server.templating import token_text, visible_text
 def test_bucket_width_is_the_smallest_1_2_5_width_that_fits(
     steps: int, max_points: int | None, width: int
 ) -> None:
-    assert charts.bucket_width(steps, max_points) == width
+    assert chart_data.bucket_width(steps, max_points) == width
     if max_points:
         assert math.ceil(steps / width) + 1 <= max_points or width == 1
 
 
 def test_series_shaping_drops_empty_series() -> None:
     rows = [(1, 0.5, None), (2, 0.7, None)]
-    assert charts.raw_series(["a", "b"], rows) == {"a": {"x": [1, 2], "y": [0.5, 0.7]}}
-    bucketed = charts.bucketed_series(["a", "b"], [(1, 0.5, 0.1, 0.9, None, None, None)])
+    assert chart_data.raw_series(["a", "b"], rows) == {"a": {"x": [1, 2], "y": [0.5, 0.7]}}
+    bucketed = chart_data.bucketed_series(["a", "b"], [(1, 0.5, 0.1, 0.9, None, None, None)])
     assert bucketed == {"a": {"x": [1], "y": [0.5], "lo": [0.1], "hi": [0.9]}}
 
 
 def test_bucket_table_names_step_ranges() -> None:
-    table = charts.bucket_table([(0, 25, 1.0, 0.9, 1.0), (1, 3, 0.0, 0.5, None)])
+    table = chart_data.bucket_table([(0, 25, 1.0, 0.9, 1.0), (1, 3, 0.0, 0.5, None)])
     assert table["start"] == [1, 26] and table["end"] == [25, 50] and table["n"] == [25, 3]
     assert table["true_accuracy"] == [1.0, 0.0]
 
@@ -49,7 +49,7 @@ def _buckets(accuracy: list[float]) -> dict[str, list]:
         (i // 25, len(accuracy[i : i + 25]), sum(accuracy[i : i + 25]) / len(accuracy[i : i + 25]))
         for i in range(0, len(accuracy), 25)
     ]
-    return charts.bucket_table([(i, n, acc, 0.5, 1.0) for i, n, acc in rows])
+    return chart_data.bucket_table([(i, n, acc, 0.5, 1.0) for i, n, acc in rows])
 
 
 def test_run_summary_reads_buckets_and_the_summary_columns() -> None:
@@ -63,16 +63,16 @@ def test_run_summary_reads_buckets_and_the_summary_columns() -> None:
         "recent_true_accuracy": 1.0,
         "recent_reward": 0.5,
     }
-    summary = charts.run_summary(run, _buckets(accuracy))
+    summary = chart_data.run_summary(run, _buckets(accuracy))
     assert summary["converged_at"] == 75  # steps 51–75: the first bucket with a mean ≥ 0.9
     assert summary["stability"] == 0.0  # every bucket from there on is 1.0
-    wobbly = charts.run_summary(run, _buckets(accuracy[:75] + [0.6] * 25))
+    wobbly = chart_data.run_summary(run, _buckets(accuracy[:75] + [0.6] * 25))
     assert wobbly["stability"] == pytest.approx(0.4)
     assert summary["final_accuracy"] == 1.0 and summary["final_reward"] == 0.5
-    never = charts.run_summary(run, _buckets([0.5] * 100))
+    never = chart_data.run_summary(run, _buckets([0.5] * 100))
     assert never["converged_at"] is None and never["stability"] is None
     # A bucket still filling cannot converge yet: steps 51–60 of a run at step 60.
-    live = charts.run_summary(run | {"current_step": 60}, _buckets([0.0] * 50 + [1.0] * 10))
+    live = chart_data.run_summary(run | {"current_step": 60}, _buckets([0.0] * 50 + [1.0] * 10))
     assert live["converged_at"] is None
 
 
@@ -83,14 +83,14 @@ def test_chart_series_round_to_what_a_chart_shows_and_drop_bands_on_request() ->
         "lo": [0.1, 0.0],
         "hi": [0.987654321, 0.5],
     }
-    shown = charts.chart_series({"a": entry}, bands=True)["a"]
+    shown = chart_data.chart_series({"a": entry}, bands=True)["a"]
     assert shown == {"x": [1, 11], "y": [0.1235, 0.0001], "lo": [0.1, 0.0], "hi": [0.9877, 0.5]}
-    assert charts.chart_series({"a": entry}, bands=False) == {
+    assert chart_data.chart_series({"a": entry}, bands=False) == {
         "a": {"x": [1, 11], "y": [0.1235, 0.0001]}
     }
-    small = charts.chart_series({"p": {"x": [1, 2], "y": [0.00123456, None]}}, bands=True)
+    small = chart_data.chart_series({"p": {"x": [1, 2], "y": [0.00123456, None]}}, bands=True)
     assert small == {"p": {"x": [1, 2], "y": [0.001235, None]}}  # digits of its own scale
-    big = charts.chart_series({"n": {"x": [1], "y": [123456.7]}}, bands=False)
+    big = chart_data.chart_series({"n": {"x": [1], "y": [123456.7]}}, bands=False)
     assert big["n"]["y"] == [123500.0]
 
 
@@ -113,13 +113,13 @@ def test_config_diff_shows_only_what_differs() -> None:
             "config": {"lr": 3e-4, "opt": {"beta": 0.8}, "extra": True},
         },
     ]
-    diff = charts.config_diff(runs)
+    diff = chart_data.config_diff(runs)
     rows = {r["key"]: r for r in diff["rows"]}
     assert set(rows) == {"variant", "k", "opt.beta", "extra"}
     assert rows["extra"]["values"] == ["—", "true"] and rows["extra"]["differs"] == [False, True]
     assert rows["k"]["values"] == ["null", "4"]
     assert diff["same"] == 6  # model, seed, lr, and three columns both lack
-    assert charts.config_rows({"a": {"b": 1}, "c": "x"}) == [("a.b", "1"), ("c", '"x"')]
+    assert chart_data.config_rows({"a": {"b": 1}, "c": "x"}) == [("a.b", "1"), ("c", '"x"')]
 
 
 def _rollout(completion: str, ids: list[int], probs: list[float], **extra):  # type: ignore[no-untyped-def]
@@ -146,9 +146,12 @@ def test_token_texts_prefer_recorded_tokens_then_the_text_then_ids() -> None:
         [0.9] * 4,
         tokens=["<tool>", "tool_07", "</tool>", "</assistant>"],
     )
-    assert viewer.token_texts(recorded) == (["<tool>", "tool_07", "</tool>", "</assistant>"], True)
+    assert stepview.token_texts(recorded) == (
+        ["<tool>", "tool_07", "</tool>", "</assistant>"],
+        True,
+    )
     split = _rollout("<tool>tool_07</tool>", [5, 107, 6], [0.9] * 3)
-    assert viewer.token_texts(split) == (["<tool>", "tool_07", "</tool>"], True)
+    assert stepview.token_texts(split) == (["<tool>", "tool_07", "</tool>"], True)
     # The end-of-turn token is not in decoded text; its probability names it.
     eot = _rollout(
         "<tool>tool_07</tool>",
@@ -156,9 +159,9 @@ def test_token_texts_prefer_recorded_tokens_then_the_text_then_ids() -> None:
         [0.9, 0.8, 0.95, 0.7],
         control={"</assistant>": [0, 0, 0, 0.7]},
     )
-    assert viewer.token_texts(eot) == (["<tool>", "tool_07", "</tool>", "</assistant>"], True)
+    assert stepview.token_texts(eot) == (["<tool>", "tool_07", "</tool>", "</assistant>"], True)
     unknown = _rollout("something else entirely", [11, 12], [0.5, 0.5])
-    assert viewer.token_texts(unknown) == (["⟨11⟩", "⟨12⟩"], False)
+    assert stepview.token_texts(unknown) == (["⟨11⟩", "⟨12⟩"], False)
 
 
 def test_group_view_votes_and_near_misses() -> None:
@@ -177,7 +180,7 @@ def test_group_view_votes_and_near_misses() -> None:
                 "true_score": float(vote == "tool_07"),
             }
         )
-    (group,) = viewer.group_views(rollouts)
+    (group,) = stepview.group_views(rollouts)
     assert [(v["vote"], v["count"], v["rollouts"]) for v in group["votes"]] == [
         ("tool_07", 2, [0, 1]),
         ("tool_03", 1, [3]),
@@ -190,14 +193,14 @@ def test_group_view_votes_and_near_misses() -> None:
         ["</assistant>"],
         [],
     ]  # 0.45 end-of-turn where an id was sampled
-    cells = viewer.token_cells(rollout)
+    cells = stepview.token_cells(rollout)
     assert cells[1]["cls"] == "tok p5 near-miss" and "near miss: </assistant>" in cells[1]["title"]
-    rows = viewer.control_rows(rollout)
+    rows = stepview.control_rows(rollout)
     assert rows[0][0] == "sampled" and rows[3] == (
         "</assistant>",
         [("c0", "0.00"), ("c4", "0.45"), ("c0", "0.00")],
     )
-    assert [viewer.probability_bin(p) for p in (None, 0.0, 0.05, 0.5, 0.99, 1.0)] == [
+    assert [stepview.probability_bin(p) for p in (None, 0.0, 0.05, 0.5, 0.99, 1.0)] == [
         0,
         0,
         0,
@@ -205,7 +208,7 @@ def test_group_view_votes_and_near_misses() -> None:
         9,
         9,
     ]
-    assert (viewer.prob_text(0.001), viewer.prob_text(None), viewer.prob_text(0.5, 3)) == (
+    assert (stepview.prob_text(0.001), stepview.prob_text(None), stepview.prob_text(0.5, 3)) == (
         "<0.01",
         "—",
         "0.500",
@@ -239,7 +242,7 @@ def test_run_figures_cover_the_recorded_series() -> None:
         "trl/reward",
         "retrieval_recall",
     ]
-    figs = figures.run_figures(["<tool>"], names)
+    figs = plotly_figures.run_figures(["<tool>"], names)
     assert [f["id"] for f in figs["main"]] == ["reward", "buckets", "votes", "format", "control"]
     assert [f["id"] for f in figs["structure"]] == ["probes", "states"]
     assert [f["id"] for f in figs["optimization"]] == ["s-loss"]
@@ -269,7 +272,7 @@ def test_compare_figures_overlay_runs() -> None:
         "1": {"series": {"true_accuracy": data, "ctrl/<tool>/mean": data}},
         "2": {"series": {"true_accuracy": data}},
     }
-    figs = figures.compare_figures(runs, series, ["true_accuracy", "vote_agreement"])
+    figs = plotly_figures.compare_figures(runs, series, ["true_accuracy", "vote_agreement"])
     assert [f["title"] for f in figs["main"]] == ["True accuracy"]
     traces = figs["main"][0]["data"]
     assert [(t["meta"]["run"], t["meta"]["part"]) for t in traces] == [
@@ -277,7 +280,7 @@ def test_compare_figures_overlay_runs() -> None:
     ]
     assert all(t["x"] == [] and t["y"] == [] for t in traces)  # the page's script fills them
     assert [f["title"] for f in figs["control"]] == ["<tool>"]
-    lines = figures.compare_figures(runs, series, ["true_accuracy"], bands=False)
+    lines = plotly_figures.compare_figures(runs, series, ["true_accuracy"], bands=False)
     assert [t["meta"]["part"] for t in lines["main"][0]["data"]] == ["y", "y"]
 
 
@@ -286,7 +289,7 @@ def test_probe_details_group_each_probe_with_its_statistics_and_splits() -> None
         f"probe/eot_after_open/{part}"
         for part in ("mean", "p90", "max", "reward1/mean", "reward0/mean", "supervised/mean")
     } | {"probe/target_logprob/mean", "probe/target_logprob/p90"}
-    figs = figures.probe_details(names)
+    figs = plotly_figures.probe_details(names)
     assert [f["id"] for f in figs] == ["probe-eot_after_open", "probe-target_logprob"]
     eot = figs[0]
     lines = [t for t in eot["data"] if t["meta"]["part"] == "y"]
@@ -305,19 +308,19 @@ def test_probe_details_group_each_probe_with_its_statistics_and_splits() -> None
 
 
 def test_evaluation_and_sft_charts_and_the_series_a_config_promises() -> None:
-    assert figures.expected_series(None) == []
-    assert figures.expected_series({"eval_every": 0, "supervision": "none"}) == []
-    assert figures.expected_series({"eval_every": 25, "supervision": "interleaved_sft"}) == [
+    assert plotly_figures.expected_series(None) == []
+    assert plotly_figures.expected_series({"eval_every": 0, "supervision": "none"}) == []
+    assert plotly_figures.expected_series({"eval_every": 25, "supervision": "interleaved_sft"}) == [
         "eval/id",
         "eval/format_ood",
         "eval/content_ood",
         "sft/loss",
     ]
-    figs = figures.evaluation({"eval/id", "eval/content_ood", "sft/loss"})
+    figs = plotly_figures.evaluation({"eval/id", "eval/content_ood", "sft/loss"})
     assert [f["id"] for f in figs] == ["eval", "sft"]
     shown = [(t["name"], t["mode"]) for t in figs[0]["data"] if t["meta"]["part"] == "y"]
     assert shown == [("in-distribution", "lines+markers"), ("content-OOD", "lines+markers")]
-    run = figures.run_figures([], ["reward_mean", "eval/id", "sft/loss", "sft/examples"])
+    run = plotly_figures.run_figures([], ["reward_mean", "eval/id", "sft/loss", "sft/examples"])
     assert [f["id"] for f in run["evaluation"]] == ["eval", "sft"]
     assert [g["title"] for g in run["other"]] == ["sft"]  # sft/examples: not charted elsewhere
 
@@ -329,7 +332,7 @@ def test_compare_figures_add_evaluation_and_collapse_overlays() -> None:
         "1": {"series": {"eval/id": data, "state/collapse": data}},
         "2": {"series": {"eval/id": data}},
     }
-    figs = figures.compare_figures(runs, series, ["true_accuracy"])
+    figs = plotly_figures.compare_figures(runs, series, ["true_accuracy"])
     assert [f["title"] for f in figs["evaluation"]] == ["Evaluation: in-distribution"]
     assert [f["title"] for f in figs["collapse"]] == ["Share of collapsed completions"]
     modes = {t["mode"] for t in figs["evaluation"][0]["data"] if t["meta"]["part"] == "y"}
@@ -380,7 +383,7 @@ def test_compare_figures_add_evaluation_and_collapse_overlays() -> None:
     ],
 )
 def test_live_summary_says_where_a_run_stands(live: dict, text: str) -> None:
-    assert charts.live_summary({"current_step": 0, "total_steps": 100} | live) == text
+    assert chart_data.live_summary({"current_step": 0, "total_steps": 100} | live) == text
 
 
 def test_steps_per_second_from_recent_steps() -> None:
@@ -388,15 +391,18 @@ def test_steps_per_second_from_recent_steps() -> None:
 
     t0 = datetime(2025, 1, 1, 12, 0, 0)
     recent = [(30, t0 + timedelta(seconds=10)), (25, t0 + timedelta(seconds=5)), (20, t0)]
-    assert charts.steps_per_second(recent) == pytest.approx(1.0)
-    assert charts.steps_per_second(recent[:1]) is None
-    assert charts.steps_per_second([(2, t0), (1, t0)]) is None  # no measurable time yet
-    assert charts.duration_text(3725) == "1 h 02 min" and charts.duration_text(61) == "1 min 01 s"
+    assert chart_data.steps_per_second(recent) == pytest.approx(1.0)
+    assert chart_data.steps_per_second(recent[:1]) is None
+    assert chart_data.steps_per_second([(2, t0), (1, t0)]) is None  # no measurable time yet
+    assert (
+        chart_data.duration_text(3725) == "1 h 02 min"
+        and chart_data.duration_text(61) == "1 min 01 s"
+    )
 
 
 def test_buckets_are_drawn_over_the_steps_they_hold() -> None:
     # A 30-step run: steps 1–25 closed, 26–30 still filling (5 of 25).
-    geometry = charts.bucket_geometry([1, 26], [25, 5])
+    geometry = chart_data.bucket_geometry([1, 26], [25, 5])
     assert geometry == {
         "x0": [1, 26],
         "x1": [25, 30],
@@ -404,33 +410,33 @@ def test_buckets_are_drawn_over_the_steps_they_hold() -> None:
         "partial": [False, True],
     }
     # A 10-step run is one partial bucket over steps 1–10, not a dot at step 1.
-    assert charts.bucket_geometry([1], [10]) == {
+    assert chart_data.bucket_geometry([1], [10]) == {
         "x0": [1],
         "x1": [10],
         "center": [5.5],
         "partial": [True],
     }
-    table = charts.bucket_table([(0, 25, 1.0, 0.9, 1.0), (1, 1, 0.0, 0.5, None)])
+    table = chart_data.bucket_table([(0, 25, 1.0, 0.9, 1.0), (1, 1, 0.0, 0.5, None)])
     assert table["x1"] == [25, 26] and table["center"] == [13.0, 26.0]
     assert table["partial"] == [False, True]
 
 
 def test_kl_and_loss_say_what_beta_zero_means() -> None:
     names = ["loss", "kl", "grad_norm"]
-    at_zero = figures.run_figures([], names, {"kl_coef": 0.0, "num_iterations": 1})
+    at_zero = plotly_figures.run_figures([], names, {"kl_coef": 0.0, "num_iterations": 1})
     by_id = {f["id"]: f for f in at_zero["optimization"]}
     assert by_id["s-kl"]["empty"] == "not computed (β = 0)"
     assert "0 by construction" in by_id["s-loss"]["help"]
     assert by_id["s-grad_norm"]["empty"] == ""
-    with_kl = figures.run_figures([], names, {"kl_coef": 0.04, "num_iterations": 1})
+    with_kl = plotly_figures.run_figures([], names, {"kl_coef": 0.04, "num_iterations": 1})
     assert all(f["empty"] == "" and f["help"] == "" for f in with_kl["optimization"])
     # A run recorded from a user's own script has no launch config: nothing is claimed.
-    assert all(f["empty"] == "" for f in figures.run_figures([], names)["optimization"])
+    assert all(f["empty"] == "" for f in plotly_figures.run_figures([], names)["optimization"])
 
 
 def test_k_reads_the_same_in_the_config_panel_as_on_the_card() -> None:
     leaky = {"variant": "leaky", "k": None, "config": {"variant": "leaky", "k": 4, "lr": 1}}
-    assert dict(charts.config_rows(charts.shown_config(leaky)))["k"] == "null"
+    assert dict(chart_data.config_rows(chart_data.shown_config(leaky)))["k"] == "null"
     patched = {"variant": "patched", "k": 4, "config": {"variant": "patched", "k": 4}}
-    assert dict(charts.config_rows(charts.shown_config(patched)))["k"] == "4"
-    assert charts.shown_config({"config": None}) is None
+    assert dict(chart_data.config_rows(chart_data.shown_config(patched)))["k"] == "4"
+    assert chart_data.shown_config({"config": None}) is None

@@ -7,9 +7,9 @@ import re
 
 import pytest
 from rollout_lens.server import store
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import RunStatus
-from rollout_lens.server.series import BELONGS, MISPLACED
+from rollout_lens.server.core.vocab import BELONGS, MISPLACED
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import RunStatus
 
 from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
 from tests.web_support import (
@@ -110,7 +110,7 @@ def test_run_page_shows_the_card_and_chart_specs(session_factory, client) -> Non
 def test_external_runs_say_where_they_came_from_and_what_was_dropped(
     session_factory, client
 ) -> None:
-    from rollout_lens.server.models import RunSource
+    from rollout_lens.server.store.models import RunSource
 
     note = "<script>alert(1)</script> no control-token probabilities"
     judged = {"vote": False, "true_score": True, "format_valid": False}
@@ -486,7 +486,7 @@ def test_alerts_of_many_runs_for_the_runs_list(session_factory, client) -> None:
 def _record_converging_run(session_factory, *, solved: bool) -> int:
     """A patched run of two groups a step, recorded from its rollouts as the trainer summarizes
     them: learning for 29 steps, then every rollout right (`solved`) or every one wrong."""
-    from rollout_lens.trainer.summary import summarize
+    from rollout_lens.trainer.recorder.summary import summarize
 
     rng = random.Random(11)
     run_id = make_run(session_factory, steps=0, prompts_per_step=2)

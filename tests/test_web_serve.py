@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from rollout_lens.server.db import make_engine
-from rollout_lens.server.migrate import current_revision, head_revision
+from rollout_lens.server.store.db import make_engine
+from rollout_lens.server.store.migrate import current_revision, head_revision
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -31,8 +31,8 @@ def _env(**extra: str) -> dict[str, str]:
 def test_the_web_process_never_imports_ml_libraries() -> None:
     code = (
         "import sys\n"
-        "from rollout_lens.server.app import create_app\n"
-        "from rollout_lens.server.config import Settings\n"
+        "from rollout_lens.server.webapp.app import create_app\n"
+        "from rollout_lens.server.core.config import Settings\n"
         "import rollout_lens\n"
         "import rollout_lens.cli\n"
         "create_app(Settings(database_url='sqlite://'))\n"

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import redis
 from rollout_lens.server import store
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.domain.runconfig import RunConfig
-from rollout_lens.server.errors import BrokerUnavailable
-from rollout_lens.server.migrate import upgrade
-from rollout_lens.server.models import Run, Step
-from rollout_lens.server.queue import enqueue_run, make_celery
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.errors import BrokerUnavailable
+from rollout_lens.server.core.queue import enqueue_run, make_celery
+from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import Run, Step
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -163,7 +163,7 @@ def test_cancel_a_queued_run(harness: Harness) -> None:
         assert store.queue_position(session, run_id=run_id) == 1
         assert store.request_cancel(session, run_id=run_id) == "cancelled"
     worker = harness.start_worker()  # receives the message and must not train a cancelled run
-    # Until the worker has taken the message and decided (trainer/tasks.py logs the skip), not
+    # Until the worker has taken the message and decided (trainer/worker/tasks.py logs the skip), not
     # a fixed 8 s: a worker that trained it instead would not log this and fail the wait.
     skipped = f"run {run_id} is cancelled, not queued: skipping this delivery"
     deadline = time.monotonic() + 120

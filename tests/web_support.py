@@ -12,10 +12,10 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 from rollout_lens.server import store
-from rollout_lens.server.app import create_app
-from rollout_lens.server.config import Settings
-from rollout_lens.server.db import session_scope
-from rollout_lens.server.models import RunStatus
+from rollout_lens.server.core.config import Settings
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import RunStatus
+from rollout_lens.server.webapp.app import create_app
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS, make_rollouts, record_step

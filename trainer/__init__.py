@@ -1,1 +1,3 @@
-"""Rollout Lens trainer: the Escalation env, the tiny model and the recording GRPO trainer."""
+"""Rollout Lens's trainer, one package per layer: worker -> escalation (the task) ->
+builders -> envs -> recorder (RolloutLensCallback's side); it never imports the web app.
+"""

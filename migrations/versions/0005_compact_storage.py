@@ -8,9 +8,9 @@ rollups and alerts are computed from the steps, as the recorder writes them.
 
 This file carries its own copy of everything it computes, frozen on 2026-12-01 from the code the
 recorder then used: the series layout (server/store/layout.py), the float packings
-(server/packing.py), the facts digest (server/store/recording.py), the rollups
+(server/store/packing.py), the facts digest (server/store/recording.py), the rollups
 (server/store/rollups.py) and the alert rules with the series names they read
-(server/alerts.py, server/series.py). Those may change later; what this migration writes may
+(server/core/alerts.py, server/core/vocab.py). Those may change later; what this migration writes may
 not. It imports nothing from rollout_lens.
 
 Revision ID: 0005
@@ -256,7 +256,7 @@ def _derive(conn: sa.Connection, run_id: int) -> None:
     )
 
 
-# --- frozen: packing (server/packing.py), the facts digest (server/store/recording.py) ---------
+# --- frozen: packing (server/store/packing.py), the facts digest (server/store/recording.py) ---------
 
 
 def _unpack(code: str, data: bytes | None) -> list:
@@ -294,7 +294,7 @@ def _dumps(value: object) -> str:
 
 # --- frozen: the series layout (server/store/layout.py) ----------------------------------------
 
-# The step columns (server.series.STEP_SERIES), then the run's generic series in `series` in the
+# The step columns (server.core.vocab.STEP_SERIES), then the run's generic series in `series` in the
 # order of runs.series_names: float64, a quiet NaN where not logged, NaN payload 1 where logged
 # without a finite value.
 STEP_SERIES = (
@@ -348,7 +348,7 @@ def _step_rows(
     return [(row[0], [*row[1 : 1 + n], *_decode(row[1 + n], n_series)]) for row in rows]
 
 
-# --- frozen: rollups (server/store/rollups.py, server.models.ROLLUP_WIDTHS) ---------------------
+# --- frozen: rollups (server/store/rollups.py, server.store.models.ROLLUP_WIDTHS) ---------------------
 
 ROLLUP_WIDTHS = (10, 25, 100, 1000)
 FIELDS = 6  # per series: n, total, lo, hi, first step, last step
@@ -426,7 +426,7 @@ def _roll(conn: sa.Connection, *, run_id: int, width: int, first: int, last: int
         )
 
 
-# --- frozen: the alert rules over a whole history (server/alerts.py, server/series.py) ---------
+# --- frozen: the alert rules over a whole history (server/core/alerts.py, server/core/vocab.py) ---------
 
 WINDOW = 25
 REWARD, ACCURACY, ZERO_STD = "reward_mean", "true_accuracy", "zero_std_share"

@@ -93,7 +93,7 @@ def upgrade() -> None:
         _move_rollouts(conn, run_id, len(tokens), postgres)
 
     # Verifier and truth disagree: the verifier passed (reward >= 0.5) a rollout whose true score
-    # is 0, or failed one whose true score is 1 (server.records.disagrees when 0006 was written).
+    # is 0, or failed one whose true score is 1 (server.core.records.disagrees when 0006 was written).
     op.execute(
         "UPDATE rollouts SET disagree = COALESCE((verifier_reward >= 0.5 AND true_score = 0) "
         "OR (verifier_reward < 0.5 AND true_score >= 1), false)"

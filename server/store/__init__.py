@@ -4,9 +4,12 @@
 - recording: the write path (a Recorder per run: steps, rollouts, series, rollups, alerts);
 - rollups: per-bucket aggregates for long runs' charts;
 - reading: steps, rollouts and series read back;
-- layout, sql: how a step's series are packed; dialect helpers.
+- layout, sql: how a step's series are packed; dialect helpers;
+- models, db, migrate: the schema, engines and sessions, Alembic;
+- packing, arrays, search, serialize: bytes, per-token arrays, full-text search, rows as dicts;
+- deletion, browser_sessions: deleting a run; signed-in browsers.
 
-The pages' reads live in server.queries. Callers use `store.<function>`.
+The pages' reads live in server.webapp.queries. Callers use `store.<function>`.
 """
 
 from rollout_lens.server.store.reading import (

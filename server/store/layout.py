@@ -14,9 +14,9 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollout_lens.server.models import Step
-from rollout_lens.server.packing import pack_doubles, unpack_doubles
-from rollout_lens.server.series import STEP_SERIES
+from rollout_lens.server.core.vocab import STEP_SERIES
+from rollout_lens.server.store.models import Step
+from rollout_lens.server.store.packing import pack_doubles, unpack_doubles
 
 STEP_COLUMNS = tuple(getattr(Step, name) for name in STEP_SERIES)
 _NONE_BITS = 0x7FF8_0000_0000_0001

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 
-from rollout_lens.server.models import Prompt, Rollout, Run, RunToken, Step
 from rollout_lens.server.store import layout
+from rollout_lens.server.store.models import Prompt, Rollout, Run, RunToken, Step
 from rollout_lens.server.store.rollups import latest_value
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session

@@ -19,8 +19,11 @@ from itertools import filterfalse
 from typing import Any
 
 import orjson
-from rollout_lens.server import alerts as rules
-from rollout_lens.server.models import (
+from rollout_lens.server.core import alerts as rules
+from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
+from rollout_lens.server.core.vocab import STEP_SERIES, WINDOW
+from rollout_lens.server.store import arrays, layout, rollups, search
+from rollout_lens.server.store.models import (
     AlertRow,
     Facts,
     Prompt,
@@ -29,9 +32,6 @@ from rollout_lens.server.models import (
     Step,
     utcnow,
 )
-from rollout_lens.server.records import RolloutRecord, StepRecord, disagrees
-from rollout_lens.server.series import STEP_SERIES, WINDOW
-from rollout_lens.server.store import arrays, layout, rollups, search
 from rollout_lens.server.store.sql import finite, upsert_insert
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session

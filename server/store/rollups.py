@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from rollout_lens.server.models import ROLLUP_WIDTHS, Rollup, Run, Step
-from rollout_lens.server.packing import pack_doubles, unpack_doubles
 from rollout_lens.server.store.layout import STEP_COLUMNS, all_names, row_values
+from rollout_lens.server.store.models import ROLLUP_WIDTHS, Rollup, Run, Step
+from rollout_lens.server.store.packing import pack_doubles, unpack_doubles
 from sqlalchemy import Connection, delete, func, insert, select
 from sqlalchemy.orm import Session
 

@@ -6,8 +6,10 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from rollout_lens.server.errors import InvalidState, NotFound
-from rollout_lens.server.models import (
+from rollout_lens.server.core.errors import InvalidState, NotFound
+from rollout_lens.server.core.vocab import WINDOW
+from rollout_lens.server.store import rollups, search
+from rollout_lens.server.store.models import (
     AlertRow,
     Rollout,
     Run,
@@ -16,8 +18,6 @@ from rollout_lens.server.models import (
     Step,
     utcnow,
 )
-from rollout_lens.server.series import WINDOW
-from rollout_lens.server.store import rollups, search
 from sqlalchemy import CursorResult, delete, func, select, update
 from sqlalchemy.orm import Session
 

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from rollout_lens.server.errors import InvalidInput
+from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.store.arrays import completion
 from sqlalchemy import Connection, text
 

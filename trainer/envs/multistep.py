@@ -1,6 +1,6 @@
 """The multi-step Escalation env: call the right opaque tool, read what it returns, answer from it.
 
-The same 64 tools as the single-turn env (`escalation.EscalationEnv`: opaque ids tool_00..tool_63,
+The same 64 tools as the single-turn env (`onestep.EscalationEnv`: opaque ids tool_00..tool_63,
 a seeded id -> capability permutation), but now the tools run. A rollout is a conversation:
 
     user      (listing rendered by the chat template from the tools) Query: ... instruction
@@ -39,14 +39,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_lens.server.domain.task import TOOL_COUNT, VARIANTS
+from rollout_lens.server.core.task_vocab import TOOL_COUNT, VARIANTS
 from rollout_lens.trainer.envs import verifiers
-from rollout_lens.trainer.envs.escalation import (
+from rollout_lens.trainer.envs.onestep import (
     CAPABILITIES,
     EscalationEnv,
 )
-from rollout_lens.trainer.envs.escalation import tokens as words
-from rollout_lens.trainer.turns import call_name, content_text
+from rollout_lens.trainer.envs.onestep import tokens as words
+from rollout_lens.trainer.recorder.turns import call_name, content_text
 
 KINDS = ("single", "chain")
 MODES = ("single", "chain", "mixed")  # which kinds of episode a stream draws

@@ -1,9 +1,9 @@
 """The training rewards of both envs: one registry of names and one way each is built.
 
-The names are server.domain.task's `VerifierName` (the web app offers and validates them without
+The names are server.core.task_vocab's `VerifierName` (the web app offers and validates them without
 the trainer); `make` builds each from how an env scores a rollout (`Scoring`), and mypy checks
 that every name has a case (`assert_never`). What truly differs between the envs is the scoring:
-single-turn reads the id a reply names (trainer.envs.escalation), multi-turn the facts of a
+single-turn reads the id a reply names (trainer.envs.onestep), multi-turn the facts of a
 conversation (trainer.envs.multistep).
 
     exact   the true score: 1.0 for the right reply, else 0.0
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, ParamSpec, TypeGuard, assert_never
 
-from rollout_lens.server.domain.task import VERIFIERS, VerifierName
+from rollout_lens.server.core.task_vocab import VERIFIERS, VerifierName
 
 FORMAT_PARTIAL_CREDIT = 0.5
 

@@ -1,0 +1,34 @@
+"""The Escalation task's vocabulary: variants, verifiers, supervisory signals (names only).
+
+The trainer implements them (trainer.envs.verifiers builds every VerifierName, which mypy checks;
+trainer.escalation.supervision); the web app offers and validates them without the trainer.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+TOOL_COUNT = 64  # tools in the Escalation env; the leaky variant lists every one
+TINY = "tiny"  # the default model: built and cached by the worker on first use
+
+Variant = Literal["leaky", "patched"]
+# single: one reply naming a tool (`<tool>ID</tool>`); multi: TRL's tool loop (the tools run, their
+# results come back, the model answers from them: trainer.envs.multistep).
+Turns = Literal["single", "multi"]
+TURNS: tuple[Turns, ...] = typing.get_args(Turns)
+# Multi-turn episodes: one call, a two-call chain (a ticket names the second tool), or both.
+Episodes = Literal["single", "chain", "mixed"]
+EPISODES: tuple[Episodes, ...] = typing.get_args(Episodes)
+VARIANTS: tuple[Variant, ...] = typing.get_args(Variant)
+
+# Training rewards: exact match, format (partial credit for any listed id), noisy (exact, flipped
+# with probability verifier_noise), judge (partial credit like format, and a right reply missed
+# with probability verifier_noise: a verifier that can be fooled and also misses).
+VerifierName = Literal["exact", "format", "noisy", "judge"]
+VERIFIERS: tuple[VerifierName, ...] = typing.get_args(VerifierName)
+
+Supervision = Literal["none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"]
+SUPERVISION_MODES: tuple[Supervision, ...] = typing.get_args(Supervision)
+IN_GROUP_MODES = ("offpolicy", "hint")  # supervised rollouts inside each group
+SFT_MODES = ("interleaved_sft", "sft_then_rl")  # supervised phases between or before RL

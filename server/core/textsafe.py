@@ -1,0 +1,112 @@
+"""Text the databases cannot hold, made storable: NUL and unpaired surrogates become U+FFFD.
+
+A Python str can hold what UTF-8 cannot encode (a lone surrogate, e.g. from a decoder run with
+`surrogateescape` or a user's function slicing a pair apart) and PostgreSQL refuses NUL in text.
+Model output and user-given names are such text: refusing the write would lose the step (or stop
+a launched run), so the engine cleans every string it sends instead (install(), from
+server.store.db.make_engine), on SQLite and PostgreSQL alike so that an export from one imports into
+the other. RolloutRecord cleans its text fields as they are set (a prompt is hashed before any
+SQL sees it), and responses clean what they send when encoding fails (rows stored before this).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from sqlalchemy import Engine, event
+
+REPLACEMENT = "\ufffd"
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """`text` with NUL and unpaired surrogates replaced by U+FFFD (a surrogate pair is joined
+    into its character); the same object when there is nothing to replace (the usual case)."""
+    if _UNSTORABLE.search(text) is None:
+        return text
+    # Through UTF-16: a pair becomes its character, a lone half cannot and is replaced.
+    joined = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return joined.replace("\x00", REPLACEMENT)
+
+
+def storable_value(value: Any) -> Any:
+    """Strings anywhere in a JSON-like value (keys too) made storable; the same object when
+    there is nothing to replace (dicts shared by a group's rollouts stay shared)."""
+    return _cleaned(value) if _unstorable_inside(value) else value
+
+
+def _unstorable_inside(value: Any) -> bool:
+    if isinstance(value, str):
+        return _UNSTORABLE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_unstorable_inside(k) or _unstorable_inside(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_unstorable_inside(v) for v in value)
+    return False
+
+
+def _cleaned(value: Any) -> Any:
+    if isinstance(value, str):
+        return storable(value)
+    if isinstance(value, dict):
+        return {_cleaned(k): _cleaned(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_cleaned(v) for v in value]
+    return value
+
+
+def json_dumps(value: Any) -> str:
+    """The engines' JSON serializer: as SQLAlchemy's default (json.dumps), strings cleaned first.
+
+    ensure_ascii (json's default) would store a lone surrogate as a `\\ud800` escape that reads
+    back as the same unencodable str, so the walk is needed, not just the escaping."""
+    return json.dumps(storable_value(value))
+
+
+def _clean_parameters(parameters: Any) -> Any:
+    if isinstance(parameters, dict):
+        return {k: storable(v) if isinstance(v, str) else v for k, v in parameters.items()}
+    if isinstance(parameters, tuple):
+        return tuple(storable(v) if isinstance(v, str) else v for v in parameters)
+    if isinstance(parameters, list):  # executemany: a list of the above
+        return [_clean_parameters(p) for p in parameters]
+    return parameters
+
+
+def install(engine: Engine) -> None:
+    """Clean every string parameter `engine` sends (text columns, names, errors, notes)."""
+
+    @event.listens_for(engine, "before_cursor_execute", retval=True)
+    def _storable_parameters(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        return statement, _clean_parameters(parameters)
+
+
+def clip(text: str | None, limit: int) -> str:
+    """At most `limit` characters of `text`, with an ellipsis when cut (long names in lists)."""
+    text = text or ""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# Terminal controls: C0 (ESC starts colour and title sequences, BEL ends OSC), DEL, C1 (CSI and
+# OSC in one byte) and the bidirectional overrides that reorder what a terminal shows.
+_TERMINAL_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: object) -> str:
+    """`text` with every terminal control character removed: what a command prints of a run
+    (its name, status, error) can recolour, retitle or rewrite no terminal."""
+    return _TERMINAL_CONTROLS.sub("", str(text))
+
+
+# OWASP's rule for CSV injection: a cell a spreadsheet would read as a formula.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: object) -> object:
+    """A CSV cell a spreadsheet shows as text: a string beginning with = + - @ tab or CR gets a
+    leading `'` (OWASP); numbers and other values unchanged (-0.5 stays a number)."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value

@@ -1,0 +1,351 @@
+"""Import a file written by `rollout-lens export` (JSONL or Parquet) as a new run.
+
+The file is read as a stream and written step by step inside ONE transaction: a damaged file
+(bad line, cut short, wrong counts, a value the database refuses) raises InvalidInput and leaves
+nothing behind. The new run has source `import`; a run exported while queued or running is
+imported as `lost` (nothing records the copy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from rollout_lens.server import store
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.exchange.dump_rows import BLANK, json_line
+from rollout_lens.server.exchange.schema import (
+    FORMAT,
+    META_RUN,
+    META_STEPS,
+    RECORDS,
+    RUN_AFTER_STEPS,
+    VERSION,
+    EndLine,
+    RolloutLine,
+    RunRecord,
+    StepLine,
+    validation_text,
+)
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import ACTIVE_STATUSES, RunSource, RunStatus
+from sqlalchemy.exc import DataError, IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+BATCH = 500  # rollouts written per statement
+PARQUET_MAGIC = b"PAR1"
+
+
+@dataclass
+class Imported:
+    """What an import created."""
+
+    run_id: int
+    name: str
+    steps: int
+    rollouts: int
+
+
+@dataclass
+class _Rollout(RolloutRecord):
+    """A rollout as exported: its Σ logprob is the stored one (the float16 token logprobs need
+    not add up to it exactly; None, a NaN sum, stays unknown)."""
+
+    stored_sum_logprob: float | None = 0.0
+
+    @property
+    def sum_logprob(self) -> float:
+        return math.nan if self.stored_sum_logprob is None else self.stored_sum_logprob
+
+
+def import_export(
+    factory: sessionmaker[Session], path: Path, *, name: str | None = None
+) -> Imported:
+    """Create a run from an export file; InvalidInput (and nothing created) if it is damaged."""
+    if not path.is_file():
+        raise InvalidInput(f"{path}: no such file")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    parquet = magic == PARQUET_MAGIC
+    records = _parquet_records(path) if parquet else _jsonl_records(path)
+    try:
+        with session_scope(factory) as session:
+            # Parquet needs no end record: a file cut short has no footer and does not open.
+            return _write(session, records, name=name, needs_end=not parquet)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{path}: {exc}") from exc
+    except (IntegrityError, DataError) as exc:
+        raise InvalidInput(f"{path}: the database refused a value: {exc.orig}") from exc
+
+
+def _write(
+    session: Session, records: Iterator[tuple[str, Any]], *, name: str | None, needs_end: bool
+) -> Imported:
+    first = next(records, None)
+    if first is None:
+        raise InvalidInput("empty file, not a rollout-lens export")
+    where, header = first
+    if not isinstance(header, RunRecord):
+        raise InvalidInput(
+            f"not a rollout-lens export: {where} is not the run header (a `--what steps` "
+            "export cannot be imported; TRL's completions files go through `import-trl`)"
+        )
+    if header.format != FORMAT:
+        raise InvalidInput(f"not a rollout-lens export (format {header.format!r})")
+    if header.version > VERSION:
+        raise InvalidInput(
+            f"written by a newer rollout-lens (format version {header.version}); "
+            f"this one reads version {VERSION}"
+        )
+    writer = _RunWriter(session, header, name=name)
+    end: EndLine | None = None
+    for where, record in records:
+        if end is not None:
+            raise InvalidInput(f"{where}: a record after the end record")
+        try:
+            if isinstance(record, StepLine):
+                writer.step(record)
+            elif isinstance(record, RolloutLine):
+                writer.rollout(record)
+            elif isinstance(record, EndLine):
+                end = record
+            else:
+                raise InvalidInput("a second run header")
+        except InvalidInput as exc:
+            raise InvalidInput(f"{where}: {exc}") from exc
+    writer.finish()
+    if needs_end and end is None:
+        raise InvalidInput("the file ends before its end record (cut short?)")
+    if end is not None and (end.steps, end.rollouts) != (writer.steps, writer.rollouts):
+        raise InvalidInput(
+            f"the end record counts {end.steps} steps and {end.rollouts} rollouts, the "
+            f"file holds {writer.steps} and {writer.rollouts}"
+        )
+    return Imported(writer.run_id, writer.name, writer.steps, writer.rollouts)
+
+
+class _RunWriter:
+    """Writes a run's records as they arrive: steps at once, rollouts in batches."""
+
+    def __init__(self, session: Session, header: RunRecord, *, name: str | None) -> None:
+        self.session = session
+        self.header = header
+        self.tokens = list(header.control_tokens)
+        self.name = name or header.name
+        status, error = header.status, header.error
+        if status in ACTIVE_STATUSES:
+            # Nothing records the copy: lost, like a run whose worker stopped.
+            status = RunStatus.lost.value
+            error = error or (
+                f"exported while {header.status} at step {header.current_step}; "
+                "this copy ends there"
+            )
+        self.error = error
+        notes = list(header.notes)
+        if header.source != RunSource.import_:  # a copy of a copy keeps the first note
+            notes.append(
+                f"imported from a rollout-lens export of run {header.id} (source {header.source})"
+            )
+        run = store.create_run(
+            session,
+            name=self.name,
+            model=header.model,
+            total_steps=header.total_steps,
+            group_size=header.group_size,
+            prompts_per_step=header.prompts_per_step,
+            seed=header.seed,
+            variant=header.variant,
+            k=header.k,
+            config=header.config,
+            control_tokens=self.tokens,
+            status=RunStatus(status),
+            source=RunSource.import_,
+            notes=notes,
+        )
+        self.run_id = run.id
+        self.steps = 0
+        self.rollouts = 0
+        self._last_step: int | None = None
+        self._last_rollout: tuple[int, int, int] | None = None
+        self._batch: list[RolloutRecord] = []
+        self._batch_step = 0
+        self._recorder: store.Recorder | None = None
+
+    def step(self, line: StepLine) -> None:
+        if self._last_step is not None and line.step <= self._last_step:
+            raise InvalidInput(f"step {line.step} after step {self._last_step} (steps must rise)")
+        self._last_step = line.step
+        self.steps += 1
+        self._recorder = store.record_step(
+            self.session,
+            run_id=self.run_id,
+            record=StepRecord(
+                step=line.step,
+                rollout_step=line.rollout_step,
+                values=line.values(),
+                metrics=line.metrics,
+            ),
+            control_tokens=self.tokens,
+            recorded_at=_utc(line.recorded_at),
+            recorder=self._recorder,
+        )
+
+    def rollout(self, line: RolloutLine) -> None:
+        key = (line.step, line.group, line.index)
+        if self._last_rollout is not None and key <= self._last_rollout:
+            raise InvalidInput(
+                f"rollout (step, group, index) {key} after {self._last_rollout} (repeated or "
+                "out of order)"
+            )
+        self._last_rollout = key
+        if sorted(line.control_token_probs) != sorted(self.tokens):
+            raise InvalidInput(
+                f"control_token_probs has {sorted(line.control_token_probs)}, the run's control "
+                f"tokens are {sorted(self.tokens)}"
+            )
+        if len({len(row) for row in line.control_token_probs.values()}) > 1:
+            raise InvalidInput("control_token_probs rows differ in length")
+        if self._batch and self._batch_step != line.step:
+            self._flush()
+        self._batch_step = line.step
+        self._batch.append(
+            _Rollout(
+                group=line.group,
+                index=line.index,
+                prompt=line.prompt,
+                completion=line.completion,
+                completion_ids=line.completion_ids,
+                token_logprobs=line.token_logprobs,
+                control_probs=line.control_token_probs,
+                vote=line.vote,
+                target=line.target,
+                verifier_reward=line.verifier_reward,
+                true_score=line.true_score,
+                advantage=line.advantage,
+                format_valid=line.format_valid,
+                format_state=line.format_state,
+                meta=line.meta,
+                tokens=line.tokens,
+                stored_sum_logprob=line.sum_logprob,
+            )
+        )
+        self.rollouts += 1
+        if len(self._batch) >= BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._batch:
+            conn = self.session.connection()
+            if self._recorder is None:
+                self._recorder = store.Recorder(
+                    conn, run_id=self.run_id, control_tokens=self.tokens
+                )
+            self._recorder.add_rollouts(conn, step=self._batch_step, rollouts=self._batch)
+            self._batch = []
+
+    def finish(self) -> None:
+        """Write what is batched, then the run columns as exported."""
+        self._flush()
+        values = {name: getattr(self.header, name) for name in RUN_AFTER_STEPS}
+        values["error"] = self.error
+        for name, value in values.items():
+            if isinstance(value, datetime):
+                values[name] = _utc(value)
+        store.restore_run_columns(self.session, run_id=self.run_id, values=values)
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    return None if value is None else value.astimezone(UTC)
+
+
+# --- reading the two formats --------------------------------------------------------------------
+
+
+def _parse(where: str, data: Any) -> Any:
+    """A decoded record → its model, or InvalidInput naming where and what."""
+    if not isinstance(data, dict) or data.get("kind") not in RECORDS:
+        raise InvalidInput(f"{where}: not a record (needs a kind: run, step, rollout or end)")
+    try:
+        return RECORDS[data["kind"]].model_validate(data)
+    except ValidationError as exc:
+        raise InvalidInput(
+            f"{where}: invalid {data['kind']} record: {validation_text(exc)}"
+        ) from exc
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each line of a JSONL export, validated one line at a time."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"line {number}"
+            data = json_line(raw, where)
+            if data is not BLANK:
+                yield where, _parse(where, data)
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, record): the run and steps from the metadata, then each rollout row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise InvalidInput(f"not a readable Parquet file ({exc})") from exc
+    with parquet:
+        yield from _parquet_rows(parquet)
+
+
+def _parquet_rows(parquet: Any) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+    from rollout_lens.server.exchange.export import ROW_GROUP, rollout_schema
+
+    meta = parquet.schema_arrow.metadata or {}
+    if META_RUN not in meta:
+        raise InvalidInput(
+            "not a rollout-lens export (no run header in the Parquet metadata; a "
+            "`--what steps` export cannot be imported; TRL's completions go through `import-trl`)"
+        )
+    missing = [n for n in rollout_schema().names if n not in parquet.schema_arrow.names]
+    if missing:
+        raise InvalidInput(f"the rollouts lack the columns {', '.join(missing)}")
+    try:
+        header = json.loads(meta[META_RUN])
+        steps = meta.get(META_STEPS, b"").decode("utf-8").splitlines()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"the run header in the metadata is not JSON ({exc})") from exc
+    yield "the run header", _parse("the run header", header)
+    tokens = header.get("control_tokens") or []
+    for number, text in enumerate(steps, start=1):
+        where = f"step record {number} of the metadata"
+        try:
+            yield where, _parse(where, json.loads(text))
+        except ValueError as exc:
+            raise InvalidInput(f"{where}: not valid JSON ({exc})") from exc
+    row_number = 0
+    try:
+        batches = parquet.iter_batches(batch_size=ROW_GROUP)
+        for batch in batches:
+            for row in batch.to_pylist():
+                row_number += 1
+                where = f"row {row_number}"
+                probs = row.pop("control_probs") or []
+                if len(probs) != len(tokens):
+                    raise InvalidInput(
+                        f"{where}: {len(probs)} control_probs rows for {len(tokens)} control tokens"
+                    )
+                try:
+                    row["meta"] = json.loads(row["meta"])
+                except (TypeError, ValueError) as exc:
+                    raise InvalidInput(f"{where}: meta is not JSON ({exc})") from exc
+                row["control_token_probs"] = dict(zip(tokens, probs, strict=True))
+                yield where, _parse(where, {"kind": "rollout"} | row)
+    except (pa.ArrowException, OSError) as exc:
+        raise InvalidInput(f"damaged Parquet data after row {row_number} ({exc})") from exc

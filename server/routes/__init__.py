@@ -1,1 +1,0 @@
-"""HTTP routes: HTML pages (pages) and their JSON twins under /api (api)."""

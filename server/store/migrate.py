@@ -1,0 +1,60 @@
+"""Schema management through Alembic: upgrade, and refuse a database that is behind."""
+
+from __future__ import annotations
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from rollout_lens.server import ROOT
+from rollout_lens.server.core.errors import DatabaseBehind
+from sqlalchemy import Engine
+
+MIGRATIONS_DIR = ROOT / "migrations"
+
+
+def is_modelled(name: str | None, type_: str, _parents: object = None) -> bool:
+    """Alembic's include_name: the search engines' own tables and indexes (server.store.search:
+    FTS5 tables and their shadow tables, rollout_search, the prompts' GIN index) are made by
+    migrations and the store, not by the models, so comparisons leave them out."""
+    if name is None:
+        return True
+    if type_ == "table":
+        return not (name.startswith(("rollout_fts_", "prompt_fts")) or name == "rollout_search")
+    return not (type_ == "index" and name == "ix_prompts_search")
+
+
+def alembic_config() -> Config:
+    """An Alembic config pointing at the project's migrations, no ini file needed."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return cfg
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Migrate the database behind `engine` to `revision`."""
+    cfg = alembic_config()
+    with engine.begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.upgrade(cfg, revision)
+
+
+def head_revision() -> str | None:
+    """The newest migration's revision id."""
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The revision the database is at (None for an empty database)."""
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def ensure_current(engine: Engine) -> None:
+    """Raise DatabaseBehind unless the database is at the latest migration."""
+    current, head = current_revision(engine), head_revision()
+    if current != head:
+        raise DatabaseBehind(
+            f"the database is at revision {current or 'none (empty)'} but this version of "
+            f"Rollout Lens needs {head}; run `rollout-lens db upgrade`"
+        )

@@ -1,0 +1,148 @@
+"""Rows → plain dicts for JSON (the API, the JSONL export): unpacks per-token arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rollout_lens.server.core.display import iso
+from rollout_lens.server.core.read_models import RolloutWindow, RunData
+from rollout_lens.server.core.vocab import STEP_SERIES
+from rollout_lens.server.store import arrays
+from rollout_lens.server.store.models import Rollout, Run, RunSource, Step
+
+
+def completion_text(rollout: Rollout, ids: Sequence[int], token_texts: Mapping[int, str]) -> str:
+    """A rollout's completion: rebuilt from its ids where the store found that exact, else the
+    text it stored (`token_texts` must hold the text of every id then)."""
+    if rollout.text_rule is not None:
+        return arrays.rebuild_text(rollout.text_rule, ids, token_texts)
+    data = rollout.data
+    return arrays.completion(None, None, data.text if data is not None else None, token_texts)
+
+
+def completion_ids(rollout: Rollout) -> list[int]:
+    """A rollout's token ids (empty when none were recorded)."""
+    return arrays.decode_ids(rollout.data.ids) if rollout.data is not None else []
+
+
+def rollout_dict(
+    rollout: Rollout,
+    prompt: str,
+    control_tokens: Sequence[str],
+    token_texts: Mapping[int, str] | None = None,
+    *,
+    max_tokens: int | None = None,
+) -> RolloutWindow:
+    """One rollout with its arrays decoded (read_models.RolloutData; keys match the JSONL
+    export).
+
+    `token_texts` (store.token_texts) gives each completion token's text: it must hold every id
+    of a rollout whose text is rebuilt from its ids; `tokens` is the list of them when every id
+    has one, else None. Where retention dropped the per-token logprobs and control-token
+    probabilities, `tokens_kept` is False and those arrays are empty (the ids stay).
+
+    With `max_tokens` only the first max_tokens positions of the per-token arrays are returned
+    (a page's view of a long completion) and `tokens_total` says how many there are.
+    """
+    texts = token_texts or {}
+    ids = completion_ids(rollout)
+    kept = rollout.tokens_kept
+    data = rollout.data
+    logprobs = arrays.decode_logprobs(data.logprobs) if kept and data else []
+    probs = (
+        arrays.decode_control(data.control, len(control_tokens))
+        if kept and data
+        else [[] for _ in control_tokens]
+    )
+    completion = completion_text(rollout, ids, texts)
+    total = len(ids)
+    if max_tokens is not None:
+        ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
+        probs = [row[:max_tokens] for row in probs]
+    tokens = [texts[i] for i in ids] if ids and all(i in texts for i in ids) else None
+    out: RolloutWindow = {
+        "run_id": rollout.run_id,
+        "step": rollout.step,
+        "group": rollout.group,
+        "index": rollout.index,
+        "prompt": prompt,
+        "completion": completion,
+        "completion_ids": ids,
+        "tokens": tokens,
+        "tokens_kept": kept,
+        "vote": rollout.vote,
+        "target": rollout.target,
+        "verifier_reward": rollout.verifier_reward,
+        "true_score": rollout.true_score,
+        "advantage": rollout.advantage,
+        "sum_logprob": rollout.sum_logprob,
+        "format_valid": rollout.format_valid,
+        "format_state": rollout.format_state,
+        "token_logprobs": logprobs,
+        "control_token_probs": dict(zip(control_tokens, probs, strict=True)),
+        "meta": rollout.meta,
+    }
+    if max_tokens is not None:
+        out["tokens_total"] = total
+    return out
+
+
+def run_dict(run: Run) -> RunData:
+    """A run's columns, JSON-ready (the run card)."""
+    return {
+        "id": run.id,
+        "name": run.name,
+        "status": run.status,
+        "source": run.source,
+        "external": run.source != RunSource.launched,
+        "variant": run.variant,
+        "model": run.model,
+        "k": run.k,
+        "group_size": run.group_size,
+        "prompts_per_step": run.prompts_per_step,
+        "seed": run.seed,
+        "total_steps": run.total_steps,
+        "current_step": run.current_step,
+        "recent_true_accuracy": run.recent_true_accuracy,
+        "recent_reward": run.recent_reward,
+        "device": run.device,
+        "worker_host": run.worker_host,
+        "device_minutes": run.device_seconds / 60.0,
+        "cost": run.cost,
+        "error": run.error,
+        "dropped_steps": run.dropped_steps,
+        "dropped_rollouts": run.dropped_rollouts,
+        "notes": run.notes,
+        "phase": run.phase,
+        "judged": judged(run),
+        "control_tokens": run.control_tokens,
+        "config": run.config,
+        # UTC with its zone: SQLite hands stored times back naive.
+        "created_at": iso(run.created_at),
+        "started_at": iso(run.started_at),
+        "finished_at": iso(run.finished_at),
+        "heartbeat_at": iso(run.heartbeat_at),
+    }
+
+
+JUDGEMENTS = ("vote", "true_score", "format_valid")
+
+
+def judged(run: Run) -> dict[str, bool]:
+    """Which judgements of a completion the run's recorder could make: all for runs launched
+    here; for external runs only those the user gave a function for (the callback keeps them
+    in config["rollout_lens"]["judged"], beside the GRPOConfig; imports in config["judged"])."""
+    config = run.config or {}
+    recorder = config.get("rollout_lens")
+    given = recorder.get("judged") if isinstance(recorder, dict) else config.get("judged")
+    if not isinstance(given, dict):
+        return dict.fromkeys(JUDGEMENTS, True)
+    return {name: bool(given.get(name)) for name in JUDGEMENTS}
+
+
+def step_dict(step: Step) -> dict[str, Any]:
+    """A step's scalar columns."""
+    return {"step": step.step, "rollout_step": step.rollout_step} | {
+        name: getattr(step, name) for name in STEP_SERIES
+    }

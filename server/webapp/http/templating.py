@@ -1,0 +1,189 @@
+"""The Jinja environment of the pages: templates from web/templates, URL helpers and filters
+(numbers, money and times from server.core.display; probabilities and tokens as the viewer shows them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+from urllib.parse import urlencode
+
+import jinja2
+from fastapi import Request
+from fastapi.templating import Jinja2Templates
+from markupsafe import Markup, escape
+from rollout_lens.server import ROOT
+from rollout_lens.server.core.display import fmt_minutes, fmt_money, fmt_num, fmt_pct, fmt_when
+from rollout_lens.server.core.records import DISAGREE_AT
+from rollout_lens.server.core.textsafe import clip
+from rollout_lens.server.core.vocab import WINDOW
+from rollout_lens.server.webapp.pages.stepview import (
+    NEAR_MISS,
+    SHOWN_CHARS,
+    STATES,
+    answer_vote,
+    broken,
+    call_limit,
+    format_badge,
+    hint_body,
+    prob_text,
+    state_name,
+)
+from starlette.routing import NoMatchFound
+
+WEB_DIR = ROOT / "web"
+TEMPLATES_DIR = WEB_DIR / "templates"
+STATIC_DIR = WEB_DIR / "static"
+CARD_CHARS = 2_000
+
+
+def _static_versions() -> dict[str, str]:
+    """Content hashes of the static files, so a changed file gets a new URL (cache busting)."""
+    return {
+        path.relative_to(STATIC_DIR).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()[:10]
+        for path in STATIC_DIR.rglob("*")
+        if path.is_file()
+    }
+
+
+def make_templates() -> Jinja2Templates:
+    """Jinja2Templates over web/templates: autoescaped, strict about undefined names."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES_DIR),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    versions = _static_versions()
+
+    @jinja2.pass_context
+    def url_for(
+        context: Any, name: str, /, _query: dict[str, Any] | None = None, **params: Any
+    ) -> str:
+        """A root-relative URL of a named route, with an optional query string."""
+        request: Request = context["request"]
+        path = request.scope.get("root_path", "") + str(request.app.url_path_for(name, **params))
+        query = {k: v for k, v in (_query or {}).items() if v not in (None, "")}
+        return f"{path}?{urlencode(query, doseq=True)}" if query else path
+
+    def static(path: str) -> str:
+        version = versions.get(path)
+        return f"/static/{path}" + (f"?v={version}" if version else "")
+
+    @jinja2.pass_context
+    def has_route(context: Any, name: str) -> bool:
+        """Whether the app serves a route of this name (links to optional pages)."""
+        try:
+            context["request"].app.url_path_for(name)
+        except NoMatchFound:
+            return False
+        return True
+
+    @jinja2.pass_context
+    def csrf_token(context: Any) -> str:
+        """This browser's CSRF token (security.Guard sets it), for forms and scripts."""
+        return str(getattr(context["request"].state, "csrf_token", ""))
+
+    @jinja2.pass_context
+    def access(context: Any) -> dict[str, bool]:
+        """Whether tokens are required, and whether this browser is signed in (the top bar)."""
+        state = context["request"].state
+        return {
+            "enabled": bool(getattr(state, "auth_enabled", False)),
+            "signed_in": bool(getattr(state, "signed_in", False)),
+        }
+
+    env.globals.update(
+        url_for=url_for,
+        static=static,
+        has_route=has_route,
+        window=WINDOW,
+        csrf_token=csrf_token,
+        access=access,
+        shown_chars=SHOWN_CHARS,  # of a long text (completion, prompt) a page shows
+        card_chars=CARD_CHARS,  # of a completion in compare's compact step card
+        # the step viewer's marks (server.webapp.pages.stepview): a rollout's vote and format badges, and
+        # what the key under its tabs explains
+        answer_vote=answer_vote,
+        call_limit=call_limit,
+        format_badge=format_badge,
+        format_states=STATES,
+        near_miss=NEAR_MISS,
+        disagree_reward=DISAGREE_AT,
+        broken=broken,  # a rollout's format is bad only when known to be (stepview.broken)
+        state_name=state_name,  # its state, valid/invalid, or None: not recorded
+    )
+    env.filters.update(
+        num=fmt_num,
+        prob=prob_text,
+        pct=fmt_pct,
+        money=fmt_money,
+        minutes=fmt_minutes,
+        when=fmt_when,
+        visible=visible_text,
+        token=token_text,
+        token_cells_html=token_cells_html,
+        control_table_html=control_table_html,
+        clip=clip,
+        hint_body=hint_body,
+    )
+    return Jinja2Templates(env=env)
+
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def _picture(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    symbol = "\u2421" if code == 0x7F else chr(0x2400 + code)  # Unicode control pictures
+    return f'<span class="cc" title="control character U+{code:04X}">{symbol}</span>'
+
+
+def visible_text(text: str | None) -> Markup:
+    """Escaped text whose control characters show as their Unicode pictures (␇) instead of vanishing."""
+    escaped = str(escape(text or ""))
+    return Markup(_CONTROL_CHARS.sub(_picture, escaped))
+
+
+def token_text(text: str) -> Markup:
+    """A token for the token-by-token view: whitespace and control characters made visible."""
+    if text == "":
+        return Markup('<span class="cc">∅</span>')
+    escaped = str(escape(text.replace("\n", "↵").replace("\t", "⇥")))
+    spaced = escaped.replace(" ", '<span class="sp">·</span>')  # before any markup is added
+    return Markup(_CONTROL_CHARS.sub(_picture, spaced))
+
+
+# The token view as HTML built here rather than by Jinja loops: a long completion is thousands of
+# cells (and positions × control tokens table cells), which a template renders several times
+# slower. Same markup the loops made; every text escaped (token_text, escape).
+
+
+def token_cells_html(cells: list[dict[str, Any]]) -> Markup:
+    """One `<span role="listitem">` per token cell (server.webapp.pages.stepview.token_cells)."""
+    return Markup(
+        "".join(
+            f'<span role="listitem" class="{escape(c["cls"])}" tabindex="0" '
+            f'title="{escape(c["title"])}">{token_text(c["text"])}</span>'
+            for c in cells
+        )
+    )
+
+
+def control_table_html(
+    cells: list[dict[str, Any]], rows: list[tuple[str, list[tuple[str, str]]]]
+) -> Markup:
+    """The control-token table's head and body (server.webapp.pages.stepview.control_rows)."""
+    head = "".join(f'<th scope="col" class="mono">{token_text(c["text"])}</th>' for c in cells)
+    body = "".join(
+        ('<tr><th scope="row">' if i == 0 else '<tr><th scope="row" class="mono">')
+        + f"{escape(label)}</th>"
+        + "".join(f'<td class="{escape(cls)}">{escape(text)}</td>' for cls, text in values)
+        + "</tr>"
+        for i, (label, values) in enumerate(rows)
+    )
+    return Markup(
+        f'<thead><tr><th scope="col">position</th>{head}</tr></thead><tbody>{body}</tbody>'
+    )

@@ -1,0 +1,480 @@
+"""What each page shows, from what the queries read: template context plus the page data its
+script receives (pure: the routes pass the data and a `url(name, **params)` for links).
+
+Each page's `page` dict is the one way data reaches a script: base.html writes it into the
+`page-data` JSON block, and the script reads it with RL.pageData().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+from urllib.parse import urlencode
+
+from rollout_lens.server.core import analysis, vocab
+from rollout_lens.server.core.read_models import (
+    CompareData,
+    GroupDetail,
+    GroupNav,
+    LiveState,
+    RunData,
+    RunOverview,
+    StepGroups,
+)
+from rollout_lens.server.core.records import DISAGREE_AT, disagrees
+from rollout_lens.server.store.models import ACTIVE_STATUSES
+from rollout_lens.server.webapp.pages import chart_data, stepview
+from rollout_lens.server.webapp.pages import plotly_figures as figures
+from rollout_lens.server.webapp.queries import (
+    JSON_TEXT_BUDGET,
+    JSON_TEXT_CHARS,
+    MAX_RUNS_PER_PAGE,
+    RUNS_PER_PAGE,
+    RolloutQuery,
+)
+from typing_extensions import TypedDict
+
+Url = Callable[..., str]  # route name and path params → path
+
+POLL_MS = 2000  # how often a live page asks for new steps
+EVAL_COLUMNS = tuple((vocab.eval_set(n), header) for n, (_, header) in vocab.EVAL_SETS.items())
+RUN_COLUMNS = (  # (sort key, header, numeric) of the runs table's sortable columns
+    ("name", "Run", False),
+    ("status", "Status", False),
+    ("progress", "Progress", False),
+    ("variant", "Variant", False),
+    ("model", "Model", False),
+    ("k", "k", True),
+    ("group_size", "G", True),
+    ("seed", "Seed", True),
+    ("accuracy", "True acc.", True),
+    ("reward", "Reward", True),
+    ("device_minutes", "Device-min", True),
+    ("cost", "Cost", True),
+    ("created", "Created", False),
+)
+
+
+def _runs_url(path: str, data: dict[str, Any], page: int, q: str, sort: str, order: str) -> str:
+    """A page of the runs list at `path`, keeping the search, the sort and the page size."""
+    params: dict[str, Any] = {"q": q, "sort": sort, "order": order, "page": page}
+    if data["per_page"] != RUNS_PER_PAGE:
+        params["per_page"] = data["per_page"]
+    query = {k: v for k, v in params.items() if v not in (None, "")}
+    return f"{path}?{urlencode(query)}"
+
+
+def page_links(
+    data: dict[str, Any], path: str, *, q: str, sort: str, order: str
+) -> dict[str, str | None]:
+    """The previous and next pages of a runs list at `path` (None at either end); from a page
+    past the end, previous is the last page."""
+    page, pages = data["page"], data["pages"]
+    return {
+        "prev": _runs_url(path, data, min(page - 1, pages), q, sort, order) if page > 1 else None,
+        "next": _runs_url(path, data, page + 1, q, sort, order) if page < pages else None,
+    }
+
+
+def runs_json(data: dict[str, Any], url: Url, *, q: str, sort: str, order: str) -> dict[str, Any]:
+    """The runs API's body: runs_page's page of runs plus the links to the pages around it."""
+    return data | {"links": page_links(data, url("list_runs"), q=q, sort=sort, order=order)}
+
+
+def runs_page(data: dict[str, Any], url: Url, *, q: str, sort: str, order: str) -> dict[str, Any]:
+    """One page of the runs list, sortable, with what its script polls for."""
+    runs = data["runs"]
+    return {
+        "runs": runs,
+        "listing": data,
+        "links": page_links(data, url("runs_page"), q=q, sort=sort, order=order),
+        "json_url": _runs_url(url("list_runs"), data, data["page"], q, sort, order),
+        # a page size other than the default, which the search form keeps
+        "per_page": data["per_page"] if data["per_page"] != RUNS_PER_PAGE else None,
+        "q": q,
+        "sort": sort,
+        "order": order,
+        "columns": RUN_COLUMNS,
+        "page": {
+            "poll_ms": POLL_MS,
+            "active": [r["id"] for r in runs if r["status"] in ACTIVE_STATUSES],
+            "newest": data["newest"] or 0,
+            "q": q,
+            "api": url("list_runs"),
+            "poll_size": MAX_RUNS_PER_PAGE,
+            "alerts": url("list_alerts"),
+        },
+    }
+
+
+class RunPageContext(TypedDict):
+    """run.html's context."""
+
+    run: RunData  # the run card (_run_card.html)
+    live: LiveState
+    last_step: int | None  # the step viewer's way in (None: no steps yet)
+    alerts: list[dict[str, Any]]
+    config: list[tuple[str, str]]  # the launch config as (dotted key, JSON value) rows
+    figures: dict[str, list[dict[str, Any]]]
+    sections: list[dict[str, Any]]
+    full: bool  # every step drawn, not downsampled
+    notice: str  # what a form action left for this page (server.webapp.http.flash)
+    page: dict[str, Any]  # the page script's data
+
+
+def run_page(overview: RunOverview, url: Url, *, full: bool, notice: str) -> RunPageContext:
+    """A run's card, alerts and chart sections (empty figures the script fills)."""
+    run = overview["run"]
+    run_id = run["id"]
+    alerts = overview.get("alerts", [])
+    names = overview["series_names"]
+    names += [n for n in figures.expected_series(run["config"]) if n not in names]
+    figs = figures.run_figures(run["control_tokens"], names, run["config"])
+    page = {
+        "run_id": run_id,
+        "series": url("get_series", run_id=run_id),
+        "alerts": url("get_alerts", run_id=run_id),
+        "progress": url("get_progress", run_id=run_id),
+        "steps": url("step_jump", run_id=run_id),
+        "full": full,
+        "max_points": chart_data.MAX_POINTS,
+        "poll_ms": POLL_MS,
+        "active": run["status"] in ACTIVE_STATUSES,
+        "figures": figs,
+        "sections": figures.RUN_SECTIONS,
+        "initial_alerts": alerts,
+        "no_steps": overview["last_step"] is None,
+        "first_step": overview["first_step"],
+        "sft_series": figures.SFT_SERIES if figures.SFT_SERIES in names else None,
+        "sft_before_rl": (run["config"] or {}).get("supervision") == "sft_then_rl",
+    }
+    return {
+        "run": run,
+        "live": overview["live"],
+        "last_step": overview["last_step"],
+        "alerts": alerts,
+        "config": chart_data.config_rows(chart_data.shown_config(run)),
+        "figures": figs,
+        "sections": figures.RUN_SECTIONS,
+        "full": full,
+        "notice": notice,
+        "page": page,
+    }
+
+
+def group_view(detail: GroupDetail) -> dict[str, Any] | None:
+    """A group_detail's rollouts as the viewer shows them (stepview.group_views), each with its
+    token cells and control-token rows within the page's token budget; None for no rollouts."""
+    if not detail["rollouts"]:
+        return None
+    (shown,) = stepview.group_views(cast(list[dict[str, Any]], detail["rollouts"]))
+    limit = stepview.page_token_limit(len(shown["rollouts"]))
+    for rollout in shown["rollouts"]:
+        rollout["cells"] = stepview.token_cells(rollout, limit)
+        # A tool-calling rollout's turns each show their own positions' table rows.
+        turns = rollout.get("sampled") is not None
+        table = limit if turns else min(limit, stepview.TABLE_TOKENS)
+        rollout["control_rows"] = stepview.control_rows(rollout, table)
+        rollout["turn_views"] = stepview.turn_views(
+            rollout, rollout["cells"], rollout["control_rows"]
+        )
+    return shown
+
+
+class StepPageContext(TypedDict):
+    """step.html's context (and its partials': _step_nav, _step_stats, _groups, _group)."""
+
+    detail: StepGroups | GroupDetail  # the step as shown: its groups, or its only group
+    step_groups: StepGroups  # the groups overview
+    run: RunData
+    group: dict[str, Any] | None  # group_view of the only group shown whole
+    group_index: int | None
+    overview: bool  # the groups overview is shown (not one group)
+    disagree_reward: float
+    columns: list[dict[str, Any]]
+    looks: list[dict[str, Any]]
+    all_groups: str
+    links: dict[str, str | None]
+    keep_query: dict[str, Any]
+
+
+def step_page(
+    overview: StepGroups, url: Url, *, detail: GroupDetail | None = None
+) -> StepPageContext:
+    """A step: its groups overview (step_groups: sortable rows, filters for the groups that need
+    a look, pages), or with one group (`detail`: group_detail) that group's rollouts as today."""
+    run, step = overview["run"], overview["step"]["step"]
+    sort, order, look = overview["sort"], overview["order"], overview["look"]
+
+    def here(**changes: Any) -> str:
+        query = _overview_query({"sort": sort, "order": order, "look": look} | changes)
+        path = url("step_page", run_id=run["id"], step=step)
+        return f"{path}?{urlencode(query)}" if query else path
+
+    offset, limit, total = overview["offset"], overview["limit"], overview["total"]
+    columns = [
+        {
+            "key": key,
+            "label": label,
+            "numeric": numeric,
+            "active": key == sort,
+            # a column first sorts the way that brings the ones to look at up: high first
+            "href": here(
+                sort=key,
+                order=("asc" if order == "desc" else "desc")
+                if key == sort
+                else ("asc" if key in ("group", "label") else "desc"),
+            ),
+        }
+        for key, (label, numeric) in stepview.GROUP_SORTS.items()
+    ]
+    looks = [
+        {
+            "key": key,
+            "label": label,
+            "count": overview["counts"][key],
+            "active": key == look,
+            "href": here(look=None if key == look else key),
+        }
+        for key, label in stepview.LOOKS.items()
+    ]
+    group = group_view(detail) if detail is not None else None
+    return {
+        "detail": overview if detail is None else detail,
+        "step_groups": overview,
+        "run": run,
+        "group": group,
+        "group_index": group["group"] if group else None,
+        "overview": detail is None,
+        "disagree_reward": DISAGREE_AT,
+        "columns": columns,
+        "looks": looks,
+        "all_groups": here(look=None),
+        "links": {
+            "prev": here(offset=max(0, offset - limit)) if offset > 0 else None,
+            "next": here(offset=offset + limit) if offset + limit < total else None,
+        },
+        # what the step links keep: the overview's sort and filter
+        "keep_query": _overview_query({"sort": sort, "order": order, "look": look}),
+    }
+
+
+def _overview_query(params: dict[str, Any]) -> dict[str, Any]:
+    """An overview URL's parameters without the defaults (group order, ascending, no filter,
+    the first page)."""
+    defaults = {"sort": "group", "order": "asc", "look": None, "offset": 0}
+    return {k: v for k, v in params.items() if v not in (None, "") and defaults.get(k) != v}
+
+
+def step_json(data: StepGroups, url: Url) -> dict[str, Any]:
+    """A step's JSON twin: step_groups plus the links to the pages of groups around this one
+    (None at either end), keeping the sort and the look."""
+    run_id, step = data["run"]["id"], data["step"]["step"]
+    offset, limit, total = data["offset"], data["limit"], data["total"]
+
+    def at(start: int) -> str:
+        params = {"sort": data["sort"], "order": data["order"], "look": data["look"]}
+        query: dict[str, str | int] = {k: v for k, v in params.items() if v is not None}
+        query |= {"offset": start, "limit": limit}
+        return f"{url('get_step', run_id=run_id, step=step)}?{urlencode(query)}"
+
+    return {
+        **data,
+        "links": {
+            "prev": at(max(0, offset - limit)) if offset > 0 else None,
+            "next": at(offset + limit) if offset + limit < total else None,
+        },
+    }
+
+
+class GroupPageContext(TypedDict):
+    """group.html's context (and its partials': _step_nav, _group)."""
+
+    detail: GroupDetail
+    run: RunData
+    group: dict[str, Any] | None  # group_view: the rollouts as the viewer shows them
+    group_index: int
+    summary: dict[str, Any]
+    gnav: GroupNav
+    overview: bool  # always False: one group
+
+
+def group_page(detail: GroupDetail) -> GroupPageContext:
+    """One group of a step: its rollouts (tabs, tokens) and the table of all of them, with links
+    to the groups around it and to the step's overview."""
+    return {
+        "detail": detail,
+        "run": detail["run"],
+        "group": group_view(detail),
+        "group_index": detail["summary"]["group"],
+        "summary": detail["summary"],
+        "gnav": detail["group_nav"],
+        "overview": False,
+    }
+
+
+def group_json(detail: GroupDetail, url: Url, *, limit: int, max_tokens: int) -> dict[str, Any]:
+    """A group's JSON twin: group_detail with each rollout's `disagree` flag and `sampled`
+    positions (its `tokens_total` comes from serialize), and the link to its next page of
+    rollouts (None at the end)."""
+    run_id, step = detail["run"]["id"], detail["step"]["step"]
+    group = detail["summary"]["group"]
+    end = detail["offset"] + len(detail["rollouts"])
+    path = url("get_group", run_id=run_id, step=step, group=group)
+    cut = max(JSON_TEXT_CHARS, JSON_TEXT_BUDGET // max(limit, 1))
+    rollouts = [
+        {
+            **r,
+            "completion": r["completion"][:cut],
+            "completion_chars": len(r["completion"]),
+            "prompt": r["prompt"][:cut],
+            "prompt_chars": len(r["prompt"]),
+            "disagree": disagrees(r["verifier_reward"], r["true_score"]),
+            # a tool-calling rollout's positions the model sampled (None: every one)
+            "sampled": stepview.sampled_positions(r["meta"] or {}, len(r["completion_ids"])),
+        }
+        for r in detail["rollouts"]
+    ]
+    return {
+        **detail,
+        "rollouts": rollouts,
+        "limit": limit,
+        "max_tokens": max_tokens,
+        "next": f"{path}?{urlencode({'offset': end, 'limit': limit, 'max_tokens': max_tokens})}"
+        if end < detail["rollouts_total"]
+        else None,
+    }
+
+
+class ComparePageContext(TypedDict):
+    """compare.html's context (and _step_card.html's, one `detail` a side)."""
+
+    compare: CompareData
+    figures: dict[str, list[dict[str, Any]]]
+    sections: list[dict[str, Any]]
+    colors: dict[int, int]  # run id → its color's index (CSS class run-c{i})
+    page: dict[str, Any]
+    eval_columns: list[tuple[str, str]]
+    converged: float  # analysis.CONVERGED, for the summary's explanation
+
+
+def compare_page(data: CompareData, url: Url) -> ComparePageContext:
+    """Runs overlaid section by section, their summary and config diff, one step side by side."""
+    figs = figures.compare_figures(
+        data["runs"], data["series"], vocab.COMPARE_SERIES, bands=data["bands"]
+    )
+    # Run i is drawn in RUN_COLORS[i]; templates use the matching CSS class run-c{i}.
+    colors = {run["id"]: i % len(figures.RUN_COLORS) for i, run in enumerate(data["runs"])}
+    page = {
+        "figures": [f for s in figures.COMPARE_SECTIONS for f in figs[s["group"]]],
+        "series": data["series"],  # run id → its series: what fills the figures' traces
+        "step": data["step"],
+        "group": data["group"],
+        "max_step": data["max_step"],
+        "pair": [s["run_id"] for s in data["side_by_side"]],
+        "steps": {s["run_id"]: url("step_jump", run_id=s["run_id"]) for s in data["side_by_side"]},
+    }
+    # Evaluation columns only when some run evaluated (runs without it would show dashes).
+    evaluated = {n for summary in data["summary"] for n, v in summary["final_eval"].items() if v}
+    return {
+        "compare": data,
+        "figures": figs,
+        "sections": figures.COMPARE_SECTIONS,
+        "colors": colors,
+        "page": page,
+        "eval_columns": [(n, label) for n, label in EVAL_COLUMNS if n in evaluated],
+        "converged": analysis.CONVERGED,
+    }
+
+
+# --- rollout explorer ---------------------------------------------------------------------------
+
+EXPLORER_COLUMNS = (  # (sort key, header, numeric)
+    ("step", "Step", True),
+    ("group", "Group", True),
+    ("index", "#", True),
+    ("vote", "Vote", False),
+    ("target", "Target", False),
+    ("reward", "Reward", True),
+    ("true_score", "True", True),
+    ("advantage", "Adv.", True),
+    ("abs_advantage", "|Adv.|", True),
+    ("sum_logprob", "Σ logprob", True),
+    ("length", "Tokens", True),
+    ("state", "State", False),
+)
+
+
+def _explorer_url(path: str, filters: dict[str, Any], **changes: Any) -> str:
+    params = {k: v for k, v in (filters | changes).items() if v is not None and v != ""}
+    params = {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in params.items()}
+    return f"{path}?{urlencode(params)}" if params else path
+
+
+def explorer_urls(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, Any]:
+    """The explorer's data with each row's links (its step, group and rollout) and the next
+    page's URL."""
+    for row in data["rollouts"]:
+        row["step_url"] = url("step_page", run_id=run_id, step=row["step"])
+        row["group_url"] = url("group_page", run_id=run_id, step=row["step"], group=row["group"])
+        row["rollout_url"] = f"{row['group_url']}#r{row['index']}"
+    filters = data["filters"]
+    data["next_url"] = (
+        None
+        if data["next"] is None
+        else _explorer_url(url("list_rollouts", run_id=run_id), filters, after=data["next"])
+    )
+    return data
+
+
+def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, Any]:
+    """The explorer page: its rows, the filter form's values, sort links that keep the filters,
+    the next page and the JSON twin."""
+    data = explorer_urls(data, url, run_id=run_id)
+    path = url("explorer_page", run_id=run_id)
+    filters = data["filters"]
+    sort, order = filters.get("sort", "step"), filters.get("order", "asc")
+    headers = [
+        {
+            "key": key,
+            "label": label,
+            "numeric": numeric,
+            "active": key == sort,
+            "order": order if key == sort else None,
+            "url": _explorer_url(
+                path, filters, sort=key, order="desc" if key == sort and order == "asc" else "asc"
+            ),
+        }
+        for key, label, numeric in EXPLORER_COLUMNS
+    ]
+    return {
+        "run": data["run"],
+        "rows": data["rollouts"],
+        "total": data["total"],
+        "total_capped": data["total_capped"],
+        "f": dict.fromkeys(RolloutQuery.model_fields) | RolloutQuery().filters() | filters,
+        "headers": headers,
+        "first_url": _explorer_url(path, filters),
+        "next_page_url": None
+        if data["next"] is None
+        else _explorer_url(path, filters, after=data["next"]),
+        "json_url": _explorer_url(url("list_rollouts", run_id=run_id), filters),
+        "run_url": url("run_page", run_id=run_id),
+        "path": path,
+    }
+
+
+def alert_rollouts(alert: dict[str, Any], *, format_judged: bool = True) -> dict[str, str]:
+    """The explorer's filters that show the rollouts an alert is about: those of its step, in
+    a collapsed state for a collapse, where verifier and truth disagree over the reward-hacking
+    window, broken (not format-valid) for a control-token spike when the run judged format
+    validity (without a format function none is known invalid: the whole step)."""
+    step = int(alert["step"])
+    kind = alert["kind"]
+    if kind == "reward_hacking":
+        first = max(0, step - 2 * vocab.WINDOW + 1)
+        return {"steps": f"{first}:{step}", "disagree": "true", "sort": "step", "order": "desc"}
+    extra = {"collapse": {"state": "collapse"}}
+    if format_judged:
+        extra["control_token_spike"] = {"format_valid": "false"}
+    return {"steps": str(step), **extra.get(kind, {})}

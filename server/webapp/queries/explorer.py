@@ -1,0 +1,339 @@
+"""The rollout explorer's reads: a run's rollouts across steps, filtered, searched and sorted,
+a page at a time (keyset paging), with a bounded total count.
+
+Filters and sorts read only the rollouts' scalar columns (and the search engines' indexes); the
+per-token arrays are decoded for the rows of the page alone, for their completion heads.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from rollout_lens.server import store
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.store import arrays, search
+from rollout_lens.server.store.models import Prompt, Rollout
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
+
+MAX_PAGE = 200
+WALK_FROM = 20_000  # past this many matches, a page walks the sort order instead of sorting them
+MAX_ID = 2**31 - 1  # server.webapp.http.params.MAX_ID (params imports queries)
+COUNT_CAP = 100_000  # totals past this read "100,000+": counting millions of rows is not a page
+HEAD_TOKENS = 96  # a row's completion head: its first tokens
+HEAD_CHARS = 240
+
+# sort key → SQL expression on the rollouts row `r`
+SORTS: dict[str, str] = {
+    "step": "r.step",
+    "group": 'r."group"',
+    "index": "r.idx",
+    "reward": "r.verifier_reward",
+    "true_score": "r.true_score",
+    "advantage": "r.advantage",
+    "abs_advantage": "abs(r.advantage)",
+    "sum_logprob": "r.sum_logprob",
+    "length": "r.n_tokens",
+    "vote": "r.vote",
+    "target": "r.target",
+    "state": "r.format_state",
+}
+Sort = Literal[
+    "step",
+    "group",
+    "index",
+    "reward",
+    "true_score",
+    "advantage",
+    "abs_advantage",
+    "sum_logprob",
+    "length",
+    "vote",
+    "target",
+    "state",
+]
+# Sort columns that can be NULL: NULLs sort first going up and last going down (SQLite's order,
+# which its indexes keep; PostgreSQL is told so).
+NULLABLE = frozenset({"true_score", "sum_logprob", "length", "vote", "target", "state"})
+_STEPS = re.compile(r"^\s*(\d*)\s*:\s*(\d*)\s*$|^\s*(\d+)\s*$")
+Number = Annotated[float | None, Field(ge=-1e300, le=1e300)]
+
+
+class RolloutQuery(BaseModel):
+    """What the explorer lists: every filter is optional and they all hold together."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: str | None = Field(default=None, description="a step or a range A:B (either end open)")
+    group: int | None = Field(default=None, ge=0, le=MAX_ID, description="one group of each step")
+    state: str | None = Field(
+        default=None, max_length=32, description="structural state (format_state)"
+    )
+    format_valid: bool | None = Field(default=None, description="format-valid or not")
+    vote: str | None = Field(default=None, max_length=64, description="the tool id voted for")
+    target: str | None = Field(default=None, max_length=64, description="the target id")
+    reward_min: Number = Field(default=None, description="verifier reward at least")
+    reward_max: Number = Field(default=None, description="verifier reward at most")
+    true_min: Number = Field(default=None, description="true score at least")
+    true_max: Number = Field(default=None, description="true score at most")
+    adv_min: Number = Field(default=None, description="advantage at least")
+    adv_max: Number = Field(default=None, description="advantage at most")
+    len_min: int | None = Field(default=None, ge=0, le=MAX_ID, description="tokens at least")
+    len_max: int | None = Field(default=None, ge=0, le=MAX_ID, description="tokens at most")
+    disagree: bool = Field(
+        default=False, description="only where verifier reward and true score disagree"
+    )
+    alert: bool = Field(default=False, description="only steps where an alert fired")
+    q: str | None = Field(
+        default=None,
+        max_length=1000,
+        description="words that must all appear in completion or prompt",
+    )
+    sort: Sort = Field(default="step", description="the column to sort by")
+    order: Literal["asc", "desc"] = "asc"
+    after: str | None = Field(
+        default=None, max_length=500, description="the `next` cursor of a page"
+    )
+    limit: int = Field(
+        default=50, ge=1, le=MAX_PAGE, description=f"rows a page (at most {MAX_PAGE})"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _blank_fields_are_unset(cls, data: Any) -> Any:
+        """The filter form sends every field; an empty one is no filter."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (isinstance(v, str) and not v.strip())}
+        return data
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, value: str | None) -> str | None:
+        if value is not None and value.strip() and not _STEPS.match(value):
+            raise ValueError("steps is a step (12) or a range A:B, e.g. 100:200, :50 or 900:")
+        return value.strip() if value and value.strip() else None
+
+    @field_validator("state", "vote", "target", "q")
+    @classmethod
+    def _blank_is_none(cls, value: str | None) -> str | None:
+        return value if value and value.strip() else None
+
+    def step_range(self) -> tuple[int | None, int | None]:
+        """The inclusive step range `steps` names (None: open)."""
+        if self.steps is None:
+            return None, None
+        found = _STEPS.match(self.steps)
+        assert found is not None  # validated
+        if found.group(3) is not None:
+            one = int(found.group(3))
+            return one, one
+        lo, hi = found.group(1), found.group(2)
+        return (int(lo) if lo else None), (int(hi) if hi else None)
+
+    def filters(self) -> dict[str, Any]:
+        """The filters given (for links that keep them), without paging."""
+        return self.model_dump(exclude_defaults=True, exclude={"after", "limit"})
+
+
+@dataclass(frozen=True)
+class _Cursor:
+    sort: str
+    order: str
+    is_null: bool
+    value: Any
+    id: int
+
+    def encode(self) -> str:
+        raw = json.dumps([self.sort, self.order, self.is_null, self.value, self.id])
+        return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, cursor: str, query: RolloutQuery) -> _Cursor:
+        try:
+            raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+            sort, order, is_null, value, row_id = json.loads(raw)
+            found = cls(str(sort), str(order), bool(is_null), value, int(row_id))
+        except (ValueError, TypeError) as exc:
+            raise InvalidInput("after: not a cursor this explorer gave out") from exc
+        if (found.sort, found.order) != (query.sort, query.order):
+            raise InvalidInput("after: the cursor is for another sort; start from the first page")
+        if not isinstance(found.value, (int, float, str, type(None))):
+            raise InvalidInput("after: not a cursor this explorer gave out")
+        return found
+
+
+def _where(
+    session: Session, run_id: int, query: RolloutQuery, *, walk: bool = False
+) -> tuple[list[str], dict[str, Any]]:
+    """The filters as SQL on rollouts `r`. With `walk`, SQLite is kept from answering the
+    filters through their indexes (a unary + on the column), so that it walks the sort order's
+    index and stops at the page's end: right when most rows match, as the count just said."""
+    clauses, params = ["r.run_id = :run"], {"run": run_id}
+    hint = "+" if walk and session.get_bind().dialect.name == "sqlite" else ""
+
+    def add(clause: str, **values: Any) -> None:
+        clauses.append(clause)
+        params.update(values)
+
+    lo, hi = query.step_range()
+    if lo is not None:
+        add("r.step >= :step_lo", step_lo=lo)
+    if hi is not None:
+        add("r.step <= :step_hi", step_hi=hi)
+    if query.group is not None:
+        add('r."group" = :group', group=query.group)
+    if query.state is not None:
+        add(f"{hint}r.format_state = :state", state=query.state)
+    if query.format_valid is not None:
+        add(f"{hint}r.format_valid = :format_valid", format_valid=query.format_valid)
+    if query.vote is not None:
+        add(f"{hint}r.vote = :vote", vote=query.vote)
+    if query.target is not None:
+        add(f"{hint}r.target = :target", target=query.target)
+    for column, name, op in (
+        ("r.verifier_reward", "reward_min", ">="),
+        ("r.verifier_reward", "reward_max", "<="),
+        ("r.true_score", "true_min", ">="),
+        ("r.true_score", "true_max", "<="),
+        ("r.advantage", "adv_min", ">="),
+        ("r.advantage", "adv_max", "<="),
+        ("r.n_tokens", "len_min", ">="),
+        ("r.n_tokens", "len_max", "<="),
+    ):
+        value = getattr(query, name)
+        if value is not None:
+            add(f"{hint}{column} {op} :{name}", **{name: value})
+    if query.disagree:
+        add(f"{hint}r.disagree = :disagree", disagree=True)
+    if query.alert:
+        add(
+            "r.step IN (SELECT s.rollout_step FROM steps s JOIN alerts a "
+            "ON a.run_id = s.run_id AND a.step = s.step WHERE s.run_id = :run)"
+        )
+    if query.q is not None:
+        clause, values = search.match_sql(session.connection(), run_id=run_id, q=query.q)
+        add(clause, **values)
+    return clauses, params
+
+
+def _after(query: RolloutQuery, cursor: _Cursor, params: dict[str, Any]) -> str:
+    """Rows past `cursor` in (value, id) order, NULLs first going up and last going down."""
+    column = SORTS[query.sort]
+    op = ">" if query.order == "asc" else "<"
+    params["cursor_id"] = cursor.id
+    if cursor.is_null:
+        tail = f"({column} IS NULL AND r.id {op} :cursor_id)"
+        return f"({tail} OR {column} IS NOT NULL)" if query.order == "asc" else tail
+    params["cursor_value"] = cursor.value
+    past = f"({column} {op} :cursor_value OR ({column} = :cursor_value AND r.id {op} :cursor_id))"
+    if query.sort in NULLABLE and query.order == "desc":
+        return f"({past} OR {column} IS NULL)"
+    return past
+
+
+def _order_by(session: Session, query: RolloutQuery) -> str:
+    column, direction = SORTS[query.sort], query.order.upper()
+    nulls = ""
+    if query.sort in NULLABLE and session.get_bind().dialect.name == "postgresql":
+        nulls = " NULLS FIRST" if query.order == "asc" else " NULLS LAST"
+    return f"{column} {direction}{nulls}, r.id {direction}"
+
+
+def explore(
+    session: Session, *, run_id: int, query: RolloutQuery, count_cap: int = COUNT_CAP
+) -> dict[str, Any]:
+    """One page of a run's rollouts that match `query`: rows, a total counted up to
+    `count_cap`, and the cursor of the next page (None on the last)."""
+    run = store.get_run(session, run_id=run_id)
+    clauses, params = _where(session, run_id, query)
+    where = " AND ".join(clauses)
+    counted = session.execute(
+        text(f"SELECT count(*) FROM (SELECT 1 FROM rollouts r WHERE {where} LIMIT :cap) AS m"),
+        params | {"cap": count_cap + 1},
+    ).scalar_one()
+    if counted > WALK_FROM and query.sort not in NULLABLE:
+        clauses, params = _where(session, run_id, query, walk=True)
+    if query.after is not None:
+        clauses.append(_after(query, _Cursor.decode(query.after, query), params))
+    rows = session.execute(
+        text(
+            f"SELECT r.id, {SORTS[query.sort]} AS sort_value FROM rollouts r "
+            f"WHERE {' AND '.join(clauses)} ORDER BY {_order_by(session, query)} LIMIT :limit"
+        ),
+        params | {"limit": query.limit + 1},
+    ).all()
+    more = len(rows) > query.limit
+    rows = rows[: query.limit]
+    cursor = None
+    if more:
+        last = rows[-1]
+        cursor = _Cursor(query.sort, query.order, last[1] is None, last[1], last[0]).encode()
+    return {
+        "run": {"id": run.id, "name": run.name, "control_tokens": list(run.control_tokens)},
+        "rollouts": _rows(session, run_id, [r[0] for r in rows]),
+        "total": min(counted, count_cap),
+        "total_capped": counted > count_cap,
+        "next": cursor,
+        "filters": query.filters(),
+    }
+
+
+def _rows(session: Session, run_id: int, ids: list[int]) -> list[dict[str, Any]]:
+    """The page's rollouts as rows, in `ids` order, with prompt and completion heads."""
+    if not ids:
+        return []
+    found = {
+        r.id: (r, prompt)
+        for r, prompt in session.execute(
+            select(Rollout, Prompt.text)
+            .join(Prompt, Prompt.id == Rollout.prompt_id)
+            .where(Rollout.id.in_(ids))
+        )
+    }
+    heads = {
+        rid: arrays.decode_ids(r.data.ids)[:HEAD_TOKENS] if r.data is not None else []
+        for rid, (r, _) in found.items()
+    }
+    texts = store.token_texts(session, run_id=run_id, ids={i for h in heads.values() for i in h})
+    out = []
+    for rid in ids:
+        r, prompt = found[rid]
+        out.append(
+            {
+                "id": r.id,
+                "step": r.step,
+                "group": r.group,
+                "index": r.index,
+                "vote": r.vote,
+                "target": r.target,
+                "verifier_reward": r.verifier_reward,
+                "true_score": r.true_score,
+                "advantage": r.advantage,
+                "sum_logprob": r.sum_logprob,
+                "format_valid": r.format_valid,
+                "format_state": r.format_state,
+                "length": r.n_tokens,
+                "disagree": r.disagree,
+                "prompt_head": _head(prompt),
+                "completion_head": _completion_head(r, heads[rid], texts),
+            }
+        )
+    return out
+
+
+def _head(value: str) -> str:
+    return value if len(value) <= HEAD_CHARS else value[:HEAD_CHARS] + "…"
+
+
+def _completion_head(r: Rollout, head_ids: list[int], texts: dict[int, str]) -> str:
+    if r.text_rule is not None and all(i in texts for i in head_ids):
+        head = arrays.preview(r.text_rule, [texts[i] for i in head_ids])
+        cut = r.n_tokens is not None and r.n_tokens > len(head_ids)
+        return _head(head + ("…" if cut else ""))
+    stored = r.data.text if r.data is not None else None
+    return _head(arrays.text_head(stored, HEAD_CHARS + 1)) if stored is not None else ""

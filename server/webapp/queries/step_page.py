@@ -1,0 +1,380 @@
+"""The step viewer's reads: a step's groups overview (scalar columns only), one group's rollouts
+with their arrays, the neighbours of a step and of a group, the nearest recorded step and the
+nearest step whose token data retention kept."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from rollout_lens.server import store
+from rollout_lens.server.core.errors import GroupNotFound, InvalidInput, NotFound, StepNotFound
+from rollout_lens.server.core.read_models import (
+    GroupDetail,
+    GroupNav,
+    StepCard,
+    StepGroups,
+    StepHead,
+    StepNav,
+)
+from rollout_lens.server.core.records import DISAGREE_AT
+from rollout_lens.server.store import layout
+from rollout_lens.server.store.models import (
+    Facts,
+    Prompt,
+    Rollout,
+    Step,
+)
+from rollout_lens.server.store.serialize import completion_ids, rollout_dict, run_dict, step_dict
+from rollout_lens.server.webapp.pages import stepview
+from rollout_lens.server.webapp.queries.runs import step_bounds
+from sqlalchemy import and_, distinct, func, or_, select
+from sqlalchemy.orm import Session
+
+# --- step viewer --------------------------------------------------------------------------------
+
+
+def _neighbours(session: Session, run_id: int, step: int) -> StepNav:
+    """First, previous, next and last recorded steps around `step`: one statement of index seeks."""
+    this_run = Step.run_id == run_id
+    first, prev, nxt, last = session.execute(
+        select(
+            select(func.min(Step.step)).where(this_run).scalar_subquery(),
+            select(func.max(Step.step)).where(this_run, Step.step < step).scalar_subquery(),
+            select(func.min(Step.step)).where(this_run, Step.step > step).scalar_subquery(),
+            select(func.max(Step.step)).where(this_run).scalar_subquery(),
+        )
+    ).one()
+    return {"first": first, "prev": prev, "next": nxt, "last": last}
+
+
+def nearest_step(session: Session, *, run_id: int, step: int) -> int | None:
+    """The recorded step closest to `step`: itself if recorded; ties go to the earlier one."""
+    if (
+        session.scalar(select(Step.step).where(Step.run_id == run_id, Step.step == step))
+        is not None
+    ):
+        return step
+    around = _neighbours(session, run_id, step)
+    below, above = around["prev"], around["next"]
+    if below is None or above is None:
+        return below if above is None else above
+    return below if step - below <= above - step else above
+
+
+# The overview's rows come from these columns only: never the token arrays or the completion.
+SCALARS = (
+    Rollout.group,
+    Rollout.index,
+    Rollout.vote,
+    Rollout.target,
+    Rollout.verifier_reward,
+    Rollout.true_score,
+    Rollout.advantage,
+    Rollout.sum_logprob,
+    Rollout.format_valid,
+    Rollout.format_state,
+    Rollout.prompt_id,
+    Rollout.facts_id,
+)
+SCALAR_KEYS = (
+    "group",
+    "index",
+    "vote",
+    "target",
+    "verifier_reward",
+    "true_score",
+    "advantage",
+    "sum_logprob",
+    "format_valid",
+    "format_state",
+    "prompt_id",
+    "facts_id",
+)
+GROUPS_PER_PAGE = 100  # overview rows a page (HTML and JSON)
+MAX_GROUPS_PER_PAGE = 500
+ROLLOUTS_PER_PAGE = 16  # a group's rollouts in one JSON answer
+MAX_ROLLOUTS_PER_PAGE = 32  # 32 × JSON_TOKENS positions: ~1.2 MB at 4 control tokens
+# Per-token positions of each rollout in a group's JSON: 16 rollouts × 256 positions of ids,
+# logprobs, token texts and 4 control tokens' probabilities are ~0.5 MB (the 2 MB ceiling).
+JSON_TOKENS = 256
+# What one group JSON answer holds at most, so that none passes 2 MB: token positions over all
+# its rollouts (a page holds fewer rollouts when each asks for more positions; ~50 bytes each)
+# and characters of each completion and prompt, JSON_TEXT_BUDGET shared by a page's rollouts
+# but never fewer than JSON_TEXT_CHARS (`completion_chars` and `prompt_chars` say how many
+# there are; the export has everything).
+JSON_POSITIONS = 16_384
+JSON_TEXT_CHARS = 16_000
+JSON_TEXT_BUDGET = 500_000
+GROUP_TABS = 64  # rollouts a group's page shows in full (tabs); the JSON pages every one
+QUERY_CHARS = 500  # of a group's query read for its overview label
+
+
+def disagrees_sql(verifier_reward: Any, true_score: Any) -> Any:
+    """records.disagrees as an SQL condition over two columns (the explorer's `disagree=1`)."""
+    cut = DISAGREE_AT
+    return or_(
+        and_(verifier_reward >= cut, true_score == 0),
+        and_(verifier_reward < cut, true_score >= 1),
+    )
+
+
+def step_head(session: Session, *, run_id: int, step: int) -> tuple[Step, StepHead]:
+    """A recorded step's row and what every view of it shows: run, step columns, metrics,
+    neighbours, whether retention kept its token data (and the nearest step that kept it)."""
+    run = store.get_run(session, run_id=run_id)
+    row = session.scalar(select(Step).where(Step.run_id == run_id, Step.step == step))
+    if row is None:
+        raise StepNotFound(
+            run_id=run_id, step=step, nearest=nearest_step(session, run_id=run_id, step=step)
+        )
+    kept = bool(row.tokens_kept)
+    return row, {
+        "run": run_dict(run),
+        "step": step_dict(row),
+        "metrics": dict(sorted(layout.named(row.series, run.series_names or []).items())),
+        "nav": _neighbours(session, run_id, step),
+        "tokens_kept": kept,
+        "nearest_kept": None if kept else nearest_kept_step(session, run_id=run_id, step=step),
+        "keep_tokens_every": run.keep_tokens_every,
+    }
+
+
+def _scalar_rows(
+    session: Session, *, run_id: int, rollout_step: int, group: int | None = None
+) -> list[dict[str, Any]]:
+    """The scalar columns of a step's rollouts (or one group's), in group and index order."""
+    query = select(*SCALARS).where(Rollout.run_id == run_id, Rollout.step == rollout_step)
+    if group is not None:
+        query = query.where(Rollout.group == group)
+    rows = session.execute(query.order_by(Rollout.group, Rollout.index))
+    return [dict(zip(SCALAR_KEYS, row, strict=True)) for row in rows]
+
+
+def _labels(session: Session, rows: list[dict[str, Any]]) -> dict[int, str]:
+    """group → its label: the query its facts name, else its prompt's head past what the step's
+    prompts share (stepview.prompt_labels); two small reads over the distinct prompts and facts."""
+    firsts: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        firsts.setdefault(row["group"], row)
+    prompt_ids = sorted({r["prompt_id"] for r in firsts.values()})
+    facts_ids = sorted({r["facts_id"] for r in firsts.values() if r["facts_id"] is not None})
+    heads: dict[int, str] = {}
+    for start in range(0, len(prompt_ids), 500):  # bounded IN lists
+        chunk = prompt_ids[start : start + 500]
+        found = session.execute(
+            select(Prompt.id, func.substr(Prompt.text, 1, stepview.PROMPT_READ)).where(
+                Prompt.id.in_(chunk)
+            )
+        )
+        heads.update({prompt_id: head or "" for prompt_id, head in found})
+    queries: dict[int, str] = {}
+    for start in range(0, len(facts_ids), 500):
+        chunk = facts_ids[start : start + 500]
+        found = session.execute(
+            select(
+                Facts.id,
+                func.substr(Facts.data["query"].as_string(), 1, QUERY_CHARS),
+                func.substr(Facts.data[("row", "query")].as_string(), 1, QUERY_CHARS),
+            ).where(Facts.id.in_(chunk))
+        )
+        queries.update({i: q or r for i, q, r in found if q or r})
+    by_prompt = stepview.prompt_labels(heads)
+    return {
+        group: str(queries.get(row["facts_id"]) or by_prompt.get(row["prompt_id"], ""))
+        for group, row in firsts.items()
+    }
+
+
+def step_groups(
+    session: Session,
+    *,
+    run_id: int,
+    step: int,
+    sort: str = "group",
+    descending: bool = False,
+    look: str | None = None,
+    offset: int = 0,
+    limit: int = GROUPS_PER_PAGE,
+) -> StepGroups:
+    """A step as its groups overview: one row a group (stepview.group_summary) from the rollouts'
+    scalar columns only, sorted by a stepview.GROUP_SORTS column, optionally only the groups that
+    need a `look` (stepview.LOOKS), a page of `limit` rows from `offset`; `total` rows match and
+    `counts` says how many groups each look finds."""
+    if sort not in stepview.GROUP_SORTS:
+        raise InvalidInput(f"unknown sort {sort!r}: use one of {', '.join(stepview.GROUP_SORTS)}")
+    if look is not None and look not in stepview.LOOKS:
+        raise InvalidInput(f"unknown look {look!r}: use one of {', '.join(stepview.LOOKS)}")
+    row, head = step_head(session, run_id=run_id, step=step)
+    rows = _scalar_rows(session, run_id=run_id, rollout_step=row.rollout_step)
+    summaries = stepview.group_summaries(rows, _labels(session, rows))
+    counts = {name: sum(stepview.needs_look(s, name) for s in summaries) for name in stepview.LOOKS}
+    chosen = [s for s in summaries if look is None or stepview.needs_look(s, look)]
+    ordered = stepview.sort_groups(chosen, sort, descending=descending)
+    return {
+        **head,
+        "groups_in_step": len(summaries),
+        "rollouts_in_step": len(rows),
+        "counts": counts,
+        "sort": sort,
+        "order": "desc" if descending else "asc",
+        "look": look,
+        "total": len(ordered),
+        "offset": offset,
+        "limit": limit,
+        "groups": ordered[offset : offset + limit],
+    }
+
+
+def _group_neighbours(session: Session, *, run_id: int, rollout_step: int, group: int) -> GroupNav:
+    """First, previous, next and last group around `group` at a step, and how many it has."""
+    here = [Rollout.run_id == run_id, Rollout.step == rollout_step]
+    first, prev, nxt, last, count = session.execute(
+        select(
+            select(func.min(Rollout.group)).where(*here).scalar_subquery(),
+            select(func.max(Rollout.group)).where(*here, Rollout.group < group).scalar_subquery(),
+            select(func.min(Rollout.group)).where(*here, Rollout.group > group).scalar_subquery(),
+            select(func.max(Rollout.group)).where(*here).scalar_subquery(),
+            select(func.count(distinct(Rollout.group))).where(*here).scalar_subquery(),
+        )
+    ).one()
+    return {"first": first, "prev": prev, "next": nxt, "last": last, "count": count}
+
+
+def _token_texts(
+    session: Session, *, run_id: int, rollouts: list[Rollout], limit: int | None
+) -> dict[int, str]:
+    """The texts of the token ids serialize.rollout_dict needs for these rollouts: every id of
+    a rollout whose text is rebuilt from its ids, else those of its first `limit` positions (all
+    when None)."""
+    ids: set[int] = set()
+    for r in rollouts:
+        every = completion_ids(r)
+        ids.update(every if limit is None or r.text_rule is not None else every[:limit])
+    return store.token_texts(session, run_id=run_id, ids=ids)
+
+
+def has_group(session: Session, *, run_id: int, step: int, group: int) -> bool:
+    """Whether the update at `step` trained on rollouts of `group` (False for a missing step)."""
+    rollout_step = select(Step.rollout_step).where(Step.run_id == run_id, Step.step == step)
+    found = session.scalar(
+        select(Rollout.id)
+        .where(
+            Rollout.run_id == run_id,
+            Rollout.step == rollout_step.scalar_subquery(),
+            Rollout.group == group,
+        )
+        .limit(1)
+    )
+    return found is not None
+
+
+def group_detail(
+    session: Session,
+    *,
+    run_id: int,
+    step: int,
+    group: int,
+    max_tokens: int | None = None,
+    offset: int = 0,
+    limit: int | None = None,
+    page_budget: bool = False,
+) -> GroupDetail:
+    """One group of a step: its overview row, its header (stepview.group_header), its neighbours,
+    and its rollouts from `offset` (at most `limit`) with their arrays decoded by
+    serialize.rollout_dict, cut to `max_tokens` positions (with `page_budget`, to no more than
+    a page shows of each: stepview.page_token_limit). GroupNotFound when the step has no such
+    group."""
+    row, head = step_head(session, run_id=run_id, step=step)
+    scalars = _scalar_rows(session, run_id=run_id, rollout_step=row.rollout_step, group=group)
+    if not scalars:
+        raise GroupNotFound(run_id=run_id, step=step, group=group)
+    if page_budget:
+        shown = len(scalars[offset:] if limit is None else scalars[offset : offset + limit])
+        budget = stepview.page_token_limit(shown)
+        max_tokens = budget if max_tokens is None else min(max_tokens, budget)
+    query = (
+        select(Rollout, Prompt.text)
+        .join(Prompt, Prompt.id == Rollout.prompt_id)
+        .where(Rollout.run_id == run_id, Rollout.step == row.rollout_step, Rollout.group == group)
+        .order_by(Rollout.index)
+        .offset(offset)
+    )
+    if limit is not None:
+        query = query.limit(limit)
+    rollouts = session.execute(query).all()
+    run = store.get_run(session, run_id=run_id)  # already in the session: no second read
+    tokens = list(run.control_tokens)
+    texts = _token_texts(
+        session, run_id=run_id, rollouts=[r for r, _ in rollouts], limit=max_tokens
+    )
+    dicts = [rollout_dict(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
+    return {
+        **head,
+        "tokens_kept": head["tokens_kept"] and all(r.tokens_kept for r, _ in rollouts),
+        "group_nav": _group_neighbours(
+            session, run_id=run_id, rollout_step=row.rollout_step, group=group
+        ),
+        "summary": stepview.group_summary(scalars, ""),
+        # viewer reads the rollouts as plain mappings (RolloutData is one)
+        "header": stepview.group_header(cast(list[dict[str, Any]], dicts)) if dicts else None,
+        "rollouts_total": len(scalars),
+        "offset": offset,
+        "rollouts": dicts,
+    }
+
+
+def step_card(
+    session: Session, *, run_id: int, step: int, group: int = 0, max_tokens: int | None = 0
+) -> StepCard:
+    """Compare's compact step: one group of it (group_detail; `max_tokens` per-token positions,
+    none by default: the card shows no tokens) and how many groups the step has. A step without
+    that group (or without rollouts) has `header` None and no rollouts."""
+    try:
+        return group_detail(
+            session,
+            run_id=run_id,
+            step=step,
+            group=group,
+            max_tokens=max_tokens,
+            limit=GROUP_TABS,
+        )
+    except GroupNotFound:
+        row, head = step_head(session, run_id=run_id, step=step)
+        nav = _group_neighbours(session, run_id=run_id, rollout_step=row.rollout_step, group=group)
+        return {
+            **head,
+            "group_nav": nav,
+            "header": None,
+            "asked_group": group,
+            "rollouts": [],
+            "rollouts_total": 0,
+        }
+
+
+def nearest_kept_step(session: Session, *, run_id: int, step: int) -> int | None:
+    """The step nearest `step` whose token-level data retention kept (ties: the earlier)."""
+    kept = [Step.run_id == run_id, Step.tokens_kept.is_(True)]
+    row = session.execute(
+        select(
+            select(func.max(Step.step)).where(*kept, Step.step < step).scalar_subquery(),
+            select(func.min(Step.step)).where(*kept, Step.step > step).scalar_subquery(),
+        )
+    ).one()
+    below: int | None = row[0]
+    above: int | None = row[1]
+    if below is None or above is None:
+        return below if above is None else above
+    return below if step - below <= above - step else above
+
+
+def resolve_step(session: Session, *, run_id: int, step: int | None) -> int:
+    """The recorded step nearest `step` (the last one when None), for jump links and sliders."""
+    store.get_run(session, run_id=run_id)
+    found = (
+        step_bounds(session, run_id=run_id)[1]
+        if step is None
+        else nearest_step(session, run_id=run_id, step=step)
+    )
+    if found is None:
+        raise NotFound(f"run {run_id} has no recorded steps yet")
+    return found

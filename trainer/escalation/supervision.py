@@ -1,0 +1,236 @@
+"""Supervisory signals (the second seed): expert or hinted rollouts inside a GRPO step, and SFT
+phases before or between RL phases, on the erroneous examples."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from rollout_lens.server.core import vocab
+from rollout_lens.server.core.task_vocab import IN_GROUP_MODES
+from rollout_lens.trainer.recorder.capture import GenerationHooks
+from transformers import TrainerCallback
+
+
+class InGroupSupervision(GenerationHooks):
+    """Groups that mix in supervised rollouts, through the capture's hooks (a plain GRPOTrainer).
+
+    offpolicy: the last `per_group` rollouts of each group are replaced by the expert reply;
+    they are scored and normalised with the group, and measured by one forward pass of the
+    policy. hint: the last `per_group` rollouts are sampled from the prompt with a hint
+    appended; the update sees the completion under the plain prompt (hint stripped), because
+    TRL keeps the prompt ids it tokenized, not the ones generation used.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str,
+        per_group: int,
+        expert_reply: Callable[[dict[str, Any]], str],
+        hinted_prompt: Callable[[dict[str, Any]], Any],
+    ) -> None:
+        if mode not in IN_GROUP_MODES:
+            raise ValueError(f"unknown in-group supervision {mode!r}")
+        self.mode, self.per_group = mode, per_group
+        self.expert_reply, self.hinted_prompt = expert_reply, hinted_prompt
+
+    def _rows(self, n_rows: int, group: int) -> list[int]:
+        return [i for i in range(n_rows) if i % group >= group - self.per_group]
+
+    def sampling_prompts(self, trainer, prompt_ids, rows, group):  # type: ignore[no-untyped-def]
+        if self.mode != "hint":
+            return prompt_ids, {}
+        sampled_from, meta = list(prompt_ids), {}
+        for i in self._rows(len(prompt_ids), group):
+            hinted, _, _ = trainer._tokenize_prompts([self.hinted_prompt(rows[i])])
+            sampled_from[i] = hinted[0]
+            meta[i] = {"supervised": "hint", "hint_shown": rows[i].get("hint")}
+        return sampled_from, meta
+
+    def replace_completions(self, trainer, prompt_ids, completion_ids, rows, group):  # type: ignore[no-untyped-def]
+        if self.mode != "offpolicy":
+            return {}, {}
+        eos = trainer.eos_token_ids[0]
+        replaced, meta = {}, {}
+        for i in self._rows(len(completion_ids), group):
+            expert = trainer.processing_class.encode(
+                self.expert_reply(rows[i]), add_special_tokens=False
+            )
+            replaced[i] = [*expert, eos]
+            meta[i] = {"supervised": "expert"}
+        return replaced, meta
+
+
+class Failures(GenerationHooks):
+    """The rows whose rollouts failed, kept for the next interleaved SFT phase (at most
+    `keep`): `failed(rollout)` says which, `example(rollout)` what to keep of one."""
+
+    def __init__(
+        self,
+        failed: Callable[[dict[str, Any]], bool],
+        example: Callable[[dict[str, Any]], Any],
+        *,
+        keep: int = 4096,
+    ) -> None:
+        self.failed, self.example = failed, example
+        self.recent: deque[Any] = deque(maxlen=keep)
+
+    def on_generation(self, rollouts: list[dict[str, Any]]) -> None:
+        self.recent.extend(self.example(r) for r in rollouts if self.failed(r))
+
+    def drain(self) -> list[Any]:
+        """The failures since the last call (interleaved SFT's examples)."""
+        failures = list(self.recent)
+        self.recent.clear()
+        return failures
+
+
+class Hooks(GenerationHooks):
+    """Several hooks as one (each sees what the one before returned)."""
+
+    def __init__(self, *hooks: GenerationHooks) -> None:
+        self.hooks = hooks
+
+    def sampling_prompts(self, trainer, prompt_ids, rows, group):  # type: ignore[no-untyped-def]
+        meta: dict[int, dict[str, Any]] = {}
+        for hook in self.hooks:
+            prompt_ids, more = hook.sampling_prompts(trainer, prompt_ids, rows, group)
+            meta.update(more)
+        return prompt_ids, meta
+
+    def replace_completions(self, trainer, prompt_ids, completion_ids, rows, group):  # type: ignore[no-untyped-def]
+        replaced: dict[int, list[int]] = {}
+        meta: dict[int, dict[str, Any]] = {}
+        for hook in self.hooks:
+            more, more_meta = hook.replace_completions(
+                trainer, prompt_ids, completion_ids, rows, group
+            )
+            replaced.update(more)
+            meta.update(more_meta)
+        return replaced, meta
+
+    def on_generation(self, rollouts: list[dict[str, Any]]) -> None:
+        for hook in self.hooks:
+            hook.on_generation(rollouts)
+
+
+class MetricSink(Protocol):
+    """Where extra series for a step go (RolloutLensCallback.add_metrics)."""
+
+    def add_metrics(self, step: int, metrics: dict[str, float | None]) -> None: ...
+
+
+Encoder = Callable[[Any], tuple[list[int], list[int]]]  # example -> (ids, labels, -100 = context)
+
+
+class SFTPhases(TrainerCallback):
+    """Supervised fine-tuning on expert replies, at its own learning rate, on the training thread.
+
+    interleaved_sft: every `every` RL steps, `steps` SFT steps on the examples that failed since
+    the last phase (`failures()` drains them: Failures.drain).
+    sft_then_rl: `steps` SFT steps on all training examples before the first RL step. Each
+    phase's loss goes into the series `sft/loss` at the step after which it ran.
+
+    An example is (prompt, target) with the reply `expert_reply(target)`, or anything `encode`
+    turns into (ids, labels): a multi-turn expert conversation, say.
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        recorder: MetricSink,
+        *,
+        mode: str,
+        every: int,
+        steps: int,
+        learning_rate: float,
+        all_examples: Callable[[], list[Any]],
+        expert_reply: Callable[[str], str] | None = None,
+        encode: Encoder | None = None,
+        failures: Callable[[], list[Any]] = list,
+        batch_size: int = 16,
+    ) -> None:
+        if (expert_reply is None) == (encode is None):
+            raise ValueError("SFTPhases needs expert_reply or encode (one of them)")
+        self.trainer, self.recorder = trainer, recorder
+        self.mode, self.every, self.steps, self.batch_size = mode, every, steps, batch_size
+        self.all_examples, self.expert_reply = all_examples, expert_reply
+        self.encode: Encoder = encode or self._reply_sequence
+        self.failures = failures
+        self.learning_rate = learning_rate
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.mode == "sft_then_rl" and state.global_step == 0:
+            loss = self._phase(self.all_examples())
+            self.recorder.add_metrics(
+                1, {vocab.SFT_LOSS: loss, vocab.SFT_EXAMPLES: float(len(self.all_examples()))}
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.mode != "interleaved_sft" or state.global_step % self.every:
+            return
+        failures = self.failures()
+        if failures:
+            loss = self._phase(failures)
+            self.recorder.add_metrics(
+                state.global_step, {vocab.SFT_LOSS: loss, vocab.SFT_EXAMPLES: float(len(failures))}
+            )
+
+    def _phase(self, examples: list[Any]) -> float:
+        """`steps` SFT steps cycling through `examples`; returns the mean loss."""
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(model.parameters(), lr=self.learning_rate)
+        was_training = model.training
+        model.train()
+        losses = []
+        for step in range(self.steps):
+            start = step * self.batch_size % len(examples)
+            batch = [
+                examples[(start + j) % len(examples)]
+                for j in range(min(self.batch_size, len(examples)))
+            ]
+            loss = self._loss(model, batch)
+            self._optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            self._optimizer.step()
+            losses.append(loss.item())
+        self._optimizer.zero_grad(set_to_none=True)
+        model.train(was_training)
+        return sum(losses) / len(losses) if losses else math.nan
+
+    def _reply_sequence(self, example: tuple[Any, str]) -> tuple[list[int], list[int]]:
+        """A single-turn example: the prompt as context, then the expert reply and end-of-turn."""
+        assert self.expert_reply is not None
+        prompt, target = example
+        eos = self.trainer.eos_token_ids[0]
+        prompt_ids, _, _ = self.trainer._tokenize_prompts([prompt])
+        tokenizer = self.trainer.processing_class
+        reply = tokenizer.encode(self.expert_reply(target), add_special_tokens=False) + [eos]
+        return list(prompt_ids[0]) + reply, [-100] * len(prompt_ids[0]) + reply
+
+    def _loss(self, model: torch.nn.Module, batch: list[Any]) -> torch.Tensor:
+        """Cross-entropy on the expert's tokens only (the rest is context)."""
+        tokenizer = self.trainer.processing_class
+        eos = self.trainer.eos_token_ids[0]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        encoded = [self.encode(example) for example in batch]
+        sequences = [ids for ids, _ in encoded]
+        labels = [lab for _, lab in encoded]
+        width = max(len(s) for s in sequences)
+        device = self.trainer.accelerator.device
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in sequences], device=device)
+        mask = torch.tensor(
+            [[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device
+        )
+        target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels], device=device)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), target[:, 1:].reshape(-1)
+        )

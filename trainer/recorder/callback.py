@@ -1,0 +1,520 @@
+"""RolloutLensCallback: one line in any TRL GRPO script records the run, rollout by rollout.
+
+    from rollout_lens import RolloutLensCallback
+    trainer = GRPOTrainer(..., callbacks=[RolloutLensCallback(project="my-project")])
+
+Every optimizer step becomes a recorded step with the rollouts it trained on (each exactly once,
+with its group and index), TRL's logged loss/KL/… on the steps where TRL logs, and every other
+number TRL logs as a `trl/…` series. Recording never stops a user's training: see
+trainer/recorder/writer.py (BufferAndDrop).
+
+This is the one recording path: runs launched from the dashboard are recorded by the same
+callback, with the worker's writer as its `sink` (WaitThenFail), the task's `judge`, its
+`watch_tokens` (the id-position probe) and its GenerationHooks (in-group supervision).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rollout_lens.server.core import vocab
+from rollout_lens.server.core.config import Settings, get_settings
+from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.store.models import RunStatus
+from rollout_lens.trainer.recorder import positional, turns
+from rollout_lens.trainer.recorder.capture import Generation, GenerationHooks, RolloutCapture
+from rollout_lens.trainer.recorder.judging import (
+    Completion,
+    FunctionJudge,
+    Judge,
+    Judgement,
+    TextFn,
+)
+from rollout_lens.trainer.recorder.judging import message_text as message_text
+from rollout_lens.trainer.recorder.summary import split_logs, summarize
+from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter
+from transformers import TrainerCallback
+
+log = logging.getLogger("rollout_lens")
+
+# Tokens watched by default when they are single tokens of the tokenizer: tool-call tags of the
+# common chat templates, then the end-of-turn tokens.
+DEFAULT_CONTROL_TOKENS = ("<tool_call>", "</tool_call>", "<tool>", "</tool>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+# Open/close tags of a tool call, tried in order: a completion's structure is read with them.
+CALL_TAGS = (("<tool_call>", "</tool_call>"), ("<tool>", "</tool>"))
+
+# The recorder's own facts, kept in the stored config beside (not inside) the GRPOConfig's keys.
+CONFIG_KEY = "rollout_lens"
+
+
+class RolloutLensCallback(TrainerCallback):
+    """Records a `trl.GRPOTrainer` run into Rollout Lens."""
+
+    def __init__(
+        self,
+        project: str = "default",
+        *,
+        name: str | None = None,
+        database_url: str | None = None,
+        vote: TextFn | None = None,
+        true_score: TextFn | None = None,
+        format_valid: TextFn | None = None,
+        format_free_score: TextFn | None = None,
+        target: Callable[[dict[str, Any]], str | None] | None = None,
+        control_tokens: Sequence[str] | None = None,
+        buffer_mb: float = 256,
+        keep_tokens_every: int | None = None,
+        settings: Settings | None = None,
+        judge: Judge | None = None,
+        watch_tokens: Sequence[str] = (),
+        hooks: GenerationHooks | None = None,
+        sink: StepWriter | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        reading: str = "forward",
+    ) -> None:
+        """`database_url` and the other settings default to the ROLLOUT_LENS_* environment;
+        `vote`, `true_score` and `format_valid` judge a completion, and `format_free_score`
+        scores it leniently, whatever its structure (recorded as format-free accuracy beside
+        true accuracy: the gap is a skill hidden by a broken format); `target` names the right
+        answer of a row; `control_tokens` default to the tokenizer's tool-call tags and
+        end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away;
+        `keep_tokens_every` keeps token-level data only every N steps (and at the first and last
+        step and at alerts) for very long runs.
+
+        For a task of your own: `judge` replaces the four functions (a Completion in, a
+        Judgement out); `watch_tokens` (answer tokens, e.g. tool ids) are probed right after the
+        opening call tag; `hooks` change generation (trainer/recorder/capture.py); `sink` is the writer
+        steps go to (default: one that creates the run and never stops training);
+        `should_stop` is asked after every step; `reading` is where per-token logprobs and
+        control-token probabilities are read: "forward" (TRL's own scoring pass, on every
+        generation path) or "generate" (generate's logits; other paths record none)."""
+        if keep_tokens_every is not None and keep_tokens_every < 1:
+            raise ValueError(f"keep_tokens_every must be 1 or more, not {keep_tokens_every}")
+        if judge is not None and any(
+            fn is not None for fn in (vote, true_score, format_valid, format_free_score)
+        ):
+            raise ValueError("pass a judge or the vote/true_score/format_valid functions, not both")
+        self.keep_tokens_every = keep_tokens_every
+        self.project = project
+        self.name = name
+        self.settings = settings or get_settings()
+        self.database_url = database_url or self.settings.database_url
+        self.functions = FunctionJudge(
+            vote=vote,
+            true_score=true_score,
+            format_valid=format_valid,
+            format_free=format_free_score,
+        )
+        self.judge: Judge = judge or self.functions
+        self.target = target
+        self.requested_control_tokens = list(control_tokens) if control_tokens else None
+        self.watch_tokens = list(watch_tokens)
+        self.hooks = hooks
+        self.buffer_bytes = int(buffer_mb * 2**20)
+        self.sink: StepWriter | None = sink
+        self._own_sink = False  # made here at the start of training (no sink given)
+        self.should_stop = should_stop
+        self.reading = reading
+        self.trainer: Any = None
+        self.capture: RolloutCapture | None = None
+        self._call_tags: tuple[str, str] | None = None
+        self._end_tokens: list[str] = []
+        self._eot: str | None = None  # the end-of-turn token among the control tokens
+        self.control_tokens: list[str] = []
+        self._watched: list[str] = []
+        self._generations: list[Generation] = []
+        self._last_rollout_step = 0
+        self._pending: dict[str, Any] | None = None  # the step waiting for its logs
+        self._extra: dict[int, dict[str, float | None]] = {}  # step -> series (add_metrics)
+        self._step_started = 0.0
+        self._prompt_text: dict[str, str] = {}
+        # (rollout step, values, series) of the last generation: a step that reuses it
+        # (num_iterations > 1) shows the same rollout-derived values, never its logged ones.
+        self._last_summary: tuple[int, dict[str, float | None], dict[str, float | None]] | None = (
+            None
+        )
+        self._installed = False
+
+    # -- attaching -----------------------------------------------------------------------------
+
+    def attach(self, trainer: Any) -> None:
+        """Wrap `trainer`'s generation and scoring (done by itself at the start of training)."""
+        if self._installed:
+            return
+        self.trainer = trainer
+        tokenizer = _tokenizer(trainer)
+        self.control_tokens, control_ids = self._control_tokens(tokenizer)
+        vocab_ = tokenizer.get_vocab()
+        self._call_tags = next((tags for tags in CALL_TAGS if all(t in vocab_ for t in tags)), None)
+        self._end_tokens = [
+            t for t in dict.fromkeys([tokenizer.eos_token, *END_OF_TURN_TOKENS]) if t in vocab_
+        ]
+        self._watched = [t for t in self.watch_tokens if t in vocab_]
+        capture = RolloutCapture(
+            trainer,
+            control_token_ids=control_ids,
+            on_generation=self._generations.append,
+            watch_ids=[vocab_[t] for t in self._watched],
+            after_token_id=vocab_[self._call_tags[0]] if self._call_tags else None,
+            hooks=self.hooks,
+            reading=self.reading,
+        )
+        if not capture.probing:
+            self.control_tokens = []
+        self._eot = next((t for t in self._end_tokens if t in self.control_tokens), None)
+        capture.install()
+        self.capture = capture
+        self._installed = True
+
+    def add_metrics(self, step: int, metrics: dict[str, float | None]) -> None:
+        """Extra series for `step` (evaluation, SFT phases, your own), written with that step
+        (or the first step recorded after it)."""
+        self._extra.setdefault(step, {}).update(metrics)
+
+    def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if not self._installed:
+            self.attach(_find_trainer())
+        if self.sink is None and state.is_world_process_zero:
+            self._own_sink = True
+            self.sink = StepWriter.for_script(
+                database_url=self.database_url,
+                spec=self._run_spec(args, state),
+                prepare=self._prepare,
+                max_bytes=self.buffer_bytes,
+                heartbeat_seconds=self.settings.heartbeat_seconds,
+                price_per_device_hour=self.settings.price_per_device_hour,
+                busy_timeout_ms=self.settings.sqlite_busy_timeout_ms,
+            )
+            atexit.register(self._at_exit)
+        elif self.sink is not None:
+            self.sink.prepare = self._prepare
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._step_started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self.capture is not None:
+            self.capture.flush(state.global_step)  # every process: it may gather
+        if self.sink is None:
+            return
+        self._send_pending()
+        step = state.global_step
+        rollouts: list[dict[str, Any]] = []
+        while self._generations and self._generations[0].rollout_step <= step:
+            generation = self._generations.pop(0)
+            rollouts.extend(generation.rollouts)
+            self._last_rollout_step = step
+        self._pending = {
+            "step": step,
+            # a reused generation (num_iterations > 1) points at the step that recorded it
+            "rollout_step": step if rollouts else (self._last_rollout_step or step),
+            "rollouts": rollouts,
+            "wall_time": time.perf_counter() - self._step_started,
+            "logs": {},
+        }
+        if self.should_stop is not None and self.should_stop():
+            control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+        # Trainer logs a step right after its on_step_end: the logs join that step.
+        if self._pending is not None and logs and self._pending["step"] == state.global_step:
+            self._pending["logs"].update(logs)
+            if "loss" in logs:
+                self._send_pending()
+
+    def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if self._own_sink:
+            self._close(RunStatus.completed, None)
+        else:
+            self._send_pending()  # the worker closes its writer and marks the run
+
+    def _at_exit(self) -> None:
+        """The script ended without on_train_end (an exception): keep what was recorded."""
+        self._close(RunStatus.failed, "the training script stopped before the end of training")
+
+    def _close(self, status: RunStatus, error: str | None) -> None:
+        if self.sink is None:
+            return
+        self._send_pending()
+        sink, self.sink = self.sink, None
+        sink.close(status=status, error=error)
+        atexit.unregister(self._at_exit)
+
+    def _send_pending(self) -> None:
+        if self._pending is not None and self.sink is not None:
+            step = self._pending["step"]
+            extra: dict[str, float | None] = {}
+            for early in sorted(s for s in self._extra if s <= step):
+                extra.update(self._extra.pop(early))
+            self._pending["metrics"] = extra
+            self.sink.put(self._pending)
+        self._pending = None
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def _control_tokens(self, tokenizer: Any) -> tuple[list[str], list[int]]:
+        vocab_ = tokenizer.get_vocab()
+        if self.requested_control_tokens is not None:
+            missing = [t for t in self.requested_control_tokens if t not in vocab_]
+            if missing:
+                raise ValueError(f"control tokens not in the tokenizer's vocabulary: {missing}")
+            tokens = self.requested_control_tokens
+        else:
+            candidates = [*DEFAULT_CONTROL_TOKENS, tokenizer.eos_token, *END_OF_TURN_TOKENS]
+            tokens = list(dict.fromkeys(t for t in candidates if t and t in vocab_))
+        return list(tokens), [vocab_[t] for t in tokens]
+
+    @property
+    def tool_calling(self) -> bool:
+        return self.capture is not None and self.capture.tool_calling
+
+    def _run_spec(self, args: Any, state: Any) -> RunSpec:
+        trainer = self.trainer
+        assert self.capture is not None
+        config = json.loads(args.to_json_string())  # the GRPOConfig as given
+        judged = {
+            "vote": self.functions.given("vote") or self.tool_calling,
+            "true_score": self.functions.given("true_score"),
+            "format_valid": self.functions.given("format_valid"),
+            "format_free": self.functions.given("format_free"),
+        }
+        if self.judge is not self.functions:
+            judged = dict.fromkeys(judged, True)  # a task's judge says everything
+        config[CONFIG_KEY] = {
+            "project": self.project,
+            "reward_funcs": list(getattr(trainer, "reward_func_names", []) or []),
+            "judged": judged,
+        }
+        label = self.name or args.run_name or Path(args.output_dir or "run").name
+        world = trainer.accelerator.num_processes
+        group = int(getattr(trainer, "num_generations", None) or args.num_generations)
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+        model = getattr(trainer.model, "name_or_path", None) or getattr(
+            trainer.model.config, "_name_or_path", "model"
+        )
+        notes = list(self.capture.notes)
+        if self.tool_calling:
+            notes.append(
+                "tool-calling rollouts: recorded turn by turn (model turns with their logprobs "
+                "and control-token probabilities, tool results apart and not trained); votes "
+                "are each rollout's final answer, with its first call beside"
+                + ("" if not self.functions.given("vote") else " unless the vote function says")
+            )
+        if not judged["true_score"]:
+            notes.append("no true_score function given: true accuracy is not recorded")
+        if not judged["format_valid"]:
+            notes.append(
+                "no format_valid function given: format validity is not recorded (unknown, not "
+                "valid); the structural state is read from the tokenizer's call tags"
+                if self._call_tags
+                else "no format_valid function given: format validity is not recorded"
+            )
+        return RunSpec(
+            name=f"{self.project}/{label}" if self.project else label,
+            model=str(model),
+            total_steps=int(state.max_steps or 0),
+            group_size=group,
+            prompts_per_step=max(1, per_step // group),
+            seed=int(args.seed),
+            config=config,
+            control_tokens=self.control_tokens,
+            device=str(trainer.accelerator.device),
+            notes=notes,
+            keep_tokens_every=self.keep_tokens_every,
+        )
+
+    # -- raw step → StepRecord (the writer's thread for a script, the training thread launched) --
+
+    def _prepare(self, raw: dict[str, Any]) -> StepRecord:
+        trainer = self.trainer
+        group_size = int(trainer.num_generations)
+        rollouts = [self._rollout(i, r, group_size) for i, r in enumerate(raw["rollouts"])]
+        values: dict[str, float | None] = {}
+        series: dict[str, float | None] = {}
+        if rollouts:
+            values, series = summarize(rollouts, group_size, self.control_tokens)
+            # what no function judged is unknown, not zero
+            unjudged = self.judge is self.functions and not self.functions.given("vote")
+            if unjudged and not self.tool_calling:
+                values["vote_agreement"] = values["vote_entropy"] = None
+            # copies: the logs below belong to this step only, not to a step reusing these
+            self._last_summary = (raw["rollout_step"], dict(values), dict(series))
+        elif self._last_summary is not None and self._last_summary[0] == raw["rollout_step"]:
+            values, series = dict(self._last_summary[1]), dict(self._last_summary[2])
+        values["wall_time"] = raw["wall_time"]
+        columns, logged = split_logs(raw["logs"])
+        values.update(columns)
+        series.update(logged)
+        series.update(raw.get("metrics") or {})
+        return StepRecord(
+            step=raw["step"],
+            rollout_step=raw["rollout_step"],
+            values=values,
+            rollouts=rollouts,
+            metrics=series,
+        )
+
+    def _rollout(self, i: int, r: dict[str, Any], group_size: int) -> RolloutRecord:
+        trainer = self.trainer
+        tokenizer = _tokenizer(trainer)
+        eos = set(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        names = list(getattr(trainer, "reward_func_names", []) or [])
+        ids = r["ids"]
+        mask = r.get("tool_mask")
+        # tool-calling: the whole conversation as the model saw it, tool results included
+        text = message_text(r["completion"]) if mask is None else tokenizer.decode(ids)
+        row = r["row"]
+        truncated = not ids or ids[-1] not in eos
+        judgement: Judgement = self.judge(
+            Completion(
+                text=text,
+                messages=r["completion"],
+                row=row,
+                prompt=r.get("prompt"),
+                truncated=truncated,
+            )
+        )
+        control = r["control"] or [[] for _ in self.control_tokens]
+        control_probs = dict(zip(self.control_tokens, control, strict=False))
+        tokens = tokenizer.convert_ids_to_tokens(ids)
+        meta: dict[str, Any] = {
+            "rewards": dict(zip(names, r["rewards"], strict=False)),
+            "truncated": truncated,
+        }
+        if row:
+            meta["row"] = row
+        meta.update(r.get("meta") or {})
+        if judgement.format_free is not None:
+            meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
+        vote, format_state = judgement.vote, judgement.format_state
+        probes: dict[str, float | None] = {}
+        if mask is not None:
+            meta["turns"] = turns.read_turns(mask, r["completion"])
+            meta["answer"] = turns.final_answer(r["completion"])
+            meta["first_call"] = turns.first_call(meta["turns"])
+            if self._call_tags is not None:
+                meta["turn_states"] = turns.turn_states(
+                    meta["turns"],
+                    functools.partial(_decode_span, tokenizer, ids),
+                    self._call_tags,
+                    self._end_tokens,
+                )
+                if format_state is None:
+                    format_state = turns.rollout_state(meta["turn_states"])
+                if self._probing_tags():
+                    probes = positional.turn_probes(
+                        tokens, control_probs, meta["turns"], **self._roles()
+                    )
+            if vote is None and not self.functions.given("vote"):
+                vote = meta["answer"]  # the group's votes: each rollout's final answer
+        elif self._call_tags is not None:
+            if format_state is None:
+                format_state = turns.completion_state(
+                    tokenizer.decode(ids), self._call_tags, self._end_tokens, truncated=truncated
+                )
+            if self._probing_tags():
+                probes = positional.control_probes(tokens, control_probs, **self._roles())
+        watched = r.get("watched")
+        if watched is not None:
+            probes.update(
+                positional.id_probes(
+                    dict(zip(self._watched, watched, strict=True)),
+                    row.get("tool_ids") or [],
+                    row.get("target"),
+                )
+            )
+        if probes:
+            meta["probes"] = probes
+        return RolloutRecord(
+            group=i // group_size,
+            index=i % group_size,
+            prompt=self._render_prompt(r.get("prompt"), r.get("prompt_ids")),
+            completion=text,
+            completion_ids=ids,
+            token_logprobs=r["logprobs"],
+            control_probs=control_probs,
+            vote=None if vote is None else str(vote),
+            target=self._target(row),
+            verifier_reward=r["reward"],
+            true_score=judgement.true_score,
+            advantage=r["advantage"],
+            format_valid=judgement.format_valid,
+            format_state=format_state,
+            meta=meta,
+            tokens=tokens,
+        )
+
+    def _probing_tags(self) -> bool:
+        """Positional probes need both call tags and an end-of-turn among the control tokens."""
+        return (
+            self._call_tags is not None
+            and self._eot is not None
+            and all(t in self.control_tokens for t in self._call_tags)
+        )
+
+    def _roles(self) -> dict[str, str]:
+        assert self._call_tags is not None and self._eot is not None
+        return {"open_tag": self._call_tags[0], "close_tag": self._call_tags[1], "eot": self._eot}
+
+    def _target(self, row: dict[str, Any]) -> str | None:
+        if self.target is not None:
+            try:
+                found = self.target(row)
+            except Exception:  # noqa: BLE001
+                return None
+            return None if found is None else str(found)
+        value = row.get("target")
+        return None if value is None else str(value)
+
+    def _render_prompt(self, prompt: Any, ids: list[int] | None = None) -> str:
+        """The prompt as the model saw it (chat template applied), rendered once per text; with
+        tools, its ids decoded (TRL rendered each prompt with its own tools)."""
+        if ids is not None:
+            key = repr(ids)
+            if key not in self._prompt_text:
+                self._prompt_text[key] = _tokenizer(self.trainer).decode(ids)
+            return self._prompt_text[key]
+        if isinstance(prompt, str):
+            return prompt
+        key = repr(prompt)
+        if key not in self._prompt_text:
+            kwargs = getattr(self.trainer, "chat_template_kwargs", None) or {}
+            self._prompt_text[key] = _tokenizer(self.trainer).apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        return self._prompt_text[key]
+
+
+def _decode_span(tokenizer: Any, ids: list[int], start: int, end: int) -> str:
+    """The text of completion positions [start, end), special tokens kept."""
+    return str(tokenizer.decode(ids[start:end]))
+
+
+def _tokenizer(trainer: Any) -> Any:
+    processing = trainer.processing_class
+    return getattr(processing, "tokenizer", None) or processing
+
+
+def _find_trainer() -> Any:
+    """The Trainer whose training loop is calling us (callbacks are not handed the trainer)."""
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    raise RuntimeError(
+        "RolloutLensCallback could not find its trainer: pass it to GRPOTrainer(callbacks=[...]) "
+        "or call callback.attach(trainer) before train()"
+    )

@@ -1,0 +1,607 @@
+"""Capture every generation of an unmodified TRL GRPOTrainer, rollout by rollout, in group order.
+
+`RolloutCapture.install(trainer)` wraps some of the trainer's own methods on the instance (no
+subclass, nothing for the user to change; every run is recorded this way, launched or a user's):
+- TRL's scoring forward pass (`_get_per_token_logps_and_entropies`, and `_compute_loss` to know
+  which rollouts a micro-batch holds), to read sampled-token logprobs and control-token
+  probabilities with a ForwardProbe: on every generation path (transformers' generate,
+  continuous batching, vLLM, TRL's tool loop), from the pass at the weights that sampled;
+- generation, for the hooks below (and, with `reading="generate"`, to bind a GenerationProbe:
+  the same numbers read off generate's logits, one log-softmax per token);
+- reward calculation, to keep the completions and each reward function's values;
+- `_generate_and_score_completions`, to pair them with the advantages and hand one generation
+  on. Under several processes the rollouts of every process are gathered to the main one in
+  process order, which is the order TRL forms its groups in.
+
+Which forward pass is the sampling policy's: TRL computes an old-policy pass inside
+`_generate_and_score_completions` (num_iterations > 1, a generation spread over optimizer steps,
+vLLM's importance-sampling correction); it runs right after generation, before any update, so
+its weights are the ones that sampled. Otherwise TRL skips it because every micro-batch of the
+generation is trained within one optimizer step (gradient_accumulation_steps is a multiple of
+steps_per_generation × num_iterations): all of its loss passes run before that step's update,
+at the sampling weights, so each rollout's first loss pass is read. TRL shuffles a generation
+and splits it into micro-batches (`_prepare_inputs`); a row-id column added to the generation's
+output travels with them and says which rollout each row is.
+
+A run launched from the dashboard adds to this through GenerationHooks: in-group supervision
+(rows sampled from a hinted prompt, or replaced by an expert reply, measured by one forward pass
+of the policy) and its failures collected for SFT; the id-position probe is the probe's
+`watch_ids` after the opening tag.
+
+Work on the training thread is kept to copying ids and numbers into plain lists; prompts are
+rendered, user functions run and summaries computed later, on the writer's thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_lens.trainer.recorder import turns
+from rollout_lens.trainer.recorder.probe import ForwardProbe, GenerationProbe
+
+log = logging.getLogger("rollout_lens")
+
+# Methods of GRPOTrainer the capture wraps (present in TRL 1.0 to 1.x).
+_GENERATE = "_generate_single_turn"
+_REWARDS = "_calculate_rewards"
+_SCORE = "_generate_and_score_completions"
+_TOOL_LOOP = "_tool_call_loop"  # TRL's tool loop (tool-calling runs): its first result is tool_mask
+_LOGPS = "_get_per_token_logps_and_entropies"  # TRL's scoring forward pass (fused LM head)
+_LOSS = "_compute_loss"  # one micro-batch's loss: its own scoring pass
+ROW_KEY = "rollout_lens_row"  # the column of row ids added to a generation's output
+
+# The readings a capture can take: off TRL's scoring pass, or off generate's logits.
+READINGS = ("forward", "generate")
+
+
+class GenerationHooks:
+    """What a run adds around generation; every method may be left as it is (no change).
+
+    `rows` are the dataset rows of the generation in progress (TRL's inputs, prompt included),
+    one per completion, in group order."""
+
+    def sampling_prompts(
+        self, trainer: Any, prompt_ids: list[list[int]], rows: list[dict[str, Any]], group: int
+    ) -> tuple[list[list[int]], dict[int, dict[str, Any]]]:
+        """The prompts to sample from (the update still sees TRL's own), and meta per row."""
+        return prompt_ids, {}
+
+    def replace_completions(
+        self,
+        trainer: Any,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        rows: list[dict[str, Any]],
+        group: int,
+    ) -> tuple[dict[int, list[int]], dict[int, dict[str, Any]]]:
+        """Completions to train on instead of the sampled ones (row -> ids), and meta per row."""
+        return {}, {}
+
+    def on_generation(self, rollouts: list[dict[str, Any]]) -> None:
+        """Every training generation's rollouts (this process's), as soon as they are scored."""
+
+
+@dataclass
+class Generation:
+    """The rollouts of one generation, all processes together, in TRL's group order."""
+
+    rollout_step: int  # the optimizer step that first trains on them
+    rollouts: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    """This process's rollouts of a generation whose readings come from its loss passes."""
+
+    rollout_step: int
+    rollouts: list[dict[str, Any]]
+    rows: list[int]  # the row id of each rollout
+    masks: list[list[int] | None]  # each rollout's tool_mask
+
+
+class RolloutCapture:
+    """Wraps a GRPOTrainer's generation and scoring to hand each generation to `on_generation`."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        *,
+        control_token_ids: list[int],
+        on_generation: Callable[[Generation], None],
+        watch_ids: list[int] | None = None,
+        after_token_id: int | None = None,
+        hooks: GenerationHooks | None = None,
+        reading: str = "forward",
+    ) -> None:
+        """`watch_ids` (e.g. every tool id) are read right after `after_token_id` (the opening
+        tag): the distribution the policy chooses its answer from. `reading` says where the
+        logprobs and control-token probabilities come from: "forward" (TRL's scoring pass,
+        every generation path) or "generate" (generate's logits; other paths record none)."""
+        if reading not in READINGS:
+            raise ValueError(f"reading must be one of {READINGS}, not {reading!r}")
+        self.reading: str | None = reading
+        self.trainer = trainer
+        self.control_token_ids = control_token_ids
+        self.on_generation = on_generation
+        self.watch_ids = list(watch_ids or [])
+        self.after_token_id = after_token_id
+        self.hooks = hooks or GenerationHooks()
+        self.notes: list[str] = []
+        self._inputs: list[dict[str, Any]] = []  # the rows of the generation in progress
+        self._row_meta: dict[int, dict[str, Any]] = {}  # row -> meta from the hooks
+        self._replaced: dict[int, tuple[list[float], list[list[float]], list[float] | None]] = {}
+        # Each `_generate_single_turn` call of the current generation: its probe and the ids it
+        # returned. One call for a single-turn generation; with tools, the first turn of every
+        # row, then one call per tool iteration on the rows that called a tool (trainer/recorder/turns.py).
+        self._calls: list[tuple[GenerationProbe, list[list[int]]]] = []
+        self._prompt_ids: list[list[int]] | None = None  # the first call's: the prompts as seen
+        self._tool_mask: list[list[int]] | None = None  # from TRL's tool loop, unpadded
+        self._scored: tuple[list[Any], list[list[int]], list[list[float]]] | None = None
+        missing = [name for name in (_REWARDS, _SCORE) if not hasattr(trainer, name)]
+        if missing:
+            raise RuntimeError(
+                f"this TRL GRPOTrainer has no {', '.join(missing)}: Rollout Lens supports "
+                "trl>=1.0,<2"
+            )
+        self._warned_stitch = False
+        self._warned_unread = False
+        self.forward: ForwardProbe | None = None
+        self._arm: list[int | None] | None = None  # row ids of the next scoring pass to read
+        self._next_row = 0  # row ids are unique over the run
+        self._rows: list[int] = []  # the row ids of the generation in progress
+        self._pending: list[_Pending] = []  # generations waiting for their loss passes
+        self._wanted: set[int] = set()  # their row ids not read yet
+        self.reading = self._choose_reading(reading)
+        self.probing = self.reading is not None
+
+    def _choose_reading(self, wanted: str) -> str | None:
+        """Where this trainer's readings can come from (None: nowhere), with the run's note."""
+        trainer = self.trainer
+        if wanted == "forward":
+            if hasattr(trainer, _LOGPS) and hasattr(trainer, _LOSS):
+                self.notes.append(self._forward_note())
+                if getattr(trainer, "mask_truncated_completions", False):
+                    self.notes.append(
+                        "mask_truncated_completions: TRL's pass does not see a truncated "
+                        "completion, so its logprobs and control-token probabilities are not "
+                        "recorded"
+                    )
+                return "forward"
+            self.notes.append(
+                "this TRL version scores completions elsewhere: logprobs and control-token "
+                "probabilities are not read off its forward pass"
+            )
+        return "generate" if self._can_probe() else None
+
+    def _forward_note(self) -> str:
+        trainer = self.trainer
+        if getattr(trainer, "use_vllm", False):
+            path = "generation by vLLM (its own sampling logprobs are not recorded)"
+        elif getattr(trainer, "use_transformers_continuous_batching", False):
+            path = "continuous-batching generation"
+        else:
+            path = "generation by transformers' generate"
+        return (
+            f"{path}: per-token logprobs and control-token probabilities are read off TRL's "
+            "own scoring forward pass at the weights that sampled (its old-policy pass when it "
+            "computes one, else each rollout's first loss pass before the optimizer step)"
+        )
+
+    def _can_probe(self) -> bool:
+        trainer = self.trainer
+        if getattr(trainer, "use_vllm", False):
+            self.notes.append(
+                "generation by vLLM: per-token logprobs are vLLM's sampling logprobs; "
+                "control-token probabilities are not recorded"
+            )
+            return False
+        if getattr(trainer, "use_transformers_continuous_batching", False) or getattr(
+            trainer, "use_transformers_paged", False
+        ):
+            self.notes.append(
+                "continuous-batching generation: control-token probabilities are not recorded"
+            )
+            return False
+        if not hasattr(trainer, _GENERATE):
+            self.notes.append(
+                "this TRL version generates elsewhere: control-token probabilities are not recorded"
+            )
+            return False
+        return True
+
+    def install(self) -> None:
+        """Wrap the trainer's methods on the instance."""
+        trainer = self.trainer
+        if self.reading == "generate" or (
+            self.reading == "forward" and hasattr(trainer, _GENERATE)
+        ):
+            original_generate = getattr(trainer, _GENERATE)
+            setattr(trainer, _GENERATE, functools.partial(self._generate, original_generate))
+        if self.reading == "forward":
+            self.forward = ForwardProbe(
+                trainer.accelerator.unwrap_model(trainer.model),
+                self.control_token_ids,
+                float(trainer.temperature or 1.0),
+                after_token_id=self.after_token_id,
+                watch_ids=self.watch_ids,
+            )
+            original_logps = getattr(trainer, _LOGPS)
+            setattr(trainer, _LOGPS, functools.partial(self._scoring_pass, original_logps))
+            original_loss = getattr(trainer, _LOSS)
+            setattr(trainer, _LOSS, functools.partial(self._loss, original_loss))
+        original_rewards = getattr(trainer, _REWARDS)
+        setattr(trainer, _REWARDS, functools.partial(self._rewards, original_rewards))
+        original_score = getattr(trainer, _SCORE)
+        setattr(trainer, _SCORE, functools.partial(self._score, original_score))
+        if getattr(trainer, "tools", None) and hasattr(trainer, _TOOL_LOOP):
+            original_loop = getattr(trainer, _TOOL_LOOP)
+            setattr(trainer, _TOOL_LOOP, functools.partial(self._tool_loop, original_loop))
+
+    @property
+    def tool_calling(self) -> bool:
+        """Whether the trainer runs TRL's tool loop (rollouts are recorded turn by turn)."""
+        return bool(getattr(self.trainer, "tools", None)) and hasattr(self.trainer, _TOOL_LOOP)
+
+    # -- the wrappers ------------------------------------------------------------------------------
+
+    def _generate(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from transformers import LogitsProcessorList
+
+        trainer = self.trainer
+        training = bool(trainer.model.training) and not self.tool_calling
+        training = training and len(args) >= 4  # (prompt_ids, images, fields, num_generations)
+        if training:
+            sampled_from, meta = self.hooks.sampling_prompts(
+                trainer, list(args[0]), self._inputs, int(args[3])
+            )
+            self._row_meta.update(meta)
+            args = (sampled_from, *args[1:])
+        if self.reading != "generate":
+            # the scoring pass reads every row (every turn of a tool-calling one) at once
+            result = original(*args, **kwargs)
+            return self._replace(None, args, result) if training else result
+        probe = GenerationProbe(
+            self.control_token_ids,
+            float(trainer.temperature or 1.0),
+            after_token_id=self.after_token_id,
+            watch_ids=self.watch_ids,
+        )
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        generate = type(model).generate
+
+        def probed_generate(*g_args: Any, **g_kwargs: Any) -> Any:
+            processors = LogitsProcessorList(
+                [probe, *(g_kwargs.pop("logits_processor", None) or [])]
+            )
+            return generate(model, *g_args, logits_processor=processors, **g_kwargs)
+
+        model.generate = probed_generate  # for this call only
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            del model.generate
+        if not self.tool_calling:
+            self._calls = [(probe, [])]  # one call per generation: no turns to stitch
+            if training:
+                result = self._replace(probe, args, result)
+            return result
+        # trl 1.x returns (completion_ids, logprobs) and takes prompt ids; older ones returned
+        # (prompt_ids, completion_ids, logprobs, extra)
+        if isinstance(result, tuple) and len(result) >= 4:
+            prompt_ids, completion_ids = result[0], result[1]
+        else:
+            prompt_ids, completion_ids = (
+                kwargs.get("prompt_ids", args[0] if args else None),
+                result[0],
+            )
+        if not self._calls and prompt_ids is not None:
+            self._prompt_ids = [[int(t) for t in p] for p in prompt_ids]
+        self._calls.append((probe, [[int(t) for t in ids] for ids in completion_ids]))
+        return result
+
+    def _replace(self, probe: GenerationProbe | None, args: tuple[Any, ...], result: Any) -> Any:
+        """The hooks' replacement completions (expert replies), measured by a forward pass when
+        generate's probe read them (it saw the sampled reply, not the one trained on); TRL's
+        scoring pass reads the reply trained on itself."""
+        completion_ids, logprobs = result[0], result[1]
+        prompt_ids = [list(p) for p in args[0]]
+        replaced, meta = self.hooks.replace_completions(
+            self.trainer, prompt_ids, [list(c) for c in completion_ids], self._inputs, int(args[3])
+        )
+        self._row_meta.update(meta)
+        if not replaced:
+            return result
+        completion_ids = list(completion_ids)
+        for i, ids in replaced.items():
+            completion_ids[i] = list(ids)
+            if probe is not None and probe.used:
+                self._replaced[i] = self.forward_probe(prompt_ids[i], list(ids))
+        return (completion_ids, logprobs, *result[2:])
+
+    def forward_probe(
+        self, prompt_ids: list[int], completion_ids: list[int]
+    ) -> tuple[list[float], list[list[float]], list[float] | None]:
+        """Logprobs, control probs and watched logprobs of a completion the policy did not
+        sample (an expert reply): one no-grad forward at the sampling temperature."""
+        import torch
+
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        with torch.no_grad():
+            ids = torch.tensor([prompt_ids + completion_ids], device=trainer.accelerator.device)
+            logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+            logprobs = torch.log_softmax(logits / float(trainer.temperature or 1.0), dim=-1)
+            sampled = logprobs.gather(1, ids[0, len(prompt_ids) :, None]).squeeze(1).tolist()
+            control = logprobs[:, self.control_token_ids].exp().T.tolist()
+            watched = None
+            after = self.after_token_id
+            if self.watch_ids and after is not None and after in completion_ids:
+                position = completion_ids.index(after) + 1
+                if position < len(completion_ids):
+                    watched = logprobs[position, self.watch_ids].tolist()
+        return sampled, control, watched
+
+    def _tool_loop(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        self._tool_mask = [list(mask) for mask in result[0]]
+        return result
+
+    def _scoring_pass(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """TRL's `_get_per_token_logps_and_entropies`: read by the ForwardProbe when armed."""
+        names = ("model", "input_ids", "attention_mask", "logits_to_keep")
+        named = dict(zip(names, args, strict=False))
+        named.update(kwargs)
+        if self._arm is None or self.forward is None or "input_ids" not in named:
+            return original(*args, **kwargs)
+        if named.get("model") is getattr(self.trainer, "ref_model", None):
+            return original(*args, **kwargs)  # the reference model: not the policy
+        rows, self._arm = self._arm, None  # one pass: the next policy pass only
+        batch_size = named.get("batch_size", args[4] if len(args) > 4 else None)
+        return self.forward.read(
+            lambda: original(*args, **kwargs),
+            named["input_ids"],
+            named["attention_mask"],
+            int(named["logits_to_keep"]),
+            batch_size,
+            rows,
+        )
+
+    def _loss(self, original: Callable[..., Any], model: Any, inputs: Any) -> Any:
+        """One micro-batch's loss: its scoring pass is read for the rollouts still waiting."""
+        found = inputs.get(ROW_KEY) if isinstance(inputs, dict) else None
+        if found is None or not self._wanted:
+            return original(model, inputs)
+        rows = [r if r in self._wanted else None for r in found.tolist()]
+        if not any(r is not None for r in rows):
+            return original(model, inputs)
+        self._arm = rows
+        try:
+            return original(model, inputs)
+        finally:
+            self._arm = None
+            assert self.forward is not None
+            self._wanted.difference_update(self.forward.readings)
+
+    def _rewards(
+        self,
+        original: Callable[..., Any],
+        inputs: list[dict[str, Any]],
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids_list: list[list[int]],
+    ) -> Any:
+        rewards_per_func = original(inputs, prompts, completions, completion_ids_list)
+        # TRL gathers the rewards of every process; keep this process's rows.
+        n = len(prompts)
+        start = self.trainer.accelerator.process_index * n
+        rows = rewards_per_func[start : start + n].tolist()
+        self._scored = (completions, [list(ids) for ids in completion_ids_list], rows)
+        return rewards_per_func
+
+    def _score(self, original: Callable[..., Any], inputs: list[dict[str, Any]]) -> Any:
+        self._calls, self._prompt_ids, self._tool_mask, self._scored = [], None, None, None
+        self._inputs, self._row_meta, self._replaced = list(inputs), {}, {}
+        trainer = self.trainer
+        training = bool(trainer.model.training)
+        self._rows = list(range(self._next_row, self._next_row + len(inputs)))
+        if self.forward is not None and training:
+            self._next_row += len(inputs)
+            # TRL's old-policy pass, when it computes one, is the next pass of the policy
+            self._arm = list(self._rows)
+        try:
+            output = original(inputs)
+        finally:
+            self._arm = None
+        if not training or self._scored is None:
+            return output  # evaluation: not a training generation
+        pending = False
+        if self.forward is not None and "old_per_token_logps" not in output:
+            # No old-policy pass: what was read (a PEFT reference pass, if any) is not the
+            # policy's. Each rollout's first loss pass is read instead (the module docstring).
+            for row in self._rows:
+                self.forward.readings.pop(row, None)
+            output[ROW_KEY] = torch_rows(self._rows, output["advantages"].device)
+            self._wanted.update(self._rows)
+            pending = True
+        local = self._local_rollouts(inputs, output, read_now=not pending)
+        self.hooks.on_generation(local)
+        step = trainer.state.global_step + 1
+        if pending:
+            masks = [r["tool_mask"] for r in local]
+            self._pending.append(_Pending(step, local, list(self._rows), masks))
+        else:
+            self._hand_on(step, local)
+        return output
+
+    def flush(self, step: int) -> None:
+        """Hand on the generations read off their loss passes, at the end of the optimizer
+        step that trained them (every process calls this: it may gather)."""
+        while self._pending and self._pending[0].rollout_step <= step:
+            waiting = self._pending.pop(0)
+            assert self.forward is not None
+            unread = 0
+            for rollout, row, mask in zip(
+                waiting.rollouts, waiting.rows, waiting.masks, strict=True
+            ):
+                self._wanted.discard(row)
+                taken = self.forward.take(row, len(rollout["ids"]), mask)
+                if taken is None:
+                    unread += 1
+                    continue
+                rollout["logprobs"], rollout["control"], rollout["watched"] = taken
+            if unread and not self._warned_unread:
+                self._warned_unread = True
+                log.warning(
+                    "Rollout Lens: %d rollouts of the generation trained at step %d were not "
+                    "seen whole by a scoring pass before the update; their logprobs and "
+                    "control-token probabilities are not recorded",
+                    unread,
+                    waiting.rollout_step,
+                )
+            self._hand_on(waiting.rollout_step, waiting.rollouts)
+
+    def _hand_on(self, rollout_step: int, local: list[dict[str, Any]]) -> None:
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            everything = gather_object(local)  # a collective: every process calls it here
+        else:
+            everything = local
+        if accelerator.is_main_process:
+            self.on_generation(Generation(rollout_step, everything))
+
+    def _local_rollouts(
+        self, inputs: list[dict[str, Any]], output: dict[str, Any], *, read_now: bool = True
+    ) -> list[dict]:
+        trainer = self.trainer
+        completions, ids_list, reward_rows = self._scored  # type: ignore[misc]
+        weights = [float(w) for w in trainer.reward_weights.tolist()]
+        advantages = output["advantages"].tolist()
+        # each row's tool_mask: None unless TRL's tool loop ran (and the mask fits the ids)
+        found = self._tool_mask or []
+        masks = [
+            found[i] if i < len(found) and len(found[i]) == len(ids) else None
+            for i, ids in enumerate(ids_list)
+        ]
+        watched: list[list[float] | None] = [None] * len(ids_list)
+        if self.forward is not None:
+            # read now (the old-policy pass) or filled in by `flush` after the loss passes
+            logprobs: list[list[float]] = [[] for _ in ids_list]
+            control: list[list[list[float]] | None] | None = [None] * len(ids_list)
+            for i, ids in enumerate(ids_list):
+                taken = self.forward.take(self._rows[i], len(ids), masks[i]) if read_now else None
+                if taken is not None:
+                    logprobs[i], control[i], watched[i] = taken  # type: ignore[index]
+        else:
+            logprobs, generated = self._logprobs(output, ids_list)
+            control = list(generated) if generated is not None else None
+            if len(self._calls) == 1 and self.watch_ids:
+                watched = [self._calls[0][0].watched(i) for i in range(len(ids_list))]
+        for i, (sampled, probs, seen) in self._replaced.items():
+            logprobs[i] = sampled
+            if control is not None:
+                control[i] = probs
+            watched[i] = seen
+        prompt_ids = self._prompt_ids
+        if self.tool_calling and prompt_ids is None:
+            prompt_ids = [
+                ids[mask.bool()].tolist()
+                for ids, mask in zip(output["prompt_ids"], output["prompt_mask"], strict=True)
+            ]
+        if not self.tool_calling:
+            prompt_ids = None
+        rollouts = []
+        for i, row in enumerate(inputs):
+            rewards = [None if math.isnan(v) else float(v) for v in reward_rows[i]]
+            total = sum(w * v for w, v in zip(weights, rewards, strict=True) if v is not None)
+            rollouts.append(
+                {
+                    "prompt": row.get("prompt"),
+                    "completion": completions[i],
+                    "ids": ids_list[i],
+                    "logprobs": logprobs[i],
+                    "control": control[i] if control is not None else None,
+                    "rewards": rewards,
+                    "reward": total,
+                    "advantage": float(advantages[i]),
+                    "row": _plain_columns(row),
+                    "tool_mask": masks[i],
+                    "prompt_ids": prompt_ids[i] if prompt_ids else None,
+                    "watched": watched[i],
+                    "meta": self._row_meta.get(i, {}),
+                }
+            )
+        return rollouts
+
+    def _logprobs(
+        self, output: dict[str, Any], ids_list: list[list[int]]
+    ) -> tuple[list[list[float]], list[list[list[float]]] | None]:
+        """The probe's rows when it ran (stitched turn by turn with tools); else the sampling
+        (vLLM) or old-policy logprobs TRL has."""
+        if self._tool_mask is not None and self._calls:
+            stitched = turns.stitch(
+                self._calls, ids_list, self._tool_mask, len(self.control_token_ids)
+            )
+            if stitched is not None:
+                return stitched
+            if not self._warned_stitch:
+                self._warned_stitch = True
+                log.warning(
+                    "Rollout Lens: the generation calls did not line up with the tool turns; "
+                    "logprobs of this generation are not recorded"
+                )
+            return [[] for _ in ids_list], None
+        if len(self._calls) == 1 and self._calls[0][0].used:
+            return self._calls[0][0].finish(ids_list)
+        for key in ("sampling_per_token_logps", "old_per_token_logps"):
+            found = output.get(key)
+            if found is not None:
+                rows = found.tolist()
+                return [row[: len(ids)] for row, ids in zip(rows, ids_list, strict=True)], None
+        return [[] for _ in ids_list], None
+
+
+MAX_LIST = 64  # a list column is kept when it is this short and holds scalars only
+
+
+def torch_rows(rows: list[int], device: Any) -> Any:
+    """Row ids as a tensor TRL shuffles and splits with the rest of a generation."""
+    import torch
+
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _plain_columns(row: dict[str, Any]) -> dict[str, Any]:
+    """The dataset row's small columns (besides the prompt), kept with the rollout: scalars, and
+    short lists of scalars (the tools an episode needs, say)."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if key == "prompt":
+            continue
+        if isinstance(value, list | tuple):
+            items = [_scalar(v) for v in value]
+            if len(value) <= MAX_LIST and all(v is not _SKIP for v in items):
+                out[key] = items
+        elif (plain := _scalar(value)) is not _SKIP:
+            out[key] = plain
+    return out
+
+
+_SKIP = object()
+
+
+def _scalar(value: Any) -> Any:
+    """A JSON-safe copy of a scalar column value (long text cut), or _SKIP."""
+    if isinstance(value, str):
+        return value if len(value) <= 2000 else value[:2000] + "…"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None  # JSON has no NaN
+    if isinstance(value, bool | int) or value is None:
+        return value
+    return _SKIP

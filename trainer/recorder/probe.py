@@ -1,0 +1,287 @@
+"""Read sampled-token logprobs and control-token probabilities: off generation, or off TRL's pass.
+
+GenerationProbe: a LogitsProcessor on `model.generate` sees the logits of every sampling step,
+so recording costs one log-softmax per generated token (the `generate` path only).
+ForwardProbe: a forward hook on the backbone while TRL scores the completions reads k dot
+products a position from the final hidden states, whatever generated them (every path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+
+class GenerationProbe(LogitsProcessor):
+    """Records, per generated position, log p(sampled token) and p(each control token).
+
+    Transformers applies user processors before its temperature warper, so the probe divides by
+    the temperature itself: the probabilities are the sampling policy's own (top-k/top-p off).
+    """
+
+    def __init__(
+        self,
+        control_token_ids: list[int],
+        temperature: float,
+        *,
+        after_token_id: int | None = None,
+        watch_ids: list[int] | None = None,
+    ) -> None:
+        self.control_ids = control_token_ids
+        self.temperature = temperature
+        # The distribution over `watch_ids` (e.g. every tool id) at the position right after
+        # `after_token_id` (the opening tag): where the policy actually chooses its answer.
+        self.after_token_id = after_token_id
+        self.watch_ids = watch_ids or []
+        self._watched: dict[int, torch.Tensor] = {}  # row -> logprobs over watch_ids
+        self._control: list[torch.Tensor] = []  # per position: (B, n_ctrl)
+        self._sampled: list[torch.Tensor] = []  # per position: (B,) log p of the token sampled
+        self._last_logprobs: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        with torch.no_grad():
+            if self._last_logprobs is not None:
+                # input_ids[:, -1] is the token sampled from the previous position's distribution.
+                self._sampled.append(self._last_logprobs.gather(1, input_ids[:, -1:]).squeeze(1))
+            logprobs = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+            self._control.append(logprobs[:, self.control_ids].exp())
+            if self.watch_ids and self.after_token_id is not None and len(self._control) > 1:
+                hits = (input_ids[:, -1] == self.after_token_id).nonzero().flatten().tolist()
+                for row in hits:
+                    if row not in self._watched:
+                        self._watched[row] = logprobs[row, self.watch_ids].cpu()
+            self._last_logprobs = logprobs
+        return scores
+
+    def watched(self, row: int) -> list[float] | None:
+        """Logprobs over `watch_ids` right after the first `after_token_id` of `row`, if any."""
+        found = self._watched.get(row)
+        return found.tolist() if found is not None else None
+
+    @property
+    def used(self) -> bool:
+        """Whether generation called the probe at all."""
+        return bool(self._control)
+
+    def finish(
+        self, completion_ids: list[list[int]]
+    ) -> tuple[list[list[float]], list[list[list[float]]]]:
+        """Per row: the logprobs of its completion tokens and the control probs (n_ctrl × T)."""
+        if self._last_logprobs is not None:
+            # The last sampled token never reaches another processor call.
+            final = torch.tensor(
+                [ids[-1] if len(ids) == len(self._control) else 0 for ids in completion_ids],
+                device=self._last_logprobs.device,
+            )
+            self._sampled.append(self._last_logprobs.gather(1, final[:, None]).squeeze(1))
+        if not self._control:
+            empty: list[list[float]] = [[] for _ in completion_ids]
+            return empty, [[[] for _ in self.control_ids] for _ in completion_ids]
+        sampled = torch.stack(self._sampled, dim=1).cpu().tolist()  # (B, T)
+        control = torch.stack(self._control, dim=2).cpu().tolist()  # (B, n_ctrl, T)
+        logprobs, probs = [], []
+        for row, ids in enumerate(completion_ids):
+            n = len(ids)
+            logprobs.append(sampled[row][:n])
+            probs.append([series[:n] for series in control[row]])
+        return logprobs, probs
+
+
+POSITIONS = 4096  # positions whose float32 hidden states the probe copies at once
+
+
+@dataclass
+class _Chunk:
+    """What the backbone hook kept of one chunk of TRL's forward: the transformed logits of the
+    sampled tokens and of the control tokens, and of the watched ids after the opening tag."""
+
+    sampled: torch.Tensor  # (b, K) z(y), float32
+    control: torch.Tensor  # (b, K, k) z(c)
+    watched: dict[int, tuple[int, torch.Tensor]]  # chunk row -> (position, z over watch_ids)
+
+
+@dataclass
+class ForwardReading:
+    """One completion as TRL's scoring pass saw it (tensors on the model's device)."""
+
+    logprobs: torch.Tensor  # (K,) log p(y), TRL's own
+    control: torch.Tensor  # (K, k) p(c)
+    measured: torch.Tensor  # (K,) bool: the position took part in the pass (attention mask 1)
+    watched: tuple[int, torch.Tensor] | None  # (position, logprobs over watch_ids)
+
+
+class ForwardProbe:
+    """Control-token probabilities, read off TRL's own scoring forward pass (any generation path).
+
+    TRL 1.x scores completions with a fused LM head: no (B, T, V) logits exist, only the final
+    hidden state h of each position (the backbone's output: the final norm's) and TRL's log p(y)
+    of the sampled token y. With z(t) = f(h·W[t] + b[t]) / T, f the model's logit scale and soft
+    cap as TRL applies them and T the temperature, log Z = z(y) − log p(y), and so
+    p(c) = exp(z(c) − log Z) for each control token c: k dot products a position, memory
+    O(B × T × k), never the vocabulary. A forward hook on the backbone keeps z(y) and z(c) while
+    TRL's pass runs; `read` pairs them with the log-probabilities the pass returns.
+
+    The readings are only the sampling policy's when the pass runs at the weights that sampled:
+    the capture (trainer/recorder/capture.py) says which pass that is.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        control_token_ids: list[int],
+        temperature: float,
+        *,
+        after_token_id: int | None = None,
+        watch_ids: list[int] | None = None,
+    ) -> None:
+        self.model = model  # the unwrapped model TRL patched with its fused head
+        self.control_ids = list(control_token_ids)
+        self.temperature = temperature
+        self.after_token_id = after_token_id
+        self.watch_ids = list(watch_ids or [])
+        config = model.config.get_text_config()
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.logit_scale = _logit_scale(config)
+        self.readings: dict[int, ForwardReading] = {}  # row id -> its first reading
+
+    def backbone(self) -> torch.nn.Module:
+        """The module whose output feeds the LM head (what TRL's fused forward calls)."""
+        model = self.model
+        if hasattr(model, "get_base_model"):  # PEFT: the patched transformers model inside
+            model = model.get_base_model()
+        return model.base_model  # type: ignore[return-value]
+
+    def read(
+        self,
+        run: Callable[[], Any],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        rows: Sequence[int | None],
+    ) -> Any:
+        """Run TRL's `_get_per_token_logps_and_entropies` (`run`) over `input_ids`, whose row r
+        is row id `rows[r]` (None: not kept), keeping each row's first reading; returns what
+        `run` returns."""
+        chunks: list[_Chunk] = []
+        size = batch_size or input_ids.size(0)
+        K = logits_to_keep
+
+        def hook(module: Any, args: Any, output: Any) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+            start = len(chunks) * size
+            labels = input_ids[start : start + hidden.size(0), -K:]
+            # position j of the completion is predicted from the hidden state just before it
+            chunks.append(self._chunk(hidden[:, -K - 1 : -1], labels))
+
+        handle = self.backbone().register_forward_hook(hook)
+        try:
+            result = run()
+        finally:
+            handle.remove()
+        logps = result[0].detach().float()
+        if sum(c.sampled.size(0) for c in chunks) != input_ids.size(0):
+            return result  # not the pass we understood (the hook fired otherwise): no reading
+        measured = attention_mask[:, -K:].bool()
+        offset = 0
+        for chunk in chunks:
+            b = chunk.sampled.size(0)
+            log_z = chunk.sampled - logps[offset : offset + b]  # (b, K)
+            control = torch.exp(chunk.control - log_z[..., None])
+            for r in range(b):
+                row = rows[offset + r]
+                if row is None or row in self.readings:
+                    continue  # a later pass of the same rollout (num_iterations > 1)
+                watched = None
+                if r in chunk.watched:
+                    position, z = chunk.watched[r]
+                    watched = (position, z - log_z[r, position])
+                self.readings[row] = ForwardReading(
+                    logps[offset + r], control[r], measured[offset + r], watched
+                )
+            offset += b
+        return result
+
+    def _chunk(self, hidden: torch.Tensor, labels: torch.Tensor) -> _Chunk:
+        with torch.no_grad():
+            ids = torch.tensor(self.control_ids, device=hidden.device)
+            control_rows = self._rows(ids)
+            sampled_parts, control_parts = [], []
+            # a few rows at a time: the float32 copies (hidden states, the sampled tokens' head
+            # rows) stay near POSITIONS × width, whatever the batch
+            step = max(1, POSITIONS // max(1, labels.size(1)))
+            for start in range(0, hidden.size(0), step):
+                h = hidden[start : start + step].detach().float()
+                y = labels[start : start + step]
+                dots = torch.einsum("bkh,bkh->bk", h, self._rows(y))
+                sampled_parts.append(self._logits(dots, y))
+                control_parts.append(self._logits(h @ control_rows.T, ids))
+            sampled = torch.cat(sampled_parts)
+            control = torch.cat(control_parts)
+            watched: dict[int, tuple[int, torch.Tensor]] = {}
+            h = hidden
+            if self.watch_ids and self.after_token_id is not None:
+                # the first position right after the opening tag (never the completion's first)
+                after = labels[:, :-1] == self.after_token_id
+                ids = torch.tensor(self.watch_ids, device=h.device)
+                for r in after.any(dim=1).nonzero().flatten().tolist():
+                    position = int(after[r].nonzero()[0]) + 1
+                    z = h[r, position].detach().float() @ self._rows(ids).T
+                    watched[r] = (position, self._logits(z, ids))
+        return _Chunk(sampled, control, watched)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's weight rows of `ids`, float32."""
+        head = self.model.get_output_embeddings()
+        return head.weight[ids].detach().float()  # type: ignore[index,union-attr]
+
+    def _logits(self, dots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """z = f(h·W + b) / T, as TRL's fused head transforms its logits."""
+        head = self.model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
+        if bias is not None:
+            dots = dots + bias[ids].detach().float()
+        z = dots * self.logit_scale
+        if self.softcap is not None:
+            z = self.softcap * torch.tanh(z / self.softcap)
+        return z / self.temperature
+
+    def take(
+        self, row: int, n: int, tool_mask: Sequence[int] | None = None
+    ) -> tuple[list[float], list[list[float]], list[float] | None] | None:
+        """Row `row`'s first `n` positions: logprobs, control probs (k × n) and the watched
+        logprobs, tool-result positions (tool_mask 0) at 0.0; None when it was not read whole."""
+        reading = self.readings.pop(row, None)
+        if reading is None or not bool(reading.measured[:n].all()):
+            return None
+        logprobs = reading.logprobs[:n]
+        control = reading.control[:n]
+        if tool_mask is not None:
+            keep = torch.tensor(tool_mask[:n], device=logprobs.device, dtype=torch.bool)
+            logprobs = logprobs.masked_fill(~keep, 0.0)
+            control = control.masked_fill(~keep[:, None], 0.0)
+        watched = None
+        if reading.watched is not None and reading.watched[0] < n:
+            watched = reading.watched[1].tolist()
+        return logprobs.tolist(), control.T.tolist(), watched
+
+    def clear(self) -> None:
+        self.readings.clear()
+
+
+def _logit_scale(config: Any) -> float:
+    """The multiplier TRL's fused head applies to the logits (trl.trainer.utils.add_fused_lm_head
+    reads the same attributes in the same order)."""
+    scale = getattr(config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(config, "lm_head_multiplier", None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scaling = config.logits_scaling
+        scale = scaling if config.model_type == "hyperclovax" else 1 / scaling
+    return 1.0 if scale is None else float(scale)

@@ -1,0 +1,1 @@
+"""The worker: the Celery task, one run end to end, and the model a run names."""
