@@ -7,6 +7,7 @@ database whose rows are deleted, and sequences restarted, before each test.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import shutil
@@ -53,6 +54,29 @@ TRAINER_MODULES = frozenset(
         "test_trainer.py",
     }
 )
+ML_STACK = ("torch", "transformers", "trl", "datasets", "accelerate", "tokenizers")
+
+
+def _imports_the_ml_stack(path: Path) -> bool:
+    """Whether a test module imports the ML stack at its top (found, not listed by hand: a new
+    module cannot slip through)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
+        if any(n.split(".")[0] in ML_STACK for n in names):
+            return True
+    return False
+
+
+TRAINER_MODULES = TRAINER_MODULES | {
+    p.name for p in Path(__file__).parent.glob("test_*.py") if _imports_the_ml_stack(p)
+}
 TRAIN_EXTRA = importlib.util.find_spec("torch") is not None
 collect_ignore = [] if TRAIN_EXTRA else sorted(TRAINER_MODULES)
 
