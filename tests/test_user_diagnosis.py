@@ -404,3 +404,25 @@ def test_unknown_format_validity_is_neither_invalid_nor_broken() -> None:
     assert mixed["broken"] == 1
     assert stepview.state_name(None, "collapse") == "collapse"
     assert stepview.broken(None, "collapse") and not stepview.broken(None, "healthy_call")
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"reading": "logits"}, "reading must be one of ('forward', 'generate'), not 'logits'"),
+        ({"keep_tokens_every": 0}, "keep_tokens_every must be 1 or more, not 0"),
+        (
+            {"judge": lambda completion: None, "vote": lambda text, row: text},
+            "pass a judge or the vote/true_score/format_valid functions, not both",
+        ),
+    ],
+)
+def test_the_callback_refuses_bad_arguments_when_made(kwargs: dict[str, Any], said: str) -> None:
+    """A mistake in the one line a user adds is said where they wrote it, not when training
+    starts (or never)."""
+    from rollout_lens import RolloutLensCallback
+
+    with pytest.raises(ValueError) as refused:
+        RolloutLensCallback(project="p", **kwargs)
+    assert str(refused.value) == said

@@ -30,7 +30,12 @@ from rollout_lens.server.core.config import Settings, get_settings
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.trainer.recorder import positional, turns
-from rollout_lens.trainer.recorder.capture import Generation, GenerationHooks, RolloutCapture
+from rollout_lens.trainer.recorder.capture import (
+    READINGS,
+    Generation,
+    GenerationHooks,
+    RolloutCapture,
+)
 from rollout_lens.trainer.recorder.judging import (
     Completion,
     FunctionJudge,
@@ -99,6 +104,8 @@ class RolloutLensCallback(TrainerCallback):
         generation path) or "generate" (generate's logits; other paths record none)."""
         if keep_tokens_every is not None and keep_tokens_every < 1:
             raise ValueError(f"keep_tokens_every must be 1 or more, not {keep_tokens_every}")
+        if reading not in READINGS:  # said here, not when training starts
+            raise ValueError(f"reading must be one of {READINGS}, not {reading!r}")
         if judge is not None and any(
             fn is not None for fn in (vote, true_score, format_valid, format_free_score)
         ):
