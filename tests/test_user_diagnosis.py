@@ -29,9 +29,8 @@ def build_call_tag_model(folder: Path, *, seed: int = 0) -> Path:
     so TRL's decoded completions keep them) and `<|im_end|>` as its special end-of-turn token.
     Its vocabulary has a few hundred other words, so the untrained policy rarely samples a tag:
     its completions are mostly plain text, not broken calls."""
-    import torch
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     words = {w for row in us.questions(200) for w in row["prompt"].split()} | set(us.COLORS)
     text = [
@@ -53,24 +52,7 @@ def build_call_tag_model(folder: Path, *, seed: int = 0) -> Path:
     )
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in (OPEN, CLOSE)])
     tokenizer.chat_template = us.CHAT_TEMPLATE
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=True,
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    us.save_qwen3(tokenizer, folder, seed=seed)
     return folder
 
 

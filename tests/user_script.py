@@ -43,9 +43,8 @@ def conversational(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def build_model(folder: Path, *, seed: int = 0) -> Path:
     """A tiny random Qwen3 causal LM and its tokenizer, saved under `folder`; returns the path."""
-    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     if (folder / "config.json").is_file():
         return folder
@@ -63,6 +62,17 @@ def build_model(folder: Path, *, seed: int = 0) -> Path:
         model_input_names=["input_ids", "attention_mask"],  # as Qwen's: no token_type_ids
     )
     tokenizer.chat_template = CHAT_TEMPLATE
+    save_qwen3(tokenizer, folder, seed=seed)
+    (folder / "user_model.json").write_text(json.dumps({"seed": seed}))
+    return folder
+
+
+def save_qwen3(tokenizer: Any, folder: Path, *, seed: int) -> None:
+    """A tiny random Qwen3 causal LM over `tokenizer`'s vocabulary (weights drawn with `seed`),
+    saved with the tokenizer under `folder`, as `from_pretrained` loads them."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
@@ -82,8 +92,6 @@ def build_model(folder: Path, *, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    (folder / "user_model.json").write_text(json.dumps({"seed": seed}))
-    return folder
 
 
 def says_the_color(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
