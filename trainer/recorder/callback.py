@@ -344,7 +344,13 @@ class RolloutLensCallback(TrainerCallback):
     def _prepare(self, raw: dict[str, Any]) -> StepRecord:
         trainer = self.trainer
         group_size = int(trainer.num_generations)
-        rollouts = [self._rollout(i, r, group_size) for i, r in enumerate(raw["rollouts"])]
+        tokenizer = _tokenizer(trainer)  # what every rollout of the step is read with, once
+        eos = set(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+        names = list(getattr(trainer, "reward_func_names", []) or [])
+        rollouts = [
+            self._rollout(i, r, group_size, tokenizer=tokenizer, eos=eos, names=names)
+            for i, r in enumerate(raw["rollouts"])
+        ]
         values: dict[str, float | None] = {}
         series: dict[str, float | None] = {}
         if rollouts:
@@ -370,11 +376,16 @@ class RolloutLensCallback(TrainerCallback):
             metrics=series,
         )
 
-    def _rollout(self, i: int, r: dict[str, Any], group_size: int) -> RolloutRecord:
-        trainer = self.trainer
-        tokenizer = _tokenizer(trainer)
-        eos = set(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-        names = list(getattr(trainer, "reward_func_names", []) or [])
+    def _rollout(
+        self,
+        i: int,
+        r: dict[str, Any],
+        group_size: int,
+        *,
+        tokenizer: Any,
+        eos: set[int],
+        names: list[str],
+    ) -> RolloutRecord:
         ids = r["ids"]
         mask = r.get("tool_mask")
         # tool-calling: the whole conversation as the model saw it, tool results included
