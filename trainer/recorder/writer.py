@@ -492,13 +492,19 @@ class StepWriter:
                 return
         self._written(batch)
 
-    def _written(self, batch: list[_Pending]) -> None:
+    def _leave(self, batch: list[_Pending]) -> None:
+        """The oldest waiting steps leave the buffer (written, already there, or dropped)."""
         with self._wake:
             for pending in batch:
                 self._buffer.popleft()
                 self._buffered_bytes -= pending.size
             self._wake.notify_all()
-        self.written_steps += len(batch)
+
+    def _written(self, batch: list[_Pending], *, counted: bool = True) -> None:
+        """Steps that are in the database (`counted`: written by this commit)."""
+        self._leave(batch)
+        if counted:
+            self.written_steps += len(batch)
         self._uncertain = False
         if self.on_written is not None:
             for pending in batch:
@@ -512,16 +518,12 @@ class StepWriter:
         if isinstance(exc, IntegrityError) and (self._uncertain or not self.waits):
             # The step is there already: a commit whose answer the connection lost. Not twice.
             log.info("Rollout Lens: step %d was already written", pending.record.step)
-            self._written([pending])
-            self.written_steps -= 1
+            self._written([pending], counted=False)
             return
         if self.waits:
             raise exc  # a launched run fails at the step the database refuses
         self._refused(pending.record, exc)  # this step only; the others go on
-        with self._wake:
-            self._buffer.popleft()
-            self._buffered_bytes -= pending.size
-            self._wake.notify_all()
+        self._leave([pending])
 
     def _commit(self, factory: sessionmaker[Session], records: list[StepRecord]) -> None:
         assert self.run_id is not None
