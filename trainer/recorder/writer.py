@@ -615,13 +615,7 @@ class StepWriter:
             self._retry_delay = min(self._retry_delay * 2, RETRY_MAX_SECONDS)
         waited = now - self._down_since
         if self.waits and waited >= self.give_up_after:
-            what = self._what()
-            log.error("Rollout Lens: %s failed after %.0f s: %s", what, waited, short(exc))
-            away = DatabaseAway(
-                f"{what} failed: the database could not be written for {waited:.0f} s "
-                f"({self._attempts} attempts): {short(exc)}"
-            )
-            away.__cause__ = exc
+            away = gave_up(self._what(), waited, self._attempts, exc)
             self._fail(away)
             return
         delay = self._retry_delay
@@ -677,6 +671,17 @@ def is_transient(exc: DBAPIError) -> bool:
     return bool(exc.connection_invalidated) or isinstance(exc, OperationalError)
 
 
+def gave_up(what: str, waited: float, attempts: int, exc: BaseException) -> DatabaseAway:
+    """The error (logged once) of a database that stayed away longer than the caller waits."""
+    log.error("Rollout Lens: %s failed after %.0f s: %s", what, waited, short(exc))
+    away = DatabaseAway(
+        f"{what} failed: the database could not be written for {waited:.0f} s "
+        f"({attempts} attempts): {short(exc)}"
+    )
+    away.__cause__ = exc
+    return away
+
+
 def with_retries(
     action: Callable[[bool], T],
     *,
@@ -706,11 +711,7 @@ def with_retries(
                 )
             waited = now - down_since
             if waited >= give_up_after:
-                log.error("Rollout Lens: %s failed after %.0f s: %s", what, waited, short(exc))
-                raise DatabaseAway(
-                    f"{what} failed: the database could not be written for {waited:.0f} s "
-                    f"({attempts} attempts): {short(exc)}"
-                ) from exc
+                raise gave_up(what, waited, attempts, exc) from exc
             sleep(min(delay, give_up_after - waited))
             delay = min(delay * 2, RETRY_MAX_SECONDS)
             continue
