@@ -42,6 +42,11 @@ class CallTags:
         """Whether each tag is one token of the tokenizer (its own token stands for it)."""
         return self.open_token == self.open and self.close_token == self.close
 
+    @property
+    def spelled(self) -> bool:
+        """Whether the tokenizer can spell the tags at all (else no token stands for them)."""
+        return bool(self.open_token and self.close_token)
+
 
 def template_tags(tokenizer: Any) -> tuple[str, str] | None:
     """The call tags the model's chat template declares for tools, where it declares any (Qwen's
@@ -55,26 +60,34 @@ def template_tags(tokenizer: Any) -> tuple[str, str] | None:
     return None
 
 
-def first_token(tokenizer: Any, tag: str) -> str:
-    """The token a reply starting with `tag` starts with (the tag itself when it is a token)."""
+def first_token(tokenizer: Any, tag: str) -> str | None:
+    """The token a reply starting with `tag` starts with (the tag itself when it is a token);
+    None when the tokenizer cannot spell the tag (its tokens do not decode back to it)."""
     if tag in tokenizer.get_vocab():
         return tag
     ids = tokenizer(tag, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise ValueError(f"the tokenizer reads {tag!r} as no token at all")
+    if not ids or tokenizer.decode(ids, skip_special_tokens=False) != tag:
+        return None
     return str(tokenizer.convert_ids_to_tokens(ids[0]))
 
 
 def call_tags(tokenizer: Any, requested: tuple[str, str] | None = None) -> list[CallTags]:
     """The call formats a run's completions are read with, in order: the one the run names,
-    else the chat template's, then the common ones (a completion is read with the first whose
-    tags it holds)."""
+    else the chat template's, then the common ones that the tokenizer can spell (a completion
+    is read with the first whose tags it holds); none when it can spell none of them."""
     if requested is not None:
         pairs = [requested]
     else:
         declared = template_tags(tokenizer)
         pairs = list(dict.fromkeys([*([declared] if declared else []), *COMMON_TAGS]))
-    return [CallTags(o, c, first_token(tokenizer, o), first_token(tokenizer, c)) for o, c in pairs]
+    out = []
+    for o, c in pairs:
+        first = first_token(tokenizer, o), first_token(tokenizer, c)
+        if first[0] is not None and first[1] is not None:
+            out.append(CallTags(o, c, first[0], first[1]))
+        elif requested is not None:  # read in the text all the same; the model cannot say it
+            out.append(CallTags(o, c, "", ""))
+    return out  # empty: no tag is known (no structural states)
 
 
 def pick(formats: Sequence[CallTags], text: str) -> CallTags:
