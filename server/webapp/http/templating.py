@@ -149,13 +149,24 @@ def visible_text(text: str | None) -> Markup:
     return Markup(_CONTROL_CHARS.sub(_picture, escaped))
 
 
+# Characters that draw nothing (zero-width joiners and spaces, direction marks, a soft hyphen):
+# alone in a token cell they would leave it blank.
+_INVISIBLE = re.compile("[\u00ad\u200b-\u200f\u2028-\u202e\u2060-\u2064\ufeff]")
+
+
+def _invisible(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f'<span class="cc" title="invisible character U+{code:04X}">U+{code:04X}</span>'
+
+
 def token_text(text: str) -> Markup:
-    """A token for the token-by-token view: whitespace and control characters made visible."""
+    """A token for the token-by-token view: whitespace, control and invisible characters made
+    visible."""
     if text == "":
         return Markup('<span class="cc">∅</span>')
     escaped = str(escape(text.replace("\n", "↵").replace("\t", "⇥")))
     spaced = escaped.replace(" ", '<span class="sp">·</span>')  # before any markup is added
-    return Markup(_CONTROL_CHARS.sub(_picture, spaced))
+    return Markup(_INVISIBLE.sub(_invisible, _CONTROL_CHARS.sub(_picture, spaced)))
 
 
 def piece_view(piece: str) -> Markup:
