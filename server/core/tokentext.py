@@ -14,9 +14,9 @@ from __future__ import annotations
 import codecs
 import re
 from collections.abc import Callable, Sequence
-from functools import cache, lru_cache
-from itertools import accumulate
-from typing import NamedTuple
+from functools import cache
+from itertools import accumulate, repeat
+from typing import Any, NamedTuple
 
 # How pieces become text (the ids of TEXT_RULES; a stored text_rule adds 8 × the trailing tokens
 # its completion text leaves out, which a token's own text never does).
@@ -145,19 +145,33 @@ TEXT_RULES: dict[int, Callable[[Sequence[str]], str]] = {
 # --- each token's text ---------------------------------------------------------------------------
 
 
-def _whole_text(convert: Callable[[str], bytes]) -> Callable[[str], str | None]:
-    @lru_cache(maxsize=1 << 17)  # a vocabulary's pieces: most tokens are looked up, not decoded
-    def text(piece: str) -> str | None:
-        """A piece's text when its bytes are whole characters, else None."""
-        try:
-            return convert(piece).decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-
-    return text
+# piece → its text when its bytes are whole characters, else None; per rule. A vocabulary's pieces
+# are decoded once, then looked up (a dict in C: a step of 512 × 1,024 tokens is 0.5 M lookups).
+_KNOWN: dict[int, dict[str, str | None]] = {rule: {} for rule in _BYTES if rule != JOIN}
+_KNOWN_MAX = 1 << 18  # pieces a rule keeps (a vocabulary is ~50k–250k): then it starts again
+_UNSEEN: Any = object()
 
 
-_WHOLE = {rule: _whole_text(convert) for rule, convert in _BYTES.items() if rule != JOIN}
+def _decoded(piece: str, convert: Callable[[str], bytes]) -> str | None:
+    try:
+        return convert(piece).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _whole_texts(pieces: Sequence[str], base: int) -> list[str | None]:
+    """Each piece's text when its bytes are whole characters, else None."""
+    known = _KNOWN[base]
+    texts = list(map(known.get, pieces, repeat(_UNSEEN)))
+    if _UNSEEN in texts:
+        new = set(pieces).difference(known)
+        if len(known) + len(new) > _KNOWN_MAX:
+            known.clear()
+        convert = _BYTES[base]
+        known.update((piece, _decoded(piece, convert)) for piece in new)
+        # a piece another thread's clear just dropped reads None: the slow path, still exact
+        texts = list(map(known.get, pieces))
+    return texts
 
 
 def _strip_first_space(texts: list[str]) -> list[str]:
@@ -170,17 +184,33 @@ def _strip_first_space(texts: list[str]) -> list[str]:
     return texts
 
 
-def _streamed(pieces: Sequence[str], rule: int, final: bool) -> tuple[list[str], list[bool]]:
-    """Each piece's text through an incremental UTF-8 decoder (invalid bytes → U+FFFD, as
-    tokenizers' decode writes them), and after each piece whether a character is left open."""
+def _streamed(
+    pieces: Sequence[str], whole: list[str | None], rule: int, final: bool
+) -> tuple[list[str], list[bool]]:
+    """Each piece's text as an incremental UTF-8 decoder gives it (invalid bytes → U+FFFD, as
+    tokenizers' decode writes them), and after each piece whether a character is left open.
+
+    `whole` is _whole_texts's answer: only the runs from a piece that is part of a character
+    to where no character is open and the next piece is whole again go through the decoder
+    (a whole piece fed with nothing open gives its own text), so the cost is in those pieces."""
     convert = _BYTES[rule]
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    texts, open_after = [], []
-    for piece in pieces:
-        texts.append(decoder.decode(convert(piece)))
-        open_after.append(bool(decoder.getstate()[0]))
-    if final and texts:
-        texts[-1] += decoder.decode(b"", final=True)  # a character cut by the end: U+FFFD
+    texts: list[Any] = list(whole)
+    open_after = [False] * len(pieces)
+    n, i = len(pieces), 0
+    while True:
+        try:
+            i = texts.index(None, i)
+        except ValueError:
+            break
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        while i < n:
+            texts[i] = decoder.decode(convert(pieces[i]))
+            open_after[i] = still_open = bool(decoder.getstate()[0])
+            i += 1
+            if not still_open and (i == n or whole[i] is not None):
+                break
+        if i == n and final:
+            texts[-1] += decoder.decode(b"", final=True)  # a character cut by the end: U+FFFD
     return texts, open_after
 
 
@@ -192,10 +222,9 @@ def token_texts(pieces: Sequence[str], rule: int, *, final: bool = True) -> list
     base = base_rule(rule)
     if base == JOIN:
         return list(pieces)
-    texts: list[str | None] = list(map(_WHOLE[base], pieces))
-    if None in texts:  # some piece carries part of a character (rare: Japanese, emoji)
-        texts[:] = _streamed(pieces, base, final)[0]
-    out: list[str] = texts  # type: ignore[assignment]  # no None left
+    whole = _whole_texts(pieces, base)
+    # some piece carries part of a character (Japanese, emoji): those runs are streamed
+    out: list[str] = _streamed(pieces, whole, base, final)[0] if None in whole else whole  # type: ignore[assignment]
     return _strip_first_space(out) if base == SENTENCEPIECE_STRIPPED else out
 
 
@@ -211,13 +240,13 @@ def cells(pieces: Sequence[str], rule: int, *, final: bool = True) -> list[Cell]
     """The tokens as a page shows them: one cell per token, except that a run of tokens carrying
     parts of one UTF-8 character is one cell (' 🎉' from 'ĠðŁ', 'İ', 'ī' covers three ids)."""
     base = base_rule(rule)
-    texts: list[str | None] = list(pieces) if base == JOIN else list(map(_WHOLE[base], pieces))
+    texts: list[str | None] = list(pieces) if base == JOIN else _whole_texts(pieces, base)
     if None not in texts:
         whole: list[str] = texts  # type: ignore[assignment]
         if base == SENTENCEPIECE_STRIPPED:
             _strip_first_space(whole)
         return [Cell(text, i, i) for i, text in enumerate(whole)]
-    streamed, open_after = _streamed(pieces, base, final)
+    streamed, open_after = _streamed(pieces, texts, base, final)
     if base == SENTENCEPIECE_STRIPPED:
         _strip_first_space(streamed)
     out: list[Cell] = []

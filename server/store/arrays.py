@@ -287,6 +287,12 @@ def rebuild_text(rule: int, ids: Sequence[int], texts: Mapping[int, str]) -> str
     return build([texts[i] for i in kept])
 
 
+def rebuild_from_pieces(rule: int, pieces: Sequence[str]) -> str:
+    """The completion text that `text_rule` said these pieces (its ids' texts) rebuild."""
+    build, dropped = TEXT_RULES[rule % 8], rule // 8
+    return build(pieces[: len(pieces) - dropped] if dropped else pieces)
+
+
 def completion(
     rule: int | None, ids: bytes | None, text: bytes | None, texts: Mapping[int, str]
 ) -> str:

@@ -75,12 +75,18 @@ def rollout_dict(
         if kept and data
         else [[] for _ in control_tokens]
     )
-    completion = completion_text(rollout, ids, texts)
+    # A completion rebuilt from its ids needs every id's piece: looked up once for both.
+    every = token_pieces(ids, texts) if rollout.text_rule is not None else None
+    completion = (
+        arrays.rebuild_from_pieces(rollout.text_rule, every)
+        if rollout.text_rule is not None and every is not None
+        else completion_text(rollout, ids, texts)
+    )
     total = len(ids)
     if max_tokens is not None:
         ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
         probs = [row[:max_tokens] for row in probs]
-    pieces = token_pieces(ids, texts)
+    pieces = every[: len(ids)] if every is not None else token_pieces(ids, texts)
     tokens = shown_tokens(rollout, pieces, whole=len(ids) == total)
     out: RolloutWindow = {
         "run_id": rollout.run_id,
