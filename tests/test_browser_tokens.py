@@ -121,6 +121,15 @@ def test_the_step_viewer_shows_a_real_models_tokens_as_text(
     page.locator("#rollout-2").screenshot(path=str(_artifact("emoji")))
 
 
+def test_the_json_twin_gives_texts_and_pieces(page: Any, served: tuple[str, int, Any]) -> None:
+    _, run_id, real = served
+    group = page.request.get(f"/api/runs/{run_id}/steps/1/groups/0").json()
+    for r in group["rollouts"]:
+        ids = r["completion_ids"]
+        assert "".join(r["tokens"]) == real.decode(ids, skip_special_tokens=False)
+        assert r["token_pieces"] == real.convert_ids_to_tokens(ids)
+
+
 def _artifact(name: str) -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS / f"stepview-tokens-{name}.png"
