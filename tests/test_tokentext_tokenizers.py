@@ -9,11 +9,13 @@ import the same)."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 from rollout_lens.server import store
 from rollout_lens.server.core import tokentext
@@ -216,20 +218,31 @@ def test_the_export_has_texts_and_pieces_and_round_trips(
     assert _records(_export(session_factory, copy)) == _records(first)
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_an_older_export_with_pieces_in_tokens_imports_the_same(
-    session_factory: sessionmaker[Session], real: Any, tmp_path: Path
+    session_factory: sessionmaker[Session], real: Any, tmp_path: Path, fmt: str
 ) -> None:
-    """Files written before token_pieces held the raw pieces in `tokens`: the importer stores
-    them as the run's pieces, so the copy's export reads as text like the source's."""
+    """Files written before token_pieces held the raw pieces in `tokens` (and a Parquet file
+    had no token_pieces column): the importer stores them as the run's pieces, so the copy's
+    export reads as text like the source's."""
     source = record_real_run(session_factory, real)
     first = _export(session_factory, source)
-    older = []
-    for line in first.decode().splitlines():
-        record = json.loads(line)
-        if record["kind"] == "rollout":
-            record["tokens"] = record.pop("token_pieces")
-        older.append(json.dumps(record, ensure_ascii=False))
-    copy = _import(session_factory, tmp_path / "older.jsonl", "\n".join(older).encode() + b"\n")
+    if fmt == "jsonl":
+        older = []
+        for line in first.decode().splitlines():
+            record = json.loads(line)
+            if record["kind"] == "rollout":
+                record["tokens"] = record.pop("token_pieces")
+            older.append(json.dumps(record, ensure_ascii=False))
+        data = "\n".join(older).encode() + b"\n"
+    else:
+        table = pq.read_table(io.BytesIO(_export(session_factory, source, "parquet")))
+        pieces = table.column("token_pieces")
+        table = table.drop_columns(["tokens", "token_pieces"]).append_column("tokens", pieces)
+        sink = io.BytesIO()
+        pq.write_table(table, sink)
+        data = sink.getvalue()
+    copy = _import(session_factory, tmp_path / f"older.{fmt}", data)
     assert _records(_export(session_factory, copy)) == _records(first)
     with session_scope(session_factory) as session:
         ids = {i for r, _ in store.iter_rollouts(session, run_id=copy) for i in completion_ids(r)}

@@ -21,12 +21,6 @@ from typing import Any, NamedTuple
 # How pieces become text (the ids of TEXT_RULES; a stored text_rule adds 8 × the trailing tokens
 # its completion text leaves out, which a token's own text never does).
 JOIN, BYTE_LEVEL, SENTENCEPIECE, SENTENCEPIECE_STRIPPED = 1, 2, 3, 4
-RULE_NAMES = {
-    JOIN: "join",
-    BYTE_LEVEL: "byte-level",
-    SENTENCEPIECE: "SentencePiece",
-    SENTENCEPIECE_STRIPPED: "SentencePiece, leading space stripped",
-}
 
 
 @cache
