@@ -232,7 +232,7 @@ class _RunWriter:
                 format_valid=line.format_valid,
                 format_state=line.format_state,
                 meta=line.meta,
-                tokens=line.tokens,
+                tokens=line.stored_pieces(),
                 stored_sum_logprob=line.sum_logprob,
             )
         )
@@ -305,7 +305,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _parquet_rows(parquet: Any) -> Iterator[tuple[str, Any]]:
     import pyarrow as pa
-    from rollout_lens.server.exchange.export import ROW_GROUP, rollout_schema
+    from rollout_lens.server.exchange.export import OPTIONAL_COLUMNS, ROW_GROUP, rollout_schema
 
     meta = parquet.schema_arrow.metadata or {}
     if META_RUN not in meta:
@@ -313,7 +313,11 @@ def _parquet_rows(parquet: Any) -> Iterator[tuple[str, Any]]:
             "not a rollout-lens export (no run header in the Parquet metadata; a "
             "`--what steps` export cannot be imported; TRL's completions go through `import-trl`)"
         )
-    missing = [n for n in rollout_schema().names if n not in parquet.schema_arrow.names]
+    missing = [
+        n
+        for n in rollout_schema().names
+        if n not in parquet.schema_arrow.names and n not in OPTIONAL_COLUMNS
+    ]
     if missing:
         raise InvalidInput(f"the rollouts lack the columns {', '.join(missing)}")
     try:

@@ -203,9 +203,15 @@ class RolloutLine(_Record):
     token_logprobs: list[float]
     control_token_probs: dict[str, list[float]]
     meta: dict[str, Any]
-    # Each completion token's text (absent from files of older versions, which kept them in
-    # meta["tokens"]; the importer reads either).
+    # Each completion token's text as decoded (absent from files of older versions, which kept
+    # them in meta["tokens"]; those and files before token_pieces hold the raw pieces here).
     tokens: list[str] | None = None
+    # Each token's raw piece ('Ġcan'): what the importer stores as the run's token texts.
+    token_pieces: list[str] | None = None
+
+    def stored_pieces(self) -> list[str] | None:
+        """The pieces to store for this rollout's ids: token_pieces, else (older files) tokens."""
+        return self.token_pieces if self.token_pieces is not None else self.tokens
 
 
 class EndLine(_Record):
