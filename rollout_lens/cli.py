@@ -85,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve beyond loopback without ROLLOUT_LENS_AUTH_TOKEN (anyone who reaches the "
         "port can launch and delete runs)",
     )
+    serve.add_argument(
+        "--proxy-headers",
+        action="store_true",
+        help="behind a reverse proxy: take the client's address and scheme from X-Forwarded-For "
+        "and X-Forwarded-Proto (off by default: anyone could forge them)",
+    )
+    serve.add_argument(
+        "--forwarded-allow-ips",
+        metavar="IPS",
+        help="with --proxy-headers: the proxy addresses (comma-separated, or *) whose forwarded "
+        "headers are trusted (default 127.0.0.1)",
+    )
     serve.set_defaults(handler=serve_dashboard)
 
     build = sub.add_parser(
@@ -248,6 +260,10 @@ def serve_dashboard(
     from rollout_lens.server.webapp.http.security import is_loopback_host
 
     settings = _served_settings(settings, args.host)
+    proxy_headers = bool(getattr(args, "proxy_headers", False))
+    allow_ips = getattr(args, "forwarded_allow_ips", None)
+    if allow_ips and not proxy_headers:
+        return _fail("--forwarded-allow-ips needs --proxy-headers (forwarded headers are ignored)")
     if not is_loopback_host(args.host) and not settings.auth_token_list:
         if not getattr(args, "insecure", False):
             return _fail(
@@ -305,6 +321,10 @@ def serve_dashboard(
             port=args.port,
             log_level="warning",
             timeout_keep_alive=30,
+            # uvicorn trusts X-Forwarded-For from 127.0.0.1 by default: anyone on this machine
+            # could then pose as any address (and dodge, or aim, the wrong-token limit).
+            proxy_headers=proxy_headers,
+            forwarded_allow_ips=allow_ips or "127.0.0.1",
         )
     finally:
         # Stop the local worker: terminate, then kill if it has not stopped within 10 s (a run it
