@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.exchange import bounds
 
 SETTLE_SECONDS = 2.0  # how long the newest file must keep its size and mtime before it is read
 
@@ -51,11 +52,20 @@ def numbered(folder: Path, pattern: re.Pattern[str], kind: str = "train") -> lis
     """The files of a folder whose name matches `pattern` (group 1: the step), in step order."""
     if not folder.is_dir():
         raise InvalidInput(f"{folder}: no such directory")
-    found = [
-        DumpFile(path, int(match.group(1)), kind)
-        for path in folder.iterdir()
-        if (match := pattern.match(path.name)) and path.is_file()
-    ]
+    inside = folder.resolve()
+    found = []
+    for path in folder.iterdir():
+        if not (match := pattern.match(path.name)) or not path.is_file():
+            continue
+        if not path.resolve().is_relative_to(inside):
+            # A link out of the folder is never followed: its target could be any file this
+            # process may read, shown on a step page as a completion.
+            raise InvalidInput(
+                f"{path}: a link to {path.resolve()}, outside {folder}; only the folder's own "
+                "files are imported (copy the file in instead)"
+            )
+        step = int(match.group(1)) if len(match.group(1)) <= 10 else bounds.MAX_INT32 + 1
+        found.append(DumpFile(path, bounds.check_step(step, str(path)), kind))
     return sorted(found, key=lambda f: f.step)
 
 
