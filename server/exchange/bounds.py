@@ -10,7 +10,7 @@ from typing import IO, Any
 
 from rollout_lens.server.core.errors import InvalidInput
 
-MAX_LINE_BYTES = 64 * 2**20  # a JSON line (one rollout with every array); longer is refused
+MAX_LINE_BYTES = 128 * 2**20  # a JSON line (one rollout with every array); longer is refused
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a line (configs and metas are a few deep)
 MAX_TOKENS = 2**20  # token ids of one completion (1,048,576): its arrays are held whole in memory
 MAX_INT32 = 2**31 - 1  # steps, groups, indexes, token ids and run columns are 32-bit integers
@@ -69,10 +69,11 @@ def _too_deep(where: str) -> InvalidInput:
     )
 
 
-def check_step(step: int, where: str) -> int:
-    """A step number the pages can show: 0 to MAX_INT32."""
-    if not 0 <= step <= MAX_INT32:
+def check_step(digits: str, where: str) -> int:
+    """A step number written in decimal digits (a file name's), one the pages can show: 0 to
+    MAX_INT32 (a thousand digits are not turned into a number first)."""
+    if len(digits) > len(str(MAX_INT32)) or int(digits) > MAX_INT32:
         raise InvalidInput(
-            f"{where}: step {step} is out of range (steps go from 0 to {MAX_INT32:,})"
+            f"{where}: step {digits[:40]} is out of range (steps go from 0 to {MAX_INT32:,})"
         )
-    return step
+    return int(digits)

@@ -64,8 +64,7 @@ def numbered(folder: Path, pattern: re.Pattern[str], kind: str = "train") -> lis
                 f"{path}: a link to {path.resolve()}, outside {folder}; only the folder's own "
                 "files are imported (copy the file in instead)"
             )
-        step = int(match.group(1)) if len(match.group(1)) <= 10 else bounds.MAX_INT32 + 1
-        found.append(DumpFile(path, bounds.check_step(step, str(path)), kind))
+        found.append(DumpFile(path, bounds.check_step(match.group(1), str(path)), kind))
     return sorted(found, key=lambda f: f.step)
 
 

@@ -100,13 +100,16 @@ def _write(
             "export cannot be imported; TRL's completions files go through `import-trl`)"
         )
     if header.format != FORMAT:
-        raise InvalidInput(f"not a rollout-lens export (format {header.format!r})")
+        raise InvalidInput(f"{where}: not a rollout-lens export (format {header.format!r})")
     if header.version > VERSION:
         raise InvalidInput(
-            f"written by a newer rollout-lens (format version {header.version}); "
+            f"{where}: written by a newer rollout-lens (format version {header.version}); "
             f"this one reads version {VERSION}"
         )
-    writer = _RunWriter(session, header, name=name)
+    try:
+        writer = _RunWriter(session, header, name=name)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{where}: {exc}") from exc
     end: EndLine | None = None
     for where, record in records:
         if end is not None:

@@ -9,6 +9,7 @@ JSON in the file's key-value metadata (see server.exchange.export).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -55,7 +56,7 @@ RunIdNo = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 def _not_nan(value: float) -> float:
     if value != value:
-        raise ValueError("NaN is not a number a rollout can hold (null where there is none)")
+        raise ValueError("NaN is not a number this field holds (null where there is none)")
     return value
 
 
@@ -162,14 +163,14 @@ class RunRecord(_Record):
     notes: list[str]
     worker_host: str | None = Field(max_length=255)
     device: str | None = Field(max_length=64)
-    device_seconds: float
-    cost: float
+    device_seconds: Number
+    cost: Number
     error: str | None
     dropped_steps: Count
     dropped_rollouts: Count
     current_step: StepNo
-    recent_true_accuracy: float | None
-    recent_reward: float | None
+    recent_true_accuracy: Number | None
+    recent_reward: Number | None
     created_at: Time
     started_at: Time
     finished_at: Time
@@ -230,7 +231,10 @@ class RolloutLine(_Record):
         """Every per-token array has one entry per completion token (or none: retention dropped
         logprobs and control-token probabilities, an older file has no token texts)."""
         n = len(self.completion_ids)
-        arrays = {"token_logprobs": self.token_logprobs, "tokens": self.tokens or []}
+        arrays: dict[str, Sequence[object]] = {
+            "token_logprobs": self.token_logprobs,
+            "tokens": self.tokens or [],
+        }
         arrays |= {f"control_token_probs[{t!r}]": p for t, p in self.control_token_probs.items()}
         for name, values in arrays.items():
             if values and len(values) != n:
