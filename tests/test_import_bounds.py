@@ -301,6 +301,33 @@ def test_an_import_into_a_locked_sqlite_file_says_so(
     assert main(["import", str(export_file)]) == 0  # once the lock is free
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["export", "99999999999999999999"],
+        ["rollouts", "1", "--group", str(2**31)],
+        ["rollouts", "1", "--steps", "1:99999999999999999999"],
+        ["rollouts", "0"],
+        ["import-verl", "/tmp", "--n", "-2"],
+        ["import-trl", "/tmp", "--total-steps", "1" * 30],
+    ],
+)
+def test_cli_numbers_out_of_range_are_refused_naming_the_option(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+) -> None:
+    monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path))
+    try:
+        status = main(args)
+    except SystemExit as exc:  # argparse's own refusal
+        status = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert "from 0 to 2,147,483,647" in err or "from 1 to 2,147,483,647" in err, err
+
+
 # --- a hypothesis pass over the import's lines --------------------------------------------------
 
 _INT_EDGES = [0, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 10**20, -(2**63) - 1]

@@ -27,7 +27,7 @@ from rollout_lens.server.exchange.dump_files import (
     units,
 )
 from rollout_lens.server.exchange.dump_rows import SeriesNames
-from rollout_lens.server.exchange.importer import Imported
+from rollout_lens.server.exchange.importer import NAME_CHARS, Imported
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunSource, RunStatus
 from sqlalchemy.exc import DataError, IntegrityError
@@ -143,6 +143,8 @@ class StepWriter:
 
 def create_run(session: Session, fmt: DumpFormat, plan: RunPlan, status: RunStatus) -> int:
     """Insert the planned run; its id."""
+    if len(plan.name) > NAME_CHARS:
+        raise InvalidInput(f"--name: at most {NAME_CHARS} characters, got {len(plan.name)}")
     run = store.create_run(
         session,
         name=plan.name,
