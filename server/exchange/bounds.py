@@ -28,7 +28,8 @@ def lines(f: IO[bytes], where: str) -> Iterator[tuple[int, bytes]]:
         number += 1
         if len(raw) > MAX_LINE_BYTES:
             raise InvalidInput(
-                f"{where} line {number}: longer than {MAX_LINE_BYTES // 2**20} MiB, the most "
+                f"{where} line {number}".strip()
+                + f": longer than {MAX_LINE_BYTES // 2**20} MiB, the most "
                 "an imported line may hold"
             )
         yield number, raw

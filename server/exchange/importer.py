@@ -296,7 +296,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
     """(where, record) for each line of a JSONL export, read and validated one line at a time
     (at most bounds.MAX_LINE_BYTES of it in memory)."""
     with path.open("rb") as f:
-        for number, raw in bounds.lines(f, "the file"):
+        for number, raw in bounds.lines(f, ""):
             where = f"line {number}"
             data = json_line(raw, where)
             if data is not BLANK:
