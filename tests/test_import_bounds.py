@@ -263,6 +263,45 @@ def test_verl_lines_are_bounded_too(session_factory: sessionmaker[Session], tmp_
     assert _runs(session_factory) == 0
 
 
+def _trl_file(path: Path, step: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = {
+        "step": [step] * 4,
+        "prompt": ["p0", "p0", "p1", "p1"],
+        "completion": ["a", "b", "c", "d"],
+        "advantage": [0.5, -0.5, 0.5, -0.5],
+        "reward": [1.0, 0.0, 1.0, 0.0],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(rows), path)
+
+
+def test_links_out_of_a_trl_output_dir_are_never_followed(
+    session_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    from rollout_lens.server.exchange.trl_import import import_trl
+
+    elsewhere = tmp_path / "elsewhere" / "completions"
+    _trl_file(elsewhere / "completions_00001.parquet", 1)
+    output = tmp_path / "output"
+    output.mkdir()
+    (output / "completions").symlink_to(elsewhere)  # the whole folder links out
+    with pytest.raises(InvalidInput, match="outside"):
+        import_trl(session_factory, output, settle=0)
+    (output / "completions").unlink()
+    _trl_file(output / "completions" / "completions_00001.parquet", 1)
+    (output / "completions" / "completions_00002.parquet").symlink_to(
+        elsewhere / "completions_00001.parquet"
+    )
+    with pytest.raises(InvalidInput, match="completions_00002.parquet: a link to"):
+        import_trl(session_factory, output, settle=0)
+    assert _runs(session_factory) == 0
+    (output / "completions" / "completions_00002.parquet").unlink()
+    assert import_trl(session_factory, output, settle=0).steps == 1
+
+
 # --- the command line: a locked SQLite file -----------------------------------------------------
 
 

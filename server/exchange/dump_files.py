@@ -48,11 +48,14 @@ class Unit:
         return next((f for f in self.files if f.kind == kind), None)
 
 
-def numbered(folder: Path, pattern: re.Pattern[str], kind: str = "train") -> list[DumpFile]:
-    """The files of a folder whose name matches `pattern` (group 1: the step), in step order."""
+def numbered(
+    folder: Path, pattern: re.Pattern[str], kind: str = "train", *, root: Path | None = None
+) -> list[DumpFile]:
+    """The files of a folder whose name matches `pattern` (group 1: the step), in step order;
+    InvalidInput for one that links out of `root` (the folder given; default `folder`)."""
     if not folder.is_dir():
         raise InvalidInput(f"{folder}: no such directory")
-    inside = folder.resolve()
+    inside = (root or folder).resolve()
     found = []
     for path in folder.iterdir():
         if not (match := pattern.match(path.name)) or not path.is_file():
@@ -61,7 +64,7 @@ def numbered(folder: Path, pattern: re.Pattern[str], kind: str = "train") -> lis
             # A link out of the folder is never followed: its target could be any file this
             # process may read, shown on a step page as a completion.
             raise InvalidInput(
-                f"{path}: a link to {path.resolve()}, outside {folder}; only the folder's own "
+                f"{path}: a link to {path.resolve()}, outside {root or folder}; only the folder's own "
                 "files are imported (copy the file in instead)"
             )
         found.append(DumpFile(path, bounds.check_step(match.group(1), str(path)), kind))

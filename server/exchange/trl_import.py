@@ -85,7 +85,7 @@ class TrlDump:
     def scan(self) -> list[DumpFile]:
         """The completions files of the output directory (or of its completions/ folder)."""
         nested = self.folder / "completions"
-        return numbered(nested if nested.is_dir() else self.folder, FILE_NAME)
+        return numbered(nested if nested.is_dir() else self.folder, FILE_NAME, root=self.folder)
 
     def check(self, unit: Unit) -> Checked:
         path = unit.files[0].path
