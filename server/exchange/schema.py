@@ -159,7 +159,7 @@ class RunRecord(_Record):
     seed: Int32
     total_steps: Count
     config: dict[str, Any]
-    control_tokens: list[Annotated[str, Field(max_length=100)]] = Field(max_length=64)
+    control_tokens: list[str]
     notes: list[str]
     worker_host: str | None = Field(max_length=255)
     device: str | None = Field(max_length=64)
