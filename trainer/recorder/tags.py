@@ -13,10 +13,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import numpy as np
+from rollout_lens.server.core import tokentext
 
 # The common tool-call formats, tried in this order when the run names none and the chat
 # template declares none: Qwen/Hermes-style, then the Escalation task's reply format.
@@ -101,21 +101,6 @@ def pick(formats: Sequence[CallTags], text: str) -> CallTags:
 # --- tokens → bytes → where a text's marks stand ----------------------------------------------------
 
 
-@cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, inverted: byte-level BPE's alphabet character → its byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
 def _decoder_kinds(tokenizer: Any) -> set[str]:
     """The kinds of the fast tokenizer's decoder and its parts (ByteLevel, Metaspace, …)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -127,13 +112,18 @@ def _decoder_kinds(tokenizer: Any) -> set[str]:
 
 
 class TokenBytes:
-    """The bytes each token id of one tokenizer contributes to its decoded text."""
+    """The bytes each token id of one tokenizer contributes to its decoded text, by the
+    tokenizer's decoder (server.core.tokentext's rules, as the pages read the stored pieces)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         kinds = _decoder_kinds(tokenizer)
-        self.byte_level = "ByteLevel" in kinds
-        self.sentencepiece = not self.byte_level and bool(kinds & {"Metaspace", "Replace"})
+        if "ByteLevel" in kinds:
+            self.rule = tokentext.BYTE_LEVEL
+        elif kinds & {"Metaspace", "Replace"}:
+            self.rule = tokentext.SENTENCEPIECE
+        else:
+            self.rule = tokentext.JOIN
         self.added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
         self._bytes: dict[int, bytes] = {}
 
@@ -145,18 +135,9 @@ class TokenBytes:
 
     def _compute(self, token_id: int) -> bytes:
         piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
-        if token_id in self.added:
-            return piece.encode("utf-8")
-        if self.byte_level:
-            table = _byte_decoder()
-            if all(ch in table for ch in piece):
-                return bytes(table[ch] for ch in piece)
-            return piece.encode("utf-8")
-        if self.sentencepiece:
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                return bytes([int(piece[3:5], 16)])
-            return piece.replace("▁", " ").encode("utf-8")
-        return piece.encode("utf-8")
+        if token_id in self.added:  # an added token decodes as its own text
+            return piece.encode("utf-8", "surrogatepass")
+        return tokentext.piece_bytes(piece, self.rule)
 
     def layout(self, ids: Sequence[int], text: str) -> tuple[bytes, np.ndarray] | None:
         """The bytes the tokens make and each token's end in them, when they give `text` back
