@@ -91,11 +91,11 @@ def train(path: Path, variant: str, steps: int, data_dir: Path) -> dict[str, obj
         raise SystemExit(f"training {variant} failed ({code})")
     engine = make_engine(get_settings().database_url)
     with session_scope(make_session_factory(engine)) as session:
-        run = store.list_runs(session)[-1]
+        run = max(store.list_runs(session), key=lambda r: r.id)  # the one just trained
         rows = store.steps(session, run_id=run.id)
         series = store.metric_series(session, run_id=run.id)
         config = dict(store.get_run(session, run_id=run.id).config or {})
-        minutes = run.device_minutes
+        minutes = run.device_seconds / 60.0
     engine.dispose()
 
     def column(name: str) -> list[float]:
@@ -126,6 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=["patched", "leaky"])
     parser.add_argument("--max-new-tokens", type=int, default=48, help="zero-shot reply length")
     parser.add_argument("--no-zero-shot", action="store_true")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="keep the trained runs here (`ROLLOUT_LENS_DATA_DIR=DIR rollout-lens serve` shows them)",
+    )
     args = parser.parse_args(argv)
     path = pretrained.ensure(get_settings().models_dir)
     print(f"model: {pretrained.LABEL} at {path}")
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps:
         with tempfile.TemporaryDirectory() as tmp:
             for variant in args.variants:
-                got = train(path, variant, args.steps, Path(tmp) / variant)
+                got = train(path, variant, args.steps, args.data_dir or Path(tmp))
                 per_step = got["step_seconds"]
                 print(
                     f"\ntrained {variant}: {got['steps']} steps in {got['wall']:.0f} s"

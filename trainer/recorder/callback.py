@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rollout_lens.server.core import vocab
+from rollout_lens.server.core import tokentext, vocab
 from rollout_lens.server.core.config import Settings, get_settings
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.store.models import RunStatus
@@ -530,7 +530,7 @@ class RolloutLensCallback(TrainerCallback):
             several = []
         for f in several:
             stands = [
-                f"{tok!r} for {tag}"
+                f"{tokentext.piece_text(tok)!r} for {tag}"
                 for tag, tok in zip(f.pair, (f.open_token, f.close_token), strict=True)
                 if tok != tag
             ]
