@@ -54,7 +54,9 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (wheel,) = out.glob("rollout_lens-*.whl")
     (sdist,) = out.glob("rollout_lens-*.tar.gz")
-    return {"wheel": wheel, "sdist": sdist}
+    log = out / "build.log"
+    log.write_text(done.stdout + done.stderr)
+    return {"wheel": wheel, "sdist": sdist, "log": log}
 
 
 def _free_port() -> int:
@@ -232,6 +234,17 @@ def test_the_prebuilt_models_are_packaged_for_the_current_recipes() -> None:
         assert prebuilt.packaged_hash(kind) == kind.recipe_hash, (
             f"rollout_lens/models/{kind.name} is stale: run `make prebuilt`"
         )
+
+
+@pytest.mark.slow
+def test_the_build_says_nothing_about_the_packages_configuration(
+    artifacts: dict[str, Path],
+) -> None:
+    """A data folder missing from `packages` made every install (editable too) print ~90 lines."""
+    log = artifacts["log"].read_text()
+    assert "Successfully built" in log
+    assert "absent from the `packages` configuration" not in log
+    assert "BuildBackendWarning: Package" not in log
 
 
 @pytest.mark.slow
