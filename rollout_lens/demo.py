@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -119,16 +120,19 @@ def train_all(
     workers: int,
     report: Callable[[str], None],
 ) -> list[int]:
-    """Train each run in its own process, `workers` at a time; returns the ids that failed."""
+    """Train each run in its own process, `workers` at a time; returns the ids that failed.
+    Stopped (Ctrl-C, SIGTERM), it leaves no run queued or running: each ends `cancelled`."""
     context = multiprocessing.get_context("spawn")  # torch may already be loaded here
     pending = list(zip(run_ids, configs, strict=True))
     running: dict[int, multiprocessing.process.BaseProcess] = {}
     failed: list[int] = []
     last = ""
+    terminated = _raise_on_sigterm()
     try:
         while pending or running:
             while pending and len(running) < workers:
                 run_id, config = pending.pop(0)
+                _starting(settings, run_id)
                 started = context.Process(
                     target=_train_one,
                     args=(settings, config.model_dump(mode="json"), run_id),
@@ -143,19 +147,39 @@ def train_all(
                     del running[run_id]
                     if proc.exitcode != 0:
                         failed.append(run_id)
+            # A child loading torch sends no heartbeat yet: its parent vouches for it.
+            _beat_starting(settings, [i for i, p in running.items() if p.is_alive()])
             line = progress_line(settings, run_ids)
             if line != last:
                 report(line)
                 last = line
     finally:
-        # Interrupted: Ctrl-C reached the children too, and each marks its run cancelled; stop
-        # whatever is still training after a grace period (its run is then marked lost later).
+        # Ctrl-C reached the children too, and each marks its run cancelled; a SIGTERM reached
+        # only this process, so the children are asked as Ctrl-C would. Whatever is still
+        # training after a grace period is stopped, and every run not ended is marked here.
+        for proc in running.values():
+            if terminated() and proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGINT)
         for proc in running.values():
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
+        _cancel_unfinished(settings, run_ids)
     return failed
+
+
+def _raise_on_sigterm() -> Callable[[], bool]:
+    """SIGTERM ends the demo as Ctrl-C does (its `finally` runs); returns whether it came."""
+    came: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):  # not the main thread: leave the handler alone
+        signal.signal(signal.SIGTERM, stop)
+    return lambda: bool(came)
 
 
 def progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
@@ -180,17 +204,22 @@ def progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
 
 def _train_one(settings: Settings, config: dict[str, Any], run_id: int) -> None:
     """In a child process: train one created run (its failure is recorded on the run)."""
-    import warnings
+    try:
+        import warnings
 
-    from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging
 
-    from rollout_lens.server.core.runconfig import RunConfig
-    from rollout_lens.trainer.worker.run import train
+        from rollout_lens.server.core.runconfig import RunConfig
+        from rollout_lens.trainer.worker.run import train
 
-    # A demo's output is its progress lines: no weight-loading bars, no library deprecations.
-    hf_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    train(RunConfig.model_validate(config), settings=settings, run_id=run_id, log_line=_print_line)
+        # A demo's output is its progress lines: no weight-loading bars, no library deprecations.
+        hf_logging.disable_progress_bar()
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        train(
+            RunConfig.model_validate(config), settings=settings, run_id=run_id, log_line=_print_line
+        )
+    except KeyboardInterrupt:  # stopped: the run says so (train() or the parent marks it)
+        raise SystemExit(130) from None
 
 
 def _print_line(line: str) -> None:
@@ -238,6 +267,40 @@ def _build_line(line: str) -> None:
     progress = build_progress(line)
     if progress:
         print(f"  warm-up step {progress[0]} of {progress[1]}", flush=True)
+
+
+def _starting(settings: Settings, run_id: int) -> None:
+    """The run's process is starting (a phase marks it taken, so a lost one is swept)."""
+    with _session(settings) as session:
+        store.set_phase(session, run_id=run_id, phase="starting: loading torch and TRL")
+
+
+def _beat_starting(settings: Settings, run_ids: Sequence[int]) -> None:
+    with _session(settings) as session:
+        for run_id in run_ids:
+            if store.get_run(session, run_id=run_id).status == RunStatus.queued:
+                store.heartbeat(session, run_id=run_id)
+
+
+def _cancel_unfinished(settings: Settings, run_ids: Sequence[int]) -> None:
+    """Mark `cancelled`, with the reason, each run the stopped demo leaves queued or running."""
+    with _session(settings) as session:
+        for run_id in run_ids:
+            run = store.get_run(session, run_id=run_id)
+            if run.status in (RunStatus.queued, RunStatus.running):
+                when = (
+                    "mid-run"
+                    if run.status == RunStatus.running
+                    else "while this run was starting"
+                    if run.phase
+                    else "before this run started"
+                )
+                store.mark_finished(
+                    session,
+                    run_id=run_id,
+                    status=RunStatus.cancelled,
+                    error=f"the demo was stopped {when}",
+                )
 
 
 def _create_runs(settings: Settings, configs: Sequence[RunConfig]) -> list[int]:

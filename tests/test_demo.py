@@ -125,3 +125,49 @@ def test_demo_serves_the_compare_page(tmp_path: Path, tiny_model_dir: Path) -> N
     assert worker, log.read_text()
     with pytest.raises(ProcessLookupError):
         os.kill(int(worker.group(1)), 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_a_demo_stopped_while_starting_leaves_no_run_queued(
+    tmp_path: Path, tiny_model_dir: Path, stop: str
+) -> None:
+    """Stopped while its runs' processes load torch, the demo ends each run `cancelled` with the
+    reason, not "queued · starting" for good."""
+    import signal
+    import sqlite3
+
+    data = tmp_path / "data"
+    with subprocess.Popen(
+        [sys.executable, "-m", "rollout_lens", "demo", "--no-serve", "--steps", "3"],
+        env=_env(data, tiny_model_dir.parent),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a process group of its own, as a terminal's Ctrl-C sees it
+    ) as proc:
+        deadline = time.monotonic() + 120
+        starting: list[tuple[int, str, str | None]] = []
+        while not starting and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                with sqlite3.connect(data / "rollout-lens.db") as db:
+                    starting = db.execute(
+                        "SELECT id, status, phase FROM runs WHERE phase IS NOT NULL"
+                    ).fetchall()
+            except sqlite3.OperationalError:  # not created or not migrated yet
+                pass
+            time.sleep(0.05)
+        assert starting and all(status == "queued" for _, status, _ in starting), starting
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    with sqlite3.connect(data / "rollout-lens.db") as db:
+        runs = db.execute("SELECT id, status, error FROM runs ORDER BY id").fetchall()
+    assert len(runs) == 2, out
+    for _, status, error in runs:
+        assert status == "cancelled", (runs, out)
+        assert error and ("the demo was stopped" in error or error == "interrupted"), runs

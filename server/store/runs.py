@@ -18,7 +18,7 @@ from rollout_lens.server.store.models import (
     Step,
     utcnow,
 )
-from sqlalchemy import CursorResult, delete, func, select, update
+from sqlalchemy import CursorResult, delete, func, select, true, update
 from sqlalchemy.orm import Session
 
 RESUMABLE_STATUSES = (RunStatus.lost, RunStatus.failed, RunStatus.cancelled)
@@ -245,25 +245,29 @@ def truncate_after(session: Session, *, run_id: int, step: int) -> None:
 
 
 def mark_lost_runs(session: Session, *, stale_after: timedelta) -> list[int]:
-    """Runs `running` whose worker stopped beating: mark them lost; return their ids."""
+    """Runs whose process stopped beating: `running` ones, and `queued` ones a process had taken
+    (their `phase` says it was starting them: a run waiting in the queue has none). Mark them
+    lost with the reason; return their ids."""
     cutoff = utcnow() - stale_after
-    ids = list(
-        session.scalars(
-            select(Run.id).where(Run.status == RunStatus.running, Run.heartbeat_at < cutoff)
-        )
-    )
-    if ids:
-        session.execute(
-            update(Run)
-            .where(Run.id.in_(ids), Run.status == RunStatus.running)
-            .values(
-                status=RunStatus.lost,
-                finished_at=utcnow(),
-                error="the worker stopped sending heartbeats for over "
-                f"{_seconds_text(stale_after.total_seconds())} s",
+    seconds = _seconds_text(stale_after.total_seconds())
+    reasons = {
+        RunStatus.running: f"the worker stopped sending heartbeats for over {seconds} s",
+        RunStatus.queued: "its process stopped while starting the run (no heartbeat for over "
+        f"{seconds} s)",
+    }
+    lost: list[int] = []
+    for status, reason in reasons.items():
+        taken = Run.phase.is_not(None) if status == RunStatus.queued else true()
+        stale = (Run.status == status, Run.heartbeat_at < cutoff, taken)
+        ids = list(session.scalars(select(Run.id).where(*stale)))
+        if ids:
+            session.execute(
+                update(Run)
+                .where(Run.id.in_(ids), *stale)
+                .values(status=RunStatus.lost, finished_at=utcnow(), error=reason, phase=None)
             )
-        )
-    return ids
+        lost += ids
+    return sorted(lost)
 
 
 def _seconds_text(seconds: float) -> str:
