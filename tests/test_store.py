@@ -252,7 +252,9 @@ def test_a_run_whose_process_died_while_starting_is_lost_and_a_waiting_one_stays
     with session_scope(session_factory) as session:
         lost = store.get_run(session, run_id=starting)
         assert lost.status == RunStatus.lost and lost.phase is None
-        assert lost.error == "its process stopped while starting the run (no heartbeat for over 60 s)"
+        assert (
+            lost.error == "its process stopped while starting the run (no heartbeat for over 60 s)"
+        )
         assert store.get_run(session, run_id=waiting).status == RunStatus.queued
         assert store.get_run(session, run_id=alive).status == RunStatus.queued
 

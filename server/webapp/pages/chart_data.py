@@ -24,6 +24,24 @@ from rollout_lens.server.core.vocab import WINDOW
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 
 MAX_POINTS = 600  # points per chart series before steps are merged (about a chart's width)
+# Past this many steps a chart page opens smoothed: with 8 rollouts a step's true accuracy
+# moves in eighths and swings 0 ↔ 1 from step to step, which hides a run's climb. SMOOTHING is
+# the EMA weight (charts.js): an effective window of about 10 steps.
+SMOOTH_PAST_STEPS = 20
+SMOOTHING = 0.9
+# A chart is folded to one line only when each of its series has at least this many points and
+# none changed: two evaluations or one filling bucket that agree say nothing yet.
+FOLD_MIN_POINTS = 10
+
+
+def chart_view() -> dict[str, Any]:
+    """The chart pages' display rules, for their controls (partial _chart_controls.html)."""
+    return {
+        "smoothing": SMOOTHING,
+        "smooth_past_steps": SMOOTH_PAST_STEPS,
+        "fold_min_points": FOLD_MIN_POINTS,
+    }
+
 
 DOWNSAMPLING = (
     "Series longer than max_points steps are cut into buckets of `bucket` consecutive steps "

@@ -120,6 +120,7 @@ class RunPageContext(TypedDict):
     full: bool  # every step drawn, not downsampled
     notice: str  # what a form action left for this page (server.webapp.http.flash)
     page: dict[str, Any]  # the page script's data
+    chart_view: dict[str, Any]  # chart_data.chart_view(): default smoothing, folding rule
 
 
 def run_page(overview: RunOverview, url: Url, *, full: bool, notice: str) -> RunPageContext:
@@ -159,6 +160,7 @@ def run_page(overview: RunOverview, url: Url, *, full: bool, notice: str) -> Run
         "full": full,
         "notice": notice,
         "page": page,
+        "chart_view": chart_data.chart_view(),
     }
 
 
@@ -356,6 +358,7 @@ class ComparePageContext(TypedDict):
     page: dict[str, Any]
     eval_columns: list[tuple[str, str]]
     converged: float  # analysis.CONVERGED, for the summary's explanation
+    chart_view: dict[str, Any]  # chart_data.chart_view(): default smoothing, folding rule
 
 
 def compare_page(data: CompareData, url: Url) -> ComparePageContext:
@@ -384,6 +387,7 @@ def compare_page(data: CompareData, url: Url) -> ComparePageContext:
         "page": page,
         "eval_columns": [(n, label) for n, label in EVAL_COLUMNS if n in evaluated],
         "converged": analysis.CONVERGED,
+        "chart_view": chart_data.chart_view(),
     }
 
 

@@ -41,7 +41,10 @@ RUN_COLORS = (
 )
 NEUTRAL = "#334155"
 
-UNIT_RANGE = {"autorangeoptions": {"include": [0, 1]}}
+UNIT_RANGE = {
+    "autorangeoptions": {"include": [0, 1]},
+    "rangemode": "tozero",
+}  # shares: never below 0
 
 
 def plotly_text(text: str) -> str:
@@ -315,10 +318,14 @@ def _structure(names: set[str]) -> list[dict[str, Any]]:
                 "Control tokens where they matter",
                 traces,
                 help="Mean probability, per step, of a control token at the position where it "
-                "breaks or ends the call. End-of-turn right after the opening tag is the collapse signal.",
+                "breaks or ends the call. End-of-turn right after the opening tag is the collapse "
+                "signal. The key gives each line's last value: lines at 0 and at 1 lie on one "
+                "another.",
                 alerts=["control_token_spike", "collapse"],
+                wide=True,  # five keys: on a third of a row they took half the card
                 y=UNIT_RANGE,
             )
+            | {"legend_last": True}
         )
     states = [vocab.state(s) for s in vocab.STATES if vocab.state(s) in names]
     states += sorted(n for n in names if n.startswith(vocab.state("")) and n not in states)
@@ -424,8 +431,10 @@ def expected_series(config: dict[str, Any] | None) -> list[str]:
 
 
 def _markers(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Sparse series (every E steps) as lines with markers."""
+    """Sparse series (every E steps) as lines with markers, never smoothed (an evaluation is a
+    measurement of its own, not a noisy step)."""
     for trace in traces:
+        trace["meta"]["sparse"] = True
         if trace["meta"]["part"] == "y":
             trace["mode"] = "lines+markers"
             trace["marker"] = {"size": 6, "color": trace["line"]["color"]}
@@ -684,8 +693,6 @@ def compare_figures(
         fig = overlay(f"x-{i}", name, title)
         if fig is not None:
             if name in vocab.EVAL_SERIES:
-                for trace in fig["data"]:
-                    if trace["meta"]["part"] == "y":
-                        trace["mode"] = "lines+markers"
+                _markers(fig["data"])
             out[section].append(fig)
     return out
