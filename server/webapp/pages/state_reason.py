@@ -14,16 +14,17 @@ from rollout_lens.server.webapp.pages.stepview import STATES
 
 # One call and nothing else: the single-turn reply format, in either tag pair the recorder reads.
 _ONE_CALL = re.compile(r"<(tool|tool_call)>\s*([^<>\s]*)\s*</\1>")
+_CALL_TAGS = frozenset({"<tool>", "</tool>", "<tool_call>", "</tool_call>"})
 
 
-def state_reason(state: str, completion: str | None, end_tokens: Sequence[str] = ()) -> str:
+def state_reason(state: str, completion: str | None, control_tokens: Sequence[str] = ()) -> str:
     """The reason for `state`: for text pollution which kind; for another bad state its meaning;
     "" for a healthy one (the badge says enough)."""
     tone, meaning = STATES.get(state, ("none", ""))
     if state == "text_pollution" and completion is not None:
         text = completion.strip()
-        for token in end_tokens:  # an end-of-turn token's text may close the completion
-            if token and text.endswith(token):
+        for token in control_tokens:  # an end-of-turn token's text may close the completion
+            if token and token not in _CALL_TAGS and text.endswith(token):
                 text = text[: -len(token)].rstrip()
         call = _ONE_CALL.fullmatch(text)
         if call:

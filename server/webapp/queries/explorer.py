@@ -332,8 +332,12 @@ def _head(value: str) -> str:
 
 def _completion_head(r: Rollout, head_ids: list[int], texts: dict[int, str]) -> str:
     if r.text_rule is not None and all(i in texts for i in head_ids):
-        head = arrays.preview(r.text_rule, [texts[i] for i in head_ids])
+        pieces = [texts[i] for i in head_ids]
         cut = r.n_tokens is not None and r.n_tokens > len(head_ids)
+        dropped = r.text_rule // 8  # closing tokens the text leaves out (arrays.text_rule)
+        if not cut and dropped:  # the head is the whole completion: end it as its text ends
+            pieces = pieces[: len(pieces) - dropped]
+        head = arrays.preview(r.text_rule, pieces)
         return _head(head + ("…" if cut else ""))
     stored = r.data.text if r.data is not None else None
     return _head(arrays.text_head(stored, HEAD_CHARS + 1)) if stored is not None else ""
