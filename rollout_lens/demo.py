@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from rollout_lens.server import store
+from rollout_lens.server.core import analysis
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import RolloutLensError
 from rollout_lens.server.core.textsafe import printable
@@ -27,13 +28,17 @@ if TYPE_CHECKING:
     from rollout_lens.server.core.runconfig import RunConfig
 
 PRESET = "leaky_vs_patched"  # server/core/presets.py: both variants, same seed and recipe
-DEFAULT_STEPS = 30  # patched climbs to ~0.5 true accuracy, leaky stays near 0; 30-50 s on 2 cores
+# 60 steps on the tiny model (seed 0, measured on 2 CPU cores: 35 s side by side): patched's true
+# accuracy climbs from 0.46 (steps 1–25) to 0.78 (its last 25), leaky's stays at 0.02–0.09; 150
+# steps show patched converge (0.91 over steps 76–100).
+DEFAULT_STEPS = 60
 POLL_SECONDS = 2.0
-# The one line printed above the compare URL: what the two runs show.
-WHAT_TO_LOOK_AT = (
-    "Look at the verifier reward and true accuracy charts: the leaky run's reward sits at 0.5 "
-    "(the judge's partial credit for naming any listed tool) while its true accuracy stays near "
-    "0; the patched run's reward and accuracy climb together."
+# What the two runs' charts mean, said under the figures the demo measured (what_they_show).
+HOW_TO_READ = (
+    "The judge verifier gives 0.5 for naming any listed tool and 1 for the right one: a reward "
+    "near 0.5 over a true accuracy near 0 is partial credit, not learning. Compare's summary "
+    "gives the last 25 steps' figures (final), each run's page its 25-step buckets; compare's "
+    "charts open smoothed, the band spanning each step's own value."
 )
 
 
@@ -79,12 +84,40 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     if failed:
         return _report_failures(settings, failed)
     url = compare_url(args.host, args.port, run_ids)
+    shown = what_they_show(settings, run_ids)
     if args.no_serve:
         print(f"Start the dashboard with `rollout-lens serve --port {args.port}`, then", flush=True)
-        print(f"{WHAT_TO_LOOK_AT}\nCompare them at {url}", flush=True)
+        print(f"{shown}\nCompare them at {url}", flush=True)
         return 0
     print("Starting the dashboard (Ctrl-C stops it)…", flush=True)
-    return serve_dashboard(args, settings, announce=[WHAT_TO_LOOK_AT, f"Compare them at {url}"])
+    return serve_dashboard(args, settings, announce=[shown, f"Compare them at {url}"])
+
+
+def what_they_show(settings: Settings, run_ids: Sequence[int]) -> str:
+    """What these runs recorded, in figures (their true accuracy and verifier reward over the
+    last 25 steps, and over steps 1–25 where those differ), then how to read them."""
+    parts = []
+    with _session(settings) as session:
+        for run_id in run_ids:
+            run = store.get_run(session, run_id=run_id)
+            text = (
+                f"{run.variant}: true accuracy {_figure(run.recent_true_accuracy)}, verifier "
+                f"reward {_figure(run.recent_reward)} over its last {min(run.current_step, WINDOW)}"
+                " steps"
+            )
+            if run.current_step >= 2 * WINDOW:
+                steps = store.steps(session, run_id=run_id)
+                first = analysis.buckets([s.step for s in steps], [s.true_accuracy for s in steps])[
+                    :1
+                ]
+                if first:
+                    text += f" (true accuracy {_figure(first[0][1])} over steps 1–{WINDOW})"
+            parts.append(text)
+    return f"What the runs recorded: {'; '.join(parts)}. {HOW_TO_READ}"
+
+
+def _figure(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def demo_configs(steps: int) -> list[RunConfig]:
@@ -305,7 +338,7 @@ def _cancel_unfinished(settings: Settings, run_ids: Sequence[int]) -> None:
 
 def _create_runs(settings: Settings, configs: Sequence[RunConfig]) -> list[int]:
     with _session(settings) as session:
-        return [store.create_run(session, **c.run_columns()).id for c in configs]
+        return [store.create_launched_run(session, c.run_columns()).id for c in configs]
 
 
 def _report_failures(settings: Settings, failed: Sequence[int]) -> int:

@@ -155,6 +155,8 @@ def test_installed_package_serves_the_dashboard(
             assert status == 200 and content_type.startswith("text/css") and body
             status, _, form = _get(f"{base}/runs/new")
             assert status == 200 and "leaky" in form.lower()
+            if kind == "wheel":  # the local worker of a dashboard-only install cannot train
+                _launch_fails_saying_why(base, log)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -165,6 +167,24 @@ def test_installed_package_serves_the_dashboard(
     with sqlite3.connect(db) as conn:
         (revision,) = conn.execute("SELECT version_num FROM alembic_version").fetchone()
     assert revision == head_revision()
+
+
+def _launch_fails_saying_why(base: str, log: Path) -> None:
+    """A run launched where no torch is installed ends `failed` with the install to make."""
+    request = urllib.request.Request(
+        f"{base}/api/runs",
+        data=json.dumps({"preset": "patched", "steps": 2}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        (run_id,) = [r["id"] for r in json.loads(response.read())["runs"]]
+    run, deadline = {}, time.monotonic() + 120
+    while run.get("status") not in ("failed", "completed", "lost") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        run = json.loads(_get(f"{base}/api/runs/{run_id}")[2])["run"]
+    assert run["status"] == "failed", (run, log.read_text())
+    assert "rollout-lens[train]" in run["error"] and "torch" in run["error"], run["error"]
 
 
 def test_dockerfile_copies_what_the_package_is_built_from() -> None:

@@ -41,7 +41,7 @@ MULTI_TURN_TOKENS = 128  # a multi-turn run's budget when none is given
 
 
 class RunConfig(BaseModel):
-    """Everything the trainer takes; defaults reproduce the seed's patched run on the tiny model."""
+    """Everything the trainer takes; defaults are the seed's patched recipe, on the tiny model."""
 
     model_config = ConfigDict(extra="forbid")
 

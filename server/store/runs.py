@@ -67,6 +67,38 @@ def create_run(
     return run
 
 
+NAME_LENGTH = 200  # the runs.name column
+
+
+def unique_run_name(session: Session, *, name: str) -> str:
+    """`name`, or with the first free ` (2)`, ` (3)`… when a run already has it: two launches of
+    one preset must not show as two runs of the same name."""
+    taken = set(
+        session.scalars(
+            select(Run.name).where(Run.name.startswith(name[:NAME_LENGTH], autoescape=True))
+        )
+    )
+    if name not in taken:
+        return name
+    n = 2
+    while True:
+        suffix = f" ({n})"
+        candidate = name[: NAME_LENGTH - len(suffix)] + suffix
+        if candidate not in taken:
+            return candidate
+        n += 1
+
+
+def create_launched_run(session: Session, columns: dict[str, Any]) -> Run:
+    """A launched run from RunConfig.run_columns(), under a name no other run has (its config
+    says the same name)."""
+    name = unique_run_name(session, name=columns["name"])
+    config = dict(columns.get("config") or {})
+    if "name" in config:
+        config["name"] = name
+    return create_run(session, **(columns | {"name": name, "config": config}))
+
+
 def get_run(session: Session, *, run_id: int) -> Run:
     """The run, or NotFound."""
     run = session.get(Run, run_id)

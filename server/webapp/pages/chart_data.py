@@ -231,9 +231,10 @@ def live_summary(live: Mapping[str, Any]) -> str:
 def run_summary(run: RunData, buckets: dict[str, list[Any]]) -> BucketSummary:
     """Compare's summary row from a run's 25-step buckets (bucket_table) and its summary columns:
     converged = analysis.converged_at (the first closed 25-step bucket reaching 0.9 true accuracy);
-    stability = spread (max − min) of the bucket accuracies from there on (0 is perfectly stable,
-    the leaky run's 0 ↔ 1 swings are 1); final = mean of the last 25 steps (the run's
-    recent_true_accuracy and recent_reward, which the writer keeps current)."""
+    stability = spread (max − min) of the bucket accuracies from there on (0 is perfectly stable;
+    swings between 0 and 1, as the seed's blog post reports for a leaky run, are 1); final =
+    mean of the last 25 steps (the run's recent_true_accuracy and recent_reward, which the
+    writer keeps current)."""
     ends, accuracy = buckets["end"], buckets["true_accuracy"]
     converged = analysis.converged_at(ends, accuracy, run["current_step"])
     return {

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server.core import vocab
+from rollout_lens.server.core.analysis import CONVERGED
 from rollout_lens.server.core.task_vocab import SFT_MODES
 from rollout_lens.server.core.vocab import STEP_SERIES, WINDOW, label
 
@@ -523,8 +524,9 @@ def run_figures(
             _bucket_lines("reward_mean", c["reward_mean"])
             + _bucket_lines("true_accuracy", c["true_accuracy"]),
             help=f"Mean of steps 1–{WINDOW}, {WINDOW + 1}–{2 * WINDOW}, …, drawn over the steps "
-            "each holds, the dot at its centre; dotted and open: the bucket still filling. A "
-            "leaky run swings between buckets; a patched run converges.",
+            "each holds, the dot at its centre; dotted and open: the bucket still filling. A run "
+            f"has converged at the end of the first closed bucket whose true accuracy reaches "
+            f"{CONVERGED}.",
             alerts=["reward_hacking"],
             y=UNIT_RANGE,
         ),
