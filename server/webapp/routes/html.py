@@ -103,7 +103,7 @@ def explorer_page(
 ) -> HTMLResponse | RedirectResponse:
     """The rollout explorer: a run's rollouts across steps, filtered, searched and sorted. The
     form's empty fields are dropped from the URL (one redirect); a value that does not parse
-    keeps the reader here, its field marked and the reason beside it (status 422)."""
+    keeps the reader here, its field marked and the reason beside it."""
     given = request.query_params.multi_items()
     kept = [(name, value) for name, value in given if value.strip()]
     if len(kept) < len(given):
@@ -114,7 +114,9 @@ def explorer_page(
     except (ValidationError, InvalidInput) as exc:
         run = queries.run_card(session, run_id=run_id)
         context = page_context.explorer_invalid(run, dict(kept), exc, _url(request))
-        return render(request, "explorer.html", context, status_code=422)
+        # The API's statuses: 422 for a value that does not parse, 400 for one it cannot use.
+        status = 422 if isinstance(exc, ValidationError) else 400
+        return render(request, "explorer.html", context, status_code=status)
     return render(
         request, "explorer.html", page_context.explorer_page(data, _url(request), run_id=run_id)
     )
