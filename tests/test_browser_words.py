@@ -5,6 +5,7 @@ card's window and dates say what they are; the probes' key gives each line's las
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from rollout_lens.server.webapp.pages.chart_data import (
 )
 
 from tests import web_support
-from tests.factories import CONTROL_TOKENS, record_step
+from tests.factories import CONTROL_TOKENS, TOOLS, make_rollouts, record_step
 from tests.test_browser import ARTIFACTS
 from tests.test_browser_charts import _accuracy, _ema, _shot, _shown
 
@@ -66,6 +67,24 @@ def _record(factory: Any, run_id: int, steps: int) -> None:
         store.mark_finished(session, run_id=run_id, status=RunStatus.completed)
 
 
+def _viewer_run(factory: Any, *, query: bool) -> int:
+    """One step of one group; rollout #4 names an unlisted tool in a clean call (text
+    pollution, reward 0). Without `query`, a user's rows: no query column."""
+    run_id = _create(factory, "viewer" if query else "user run", 1)
+    rollouts = make_rollouts(random.Random(3))
+    listed = rollouts[0].meta["tool_ids"]
+    unlisted = next(t for t in TOOLS if t not in listed)
+    polluted = rollouts[4]
+    polluted.completion, polluted.vote = f"<tool>{unlisted}</tool>", unlisted
+    polluted.format_state, polluted.format_valid = "text_pollution", False
+    polluted.verifier_reward = polluted.true_score = 0.0
+    if not query:
+        for r in rollouts:
+            r.meta = {}
+    record_step(factory, run_id, 1, values={"reward_mean": 0.5}, rollouts=rollouts)
+    return run_id
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, int]]]:
     data_dir = tmp_path_factory.mktemp("words")
@@ -76,6 +95,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
     runs = {"long": _create(factory, "long run", LONG), "short": _create(factory, "short", SHORT)}
     _record(factory, runs["long"], LONG)
     _record(factory, runs["short"], SHORT)
+    runs["viewer"] = _viewer_run(factory, query=True)
+    runs["user"] = _viewer_run(factory, query=False)
     runs["starting"] = _create(factory, "starting run", 5)
     with session_scope(factory) as session:
         store.set_phase(session, run_id=runs["starting"], phase="starting: loading the model")
@@ -97,7 +118,15 @@ def page(browser: Browser, served: tuple[str, dict[str, int]]) -> Iterator[Page]
     errors: list[str] = []
     tab = context.new_page()
     tab.on("pageerror", lambda exc: errors.append(str(exc)))
-    tab.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    # A form that does not parse answers 422 (as the API does): Chromium logs that status.
+    tab.on(
+        "console",
+        lambda msg: (
+            errors.append(msg.text)
+            if msg.type == "error" and "status of 422" not in msg.text
+            else None
+        ),
+    )
     yield tab
     context.close()
     assert errors == []
@@ -146,12 +175,11 @@ def test_only_a_series_of_enough_unchanged_points_folds(
 ) -> None:
     _open(page, f"/runs/{served[1]['short']}")
     _shot(page, "words-short-run")
-    folded = lambda fid: (
-        "flat"
-        in (  # noqa: E731
-            page.locator(f'figure[data-figure="{fid}"]').get_attribute("class") or ""
-        )
-    )
+
+    def folded(fid: str) -> bool:
+        classes = page.locator(f'figure[data-figure="{fid}"]').get_attribute("class") or ""
+        return "flat" in classes.split()
+
     # 12 unchanged points of the learning rate fold; one filling bucket and two agreeing
     # evaluations say nothing yet.
     assert folded("s-learning_rate") and SHORT >= FOLD_MIN_POINTS
@@ -187,7 +215,9 @@ def test_a_lone_point_is_drawn_and_the_probes_key_gives_last_values(
     )
     assert sorted(names) == ["end-of-turn after open tag · < 0.001", "open tag first · 1"]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.locator('figure[data-figure="probes"]').screenshot(path=str(ARTIFACTS / "words-probes.png"))
+    page.locator('figure[data-figure="probes"]').screenshot(
+        path=str(ARTIFACTS / "words-probes.png")
+    )
 
 
 def test_a_run_before_its_first_step_says_so_without_axes_or_dashes(
@@ -214,3 +244,47 @@ def test_the_run_card_window_says_how_many_steps_it_holds(
     assert "last 25" not in facts
     _open(page, f"/runs/{served[1]['long']}")
     assert "true acc. · last 25" in page.locator("#run-card dl.facts").inner_text().lower()
+
+
+def test_a_group_page_says_why_a_state_is_bad_and_where_it_goes(
+    page: Page, served: tuple[str, dict[str, int]]
+) -> None:
+    run_id = served[1]["viewer"]
+    page.goto(f"/runs/{run_id}/steps/1/groups/0#r4")
+    page.wait_for_selector("#group-nav")
+    panel = page.locator(".rollout-stats >> visible=true")
+    reason = panel.locator("[data-reason]").inner_text()
+    assert reason.startswith("names tool_") and reason.endswith("which the prompt does not list")
+    assert panel.locator(".state-badge").inner_text() == "text_pollution"
+    nav = page.locator("#group-nav").inner_text()
+    assert "No earlier group" in nav and "No later group" in nav
+    assert "Step overview · 1 group" in nav and "[ Group" not in nav and "Group ]" not in nav
+    assert page.locator(".group-card .query").inner_text() == "17 * 38"
+    _shot(page, "words-group-page")
+
+    page.goto(f"/runs/{served[1]['user']}/steps/1/groups/0")
+    page.wait_for_selector("#group-nav")
+    shown = page.locator(".group-card .prompt-end").inner_text()
+    assert shown != "—" and "Reply with only <tool>ID</tool>" in shown
+    assert "no query column" in page.locator("#prompt-end-note").inner_text()
+    _shot(page, "words-user-group-page")
+
+
+def test_a_bad_explorer_value_keeps_the_explorer_in_chromium(
+    page: Page, served: tuple[str, dict[str, int]]
+) -> None:
+    run_id = served[1]["viewer"]
+    page.goto(f"/runs/{run_id}/rollouts")
+    page.fill('input[name="steps"]', "abc")
+    page.fill('input[name="group"]', "0")
+    page.click('#explorer-filters button[type="submit"]')
+    page.wait_for_selector("#err-steps")
+    assert page.url.endswith(f"/runs/{run_id}/rollouts?steps=abc&group=0")  # no empty field
+    assert page.locator('input[name="steps"]').get_attribute("aria-invalid") == "true"
+    assert "a range A:B" in page.locator("#err-steps").inner_text()
+    assert page.locator('input[name="group"]').input_value() == "0"
+    _shot(page, "words-explorer-bad-value")
+    page.fill('input[name="steps"]', "1")
+    page.click('#explorer-filters button[type="submit"]')
+    page.wait_for_selector("#rollouts-table")
+    assert page.url.endswith("?steps=1&group=0")
