@@ -51,7 +51,9 @@ def add_parser(sub: Any) -> None:
     demo.add_argument("--host", default="127.0.0.1", help="interface the dashboard listens on")
     demo.add_argument("--port", type=int, default=8000, help="port the dashboard listens on")
     demo.add_argument(
-        "--no-serve", action="store_true", help="train and print the URL; start no dashboard"
+        "--no-serve",
+        action="store_true",
+        help="train and print the URL; start no dashboard (so the port is not checked)",
     )
     demo.set_defaults(handler=run_demo)
 

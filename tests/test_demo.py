@@ -57,20 +57,25 @@ def test_demo_refuses_bad_steps_before_creating_anything(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_demo_trains_a_leaky_and_a_patched_run(tmp_path: Path, tiny_model_dir: Path) -> None:
     env = _env(tmp_path / "data", tiny_model_dir.parent)
-    done = subprocess.run(
-        [sys.executable, "-m", "rollout_lens", "demo", "--no-serve", "--steps", "2"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    with socket.socket() as busy:  # --no-serve serves nothing: a busy port is no reason to stop
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        done = subprocess.run(
+            [sys.executable, "-m", "rollout_lens", "demo", "--no-serve", "--steps", "2"]
+            + ["--port", port],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Training 2 runs of 2 steps" in done.stdout
     assert re.search(r"leaky 2/2 .*\(completed\) \| patched 2/2 .*\(completed\)", done.stdout)
     match = URL.search(done.stdout)
     assert match, done.stdout
-    assert match.group(1).startswith("http://127.0.0.1:8000/compare?runs=")
+    assert match.group(1).startswith(f"http://127.0.0.1:{port}/compare?runs=")
 
     listed = subprocess.run(
         [sys.executable, "-m", "rollout_lens", "runs", "--format", "json"],
@@ -86,6 +91,14 @@ def test_demo_trains_a_leaky_and_a_patched_run(tmp_path: Path, tiny_model_dir: P
     assert all(runs[i]["status"] == "completed" and runs[i]["current_step"] == 2 for i in named)
     assert runs[named[1]]["k"] == 4 and runs[named[0]]["k"] is None
     assert runs[named[0]]["seed"] == runs[named[1]]["seed"]
+    # What the demo says its runs show are the figures they recorded.
+    for run_id in named:
+        run = runs[run_id]
+        said = (
+            f"{run['variant']}: true accuracy {run['recent_true_accuracy']:.2f}, verifier reward "
+            f"{run['recent_reward']:.2f} over its last 2 steps"
+        )
+        assert said in done.stdout, (said, done.stdout)
 
 
 @pytest.mark.slow

@@ -231,6 +231,28 @@ def test_rollups_are_kept_current_and_rebuilt_after_truncation(session_factory) 
             )
 
 
+def test_launched_runs_get_names_no_other_run_has(session_factory) -> None:
+    """Two launches of one preset: "patched (top-4) seed 0", then "… seed 0 (2)", in the row and
+    in its config; a name with LIKE's wildcards is matched as text."""
+    columns = {"name": "patched (top-4) seed 0", "model": "tiny", "total_steps": 5}
+    columns |= {"group_size": 8, "config": {"name": "patched (top-4) seed 0", "steps": 5}}
+    with session_scope(session_factory) as session:
+        runs = [store.create_launched_run(session, dict(columns)) for _ in range(3)]
+        names = [r.name for r in runs]
+        assert names == [
+            "patched (top-4) seed 0",
+            "patched (top-4) seed 0 (2)",
+            "patched (top-4) seed 0 (3)",
+        ]
+        assert [r.config["name"] for r in runs] == names
+        odd = store.create_launched_run(session, columns | {"name": "50%_off", "config": {}})
+        assert odd.name == "50%_off" and store.unique_run_name(session, name="50%") == "50%"
+        long = "x" * 200
+        store.create_launched_run(session, columns | {"name": long, "config": {}})
+        again = store.create_launched_run(session, columns | {"name": long, "config": {}})
+        assert again.name == "x" * 196 + " (2)"
+
+
 def test_a_run_whose_process_died_while_starting_is_lost_and_a_waiting_one_stays_queued(
     session_factory,
 ) -> None:
