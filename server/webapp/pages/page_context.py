@@ -7,7 +7,7 @@ Each page's `page` dict is the one way data reaches a script: base.html writes i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 from urllib.parse import urlencode
 
@@ -444,7 +444,7 @@ def explorer_path(url: Url, run_id: int, params: list[tuple[str, str]]) -> str:
 
 
 def explorer_invalid(
-    run: dict[str, Any], given: dict[str, str], error: Exception, url: Url
+    run: Mapping[str, Any], given: dict[str, str], error: Exception, url: Url
 ) -> dict[str, Any]:
     """The explorer when its filters do not parse: the form as typed, each bad field with its
     reason (`errors`: field → message; "" for what no field holds), no rows."""
