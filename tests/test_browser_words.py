@@ -229,6 +229,7 @@ def test_a_run_before_its_first_step_says_so_without_axes_or_dashes(
     assert figure.get_attribute("data-empty") == "no steps yet"
     assert "no-data" in (figure.get_attribute("class") or "")
     assert figure.locator(".plot").evaluate("(el) => getComputedStyle(el).visibility") == "hidden"
+    assert page.locator("#run-live").inner_text() == "Starting: loading the model"
     card = page.locator("#run-card").inner_text()
     assert "not yet (starting: loading the model)" in card
     assert "known once training starts" in card
