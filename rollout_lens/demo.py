@@ -102,10 +102,10 @@ def what_they_show(settings: Settings, run_ids: Sequence[int]) -> str:
     with _session(settings) as session:
         for run_id in run_ids:
             run = store.get_run(session, run_id=run_id)
+            n = min(run.current_step, WINDOW)
             text = (
                 f"{run.variant}: true accuracy {_figure(run.recent_true_accuracy)}, verifier "
-                f"reward {_figure(run.recent_reward)} over its last {min(run.current_step, WINDOW)}"
-                " steps"
+                f"reward {_figure(run.recent_reward)} over its last {n} step{'' if n == 1 else 's'}"
             )
             if run.current_step >= 2 * WINDOW:
                 steps = store.steps(session, run_id=run_id)
