@@ -201,8 +201,9 @@ def live_summary(live: Mapping[str, Any]) -> str:
     """One line on where a run stands: its place in the queue, its speed and ETA, or its end."""
     status, step, total = live["status"], live["current_step"], live["total_steps"]
     if status == "queued":
-        if live.get("phase"):  # a process took it (the demo, `train`): it starts, not waits
-            return live["phase"][:1].upper() + live["phase"][1:]
+        starting = str(live.get("phase") or "")
+        if starting:  # a process took it (the demo, `train`): it starts, not waits
+            return starting[:1].upper() + starting[1:]
         place = live.get("queue_position")
         if not place:
             return "Queued: waiting for a worker"
