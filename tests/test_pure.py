@@ -158,3 +158,33 @@ def test_a_bad_state_says_why_beside_its_badge(state: str, completion: str, reas
             classify(completion.removesuffix("</assistant>"), ["tool_01"])
             == FormatState.text_pollution
         )
+
+
+def test_the_seeds_results_appear_only_as_the_seeds() -> None:
+    """The built-in texts state what this product's tiny model does; the seed's results (leaky
+    oscillates, patched converges in ~25 steps on Qwen2.5-1.5B) only attributed to the seed."""
+    import re
+    from pathlib import Path
+
+    from rollout_lens.demo import HOW_TO_READ
+    from rollout_lens.server.core.presets import PRESETS
+    from rollout_lens.server.webapp.pages import plotly_figures
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    demo_section = readme[readme.index("## The demo") : readme.index("## Set-up")]
+    figures = plotly_figures.run_figures(["<tool>", "</tool>"], ["reward_mean", "true_accuracy"])
+    texts = [p.description for p in PRESETS.values()] + [HOW_TO_READ, demo_section]
+    texts += [
+        f["help"]
+        for group in figures.values()
+        if isinstance(group, list)
+        for f in group
+        if isinstance(f, dict) and "help" in f
+    ]
+    texts.append((root / "web" / "templates" / "compare.html").read_text())
+    claim = re.compile(r"oscillat|leaky run\S* swing|converges in (about|~) ?25", re.IGNORECASE)
+    for text in texts:
+        for sentence in re.split(r"(?<=[.;])\s+", text):
+            if claim.search(sentence):
+                assert "seed" in sentence, sentence
