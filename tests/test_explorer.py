@@ -246,7 +246,7 @@ def test_keyset_pages_have_no_gap_or_repeat_while_steps_are_written(
         ("limit=1000", 422, "limit"),
         ("reward_min=abc", 422, "reward_min"),
         ("q=%21%21%21", 400, "at least one word"),
-        ("q=" + "+".join(f"w{i}" for i in range(40)), 400, "at most 16 words"),
+        ("q=" + "+".join(f"w{i}" for i in range(40)), 400, "at most 20 words"),
         ("after=garbage", 400, "not a cursor"),
         ("bogus=1", 422, "bogus"),
     ],

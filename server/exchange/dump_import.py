@@ -26,7 +26,8 @@ from rollout_lens.server.exchange.dump_files import (
     Unit,
     units,
 )
-from rollout_lens.server.exchange.importer import Imported
+from rollout_lens.server.exchange.dump_rows import SeriesNames
+from rollout_lens.server.exchange.importer import NAME_CHARS, Imported
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunSource, RunStatus
 from sqlalchemy.exc import DataError, IntegrityError
@@ -97,6 +98,7 @@ class StepWriter:
         self.prompts_per_step = prompts_per_step
         self.total_steps = total_steps  # the trainer's planned steps, when told
         self.recorder: store.Recorder | None = None
+        self.series: SeriesNames | None = None  # the run's series names (read on first use)
 
     def write(self, session: Session, records: Iterable[StepRecord]) -> tuple[int, int]:
         """Write the steps in the session's transaction; (steps, rollouts) written. After a
@@ -104,6 +106,12 @@ class StepWriter:
         steps = rollouts = 0
         last = None
         for record in records:
+            if self.series is None:
+                self.series = SeriesNames(store.series_names(session, run_id=self.run_id))
+            try:
+                self.series.add(record.metrics)
+            except InvalidInput as exc:
+                raise InvalidInput(f"step {record.step}: {exc}") from None
             groups = len({r.group for r in record.rollouts})
             if groups > self.prompts_per_step:
                 # the alert rules judge shares over enough groups: tell them how many a step holds
@@ -130,10 +138,13 @@ class StepWriter:
     def reset(self) -> None:
         """Forget the recorder: its memory is ahead of a transaction that rolled back."""
         self.recorder = None
+        self.series = None
 
 
 def create_run(session: Session, fmt: DumpFormat, plan: RunPlan, status: RunStatus) -> int:
     """Insert the planned run; its id."""
+    if len(plan.name) > NAME_CHARS:
+        raise InvalidInput(f"--name: at most {NAME_CHARS} characters, got {len(plan.name)}")
     run = store.create_run(
         session,
         name=plan.name,

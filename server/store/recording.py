@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
@@ -21,7 +22,7 @@ from typing import Any
 import orjson
 from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
-from rollout_lens.server.core.vocab import STEP_SERIES, WINDOW
+from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
 from rollout_lens.server.store import arrays, layout, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
@@ -35,6 +36,8 @@ from rollout_lens.server.store.models import (
 from rollout_lens.server.store.sql import finite, upsert_insert
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session
+
+log = logging.getLogger(__name__)
 
 
 def sha256_text(text: str) -> str:
@@ -171,6 +174,8 @@ class Recorder:
             )
         ).one()
         self.series_names: list[str] = list(run.series_names or [])
+        self.known_series = set(self.series_names)  # membership at any number of names
+        self.refused_series = 0  # names past MAX_SERIES_PER_RUN, not recorded
         self.keep_every: int | None = run.keep_tokens_every or None
         self.buckets = rollups.OpenBuckets(conn, run_id=run_id, n_series=len(self.series_names))
         history = conn.execute(
@@ -230,8 +235,13 @@ class Recorder:
         step = record.step
         values = {name: finite(record.values.get(name)) for name in STEP_SERIES}
         metrics = {name: finite(value) for name, value in record.metrics.items()}
-        new_names = [n for n in metrics if n not in self.series_names]
+        new_names = [n for n in metrics if n not in self.known_series]
+        room = max(0, MAX_SERIES_PER_RUN - len(self.series_names))
+        if len(new_names) > room:
+            self._refuse_series(step, new_names[room:], metrics)
+            new_names = new_names[:room]
         self.series_names += new_names
+        self.known_series.update(new_names)
         self.buckets.add(
             conn, step, [*values.values(), *(metrics.get(n) for n in self.series_names)]
         )
@@ -292,6 +302,23 @@ class Recorder:
             ),
         )
         return fired
+
+    def _refuse_series(self, step: int, names: Sequence[str], metrics: dict[str, Any]) -> None:
+        """Names past the run's cap are not recorded (the rest of the step is), with a warning
+        the first time (imports refuse such a file before they write: server.exchange)."""
+        for name in names:
+            del metrics[name]
+        if not self.refused_series:
+            log.warning(
+                "run %d, step %d: %d new series names not recorded (%s, …): a run holds at "
+                "most %d; the rest of the step is recorded",
+                self.run_id,
+                step,
+                len(names),
+                names[0][:80],
+                MAX_SERIES_PER_RUN,
+            )
+        self.refused_series += len(names)
 
     def _keeps(self, step: int, fired: bool) -> bool:
         """Whether retention keeps the token arrays of the rollouts generated at `step`."""
@@ -442,8 +469,13 @@ class Recorder:
             if not texts or len(texts) != len(r.completion_ids):
                 continue
             unseen = set(filterfalse(known.__contains__, set(r.completion_ids))) - new.keys()
-            for token_id in unseen:  # a few a rollout: look each up where it first appears
-                new[token_id] = str(texts[r.completion_ids.index(token_id)])
+            if len(unseen) <= 8:  # a few a rollout: look each up where it first appears
+                for token_id in unseen:
+                    new[token_id] = str(texts[r.completion_ids.index(token_id)])
+                continue
+            for token_id, token_text in zip(r.completion_ids, texts, strict=True):
+                if token_id in unseen and token_id not in new:  # one pass, however many are new
+                    new[token_id] = str(token_text)
         if new:
             conn.execute(
                 upsert_insert(conn, RunToken).on_conflict_do_nothing(

@@ -25,8 +25,7 @@ from rollout_lens.server.core.runconfig import (
     RunConfig,
     recipe_defaults,
 )
-from rollout_lens.server.core.task_vocab import TINY, TURNS
-from rollout_lens.server.core.task_vocab import VARIANTS, VERIFIERS
+from rollout_lens.server.core.task_vocab import TINY, TURNS, VARIANTS, VERIFIERS
 
 FORM_ERROR = "__all__"  # errors that belong to no single field
 
