@@ -166,9 +166,10 @@ def test_the_seeds_results_appear_only_as_the_seeds() -> None:
     import re
     from pathlib import Path
 
-    from rollout_lens.demo import HOW_TO_READ
     from rollout_lens.server.core.presets import PRESETS
     from rollout_lens.server.webapp.pages import plotly_figures
+
+    from rollout_lens.demo import HOW_TO_READ
 
     root = Path(__file__).resolve().parent.parent
     readme = (root / "README.md").read_text()
