@@ -391,6 +391,11 @@ def test_unknown_format_validity_is_neither_invalid_nor_broken() -> None:
     assert mixed["broken"] == 1
     assert stepview.state_name(None, "collapse") == "collapse"
     assert stepview.broken(None, "collapse") and not stepview.broken(None, "healthy_call")
+    # A user's single-turn run that never calls a tool answers with no call: not broken; where
+    # the format needs a call (format_valid False, as on the Escalation task) it is.
+    answers = stepview.group_summary([row(i, None, "no_call") for i in range(4)], "q")
+    assert answers["states"] == {"no_call": 4} and answers["broken"] == 0
+    assert stepview.broken(False, "no_call") and not stepview.broken(True, "no_call")
 
 
 @pytest.mark.trains

@@ -404,6 +404,10 @@ def test_compare_figures_add_evaluation_and_collapse_overlays() -> None:
             },
             "Step 1 of 100 · 0.01 steps/s · ETA 2 h 45 min · stopping (cancel requested)",
         ),
+        (  # the demo's or `train`'s own process took it: starting, not waiting for a worker
+            {"status": "queued", "queue_position": 1, "phase": "starting: loading torch and TRL"},
+            "Starting: loading torch and TRL",
+        ),
         ({"status": "completed", "current_step": 100}, "Completed all 100 steps"),
         (
             {"status": "cancelled", "current_step": 7, "checkpoint_step": 5},

@@ -19,6 +19,7 @@ from rollout_lens.server.core.display import fmt_minutes, fmt_money, fmt_num, fm
 from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.textsafe import clip
 from rollout_lens.server.core.vocab import WINDOW
+from rollout_lens.server.webapp.pages.state_reason import state_reason
 from rollout_lens.server.webapp.pages.stepview import (
     NEAR_MISS,
     SHOWN_CHARS,
@@ -115,6 +116,7 @@ def make_templates() -> Jinja2Templates:
         disagree_reward=DISAGREE_AT,
         broken=broken,  # a rollout's format is bad only when known to be (stepview.broken)
         state_name=state_name,  # its state, valid/invalid, or None: not recorded
+        state_reason=state_reason,  # why, in words beside the badge (pages.state_reason)
     )
     env.filters.update(
         num=fmt_num,

@@ -537,10 +537,16 @@ HEALTHY_STATE = "healthy_call"  # vocab.FormatState.healthy_call: a well-formed 
 SPREAD_EPS = 1e-9  # rewards closer than this are equal (trainer.recorder.metrics.is_zero_std)
 
 
+NO_CALL_STATE = "no_call"  # vocab.FormatState.no_call: no call at all
+
+
 def broken(format_valid: bool | None, format_state: str | None) -> bool:
     """A broken call: the completion is not format-valid, or its structural state is recorded and
-    is not a healthy call."""
-    return format_valid is False or (format_state is not None and format_state != HEALTHY_STATE)
+    is a call gone wrong. No call at all is broken only where the format says so: a run that
+    never needs a tool (a user's single-turn task) answers with no call, and that is its format."""
+    if format_valid is False:
+        return True
+    return format_state is not None and format_state not in (HEALTHY_STATE, NO_CALL_STATE)
 
 
 def state_name(format_valid: bool | None, format_state: str | None) -> str | None:

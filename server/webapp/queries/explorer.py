@@ -410,7 +410,7 @@ def _rows(session: Session, run_id: int, ids: list[int]) -> list[dict[str, Any]]
                 "length": r.n_tokens,
                 "disagree": r.disagree,
                 "prompt_head": _head(prompt),
-                "completion_head": _completion_head(r, heads[rid], texts),
+                "completion_head": completion_head(r, heads[rid], texts),
             }
         )
     return out
@@ -420,10 +420,15 @@ def _head(value: str) -> str:
     return value if len(value) <= HEAD_CHARS else value[:HEAD_CHARS] + "…"
 
 
-def _completion_head(r: Rollout, head_ids: list[int], texts: dict[int, str]) -> str:
+def completion_head(r: Rollout, head_ids: list[int], texts: dict[int, str]) -> str:
+    """A row's completion head as the step viewer shows its text: its first tokens, cut."""
     if r.text_rule is not None and all(i in texts for i in head_ids):
-        head = arrays.preview(r.text_rule, [texts[i] for i in head_ids])
+        pieces = [texts[i] for i in head_ids]
         cut = r.n_tokens is not None and r.n_tokens > len(head_ids)
+        dropped = r.text_rule // 8  # closing tokens the text leaves out (arrays.text_rule)
+        if not cut and dropped:  # the head is the whole completion: end it as its text ends
+            pieces = pieces[: len(pieces) - dropped]
+        head = arrays.preview(r.text_rule, pieces)
         return _head(head + ("…" if cut else ""))
     stored = r.data.text if r.data is not None else None
     return _head(arrays.text_head(stored, HEAD_CHARS + 1)) if stored is not None else ""
