@@ -38,7 +38,7 @@ CONTROL = ("<tool_call>", "</tool_call>", "<|im_end|>")
 
 def _to_piece() -> dict[int, str]:
     """byte → its byte-level character (bytes_to_unicode)."""
-    return {ord(b): chr(c) for c, b in tokentext._byte_level_table().items()}
+    return {ord(b): chr(c) for c, b in tokentext.byte_level_table().items()}
 
 
 def vocabulary(rng: random.Random, words: int = 20_000, cjk: int = 2_000) -> list[str]:

@@ -24,7 +24,7 @@ JOIN, BYTE_LEVEL, SENTENCEPIECE, SENTENCEPIECE_STRIPPED = 1, 2, 3, 4
 
 
 @cache
-def _byte_level_table() -> dict[int, str]:
+def byte_level_table() -> dict[int, str]:
     """GPT-2's byte-level BPE alphabet (bytes_to_unicode) inverted, as a str.translate table:
     character → the one-byte (latin-1) character of the byte it stands for."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
@@ -63,7 +63,7 @@ def _byte_level_bytes(piece: str) -> bytes:
     """A byte-level piece's bytes; a piece with characters outside the alphabet (an added or
     special token, such as '<think> ') is its own UTF-8 text, as tokenizers decode it."""
     if _OUTSIDE_BYTE_LEVEL.search(piece) is None:
-        return piece.translate(_byte_level_table()).encode("latin-1")
+        return piece.translate(byte_level_table()).encode("latin-1")
     return piece.encode("utf-8", "surrogatepass")
 
 
@@ -112,7 +112,7 @@ def _byte_level(pieces: Sequence[str]) -> str:
     that are not UTF-8 raise: then this is not the rule)."""
     joined = "".join(pieces)
     if _OUTSIDE_BYTE_LEVEL.search(joined) is None:  # the usual case: one translate, in C
-        return joined.translate(_byte_level_table()).encode("latin-1").decode("utf-8")
+        return joined.translate(byte_level_table()).encode("latin-1").decode("utf-8")
     return b"".join(map(_byte_level_bytes, pieces)).decode("utf-8")
 
 
