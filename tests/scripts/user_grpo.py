@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 import user_script as us  # the user's own model and rewards, copied beside this script
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -82,3 +83,8 @@ trainer = GRPOTrainer(
     callbacks=[RolloutLensCallback(project="user", database_url=args.db), CrashAt()],
 )
 trainer.train()
+# As a distributed script should: end the process group before the interpreter exits. Left to
+# the exit, gloo's threads can be torn down under a rank that then aborts ("terminate called
+# without an active exception", SIGABRT), after every step was recorded.
+if torch.distributed.is_available() and torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
