@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from rollout_lens.server.core.textsafe import storable, storable_value
 
 # Verifier and truth disagree: the verifier passed (reward ≥ DISAGREE_AT) a rollout whose true
@@ -71,9 +72,12 @@ class RolloutRecord:
     def sum_logprob(self) -> float | None:
         """Σ logprob of the completion; None when its tokens' logprobs were not measured (a
         generation path without them), never a 0.0 that reads as certainty."""
-        if not self.token_logprobs and self.completion_ids:
+        logprobs = self.token_logprobs
+        if not len(logprobs) and len(self.completion_ids):
             return None
-        return float(sum(self.token_logprobs))
+        if isinstance(logprobs, np.ndarray):  # a running sum: the same float as sum() of a list
+            return float(np.cumsum(logprobs, dtype=np.float64)[-1]) if len(logprobs) else 0.0
+        return float(sum(logprobs))
 
 
 @dataclass
