@@ -160,3 +160,21 @@ def test_the_client_reads_shapes_only() -> None:
     assert spec is not None and spec.origin is not None
     shapes = _imports(Path(spec.origin))
     assert not {m for m in shapes if m.startswith("rollout_lens")}, shapes
+
+
+def test_no_two_public_classes_share_a_name() -> None:
+    """A name means one thing (issue 27): a reader never has to check which class is meant;
+    ORM rows end in Row, the JSON API's documented shapes in Schema."""
+    root = SERVER.parent
+    where: dict[str, list[str]] = {}
+    for folder in ("server", "trainer", "rollout_lens"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where.setdefault(node.name, []).append(str(path.relative_to(root)))
+    shared = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not shared, shared
+    from rollout_lens.server.store.models import Base
+
+    mapped = sorted(mapper.class_.__name__ for mapper in Base.registry.mappers)
+    assert mapped and all(name.endswith("Row") for name in mapped), mapped

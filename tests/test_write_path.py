@@ -12,7 +12,7 @@ from rollout_lens.server import store
 from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store import search
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import RolloutData
+from rollout_lens.server.store.models import RolloutDataRow
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -103,8 +103,8 @@ def test_arrays_are_written_as_the_lists_they_hold(
     )
     with session_scope(session_factory) as session:
         rows = session.execute(
-            select(RolloutData.ids, RolloutData.logprobs, RolloutData.control).order_by(
-                RolloutData.rollout_id
+            select(RolloutDataRow.ids, RolloutDataRow.logprobs, RolloutDataRow.control).order_by(
+                RolloutDataRow.rollout_id
             )
         ).all()
     assert len(rows) == 16 and rows[:8] == rows[8:]

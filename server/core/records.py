@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -89,3 +90,4 @@ class StepRecord:
     values: dict[str, float | None]  # keys from server.core.vocab.STEP_SERIES
     rollouts: list[RolloutRecord] = field(default_factory=list)  # empty when reusing rollouts
     metrics: dict[str, float | None] = field(default_factory=dict)
+    recorded_at: datetime | None = None  # when it was first recorded (an import keeps it); now

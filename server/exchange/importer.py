@@ -176,26 +176,21 @@ class _RunWriter:
         self._last_rollout: tuple[int, int, int] | None = None
         self._batch: list[RolloutRecord] = []
         self._batch_step = 0
-        self._recorder: store.Recorder | None = None
+        self._writer = store.RunWriter(self.run_id, control_tokens=self.tokens)
 
     def step(self, line: StepLine) -> None:
         if self._last_step is not None and line.step <= self._last_step:
             raise InvalidInput(f"step {line.step} after step {self._last_step} (steps must rise)")
         self._last_step = line.step
         self.steps += 1
-        self._recorder = store.record_step(
-            self.session,
-            run_id=self.run_id,
-            record=StepRecord(
-                step=line.step,
-                rollout_step=line.rollout_step,
-                values=line.values(),
-                metrics=line.metrics,
-            ),
-            control_tokens=self.tokens,
+        record = StepRecord(
+            step=line.step,
+            rollout_step=line.rollout_step,
+            values=line.values(),
+            metrics=line.metrics,
             recorded_at=_utc(line.recorded_at),
-            recorder=self._recorder,
         )
+        self._writer.write(self.session, [record])
 
     def rollout(self, line: RolloutLine) -> None:
         key = (line.step, line.group, line.index)
@@ -242,12 +237,7 @@ class _RunWriter:
 
     def _flush(self) -> None:
         if self._batch:
-            conn = self.session.connection()
-            if self._recorder is None:
-                self._recorder = store.Recorder(
-                    conn, run_id=self.run_id, control_tokens=self.tokens
-                )
-            self._recorder.add_rollouts(conn, step=self._batch_step, rollouts=self._batch)
+            self._writer.add_rollouts(self.session, step=self._batch_step, rollouts=self._batch)
             self._batch = []
 
     def finish(self) -> None:

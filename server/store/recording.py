@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,20 +28,16 @@ from rollout_lens.server.store import arrays, layout, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
     Base,
-    Facts,
-    Prompt,
-    Run,
-    RunToken,
-    Step,
+    FactsRow,
+    PromptRow,
+    RunRow,
+    RunTokenRow,
+    StepRow,
     utcnow,
 )
 from rollout_lens.server.store.sql import finite, upsert_insert
-from sqlalchemy import JSON, Connection, Engine, select, update
+from sqlalchemy import JSON, Connection, select, update
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session
-
-log = logging.getLogger("rollout_lens")
 
 
 def sha256_text(text: str) -> str:
@@ -226,17 +220,17 @@ class Recorder:
         self.run_id = run_id
         self.control_tokens = list(control_tokens)
         run = conn.execute(
-            select(Run.series_names, Run.keep_tokens_every, Run.prompts_per_step).where(
-                Run.id == run_id
+            select(RunRow.series_names, RunRow.keep_tokens_every, RunRow.prompts_per_step).where(
+                RunRow.id == run_id
             )
         ).one()
         self.series_names: list[str] = list(run.series_names or [])
         self.keep_every: int | None = run.keep_tokens_every or None
         self.buckets = rollups.OpenBuckets(conn, run_id=run_id, n_series=len(self.series_names))
         history = conn.execute(
-            select(Step.step, *layout.STEP_COLUMNS, Step.series)
-            .where(Step.run_id == run_id)
-            .order_by(Step.step.desc())
+            select(StepRow.step, *layout.STEP_COLUMNS, StepRow.series)
+            .where(StepRow.run_id == run_id)
+            .order_by(StepRow.step.desc())
             .limit(rules.CONTEXT)
         ).all()[::-1]
         names = layout.all_names(self.series_names)
@@ -247,16 +241,16 @@ class Recorder:
             self.recent.append((values["true_accuracy"], values["reward_mean"]))
             self.watch.feed(row[0], values)
         self.first_step: int | None = conn.scalar(
-            select(Step.step).where(Step.run_id == run_id).order_by(Step.step).limit(1)
+            select(StepRow.step).where(StepRow.run_id == run_id).order_by(StepRow.step).limit(1)
         )
         # Retention: the newest rollouts are kept until the next arrive; then dropped unless a
         # reason to keep them was found (every N steps, the first step, an alert).
         self.newest: tuple[int, bool] | None = None
         if history:
             newest = conn.execute(
-                select(Step.step, Step.rollout_step)
-                .where(Step.run_id == run_id)
-                .order_by(Step.step.desc())
+                select(StepRow.step, StepRow.rollout_step)
+                .where(StepRow.run_id == run_id)
+                .order_by(StepRow.step.desc())
                 .limit(1)
             ).one()
             fired = conn.scalar(
@@ -267,7 +261,7 @@ class Recorder:
         self.token_texts: dict[int, str] = {
             token_id: text
             for token_id, text in conn.execute(
-                select(RunToken.token_id, RunToken.text).where(RunToken.run_id == run_id)
+                select(RunTokenRow.token_id, RunTokenRow.text).where(RunTokenRow.run_id == run_id)
             )
         }
         self.written = 0  # steps this recorder wrote (SQLite's statistics are refreshed by it)
@@ -294,7 +288,7 @@ class Recorder:
         device_seconds: float = 0.0,
         price_per_hour: float = 0.0,
         index: bool = True,
-    ) -> list[rules.Alert]:
+    ) -> list[rules.FiredAlert]:
         """Write one step (inside the caller's transaction); return the alerts it fired.
         `index`: its rollouts are searchable in this transaction, else at the next `index`."""
         step = record.step
@@ -379,8 +373,8 @@ class Recorder:
         old = self.newest[0]
         self.driver.cursor(conn).execute(self.driver.drop_arrays, (self.run_id, old))
         conn.execute(
-            update(Step)
-            .where(Step.run_id == self.run_id, Step.rollout_step == old)
+            update(StepRow)
+            .where(StepRow.run_id == self.run_id, StepRow.rollout_step == old)
             .values(tokens_kept=False)
         )
 
@@ -402,7 +396,7 @@ class Recorder:
         prompts = [self._prompt_sha(r.prompt) for r in rollouts]
         prompt_ids = self._intern(
             conn,
-            Prompt,
+            PromptRow,
             "text",
             self.prompt_ids,
             dict(zip(prompts, (r.prompt for r in rollouts), strict=True)),
@@ -416,7 +410,7 @@ class Recorder:
             digests.append(by_object[id(f)] if f else None)
         facts_ids = self._intern(
             conn,
-            Facts,
+            FactsRow,
             "data",
             self.facts_ids,
             {d: f for d, f in zip(digests, facts, strict=True) if d},
@@ -509,7 +503,7 @@ class Recorder:
                 .on_conflict_do_nothing(index_elements=["sha256"])
                 .returning(model.id, model.sha256)
             ).all()
-            if model is Prompt:  # new prompts become searchable (not those another run added)
+            if model is PromptRow:  # new prompts become searchable (not those another run added)
                 search.index_prompts(conn, [(row_id, missing[h]) for row_id, h in inserted])
             rows = conn.execute(select(model.sha256, model.id).where(model.sha256.in_(missing)))
             cache.update({digest: row_id for digest, row_id in rows})
@@ -621,94 +615,3 @@ def _not_nan(value: float | None) -> float | None:
 def _mean(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
-
-
-# --- the session-level entry points the rest of the code calls -----------------------------------
-
-
-def _refresh_run(session: Session, run_id: int) -> None:
-    """Core writes bypass the session: bring a Run it holds up to date."""
-    for obj in list(session.identity_map.values()):
-        if isinstance(obj, Run) and obj.id == run_id:
-            session.refresh(obj)
-
-
-def record_step(
-    session: Session,
-    *,
-    run_id: int,
-    record: StepRecord,
-    control_tokens: Sequence[str],
-    recorded_at: datetime | None = None,
-    recorder: Recorder | None = None,
-) -> Recorder:
-    """Write one step in the session's transaction; returns the recorder, which a caller that
-    writes many steps of the run passes back in (it saves reloading the run's state)."""
-    conn = session.connection()
-    recorder = recorder or Recorder(conn, run_id=run_id, control_tokens=control_tokens)
-    recorder.write(conn, record, recorded_at=recorded_at)
-    _refresh_run(session, run_id)
-    return recorder
-
-
-def write_batch(
-    engine: Engine,
-    recorder: Recorder | None,
-    records: Sequence[StepRecord],
-    *,
-    run_id: int,
-    control_tokens: Sequence[str],
-    price_per_hour: float,
-) -> Recorder:
-    """Write `records` in one transaction, each step charged its wall time as device time, with
-    `recorder` (built from the database when None); returns the recorder for the next batch.
-    Their rollouts become searchable in a second transaction right after the commit (search
-    indexing is a third of a step's write: the steps are safe sooner); a crash between the two
-    is mended by the next Recorder of the run (search.unindexed).
-
-    When this raises, the recorder's memory may be ahead of what was committed: the caller
-    throws it away and passes None next time."""
-    with engine.begin() as conn:
-        if recorder is None:
-            recorder = Recorder(conn, run_id=run_id, control_tokens=control_tokens)
-        for record in records:
-            recorder.write(
-                conn,
-                record,
-                device_seconds=record.values.get("wall_time") or 0.0,
-                price_per_hour=price_per_hour,
-                index=False,
-            )
-    index_written(engine, recorder)
-    return recorder
-
-
-def index_written(engine: Engine, recorder: Recorder) -> None:
-    """The committed rollouts `recorder` has not indexed yet, made searchable in their own
-    transaction. If that fails they stay waiting on the recorder (its memory still matches the
-    database) for its next batch, or for the next recorder after a crash."""
-    recorder.index_seconds = 0.0
-    if not recorder.unindexed:
-        return
-    start = time.perf_counter()
-    try:
-        with engine.begin() as conn:
-            recorder.index(conn)
-        recorder.index_seconds = time.perf_counter() - start
-    except DBAPIError as exc:
-        log.warning("Rollout Lens: search indexing of run %d put off: %s", recorder.run_id, exc)
-
-
-def add_rollouts(
-    session: Session,
-    *,
-    run_id: int,
-    step: int,
-    rollouts: Sequence[RolloutRecord],
-    control_tokens: Sequence[str],
-) -> None:
-    """Write rollouts generated at `step` alone (an import of rollouts without steps)."""
-    conn = session.connection()
-    Recorder(conn, run_id=run_id, control_tokens=control_tokens).add_rollouts(
-        conn, step=step, rollouts=rollouts
-    )

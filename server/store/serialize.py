@@ -9,10 +9,10 @@ from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.read_models import RolloutWindow, RunData
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.store import arrays
-from rollout_lens.server.store.models import Rollout, Run, RunSource, Step
+from rollout_lens.server.store.models import RolloutRow, RunRow, RunSource, StepRow
 
 
-def completion_text(rollout: Rollout, ids: Sequence[int], token_texts: Mapping[int, str]) -> str:
+def completion_text(rollout: RolloutRow, ids: Sequence[int], token_texts: Mapping[int, str]) -> str:
     """A rollout's completion: rebuilt from its ids where the store found that exact, else the
     text it stored (`token_texts` must hold the text of every id then)."""
     if rollout.text_rule is not None:
@@ -21,13 +21,13 @@ def completion_text(rollout: Rollout, ids: Sequence[int], token_texts: Mapping[i
     return arrays.completion(None, None, data.text if data is not None else None, token_texts)
 
 
-def completion_ids(rollout: Rollout) -> list[int]:
+def completion_ids(rollout: RolloutRow) -> list[int]:
     """A rollout's token ids (empty when none were recorded)."""
     return arrays.decode_ids(rollout.data.ids) if rollout.data is not None else []
 
 
 def rollout_dict(
-    rollout: Rollout,
+    rollout: RolloutRow,
     prompt: str,
     control_tokens: Sequence[str],
     token_texts: Mapping[int, str] | None = None,
@@ -88,7 +88,7 @@ def rollout_dict(
     return out
 
 
-def run_dict(run: Run) -> RunData:
+def run_dict(run: RunRow) -> RunData:
     """A run's columns, JSON-ready (the run card)."""
     return {
         "id": run.id,
@@ -129,7 +129,7 @@ def run_dict(run: Run) -> RunData:
 JUDGEMENTS = ("vote", "true_score", "format_valid")
 
 
-def judged(run: Run) -> dict[str, bool]:
+def judged(run: RunRow) -> dict[str, bool]:
     """Which judgements of a completion the run's recorder could make: all for runs launched
     here; for external runs only those the user gave a function for (the callback keeps them
     in config["rollout_lens"]["judged"], beside the GRPOConfig; imports in config["judged"])."""
@@ -141,7 +141,7 @@ def judged(run: Run) -> dict[str, bool]:
     return {name: bool(given.get(name)) for name in JUDGEMENTS}
 
 
-def step_dict(step: Step) -> dict[str, Any]:
+def step_dict(step: StepRow) -> dict[str, Any]:
     """A step's scalar columns."""
     return {"step": step.step, "rollout_step": step.rollout_step} | {
         name: getattr(step, name) for name in STEP_SERIES

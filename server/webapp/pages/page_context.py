@@ -18,7 +18,7 @@ from rollout_lens.server.core.read_models import (
     GroupNav,
     LiveState,
     RunData,
-    RunOverview,
+    RunOverviewData,
     StepGroups,
 )
 from rollout_lens.server.core.records import DISAGREE_AT, disagrees
@@ -122,7 +122,7 @@ class RunPageContext(TypedDict):
     page: dict[str, Any]  # the page script's data
 
 
-def run_page(overview: RunOverview, url: Url, *, full: bool, notice: str) -> RunPageContext:
+def run_page(overview: RunOverviewData, url: Url, *, full: bool, notice: str) -> RunPageContext:
     """A run's card, alerts and chart sections (empty figures the script fills)."""
     run = overview["run"]
     run_id = run["id"]
