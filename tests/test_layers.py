@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +179,24 @@ def test_no_two_public_classes_share_a_name() -> None:
 
     mapped = sorted(mapper.class_.__name__ for mapper in Base.registry.mappers)
     assert mapped and all(name.endswith("Row") for name in mapped), mapped
+
+
+def test_every_source_writes_through_the_one_writer() -> None:
+    """Imports, follow mode, launched runs and a user's script write a run's steps through
+    store.RunWriter (server/store/writing.py), never a Recorder or write function of their own."""
+    root = SERVER.parent
+    sources = {
+        "server/exchange/importer.py",
+        "server/exchange/dump_import.py",
+        "server/exchange/follow.py",
+        "trainer/recorder/writer.py",
+    }
+    for name in sources:
+        assert "store.RunWriter(" in (root / name).read_text(encoding="utf-8"), name
+    for folder in ("server", "trainer"):
+        for path in (root / folder).rglob("*.py"):
+            if path.parent.name == "store":
+                continue
+            text = path.read_text(encoding="utf-8")
+            for call in ("Recorder", "record_step", "write_batch", "write_steps", "add_rollouts"):
+                assert not re.search(rf"(?:(?<![\w.])|store\.){call}\(", text), (path, call)

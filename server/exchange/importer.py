@@ -104,7 +104,7 @@ def _write(
             f"written by a newer rollout-lens (format version {header.version}); "
             f"this one reads version {VERSION}"
         )
-    writer = _RunWriter(session, header, name=name)
+    writer = _ImportedRun(session, header, name=name)
     end: EndLine | None = None
     for where, record in records:
         if end is not None:
@@ -131,7 +131,7 @@ def _write(
     return Imported(writer.run_id, writer.name, writer.steps, writer.rollouts)
 
 
-class _RunWriter:
+class _ImportedRun:
     """Writes a run's records as they arrive: steps at once, rollouts in batches."""
 
     def __init__(self, session: Session, header: RunRecord, *, name: str | None) -> None:
