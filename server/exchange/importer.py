@@ -16,10 +16,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
-from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, as_floats
 from rollout_lens.server.exchange.dump_rows import BLANK, json_line
 from rollout_lens.server.exchange.schema import (
     FORMAT,
@@ -216,9 +217,9 @@ class _ImportedRun:
                 index=line.index,
                 prompt=line.prompt,
                 completion=line.completion,
-                completion_ids=line.completion_ids,
-                token_logprobs=line.token_logprobs,
-                control_probs=line.control_token_probs,
+                completion_ids=np.asarray(line.completion_ids, dtype=np.int64),
+                token_logprobs=as_floats(line.token_logprobs),
+                control_probs=ControlProbs.of(line.control_token_probs, len(line.completion_ids)),
                 vote=line.vote,
                 target=line.target,
                 verifier_reward=line.verifier_reward,

@@ -22,7 +22,7 @@ import numpy as np
 import orjson
 from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core import textsafe
-from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
+from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.core.vocab import STEP_SERIES, WINDOW
 from rollout_lens.server.store import arrays, layout, rollups, search
 from rollout_lens.server.store.models import (
@@ -453,7 +453,7 @@ class Recorder:
         blobs = arrays.encode_rollouts(
             [r.completion_ids for r in rollouts],
             [r.token_logprobs for r in rollouts],
-            [[_row(r.control_probs.get(t)) for t in ctrl] for r in rollouts],
+            [_control(r, ctrl) for r in rollouts],
         )
         cursor.insert(
             driver.insert_data,
@@ -602,9 +602,14 @@ def _split_meta(
     return facts, own
 
 
-def _row(values: Any) -> Any:
-    """A control token's row as given, () when there is none."""
-    return () if values is None else values
+def _control(r: RolloutRecord, tokens: Sequence[str]) -> Any:
+    """A rollout's control-token probabilities in the run's token order: its [position ×
+    token] array as it is when its tokens are the run's, else a row per run token (() for a
+    token it does not have)."""
+    given = r.control_probs
+    if isinstance(given, ControlProbs) and given.tokens == tuple(tokens):
+        return given.array
+    return [() if (row := given.get(t)) is None else row for t in tokens]
 
 
 def _not_nan(value: float | None) -> float | None:

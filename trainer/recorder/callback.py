@@ -21,13 +21,13 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.config import Settings, get_settings
-from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.trainer.recorder import positional, turns
 from rollout_lens.trainer.recorder.capture import (
@@ -401,8 +401,10 @@ class RolloutLensCallback(TrainerCallback):
                 truncated=truncated,
             )
         )
-        control = r["control"] or [[] for _ in self.control_tokens]
-        control_probs = dict(zip(self.control_tokens, control, strict=False))
+        # [n × k] arrays from the forward probe, rows by token from generate's: one orientation
+        control_probs = ControlProbs.of(r["control"], len(ids), self.control_tokens)
+        # positional reads any indexable of floats: the columns of the array, as they are
+        by_token = cast(Mapping[str, Sequence[float]], control_probs)
         tokens = tokenizer.convert_ids_to_tokens(ids)
         meta: dict[str, Any] = {
             "rewards": dict(zip(names, r["rewards"], strict=False)),
@@ -430,7 +432,7 @@ class RolloutLensCallback(TrainerCallback):
                     format_state = turns.rollout_state(meta["turn_states"])
                 if self._probing_tags():
                     probes = positional.turn_probes(
-                        tokens, control_probs, meta["turns"], **self._roles()
+                        tokens, by_token, meta["turns"], **self._roles()
                     )
             if vote is None and not self.functions.given("vote"):
                 vote = meta["answer"]  # the group's votes: each rollout's final answer
@@ -440,7 +442,7 @@ class RolloutLensCallback(TrainerCallback):
                     tokenizer.decode(ids), self._call_tags, self._end_tokens, truncated=truncated
                 )
             if self._probing_tags():
-                probes = positional.control_probes(tokens, control_probs, **self._roles())
+                probes = positional.control_probes(tokens, by_token, **self._roles())
         watched = r.get("watched")
         if watched is not None:
             probes.update(

@@ -100,23 +100,23 @@ class _Pending:
     size: int  # approximate bytes held
 
 
-# What a Python list holds per item: an 8-byte pointer plus the object — a float is 24 bytes, a
-# token id (an int past 256) 28, a token's text ~50 plus its characters. At 512 rollouts ×
-# 1,024 tokens × 4 control tokens a step is ~140 MB as the trainer hands it over (tracemalloc),
-# not the 8 bytes a value it would take packed.
-_FLOAT, _ID, _TEXT = 8 + 24, 8 + 28, 8 + 49
+# A token's text as a Python str in a list: an 8-byte pointer plus the object, ~49 bytes and its
+# characters. The numbers are numpy arrays (8 bytes a value): at 512 rollouts × 1,024 tokens × 4
+# control tokens a step holds ~25 MB of them, where the Python lists it once was took ~140 MB.
+_TEXT = 8 + 49
 
 
 def record_size(record: StepRecord) -> int:
-    """Approximate bytes a step holds in memory (dominated by rollouts and their arrays, as the
-    Python lists they are)."""
+    """Approximate bytes a step holds in memory (dominated by its rollouts' arrays and token
+    texts)."""
     size = 200 + 40 * (len(record.values) + len(record.metrics))
     for r in record.rollouts:
-        n = len(r.completion_ids)
         size += 300 + len(r.completion) + len(r.prompt) // 8  # prompts are shared between rollouts
-        size += n * (_ID + _FLOAT * (1 + len(r.control_probs)))
+        size += r.completion_ids.nbytes + r.token_logprobs.nbytes
+        control = r.control_probs
+        size += control.array.nbytes
         if r.tokens:
-            size += n * _TEXT + sum(map(len, r.tokens))
+            size += len(r.tokens) * _TEXT + sum(map(len, r.tokens))
     return size
 
 
