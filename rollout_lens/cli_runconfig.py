@@ -41,7 +41,10 @@ def add_config_options(parser: argparse.ArgumentParser, model: type[BaseModel]) 
         "run options", f"the fields of {model.__name__}; each left out takes its default"
     )
     for name, field in model.model_fields.items():
-        group.add_argument(*_option_strings(name, field), **_option_spec(name, field))
+        group.add_argument(
+            *_option_strings(name, field),
+            **_option_spec(name, field, getattr(model, "recipe_fields", ())),
+        )
 
 
 def config_values(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
@@ -56,7 +59,7 @@ def _option_strings(name: str, field: FieldInfo) -> list[str]:
     return ["--" + name.replace("_", "-"), *ALIASES.get(name, ())]
 
 
-def _option_spec(name: str, field: FieldInfo) -> dict[str, Any]:
+def _option_spec(name: str, field: FieldInfo, recipe: tuple[str, ...] = ()) -> dict[str, Any]:
     annotation = _without_none(field.annotation)
     spec: dict[str, Any] = {"dest": name, "default": None}
     notes: list[str] = []
@@ -73,7 +76,8 @@ def _option_spec(name: str, field: FieldInfo) -> dict[str, Any]:
         bounds = _bounds(field)
         if bounds:
             notes.append(bounds)
-    if field.default is not None and field.default != "":
+    # a default that depends on other fields (the model, the turns) is said by the help text
+    if field.default is not None and field.default != "" and name not in recipe:
         notes.append(f"default: {field.default}")
     text = (field.description or "").rstrip(".")
     if notes:

@@ -416,6 +416,33 @@ def test_launch_form_switches_the_budget_with_the_turns(tab: Tab, served: Served
     _shot(page, "launch-form-multi-turn")
 
 
+def test_launch_form_takes_a_pretrained_models_defaults(tab: Tab, served: Served) -> None:
+    """Naming a model other than the tiny one swaps the budget and the learning rates still at
+    the tiny model's defaults for a pretrained model's (and their "default" texts); back to
+    `tiny` swaps them back; a learning rate the user typed stays."""
+    page = tab.page
+    page.goto("/runs/new")
+    page.wait_for_load_state("load")
+    model, tokens = page.locator("#f-model"), page.locator("#f-max_completion_tokens")
+    rate, sft_rate = page.locator("#f-learning_rate"), page.locator("#f-sft_learning_rate")
+    assert (tokens.input_value(), rate.input_value()) == ("8", "0.0003")
+    model.fill("/models/smollm2-135m-instruct")
+    assert (tokens.input_value(), rate.input_value(), sft_rate.input_value()) == (
+        "32",
+        "1e-05",
+        "1e-05",
+    )
+    help_text = page.locator("#help-learning_rate .field-default")
+    playwright.expect(help_text).to_have_text("default 1e-05")
+    page.locator("#f-turns").select_option("multi")
+    assert tokens.input_value() == "256"
+    _shot(page, "launch-form-pretrained")
+    rate.fill("2e-6")
+    model.fill("tiny")
+    assert (tokens.input_value(), rate.input_value()) == ("128", "2e-6")
+    playwright.expect(help_text).to_have_text("default 0.0003")
+
+
 def test_runs_page_pages_and_follows_the_runs_it_shows(tab: Tab, served: Served) -> None:
     """Pages of two runs: Next and Previous keep the page size, a training run on page 2 is
     followed live, a new run is announced, and Enter searches every run."""

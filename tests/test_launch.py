@@ -748,7 +748,14 @@ def test_the_form_shows_effective_defaults_and_warns_of_a_model_build(
     assert page.by_id("f-verifier").find("option", selected="").text == "judge"
     budget = page.by_id("help-max_completion_tokens").find(cls="field-default")
     assert budget.text == "default 8"
-    assert json.loads(budget.attrs["data-by-turns"]) == {"single": "8", "multi": "128"}
+    assert json.loads(budget.attrs["data-by-recipe"]) == {
+        "tiny/single": "8",
+        "tiny/multi": "128",
+        "pretrained/single": "32",
+        "pretrained/multi": "256",
+    }
+    rate = page.by_id("help-learning_rate").find(cls="field-default")
+    assert json.loads(rate.attrs["data-by-recipe"])["pretrained/single"] == "1e-05"
     # The packaged models serve this install: nothing to build, nothing to warn of.
     assert prebuilt.launch_notes(tmp_path / "models") == {}
     assert not page.find_all(cls="model-build")

@@ -41,26 +41,56 @@ def test_zero_std_and_groups() -> None:
 
 
 @pytest.mark.parametrize(
-    ("completion", "truncated", "state"),
+    ("completion", "state"),
     [
-        ("<tool>tool_07</tool>", False, FormatState.healthy_call),
-        ("  <tool> tool_27 </tool>\n", False, FormatState.healthy_call),
-        ("<tool>tool_07</tool> because", False, FormatState.text_pollution),
-        ("sure <tool>tool_07</tool>", False, FormatState.text_pollution),
-        ("<tool>tool_99</tool>", False, FormatState.text_pollution),
-        ("<tool>tool_07</tool><tool>tool_27</tool>", False, FormatState.text_pollution),
-        ("", False, FormatState.collapse),
-        ("<tool>", False, FormatState.collapse),
-        ("<tool>tool_07", False, FormatState.collapse),
-        ("tool_07</tool>", False, FormatState.collapse),
-        ("<tool>tool_07</tool>", True, FormatState.collapse),
-        ("</tool>tool_07<tool>", False, FormatState.collapse),
-        ("tool_07", False, FormatState.no_call),
-        ("I would use the calculator", False, FormatState.no_call),
+        ("<tool>tool_07</tool>", FormatState.healthy_call),
+        ("  <tool> tool_27 </tool>\n", FormatState.healthy_call),
+        ("<tool>tool_07</tool> because", FormatState.text_pollution),
+        ("sure <tool>tool_07</tool>", FormatState.text_pollution),
+        ("<tool>tool_99</tool>", FormatState.text_pollution),  # an id the prompt did not list
+        ("<tool>tool_07</tool><tool>tool_27</tool>", FormatState.text_pollution),
+        # a complete call, then text the length limit cut: a polluted call, not a collapse
+        ("<tool>tool_07</tool>tool_07 tool_27 tool", FormatState.text_pollution),
+        ("tool_07</tool>", FormatState.text_pollution),  # only a closing tag
+        ("</tool>", FormatState.text_pollution),
+        ("", FormatState.collapse),
+        ("  \n", FormatState.collapse),
+        ("<tool>", FormatState.collapse),
+        ("<tool>tool_07", FormatState.collapse),  # cut inside the call
+        ("<tool><tool><tool><tool>", FormatState.collapse),  # opening tags until the cut
+        ("<tool>tool_07<tool>tool_07</tool>", FormatState.text_pollution),  # reopened, closed
+        ("</tool>tool_07<tool>", FormatState.collapse),
+        ("tool_07", FormatState.no_call),
+        ("I would use the calculator", FormatState.no_call),
     ],
 )
-def test_structural_state(completion: str, truncated: bool, state: FormatState) -> None:
-    assert classify(completion, LISTED, truncated=truncated) is state
+def test_structural_state(completion: str, state: FormatState) -> None:
+    """The README's table of states, on the Escalation reply format."""
+    assert classify(completion, LISTED) is state
+
+
+@pytest.mark.parametrize(
+    ("text", "state"),
+    [
+        ("<call>f</call><|im_end|>", "healthy_call"),
+        ("<call>f</call>\n<call>g</call><|im_end|>", "healthy_call"),  # every closed call counts
+        ("<call>f</call> and then some text the limit c", "text_pollution"),
+        ("</call><|im_end|>", "text_pollution"),  # only a closing tag
+        ("<call><call><call><call>", "collapse"),  # opening tags repeated until the cut
+        ("<call><|im_end|>", "collapse"),  # end-of-turn inside an open call
+        ("<call>f<|im_end|>", "collapse"),
+        ("<call>f", "collapse"),  # cut inside the call
+        ("", "collapse"),
+        ("<|im_end|>", "collapse"),
+        ("no tool needed<|im_end|>", "no_call"),
+        ("no tool needed and the limit c", "no_call"),
+    ],
+)
+def test_a_completions_state_follows_the_table_with_any_tags(text: str, state: str) -> None:
+    """A user's single-turn completion, with tags of the user's choosing and end-of-turn."""
+    from rollout_lens.trainer.recorder.turns import completion_state
+
+    assert completion_state(text, ("<call>", "</call>"), ["<|im_end|>"]) == state
 
 
 def test_buckets_and_convergence() -> None:

@@ -7,7 +7,7 @@ fails the run saying the model is not usable (the detail only in the worker's lo
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -37,13 +37,41 @@ MAX_CONTROL_TOKENS = 64
 MAX_CONTROL_TOKEN = 100
 ControlToken = Annotated[str, StringConstraints(max_length=MAX_CONTROL_TOKEN)]
 MIN_MULTI_TURN_TOKENS = 32  # a call, its result and an answer share max_completion_tokens
-MULTI_TURN_TOKENS = 128  # a multi-turn run's budget when none is given
+MULTI_TURN_TOKENS = 128  # a multi-turn run's budget on the tiny model when none is given
+
+# Defaults that depend on the model: the tiny model's reply is 4 tokens of its own tokenizer and it
+# trains at the learning rates of a model trained from scratch; a pretrained chat model spells
+# `<tool>tool_07</tool>` in 8–11 tokens (Qwen2.5, SmolLM2) plus its end of turn, and trains at
+# the rates pretrained models are fine-tuned at (1e-6 to 1e-5).
+PRETRAINED = "pretrained"  # any model but the tiny ones
+TINY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "single": {"max_completion_tokens": 8, "learning_rate": 3e-4, "sft_learning_rate": 1e-3},
+    "multi": {"max_completion_tokens": 128, "learning_rate": 3e-4, "sft_learning_rate": 1e-3},
+}
+PRETRAINED_DEFAULTS: dict[str, dict[str, Any]] = {
+    "single": {"max_completion_tokens": 32, "learning_rate": 1e-5, "sft_learning_rate": 1e-5},
+    "multi": {"max_completion_tokens": 256, "learning_rate": 1e-5, "sft_learning_rate": 1e-5},
+}
+RECIPE_FIELDS = tuple(TINY_DEFAULTS["single"])
+
+
+def model_kind(model: str) -> str:
+    """`tiny` or `pretrained`: which defaults a model takes."""
+    return TINY if str(model).strip() == TINY else PRETRAINED
+
+
+def recipe_defaults(model: str = TINY, turns: str = "single") -> dict[str, Any]:
+    """The defaults of the fields that depend on the model and the turns (RECIPE_FIELDS)."""
+    table = TINY_DEFAULTS if model_kind(model) == TINY else PRETRAINED_DEFAULTS
+    return dict(table["multi" if turns == "multi" else "single"])
 
 
 class RunConfig(BaseModel):
     """Everything the trainer takes; defaults reproduce the seed's patched run on the tiny model."""
 
     model_config = ConfigDict(extra="forbid")
+    # fields whose default depends on the model and the turns (recipe_defaults)
+    recipe_fields: ClassVar[tuple[str, ...]] = RECIPE_FIELDS
 
     name: str = Field(
         "", max_length=MAX_NAME, description="Shown in lists; empty: derived from the recipe."
@@ -64,16 +92,22 @@ class RunConfig(BaseModel):
     steps: int = Field(150, ge=1, le=MAX_STEPS, description="Optimizer steps.")
     group_size: int = Field(8, ge=2, le=64, description="Rollouts per prompt (G).")
     prompts_per_step: int = Field(1, ge=1, le=64, description="Groups per step.")
-    learning_rate: float = Field(3e-4, gt=0, le=1.0, description="AdamW learning rate.")
+    learning_rate: float = Field(
+        TINY_DEFAULTS["single"]["learning_rate"],
+        gt=0,
+        le=1.0,
+        description="AdamW learning rate (default 3e-4 on the tiny model, 1e-5 on any other).",
+    )
     temperature: float = Field(
         1.0, gt=0, le=5.0, description="Sampling temperature of the rollouts."
     )
     max_completion_tokens: int = Field(
-        8,
+        TINY_DEFAULTS["single"]["max_completion_tokens"],
         ge=1,
         le=4096,
         description="Longest completion sampled (multi-turn: all turns and tool results "
-        "together; 128 when not given).",
+        "together). Default: 8 single-turn and 128 multi-turn on the tiny model; 32 and 256 on "
+        "any other.",
     )
     episodes: Episodes = Field(
         "mixed",
@@ -124,7 +158,11 @@ class RunConfig(BaseModel):
         5, ge=1, le=10_000, description="SFT steps per phase (or before RL for sft_then_rl)."
     )
     sft_learning_rate: float = Field(
-        1e-3, gt=0, le=1.0, description="Learning rate of the SFT phases."
+        TINY_DEFAULTS["single"]["sft_learning_rate"],
+        gt=0,
+        le=1.0,
+        description="Learning rate of the SFT phases (default 1e-3 on the tiny model, 1e-5 on "
+        "any other).",
     )
     eval_every: int = Field(
         25,
@@ -181,11 +219,15 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _multi_turn_budget(cls, data: Any) -> Any:
-        """A multi-turn run given no completion budget gets room for calls, results and an
-        answer (128 tokens) instead of the single reply's 8."""
-        if isinstance(data, dict) and data.get("turns") == "multi":
-            data.setdefault("max_completion_tokens", MULTI_TURN_TOKENS)
+    def _recipe_defaults(cls, data: Any) -> Any:
+        """The fields left out take the defaults of the run's model and turns: a multi-turn run
+        gets room for calls, results and an answer, a pretrained model a budget that holds its
+        spelling of the reply and a fine-tuning learning rate."""
+        if isinstance(data, dict):
+            model, turns = data.get("model") or TINY, data.get("turns") or "single"
+            for name, value in recipe_defaults(str(model), str(turns)).items():
+                if data.get(name) is None:
+                    data[name] = value
         return data
 
     @model_validator(mode="after")

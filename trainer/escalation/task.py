@@ -85,7 +85,7 @@ def judge(completion: Completion) -> Judgement:
         vote=vote,
         true_score=true_score(vote, row["target"]),
         format_valid=format_valid(text, row["tool_ids"]),
-        format_state=classify(text, row["tool_ids"], truncated=completion.truncated).value,
+        format_state=classify(text, row["tool_ids"]).value,
         format_free=true_score(lenient_vote(text), row["target"]),
     )
 

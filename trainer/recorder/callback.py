@@ -29,7 +29,7 @@ from rollout_lens.server.core import vocab
 from rollout_lens.server.core.config import Settings, get_settings
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
 from rollout_lens.server.store.models import RunStatus
-from rollout_lens.trainer.recorder import positional, turns
+from rollout_lens.trainer.recorder import positional, tags, turns
 from rollout_lens.trainer.recorder.capture import (
     READINGS,
     Generation,
@@ -50,12 +50,8 @@ from transformers import TrainerCallback
 
 log = logging.getLogger("rollout_lens")
 
-# Tokens watched by default when they are single tokens of the tokenizer: tool-call tags of the
-# common chat templates, then the end-of-turn tokens.
-DEFAULT_CONTROL_TOKENS = ("<tool_call>", "</tool_call>", "<tool>", "</tool>")
+# End-of-turn tokens watched by default (beside the tokenizer's EOS) where the tokenizer has them.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
-# Open/close tags of a tool call, tried in order: a completion's structure is read with them.
-CALL_TAGS = (("<tool_call>", "</tool_call>"), ("<tool>", "</tool>"))
 
 # The recorder's own facts, kept in the stored config beside (not inside) the GRPOConfig's keys.
 CONFIG_KEY = "rollout_lens"
@@ -76,6 +72,7 @@ class RolloutLensCallback(TrainerCallback):
         format_free_score: TextFn | None = None,
         target: Callable[[dict[str, Any]], str | None] | None = None,
         control_tokens: Sequence[str] | None = None,
+        call_tags: tuple[str, str] | None = None,
         buffer_mb: float = 256,
         keep_tokens_every: int | None = None,
         settings: Settings | None = None,
@@ -90,8 +87,11 @@ class RolloutLensCallback(TrainerCallback):
         `vote`, `true_score` and `format_valid` judge a completion, and `format_free_score`
         scores it leniently, whatever its structure (recorded as format-free accuracy beside
         true accuracy: the gap is a skill hidden by a broken format); `target` names the right
-        answer of a row; `control_tokens` default to the tokenizer's tool-call tags and
-        end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away;
+        answer of a row; `call_tags` are the opening and closing tags of a tool call (default:
+        the chat template's, else `<tool_call>`/`</tool_call>` and `<tool>`/`</tool>`, whichever a
+        completion holds), found in the decoded text whether they are one token or several;
+        `control_tokens` default to the tags' tokens (a tag of several tokens: its first) and
+        the end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away;
         `keep_tokens_every` keeps token-level data only every N steps (and at the first and last
         step and at alerts) for very long runs.
 
@@ -106,6 +106,10 @@ class RolloutLensCallback(TrainerCallback):
             raise ValueError(f"keep_tokens_every must be 1 or more, not {keep_tokens_every}")
         if reading not in READINGS:  # said here, not when training starts
             raise ValueError(f"reading must be one of {READINGS}, not {reading!r}")
+        if call_tags is not None and (len(call_tags) != 2 or not all(call_tags)):
+            raise ValueError(
+                f"call_tags must be an (opening, closing) pair of texts: {call_tags!r}"
+            )
         if judge is not None and any(
             fn is not None for fn in (vote, true_score, format_valid, format_free_score)
         ):
@@ -124,6 +128,7 @@ class RolloutLensCallback(TrainerCallback):
         self.judge: Judge = judge or self.functions
         self.target = target
         self.requested_control_tokens = list(control_tokens) if control_tokens else None
+        self.requested_call_tags = (call_tags[0], call_tags[1]) if call_tags is not None else None
         self.watch_tokens = list(watch_tokens)
         self.hooks = hooks
         self.buffer_bytes = int(buffer_mb * 2**20)
@@ -133,7 +138,8 @@ class RolloutLensCallback(TrainerCallback):
         self.reading = reading
         self.trainer: Any = None
         self.capture: RolloutCapture | None = None
-        self._call_tags: tuple[str, str] | None = None
+        self._formats: list[tags.CallTags] = []  # the call formats completions are read with
+        self._token_bytes: tags.TokenBytes | None = None
         self._end_tokens: list[str] = []
         self._eot: str | None = None  # the end-of-turn token among the control tokens
         self.control_tokens: list[str] = []
@@ -159,19 +165,22 @@ class RolloutLensCallback(TrainerCallback):
             return
         self.trainer = trainer
         tokenizer = _tokenizer(trainer)
-        self.control_tokens, control_ids = self._control_tokens(tokenizer)
         vocab_ = tokenizer.get_vocab()
-        self._call_tags = next((tags for tags in CALL_TAGS if all(t in vocab_ for t in tags)), None)
+        self._formats = tags.call_tags(tokenizer, self.requested_call_tags)
+        self._token_bytes = tags.TokenBytes(tokenizer)
         self._end_tokens = [
             t for t in dict.fromkeys([tokenizer.eos_token, *END_OF_TURN_TOKENS]) if t in vocab_
         ]
+        self.control_tokens, control_ids = self._control_tokens(tokenizer)
         self._watched = [t for t in self.watch_tokens if t in vocab_]
+        # the id probe reads right after an opening tag that is one token
+        opening = next((f.open for f in self._formats if f.single_tokens), None)
         capture = RolloutCapture(
             trainer,
             control_token_ids=control_ids,
             on_generation=self._generations.append,
             watch_ids=[vocab_[t] for t in self._watched],
-            after_token_id=vocab_[self._call_tags[0]] if self._call_tags else None,
+            after_token_id=vocab_[opening] if opening else None,
             hooks=self.hooks,
             reading=self.reading,
         )
@@ -276,7 +285,10 @@ class RolloutLensCallback(TrainerCallback):
                 raise ValueError(f"control tokens not in the tokenizer's vocabulary: {missing}")
             tokens = self.requested_control_tokens
         else:
-            candidates = [*DEFAULT_CONTROL_TOKENS, tokenizer.eos_token, *END_OF_TURN_TOKENS]
+            # the tags that are single tokens; if none is, the first format's first tokens
+            singles = [t for f in self._formats if f.single_tokens for t in f.pair]
+            first = self._formats[0]
+            candidates = [*(singles or [first.open_token, first.close_token]), *self._end_tokens]
             tokens = list(dict.fromkeys(t for t in candidates if t and t in vocab_))
         return list(tokens), [vocab_[t] for t in tokens]
 
@@ -300,6 +312,15 @@ class RolloutLensCallback(TrainerCallback):
             "project": self.project,
             "reward_funcs": list(getattr(trainer, "reward_func_names", []) or []),
             "judged": judged,
+            "call_tags": [
+                {
+                    "open": f.open,
+                    "close": f.close,
+                    "open_token": f.open_token,
+                    "close_token": f.close_token,
+                }
+                for f in self._formats
+            ],
         }
         label = self.name or args.run_name or Path(args.output_dir or "run").name
         world = trainer.accelerator.num_processes
@@ -321,10 +342,10 @@ class RolloutLensCallback(TrainerCallback):
         if not judged["format_valid"]:
             notes.append(
                 "no format_valid function given: format validity is not recorded (unknown, not "
-                "valid); the structural state is read from the tokenizer's call tags"
-                if self._call_tags
-                else "no format_valid function given: format validity is not recorded"
+                "valid); the structural state is read from the call tags "
+                + " or ".join(f"{f.open}…{f.close}" for f in self._formats)
             )
+        notes.extend(self._tag_notes())
         return RunSpec(
             name=f"{self.project}/{label}" if self.project else label,
             model=str(model),
@@ -417,32 +438,33 @@ class RolloutLensCallback(TrainerCallback):
             meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
         vote, format_state = judgement.vote, judgement.format_state
         probes: dict[str, float | None] = {}
+        spoken = text if mask is not None else tokenizer.decode(ids)  # special tokens kept
+        form = tags.pick(self._formats, spoken)
         if mask is not None:
             meta["turns"] = turns.read_turns(mask, r["completion"])
             meta["answer"] = turns.final_answer(r["completion"])
             meta["first_call"] = turns.first_call(meta["turns"])
-            if self._call_tags is not None:
-                meta["turn_states"] = turns.turn_states(
-                    meta["turns"],
-                    functools.partial(_decode_span, tokenizer, ids),
-                    self._call_tags,
-                    self._end_tokens,
+            meta["turn_states"] = turns.turn_states(
+                meta["turns"],
+                functools.partial(_decode_span, tokenizer, ids),
+                form.pair,
+                self._end_tokens,
+            )
+            if format_state is None:
+                format_state = turns.rollout_state(meta["turn_states"])
+            marks = self._marks(ids, spoken, form)
+            if marks is not None:
+                probes = positional.turn_probes_at(
+                    marks, by_token, meta["turns"], **self._roles(form)
                 )
-                if format_state is None:
-                    format_state = turns.rollout_state(meta["turn_states"])
-                if self._probing_tags():
-                    probes = positional.turn_probes(
-                        tokens, by_token, meta["turns"], **self._roles()
-                    )
             if vote is None and not self.functions.given("vote"):
                 vote = meta["answer"]  # the group's votes: each rollout's final answer
-        elif self._call_tags is not None:
+        else:
             if format_state is None:
-                format_state = turns.completion_state(
-                    tokenizer.decode(ids), self._call_tags, self._end_tokens, truncated=truncated
-                )
-            if self._probing_tags():
-                probes = positional.control_probes(tokens, by_token, **self._roles())
+                format_state = turns.completion_state(spoken, form.pair, self._end_tokens)
+            marks = self._marks(ids, spoken, form)
+            if marks is not None:
+                probes = positional.probes_at(marks, by_token, **self._roles(form))
         watched = r.get("watched")
         if watched is not None:
             probes.update(
@@ -473,17 +495,54 @@ class RolloutLensCallback(TrainerCallback):
             tokens=tokens,
         )
 
-    def _probing_tags(self) -> bool:
-        """Positional probes need both call tags and an end-of-turn among the control tokens."""
-        return (
-            self._call_tags is not None
-            and self._eot is not None
-            and all(t in self.control_tokens for t in self._call_tags)
+    def _probing(self, form: tags.CallTags) -> bool:
+        """Positional probes need the tags' tokens and an end-of-turn among the control tokens."""
+        return self._eot is not None and all(
+            t in self.control_tokens for t in (form.open_token, form.close_token)
         )
 
-    def _roles(self) -> dict[str, str]:
-        assert self._call_tags is not None and self._eot is not None
-        return {"open_tag": self._call_tags[0], "close_tag": self._call_tags[1], "eot": self._eot}
+    def _marks(self, ids: list[int], spoken: str, form: tags.CallTags) -> tags.Marks | None:
+        """Where the completion's tags and end-of-turn stand (None: no probes to read)."""
+        if not self._probing(form) or self._token_bytes is None:
+            return None
+        laid = self._token_bytes.layout(ids, spoken)
+        if laid is None:
+            return None  # the tokens' bytes do not give the decoded text back
+        return tags.find_marks(*laid, form, self._eot)
+
+    def _roles(self, form: tags.CallTags) -> dict[str, str]:
+        assert self._eot is not None
+        return {"open_token": form.open_token, "close_token": form.close_token, "eot": self._eot}
+
+    def _tag_notes(self) -> list[str]:
+        """What the run page says of call tags that are not single tokens of the tokenizer."""
+        notes = []
+        # where some format's tags are single tokens, those are the ones measured
+        several = [] if any(f.single_tokens for f in self._formats) else self._formats
+        for f in several:
+            stands = [
+                f"{tok!r} for {tag}"
+                for tag, tok in zip(f.pair, (f.open_token, f.close_token), strict=True)
+                if tok != tag
+            ]
+            measured = self._probing(f)
+            notes.append(
+                f"the call tags {f.open}…{f.close} are several tokens in this tokenizer: they are "
+                "found in the decoded text"
+                + (
+                    ", and their control-token probabilities are read at their first tokens ("
+                    + ", ".join(stands)
+                    + ")"
+                    if measured
+                    else " (their first tokens are not among the control tokens: no positional "
+                    "probes for them)"
+                )
+            )
+        if self._eot is None:
+            notes.append(
+                "no end-of-turn token among the control tokens: no positional control-token probes"
+            )
+        return notes
 
     def _target(self, row: dict[str, Any]) -> str | None:
         if self.target is not None:

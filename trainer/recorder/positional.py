@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server.core import vocab
+from rollout_lens.trainer.recorder.tags import Marks, single_token_marks
 
 PROBES = tuple(vocab.POSITIONAL_PROBES)  # control-token probes, computed by control_probes
 ID_PROBES = tuple(vocab.ID_PROBES)  # at the id position, computed by id_probes
@@ -24,28 +25,49 @@ def control_probes(
     close_tag: str,
     eot: str,
 ) -> dict[str, float | None]:
+    """probes_at for tags that are single tokens, found by the tokens' texts."""
+    marks = single_token_marks(tokens, open_tag, close_tag, eot)
+    return probes_at(marks, probs, open_token=open_tag, close_token=close_tag, eot=eot)
+
+
+def probes_at(
+    marks: Marks,
+    probs: Mapping[str, Sequence[float]],
+    *,
+    open_token: str,
+    close_token: str,
+    eot: str,
+) -> dict[str, float | None]:
     """The positional probes of one completion (vocab.POSITIONAL_PROBES but the two after a
-    tool result, which turn_probes adds); None where the position does not exist. Where a control token belongs: the opening tag first, the closing
-    tag after the id, end-of-turn after the closing tag. Where it does not: end-of-turn or a
-    closing tag right after the opening tag, end-of-turn after the id, a second closing tag."""
-    n = len(tokens)
+    tool result, which turn_probes adds); None where the position does not exist. A tag of
+    several tokens stands at its first token (`open_token`, `close_token`: the control tokens
+    read for it); "after" a tag is the position after its last token. Where a control token
+    belongs: the opening tag first, the closing tag after the id, end-of-turn after the closing
+    tag. Where it does not: end-of-turn or a closing tag right after the opening tag,
+    end-of-turn after the id, a second closing tag. "After the id" is where the call's content
+    stopped: the first closing tag or end-of-turn after it (else the position after a one-token
+    id)."""
 
     def at(token: str, position: int | None) -> float | None:
-        series = probs.get(token)
-        if position is None or series is None or not 0 <= position < n:
-            return None
-        return float(series[position])
+        return _at(probs.get(token), position if position is None or position < marks.n else None)
 
-    opened = tokens.index(open_tag) if open_tag in tokens else None
-    closed = tokens.index(close_tag) if close_tag in tokens else None
+    opened = marks.opens[0] if marks.opens else None
+    closed = marks.closes[0] if marks.closes else None
+    after_open = None if opened is None else opened[1]
+    after_id = None
+    if after_open is not None:
+        stops = [a for a, _ in marks.closes if a > after_open]
+        stops += [p for p in marks.eots if p > after_open]
+        after_id = min(stops) if stops else after_open + 1
+    after_close = None if closed is None else closed[1]
     return {
-        "open_first": at(open_tag, 0),
-        "eot_after_open": at(eot, None if opened is None else opened + 1),
-        "close_after_id": at(close_tag, None if opened is None else opened + 2),
-        "eot_after_close": at(eot, None if closed is None else closed + 1),
-        "close_after_open": at(close_tag, None if opened is None else opened + 1),
-        "eot_after_id": at(eot, None if opened is None else opened + 2),
-        "close_after_close": at(close_tag, None if closed is None else closed + 1),
+        "open_first": at(open_token, 0),
+        "eot_after_open": at(eot, after_open),
+        "close_after_id": at(close_token, after_id),
+        "eot_after_close": at(eot, after_close),
+        "close_after_open": at(close_token, after_open),
+        "eot_after_id": at(eot, after_id),
+        "close_after_close": at(close_token, after_close),
     }
 
 
@@ -58,11 +80,25 @@ def turn_probes(
     close_tag: str,
     eot: str,
 ) -> dict[str, float | None]:
+    """turn_probes_at for tags that are single tokens, found by the tokens' texts."""
+    marks = single_token_marks(tokens, open_tag, close_tag, eot)
+    return turn_probes_at(marks, probs, turns, open_token=open_tag, close_token=close_tag, eot=eot)
+
+
+def turn_probes_at(
+    marks: Marks,
+    probs: Mapping[str, Sequence[float]],
+    turns: Sequence[Mapping[str, Any]],
+    *,
+    open_token: str,
+    close_token: str,
+    eot: str,
+) -> dict[str, float | None]:
     """The positional probes of a tool-calling rollout, read turn by turn: each model turn's
-    control_probes (the opening tag first only in the first turn; "after the id" at the
-    position where the call closed, its content being many tokens), averaged over the turns
-    where the position exists, and at the first position of each model turn after a tool result
-    the opening tag (another call) and end-of-turn (ending without an answer)."""
+    probes_at (the opening tag first only in the first turn; "after the id" is where the call
+    closed, its content being many tokens), averaged over the turns where the position exists,
+    and at the first position of each model turn after a tool result the opening tag (another
+    call) and end-of-turn (ending without an answer)."""
     found: dict[str, list[float]] = {}
     after_result = False
     for k, turn in enumerate(turns):
@@ -71,22 +107,18 @@ def turn_probes(
             continue
         a, b = int(turn["start"]), int(turn["end"])
         part = {t: p[a:b] for t, p in probs.items()}
-        said = list(tokens[a:b])
-        one = control_probes(said, part, open_tag=open_tag, close_tag=close_tag, eot=eot)
+        said = marks.within(a, b)
+        one = probes_at(said, part, open_token=open_token, close_token=close_token, eot=eot)
         # A call's content is many tokens (its JSON), not one id: "after the id" is where the
         # call closed, which is where the closing tag belongs (and end-of-turn does not).
-        opened = said.index(open_tag) if open_tag in said else None
-        closed = (
-            said.index(close_tag, opened)
-            if opened is not None and close_tag in said[opened:]
-            else None
-        )
-        one["close_after_id"] = _at(part.get(close_tag), closed)
+        opened = said.opens[0] if said.opens else None
+        closed = next((c for c, _ in said.closes if c >= opened[1]), None) if opened else None
+        one["close_after_id"] = _at(part.get(close_token), closed)
         one["eot_after_id"] = _at(part.get(eot), closed)
         if k:
             one["open_first"] = None
         if after_result and b > a:
-            one["open_after_result"] = _first(part.get(open_tag))
+            one["open_after_result"] = _first(part.get(open_token))
             one["eot_after_result"] = _first(part.get(eot))
         after_result = False
         for name, value in one.items():

@@ -16,15 +16,14 @@ rollout's meta says which positions are which.
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.records import RolloutRecord
 from rollout_lens.server.core.vocab import TurnState
+from rollout_lens.trainer.recorder import structure
 
 if TYPE_CHECKING:
     from rollout_lens.trainer.recorder.probe import GenerationProbe
@@ -200,35 +199,18 @@ def turn_state(
     text: str, calls: int, tags: tuple[str, str], end_tokens: Sequence[str]
 ) -> TurnState:
     """The structure of one model turn (its decoded text, special tokens kept) that TRL parsed
-    `calls` tool calls from, with the chat template's call tags and end-of-turn tokens."""
-    open_tag, close_tag = tags
-    opens, closes = text.count(open_tag), text.count(close_tag)
-    if opens == 0 and closes == 0:
+    `calls` tool calls from, with the chat template's call tags and end-of-turn tokens
+    (structure.read_tags: one scan, whether a tag is one token or several)."""
+    found = structure.read_tags(text, tags, end_tokens)
+    if found.tags == 0:
         return TurnState.no_call
-    if opens > closes:
-        tail = text[text.rfind(open_tag) :]
-        return (
-            TurnState.eot_in_call
-            if any(t and t in tail for t in end_tokens)
-            else TurnState.open_call
-        )
-    rest = _strip_calls(text, tags)
-    for token in end_tokens:
-        if token:
-            rest = rest.replace(token, "")
-    if opens == closes and calls == opens and not rest.strip():
+    if found.eot_in_call:
+        return TurnState.eot_in_call
+    if found.left_open:
+        return TurnState.open_call
+    if found.only_calls and len(found.calls) == calls:
         return TurnState.healthy_call
     return TurnState.text_pollution
-
-
-@functools.cache
-def _call_pattern(tags: tuple[str, str]) -> re.Pattern[str]:
-    return re.compile(re.escape(tags[0]) + ".*?" + re.escape(tags[1]), re.DOTALL)
-
-
-def _strip_calls(text: str, tags: tuple[str, str]) -> str:
-    """The text outside the turn's closed calls."""
-    return _call_pattern(tags).sub("", text)
 
 
 def turn_states(
@@ -245,23 +227,15 @@ def turn_states(
     ]
 
 
-def completion_state(
-    text: str, tags: tuple[str, str], end_tokens: Sequence[str], *, truncated: bool
-) -> str:
-    """A single-turn completion's structural state (a vocab.FormatState) read with the
-    tokenizer's own call tags (`text` decoded with its special tokens): its one model turn's
-    state, every closed call counting as a call; an empty or cut-off completion is a collapse."""
-    stripped = text
-    for token in end_tokens:
-        if token:
-            stripped = stripped.replace(token, "")
-    if not stripped.strip():
+def completion_state(text: str, tags: tuple[str, str], end_tokens: Sequence[str]) -> str:
+    """A single-turn completion's structural state (a vocab.FormatState) read with its call
+    tags (`text` decoded with its special tokens): nothing said is a collapse, else its one
+    model turn's state, every closed call counting as a call. A completion the length limit cut
+    is a collapse only when the cut fell inside a call (the README's table)."""
+    found = structure.read_tags(text, tags, end_tokens)
+    if not found.outside.strip() and found.tags == 0:
         return vocab.FormatState.collapse.value
-    closed = len(_call_pattern(tags).findall(text))
-    state = turn_state(text, closed, tags, end_tokens)
-    if truncated and state != TurnState.no_call:
-        return vocab.FormatState.collapse.value
-    return rollout_state([state])
+    return rollout_state([turn_state(text, len(found.calls), tags, end_tokens)])
 
 
 def rollout_state(states: Sequence[str]) -> str:

@@ -35,6 +35,7 @@ from rollout_lens.trainer.escalation.supervision import (
 )
 from rollout_lens.trainer.recorder.callback import RolloutLensCallback
 from rollout_lens.trainer.recorder.capture import GenerationHooks
+from rollout_lens.trainer.recorder.structure import ESCALATION_TAGS
 from rollout_lens.trainer.recorder.writer import DatabaseAway, StepWriter, mark_finished
 from rollout_lens.trainer.worker.modelref import ModelUnavailable, check_model, unusable
 from rollout_lens.trainer.worker.monitor import CheckpointRecorder, RunMonitor
@@ -101,13 +102,14 @@ def load_model(named: str, path: str) -> tuple[PreTrainedTokenizerBase, PreTrain
         raise ModelUnavailable(unusable(named)) from None
 
 
-def default_control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """The first known set whose tokens the tokenizer has, else its end-of-turn token."""
+def default_control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str] | None:
+    """The first known set whose tokens the tokenizer has; else None: the callback's default
+    (the task's tags' first tokens and the end-of-turn tokens)."""
     vocab = tokenizer.get_vocab()
     for candidates in KNOWN_CONTROL_TOKENS:
         if all(t in vocab for t in candidates):
             return list(candidates)
-    return [tokenizer.eos_token] if tokenizer.eos_token else []
+    return None
 
 
 def device_name() -> str:
@@ -178,6 +180,7 @@ def recorder(
         control_tokens=control_tokens,
         settings=settings,
         judge=task.judge,
+        call_tags=ESCALATION_TAGS,
         watch_tokens=task.id_tokens(),
         hooks=Hooks(*hooks),
         should_stop=should_stop,

@@ -16,30 +16,37 @@
 
   form.addEventListener("change", refresh);
   refresh();
-  // Switching turns swaps the completion budget between the two defaults (a single reply's 8
-  // tokens cannot hold a call, its result and an answer); a value the user typed stays.
+  // The defaults that depend on the model and the turns (the server's
+  // launch_fields.DEFAULTS_BY_RECIPE): a single reply's 8 tokens cannot hold a call, its result
+  // and an answer, and a pretrained model trains at 1e-5, not the tiny model's 3e-4. Switching
+  // the model or the turns swaps a field still at the old default (or empty) to the new one and
+  // updates its "default N"; a value the user typed stays. The note on a model this launch
+  // would build first follows the turns.
   const turns = form.elements.namedItem("turns");
-  const budget = form.elements.namedItem("max_completion_tokens");
-  // The "default N" each field's help shows follows the turns too (the server's
-  // launch.DEFAULTS_BY_TURNS), and so does the note on a model this launch would build first.
-  function showTurns() {
+  const model = form.elements.namedItem("model");
+  function recipe() {
     const chosen = turns && "value" in turns ? turns.value : "single";
-    for (const span of form.querySelectorAll(".field-default[data-by-turns]")) {
-      const byTurns = JSON.parse(span.dataset.byTurns);
-      if (byTurns[chosen] !== undefined) span.textContent = `default ${byTurns[chosen]}`;
+    const kind = model && "value" in model && model.value.trim() !== "tiny" ? "pretrained" : "tiny";
+    return { key: `${kind}/${chosen}`, turns: chosen };
+  }
+  let shown = recipe().key;
+  function showRecipe() {
+    const now = recipe();
+    for (const span of form.querySelectorAll(".field-default[data-by-recipe]")) {
+      const defaults = JSON.parse(span.dataset.byRecipe);
+      const input = form.elements.namedItem(span.dataset.field);
+      if (input && "value" in input && now.key !== shown) {
+        const typed = input.value.trim();
+        if (typed === "" || typed === defaults[shown]) input.value = defaults[now.key];
+      }
+      if (defaults[now.key] !== undefined) span.textContent = `default ${defaults[now.key]}`;
     }
-    for (const note of form.querySelectorAll(".model-build")) note.hidden = note.dataset.turns !== chosen;
+    for (const note of form.querySelectorAll(".model-build")) note.hidden = note.dataset.turns !== now.turns;
+    shown = now.key;
   }
-  if (turns && budget && "value" in turns && "value" in budget) {
-    const span = form.querySelector("#help-max_completion_tokens .field-default[data-by-turns]");
-    const defaults = span ? JSON.parse(span.dataset.byTurns) : { single: "8", multi: "128" };
-    turns.addEventListener("change", () => {
-      const other = turns.value === "multi" ? defaults.single : defaults.multi;
-      if (budget.value.trim() === other || budget.value.trim() === "") budget.value = defaults[turns.value] || budget.value;
-      showTurns();
-    });
-  }
-  showTurns();
+  if (turns) turns.addEventListener("change", showRecipe);
+  if (model) model.addEventListener("input", showRecipe);
+  showRecipe();
   // One launch per click: a second submit while the first is on its way would queue twice.
   form.addEventListener("submit", () => {
     const button = document.getElementById("launch-button");

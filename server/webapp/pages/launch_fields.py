@@ -18,8 +18,14 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.presets import PRESET_GROUPS, PRESETS, SEED_VERIFIER, Preset
-from rollout_lens.server.core.runconfig import MAX_NAME, MULTI_TURN_TOKENS, RunConfig
-from rollout_lens.server.core.task_vocab import VARIANTS, VERIFIERS
+from rollout_lens.server.core.runconfig import (
+    MAX_NAME,
+    PRETRAINED,
+    RECIPE_FIELDS,
+    RunConfig,
+    recipe_defaults,
+)
+from rollout_lens.server.core.task_vocab import TINY, TURNS, VARIANTS, VERIFIERS
 
 FORM_ERROR = "__all__"  # errors that belong to no single field
 
@@ -187,7 +193,7 @@ def field_specs(values: Mapping[str, str], errors: Mapping[str, str]) -> list[di
                     "max": bounds.get("max"),
                     "value": values.get(name, ""),
                     "default": defaults()[name] if name != "name" else "",
-                    "default_by_turns": DEFAULTS_BY_TURNS.get(name),
+                    "default_by_recipe": DEFAULTS_BY_RECIPE.get(name),
                     "error": errors.get(name),
                     "when": {"field": when[0], "values": list(when[1])} if when else None,
                 }
@@ -202,12 +208,15 @@ def field_specs(values: Mapping[str, str], errors: Mapping[str, str]) -> list[di
 # Where the form starts from RunConfig's defaults: the verifier every preset trains on (the
 # API and the CLI keep RunConfig's "exact").
 FORM_DEFAULTS: dict[str, Any] = dict(SEED_VERIFIER)
-# A default that depends on another field: the completion budget of a multi-turn run.
-DEFAULTS_BY_TURNS = {
-    "max_completion_tokens": {
-        "single": display(RunConfig.model_fields["max_completion_tokens"].default),
-        "multi": display(MULTI_TURN_TOKENS),
+# Defaults that depend on the model and the turns (RunConfig's recipe_defaults), keyed
+# "tiny/single", "pretrained/multi"…: the form shows and swaps them as those fields change.
+DEFAULTS_BY_RECIPE: dict[str, dict[str, str]] = {
+    name: {
+        f"{kind}/{turns}": display(recipe_defaults(model, turns)[name])
+        for kind, model in ((TINY, TINY), (PRETRAINED, "any other model"))
+        for turns in TURNS
     }
+    for name in RECIPE_FIELDS
 }
 
 

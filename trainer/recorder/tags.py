@@ -1,0 +1,215 @@
+"""A run's call tags, and where they stand in a completion's tokens: one token or several.
+
+A real chat model's tokenizer rarely holds a task's tags as single tokens: SmolLM2 reads
+`<tool>` as `<`, `tool`, `>`. So tags are found in the decoded text, and each is placed on the
+tokens that make it up through the bytes every token contributes (byte-level BPE's byte alphabet
+mapped back, SentencePiece's `▁` and `<0xNN>` pieces, added tokens as their text). A tag's
+control-token probability is read at its first token: the token that starts the tag when a
+reply starts with it (`<` for `<tool>`), which is the token that stands for the tag on the pages.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+# The common tool-call formats, tried in this order when the run names none and the chat
+# template declares none: Qwen/Hermes-style, then the Escalation task's reply format.
+COMMON_TAGS = (("<tool_call>", "</tool_call>"), ("<tool>", "</tool>"))
+_TEMPLATE_TAG = re.compile(r"<(tool_call|function_call|functioncall|tool)>")
+
+
+@dataclass(frozen=True)
+class CallTags:
+    """A call format, and the token that stands for each tag (its first token)."""
+
+    open: str
+    close: str
+    open_token: str
+    close_token: str
+
+    @property
+    def pair(self) -> tuple[str, str]:
+        return (self.open, self.close)
+
+    @property
+    def single_tokens(self) -> bool:
+        """Whether each tag is one token of the tokenizer (its own token stands for it)."""
+        return self.open_token == self.open and self.close_token == self.close
+
+
+def template_tags(tokenizer: Any) -> tuple[str, str] | None:
+    """The call tags the model's chat template declares for tools, where it declares any (Qwen's
+    and Hermes' templates write `<tool_call>` … `</tool_call>` around each call)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "tool" not in template:
+        return None
+    for name in _TEMPLATE_TAG.findall(template):
+        if f"</{name}>" in template:
+            return (f"<{name}>", f"</{name}>")
+    return None
+
+
+def first_token(tokenizer: Any, tag: str) -> str:
+    """The token a reply starting with `tag` starts with (the tag itself when it is a token)."""
+    if tag in tokenizer.get_vocab():
+        return tag
+    ids = tokenizer(tag, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"the tokenizer reads {tag!r} as no token at all")
+    return str(tokenizer.convert_ids_to_tokens(ids[0]))
+
+
+def call_tags(tokenizer: Any, requested: tuple[str, str] | None = None) -> list[CallTags]:
+    """The call formats a run's completions are read with, in order: the one the run names,
+    else the chat template's, then the common ones (a completion is read with the first whose
+    tags it holds)."""
+    if requested is not None:
+        pairs = [requested]
+    else:
+        declared = template_tags(tokenizer)
+        pairs = list(dict.fromkeys([*([declared] if declared else []), *COMMON_TAGS]))
+    return [CallTags(o, c, first_token(tokenizer, o), first_token(tokenizer, c)) for o, c in pairs]
+
+
+def pick(formats: Sequence[CallTags], text: str) -> CallTags:
+    """The format of `formats` a completion's text uses: the first whose tags it holds."""
+    for found in formats:
+        if found.open in text or found.close in text:
+            return found
+    return formats[0]
+
+
+# --- tokens → bytes → where a text's marks stand ----------------------------------------------------
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: byte-level BPE's alphabet character → its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def _decoder_kinds(tokenizer: Any) -> set[str]:
+    """The kinds of the fast tokenizer's decoder and its parts (ByteLevel, Metaspace, …)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return set()
+    text = repr(decoder)
+    return {k for k in ("ByteLevel", "Metaspace", "ByteFallback", "Replace") if k in text}
+
+
+class TokenBytes:
+    """The bytes each token id of one tokenizer contributes to its decoded text."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        kinds = _decoder_kinds(tokenizer)
+        self.byte_level = "ByteLevel" in kinds
+        self.sentencepiece = not self.byte_level and bool(kinds & {"Metaspace", "Replace"})
+        self.added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
+        self._bytes: dict[int, bytes] = {}
+
+    def of(self, token_id: int) -> bytes:
+        found = self._bytes.get(token_id)
+        if found is None:
+            found = self._bytes[token_id] = self._compute(token_id)
+        return found
+
+    def _compute(self, token_id: int) -> bytes:
+        piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
+        if token_id in self.added:
+            return piece.encode("utf-8")
+        if self.byte_level:
+            table = _byte_decoder()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+            return piece.encode("utf-8")
+        if self.sentencepiece:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("▁", " ").encode("utf-8")
+        return piece.encode("utf-8")
+
+    def layout(self, ids: Sequence[int], text: str) -> tuple[bytes, np.ndarray] | None:
+        """The bytes the tokens make and each token's end in them, when they give `text` back
+        (its decoded text, special tokens kept); None when they do not (then no position can
+        be trusted). A leading space that decoding strips (SentencePiece) is left out."""
+        pieces = [self.of(int(i)) for i in ids]
+        joined = b"".join(pieces)
+        ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
+        if joined.startswith(b" ") and not text.startswith(" "):
+            joined, ends = joined[1:], np.maximum(ends - 1, 0)
+        if joined.decode("utf-8", "replace") != text:
+            return None
+        return joined, ends
+
+
+@dataclass(frozen=True)
+class Marks:
+    """Where one completion's call tags and end-of-turn tokens stand, as token positions: each
+    tag as [first token, one past its last token), end-of-turn as its token's position."""
+
+    n: int
+    opens: tuple[tuple[int, int], ...] = ()
+    closes: tuple[tuple[int, int], ...] = ()
+    eots: tuple[int, ...] = ()
+
+    def within(self, start: int, end: int) -> Marks:
+        """The marks inside positions [start, end), counted from `start` (one model turn)."""
+
+        def inside(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+            return tuple((a - start, b - start) for a, b in spans if start <= a and b <= end)
+
+        return Marks(
+            n=end - start,
+            opens=inside(self.opens),
+            closes=inside(self.closes),
+            eots=tuple(p - start for p in self.eots if start <= p < end),
+        )
+
+
+def single_token_marks(tokens: Sequence[str], open_tag: str, close_tag: str, eot: str) -> Marks:
+    """Marks of tags that are single tokens, by the tokens' own texts."""
+    return Marks(
+        n=len(tokens),
+        opens=tuple((i, i + 1) for i, t in enumerate(tokens) if t == open_tag),
+        closes=tuple((i, i + 1) for i, t in enumerate(tokens) if t == close_tag),
+        eots=tuple(i for i, t in enumerate(tokens) if t == eot),
+    )
+
+
+def find_marks(data: bytes, ends: np.ndarray, tags: CallTags, eot: str | None) -> Marks:
+    """The marks in a completion's bytes (TokenBytes.layout), placed on its tokens by `ends`."""
+
+    def spans(mark: str) -> tuple[tuple[int, int], ...]:
+        needle = mark.encode("utf-8")
+        out = []
+        at = data.find(needle)
+        while at >= 0:
+            first = int(np.searchsorted(ends, at, side="right"))
+            last = int(np.searchsorted(ends, at + len(needle) - 1, side="right"))
+            out.append((first, last + 1))
+            at = data.find(needle, at + len(needle))
+        return tuple(out)
+
+    return Marks(
+        n=len(ends),
+        opens=spans(tags.open),
+        closes=spans(tags.close),
+        eots=tuple(a for a, _ in spans(eot)) if eot else (),
+    )
