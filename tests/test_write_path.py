@@ -7,6 +7,7 @@ import math
 import random
 
 import numpy as np
+import pytest
 from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.core.records import StepRecord
@@ -14,6 +15,7 @@ from rollout_lens.server.store import search
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RolloutDataRow
 from sqlalchemy import Engine, select
+from sqlalchemy.exc import DataError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS, make_rollouts
@@ -108,3 +110,20 @@ def test_arrays_are_written_as_the_lists_they_hold(
             )
         ).all()
     assert len(rows) == 16 and rows[:8] == rows[8:]
+
+
+@pytest.mark.parametrize(
+    "engine", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_postgres_refuses_a_value_too_long_as_a_one_row_insert_would(
+    engine: Engine, session_factory: sessionmaker[Session]
+) -> None:
+    """The bulk insert sends text as TEXT arrays: the column, not a cast, decides (a cast to
+    VARCHAR(32) would cut a long format state silently)."""
+    step = _step(1, "w")
+    step.rollouts[0].format_state = "x" * 40
+    run_id = _run(session_factory)
+    with pytest.raises(DataError):
+        store.write_batch(
+            engine, None, [step], run_id=run_id, control_tokens=CONTROL_TOKENS, price_per_hour=0.0
+        )

@@ -36,7 +36,7 @@ from rollout_lens.server.store.models import (
     utcnow,
 )
 from rollout_lens.server.store.sql import finite, upsert_insert
-from sqlalchemy import JSON, Connection, select, update
+from sqlalchemy import JSON, Connection, String, select, update
 from sqlalchemy.dialects import postgresql
 
 
@@ -201,7 +201,10 @@ class BulkInsert:
         for i, name in enumerate(columns):
             kind = Base.metadata.tables[table].c[name].type
             json = isinstance(kind, JSON)
-            types.append("TEXT" if json else kind.compile(dialect=dialect))
+            # text as TEXT: an explicit cast to VARCHAR(n) would cut a long value silently,
+            # where the column's own assignment refuses it (as a one-row insert does)
+            text = json or isinstance(kind, String)
+            types.append("TEXT" if text else kind.compile(dialect=dialect))
             picks.append(f"c{i}::json" if json else f"c{i}")
         arrays = ", ".join(f"%s::{t}[]" for t in types)
         aliases = ", ".join(f"c{i}" for i in range(len(columns)))
