@@ -17,6 +17,11 @@ the old ones), so the logits, the logprobs and the control-token probabilities s
     .venv/bin/python bench/overhead.py --steps 60 --rounds 3 --variant patched [--arm both]
     .venv/bin/python bench/overhead.py --shape 64x128x32000 --arm callback --steps 30 --rounds 2
     .venv/bin/python bench/overhead.py --arm callback --reading generate   # generate's probe
+    .venv/bin/python bench/overhead.py --real --shape 16x48x0 --arm callback --steps 6 --warmup 2
+
+`--real` runs it on the real pretrained chat model (SmolLM2-135M-Instruct, `rollout-lens
+build-model --real`) with a pretrained model's defaults; a shape's vocabulary of 0 keeps the
+model's own.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class Shape:
 
 def parse_shape(text: str) -> Shape:
     rollouts, tokens, vocab = (int(part) for part in text.lower().split("x"))
+    if vocab < 0:
+        raise argparse.ArgumentTypeError("the vocabulary is a token count (0: the model's own)")
     if rollouts % GROUP_SIZE or not 0 < rollouts <= GROUP_SIZE * 64:
         raise argparse.ArgumentTypeError(f"rollouts must be a multiple of {GROUP_SIZE} up to 512")
     return Shape(rollouts, tokens, vocab)
@@ -138,6 +145,7 @@ def one_run(
     arm: str,
     url: str,
     reading: str = "forward",
+    warmup: int = WARMUP_STEPS,
 ) -> list[float]:  # type: ignore[no-untyped-def]
     """Median-ready step times of one run; `arm` is plain, launched or callback; completions
     are held to exactly max_completion_tokens when it is over the default (--shape)."""
@@ -160,7 +168,7 @@ def one_run(
         )
         callback.sink = writer  # type: ignore[union-attr]
     trainer = make_trainer(config, model, tokenizer, tmp / "out", callback=callback)
-    if config.max_completion_tokens > RunConfig().max_completion_tokens:
+    if config.max_completion_tokens > RunConfig(model=config.model).max_completion_tokens:
         trainer.generation_config.min_new_tokens = config.max_completion_tokens
     if arm == "callback":  # what a user adds to their script, nothing else
         trainer.add_callback(
@@ -171,7 +179,7 @@ def one_run(
     trainer.train()
     if writer is not None:
         writer.close()  # the writes must have landed: their cost counts
-    return timer.times[WARMUP_STEPS:]
+    return timer.times[warmup:]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,12 +199,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--shape", type=parse_shape, help="ROLLOUTSxTOKENSxVOCAB, e.g. 64x128x32000 (issue 17)"
     )
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="the real pretrained chat model (SmolLM2-135M-Instruct) instead of the tiny one",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=WARMUP_STEPS, help="untimed first steps of each run"
+    )
     args = parser.parse_args(argv)
     arms = {"both": ["launched", "callback"], "all": ["capture", "launched", "callback"]}.get(
         args.arm, [args.arm]
     )
     # Evaluation is a separate feature with its own cost: off in both arms.
-    config = RunConfig(variant=args.variant, steps=args.steps, eval_every=0)
+    model = "tiny"
+    if args.real:
+        from rollout_lens.trainer.builders import pretrained
+
+        model = str(pretrained.ensure(get_settings().models_dir))
+    config = RunConfig(model=model, variant=args.variant, steps=args.steps, eval_every=0)
     if args.shape:
         config = config.model_copy(
             update={
@@ -212,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         upgrade(engine)
         factory = make_session_factory(engine)
         model_path = resolve_model(config, settings, print)
-        if args.shape:
+        if args.shape and args.shape.vocab:
             wide = tmp / f"vocab-{args.shape.vocab}"
             wide.mkdir()
             model_path = widened_model(model_path, args.shape.vocab, wide, config.seed)
@@ -223,7 +244,14 @@ def main(argv: list[str] | None = None) -> None:
             order = ["plain", *arms]
             for arm in order if round_ % 2 == 0 else order[::-1]:
                 step_times = one_run(
-                    config, model_path, tmp, factory, arm, settings.database_url, args.reading
+                    config,
+                    model_path,
+                    tmp,
+                    factory,
+                    arm,
+                    settings.database_url,
+                    args.reading,
+                    args.warmup,
                 )
                 times[arm].extend(step_times)
                 print(
@@ -234,11 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         engine.dispose()
     plain = times["plain"]
     shape = (
-        f", {args.shape.rollouts} rollouts x {args.shape.tokens} tokens a step, a"
-        f" {args.shape.vocab:,}-token vocabulary"
+        f", {args.shape.rollouts} rollouts x {args.shape.tokens} tokens a step"
+        + (f", a {args.shape.vocab:,}-token vocabulary" if args.shape.vocab else "")
         if args.shape
         else ""
     )
+    shape += f", model {Path(model).name}"
     print(
         f"\n{args.variant}{shape}, reading {args.reading}, {args.steps} steps x {args.rounds}"
         " rounds per arm"

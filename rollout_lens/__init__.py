@@ -3,7 +3,7 @@
 The public API, imported lazily so that `import rollout_lens` stays light (no torch):
 
     from rollout_lens import RolloutLensCallback   # one line in a TRL GRPO script
-    from rollout_lens import Client                 # read a dashboard from a notebook
+    from rollout_lens import Client, ClientError    # read a dashboard from a notebook
     from rollout_lens import Settings               # the ROLLOUT_LENS_* settings
 """
 
@@ -23,14 +23,15 @@ if (
     __path__.append(str(_checkout))
 
 if TYPE_CHECKING:
-    from rollout_lens.client import Client
+    from rollout_lens.client import Client, ClientError
     from rollout_lens.server.core.config import Settings
     from rollout_lens.trainer.recorder.callback import RolloutLensCallback
 
-__all__ = ["Client", "RolloutLensCallback", "Settings", "__version__"]
+__all__ = ["Client", "ClientError", "RolloutLensCallback", "Settings", "__version__"]
 
 _LAZY = {
     "Client": "rollout_lens.client",
+    "ClientError": "rollout_lens.client",
     "RolloutLensCallback": "rollout_lens.trainer.recorder.callback",
     "Settings": "rollout_lens.server.core.config",
 }

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from rollout_lens import cli_dumps, cli_exchange, cli_rollouts, demo
 from rollout_lens.cli_runconfig import add_config_options, config_values
@@ -35,6 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args, settings) or 0)
     except RolloutLensError as exc:
         return _fail(str(exc))
+    except OperationalError as exc:
+        if not _is_locked(exc):
+            raise
+        return _fail(_locked_message(settings, waited=True), status=1)
     except KeyboardInterrupt:
         return _fail("interrupted", status=130)
 
@@ -85,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve beyond loopback without ROLLOUT_LENS_AUTH_TOKEN (anyone who reaches the "
         "port can launch and delete runs)",
     )
+    serve.add_argument(
+        "--proxy-headers",
+        action="store_true",
+        help="behind a reverse proxy: take the client's address and scheme from X-Forwarded-For "
+        "and X-Forwarded-Proto (off by default: anyone could forge them)",
+    )
+    serve.add_argument(
+        "--forwarded-allow-ips",
+        metavar="IPS",
+        help="with --proxy-headers: the proxy addresses (comma-separated, or *) whose forwarded "
+        "headers are trusted (default 127.0.0.1)",
+    )
     serve.set_defaults(handler=serve_dashboard)
 
     build = sub.add_parser(
@@ -128,9 +146,50 @@ def _validation_text(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _is_locked(exc: OperationalError) -> bool:
+    """SQLite's answer when another writer kept its lock past the busy timeout."""
+    return "database is locked" in str(exc.orig)
+
+
+def _locked_message(settings: Settings, *, waited: bool) -> str:
+    """What a person needs about SQLite's write lock: which file, held by whom, for how long."""
+    path = make_url(settings.database_url).database
+    seconds = settings.sqlite_busy_timeout_ms / 1000
+    if not waited:
+        return (
+            f"the database {path} is locked by another writer (a training run, an import): "
+            f"waiting up to {seconds:g} s for its lock (ROLLOUT_LENS_SQLITE_BUSY_TIMEOUT_MS)"
+        )
+    return (
+        f"the database {path} stayed locked by another writer (a training run, an import) for "
+        f"{seconds:g} s (ROLLOUT_LENS_SQLITE_BUSY_TIMEOUT_MS); nothing was written: try again "
+        "when it is done"
+    )
+
+
+def _say_if_locked(settings: Settings) -> None:
+    """Say at once when another process holds the SQLite file's write lock, rather than wait
+    the busy timeout in silence (the wait itself is the driver's)."""
+    import sqlite3
+
+    url = make_url(settings.database_url)
+    if url.get_backend_name() != "sqlite" or not url.database or not Path(url.database).exists():
+        return
+    probe = sqlite3.connect(url.database, timeout=0.2, isolation_level=None)
+    try:
+        probe.execute("BEGIN IMMEDIATE")
+        probe.execute("ROLLBACK")
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc):
+            print(f"rollout-lens: {_locked_message(settings, waited=False)}", file=sys.stderr)
+    finally:
+        probe.close()
+
+
 def migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
     from rollout_lens.server.store.migrate import upgrade
 
+    _say_if_locked(settings)
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     upgrade(engine)
     return engine, make_session_factory(engine)
@@ -259,12 +318,15 @@ def serve_dashboard(
     import subprocess
 
     import uvicorn
-    from sqlalchemy.engine import make_url
 
     from rollout_lens.server.webapp.app import create_app, prepare_database
     from rollout_lens.server.webapp.http.security import is_loopback_host
 
     settings = _served_settings(settings, args.host)
+    proxy_headers = bool(getattr(args, "proxy_headers", False))
+    allow_ips = getattr(args, "forwarded_allow_ips", None)
+    if allow_ips and not proxy_headers:
+        return _fail("--forwarded-allow-ips needs --proxy-headers (forwarded headers are ignored)")
     if not is_loopback_host(args.host) and not settings.auth_token_list:
         if not getattr(args, "insecure", False):
             return _fail(
@@ -322,6 +384,10 @@ def serve_dashboard(
             port=args.port,
             log_level="warning",
             timeout_keep_alive=30,
+            # uvicorn trusts X-Forwarded-For from 127.0.0.1 by default: anyone on this machine
+            # could then pose as any address (and dodge, or aim, the wrong-token limit).
+            proxy_headers=proxy_headers,
+            forwarded_allow_ips=allow_ips or "127.0.0.1",
         )
     finally:
         # Stop the local worker: terminate, then kill if it has not stopped within 10 s (a run it

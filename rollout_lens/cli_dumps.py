@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rollout_lens.cli_numbers import COUNT, POSITIVE
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import printable
@@ -30,7 +31,7 @@ def add_commands(sub: Any) -> None:
     trl.add_argument("--name", help="the new run's name (default: TRL <folder name>)")
     trl.add_argument(
         "--num-generations",
-        type=int,
+        type=POSITIVE,
         dest="num_generations",
         help="completions per prompt (default: detected from runs of identical prompts)",
     )
@@ -52,7 +53,7 @@ def add_commands(sub: Any) -> None:
     verl.add_argument("--name", help="the new run's name (default: verl <folder name>)")
     verl.add_argument(
         "--n",
-        type=int,
+        type=POSITIVE,
         help="responses per prompt, verl's rollout.n (default: detected from runs of identical "
         "inputs)",
     )
@@ -95,7 +96,7 @@ def _follow_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--total-steps",
-        type=int,
+        type=COUNT,
         dest="total_steps",
         metavar="N",
         help="the steps the trainer will run (verl: trainer.total_training_steps; TRL: "

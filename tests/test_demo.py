@@ -57,20 +57,25 @@ def test_demo_refuses_bad_steps_before_creating_anything(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_demo_trains_a_leaky_and_a_patched_run(tmp_path: Path, tiny_model_dir: Path) -> None:
     env = _env(tmp_path / "data", tiny_model_dir.parent)
-    done = subprocess.run(
-        [sys.executable, "-m", "rollout_lens", "demo", "--no-serve", "--steps", "2"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    with socket.socket() as busy:  # --no-serve serves nothing: a busy port is no reason to stop
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        done = subprocess.run(
+            [sys.executable, "-m", "rollout_lens", "demo", "--no-serve", "--steps", "2"]
+            + ["--port", port],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Training 2 runs of 2 steps" in done.stdout
     assert re.search(r"leaky 2/2 .*\(completed\) \| patched 2/2 .*\(completed\)", done.stdout)
     match = URL.search(done.stdout)
     assert match, done.stdout
-    assert match.group(1).startswith("http://127.0.0.1:8000/compare?runs=")
+    assert match.group(1).startswith(f"http://127.0.0.1:{port}/compare?runs=")
 
     listed = subprocess.run(
         [sys.executable, "-m", "rollout_lens", "runs", "--format", "json"],
@@ -86,6 +91,14 @@ def test_demo_trains_a_leaky_and_a_patched_run(tmp_path: Path, tiny_model_dir: P
     assert all(runs[i]["status"] == "completed" and runs[i]["current_step"] == 2 for i in named)
     assert runs[named[1]]["k"] == 4 and runs[named[0]]["k"] is None
     assert runs[named[0]]["seed"] == runs[named[1]]["seed"]
+    # What the demo says its runs show are the figures they recorded.
+    for run_id in named:
+        run = runs[run_id]
+        said = (
+            f"{run['variant']}: true accuracy {run['recent_true_accuracy']:.2f}, verifier reward "
+            f"{run['recent_reward']:.2f} over its last 2 steps"
+        )
+        assert said in done.stdout, (said, done.stdout)
 
 
 @pytest.mark.slow
@@ -125,3 +138,49 @@ def test_demo_serves_the_compare_page(tmp_path: Path, tiny_model_dir: Path) -> N
     assert worker, log.read_text()
     with pytest.raises(ProcessLookupError):
         os.kill(int(worker.group(1)), 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_a_demo_stopped_while_starting_leaves_no_run_queued(
+    tmp_path: Path, tiny_model_dir: Path, stop: str
+) -> None:
+    """Stopped while its runs' processes load torch, the demo ends each run `cancelled` with the
+    reason, not "queued · starting" for good."""
+    import signal
+    import sqlite3
+
+    data = tmp_path / "data"
+    with subprocess.Popen(
+        [sys.executable, "-m", "rollout_lens", "demo", "--no-serve", "--steps", "3"],
+        env=_env(data, tiny_model_dir.parent),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a process group of its own, as a terminal's Ctrl-C sees it
+    ) as proc:
+        deadline = time.monotonic() + 120
+        starting: list[tuple[int, str, str | None]] = []
+        while not starting and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                with sqlite3.connect(data / "rollout-lens.db") as db:
+                    starting = db.execute(
+                        "SELECT id, status, phase FROM runs WHERE phase IS NOT NULL"
+                    ).fetchall()
+            except sqlite3.OperationalError:  # not created or not migrated yet
+                pass
+            time.sleep(0.05)
+        assert starting and all(status == "queued" for _, status, _ in starting), starting
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    with sqlite3.connect(data / "rollout-lens.db") as db:
+        runs = db.execute("SELECT id, status, error FROM runs ORDER BY id").fetchall()
+    assert len(runs) == 2, out
+    for _, status, error in runs:
+        assert status == "cancelled", (runs, out)
+        assert error and ("the demo was stopped" in error or error == "interrupted"), runs

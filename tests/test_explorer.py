@@ -246,7 +246,7 @@ def test_keyset_pages_have_no_gap_or_repeat_while_steps_are_written(
         ("limit=1000", 422, "limit"),
         ("reward_min=abc", 422, "reward_min"),
         ("q=%21%21%21", 400, "at least one word"),
-        ("q=" + "+".join(f"w{i}" for i in range(40)), 400, "at most 16 words"),
+        ("q=" + "+".join(f"w{i}" for i in range(40)), 400, "at most 20 words"),
         ("after=garbage", 400, "not a cursor"),
         ("bogus=1", 422, "bogus"),
     ],
@@ -260,6 +260,63 @@ def test_a_bad_query_gets_a_clear_error(
         page = client.get(f"/runs/{run_id}/rollouts?{query}")
     assert response.status_code == status and says in response.text
     assert page.status_code == status and says in page.text
+
+
+@pytest.mark.parametrize(
+    ("query", "field", "says"),
+    [
+        ("steps=abc&vote=tool_01", "steps", "steps is a step (12) or a range A:B"),
+        ("reward_min=x&steps=2", "reward_min", "valid number"),
+        ("group=-1", "group", "greater than or equal to 0"),
+        ("q=%21%21%21", "q", "at least one word"),
+        ("after=garbage", "form", "not a cursor"),
+        ("bogus=1", "form", "bogus is not a filter of this page"),
+    ],
+)
+def test_a_bad_value_keeps_the_explorer_with_the_field_marked(
+    session_factory: sessionmaker[Session], explored: Any, query: str, field: str, says: str
+) -> None:
+    """Not a bare error page: the explorer's form as typed, the field marked and its reason
+    beside it (aria-describedby), no rows, the count left out."""
+    run_id, _ = explored
+    with client_for(session_factory) as client:
+        page = client.get(f"/runs/{run_id}/rollouts?{query}")
+    assert page.status_code in (400, 422)
+    doc = parse(page.text)
+    form = doc.by_id("explorer-filters")
+    message = doc.by_id(f"err-{field}")
+    assert says in message.text, message.text
+    if field != "form":
+        (marked,) = [n for n in form.iter() if n.attrs.get("aria-invalid") == "true"]
+        assert marked.attrs["name"] == field and marked.attrs["aria-describedby"] == f"err-{field}"
+    typed = dict(pair.split("=", 1) for pair in query.split("&"))
+    for name, value in typed.items():  # every value stays as typed (to correct, not retype)
+        inputs = form.find_all("input", name=name)
+        if inputs and name not in ("after", "bogus", "q"):
+            assert inputs[0].attrs["value"] == value, name
+    assert doc.by_id("filters-invalid") and not doc.find_all(id="rollouts-table")
+    assert not doc.find_all(id="rollout-count")
+
+
+def test_the_filter_form_leaves_empty_fields_out_of_the_url(
+    session_factory: sessionmaker[Session], explored: Any
+) -> None:
+    """A GET form sends every field: the explorer redirects to the URL with the filled ones."""
+    run_id, _ = explored
+    empty = "q=&steps=2&group=&state=&format_valid=&vote=&reward_min=&reward_max=&len_min="
+    with client_for(session_factory) as client:
+        moved = client.get(f"/runs/{run_id}/rollouts?{empty}", follow_redirects=False)
+        blank = client.get(f"/runs/{run_id}/rollouts?q=&state=", follow_redirects=False)
+        page = client.get(moved.headers["location"])
+    assert (
+        moved.status_code == 303 and moved.headers["location"] == f"/runs/{run_id}/rollouts?steps=2"
+    )
+    assert blank.headers["location"] == f"/runs/{run_id}/rollouts"
+    form = parse(page.text).by_id("explorer-filters")
+    # Only a sort other than the default travels as a hidden field; no value-like placeholder.
+    assert not form.find_all("input", name="sort") and not form.find_all("input", name="order")
+    placeholders = [n.attrs["placeholder"] for n in form.iter() if "placeholder" in n.attrs]
+    assert placeholders == ["words in the completion or prompt (word* for a prefix)"]
 
 
 def test_a_cursor_is_refused_for_another_sort(
@@ -384,3 +441,23 @@ def test_a_resume_takes_the_steps_it_redoes_out_of_the_search(
     with client_for(session_factory) as client:
         rows, total = _all_pages(client, f"/api/runs/{run_id}/rollouts?q=gamma&limit=50")
     assert sorted(r["id"] for r in rows) == expected and total == len(expected)
+
+
+@pytest.mark.parametrize("n_tokens", [4, 200])
+def test_acompletion_head_is_the_step_viewers_text(n_tokens: int) -> None:
+    """The explorer shows a completion's head as the step viewer shows its text: an end-of-turn
+    token the text leaves out (text_rule's dropped count) is not shown either (it was:
+    `…</tool></assistant>` against `…</tool>`)."""
+    from rollout_lens.server.store import arrays
+    from rollout_lens.server.store.models import Rollout
+    from rollout_lens.server.webapp.queries.explorer import completion_head
+
+    texts = {5: "<tool>", 100: "tool_33", 6: "</tool>", 2: "</assistant>"}
+    ids = [5, 100, 6, 2]
+    rule = arrays.text_rule("<tool>tool_33</tool>", ids, texts)
+    assert rule is not None and rule // 8 == 1  # the text drops the closing </assistant>
+    head = completion_head(Rollout(text_rule=rule, n_tokens=n_tokens), ids, texts)
+    if n_tokens == len(ids):  # the whole completion: exactly the viewer's text
+        assert head == arrays.rebuild_text(rule, ids, texts) == "<tool>tool_33</tool>"
+    else:  # a head of a longer one: its first tokens, cut
+        assert head == "<tool>tool_33</tool></assistant>…"

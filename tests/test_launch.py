@@ -346,6 +346,25 @@ def test_api_launches_a_preset_with_overrides(
     assert messages(tmp_path) == 5
 
 
+def test_a_pretrained_model_launches_the_pair_on_its_own_defaults(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    """The seed's pair on a model other than the tiny one takes a pretrained model's budget and
+    learning rates (the API answers with the effective values); a value given is kept."""
+    model = "/models/smollm2-135m-instruct"  # checked where it trains, not here
+    body = client.post("/api/runs", json={"preset": "leaky_vs_patched", "model": model}).json()
+    configs = [get_run(session_factory, r["id"]).config for r in body["runs"]]
+    for config in configs:
+        assert config["model"] == model
+        assert (config["max_completion_tokens"], config["learning_rate"]) == (32, 1e-5)
+        assert config["sft_learning_rate"] == 1e-5
+    (given,) = client.post("/api/runs", json={"model": model, "learning_rate": 3e-6}).json()["runs"]
+    assert get_run(session_factory, given["id"]).config["learning_rate"] == 3e-6
+    fields = {f["name"]: f for f in client.get("/api/presets").json()["fields"]}
+    assert fields["learning_rate"]["default_by_recipe"]["pretrained/single"] == "1e-05"
+    assert fields["max_completion_tokens"]["default_by_recipe"]["tiny/multi"] == "128"
+
+
 @pytest.mark.parametrize("name", [n for n, p in launch_fields.PRESETS.items() if not p.compares])
 def test_each_single_run_preset_launches_what_it_says(
     client: TestClient, session_factory: sessionmaker[Session], name: str

@@ -182,13 +182,13 @@ def test_no_two_public_classes_share_a_name() -> None:
 
 
 def test_every_source_writes_through_the_one_writer() -> None:
-    """Imports, follow mode, launched runs and a user's script write a run's steps through
-    store.RunWriter (server/store/writing.py), never a Recorder or write function of their own."""
+    """Imports, follow mode (through dump_import's DumpWriter), launched runs and a user's script
+    write a run's steps through store.RunWriter (server/store/writing.py), never a Recorder or
+    write function of their own."""
     root = SERVER.parent
     sources = {
         "server/exchange/importer.py",
         "server/exchange/dump_import.py",
-        "server/exchange/follow.py",
         "trainer/recorder/writer.py",
     }
     for name in sources:

@@ -107,3 +107,31 @@ def test_migrations_carry_what_they_compute() -> None:
             else:
                 continue
             assert roots <= allowed, f"{script.name} imports {roots - allowed}"
+
+
+def test_upgrades_in_threads_of_one_process_each_reach_head(tmp_path) -> None:
+    """Two RolloutLensCallbacks in one process migrate from their writers' threads at once:
+    Alembic's one global context must not mix them up (it did: "table already exists",
+    KeyError 'config')."""
+    import threading
+
+    errors: list[BaseException] = []
+    engines = [make_engine(f"sqlite:///{tmp_path / f'db{i}.db'}") for i in range(6)]
+
+    def migrate(engine) -> None:  # type: ignore[no-untyped-def]
+        try:
+            upgrade(engine)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=migrate, args=(e,)) for e in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert not errors, errors
+        assert [current_revision(e) for e in engines] == [head_revision()] * len(engines)
+    finally:
+        for engine in engines:
+            engine.dispose()

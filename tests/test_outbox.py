@@ -74,6 +74,34 @@ def test_a_refused_step_is_dropped_and_counted_the_others_go_on(
     assert len(said) == 1 and "step 2" in said[0]
 
 
+def test_series_names_past_the_cap_are_left_out_with_a_warning_the_step_is_kept(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A script logging more series names than a run holds: the first MAX_SERIES_PER_RUN are
+    recorded, one warning names the step, and the step itself (values, rollouts, the names that
+    fit) and every later step are recorded; nothing is dropped."""
+    from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN
+
+    caplog.set_level(logging.WARNING, logger="rollout_lens")
+    outbox = StepWriter.for_script(database_url=sqlite_url, spec=_spec(), prepare=lambda raw: raw)
+    many = _step(1)
+    many.metrics = {f"user/{i:05d}": float(i) for i in range(MAX_SERIES_PER_RUN + 500)}
+    later = _step(2)
+    later.metrics = {"user/00000": 7.0, "user/01400": 8.0}
+    outbox.put(many)
+    outbox.put(later)
+    assert outbox.close() is True
+    run, rows, steps, series = load_run(sqlite_url, outbox.run_id)
+    assert [s.step for s in steps] == [1, 2] and len(rows) == 16
+    assert run.dropped_steps == 0 and run.dropped_rollouts == 0
+    assert len(series) == MAX_SERIES_PER_RUN
+    assert series["user/00000"] == [(1, 0.0), (2, 7.0)] and "user/01400" not in series
+    warned = [
+        r.getMessage() for r in caplog.records if "series names not recorded" in r.getMessage()
+    ]
+    assert len(warned) == 1 and "step 1: 500 new series names" in warned[0]
+
+
 def test_a_prepare_error_drops_that_step_only(sqlite_url: str) -> None:
     def prepare(raw: object) -> StepRecord:
         if raw == "bad":

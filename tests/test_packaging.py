@@ -54,7 +54,9 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (wheel,) = out.glob("rollout_lens-*.whl")
     (sdist,) = out.glob("rollout_lens-*.tar.gz")
-    return {"wheel": wheel, "sdist": sdist}
+    log = out / "build.log"
+    log.write_text(done.stdout + done.stderr)
+    return {"wheel": wheel, "sdist": sdist, "log": log}
 
 
 def _free_port() -> int:
@@ -153,6 +155,8 @@ def test_installed_package_serves_the_dashboard(
             assert status == 200 and content_type.startswith("text/css") and body
             status, _, form = _get(f"{base}/runs/new")
             assert status == 200 and "leaky" in form.lower()
+            if kind == "wheel":  # the local worker of a dashboard-only install cannot train
+                _launch_fails_saying_why(base, log)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -163,6 +167,24 @@ def test_installed_package_serves_the_dashboard(
     with sqlite3.connect(db) as conn:
         (revision,) = conn.execute("SELECT version_num FROM alembic_version").fetchone()
     assert revision == head_revision()
+
+
+def _launch_fails_saying_why(base: str, log: Path) -> None:
+    """A run launched where no torch is installed ends `failed` with the install to make."""
+    request = urllib.request.Request(
+        f"{base}/api/runs",
+        data=json.dumps({"preset": "patched", "steps": 2}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        (run_id,) = [r["id"] for r in json.loads(response.read())["runs"]]
+    run, deadline = {}, time.monotonic() + 120
+    while run.get("status") not in ("failed", "completed", "lost") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        run = json.loads(_get(f"{base}/api/runs/{run_id}")[2])["run"]
+    assert run["status"] == "failed", (run, log.read_text())
+    assert "rollout-lens[train]" in run["error"] and "torch" in run["error"], run["error"]
 
 
 def test_dockerfile_copies_what_the_package_is_built_from() -> None:
@@ -232,6 +254,17 @@ def test_the_prebuilt_models_are_packaged_for_the_current_recipes() -> None:
         assert prebuilt.packaged_hash(kind) == kind.recipe_hash, (
             f"rollout_lens/models/{kind.name} is stale: run `make prebuilt`"
         )
+
+
+@pytest.mark.slow
+def test_the_build_says_nothing_about_the_packages_configuration(
+    artifacts: dict[str, Path],
+) -> None:
+    """A data folder missing from `packages` made every install (editable too) print ~90 lines."""
+    log = artifacts["log"].read_text()
+    assert "Successfully built" in log
+    assert "absent from the `packages` configuration" not in log
+    assert "BuildBackendWarning: Package" not in log
 
 
 @pytest.mark.slow

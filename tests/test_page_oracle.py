@@ -3,7 +3,9 @@
 completions, tool-calling turns, a multi-turn group, alerts) rendered by the step viewer, the
 group page, their JSON and the export; every body must equal its file under
 tests/fixtures/pages/. A change that means to alter a page regenerates them with
-`ROLLOUT_LENS_WRITE_ORACLE=1 pytest tests/test_page_oracle.py` and shows the diff for review.
+`ROLLOUT_LENS_WRITE_ORACLE=1 pytest tests/test_page_oracle.py` and shows the diff for review;
+after a merge whose pages changed, regenerate them from the merged-in branch's own code (not
+the branch being checked), then check the merge against them.
 
 Only what is not the pages' own varies between renders is masked: times (run created/started,
 recorded_at, server timing) and the per-request CSP nonce and CSRF token."""

@@ -118,3 +118,67 @@ def test_packing_round_trips() -> None:
     # a NaN's payload survives: layout tells "not logged" from "logged as None" by it
     packed = pack_doubles([layout.LOGGED_NONE, math.nan])
     assert pack_doubles(unpack_doubles(packed)) == packed
+
+
+@pytest.mark.parametrize(
+    ("state", "completion", "reason"),
+    [
+        ("text_pollution", "<tool>tool_33</tool>", "names tool_33, which the prompt does not list"),
+        (
+            "text_pollution",
+            "<tool>tool_33</tool></assistant>",
+            "names tool_33, which the prompt does not list",
+        ),
+        ("text_pollution", "sure! <tool>tool_01</tool>", "stray text around the call"),
+        (
+            "text_pollution",
+            "<tool_call>get</tool_call>",
+            "names get, which the prompt does not list",
+        ),
+        ("no_call", "the answer is 4", "no call at all (an answer, or text)"),
+        ("collapse", "<tool>", "the call structure broke: empty, unbalanced tags, cut off"),
+        ("healthy_call", "<tool>tool_01</tool>", ""),
+    ],
+)
+def test_a_bad_state_says_why_beside_its_badge(state: str, completion: str, reason: str) -> None:
+    """The words beside a state badge; a clean call that text_pollution marks is a tool the
+    prompt did not list (trainer.recorder.structure.classify's rule, checked below)."""
+    from rollout_lens.server.webapp.pages.state_reason import state_reason
+
+    assert state_reason(state, completion, ("<tool>", "</tool>", "</assistant>")) == reason
+    if state == "text_pollution" and completion.startswith("<tool>tool_33"):
+        assert (
+            classify(completion.removesuffix("</assistant>"), ["tool_01"])
+            == FormatState.text_pollution
+        )
+
+
+def test_the_seeds_results_appear_only_as_the_seeds() -> None:
+    """The built-in texts state what this product's tiny model does; the seed's results (leaky
+    oscillates, patched converges in ~25 steps on Qwen2.5-1.5B) only attributed to the seed."""
+    import re
+    from pathlib import Path
+
+    from rollout_lens.server.core.presets import PRESETS
+    from rollout_lens.server.webapp.pages import plotly_figures
+
+    from rollout_lens.demo import HOW_TO_READ
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    demo_section = readme[readme.index("## The demo") : readme.index("## Set-up")]
+    figures = plotly_figures.run_figures(["<tool>", "</tool>"], ["reward_mean", "true_accuracy"])
+    texts = [p.description for p in PRESETS.values()] + [HOW_TO_READ, demo_section]
+    texts += [
+        f["help"]
+        for group in figures.values()
+        if isinstance(group, list)
+        for f in group
+        if isinstance(f, dict) and "help" in f
+    ]
+    texts.append((root / "web" / "templates" / "compare.html").read_text())
+    claim = re.compile(r"oscillat|leaky run\S* swing|converges in (about|~) ?25", re.IGNORECASE)
+    for text in texts:
+        for sentence in re.split(r"(?<=[.;])\s+", text):
+            if claim.search(sentence):
+                assert "seed" in sentence, sentence

@@ -151,6 +151,7 @@ def _plain(client: TestClient) -> TestClient:
     [
         {"Origin": "http://evil.example"},
         {"Origin": "http://127.0.0.1:9999"},
+        {"Origin": "https://127.0.0.1"},  # another scheme: another origin
         {"Origin": "null"},
         {"Sec-Fetch-Site": "cross-site"},
         {"Sec-Fetch-Site": "same-site"},

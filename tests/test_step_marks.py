@@ -163,7 +163,7 @@ def test_turn_views_format_results_and_fold_tables_to_their_maxima() -> None:
             "</assistant>": [None] * 32,  # nothing recorded: left out of the line
         },
     }
-    cells = [{"text": str(i), "cls": "tok", "title": ""} for i in range(32)]
+    cells = [{"text": str(i), "first": i, "last": i, "cls": "tok", "title": ""} for i in range(32)]
     views = stepview.turn_views(rollout, cells, [("sampled", [])])
     assert views is not None
     tool_results = [c for v in views if v["role"] == "tool" for c in v["calls"]]

@@ -231,6 +231,56 @@ def test_rollups_are_kept_current_and_rebuilt_after_truncation(session_factory) 
             )
 
 
+def test_launched_runs_get_names_no_other_run_has(session_factory) -> None:
+    """Two launches of one preset: "patched (top-4) seed 0", then "… seed 0 (2)", in the row and
+    in its config; a name with LIKE's wildcards is matched as text."""
+    columns = {"name": "patched (top-4) seed 0", "model": "tiny", "total_steps": 5}
+    columns |= {"group_size": 8, "config": {"name": "patched (top-4) seed 0", "steps": 5}}
+    with session_scope(session_factory) as session:
+        runs = [store.create_launched_run(session, dict(columns)) for _ in range(3)]
+        names = [r.name for r in runs]
+        assert names == [
+            "patched (top-4) seed 0",
+            "patched (top-4) seed 0 (2)",
+            "patched (top-4) seed 0 (3)",
+        ]
+        assert [r.config["name"] for r in runs] == names
+        odd = store.create_launched_run(session, columns | {"name": "50%_off", "config": {}})
+        assert odd.name == "50%_off" and store.unique_run_name(session, name="50%") == "50%"
+        long = "x" * 200
+        store.create_launched_run(session, columns | {"name": long, "config": {}})
+        again = store.create_launched_run(session, columns | {"name": long, "config": {}})
+        assert again.name == "x" * 196 + " (2)"
+
+
+def test_a_run_whose_process_died_while_starting_is_lost_and_a_waiting_one_stays_queued(
+    session_factory,
+) -> None:
+    """A queued run with a phase was taken by a process (the demo's, `train`'s): when its
+    heartbeat stops, it is lost with the reason; a run still waiting in the queue is not."""
+    stale = timedelta(seconds=60)
+    with session_scope(session_factory) as session:
+        ids = [
+            store.create_run(session, name=n, model="tiny", total_steps=5, group_size=8).id
+            for n in ("starting", "waiting", "starting, alive")
+        ]
+        starting, waiting, alive = ids
+        store.set_phase(session, run_id=starting, phase="starting: loading torch and TRL")
+        store.set_phase(session, run_id=alive, phase="starting: loading torch and TRL")
+        for run_id in (starting, waiting):
+            store.heartbeat(session, run_id=run_id, at=utcnow() - stale - timedelta(seconds=5))
+    with session_scope(session_factory) as session:
+        assert store.mark_lost_runs(session, stale_after=stale) == [starting]
+    with session_scope(session_factory) as session:
+        lost = store.get_run(session, run_id=starting)
+        assert lost.status == RunStatus.lost and lost.phase is None
+        assert (
+            lost.error == "its process stopped while starting the run (no heartbeat for over 60 s)"
+        )
+        assert store.get_run(session, run_id=waiting).status == RunStatus.queued
+        assert store.get_run(session, run_id=alive).status == RunStatus.queued
+
+
 @pytest.mark.parametrize(
     ("stale_after", "said"),
     [

@@ -116,28 +116,34 @@ def _only_run(url: str) -> tuple[int, list[dict[str, Any]]]:
         engine.dispose()
 
 
-def classify(text: str, truncated: bool) -> str:
+def classify(text: str) -> str:
     """The oracle: a single-turn completion's structure, from its text with special tokens, in
-    the plainest reading (tags scanned left to right, not the recorder's regular expressions)."""
-    body = text.replace(EOT, "")
-    if not body.strip():
+    the plainest reading of the README's table (tags scanned left to right, not the recorder's
+    code). Being cut by the length limit is not a state: a cut inside a call leaves it open."""
+    if not text.replace(EOT, "").strip():
         return "collapse"  # nothing said
-    pieces = body.replace(OPEN, f" {OPEN} ").replace(CLOSE, f" {CLOSE} ").split()
+    marks = (OPEN, CLOSE, EOT)
+    pieces = text.replace(OPEN, f" {OPEN} ").replace(CLOSE, f" {CLOSE} ")
+    pieces = pieces.replace(EOT, f" {EOT} ").split()
     if OPEN not in pieces and CLOSE not in pieces:
         return "no_call"
-    if truncated or pieces.count(OPEN) > pieces.count(CLOSE):
-        return "collapse"  # cut off inside the structure, or a call never closed
-    inside, outside, well_formed = False, [], True
+    inside = stray = eot_inside = False
+    calls, outside = 0, []
     for piece in pieces:
         if piece == OPEN:
-            well_formed &= not inside
+            stray |= inside  # opened again inside a call
             inside = True
         elif piece == CLOSE:
-            well_formed &= inside
+            calls += inside
+            stray |= not inside
             inside = False
-        elif not inside:
+        elif piece == EOT:
+            eot_inside |= inside
+        elif not inside and piece not in marks:
             outside.append(piece)
-    return "healthy_call" if well_formed and not outside else "text_pollution"
+    if inside or eot_inside:
+        return "collapse"  # a call left open (cut, or never closed), or end-of-turn inside one
+    return "healthy_call" if calls and not stray and not outside else "text_pollution"
 
 
 def _eot_after_open(row: dict[str, Any], tokens: list[str]) -> float | None:
@@ -176,16 +182,15 @@ def test_a_single_turn_script_gets_the_diagnosis_and_trains_into_the_alerts(
 
     assert trainer.state.global_step == 10 and [s.step for s in steps] == list(range(1, 11))
     assert run.control_tokens == [OPEN, CLOSE, EOT]  # found in the tokenizer, not configured
-    assert any("read from the tokenizer's call tags" in note for note in run.notes)
+    assert any("read from the call tags <tool_call>…</tool_call>" in note for note in run.notes)
     assert len(rows) == 10 * 16
     states = {s.value for s in vocab.FormatState}
     by_step: dict[int, list[str]] = {}
     for r in rows:
         ids = r["completion_ids"]
         text = tokenizer.decode(ids, skip_special_tokens=False)
-        truncated = not ids or ids[-1] != tokenizer.eos_token_id
         assert r["format_state"] in states
-        assert r["format_state"] == classify(text, truncated), text
+        assert r["format_state"] == classify(text), text
         by_step.setdefault(r["step"], []).append(r["format_state"])
     # state/* are the shares of each step's completions in each state
     for state in states:
@@ -386,6 +391,11 @@ def test_unknown_format_validity_is_neither_invalid_nor_broken() -> None:
     assert mixed["broken"] == 1
     assert stepview.state_name(None, "collapse") == "collapse"
     assert stepview.broken(None, "collapse") and not stepview.broken(None, "healthy_call")
+    # A user's single-turn run that never calls a tool answers with no call: not broken; where
+    # the format needs a call (format_valid False, as on the Escalation task) it is.
+    answers = stepview.group_summary([row(i, None, "no_call") for i in range(4)], "q")
+    assert answers["states"] == {"no_call": 4} and answers["broken"] == 0
+    assert stepview.broken(False, "no_call") and not stepview.broken(True, "no_call")
 
 
 @pytest.mark.trains

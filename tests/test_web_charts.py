@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from rollout_lens.server.core.display import fmt_num
@@ -139,19 +140,22 @@ def _rollout(completion: str, ids: list[int], probs: list[float], **extra):  # t
     } | extra
 
 
-def test_token_texts_prefer_recorded_tokens_then_the_text_then_ids() -> None:
+def _texts(rollout: dict[str, Any]) -> tuple[list[str], bool]:
+    cells, exact = stepview.token_spans(rollout)
+    assert [(c.first, c.last) for c in cells] == [(i, i) for i in range(len(cells))]
+    return [c.text for c in cells], exact
+
+
+def test_token_spans_prefer_recorded_tokens_then_the_text_then_ids() -> None:
     recorded = _rollout(
         "<tool>tool_07</tool>",
         [5, 107, 6, 2],
         [0.9] * 4,
         tokens=["<tool>", "tool_07", "</tool>", "</assistant>"],
     )
-    assert stepview.token_texts(recorded) == (
-        ["<tool>", "tool_07", "</tool>", "</assistant>"],
-        True,
-    )
+    assert _texts(recorded) == (["<tool>", "tool_07", "</tool>", "</assistant>"], True)
     split = _rollout("<tool>tool_07</tool>", [5, 107, 6], [0.9] * 3)
-    assert stepview.token_texts(split) == (["<tool>", "tool_07", "</tool>"], True)
+    assert _texts(split) == (["<tool>", "tool_07", "</tool>"], True)
     # The end-of-turn token is not in decoded text; its probability names it.
     eot = _rollout(
         "<tool>tool_07</tool>",
@@ -159,9 +163,33 @@ def test_token_texts_prefer_recorded_tokens_then_the_text_then_ids() -> None:
         [0.9, 0.8, 0.95, 0.7],
         control={"</assistant>": [0, 0, 0, 0.7]},
     )
-    assert stepview.token_texts(eot) == (["<tool>", "tool_07", "</tool>", "</assistant>"], True)
+    assert _texts(eot) == (["<tool>", "tool_07", "</tool>", "</assistant>"], True)
     unknown = _rollout("something else entirely", [11, 12], [0.5, 0.5])
-    assert stepview.token_texts(unknown) == (["⟨11⟩", "⟨12⟩"], False)
+    assert _texts(unknown) == (["⟨11⟩", "⟨12⟩"], False)
+
+
+def test_a_character_split_over_tokens_is_one_cell_with_their_ids_and_product() -> None:
+    """Byte-level pieces ' 🎉' over three tokens (SmolLM2's) and 'ok': two cells; the emoji's
+    cell has the three ids, the product of their probabilities, and the control-token
+    probability at its first token; the table has a column a cell."""
+    pieces = ["ĠðŁ", "İ", "ī", "Ġok"]
+    rollout = _rollout(
+        " 🎉 ok",
+        [11100, 224, 10391, 3],
+        [0.5, 0.8, 0.9, 0.7],
+        control={"</assistant>": [0.1, 0.2, 0.25, 0.05]},
+        tokens=[" ", "", "🎉", " ok"],
+        token_pieces=pieces,
+    ) | {"group": 0, "index": 0, "vote": None, "target": None, "true_score": None}
+    (group,) = stepview.group_views([rollout])
+    view = group["rollouts"][0]
+    cells = stepview.token_cells(view)
+    assert [(c["text"], c["first"], c["last"]) for c in cells] == [(" 🎉", 0, 2), (" ok", 3, 3)]
+    assert cells[0]["title"].startswith("#0–2 · ids 11100, 224, 10391 · p=0.360")
+    assert "p(</assistant>)=0.100" in cells[0]["title"] and cells[0]["cls"] == "tok p3"
+    rows = stepview.control_rows(view)
+    assert rows[0] == ("sampled", [("p3", "0.36"), ("p7", "0.70")])
+    assert rows[3] == ("</assistant>", [("c1", "0.10"), ("c0", "0.05")])
 
 
 def test_group_view_votes_and_near_misses() -> None:
@@ -220,6 +248,8 @@ def test_text_filters_escape_and_show_control_characters() -> None:
     assert str(shown) == '&lt;b&gt;<span class="cc" title="control character U+0007">␇</span>'
     assert str(token_text(" a\n")) == '<span class="sp">·</span>a↵'
     assert str(token_text("")) == '<span class="cc">∅</span>'
+    zwj = '<span class="cc" title="invisible character U+200D">U+200D</span>'
+    assert str(token_text("\u200d")) == zwj
     assert (fmt_num(None), fmt_num(0.5), fmt_num(3), fmt_num(0.00001)) == (
         "—",
         "0.500",
@@ -373,6 +403,10 @@ def test_compare_figures_add_evaluation_and_collapse_overlays() -> None:
                 "cancel_requested": True,
             },
             "Step 1 of 100 · 0.01 steps/s · ETA 2 h 45 min · stopping (cancel requested)",
+        ),
+        (  # the demo's or `train`'s own process took it: starting, not waiting for a worker
+            {"status": "queued", "queue_position": 1, "phase": "starting: loading torch and TRL"},
+            "Starting: loading torch and TRL",
         ),
         ({"status": "completed", "current_step": 100}, "Completed all 100 steps"),
         (

@@ -247,3 +247,79 @@ def test_the_local_workers_output_goes_to_a_log_file(tmp_path: Path) -> None:
     assert "ready" in log.read_text(), log.read_text()[-2000:]
     # Celery's banner and warnings stay in the log: the terminal has the dashboard's line only.
     assert "celery" not in (first + rest).lower() and "Warning" not in first + rest, first + rest
+
+
+def _wrong_tokens_with_forged_addresses(port: int, n: int) -> list[int]:
+    """The same wrong token `n` times, each with another X-Forwarded-For: the statuses."""
+    import httpx
+
+    statuses = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+        for i in range(n):
+            headers = {
+                "Authorization": "Bearer wrong-token-00000000",
+                "X-Forwarded-For": f"192.0.2.{i}",
+            }
+            statuses.append(client.get("/api/runs", headers=headers).status_code)
+    return statuses
+
+
+def _serving(tmp_path: Path, port: int, *options: str) -> subprocess.Popen[str]:
+    env = _env(
+        ROLLOUT_LENS_DATA_DIR=str(tmp_path),
+        ROLLOUT_LENS_BROKER_URL="redis://127.0.0.1:1/0",  # no local worker
+        ROLLOUT_LENS_AUTH_TOKEN="the-right-token-0123456789",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_lens", "serve", "--port", str(port), *options],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 60  # a readiness wait, not a speed bound
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc
+        except OSError:
+            assert proc.poll() is None, f"serve exited: {proc.communicate()[0]}"
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("serve did not listen")
+
+
+def test_forwarded_addresses_are_trusted_only_with_proxy_headers(tmp_path: Path) -> None:
+    """By default `serve` ignores X-Forwarded-For (uvicorn's own default trusts it from
+    127.0.0.1): a guesser on this machine cannot pose as another address to dodge the limit, nor
+    aim it at someone else's. With --proxy-headers it is the proxy's word for the client."""
+    from rollout_lens.server.webapp.http.ratelimit import FREE_FAILURES
+
+    port = _free_port()
+    proc = _serving(tmp_path / "plain", port)
+    try:
+        statuses = _wrong_tokens_with_forged_addresses(port, FREE_FAILURES + 3)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert statuses == [401] * (FREE_FAILURES + 1) + [429] * 2
+
+    port = _free_port()
+    proc = _serving(
+        tmp_path / "proxied", port, "--proxy-headers", "--forwarded-allow-ips", "127.0.0.1"
+    )
+    try:
+        statuses = _wrong_tokens_with_forged_addresses(port, FREE_FAILURES + 3)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert statuses == [401] * (FREE_FAILURES + 3)  # each forwarded address counted alone
+
+
+def test_forwarded_allow_ips_needs_proxy_headers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path))
+    assert main(["serve", "--port", str(_free_port()), "--forwarded-allow-ips", "*"]) == 2
+    assert "--forwarded-allow-ips needs --proxy-headers" in capsys.readouterr().err

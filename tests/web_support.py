@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from typing import Any
 
+import httpx
 from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings
@@ -53,9 +54,20 @@ def client_for(factory: sessionmaker[Session], **settings: Any) -> TestClient:
 
 
 def browser_like(client: TestClient) -> TestClient:
-    """A client that sends the CSRF cookie and header of a same-origin page."""
+    """A client that sends the CSRF cookie and header of a same-origin page: the header follows
+    the cookie, as a page's script reads the token its page was rendered with (sign-in gives a
+    new one)."""
     client.cookies.set("rl_csrf", CSRF)
     client.headers["X-CSRF-Token"] = CSRF
+
+    def same_token(request: httpx.Request) -> None:
+        if "x-csrf-token" in request.headers and request.headers["x-csrf-token"] == CSRF:
+            given = [c.value for c in client.cookies.jar if c.name == "rl_csrf" and c.value]
+            fresh = [v for v in given if v != CSRF]  # the server's own (sign-in's), if any
+            if fresh:
+                request.headers["x-csrf-token"] = fresh[-1]
+
+    client.event_hooks["request"] = [*client.event_hooks["request"], same_token]
     return client
 
 

@@ -42,7 +42,9 @@ class Settings(BaseSettings):
         5.0, gt=0, description="How often a training process reports that it is alive."
     )
     lost_after_seconds: float = Field(
-        60.0, gt=0, description="A running run with no heartbeat for this long is marked lost."
+        60.0,
+        gt=0,
+        description="A running (or starting) run with no heartbeat for this long is marked lost.",
     )
     torch_threads: int = Field(
         1,

@@ -16,8 +16,8 @@ COLLAPSE_RECIPE = {
 }
 
 
-# The seed's verifier: reward and true accuracy are different curves there (the patched run's
-# reward ≈ 0.88 at true accuracy ≈ 1.0; the leaky run's reward ≈ 0.7 while its accuracy swings).
+# The seed's verifier: in the seed's blog post reward and true accuracy are different curves (its
+# patched run's reward ≈ 0.88 at true accuracy ≈ 1.0; its leaky run's ≈ 0.7 while accuracy swings).
 # "judge" misses a right reply with probability 0.12 (1 − 0.88) and gives a plausible wrong one
 # partial credit (0.5), so a leaky run's reward sits between 0.5 and 0.88 whatever its accuracy.
 SEED_VERIFIER = {"verifier": "judge", "verifier_noise": 0.12}
@@ -74,19 +74,28 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "leaky",
             "Leaky (64 tools)",
-            "Every prompt lists all 64 tools: true accuracy swings and the group disagrees.",
+            # Figures: `rollout-lens demo --steps 150` (seed 0), the tiny model's run; the README
+            # says how they were measured.
+            "Every prompt lists all 64 tools. The tiny model's true accuracy stays low (0.02 "
+            "over steps 1–25, 0.11 over 126–150) with the reward near 0.5, and from about step "
+            "75 a group agrees on a wrong tool. The seed's blog post (Qwen2.5-1.5B): accuracy "
+            "oscillates.",
             base={"variant": "leaky"} | SEED_VERIFIER,
         ),
         Preset(
             "patched",
             "Patched (4-tool shortlist)",
-            "Prompts list the top-4 tools by retrieval: converges in about 25 steps.",
+            "Prompts list the top-4 tools by retrieval. The tiny model's true accuracy climbs "
+            "from 0.46 (steps 1–25) to 0.91 (steps 76–100: converged at step 100) and 0.97 by "
+            "step 150. The seed's blog post (Qwen2.5-1.5B): converges in about 25 steps.",
             base={"variant": "patched", "k": 4} | SEED_VERIFIER,
         ),
         Preset(
             "leaky_vs_patched",
             "Leaky vs patched",
-            "Both variants with the same seed and recipe, opened side by side.",
+            "Both variants with the same seed and recipe, opened side by side: on the tiny "
+            "model 60 steps show patched climbing away from leaky (0.78 against 0.09 true "
+            "accuracy over the last 25 steps); 150 steps show patched converge.",
             base={"variant": "patched", "k": 4} | SEED_VERIFIER,
             runs=({"variant": "leaky"}, {"variant": "patched"}),
             varies=("variant",),

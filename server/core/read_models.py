@@ -28,7 +28,9 @@ class RolloutData(TypedDict):
     prompt: str
     completion: str
     completion_ids: list[int]
-    tokens: list[str] | None  # each id's text, when every id has one
+    # each id's text as decoded (server.core.tokentext), when every id has a piece
+    tokens: list[str] | None
+    token_pieces: list[str] | None  # each id's raw piece as the tokenizer names it ('Ġcan')
     tokens_kept: bool  # False: retention dropped the logprobs and control probabilities
     vote: str | None
     target: str | None

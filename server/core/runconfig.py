@@ -67,7 +67,7 @@ def recipe_defaults(model: str = TINY, turns: str = "single") -> dict[str, Any]:
 
 
 class RunConfig(BaseModel):
-    """Everything the trainer takes; defaults reproduce the seed's patched run on the tiny model."""
+    """Everything the trainer takes; defaults are the seed's patched recipe, on the tiny model."""
 
     model_config = ConfigDict(extra="forbid")
     # fields whose default depends on the model and the turns (recipe_defaults)

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 WINDOW = 25  # the 25-step window: buckets 1–25, 26–50, …, "last 25 steps", convergence
+# Generic series names one run may hold: each is a value in every step's packed row, a chart on
+# the run page and a name in its JSON (200,000 of them froze the server). An import past it is
+# refused naming the line; the callback's writer records the first ones and warns about the rest.
+MAX_SERIES_PER_RUN = 1000
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.exchange import bounds
 
 SETTLE_SECONDS = 2.0  # how long the newest file must keep its size and mtime before it is read
 
@@ -47,15 +48,26 @@ class Unit:
         return next((f for f in self.files if f.kind == kind), None)
 
 
-def numbered(folder: Path, pattern: re.Pattern[str], kind: str = "train") -> list[DumpFile]:
-    """The files of a folder whose name matches `pattern` (group 1: the step), in step order."""
+def numbered(
+    folder: Path, pattern: re.Pattern[str], kind: str = "train", *, root: Path | None = None
+) -> list[DumpFile]:
+    """The files of a folder whose name matches `pattern` (group 1: the step), in step order;
+    InvalidInput for one that links out of `root` (the folder given; default `folder`)."""
     if not folder.is_dir():
         raise InvalidInput(f"{folder}: no such directory")
-    found = [
-        DumpFile(path, int(match.group(1)), kind)
-        for path in folder.iterdir()
-        if (match := pattern.match(path.name)) and path.is_file()
-    ]
+    inside = (root or folder).resolve()
+    found = []
+    for path in folder.iterdir():
+        if not (match := pattern.match(path.name)) or not path.is_file():
+            continue
+        if not path.resolve().is_relative_to(inside):
+            # A link out of the folder is never followed: its target could be any file this
+            # process may read, shown on a step page as a completion.
+            raise InvalidInput(
+                f"{path}: a link to {path.resolve()}, outside {root or folder}; only the folder's own "
+                "files are imported (copy the file in instead)"
+            )
+        found.append(DumpFile(path, bounds.check_step(match.group(1), str(path)), kind))
     return sorted(found, key=lambda f: f.step)
 
 

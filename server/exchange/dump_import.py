@@ -10,7 +10,7 @@ formats while the trainer is still writing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,7 +26,8 @@ from rollout_lens.server.exchange.dump_files import (
     Unit,
     units,
 )
-from rollout_lens.server.exchange.importer import Imported
+from rollout_lens.server.exchange.dump_rows import SeriesNames
+from rollout_lens.server.exchange.importer import NAME_CHARS, Imported
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunSource, RunStatus
 from sqlalchemy.exc import DataError, IntegrityError
@@ -87,8 +88,44 @@ def readable(fmt: DumpFormat, found: Sequence[Unit], *, final: bool) -> list[tup
     return out
 
 
+class DumpWriter:
+    """A dump folder's steps into its run through the one writer (store.RunWriter, the run's
+    shape following the steps), each step's series names checked first (SeriesNames: a run
+    holds at most MAX_SERIES_PER_RUN; the step that brings one more is refused, not written)."""
+
+    def __init__(
+        self, run_id: int, *, prompts_per_step: int = 1, total_steps: int | None = None
+    ) -> None:
+        self.writer = store.RunWriter(
+            run_id, follow_shape=True, prompts_per_step=prompts_per_step, total_steps=total_steps
+        )
+        self.series: SeriesNames | None = None  # the run's series names (read on first use)
+
+    def write(self, session: Session, records: Iterable[StepRecord]) -> tuple[int, int]:
+        """Write the steps in the session's transaction; (steps, rollouts) written. After a
+        failed transaction call reset()."""
+        return self.writer.write(session, self._checked(session, records))
+
+    def _checked(self, session: Session, records: Iterable[StepRecord]) -> Iterator[StepRecord]:
+        for record in records:
+            if self.series is None:
+                self.series = SeriesNames(store.series_names(session, run_id=self.writer.run_id))
+            try:
+                self.series.add(record.metrics)
+            except InvalidInput as exc:
+                raise InvalidInput(f"step {record.step}: {exc}") from None
+            yield record
+
+    def reset(self) -> None:
+        """Forget the writer's memory: it is ahead of a transaction that rolled back."""
+        self.writer.reset()
+        self.series = None
+
+
 def create_run(session: Session, fmt: DumpFormat, plan: RunPlan, status: RunStatus) -> int:
     """Insert the planned run; its id."""
+    if len(plan.name) > NAME_CHARS:
+        raise InvalidInput(f"--name: at most {NAME_CHARS} characters, got {len(plan.name)}")
     run = store.create_run(
         session,
         name=plan.name,
@@ -139,7 +176,7 @@ def import_dumps(
     try:
         with session_scope(factory) as session:
             run_id = create_run(session, fmt, plan, RunStatus.completed)
-            writer = store.RunWriter(run_id, follow_shape=True, total_steps=total_steps)
+            writer = DumpWriter(run_id, total_steps=total_steps)
             steps, rollouts = writer.write(session, (fmt.record(unit) for unit in found))
     except (IntegrityError, DataError) as exc:
         raise refused(fmt.folder, exc) from exc

@@ -11,13 +11,15 @@ from typing import Any
 
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import NO_FLOATS, NO_IDS, ControlProbs, RolloutRecord
+from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN
+from rollout_lens.server.exchange import bounds
 
 BLANK: Any = object()  # what json_line gives for a blank line (a line may hold `null`)
 
 
 def json_line(raw: bytes, where: str) -> Any:
-    """One line of a JSON Lines file decoded (BLANK for a blank line); a line that is not UTF-8
-    or not JSON is refused naming `where`."""
+    """One line of a JSON Lines file decoded (BLANK for a blank line); a line that is not UTF-8,
+    not JSON or nested too deep (server.exchange.bounds) is refused naming `where`."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -25,9 +27,26 @@ def json_line(raw: bytes, where: str) -> Any:
     if not text.strip():
         return BLANK
     try:
-        return json.loads(text)
+        return bounds.loads(text, where)
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+
+
+class SeriesNames:
+    """The generic series names an import has brought so far: past MAX_SERIES_PER_RUN the step
+    that brings one more is refused (the caller names its file and line), before it is written."""
+
+    def __init__(self, known: Iterable[str] = ()) -> None:
+        self.names = set(known)
+
+    def add(self, metrics: Iterable[str]) -> None:
+        new = [name for name in metrics if name not in self.names]
+        if len(self.names) + len(new) > MAX_SERIES_PER_RUN:
+            raise InvalidInput(
+                f"this step brings the run to {len(self.names) + len(new):,} series names "
+                f"({new[0][:60]!r}, …); a run holds at most {MAX_SERIES_PER_RUN:,}"
+            )
+        self.names.update(new)
 
 
 @dataclass

@@ -172,8 +172,13 @@ def rollout_schema() -> Any:
             ("control_probs", pa.list_(floats)),
             ("meta", pa.string()),  # JSON text: meta is free-form
             ("tokens", pa.list_(pa.string())),
+            ("token_pieces", pa.list_(pa.string())),
         ]
     )
+
+
+# Columns files written before them lack (the importer reads them as absent).
+OPTIONAL_COLUMNS = frozenset({"token_pieces"})
 
 
 def _parquet_run(session: Session, run: RunRow) -> Iterator[bytes]:

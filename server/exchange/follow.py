@@ -36,6 +36,7 @@ from rollout_lens.server.exchange.dump_files import (
 )
 from rollout_lens.server.exchange.dump_import import (
     DumpFormat,
+    DumpWriter,
     RunPlan,
     create_run,
     readable,
@@ -103,7 +104,7 @@ class Follower:
         self.settling = Settling(settle, clock)
         self.run_id: int | None = None
         self.name: str | None = None
-        self.writer: store.RunWriter | None = None
+        self.writer: DumpWriter | None = None
         self.after: int | None = None
         self.steps = 0
         self.rollouts = 0
@@ -206,7 +207,7 @@ class Follower:
         run_id = create_run(session, self.fmt, plan, RunStatus.running)
         store.mark_following(session, run_id=run_id, worker_host=self.host)
         self.run_id, self.name = run_id, plan.name
-        self.writer = store.RunWriter(run_id, follow_shape=True, total_steps=self.total_steps)
+        self.writer = DumpWriter(run_id, total_steps=self.total_steps)
         self.say(f"created run {run_id} ({plan.name}), following {self.fmt.folder}")
 
     def _forget(self) -> None:
@@ -238,9 +239,8 @@ class Follower:
             self.fmt.adopt(run)
             self.after = store.last_recorded_step(session, run_id=run.id)
             self.run_id, self.name, self.resumed = run.id, run.name, True
-            self.writer = store.RunWriter(
+            self.writer = DumpWriter(
                 run.id,
-                follow_shape=True,
                 prompts_per_step=run.prompts_per_step,
                 total_steps=self.total_steps or run.total_steps,
             )

@@ -8,7 +8,6 @@ imported as `lost` (nothing records the copy).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +20,8 @@ from pydantic import ValidationError
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, as_floats
-from rollout_lens.server.exchange.dump_rows import BLANK, json_line
+from rollout_lens.server.exchange import bounds
+from rollout_lens.server.exchange.dump_rows import BLANK, SeriesNames, json_line
 from rollout_lens.server.exchange.schema import (
     FORMAT,
     META_RUN,
@@ -41,6 +41,8 @@ from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 BATCH = 500  # rollouts written per statement
+BATCH_TOKENS = 2**20  # ... or fewer: the batch holds at most about this many tokens' arrays
+NAME_CHARS = 200  # the runs table's name column
 PARQUET_MAGIC = b"PAR1"
 
 
@@ -99,13 +101,16 @@ def _write(
             "export cannot be imported; TRL's completions files go through `import-trl`)"
         )
     if header.format != FORMAT:
-        raise InvalidInput(f"not a rollout-lens export (format {header.format!r})")
+        raise InvalidInput(f"{where}: not a rollout-lens export (format {header.format!r})")
     if header.version > VERSION:
         raise InvalidInput(
-            f"written by a newer rollout-lens (format version {header.version}); "
+            f"{where}: written by a newer rollout-lens (format version {header.version}); "
             f"this one reads version {VERSION}"
         )
-    writer = _ImportedRun(session, header, name=name)
+    try:
+        writer = _ImportedRun(session, header, name=name)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{where}: {exc}") from exc
     end: EndLine | None = None
     for where, record in records:
         if end is not None:
@@ -140,6 +145,8 @@ class _ImportedRun:
         self.header = header
         self.tokens = list(header.control_tokens)
         self.name = name or header.name
+        if len(self.name) > NAME_CHARS:
+            raise InvalidInput(f"--name: at most {NAME_CHARS} characters, got {len(self.name)}")
         status, error = header.status, header.error
         if status in ACTIVE_STATUSES:
             # Nothing records the copy: lost, like a run whose worker stopped.
@@ -176,13 +183,16 @@ class _ImportedRun:
         self._last_step: int | None = None
         self._last_rollout: tuple[int, int, int] | None = None
         self._batch: list[RolloutRecord] = []
+        self._batch_tokens = 0
         self._batch_step = 0
         self._writer = store.RunWriter(self.run_id, control_tokens=self.tokens)
+        self._series = SeriesNames()
 
     def step(self, line: StepLine) -> None:
         if self._last_step is not None and line.step <= self._last_step:
             raise InvalidInput(f"step {line.step} after step {self._last_step} (steps must rise)")
         self._last_step = line.step
+        self._series.add(line.metrics)
         self.steps += 1
         record = StepRecord(
             step=line.step,
@@ -228,18 +238,20 @@ class _ImportedRun:
                 format_valid=line.format_valid,
                 format_state=line.format_state,
                 meta=line.meta,
-                tokens=line.tokens,
+                tokens=line.stored_pieces(),
                 stored_sum_logprob=line.sum_logprob,
             )
         )
         self.rollouts += 1
-        if len(self._batch) >= BATCH:
+        self._batch_tokens += len(line.completion_ids)
+        if len(self._batch) >= BATCH or self._batch_tokens >= BATCH_TOKENS:
             self._flush()
 
     def _flush(self) -> None:
         if self._batch:
             self._writer.add_rollouts(self.session, step=self._batch_step, rollouts=self._batch)
             self._batch = []
+            self._batch_tokens = 0
 
     def finish(self) -> None:
         """Write what is batched, then the run columns as exported."""
@@ -272,9 +284,10 @@ def _parse(where: str, data: Any) -> Any:
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """(where, record) for each line of a JSONL export, validated one line at a time."""
+    """(where, record) for each line of a JSONL export, read and validated one line at a time
+    (at most bounds.MAX_LINE_BYTES of it in memory)."""
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number, raw in bounds.lines(f, ""):
             where = f"line {number}"
             data = json_line(raw, where)
             if data is not BLANK:
@@ -296,7 +309,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _parquet_rows(parquet: Any) -> Iterator[tuple[str, Any]]:
     import pyarrow as pa
-    from rollout_lens.server.exchange.export import ROW_GROUP, rollout_schema
+    from rollout_lens.server.exchange.export import OPTIONAL_COLUMNS, ROW_GROUP, rollout_schema
 
     meta = parquet.schema_arrow.metadata or {}
     if META_RUN not in meta:
@@ -304,11 +317,15 @@ def _parquet_rows(parquet: Any) -> Iterator[tuple[str, Any]]:
             "not a rollout-lens export (no run header in the Parquet metadata; a "
             "`--what steps` export cannot be imported; TRL's completions go through `import-trl`)"
         )
-    missing = [n for n in rollout_schema().names if n not in parquet.schema_arrow.names]
+    missing = [
+        n
+        for n in rollout_schema().names
+        if n not in parquet.schema_arrow.names and n not in OPTIONAL_COLUMNS
+    ]
     if missing:
         raise InvalidInput(f"the rollouts lack the columns {', '.join(missing)}")
     try:
-        header = json.loads(meta[META_RUN])
+        header = bounds.loads(meta[META_RUN], "the run header")
         steps = meta.get(META_STEPS, b"").decode("utf-8").splitlines()
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"the run header in the metadata is not JSON ({exc})") from exc
@@ -317,7 +334,7 @@ def _parquet_rows(parquet: Any) -> Iterator[tuple[str, Any]]:
     for number, text in enumerate(steps, start=1):
         where = f"step record {number} of the metadata"
         try:
-            yield where, _parse(where, json.loads(text))
+            yield where, _parse(where, bounds.loads(text, where))
         except ValueError as exc:
             raise InvalidInput(f"{where}: not valid JSON ({exc})") from exc
     row_number = 0
@@ -333,7 +350,7 @@ def _parquet_rows(parquet: Any) -> Iterator[tuple[str, Any]]:
                         f"{where}: {len(probs)} control_probs rows for {len(tokens)} control tokens"
                     )
                 try:
-                    row["meta"] = json.loads(row["meta"])
+                    row["meta"] = bounds.loads(row["meta"], f"{where}: meta")
                 except (TypeError, ValueError) as exc:
                     raise InvalidInput(f"{where}: meta is not JSON ({exc})") from exc
                 row["control_token_probs"] = dict(zip(tokens, probs, strict=True))

@@ -9,12 +9,14 @@ JSON in the file's key-value metadata (see server.exchange.export).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.vocab import STEP_SERIES
+from rollout_lens.server.exchange.bounds import MAX_INT32, MAX_TOKENS, MIN_INT32
 from rollout_lens.server.store.models import RolloutRow, RunRow, StepRow
 from rollout_lens.server.store.serialize import rollout_dict
 
@@ -42,6 +44,23 @@ RUN_AFTER_STEPS = (  # restored once the steps are written (writing a step refre
     "recent_reward",
 )
 Time = Annotated[datetime | None, Field(strict=False)]  # ISO 8601 text in the file
+
+# What the databases store, checked per record as it is read (a value out of range is refused
+# naming its line before anything is written; SQLite raised OverflowError past 64 bits, and
+# steps, ids and counts are 32-bit columns).
+Int32 = Annotated[int, Field(ge=MIN_INT32, le=MAX_INT32)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
+StepNo = Annotated[int, Field(ge=0, le=MAX_INT32)]  # a negative step could not be viewed
+RunIdNo = Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
+def _not_nan(value: float) -> float:
+    if value != value:
+        raise ValueError("NaN is not a number this field holds (null where there is none)")
+    return value
+
+
+Number = Annotated[float, AfterValidator(_not_nan)]  # ±infinity is stored as it is, NaN is not
 
 
 def dumps(record: dict[str, Any]) -> str:
@@ -128,30 +147,30 @@ class RunRecord(_Record):
     kind: Literal["run"]
     format: str
     version: int
-    id: int
-    name: str
+    id: RunIdNo
+    name: str = Field(max_length=200)  # the runs table's column lengths
     status: Literal["queued", "running", "completed", "failed", "cancelled", "lost"]  # RunStatus
-    source: str
-    variant: str | None
-    model: str
-    k: int | None
-    group_size: int
-    prompts_per_step: int
-    seed: int
-    total_steps: int
+    source: str = Field(max_length=16)
+    variant: str | None = Field(max_length=32)
+    model: str = Field(max_length=500)
+    k: Int32 | None
+    group_size: Count
+    prompts_per_step: Count
+    seed: Int32
+    total_steps: Count
     config: dict[str, Any]
     control_tokens: list[str]
     notes: list[str]
-    worker_host: str | None
-    device: str | None
-    device_seconds: float
-    cost: float
+    worker_host: str | None = Field(max_length=255)
+    device: str | None = Field(max_length=64)
+    device_seconds: Number
+    cost: Number
     error: str | None
-    dropped_steps: int
-    dropped_rollouts: int
-    current_step: int
-    recent_true_accuracy: float | None
-    recent_reward: float | None
+    dropped_steps: Count
+    dropped_rollouts: Count
+    current_step: StepNo
+    recent_true_accuracy: Number | None
+    recent_reward: Number | None
     created_at: Time
     started_at: Time
     finished_at: Time
@@ -160,8 +179,8 @@ class RunRecord(_Record):
 
 class StepLine(_Record):
     kind: Literal["step"]
-    step: int
-    rollout_step: int
+    step: StepNo
+    rollout_step: StepNo
     recorded_at: Time
     reward_mean: float | None
     true_accuracy: float | None
@@ -185,27 +204,50 @@ class StepLine(_Record):
 
 class RolloutLine(_Record):
     kind: Literal["rollout"]
-    run_id: int
-    step: int
-    group: int
-    index: int
+    run_id: RunIdNo
+    step: StepNo
+    group: Count
+    index: Count
     prompt: str
     completion: str
-    completion_ids: list[int]
+    completion_ids: list[Int32] = Field(max_length=MAX_TOKENS)
     vote: str | None
     target: str | None
-    verifier_reward: float
+    verifier_reward: Number
     true_score: float | None
-    advantage: float
+    advantage: Number
     sum_logprob: float | None  # None: not a number (a NaN logprob)
     format_valid: bool | None  # None: nothing judged it (no format_valid function)
-    format_state: str | None
+    format_state: str | None = Field(max_length=32)
     token_logprobs: list[float]
     control_token_probs: dict[str, list[float]]
     meta: dict[str, Any]
-    # Each completion token's text (absent from files of older versions, which kept them in
-    # meta["tokens"]; the importer reads either).
+    # Each completion token's text as decoded (absent from files of older versions, which kept
+    # them in meta["tokens"]; those and files before token_pieces hold the raw pieces here).
     tokens: list[str] | None = None
+    # Each token's raw piece ('Ġcan'): what the importer stores as the run's token texts.
+    token_pieces: list[str] | None = None
+
+    def stored_pieces(self) -> list[str] | None:
+        """The pieces to store for this rollout's ids: token_pieces, else (older files) tokens."""
+        return self.token_pieces if self.token_pieces is not None else self.tokens
+
+    @model_validator(mode="after")
+    def _one_length(self) -> RolloutLine:
+        """Every per-token array has one entry per completion token (or none: retention dropped
+        logprobs and control-token probabilities, an older file has no token texts)."""
+        n = len(self.completion_ids)
+        arrays: dict[str, Sequence[object]] = {
+            "token_logprobs": self.token_logprobs,
+            "tokens": self.tokens or [],
+        }
+        arrays |= {f"control_token_probs[{t!r}]": p for t, p in self.control_token_probs.items()}
+        for name, values in arrays.items():
+            if values and len(values) != n:
+                raise ValueError(
+                    f"{name} has {len(values)} entries for {n} completion_ids (one per token)"
+                )
+        return self
 
 
 class EndLine(_Record):
@@ -222,8 +264,11 @@ RECORDS: dict[str, type[_Record]] = {
 }
 
 
-def validation_text(exc: ValidationError) -> str:
-    """A pydantic error as one line: field: message; ..."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'record'}: {err['msg']}" for err in exc.errors()
+def validation_text(exc: ValidationError, *, most: int = 3) -> str:
+    """A pydantic error as one line: field: message; ... (the first `most`: a list of a million
+    bad ids is one sentence, not a million)."""
+    errors = exc.errors()
+    text = "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'record'}: {err['msg']}" for err in errors[:most]
     )
+    return text + (f"; and {len(errors) - most:,} more" if len(errors) > most else "")

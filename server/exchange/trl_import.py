@@ -85,7 +85,7 @@ class TrlDump:
     def scan(self) -> list[DumpFile]:
         """The completions files of the output directory (or of its completions/ folder)."""
         nested = self.folder / "completions"
-        return numbered(nested if nested.is_dir() else self.folder, FILE_NAME)
+        return numbered(nested if nested.is_dir() else self.folder, FILE_NAME, root=self.folder)
 
     def check(self, unit: Unit) -> TrlFileShape:
         path = unit.files[0].path
@@ -263,7 +263,11 @@ def _rollout(
     extras: list[str],
 ) -> RolloutRecord:
     advantage = row["advantage"]
-    if not isinstance(advantage, int | float):
+    if (
+        isinstance(advantage, bool)
+        or not isinstance(advantage, int | float)
+        or advantage != advantage
+    ):
         raise InvalidInput(f"{path}: row {number_ + 1}: advantage is {advantage!r}, not a number")
     scores = {name: number(row.get(name)) for name in rewards}
     total = scores.get(TOTAL) if TOTAL in scores else None

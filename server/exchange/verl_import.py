@@ -27,6 +27,7 @@ from typing import Any
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.exchange import bounds
 from rollout_lens.server.exchange.dump_files import DumpFile, Incomplete, Unit, numbered
 from rollout_lens.server.exchange.dump_import import RunPlan
 from rollout_lens.server.exchange.dump_rows import (
@@ -306,21 +307,20 @@ def read_lines(file: DumpFile) -> list[dict[str, Any]]:
     """A dump file's samples; Incomplete when it does not read whole (empty, or its last line not
     ended), InvalidInput naming the file and line for anything that is not verl's format."""
     path = file.path
+    rows = []
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            for number_, raw in bounds.lines(f, str(path)):  # one line in memory at a time
+                if not raw.endswith(b"\n"):
+                    raise Incomplete(f"{path} line {number_}: ends mid-line (cut short?)")
+                where = f"{path} line {number_}"
+                row = json_line(raw, where)
+                if row is not BLANK:
+                    rows.append(_sample(row, where, file.step))
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot be read ({exc.strerror})") from exc
-    if not data.strip():
+    if not rows:
         raise Incomplete(f"{path}: empty (still being written?)")
-    lines = data.split(b"\n")
-    if lines[-1]:
-        raise Incomplete(f"{path} line {len(lines)}: ends mid-line (cut short?)")
-    rows = []
-    for number_, raw in enumerate(lines[:-1], start=1):
-        where = f"{path} line {number_}"
-        row = json_line(raw, where)
-        if row is not BLANK:
-            rows.append(_sample(row, where, file.step))
     return rows
 
 

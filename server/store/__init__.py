@@ -34,6 +34,7 @@ from rollout_lens.server.store.runs import (
     add_device_time,
     cancel_requested,
     claim_run,
+    create_launched_run,
     create_run,
     discard_queued_runs,
     followed_run,
@@ -56,6 +57,7 @@ from rollout_lens.server.store.runs import (
     set_phase,
     set_task_id,
     truncate_after,
+    unique_run_name,
 )
 from rollout_lens.server.store.writing import (
     RunWriter,
@@ -73,7 +75,9 @@ __all__ = [
     "add_rollouts",
     "cancel_requested",
     "claim_run",
+    "create_launched_run",
     "create_run",
+    "unique_run_name",
     "discard_queued_runs",
     "first_recorded",
     "followed_run",

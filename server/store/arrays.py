@@ -21,13 +21,13 @@ from __future__ import annotations
 import math
 import threading
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import cache
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
 from operator import itemgetter
 
 import numpy as np
 import zstandard
+from rollout_lens.server.core.tokentext import TEXT_RULES
 
 LOGPROB_SCALE = 4096  # steps per nat
 LOGPROB_FLOOR = -15.0  # p = 3e-7; lower logprobs read back as this
@@ -291,56 +291,8 @@ def decode_text(data: bytes) -> str:
     return _unpack(data).decode("utf-8", "surrogatepass")
 
 
-@cache
-def _byte_level_table() -> dict[int, str]:
-    """GPT-2's byte-level BPE alphabet (bytes_to_unicode) inverted, as a str.translate table:
-    character → the one-byte (latin-1) character of the byte it stands for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {c: chr(b) for b, c in zip(printable, chars, strict=True)}
-
-
-def _join(pieces: Sequence[str]) -> str:
-    return "".join(pieces)
-
-
-def _byte_level(pieces: Sequence[str]) -> str:
-    """Byte-level BPE tokens (Qwen, Llama 3, GPT-2: 'Ġword', 'Ċ') → the text they encode
-    (a character outside the alphabet raises: then this is not the rule)."""
-    return "".join(pieces).translate(_byte_level_table()).encode("latin-1").decode("utf-8")
-
-
-def _sentencepiece(pieces: Sequence[str]) -> str:
-    """SentencePiece tokens ('▁word', '<0x0A>') → text, the leading space kept."""
-    out = bytearray()
-    for piece in pieces:
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            out.append(int(piece[3:5], 16))
-        else:
-            out += piece.replace("▁", " ").encode("utf-8")
-    return out.decode("utf-8")
-
-
-def _sentencepiece_stripped(pieces: Sequence[str]) -> str:
-    text = _sentencepiece(pieces)
-    return text[1:] if text.startswith(" ") else text
-
-
-# rule id → how token texts become text. A rule also says how many trailing tokens the text
-# leaves out (a special end-of-turn token that decoding skips): text_rule = id + 8 × dropped.
-TEXT_RULES: dict[int, Callable[[Sequence[str]], str]] = {
-    1: _join,
-    2: _byte_level,
-    3: _sentencepiece,
-    4: _sentencepiece_stripped,
-}
+# TEXT_RULES (server.core.tokentext): rule id → how token pieces become text; a stored text_rule
+# also says how many trailing tokens the text leaves out (text_rule = id + 8 × dropped).
 _MAX_DROPPED = 2
 
 
@@ -376,6 +328,12 @@ def rebuild_text(rule: int, ids: Sequence[int], texts: Mapping[int, str]) -> str
     build, dropped = TEXT_RULES[rule % 8], rule // 8
     kept = ids[: len(ids) - dropped] if dropped else ids
     return build([texts[i] for i in kept])
+
+
+def rebuild_from_pieces(rule: int, pieces: Sequence[str]) -> str:
+    """The completion text that `text_rule` said these pieces (its ids' texts) rebuild."""
+    build, dropped = TEXT_RULES[rule % 8], rule // 8
+    return build(pieces[: len(pieces) - dropped] if dropped else pieces)
 
 
 def completion(

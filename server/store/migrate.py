@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -31,10 +33,16 @@ def alembic_config() -> Config:
     return cfg
 
 
+# Alembic runs env.py through one process-wide proxy (`alembic.context`) and module namespace:
+# two upgrades at once in one process (two RolloutLensCallbacks, each migrating from its
+# writer's thread) run each other's migrations on the wrong connection. One at a time.
+_UPGRADING = threading.Lock()
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Migrate the database behind `engine` to `revision`."""
+    """Migrate the database behind `engine` to `revision` (one upgrade at a time per process)."""
     cfg = alembic_config()
-    with engine.begin() as connection:
+    with _UPGRADING, engine.begin() as connection:
         cfg.attributes["connection"] = connection
         command.upgrade(cfg, revision)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import orjson
 from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core import textsafe
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, disagrees
-from rollout_lens.server.core.vocab import STEP_SERIES, WINDOW
+from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
 from rollout_lens.server.store import arrays, layout, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
@@ -38,6 +39,8 @@ from rollout_lens.server.store.models import (
 from rollout_lens.server.store.sql import finite, upsert_insert
 from sqlalchemy import JSON, Connection, String, select, update
 from sqlalchemy.dialects import postgresql
+
+log = logging.getLogger(__name__)
 
 
 def sha256_text(text: str) -> str:
@@ -228,6 +231,8 @@ class Recorder:
             )
         ).one()
         self.series_names: list[str] = list(run.series_names or [])
+        self.known_series = set(self.series_names)  # membership at any number of names
+        self.refused_series = 0  # names past MAX_SERIES_PER_RUN, not recorded
         self.keep_every: int | None = run.keep_tokens_every or None
         self.buckets = rollups.OpenBuckets(conn, run_id=run_id, n_series=len(self.series_names))
         history = conn.execute(
@@ -297,8 +302,13 @@ class Recorder:
         step = record.step
         values = {name: finite(record.values.get(name)) for name in STEP_SERIES}
         metrics = {name: finite(value) for name, value in record.metrics.items()}
-        new_names = [n for n in metrics if n not in self.series_names]
+        new_names = [n for n in metrics if n not in self.known_series]
+        room = max(0, MAX_SERIES_PER_RUN - len(self.series_names))
+        if len(new_names) > room:
+            self._refuse_series(step, new_names[room:], metrics)
+            new_names = new_names[:room]
         self.series_names += new_names
+        self.known_series.update(new_names)
         self.buckets.add(
             conn, step, [*values.values(), *(metrics.get(n) for n in self.series_names)]
         )
@@ -363,6 +373,23 @@ class Recorder:
             ),
         )
         return fired
+
+    def _refuse_series(self, step: int, names: Sequence[str], metrics: dict[str, Any]) -> None:
+        """Names past the run's cap are not recorded (the rest of the step is), with a warning
+        the first time (imports refuse such a file before they write: server.exchange)."""
+        for name in names:
+            del metrics[name]
+        if not self.refused_series:
+            log.warning(
+                "run %d, step %d: %d new series names not recorded (%s, …): a run holds at "
+                "most %d; the rest of the step is recorded",
+                self.run_id,
+                step,
+                len(names),
+                names[0][:80],
+                MAX_SERIES_PER_RUN,
+            )
+        self.refused_series += len(names)
 
     def _keeps(self, step: int, fired: bool) -> bool:
         """Whether retention keeps the token arrays of the rollouts generated at `step`."""

@@ -214,7 +214,8 @@ def rollup_series(
     """
     series_names = session.scalar(select(RunRow.series_names).where(RunRow.id == run_id)) or []
     layout = all_names(series_names)
-    wanted = [(name, layout.index(name)) for name in names if name in layout]
+    position = {name: i for i, name in enumerate(layout)}  # one pass, not .index() per name
+    wanted = [(name, position[name]) for name in names if name in position]
     out: dict[str, list[Bucket]] = {}
     if not wanted:
         return out

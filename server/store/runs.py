@@ -18,7 +18,7 @@ from rollout_lens.server.store.models import (
     StepRow,
     utcnow,
 )
-from sqlalchemy import CursorResult, delete, func, select, update
+from sqlalchemy import CursorResult, delete, func, select, true, update
 from sqlalchemy.orm import Session
 
 RESUMABLE_STATUSES = (RunStatus.lost, RunStatus.failed, RunStatus.cancelled)
@@ -65,6 +65,38 @@ def create_run(
     session.add(run)
     session.flush()
     return run
+
+
+NAME_LENGTH = 200  # the runs.name column
+
+
+def unique_run_name(session: Session, *, name: str) -> str:
+    """`name`, or with the first free ` (2)`, ` (3)`… when a run already has it: two launches of
+    one preset must not show as two runs of the same name."""
+    taken = set(
+        session.scalars(
+            select(RunRow.name).where(RunRow.name.startswith(name[:NAME_LENGTH], autoescape=True))
+        )
+    )
+    if name not in taken:
+        return name
+    n = 2
+    while True:
+        suffix = f" ({n})"
+        candidate = name[: NAME_LENGTH - len(suffix)] + suffix
+        if candidate not in taken:
+            return candidate
+        n += 1
+
+
+def create_launched_run(session: Session, columns: dict[str, Any]) -> RunRow:
+    """A launched run from RunConfig.run_columns(), under a name no other run has (its config
+    says the same name)."""
+    name = unique_run_name(session, name=columns["name"])
+    config = dict(columns.get("config") or {})
+    if "name" in config:
+        config["name"] = name
+    return create_run(session, **(columns | {"name": name, "config": config}))
 
 
 def get_run(session: Session, *, run_id: int) -> RunRow:
@@ -249,27 +281,29 @@ def truncate_after(session: Session, *, run_id: int, step: int) -> None:
 
 
 def mark_lost_runs(session: Session, *, stale_after: timedelta) -> list[int]:
-    """Runs `running` whose worker stopped beating: mark them lost; return their ids."""
+    """Runs whose process stopped beating: `running` ones, and `queued` ones a process had taken
+    (their `phase` says it was starting them: a run waiting in the queue has none). Mark them
+    lost with the reason; return their ids."""
     cutoff = utcnow() - stale_after
-    ids = list(
-        session.scalars(
-            select(RunRow.id).where(
-                RunRow.status == RunStatus.running, RunRow.heartbeat_at < cutoff
+    seconds = _seconds_text(stale_after.total_seconds())
+    reasons = {
+        RunStatus.running: f"the worker stopped sending heartbeats for over {seconds} s",
+        RunStatus.queued: "its process stopped while starting the run (no heartbeat for over "
+        f"{seconds} s)",
+    }
+    lost: list[int] = []
+    for status, reason in reasons.items():
+        taken = RunRow.phase.is_not(None) if status == RunStatus.queued else true()
+        stale = (RunRow.status == status, RunRow.heartbeat_at < cutoff, taken)
+        ids = list(session.scalars(select(RunRow.id).where(*stale)))
+        if ids:
+            session.execute(
+                update(RunRow)
+                .where(RunRow.id.in_(ids), *stale)
+                .values(status=RunStatus.lost, finished_at=utcnow(), error=reason, phase=None)
             )
-        )
-    )
-    if ids:
-        session.execute(
-            update(RunRow)
-            .where(RunRow.id.in_(ids), RunRow.status == RunStatus.running)
-            .values(
-                status=RunStatus.lost,
-                finished_at=utcnow(),
-                error="the worker stopped sending heartbeats for over "
-                f"{_seconds_text(stale_after.total_seconds())} s",
-            )
-        )
-    return ids
+        lost += ids
+    return sorted(lost)
 
 
 def _seconds_text(seconds: float) -> str:

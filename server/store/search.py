@@ -8,7 +8,8 @@ rollout's words as a stripped tsvector under a GIN index; prompts have a GIN exp
 Both engines see the same words: runs of letters and digits, lower-cased (`_` and every other
 character separates words), in the first SEARCH_CHARS characters of a completion (a prompt is
 indexed whole on SQLite, in its first SEARCH_CHARS on PostgreSQL). A query is up to MAX_WORDS
-words, all of which must appear; a word ending in `*` matches as a prefix.
+words of at most MAX_WORD_CHARS characters (a longer one is refused, not cut), all of which must
+appear; a word ending in `*` matches as a prefix.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from rollout_lens.server.store.arrays import completion
 from sqlalchemy import Connection, text
 
 SEARCH_CHARS = 200_000  # a longer completion is searchable in its first 200,000 characters
-MAX_WORDS = 16
+MAX_WORDS = 20  # a query's words, all of which must appear
+MAX_WORD_CHARS = 200  # a longer word is refused, not cut (the runs page's search says the same)
+MAX_QUERY_CHARS = 4096  # the text of a query: room for MAX_WORDS words of MAX_WORD_CHARS
 MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
@@ -52,6 +55,11 @@ def parse_query(q: str) -> list[tuple[str, bool]]:
         raise InvalidInput("q: give at least one word (letters or digits) to search for")
     if len(found) > MAX_WORDS:
         raise InvalidInput(f"q: at most {MAX_WORDS} words, got {len(found)}")
+    longest = max(len(word) for word, _ in found)
+    if longest > MAX_WORD_CHARS:
+        raise InvalidInput(
+            f"q: a word has at most {MAX_WORD_CHARS} characters, got one of {longest}"
+        )
     return found
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.read_models import RolloutWindow, RunData
 from rollout_lens.server.core.vocab import STEP_SERIES
@@ -26,6 +27,24 @@ def completion_ids(rollout: RolloutRow) -> list[int]:
     return arrays.decode_ids(rollout.data.ids) if rollout.data is not None else []
 
 
+def token_pieces(ids: Sequence[int], token_texts: Mapping[int, str]) -> list[str] | None:
+    """The run's stored pieces of `ids` (convert_ids_to_tokens: 'Ġcan'), None unless every id
+    has one."""
+    pieces = list(map(token_texts.get, ids))
+    return None if not ids or None in pieces else pieces  # type: ignore[return-value]
+
+
+def shown_tokens(rollout: RolloutRow, pieces: list[str] | None, *, whole: bool) -> list[str] | None:
+    """Each token's text as decoding shows it (tokentext.token_texts: joined, the completion
+    decoded with its special tokens), read by the rule that rebuilt its completion, else by the
+    one its pieces show (runs stored before need no migration). `whole`: the pieces are the
+    whole completion, not a page's first ones."""
+    if pieces is None:
+        return None
+    rule = tokentext.rule_for(rollout.text_rule, pieces)
+    return tokentext.token_texts(pieces, rule, final=whole)
+
+
 def rollout_dict(
     rollout: RolloutRow,
     prompt: str,
@@ -37,9 +56,10 @@ def rollout_dict(
     """One rollout with its arrays decoded (read_models.RolloutData; keys match the JSONL
     export).
 
-    `token_texts` (store.token_texts) gives each completion token's text: it must hold every id
-    of a rollout whose text is rebuilt from its ids; `tokens` is the list of them when every id
-    has one, else None. Where retention dropped the per-token logprobs and control-token
+    `token_texts` (store.token_texts) gives each completion token's stored piece: it must hold
+    every id of a rollout whose text is rebuilt from its ids. When every id has one,
+    `token_pieces` lists them and `tokens` is each token's text (shown_tokens); else both are
+    None. Where retention dropped the per-token logprobs and control-token
     probabilities, `tokens_kept` is False and those arrays are empty (the ids stay).
 
     With `max_tokens` only the first max_tokens positions of the per-token arrays are returned
@@ -55,12 +75,19 @@ def rollout_dict(
         if kept and data
         else [[] for _ in control_tokens]
     )
-    completion = completion_text(rollout, ids, texts)
+    # A completion rebuilt from its ids needs every id's piece: looked up once for both.
+    every = token_pieces(ids, texts) if rollout.text_rule is not None else None
+    completion = (
+        arrays.rebuild_from_pieces(rollout.text_rule, every)
+        if rollout.text_rule is not None and every is not None
+        else completion_text(rollout, ids, texts)
+    )
     total = len(ids)
     if max_tokens is not None:
         ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
         probs = [row[:max_tokens] for row in probs]
-    tokens = [texts[i] for i in ids] if ids and all(i in texts for i in ids) else None
+    pieces = every[: len(ids)] if every is not None else token_pieces(ids, texts)
+    tokens = shown_tokens(rollout, pieces, whole=len(ids) == total)
     out: RolloutWindow = {
         "run_id": rollout.run_id,
         "step": rollout.step,
@@ -70,6 +97,7 @@ def rollout_dict(
         "completion": completion,
         "completion_ids": ids,
         "tokens": tokens,
+        "token_pieces": pieces,
         "tokens_kept": kept,
         "vote": rollout.vote,
         "target": rollout.target,

@@ -45,7 +45,7 @@ def launch_runs(
     """
     check_room(session, adding=len(configs), max_queued=max_queued)
     check_broker(celery)
-    ids = [store.create_run(session, **c.run_columns()).id for c in configs]
+    ids = [store.create_launched_run(session, c.run_columns()).id for c in configs]
     session.commit()
     try:
         for run_id in ids:

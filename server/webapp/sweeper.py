@@ -18,8 +18,9 @@ log = logging.getLogger(__name__)
 async def sweep_lost_runs(
     factory: sessionmaker[Session], settings: Settings, *, every: float
 ) -> None:
-    """Forever: mark `lost` the running runs with no heartbeat for settings.lost_after_seconds,
-    so a worker killed mid-run leaves no run stuck in `running`."""
+    """Forever: mark `lost` the running or starting runs with no heartbeat for
+    settings.lost_after_seconds, so a process killed mid-run or while starting leaves no run
+    stuck in `running` or "queued · starting"."""
     stale_after = timedelta(seconds=settings.lost_after_seconds)
 
     def sweep() -> list[int]:
@@ -30,7 +31,7 @@ async def sweep_lost_runs(
         try:
             lost = await asyncio.to_thread(sweep)
             if lost:
-                log.warning("runs %s lost: their worker stopped sending heartbeats", lost)
+                log.warning("runs %s lost: their process stopped sending heartbeats", lost)
         except Exception:  # a database hiccup must not end the sweeping
             log.exception("could not check for lost runs")
         await asyncio.sleep(every)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from rollout_lens.server.core import vocab
+from rollout_lens.server.core import tokentext, vocab
 from rollout_lens.server.core.config import Settings, get_settings
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
 from rollout_lens.server.store.models import RunStatus
@@ -287,8 +287,8 @@ class RolloutLensCallback(TrainerCallback):
         else:
             # the tags that are single tokens; if none is, the first format's first tokens
             singles = [t for f in self._formats if f.single_tokens for t in f.pair]
-            first = self._formats[0]
-            candidates = [*(singles or [first.open_token, first.close_token]), *self._end_tokens]
+            firsts = [(f.open_token, f.close_token) for f in self._formats if f.spelled][:1]
+            candidates = [*(singles or [t for pair in firsts for t in pair]), *self._end_tokens]
             tokens = list(dict.fromkeys(t for t in candidates if t and t in vocab_))
         return list(tokens), [vocab_[t] for t in tokens]
 
@@ -312,15 +312,6 @@ class RolloutLensCallback(TrainerCallback):
             "project": self.project,
             "reward_funcs": list(getattr(trainer, "reward_func_names", []) or []),
             "judged": judged,
-            "call_tags": [
-                {
-                    "open": f.open,
-                    "close": f.close,
-                    "open_token": f.open_token,
-                    "close_token": f.close_token,
-                }
-                for f in self._formats
-            ],
         }
         label = self.name or args.run_name or Path(args.output_dir or "run").name
         world = trainer.accelerator.num_processes
@@ -344,6 +335,8 @@ class RolloutLensCallback(TrainerCallback):
                 "no format_valid function given: format validity is not recorded (unknown, not "
                 "valid); the structural state is read from the call tags "
                 + " or ".join(f"{f.open}…{f.close}" for f in self._formats)
+                if self._formats
+                else "no format_valid function given: format validity is not recorded"
             )
         notes.extend(self._tag_notes())
         return RunSpec(
@@ -439,31 +432,32 @@ class RolloutLensCallback(TrainerCallback):
         vote, format_state = judgement.vote, judgement.format_state
         probes: dict[str, float | None] = {}
         spoken = text if mask is not None else tokenizer.decode(ids)  # special tokens kept
-        form = tags.pick(self._formats, spoken)
+        form = tags.pick(self._formats, spoken) if self._formats else None
         if mask is not None:
             meta["turns"] = turns.read_turns(mask, r["completion"])
             meta["answer"] = turns.final_answer(r["completion"])
             meta["first_call"] = turns.first_call(meta["turns"])
-            meta["turn_states"] = turns.turn_states(
-                meta["turns"],
-                functools.partial(_decode_span, tokenizer, ids),
-                form.pair,
-                self._end_tokens,
-            )
-            if format_state is None:
-                format_state = turns.rollout_state(meta["turn_states"])
-            marks = self._marks(ids, spoken, form)
-            if marks is not None:
+            if form is not None:
+                meta["turn_states"] = turns.turn_states(
+                    meta["turns"],
+                    functools.partial(_decode_span, tokenizer, ids),
+                    form.pair,
+                    self._end_tokens,
+                )
+                if format_state is None:
+                    format_state = turns.rollout_state(meta["turn_states"])
+            marks = self._marks(ids, tokens, spoken, form)
+            if marks is not None and form is not None:
                 probes = positional.turn_probes_at(
                     marks, by_token, meta["turns"], **self._roles(form)
                 )
             if vote is None and not self.functions.given("vote"):
                 vote = meta["answer"]  # the group's votes: each rollout's final answer
         else:
-            if format_state is None:
+            if format_state is None and form is not None:
                 format_state = turns.completion_state(spoken, form.pair, self._end_tokens)
-            marks = self._marks(ids, spoken, form)
-            if marks is not None:
+            marks = self._marks(ids, tokens, spoken, form)
+            if marks is not None and form is not None:
                 probes = positional.probes_at(marks, by_token, **self._roles(form))
         watched = r.get("watched")
         if watched is not None:
@@ -497,14 +491,22 @@ class RolloutLensCallback(TrainerCallback):
 
     def _probing(self, form: tags.CallTags) -> bool:
         """Positional probes need the tags' tokens and an end-of-turn among the control tokens."""
-        return self._eot is not None and all(
-            t in self.control_tokens for t in (form.open_token, form.close_token)
+        return (
+            form.spelled
+            and self._eot is not None
+            and all(t in self.control_tokens for t in (form.open_token, form.close_token))
         )
 
-    def _marks(self, ids: list[int], spoken: str, form: tags.CallTags) -> tags.Marks | None:
-        """Where the completion's tags and end-of-turn stand (None: no probes to read)."""
-        if not self._probing(form) or self._token_bytes is None:
+    def _marks(
+        self, ids: list[int], tokens: list[str], spoken: str, form: tags.CallTags | None
+    ) -> tags.Marks | None:
+        """Where the completion's tags and end-of-turn stand (None: no probes to read): tags
+        that are single tokens by the tokens themselves, others found in the decoded text."""
+        if form is None or not self._probing(form) or self._token_bytes is None:
             return None
+        assert self._eot is not None
+        if form.single_tokens:
+            return tags.single_token_marks(tokens, form.open, form.close, self._eot)
         laid = self._token_bytes.layout(ids, spoken)
         if laid is None:
             return None  # the tokens' bytes do not give the decoded text back
@@ -516,12 +518,21 @@ class RolloutLensCallback(TrainerCallback):
 
     def _tag_notes(self) -> list[str]:
         """What the run page says of call tags that are not single tokens of the tokenizer."""
+        if not self._formats:
+            tried = " or ".join(f"{o}…{c}" for o, c in tags.COMMON_TAGS)
+            return [
+                f"no structural states: this tokenizer cannot spell the call tags {tried}, and "
+                "its chat template declares none (name them with RolloutLensCallback(call_tags="
+                "(opening, closing)))"
+            ]
         notes = []
         # where some format's tags are single tokens, those are the ones measured
-        several = [] if any(f.single_tokens for f in self._formats) else self._formats
+        several = [f for f in self._formats if f.spelled]
+        if any(f.single_tokens for f in self._formats):
+            several = []
         for f in several:
             stands = [
-                f"{tok!r} for {tag}"
+                f"{tokentext.piece_text(tok)!r} for {tag}"
                 for tag, tok in zip(f.pair, (f.open_token, f.close_token), strict=True)
                 if tok != tag
             ]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import numpy as np
+from rollout_lens.server.core import tokentext
 
 # The common tool-call formats, tried in this order when the run names none and the chat
 # template declares none: Qwen/Hermes-style, then the Escalation task's reply format.
@@ -42,6 +42,11 @@ class CallTags:
         """Whether each tag is one token of the tokenizer (its own token stands for it)."""
         return self.open_token == self.open and self.close_token == self.close
 
+    @property
+    def spelled(self) -> bool:
+        """Whether the tokenizer can spell the tags at all (else no token stands for them)."""
+        return bool(self.open_token and self.close_token)
+
 
 def template_tags(tokenizer: Any) -> tuple[str, str] | None:
     """The call tags the model's chat template declares for tools, where it declares any (Qwen's
@@ -55,26 +60,34 @@ def template_tags(tokenizer: Any) -> tuple[str, str] | None:
     return None
 
 
-def first_token(tokenizer: Any, tag: str) -> str:
-    """The token a reply starting with `tag` starts with (the tag itself when it is a token)."""
+def first_token(tokenizer: Any, tag: str) -> str | None:
+    """The token a reply starting with `tag` starts with (the tag itself when it is a token);
+    None when the tokenizer cannot spell the tag (its tokens do not decode back to it)."""
     if tag in tokenizer.get_vocab():
         return tag
     ids = tokenizer(tag, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise ValueError(f"the tokenizer reads {tag!r} as no token at all")
+    if not ids or tokenizer.decode(ids, skip_special_tokens=False) != tag:
+        return None
     return str(tokenizer.convert_ids_to_tokens(ids[0]))
 
 
 def call_tags(tokenizer: Any, requested: tuple[str, str] | None = None) -> list[CallTags]:
     """The call formats a run's completions are read with, in order: the one the run names,
-    else the chat template's, then the common ones (a completion is read with the first whose
-    tags it holds)."""
+    else the chat template's, then the common ones that the tokenizer can spell (a completion
+    is read with the first whose tags it holds); none when it can spell none of them."""
     if requested is not None:
         pairs = [requested]
     else:
         declared = template_tags(tokenizer)
         pairs = list(dict.fromkeys([*([declared] if declared else []), *COMMON_TAGS]))
-    return [CallTags(o, c, first_token(tokenizer, o), first_token(tokenizer, c)) for o, c in pairs]
+    out = []
+    for o, c in pairs:
+        first = first_token(tokenizer, o), first_token(tokenizer, c)
+        if first[0] is not None and first[1] is not None:
+            out.append(CallTags(o, c, first[0], first[1]))
+        elif requested is not None:  # read in the text all the same; the model cannot say it
+            out.append(CallTags(o, c, "", ""))
+    return out  # empty: no tag is known (no structural states)
 
 
 def pick(formats: Sequence[CallTags], text: str) -> CallTags:
@@ -88,21 +101,6 @@ def pick(formats: Sequence[CallTags], text: str) -> CallTags:
 # --- tokens → bytes → where a text's marks stand ----------------------------------------------------
 
 
-@cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, inverted: byte-level BPE's alphabet character → its byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
 def _decoder_kinds(tokenizer: Any) -> set[str]:
     """The kinds of the fast tokenizer's decoder and its parts (ByteLevel, Metaspace, …)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -114,13 +112,18 @@ def _decoder_kinds(tokenizer: Any) -> set[str]:
 
 
 class TokenBytes:
-    """The bytes each token id of one tokenizer contributes to its decoded text."""
+    """The bytes each token id of one tokenizer contributes to its decoded text, by the
+    tokenizer's decoder (server.core.tokentext's rules, as the pages read the stored pieces)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         kinds = _decoder_kinds(tokenizer)
-        self.byte_level = "ByteLevel" in kinds
-        self.sentencepiece = not self.byte_level and bool(kinds & {"Metaspace", "Replace"})
+        if "ByteLevel" in kinds:
+            self.rule = tokentext.BYTE_LEVEL
+        elif kinds & {"Metaspace", "Replace"}:
+            self.rule = tokentext.SENTENCEPIECE
+        else:
+            self.rule = tokentext.JOIN
         self.added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
         self._bytes: dict[int, bytes] = {}
 
@@ -132,18 +135,9 @@ class TokenBytes:
 
     def _compute(self, token_id: int) -> bytes:
         piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
-        if token_id in self.added:
-            return piece.encode("utf-8")
-        if self.byte_level:
-            table = _byte_decoder()
-            if all(ch in table for ch in piece):
-                return bytes(table[ch] for ch in piece)
-            return piece.encode("utf-8")
-        if self.sentencepiece:
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                return bytes([int(piece[3:5], 16)])
-            return piece.replace("▁", " ").encode("utf-8")
-        return piece.encode("utf-8")
+        if token_id in self.added:  # an added token decodes as its own text
+            return piece.encode("utf-8", "surrogatepass")
+        return tokentext.piece_bytes(piece, self.rule)
 
     def layout(self, ids: Sequence[int], text: str) -> tuple[bytes, np.ndarray] | None:
         """The bytes the tokens make and each token's end in them, when they give `text` back

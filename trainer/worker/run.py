@@ -138,7 +138,7 @@ def train(
     factory = make_session_factory(engine)
     if run_id is None:
         with session_scope(factory) as session:
-            run_id = store.create_run(session, **config.run_columns()).id
+            run_id = store.create_launched_run(session, config.run_columns()).id
     try:
         return _train(
             config, settings, factory, run_id, on_step, should_stop, log_line, resume_from

@@ -45,7 +45,17 @@ def train_run(self, run_id: int) -> str:  # type: ignore[no-untyped-def]
                 store.mark_finished(session, run_id=run_id, status=RunStatus.failed, error=error)
             return f"run {run_id} failed: invalid config"
         # Only now the ML stack: the worker process stays light until a run arrives.
-        from rollout_lens.trainer.worker.run import resume_step, train
+        try:
+            from rollout_lens.trainer.worker.run import resume_step, train
+        except ImportError as exc:  # a dashboard-only install: the run fails, saying why
+            error = (
+                f"this worker cannot train: {exc} (a dashboard-only install); install the ML "
+                "stack where the worker runs: pip install 'rollout-lens[train]'"
+            )
+            log.error("run %s: %s", run_id, error)
+            with session_scope(factory) as session:
+                store.mark_finished(session, run_id=run_id, status=RunStatus.failed, error=error)
+            return f"run {run_id} failed: no ML stack"
 
         start = resume_step(settings, run_id, checkpoint_step)
         train(config, settings=settings, run_id=run_id, resume_from=start)

@@ -28,6 +28,12 @@ window.RL = (() => {
         el.textContent = run.text[field];
       }
     }
+    // "true acc. · last N": the last 25 steps, or all of them before there are 25.
+    for (const dt of root.querySelectorAll("dt[data-window]")) {
+      const window = Number(dt.dataset.window);
+      const n = run.current_step > 0 ? Math.min(run.current_step, window) : window;
+      dt.textContent = `${dt.dataset.label} · last ${n}`;
+    }
     for (const bar of root.querySelectorAll("progress")) {
       bar.max = Math.max(run.total_steps, 1);
       bar.value = run.current_step;

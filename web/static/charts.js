@@ -19,17 +19,21 @@ window.RL.charts = (() => {
   const raw = new WeakMap(); // trace → the values as received ({y}), before smoothing
   const baseAxes = new WeakMap(); // chart → its y axes as the server laid them out
   const baseWidth = new WeakMap(); // trace → its line width as the server set it
+  const baseMode = new WeakMap(); // trace → its mode as the server set it
+  const baseName = new WeakMap(); // trace → its legend name as the server set it
   let stepRange = null; // [first, last] step the page's charts share on their x axis
 
+  /** The view the URL asks for; without `smooth` the page's default applies (auto). */
   function readView() {
     const params = new URLSearchParams(window.location.search);
     const smooth = Number(params.get("smooth"));
-    return { smooth: smooth > 0 && smooth < 1 ? Math.round(smooth * 100) / 100 : 0, log: params.get("log") === "1" };
+    const asked = params.has("smooth") && Number.isFinite(smooth);
+    return { smooth: asked && smooth > 0 && smooth < 1 ? Math.round(smooth * 100) / 100 : 0, auto: !asked, log: params.get("log") === "1" };
   }
 
   function writeView() {
     const url = new URL(window.location.href);
-    if (view.smooth) url.searchParams.set("smooth", String(view.smooth));
+    if (!view.auto) url.searchParams.set("smooth", String(view.smooth)); // 0 too: raw, asked for
     else url.searchParams.delete("smooth");
     if (view.log) url.searchParams.set("log", "1");
     else url.searchParams.delete("log");
@@ -74,8 +78,40 @@ window.RL.charts = (() => {
       if (parts.lo) parts.lo.y = rawOf(parts.lo).y.map((v, i) => (smooth && mean[i] !== null && v !== null ? Math.min(v, mean[i]) : v));
       if (parts.hi) parts.hi.y = rawOf(parts.hi).y.map((v, i) => (smooth && mean[i] !== null && v !== null ? Math.max(v, mean[i]) : v));
     }
+    markLonePoints(el);
+    legendValues(el);
     nestOverlaps(el);
     applyAxes(el);
+  }
+
+  function nameOf(trace) {
+    return baseName.has(trace) ? baseName.get(trace) : trace.name;
+  }
+
+  /** A figure with `legend_last` names each line's last raw value in its key ("open tag first
+   *  · 1"): lines that lie on one another at 0 or 1 are told apart there. */
+  function legendValues(el) {
+    if (!(el.figure && el.figure.legend_last)) return;
+    for (const trace of el.data) {
+      if (!(trace.meta && trace.meta.part === "y")) continue;
+      if (!baseName.has(trace)) baseName.set(trace, trace.name);
+      const ys = rawOf(trace).y.filter((v) => v !== null && v !== undefined);
+      const last = ys[ys.length - 1];
+      const shown = Math.abs(last) < 0.001 && last !== 0 ? "< 0.001" : short(last);
+      trace.name = ys.length ? `${baseName.get(trace)} · ${shown}` : baseName.get(trace);
+    }
+  }
+
+  /** A line through one point draws nothing: a series with a single point shows it as a dot. */
+  function markLonePoints(el) {
+    for (const trace of el.data) {
+      if (!(trace.meta && trace.meta.part === "y" && trace.line)) continue;
+      if (!baseMode.has(trace)) baseMode.set(trace, trace.mode || "lines");
+      const points = trace.y.filter((v) => v !== null && v !== undefined).length;
+      const lone = points === 1 && !baseMode.get(trace).includes("markers");
+      trace.mode = lone ? "lines+markers" : baseMode.get(trace);
+      if (lone) trace.marker = { ...trace.marker, size: 7, color: trace.line.color };
+    }
   }
 
   /** Lines that lie on one another (most of their points within half a percent of the chart's
@@ -127,27 +163,54 @@ window.RL.charts = (() => {
     }
   }
 
-  /** The step range every chart of the page shows (until the reader zooms). */
+  /** The page's display rules (server chart_data.chart_view, on the controls' element). */
+  function rules() {
+    const data = (document.getElementById("chart-controls") || {}).dataset || {};
+    return {
+      smoothing: Number(data.smoothing) || 0,
+      smoothPast: Number(data.smoothPastSteps) || Infinity,
+      foldMin: Number(data.foldMinPoints) || 2,
+    };
+  }
+
+  /** The step range every chart of the page shows (until the reader zooms). A page past the
+   *  rules' number of steps opens smoothed, unless its URL says how to smooth. */
   function setStepRange(first, last) {
-    if (Number.isFinite(first) && Number.isFinite(last) && last >= first) stepRange = [first, last];
+    if (!(Number.isFinite(first) && Number.isFinite(last) && last >= first)) return;
+    stepRange = [first, last];
+    const { smoothing, smoothPast } = rules();
+    if (view.auto && !view.smooth && last - first + 1 > smoothPast && smoothing) {
+      view.smooth = smoothing;
+      showView();
+      for (const el of drawnEls) redraw(el);
+    }
+  }
+
+  /** The controls as the view is: slider, its value, and the note while the default applies. */
+  function showView() {
+    const slider = document.getElementById("smoothing");
+    if (!slider) return;
+    slider.value = String(view.smooth);
+    document.getElementById("smoothing-value").textContent = String(view.smooth);
+    document.getElementById("log-scale").checked = view.log;
+    const note = document.getElementById("smoothing-note");
+    if (note) note.hidden = !(view.auto && view.smooth);
+    document.body.dataset.view = `${view.smooth}:${view.log ? 1 : 0}`;
   }
 
   /** Wire the page's chart controls (partial _chart_controls.html) to the view. */
   function controls() {
     const slider = document.getElementById("smoothing");
-    const shown = document.getElementById("smoothing-value");
     const log = document.getElementById("log-scale");
     if (!slider) return;
-    slider.value = String(view.smooth);
-    shown.textContent = String(view.smooth);
-    log.checked = view.log;
-    const apply = () => {
+    showView();
+    const apply = (event) => {
+      if (event.target === slider) view.auto = false; // the reader chose: kept in the URL
       view.smooth = Number(slider.value) >= 0.01 ? Number(slider.value) : 0;
       view.log = log.checked;
-      shown.textContent = String(view.smooth);
       writeView();
+      showView();
       for (const el of drawnEls) redraw(el);
-      document.body.dataset.view = `${view.smooth}:${view.log ? 1 : 0}`;
     };
     slider.addEventListener("input", apply);
     log.addEventListener("change", apply);
@@ -170,10 +233,12 @@ window.RL.charts = (() => {
   }
 
   /** {text: "name = 0.5 · other = 1: constant over steps 1–30", values} when every series of
-   *  the chart that has data kept one value (to 4 significant digits) over at least two steps
-   *  (raw values, not smoothed); else null. */
+   *  the chart that has data kept one value (to 4 significant digits) over at least the rules'
+   *  number of points (raw values, not smoothed; a bucket or an evaluation is one point); else
+   *  null. */
   function flatSummary(el) {
     if (!hasData(el)) return null;
+    const { foldMin } = rules();
     const parts = [];
     const values = [];
     let first = Infinity;
@@ -183,6 +248,7 @@ window.RL.charts = (() => {
       if (!(meta.part === "y" || meta.part === "center")) continue;
       const ys = (meta.part === "y" ? rawOf(trace).y : trace.y).filter((v) => v !== null && v !== undefined);
       if (!ys.length) continue;
+      if (ys.length < foldMin) return null; // too few points to call it constant
       const lo = Math.min(...ys);
       const hi = Math.max(...ys);
       // Unchanged to display precision (a probability of 0.99998 ± 1e-6 is a flat line at 1).
@@ -192,7 +258,7 @@ window.RL.charts = (() => {
       const xs = rows ? rows.flatMap((r) => [r.x0, r.x1]) : trace.x.filter((x, i) => trace.y[i] !== null && x !== null);
       first = Math.min(first, ...xs);
       last = Math.max(last, ...xs);
-      const name = el.figure && el.figure.small ? "" : `${plain(trace.name)} = `;
+      const name = el.figure && el.figure.small ? "" : `${plain(nameOf(trace))} = `;
       parts.push(`${name}${short(ys[0])}`);
       values.push(ys[0]);
     }
@@ -220,11 +286,16 @@ window.RL.charts = (() => {
     if (text !== null) summary.querySelector(".flat-text").textContent = text;
   }
 
+  /** "2 charts folded (Loss, KL): …", naming the folded charts and the rule that folded them. */
   function countFlat() {
     const counter = document.getElementById("flat-count");
     if (!counter) return;
-    const n = document.querySelectorAll("figure.flat").length;
-    counter.textContent = n ? `${n} chart${n === 1 ? "" : "s"} folded: their series never changed` : "";
+    const titles = [...document.querySelectorAll("figure.flat")].map((f) => f.querySelector(".chart-title").firstChild.textContent.trim());
+    const n = titles.length;
+    const named = titles.length > 4 ? `${titles.slice(0, 4).join(", ")}, …` : titles.join(", ");
+    counter.textContent = n
+      ? `${n} chart${n === 1 ? "" : "s"} folded (${named}): each series held one value over at least ${rules().foldMin} points`
+      : "";
   }
 
   document.addEventListener("click", (event) => {

@@ -116,6 +116,7 @@
 
   async function start() {
     C.controls();
+    if (page.no_steps) for (const f of document.querySelectorAll("figure[data-empty]")) f.dataset.empty = "no steps yet";
     const payload = await RL.getJSON(seriesUrl(names, 0));
     cursor = payload.cursor;
     marks.alerts = [...page.initial_alerts];

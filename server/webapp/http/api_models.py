@@ -125,7 +125,10 @@ class Group(_Open):
     run: Run
     step: dict[str, Any]
     summary: dict[str, Any]
-    rollouts: list[dict[str, Any]]
+    rollouts: list[dict[str, Any]] = Field(
+        description="a page of rollouts (read_models.RolloutData): `tokens` is each token's text "
+        "as decoded, `token_pieces` the tokenizer's raw pieces"
+    )
     rollouts_total: int
     next: str | None = Field(description="the next page of rollouts (null at the end)")
 

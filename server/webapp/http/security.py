@@ -7,12 +7,14 @@ In order, for every HTTP request:
    421 — a DNS-rebinding page (evil.example resolving to 127.0.0.1) never reaches the API.
    A NUL byte in the path or query string is a 400 (no parameter has a use for one).
 2. **Cross-site.** A state-changing request (POST, PUT, PATCH, DELETE) whose `Sec-Fetch-Site` is
-   `cross-site` or `same-site`, or whose `Origin` is not this dashboard's own, is a 403.
+   `cross-site` or `same-site`, or whose `Origin` is not this dashboard's own (scheme, host and
+   port), is a 403.
 3. **Token.** With `ROLLOUT_LENS_AUTH_TOKEN` set, state-changing requests (every request, with
    `ROLLOUT_LENS_AUTH_READ`) need one of its tokens: `Authorization: Bearer <token>`, or the
    session cookie the sign-in form (`/login`) sets: the random id of a server-side session
    (server/store/browser_sessions.py). Tokens are compared in constant time and never logged or echoed;
-   wrong ones lock their client address out for a growing time (server/webapp/http/ratelimit.py: 429).
+   wrong ones lock their client address out for a growing time, per token bucket, so that they
+   cannot lock out a right one (server/webapp/http/ratelimit.py: 429).
 4. **Body.** A state-changing request's body is read here, at most MAX_BODY_BYTES (else 413), and
    replayed to the app.
 5. **CSRF.** A state-changing request from a browser (one that carries cookies, `Origin` or
@@ -211,7 +213,10 @@ class Guard:
                 for name, value in SECURITY_HEADERS.items():
                     if name not in out:
                         out[name] = value
-                if fresh_csrf and not scope["path"].startswith("/static/"):
+                sets_csrf = any(
+                    v.startswith(f"{CSRF_COOKIE}=") for v in out.getlist("set-cookie")
+                )  # sign-in gives the browser a new one: it is not to be overwritten here
+                if fresh_csrf and not sets_csrf and not scope["path"].startswith("/static/"):
                     cookie = f"{CSRF_COOKIE}={csrf}; Path=/; HttpOnly; SameSite=Lax"
                     out.append("set-cookie", cookie + ("; Secure" if secure else ""))
             await send(message)
@@ -256,7 +261,7 @@ class Guard:
         method = scope["method"]
         unsafe = method in UNSAFE_METHODS
         if unsafe:
-            self._check_same_origin(headers)
+            self._check_same_origin(headers, scope.get("scheme", "http"))
         path: str = scope["path"]
         bearer = self._bearer(scope, headers)
         if self.tokens and (unsafe or self.auth_read) and not path.startswith(PUBLIC_PREFIXES):
@@ -283,18 +288,17 @@ class Guard:
         scheme, _, value = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not self.tokens:
             return False
-        address = client_address(scope)
-        wait = self.limiter.retry_after(address)
+        address, token = client_address(scope), value.strip()
+        wait = self.limiter.retry_after(address, token)
         if wait:
             raise Refused(429, too_many_message(wait), {"retry-after": str(wait)})
-        if not matches_token(value.strip(), self.tokens):
-            self.limiter.failed(address)
+        if not matches_token(token, self.tokens):
+            self.limiter.failed(address, token)
             raise Refused(401, "the token is not valid", {"www-authenticate": "Bearer"})
-        self.limiter.succeeded(address)
         return True
 
     @staticmethod
-    def _check_same_origin(headers: Headers) -> None:
+    def _check_same_origin(headers: Headers, scheme: str) -> None:
         site = headers.get("sec-fetch-site", "").lower()
         if site in ("cross-site", "same-site"):
             raise Refused(
@@ -305,7 +309,10 @@ class Guard:
         origin = headers.get("origin")
         if origin is not None:
             own = headers.get("host", "").lower()
-            if origin == "null" or urlsplit(origin).netloc.lower() != own:
+            parts = urlsplit(origin)
+            # The scheme too: http://host and https://host are two origins (a page served over
+            # plain HTTP on the same name may not act on the TLS one, nor the other way round).
+            if origin == "null" or parts.netloc.lower() != own or parts.scheme.lower() != scheme:
                 raise Refused(
                     403,
                     "refused: this request came from another web site (its Origin is not this "
@@ -419,6 +426,20 @@ async def read_body(receive: Receive, headers: Headers) -> tuple[bytes, Receive]
         return await receive()
 
     return body, replay
+
+
+def csrf_cookie(*, secure: bool) -> dict[str, Any]:
+    """Arguments of Response.set_cookie for a fresh CSRF token: sign-in replaces whatever CSRF
+    cookie the browser had (one planted before sign-in, by a sibling subdomain say, must not
+    outlive it)."""
+    return {
+        "key": CSRF_COOKIE,
+        "value": secrets.token_urlsafe(32),
+        "httponly": True,
+        "samesite": "lax",
+        "secure": secure,
+        "path": "/",
+    }
 
 
 def session_cookie(value: str, *, max_age: int, secure: bool) -> dict[str, Any]:

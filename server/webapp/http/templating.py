@@ -14,10 +14,12 @@ from fastapi import Request
 from fastapi.templating import Jinja2Templates
 from markupsafe import Markup, escape
 from rollout_lens.server import ROOT
+from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.display import fmt_minutes, fmt_money, fmt_num, fmt_pct, fmt_when
 from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.textsafe import clip
 from rollout_lens.server.core.vocab import WINDOW
+from rollout_lens.server.webapp.pages.state_reason import state_reason
 from rollout_lens.server.webapp.pages.stepview import (
     NEAR_MISS,
     SHOWN_CHARS,
@@ -114,6 +116,7 @@ def make_templates() -> Jinja2Templates:
         disagree_reward=DISAGREE_AT,
         broken=broken,  # a rollout's format is bad only when known to be (stepview.broken)
         state_name=state_name,  # its state, valid/invalid, or None: not recorded
+        state_reason=state_reason,  # why, in words beside the badge (pages.state_reason)
     )
     env.filters.update(
         num=fmt_num,
@@ -124,6 +127,7 @@ def make_templates() -> Jinja2Templates:
         when=fmt_when,
         visible=visible_text,
         token=token_text,
+        piece=piece_view,
         token_cells_html=token_cells_html,
         control_table_html=control_table_html,
         clip=clip,
@@ -147,13 +151,30 @@ def visible_text(text: str | None) -> Markup:
     return Markup(_CONTROL_CHARS.sub(_picture, escaped))
 
 
+# Characters that draw nothing (zero-width joiners and spaces, direction marks, a soft hyphen):
+# alone in a token cell they would leave it blank.
+_INVISIBLE = re.compile("[\u00ad\u200b-\u200f\u2028-\u202e\u2060-\u2064\ufeff]")
+
+
+def _invisible(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f'<span class="cc" title="invisible character U+{code:04X}">U+{code:04X}</span>'
+
+
 def token_text(text: str) -> Markup:
-    """A token for the token-by-token view: whitespace and control characters made visible."""
+    """A token for the token-by-token view: whitespace, control and invisible characters made
+    visible."""
     if text == "":
         return Markup('<span class="cc">∅</span>')
     escaped = str(escape(text.replace("\n", "↵").replace("\t", "⇥")))
     spaced = escaped.replace(" ", '<span class="sp">·</span>')  # before any markup is added
-    return Markup(_CONTROL_CHARS.sub(_picture, spaced))
+    return Markup(_INVISIBLE.sub(_invisible, _CONTROL_CHARS.sub(_picture, spaced)))
+
+
+def piece_view(piece: str) -> Markup:
+    """A raw token piece (a control token's name, 'Ġ<') as the text it stands for (' <'), made
+    visible like a token."""
+    return token_text(tokentext.piece_text(piece))
 
 
 # The token view as HTML built here rather than by Jinja loops: a long completion is thousands of
@@ -175,11 +196,12 @@ def token_cells_html(cells: list[dict[str, Any]]) -> Markup:
 def control_table_html(
     cells: list[dict[str, Any]], rows: list[tuple[str, list[tuple[str, str]]]]
 ) -> Markup:
-    """The control-token table's head and body (server.webapp.pages.stepview.control_rows)."""
+    """The control-token table's head (a column a token cell) and body (server.webapp.pages.
+    stepview.control_rows; each control token's name read as text, like the cells)."""
     head = "".join(f'<th scope="col" class="mono">{token_text(c["text"])}</th>' for c in cells)
     body = "".join(
         ('<tr><th scope="row">' if i == 0 else '<tr><th scope="row" class="mono">')
-        + f"{escape(label)}</th>"
+        + f"{escape(label) if i == 0 else piece_view(label)}</th>"
         + "".join(f'<td class="{escape(cls)}">{escape(text)}</td>' for cls, text in values)
         + "</tr>"
         for i, (label, values) in enumerate(rows)

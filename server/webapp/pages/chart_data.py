@@ -24,6 +24,24 @@ from rollout_lens.server.core.vocab import WINDOW
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 
 MAX_POINTS = 600  # points per chart series before steps are merged (about a chart's width)
+# Past this many steps a chart page opens smoothed: with 8 rollouts a step's true accuracy
+# moves in eighths and swings 0 ↔ 1 from step to step, which hides a run's climb. SMOOTHING is
+# the EMA weight (charts.js): an effective window of about 10 steps.
+SMOOTH_PAST_STEPS = 20
+SMOOTHING = 0.9
+# A chart is folded to one line only when each of its series has at least this many points and
+# none changed: two evaluations or one filling bucket that agree say nothing yet.
+FOLD_MIN_POINTS = 10
+
+
+def chart_view() -> dict[str, Any]:
+    """The chart pages' display rules, for their controls (partial _chart_controls.html)."""
+    return {
+        "smoothing": SMOOTHING,
+        "smooth_past_steps": SMOOTH_PAST_STEPS,
+        "fold_min_points": FOLD_MIN_POINTS,
+    }
+
 
 DOWNSAMPLING = (
     "Series longer than max_points steps are cut into buckets of `bucket` consecutive steps "
@@ -183,6 +201,9 @@ def live_summary(live: Mapping[str, Any]) -> str:
     """One line on where a run stands: its place in the queue, its speed and ETA, or its end."""
     status, step, total = live["status"], live["current_step"], live["total_steps"]
     if status == "queued":
+        starting = str(live.get("phase") or "")
+        if starting:  # a process took it (the demo, `train`): it starts, not waits
+            return starting[:1].upper() + starting[1:]
         place = live.get("queue_position")
         if not place:
             return "Queued: waiting for a worker"
@@ -213,9 +234,10 @@ def live_summary(live: Mapping[str, Any]) -> str:
 def run_summary(run: RunData, buckets: dict[str, list[Any]]) -> BucketSummary:
     """Compare's summary row from a run's 25-step buckets (bucket_table) and its summary columns:
     converged = analysis.converged_at (the first closed 25-step bucket reaching 0.9 true accuracy);
-    stability = spread (max − min) of the bucket accuracies from there on (0 is perfectly stable,
-    the leaky run's 0 ↔ 1 swings are 1); final = mean of the last 25 steps (the run's
-    recent_true_accuracy and recent_reward, which the writer keeps current)."""
+    stability = spread (max − min) of the bucket accuracies from there on (0 is perfectly stable;
+    swings between 0 and 1, as the seed's blog post reports for a leaky run, are 1); final =
+    mean of the last 25 steps (the run's recent_true_accuracy and recent_reward, which the
+    writer keeps current)."""
     ends, accuracy = buckets["end"], buckets["true_accuracy"]
     converged = analysis.converged_at(ends, accuracy, run["current_step"])
     return {

@@ -7,10 +7,11 @@ Each page's `page` dict is the one way data reaches a script: base.html writes i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 from urllib.parse import urlencode
 
+from pydantic import ValidationError
 from rollout_lens.server.core import analysis, vocab
 from rollout_lens.server.core.read_models import (
     CompareData,
@@ -120,6 +121,7 @@ class RunPageContext(TypedDict):
     full: bool  # every step drawn, not downsampled
     notice: str  # what a form action left for this page (server.webapp.http.flash)
     page: dict[str, Any]  # the page script's data
+    chart_view: dict[str, Any]  # chart_data.chart_view(): default smoothing, folding rule
 
 
 def run_page(overview: RunOverviewData, url: Url, *, full: bool, notice: str) -> RunPageContext:
@@ -159,6 +161,7 @@ def run_page(overview: RunOverviewData, url: Url, *, full: bool, notice: str) ->
         "full": full,
         "notice": notice,
         "page": page,
+        "chart_view": chart_data.chart_view(),
     }
 
 
@@ -356,6 +359,7 @@ class ComparePageContext(TypedDict):
     page: dict[str, Any]
     eval_columns: list[tuple[str, str]]
     converged: float  # analysis.CONVERGED, for the summary's explanation
+    chart_view: dict[str, Any]  # chart_data.chart_view(): default smoothing, folding rule
 
 
 def compare_page(data: CompareData, url: Url) -> ComparePageContext:
@@ -384,6 +388,7 @@ def compare_page(data: CompareData, url: Url) -> ComparePageContext:
         "page": page,
         "eval_columns": [(n, label) for n, label in EVAL_COLUMNS if n in evaluated],
         "converged": analysis.CONVERGED,
+        "chart_view": chart_data.chart_view(),
     }
 
 
@@ -427,6 +432,68 @@ def explorer_urls(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, A
     return data
 
 
+# The state filter's choices: every structural state a rollout row can hold.
+EXPLORER_STATES = tuple(dict.fromkeys([*vocab.STATES, *vocab.TURN_STATES]))
+_FORM_BOOLEANS = {"true": True, "false": False}
+
+
+def explorer_path(url: Url, run_id: int, params: list[tuple[str, str]]) -> str:
+    """The explorer's URL with `params` (the filters as given, in their order)."""
+    path = url("explorer_page", run_id=run_id)
+    return f"{path}?{urlencode(params)}" if params else path
+
+
+def explorer_invalid(
+    run: Mapping[str, Any], given: dict[str, str], error: Exception, url: Url
+) -> dict[str, Any]:
+    """The explorer when its filters do not parse: the form as typed, each bad field with its
+    reason (`errors`: field → message; "" for what no field holds), no rows."""
+    fields = RolloutQuery.model_fields
+    errors: dict[str, str] = {}
+    for loc, message, kind in _reasons(error):
+        if loc in fields:
+            errors.setdefault(loc, message)
+        elif kind == "extra_forbidden":
+            errors.setdefault("", f"{loc} is not a filter of this page")
+        else:
+            errors.setdefault("", f"{loc}: {message}" if loc else message)
+    path = url("explorer_page", run_id=run["id"])
+    typed = {
+        k: _FORM_BOOLEANS.get(v, v) if k in ("format_valid", "disagree", "alert") else v
+        for k, v in given.items()
+    }
+    return {
+        "run": run,
+        "rows": [],
+        "total": 0,
+        "total_capped": False,
+        "f": dict.fromkeys(fields) | RolloutQuery().filters() | typed,
+        "errors": errors,
+        "states": EXPLORER_STATES,
+        "headers": [],
+        "first_url": path,
+        "next_page_url": None,
+        "json_url": explorer_path(url, run["id"], list(given.items())),
+        "run_url": url("run_page", run_id=run["id"]),
+        "path": path,
+    }
+
+
+def _reasons(error: Exception) -> list[tuple[str, str, str]]:
+    """(field, message, kind) for each thing wrong with the explorer's parameters."""
+    if isinstance(error, ValidationError):
+        return [
+            (
+                str(e["loc"][0]) if e["loc"] else "",
+                str(e["msg"]).removeprefix("Value error, "),
+                str(e["type"]),
+            )
+            for e in error.errors()
+        ]
+    field, _, message = str(error).partition(": ")  # InvalidInput: "after: not a cursor …"
+    return [(field, message, "")] if message else [("", str(error), "")]
+
+
 def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, Any]:
     """The explorer page: its rows, the filter form's values, sort links that keep the filters,
     the next page and the JSON twin."""
@@ -453,6 +520,8 @@ def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, A
         "total": data["total"],
         "total_capped": data["total_capped"],
         "f": dict.fromkeys(RolloutQuery.model_fields) | RolloutQuery().filters() | filters,
+        "errors": {},
+        "states": EXPLORER_STATES,
         "headers": headers,
         "first_url": _explorer_url(path, filters),
         "next_page_url": None

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server.core import vocab
+from rollout_lens.server.core.analysis import CONVERGED
 from rollout_lens.server.core.task_vocab import SFT_MODES
 from rollout_lens.server.core.vocab import STEP_SERIES, WINDOW, label
 
@@ -41,7 +42,10 @@ RUN_COLORS = (
 )
 NEUTRAL = "#334155"
 
-UNIT_RANGE = {"autorangeoptions": {"include": [0, 1]}}
+UNIT_RANGE = {
+    "autorangeoptions": {"include": [0, 1]},
+    "rangemode": "tozero",
+}  # shares: never below 0
 
 
 def plotly_text(text: str) -> str:
@@ -315,10 +319,14 @@ def _structure(names: set[str]) -> list[dict[str, Any]]:
                 "Control tokens where they matter",
                 traces,
                 help="Mean probability, per step, of a control token at the position where it "
-                "breaks or ends the call. End-of-turn right after the opening tag is the collapse signal.",
+                "breaks or ends the call. End-of-turn right after the opening tag is the collapse "
+                "signal. The key gives each line's last value: lines at 0 and at 1 lie on one "
+                "another.",
                 alerts=["control_token_spike", "collapse"],
+                wide=True,  # five keys: on a third of a row they took half the card
                 y=UNIT_RANGE,
             )
+            | {"legend_last": True}
         )
     states = [vocab.state(s) for s in vocab.STATES if vocab.state(s) in names]
     states += sorted(n for n in names if n.startswith(vocab.state("")) and n not in states)
@@ -424,8 +432,10 @@ def expected_series(config: dict[str, Any] | None) -> list[str]:
 
 
 def _markers(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Sparse series (every E steps) as lines with markers."""
+    """Sparse series (every E steps) as lines with markers, never smoothed (an evaluation is a
+    measurement of its own, not a noisy step)."""
     for trace in traces:
+        trace["meta"]["sparse"] = True
         if trace["meta"]["part"] == "y":
             trace["mode"] = "lines+markers"
             trace["marker"] = {"size": 6, "color": trace["line"]["color"]}
@@ -514,8 +524,9 @@ def run_figures(
             _bucket_lines("reward_mean", c["reward_mean"])
             + _bucket_lines("true_accuracy", c["true_accuracy"]),
             help=f"Mean of steps 1–{WINDOW}, {WINDOW + 1}–{2 * WINDOW}, …, drawn over the steps "
-            "each holds, the dot at its centre; dotted and open: the bucket still filling. A "
-            "leaky run swings between buckets; a patched run converges.",
+            "each holds, the dot at its centre; dotted and open: the bucket still filling. A run "
+            f"has converged at the end of the first closed bucket whose true accuracy reaches "
+            f"{CONVERGED}.",
             alerts=["reward_hacking"],
             y=UNIT_RANGE,
         ),
@@ -684,8 +695,6 @@ def compare_figures(
         fig = overlay(f"x-{i}", name, title)
         if fig is not None:
             if name in vocab.EVAL_SERIES:
-                for trace in fig["data"]:
-                    if trace["meta"]["part"] == "y":
-                        trace["mode"] = "lines+markers"
+                _markers(fig["data"])
             out[section].append(fig)
     return out

@@ -8,10 +8,12 @@ import json
 import math
 import os
 import re
+from bisect import bisect_left
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.records import disagrees
 
 # The tiny model's pieces (tags, turn markers, ids, words with their leading space, punctuation,
@@ -49,22 +51,29 @@ def _matching_control_token(
     return None
 
 
-def token_texts(rollout: dict[str, Any], limit: int = VIEW_TOKENS) -> tuple[list[str], bool]:
-    """A display string for each of the first `limit` completion tokens, and whether the strings
-    are the real tokens.
+def token_spans(
+    rollout: dict[str, Any], limit: int = VIEW_TOKENS
+) -> tuple[list[tokentext.Cell], bool]:
+    """The first `limit` completion tokens as cells (tokentext.Cell: a text and the positions
+    first…last it covers), and whether the texts are the real tokens.
 
-    Uses the token texts the recorder stored (`tokens`, from the run's token table); else splits
-    the completion text, which
-    matches the tiny model's tokenizer; else labels each position by its id (or by the control
-    token that was sampled there, recognised by its probability). A completion longer than
-    `limit` tokens is labelled, not split: splitting must read all of its text.
+    From the pieces the recorder stored (`token_pieces`, read by the rule that gave `tokens`):
+    a cell a token, except that tokens carrying parts of one UTF-8 character share a cell. Else
+    from `tokens` alone, or the completion text split as the tiny model's tokenizer splits it;
+    else each position is labelled by its id (or by the control token that was sampled there,
+    recognised by its probability). A completion longer than `limit` tokens is labelled, not
+    split: splitting must read all of its text.
     """
     ids: list[int] = rollout["completion_ids"]  # maybe only the first ones (tokens_total)
     total = rollout.get("tokens_total", len(ids))
     shown = min(total, limit, len(ids))
-    stored = rollout.get("tokens")  # the texts of `ids`, when the recorder stored them
+    stored = rollout.get("tokens")  # each id's text, when the recorder stored its piece
+    pieces = rollout.get("token_pieces")
     if isinstance(stored, list) and len(stored) == len(ids):
-        return [str(t) for t in stored[:shown]], True
+        if isinstance(pieces, list) and len(pieces) == len(ids):
+            rule = tokentext.matching_rule(pieces[:shown], stored[:shown])
+            return tokentext.cells(pieces[:shown], rule, final=shown == total), True
+        return _single(str(t) for t in stored[:shown]), True
     logprobs = rollout["token_logprobs"]
     control = rollout["control_token_probs"]
 
@@ -74,17 +83,22 @@ def token_texts(rollout: dict[str, Any], limit: int = VIEW_TOKENS) -> tuple[list
             if i < len(logprobs)
             else None
         )
-        return found or f"⟨{ids[i]}⟩"
+        return tokentext.piece_text(found) if found is not None else f"⟨{ids[i]}⟩"
 
     text = rollout["completion"]
     if total == len(ids) <= limit and len(text) <= limit * SPLIT_CHARS_PER_TOKEN:
-        pieces = _split(text, len(ids) + 1)
-        if pieces is not None and len(pieces) == len(ids):
-            return pieces, True
+        split = _split(text, len(ids) + 1)
+        if split is not None and len(split) == len(ids):
+            return _single(split), True
         # The end-of-turn token is special: decoding drops it from the text.
-        if pieces is not None and len(pieces) == len(ids) - 1:
-            return [*pieces, label(len(ids) - 1)], True
-    return [label(i) for i in range(shown)], False
+        if split is not None and len(split) == len(ids) - 1:
+            return _single([*split, label(len(ids) - 1)]), True
+    return _single(label(i) for i in range(shown)), False
+
+
+def _single(texts: Iterable[str]) -> list[tokentext.Cell]:
+    """A cell a token."""
+    return [tokentext.Cell(text, i, i) for i, text in enumerate(texts)]
 
 
 def _split(text: str, most: int) -> list[str] | None:
@@ -143,8 +157,8 @@ def answer_histogram(members: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
-    texts, exact = token_texts(rollout)
-    n = len(texts)
+    spans, exact = token_spans(rollout)
+    n = spans[-1].last + 1 if spans else 0  # the positions the cells cover
     probs: list[float | None] = [math.exp(lp) for lp in rollout["token_logprobs"][:n]]
     probs += [None] * (n - len(probs))
     control: dict[str, list[float | None]] = {
@@ -159,7 +173,7 @@ def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
             for t, ps in control.items()
         }
     return rollout | {
-        "token_view": texts,
+        "token_view": spans,
         "tokens_exact": exact,
         # tokens has the first VIEW_TOKENS; a page reads only those (serialize's max_tokens)
         "tokens_total": rollout.get("tokens_total", len(rollout["completion_ids"])),
@@ -215,12 +229,16 @@ def turn_views(
         return None
     recorded = meta.get("turn_states")
     states: list[Any] = recorded if isinstance(recorded, list) else []
-    n = len(cells)
+    n = cells[-1]["last"] + 1 if cells else 0  # positions the cells cover
+    firsts = [c["first"] for c in cells]
     logprobs = rollout["token_logprobs"]
     views = []
     model_turn = 0
     for turn in turns:
         a, b = max(0, int(turn["start"])), min(n, int(turn["end"]))
+        # the cells starting at the turn's positions (a cell never spans two turns: a turn
+        # ends on a whole character)
+        ca, cb = bisect_left(firsts, a), bisect_left(firsts, b)
         calls = []
         for c in turn.get("calls") or []:
             if not isinstance(c, dict):
@@ -234,14 +252,14 @@ def turn_views(
                     "result_json": None if result is None else result_json(result),
                 }
             )
-        view = {"role": turn["role"], "start": a, "end": b, "calls": calls, "cells": cells[a:b]}
+        view = {"role": turn["role"], "start": a, "end": b, "calls": calls, "cells": cells[ca:cb]}
         if turn["role"] == "model":
             view["number"] = model_turn
             state = states[model_turn] if model_turn < len(states) else None
             view["state"] = None if state is None else state_badge(str(state), turn=True)
             model_turn += 1
             view["sum_logprob"] = sum(logprobs[a:b]) if len(logprobs) >= b else None
-            view["control_rows"] = [(label, row[a:b]) for label, row in rows]
+            view["control_rows"] = [(label, row[ca:cb]) for label, row in rows]
             view["control_summary"] = control_summary(rollout.get("control_view") or {}, a, b)
         views.append(view)
     return views
@@ -519,10 +537,16 @@ HEALTHY_STATE = "healthy_call"  # vocab.FormatState.healthy_call: a well-formed 
 SPREAD_EPS = 1e-9  # rewards closer than this are equal (trainer.recorder.metrics.is_zero_std)
 
 
+NO_CALL_STATE = "no_call"  # vocab.FormatState.no_call: no call at all
+
+
 def broken(format_valid: bool | None, format_state: str | None) -> bool:
     """A broken call: the completion is not format-valid, or its structural state is recorded and
-    is not a healthy call."""
-    return format_valid is False or (format_state is not None and format_state != HEALTHY_STATE)
+    is a call gone wrong. No call at all is broken only where the format says so: a run that
+    never needs a tool (a user's single-turn task) answers with no call, and that is its format."""
+    if format_valid is False:
+        return True
+    return format_state is not None and format_state not in (HEALTHY_STATE, NO_CALL_STATE)
 
 
 def state_name(format_valid: bool | None, format_state: str | None) -> str | None:
@@ -685,40 +709,74 @@ def prob_text(value: float | None, digits: int = 2) -> str:
     return f"<{floor:.{digits}f}" if 0 < value < floor / 2 else f"{value:.{digits}f}"
 
 
+def control_name(token: str) -> str:
+    """A control token as text with its whitespace visible (tokentext.piece_text: 'Ġ<' → '·<'),
+    for hover text (pages draw names with the `token` filter)."""
+    return tokentext.piece_text(token).replace(" ", "·").replace("\n", "↵").replace("\t", "⇥")
+
+
+def _cell_probability(probs: Sequence[float | None], first: int, last: int) -> float | None:
+    """A cell's probability: the product of its tokens' (the chance of sampling its text once
+    its first token's context was given); None when one is unknown."""
+    p = 1.0
+    for q in probs[first : last + 1]:
+        if q is None:
+            return None
+        p *= q
+    return p
+
+
 def token_cells(rollout: dict[str, Any], limit: int | None = None) -> list[dict[str, Any]]:
-    """Per token of a rollout view (the first `limit`): text, CSS classes and hover text (built
-    here, not in Jinja: a 64-token completion × every control token is thousands of template
-    operations)."""
+    """Per cell of a rollout view (those starting in the first `limit` positions): text, its
+    positions (first, last), CSS classes and hover text (built here, not in Jinja: a 64-token
+    completion × every control token is thousands of template operations). A cell of several
+    tokens (one character split over them) shows the product of their probabilities, their
+    ids, and the control tokens' probabilities at its first position."""
     cells = []
     control = rollout["control_view"]
     sampled = rollout.get("sampled")
-    for i, text in enumerate(rollout["token_view"][:limit]):
-        if sampled is not None and not sampled[i]:
-            title = (
-                f"#{i} · id {rollout['completion_ids'][i]} · tool result: not sampled, not trained"
-            )
-            cells.append({"text": text, "cls": "tok tool-tok", "title": title})
+    ids = rollout["completion_ids"]
+    probs = rollout["token_probs"]
+    names = {t: control_name(t) for t in control}
+    for span in rollout["token_view"]:
+        a, b = span.first, span.last
+        if limit is not None and a >= limit:
+            break
+        at = f"#{a}" if a == b else f"#{a}–{b}"
+        id_text = f"id {ids[a]}" if a == b else "ids " + ", ".join(map(str, ids[a : b + 1]))
+        cell = {"text": span.text, "first": a, "last": b}
+        if sampled is not None and not sampled[a]:
+            title = f"{at} · {id_text} · tool result: not sampled, not trained"
+            cells.append(cell | {"cls": "tok tool-tok", "title": title})
             continue
-        p = rollout["token_probs"][i]
-        lines = [f"#{i} · id {rollout['completion_ids'][i]} · p={prob_text(p, 3)}"]
-        lines += [f"p({t})={prob_text(ps[i], 3)}" for t, ps in control.items()]
-        misses = rollout["near_misses"][i]
+        p = _cell_probability(probs, a, b)
+        lines = [f"{at} · {id_text} · p={prob_text(p, 3)}"]
+        if b > a:
+            each = " × ".join(prob_text(q, 3) for q in probs[a : b + 1])
+            lines.append(f"one character over {b - a + 1} tokens: p is the product {each}")
+        lines += [f"p({names[t]})={prob_text(ps[a], 3)}" for t, ps in control.items()]
+        misses = sorted({t for i in range(a, b + 1) for t in rollout["near_misses"][i]})
         if misses:
-            lines.append(f"near miss: {', '.join(misses)} was likely here")
+            lines.append(f"near miss: {', '.join(names[t] for t in misses)} was likely here")
         cls = f"tok p{probability_bin(p)}" + (" near-miss" if misses else "")
-        cells.append({"text": text, "cls": cls, "title": "\n".join(lines)})
+        cells.append(cell | {"cls": cls, "title": "\n".join(lines)})
     return cells
 
 
 def control_rows(
     rollout: dict[str, Any], limit: int | None = None
 ) -> list[tuple[str, list[tuple[str, str]]]]:
-    """The control-token table (its first `limit` positions): (row label, [(CSS class, text)]
-    per position)."""
-    sampled = rollout["token_probs"][:limit]
+    """The control-token table (the cells starting in its first `limit` positions): (row
+    label, [(CSS class, text)] per cell). The sampled row is each cell's probability (the
+    product of its tokens'); a control token's row its probability at the cell's first
+    position."""
+    spans = [s for s in rollout["token_view"] if limit is None or s.first < limit]
+    probs = rollout["token_probs"]
+    sampled = [_cell_probability(probs, s.first, s.last) for s in spans]
     rows = [("sampled", [(f"p{probability_bin(p)}", prob_text(p)) for p in sampled])]
-    for token, probs in rollout["control_view"].items():
-        rows.append((token, [(f"c{probability_bin(p)}", prob_text(p)) for p in probs[:limit]]))
+    for token, ps in rollout["control_view"].items():
+        firsts = [ps[s.first] for s in spans]
+        rows.append((token, [(f"c{probability_bin(p)}", prob_text(p)) for p in firsts]))
     return rows
 
 

@@ -8,7 +8,9 @@ per-token arrays are decoded for the rows of the page alone, for their completio
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -24,6 +26,7 @@ from sqlalchemy.orm import Session
 MAX_PAGE = 200
 WALK_FROM = 20_000  # past this many matches, a page walks the sort order instead of sorting them
 MAX_ID = 2**31 - 1  # server.webapp.http.params.MAX_ID (params imports queries)
+MAX_ROW_ID = 2**63 - 1  # a rollout's id (a 64-bit key on both databases)
 COUNT_CAP = 100_000  # totals past this read "100,000+": counting millions of rows is not a page
 HEAD_TOKENS = 96  # a row's completion head: its first tokens
 HEAD_CHARS = 240
@@ -60,6 +63,11 @@ Sort = Literal[
 # Sort columns that can be NULL: NULLs sort first going up and last going down (SQLite's order,
 # which its indexes keep; PostgreSQL is told so).
 NULLABLE = frozenset({"true_score", "sum_logprob", "length", "vote", "target", "state"})
+# What a cursor's value must be for each sort (checked before it reaches the database): the
+# 32-bit integer columns, the float columns (±infinity allowed: Σ logprob keeps -inf) and text.
+INT_SORTS = frozenset({"step", "group", "index", "length"})
+TEXT_SORTS = frozenset({"vote", "target", "state"})
+MAX_TEXT = 256  # the longest vote, target or state (records.LABEL_CHARS)
 _STEPS = re.compile(r"^\s*(\d*)\s*:\s*(\d*)\s*$|^\s*(\d+)\s*$")
 Number = Annotated[float | None, Field(ge=-1e300, le=1e300)]
 
@@ -69,7 +77,9 @@ class RolloutQuery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    steps: str | None = Field(default=None, description="a step or a range A:B (either end open)")
+    steps: str | None = Field(
+        default=None, max_length=50, description="a step or a range A:B (either end open)"
+    )
     group: int | None = Field(default=None, ge=0, le=MAX_ID, description="one group of each step")
     state: str | None = Field(
         default=None, max_length=32, description="structural state (format_state)"
@@ -91,13 +101,13 @@ class RolloutQuery(BaseModel):
     alert: bool = Field(default=False, description="only steps where an alert fired")
     q: str | None = Field(
         default=None,
-        max_length=1000,
+        max_length=search.MAX_QUERY_CHARS,
         description="words that must all appear in completion or prompt",
     )
     sort: Sort = Field(default="step", description="the column to sort by")
     order: Literal["asc", "desc"] = "asc"
     after: str | None = Field(
-        default=None, max_length=500, description="the `next` cursor of a page"
+        default=None, max_length=4096, description="the `next` cursor of a page"
     )
     limit: int = Field(
         default=50, ge=1, le=MAX_PAGE, description=f"rows a page (at most {MAX_PAGE})"
@@ -114,13 +124,18 @@ class RolloutQuery(BaseModel):
     @field_validator("steps")
     @classmethod
     def _steps(cls, value: str | None) -> str | None:
-        if value is not None and value.strip() and not _STEPS.match(value):
+        found = _STEPS.match(value) if value is not None and value.strip() else None
+        if value is not None and value.strip() and not found:
             raise ValueError("steps is a step (12) or a range A:B, e.g. 100:200, :50 or 900:")
+        if found and any(len(g) > 10 or int(g) > MAX_ID for g in found.groups() if g):
+            raise ValueError(f"steps go from 0 to {MAX_ID:,}")
         return value.strip() if value and value.strip() else None
 
     @field_validator("state", "vote", "target", "q")
     @classmethod
     def _blank_is_none(cls, value: str | None) -> str | None:
+        if value is not None and not storable_text(value):
+            raise ValueError("holds a character no database stores (NUL or a lone surrogate)")
         return value if value and value.strip() else None
 
     def step_range(self) -> tuple[int | None, int | None]:
@@ -139,9 +154,35 @@ class RolloutQuery(BaseModel):
         """The filters given (for links that keep them), without paging."""
         return self.model_dump(exclude_defaults=True, exclude={"after", "limit"})
 
+    def digest(self) -> str:
+        """A short fingerprint of the filters and sort (what a cursor belongs to; not the limit)."""
+        filters = self.model_dump(exclude={"after", "limit"})
+        canonical = json.dumps(filters, sort_keys=True, ensure_ascii=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def storable_text(value: str) -> bool:
+    """Whether a text can reach either database as it is (no NUL, no unpaired surrogate)."""
+    if "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_NOT_OURS = "after: not a cursor this explorer gave out"
+
 
 @dataclass(frozen=True)
 class _Cursor:
+    """Where a page ended: the run and query it belongs to (a fingerprint), the sort, and the
+    last row's sort value and id. Checked whole when it comes back: another run's or another
+    query's cursor would skip rows silently, a forged value would reach the database."""
+
+    run_id: int
+    digest: str
     sort: str
     order: str
     is_null: bool
@@ -149,22 +190,66 @@ class _Cursor:
     id: int
 
     def encode(self) -> str:
-        raw = json.dumps([self.sort, self.order, self.is_null, self.value, self.id])
+        fields = [self.run_id, self.digest, self.sort, self.order, self.is_null, self.value]
+        raw = json.dumps([*fields, self.id], allow_nan=True)
         return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
     @classmethod
-    def decode(cls, cursor: str, query: RolloutQuery) -> _Cursor:
+    def decode(cls, cursor: str, *, run_id: int, query: RolloutQuery) -> _Cursor:
         try:
             raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-            sort, order, is_null, value, row_id = json.loads(raw)
-            found = cls(str(sort), str(order), bool(is_null), value, int(row_id))
-        except (ValueError, TypeError) as exc:
-            raise InvalidInput("after: not a cursor this explorer gave out") from exc
-        if (found.sort, found.order) != (query.sort, query.order):
+            run, digest, sort, order, is_null, value, row_id = json.loads(raw)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise InvalidInput(_NOT_OURS) from exc
+        if not (_whole(run, 1, MAX_ID) and _whole(row_id, 1, MAX_ROW_ID)):
+            raise InvalidInput(_NOT_OURS)
+        if not all(isinstance(v, str) for v in (digest, sort, order)) or not isinstance(
+            is_null, bool
+        ):
+            raise InvalidInput(_NOT_OURS)
+        if run != run_id:
+            raise InvalidInput(
+                f"after: the cursor is for run {run}'s rollouts, not run {run_id}'s; start "
+                "from the first page"
+            )
+        if (sort, order) != (query.sort, query.order):
             raise InvalidInput("after: the cursor is for another sort; start from the first page")
-        if not isinstance(found.value, (int, float, str, type(None))):
-            raise InvalidInput("after: not a cursor this explorer gave out")
-        return found
+        if digest != query.digest():
+            raise InvalidInput(
+                "after: the cursor is for other filters or another search; start from the "
+                "first page"
+            )
+        return cls(run, digest, sort, order, is_null, _sort_value(sort, is_null, value), row_id)
+
+
+def _whole(value: Any, lo: int, hi: int) -> bool:
+    """Whether `value` is an integer (not a bool or a float) in lo..hi."""
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _sort_value(sort: str, is_null: bool, value: Any) -> Any:
+    """A cursor's sort value, checked against the column it is compared with."""
+    if is_null:
+        if value is not None or sort not in NULLABLE:
+            raise InvalidInput(_NOT_OURS)
+        return None
+    if sort in INT_SORTS:
+        if not _whole(value, -MAX_ID - 1, MAX_ID):
+            raise InvalidInput(f"after: the cursor's {sort} is not a whole number in range")
+        return value
+    if sort in TEXT_SORTS:
+        if not isinstance(value, str) or len(value) > MAX_TEXT or not storable_text(value):
+            raise InvalidInput(f"after: the cursor's {sort} is not a text this explorer sorts")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInput(f"after: the cursor's {sort} is not a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise InvalidInput(f"after: the cursor's {sort} is out of range") from None
+    if math.isnan(number):
+        raise InvalidInput(f"after: the cursor's {sort} is not a number")
+    return number
 
 
 def _where(
@@ -250,6 +335,9 @@ def explore(
     """One page of a run's rollouts that match `query`: rows, a total counted up to
     `count_cap`, and the cursor of the next page (None on the last)."""
     run = store.get_run(session, run_id=run_id)
+    cursor_at = None  # checked before any other statement
+    if query.after is not None:
+        cursor_at = _Cursor.decode(query.after, run_id=run_id, query=query)
     clauses, params = _where(session, run_id, query)
     where = " AND ".join(clauses)
     counted = session.execute(
@@ -258,8 +346,8 @@ def explore(
     ).scalar_one()
     if counted > WALK_FROM and query.sort not in NULLABLE:
         clauses, params = _where(session, run_id, query, walk=True)
-    if query.after is not None:
-        clauses.append(_after(query, _Cursor.decode(query.after, query), params))
+    if cursor_at is not None:
+        clauses.append(_after(query, cursor_at, params))
     rows = session.execute(
         text(
             f"SELECT r.id, {SORTS[query.sort]} AS sort_value FROM rollouts r "
@@ -272,7 +360,9 @@ def explore(
     cursor = None
     if more:
         last = rows[-1]
-        cursor = _Cursor(query.sort, query.order, last[1] is None, last[1], last[0]).encode()
+        cursor = _Cursor(
+            run_id, query.digest(), query.sort, query.order, last[1] is None, last[1], last[0]
+        ).encode()
     return {
         "run": {"id": run.id, "name": run.name, "control_tokens": list(run.control_tokens)},
         "rollouts": _rows(session, run_id, [r[0] for r in rows]),
@@ -320,7 +410,7 @@ def _rows(session: Session, run_id: int, ids: list[int]) -> list[dict[str, Any]]
                 "length": r.n_tokens,
                 "disagree": r.disagree,
                 "prompt_head": _head(prompt),
-                "completion_head": _completion_head(r, heads[rid], texts),
+                "completion_head": completion_head(r, heads[rid], texts),
             }
         )
     return out
@@ -330,10 +420,15 @@ def _head(value: str) -> str:
     return value if len(value) <= HEAD_CHARS else value[:HEAD_CHARS] + "…"
 
 
-def _completion_head(r: RolloutRow, head_ids: list[int], texts: dict[int, str]) -> str:
+def completion_head(r: RolloutRow, head_ids: list[int], texts: dict[int, str]) -> str:
+    """A row's completion head as the step viewer shows its text: its first tokens, cut."""
     if r.text_rule is not None and all(i in texts for i in head_ids):
-        head = arrays.preview(r.text_rule, [texts[i] for i in head_ids])
+        pieces = [texts[i] for i in head_ids]
         cut = r.n_tokens is not None and r.n_tokens > len(head_ids)
+        dropped = r.text_rule // 8  # closing tokens the text leaves out (arrays.text_rule)
+        if not cut and dropped:  # the head is the whole completion: end it as its text ends
+            pieces = pieces[: len(pieces) - dropped]
+        head = arrays.preview(r.text_rule, pieces)
         return _head(head + ("…" if cut else ""))
     stored = r.data.text if r.data is not None else None
     return _head(arrays.text_head(stored, HEAD_CHARS + 1)) if stored is not None else ""

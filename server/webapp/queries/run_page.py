@@ -116,7 +116,8 @@ def _metric_series(
     """Generic series from each step's packed values; buckets of `width` steps aggregated here
     (the whole-history chart of a long run reads rollups instead)."""
     layout_names = store.series_names(session, run_id=run_id)
-    wanted = [(n, layout_names.index(n)) for n in names if n in layout_names]
+    position = {name: i for i, name in enumerate(layout_names)}  # one pass, not .index() per name
+    wanted = [(n, position[n]) for n in names if n in position]
     if not wanted:
         return {}
     query = select(StepRow.step, StepRow.series).where(

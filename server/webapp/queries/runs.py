@@ -12,6 +12,7 @@ from rollout_lens.server.core.display import live_text
 from rollout_lens.server.core.errors import InvalidInput, NotFound
 from rollout_lens.server.core.read_models import ListedRun, LiveState, RunData, RunOverviewData
 from rollout_lens.server.core.vocab import STEP_SERIES
+from rollout_lens.server.store import search
 from rollout_lens.server.store.models import (
     ACTIVE_STATUSES,
     AlertRow,
@@ -44,8 +45,8 @@ RUN_SORTS: dict[str, Any] = {
 }
 
 
-MAX_SEARCH_WORDS = 20
-MAX_SEARCH_WORD = 200  # a run name's length
+MAX_SEARCH_WORDS = search.MAX_WORDS  # the explorer's search takes the same
+MAX_SEARCH_WORD = search.MAX_WORD_CHARS  # a run name's length
 
 
 def _like(word: str) -> str:

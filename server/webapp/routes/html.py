@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
+from pydantic import ValidationError
+from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.webapp import queries
 from rollout_lens.server.webapp.http import flash
 from rollout_lens.server.webapp.http.deps import (
@@ -95,15 +97,26 @@ def run_page(
     return response
 
 
-@router.get("/runs/{run_id}/rollouts", name="explorer_page")
+@router.get("/runs/{run_id}/rollouts", name="explorer_page", response_model=None)
 def explorer_page(
-    request: Request,
-    session: SessionDep,
-    run_id: RunId,
-    query: Annotated[queries.RolloutQuery, Query()],
-) -> HTMLResponse:
-    """The rollout explorer: a run's rollouts across steps, filtered, searched and sorted."""
-    data = queries.explore(session, run_id=run_id, query=query)
+    request: Request, session: SessionDep, run_id: RunId
+) -> HTMLResponse | RedirectResponse:
+    """The rollout explorer: a run's rollouts across steps, filtered, searched and sorted. The
+    form's empty fields are dropped from the URL (one redirect); a value that does not parse
+    keeps the reader here, its field marked and the reason beside it."""
+    given = request.query_params.multi_items()
+    kept = [(name, value) for name, value in given if value.strip()]
+    if len(kept) < len(given):
+        return RedirectResponse(page_context.explorer_path(_url(request), run_id, kept), 303)
+    try:
+        query = queries.RolloutQuery.model_validate(dict(kept))
+        data = queries.explore(session, run_id=run_id, query=query)
+    except (ValidationError, InvalidInput) as exc:
+        run = queries.run_card(session, run_id=run_id)
+        context = page_context.explorer_invalid(run, dict(kept), exc, _url(request))
+        # The API's statuses: 422 for a value that does not parse, 400 for one it cannot use.
+        status = 422 if isinstance(exc, ValidationError) else 400
+        return render(request, "explorer.html", context, status_code=status)
     return render(
         request, "explorer.html", page_context.explorer_page(data, _url(request), run_id=run_id)
     )

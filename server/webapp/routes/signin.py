@@ -41,11 +41,11 @@ def login(
 ) -> Response:
     """A right token: a new session and its cookie, then back where the browser was going. A
     wrong one: the form again with a 401 (the token is never shown back); 429 while this address
-    is locked out for sending wrong ones (server.webapp.http.ratelimit)."""
+    is locked out for sending wrong ones in this token's bucket (server.webapp.http.ratelimit)."""
     needed = bool(settings.auth_token_list)
     limiter: FailureLimiter = request.app.state.token_limiter
     address = client_address(request.scope)
-    wait = limiter.retry_after(address)
+    wait = limiter.retry_after(address, token)
     if wait:
         context = _form(next, needed, too_many_message(wait))
         refused = render(request, "login.html", context, status_code=429)
@@ -53,21 +53,18 @@ def login(
         return refused
     found = security.find_token(token, settings.auth_token_list)
     if found is None:
-        limiter.failed(address)
+        limiter.failed(address, token)
         context = _form(next, needed, "That token is not valid.")
         return render(request, "login.html", context, status_code=401)
-    limiter.succeeded(address)
     lifetime = timedelta(hours=settings.session_hours)
     cookie = browser_sessions.start(session, token=found, lifetime=lifetime)
     session.commit()
     response = RedirectResponse(security.safe_next(next), status_code=303)
+    secure = request.url.scheme == "https"
     response.set_cookie(
-        **security.session_cookie(
-            cookie,
-            max_age=int(lifetime.total_seconds()),
-            secure=request.url.scheme == "https",
-        )
+        **security.session_cookie(cookie, max_age=int(lifetime.total_seconds()), secure=secure)
     )
+    response.set_cookie(**security.csrf_cookie(secure=secure))
     return response
 
 
