@@ -101,7 +101,13 @@ def train(path: Path, variant: str, steps: int, data_dir: Path) -> dict[str, obj
     def column(name: str) -> list[float]:
         return [getattr(s, name) for s in rows if getattr(s, name) is not None]
 
-    healthy = [v for _, v in series.get("state/healthy_call", []) if v is not None]
+    def named(name: str) -> list[float]:
+        return [v for _, v in series.get(name, []) if v is not None]
+
+    shares = {
+        state: statistics.fmean(named(f"state/{state}")) if named(f"state/{state}") else 0.0
+        for state in ("healthy_call", "text_pollution", "collapse", "no_call")
+    }
     return {
         "steps": len(rows),
         "wall": wall,
@@ -109,7 +115,8 @@ def train(path: Path, variant: str, steps: int, data_dir: Path) -> dict[str, obj
         "true_accuracy": column("true_accuracy"),
         "reward": column("reward_mean"),
         "agreement": column("vote_agreement"),
-        "healthy": healthy,
+        "format_free": named("format_free_accuracy"),
+        "states": shares,
         "device_minutes": minutes,
         "lr": config.get("learning_rate"),
         "tokens": config.get("max_completion_tokens"),
@@ -155,7 +162,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  true accuracy : {_series(got['true_accuracy'])}")  # type: ignore[arg-type]
                 print(f"  reward        : {_series(got['reward'])}")  # type: ignore[arg-type]
                 print(f"  vote agreement: {_series(got['agreement'])}")  # type: ignore[arg-type]
-                print(f"  healthy share : {_series(got['healthy'])}")  # type: ignore[arg-type]
+                print(f"  format-free   : {_series(got['format_free'])}")  # type: ignore[arg-type]
+                states = ", ".join(f"{k} {v:.2f}" for k, v in got["states"].items())  # type: ignore[attr-defined]
+                print(f"  states (mean share over the steps): {states}")
                 if isinstance(per_step, float):
                     print(
                         f"  the seed's {SEED_STEPS} steps at this pace: "

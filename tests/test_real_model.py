@@ -226,6 +226,10 @@ def test_a_launched_run_takes_a_pretrained_models_defaults(
     run, rows, _, series = load_run(url, 1)
     assert run.status == "completed"
     assert run.config["learning_rate"] == 1e-5 and run.config["max_completion_tokens"] == 32
+    # the run's page says which token stands for each of the task's tags
+    assert any(
+        "read at their first tokens ('<' for <tool>, '</' for </tool>)" in n for n in run.notes
+    )
     assert len(rows) == 4
     for r in rows:
         assert (

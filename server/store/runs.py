@@ -116,9 +116,16 @@ def list_runs(session: Session, *, limit: int | None = None) -> list[RunRow]:
 
 
 def mark_running(
-    session: Session, *, run_id: int, worker_host: str, device: str, control_tokens: Sequence[str]
+    session: Session,
+    *,
+    run_id: int,
+    worker_host: str,
+    device: str,
+    control_tokens: Sequence[str],
+    notes: Sequence[str] = (),
 ) -> None:
-    """The run has started training on `device`."""
+    """The run has started training on `device`; `notes` (how it is recorded) join its notes
+    once (a resumed run says them again)."""
     now = utcnow()
     session.execute(
         update(RunRow)
@@ -134,6 +141,9 @@ def mark_running(
             phase=None,
         )
     )
+    if notes:
+        run = get_run(session, run_id=run_id)
+        run.notes = [*run.notes, *(n for n in notes if n not in run.notes)]
 
 
 def mark_finished(

@@ -338,7 +338,7 @@ class RolloutLensCallback(TrainerCallback):
                 if self._formats
                 else "no format_valid function given: format validity is not recorded"
             )
-        notes.extend(self._tag_notes())
+        notes.extend(self.tag_notes())
         return RunSpec(
             name=f"{self.project}/{label}" if self.project else label,
             model=str(model),
@@ -516,7 +516,7 @@ class RolloutLensCallback(TrainerCallback):
         assert self._eot is not None
         return {"open_token": form.open_token, "close_token": form.close_token, "eot": self._eot}
 
-    def _tag_notes(self) -> list[str]:
+    def tag_notes(self) -> list[str]:
         """What the run page says of call tags that are not single tokens of the tokenizer."""
         if not self._formats:
             tried = " or ".join(f"{o}…{c}" for o, c in tags.COMMON_TAGS)

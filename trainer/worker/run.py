@@ -334,6 +334,7 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                     worker_host=socket.gethostname(),
                     device=device_name(),
                     control_tokens=control_tokens,
+                    notes=callback.tag_notes(),
                 )
             writer = StepWriter.for_launched(
                 factory,
