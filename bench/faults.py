@@ -45,7 +45,7 @@ from typing import Any
 from rollout_lens.server import store
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.migrate import upgrade
-from rollout_lens.server.store.models import Rollout, RunStatus, Step
+from rollout_lens.server.store.models import RolloutRow, RunStatus, StepRow
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -110,11 +110,11 @@ def new_run(factory: sessionmaker[Session], steps: int, status: RunStatus) -> in
 def count_steps(factory: sessionmaker[Session], run_id: int, expected: int) -> tuple[int, int, int]:
     """(distinct steps recorded, steps missing of 1..expected, rows beyond one per key)."""
     with session_scope(factory) as session:
-        steps = list(session.scalars(select(Step.step).where(Step.run_id == run_id)))
+        steps = list(session.scalars(select(StepRow.step).where(StepRow.run_id == run_id)))
         per_step = session.execute(
-            select(Rollout.step, func.count())
-            .where(Rollout.run_id == run_id)
-            .group_by(Rollout.step)
+            select(RolloutRow.step, func.count())
+            .where(RolloutRow.run_id == run_id)
+            .group_by(RolloutRow.step)
         ).all()
     distinct = set(steps)
     missing = len(set(range(1, expected + 1)) - distinct)
@@ -125,7 +125,7 @@ def count_steps(factory: sessionmaker[Session], run_id: int, expected: int) -> t
 def prefix_only(factory: sessionmaker[Session], run_id: int) -> bool:
     """The recorded steps are 1..k with no gap."""
     with session_scope(factory) as session:
-        steps = sorted(session.scalars(select(Step.step).where(Step.run_id == run_id)))
+        steps = sorted(session.scalars(select(StepRow.step).where(StepRow.run_id == run_id)))
     return steps == list(range(1, len(steps) + 1))
 
 

@@ -243,9 +243,9 @@ class ScaleRun:
             index=index,
             prompt=row.prompt,
             completion="".join(texts),
-            completion_ids=ids.tolist(),
-            token_logprobs=logprobs.tolist(),
-            control_probs={t: ctrl[k].tolist() for k, t in enumerate(self.control_tokens)},
+            completion_ids=ids,  # arrays, as the capture hands them over
+            token_logprobs=logprobs,
+            control_probs={t: ctrl[k] for k, t in enumerate(self.control_tokens)},
             vote=vote if called else None,
             target=row.target,
             verifier_reward=reward,

@@ -8,7 +8,7 @@ from typing import Any
 from rollout_lens.server import store
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Run, Step
+from rollout_lens.server.store.models import RunRow, StepRow
 from sqlalchemy.orm import Session, sessionmaker
 
 CONTROL_TOKENS = ("<tool>", "</tool>", "</assistant>")
@@ -118,7 +118,7 @@ def make_run(
 
 def load_run(
     database_url: str, run_id: int
-) -> tuple[Run, list[dict[str, Any]], list[Step], dict[str, list[tuple[int, float | None]]]]:
+) -> tuple[RunRow, list[dict[str, Any]], list[StepRow], dict[str, list[tuple[int, float | None]]]]:
     """A recorded run read back: (run, rollout dicts, steps, metric series)."""
     from rollout_lens.server.store.db import make_engine, make_session_factory
     from rollout_lens.server.store.serialize import completion_ids, rollout_dict
@@ -153,14 +153,14 @@ def recorded_steps(factory: sessionmaker[Session], run_id: int) -> list[int]:
 
 def rollouts_per_step(factory: sessionmaker[Session], run_id: int) -> dict[int, int]:
     """step → how many rollouts were recorded for it."""
-    from rollout_lens.server.store.models import Rollout
+    from rollout_lens.server.store.models import RolloutRow
     from sqlalchemy import func, select
 
     with session_scope(factory) as session:
         rows = session.execute(
-            select(Rollout.step, func.count())
-            .where(Rollout.run_id == run_id)
-            .group_by(Rollout.step)
+            select(RolloutRow.step, func.count())
+            .where(RolloutRow.run_id == run_id)
+            .group_by(RolloutRow.step)
         )
         return {step: count for step, count in rows}
 

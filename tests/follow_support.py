@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from rollout_lens.server import store
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Run
+from rollout_lens.server.store.models import RunRow
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -34,9 +34,9 @@ def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
     return found
 
 
-def newest_run(factory: sessionmaker[Session]) -> Run | None:
+def newest_run(factory: sessionmaker[Session]) -> RunRow | None:
     with session_scope(factory) as session:
-        run = session.scalars(select(Run).order_by(Run.id.desc())).first()
+        run = session.scalars(select(RunRow).order_by(RunRow.id.desc())).first()
         if run is not None:
             session.expunge(run)
         return run

@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from rollout_lens.server.core.alerts import KINDS, SEVERITY, Alert, AlertThresholds, evaluate
+from rollout_lens.server.core.alerts import KINDS, SEVERITY, AlertThresholds, FiredAlert, evaluate
 from rollout_lens.server.core.vocab import BELONGS, MISPLACED, NEUTRAL_PROBES, POSITIONAL_PROBES
 
 T = AlertThresholds()  # one group per step: share rules average over 4 steps
@@ -190,7 +190,7 @@ def test_every_kind_has_a_severity_and_every_positional_probe_is_watched() -> No
     assert set(SEVERITY) == set(KINDS)
     assert set(SEVERITY.values()) <= {"warning", "info"}
     assert [k for k, s in SEVERITY.items() if s == "info"] == ["solved"]
-    assert Alert("something_new", 3, "step 3").as_dict()["severity"] == "warning"
+    assert FiredAlert("something_new", 3, "step 3").as_dict()["severity"] == "warning"
     assert sorted((*BELONGS, *MISPLACED, *NEUTRAL_PROBES)) == sorted(POSITIONAL_PROBES)
 
 

@@ -16,7 +16,7 @@ import pytest
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.store.db import make_engine, make_session_factory
 from rollout_lens.server.store.migrate import upgrade
-from rollout_lens.server.store.models import Run, RunStatus
+from rollout_lens.server.store.models import RunRow, RunStatus
 from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -91,9 +91,9 @@ def browser() -> Iterator[Any]:
 def _count(factory: sessionmaker[Session]) -> tuple[int, int]:
     """(runs, cancelled runs)"""
     with factory() as session:
-        runs = session.scalar(select(func.count()).select_from(Run)) or 0
+        runs = session.scalar(select(func.count()).select_from(RunRow)) or 0
         cancelled = session.scalar(
-            select(func.count()).select_from(Run).where(Run.status == RunStatus.cancelled)
+            select(func.count()).select_from(RunRow).where(RunRow.status == RunStatus.cancelled)
         )
         return int(runs), int(cancelled or 0)
 
@@ -186,7 +186,7 @@ def test_the_delete_button_asks_first(
             page.click("#delete-button")
         assert page.url == f"{target}/"
         with factory() as session:
-            assert session.get(Run, run_id) is None
+            assert session.get(RunRow, run_id) is None
     finally:
         context.close()
 

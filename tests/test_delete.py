@@ -8,13 +8,13 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from rollout_lens.server.store.models import (
     AlertRow,
-    Prompt,
-    Rollout,
-    Rollup,
-    Run,
+    PromptRow,
+    RolloutRow,
+    RollupRow,
+    RunRow,
     RunStatus,
-    RunToken,
-    Step,
+    RunTokenRow,
+    StepRow,
 )
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tests.factories import make_run
 from tests.web_support import parse
 
-TABLES = (Run, Step, Rollout, Rollup, RunToken, AlertRow)
+TABLES = (RunRow, StepRow, RolloutRow, RollupRow, RunTokenRow, AlertRow)
 
 
 def _counts(factory: sessionmaker[Session], run_id: int) -> dict[str, int]:
@@ -32,15 +32,17 @@ def _counts(factory: sessionmaker[Session], run_id: int) -> dict[str, int]:
                 session.scalar(
                     select(func.count())
                     .select_from(t)
-                    .where((t.id if t is Run else t.run_id) == run_id)  # type: ignore[attr-defined]
+                    .where((t.id if t is RunRow else t.run_id) == run_id)  # type: ignore[attr-defined]
                 )
                 or 0
             )
             for t in TABLES
         }
-        prompts = select(Rollout.prompt_id).where(Rollout.run_id == run_id)
+        prompts = select(RolloutRow.prompt_id).where(RolloutRow.run_id == run_id)
         counts["prompts"] = int(
-            session.scalar(select(func.count()).select_from(Prompt).where(Prompt.id.in_(prompts)))
+            session.scalar(
+                select(func.count()).select_from(PromptRow).where(PromptRow.id.in_(prompts))
+            )
             or 0
         )
         return counts
@@ -48,7 +50,7 @@ def _counts(factory: sessionmaker[Session], run_id: int) -> dict[str, int]:
 
 def _all_prompts(factory: sessionmaker[Session]) -> int:
     with factory() as session:
-        return int(session.scalar(select(func.count()).select_from(Prompt)) or 0)
+        return int(session.scalar(select(func.count()).select_from(PromptRow)) or 0)
 
 
 def test_deleting_a_run_keeps_every_other_run_and_the_prompts_they_share(
@@ -99,7 +101,7 @@ def test_a_queued_run_is_deleted_with_its_message(
 ) -> None:
     (run,) = client.post("/api/runs", json={"steps": 5}).json()["runs"]
     with session_factory() as session:
-        assert session.get(Run, run["id"]).task_id  # type: ignore[union-attr]
+        assert session.get(RunRow, run["id"]).task_id  # type: ignore[union-attr]
     assert client.delete(f"/api/runs/{run['id']}").status_code == 200
     assert _counts(session_factory, run["id"])["runs"] == 0
 

@@ -18,7 +18,7 @@ from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.exchange import export, importer
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.migrate import upgrade
-from rollout_lens.server.store.models import Run, RunSource, RunStatus
+from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
 from rollout_lens.server.store.serialize import completion_ids, completion_text
 from rollout_lens.server.webapp import queries
 from sqlalchemy import func, select
@@ -261,7 +261,7 @@ def test_the_steps_export_has_a_row_per_step_and_a_column_per_series(
 
 def _count_runs(factory: sessionmaker[Session]) -> int:
     with session_scope(factory) as session:
-        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 def _damaged(good: bytes) -> dict[str, bytes]:

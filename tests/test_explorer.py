@@ -449,14 +449,14 @@ def test_acompletion_head_is_the_step_viewers_text(n_tokens: int) -> None:
     token the text leaves out (text_rule's dropped count) is not shown either (it was:
     `…</tool></assistant>` against `…</tool>`)."""
     from rollout_lens.server.store import arrays
-    from rollout_lens.server.store.models import Rollout
+    from rollout_lens.server.store.models import RolloutRow
     from rollout_lens.server.webapp.queries.explorer import completion_head
 
     texts = {5: "<tool>", 100: "tool_33", 6: "</tool>", 2: "</assistant>"}
     ids = [5, 100, 6, 2]
     rule = arrays.text_rule("<tool>tool_33</tool>", ids, texts)
     assert rule is not None and rule // 8 == 1  # the text drops the closing </assistant>
-    head = completion_head(Rollout(text_rule=rule, n_tokens=n_tokens), ids, texts)
+    head = completion_head(RolloutRow(text_rule=rule, n_tokens=n_tokens), ids, texts)
     if n_tokens == len(ids):  # the whole completion: exactly the viewer's text
         assert head == arrays.rebuild_text(rule, ids, texts) == "<tool>tool_33</tool>"
     else:  # a head of a longer one: its first tokens, cut

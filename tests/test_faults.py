@@ -29,7 +29,7 @@ from rollout_lens.server.core.queue import enqueue_run, make_celery
 from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.migrate import upgrade
-from rollout_lens.server.store.models import Run, RunStatus
+from rollout_lens.server.store.models import RunRow, RunStatus
 from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
@@ -84,10 +84,10 @@ def wait_for(
     factory: sessionmaker[Session],
     run_id: int,
     what: str,
-    done: Callable[[Run], bool],
+    done: Callable[[RunRow], bool],
     workers: list[Worker],
     timeout: float = TRAIN_TIMEOUT,
-) -> Run:
+) -> RunRow:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with session_scope(factory) as session:

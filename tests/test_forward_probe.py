@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -133,8 +134,10 @@ def _assert_oracle(kept: list[Any], oracle: list[list[dict[str, Any]]]) -> int:
             model = [True] * len(t["ids"]) if t["mask"] is None else [v == 1 for v in t["mask"]]
             expected = [lp if m else 0.0 for lp, m in zip(t["logprobs"], model, strict=True)]
             assert r["logprobs"] == pytest.approx(expected, rel=REL, abs=ABS)
-            assert len(r["control"]) == len(t["control"])
-            for got, want in zip(r["control"], t["control"], strict=True):
+            # the forward probe hands [position × token] arrays, generate's probe token rows
+            rows = r["control"].T if isinstance(r["control"], np.ndarray) else r["control"]
+            assert len(rows) == len(t["control"])
+            for got, want in zip(rows, t["control"], strict=True):
                 want = [p if m else 0.0 for p, m in zip(want, model, strict=True)]
                 assert got == pytest.approx(want, rel=REL, abs=ABS)
             n += 1
@@ -167,12 +170,12 @@ def test_generate_both_readings_agree_with_the_pre_step_model(
     assert _assert_oracle(forward_kept, oracle) == 8
     assert _assert_oracle(generate_kept, oracle) == 8
     (record,) = generate.sink.records  # the generate reading's records, prepared
-    assert [r.token_logprobs for r in record.rollouts] == [
-        r["logprobs"] for r in generate_kept[0].rollouts
+    assert [r.token_logprobs.tolist() for r in record.rollouts] == [
+        list(r["logprobs"]) for r in generate_kept[0].rollouts
     ]
     for a, b in zip(forward_kept[0].rollouts, generate_kept[0].rollouts, strict=True):
         assert a["logprobs"] == pytest.approx(b["logprobs"], rel=REL, abs=ABS)
-        assert a["control"][0] == pytest.approx(b["control"][0], rel=REL, abs=ABS)
+        assert a["control"].T[0] == pytest.approx(b["control"][0], rel=REL, abs=ABS)
     # what was stored: the values, Σ logprob known, and the note saying where they were read
     run, rows, _, _ = load_run(forward_url, 1)
     assert run.control_tokens == [EOT]
@@ -232,7 +235,7 @@ def test_continuous_batching_with_generates_reading_records_no_numbers(
     (record,) = callback.sink.records
     assert len(record.rollouts) == 8
     for r in record.rollouts:
-        assert r.completion_ids and r.token_logprobs == [] and r.control_probs == {}
+        assert len(r.completion_ids) and len(r.token_logprobs) == 0 and r.control_probs == {}
         assert r.sum_logprob is None
 
 

@@ -327,7 +327,7 @@ def test_group_json_pages_rollouts_and_cuts_token_arrays(session_factory, client
     assert data["summary"]["disagree"] == _expected(rollouts)[1]["disagree"]
     for got, r in zip(data["rollouts"], members, strict=True):
         assert got["index"] == r.index and got["tokens_total"] == tokens
-        assert got["completion_ids"] == r.completion_ids[:JSON_TOKENS]
+        assert got["completion_ids"] == r.completion_ids[:JSON_TOKENS].tolist()
         assert len(got["token_logprobs"]) == JSON_TOKENS
         assert {t: len(p) for t, p in got["control_token_probs"].items()} == dict.fromkeys(
             r.control_probs, JSON_TOKENS
@@ -335,7 +335,9 @@ def test_group_json_pages_rollouts_and_cuts_token_arrays(session_factory, client
         assert got["disagree"] is _truth_disagrees(r.verifier_reward, r.true_score)
         assert got["completion"] == r.completion  # text whole: only arrays are cut
     full = client.get(f"{base}?max_tokens={tokens}").json()
-    assert [r["completion_ids"] for r in full["rollouts"]] == [r.completion_ids for r in members]
+    assert [r["completion_ids"] for r in full["rollouts"]] == [
+        r.completion_ids.tolist() for r in members
+    ]
     seen: list[int] = []
     path: str | None = f"{base}?limit=3&max_tokens=2"
     while path is not None:

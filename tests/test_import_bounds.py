@@ -25,7 +25,7 @@ from rollout_lens.server.exchange import bounds, export, importer
 from rollout_lens.server.exchange.dump_import import import_dumps
 from rollout_lens.server.exchange.verl_import import VerlDump
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Run
+from rollout_lens.server.store.models import RunRow
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -37,7 +37,7 @@ DEEP = 100_000
 
 def _runs(factory: sessionmaker[Session]) -> int:
     with factory() as session:
-        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 @pytest.fixture

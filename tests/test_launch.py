@@ -21,7 +21,7 @@ from rollout_lens.server.core.errors import BrokerUnavailable
 from rollout_lens.server.core.presets import PRESET_GROUPS
 from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Run, RunStatus, utcnow
+from rollout_lens.server.store.models import RunRow, RunStatus, utcnow
 from rollout_lens.server.webapp import control
 from rollout_lens.server.webapp.app import create_app
 from rollout_lens.server.webapp.pages import launch_fields
@@ -100,7 +100,7 @@ def down_client(session_factory: sessionmaker[Session], tmp_path: Path) -> TestC
 
 def run_count(factory: sessionmaker[Session]) -> int:
     with session_scope(factory) as session:
-        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 def messages(tmp_path: Path) -> int:
@@ -122,7 +122,7 @@ def failed_run(factory: sessionmaker[Session], *, error: str, **columns: Any) ->
     return run_id
 
 
-def get_run(factory: sessionmaker[Session], run_id: int) -> Run:
+def get_run(factory: sessionmaker[Session], run_id: int) -> RunRow:
     with session_scope(factory) as session:
         return store.get_run(session, run_id=run_id)
 
@@ -424,9 +424,9 @@ def test_form_launches_leaky_vs_patched_and_opens_the_comparison(
     assert compare.status_code == 200
 
 
-def _runs(factory: sessionmaker[Session]) -> list[Run]:
+def _runs(factory: sessionmaker[Session]) -> list[RunRow]:
     with session_scope(factory) as session:
-        return list(session.scalars(select(Run).order_by(Run.id)))
+        return list(session.scalars(select(RunRow).order_by(RunRow.id)))
 
 
 def test_clone_fills_the_form_with_a_runs_config(

@@ -23,7 +23,7 @@ import redis
 from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.store.models import Run
+from rollout_lens.server.store.models import RunRow
 from rollout_lens.server.webapp.app import create_app, prepare_database
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -110,7 +110,7 @@ class Stack:
     def rollouts_per_step(self, run_id: int) -> dict[int, int]:
         return factories.rollouts_per_step(self.factory, run_id)
 
-    def run(self, run_id: int) -> Run:
+    def run(self, run_id: int) -> RunRow:
         with session_scope(self.factory) as session:
             return store.get_run(session, run_id=run_id)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,42 @@ def test_the_client_reads_shapes_only() -> None:
     assert spec is not None and spec.origin is not None
     shapes = _imports(Path(spec.origin))
     assert not {m for m in shapes if m.startswith("rollout_lens")}, shapes
+
+
+def test_no_two_public_classes_share_a_name() -> None:
+    """A name means one thing (issue 27): a reader never has to check which class is meant;
+    ORM rows end in Row, the JSON API's documented shapes in Schema."""
+    root = SERVER.parent
+    where: dict[str, list[str]] = {}
+    for folder in ("server", "trainer", "rollout_lens"):
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where.setdefault(node.name, []).append(str(path.relative_to(root)))
+    shared = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not shared, shared
+    from rollout_lens.server.store.models import Base
+
+    mapped = sorted(mapper.class_.__name__ for mapper in Base.registry.mappers)
+    assert mapped and all(name.endswith("Row") for name in mapped), mapped
+
+
+def test_every_source_writes_through_the_one_writer() -> None:
+    """Imports, follow mode (through dump_import's DumpWriter), launched runs and a user's script
+    write a run's steps through store.RunWriter (server/store/writing.py), never a Recorder or
+    write function of their own."""
+    root = SERVER.parent
+    sources = {
+        "server/exchange/importer.py",
+        "server/exchange/dump_import.py",
+        "trainer/recorder/writer.py",
+    }
+    for name in sources:
+        assert "store.RunWriter(" in (root / name).read_text(encoding="utf-8"), name
+    for folder in ("server", "trainer"):
+        for path in (root / folder).rglob("*.py"):
+            if path.parent.name == "store":
+                continue
+            text = path.read_text(encoding="utf-8")
+            for call in ("Recorder", "record_step", "write_batch", "write_steps", "add_rollouts"):
+                assert not re.search(rf"(?:(?<![\w.])|store\.){call}\(", text), (path, call)

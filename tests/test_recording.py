@@ -18,7 +18,7 @@ from rollout_lens.server.core.vocab import (
 )
 from rollout_lens.server.store import arrays
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Rollout, RolloutData, Step
+from rollout_lens.server.store.models import RolloutDataRow, RolloutRow, StepRow
 from rollout_lens.server.store.serialize import rollout_dict
 from rollout_lens.server.webapp import queries
 from sqlalchemy import select
@@ -105,14 +105,16 @@ def test_retention_keeps_every_nth_first_last_and_alert_steps(
         )
     with session_scope(session_factory) as session:
         kept = session.scalars(
-            select(Step.step).where(Step.run_id == run_id, Step.tokens_kept).order_by(Step.step)
+            select(StepRow.step)
+            .where(StepRow.run_id == run_id, StepRow.tokens_kept)
+            .order_by(StepRow.step)
         ).all()
         with_arrays = session.scalars(
-            select(Rollout.step)
-            .join(RolloutData, RolloutData.rollout_id == Rollout.id)
-            .where(Rollout.run_id == run_id, RolloutData.logprobs.is_not(None))
+            select(RolloutRow.step)
+            .join(RolloutDataRow, RolloutDataRow.rollout_id == RolloutRow.id)
+            .where(RolloutRow.run_id == run_id, RolloutDataRow.logprobs.is_not(None))
             .distinct()
-            .order_by(Rollout.step)
+            .order_by(RolloutRow.step)
         ).all()
         assert [a["step"] for a in queries.alerts(session, run_id=run_id)] == [7]
     assert list(kept) == list(with_arrays) == [1, 5, 7, 10, 12]

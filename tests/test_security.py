@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from rollout_lens.server.store.models import Run, RunStatus
+from rollout_lens.server.store.models import RunRow, RunStatus
 from rollout_lens.server.webapp.http import security
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -138,7 +138,7 @@ def test_pages_have_no_inline_scripts(client: TestClient, session_factory) -> No
 
 def _runs(factory: sessionmaker[Session]) -> int:
     with factory() as session:
-        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 def _plain(client: TestClient) -> TestClient:

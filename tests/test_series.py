@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 from rollout_lens.server.core import vocab
-from rollout_lens.server.store.models import Step
+from rollout_lens.server.store.models import StepRow
 from rollout_lens.server.webapp.pages import plotly_figures
 from rollout_lens.trainer.recorder import positional
 
 
 def test_every_step_series_is_a_column_of_the_steps_table() -> None:
-    columns = set(Step.__table__.columns.keys())
+    columns = set(StepRow.__table__.columns.keys())
     assert set(vocab.STEP_SERIES) <= columns
     assert len(set(vocab.STEP_SERIES)) == len(vocab.STEP_SERIES)
 

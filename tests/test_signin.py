@@ -16,7 +16,7 @@ from rollout_lens.server.core.config import Settings
 from rollout_lens.server.store import browser_sessions
 from rollout_lens.server.store.db import make_engine, make_session_factory
 from rollout_lens.server.store.migrate import upgrade
-from rollout_lens.server.store.models import BrowserSession, Run
+from rollout_lens.server.store.models import BrowserSessionRow, RunRow
 from rollout_lens.server.webapp.http.ratelimit import FREE_FAILURES, FailureLimiter
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,7 +29,7 @@ OTHER = "other-token-9876543210"
 
 def _runs(factory: sessionmaker[Session]) -> int:
     with factory() as session:
-        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 def _sign_in(client: TestClient, token: str = TOKEN) -> str:
@@ -60,7 +60,7 @@ def test_sign_out_ends_the_session_on_the_server(
     cookie = _sign_in(guarded)
     assert TOKEN not in cookie and browser_sessions.token_digest(TOKEN) != cookie
     with session_factory() as session:
-        (stored,) = session.scalars(select(BrowserSession)).all()
+        (stored,) = session.scalars(select(BrowserSessionRow)).all()
         assert stored.id_hash != cookie  # the table holds a hash: a reader cannot replay it
     thief = _copy(guarded, cookie)
     assert _launch(thief) == 201
@@ -68,7 +68,7 @@ def test_sign_out_ends_the_session_on_the_server(
     assert _launch(thief) == 401  # the copy is refused: the session is gone
     assert _launch(guarded) == 401
     with session_factory() as session:
-        assert session.scalar(select(func.count()).select_from(BrowserSession)) == 0
+        assert session.scalar(select(func.count()).select_from(BrowserSessionRow)) == 0
     assert _runs(session_factory) == 1
 
 

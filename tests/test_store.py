@@ -13,12 +13,12 @@ from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import (
     ROLLUP_WIDTHS,
-    Prompt,
-    Rollout,
-    Rollup,
-    Run,
+    PromptRow,
+    RolloutRow,
+    RollupRow,
+    RunRow,
     RunStatus,
-    Step,
+    StepRow,
     utcnow,
 )
 from rollout_lens.server.store.serialize import rollout_dict
@@ -46,8 +46,8 @@ def test_prompts_are_stored_once(session_factory) -> None:
     make_run(session_factory, steps=5)  # each step's group shares one prompt
     make_run(session_factory, steps=5)  # same seed: the same five prompts again
     with session_scope(session_factory) as session:
-        assert session.scalar(select(func.count()).select_from(Prompt)) == 5
-        assert session.scalar(select(func.count()).select_from(Rollout)) == 80
+        assert session.scalar(select(func.count()).select_from(PromptRow)) == 5
+        assert session.scalar(select(func.count()).select_from(RolloutRow)) == 80
 
 
 def test_step_rollouts_in_group_order_with_arrays(session_factory) -> None:
@@ -80,9 +80,9 @@ def test_one_step_is_one_transaction(session_factory) -> None:
     with pytest.raises(IntegrityError), session_scope(session_factory) as session:
         store.record_step(session, run_id=run_id, record=duplicate, control_tokens=CONTROL_TOKENS)
     with session_scope(session_factory) as session:
-        assert session.scalar(select(func.count()).where(Rollout.step == 3)) == 0
+        assert session.scalar(select(func.count()).where(RolloutRow.step == 3)) == 0
         assert "x" not in store.series_names(session, run_id=run_id)
-        assert session.scalar(select(func.count()).select_from(Step)) == 2
+        assert session.scalar(select(func.count()).select_from(StepRow)) == 2
 
 
 def test_nan_is_stored_as_null_and_series_read_back(session_factory) -> None:
@@ -129,8 +129,8 @@ def test_deleting_a_run_cascades(engine, session_factory) -> None:
     with engine.begin() as conn:
         conn.execute(text("DELETE FROM runs WHERE id = :id"), {"id": run_id})
     with session_scope(session_factory) as session:
-        assert session.scalar(select(func.count()).select_from(Rollout)) == 0
-        assert session.scalar(select(func.count()).select_from(Step)) == 0
+        assert session.scalar(select(func.count()).select_from(RolloutRow)) == 0
+        assert session.scalar(select(func.count()).select_from(StepRow)) == 0
 
 
 def _rollups_from_raw(session: Session, run_id: int, width: int) -> dict[Any, Any]:
@@ -179,9 +179,9 @@ def _rollups(session: Session, run_id: int, width: int) -> dict[Any, Any]:
 def _rolled_rows(session: Session, run_id: int, width: int) -> list[int]:
     return list(
         session.scalars(
-            select(Rollup.bucket)
-            .where(Rollup.run_id == run_id, Rollup.width == width)
-            .order_by(Rollup.bucket)
+            select(RollupRow.bucket)
+            .where(RollupRow.run_id == run_id, RollupRow.width == width)
+            .order_by(RollupRow.bucket)
         )
     )
 
@@ -295,7 +295,7 @@ def test_a_lost_run_says_its_whole_threshold(
     run_id = make_run(session_factory, steps=1)
     with session_scope(session_factory) as session:
         store.mark_running(session, run_id=run_id, worker_host="h", device="cpu", control_tokens=[])
-        run = session.get(Run, run_id)
+        run = session.get(RunRow, run_id)
         run.heartbeat_at = utcnow() - stale_after - timedelta(seconds=10)
     with session_scope(session_factory) as session:
         assert store.mark_lost_runs(session, stale_after=stale_after) == [run_id]

@@ -21,7 +21,7 @@ from rollout_lens.server import store
 from rollout_lens.server.core import tokentext
 from rollout_lens.server.exchange import export, importer
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Rollout
+from rollout_lens.server.store.models import RolloutRow
 from rollout_lens.server.store.serialize import completion_ids, rollout_dict
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -179,7 +179,9 @@ def test_a_rollout_stored_with_its_text_reads_by_the_rule_its_pieces_show(
     rollouts[0].completion = rollouts[0].completion.strip() + " (edited)"
     run_id = record_real_run(session_factory, real, rollouts)
     with session_scope(session_factory) as session:
-        assert session.scalar(select(Rollout.text_rule).where(Rollout.run_id == run_id)) is None
+        assert (
+            session.scalar(select(RolloutRow.text_rule).where(RolloutRow.run_id == run_id)) is None
+        )
     (row,) = _read(session_factory, run_id)
     assert row["completion"] == rollouts[0].completion
     assert "".join(row["tokens"]) == real.decode(row["completion_ids"], skip_special_tokens=False)

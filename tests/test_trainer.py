@@ -11,7 +11,7 @@ from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store import arrays
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.store.models import Rollout, Step
+from rollout_lens.server.store.models import RolloutRow, StepRow
 from rollout_lens.trainer.worker.run import train
 from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -114,8 +114,8 @@ def test_a_failing_run_is_marked_failed_with_its_error(train_settings: Settings)
     with session_scope(factory) as session:
         run = store.list_runs(session)[0]
         assert run.status == "failed" and "<no-such-token>" in (run.error or "")
-        assert session.scalar(select(func.count()).select_from(Step)) == 0
-        assert session.scalar(select(func.count()).select_from(Rollout)) == 0
+        assert session.scalar(select(func.count()).select_from(StepRow)) == 0
+        assert session.scalar(select(func.count()).select_from(RolloutRow)) == 0
 
 
 def test_leaky_prompts_list_every_tool(train_settings: Settings) -> None:

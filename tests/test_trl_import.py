@@ -11,7 +11,7 @@ from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.exchange.trl_import import import_trl
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Run, RunSource, RunStatus
+from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
 from rollout_lens.server.store.serialize import rollout_dict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -61,7 +61,7 @@ def _rows(output: Path) -> list[dict]:
 
 def _runs(factory: sessionmaker[Session]) -> int:
     with session_scope(factory) as session:
-        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 def test_a_real_trl_run_becomes_a_run(

@@ -17,7 +17,7 @@ from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.exchange.dump_import import import_dumps
 from rollout_lens.server.exchange.verl_import import VerlDump
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Run, RunSource, RunStatus
+from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
 from rollout_lens.server.store.serialize import rollout_dict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -122,7 +122,7 @@ def lines(path: Path) -> list[dict[str, Any]]:
 
 def run_count(factory: sessionmaker[Session]) -> int:
     with session_scope(factory) as session:
-        return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 def rollouts_of(factory: sessionmaker[Session], run_id: int) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from rollout_lens.server.core.queue import enqueue_run, make_celery
 from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.migrate import upgrade
-from rollout_lens.server.store.models import Run, Step
+from rollout_lens.server.store.models import RunRow, StepRow
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -100,13 +100,13 @@ class Harness:
         enqueue_run(self.celery, run_id=run_id)
         return run_id
 
-    def run(self, run_id: int) -> Run:
+    def run(self, run_id: int) -> RunRow:
         with session_scope(self.factory) as session:
             return store.get_run(session, run_id=run_id)
 
     def wait(
-        self, what: str, predicate: Callable[[Run], bool], run_id: int, timeout: float = 240
-    ) -> Run:
+        self, what: str, predicate: Callable[[RunRow], bool], run_id: int, timeout: float = 240
+    ) -> RunRow:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             run = self.run(run_id)
@@ -233,4 +233,4 @@ def test_steps_table_is_not_touched_by_a_skipped_delivery(
         assert store.claim_run(session, run_id=run_id, task_id="a") is True
         assert store.claim_run(session, run_id=run_id, task_id="b") is False
         assert store.get_run(session, run_id=run_id).task_id == "a"
-        assert session.scalar(select(func.count()).select_from(Step)) == 2
+        assert session.scalar(select(func.count()).select_from(StepRow)) == 2

@@ -95,7 +95,7 @@ def severity(kind: str) -> str:
 
 
 @dataclass(frozen=True)
-class Alert:
+class FiredAlert:
     kind: str  # one of KINDS
     step: int
     message: str
@@ -131,7 +131,7 @@ def _skip(i: int, n: int, tail: int | None) -> bool:
 
 def control_token_spikes(
     name: str, series: Series, t: AlertThresholds, tail: int | None = None
-) -> list[Alert]:
+) -> list[FiredAlert]:
     """A probe far above its usual level: absolutely high, or a multiple of its trailing mean."""
     steps, values = _present(series)
     flags = []
@@ -148,7 +148,7 @@ def control_token_spikes(
         )
         flags.append(value >= t.spike_abs or relative)
     return [
-        Alert(
+        FiredAlert(
             "control_token_spike",
             step,
             f"{name} jumped to {values[steps.index(step)]:.2f} at step {step}",
@@ -160,7 +160,7 @@ def control_token_spikes(
 
 def control_token_drops(
     name: str, series: Series, t: AlertThresholds, tail: int | None = None
-) -> list[Alert]:
+) -> list[FiredAlert]:
     """A probe that is ~1 in healthy calls (the opening tag first) suddenly losing its mass."""
     steps, values = _present(series)
     flags = []
@@ -173,7 +173,7 @@ def control_token_drops(
             bool(history) and sum(history) / len(history) >= t.drop_from and value < t.drop_below
         )
     return [
-        Alert(
+        FiredAlert(
             "control_token_spike",
             step,
             f"{name} fell to {values[steps.index(step)]:.2f} at step {step}: another token took its place",
@@ -183,7 +183,7 @@ def control_token_drops(
     ]
 
 
-def collapse(series: Series, t: AlertThresholds, tail: int | None = None) -> list[Alert]:
+def collapse(series: Series, t: AlertThresholds, tail: int | None = None) -> list[FiredAlert]:
     """Many completions whose call structure broke (empty, bare opening tag, unbalanced…), on
     average over the last `shares_window` steps where it was logged."""
     steps, values = _present(series)
@@ -198,7 +198,7 @@ def collapse(series: Series, t: AlertThresholds, tail: int | None = None) -> lis
         flags.append(means[-1] >= t.collapse_share)
     over = f" over the last {w} steps" if w > 1 else ""
     return [
-        Alert(
+        FiredAlert(
             "collapse",
             step,
             f"{means[steps.index(step)]:.0%} of completions collapsed{over} at step {step}",
@@ -210,7 +210,7 @@ def collapse(series: Series, t: AlertThresholds, tail: int | None = None) -> lis
 
 def reward_hacking(
     reward: Series, accuracy: Series, t: AlertThresholds, tail: int | None = None
-) -> list[Alert]:
+) -> list[FiredAlert]:
     """Verifier reward rising over a window while true accuracy falls or stays flat."""
     acc_by_step = dict(accuracy)
     pairs = [
@@ -230,7 +230,7 @@ def reward_hacking(
         d_acc = _mean([p[2] for p in after]) - _mean([p[2] for p in before])
         flags.append(d_reward >= t.hacking_min_rise and d_acc <= t.hacking_max_acc_change)
     return [
-        Alert(
+        FiredAlert(
             "reward_hacking",
             step,
             f"verifier reward rose over the last {w} steps while true accuracy did not (step {step})",
@@ -256,7 +256,7 @@ def _group_share(
 
 def signal_loss(
     share: Series, t: AlertThresholds, tail: int | None = None, name: str = STUCK
-) -> list[Alert]:
+) -> list[FiredAlert]:
     """Nearly every group stuck (identical rewards below the top: advantages are zero and
     there is nothing to learn from). Reads the stuck share, or for a run recorded without it
     (before the split, or imported) the zero-std share."""
@@ -268,7 +268,7 @@ def signal_loss(
         else "had zero reward spread"
     )
     return [
-        Alert(
+        FiredAlert(
             "signal_loss",
             step,
             f"{t.signal_loss_share:.0%}+ of groups {what} over {w} steps (step {step})",
@@ -278,14 +278,14 @@ def signal_loss(
     ]
 
 
-def solved(share: Series, t: AlertThresholds, tail: int | None = None) -> list[Alert]:
+def solved(share: Series, t: AlertThresholds, tail: int | None = None) -> list[FiredAlert]:
     """Nearly every group solved (all its rollouts at the top reward): the task is learned
     there, and those groups give no gradient. Info, not a fault."""
     w, quiet = t.solved_steps, t.solved_quiet
     # an episode starts where the last `quiet` points were off: evaluate them too
     steps, flags = _group_share(share, t.solved_share, w, None if tail is None else tail + quiet)
     return [
-        Alert(
+        FiredAlert(
             "solved",
             step,
             f"{t.solved_share:.0%}+ of groups were solved (every rollout at the top reward) over {w} steps: little gradient left (step {step})",
@@ -297,11 +297,11 @@ def solved(share: Series, t: AlertThresholds, tail: int | None = None) -> list[A
 
 def evaluate(
     series: Mapping[str, Series], t: AlertThresholds, tail: int | None = None
-) -> list[Alert]:
+) -> list[FiredAlert]:
     """Every alert for a run's series, ordered by step. With `tail`, conditions are evaluated
     at each series' last `tail` points only (earlier ones count as false): what a recorder
     needs to know whether an episode starts at the newest step (tail=2)."""
-    alerts: list[Alert] = []
+    alerts: list[FiredAlert] = []
     for name, values in series.items():
         if name in SPIKE_PROBES:
             alerts += control_token_spikes(name, values, t, tail)
@@ -361,7 +361,7 @@ class Watch:
                 entries = self.inputs[name] = deque(maxlen=self.keep.get(name, CONTEXT))
             entries.append((step, value))
 
-    def push(self, step: int, values: Mapping[str, float | None]) -> list[Alert]:
+    def push(self, step: int, values: Mapping[str, float | None]) -> list[FiredAlert]:
         """Add one step and return the alerts that fire at it."""
         self.feed(step, values)
         series = {name: list(entries) for name, entries in self.inputs.items()}

@@ -101,7 +101,7 @@ class ListedRun(RunData):
     text: dict[str, str]  # data-field → its text (display.live_text)
 
 
-class Progress(TypedDict):
+class ProgressData(TypedDict):
     """The fields of a run that change while it trains (chart_data.run_progress)."""
 
     id: int
@@ -119,7 +119,7 @@ class Progress(TypedDict):
     text: dict[str, str]  # data-field → its text (display.live_text)
 
 
-class LiveState(Progress):
+class LiveState(ProgressData):
     """What a live page shows besides the charts (queries.run_live)."""
 
     queue_position: int | None
@@ -132,7 +132,7 @@ class LiveState(Progress):
     summary: str  # one line: place in the queue, speed and ETA, or its end
 
 
-class RunOverview(TypedDict):
+class RunOverviewData(TypedDict):
     """A run page's data (queries.run_overview; the routes add its alerts)."""
 
     run: RunData
@@ -140,7 +140,7 @@ class RunOverview(TypedDict):
     last_step: int | None
     series_names: list[str]
     live: LiveState
-    alerts: NotRequired[list[dict[str, Any]]]  # Alert.as_dict with each step's url
+    alerts: NotRequired[list[dict[str, Any]]]  # FiredAlert.as_dict with each step's url
 
 
 # --- a step in detail ---------------------------------------------------------------------------

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
+import numpy as np
 from rollout_lens.server.core.textsafe import storable, storable_value
 
 # Verifier and truth disagree: the verifier passed (reward ≥ DISAGREE_AT) a rollout whose true
@@ -35,18 +38,104 @@ LABEL_CHARS = 256
 _LABEL_FIELDS = frozenset({"vote", "target"})
 
 
+_ARRAY_FIELDS = frozenset({"completion_ids", "token_logprobs", "control_probs"})
+Ids = np.ndarray  # int64, one a completion position
+Floats = np.ndarray  # float64
+NO_IDS: Ids = np.zeros(0, dtype=np.int64)
+NO_FLOATS: Floats = np.zeros(0)
+
+
+def as_floats(values: Any) -> Floats:
+    """A row of numbers as float64 (an array as it is; None or a non-number: NaN)."""
+    if isinstance(values, np.ndarray):
+        return values.astype(np.float64, copy=False).reshape(-1)
+    try:
+        return np.asarray(values, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        return np.asarray(
+            [float(x) if isinstance(x, int | float) else math.nan for x in values], np.float64
+        )
+
+
+class ControlProbs(Mapping[str, Floats]):
+    """A rollout's control-token probabilities in the one orientation: `array` is
+    [position × token] float64, a column per token of `tokens`, as many rows as the completion
+    has positions, or none when they were not measured. As a mapping: token → its column."""
+
+    __slots__ = ("array", "tokens")
+
+    def __init__(self, tokens: Sequence[str], array: np.ndarray) -> None:
+        self.tokens = tuple(tokens)
+        self.array = array
+
+    @classmethod
+    def of(cls, given: Any, length: int, tokens: Sequence[str] | None = None) -> ControlProbs:
+        """`given` as ControlProbs, `length` positions: token → row (a mapping, or rows in the
+        order of `tokens`: each cut or padded with 0.0 to `length`, as the store has always
+        read them), or a [position × token] array. No row has a value: not measured."""
+        if isinstance(given, ControlProbs):
+            return given
+        if isinstance(given, np.ndarray) and given.ndim == 2:
+            names = list(tokens or ())
+            values = given.astype(np.float64, copy=False)
+            if values.shape[0] and values.shape[0] != length:
+                fitted = np.zeros((length, values.shape[1]))
+                n = min(length, values.shape[0])
+                fitted[:n] = values[:n]
+                values = fitted
+            return cls(names, values)
+        if given is None:
+            given = {}
+        if isinstance(given, Mapping):
+            names, rows = list(given), [as_floats(r) for r in given.values()]
+        else:
+            names, rows = list(tokens or ()), [as_floats(r) for r in given]
+            names = names[: len(rows)]
+            rows = rows[: len(names)]
+        if not any(len(r) for r in rows):
+            return cls(names, np.zeros((0, len(names))))
+        values = np.zeros((length, len(names)))
+        for k, row in enumerate(rows):
+            n = min(length, len(row))
+            values[:n, k] = row[:n]
+        return cls(names, values)
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.array.shape[0])
+
+    def __getitem__(self, token: str) -> Floats:
+        try:
+            column: Floats = self.array[:, self.tokens.index(token)]
+            return column
+        except ValueError:
+            raise KeyError(token) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"ControlProbs({self.tokens}, {self.array.shape[0]} positions)"
+
+
 @dataclass
 class RolloutRecord:
-    """One completion of a group, as the update saw it."""
+    """One completion of a group, as the update saw it: the one typed rollout from the capture
+    (or an import's reader) to the store. Its per-token data are numpy arrays whatever they are
+    given as: ids (int64), logprobs (float64, none when not measured) and control-token
+    probabilities (ControlProbs: [position × token])."""
 
     group: int
     index: int
     prompt: str
     completion: str
-    completion_ids: list[int]
-    token_logprobs: list[float]
+    completion_ids: Ids
+    token_logprobs: Floats
     # control token → probability at each completion position (same length as completion_ids)
-    control_probs: dict[str, list[float]]
+    control_probs: ControlProbs
     vote: str | None
     target: str | None
     verifier_reward: float
@@ -59,7 +148,9 @@ class RolloutRecord:
     tokens: list[str] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _TEXT_FIELDS and isinstance(value, str):
+        if name in _ARRAY_FIELDS:
+            value = self._array(name, value)
+        elif name in _TEXT_FIELDS and isinstance(value, str):
             value = storable(value)
             if name in _LABEL_FIELDS and len(value) > LABEL_CHARS:
                 value = value[: LABEL_CHARS - 1] + "…"
@@ -67,13 +158,24 @@ class RolloutRecord:
             value = storable_value(value)
         object.__setattr__(self, name, value)
 
+    def _array(self, name: str, value: Any) -> Any:
+        if name == "completion_ids":
+            if isinstance(value, np.ndarray) and value.dtype == np.int64:
+                return value.reshape(-1)
+            return np.asarray(value if len(value) else [], dtype=np.int64).reshape(-1)
+        if name == "token_logprobs":
+            return as_floats(value)
+        return ControlProbs.of(value, len(self.__dict__.get("completion_ids", ())))
+
     @property
     def sum_logprob(self) -> float | None:
         """Σ logprob of the completion; None when its tokens' logprobs were not measured (a
         generation path without them), never a 0.0 that reads as certainty."""
-        if not self.token_logprobs and self.completion_ids:
+        logprobs = self.token_logprobs
+        if not len(logprobs) and len(self.completion_ids):
             return None
-        return float(sum(self.token_logprobs))
+        # a running sum: the float sum() of the list gives (np.sum adds pairwise)
+        return float(np.cumsum(logprobs)[-1]) if len(logprobs) else 0.0
 
 
 @dataclass
@@ -85,3 +187,4 @@ class StepRecord:
     values: dict[str, float | None]  # keys from server.core.vocab.STEP_SERIES
     rollouts: list[RolloutRecord] = field(default_factory=list)  # empty when reusing rollouts
     metrics: dict[str, float | None] = field(default_factory=dict)
+    recorded_at: datetime | None = None  # when it was first recorded (an import keeps it); now

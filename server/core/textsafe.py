@@ -75,11 +75,19 @@ def _clean_parameters(parameters: Any) -> Any:
     return parameters
 
 
+# A statement's execution options saying its strings were made storable before (the write
+# path's rollout rows: checking half a million strings a step again cost more than inserting them).
+CLEAN_ALREADY = {"rollout_lens_storable": True}
+
+
 def install(engine: Engine) -> None:
-    """Clean every string parameter `engine` sends (text columns, names, errors, notes)."""
+    """Clean every string parameter `engine` sends (text columns, names, errors, notes), but
+    for statements run with CLEAN_ALREADY."""
 
     @event.listens_for(engine, "before_cursor_execute", retval=True)
     def _storable_parameters(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if context is not None and context.execution_options.get("rollout_lens_storable"):
+            return statement, parameters
         return statement, _clean_parameters(parameters)
 
 

@@ -10,7 +10,7 @@ formats while the trainer is still writing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,56 +88,37 @@ def readable(fmt: DumpFormat, found: Sequence[Unit], *, final: bool) -> list[tup
     return out
 
 
-class StepWriter:
-    """Writes a run's steps through the store's Recorder, kept between steps and batches."""
+class DumpWriter:
+    """A dump folder's steps into its run through the one writer (store.RunWriter, the run's
+    shape following the steps), each step's series names checked first (SeriesNames: a run
+    holds at most MAX_SERIES_PER_RUN; the step that brings one more is refused, not written)."""
 
     def __init__(
         self, run_id: int, *, prompts_per_step: int = 1, total_steps: int | None = None
     ) -> None:
-        self.run_id = run_id
-        self.prompts_per_step = prompts_per_step
-        self.total_steps = total_steps  # the trainer's planned steps, when told
-        self.recorder: store.Recorder | None = None
+        self.writer = store.RunWriter(
+            run_id, follow_shape=True, prompts_per_step=prompts_per_step, total_steps=total_steps
+        )
         self.series: SeriesNames | None = None  # the run's series names (read on first use)
 
     def write(self, session: Session, records: Iterable[StepRecord]) -> tuple[int, int]:
         """Write the steps in the session's transaction; (steps, rollouts) written. After a
         failed transaction call reset()."""
-        steps = rollouts = 0
-        last = None
+        return self.writer.write(session, self._checked(session, records))
+
+    def _checked(self, session: Session, records: Iterable[StepRecord]) -> Iterator[StepRecord]:
         for record in records:
             if self.series is None:
-                self.series = SeriesNames(store.series_names(session, run_id=self.run_id))
+                self.series = SeriesNames(store.series_names(session, run_id=self.writer.run_id))
             try:
                 self.series.add(record.metrics)
             except InvalidInput as exc:
                 raise InvalidInput(f"step {record.step}: {exc}") from None
-            groups = len({r.group for r in record.rollouts})
-            if groups > self.prompts_per_step:
-                # the alert rules judge shares over enough groups: tell them how many a step holds
-                self.prompts_per_step = groups
-                store.restore_run_columns(
-                    session, run_id=self.run_id, values={"prompts_per_step": groups}
-                )
-                self.recorder = None  # rebuilt from the steps so far, with that number
-            self.recorder = store.record_step(
-                session,
-                recorder=self.recorder,
-                run_id=self.run_id,
-                record=record,
-                control_tokens=(),
-            )
-            steps += 1
-            rollouts += len(record.rollouts)
-            last = record.step
-        if last is not None:
-            total = max(last, self.total_steps or 0)
-            store.restore_run_columns(session, run_id=self.run_id, values={"total_steps": total})
-        return steps, rollouts
+            yield record
 
     def reset(self) -> None:
-        """Forget the recorder: its memory is ahead of a transaction that rolled back."""
-        self.recorder = None
+        """Forget the writer's memory: it is ahead of a transaction that rolled back."""
+        self.writer.reset()
         self.series = None
 
 
@@ -195,9 +176,8 @@ def import_dumps(
     try:
         with session_scope(factory) as session:
             run_id = create_run(session, fmt, plan, RunStatus.completed)
-            steps, rollouts = StepWriter(run_id, total_steps=total_steps).write(
-                session, (fmt.record(unit) for unit in found)
-            )
+            writer = DumpWriter(run_id, total_steps=total_steps)
+            steps, rollouts = writer.write(session, (fmt.record(unit) for unit in found))
     except (IntegrityError, DataError) as exc:
         raise refused(fmt.folder, exc) from exc
     return Imported(run_id, plan.name, steps, rollouts)

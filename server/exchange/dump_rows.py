@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server.core.errors import InvalidInput
-from rollout_lens.server.core.records import RolloutRecord
+from rollout_lens.server.core.records import NO_FLOATS, NO_IDS, ControlProbs, RolloutRecord
 from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN
 from rollout_lens.server.exchange import bounds
 
@@ -62,9 +62,9 @@ class TextRollout(RolloutRecord):
 def text_rollout(**fields: Any) -> TextRollout:
     """A TextRollout with the token-level fields empty and the format unchecked."""
     return TextRollout(
-        completion_ids=[],
-        token_logprobs=[],
-        control_probs={},
+        completion_ids=NO_IDS,
+        token_logprobs=NO_FLOATS,
+        control_probs=ControlProbs.of(None, 0),
         vote=None,
         format_valid=True,
         format_state="unchecked",

@@ -29,7 +29,7 @@ from rollout_lens.server.exchange.schema import (
     run_record,
     step_record,
 )
-from rollout_lens.server.store.models import Run
+from rollout_lens.server.store.models import RunRow
 from rollout_lens.server.store.serialize import rollout_dict
 from sqlalchemy.orm import Session
 
@@ -76,7 +76,7 @@ def export_chunks(
 # --- the whole run ------------------------------------------------------------------------------
 
 
-def _jsonl_run(session: Session, run: Run) -> Iterator[str]:
+def _jsonl_run(session: Session, run: RunRow) -> Iterator[str]:
     """Lines: the run, each step followed by the rollouts generated at it, then the end record."""
     tokens = list(run.control_tokens)
     texts = store.token_texts(session, run_id=run.id)
@@ -181,7 +181,7 @@ def rollout_schema() -> Any:
 OPTIONAL_COLUMNS = frozenset({"token_pieces"})
 
 
-def _parquet_run(session: Session, run: Run) -> Iterator[bytes]:
+def _parquet_run(session: Session, run: RunRow) -> Iterator[bytes]:
     """Rollouts as rows, a row group per ROW_GROUP rollouts; the run header and the step records
     (JSON lines) in the file's key-value metadata."""
     import pyarrow as pa
@@ -221,7 +221,7 @@ def _parquet_run(session: Session, run: Run) -> Iterator[bytes]:
 # --- the per-step series alone ------------------------------------------------------------------
 
 
-def _step_columns(session: Session, run: Run) -> tuple[list[str], dict[str, str]]:
+def _step_columns(session: Session, run: RunRow) -> tuple[list[str], dict[str, str]]:
     """Column names (step, rollout_step, recorded_at, the step columns, then each generic series)
     and generic series name → its column (prefixed `metrics/` only if a step column has it)."""
     fixed = ["step", "rollout_step", "recorded_at", *STEP_SERIES]
@@ -232,7 +232,7 @@ def _step_columns(session: Session, run: Run) -> tuple[list[str], dict[str, str]
     return fixed + list(renamed.values()), renamed
 
 
-def _step_rows(session: Session, run: Run, renamed: dict[str, str]) -> Iterator[dict[str, Any]]:
+def _step_rows(session: Session, run: RunRow, renamed: dict[str, str]) -> Iterator[dict[str, Any]]:
     for step, metrics in store.iter_steps(session, run_id=run.id, page=STEP_PAGE):
         row: dict[str, Any] = {
             "step": step.step,
@@ -244,7 +244,7 @@ def _step_rows(session: Session, run: Run, renamed: dict[str, str]) -> Iterator[
         yield row
 
 
-def _steps_chunks(session: Session, run: Run, fmt: str) -> Iterator[bytes]:
+def _steps_chunks(session: Session, run: RunRow, fmt: str) -> Iterator[bytes]:
     columns, renamed = _step_columns(session, run)
     rows = _step_rows(session, run, renamed)
     if fmt == "parquet":

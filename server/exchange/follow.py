@@ -36,14 +36,14 @@ from rollout_lens.server.exchange.dump_files import (
 )
 from rollout_lens.server.exchange.dump_import import (
     DumpFormat,
+    DumpWriter,
     RunPlan,
-    StepWriter,
     create_run,
     readable,
     refused,
 )
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import Run, RunStatus, utcnow
+from rollout_lens.server.store.models import RunRow, RunStatus, utcnow
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -104,7 +104,7 @@ class Follower:
         self.settling = Settling(settle, clock)
         self.run_id: int | None = None
         self.name: str | None = None
-        self.writer: StepWriter | None = None
+        self.writer: DumpWriter | None = None
         self.after: int | None = None
         self.steps = 0
         self.rollouts = 0
@@ -207,7 +207,7 @@ class Follower:
         run_id = create_run(session, self.fmt, plan, RunStatus.running)
         store.mark_following(session, run_id=run_id, worker_host=self.host)
         self.run_id, self.name = run_id, plan.name
-        self.writer = StepWriter(run_id, total_steps=self.total_steps)
+        self.writer = DumpWriter(run_id, total_steps=self.total_steps)
         self.say(f"created run {run_id} ({plan.name}), following {self.fmt.folder}")
 
     def _forget(self) -> None:
@@ -239,7 +239,7 @@ class Follower:
             self.fmt.adopt(run)
             self.after = store.last_recorded_step(session, run_id=run.id)
             self.run_id, self.name, self.resumed = run.id, run.name, True
-            self.writer = StepWriter(
+            self.writer = DumpWriter(
                 run.id,
                 prompts_per_step=run.prompts_per_step,
                 total_steps=self.total_steps or run.total_steps,
@@ -248,7 +248,7 @@ class Follower:
         where = "before its first step" if self.after is None else f"after step {self.after}"
         self.say(f"resuming run {self.run_id} ({self.name}) {where}")
 
-    def _check_same_training(self, session: Session, run: Run) -> None:
+    def _check_same_training(self, session: Session, run: RunRow) -> None:
         """Refuse to resume a run whose first step's file was written again after it was
         recorded: the trainer started over in this folder (a new run; verl resuming from a
         checkpoint rewrites only the steps after it)."""

@@ -15,10 +15,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
-from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, as_floats
 from rollout_lens.server.exchange import bounds
 from rollout_lens.server.exchange.dump_rows import BLANK, SeriesNames, json_line
 from rollout_lens.server.exchange.schema import (
@@ -107,7 +108,7 @@ def _write(
             f"this one reads version {VERSION}"
         )
     try:
-        writer = _RunWriter(session, header, name=name)
+        writer = _ImportedRun(session, header, name=name)
     except InvalidInput as exc:
         raise InvalidInput(f"{where}: {exc}") from exc
     end: EndLine | None = None
@@ -136,7 +137,7 @@ def _write(
     return Imported(writer.run_id, writer.name, writer.steps, writer.rollouts)
 
 
-class _RunWriter:
+class _ImportedRun:
     """Writes a run's records as they arrive: steps at once, rollouts in batches."""
 
     def __init__(self, session: Session, header: RunRecord, *, name: str | None) -> None:
@@ -184,7 +185,7 @@ class _RunWriter:
         self._batch: list[RolloutRecord] = []
         self._batch_tokens = 0
         self._batch_step = 0
-        self._recorder: store.Recorder | None = None
+        self._writer = store.RunWriter(self.run_id, control_tokens=self.tokens)
         self._series = SeriesNames()
 
     def step(self, line: StepLine) -> None:
@@ -193,19 +194,14 @@ class _RunWriter:
         self._last_step = line.step
         self._series.add(line.metrics)
         self.steps += 1
-        self._recorder = store.record_step(
-            self.session,
-            run_id=self.run_id,
-            record=StepRecord(
-                step=line.step,
-                rollout_step=line.rollout_step,
-                values=line.values(),
-                metrics=line.metrics,
-            ),
-            control_tokens=self.tokens,
+        record = StepRecord(
+            step=line.step,
+            rollout_step=line.rollout_step,
+            values=line.values(),
+            metrics=line.metrics,
             recorded_at=_utc(line.recorded_at),
-            recorder=self._recorder,
         )
+        self._writer.write(self.session, [record])
 
     def rollout(self, line: RolloutLine) -> None:
         key = (line.step, line.group, line.index)
@@ -231,9 +227,9 @@ class _RunWriter:
                 index=line.index,
                 prompt=line.prompt,
                 completion=line.completion,
-                completion_ids=line.completion_ids,
-                token_logprobs=line.token_logprobs,
-                control_probs=line.control_token_probs,
+                completion_ids=np.asarray(line.completion_ids, dtype=np.int64),
+                token_logprobs=as_floats(line.token_logprobs),
+                control_probs=ControlProbs.of(line.control_token_probs, len(line.completion_ids)),
                 vote=line.vote,
                 target=line.target,
                 verifier_reward=line.verifier_reward,
@@ -253,12 +249,7 @@ class _RunWriter:
 
     def _flush(self) -> None:
         if self._batch:
-            conn = self.session.connection()
-            if self._recorder is None:
-                self._recorder = store.Recorder(
-                    conn, run_id=self.run_id, control_tokens=self.tokens
-                )
-            self._recorder.add_rollouts(conn, step=self._batch_step, rollouts=self._batch)
+            self._writer.add_rollouts(self.session, step=self._batch_step, rollouts=self._batch)
             self._batch = []
             self._batch_tokens = 0
 

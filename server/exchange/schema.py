@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.exchange.bounds import MAX_INT32, MAX_TOKENS, MIN_INT32
-from rollout_lens.server.store.models import Rollout, Run, Step
+from rollout_lens.server.store.models import RolloutRow, RunRow, StepRow
 from rollout_lens.server.store.serialize import rollout_dict
 
 FORMAT = "rollout-lens-export"
@@ -71,7 +71,7 @@ def dumps(record: dict[str, Any]) -> str:
 # --- writing ------------------------------------------------------------------------------------
 
 
-def run_record(run: Run) -> dict[str, Any]:
+def run_record(run: RunRow) -> dict[str, Any]:
     """The header record: the run's own columns."""
     return {
         "kind": "run",
@@ -104,7 +104,7 @@ def run_record(run: Run) -> dict[str, Any]:
     } | {name: iso(getattr(run, name)) for name in RUN_TIMES}
 
 
-def step_record(step: Step, metrics: dict[str, float | None]) -> dict[str, Any]:
+def step_record(step: StepRow, metrics: dict[str, float | None]) -> dict[str, Any]:
     """A step's columns and its generic series."""
     return (
         {
@@ -119,7 +119,7 @@ def step_record(step: Step, metrics: dict[str, float | None]) -> dict[str, Any]:
 
 
 def rollout_record(
-    rollout: Rollout, prompt: str, control_tokens: list[str], token_texts: dict[int, str]
+    rollout: RolloutRow, prompt: str, control_tokens: list[str], token_texts: dict[int, str]
 ) -> dict[str, Any]:
     """A rollout with every array (the API's rollout shape, plus its kind). Where retention
     dropped its token arrays they are empty lists."""

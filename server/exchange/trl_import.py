@@ -37,7 +37,7 @@ from rollout_lens.server.exchange.dump_rows import (
     text_rollout,
 )
 from rollout_lens.server.exchange.importer import Imported
-from rollout_lens.server.store.models import Run, RunSource
+from rollout_lens.server.store.models import RunRow, RunSource
 from sqlalchemy.orm import Session, sessionmaker
 
 REQUIRED = ("step", "prompt", "completion", "advantage")
@@ -46,7 +46,7 @@ FILE_NAME = re.compile(r"^completions_(\d+)\.parquet$")
 
 
 @dataclass
-class Checked:
+class TrlFileShape:
     """What planning needs of a file: its prompts' run lengths and its other columns."""
 
     lengths: list[int]
@@ -87,7 +87,7 @@ class TrlDump:
         nested = self.folder / "completions"
         return numbered(nested if nested.is_dir() else self.folder, FILE_NAME, root=self.folder)
 
-    def check(self, unit: Unit) -> Checked:
+    def check(self, unit: Unit) -> TrlFileShape:
         path = unit.files[0].path
         schema = _read(path, schema_only=True)
         missing = [c for c in REQUIRED if c not in schema.names]
@@ -97,7 +97,7 @@ class TrlDump:
             )
         numeric = {f.name: _is_number(f.type) for f in schema if f.name not in REQUIRED}
         prompts = _read(path, columns=["prompt"]).column("prompt").to_pylist()
-        return Checked(run_lengths(keys(prompts)), numeric)
+        return TrlFileShape(run_lengths(keys(prompts)), numeric)
 
     def wants_more(self, unit: Unit) -> bool:
         return False
@@ -139,7 +139,7 @@ class TrlDump:
             notes=notes,
         )
 
-    def adopt(self, run: Run) -> None:
+    def adopt(self, run: RunRow) -> None:
         config = run.config or {}
         stored_n = config.get("num_generations") or run.group_size
         rewards = list(config.get("reward_columns") or [])

@@ -43,7 +43,7 @@ from rollout_lens.server.exchange.dump_rows import (
     step_values,
     text_rollout,
 )
-from rollout_lens.server.store.models import Run, RunSource
+from rollout_lens.server.store.models import RunRow, RunSource
 
 FILE_NAME = re.compile(r"^(\d+)\.jsonl$")
 REQUIRED = ("input", "output", "score", "step")
@@ -64,7 +64,7 @@ def verl(key: str) -> str:
 
 
 @dataclass
-class Checked:
+class VerlStepShape:
     """What planning needs of a step: its prompts' run lengths and the extra keys it holds."""
 
     lengths: list[int] = field(default_factory=list)
@@ -116,8 +116,8 @@ class VerlDump:
             found += numbered(self.validation, FILE_NAME, "validation")
         return [f for f in found if f.step >= 1]
 
-    def check(self, unit: Unit) -> Checked:
-        out = Checked()
+    def check(self, unit: Unit) -> VerlStepShape:
+        out = VerlStepShape()
         train = unit.of("train")
         if train is not None:
             rows = read_lines(train)
@@ -221,7 +221,7 @@ class VerlDump:
             return _key_mean(rows, key)
         return mean(row["score"] for row in rows)
 
-    def adopt(self, run: Run) -> None:
+    def adopt(self, run: RunRow) -> None:
         config = run.config or {}
         stored = {
             "--n": config.get("n"),

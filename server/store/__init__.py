@@ -1,7 +1,8 @@
 """All SQL that writes, and the reads that export and scripts share, by job:
 
 - runs: run lifecycle and the launch queue;
-- recording: the write path (a Recorder per run: steps, rollouts, series, rollups, alerts);
+- writing: the one writer (RunWriter and write_steps, every source's way in);
+- recording: the write path's SQL (a Recorder per run: steps, rollouts, series, rollups, alerts);
 - rollups: per-bucket aggregates for long runs' charts;
 - reading: steps, rollouts and series read back;
 - layout, sql: how a step's series are packed; dialect helpers;
@@ -26,7 +27,7 @@ from rollout_lens.server.store.reading import (
     steps,
     token_texts,
 )
-from rollout_lens.server.store.recording import Recorder, add_rollouts, record_step, write_batch
+from rollout_lens.server.store.recording import Recorder
 from rollout_lens.server.store.rollups import latest_value, rollup_series
 from rollout_lens.server.store.runs import (
     RESUMABLE_STATUSES,
@@ -58,10 +59,18 @@ from rollout_lens.server.store.runs import (
     truncate_after,
     unique_run_name,
 )
+from rollout_lens.server.store.writing import (
+    RunWriter,
+    add_rollouts,
+    record_step,
+    write_batch,
+    write_steps,
+)
 
 __all__ = [
     "RESUMABLE_STATUSES",
     "Recorder",
+    "RunWriter",
     "add_device_time",
     "add_rollouts",
     "cancel_requested",
@@ -106,4 +115,5 @@ __all__ = [
     "token_texts",
     "truncate_after",
     "write_batch",
+    "write_steps",
 ]

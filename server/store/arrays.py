@@ -40,6 +40,9 @@ _LEVEL = 3  # zstd level: level 3 writes at hundreds of MB/s; higher levels gain
 # zstandard's (de)compressors must not be shared between threads (the web app serves requests
 # on a pool of them: one shared decompressor corrupted concurrent reads): one each per thread.
 _local = threading.local()
+# A rollout's control-token probabilities: [position × token] (the step entity's orientation),
+# or one sequence per token (rows as lists).
+ControlRows = np.ndarray | Sequence[Sequence[float] | np.ndarray]
 
 
 def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
@@ -126,7 +129,7 @@ def _sparse(length: int, counts: np.ndarray, gaps: np.ndarray, codes: np.ndarray
 # --- ids, logprobs, control-token probabilities ------------------------------------------------
 
 
-def encode_ids(ids: Sequence[int]) -> bytes:
+def encode_ids(ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids → compressed bytes (exact)."""
     return _pack(_shuffle(np.asarray(ids, dtype=np.int32)))
 
@@ -172,20 +175,53 @@ def encode_control(rows: Sequence[Sequence[float]], length: int) -> bytes:
     return _sparse(length, counts, gaps, _probability_codes(values[at]))
 
 
+def _as_floats(row: Sequence[float] | np.ndarray) -> np.ndarray:
+    """One row of floats as float64 (an array as it is, a list read in C; None or another
+    non-number: NaN, as a chart would show it)."""
+    if isinstance(row, np.ndarray):
+        return row.astype(np.float64, copy=False).reshape(-1)
+    try:
+        return np.frombuffer(array("d", row), dtype=np.float64)
+    except TypeError:
+        return _floats([row])
+
+
+def _control_rows(control: ControlRows, length: int) -> np.ndarray:
+    """A rollout's control-token probabilities as [token × position] float64, `length` wide: a
+    2-D array is [position × token] (the step entity's orientation); a sequence holds one row
+    per token (each cut or padded with 0.0 to the completion's length)."""
+    if isinstance(control, np.ndarray) and control.ndim == 2:
+        by_token = control.astype(np.float64, copy=False).T
+        if by_token.shape[1] != length:
+            fitted = np.zeros((by_token.shape[0], length))
+            n = min(length, by_token.shape[1])
+            fitted[:, :n] = by_token[:, :n]
+            by_token = fitted
+        return by_token
+    out = np.zeros((len(control), length))
+    for k, row in enumerate(control):
+        values = _as_floats(row)
+        n = min(length, len(values))
+        out[k, :n] = values[:n]
+    return out
+
+
 def encode_rollouts(
-    ids: Sequence[Sequence[int]],
-    logprobs: Sequence[Sequence[float]],
-    control: Sequence[Sequence[Sequence[float]]],
+    ids: Sequence[Sequence[int] | np.ndarray],
+    logprobs: Sequence[Sequence[float] | np.ndarray],
+    control: Sequence[ControlRows],
 ) -> list[tuple[bytes, bytes, bytes]]:
-    """Many rollouts' (ids, logprobs, control-token rows) → their three blobs each, as
-    encode_ids, encode_logprobs and encode_control write them: the numbers are converted and
-    quantized for the whole batch at once (per rollout it cost more than the database write)."""
+    """Many rollouts' (ids, logprobs, control-token probabilities) → their three blobs each, as
+    encode_ids, encode_logprobs and encode_control write them: the numbers are quantized for
+    the whole batch at once (per rollout it cost more than the database write). Arrays are taken
+    as they are (no Python floats on the way); lists are read in C."""
     lengths = [len(x) for x in ids]
-    lp_lengths = [len(x) for x in logprobs]
-    lp_codes = _logprob_codes(_floats(logprobs))
-    n_rows = len(control[0]) if control else 0
-    fitted = [_fit(row, n) for rows, n in zip(control, lengths, strict=True) for row in rows]
-    values = _floats(fitted)
+    lp_rows = [_as_floats(x) for x in logprobs]
+    lp_lengths = [len(x) for x in lp_rows]
+    lp_codes = _logprob_codes(np.concatenate(lp_rows) if lp_rows else np.zeros(0))
+    by_token = [_control_rows(rows, n) for rows, n in zip(control, lengths, strict=True)]
+    n_rows = by_token[0].shape[0] if by_token else 0
+    values = np.concatenate([m.reshape(-1) for m in by_token]) if by_token else np.zeros(0)
     # Kept positions of every row of every rollout at once; a rollout's rows are consecutive,
     # so its kept positions are one slice of them.
     at = np.flatnonzero(~(values < CONTROL_FLOOR))
@@ -260,15 +296,22 @@ def decode_text(data: bytes) -> str:
 _MAX_DROPPED = 2
 
 
-def text_rule(text: str, ids: Sequence[int], texts: Mapping[int, str]) -> int | None:
+def text_rule(text: str, ids: Sequence[int] | np.ndarray, texts: Mapping[int, str]) -> int | None:
     """The rule that rebuilds `text` exactly from the token texts of `ids`, or None (then the
     text is stored)."""
+    if isinstance(ids, np.ndarray):
+        ids = ids.tolist()
     if not ids:
         return None
     try:
         pieces = list(itemgetter(*ids)(texts)) if len(ids) > 1 else [texts[ids[0]]]
     except KeyError:
         return None
+    return pieces_rule(text, pieces)
+
+
+def pieces_rule(text: str, pieces: Sequence[str]) -> int | None:
+    """The rule that rebuilds `text` exactly from its tokens' texts `pieces`, or None."""
     for dropped in range(min(_MAX_DROPPED, len(pieces) - 1) + 1):
         kept = pieces[: len(pieces) - dropped]
         for rule, build in TEXT_RULES.items():

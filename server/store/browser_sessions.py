@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Iterable
 from datetime import timedelta
 
-from rollout_lens.server.store.models import BrowserSession, utcnow
+from rollout_lens.server.store.models import BrowserSessionRow, utcnow
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
@@ -35,10 +35,10 @@ def start(session: Session, *, token: str, lifetime: timedelta) -> str:
     """A new session for `token`; returns the cookie's value. Expired sessions are deleted on
     the way (the table holds live ones and a few stale ones at most)."""
     now = utcnow()
-    session.execute(delete(BrowserSession).where(BrowserSession.expires_at <= now))
+    session.execute(delete(BrowserSessionRow).where(BrowserSessionRow.expires_at <= now))
     cookie = secrets.token_urlsafe(32)
     session.add(
-        BrowserSession(
+        BrowserSessionRow(
             id_hash=_id_hash(cookie),
             token_digest=token_digest(token),
             created_at=now,
@@ -54,8 +54,8 @@ def signed_in_with(session: Session, cookie: str, tokens: Iterable[str]) -> str 
     if not cookie:
         return None
     digest = session.scalar(
-        select(BrowserSession.token_digest).where(
-            BrowserSession.id_hash == _id_hash(cookie), BrowserSession.expires_at > utcnow()
+        select(BrowserSessionRow.token_digest).where(
+            BrowserSessionRow.id_hash == _id_hash(cookie), BrowserSessionRow.expires_at > utcnow()
         )
     )
     if digest is None:
@@ -68,15 +68,17 @@ def signed_in_with(session: Session, cookie: str, tokens: Iterable[str]) -> str 
 
 def end(session: Session, cookie: str) -> None:
     """Sign this browser out: its session is deleted."""
-    session.execute(delete(BrowserSession).where(BrowserSession.id_hash == _id_hash(cookie)))
+    session.execute(delete(BrowserSessionRow).where(BrowserSessionRow.id_hash == _id_hash(cookie)))
 
 
 def end_everywhere(session: Session, cookie: str) -> int:
     """Sign out every browser signed in with the same token as this one; how many were."""
     digest = session.scalar(
-        select(BrowserSession.token_digest).where(BrowserSession.id_hash == _id_hash(cookie))
+        select(BrowserSessionRow.token_digest).where(BrowserSessionRow.id_hash == _id_hash(cookie))
     )
     if digest is None:
         return 0
-    result = session.execute(delete(BrowserSession).where(BrowserSession.token_digest == digest))
+    result = session.execute(
+        delete(BrowserSessionRow).where(BrowserSessionRow.token_digest == digest)
+    )
     return int(result.rowcount or 0)  # type: ignore[attr-defined]

@@ -10,15 +10,15 @@ from rollout_lens.server.core.errors import InvalidState, NotFound
 from rollout_lens.server.store import search
 from rollout_lens.server.store.models import (
     AlertRow,
-    Facts,
-    Prompt,
-    Rollout,
-    RolloutData,
-    Rollup,
-    Run,
+    FactsRow,
+    PromptRow,
+    RolloutDataRow,
+    RolloutRow,
+    RollupRow,
+    RunRow,
     RunStatus,
-    RunToken,
-    Step,
+    RunTokenRow,
+    StepRow,
 )
 from sqlalchemy import CursorResult, delete, exists, select, update
 from sqlalchemy.orm import Session
@@ -33,45 +33,45 @@ def delete_run(session: Session, *, run_id: int) -> str | None:
     a worker that takes its message later finds no run and skips it.
     """
     locked = session.execute(
-        update(Run)
-        .where(Run.id == run_id, Run.status != RunStatus.running)
+        update(RunRow)
+        .where(RunRow.id == run_id, RunRow.status != RunStatus.running)
         .values(cancel_requested=True)
     )
     if cast(CursorResult[Any], locked).rowcount != 1:
-        if session.get(Run, run_id) is None:
+        if session.get(RunRow, run_id) is None:
             raise NotFound(f"run {run_id} does not exist")
         raise InvalidState(
             f"run {run_id} is running: cancel it first, and delete it once it has stopped"
         )
-    task_id = session.scalar(select(Run.task_id).where(Run.id == run_id))
+    task_id = session.scalar(select(RunRow.task_id).where(RunRow.id == run_id))
     prompt_ids = set(
-        session.scalars(select(Rollout.prompt_id).where(Rollout.run_id == run_id).distinct())
+        session.scalars(select(RolloutRow.prompt_id).where(RolloutRow.run_id == run_id).distinct())
     )
     facts_ids = set(
         session.scalars(
-            select(Rollout.facts_id)
-            .where(Rollout.run_id == run_id, Rollout.facts_id.is_not(None))
+            select(RolloutRow.facts_id)
+            .where(RolloutRow.run_id == run_id, RolloutRow.facts_id.is_not(None))
             .distinct()
         )
     )
     # The arrays first (one statement, not a cascade row by row), then the search index.
     session.execute(
-        delete(RolloutData).where(
-            RolloutData.rollout_id.in_(select(Rollout.id).where(Rollout.run_id == run_id))
+        delete(RolloutDataRow).where(
+            RolloutDataRow.rollout_id.in_(select(RolloutRow.id).where(RolloutRow.run_id == run_id))
         )
     )
     search.drop_run(session.connection(), run_id=run_id)
-    for table in (Rollout, AlertRow, Rollup, RunToken, Step):
+    for table in (RolloutRow, AlertRow, RollupRow, RunTokenRow, StepRow):
         session.execute(delete(table).where(table.run_id == run_id))
-    session.execute(delete(Run).where(Run.id == run_id))
+    session.execute(delete(RunRow).where(RunRow.id == run_id))
     # Prompts and facts are shared between runs: only those no other run uses go.
     if prompt_ids:
-        still_used = exists().where(Rollout.prompt_id == Prompt.id)
-        unused = [Prompt.id.in_(prompt_ids), ~still_used]
-        gone = session.execute(select(Prompt.id, Prompt.text).where(*unused)).all()
+        still_used = exists().where(RolloutRow.prompt_id == PromptRow.id)
+        unused = [PromptRow.id.in_(prompt_ids), ~still_used]
+        gone = session.execute(select(PromptRow.id, PromptRow.text).where(*unused)).all()
         search.forget_prompts(session.connection(), gone)
-        session.execute(delete(Prompt).where(*unused))
+        session.execute(delete(PromptRow).where(*unused))
     if facts_ids:
-        facts_used = exists().where(Rollout.facts_id == Facts.id)
-        session.execute(delete(Facts).where(Facts.id.in_(facts_ids), ~facts_used))
+        facts_used = exists().where(RolloutRow.facts_id == FactsRow.id)
+        session.execute(delete(FactsRow).where(FactsRow.id.in_(facts_ids), ~facts_used))
     return task_id

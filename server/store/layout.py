@@ -1,5 +1,5 @@
 """How a step's series are laid out: the STEP_SERIES columns, then the run's generic series
-packed in `Step.series` in the order of `Run.series_names`.
+packed in `StepRow.series` in the order of `RunRow.series_names`.
 
 A value is a float64; a name not logged at the step is a quiet NaN; a name logged without a
 finite value (None, NaN, ±inf: nothing a chart can draw) is a NaN with payload 1, so an export
@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_lens.server.core.vocab import STEP_SERIES
-from rollout_lens.server.store.models import Step
+from rollout_lens.server.store.models import StepRow
 from rollout_lens.server.store.packing import pack_doubles, unpack_doubles
 
-STEP_COLUMNS = tuple(getattr(Step, name) for name in STEP_SERIES)
+STEP_COLUMNS = tuple(getattr(StepRow, name) for name in STEP_SERIES)
 _NONE_BITS = 0x7FF8_0000_0000_0001
 LOGGED_NONE: float = struct.unpack("<d", struct.pack("<Q", _NONE_BITS))[0]
 

@@ -72,7 +72,7 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
-class Run(Base):
+class RunRow(Base):
     __tablename__ = "runs"
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -131,7 +131,7 @@ class Run(Base):
     recent_reward: Mapped[float | None] = mapped_column(Float)
 
 
-class Prompt(Base):
+class PromptRow(Base):
     """Each distinct prompt text once; rollouts refer to it (a 64-tool listing is a few KB)."""
 
     __tablename__ = "prompts"
@@ -141,7 +141,7 @@ class Prompt(Base):
     text: Mapped[str] = mapped_column(Text)
 
 
-class Facts(Base):
+class FactsRow(Base):
     """Each distinct set of facts shared by a group's rollouts once (the prompt's listed tool ids,
     query, hint, dataset row…): the part of a rollout's meta that all of its group agree on."""
 
@@ -152,7 +152,7 @@ class Facts(Base):
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
-class RunToken(Base):
+class RunTokenRow(Base):
     """The text of each token id a run's completions used, once per run: the viewer shows a
     completion token by token from its ids and these."""
 
@@ -163,7 +163,7 @@ class RunToken(Base):
     text: Mapped[str] = mapped_column(Text)
 
 
-class Step(Base):
+class StepRow(Base):
     __tablename__ = "steps"
     __table_args__ = (UniqueConstraint("run_id", "step"),)
 
@@ -189,14 +189,14 @@ class Step(Base):
     completion_length: Mapped[float | None] = mapped_column(Float)
     # These columns are server.core.vocab.STEP_SERIES (labels, units and order are named there).
 
-    # Every other series logged at this step: float64 values in the order of Run.series_names
+    # Every other series logged at this step: float64 values in the order of RunRow.series_names
     # (NaN where a name was not logged); server.store.packing.
     series: Mapped[bytes | None] = mapped_column(LargeBinary)
     # False once retention dropped the token-level arrays of this step's rollouts.
     tokens_kept: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
-class Rollout(Base):
+class RolloutRow(Base):
     """One rollout's scalars: what is filtered, sorted and listed (the explorer reads only these);
     its per-token arrays are in RolloutData."""
 
@@ -239,14 +239,14 @@ class Rollout(Base):
     disagree: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # The completion's length in tokens, and how its text comes back (server.store.arrays):
     # a TEXT_RULES id when the run's token texts of its ids rebuild it exactly, else NULL and
-    # the text is in RolloutData.text.
+    # the text is in RolloutDataRow.text.
     n_tokens: Mapped[int | None] = mapped_column(Integer)  # None: not known (no ids kept)
     text_rule: Mapped[int | None] = mapped_column(Integer)
     # The rollout's meta is facts (shared with its group, stored once) plus its own keys.
     facts_id: Mapped[int | None] = mapped_column(ForeignKey("facts.id"), index=True)
     own_meta: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    facts: Mapped[Facts | None] = relationship(lazy="joined")
-    data: Mapped[RolloutData | None] = relationship(lazy="joined")
+    facts: Mapped[FactsRow | None] = relationship(lazy="joined")
+    data: Mapped[RolloutDataRow | None] = relationship(lazy="joined")
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -260,7 +260,7 @@ class Rollout(Base):
         return self.data is not None and self.data.logprobs is not None
 
 
-class RolloutData(Base):
+class RolloutDataRow(Base):
     """A rollout's per-token arrays, compressed (server.store.arrays): apart from its scalars so
     that scanning a run's rollouts never reads them."""
 
@@ -281,7 +281,7 @@ ROLLUP_WIDTHS = (10, 25, 100, 1000)
 CHART_WIDTHS = (10, 100, 1000)  # the ones charts read: at most a few hundred buckets each
 
 
-class Rollup(Base):
+class RollupRow(Base):
     """Count, sum, min, max, first and last step of every series over one finished bucket of
     `width` steps, packed (server.rollups): a long run's chart reads a few hundred rows.
 
@@ -310,7 +310,7 @@ class AlertRow(Base):
     message: Mapped[str] = mapped_column(Text)
 
 
-class BrowserSession(Base):
+class BrowserSessionRow(Base):
     """A browser signed in with an access token (server/store/browser_sessions.py): kept here, so that
     signing out ends it and no other server knows it.
 

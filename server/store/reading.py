@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 
 from rollout_lens.server.store import layout
-from rollout_lens.server.store.models import Prompt, Rollout, Run, RunToken, Step
+from rollout_lens.server.store.models import PromptRow, RolloutRow, RunRow, RunTokenRow, StepRow
 from rollout_lens.server.store.rollups import latest_value
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -15,36 +15,38 @@ from sqlalchemy.orm import Session
 
 def last_step(session: Session, *, run_id: int) -> int:
     """The highest recorded step of a run (0 when none)."""
-    value = session.scalar(select(func.max(Step.step)).where(Step.run_id == run_id))
+    value = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run_id))
     return int(value or 0)
 
 
 def last_recorded_step(session: Session, *, run_id: int) -> int | None:
     """The highest recorded step of a run, or None when it has none (a run may hold step 0)."""
-    value = session.scalar(select(func.max(Step.step)).where(Step.run_id == run_id))
+    value = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run_id))
     return None if value is None else int(value)
 
 
 def first_recorded(session: Session, *, run_id: int) -> tuple[int, datetime] | None:
     """A run's first recorded step and when it was recorded, or None when it has none."""
     row = session.execute(
-        select(Step.step, Step.recorded_at)
-        .where(Step.run_id == run_id)
-        .order_by(Step.step)
+        select(StepRow.step, StepRow.recorded_at)
+        .where(StepRow.run_id == run_id)
+        .order_by(StepRow.step)
         .limit(1)
     ).first()
     return None if row is None else (int(row[0]), row[1])
 
 
-def steps(session: Session, *, run_id: int, since: int = 0) -> list[Step]:
+def steps(session: Session, *, run_id: int, since: int = 0) -> list[StepRow]:
     """Steps of a run after `since`, in order."""
-    query = select(Step).where(Step.run_id == run_id, Step.step > since).order_by(Step.step)
+    query = (
+        select(StepRow).where(StepRow.run_id == run_id, StepRow.step > since).order_by(StepRow.step)
+    )
     return list(session.scalars(query))
 
 
 def series_names(session: Session, *, run_id: int) -> list[str]:
     """The run's generic series (not the step columns), in layout order."""
-    return list(session.scalar(select(Run.series_names).where(Run.id == run_id)) or [])
+    return list(session.scalar(select(RunRow.series_names).where(RunRow.id == run_id)) or [])
 
 
 def metric_names(session: Session, *, run_id: int) -> list[str]:
@@ -52,29 +54,29 @@ def metric_names(session: Session, *, run_id: int) -> list[str]:
     return sorted(series_names(session, run_id=run_id))
 
 
-def step_rollouts(session: Session, *, run_id: int, step: int) -> list[tuple[Rollout, str]]:
+def step_rollouts(session: Session, *, run_id: int, step: int) -> list[tuple[RolloutRow, str]]:
     """The rollouts the update at `step` trained on, with their prompt text, in group order."""
     rollout_step = session.scalar(
-        select(Step.rollout_step).where(Step.run_id == run_id, Step.step == step)
+        select(StepRow.rollout_step).where(StepRow.run_id == run_id, StepRow.step == step)
     )
     query = (
-        select(Rollout, Prompt.text)
-        .join(Prompt, Prompt.id == Rollout.prompt_id)
-        .where(Rollout.run_id == run_id, Rollout.step == (rollout_step or step))
-        .order_by(Rollout.group, Rollout.index)
+        select(RolloutRow, PromptRow.text)
+        .join(PromptRow, PromptRow.id == RolloutRow.prompt_id)
+        .where(RolloutRow.run_id == run_id, RolloutRow.step == (rollout_step or step))
+        .order_by(RolloutRow.group, RolloutRow.index)
     )
     return [(r, text) for r, text in session.execute(query)]
 
 
 def iter_rollouts(
     session: Session, *, run_id: int, batch: int = 500
-) -> Iterator[tuple[Rollout, str]]:
+) -> Iterator[tuple[RolloutRow, str]]:
     """Every rollout of a run with its prompt text, by step, group and index (streamed)."""
     query = (
-        select(Rollout, Prompt.text)
-        .join(Prompt, Prompt.id == Rollout.prompt_id)
-        .where(Rollout.run_id == run_id)
-        .order_by(Rollout.step, Rollout.group, Rollout.index)
+        select(RolloutRow, PromptRow.text)
+        .join(PromptRow, PromptRow.id == RolloutRow.prompt_id)
+        .where(RolloutRow.run_id == run_id)
+        .order_by(RolloutRow.step, RolloutRow.group, RolloutRow.index)
         .execution_options(yield_per=batch)
     )
     yield from session.execute(query)  # rows unpack like (rollout, prompt text)
@@ -87,7 +89,7 @@ def token_texts(
     knew the text of."""
     if ids is None:
         rows = session.execute(
-            select(RunToken.token_id, RunToken.text).where(RunToken.run_id == run_id)
+            select(RunTokenRow.token_id, RunTokenRow.text).where(RunTokenRow.run_id == run_id)
         )
         return {token_id: text for token_id, text in rows}
     wanted = sorted(set(ids))
@@ -95,8 +97,8 @@ def token_texts(
     for start in range(0, len(wanted), 500):  # bounded IN lists
         chunk = wanted[start : start + 500]
         rows = session.execute(
-            select(RunToken.token_id, RunToken.text).where(
-                RunToken.run_id == run_id, RunToken.token_id.in_(chunk)
+            select(RunTokenRow.token_id, RunTokenRow.text).where(
+                RunTokenRow.run_id == run_id, RunTokenRow.token_id.in_(chunk)
             )
         )
         out.update({token_id: text for token_id, text in rows})
@@ -112,9 +114,9 @@ def metric_series(
     wanted = set(all_series if names is None else names)
     out: dict[str, list[tuple[int, float | None]]] = {}
     rows = session.execute(
-        select(Step.step, Step.series)
-        .where(Step.run_id == run_id, Step.step > since)
-        .order_by(Step.step)
+        select(StepRow.step, StepRow.series)
+        .where(StepRow.run_id == run_id, StepRow.step > since)
+        .order_by(StepRow.step)
     )
     for step, data in rows:
         for name, value in layout.named(data, all_series).items():
@@ -125,7 +127,7 @@ def metric_series(
 
 def iter_steps(
     session: Session, *, run_id: int, page: int = 500
-) -> Iterator[tuple[Step, dict[str, float | None]]]:
+) -> Iterator[tuple[StepRow, dict[str, float | None]]]:
     """Every step of a run with its generic series (name → value), in order, read a page of
     steps at a time (keyset paging: memory stays flat however long the run)."""
     names = series_names(session, run_id=run_id)
@@ -133,9 +135,9 @@ def iter_steps(
     while True:
         rows = list(
             session.scalars(
-                select(Step)
-                .where(Step.run_id == run_id, Step.step > after)
-                .order_by(Step.step)
+                select(StepRow)
+                .where(StepRow.run_id == run_id, StepRow.step > after)
+                .order_by(StepRow.step)
                 .limit(page)
             )
         )

@@ -15,27 +15,30 @@ import json
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from itertools import filterfalse
 from typing import Any
 
+import numpy as np
 import orjson
 from rollout_lens.server.core import alerts as rules
-from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
+from rollout_lens.server.core import textsafe
+from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
 from rollout_lens.server.store import arrays, layout, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
-    Facts,
-    Prompt,
-    Run,
-    RunToken,
-    Step,
+    Base,
+    FactsRow,
+    PromptRow,
+    RunRow,
+    RunTokenRow,
+    StepRow,
     utcnow,
 )
 from rollout_lens.server.store.sql import finite, upsert_insert
-from sqlalchemy import Connection, Engine, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import JSON, Connection, String, select, update
+from sqlalchemy.dialects import postgresql
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ ROLLOUT_COLUMNS = (
 )
 DATA_COLUMNS = ("rollout_id", "ids", "logprobs", "control", "text")
 ANALYZE_AT, ANALYZE_EVERY, ANALYZE_ROWS = (1, 10), 100, 2000
+MAX_MASK_IDS = 1 << 22  # token ids the known-ids mask holds (larger ids are looked up in a dict)
 ALERT_COLUMNS = ("run_id", "step", "kind", "series", "message")
 
 
@@ -107,8 +111,8 @@ class _Driver:
             return f"INSERT INTO {table} ({names}) VALUES ({', '.join([mark] * len(columns))})"
 
         self.insert_step = insert("steps", STEP_COLUMNS)
-        self.insert_rollouts = insert("rollouts", ROLLOUT_COLUMNS)
-        self.insert_data = insert("rollout_data", DATA_COLUMNS)
+        self.insert_rollouts = BulkInsert.of("rollouts", ROLLOUT_COLUMNS, self.postgres)
+        self.insert_data = BulkInsert.of("rollout_data", DATA_COLUMNS, self.postgres)
         self.rollout_ids = (
             f'SELECT "group", idx, id FROM rollouts WHERE run_id = {mark} AND step = {mark}'
         )
@@ -117,6 +121,9 @@ class _Driver:
             f"(SELECT id FROM rollouts WHERE run_id = {mark} AND step = {mark})"
         )
         self.insert_alerts = insert("alerts", ALERT_COLUMNS)
+        self.insert_tokens = BulkInsert.of(
+            "run_tokens", ("run_id", "token_id", "text"), self.postgres, " ON CONFLICT DO NOTHING"
+        )
         self.update_run = (
             f"UPDATE runs SET current_step = {biggest}(current_step, {mark}), "
             f"recent_true_accuracy = {mark}, recent_reward = {mark}, heartbeat_at = {mark}, "
@@ -150,15 +157,65 @@ class _Driver:
 class _DriverSql:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.postgres = conn.dialect.name == "postgresql"
 
     def execute(self, sql: str, params: tuple[Any, ...]) -> None:
         self.conn.exec_driver_sql(sql, params)
 
-    def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
-        self.conn.exec_driver_sql(sql, rows)
+    def executemany(self, sql: str, rows: list[tuple[Any, ...]], *, clean: bool = True) -> None:
+        """`clean=False`: rows whose strings are storable already (a RolloutRecord's, cleaned
+        as they were set): the engine's per-string check is skipped."""
+        options = {} if clean else textsafe.CLEAN_ALREADY
+        self.conn.exec_driver_sql(sql, rows, execution_options=options)
+
+    def insert(self, bulk: BulkInsert, rows: list[tuple[Any, ...]], *, clean: bool = True) -> None:
+        """Many rows into one table: on PostgreSQL one statement of a column's values an array
+        (psycopg's executemany sends a statement a row, which cost more than the rows), on
+        SQLite the one-row statement for each (sqlite3 prepares it once)."""
+        if not rows:
+            return
+        if self.postgres:
+            options = {} if clean else textsafe.CLEAN_ALREADY
+            columns = tuple(list(column) for column in zip(*rows, strict=True))
+            self.conn.exec_driver_sql(bulk.unnest, columns, execution_options=options)
+            return
+        self.executemany(bulk.single, rows, clean=clean)
 
     def fetch(self, sql: str, params: tuple[Any, ...]) -> list[Any]:
         return list(self.conn.exec_driver_sql(sql, params))
+
+
+@dataclass(frozen=True)
+class BulkInsert:
+    """An INSERT of many rows as each database takes it fastest: `single` (one row, for an
+    executemany) and `unnest` (PostgreSQL: every column an array, JSON sent as text)."""
+
+    single: str
+    unnest: str
+
+    @classmethod
+    def of(cls, table: str, columns: Sequence[str], postgres: bool, tail: str = "") -> BulkInsert:
+        mark = "%s" if postgres else "?"
+        names = ", ".join(f'"{c}"' for c in columns)
+        single = f"INSERT INTO {table} ({names}) VALUES ({', '.join([mark] * len(columns))}){tail}"
+        types: list[str] = []
+        picks: list[str] = []
+        dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+        for i, name in enumerate(columns):
+            kind = Base.metadata.tables[table].c[name].type
+            json = isinstance(kind, JSON)
+            # text as TEXT: an explicit cast to VARCHAR(n) would cut a long value silently,
+            # where the column's own assignment refuses it (as a one-row insert does)
+            text = json or isinstance(kind, String)
+            types.append("TEXT" if text else kind.compile(dialect=dialect))
+            picks.append(f"c{i}::json" if json else f"c{i}")
+        arrays = ", ".join(f"%s::{t}[]" for t in types)
+        aliases = ", ".join(f"c{i}" for i in range(len(columns)))
+        unnest = (
+            f"INSERT INTO {table} ({names}) SELECT {', '.join(picks)} "
+            f"FROM unnest({arrays}) AS u({aliases}){tail}"
+        )
+        return cls(single, unnest)
 
 
 class Recorder:
@@ -169,8 +226,8 @@ class Recorder:
         self.run_id = run_id
         self.control_tokens = list(control_tokens)
         run = conn.execute(
-            select(Run.series_names, Run.keep_tokens_every, Run.prompts_per_step).where(
-                Run.id == run_id
+            select(RunRow.series_names, RunRow.keep_tokens_every, RunRow.prompts_per_step).where(
+                RunRow.id == run_id
             )
         ).one()
         self.series_names: list[str] = list(run.series_names or [])
@@ -179,9 +236,9 @@ class Recorder:
         self.keep_every: int | None = run.keep_tokens_every or None
         self.buckets = rollups.OpenBuckets(conn, run_id=run_id, n_series=len(self.series_names))
         history = conn.execute(
-            select(Step.step, *layout.STEP_COLUMNS, Step.series)
-            .where(Step.run_id == run_id)
-            .order_by(Step.step.desc())
+            select(StepRow.step, *layout.STEP_COLUMNS, StepRow.series)
+            .where(StepRow.run_id == run_id)
+            .order_by(StepRow.step.desc())
             .limit(rules.CONTEXT)
         ).all()[::-1]
         names = layout.all_names(self.series_names)
@@ -192,16 +249,16 @@ class Recorder:
             self.recent.append((values["true_accuracy"], values["reward_mean"]))
             self.watch.feed(row[0], values)
         self.first_step: int | None = conn.scalar(
-            select(Step.step).where(Step.run_id == run_id).order_by(Step.step).limit(1)
+            select(StepRow.step).where(StepRow.run_id == run_id).order_by(StepRow.step).limit(1)
         )
         # Retention: the newest rollouts are kept until the next arrive; then dropped unless a
         # reason to keep them was found (every N steps, the first step, an alert).
         self.newest: tuple[int, bool] | None = None
         if history:
             newest = conn.execute(
-                select(Step.step, Step.rollout_step)
-                .where(Step.run_id == run_id)
-                .order_by(Step.step.desc())
+                select(StepRow.step, StepRow.rollout_step)
+                .where(StepRow.run_id == run_id)
+                .order_by(StepRow.step.desc())
                 .limit(1)
             ).one()
             fired = conn.scalar(
@@ -212,13 +269,21 @@ class Recorder:
         self.token_texts: dict[int, str] = {
             token_id: text
             for token_id, text in conn.execute(
-                select(RunToken.token_id, RunToken.text).where(RunToken.run_id == run_id)
+                select(RunTokenRow.token_id, RunTokenRow.text).where(RunTokenRow.run_id == run_id)
             )
         }
         self.written = 0  # steps this recorder wrote (SQLite's statistics are refreshed by it)
         self.prompt_ids: dict[str, int] = {}
         self.prompt_shas: dict[str, str] = {}
         self.facts_ids: dict[str, int] = {}
+        self.index_seconds = 0.0  # the last index_written's (the scale bench prints it)
+        self._known: np.ndarray | None = None  # token_texts' ids as a mask (_known_ids)
+        self._texts: np.ndarray = np.empty(0, dtype=object)  # and their texts, by id
+        # Rollouts written but not yet searchable: indexed right after their step's commit
+        # (write_batch), or, after a crash between the two, when the next recorder starts.
+        self.unindexed: list[tuple[int, str]] = search.unindexed(
+            conn, run_id=run_id, token_texts=self.token_texts
+        )
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -230,8 +295,10 @@ class Recorder:
         recorded_at: datetime | None = None,
         device_seconds: float = 0.0,
         price_per_hour: float = 0.0,
-    ) -> list[rules.Alert]:
-        """Write one step (inside the caller's transaction); return the alerts it fired."""
+        index: bool = True,
+    ) -> list[rules.FiredAlert]:
+        """Write one step (inside the caller's transaction); return the alerts it fired.
+        `index`: its rollouts are searchable in this transaction, else at the next `index`."""
         step = record.step
         values = {name: finite(record.values.get(name)) for name in STEP_SERIES}
         metrics = {name: finite(value) for name, value in record.metrics.items()}
@@ -271,7 +338,11 @@ class Recorder:
                 driver.time(recorded_at or utcnow()),
             ),
         )
-        self.add_rollouts(conn, step=record.rollout_step, rollouts=record.rollouts, cursor=cursor)
+        self.add_rollouts(
+            conn, step=record.rollout_step, rollouts=record.rollouts, cursor=cursor, index=index
+        )
+        if index:
+            self.index(conn)
         if fired:
             cursor.executemany(
                 driver.insert_alerts,
@@ -332,8 +403,8 @@ class Recorder:
         old = self.newest[0]
         self.driver.cursor(conn).execute(self.driver.drop_arrays, (self.run_id, old))
         conn.execute(
-            update(Step)
-            .where(Step.run_id == self.run_id, Step.rollout_step == old)
+            update(StepRow)
+            .where(StepRow.run_id == self.run_id, StepRow.rollout_step == old)
             .values(tokens_kept=False)
         )
 
@@ -346,14 +417,16 @@ class Recorder:
         step: int,
         rollouts: Sequence[RolloutRecord],
         cursor: Any = None,
+        index: bool = True,
     ) -> None:
-        """Write rollouts generated at `step` (write calls it; an import may call it alone)."""
+        """Write rollouts generated at `step` (write calls it; an import may call it alone);
+        `index`: searchable in this transaction, else at the next `index` call."""
         if not rollouts:
             return
         prompts = [self._prompt_sha(r.prompt) for r in rollouts]
         prompt_ids = self._intern(
             conn,
-            Prompt,
+            PromptRow,
             "text",
             self.prompt_ids,
             dict(zip(prompts, (r.prompt for r in rollouts), strict=True)),
@@ -367,17 +440,16 @@ class Recorder:
             digests.append(by_object[id(f)] if f else None)
         facts_ids = self._intern(
             conn,
-            Facts,
+            FactsRow,
             "data",
             self.facts_ids,
             {d: f for d, f in zip(digests, facts, strict=True) if d},
         )
         self._add_tokens(conn, rollouts)
-        texts = self.token_texts
-        rules = [arrays.text_rule(r.completion, r.completion_ids, texts) for r in rollouts]
+        rules = [self._text_rule(r) for r in rollouts]
         driver = self.driver
         cursor = cursor or driver.cursor(conn)
-        cursor.executemany(
+        cursor.insert(
             driver.insert_rollouts,
             [
                 (
@@ -396,13 +468,14 @@ class Recorder:
                     r.format_state,
                     disagrees(r.verifier_reward, r.true_score),
                     # no ids for a text (an import of text alone): its length is not known
-                    len(r.completion_ids) if r.completion_ids or not r.completion else None,
+                    len(r.completion_ids) if len(r.completion_ids) or not r.completion else None,
                     rule,
                     facts_ids[d] if d else None,
-                    driver.json(o or None),
+                    json_text(o) if o else None,  # text on both (PostgreSQL casts it)
                 )
                 for r, p, d, o, rule in zip(rollouts, prompts, digests, own, rules, strict=True)
             ],
+            clean=False,
         )
         ids = {(g, i): rid for g, i, rid in cursor.fetch(driver.rollout_ids, (self.run_id, step))}
         rollout_ids = [ids[(r.group, r.index)] for r in rollouts]
@@ -410,20 +483,27 @@ class Recorder:
         blobs = arrays.encode_rollouts(
             [r.completion_ids for r in rollouts],
             [r.token_logprobs for r in rollouts],
-            [[r.control_probs.get(t) or () for t in ctrl] for r in rollouts],
+            [_control(r, ctrl) for r in rollouts],
         )
-        cursor.executemany(
+        cursor.insert(
             driver.insert_data,
             [
                 (rid, *blob, None if rule is not None else arrays.encode_text(r.completion))
                 for r, rid, rule, blob in zip(rollouts, rollout_ids, rules, blobs, strict=True)
             ],
+            clean=False,
         )
-        search.index_rollouts(
-            conn,
-            run_id=self.run_id,
-            rows=[(rid, r.completion) for r, rid in zip(rollouts, rollout_ids, strict=True)],
-        )
+        self.unindexed += [
+            (rid, r.completion) for r, rid in zip(rollouts, rollout_ids, strict=True)
+        ]
+        if index:
+            self.index(conn)
+
+    def index(self, conn: Connection) -> None:
+        """Make the rollouts written so far searchable (in the caller's transaction)."""
+        if self.unindexed:
+            search.index_rollouts(conn, run_id=self.run_id, rows=self.unindexed)
+            self.unindexed = []
 
     def _prompt_sha(self, text: str) -> str:
         """sha256 of a prompt, remembered by text (a dict lookup costs far less than hashing a
@@ -453,7 +533,7 @@ class Recorder:
                 .on_conflict_do_nothing(index_elements=["sha256"])
                 .returning(model.id, model.sha256)
             ).all()
-            if model is Prompt:  # new prompts become searchable (not those another run added)
+            if model is PromptRow:  # new prompts become searchable (not those another run added)
                 search.index_prompts(conn, [(row_id, missing[h]) for row_id, h in inserted])
             rows = conn.execute(select(model.sha256, model.id).where(model.sha256.in_(missing)))
             cache.update({digest: row_id for digest, row_id in rows})
@@ -461,29 +541,69 @@ class Recorder:
 
     def _add_tokens(self, conn: Connection, rollouts: Sequence[RolloutRecord]) -> None:
         """Store the text of each token id not seen before in this run (the first text given
-        for an id is its text)."""
-        known = self.token_texts
+        for an id is its text): the step's ids checked at once against the ids known."""
+        given = [
+            (r.completion_ids, texts)
+            for r in rollouts
+            if (texts := r.tokens if r.tokens is not None else r.meta.get("tokens"))
+            and len(texts) == len(r.completion_ids)
+        ]
+        if not given:
+            return
+        ids = np.concatenate([np.asarray(i, dtype=np.int64).reshape(-1) for i, _ in given])
+        known = self._known_ids(int(ids.max(initial=0)))
+        inside = (ids >= 0) & (ids < len(known))
+        unseen = np.flatnonzero(~known[np.where(inside, ids, 0)] | ~inside)
+        if not unseen.size:
+            return
+        new_ids, first = np.unique(ids[unseen], return_index=True)
+        at = unseen[first]  # where each new id first appears in the step
+        ends = np.cumsum([len(t) for _, t in given])
+        owner = np.searchsorted(ends, at, side="right")
+        starts = np.concatenate(([0], ends[:-1]))
         new: dict[int, str] = {}
-        for r in rollouts:
-            texts = r.tokens if r.tokens is not None else r.meta.get("tokens")
-            if not texts or len(texts) != len(r.completion_ids):
-                continue
-            unseen = set(filterfalse(known.__contains__, set(r.completion_ids))) - new.keys()
-            if len(unseen) <= 8:  # a few a rollout: look each up where it first appears
-                for token_id in unseen:
-                    new[token_id] = str(texts[r.completion_ids.index(token_id)])
-                continue
-            for token_id, token_text in zip(r.completion_ids, texts, strict=True):
-                if token_id in unseen and token_id not in new:  # one pass, however many are new
-                    new[token_id] = str(token_text)
+        for token_id, rollout, position in zip(
+            new_ids.tolist(), owner.tolist(), (at - starts[owner]).tolist(), strict=True
+        ):
+            if token_id not in self.token_texts:  # a negative or huge id the mask cannot hold
+                new[token_id] = str(given[rollout][1][position])
         if new:
-            conn.execute(
-                upsert_insert(conn, RunToken).on_conflict_do_nothing(
-                    index_elements=["run_id", "token_id"]
-                ),
-                [{"run_id": self.run_id, "token_id": i, "text": t} for i, t in new.items()],
+            self.driver.cursor(conn).insert(
+                self.driver.insert_tokens,
+                [(self.run_id, i, t) for i, t in new.items()],
+                clean=False,
             )
-            known.update(new)
+            self.token_texts.update(new)
+            self._learn(new)
+
+    def _known_ids(self, largest: int) -> np.ndarray:
+        """token id → whether the run has its text, as a mask at least `largest` + 1 long (a
+        vocabulary's ids are below a few hundred thousand; larger ones stay in the dict)."""
+        if self._known is None or (len(self._known) <= largest < MAX_MASK_IDS):
+            size = max(largest + 1, 2 * len(self._known) if self._known is not None else 0)
+            size = min(max(size, 1 << 16), MAX_MASK_IDS)
+            self._known = np.zeros(size, dtype=bool)
+            self._texts = np.empty(size, dtype=object)
+            self._learn(self.token_texts)
+        return self._known
+
+    def _learn(self, texts: dict[int, str]) -> None:
+        """Token texts into the mask and the text array (ids that fit)."""
+        if self._known is None:
+            return
+        held = [i for i in texts if 0 <= i < len(self._known)]
+        self._known[held] = True
+        self._texts[held] = [texts[i] for i in held]
+
+    def _text_rule(self, r: RolloutRecord) -> int | None:
+        """arrays.text_rule of a rollout, its tokens' texts taken from the run's at once."""
+        ids = np.asarray(r.completion_ids, dtype=np.int64).reshape(-1)
+        if not len(ids):
+            return None
+        known = self._known_ids(int(ids.max()))
+        if ids.min() < 0 or ids.max() >= len(known) or not known[ids].all():
+            return arrays.text_rule(r.completion, ids, self.token_texts)
+        return arrays.pieces_rule(r.completion, self._texts[ids].tolist())
 
 
 def _split_meta(
@@ -512,6 +632,16 @@ def _split_meta(
     return facts, own
 
 
+def _control(r: RolloutRecord, tokens: Sequence[str]) -> Any:
+    """A rollout's control-token probabilities in the run's token order: its [position ×
+    token] array as it is when its tokens are the run's, else a row per run token (() for a
+    token it does not have)."""
+    given = r.control_probs
+    if isinstance(given, ControlProbs) and given.tokens == tuple(tokens):
+        return given.array
+    return [() if (row := given.get(t)) is None else row for t in tokens]
+
+
 def _not_nan(value: float | None) -> float | None:
     """Σ logprob keeps -inf (a token the policy gave no mass); NaN is no number: NULL."""
     return None if value is None or value != value else value
@@ -520,73 +650,3 @@ def _not_nan(value: float | None) -> float | None:
 def _mean(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
-
-
-# --- the session-level entry points the rest of the code calls -----------------------------------
-
-
-def _refresh_run(session: Session, run_id: int) -> None:
-    """Core writes bypass the session: bring a Run it holds up to date."""
-    for obj in list(session.identity_map.values()):
-        if isinstance(obj, Run) and obj.id == run_id:
-            session.refresh(obj)
-
-
-def record_step(
-    session: Session,
-    *,
-    run_id: int,
-    record: StepRecord,
-    control_tokens: Sequence[str],
-    recorded_at: datetime | None = None,
-    recorder: Recorder | None = None,
-) -> Recorder:
-    """Write one step in the session's transaction; returns the recorder, which a caller that
-    writes many steps of the run passes back in (it saves reloading the run's state)."""
-    conn = session.connection()
-    recorder = recorder or Recorder(conn, run_id=run_id, control_tokens=control_tokens)
-    recorder.write(conn, record, recorded_at=recorded_at)
-    _refresh_run(session, run_id)
-    return recorder
-
-
-def write_batch(
-    engine: Engine,
-    recorder: Recorder | None,
-    records: Sequence[StepRecord],
-    *,
-    run_id: int,
-    control_tokens: Sequence[str],
-    price_per_hour: float,
-) -> Recorder:
-    """Write `records` in one transaction, each step charged its wall time as device time, with
-    `recorder` (built from the database when None); returns the recorder for the next batch.
-
-    When this raises, the recorder's memory may be ahead of what was committed: the caller
-    throws it away and passes None next time."""
-    with engine.begin() as conn:
-        if recorder is None:
-            recorder = Recorder(conn, run_id=run_id, control_tokens=control_tokens)
-        for record in records:
-            recorder.write(
-                conn,
-                record,
-                device_seconds=record.values.get("wall_time") or 0.0,
-                price_per_hour=price_per_hour,
-            )
-    return recorder
-
-
-def add_rollouts(
-    session: Session,
-    *,
-    run_id: int,
-    step: int,
-    rollouts: Sequence[RolloutRecord],
-    control_tokens: Sequence[str],
-) -> None:
-    """Write rollouts generated at `step` alone (an import of rollouts without steps)."""
-    conn = session.connection()
-    Recorder(conn, run_id=run_id, control_tokens=control_tokens).add_rollouts(
-        conn, step=step, rollouts=rollouts
-    )

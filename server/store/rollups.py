@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from rollout_lens.server.store.layout import STEP_COLUMNS, all_names, row_values
-from rollout_lens.server.store.models import ROLLUP_WIDTHS, Rollup, Run, Step
+from rollout_lens.server.store.models import ROLLUP_WIDTHS, RollupRow, RunRow, StepRow
 from rollout_lens.server.store.packing import pack_doubles, unpack_doubles
 from sqlalchemy import Connection, delete, func, insert, select
 from sqlalchemy.orm import Session
@@ -43,12 +43,14 @@ def step_rows(
     conn: Connection | Session, *, run_id: int, after: int, through: int | None, n_series: int
 ) -> list[tuple[int, list[float | None]]]:
     """(step, values in all_names order) of steps in (after, through]."""
-    query = select(Step.step, *STEP_COLUMNS, Step.series).where(
-        Step.run_id == run_id, Step.step > after
+    query = select(StepRow.step, *STEP_COLUMNS, StepRow.series).where(
+        StepRow.run_id == run_id, StepRow.step > after
     )
     if through is not None:
-        query = query.where(Step.step <= through)
-    return [(row[0], row_values(row, n_series)) for row in conn.execute(query.order_by(Step.step))]
+        query = query.where(StepRow.step <= through)
+    return [
+        (row[0], row_values(row, n_series)) for row in conn.execute(query.order_by(StepRow.step))
+    ]
 
 
 def roll(
@@ -71,11 +73,11 @@ def roll(
     else:
         ratio = width // smaller
         parts = conn.execute(
-            select(Rollup.bucket, Rollup.data).where(
-                Rollup.run_id == run_id,
-                Rollup.width == smaller,
-                Rollup.bucket >= first * ratio,
-                Rollup.bucket < (last + 1) * ratio,
+            select(RollupRow.bucket, RollupRow.data).where(
+                RollupRow.run_id == run_id,
+                RollupRow.width == smaller,
+                RollupRow.bucket >= first * ratio,
+                RollupRow.bucket < (last + 1) * ratio,
             )
         )
         for bucket, data in parts:
@@ -83,7 +85,7 @@ def roll(
             merge(merged, unpack_doubles(data))
     if by_bucket:
         conn.execute(
-            insert(Rollup),
+            insert(RollupRow),
             [
                 {"run_id": run_id, "width": width, "bucket": b, "data": pack_doubles(flat)}
                 for b, flat in sorted(by_bucket.items())
@@ -165,7 +167,7 @@ class OpenBuckets:
 
     def _write(self, conn: Connection, width: int, bucket: int, flat: list[float]) -> None:
         conn.execute(
-            insert(Rollup),
+            insert(RollupRow),
             {"run_id": self.run_id, "width": width, "bucket": bucket, "data": pack_doubles(flat)},
         )
 
@@ -174,9 +176,9 @@ def rolled_through(conn: Connection | Session, *, run_id: int) -> dict[int, int]
     """Width → the last bucket index rolled up (-1 when none)."""
     found = dict(
         conn.execute(
-            select(Rollup.width, func.max(Rollup.bucket))
-            .where(Rollup.run_id == run_id)
-            .group_by(Rollup.width)
+            select(RollupRow.width, func.max(RollupRow.bucket))
+            .where(RollupRow.run_id == run_id)
+            .group_by(RollupRow.width)
         ).all()
     )
     return {width: int(found.get(width, -1)) for width in ROLLUP_WIDTHS}
@@ -186,8 +188,10 @@ def forget_after(conn: Connection | Session, *, run_id: int, step: int) -> None:
     """Drop the rollups of buckets holding steps after `step` (a resume truncates them)."""
     for width in ROLLUP_WIDTHS:
         conn.execute(
-            delete(Rollup).where(
-                Rollup.run_id == run_id, Rollup.width == width, Rollup.bucket >= step // width
+            delete(RollupRow).where(
+                RollupRow.run_id == run_id,
+                RollupRow.width == width,
+                RollupRow.bucket >= step // width,
             )
         )
 
@@ -208,7 +212,7 @@ def rollup_series(
     Buckets that end after `since` are returned whole (the open bucket too, read from its
     steps), so a live chart can replace the bucket it last drew.
     """
-    series_names = session.scalar(select(Run.series_names).where(Run.id == run_id)) or []
+    series_names = session.scalar(select(RunRow.series_names).where(RunRow.id == run_id)) or []
     layout = all_names(series_names)
     position = {name: i for i, name in enumerate(layout)}  # one pass, not .index() per name
     wanted = [(name, position[name]) for name in names if name in position]
@@ -216,9 +220,11 @@ def rollup_series(
     if not wanted:
         return out
     rows = session.execute(
-        select(Rollup.bucket, Rollup.data)
-        .where(Rollup.run_id == run_id, Rollup.width == width, Rollup.bucket >= since // width)
-        .order_by(Rollup.bucket)
+        select(RollupRow.bucket, RollupRow.data)
+        .where(
+            RollupRow.run_id == run_id, RollupRow.width == width, RollupRow.bucket >= since // width
+        )
+        .order_by(RollupRow.bucket)
     ).all()
     flats = [(bucket, unpack_doubles(data)) for bucket, data in rows]
     last_rolled = rows[-1][0] if rows else rolled_through(session, run_id=run_id)[width]
@@ -245,13 +251,13 @@ def _tail(
     n_series = size - len(all_names([]))
     if smaller is not None:
         rows = session.execute(
-            select(Rollup.bucket, Rollup.data)
+            select(RollupRow.bucket, RollupRow.data)
             .where(
-                Rollup.run_id == run_id,
-                Rollup.width == smaller,
-                Rollup.bucket >= after // smaller,
+                RollupRow.run_id == run_id,
+                RollupRow.width == smaller,
+                RollupRow.bucket >= after // smaller,
             )
-            .order_by(Rollup.bucket)
+            .order_by(RollupRow.bucket)
         )
         for bucket, data in rows:
             merge(
@@ -273,7 +279,7 @@ def latest_value(session: Session, *, run_id: int, name: str) -> tuple[int, floa
     """The last recorded (step, value) of a series, in a handful of rows however long the run:
     the open tail's steps, then the newest rolled bucket that has it (its `last` field names the
     step), searching each width over the steps that no wider rollup covers yet."""
-    series_names = session.scalar(select(Run.series_names).where(Run.id == run_id)) or []
+    series_names = session.scalar(select(RunRow.series_names).where(RunRow.id == run_id)) or []
     layout = all_names(series_names)
     if name not in layout:
         return None
@@ -290,9 +296,13 @@ def latest_value(session: Session, *, run_id: int, name: str) -> tuple[int, floa
     for width, wider in zip(widths, [*widths[1:], None], strict=True):
         floor = ends[wider] if wider is not None else 0  # below this, a wider rollup answers
         rows = session.execute(
-            select(Rollup.data)
-            .where(Rollup.run_id == run_id, Rollup.width == width, Rollup.bucket * width >= floor)
-            .order_by(Rollup.bucket.desc())
+            select(RollupRow.data)
+            .where(
+                RollupRow.run_id == run_id,
+                RollupRow.width == width,
+                RollupRow.bucket * width >= floor,
+            )
+            .order_by(RollupRow.bucket.desc())
         )
         for (data,) in rows:
             bucket = _buckets(unpack_doubles(data), index)

@@ -11,11 +11,11 @@ from rollout_lens.server.core.vocab import WINDOW
 from rollout_lens.server.store import rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
-    Rollout,
-    Run,
+    RolloutRow,
+    RunRow,
     RunSource,
     RunStatus,
-    Step,
+    StepRow,
     utcnow,
 )
 from sqlalchemy import CursorResult, delete, func, select, true, update
@@ -44,9 +44,9 @@ def create_run(
     source: RunSource = RunSource.launched,
     notes: Sequence[str] = (),
     keep_tokens_every: int | None = None,
-) -> Run:
+) -> RunRow:
     """Insert a run and return it with its id."""
-    run = Run(
+    run = RunRow(
         name=name,
         model=model,
         total_steps=total_steps,
@@ -75,7 +75,7 @@ def unique_run_name(session: Session, *, name: str) -> str:
     one preset must not show as two runs of the same name."""
     taken = set(
         session.scalars(
-            select(Run.name).where(Run.name.startswith(name[:NAME_LENGTH], autoescape=True))
+            select(RunRow.name).where(RunRow.name.startswith(name[:NAME_LENGTH], autoescape=True))
         )
     )
     if name not in taken:
@@ -89,7 +89,7 @@ def unique_run_name(session: Session, *, name: str) -> str:
         n += 1
 
 
-def create_launched_run(session: Session, columns: dict[str, Any]) -> Run:
+def create_launched_run(session: Session, columns: dict[str, Any]) -> RunRow:
     """A launched run from RunConfig.run_columns(), under a name no other run has (its config
     says the same name)."""
     name = unique_run_name(session, name=columns["name"])
@@ -99,17 +99,17 @@ def create_launched_run(session: Session, columns: dict[str, Any]) -> Run:
     return create_run(session, **(columns | {"name": name, "config": config}))
 
 
-def get_run(session: Session, *, run_id: int) -> Run:
+def get_run(session: Session, *, run_id: int) -> RunRow:
     """The run, or NotFound."""
-    run = session.get(Run, run_id)
+    run = session.get(RunRow, run_id)
     if run is None:
         raise NotFound(f"run {run_id} does not exist")
     return run
 
 
-def list_runs(session: Session, *, limit: int | None = None) -> list[Run]:
+def list_runs(session: Session, *, limit: int | None = None) -> list[RunRow]:
     """Runs, newest first."""
-    query = select(Run).order_by(Run.id.desc())
+    query = select(RunRow).order_by(RunRow.id.desc())
     if limit is not None:
         query = query.limit(limit)
     return list(session.scalars(query))
@@ -128,8 +128,8 @@ def mark_running(
     once (a resumed run says them again)."""
     now = utcnow()
     session.execute(
-        update(Run)
-        .where(Run.id == run_id)
+        update(RunRow)
+        .where(RunRow.id == run_id)
         .values(
             status=RunStatus.running,
             worker_host=worker_host,
@@ -151,8 +151,8 @@ def mark_finished(
 ) -> None:
     """The run has ended as completed, failed, cancelled or lost."""
     session.execute(
-        update(Run)
-        .where(Run.id == run_id)
+        update(RunRow)
+        .where(RunRow.id == run_id)
         .values(status=status, finished_at=utcnow(), error=error, phase=None)
     )
 
@@ -164,7 +164,9 @@ def set_phase(session: Session, *, run_id: int, phase: str | None) -> None:
     """What the run is doing before its first step (None: nothing to say beyond its status);
     it counts as a heartbeat."""
     text = None if phase is None else phase[:PHASE_LENGTH]
-    session.execute(update(Run).where(Run.id == run_id).values(phase=text, heartbeat_at=utcnow()))
+    session.execute(
+        update(RunRow).where(RunRow.id == run_id).values(phase=text, heartbeat_at=utcnow())
+    )
 
 
 def add_device_time(
@@ -172,11 +174,11 @@ def add_device_time(
 ) -> None:
     """Account device time and its estimated cost on the run."""
     session.execute(
-        update(Run)
-        .where(Run.id == run_id)
+        update(RunRow)
+        .where(RunRow.id == run_id)
         .values(
-            device_seconds=Run.device_seconds + seconds,
-            cost=Run.cost + seconds / 3600.0 * price_per_hour,
+            device_seconds=RunRow.device_seconds + seconds,
+            cost=RunRow.cost + seconds / 3600.0 * price_per_hour,
             heartbeat_at=utcnow(),
         )
     )
@@ -185,13 +187,15 @@ def add_device_time(
 def set_dropped(session: Session, *, run_id: int, steps: int, rollouts: int) -> None:
     """What a recorder had to drop (the database away longer than its buffer lasted)."""
     session.execute(
-        update(Run).where(Run.id == run_id).values(dropped_steps=steps, dropped_rollouts=rollouts)
+        update(RunRow)
+        .where(RunRow.id == run_id)
+        .values(dropped_steps=steps, dropped_rollouts=rollouts)
     )
 
 
 def heartbeat(session: Session, *, run_id: int, at: datetime | None = None) -> None:
     """The worker training this run is alive."""
-    session.execute(update(Run).where(Run.id == run_id).values(heartbeat_at=at or utcnow()))
+    session.execute(update(RunRow).where(RunRow.id == run_id).values(heartbeat_at=at or utcnow()))
 
 
 # --- launch, cancel, resume, liveness ----------------------------------------------------------
@@ -200,8 +204,8 @@ def heartbeat(session: Session, *, run_id: int, at: datetime | None = None) -> N
 def claim_run(session: Session, *, run_id: int, task_id: str) -> bool:
     """Atomically take a queued run for one task; False if another delivery already has it."""
     result = session.execute(
-        update(Run)
-        .where(Run.id == run_id, Run.status == RunStatus.queued)
+        update(RunRow)
+        .where(RunRow.id == run_id, RunRow.status == RunStatus.queued)
         .values(
             status=RunStatus.running,
             task_id=task_id,
@@ -214,7 +218,7 @@ def claim_run(session: Session, *, run_id: int, task_id: str) -> bool:
 
 def set_task_id(session: Session, *, run_id: int, task_id: str) -> None:
     """Remember which broker task will train the run."""
-    session.execute(update(Run).where(Run.id == run_id).values(task_id=task_id))
+    session.execute(update(RunRow).where(RunRow.id == run_id).values(task_id=task_id))
 
 
 def request_cancel(session: Session, *, run_id: int) -> str:
@@ -224,7 +228,7 @@ def request_cancel(session: Session, *, run_id: int) -> str:
         mark_finished(session, run_id=run_id, status=RunStatus.cancelled)
         return RunStatus.cancelled
     if run.status == RunStatus.running:
-        session.execute(update(Run).where(Run.id == run_id).values(cancel_requested=True))
+        session.execute(update(RunRow).where(RunRow.id == run_id).values(cancel_requested=True))
         return RunStatus.running
     raise InvalidState(
         f"run {run_id} is {run.status}: only queued or running runs can be cancelled"
@@ -233,10 +237,10 @@ def request_cancel(session: Session, *, run_id: int) -> str:
 
 def cancel_requested(session: Session, *, run_id: int) -> bool:
     """Whether someone asked the run to stop."""
-    return bool(session.scalar(select(Run.cancel_requested).where(Run.id == run_id)))
+    return bool(session.scalar(select(RunRow.cancel_requested).where(RunRow.id == run_id)))
 
 
-def requeue_for_resume(session: Session, *, run_id: int) -> Run:
+def requeue_for_resume(session: Session, *, run_id: int) -> RunRow:
     """Put a lost, failed or cancelled run back in the queue to continue from its checkpoint."""
     run = get_run(session, run_id=run_id)
     if run.status not in RESUMABLE_STATUSES:
@@ -255,19 +259,19 @@ def requeue_for_resume(session: Session, *, run_id: int) -> Run:
 
 def set_checkpoint(session: Session, *, run_id: int, step: int) -> None:
     """Every step up to `step` is recorded and a checkpoint of it is on disk."""
-    session.execute(update(Run).where(Run.id == run_id).values(checkpoint_step=step))
+    session.execute(update(RunRow).where(RunRow.id == run_id).values(checkpoint_step=step))
 
 
 def truncate_after(session: Session, *, run_id: int, step: int) -> None:
     """Delete what was recorded after `step` (before resuming from a checkpoint at `step`)."""
     search.forget_after(session.connection(), run_id=run_id, step=step)
-    for model in (Rollout, Step, AlertRow):
+    for model in (RolloutRow, StepRow, AlertRow):
         session.execute(delete(model).where(model.run_id == run_id, model.step > step))
     rollups.forget_after(session, run_id=run_id, step=step)
     recent = (
-        select(Step.true_accuracy, Step.reward_mean)
-        .where(Step.run_id == run_id)
-        .order_by(Step.step.desc())
+        select(StepRow.true_accuracy, StepRow.reward_mean)
+        .where(StepRow.run_id == run_id)
+        .order_by(StepRow.step.desc())
         .limit(WINDOW)
         .subquery()
     )
@@ -275,8 +279,8 @@ def truncate_after(session: Session, *, run_id: int, step: int) -> None:
         select(func.avg(recent.c.true_accuracy), func.avg(recent.c.reward_mean))
     ).one()
     session.execute(
-        update(Run)
-        .where(Run.id == run_id)
+        update(RunRow)
+        .where(RunRow.id == run_id)
         .values(
             current_step=step,
             alerts_through=step,
@@ -299,13 +303,13 @@ def mark_lost_runs(session: Session, *, stale_after: timedelta) -> list[int]:
     }
     lost: list[int] = []
     for status, reason in reasons.items():
-        taken = Run.phase.is_not(None) if status == RunStatus.queued else true()
-        stale = (Run.status == status, Run.heartbeat_at < cutoff, taken)
-        ids = list(session.scalars(select(Run.id).where(*stale)))
+        taken = RunRow.phase.is_not(None) if status == RunStatus.queued else true()
+        stale = (RunRow.status == status, RunRow.heartbeat_at < cutoff, taken)
+        ids = list(session.scalars(select(RunRow.id).where(*stale)))
         if ids:
             session.execute(
-                update(Run)
-                .where(Run.id.in_(ids), *stale)
+                update(RunRow)
+                .where(RunRow.id.in_(ids), *stale)
                 .values(status=RunStatus.lost, finished_at=utcnow(), error=reason, phase=None)
             )
         lost += ids
@@ -323,7 +327,7 @@ def queue_position(session: Session, *, run_id: int) -> int | None:
     if run.status != RunStatus.queued:
         return None
     ahead = session.scalar(
-        select(func.count()).where(Run.status == RunStatus.queued, Run.id < run_id)
+        select(func.count()).where(RunRow.status == RunStatus.queued, RunRow.id < run_id)
     )
     return int(ahead or 0) + 1
 
@@ -337,10 +341,12 @@ def discard_queued_runs(session: Session, *, run_ids: Sequence[int]) -> list[int
     A run a worker already claimed is left alone: its broker message got through.
     """
     ids = list(
-        session.scalars(select(Run.id).where(Run.id.in_(run_ids), Run.status == RunStatus.queued))
+        session.scalars(
+            select(RunRow.id).where(RunRow.id.in_(run_ids), RunRow.status == RunStatus.queued)
+        )
     )
     if ids:
-        session.execute(delete(Run).where(Run.id.in_(ids)))
+        session.execute(delete(RunRow).where(RunRow.id.in_(ids)))
     return ids
 
 
@@ -354,27 +360,29 @@ def restore_status(
 ) -> None:
     """Undo requeue_for_resume when the resumed run could not be enqueued (still queued only)."""
     session.execute(
-        update(Run)
-        .where(Run.id == run_id, Run.status == RunStatus.queued)
+        update(RunRow)
+        .where(RunRow.id == run_id, RunRow.status == RunStatus.queued)
         .values(status=status, error=error, finished_at=finished_at)
     )
 
 
 def queued_count(session: Session) -> int:
     """How many runs wait in the queue."""
-    count = session.scalar(select(func.count()).where(Run.status == RunStatus.queued))
+    count = session.scalar(select(func.count()).where(RunRow.status == RunStatus.queued))
     return int(count or 0)
 
 
 def queue_positions(session: Session) -> dict[int, int]:
     """Every queued run's place in the queue (1: the next to train), in one query."""
-    ids = session.scalars(select(Run.id).where(Run.status == RunStatus.queued).order_by(Run.id))
+    ids = session.scalars(
+        select(RunRow.id).where(RunRow.status == RunStatus.queued).order_by(RunRow.id)
+    )
     return {run_id: place for place, run_id in enumerate(ids, start=1)}
 
 
-def followed_run(session: Session, *, source: RunSource, key: str, folder: str) -> Run | None:
+def followed_run(session: Session, *, source: RunSource, key: str, folder: str) -> RunRow | None:
     """The newest run of `source` whose config[key] is `folder` (the run a follower resumes)."""
-    runs = session.scalars(select(Run).where(Run.source == source).order_by(Run.id.desc()))
+    runs = session.scalars(select(RunRow).where(RunRow.source == source).order_by(RunRow.id.desc()))
     return next((run for run in runs if (run.config or {}).get(key) == folder), None)
 
 
@@ -395,4 +403,4 @@ def mark_following(session: Session, *, run_id: int, worker_host: str) -> None:
 def restore_run_columns(session: Session, *, run_id: int, values: dict[str, Any]) -> None:
     """Set a run's columns as an exported copy had them (an import, after its steps)."""
     if values:
-        session.execute(update(Run).where(Run.id == run_id).values(**values))
+        session.execute(update(RunRow).where(RunRow.id == run_id).values(**values))

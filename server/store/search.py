@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.textsafe import CLEAN_ALREADY
 from rollout_lens.server.store.arrays import completion
 from sqlalchemy import Connection, text
 
@@ -77,10 +78,12 @@ def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, s
     if not rows:
         return
     if conn.dialect.name == "postgresql":
+        ids, docs = zip(*((rollout_id, words(t)) for rollout_id, t in rows), strict=True)
         conn.exec_driver_sql(
-            "INSERT INTO rollout_search (rollout_id, doc) "
-            "VALUES (%s, strip(to_tsvector('simple', %s)))",
-            [(rollout_id, words(t)) for rollout_id, t in rows],
+            "INSERT INTO rollout_search (rollout_id, doc) SELECT i, strip(to_tsvector('simple', "
+            "w)) FROM unnest(%s::integer[], %s::text[]) AS u(i, w)",
+            (list(ids), list(docs)),
+            execution_options=CLEAN_ALREADY,  # words are letters and digits
         )
         return
     table = fts_table(run_id)
@@ -91,6 +94,7 @@ def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, s
     conn.exec_driver_sql(
         f"INSERT INTO {table} (rowid, text) VALUES (?, ?)",
         [(rollout_id, words(t)) for rollout_id, t in rows],
+        execution_options=CLEAN_ALREADY,  # words are letters and digits
     )
 
 
@@ -135,6 +139,41 @@ def forget_after(conn: Connection, *, run_id: int, step: int) -> None:
         f"INSERT INTO {table} ({table}, rowid, text) VALUES ('delete', ?, ?)",
         [(rid, words(completion(rule, ids, text_, texts))) for rid, rule, ids, text_ in rows],
     )
+
+
+def unindexed(
+    conn: Connection, *, run_id: int, token_texts: dict[int, str]
+) -> list[tuple[int, str]]:
+    """(rollout id, completion text) of a run's rollouts written after its newest indexed one:
+    what a writer that stopped between a step's commit and its indexing left unsearchable (the
+    store indexes in rollout id order, so every rollout below that one is indexed)."""
+    postgres = conn.dialect.name == "postgresql"
+    mark = "%s" if postgres else "?"
+    newest = conn.exec_driver_sql(
+        f"SELECT id FROM rollouts WHERE run_id = {mark} ORDER BY id DESC LIMIT 1", (run_id,)
+    ).scalar()
+    if newest is None:
+        return []
+    if postgres:
+        indexed = conn.exec_driver_sql(
+            "SELECT s.rollout_id FROM rollout_search s JOIN rollouts r ON r.id = s.rollout_id "
+            "WHERE r.run_id = %s ORDER BY s.rollout_id DESC LIMIT 1",
+            (run_id,),
+        ).scalar()
+    elif has_index(conn, run_id=run_id):
+        indexed = conn.exec_driver_sql(
+            f"SELECT rowid FROM {fts_table(run_id)} ORDER BY rowid DESC LIMIT 1"
+        ).scalar()
+    else:
+        indexed = None
+    if indexed is not None and indexed >= newest:
+        return []
+    rows = conn.exec_driver_sql(
+        "SELECT r.id, r.text_rule, d.ids, d.text FROM rollouts r JOIN rollout_data d ON "
+        f"d.rollout_id = r.id WHERE r.run_id = {mark} AND r.id > {mark} ORDER BY r.id",
+        (run_id, indexed or 0),
+    ).all()
+    return [(rid, completion(rule, ids, text_, token_texts)) for rid, rule, ids, text_ in rows]
 
 
 def drop_run(conn: Connection, *, run_id: int) -> None:

@@ -10,10 +10,10 @@ from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.read_models import RolloutWindow, RunData
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.store import arrays
-from rollout_lens.server.store.models import Rollout, Run, RunSource, Step
+from rollout_lens.server.store.models import RolloutRow, RunRow, RunSource, StepRow
 
 
-def completion_text(rollout: Rollout, ids: Sequence[int], token_texts: Mapping[int, str]) -> str:
+def completion_text(rollout: RolloutRow, ids: Sequence[int], token_texts: Mapping[int, str]) -> str:
     """A rollout's completion: rebuilt from its ids where the store found that exact, else the
     text it stored (`token_texts` must hold the text of every id then)."""
     if rollout.text_rule is not None:
@@ -22,7 +22,7 @@ def completion_text(rollout: Rollout, ids: Sequence[int], token_texts: Mapping[i
     return arrays.completion(None, None, data.text if data is not None else None, token_texts)
 
 
-def completion_ids(rollout: Rollout) -> list[int]:
+def completion_ids(rollout: RolloutRow) -> list[int]:
     """A rollout's token ids (empty when none were recorded)."""
     return arrays.decode_ids(rollout.data.ids) if rollout.data is not None else []
 
@@ -34,7 +34,7 @@ def token_pieces(ids: Sequence[int], token_texts: Mapping[int, str]) -> list[str
     return None if not ids or None in pieces else pieces  # type: ignore[return-value]
 
 
-def shown_tokens(rollout: Rollout, pieces: list[str] | None, *, whole: bool) -> list[str] | None:
+def shown_tokens(rollout: RolloutRow, pieces: list[str] | None, *, whole: bool) -> list[str] | None:
     """Each token's text as decoding shows it (tokentext.token_texts: joined, the completion
     decoded with its special tokens), read by the rule that rebuilt its completion, else by the
     one its pieces show (runs stored before need no migration). `whole`: the pieces are the
@@ -46,7 +46,7 @@ def shown_tokens(rollout: Rollout, pieces: list[str] | None, *, whole: bool) -> 
 
 
 def rollout_dict(
-    rollout: Rollout,
+    rollout: RolloutRow,
     prompt: str,
     control_tokens: Sequence[str],
     token_texts: Mapping[int, str] | None = None,
@@ -116,7 +116,7 @@ def rollout_dict(
     return out
 
 
-def run_dict(run: Run) -> RunData:
+def run_dict(run: RunRow) -> RunData:
     """A run's columns, JSON-ready (the run card)."""
     return {
         "id": run.id,
@@ -157,7 +157,7 @@ def run_dict(run: Run) -> RunData:
 JUDGEMENTS = ("vote", "true_score", "format_valid")
 
 
-def judged(run: Run) -> dict[str, bool]:
+def judged(run: RunRow) -> dict[str, bool]:
     """Which judgements of a completion the run's recorder could make: all for runs launched
     here; for external runs only those the user gave a function for (the callback keeps them
     in config["rollout_lens"]["judged"], beside the GRPOConfig; imports in config["judged"])."""
@@ -169,7 +169,7 @@ def judged(run: Run) -> dict[str, bool]:
     return {name: bool(given.get(name)) for name in JUDGEMENTS}
 
 
-def step_dict(step: Step) -> dict[str, Any]:
+def step_dict(step: StepRow) -> dict[str, Any]:
     """A step's scalar columns."""
     return {"step": step.step, "rollout_step": step.rollout_step} | {
         name: getattr(step, name) for name in STEP_SERIES

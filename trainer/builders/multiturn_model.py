@@ -104,7 +104,7 @@ _TOKENIZER_SEEDS = range(8)
 
 
 @dataclass(frozen=True)
-class Recipe(tiny_model.Recipe):
+class MultiturnRecipe(tiny_model.TinyRecipe):
     """tiny_model's recipe (architecture, init, curriculum of listing sizes, learning rate) with
     the conversation warm-up's own fields; its hash names the cache directory."""
 
@@ -117,7 +117,7 @@ class Recipe(tiny_model.Recipe):
     eval_prompts: int = 96
 
 
-RECIPE = Recipe()
+RECIPE = MultiturnRecipe()
 
 
 # This module, the envs whose text it learns, and the single-turn builder it borrows from.
@@ -155,7 +155,7 @@ def build_multiturn_model(out_dir: Path, *, log: Callable[[str], None] = print) 
     )
 
 
-def _new_model(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> PreTrainedModel:
+def _new_model(tokenizer: PreTrainedTokenizerBase, recipe: MultiturnRecipe) -> PreTrainedModel:
     """tiny_model's Llama (ids initialised for copying), plus a direction all values share, so
     attention finds "the value in the last result" as it finds "the listed ids"."""
     import torch
@@ -223,7 +223,7 @@ class _Pieces:
 
 
 def _observation(
-    rng: random.Random, recipe: Recipe, tool_id: str, queries: Sequence[str]
+    rng: random.Random, recipe: MultiturnRecipe, tool_id: str, queries: Sequence[str]
 ) -> tuple[str, str]:
     """(kind, text) of what a warm-up tool returns."""
     roll = rng.random()
@@ -241,7 +241,7 @@ def _conversation(
     pieces: _Pieces,
     prompt_ids: list[int],
     listed: list[str],
-    recipe: Recipe,
+    recipe: MultiturnRecipe,
     queries: Sequence[str],
 ) -> _Conversation:
     ids = list(prompt_ids)
@@ -272,7 +272,7 @@ def _conversation(
 def _warm_up(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    recipe: Recipe,
+    recipe: MultiturnRecipe,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """Supervised warm-up on whole conversations: the call format (naming listed tools at

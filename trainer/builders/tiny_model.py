@@ -54,7 +54,7 @@ _TOKENIZER_SEEDS = range(8)  # several id permutations, so the vocabulary does n
 
 
 @dataclass(frozen=True)
-class Recipe:
+class TinyRecipe:
     """Everything that decides the built model; its hash names the cache directory."""
 
     seed: int = 0
@@ -81,10 +81,10 @@ class Recipe:
     eval_prompts: int = 192
 
 
-RECIPE = Recipe()
+RECIPE = TinyRecipe()
 
 
-def recipe_hash(recipe: Recipe, sources: Sequence[Path]) -> str:
+def recipe_hash(recipe: TinyRecipe, sources: Sequence[Path]) -> str:
     """Names a build: the recipe, the source files whose code and text it learns from, and the
     libraries that save it."""
     digest = hashlib.sha256(json.dumps(asdict(recipe), sort_keys=True).encode())
@@ -171,7 +171,7 @@ def build_tiny_model(out_dir: Path, *, log: Callable[[str], None] = print) -> di
 def build_model(
     out_dir: Path,
     label: str,
-    recipe: Recipe,
+    recipe: TinyRecipe,
     built_hash: str,
     *,
     tokenizer: Callable[[], PreTrainedTokenizerBase],
@@ -214,7 +214,7 @@ def save_built(
     tokenizer: PreTrainedTokenizerBase,
     model: PreTrainedModel,
     stats: dict[str, Any],
-    recipe: Recipe,
+    recipe: TinyRecipe,
     built_hash: str,
     started: float,
     log: Callable[[str], None],
@@ -276,7 +276,7 @@ def train_tokenizer(
     )
 
 
-def fresh_model(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> PreTrainedModel:
+def fresh_model(tokenizer: PreTrainedTokenizerBase, recipe: TinyRecipe) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
     special_ids = {
@@ -302,7 +302,7 @@ def fresh_model(tokenizer: PreTrainedTokenizerBase, recipe: Recipe) -> PreTraine
     return model
 
 
-def _init_tool_embeddings(model: PreTrainedModel, tool_ids: list[int], recipe: Recipe) -> None:
+def _init_tool_embeddings(model: PreTrainedModel, tool_ids: list[int], recipe: TinyRecipe) -> None:
     import torch
 
     with torch.no_grad():
@@ -331,7 +331,7 @@ def _tool_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 def _warm_up(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    recipe: Recipe,
+    recipe: TinyRecipe,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """Supervised warm-up on the reply format, naming listed tools at random."""
@@ -388,7 +388,7 @@ def _warm_up(
 class WarmUp:
     """A warm-up's optimizer step, running mass on the listed ids, log lines and stats."""
 
-    def __init__(self, recipe: Recipe, log: Callable[[str], None]) -> None:
+    def __init__(self, recipe: TinyRecipe, log: Callable[[str], None]) -> None:
         self.recipe, self.log = recipe, log
         self.started, self.listed_mass, self.loss = time.perf_counter(), 0.0, math.nan
 
@@ -422,7 +422,7 @@ class WarmUp:
         }
 
 
-def listing_size(rng: random.Random, step: int, recipe: Recipe) -> int:
+def listing_size(rng: random.Random, step: int, recipe: TinyRecipe) -> int:
     # Log-uniform sizes up to a cap that grows over the curriculum: short listings teach copying
     # fast and cheaply, and only a listing much shorter than 64 says which ids *not* to name.
     ramp = min(1.0, step / max(1, recipe.curriculum_steps))
@@ -432,7 +432,7 @@ def listing_size(rng: random.Random, step: int, recipe: Recipe) -> int:
     return round(2 ** rng.uniform(math.log2(recipe.min_tools), math.log2(cap)))
 
 
-def lr_factor(step: int, recipe: Recipe) -> float:
+def lr_factor(step: int, recipe: TinyRecipe) -> float:
     if step < recipe.lr_warmup_steps:
         return (step + 1) / recipe.lr_warmup_steps
     progress = (step - recipe.lr_warmup_steps) / max(1, recipe.steps - recipe.lr_warmup_steps)

@@ -21,13 +21,13 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rollout_lens.server.core import tokentext, vocab
 from rollout_lens.server.core.config import Settings, get_settings
-from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.trainer.recorder import positional, tags, turns
 from rollout_lens.trainer.recorder.capture import (
@@ -415,8 +415,10 @@ class RolloutLensCallback(TrainerCallback):
                 truncated=truncated,
             )
         )
-        control = r["control"] or [[] for _ in self.control_tokens]
-        control_probs = dict(zip(self.control_tokens, control, strict=False))
+        # [n × k] arrays from the forward probe, rows by token from generate's: one orientation
+        control_probs = ControlProbs.of(r["control"], len(ids), self.control_tokens)
+        # positional reads any indexable of floats: the columns of the array, as they are
+        by_token = cast(Mapping[str, Sequence[float]], control_probs)
         tokens = tokenizer.convert_ids_to_tokens(ids)
         meta: dict[str, Any] = {
             "rewards": dict(zip(names, r["rewards"], strict=False)),
@@ -447,7 +449,7 @@ class RolloutLensCallback(TrainerCallback):
             marks = self._marks(ids, tokens, spoken, form)
             if marks is not None and form is not None:
                 probes = positional.turn_probes_at(
-                    marks, control_probs, meta["turns"], **self._roles(form)
+                    marks, by_token, meta["turns"], **self._roles(form)
                 )
             if vote is None and not self.functions.given("vote"):
                 vote = meta["answer"]  # the group's votes: each rollout's final answer
@@ -456,7 +458,7 @@ class RolloutLensCallback(TrainerCallback):
                 format_state = turns.completion_state(spoken, form.pair, self._end_tokens)
             marks = self._marks(ids, tokens, spoken, form)
             if marks is not None and form is not None:
-                probes = positional.probes_at(marks, control_probs, **self._roles(form))
+                probes = positional.probes_at(marks, by_token, **self._roles(form))
         watched = r.get("watched")
         if watched is not None:
             probes.update(

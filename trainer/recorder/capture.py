@@ -28,7 +28,8 @@ A run launched from the dashboard adds to this through GenerationHooks: in-group
 of the policy) and its failures collected for SFT; the id-position probe is the probe's
 `watch_ids` after the opening tag.
 
-Work on the training thread is kept to copying ids and numbers into plain lists; prompts are
+Work on the training thread is kept to copying ids into lists and numbers into numpy arrays
+(logprobs [n], control-token probabilities [n × k], as the step entity holds them); prompts are
 rendered, user functions run and summaries computed later, on the writer's thread.
 """
 
@@ -134,7 +135,7 @@ class RolloutCapture:
         self.notes: list[str] = []
         self._inputs: list[dict[str, Any]] = []  # the rows of the generation in progress
         self._row_meta: dict[int, dict[str, Any]] = {}  # row -> meta from the hooks
-        self._replaced: dict[int, tuple[list[float], list[list[float]], list[float] | None]] = {}
+        self._replaced: dict[int, tuple[Any, Any, list[float] | None]] = {}
         # Each `_generate_single_turn` call of the current generation: its probe and the ids it
         # returned. One call for a single-turn generation; with tools, the first turn of every
         # row, then one call per tool iteration on the rows that called a tool (trainer/recorder/turns.py).
@@ -325,9 +326,10 @@ class RolloutCapture:
 
     def forward_probe(
         self, prompt_ids: list[int], completion_ids: list[int]
-    ) -> tuple[list[float], list[list[float]], list[float] | None]:
-        """Logprobs, control probs and watched logprobs of a completion the policy did not
-        sample (an expert reply): one no-grad forward at the sampling temperature."""
+    ) -> tuple[Any, Any, list[float] | None]:
+        """Logprobs [n], control probs [n × k] (numpy arrays) and watched logprobs of a
+        completion the policy did not sample (an expert reply): one no-grad forward at the
+        sampling temperature."""
         import torch
 
         trainer = self.trainer
@@ -336,8 +338,9 @@ class RolloutCapture:
             ids = torch.tensor([prompt_ids + completion_ids], device=trainer.accelerator.device)
             logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
             logprobs = torch.log_softmax(logits / float(trainer.temperature or 1.0), dim=-1)
-            sampled = logprobs.gather(1, ids[0, len(prompt_ids) :, None]).squeeze(1).tolist()
-            control = logprobs[:, self.control_token_ids].exp().T.tolist()
+            sampled = logprobs.gather(1, ids[0, len(prompt_ids) :, None]).squeeze(1)
+            sampled = sampled.cpu().double().numpy()
+            control = logprobs[:, self.control_token_ids].exp().cpu().double().numpy()
             watched = None
             after = self.after_token_id
             if self.watch_ids and after is not None and after in completion_ids:
@@ -492,12 +495,13 @@ class RolloutCapture:
         watched: list[list[float] | None] = [None] * len(ids_list)
         if self.forward is not None:
             # read now (the old-policy pass) or filled in by `flush` after the loss passes
-            logprobs: list[list[float]] = [[] for _ in ids_list]
-            control: list[list[list[float]] | None] | None = [None] * len(ids_list)
+            logprobs: list[Any] = [[] for _ in ids_list]  # arrays once read
+            control: list[Any] | None = [None for _ in ids_list]
+            assert control is not None
             for i, ids in enumerate(ids_list):
                 taken = self.forward.take(self._rows[i], len(ids), masks[i]) if read_now else None
                 if taken is not None:
-                    logprobs[i], control[i], watched[i] = taken  # type: ignore[index]
+                    logprobs[i], control[i], watched[i] = taken
         else:
             logprobs, generated = self._logprobs(output, ids_list)
             control = list(generated) if generated is not None else None

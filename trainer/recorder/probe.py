@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import LogitsProcessor
 
@@ -252,8 +253,9 @@ class ForwardProbe:
 
     def take(
         self, row: int, n: int, tool_mask: Sequence[int] | None = None
-    ) -> tuple[list[float], list[list[float]], list[float] | None] | None:
-        """Row `row`'s first `n` positions: logprobs, control probs (k × n) and the watched
+    ) -> tuple[np.ndarray, np.ndarray, list[float] | None] | None:
+        """Row `row`'s first `n` positions as arrays (no Python floats): logprobs [n], control
+        probs [n × k] (position × token, the step entity's orientation) and the watched
         logprobs, tool-result positions (tool_mask 0) at 0.0; None when it was not read whole."""
         reading = self.readings.pop(row, None)
         if reading is None or not bool(reading.measured[:n].all()):
@@ -267,7 +269,11 @@ class ForwardProbe:
         watched = None
         if reading.watched is not None and reading.watched[0] < n:
             watched = reading.watched[1].tolist()
-        return logprobs.tolist(), control.T.tolist(), watched
+        return (
+            logprobs.cpu().numpy().astype(np.float64),
+            control.cpu().numpy().astype(np.float64),
+            watched,
+        )
 
     def clear(self) -> None:
         self.readings.clear()

@@ -2,8 +2,8 @@
 
 Steps are written off the training thread, in order, by a daemon thread; the steps waiting when
 it wakes share one transaction (up to BATCH_STEPS; one step each when training is slower than
-writing). The store's Recorder (what the next write needs: series layout, rollup progress) is
-kept between batches and dropped with a batch that does not commit. A step is written once: a
+writing), through the store's one writer (store.RunWriter: the same as every import's), which
+keeps what the next write needs between batches and drops it with a batch that does not commit. A step is written once: a
 batch the database took but whose answer the connection lost is recognised on the retry by its
 keys (IntegrityError). Connection trouble (`is_transient`) is retried with backoff.
 
@@ -100,23 +100,23 @@ class _Pending:
     size: int  # approximate bytes held
 
 
-# What a Python list holds per item: an 8-byte pointer plus the object — a float is 24 bytes, a
-# token id (an int past 256) 28, a token's text ~50 plus its characters. At 512 rollouts ×
-# 1,024 tokens × 4 control tokens a step is ~140 MB as the trainer hands it over (tracemalloc),
-# not the 8 bytes a value it would take packed.
-_FLOAT, _ID, _TEXT = 8 + 24, 8 + 28, 8 + 49
+# A token's text as a Python str in a list: an 8-byte pointer plus the object, ~49 bytes and its
+# characters. The numbers are numpy arrays (8 bytes a value): at 512 rollouts × 1,024 tokens × 4
+# control tokens a step holds ~25 MB of them, where the Python lists it once was took ~140 MB.
+_TEXT = 8 + 49
 
 
 def record_size(record: StepRecord) -> int:
-    """Approximate bytes a step holds in memory (dominated by rollouts and their arrays, as the
-    Python lists they are)."""
+    """Approximate bytes a step holds in memory (dominated by its rollouts' arrays and token
+    texts)."""
     size = 200 + 40 * (len(record.values) + len(record.metrics))
     for r in record.rollouts:
-        n = len(r.completion_ids)
         size += 300 + len(r.completion) + len(r.prompt) // 8  # prompts are shared between rollouts
-        size += n * (_ID + _FLOAT * (1 + len(r.control_probs)))
+        size += r.completion_ids.nbytes + r.token_logprobs.nbytes
+        control = r.control_probs
+        size += control.array.nbytes
         if r.tokens:
-            size += n * _TEXT + sum(map(len, r.tokens))
+            size += len(r.tokens) * _TEXT + sum(map(len, r.tokens))
     return size
 
 
@@ -169,7 +169,7 @@ class StepWriter:
         self._reported_drops = (0, 0)
         self._factory = factory
         self._engine: Engine | None = None  # ours to dispose (made from database_url)
-        self._recorder: store.Recorder | None = None
+        self._run_writer: store.RunWriter | None = None  # the store's, once the run exists
         self._inbox: deque[Any] = deque()  # handed over, not yet prepared (BufferAndDrop)
         self._buffer: deque[_Pending] = deque()  # prepared, waiting for the database
         self._buffered_bytes = 0
@@ -527,15 +527,11 @@ class StepWriter:
 
     def _commit(self, factory: sessionmaker[Session], records: list[StepRecord]) -> None:
         assert self.run_id is not None
-        recorder, self._recorder = self._recorder, None  # kept only if the batch commits
-        self._recorder = store.write_batch(
-            factory.kw["bind"],
-            recorder,
-            records,
-            run_id=self.run_id,
-            control_tokens=self.control_tokens,
-            price_per_hour=self.price,
-        )
+        if self._run_writer is None:
+            self._run_writer = store.RunWriter(
+                self.run_id, control_tokens=self.control_tokens, price_per_hour=self.price
+            )
+        self._run_writer.commit(factory.kw["bind"], records)
 
     def _refused(self, record: StepRecord, exc: DBAPIError) -> None:
         self.dropped_steps += 1

@@ -11,7 +11,7 @@ from rollout_lens.server.core.config import get_settings
 from rollout_lens.server.core.queue import TRAIN_TASK
 from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.store.models import Run, RunStatus
+from rollout_lens.server.store.models import RunRow, RunStatus
 from rollout_lens.trainer.worker.modelref import ModelUnavailable, check_model, unusable
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ def train_run(self, run_id: int) -> str:  # type: ignore[no-untyped-def]
     try:
         with session_scope(factory) as session:
             if not store.claim_run(session, run_id=run_id, task_id=str(self.request.id)):
-                run = session.get(Run, run_id)
+                run = session.get(RunRow, run_id)
                 status = run.status if run else "missing"
                 log.warning("run %s is %s, not queued: skipping this delivery", run_id, status)
                 return f"skipped: run {run_id} is {status}"

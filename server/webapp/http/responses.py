@@ -95,7 +95,7 @@ def alerts_of_runs(
 def with_step_urls(
     request: Request, session: Session, run_id: int, alerts: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Alerts as every page and script renders them: Alert.as_dict plus the step's page and the
+    """Alerts as every page and script renders them: FiredAlert.as_dict plus the step's page and the
     explorer showing the rollouts that tripped it (page_context.alert_rollouts; what it may filter on
     depends on what the run judged)."""
     if not alerts:

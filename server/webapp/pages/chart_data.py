@@ -17,7 +17,7 @@ from rollout_lens.server.core.read_models import (
     BucketSummary,
     ConfigDiff,
     ConfigDiffRow,
-    Progress,
+    ProgressData,
     RunData,
 )
 from rollout_lens.server.core.vocab import WINDOW
@@ -151,9 +151,9 @@ def bucket_geometry(starts: Sequence[int], counts: Sequence[int]) -> dict[str, l
     }
 
 
-def run_progress(run: RunData) -> Progress:
+def run_progress(run: RunData) -> ProgressData:
     """The fields of a run that change while it trains (what a live page refreshes)."""
-    progress: Progress = {
+    progress: ProgressData = {
         "id": run["id"],
         "status": run["status"],
         "current_step": run["current_step"],

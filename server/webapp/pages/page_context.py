@@ -19,7 +19,7 @@ from rollout_lens.server.core.read_models import (
     GroupNav,
     LiveState,
     RunData,
-    RunOverview,
+    RunOverviewData,
     StepGroups,
 )
 from rollout_lens.server.core.records import DISAGREE_AT, disagrees
@@ -124,7 +124,7 @@ class RunPageContext(TypedDict):
     chart_view: dict[str, Any]  # chart_data.chart_view(): default smoothing, folding rule
 
 
-def run_page(overview: RunOverview, url: Url, *, full: bool, notice: str) -> RunPageContext:
+def run_page(overview: RunOverviewData, url: Url, *, full: bool, notice: str) -> RunPageContext:
     """A run's card, alerts and chart sections (empty figures the script fills)."""
     run = overview["run"]
     run_id = run["id"]

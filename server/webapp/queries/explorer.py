@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.store import arrays, search
-from rollout_lens.server.store.models import Prompt, Rollout
+from rollout_lens.server.store.models import PromptRow, RolloutRow
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
@@ -380,9 +380,9 @@ def _rows(session: Session, run_id: int, ids: list[int]) -> list[dict[str, Any]]
     found = {
         r.id: (r, prompt)
         for r, prompt in session.execute(
-            select(Rollout, Prompt.text)
-            .join(Prompt, Prompt.id == Rollout.prompt_id)
-            .where(Rollout.id.in_(ids))
+            select(RolloutRow, PromptRow.text)
+            .join(PromptRow, PromptRow.id == RolloutRow.prompt_id)
+            .where(RolloutRow.id.in_(ids))
         )
     }
     heads = {
@@ -420,7 +420,7 @@ def _head(value: str) -> str:
     return value if len(value) <= HEAD_CHARS else value[:HEAD_CHARS] + "…"
 
 
-def completion_head(r: Rollout, head_ids: list[int], texts: dict[int, str]) -> str:
+def completion_head(r: RolloutRow, head_ids: list[int], texts: dict[int, str]) -> str:
     """A row's completion head as the step viewer shows its text: its first tokens, cut."""
     if r.text_rule is not None and all(i in texts for i in head_ids):
         pieces = [texts[i] for i in head_ids]

@@ -14,8 +14,8 @@ from rollout_lens.server.store import layout, rollups
 from rollout_lens.server.store.models import (
     CHART_WIDTHS,
     AlertRow,
-    Run,
-    Step,
+    RunRow,
+    StepRow,
 )
 from rollout_lens.server.store.serialize import run_dict
 from rollout_lens.server.webapp.pages import chart_data
@@ -60,11 +60,11 @@ def series(
         names = series_names(session, run_id=run_id)
     columns = [n for n in names if n in STEP_SERIES]
     metrics = [n for n in names if n not in STEP_SERIES]
-    in_range = [Step.run_id == run_id, *_step_filter(Step.step, since, until)]
+    in_range = [StepRow.run_id == run_id, *_step_filter(StepRow.step, since, until)]
     lo, hi = session.execute(
         select(
-            select(func.min(Step.step)).where(*in_range).scalar_subquery(),
-            select(func.max(Step.step)).where(*in_range).scalar_subquery(),
+            select(func.min(StepRow.step)).where(*in_range).scalar_subquery(),
+            select(func.max(StepRow.step)).where(*in_range).scalar_subquery(),
         )
     ).one()
     width = 1 if lo is None or hi is None else chart_data.bucket_width(hi - lo + 1, max_points)
@@ -97,14 +97,16 @@ def series(
 def _column_series(
     session: Session, run_id: int, names: list[str], since: int, until: int | None, width: int
 ) -> dict[str, dict[str, list[Any]]]:
-    cols = [getattr(Step, n) for n in names]
-    where = [Step.run_id == run_id, *_step_filter(Step.step, since, until)]
+    cols = [getattr(StepRow, n) for n in names]
+    where = [StepRow.run_id == run_id, *_step_filter(StepRow.step, since, until)]
     if width == 1:
-        rows = session.execute(select(Step.step, *cols).where(*where).order_by(Step.step)).all()
+        rows = session.execute(
+            select(StepRow.step, *cols).where(*where).order_by(StepRow.step)
+        ).all()
         return chart_data.raw_series(names, rows)
-    bucket = ((Step.step - 1) // width).label("bucket")
+    bucket = ((StepRow.step - 1) // width).label("bucket")
     aggs = [agg(c) for c in cols for agg in (func.avg, func.min, func.max)]
-    query = select(func.min(Step.step), *aggs).where(*where).group_by(bucket).order_by(bucket)
+    query = select(func.min(StepRow.step), *aggs).where(*where).group_by(bucket).order_by(bucket)
     return chart_data.bucketed_series(names, session.execute(query).all())
 
 
@@ -118,11 +120,11 @@ def _metric_series(
     wanted = [(n, position[n]) for n in names if n in position]
     if not wanted:
         return {}
-    query = select(Step.step, Step.series).where(
-        Step.run_id == run_id, *_step_filter(Step.step, since, until)
+    query = select(StepRow.step, StepRow.series).where(
+        StepRow.run_id == run_id, *_step_filter(StepRow.step, since, until)
     )
     points: dict[str, list[tuple[int, float]]] = {}
-    for step, data in session.execute(query.order_by(Step.step)):
+    for step, data in session.execute(query.order_by(StepRow.step)):
         values = layout.decode(data, len(layout_names))
         for name, index in wanted:
             if (value := values[index]) is not None:
@@ -168,17 +170,17 @@ def bucket_means(
                 row[1] = max(row[1], n)
                 row[column] = mean
         return chart_data.bucket_table([rows[b] for b in sorted(rows)])
-    bucket = ((Step.step - 1) // width).label("bucket")
+    bucket = ((StepRow.step - 1) // width).label("bucket")
     start = (since // width) * width  # the whole bucket holding step since+1
     query = (
         select(
             bucket,
-            func.count(Step.step),
-            func.avg(Step.true_accuracy),
-            func.avg(Step.reward_mean),
-            func.avg(Step.format_valid_rate),
+            func.count(StepRow.step),
+            func.avg(StepRow.true_accuracy),
+            func.avg(StepRow.reward_mean),
+            func.avg(StepRow.format_valid_rate),
         )
-        .where(Step.run_id == run_id, *_step_filter(Step.step, start, until))
+        .where(StepRow.run_id == run_id, *_step_filter(StepRow.step, start, until))
         .group_by(bucket)
         .order_by(bucket)
     )
@@ -193,7 +195,7 @@ def alerts(session: Session, *, run_id: int, since: int = 0) -> list[dict[str, A
     plus any for steps it did not evaluate (evaluated here from the steps, not stored)."""
     run = store.get_run(session, run_id=run_id)
     found = [
-        rules.Alert(kind, step, message, series)
+        rules.FiredAlert(kind, step, message, series)
         for kind, step, message, series in session.execute(
             select(AlertRow.kind, AlertRow.step, AlertRow.message, AlertRow.series)
             .where(AlertRow.run_id == run_id, AlertRow.step > since)
@@ -206,7 +208,7 @@ def alerts(session: Session, *, run_id: int, since: int = 0) -> list[dict[str, A
     return [a.as_dict() for a in found]
 
 
-def evaluate_alerts(session: Session, *, run_id: int, after: int = 0) -> list[rules.Alert]:
+def evaluate_alerts(session: Session, *, run_id: int, after: int = 0) -> list[rules.FiredAlert]:
     """The alert rules over the recorded steps, keeping the alerts after `after` (the rules read
     rules.CONTEXT steps before it as history). after=0 is the from-scratch evaluation the
     recorder's step-by-step one must equal."""
@@ -220,7 +222,7 @@ def evaluate_alerts(session: Session, *, run_id: int, after: int = 0) -> list[ru
     )
     history = [(step, dict(zip(names, values, strict=True))) for step, values in rows]
     thresholds = rules.AlertThresholds().for_run(
-        session.scalar(select(Run.prompts_per_step).where(Run.id == run_id))
+        session.scalar(select(RunRow.prompts_per_step).where(RunRow.id == run_id))
     )
     found = rules.evaluate(rules.from_history(history), thresholds)
     return [a for a in found if a.step > after]

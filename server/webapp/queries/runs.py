@@ -10,16 +10,16 @@ from rollout_lens.server import store
 from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core.display import live_text
 from rollout_lens.server.core.errors import InvalidInput, NotFound
-from rollout_lens.server.core.read_models import ListedRun, LiveState, RunData, RunOverview
+from rollout_lens.server.core.read_models import ListedRun, LiveState, RunData, RunOverviewData
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.store import search
 from rollout_lens.server.store.models import (
     ACTIVE_STATUSES,
     AlertRow,
-    Run,
+    RunRow,
     RunSource,
     RunStatus,
-    Step,
+    StepRow,
 )
 from rollout_lens.server.store.serialize import run_dict
 from rollout_lens.server.webapp.pages import chart_data
@@ -29,19 +29,19 @@ from sqlalchemy.orm import Session
 # --- runs ---------------------------------------------------------------------------------------
 
 RUN_SORTS: dict[str, Any] = {
-    "created": Run.id,
-    "name": func.lower(Run.name),
-    "status": Run.status,
-    "progress": Run.current_step * 1.0 / func.nullif(Run.total_steps, 0),
-    "variant": Run.variant,
-    "model": func.lower(Run.model),
-    "k": Run.k,
-    "group_size": Run.group_size,
-    "seed": Run.seed,
-    "accuracy": Run.recent_true_accuracy,
-    "reward": Run.recent_reward,
-    "device_minutes": Run.device_seconds,
-    "cost": Run.cost,
+    "created": RunRow.id,
+    "name": func.lower(RunRow.name),
+    "status": RunRow.status,
+    "progress": RunRow.current_step * 1.0 / func.nullif(RunRow.total_steps, 0),
+    "variant": RunRow.variant,
+    "model": func.lower(RunRow.model),
+    "k": RunRow.k,
+    "group_size": RunRow.group_size,
+    "seed": RunRow.seed,
+    "accuracy": RunRow.recent_true_accuracy,
+    "reward": RunRow.recent_reward,
+    "device_minutes": RunRow.device_seconds,
+    "cost": RunRow.cost,
 }
 
 
@@ -73,13 +73,13 @@ def _run_filters(q: str, ids: Sequence[int] | None, after: int | None) -> list[C
     where: list[ColumnElement[bool]] = []
     for word in search_words(q):
         pattern = _like(word)
-        columns = (Run.name, Run.model, Run.variant, Run.status)
+        columns = (RunRow.name, RunRow.model, RunRow.variant, RunRow.status)
         where.append(or_(*(col.ilike(pattern, escape="\\") for col in columns)))
     narrow: list[ColumnElement[bool]] = []
     if ids is not None:
-        narrow.append(Run.id.in_(ids))
+        narrow.append(RunRow.id.in_(ids))
     if after is not None:
-        narrow.append(Run.id > after)
+        narrow.append(RunRow.id > after)
     if narrow:
         where.append(or_(*narrow))
     return where
@@ -90,10 +90,10 @@ def _run_order(sort: str, descending: bool) -> list[Any]:
     if sort not in RUN_SORTS:
         raise InvalidInput(f"cannot sort runs by {sort!r}; choose one of {', '.join(RUN_SORTS)}")
     key = RUN_SORTS[sort]
-    return [key.is_(None), key.desc() if descending else key.asc(), Run.id.desc()]
+    return [key.is_(None), key.desc() if descending else key.asc(), RunRow.id.desc()]
 
 
-def _listed(session: Session, runs: Sequence[Run]) -> list[ListedRun]:
+def _listed(session: Session, runs: Sequence[RunRow]) -> list[ListedRun]:
     """Run rows as the runs list shows them: columns, place in the queue, warnings (one grouped
     query over the page's runs), live text."""
     columns = [run_dict(run) for run in runs]
@@ -124,7 +124,9 @@ def matching_runs(
 ) -> list[ListedRun]:
     """Every run matching every word of `q` (name, model, variant, status), sorted, missing
     values last; `ids` and `after` narrow as in runs_page. The runs page reads runs_page."""
-    query = select(Run).where(*_run_filters(q, ids, after)).order_by(*_run_order(sort, descending))
+    query = (
+        select(RunRow).where(*_run_filters(q, ids, after)).order_by(*_run_order(sort, descending))
+    )
     return _listed(session, list(session.scalars(query)))
 
 
@@ -157,10 +159,10 @@ def runs_page(
     if page < 1:
         raise InvalidInput(f"pages are numbered from 1, got {page}")
     where, order = _run_filters(q, ids, after), _run_order(sort, descending)
-    total, newest = session.execute(select(func.count(), func.max(Run.id)).where(*where)).one()
+    total, newest = session.execute(select(func.count(), func.max(RunRow.id)).where(*where)).one()
     offset = (page - 1) * per_page
     rows = session.scalars(
-        select(Run).where(*where).order_by(*order).offset(offset).limit(per_page)
+        select(RunRow).where(*where).order_by(*order).offset(offset).limit(per_page)
     )
     runs = _listed(session, list(rows))
     return {
@@ -184,8 +186,8 @@ def step_bounds(session: Session, *, run_id: int) -> tuple[int | None, int | Non
     """First and last recorded step: one statement, two index seeks."""
     first, last = session.execute(
         select(
-            select(func.min(Step.step)).where(Step.run_id == run_id).scalar_subquery(),
-            select(func.max(Step.step)).where(Step.run_id == run_id).scalar_subquery(),
+            select(func.min(StepRow.step)).where(StepRow.run_id == run_id).scalar_subquery(),
+            select(func.max(StepRow.step)).where(StepRow.run_id == run_id).scalar_subquery(),
         )
     ).one()
     return first, last
@@ -200,8 +202,8 @@ def run_version(session: Session, *, run_id: int) -> str:
     """A token that changes whenever the run's recorded data may have (every step write
     refreshes heartbeat_at and current_step); cached responses are keyed by it."""
     row = session.execute(
-        select(Run.created_at, Run.heartbeat_at, Run.current_step, Run.status).where(
-            Run.id == run_id
+        select(RunRow.created_at, RunRow.heartbeat_at, RunRow.current_step, RunRow.status).where(
+            RunRow.id == run_id
         )
     ).one_or_none()
     if row is None:
@@ -213,7 +215,7 @@ def _version_token(run_id: int, created: Any, beat: Any, step: int, status: str)
     return f"{run_id}:{created.isoformat() if created else ''}:{beat.isoformat() if beat else ''}:{step}:{status}"
 
 
-def run_overview(session: Session, *, run_id: int) -> RunOverview:
+def run_overview(session: Session, *, run_id: int) -> RunOverviewData:
     """A run, its step bounds, the names of its recorded series and its live state (its alerts
     read every step: the routes add them from their cache, see routes.api.run_alerts)."""
     run = store.get_run(session, run_id=run_id)
@@ -238,9 +240,9 @@ def run_live(session: Session, *, run_id: int) -> LiveState:
     rate = None
     if run.status == RunStatus.running and run.started_at is not None:
         recent = session.execute(
-            select(Step.step, Step.recorded_at)
-            .where(Step.run_id == run_id, Step.recorded_at >= run.started_at)
-            .order_by(Step.step.desc())
+            select(StepRow.step, StepRow.recorded_at)
+            .where(StepRow.run_id == run_id, StepRow.recorded_at >= run.started_at)
+            .order_by(StepRow.step.desc())
             .limit(RATE_WINDOW)
         ).all()
         rate = chart_data.steps_per_second([(s, t) for s, t in recent])
@@ -265,9 +267,9 @@ def run_live(session: Session, *, run_id: int) -> LiveState:
 def run_versions(session: Session, *, run_ids: Sequence[int]) -> dict[int, str]:
     """run_version of several runs in one query (missing runs are left out)."""
     rows = session.execute(
-        select(Run.id, Run.created_at, Run.heartbeat_at, Run.current_step, Run.status).where(
-            Run.id.in_(run_ids)
-        )
+        select(
+            RunRow.id, RunRow.created_at, RunRow.heartbeat_at, RunRow.current_step, RunRow.status
+        ).where(RunRow.id.in_(run_ids))
     )
     return {row[0]: _version_token(*row) for row in rows}
 

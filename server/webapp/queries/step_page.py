@@ -19,10 +19,10 @@ from rollout_lens.server.core.read_models import (
 from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.store import layout
 from rollout_lens.server.store.models import (
-    Facts,
-    Prompt,
-    Rollout,
-    Step,
+    FactsRow,
+    PromptRow,
+    RolloutRow,
+    StepRow,
 )
 from rollout_lens.server.store.serialize import completion_ids, rollout_dict, run_dict, step_dict
 from rollout_lens.server.webapp.pages import stepview
@@ -35,13 +35,13 @@ from sqlalchemy.orm import Session
 
 def _neighbours(session: Session, run_id: int, step: int) -> StepNav:
     """First, previous, next and last recorded steps around `step`: one statement of index seeks."""
-    this_run = Step.run_id == run_id
+    this_run = StepRow.run_id == run_id
     first, prev, nxt, last = session.execute(
         select(
-            select(func.min(Step.step)).where(this_run).scalar_subquery(),
-            select(func.max(Step.step)).where(this_run, Step.step < step).scalar_subquery(),
-            select(func.min(Step.step)).where(this_run, Step.step > step).scalar_subquery(),
-            select(func.max(Step.step)).where(this_run).scalar_subquery(),
+            select(func.min(StepRow.step)).where(this_run).scalar_subquery(),
+            select(func.max(StepRow.step)).where(this_run, StepRow.step < step).scalar_subquery(),
+            select(func.min(StepRow.step)).where(this_run, StepRow.step > step).scalar_subquery(),
+            select(func.max(StepRow.step)).where(this_run).scalar_subquery(),
         )
     ).one()
     return {"first": first, "prev": prev, "next": nxt, "last": last}
@@ -50,7 +50,7 @@ def _neighbours(session: Session, run_id: int, step: int) -> StepNav:
 def nearest_step(session: Session, *, run_id: int, step: int) -> int | None:
     """The recorded step closest to `step`: itself if recorded; ties go to the earlier one."""
     if (
-        session.scalar(select(Step.step).where(Step.run_id == run_id, Step.step == step))
+        session.scalar(select(StepRow.step).where(StepRow.run_id == run_id, StepRow.step == step))
         is not None
     ):
         return step
@@ -63,18 +63,18 @@ def nearest_step(session: Session, *, run_id: int, step: int) -> int | None:
 
 # The overview's rows come from these columns only: never the token arrays or the completion.
 SCALARS = (
-    Rollout.group,
-    Rollout.index,
-    Rollout.vote,
-    Rollout.target,
-    Rollout.verifier_reward,
-    Rollout.true_score,
-    Rollout.advantage,
-    Rollout.sum_logprob,
-    Rollout.format_valid,
-    Rollout.format_state,
-    Rollout.prompt_id,
-    Rollout.facts_id,
+    RolloutRow.group,
+    RolloutRow.index,
+    RolloutRow.vote,
+    RolloutRow.target,
+    RolloutRow.verifier_reward,
+    RolloutRow.true_score,
+    RolloutRow.advantage,
+    RolloutRow.sum_logprob,
+    RolloutRow.format_valid,
+    RolloutRow.format_state,
+    RolloutRow.prompt_id,
+    RolloutRow.facts_id,
 )
 SCALAR_KEYS = (
     "group",
@@ -118,11 +118,11 @@ def disagrees_sql(verifier_reward: Any, true_score: Any) -> Any:
     )
 
 
-def step_head(session: Session, *, run_id: int, step: int) -> tuple[Step, StepHead]:
+def step_head(session: Session, *, run_id: int, step: int) -> tuple[StepRow, StepHead]:
     """A recorded step's row and what every view of it shows: run, step columns, metrics,
     neighbours, whether retention kept its token data (and the nearest step that kept it)."""
     run = store.get_run(session, run_id=run_id)
-    row = session.scalar(select(Step).where(Step.run_id == run_id, Step.step == step))
+    row = session.scalar(select(StepRow).where(StepRow.run_id == run_id, StepRow.step == step))
     if row is None:
         raise StepNotFound(
             run_id=run_id, step=step, nearest=nearest_step(session, run_id=run_id, step=step)
@@ -143,10 +143,10 @@ def _scalar_rows(
     session: Session, *, run_id: int, rollout_step: int, group: int | None = None
 ) -> list[dict[str, Any]]:
     """The scalar columns of a step's rollouts (or one group's), in group and index order."""
-    query = select(*SCALARS).where(Rollout.run_id == run_id, Rollout.step == rollout_step)
+    query = select(*SCALARS).where(RolloutRow.run_id == run_id, RolloutRow.step == rollout_step)
     if group is not None:
-        query = query.where(Rollout.group == group)
-    rows = session.execute(query.order_by(Rollout.group, Rollout.index))
+        query = query.where(RolloutRow.group == group)
+    rows = session.execute(query.order_by(RolloutRow.group, RolloutRow.index))
     return [dict(zip(SCALAR_KEYS, row, strict=True)) for row in rows]
 
 
@@ -162,8 +162,8 @@ def _labels(session: Session, rows: list[dict[str, Any]]) -> dict[int, str]:
     for start in range(0, len(prompt_ids), 500):  # bounded IN lists
         chunk = prompt_ids[start : start + 500]
         found = session.execute(
-            select(Prompt.id, func.substr(Prompt.text, 1, stepview.PROMPT_READ)).where(
-                Prompt.id.in_(chunk)
+            select(PromptRow.id, func.substr(PromptRow.text, 1, stepview.PROMPT_READ)).where(
+                PromptRow.id.in_(chunk)
             )
         )
         heads.update({prompt_id: head or "" for prompt_id, head in found})
@@ -172,10 +172,10 @@ def _labels(session: Session, rows: list[dict[str, Any]]) -> dict[int, str]:
         chunk = facts_ids[start : start + 500]
         found = session.execute(
             select(
-                Facts.id,
-                func.substr(Facts.data["query"].as_string(), 1, QUERY_CHARS),
-                func.substr(Facts.data[("row", "query")].as_string(), 1, QUERY_CHARS),
-            ).where(Facts.id.in_(chunk))
+                FactsRow.id,
+                func.substr(FactsRow.data["query"].as_string(), 1, QUERY_CHARS),
+                func.substr(FactsRow.data[("row", "query")].as_string(), 1, QUERY_CHARS),
+            ).where(FactsRow.id.in_(chunk))
         )
         queries.update({i: q or r for i, q, r in found if q or r})
     by_prompt = stepview.prompt_labels(heads)
@@ -227,21 +227,25 @@ def step_groups(
 
 def _group_neighbours(session: Session, *, run_id: int, rollout_step: int, group: int) -> GroupNav:
     """First, previous, next and last group around `group` at a step, and how many it has."""
-    here = [Rollout.run_id == run_id, Rollout.step == rollout_step]
+    here = [RolloutRow.run_id == run_id, RolloutRow.step == rollout_step]
     first, prev, nxt, last, count = session.execute(
         select(
-            select(func.min(Rollout.group)).where(*here).scalar_subquery(),
-            select(func.max(Rollout.group)).where(*here, Rollout.group < group).scalar_subquery(),
-            select(func.min(Rollout.group)).where(*here, Rollout.group > group).scalar_subquery(),
-            select(func.max(Rollout.group)).where(*here).scalar_subquery(),
-            select(func.count(distinct(Rollout.group))).where(*here).scalar_subquery(),
+            select(func.min(RolloutRow.group)).where(*here).scalar_subquery(),
+            select(func.max(RolloutRow.group))
+            .where(*here, RolloutRow.group < group)
+            .scalar_subquery(),
+            select(func.min(RolloutRow.group))
+            .where(*here, RolloutRow.group > group)
+            .scalar_subquery(),
+            select(func.max(RolloutRow.group)).where(*here).scalar_subquery(),
+            select(func.count(distinct(RolloutRow.group))).where(*here).scalar_subquery(),
         )
     ).one()
     return {"first": first, "prev": prev, "next": nxt, "last": last, "count": count}
 
 
 def _token_texts(
-    session: Session, *, run_id: int, rollouts: list[Rollout], limit: int | None
+    session: Session, *, run_id: int, rollouts: list[RolloutRow], limit: int | None
 ) -> dict[int, str]:
     """The texts of the token ids serialize.rollout_dict needs for these rollouts: every id of
     a rollout whose text is rebuilt from its ids, else those of its first `limit` positions (all
@@ -255,13 +259,15 @@ def _token_texts(
 
 def has_group(session: Session, *, run_id: int, step: int, group: int) -> bool:
     """Whether the update at `step` trained on rollouts of `group` (False for a missing step)."""
-    rollout_step = select(Step.rollout_step).where(Step.run_id == run_id, Step.step == step)
+    rollout_step = select(StepRow.rollout_step).where(
+        StepRow.run_id == run_id, StepRow.step == step
+    )
     found = session.scalar(
-        select(Rollout.id)
+        select(RolloutRow.id)
         .where(
-            Rollout.run_id == run_id,
-            Rollout.step == rollout_step.scalar_subquery(),
-            Rollout.group == group,
+            RolloutRow.run_id == run_id,
+            RolloutRow.step == rollout_step.scalar_subquery(),
+            RolloutRow.group == group,
         )
         .limit(1)
     )
@@ -293,10 +299,14 @@ def group_detail(
         budget = stepview.page_token_limit(shown)
         max_tokens = budget if max_tokens is None else min(max_tokens, budget)
     query = (
-        select(Rollout, Prompt.text)
-        .join(Prompt, Prompt.id == Rollout.prompt_id)
-        .where(Rollout.run_id == run_id, Rollout.step == row.rollout_step, Rollout.group == group)
-        .order_by(Rollout.index)
+        select(RolloutRow, PromptRow.text)
+        .join(PromptRow, PromptRow.id == RolloutRow.prompt_id)
+        .where(
+            RolloutRow.run_id == run_id,
+            RolloutRow.step == row.rollout_step,
+            RolloutRow.group == group,
+        )
+        .order_by(RolloutRow.index)
         .offset(offset)
     )
     if limit is not None:
@@ -353,11 +363,11 @@ def step_card(
 
 def nearest_kept_step(session: Session, *, run_id: int, step: int) -> int | None:
     """The step nearest `step` whose token-level data retention kept (ties: the earlier)."""
-    kept = [Step.run_id == run_id, Step.tokens_kept.is_(True)]
+    kept = [StepRow.run_id == run_id, StepRow.tokens_kept.is_(True)]
     row = session.execute(
         select(
-            select(func.max(Step.step)).where(*kept, Step.step < step).scalar_subquery(),
-            select(func.min(Step.step)).where(*kept, Step.step > step).scalar_subquery(),
+            select(func.max(StepRow.step)).where(*kept, StepRow.step < step).scalar_subquery(),
+            select(func.min(StepRow.step)).where(*kept, StepRow.step > step).scalar_subquery(),
         )
     ).one()
     below: int | None = row[0]
