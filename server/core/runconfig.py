@@ -46,7 +46,11 @@ MULTI_TURN_TOKENS = 128  # a multi-turn run's budget on the tiny model when none
 PRETRAINED = "pretrained"  # any model but the tiny ones
 TINY_DEFAULTS: dict[str, dict[str, Any]] = {
     "single": {"max_completion_tokens": 8, "learning_rate": 3e-4, "sft_learning_rate": 1e-3},
-    "multi": {"max_completion_tokens": 128, "learning_rate": 3e-4, "sft_learning_rate": 1e-3},
+    "multi": {
+        "max_completion_tokens": MULTI_TURN_TOKENS,
+        "learning_rate": 3e-4,
+        "sft_learning_rate": 1e-3,
+    },
 }
 PRETRAINED_DEFAULTS: dict[str, dict[str, Any]] = {
     "single": {"max_completion_tokens": 32, "learning_rate": 1e-5, "sft_learning_rate": 1e-5},

@@ -13,7 +13,7 @@ from typing import Any
 from rollout_lens.server.core import vocab
 from rollout_lens.trainer.recorder.tags import Marks, single_token_marks
 
-PROBES = tuple(vocab.POSITIONAL_PROBES)  # control-token probes, computed by control_probes
+PROBES = tuple(vocab.POSITIONAL_PROBES)  # control-token probes, computed by probes_at
 ID_PROBES = tuple(vocab.ID_PROBES)  # at the id position, computed by id_probes
 
 

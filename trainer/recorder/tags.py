@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 from rollout_lens.server.core import tokentext
+from rollout_lens.trainer.recorder.structure import ESCALATION_TAGS
 
 # The common tool-call formats, tried in this order when the run names none and the chat
 # template declares none: Qwen/Hermes-style, then the Escalation task's reply format.
-COMMON_TAGS = (("<tool_call>", "</tool_call>"), ("<tool>", "</tool>"))
+COMMON_TAGS = (("<tool_call>", "</tool_call>"), ESCALATION_TAGS)
 _TEMPLATE_TAG = re.compile(r"<(tool_call|function_call|functioncall|tool)>")
 
 
@@ -108,7 +109,7 @@ def _decoder_kinds(tokenizer: Any) -> set[str]:
     if decoder is None:
         return set()
     text = repr(decoder)
-    return {k for k in ("ByteLevel", "Metaspace", "ByteFallback", "Replace") if k in text}
+    return {k for k in ("ByteLevel", "Metaspace", "Replace") if k in text}
 
 
 class TokenBytes:
