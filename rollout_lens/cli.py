@@ -219,8 +219,26 @@ def _db_current(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def train_extra_missing(doing: str, *, extras: str = "train") -> str | None:
+    """What to install, where `doing` needs the ML stack and this install lacks it (a
+    dashboard-only install); None where it is here."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers", "trl") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (
+        f"{doing} needs {', '.join(missing)}: pip install 'rollout-lens[{extras}]'"
+        " (the dashboard alone does not)"
+    )
+
+
 def _train(args: argparse.Namespace, settings: Settings) -> int:
     from rollout_lens.trainer.worker.modelref import ModelUnavailable, check_model
+
+    problem = train_extra_missing("training")
+    if problem:  # before the database is made
+        return _fail(problem)
 
     try:
         config = RunConfig(**config_values(args, RunConfig))
@@ -487,6 +505,11 @@ def _build_model(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _build_real(source: Path | None, settings: Settings) -> int:
+    # The ML stack first: naming the GGUF file's package alone would send a dashboard-only
+    # install to a second error after it.
+    problem = train_extra_missing("converting a model", extras="train,real")
+    if problem:
+        return _fail(problem)
     try:
         from rollout_lens.trainer.builders import pretrained
     except ImportError as exc:  # no torch/transformers: the train extra is missing

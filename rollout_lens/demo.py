@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import multiprocessing
 import os
 import signal
@@ -60,15 +59,12 @@ def add_parser(sub: Any) -> None:
 
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     """Train both runs (printing progress), print the compare URL, then serve unless told not to."""
-    from rollout_lens.cli import port_problem, serve_dashboard
+    from rollout_lens.cli import port_problem, serve_dashboard, train_extra_missing
 
     configs = demo_configs(args.steps)
-    missing = [m for m in ("torch", "transformers", "trl") if importlib.util.find_spec(m) is None]
+    missing = train_extra_missing("the demo trains, which")
     if missing:
-        raise RolloutLensError(
-            f"the demo trains, which needs {', '.join(missing)}: "
-            "pip install 'rollout-lens[train]' (the dashboard alone does not)"
-        )
+        raise RolloutLensError(missing)
     problem = None if args.no_serve else port_problem(args.host, args.port)
     if problem:  # now, not after a model build and two trainings
         raise RolloutLensError(problem)

@@ -7,13 +7,13 @@ database whose rows are deleted, and sequences restarted, before each test.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -28,71 +28,66 @@ PG_URL = os.environ.get(
     "ROLLOUT_LENS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
 
-# What needs the train extra (torch, transformers, TRL) is marked `trains`, so that the dashboard's
-# tests run where only the dashboard is installed (`make test` checks that in a venv of its own,
-# with `-m "not slow and not trains"`): the tests taking one of these fixtures (the tiny models,
-# a user's model) ...
-TRAINER_FIXTURES = frozenset(
-    {
-        "tiny_model_dir",
-        "multiturn_model_dir",
-        "real_model_dir",
-        "user_model_dir",
-        "train_settings",
-        "multiturn_settings",
-    }
-)
-# ... and every test of these modules, which import the ML stack at their top: without it they
-# cannot even be collected, so they are left out there (the header says so).
-TRAINER_MODULES = frozenset(
-    {
-        "test_callback.py",
-        "test_multiturn_callback.py",
-        "test_multiturn_grpo.py",
-        "test_multiturn_model.py",  # its module fixture trains a tokenizer (tokenizers)
-        "test_outbox.py",  # the trainer's writer; one test reuses test_callback's helpers
-        "test_supervision.py",
-        "test_trainer.py",
-    }
-)
-ML_STACK = ("torch", "transformers", "trl", "datasets", "accelerate", "tokenizers")
-
-
-def _imports_the_ml_stack(path: Path) -> bool:
-    """Whether a test module imports the ML stack at its top (found, not listed by hand: a new
-    module cannot slip through)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    for node in tree.body:
-        names = (
-            [a.name for a in node.names]
-            if isinstance(node, ast.Import)
-            else [node.module or ""]
-            if isinstance(node, ast.ImportFrom)
-            else []
-        )
-        if any(n.split(".")[0] in ML_STACK for n in names):
-            return True
-    return False
-
-
-TRAINER_MODULES = TRAINER_MODULES | {
-    p.name for p in Path(__file__).parent.glob("test_*.py") if _imports_the_ml_stack(p)
+TESTS = Path(__file__).resolve().parent
+# A test's layer is the folder it lives in (README, "Tests"): what it needs and what runs it follow
+# from that alone. `make check` runs unit, store and web; `make test` every layer but release;
+# `make release-test` release; the dashboard-only venv runs slim.
+LAYERS = {
+    "unit": "pure code: no database, no server, no model",
+    "store": "the store, the exchange and the queries, on SQLite and on PostgreSQL",
+    "web": "the dashboard in process or under uvicorn, the CLI and the client, on SQLite",
+    "browser": "the pages in Debian's Chromium",
+    "trainer": "real training of the tiny and the real models through TRL",
+    "e2e": "several processes: Celery workers, Redis, faults, load",
+    "release": "fresh venvs, the built wheel, other TRL versions, the real model, the benches",
+    "slim": "the dashboard where the train extra is not installed",
 }
+# PostgreSQL where the store, the exchange and the queries are tested; SQLite elsewhere.
+BOTH_DATABASES = frozenset({"store"})
+ML_STACK = ("torch", "transformers", "trl", "datasets", "accelerate", "tokenizers")
 TRAIN_EXTRA = importlib.util.find_spec("torch") is not None
-collect_ignore = [] if TRAIN_EXTRA else sorted(TRAINER_MODULES)
+# Without the train extra (the dashboard-only venv) only the slim layer can even be collected.
+collect_ignore = [] if TRAIN_EXTRA else sorted(set(LAYERS) - {"slim"})
+
+
+def layer_of(path: Path) -> str:
+    """The layer of a test module: the first folder under tests/."""
+    parts = path.resolve().relative_to(TESTS).parts
+    if len(parts) < 2 or parts[0] not in LAYERS:
+        raise pytest.UsageError(
+            f"tests/{'/'.join(parts)}: a test module lives in one of the layers' folders,"
+            f" tests/{{{','.join(LAYERS)}}}/ (README, Tests)"
+        )
+    return parts[0]
 
 
 def pytest_report_header() -> str | None:
     if TRAIN_EXTRA:
         return None
-    return f"train extra absent (no torch): not collected: {', '.join(collect_ignore)}"
+    return "train extra absent (no torch): only tests/slim is collected"
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures' own params are applied
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # The `engine` fixture's two databases, in the store layer only: elsewhere a parametrize mark
+    # (run before the fixtures' own params) names SQLite alone. A test that names them keeps them.
+    named = {
+        name.strip()
+        for mark in metafunc.definition.iter_markers("parametrize")
+        for name in (mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0])
+    }
+    if (
+        "engine" in metafunc.fixturenames
+        and "engine" not in named
+        and layer_of(metafunc.definition.path) not in BOTH_DATABASES
+    ):
+        metafunc.definition.add_marker(pytest.mark.parametrize("engine", ["sqlite"], indirect=True))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if item.path.name in TRAINER_MODULES or fixtures & TRAINER_FIXTURES:
-            item.add_marker(pytest.mark.trains)
+        if layer_of(item.path) == "browser":
+            item.add_marker(pytest.mark.browser)
 
 
 @pytest.fixture(scope="session")
@@ -281,3 +276,12 @@ def multiturn_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
     return ensure_multiturn(Path(cache) if cache else tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    """One headless Chromium per test process (each pytest-xdist worker), started when a test
+    first asks for it: each test opens contexts of its own on it."""
+    from tests.web_support import chromium_browser
+
+    yield from chromium_browser()

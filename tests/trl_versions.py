@@ -6,7 +6,9 @@ older tokenizers, huggingface_hub and datasets), listed in PINS as what differs 
 constraints.txt. Each venv gets torch==2.13.0 first (a bare torch would pull a CUDA build), then
 TRL with its pins, then this project in editable mode with its train extra, so the code under test is
 the checkout's. Venvs are cached by version under ROLLOUT_LENS_TEST_VENVS (or the given base),
-keyed by the checkout, its pyproject.toml, constraints.txt and the pins.
+keyed by the checkout, its pyproject.toml, constraints.txt and the pins. Where the tests' own
+venv already holds a version as constraints.txt pins it (make test's venv holds the newest), that
+venv is used.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def venv_with_trl(version: str, base: Path) -> Path:
     """A venv with torch 2.13.0, TRL `version` and its pins and this project; returns its folder."""
     if version not in PINS:
         raise ValueError(f"no pins for trl {version}; known: {', '.join(PINS)}")
+    if _this_venv_has(version):
+        return Path(sys.prefix)
     key = _cache_key(version)
     folder = venvs_dir(base) / f"trl-{version}"
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -74,14 +78,33 @@ def venv_with_trl(version: str, base: Path) -> Path:
     return folder
 
 
+def _this_venv_has(version: str) -> bool:
+    """Whether the tests' own venv is that venv already: TRL `version` under constraints.txt as it
+    is (no pins of its own) and this checkout installed in it (make test builds it so, from the
+    project's files). Then the newest end is tested there, not in a copy built for it (minutes)."""
+    from importlib import metadata
+
+    if PINS[version] or sys.prefix == sys.base_prefix:
+        return False
+    try:
+        if metadata.version("trl") != version or not metadata.version("torch").startswith("2.13.0"):
+            return False
+    except metadata.PackageNotFoundError:
+        return False
+    import rollout_lens
+
+    return Path(rollout_lens.__file__).resolve().is_relative_to(ROOT)
+
+
 def python(venv: Path) -> Path:
     """The venv's interpreter."""
     return venv / "bin" / "python"
 
 
 def build_seconds(venv: Path) -> float:
-    """How long the venv took to build."""
-    return float(json.loads((venv / READY).read_text())["build_seconds"])
+    """How long the venv took to build (0 for the tests' own venv, built before them)."""
+    ready = venv / READY
+    return float(json.loads(ready.read_text())["build_seconds"]) if ready.exists() else 0.0
 
 
 def constraints(version: str) -> str:

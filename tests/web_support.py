@@ -46,7 +46,7 @@ def client_for(factory: sessionmaker[Session], **settings: Any) -> TestClient:
     with further settings (e.g. data_dir, where the embedded broker keeps its messages).
 
     It talks to the app as the dashboard's own pages do: on a loopback host name, with the
-    CSRF cookie and the X-CSRF-Token header its scripts send (tests/test_security.py checks
+    CSRF cookie and the X-CSRF-Token header its scripts send (tests/web/test_security.py checks
     what happens without them)."""
     url = factory.kw["bind"].url.render_as_string(hide_password=False)
     app = create_app(Settings(database_url=url, **settings), session_factory=factory)

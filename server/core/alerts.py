@@ -333,7 +333,7 @@ class Watch:
     """The rules applied as steps arrive: the last CONTEXT inputs of each series, evaluated
     with the same functions as a whole history (`evaluate`), keeping the alerts of the newest
     step. Equal to evaluating the whole history whenever each rule's window fits in CONTEXT
-    entries of its series (tests/test_alerts.py checks it on recorded runs)."""
+    entries of its series (tests/unit/test_alerts.py checks it on recorded runs)."""
 
     def __init__(self, thresholds: AlertThresholds | None = None) -> None:
         t = self.thresholds = thresholds or AlertThresholds()
