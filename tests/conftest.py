@@ -13,7 +13,6 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -276,12 +275,3 @@ def multiturn_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
     return ensure_multiturn(Path(cache) if cache else tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="session")
-def browser() -> Iterator[Any]:
-    """One headless Chromium per test process (each pytest-xdist worker), started when a test
-    first asks for it: each test opens contexts of its own on it."""
-    from tests.web_support import chromium_browser
-
-    yield from chromium_browser()

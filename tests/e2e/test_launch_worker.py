@@ -150,6 +150,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     engine.dispose()
 
 
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    yield from web_support.chromium_browser()
+
+
 @pytest.fixture
 def page(browser: Any, stack: Stack) -> Iterator[Any]:
     context = browser.new_context(viewport={"width": 1440, "height": 900}, base_url=stack.url)

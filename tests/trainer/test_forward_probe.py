@@ -240,9 +240,7 @@ def test_continuous_batching_with_generates_reading_records_no_numbers(
 
 
 @pytest.mark.browser
-def test_continuous_batching_run_page_and_step_viewer(
-    cb_run: SimpleNamespace, browser: Any
-) -> None:
+def test_continuous_batching_run_page_and_step_viewer(cb_run: SimpleNamespace) -> None:
     """The run's page says where its numbers were read; the step viewer shows each rollout's
     control-token row and Σ logprob from them (Chromium)."""
     from rollout_lens.server.core.config import Settings
@@ -251,12 +249,14 @@ def test_continuous_batching_run_page_and_step_viewer(
     from rollout_lens.server.webapp.app import create_app
     from rollout_lens.server.webapp.pages.stepview import prob_text
 
-    from tests.web_support import serve_app
+    from tests.web_support import chromium_browser, serve_app
 
     engine = make_engine(cb_run.url)
     app = create_app(
         Settings(database_url=cb_run.url), session_factory=make_session_factory(engine)
     )
+    browsers = chromium_browser()
+    browser = next(browsers)
     try:
         with serve_app(app) as base:
             page = browser.new_page()
@@ -281,6 +281,7 @@ def test_continuous_batching_run_page_and_step_viewer(
             assert float(shown) == pytest.approx(sum(first["logprobs"]), abs=0.006)
             page.close()
     finally:
+        browsers.close()
         engine.dispose()
 
 
