@@ -12,8 +12,12 @@ rollout's keys.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NotRequired
 
+import numpy as np
+from rollout_lens.server.core.records import ControlProbs, Floats, Ids
 from typing_extensions import TypedDict
 
 
@@ -52,6 +56,106 @@ class RolloutWindow(RolloutData, total=False):
 
 
 ROLLOUT_KEYS: tuple[str, ...] = tuple(RolloutData.__annotations__)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutView:
+    """One stored rollout as the read side returns it (serialize.read_rollout): the step
+    entity's per-token data decoded into arrays — ids (int64), logprobs (float64, none when not
+    measured or retention dropped them) and control-token probabilities (records.ControlProbs,
+    [position × token]) — cut to a page's first positions when read as a window. The step
+    viewer renders it as it is; `data()` is its JSON (RolloutData, the export's and the API's
+    keys, in their order)."""
+
+    run_id: int
+    step: int
+    group: int
+    index: int
+    prompt: str
+    completion: str
+    completion_ids: Ids
+    tokens: list[str] | None  # each id's text as decoded (tokentext), when every id has a piece
+    token_pieces: list[str] | None  # each id's raw piece ('Ġcan')
+    tokens_kept: bool  # False: retention dropped the logprobs and control-token probabilities
+    vote: str | None
+    target: str | None
+    verifier_reward: float
+    true_score: float | None
+    advantage: float
+    sum_logprob: float | None  # the stored sum, from full precision
+    format_valid: bool | None
+    format_state: str | None
+    token_logprobs: Floats
+    control_token_probs: ControlProbs
+    meta: dict[str, Any]
+    tokens_total: int  # positions the rollout has in all (more than the arrays hold: a window)
+    window: bool  # read cut to a page's first positions: its JSON says tokens_total
+
+    def data(self) -> RolloutWindow:
+        """The rollout as JSON-ready lists (RolloutData; tokens_total too for a window)."""
+        out: RolloutWindow = {
+            "run_id": self.run_id,
+            "step": self.step,
+            "group": self.group,
+            "index": self.index,
+            "prompt": self.prompt,
+            "completion": self.completion,
+            "completion_ids": self.completion_ids.tolist(),
+            "tokens": self.tokens,
+            "token_pieces": self.token_pieces,
+            "tokens_kept": self.tokens_kept,
+            "vote": self.vote,
+            "target": self.target,
+            "verifier_reward": self.verifier_reward,
+            "true_score": self.true_score,
+            "advantage": self.advantage,
+            "sum_logprob": self.sum_logprob,
+            "format_valid": self.format_valid,
+            "format_state": self.format_state,
+            "token_logprobs": self.token_logprobs.tolist(),
+            "control_token_probs": control_lists(self.control_token_probs),
+            "meta": self.meta,
+        }
+        if self.window:
+            out["tokens_total"] = self.tokens_total
+        return out
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> RolloutView:
+        """A rollout's JSON (RolloutData, as the API sends it) as the typed view; a key it
+        lacks reads as nothing recorded (0, None, empty)."""
+        ids = np.asarray(data.get("completion_ids") or [], dtype=np.int64)
+        control = data.get("control_token_probs") or {}
+        return cls(
+            run_id=int(data.get("run_id", 0)),
+            step=int(data.get("step", 0)),
+            group=int(data.get("group", 0)),
+            index=int(data.get("index", 0)),
+            prompt=str(data.get("prompt", "")),
+            completion=str(data.get("completion", "")),
+            completion_ids=ids,
+            tokens=data.get("tokens"),
+            token_pieces=data.get("token_pieces"),
+            tokens_kept=bool(data.get("tokens_kept", True)),
+            vote=data.get("vote"),
+            target=data.get("target"),
+            verifier_reward=float(data.get("verifier_reward", 0.0)),
+            true_score=data.get("true_score"),
+            advantage=float(data.get("advantage", 0.0)),
+            sum_logprob=data.get("sum_logprob"),
+            format_valid=data.get("format_valid"),
+            format_state=data.get("format_state"),
+            token_logprobs=np.asarray(data.get("token_logprobs") or [], dtype=np.float64),
+            control_token_probs=ControlProbs.of(control, len(ids)),
+            meta=dict(data.get("meta") or {}),
+            tokens_total=int(data.get("tokens_total", len(ids))),
+            window="tokens_total" in data,
+        )
+
+
+def control_lists(control: ControlProbs) -> dict[str, list[float]]:
+    """Control-token probabilities as JSON: token → its probability at each position."""
+    return {token: control.array[:, k].tolist() for k, token in enumerate(control.tokens)}
 
 
 # --- the run card and its live state ------------------------------------------------------------
@@ -186,15 +290,37 @@ class StepGroups(StepHead):
     groups: list[dict[str, Any]]  # stepview.group_summary rows
 
 
+class GroupHeader(TypedDict):
+    """What a group's rollouts say about the group (stepview.group_header): prompt, query,
+    target, vote histograms, agreement, correct count, supervision."""
+
+    group: int
+    prompt: str
+    query: Any
+    target: str | None
+    target_listed: Any
+    hint: str | None
+    hint_shown_to: list[int]
+    tool_count: int
+    votes: list[dict[str, Any]]
+    vote_kind: str | None
+    first_calls: list[dict[str, Any]]
+    answers: list[dict[str, Any]]
+    agree: int
+    size: int
+    correct: int
+    supervised: dict[str, int]
+
+
 class GroupDetail(StepHead):
     """One group of a step with a page of its rollouts (queries.group_detail)."""
 
     group_nav: GroupNav
     summary: dict[str, Any]  # stepview.group_summary
-    header: dict[str, Any] | None  # stepview.group_header: prompt, query, target, votes
+    header: GroupHeader | None
     rollouts_total: int
     offset: int
-    rollouts: list[RolloutWindow]
+    rollouts: list[RolloutView]
 
 
 class MissingGroupCard(StepHead):
@@ -203,7 +329,7 @@ class MissingGroupCard(StepHead):
     group_nav: GroupNav
     header: None
     asked_group: int
-    rollouts: list[RolloutWindow]  # none
+    rollouts: list[RolloutView]  # none
     rollouts_total: int
 
 

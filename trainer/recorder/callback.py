@@ -415,7 +415,7 @@ class RolloutLensCallback(TrainerCallback):
                 truncated=truncated,
             )
         )
-        # [n × k] arrays from the forward probe, rows by token from generate's: one orientation
+        # [n × k] arrays from either probe (the one orientation); a list of rows by token as before
         control_probs = ControlProbs.of(r["control"], len(ids), self.control_tokens)
         # positional reads any indexable of floats: the columns of the array, as they are
         by_token = cast(Mapping[str, Sequence[float]], control_probs)

@@ -8,7 +8,7 @@ Each page's `page` dict is the one way data reaches a script: base.html writes i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlencode
 
 from pydantic import ValidationError
@@ -165,22 +165,12 @@ def run_page(overview: RunOverviewData, url: Url, *, full: bool, notice: str) ->
     }
 
 
-def group_view(detail: GroupDetail) -> dict[str, Any] | None:
-    """A group_detail's rollouts as the viewer shows them (stepview.group_views), each with its
-    token cells and control-token rows within the page's token budget; None for no rollouts."""
+def group_view(detail: GroupDetail) -> stepview.GroupView | None:
+    """A group_detail's rollouts as the viewer shows them (stepview.group_views: each with its
+    token cells and control-token rows within the page's token budget); None for no rollouts."""
     if not detail["rollouts"]:
         return None
-    (shown,) = stepview.group_views(cast(list[dict[str, Any]], detail["rollouts"]))
-    limit = stepview.page_token_limit(len(shown["rollouts"]))
-    for rollout in shown["rollouts"]:
-        rollout["cells"] = stepview.token_cells(rollout, limit)
-        # A tool-calling rollout's turns each show their own positions' table rows.
-        turns = rollout.get("sampled") is not None
-        table = limit if turns else min(limit, stepview.TABLE_TOKENS)
-        rollout["control_rows"] = stepview.control_rows(rollout, table)
-        rollout["turn_views"] = stepview.turn_views(
-            rollout, rollout["cells"], rollout["control_rows"]
-        )
+    (shown,) = stepview.group_views(detail["rollouts"])
     return shown
 
 
@@ -190,7 +180,7 @@ class StepPageContext(TypedDict):
     detail: StepGroups | GroupDetail  # the step as shown: its groups, or its only group
     step_groups: StepGroups  # the groups overview
     run: RunData
-    group: dict[str, Any] | None  # group_view of the only group shown whole
+    group: stepview.GroupView | None  # group_view of the only group shown whole
     group_index: int | None
     overview: bool  # the groups overview is shown (not one group)
     disagree_reward: float
@@ -295,7 +285,7 @@ class GroupPageContext(TypedDict):
 
     detail: GroupDetail
     run: RunData
-    group: dict[str, Any] | None  # group_view: the rollouts as the viewer shows them
+    group: stepview.GroupView | None  # group_view: the rollouts as the viewer shows them
     group_index: int
     summary: dict[str, Any]
     gnav: GroupNav
@@ -327,14 +317,14 @@ def group_json(detail: GroupDetail, url: Url, *, limit: int, max_tokens: int) ->
     cut = max(JSON_TEXT_CHARS, JSON_TEXT_BUDGET // max(limit, 1))
     rollouts = [
         {
-            **r,
-            "completion": r["completion"][:cut],
-            "completion_chars": len(r["completion"]),
-            "prompt": r["prompt"][:cut],
-            "prompt_chars": len(r["prompt"]),
-            "disagree": disagrees(r["verifier_reward"], r["true_score"]),
+            **r.data(),
+            "completion": r.completion[:cut],
+            "completion_chars": len(r.completion),
+            "prompt": r.prompt[:cut],
+            "prompt_chars": len(r.prompt),
+            "disagree": disagrees(r.verifier_reward, r.true_score),
             # a tool-calling rollout's positions the model sampled (None: every one)
-            "sampled": stepview.sampled_positions(r["meta"] or {}, len(r["completion_ids"])),
+            "sampled": stepview.sampled_positions(r.meta, len(r.completion_ids)),
         }
         for r in detail["rollouts"]
     ]
@@ -347,6 +337,19 @@ def group_json(detail: GroupDetail, url: Url, *, limit: int, max_tokens: int) ->
         if end < detail["rollouts_total"]
         else None,
     }
+
+
+def compare_json(data: CompareData) -> dict[str, Any]:
+    """Compare's JSON twin: queries.compare with the side-by-side rollouts as their JSON
+    (RolloutView.data)."""
+    sides = [
+        side
+        if side["detail"] is None
+        else side
+        | {"detail": side["detail"] | {"rollouts": [r.data() for r in side["detail"]["rollouts"]]}}
+        for side in data["side_by_side"]
+    ]
+    return {**data, "side_by_side": sides}
 
 
 class ComparePageContext(TypedDict):

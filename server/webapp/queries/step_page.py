@@ -4,7 +4,7 @@ nearest step whose token data retention kept."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import GroupNotFound, InvalidInput, NotFound, StepNotFound
@@ -24,7 +24,7 @@ from rollout_lens.server.store.models import (
     RolloutRow,
     StepRow,
 )
-from rollout_lens.server.store.serialize import completion_ids, rollout_dict, run_dict, step_dict
+from rollout_lens.server.store.serialize import completion_ids, read_rollout, run_dict, step_dict
 from rollout_lens.server.webapp.pages import stepview
 from rollout_lens.server.webapp.queries.runs import step_bounds
 from sqlalchemy import and_, distinct, func, or_, select
@@ -287,7 +287,7 @@ def group_detail(
 ) -> GroupDetail:
     """One group of a step: its overview row, its header (stepview.group_header), its neighbours,
     and its rollouts from `offset` (at most `limit`) with their arrays decoded by
-    serialize.rollout_dict, cut to `max_tokens` positions (with `page_budget`, to no more than
+    serialize.read_rollout (typed views), cut to `max_tokens` positions (with `page_budget`, to no more than
     a page shows of each: stepview.page_token_limit). GroupNotFound when the step has no such
     group."""
     row, head = step_head(session, run_id=run_id, step=step)
@@ -317,7 +317,7 @@ def group_detail(
     texts = _token_texts(
         session, run_id=run_id, rollouts=[r for r, _ in rollouts], limit=max_tokens
     )
-    dicts = [rollout_dict(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
+    views = [read_rollout(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
     return {
         **head,
         "tokens_kept": head["tokens_kept"] and all(r.tokens_kept for r, _ in rollouts),
@@ -325,11 +325,10 @@ def group_detail(
             session, run_id=run_id, rollout_step=row.rollout_step, group=group
         ),
         "summary": stepview.group_summary(scalars, ""),
-        # viewer reads the rollouts as plain mappings (RolloutData is one)
-        "header": stepview.group_header(cast(list[dict[str, Any]], dicts)) if dicts else None,
+        "header": stepview.group_header(views) if views else None,
         "rollouts_total": len(scalars),
         "offset": offset,
-        "rollouts": dicts,
+        "rollouts": views,
     }
 
 
