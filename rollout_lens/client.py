@@ -21,7 +21,7 @@ import httpx
 
 from rollout_lens.server.core import read_models
 
-# The keys of a rollout (server.core.read_models.RolloutData, what serialize.rollout_dict builds);
+# The keys of a rollout (server.core.read_models.Rollout, what serialize.rollout_dict builds);
 # the step viewer's API adds view fields, which step_rollouts leaves out.
 ROLLOUT_KEYS = read_models.ROLLOUT_KEYS
 

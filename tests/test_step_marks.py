@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from rollout_lens.server.core.read_models import RolloutView
+from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.webapp.pages import stepview
 
 from tests.factories import make_multiturn_group

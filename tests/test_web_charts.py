@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from rollout_lens.server.core.display import fmt_num
-from rollout_lens.server.core.read_models import RolloutView
+from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.webapp.http.templating import token_text, visible_text
 from rollout_lens.server.webapp.pages import chart_data, plotly_figures, stepview
 

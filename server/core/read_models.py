@@ -12,150 +12,59 @@ rollout's keys.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, NotRequired
 
-import numpy as np
-from rollout_lens.server.core.records import ControlProbs, Floats, Ids
+from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 
-class RolloutData(TypedDict):
-    """One rollout with its per-token arrays decoded (serialize.rollout_dict): what the JSONL
-    export writes and the step API sends (the viewer adds its own view fields beside these)."""
+class Rollout(BaseModel):
+    """One rollout as it leaves the store: the one description of its fields, in the order its
+    JSON has them. The read side's typed view (RolloutView) holds these fields (its per-token
+    ones as arrays) and its `data()` is this JSON; the export's records
+    (server.exchange.schema.RolloutLine) and the API's models (server.webapp.http.api_models)
+    are derived from it, the Python client names a rollout's keys by it (ROLLOUT_KEYS)."""
 
-    run_id: int
-    step: int
-    group: int
-    index: int
-    prompt: str
-    completion: str
-    completion_ids: list[int]
-    # each id's text as decoded (server.core.tokentext), when every id has a piece
-    tokens: list[str] | None
-    token_pieces: list[str] | None  # each id's raw piece as the tokenizer names it ('Ġcan')
-    tokens_kept: bool  # False: retention dropped the logprobs and control probabilities
-    vote: str | None
-    target: str | None
-    verifier_reward: float
-    true_score: float | None
-    advantage: float
-    sum_logprob: float | None
-    format_valid: bool | None  # None: nothing judged it
-    format_state: str | None
-    token_logprobs: list[float]
-    control_token_probs: dict[str, list[float]]
-    meta: dict[str, Any]
-
-
-class RolloutWindow(RolloutData, total=False):
-    """A rollout cut to a page's first `max_tokens` positions."""
-
-    tokens_total: int  # positions the rollout has in all
-
-
-ROLLOUT_KEYS: tuple[str, ...] = tuple(RolloutData.__annotations__)
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutView:
-    """One stored rollout as the read side returns it (serialize.read_rollout): the step
-    entity's per-token data decoded into arrays — ids (int64), logprobs (float64, none when not
-    measured or retention dropped them) and control-token probabilities (records.ControlProbs,
-    [position × token]) — cut to a page's first positions when read as a window. The step
-    viewer renders it as it is; `data()` is its JSON (RolloutData, the export's and the API's
-    keys, in their order)."""
-
-    run_id: int
-    step: int
-    group: int
-    index: int
-    prompt: str
-    completion: str
-    completion_ids: Ids
-    tokens: list[str] | None  # each id's text as decoded (tokentext), when every id has a piece
-    token_pieces: list[str] | None  # each id's raw piece ('Ġcan')
-    tokens_kept: bool  # False: retention dropped the logprobs and control-token probabilities
-    vote: str | None
-    target: str | None
-    verifier_reward: float
-    true_score: float | None
-    advantage: float
-    sum_logprob: float | None  # the stored sum, from full precision
-    format_valid: bool | None
-    format_state: str | None
-    token_logprobs: Floats
-    control_token_probs: ControlProbs
-    meta: dict[str, Any]
-    tokens_total: int  # positions the rollout has in all (more than the arrays hold: a window)
-    window: bool  # read cut to a page's first positions: its JSON says tokens_total
-
-    def data(self) -> RolloutWindow:
-        """The rollout as JSON-ready lists (RolloutData; tokens_total too for a window)."""
-        out: RolloutWindow = {
-            "run_id": self.run_id,
-            "step": self.step,
-            "group": self.group,
-            "index": self.index,
-            "prompt": self.prompt,
-            "completion": self.completion,
-            "completion_ids": self.completion_ids.tolist(),
-            "tokens": self.tokens,
-            "token_pieces": self.token_pieces,
-            "tokens_kept": self.tokens_kept,
-            "vote": self.vote,
-            "target": self.target,
-            "verifier_reward": self.verifier_reward,
-            "true_score": self.true_score,
-            "advantage": self.advantage,
-            "sum_logprob": self.sum_logprob,
-            "format_valid": self.format_valid,
-            "format_state": self.format_state,
-            "token_logprobs": self.token_logprobs.tolist(),
-            "control_token_probs": control_lists(self.control_token_probs),
-            "meta": self.meta,
-        }
-        if self.window:
-            out["tokens_total"] = self.tokens_total
-        return out
-
-    @classmethod
-    def from_data(cls, data: Mapping[str, Any]) -> RolloutView:
-        """A rollout's JSON (RolloutData, as the API sends it) as the typed view; a key it
-        lacks reads as nothing recorded (0, None, empty)."""
-        ids = np.asarray(data.get("completion_ids") or [], dtype=np.int64)
-        control = data.get("control_token_probs") or {}
-        return cls(
-            run_id=int(data.get("run_id", 0)),
-            step=int(data.get("step", 0)),
-            group=int(data.get("group", 0)),
-            index=int(data.get("index", 0)),
-            prompt=str(data.get("prompt", "")),
-            completion=str(data.get("completion", "")),
-            completion_ids=ids,
-            tokens=data.get("tokens"),
-            token_pieces=data.get("token_pieces"),
-            tokens_kept=bool(data.get("tokens_kept", True)),
-            vote=data.get("vote"),
-            target=data.get("target"),
-            verifier_reward=float(data.get("verifier_reward", 0.0)),
-            true_score=data.get("true_score"),
-            advantage=float(data.get("advantage", 0.0)),
-            sum_logprob=data.get("sum_logprob"),
-            format_valid=data.get("format_valid"),
-            format_state=data.get("format_state"),
-            token_logprobs=np.asarray(data.get("token_logprobs") or [], dtype=np.float64),
-            control_token_probs=ControlProbs.of(control, len(ids)),
-            meta=dict(data.get("meta") or {}),
-            tokens_total=int(data.get("tokens_total", len(ids))),
-            window="tokens_total" in data,
-        )
+    run_id: int = Field(description="the run's id in the database that served it")
+    step: int = Field(description="the step whose generation sampled it (its rollout step)")
+    group: int = Field(description="its group: the G rollouts of one prompt")
+    index: int = Field(description="its place in the group, in sampling order")
+    prompt: str = Field(description="what the policy saw, chat template applied")
+    completion: str = Field(description="what the policy sampled")
+    completion_ids: list[int] = Field(description="the completion's token ids")
+    tokens: list[str] | None = Field(
+        None,
+        description="each token's text as decoded (server.core.tokentext), when every id has a "
+        "piece (files of older versions held the raw pieces here)",
+    )
+    token_pieces: list[str] | None = Field(
+        None, description="each token's raw piece as the tokenizer names it ('Ġcan')"
+    )
+    tokens_kept: bool = Field(
+        True,
+        description="false: retention dropped its logprobs and control-token probabilities "
+        "(not in the export: its arrays say it)",
+    )
+    vote: str | None = Field(description="the tool id (or answer) the completion names")
+    target: str | None = Field(description="the tool id that is right for the query")
+    verifier_reward: float = Field(description="the training reward from the verifier")
+    true_score: float | None = Field(description="1 if the vote is the target, else 0")
+    advantage: float = Field(description="its reward relative to its group's")
+    sum_logprob: float | None = Field(
+        description="Σ logprob under the sampling policy, from full precision; null: not measured"
+    )
+    format_valid: bool | None = Field(description="null: nothing judged it")
+    format_state: str | None = Field(description="its structural state (vocab.FormatState)")
+    token_logprobs: list[float] = Field(
+        description="log p of each sampled token (empty: not measured, or retention dropped it)"
+    )
+    control_token_probs: dict[str, list[float]] = Field(
+        description="control token → its probability at each position"
+    )
+    meta: dict[str, Any] = Field(description="what else the recorder kept (probes, turns, row)")
 
 
-def control_lists(control: ControlProbs) -> dict[str, list[float]]:
-    """Control-token probabilities as JSON: token → its probability at each position."""
-    return {token: control.array[:, k].tolist() for k, token in enumerate(control.tokens)}
+ROLLOUT_KEYS: tuple[str, ...] = tuple(Rollout.model_fields)
 
 
 # --- the run card and its live state ------------------------------------------------------------
@@ -312,30 +221,6 @@ class GroupHeader(TypedDict):
     supervised: dict[str, int]
 
 
-class GroupDetail(StepHead):
-    """One group of a step with a page of its rollouts (queries.group_detail)."""
-
-    group_nav: GroupNav
-    summary: dict[str, Any]  # stepview.group_summary
-    header: GroupHeader | None
-    rollouts_total: int
-    offset: int
-    rollouts: list[RolloutView]
-
-
-class MissingGroupCard(StepHead):
-    """Compare's step card for a step without the group asked for (queries.step_card)."""
-
-    group_nav: GroupNav
-    header: None
-    asked_group: int
-    rollouts: list[RolloutView]  # none
-    rollouts_total: int
-
-
-StepCard = GroupDetail | MissingGroupCard
-
-
 # --- compare ------------------------------------------------------------------------------------
 
 
@@ -369,27 +254,3 @@ class ConfigDiffRow(TypedDict):
 class ConfigDiff(TypedDict):
     rows: list[ConfigDiffRow]  # settings that differ
     same: int  # how many do not
-
-
-class CompareSide(TypedDict):
-    """One of the first two runs at the side-by-side step."""
-
-    run_id: int
-    last_step: int | None
-    detail: StepCard | None  # None: the run has no such step
-
-
-class CompareData(TypedDict):
-    """Two or more runs side by side (queries.compare)."""
-
-    runs: list[RunData]
-    series: dict[str, Any]  # run id → {bucket, series}: what fills compare's charts
-    points: int  # points per chart each run got
-    bands: bool  # min–max bands drawn (few runs)
-    method: str
-    summary: list[RunSummary]
-    config_diff: ConfigDiff
-    step: int  # the side-by-side step
-    group: int
-    max_step: int
-    side_by_side: list[CompareSide]

@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.display import iso
-from rollout_lens.server.core.read_models import RolloutView, RolloutWindow, RunData
+from rollout_lens.server.core.read_models import RunData
 from rollout_lens.server.core.records import ControlProbs
+from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.store import arrays
 from rollout_lens.server.store.models import RolloutRow, RunRow, RunSource, StepRow
@@ -56,7 +57,8 @@ def read_rollout(
     max_tokens: int | None = None,
 ) -> RolloutView:
     """One rollout with its arrays decoded, as the typed view the pages render
-    (read_models.RolloutView; its `data()` is what the JSONL export writes and the API sends).
+    (read_models.RolloutView; its `data()`, read_models.Rollout's keys, is what the JSONL
+    export writes and the API sends).
 
     `token_texts` (store.token_texts) gives each completion token's stored piece: it must hold
     every id of a rollout whose text is rebuilt from its ids. When every id has one,
@@ -130,8 +132,8 @@ def rollout_dict(
     token_texts: Mapping[int, str] | None = None,
     *,
     max_tokens: int | None = None,
-) -> RolloutWindow:
-    """read_rollout's JSON (read_models.RolloutData; keys match the JSONL export)."""
+) -> dict[str, Any]:
+    """read_rollout's JSON: the keys of read_models.Rollout (the JSONL export's, the API's)."""
     return read_rollout(rollout, prompt, control_tokens, token_texts, max_tokens=max_tokens).data()
 
 

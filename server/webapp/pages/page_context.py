@@ -14,8 +14,6 @@ from urllib.parse import urlencode
 from pydantic import ValidationError
 from rollout_lens.server.core import analysis, vocab
 from rollout_lens.server.core.read_models import (
-    CompareData,
-    GroupDetail,
     GroupNav,
     LiveState,
     RunData,
@@ -23,6 +21,7 @@ from rollout_lens.server.core.read_models import (
     StepGroups,
 )
 from rollout_lens.server.core.records import DISAGREE_AT, disagrees
+from rollout_lens.server.core.step_views import CompareData, GroupDetail
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 from rollout_lens.server.webapp.pages import chart_data, stepview
 from rollout_lens.server.webapp.pages import plotly_figures as figures

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server.core import tokentext
-from rollout_lens.server.core.read_models import GroupHeader, RolloutView
+from rollout_lens.server.core.read_models import GroupHeader
 from rollout_lens.server.core.records import ControlProbs, disagrees
+from rollout_lens.server.core.step_views import RolloutView
 
 # The tiny model's pieces (tags, turn markers, ids, words with their leading space, punctuation,
 # whitespace): when the completion splits into as many pieces as it has ids, piece i is token i.

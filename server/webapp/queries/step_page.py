@@ -8,15 +8,9 @@ from typing import Any
 
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import GroupNotFound, InvalidInput, NotFound, StepNotFound
-from rollout_lens.server.core.read_models import (
-    GroupDetail,
-    GroupNav,
-    StepCard,
-    StepGroups,
-    StepHead,
-    StepNav,
-)
+from rollout_lens.server.core.read_models import GroupNav, StepGroups, StepHead, StepNav
 from rollout_lens.server.core.records import DISAGREE_AT
+from rollout_lens.server.core.step_views import GroupDetail, StepCard
 from rollout_lens.server.store import layout
 from rollout_lens.server.store.models import (
     FactsRow,
