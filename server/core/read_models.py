@@ -199,6 +199,24 @@ class StepGroups(StepHead):
     groups: list[dict[str, Any]]  # stepview.group_summary rows
 
 
+class ScalarRow(TypedDict):
+    """A rollout's scalar columns, what the groups overview is built from
+    (queries.step_groups: never its token arrays or completion)."""
+
+    group: int
+    index: int
+    vote: str | None
+    target: str | None
+    verifier_reward: float
+    true_score: float | None
+    advantage: float
+    sum_logprob: float | None
+    format_valid: bool | None
+    format_state: str | None
+    prompt_id: int
+    facts_id: int | None
+
+
 class GroupHeader(TypedDict):
     """What a group's rollouts say about the group (stepview.group_header): prompt, query,
     target, vote histograms, agreement, correct count, supervision."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server.core import tokentext
-from rollout_lens.server.core.read_models import GroupHeader
+from rollout_lens.server.core.read_models import GroupHeader, ScalarRow
 from rollout_lens.server.core.records import ControlProbs, disagrees
 from rollout_lens.server.core.step_views import RolloutView
 
@@ -608,7 +608,7 @@ def _std(values: Sequence[float]) -> float | None:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
-def group_summary(rows: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
+def group_summary(rows: Sequence[ScalarRow], label: str) -> dict[str, Any]:
     """One overview row from a group's rollouts' scalar columns (group, index, vote, target,
     verifier_reward, true_score, advantage, sum_logprob, format_valid, format_state), in index
     order; `label` is what names the group (its query or its prompt's head: prompt_labels).
@@ -655,10 +655,10 @@ def group_summary(rows: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
     }
 
 
-def group_summaries(rows: Sequence[dict[str, Any]], labels: dict[int, str]) -> list[dict[str, Any]]:
+def group_summaries(rows: Sequence[ScalarRow], labels: dict[int, str]) -> list[dict[str, Any]]:
     """Scalar rows of a step's rollouts (group, index order) → group_summary per group, in group
     order; `labels`: group → its label."""
-    by_group: dict[int, list[dict[str, Any]]] = {}
+    by_group: dict[int, list[ScalarRow]] = {}
     for row in rows:
         by_group.setdefault(row["group"], []).append(row)
     return [group_summary(members, labels.get(g, "")) for g, members in by_group.items()]
