@@ -239,7 +239,9 @@ def _spread(ms: list[float]) -> str:
 
 # --- 1b. the training thread beside a busy writer -----------------------------------------------
 
-TRAIN_STEPS = 15
+TRAIN_STEPS = 15  # training steps timed at least, alone and beside each writer
+WRITER_STEPS = 3  # ... and beside the busy writer, until it has written at least this many
+TRAIN_SECONDS = 120.0  # but no longer than this
 
 
 def _training_step(work: np.ndarray) -> float:
@@ -255,7 +257,10 @@ def _training_step(work: np.ndarray) -> float:
 
 def print_training_thread(run: ScaleRun, dbs: list[Database], first_step: int) -> None:
     """The training thread's step time alone and while a writer thread writes full-shape steps
-    without pause (the StepWriter's thread at its busiest): what the writer's GIL costs it."""
+    without pause (the StepWriter's thread at its busiest): what the writer's GIL costs it.
+    Beside it, the same steps next to a thread as busy that never holds the GIL (zstd
+    compressing, which releases it): what sharing the machine's cores alone costs, so that
+    the writer's own GIL is the difference."""
     work = np.random.default_rng(0).random((384, 384))
     record = run.step(first_step)
     print(
@@ -264,12 +269,47 @@ def print_training_thread(run: ScaleRun, dbs: list[Database], first_step: int) -
     print(f"  {'':<22} {'median':>9} {'p90':>9} {'max':>9}   × alone   writer steps")
     alone = [_training_step(work) * 1000 for _ in range(TRAIN_STEPS)]
     print(f"  {'alone':<22} {_spread(alone)}")
+
+    def steps(done: Callable[[], bool]) -> list[float]:
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < TRAIN_STEPS or (
+            not done() and time.perf_counter() - start < TRAIN_SECONDS
+        ):
+            times.append(_training_step(work) * 1000)
+        return times
+
+    gil_free = _beside_gil_free(lambda: steps(lambda: True))
+    ratio = statistics.median(gil_free) / statistics.median(alone)
+    print(f"  {'beside a GIL-free one':<22} {_spread(gil_free)} {ratio:8.2f}×        –")
     busy = BusyWriter(record, first_step)
     for db in dbs:
-        beside = busy.around(db, lambda: [_training_step(work) * 1000 for _ in range(TRAIN_STEPS)])
+        beside = busy.around(db, lambda: steps(lambda: busy.wrote >= WRITER_STEPS))
         ratio = statistics.median(beside) / statistics.median(alone)
         label = f"beside {db.label}"
         print(f"  {label:<22} {_spread(beside)} {ratio:8.2f}×   {busy.wrote:>6}")
+
+
+def _beside_gil_free(work: Callable[[], list[float]]) -> list[float]:
+    """`work` while a thread compresses without pause (zstd releases the GIL while it works)."""
+    import zstandard
+
+    stop = threading.Event()
+    data = np.random.default_rng(1).integers(0, 64, 8 << 20, dtype=np.uint8).tobytes()
+
+    def burn() -> None:
+        compressor = zstandard.ZstdCompressor(level=3)
+        while not stop.is_set():
+            compressor.compress(data)
+
+    thread = threading.Thread(target=burn, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    try:
+        return work()
+    finally:
+        stop.set()
+        thread.join()
 
 
 class BusyWriter:
