@@ -18,6 +18,7 @@ from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.read_models import GroupHeader, ScalarRow
 from rollout_lens.server.core.records import ControlProbs, disagrees
 from rollout_lens.server.core.step_views import RolloutView
+from typing_extensions import TypedDict
 
 # The tiny model's pieces (tags, turn markers, ids, words with their leading space, punctuation,
 # whitespace): when the completion splits into as many pieces as it has ids, piece i is token i.
@@ -157,7 +158,17 @@ def answer_histogram(members: Sequence[RolloutView]) -> list[dict[str, Any]]:
     return rows
 
 
-Cells = list[dict[str, Any]]  # token_cells: text, first, last, cls, title
+class TokenCell(TypedDict):
+    """A token cell as the page draws it (token_cells)."""
+
+    text: str  # what the cell's tokens contribute
+    first: int  # the positions it covers, first…last
+    last: int
+    cls: str  # CSS classes: its probability's shade, near-miss, tool-tok
+    title: str  # hover text: positions, ids, probabilities
+
+
+Cells = list[TokenCell]
 ControlRows = list[tuple[str, list[tuple[str, str]]]]  # control_rows: label, (class, text)
 
 
@@ -788,10 +799,11 @@ def token_cells(
             break
         at = f"#{a}" if a == b else f"#{a}–{b}"
         id_text = f"id {ids[a]}" if a == b else "ids " + ", ".join(map(str, ids[a : b + 1]))
-        cell = {"text": span.text, "first": a, "last": b}
         if sampled is not None and not sampled[a]:
             title = f"{at} · {id_text} · tool result: not sampled, not trained"
-            cells.append(cell | {"cls": "tok tool-tok", "title": title})
+            cells.append(
+                TokenCell(text=span.text, first=a, last=b, cls="tok tool-tok", title=title)
+            )
             continue
         p = _cell_probability(probs, a, b)
         lines = [f"{at} · {id_text} · p={prob_text(p, 3)}"]
@@ -803,7 +815,7 @@ def token_cells(
         if misses:
             lines.append(f"near miss: {', '.join(names[t] for t in misses)} was likely here")
         cls = f"tok p{probability_bin(p)}" + (" near-miss" if misses else "")
-        cells.append(cell | {"cls": cls, "title": "\n".join(lines)})
+        cells.append(TokenCell(text=span.text, first=a, last=b, cls=cls, title="\n".join(lines)))
     return cells
 
 
