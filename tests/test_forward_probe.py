@@ -386,3 +386,32 @@ def test_forward_probe_matches_full_logits_with_scale_and_soft_cap(
     rowwise = probe._chunk(hidden, labels)
     assert torch.allclose(rowwise.sampled, chunk.sampled, atol=1e-6)
     assert torch.allclose(rowwise.control, chunk.control, atol=1e-6)
+
+
+def test_generate_probe_hands_float64_arrays_position_by_token() -> None:
+    """GenerationProbe.finish: per row, log p of each sampled token [n] and the control tokens'
+    probabilities [n × k] (the step entity's orientation), float64 arrays cut to the row's
+    length, equal to the sampling distribution's; none (0 positions) when it never ran."""
+    from rollout_lens.trainer.recorder.probe import GenerationProbe
+
+    control_ids, temperature = [1, 3], 0.7
+    probe = GenerationProbe(control_ids, temperature)
+    assert [a.shape for a in probe.finish([[4], []])[1]] == [(0, 2), (0, 2)]
+    probe = GenerationProbe(control_ids, temperature)
+    generator = torch.Generator().manual_seed(0)
+    scores = [torch.randn(2, 6, generator=generator) for _ in range(3)]
+    rows = [[4, 2, 5], [1, 3]]  # the second row stopped after two tokens (then padding)
+    seq = torch.tensor([[7], [7]])
+    for t, step in enumerate(scores):
+        probe(seq, step)
+        sampled = torch.tensor([[rows[0][t]], [rows[1][t] if t < 2 else 0]])
+        seq = torch.cat([seq, sampled], dim=1)
+    logprobs, control = probe.finish(rows)
+    for row, ids in enumerate(rows):
+        dist = torch.log_softmax(torch.stack(scores)[:, row] / temperature, dim=-1).double()
+        assert logprobs[row].dtype == np.float64 and logprobs[row].shape == (len(ids),)
+        want = [dist[t, token].item() for t, token in enumerate(ids)]
+        assert logprobs[row].tolist() == pytest.approx(want, rel=1e-6)
+        assert control[row].dtype == np.float64 and control[row].shape == (len(ids), 2)
+        expected = dist[: len(ids), control_ids].exp().numpy()
+        assert control[row] == pytest.approx(expected, rel=1e-6)
