@@ -2,12 +2,17 @@
 queries, read by the views, the templates, the JSON API and the Python client.
 
 TypedDicts: at run time they are the plain dicts the JSON API sends as they are (no copy, no
-change of a byte), and mypy checks every key each side names. The four the pages are built on:
-the run card (RunData), a run's live state (LiveState), a step in detail (StepHead and its
-StepGroups, GroupDetail, StepCard) and compare (CompareData).
+change of a byte), and mypy checks every key each side names. The pages are built on the run
+card (RunData), a run's live state (LiveState), a step (StepHead and its StepGroups, a
+group's header and its scalar rows); a group in detail and compare hold the read side's typed
+rollout views and live beside them, in server.core.step_views.
 
-Pure typing: no session, no SQL, no torch; the client imports this module for the names of a
-rollout's keys.
+A rollout is described once, here: `Rollout` (pydantic), the fields it leaves the store with
+and what each means, from which the export's records, the API's models and the view's JSON are
+derived.
+
+Pure shapes: no session, no SQL, no torch, nothing of ours; the client imports this module for
+the names of a rollout's keys.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class RolloutView:
     entity's per-token data decoded into arrays — ids (int64), logprobs (float64, none when not
     measured or retention dropped them) and control-token probabilities (records.ControlProbs,
     [position × token]) — cut to a page's first positions when read as a window. The step
-    viewer renders it as it is; `data()` is its JSON (RolloutData, the export's and the API's
+    viewer renders it as it is; `data()` is its JSON (read_models.Rollout: the export's and the API's
     keys, in their order)."""
 
     run_id: int
@@ -69,7 +69,7 @@ class RolloutView:
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> RolloutView:
-        """A rollout's JSON (RolloutData, as the API sends it) as the typed view; a key it
+        """A rollout's JSON (read_models.Rollout's keys, as the API sends it) as the typed view; a key it
         lacks reads as nothing recorded (0, None, empty)."""
         ids = np.asarray(data.get("completion_ids") or [], dtype=np.int64)
         control = data.get("control_token_probs") or {}
