@@ -12,7 +12,7 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired
 
 from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.read_models import GroupHeader, ScalarRow
@@ -187,7 +187,7 @@ class ShownRollout(RolloutView):
     disagree: bool  # verifier and truth disagree
     cells: Cells  # token_cells within the page's budget
     control_rows: ControlRows  # the control-token table's rows
-    turn_views: list[dict[str, Any]] | None  # a tool-calling rollout's turns
+    turn_views: list[TurnView] | None  # a tool-calling rollout's turns
 
 
 def shown_rollout(rollout: RolloutView, group_prompt: str, limit: int | None) -> ShownRollout:
@@ -260,13 +260,38 @@ def _arguments_text(arguments: Any) -> str:
     return json.dumps(arguments, ensure_ascii=False, sort_keys=True)
 
 
+class CallView(TypedDict):
+    """A tool call of a turn, as the conversation shows it (untrusted text: escaped)."""
+
+    name: str
+    arguments: str
+    result: str | None
+    result_json: str | None  # the result pretty-printed when it is JSON or a Python literal
+
+
+class TurnView(TypedDict):
+    """A turn of a tool-calling rollout (turn_views): a model turn, or a tool stretch."""
+
+    role: str  # model or tool
+    start: int  # its positions [start, end)
+    end: int
+    calls: list[CallView]
+    cells: Cells
+    # a model turn's only
+    number: NotRequired[int]
+    state: NotRequired[dict[str, str] | None]
+    sum_logprob: NotRequired[float | None]
+    control_rows: NotRequired[ControlRows]
+    control_summary: NotRequired[list[tuple[str, str, int]]]
+
+
 def turn_views(
     meta: dict[str, Any],
     logprobs: Sequence[float],
     control: Mapping[str, Sequence[float | None]],
     cells: Cells,
     rows: ControlRows,
-) -> list[dict[str, Any]] | None:
+) -> list[TurnView] | None:
     """A tool-calling rollout (its meta, logprobs and shown control-token probabilities) as a
     conversation: per model turn its token cells, control-token rows and Σ logprob; per tool
     stretch each call's name, arguments and result (untrusted text: the template escapes it)
@@ -278,27 +303,27 @@ def turn_views(
     states: list[Any] = recorded if isinstance(recorded, list) else []
     n = cells[-1]["last"] + 1 if cells else 0  # positions the cells cover
     firsts = [c["first"] for c in cells]
-    views = []
+    views: list[TurnView] = []
     model_turn = 0
     for turn in turns:
         a, b = max(0, int(turn["start"])), min(n, int(turn["end"]))
         # the cells starting at the turn's positions (a cell never spans two turns: a turn
         # ends on a whole character)
         ca, cb = bisect_left(firsts, a), bisect_left(firsts, b)
-        calls = []
+        calls: list[CallView] = []
         for c in turn.get("calls") or []:
             if not isinstance(c, dict):
                 continue
             result = None if c.get("result") is None else str(c["result"])
             calls.append(
-                {
-                    "name": str(c.get("name", "")),
-                    "arguments": _arguments_text(c.get("arguments")),
-                    "result": result,
-                    "result_json": None if result is None else result_json(result),
-                }
+                CallView(
+                    name=str(c.get("name", "")),
+                    arguments=_arguments_text(c.get("arguments")),
+                    result=result,
+                    result_json=None if result is None else result_json(result),
+                )
             )
-        view = {"role": turn["role"], "start": a, "end": b, "calls": calls, "cells": cells[ca:cb]}
+        view = TurnView(role=turn["role"], start=a, end=b, calls=calls, cells=cells[ca:cb])
         if turn["role"] == "model":
             view["number"] = model_turn
             state = states[model_turn] if model_turn < len(states) else None
