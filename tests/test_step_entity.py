@@ -222,6 +222,11 @@ def test_one_description_of_a_rollout_gives_the_export_the_api_and_the_view() ->
     assert all(listed[name].get("description") for name in fields)
     rollouts = schemas["Group"]["properties"]["rollouts"]
     assert rollouts["items"]["$ref"].endswith("/GroupRollout")
+    # the Parquet export's columns: the same fields (control-token probabilities as rows)
+    from rollout_lens.server.exchange.export import PARQUET_NAMES, rollout_schema
+
+    columns = set(rollout_schema().names)
+    assert columns == {PARQUET_NAMES.get(n, n) for n in fields} - {"tokens_kept"}
 
 
 def test_the_step_viewer_shows_views_it_never_changes() -> None:
