@@ -2,8 +2,13 @@
 
 SQLite: an FTS5 table per run (`rollout_fts_<run id>`, contentless: it holds the index, not the
 text, which the rollout's ids already hold), created with the run's first rollouts and dropped
-with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `rollout_search` holds each
-rollout's words as a stripped tsvector under a GIN index; prompts have a GIN expression index.
+with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `search_words` numbers each
+distinct word once (its `word` in the "C" collation, so that a prefix is a range of its unique
+index), and `rollout_search` holds each rollout's words as a sorted int4[] of those numbers under
+a GIN index (stored out of line, so that the table's rows stay narrow for the id lookups of a
+common word's thousands of matches); prompts have a GIN expression index. A word longer than
+MAX_WORD_CHARS, which no query may name whole, is numbered as its first MAX_WORD_CHARS
+characters and a `*` (no word has one), which only a prefix finds.
 
 Both engines see the same words: runs of letters and digits, lower-cased (`_` and every other
 character separates words), in the first SEARCH_CHARS characters of a completion (a prompt is
@@ -28,6 +33,7 @@ MAX_WORDS = 20  # a query's words, all of which must appear
 MAX_WORD_CHARS = 200  # a longer word is refused, not cut (the runs page's search says the same)
 MAX_QUERY_CHARS = 4096  # the text of a query: room for MAX_WORDS words of MAX_WORD_CHARS
 MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
+MAX_PREFIX_WORDS = 20_000  # distinct words a prefix may stand for (PostgreSQL: their numbers)
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
@@ -78,13 +84,7 @@ def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, s
     if not rows:
         return
     if conn.dialect.name == "postgresql":
-        ids, docs = zip(*((rollout_id, words(t)) for rollout_id, t in rows), strict=True)
-        conn.exec_driver_sql(
-            "INSERT INTO rollout_search (rollout_id, doc) SELECT i, strip(to_tsvector('simple', "
-            "w)) FROM unnest(%s::integer[], %s::text[]) AS u(i, w)",
-            (list(ids), list(docs)),
-            execution_options=CLEAN_ALREADY,  # words are letters and digits
-        )
+        _index_postgres(conn, [(rollout_id, words(t).split()) for rollout_id, t in rows])
         return
     table = fts_table(run_id)
     conn.exec_driver_sql(
@@ -95,6 +95,49 @@ def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, s
         f"INSERT INTO {table} (rowid, text) VALUES (?, ?)",
         [(rollout_id, words(t)) for rollout_id, t in rows],
         execution_options=CLEAN_ALREADY,  # words are letters and digits
+    )
+
+
+def word_key(word: str) -> str:
+    """A word as search_words holds it: itself, or a long one's head and `*` (prefixes only)."""
+    return word if len(word) <= MAX_WORD_CHARS else word[:MAX_WORD_CHARS] + "*"
+
+
+def word_numbers(conn: Connection, found: Sequence[str]) -> dict[str, int]:
+    """PostgreSQL: each of these words' keys (word_key) → its number in search_words, numbering
+    the new ones."""
+    wanted = sorted({word_key(w) for w in found})
+    if not wanted:
+        return {}
+    # Only the words not numbered yet are offered: ON CONFLICT alone would draw an identity
+    # value for every word offered (tens of thousands a step), not only for the new ones.
+    conn.exec_driver_sql(
+        "INSERT INTO search_words (word) SELECT u.w FROM unnest(%s::text[]) AS u(w) "
+        "WHERE NOT EXISTS (SELECT 1 FROM search_words s WHERE s.word = u.w) "
+        "ON CONFLICT (word) DO NOTHING",
+        (wanted,),
+        execution_options=CLEAN_ALREADY,  # words are letters and digits
+    )
+    rows = conn.exec_driver_sql(
+        "SELECT word, id FROM search_words WHERE word = ANY(%s::text[])",
+        (wanted,),
+        execution_options=CLEAN_ALREADY,
+    ).all()
+    return {word: number for word, number in rows}
+
+
+def _index_postgres(conn: Connection, docs: Sequence[tuple[int, list[str]]]) -> None:
+    numbers = word_numbers(conn, [w for _, found in docs for w in found])
+    ids, arrays_ = [], []
+    for rollout_id, found in docs:
+        ids.append(rollout_id)
+        kept = sorted({numbers[word_key(w)] for w in found})
+        arrays_.append("{" + ",".join(map(str, kept)) + "}")
+    conn.exec_driver_sql(
+        "INSERT INTO rollout_search (rollout_id, words) SELECT i, w::integer[] "
+        "FROM unnest(%s::integer[], %s::text[]) AS u(i, w)",
+        (ids, arrays_),
+        execution_options=CLEAN_ALREADY,  # numbers
     )
 
 
@@ -207,14 +250,7 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
             text(f"SELECT id FROM prompts WHERE {PG_PROMPT_WORDS} @@ to_tsquery('simple', :q)"),
             {"q": tsquery(terms)},
         ).scalars()
-        # A materialized CTE: the matches are read once through the GIN index (a plain
-        # `IN (…)` let the planner walk the run's rollouts and test each one's words; an
-        # ARRAY(…) of many thousand ids was searched linearly for every row)
-        rollouts = (
-            "r.id IN (WITH found AS MATERIALIZED (SELECT rollout_id FROM rollout_search "
-            "WHERE doc @@ to_tsquery('simple', :search)) SELECT rollout_id FROM found)"
-        )
-        params: dict[str, Any] = {"search": tsquery(terms)}
+        rollouts, params = _postgres_match(conn, terms)
     else:
         prompts = conn.execute(
             text("SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :q"), {"q": fts5_query(terms)}
@@ -236,3 +272,65 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
     marks = ", ".join(f":prompt{i}" for i in range(len(prompt_ids)))
     params |= {f"prompt{i}": pid for i, pid in enumerate(prompt_ids)}
     return f"({rollouts} OR r.prompt_id IN ({marks}))", params
+
+
+def _prefix_end(prefix: str) -> str:
+    """The first text past every text that starts with `prefix`, in code point order (the "C"
+    collation's order for UTF-8): its last character one higher."""
+    after = ord(prefix[-1]) + 1
+    return prefix[:-1] + chr(0xE000 if 0xD800 <= after < 0xE000 else after)  # no surrogate
+
+
+def _postgres_match(
+    conn: Connection, terms: Sequence[tuple[str, bool]]
+) -> tuple[str, dict[str, Any]]:
+    """The rollouts half of match_sql on PostgreSQL: the terms' word numbers, then one GIN
+    lookup — every whole word's number in the rollout's array (@>) and, for each prefix, one of
+    its words' numbers (&&). A word no rollout has matches nothing without a lookup."""
+    whole = sorted({word for word, prefix in terms if not prefix})
+    numbers = word_numbers_known(conn, whole)
+    if len(numbers) < len(whole):
+        return "0 = 1", {}
+    params: dict[str, Any] = {}
+    conditions = []
+    if numbers:
+        params["search_all"] = sorted(numbers.values())
+        conditions.append("s.words OPERATOR(pg_catalog.@>) CAST(:search_all AS integer[])")
+    for i, prefix in enumerate(sorted({word for word, prefix in terms if prefix})):
+        found = (
+            conn.execute(
+                text(
+                    "SELECT id FROM search_words WHERE word >= :lo AND word < :hi "
+                    "ORDER BY word LIMIT :n"
+                ),
+                {"lo": prefix, "hi": _prefix_end(prefix), "n": MAX_PREFIX_WORDS + 1},
+            )
+            .scalars()
+            .all()
+        )
+        if not found:
+            return "0 = 1", {}
+        if len(found) > MAX_PREFIX_WORDS:
+            raise InvalidInput(
+                f"q: {prefix}* stands for more than {MAX_PREFIX_WORDS:,} words; "
+                "give more of the word"
+            )
+        params[f"search_any{i}"] = sorted(found)
+        conditions.append(f"s.words OPERATOR(pg_catalog.&&) CAST(:search_any{i} AS integer[])")
+    # A materialized CTE: the matches are read once through the GIN index (a plain `IN (…)`
+    # let the planner walk the run's rollouts and test each one's words)
+    return (
+        "r.id IN (WITH found AS MATERIALIZED (SELECT s.rollout_id FROM rollout_search s "
+        f"WHERE {' AND '.join(conditions)}) SELECT rollout_id FROM found)"
+    ), params
+
+
+def word_numbers_known(conn: Connection, found: Sequence[str]) -> dict[str, int]:
+    """PostgreSQL: the numbers of those of these words that search_words has (none added)."""
+    if not found:
+        return {}
+    rows = conn.execute(
+        text("SELECT word, id FROM search_words WHERE word = ANY(CAST(:w AS text[]))"),
+        {"w": list(found)},
+    ).all()
+    return {word: number for word, number in rows}
