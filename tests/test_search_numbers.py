@@ -17,6 +17,7 @@ from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.store import search
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.recording import sha256_text
 from rollout_lens.server.webapp import queries
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
@@ -145,6 +146,12 @@ def pg_0009() -> Iterator[Engine]:
 def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
     factory = make_session_factory(pg_0009)
     steps = _steps(random.Random(5), range(1, 6))
+    prompt = steps[0].rollouts[0].prompt
+    with pg_0009.begin() as conn:  # the prompt as 0006's store wrote it (nothing to index)
+        conn.execute(
+            text("INSERT INTO prompts (sha256, text) VALUES (:h, :t)"),
+            {"h": sha256_text(prompt), "t": prompt},
+        )
     run_id = _write(factory, steps, index=False)  # indexed below as 0006's store did
     with pg_0009.begin() as conn:
         rows = conn.execute(
@@ -163,6 +170,9 @@ def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
     upgrade(pg_0009)
     for q in QUERIES:
         assert _found(factory, run_id, q) == _expected(steps, q), q
+    # the prompt's words were numbered by the migration: a search finds every rollout by them
+    everyone = {(s.step, r.index) for s in steps for r in s.rollouts}
+    assert _found(factory, run_id, "prompt words") == everyone
     with pg_0009.connect() as conn:
         kinds = dict(
             conn.execute(

@@ -1,17 +1,22 @@
 """PostgreSQL's search by word numbers: each distinct word numbered once in `search_words`, each
-rollout's words an int4[] of those numbers under GIN (was: a stripped tsvector under GIN)
+rollout's and each prompt's words an int4[] of those numbers under GIN (was: a stripped tsvector
+under GIN, and a GIN expression index over the prompts' text that the planner did not use on a
+table of a few hundred prompts: every search parsed every prompt, a quarter of a second)
 
 The tsvectors' own lexemes are the words (the store indexed each distinct word, lower-cased,
 with the 'simple' configuration, which keeps a word as it is), so every indexed rollout keeps
-exactly the words it was found by. SQLite (FTS5) is unchanged.
+exactly the words it was found by. Prompts are indexed by the completions' rule (runs of
+letters and digits, lower-cased), read here in batches. SQLite (FTS5) is unchanged.
 
 Revision ID: 0010
 Revises: 0009
 Create Date: 2026-12-01 23:00:00
 """
 
+import re
 from collections.abc import Sequence
 
+import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0010"
@@ -20,6 +25,8 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 _MAX_WORD_CHARS = 200  # server.store.search.MAX_WORD_CHARS when 0010 was written
+_SEARCH_CHARS = 200_000  # server.store.search.SEARCH_CHARS
+_BATCH = 500
 
 
 def upgrade() -> None:
@@ -50,6 +57,57 @@ def upgrade() -> None:
     op.execute("ALTER TABLE rollout_search DROP COLUMN doc")
     op.execute("ALTER TABLE rollout_search ALTER COLUMN words SET NOT NULL")
     op.execute("CREATE INDEX ix_rollout_search_words ON rollout_search USING gin (words)")
+    op.execute(
+        "CREATE TABLE prompt_search (prompt_id integer CONSTRAINT pk_prompt_search PRIMARY KEY "
+        "CONSTRAINT fk_prompt_search_prompt_id_prompts REFERENCES prompts(id) ON DELETE CASCADE, "
+        "words integer[] NOT NULL)"
+    )
+    op.execute("ALTER TABLE prompt_search ALTER COLUMN words SET STORAGE EXTERNAL")
+    op.execute("ALTER TABLE prompt_search SET (toast_tuple_target = 128)")
+    _index_prompts(op.get_bind())
+    op.execute("CREATE INDEX ix_prompt_search_words ON prompt_search USING gin (words)")
+    op.execute("DROP INDEX IF EXISTS ix_prompts_search")
+
+
+def _key(word: str) -> str:
+    return word if len(word) <= _MAX_WORD_CHARS else word[:_MAX_WORD_CHARS] + "*"
+
+
+def _index_prompts(conn: sa.Connection) -> None:
+    after = 0
+    while True:
+        rows = conn.execute(
+            sa.text("SELECT id, text FROM prompts WHERE id > :a ORDER BY id LIMIT :n"),
+            {"a": after, "n": _BATCH},
+        ).all()
+        if not rows:
+            return
+        after = rows[-1][0]
+        # each distinct word once, lower-cased (server.store.search.words when 0010 was written)
+        docs = [
+            (pid, {_key(w) for w in re.findall(r"[^\W_]+", t[:_SEARCH_CHARS].lower())})
+            for pid, t in rows
+        ]
+        wanted = sorted(set().union(*(found for _, found in docs)))
+        conn.exec_driver_sql(
+            "INSERT INTO search_words (word) SELECT u.w FROM unnest(%s::text[]) AS u(w) "
+            "WHERE NOT EXISTS (SELECT 1 FROM search_words s WHERE s.word = u.w) "
+            "ON CONFLICT (word) DO NOTHING",
+            (wanted,),
+        )
+        numbers = dict(
+            conn.exec_driver_sql(
+                "SELECT word, id FROM search_words WHERE word = ANY(%s::text[])", (wanted,)
+            ).all()
+        )
+        conn.exec_driver_sql(
+            "INSERT INTO prompt_search (prompt_id, words) SELECT i, w::integer[] "
+            "FROM unnest(%s::integer[], %s::text[]) AS u(i, w)",
+            (
+                [pid for pid, _ in docs],
+                ["{" + ",".join(map(str, sorted(numbers[w] for w in found))) + "}" for _, found in docs],
+            ),
+        )
 
 
 def downgrade() -> None:

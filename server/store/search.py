@@ -6,7 +6,7 @@ with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `search_words`
 distinct word once (its `word` in the "C" collation, so that a prefix is a range of its unique
 index), and `rollout_search` holds each rollout's words as a sorted int4[] of those numbers under
 a GIN index (stored out of line, so that the table's rows stay narrow for the id lookups of a
-common word's thousands of matches); prompts have a GIN expression index. A word longer than
+common word's thousands of matches); `prompt_search` the same for each prompt. A word longer than
 MAX_WORD_CHARS, which no query may name whole, is numbered as its first MAX_WORD_CHARS
 characters and a `*` (no word has one), which only a prefix finds.
 
@@ -37,9 +37,6 @@ MAX_PREFIX_WORDS = 20_000  # distinct words a prefix may stand for (PostgreSQL: 
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
-PG_PROMPT_WORDS = (
-    "to_tsvector('simple', regexp_replace(left(text, 200000), '[^[:alnum:]]+', ' ', 'g'))"
-)
 
 
 def fts_table(run_id: int) -> str:
@@ -72,11 +69,6 @@ def parse_query(q: str) -> list[tuple[str, bool]]:
 def fts5_query(terms: Sequence[tuple[str, bool]]) -> str:
     """Terms → an FTS5 MATCH expression: each quoted (no operator can be smuggled in), ANDed."""
     return " ".join(f'"{word}"' + ("*" if prefix else "") for word, prefix in terms)
-
-
-def tsquery(terms: Sequence[tuple[str, bool]]) -> str:
-    """Terms → a to_tsquery('simple', …) text: words are letters and digits only, so safe."""
-    return " & ".join(word + (":*" if prefix else "") for word, prefix in terms)
 
 
 def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, str]]) -> None:
@@ -126,13 +118,15 @@ def word_numbers(conn: Connection, found: Sequence[str]) -> dict[str, int]:
     return {word: number for word, number in rows}
 
 
+def _number_array(numbers: dict[str, int], found: Sequence[str]) -> str:
+    """A text's words as the int4[] literal of their numbers, sorted."""
+    return "{" + ",".join(map(str, sorted({numbers[word_key(w)] for w in found}))) + "}"
+
+
 def _index_postgres(conn: Connection, docs: Sequence[tuple[int, list[str]]]) -> None:
     numbers = word_numbers(conn, [w for _, found in docs for w in found])
-    ids, arrays_ = [], []
-    for rollout_id, found in docs:
-        ids.append(rollout_id)
-        kept = sorted({numbers[word_key(w)] for w in found})
-        arrays_.append("{" + ",".join(map(str, kept)) + "}")
+    ids = [rollout_id for rollout_id, _ in docs]
+    arrays_ = [_number_array(numbers, found) for _, found in docs]
     conn.exec_driver_sql(
         "INSERT INTO rollout_search (rollout_id, words) SELECT i, w::integer[] "
         "FROM unnest(%s::integer[], %s::text[]) AS u(i, w)",
@@ -142,9 +136,18 @@ def _index_postgres(conn: Connection, docs: Sequence[tuple[int, list[str]]]) -> 
 
 
 def index_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
-    """Index new prompts, whole (SQLite's index is over the prompts table, which `rebuild` and
-    `delete` read; PostgreSQL's expression index needs nothing)."""
-    if rows and conn.dialect.name != "postgresql":
+    """Index new prompts (SQLite: whole, in an index over the prompts table, which `rebuild`
+    and `delete` read; PostgreSQL: their words' numbers, as a completion's)."""
+    if rows and conn.dialect.name == "postgresql":
+        docs = [(prompt_id, words(t).split()) for prompt_id, t in rows]
+        numbers = word_numbers(conn, [w for _, found in docs for w in found])
+        conn.exec_driver_sql(
+            "INSERT INTO prompt_search (prompt_id, words) SELECT i, w::integer[] "
+            "FROM unnest(%s::integer[], %s::text[]) AS u(i, w) ON CONFLICT DO NOTHING",
+            ([i for i, _ in docs], [_number_array(numbers, found) for _, found in docs]),
+            execution_options=CLEAN_ALREADY,  # numbers
+        )
+    elif rows:
         conn.exec_driver_sql(
             "INSERT INTO prompt_fts (rowid, text) VALUES (?, ?)",
             [(prompt_id, t) for prompt_id, t in rows],
@@ -246,11 +249,18 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
     terms = parse_query(q)
     postgres = conn.dialect.name == "postgresql"
     if postgres:
+        condition, params = _postgres_words(conn, terms)
+        if condition is None:
+            return "(0 = 1)", {}
         prompts = conn.execute(
-            text(f"SELECT id FROM prompts WHERE {PG_PROMPT_WORDS} @@ to_tsquery('simple', :q)"),
-            {"q": tsquery(terms)},
+            text(f"SELECT prompt_id FROM prompt_search s WHERE {condition}"), params
         ).scalars()
-        rollouts, params = _postgres_match(conn, terms)
+        # A materialized CTE: the matches are read once through the GIN index (a plain
+        # `IN (…)` let the planner walk the run's rollouts and test each one's words)
+        rollouts = (
+            "r.id IN (WITH found AS MATERIALIZED (SELECT s.rollout_id FROM rollout_search s "
+            f"WHERE {condition}) SELECT rollout_id FROM found)"
+        )
     else:
         prompts = conn.execute(
             text("SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :q"), {"q": fts5_query(terms)}
@@ -281,16 +291,16 @@ def _prefix_end(prefix: str) -> str:
     return prefix[:-1] + chr(0xE000 if 0xD800 <= after < 0xE000 else after)  # no surrogate
 
 
-def _postgres_match(
+def _postgres_words(
     conn: Connection, terms: Sequence[tuple[str, bool]]
-) -> tuple[str, dict[str, Any]]:
-    """The rollouts half of match_sql on PostgreSQL: the terms' word numbers, then one GIN
-    lookup — every whole word's number in the rollout's array (@>) and, for each prefix, one of
-    its words' numbers (&&). A word no rollout has matches nothing without a lookup."""
+) -> tuple[str | None, dict[str, Any]]:
+    """PostgreSQL: a condition on an int4[] of word numbers `s.words` that holds when it has
+    every term — every whole word's number (@>) and, for each prefix, one of its words' numbers
+    (&&) — with its parameters; None when a term is no indexed word (nothing can match)."""
     whole = sorted({word for word, prefix in terms if not prefix})
     numbers = word_numbers_known(conn, whole)
     if len(numbers) < len(whole):
-        return "0 = 1", {}
+        return None, {}
     params: dict[str, Any] = {}
     conditions = []
     if numbers:
@@ -309,7 +319,7 @@ def _postgres_match(
             .all()
         )
         if not found:
-            return "0 = 1", {}
+            return None, {}
         if len(found) > MAX_PREFIX_WORDS:
             raise InvalidInput(
                 f"q: {prefix}* stands for more than {MAX_PREFIX_WORDS:,} words; "
@@ -317,12 +327,7 @@ def _postgres_match(
             )
         params[f"search_any{i}"] = sorted(found)
         conditions.append(f"s.words OPERATOR(pg_catalog.&&) CAST(:search_any{i} AS integer[])")
-    # A materialized CTE: the matches are read once through the GIN index (a plain `IN (…)`
-    # let the planner walk the run's rollouts and test each one's words)
-    return (
-        "r.id IN (WITH found AS MATERIALIZED (SELECT s.rollout_id FROM rollout_search s "
-        f"WHERE {' AND '.join(conditions)}) SELECT rollout_id FROM found)"
-    ), params
+    return " AND ".join(conditions), params
 
 
 def word_numbers_known(conn: Connection, found: Sequence[str]) -> dict[str, int]:
