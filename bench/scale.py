@@ -32,6 +32,8 @@ stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
         [--fill-tokens 64] [--repeat 20] [--budget 4] [--cache DIR]
     .venv/bin/python -m bench.scale --write-only [--pg] [--steps 20]   # write figures, GIL
     .venv/bin/python -m bench.scale --profile [WARM] [--pg]   # cProfile of step WARM+1's write
+    .venv/bin/python -m bench.scale --pg --cache DIR --keep   # leaves both databases there
+    .venv/bin/python -m bench.scale --reuse DIR/scale-*/scale.db [--pg KEPT_URL]   # pages again
 
 The full run with --pg takes 9 to 12 minutes on two busy cores (the 100 full steps 4 to 5,
 the fill about 5, the pages the rest; building steps is a third of it) and about 4 GB of disk
@@ -53,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -68,7 +71,8 @@ from rollout_lens.server.store.db import make_engine, make_session_factory, sess
 from rollout_lens.server.store.migrate import upgrade
 from rollout_lens.server.store.models import RunSource, RunStatus
 from rollout_lens.server.webapp.app import create_app
-from sqlalchemy import JSON, Engine, LargeBinary, String, inspect, text
+from sqlalchemy import JSON, Engine, LargeBinary, String, create_engine, inspect, text
+from sqlalchemy.engine import make_url
 
 from bench.pages import PG_DEFAULT, chart_names, pg_database
 from bench.scale_data import ScaleRun, Shape, trl_table
@@ -622,7 +626,50 @@ class Plan:
     write_only: bool = False  # the write figures and the training thread's, then stop
 
 
-def run_bench(plan: Plan, folder: Path, pg: str | None) -> int:
+@contextmanager
+def kept_pg_database(server_url: str) -> Iterator[str]:
+    """A fresh database on that server, left there (--keep: its URL is printed, for --reuse)."""
+    name = f"rollout_lens_bench_{uuid.uuid4().hex[:10]}_kept"
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    kept = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    print(f"  PostgreSQL database kept: {kept}")
+    yield kept
+
+
+def reuse_bench(plan: Plan, sqlite_file: Path, pg: str | None) -> int:
+    """The pages alone, on the databases a --keep run of the same shape and --steps left at
+    --fill-to steps (the 1,000-step figures again without writing a step)."""
+    run = ScaleRun(plan.shape)
+    words = run.words.search_words(plan.steps * plan.shape.rollouts * plan.shape.tokens)
+    dbs = [
+        Database(
+            "SQLite",
+            f"sqlite:///{sqlite_file}",
+            make_engine(f"sqlite:///{sqlite_file}"),
+            1,
+            run.control_tokens,
+        )
+    ]
+    if pg:
+        dbs.append(Database("PostgreSQL", pg, make_engine(pg), 1, run.control_tokens))
+    for db in dbs:
+        upgrade(db.engine)
+    with make_session_factory(dbs[0].engine)() as session:
+        rollouts = int(session.execute(text("SELECT count(*) FROM rollouts")).scalar_one())
+    try:
+        errors = pages_section(dbs, run, plan, plan.fill_to, rollouts, words)
+    finally:
+        for db in dbs:
+            db.engine.dispose()
+    for error in errors:
+        print(f"ERROR {error}")
+    return 1 if errors else 0
+
+
+def run_bench(plan: Plan, folder: Path, pg: str | None, keep: bool = False) -> int:
     """Every section on SQLite (and PostgreSQL); 1 if a page answered an error."""
     shape = plan.shape
     started = time.perf_counter()
@@ -641,7 +688,7 @@ def run_bench(plan: Plan, folder: Path, pg: str | None) -> int:
     with ExitStack() as stack:
         dbs = [open_database("SQLite", f"sqlite:///{sqlite_file}", run, plan.fill_to)]
         if pg:
-            url = stack.enter_context(pg_database(pg))
+            url = stack.enter_context(kept_pg_database(pg) if keep else pg_database(pg))
             dbs.append(open_database("PostgreSQL", url, run, plan.fill_to))
         stack.callback(lambda: [db.engine.dispose() for db in dbs])
         print("\n== write: store.write_batch, one step a transaction (ms a step)")
@@ -752,6 +799,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=4.0, help="seconds a page, past 2 requests")
     parser.add_argument("--cache", type=Path, help="keep the databases and parquet files here")
     parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="with --cache: keep the PostgreSQL database too (its URL is printed), for --reuse",
+    )
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        metavar="SQLITE_FILE",
+        help="only the pages at --fill-to steps, on a --keep run's SQLite file (and --pg URL: its"
+        " kept database)",
+    )
+    parser.add_argument(
         "--write-only",
         action="store_true",
         help="the write figures and the training thread's beside a busy writer, then stop",
@@ -787,10 +846,14 @@ def main(argv: list[str] | None = None) -> int:
         budget=args.budget,
         write_only=args.write_only,
     )
+    if args.reuse is not None:
+        return reuse_bench(plan, args.reuse, args.pg)
+    if args.keep and args.cache is None:
+        parser.error("--keep needs --cache (the SQLite file is kept there)")
     with _folder(args.cache) as folder:
         if args.profile is not None:
             return profile_write(shape, folder, args.pg, args.profile)
-        return run_bench(plan, folder, args.pg)
+        return run_bench(plan, folder, args.pg, keep=args.keep)
 
 
 @contextmanager
