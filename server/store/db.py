@@ -21,7 +21,6 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-
 SQLITE_PAGE_SIZE = 32768  # bytes a page of a new SQLite file (SQLite's default: 4096)
 
 # The web app's pool. FastAPI runs each request's sync handler, with its session, on one of
