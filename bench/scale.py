@@ -32,6 +32,7 @@ stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
         [--fill-tokens 64] [--repeat 20] [--budget 4] [--cache DIR]
     .venv/bin/python -m bench.scale --write-only [--pg] [--steps 20]   # write figures, GIL
     .venv/bin/python -m bench.scale --profile [WARM] [--pg]   # cProfile of step WARM+1's write
+    .venv/bin/python -m bench.scale --text real --steps 10 --fill-to 10 [--pg]   # real text
     .venv/bin/python -m bench.scale --pg --cache DIR --keep   # leaves both databases there
     .venv/bin/python -m bench.scale --reuse DIR/scale-*/scale.db [--pg KEPT_URL]   # pages again
 
@@ -75,7 +76,7 @@ from sqlalchemy import JSON, Engine, LargeBinary, String, create_engine, inspect
 from sqlalchemy.engine import make_url
 
 from bench.pages import PG_DEFAULT, chart_names, pg_database
-from bench.scale_data import ScaleRun, Shape, trl_table
+from bench.scale_data import RealText, ScaleRun, Shape, trl_table, use_real_text
 
 QUICK = {"groups": 4, "tokens": 96, "steps": 4, "fill_to": 10, "fill_tokens": 16, "repeat": 2}
 WRITE_TARGET_MS = 300
@@ -624,6 +625,26 @@ class Plan:
     repeat: int
     budget: float  # seconds a page's requests may take beyond the first two
     write_only: bool = False  # the write figures and the training thread's, then stop
+    real_text: bool = False  # completions of real English and code in a real tokenizer's ids
+
+
+def real_text(run: ScaleRun) -> None:
+    """--text real: the run's completions become SmolLM2's ids of real English and code."""
+    from rollout_lens.trainer.builders import pretrained
+
+    cache = get_settings().model_cache_dir
+    assert cache is not None
+    if not pretrained.is_ready(cache):
+        raise SystemExit(
+            f"--text real needs the real model's tokenizer in {cache}: rollout-lens build-model --real"
+        )
+    real = RealText(str(pretrained.model_dir(cache)))
+    use_real_text(run, real)
+    print(
+        f"  real text: {len(real.english):,} ids of English (README, docs), {len(real.code):,}"
+        f" of Python (the standard library), {pretrained.LABEL}'s tokenizer; search words are"
+        " the synthetic run's (they may find nothing)"
+    )
 
 
 @contextmanager
@@ -674,6 +695,8 @@ def run_bench(plan: Plan, folder: Path, pg: str | None, keep: bool = False) -> i
     shape = plan.shape
     started = time.perf_counter()
     run = ScaleRun(shape)
+    if plan.real_text:
+        real_text(run)
     print(
         f"== data: {shape.groups} groups × {shape.group_size} rollouts × ~{shape.tokens:,} tokens,"
         f" {len(run.control_tokens)} control tokens, a {shape.vocab:,}-token vocabulary,"
@@ -799,6 +822,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=4.0, help="seconds a page, past 2 requests")
     parser.add_argument("--cache", type=Path, help="keep the databases and parquet files here")
     parser.add_argument(
+        "--text",
+        choices=("zipf", "real"),
+        default="zipf",
+        help="completions: Zipf draws over a synthetic vocabulary (zipf), or real English and code"
+        " in SmolLM2's ids (real; needs `rollout-lens build-model --real`)",
+    )
+    parser.add_argument(
         "--keep",
         action="store_true",
         help="with --cache: keep the PostgreSQL database too (its URL is printed), for --reuse",
@@ -845,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         repeat=pick("repeat", 20),
         budget=args.budget,
         write_only=args.write_only,
+        real_text=args.text == "real",
     )
     if args.reuse is not None:
         return reuse_bench(plan, args.reuse, args.pg)
