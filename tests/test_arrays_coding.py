@@ -31,9 +31,20 @@ def test_ids_come_back_exactly(n: int) -> None:
     ).astype(np.int64)
     ids[: min(n, 3)] = [0, 1, 2**31 - 1][: min(n, 3)]
     blob = arrays.encode_ids(ids)
-    assert blob[0] == arrays.BIT_LENGTH_CODED
+    assert blob[0] in (arrays.BIT_LENGTH_CODED, arrays.RAW_INT32, arrays.RAW_UINT16)
     assert arrays.decode_ids(blob) == ids.tolist()
     assert arrays.decode_ids(_old_ids(ids)) == ids.tolist()  # the older blobs are still read
+
+
+@pytest.mark.parametrize(("top", "kind"), [(50_000, "RAW_UINT16"), (150_000, "RAW_INT32")])
+def test_repeated_runs_of_ids_take_the_plain_coding(top: int, kind: str) -> None:
+    """Text repeats runs of tokens (code's indentation, a phrase): zstd's matches find them."""
+    rng = np.random.default_rng(top)
+    phrase = rng.integers(top // 2, top, 40)
+    ids = np.concatenate([phrase, rng.integers(0, top, 5)] * 20)
+    blob = arrays.encode_ids(ids)
+    assert blob[0] == getattr(arrays, kind)
+    assert arrays.decode_ids(blob) == ids.tolist()
 
 
 def test_negative_ids_come_back_too() -> None:
@@ -43,12 +54,16 @@ def test_negative_ids_come_back_too() -> None:
 
 def test_logprobs_read_back_as_the_older_blobs_did() -> None:
     rng = np.random.default_rng(1)
-    lp = -rng.exponential(rng.choice([0.01, 0.4, 2.5, 30.0], 5000))
+    lp = -rng.exponential(rng.choice([0.01, 0.4, 2.5], 5000))
     lp[:4] = [-math.inf, math.nan, 0.0, -1e-9]
     new, old = arrays.encode_logprobs(lp.tolist()), _old_logprobs(lp)
     got, was = arrays.decode_logprobs(new), arrays.decode_logprobs(old)
     assert new[0] == arrays.BIT_LENGTH_CODED and old[0] != arrays.BIT_LENGTH_CODED
+    assert len(new) < len(old)
     assert np.array_equal(np.asarray(got), np.asarray(was), equal_nan=True)
+    same = np.full(3000, -0.25)  # one value throughout: zstd's matches beat bit lengths
+    assert arrays.encode_logprobs(same.tolist()) == _old_logprobs(same)
+    assert arrays.decode_logprobs(arrays.encode_logprobs(same.tolist())) == [-0.25] * 3000
     # the batch encoder writes the same blobs as the one-rollout encoder
     ((ids, batch_lp, _),) = arrays.encode_rollouts([list(range(len(lp)))], [lp], [[]])
     assert batch_lp == new and arrays.decode_ids(ids) == list(range(len(lp)))
