@@ -127,9 +127,11 @@ def _decode_bits(data: bytes) -> np.ndarray:
     shifts = np.arange(most)
     inside = shifts[None, :] < tail[:, None]
     picked = bits[np.minimum(starts[:, None] + shifts[None, :], total - 1)] * inside
-    return lead | (picked.astype(np.uint32) << shifts.astype(np.uint32)).sum(
+    below: np.ndarray = (picked.astype(np.uint32) << shifts.astype(np.uint32)).sum(
         axis=1, dtype=np.uint32
     )
+    out: np.ndarray = lead | below
+    return out
 
 
 def _coded(data: bytes) -> bool:
