@@ -34,6 +34,7 @@ MAX_WORD_CHARS = 200  # a longer word is refused, not cut (the runs page's searc
 MAX_QUERY_CHARS = 4096  # the text of a query: room for MAX_WORDS words of MAX_WORD_CHARS
 MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
 MAX_PREFIX_WORDS = 20_000  # distinct words a prefix may stand for (PostgreSQL: their numbers)
+COMMON_FROM = 20_000  # PostgreSQL: a search matching this many rollouts walks the sort order
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
@@ -255,12 +256,7 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
         prompts = conn.execute(
             text(f"SELECT prompt_id FROM prompt_search s WHERE {condition}"), params
         ).scalars()
-        # A materialized CTE: the matches are read once through the GIN index (a plain
-        # `IN (…)` let the planner walk the run's rollouts and test each one's words)
-        rollouts = (
-            "r.id IN (WITH found AS MATERIALIZED (SELECT s.rollout_id FROM rollout_search s "
-            f"WHERE {condition}) SELECT rollout_id FROM found)"
-        )
+        rollouts, params = _postgres_rollouts(conn, terms)
     else:
         prompts = conn.execute(
             text("SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :q"), {"q": fts5_query(terms)}
@@ -281,7 +277,9 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
         )
     marks = ", ".join(f":prompt{i}" for i in range(len(prompt_ids)))
     params |= {f"prompt{i}": pid for i, pid in enumerate(prompt_ids)}
-    return f"({rollouts} OR r.prompt_id IN ({marks}))", params
+    # The prompts first: a row whose prompt has the words needs no look at its own (PostgreSQL
+    # builds the rollouts' side only when a row needs it: none when every prompt matches)
+    return f"(r.prompt_id IN ({marks}) OR {rollouts})", params
 
 
 def _prefix_end(prefix: str) -> str:
@@ -292,11 +290,17 @@ def _prefix_end(prefix: str) -> str:
 
 
 def _postgres_words(
-    conn: Connection, terms: Sequence[tuple[str, bool]]
+    conn: Connection, terms: Sequence[tuple[str, bool]], *, shown: bool = False
 ) -> tuple[str | None, dict[str, Any]]:
     """PostgreSQL: a condition on an int4[] of word numbers `s.words` that holds when it has
     every term — every whole word's number (@>) and, for each prefix, one of its words' numbers
-    (&&) — with its parameters; None when a term is no indexed word (nothing can match)."""
+    (&&) — with its parameters; None when a term is no indexed word (nothing can match).
+
+    The arrays are handed to the planner as the result of a sub-select, which it cannot see
+    into: it then reads the GIN index (its estimate of `&&` over a prefix's many numbers was
+    most of the table, and it scanned every row's words: seconds to minutes). With `shown`, the
+    whole words' array is a plain parameter, whose frequency the planner's statistics know (a
+    common word: it walks the sort order instead)."""
     whole = sorted({word for word, prefix in terms if not prefix})
     numbers = word_numbers_known(conn, whole)
     if len(numbers) < len(whole):
@@ -305,7 +309,8 @@ def _postgres_words(
     conditions = []
     if numbers:
         params["search_all"] = sorted(numbers.values())
-        conditions.append("s.words OPERATOR(pg_catalog.@>) CAST(:search_all AS integer[])")
+        every = "CAST(:search_all AS integer[])"
+        conditions.append(f"s.words OPERATOR(pg_catalog.@>) {every if shown else _hidden(every)}")
     for i, prefix in enumerate(sorted({word for word, prefix in terms if prefix})):
         found = (
             conn.execute(
@@ -326,8 +331,41 @@ def _postgres_words(
                 "give more of the word"
             )
         params[f"search_any{i}"] = sorted(found)
-        conditions.append(f"s.words OPERATOR(pg_catalog.&&) CAST(:search_any{i} AS integer[])")
+        one_of = _hidden(f"CAST(:search_any{i} AS integer[])")
+        conditions.append(f"s.words OPERATOR(pg_catalog.&&) {one_of}")
     return " AND ".join(conditions), params
+
+
+def _hidden(value: str) -> str:
+    """A value the planner reads as an unknown (a sub-select's), not as its constant."""
+    return f"(SELECT {value})"
+
+
+def _postgres_rollouts(
+    conn: Connection, terms: Sequence[tuple[str, bool]]
+) -> tuple[str, dict[str, Any]]:
+    """The rollouts half of match_sql on PostgreSQL. A probe first counts up to COMMON_FROM
+    matches through the GIN index: fewer, and the matches are read once through it (a
+    materialized CTE: a few index and heap reads); as many, and the condition is a correlated
+    EXISTS whose frequency the planner knows, so a page walks the sort order and stops at its
+    end instead of reading every match's row (tens of thousands)."""
+    condition, params = _postgres_words(conn, terms)
+    if condition is None:
+        return "0 = 1", {}
+    found = conn.execute(
+        text(
+            "SELECT count(*) FROM (SELECT 1 FROM rollout_search s "
+            f"WHERE {condition} LIMIT :probe) AS p"
+        ),
+        params | {"probe": COMMON_FROM},
+    ).scalar_one()
+    if found < COMMON_FROM:
+        return (
+            "r.id IN (WITH found AS MATERIALIZED (SELECT s.rollout_id FROM rollout_search s "
+            f"WHERE {condition}) SELECT rollout_id FROM found)"
+        ), params
+    shown, params = _postgres_words(conn, terms, shown=True)
+    return f"EXISTS (SELECT 1 FROM rollout_search s WHERE s.rollout_id = r.id AND {shown})", params
 
 
 def word_numbers_known(conn: Connection, found: Sequence[str]) -> dict[str, int]:
