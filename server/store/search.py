@@ -3,10 +3,9 @@
 SQLite: an FTS5 table per run (`rollout_fts_<run id>`, contentless: it holds the index, not the
 text, which the rollout's ids already hold), created with the run's first rollouts and dropped
 with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `search_words` numbers each
-distinct word once (its `word` in the "C" collation, so that a prefix is a range of its unique
-index), and `rollout_search` holds each rollout's words as a sorted int4[] of those numbers under
-a GIN index (stored out of line, so that the table's rows stay narrow for the id lookups of a
-common word's thousands of matches); `prompt_search` the same for each prompt. A word longer than
+distinct word once (its `word`, the primary key, in the "C" collation, so that a prefix is a
+range of that index), and `rollout_search` holds each rollout's words as a sorted int4[] of those
+numbers under a GIN index; `prompt_search` the same for each prompt. A word longer than
 MAX_WORD_CHARS, which no query may name whole, is numbered as its first MAX_WORD_CHARS
 characters and a `*` (no word has one), which only a prefix finds.
 
