@@ -249,13 +249,14 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
     terms = parse_query(q)
     postgres = conn.dialect.name == "postgresql"
     if postgres:
-        condition, params = _postgres_words(conn, terms)
-        if condition is None:
+        numbers = _postgres_terms(conn, terms)
+        if numbers is None:
             return "(0 = 1)", {}
         prompts = conn.execute(
-            text(f"SELECT prompt_id FROM prompt_search s WHERE {condition}"), params
+            text(f"SELECT prompt_id FROM prompt_search s WHERE {_words_condition(numbers)}"),
+            numbers,
         ).scalars()
-        rollouts, params = _postgres_rollouts(conn, terms)
+        rollouts, params = _postgres_rollouts(conn, numbers)
     else:
         prompts = conn.execute(
             text("SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :q"), {"q": fts5_query(terms)}
@@ -288,28 +289,19 @@ def _prefix_end(prefix: str) -> str:
     return prefix[:-1] + chr(0xE000 if 0xD800 <= after < 0xE000 else after)  # no surrogate
 
 
-def _postgres_words(
-    conn: Connection, terms: Sequence[tuple[str, bool]], *, shown: bool = False
-) -> tuple[str | None, dict[str, Any]]:
-    """PostgreSQL: a condition on an int4[] of word numbers `s.words` that holds when it has
-    every term — every whole word's number (@>) and, for each prefix, one of its words' numbers
-    (&&) — with its parameters; None when a term is no indexed word (nothing can match).
-
-    The arrays are handed to the planner as the result of a sub-select, which it cannot see
-    into: it then reads the GIN index (its estimate of `&&` over a prefix's many numbers was
-    most of the table, and it scanned every row's words: seconds to minutes). With `shown`, the
-    whole words' array is a plain parameter, whose frequency the planner's statistics know (a
-    common word: it walks the sort order instead)."""
+def _postgres_terms(
+    conn: Connection, terms: Sequence[tuple[str, bool]]
+) -> dict[str, list[int]] | None:
+    """PostgreSQL: the terms' word numbers as parameters — `search_all` every whole word's,
+    `search_any<i>` those of each prefix's words — or None when a term is no indexed word
+    (nothing can match)."""
     whole = sorted({word for word, prefix in terms if not prefix})
     numbers = word_numbers_known(conn, whole)
     if len(numbers) < len(whole):
-        return None, {}
-    params: dict[str, Any] = {}
-    conditions = []
+        return None
+    params: dict[str, list[int]] = {}
     if numbers:
         params["search_all"] = sorted(numbers.values())
-        every = "CAST(:search_all AS integer[])"
-        conditions.append(f"s.words OPERATOR(pg_catalog.@>) {every if shown else _hidden(every)}")
     for i, prefix in enumerate(sorted({word for word, prefix in terms if prefix})):
         found = (
             conn.execute(
@@ -323,16 +315,34 @@ def _postgres_words(
             .all()
         )
         if not found:
-            return None, {}
+            return None
         if len(found) > MAX_PREFIX_WORDS:
             raise InvalidInput(
                 f"q: {prefix}* stands for more than {MAX_PREFIX_WORDS:,} words; "
                 "give more of the word"
             )
         params[f"search_any{i}"] = sorted(found)
-        one_of = _hidden(f"CAST(:search_any{i} AS integer[])")
-        conditions.append(f"s.words OPERATOR(pg_catalog.&&) {one_of}")
-    return " AND ".join(conditions), params
+    return params
+
+
+def _words_condition(params: dict[str, list[int]], *, shown: bool = False) -> str:
+    """A condition on an int4[] of word numbers `s.words` that holds when it has every term of
+    these parameters (_postgres_terms): every whole word's number (@>) and one of each prefix's
+    (&&).
+
+    The arrays are handed to the planner as the result of a sub-select, which it cannot see
+    into: it then reads the GIN index (its estimate of `&&` over a prefix's many numbers was
+    most of the table, and it scanned every row's words, each against each of the prefix's
+    numbers: seconds to minutes, and 0.1 s on a few hundred prompts). `shown` hands them over as
+    they are, for a frequency the planner's statistics know (a common word: it walks the sort
+    order instead)."""
+    out = []
+    for name in params:
+        value = f"CAST(:{name} AS integer[])"
+        value = value if shown else _hidden(value)
+        op = "@>" if name == "search_all" else "&&"
+        out.append(f"s.words OPERATOR(pg_catalog.{op}) {value}")
+    return " AND ".join(out)
 
 
 def _hidden(value: str) -> str:
@@ -341,30 +351,32 @@ def _hidden(value: str) -> str:
 
 
 def _postgres_rollouts(
-    conn: Connection, terms: Sequence[tuple[str, bool]]
+    conn: Connection, params: dict[str, list[int]]
 ) -> tuple[str, dict[str, Any]]:
-    """The rollouts half of match_sql on PostgreSQL. A probe first counts up to COMMON_FROM
-    matches through the GIN index: fewer, and the matches are read once through it (a
-    materialized CTE: a few index and heap reads); as many, and the condition is a correlated
-    EXISTS whose frequency the planner knows, so a page walks the sort order and stops at its
-    end instead of reading every match's row (tens of thousands)."""
-    condition, params = _postgres_words(conn, terms)
-    if condition is None:
-        return "0 = 1", {}
-    found = conn.execute(
-        text(
-            "SELECT count(*) FROM (SELECT 1 FROM rollout_search s "
-            f"WHERE {condition} LIMIT :probe) AS p"
-        ),
-        params | {"probe": COMMON_FROM},
-    ).scalar_one()
-    if found < COMMON_FROM:
-        return (
-            "r.id IN (WITH found AS MATERIALIZED (SELECT s.rollout_id FROM rollout_search s "
-            f"WHERE {condition}) SELECT rollout_id FROM found)"
-        ), params
-    shown, params = _postgres_words(conn, terms, shown=True)
-    return f"EXISTS (SELECT 1 FROM rollout_search s WHERE s.rollout_id = r.id AND {shown})", params
+    """The rollouts half of match_sql on PostgreSQL. The matches' rollout ids are read once
+    through the GIN index, up to COMMON_FROM: fewer, and the condition is those ids (the count
+    and the page then read no index of words again); as many, and it is a correlated EXISTS
+    whose frequency the planner knows, so a page walks the sort order and stops at its end
+    instead of reading every match's row (tens of thousands)."""
+    found = (
+        conn.execute(
+            text(
+                f"SELECT s.rollout_id FROM rollout_search s WHERE {_words_condition(params)} "
+                "LIMIT :probe"
+            ),
+            params | {"probe": COMMON_FROM},
+        )
+        .scalars()
+        .all()
+    )
+    if len(found) < COMMON_FROM:
+        if not found:
+            return "0 = 1", {}
+        return "r.id = ANY(CAST(:search_ids AS integer[]))", {"search_ids": sorted(found)}
+    shown = _words_condition(params, shown=True)
+    return f"EXISTS (SELECT 1 FROM rollout_search s WHERE s.rollout_id = r.id AND {shown})", dict(
+        params
+    )
 
 
 def word_numbers_known(conn: Connection, found: Sequence[str]) -> dict[str, int]:
