@@ -20,7 +20,8 @@ from rollout_lens.server.webapp.http.ratelimit import FailureLimiter
 from rollout_lens.server.webapp.http.security import Guard
 from rollout_lens.server.webapp.http.templating import STATIC_DIR, make_templates
 from rollout_lens.server.webapp.http.timing import ServerTiming
-from rollout_lens.server.webapp.routes import actions, api, downloads, html, signin
+from rollout_lens.server.webapp.ingest import Ingest
+from rollout_lens.server.webapp.routes import actions, api, downloads, html, record, signin
 from rollout_lens.server.webapp.sweeper import SWEEP_SECONDS, sweep_lost_runs
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -104,6 +105,7 @@ def create_app(
     app.state.alert_cache = ResponseCache(ALERT_CACHE_SIZE if cache_size else 0)
     # Each run's part of a compare page (its rounded charts and summary, ~15 KB), per version.
     app.state.compare_cache = ResponseCache(COMPARE_CACHE_SIZE if cache_size else 0)
+    app.state.ingest = Ingest(session_factory, price_per_hour=settings.price_per_device_hour)
     app.state.templates = make_templates()
     app.state.flash_signer = make_signer()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -112,6 +114,7 @@ def create_app(
     app.include_router(actions.router)
     app.include_router(downloads.router)
     app.include_router(signin.router)
+    app.include_router(record.router)
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, handle_error)
     publish_error_shapes(app)
