@@ -44,7 +44,7 @@ from rollout_lens.server.exchange.bounds import MAX_INT32, MAX_TOKENS, check_dep
 from rollout_lens.server.store import arrays
 
 MAGIC = b"RLW1"
-CONTENT_TYPE = "application/vnd.rollout-lens.steps"
+CONTENT_TYPE = "application/octet-stream"  # the body starts with MAGIC
 WIRE_VERSION = "1"
 MAX_REQUEST_TOKENS = 4 * 2**20  # token positions of one request (its arrays are held decoded)
 MAX_STEPS = 256  # steps of one request

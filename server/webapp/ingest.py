@@ -170,8 +170,7 @@ class Ingest:
                 kept.writer.reset()  # another process wrote to it: rebuilt from the database
             fresh = [r for r in received if r.record.step not in already]
             if fresh:
-                recorder = self._recorder(kept.writer)
-                texts = recorder.token_texts
+                texts = kept.writer.token_texts(self.engine)
 
                 def known(ids: Sequence[int]) -> dict[int, str]:
                     return {i: t for i in ids if (t := texts.get(i)) is not None}
@@ -210,12 +209,3 @@ class Ingest:
                     self._kept.popitem(last=False)
             self._kept.move_to_end(run_id)
             return kept
-
-    def _recorder(self, writer: store.RunWriter) -> store.Recorder:
-        if writer.recorder is None:
-            with self.engine.connect() as conn:
-                writer.recorder = store.Recorder(
-                    conn, run_id=writer.run_id, control_tokens=writer.control_tokens
-                )
-                conn.rollback()
-        return writer.recorder

@@ -38,11 +38,11 @@ REQUEST_BYTES = 16 * 2**20  # a request's frames, at most (the dashboard's cap i
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 
 
-class Away(Exception):
+class DashboardAway(Exception):
     """The dashboard cannot take the steps now (retried with the writer's backoff)."""
 
 
-class Refused(Exception):
+class DashboardRefused(Exception):
     """The dashboard will not take them at all (a wrong token, a run that is gone)."""
 
 
@@ -96,11 +96,11 @@ class RemoteStepWriter(StepWriter):
         try:
             response = self._client().post(path, **kwargs)
         except httpx.HTTPError as exc:  # connection refused or cut, a timeout
-            raise Away(f"{type(exc).__name__}: {exc}") from exc
+            raise DashboardAway(f"{type(exc).__name__}: {exc}") from exc
         if response.status_code == 429 or response.status_code >= 500:
-            raise Away(f"HTTP {response.status_code}: {_detail(response)}")
+            raise DashboardAway(f"HTTP {response.status_code}: {_detail(response)}")
         if response.status_code in (401, 403, 404, 409):
-            raise Refused(f"HTTP {response.status_code}: {_detail(response)}")
+            raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
         return response
 
     # -- the writer's steps, over HTTP -----------------------------------------------------------
@@ -112,10 +112,10 @@ class RemoteStepWriter(StepWriter):
             while self._buffer:
                 self._send_batch()
             self._report_remote_drops()
-        except Away as exc:
+        except DashboardAway as exc:
             self._went_down(exc)
             return False
-        except Refused as exc:
+        except DashboardRefused as exc:
             self._fail(exc)
             return False
         except Exception as exc:  # noqa: BLE001 - recording stops, training goes on
@@ -137,7 +137,7 @@ class RemoteStepWriter(StepWriter):
             headers={"content-type": "application/json"},
         )
         if response.status_code not in (200, 201):
-            raise Refused(f"HTTP {response.status_code}: {_detail(response)}")
+            raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
         self.run_id = int(response.json()["id"])
         log.info("Rollout Lens: recording run %d (%s) at %s", self.run_id, spec.name, self.url)
 
@@ -195,7 +195,7 @@ class RemoteStepWriter(StepWriter):
         if response.status_code in (413, 422):
             self._refuse(batch[0], _detail(response))
             return
-        raise Refused(f"HTTP {response.status_code}: {_detail(response)}")
+        raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
 
     def _refuse(self, pending: Pending, why: str) -> None:
         self.dropped_steps += 1
@@ -234,7 +234,7 @@ class RemoteStepWriter(StepWriter):
             return
         try:
             self._post(f"/api/record/runs/{self.run_id}/heartbeat", json={})
-        except (Away, Refused) as exc:
+        except (DashboardAway, DashboardRefused) as exc:
             self._went_down(exc)
 
     def _finish(self) -> None:
@@ -252,7 +252,7 @@ class RemoteStepWriter(StepWriter):
                     "dropped_rollouts": drops[1],
                 },
             )
-        except (Away, Refused) as exc:
+        except (DashboardAway, DashboardRefused) as exc:
             log.warning("Rollout Lens: could not mark run %s finished: %s", self.run_id, exc)
 
     def _dispose(self) -> None:

@@ -76,6 +76,38 @@ class Finish(Alive):
     status: RunStatus = RunStatus.completed
     error: str | None = Field(None, max_length=20_000)
 
+    @field_validator("status")
+    @classmethod
+    def _ended(cls, value: RunStatus) -> RunStatus:
+        if value in (RunStatus.queued, RunStatus.running):
+            raise ValueError("a run ends completed, failed, cancelled or lost")
+        return value
+
+
+class WireRefusal(BaseModel):
+    detail: str
+    field: str | None = Field(None, description="what is at fault: `steps[2].rollouts[17].ids`")
+    errors: list[dict[str, Any]] | dict[str, Any] | None = None  # a query parameter's
+
+
+class RecordedRun(BaseModel):
+    id: int
+    name: str
+    url: str = Field(description="the run's page")
+    created: bool = Field(description="false: the run this key created before")
+
+
+class Written(BaseModel):
+    run_id: int
+    written: list[int] = Field(description="the steps written by this request")
+    already: list[int] = Field(description="steps the run had already (not written again)")
+    rollouts: int
+
+
+class Acknowledged(BaseModel):
+    run_id: int
+    status: str | None = None
+
 
 def _ingest(request: Request) -> Ingest:
     ingest: Ingest = request.app.state.ingest
@@ -101,8 +133,8 @@ def _dropped(steps: int | None, rollouts: int | None) -> tuple[int, int] | None:
     "/runs",
     summary="Create (or find) a recorded run",
     responses={
-        200: {"description": "The run this key created before"},
-        201: {"description": "The run, created running"},
+        200: {"description": "The run this key created before", "model": RecordedRun},
+        201: {"description": "The run, created running", "model": RecordedRun},
         403: {"description": "The key's run belongs to another token"},
     },
 )
@@ -128,12 +160,12 @@ def create_run(request: Request, body: RecordRun) -> Response:
         }
     },
     responses={
-        200: {"description": "Steps written (`written`) and those the run had (`already`)"},
+        200: {"description": "Steps written and those the run had already", "model": Written},
         403: {"description": "A run this token did not create"},
         404: {"description": "No such run"},
         409: {"description": "The run has finished: it records nothing more"},
         413: {"description": "The body is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
-        422: {"description": "A field of the body is invalid (`field` names it)"},
+        422: {"description": "A field of the body is invalid", "model": WireRefusal},
         503: {"description": "The database is busy or away, or a write raced: retry"},
     },
 )
@@ -164,7 +196,11 @@ async def record_steps(
     return JSONResponse(answer)
 
 
-@router.post("/runs/{run_id}/heartbeat", summary="A recorder is alive (and what it dropped)")
+@router.post(
+    "/runs/{run_id}/heartbeat",
+    summary="Say a recorder is alive (and what it dropped)",
+    responses={200: {"model": Acknowledged}},
+)
 def heartbeat(request: Request, run_id: RunPath, body: Alive | None = None) -> Response:
     body = body or Alive(dropped_steps=None, dropped_rollouts=None)
     try:
@@ -176,10 +212,12 @@ def heartbeat(request: Request, run_id: RunPath, body: Alive | None = None) -> R
     return JSONResponse({"run_id": run_id})
 
 
-@router.post("/runs/{run_id}/finish", summary="A recorded run has ended")
+@router.post(
+    "/runs/{run_id}/finish",
+    summary="End a recorded run",
+    responses={200: {"model": Acknowledged}},
+)
 def finish(request: Request, run_id: RunPath, body: Finish) -> Response:
-    if body.status in (RunStatus.queued, RunStatus.running):
-        return _refused(422, "status: a run ends completed, failed, cancelled or lost")
     ingest, caller = _ingest(request), _caller(request)
     try:
         ingest.heartbeat(
