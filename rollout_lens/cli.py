@@ -14,7 +14,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from rollout_lens import cli_dumps, cli_exchange, cli_rollouts, demo
+from rollout_lens.cli_remote import add_remote_options, remote_client
 from rollout_lens.cli_runconfig import add_config_options, config_values
+from rollout_lens.client import ClientError
 from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings, get_settings
 from rollout_lens.server.core.errors import RolloutLensError
@@ -37,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args, settings) or 0)
     except RolloutLensError as exc:
         return _fail(str(exc))
+    except ClientError as exc:  # a dashboard read by --url refused or could not be reached
+        return _fail(printable(str(exc)), status=1)
     except OperationalError as exc:
         if not _is_locked(exc):
             raise
@@ -69,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     runs = sub.add_parser("runs", help="list runs")
     runs.add_argument("--format", choices=["table", "json"], default="table")
+    add_remote_options(runs)
     runs.set_defaults(handler=_runs)
 
     cli_exchange.add_commands(sub)  # export, import
@@ -195,9 +200,29 @@ def migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
     return engine, make_session_factory(engine)
 
 
+def no_database_here(settings: Settings) -> str | None:
+    """Why reading the local database makes no sense: an SQLite file that does not exist (a
+    read creates nothing)."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.database_url)
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return None
+    if Path(url.database).exists():
+        return None
+    return (
+        f"no Rollout Lens database here: {url.database} does not exist. Run this in the folder "
+        "where runs were recorded, point ROLLOUT_LENS_DATABASE_URL at a database, or read a "
+        "dashboard with --url URL (ROLLOUT_LENS_URL)"
+    )
+
+
 def open_factory(settings: Settings):  # type: ignore[no-untyped-def]
     from rollout_lens.server.store.migrate import ensure_current
 
+    problem = no_database_here(settings)
+    if problem:
+        raise RolloutLensError(problem)
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     ensure_current(engine)
     return engine, make_session_factory(engine)
@@ -243,9 +268,15 @@ def _train(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _runs(args: argparse.Namespace, settings: Settings) -> int:
-    engine, factory = open_factory(settings)
-    with session_scope(factory) as session:
-        runs = [run_dict(r) for r in store.list_runs(session)]
+    lens = remote_client(args, settings)
+    if lens is not None:
+        with lens:
+            runs = lens.runs()
+    else:
+        engine, factory = open_factory(settings)
+        with session_scope(factory) as session:
+            runs = [run_dict(r) for r in store.list_runs(session)]
+        engine.dispose()
     if args.format == "json":
         print(json.dumps(runs, indent=2))
         return 0

@@ -120,7 +120,8 @@ def test_a_script_records_into_a_dashboard_killed_and_restarted_mid_run(
 def _steps(port: int) -> int:
     try:
         runs = httpx.get(
-            f"http://127.0.0.1:{port}/api/runs", headers={"authorization": f"Bearer {FULL}"},
+            f"http://127.0.0.1:{port}/api/runs",
+            headers={"authorization": f"Bearer {FULL}"},
             timeout=2,
         ).json()["runs"]
     except (httpx.HTTPError, ValueError, KeyError):

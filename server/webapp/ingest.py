@@ -141,6 +141,29 @@ class Ingest:
         with self._lock:
             self._kept.pop(run_id, None)
 
+    def import_file(self, data: bytes, *, name: str | None, moved: bool) -> dict[str, Any]:
+        """An export file (JSONL or Parquet) sent whole: imported as `rollout-lens import` does,
+        in one transaction (server.exchange.importer)."""
+        import tempfile
+        from pathlib import Path
+
+        from rollout_lens.server.core.errors import InvalidInput
+        from rollout_lens.server.exchange.importer import import_export
+
+        with tempfile.TemporaryDirectory(prefix="rollout-lens-import-") as folder:
+            path = Path(folder) / "upload"
+            path.write_bytes(data)
+            try:
+                done = import_export(self.factory, path, name=name, moved=moved)
+            except InvalidInput as exc:
+                raise InvalidInput(str(exc).replace(str(path), "the uploaded file")) from None
+        return {
+            "id": done.run_id,
+            "name": done.name,
+            "steps": done.steps,
+            "rollouts": done.rollouts,
+        }
+
     # -- steps -----------------------------------------------------------------------------------
 
     def write(

@@ -85,7 +85,8 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 PUBLIC_PREFIXES = ("/static/", "/login", "/logout")  # reachable without a token
 MAX_BODY_BYTES = 1 << 20  # the largest body of a POST, PUT, PATCH or DELETE (the API and forms)
 RECORD_PREFIX = "/api/record/"  # recording over HTTP: full or recording tokens
-RECORD_STEPS = re.compile(r"^/api/record/runs/[^/]+/steps$")  # bodies up to record_max_bytes
+# bodies up to record_max_bytes: a batch of steps, an export file to import
+RECORD_STEPS = re.compile(r"^/api/record/(runs/[^/]+/steps|import)$")
 log = logging.getLogger(__name__)
 
 

@@ -196,6 +196,42 @@ async def record_steps(
     return JSONResponse(answer)
 
 
+class ImportedRun(BaseModel):
+    id: int
+    name: str
+    steps: int
+    rollouts: int
+    url: str = Field(description="the run's page")
+
+
+@router.post(
+    "/import",
+    summary="Import an export file (JSONL or Parquet)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        }
+    },
+    responses={
+        201: {"description": "The run it created", "model": ImportedRun},
+        400: {"description": "The file is damaged (the line is named); nothing was created"},
+        413: {"description": "The file is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
+    },
+)
+async def import_file(
+    request: Request,
+    name: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+    moved: Annotated[bool, Query(description="a TRL or verl import made elsewhere")] = False,
+) -> Response:
+    data = await request.body()
+    done = await run_in_threadpool(_ingest(request).import_file, data, name=name, moved=moved)
+    url = str(request.app.url_path_for("run_page", run_id=done["id"]))
+    return JSONResponse(done | {"url": url}, status_code=201)
+
+
 @router.post(
     "/runs/{run_id}/heartbeat",
     summary="Say a recorder is alive (and what it dropped)",
