@@ -353,7 +353,7 @@ def serve_dashboard(
     from rollout_lens.server.webapp.app import create_app, prepare_database
     from rollout_lens.server.webapp.http.security import is_loopback_host
 
-    settings = _served_settings(settings, args.host)
+    settings = _served_settings(settings, args.host, args.port)
     proxy_headers = bool(getattr(args, "proxy_headers", False))
     allow_ips = getattr(args, "forwarded_allow_ips", None)
     if allow_ips and not proxy_headers:
@@ -492,16 +492,19 @@ def _announce_when_listening(host: str, port: int, lines: Sequence[str]) -> None
     threading.Thread(target=wait_then_print, name="announce", daemon=True).start()
 
 
-def _served_settings(settings: Settings, host: str) -> Settings:
+def _served_settings(settings: Settings, host: str, port: int = 8000) -> Settings:
     """The settings with the host served on among the allowed host names (and, on every
-    interface, this machine's own names)."""
+    interface, this machine's own names), and the address alert webhooks link to."""
     import socket
 
     names = [host]
     if host in ("0.0.0.0", "::", ""):
         names = [socket.gethostname(), socket.getfqdn()]
     extra = ",".join([settings.allowed_hosts, *names])
-    return settings.model_copy(update={"allowed_hosts": extra})
+    shown = names[0] if host not in ("0.0.0.0", "::", "") else socket.getfqdn()
+    shown = f"[{shown}]" if ":" in shown else shown
+    public = settings.public_url or f"http://{shown}:{port}"
+    return settings.model_copy(update={"allowed_hosts": extra, "public_url": public})
 
 
 def _build_model(args: argparse.Namespace, settings: Settings) -> int:
