@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,11 @@ ALL_TOKENS = 2**31 - 1
 UNKNOWN_NAME = 422  # what GET /api/runs/{id}/series answers a name it does not know
 
 
+def no_cookies() -> CookieJar:
+    """A cookie jar that keeps none."""
+    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+
+
 class ClientError(Exception):
     """The server answered with an error (`status`), or could not be reached (`status` None)."""
 
@@ -50,7 +56,11 @@ class Client:
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        # No cookies kept: a script is no browser (the dashboard's CSRF cookie, sent back, would
+        # make its POSTs look like a browser's, which need the form's CSRF token).
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=timeout, cookies=no_cookies()
+        )
 
     def close(self) -> None:
         """Close the connection pool."""

@@ -391,3 +391,20 @@ def _wait(condition: Any, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_a_dashboard_without_tokens_takes_a_recorder_without_one(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """No token set anywhere (a loopback dashboard): recording is open, as every change is; the
+    writer keeps no cookies, so its POSTs are not taken for a browser's (CSRF)."""
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    with serve_app(create_app(Settings(database_url=url), session_factory=session_factory)) as base:
+        writer = _remote(base, token=None)
+        for step in (1, 2, 3):
+            writer.put(_step(step))
+            time.sleep(0.2)  # across requests: the dashboard's CSRF cookie comes back each time
+        assert writer.close(timeout=30)
+    assert writer.run_id is not None and writer.written_steps == 3
+    run, _, steps, _ = load_run(url, writer.run_id)
+    assert [s.step for s in steps] == [1, 2, 3] and run.recorded_by is None

@@ -18,6 +18,7 @@ import logging
 import socket
 import uuid
 from dataclasses import asdict
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
 import httpx
@@ -74,6 +75,7 @@ class RemoteStepWriter(StepWriter):
         self._frames: dict[int, wire.Encoded] = {}  # id(pending) → its coded frame
         self._drops_seen = (0, 0)
         self._refusals = 0
+        self.sent_bytes = 0  # request bodies of steps the dashboard took
         super().__init__(
             policy=BufferAndDrop(max_bytes=max_bytes),
             database_url=self.url,
@@ -89,7 +91,12 @@ class RemoteStepWriter(StepWriter):
             headers = {"user-agent": "rollout-lens-recorder"}
             if self.token:
                 headers["authorization"] = f"Bearer {self.token}"
-            self._http = httpx.Client(base_url=self.url, headers=headers, timeout=TIMEOUT)
+            # no cookies kept: sent back, the dashboard's CSRF cookie would make these POSTs a
+            # browser's (which need the form's CSRF token)
+            jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+            self._http = httpx.Client(
+                base_url=self.url, headers=headers, timeout=TIMEOUT, cookies=jar
+            )
         return self._http
 
     def _post(self, path: str, **kwargs: Any) -> httpx.Response:
@@ -173,14 +180,16 @@ class RemoteStepWriter(StepWriter):
             size += len(encoded.frame)
             tokens += encoded.tokens
         drops = self._drop_counts()
+        content = wire.body(f.frame for f in frames)
         response = self._post(
             f"/api/record/runs/{self.run_id}/steps",
-            content=wire.body(f.frame for f in frames),
+            content=content,
             headers={"content-type": wire.CONTENT_TYPE},
             params={"dropped_steps": drops[0], "dropped_rollouts": drops[1]},
         )
         if response.status_code == 200:
             answer = response.json()
+            self.sent_bytes += len(content)
             self._drops_seen = drops
             for f in frames:
                 self._acked = np.union1d(self._acked, f.new_ids)
