@@ -130,7 +130,7 @@ def _trainer(args: tuple[str, int, dict[str, Any], int, int]) -> dict[str, Any]:
         "started": started,
         "ended": max(done) if done else time.perf_counter(),
         "bytes": writer.sent_bytes,
-        "written": writer.written_steps,
+        "written": len(done),  # acknowledged (written by a request, or found by its retry)
         "dropped": (writer.dropped_steps, writer.dropped_rollouts),
         "rollouts": sum(len(r.rollouts) for r in records),
     }
@@ -185,6 +185,25 @@ def _check(db: str, results: list[dict[str, Any]], steps: int, per_step: int) ->
                 doubled += max(0, n - per_step)
     engine.dispose()
     return lost, doubled
+
+
+def _database_bytes(db: str) -> int:
+    """The whole database's bytes: PostgreSQL's tables with TOAST and indexes, or the file."""
+    from rollout_lens.server.store.db import make_engine
+    from sqlalchemy import text
+
+    if db.startswith("sqlite"):
+        return Path(db.removeprefix("sqlite:///")).stat().st_size
+    engine = make_engine(db)
+    with engine.connect() as conn:
+        total = conn.execute(
+            text(
+                "SELECT sum(pg_total_relation_size(c.oid)) FROM pg_class c JOIN pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relkind = 'r'"
+            )
+        ).scalar()
+    engine.dispose()
+    return int(total or 0)
 
 
 def _store_bytes(db: str, run_id: int, step: int) -> int:
@@ -274,13 +293,15 @@ def main(argv: list[str] | None = None) -> int:
             f"  lost: {lost}, doubled: {doubled} (steps and rollouts read back; dropped by the "
             f"writers: {sum(d[0] for d in dropped)} steps, {sum(d[1] for d in dropped)} rollouts)"
         )
-        first = results[0]
-        stored = _store_bytes(db, first["run_id"], 1)
-        wire_per_step = first["bytes"] / max(first["written"], 1)
+        rollouts = max(1, written * per_step)
+        wire_each = sent / rollouts  # the requests the dashboard took, over every run
+        arrays_each = _store_bytes(db, results[0]["run_id"], 1) / per_step
+        whole_each = _database_bytes(db) / rollouts
         print(
-            f"  the wire: {wire_per_step / per_step / 1024:.2f} KB a rollout (whole request), "
-            f"the store's rollout_data: {stored / per_step / 1024:.2f} KB a rollout; ratio "
-            f"{wire_per_step / max(stored, 1):.2f}"
+            f"  the wire: {wire_each / 1024:.2f} KB a rollout (whole requests); the store: "
+            f"{arrays_each / 1024:.2f} KB a rollout of arrays and text in rollout_data, "
+            f"{whole_each / 1024:.2f} KB of the whole database (tables, indexes, search); "
+            f"wire ÷ store {wire_each / whole_each:.2f}"
         )
         for name, values in pages.items():
             target = PAGE_TARGET_MS[name]

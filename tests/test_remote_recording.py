@@ -150,6 +150,11 @@ def test_a_retry_after_a_lost_answer_writes_nothing_twice(
         path = f"/api/record/runs/{run_id}/steps"
         sent = http.post(path, content=body)
         resent = http.post(path, content=body)  # the same steps: the answer was lost
+        # a retry names its steps: those the run has are answered without decoding the body
+        named = http.post(path, content=b"not decoded", params={"steps": "1,2"})
+        assert named.status_code == 200 and named.json()["already"] == [1, 2], named.text
+        partly = http.post(path, content=b"decoded", params={"steps": "2,3"})
+        assert partly.status_code == 422 and partly.json()["field"] == "body"
     assert sent.status_code == 200 and sent.json()["written"] == [1, 2]
     assert resent.status_code == 200, resent.text
     assert resent.json()["written"] == [] and resent.json()["already"] == [1, 2]

@@ -39,6 +39,7 @@ import pyarrow as pa
 import zstandard
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
+from rollout_lens.server.core.textsafe import storable
 from rollout_lens.server.core.tokentext import TEXT_RULES
 from rollout_lens.server.exchange.bounds import MAX_INT32, MAX_TOKENS, check_depth
 from rollout_lens.server.store import arrays
@@ -244,6 +245,11 @@ class ReceivedRollout(RolloutRecord):
     @property
     def sum_logprob(self) -> float | None:
         return self.received_sum
+
+    def set_tokens(self, pieces: list[str]) -> None:
+        """Its tokens' texts, each made storable already when its piece was read (`_pieces`):
+        not scanned again position by position."""
+        object.__setattr__(self, "tokens", pieces)
 
 
 def decode_body(
@@ -486,7 +492,7 @@ def _pieces(table: pa.Table, where: str) -> dict[int, str]:
         _int(token_id, f"{where}[{i}].id", low=0)
         if text is None or len(text) > MAX_PIECE_CHARS:
             raise WireInvalid(f"{where}[{i}].piece", "missing or too long")
-        out.setdefault(token_id, text)
+        out.setdefault(token_id, storable(text))
     return out
 
 
@@ -507,32 +513,47 @@ def complete_tokens(
     for step in received:
         for token_id, text in step.pieces.items():
             texts.setdefault(token_id, text)
-    wanted: set[int] = set()
-    for step in received:
-        for r, needs in zip(step.record.rollouts, step.needs_tokens, strict=True):
-            if needs:
-                wanted.update(np.unique(r.completion_ids).tolist())
-    missing = [i for i in wanted if i not in texts]
+    chosen = [
+        (s, i, r)
+        for s, step in enumerate(received)
+        for i, (r, needs) in enumerate(zip(step.record.rollouts, step.needs_tokens, strict=True))
+        if needs
+    ]
+    if not chosen:
+        return
+    every = np.concatenate([r.completion_ids for _, _, r in chosen])
+    distinct, inverse = np.unique(every, return_inverse=True)
+    missing = [i for i in distinct.tolist() if i not in texts]
     if missing:
         for token_id, text in known(missing).items():
             texts.setdefault(token_id, text)
-    for s, step in enumerate(received):
-        for i, (r, needs) in enumerate(zip(step.record.rollouts, step.needs_tokens, strict=True)):
-            if not needs:
-                continue
-            try:
-                pieces = [texts[t] for t in r.completion_ids.tolist()]
-            except KeyError as exc:
-                raise WireInvalid(
-                    f"steps[{s}].rollouts[{i}].ids",
-                    f"token id {exc.args[0]} has no piece (sent neither now nor before)",
-                ) from None
+    table = np.empty(len(distinct), dtype=object)
+    absent: int | None = None
+    for k, token_id in enumerate(distinct.tolist()):
+        piece = texts.get(token_id)
+        if piece is None and absent is None:
+            absent = token_id
+        table[k] = piece
+    pieces_all = table[inverse]
+    at = 0
+    for s, i, r in chosen:
+        n = len(r.completion_ids)
+        pieces: list[str] = pieces_all[at : at + n].tolist()
+        at += n
+        if absent is not None and any(p is None for p in pieces):
+            raise WireInvalid(
+                f"steps[{s}].rollouts[{i}].ids",
+                "a token id with no piece (sent neither now nor before)",
+            )
+        if isinstance(r, ReceivedRollout):
+            r.set_tokens(pieces)
+        else:
             r.tokens = pieces
-            rule = r.text_rule if isinstance(r, ReceivedRollout) else None
-            if rule is not None:
-                try:
-                    r.completion = arrays.rebuild_from_pieces(rule, pieces)
-                except (ValueError, UnicodeError):
-                    raise WireInvalid(
-                        f"steps[{s}].rollouts[{i}].text_rule", "does not rebuild a text"
-                    ) from None
+        rule = r.text_rule if isinstance(r, ReceivedRollout) else None
+        if rule is not None:
+            try:
+                r.completion = arrays.rebuild_from_pieces(rule, pieces)
+            except (ValueError, UnicodeError):
+                raise WireInvalid(
+                    f"steps[{s}].rollouts[{i}].text_rule", "does not rebuild a text"
+                ) from None

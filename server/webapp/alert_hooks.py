@@ -15,15 +15,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
-import httpx
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import AlertRow, RunRow
 from rollout_lens.server.webapp.pages.page_context import alert_rollouts
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:
+    import httpx
 
 POLL_SECONDS = 2.0
 RETRY_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0)  # waits between the attempts at one URL
@@ -98,7 +100,7 @@ def _send(
             sleep(RETRY_SECONDS[attempt - 1])
         try:
             response = client.post(url, json=body)
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # noqa: BLE001 - httpx.HTTPError and kin: said, and retried
             why = f"{type(exc).__name__}: {exc}"
             continue
         if response.status_code < 300:
@@ -114,6 +116,8 @@ def deliver_waiting(factory: sessionmaker[Session], urls: list[str], base_url: s
     claimed = _claim(factory)
     if not claimed:
         return 0
+    import httpx  # here: the web app starts without it
+
     with httpx.Client(timeout=httpx.Timeout(10.0, connect=5.0)) as client:
         for alert, run in claimed:
             body = payload(alert, run, base_url)

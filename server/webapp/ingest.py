@@ -21,13 +21,17 @@ from typing import Any
 
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidState, NotFound
-from rollout_lens.server.exchange import wire
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 KEPT_WRITERS = 64  # runs whose writer state is kept between requests
+WRITING_AT_ONCE = 2  # bodies of steps decoded and written at once by one web process
+
+
+class Busy(Exception):
+    """As many bodies as WRITING_AT_ONCE are being written: a 503, the recorder retries."""
 
 
 class Forbidden(Exception):
@@ -65,6 +69,7 @@ class Ingest:
         self.price_per_hour = price_per_hour
         self._kept: OrderedDict[int, _Kept] = OrderedDict()
         self._lock = threading.Lock()
+        self._writing = threading.BoundedSemaphore(WRITING_AT_ONCE)
 
     @property
     def engine(self) -> Engine:
@@ -173,13 +178,44 @@ class Ingest:
         body: bytes,
         *,
         dropped: tuple[int, int] | None = None,
+        claimed: Sequence[int] = (),
     ) -> dict[str, Any]:
-        """Check the body whole, then write the steps the run does not have yet."""
+        """Check the body whole, then write the steps the run does not have yet. `claimed`:
+        the steps the sender says the body holds (a retry whose first attempt was written is
+        answered from them, undecoded: the claim can only make the run skip its own steps)."""
         with session_scope(self.factory) as session:
             run = self._run(session, caller, run_id)  # before anything is decoded
             if run.status in (RunStatus.completed, RunStatus.failed, RunStatus.cancelled):
                 raise InvalidState(f"run {run_id} is {run.status}: it records nothing more")
             control_tokens = list(run.control_tokens or [])
+            if claimed:
+                present = store.present_steps(session, run_id=run_id, steps=claimed)
+                if present == set(claimed):
+                    return {
+                        "run_id": run_id,
+                        "written": [],
+                        "already": sorted(present),
+                        "rollouts": 0,
+                    }
+        if not self._writing.acquire(blocking=False):
+            raise Busy("the dashboard is writing other recordings: send these again shortly")
+        try:
+            return self._write(caller, run, body, dropped=dropped, control_tokens=control_tokens)
+        finally:
+            self._writing.release()
+
+    def _write(
+        self,
+        caller: Caller,
+        run: RunRow,
+        body: bytes,
+        *,
+        dropped: tuple[int, int] | None,
+        control_tokens: list[str],
+    ) -> dict[str, Any]:
+        from rollout_lens.server.exchange import wire  # pyarrow: loaded on the first recording
+
+        run_id = run.id
         received = wire.decode_body(body, control_tokens=control_tokens)
         steps = [r.record.step for r in received]
         if len(set(steps)) != len(steps):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import socket
+import time
 import uuid
 from dataclasses import asdict
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -27,6 +29,8 @@ from rollout_lens.server.exchange import wire
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.trainer.recorder.writer import (
     BATCH_STEPS,
+    RETRY_FIRST_SECONDS,
+    RETRY_MAX_SECONDS,
     BufferAndDrop,
     Pending,
     RunSpec,
@@ -36,11 +40,18 @@ from rollout_lens.trainer.recorder.writer import (
 log = logging.getLogger("rollout_lens")
 
 REQUEST_BYTES = 16 * 2**20  # a request's frames, at most (the dashboard's cap is 64 MiB)
-TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+# A dashboard busy with other trainers' steps may take a while to answer a batch; a timeout
+# retries it, and a retry of steps it wrote meanwhile is answered at once (`steps=`).
+TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 
 
 class DashboardAway(Exception):
-    """The dashboard cannot take the steps now (retried with the writer's backoff)."""
+    """The dashboard cannot take the steps now (retried with the writer's backoff, or after
+    the Retry-After a busy dashboard asks for)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class DashboardRefused(Exception):
@@ -105,7 +116,9 @@ class RemoteStepWriter(StepWriter):
         except httpx.HTTPError as exc:  # connection refused or cut, a timeout
             raise DashboardAway(f"{type(exc).__name__}: {exc}") from exc
         if response.status_code == 429 or response.status_code >= 500:
-            raise DashboardAway(f"HTTP {response.status_code}: {_detail(response)}")
+            raise DashboardAway(
+                f"HTTP {response.status_code}: {_detail(response)}", _retry_after(response)
+            )
         if response.status_code in (401, 403, 404, 409):
             raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
         return response
@@ -121,6 +134,10 @@ class RemoteStepWriter(StepWriter):
             self._report_remote_drops()
         except DashboardAway as exc:
             self._went_down(exc)
+            if exc.retry_after is not None:  # busy, not away: back when it says (±50%)
+                self._retry_delay = RETRY_FIRST_SECONDS
+                wait = min(exc.retry_after, RETRY_MAX_SECONDS) * random.uniform(0.5, 1.5)
+                self._retry_at = time.monotonic() + wait
             return False
         except DashboardRefused as exc:
             self._fail(exc)
@@ -185,7 +202,11 @@ class RemoteStepWriter(StepWriter):
             f"/api/record/runs/{self.run_id}/steps",
             content=content,
             headers={"content-type": wire.CONTENT_TYPE},
-            params={"dropped_steps": drops[0], "dropped_rollouts": drops[1]},
+            params={
+                "dropped_steps": drops[0],
+                "dropped_rollouts": drops[1],
+                "steps": ",".join(str(p.record.step) for p in batch),
+            },
         )
         if response.status_code == 200:
             answer = response.json()
@@ -268,6 +289,13 @@ class RemoteStepWriter(StepWriter):
         if self._http is not None:
             self._http.close()
             self._http = None
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return max(0.0, float(response.headers.get("retry-after", "")))
+    except ValueError:
+        return None
 
 
 def _detail(response: httpx.Response) -> str:

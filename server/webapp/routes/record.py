@@ -15,10 +15,9 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
 from rollout_lens.server.core.errors import InvalidInput
-from rollout_lens.server.exchange import wire
 from rollout_lens.server.exchange.bounds import MAX_INT32, check_depth
 from rollout_lens.server.store.models import RunStatus
-from rollout_lens.server.webapp.ingest import Caller, Forbidden, Ingest
+from rollout_lens.server.webapp.ingest import Busy, Caller, Forbidden, Ingest
 from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.concurrency import run_in_threadpool
 
@@ -156,7 +155,9 @@ def create_run(request: Request, body: RecordRun) -> Response:
     openapi_extra={
         "requestBody": {
             "required": True,
-            "content": {wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
         }
     },
     responses={
@@ -174,14 +175,30 @@ async def record_steps(
     run_id: RunPath,
     dropped_steps: Count = None,
     dropped_rollouts: Count = None,
+    steps: Annotated[
+        str | None,
+        Query(
+            max_length=4000,
+            pattern=r"^[0-9]{1,10}(,[0-9]{1,10}){0,255}$",
+            description="the steps the body holds (a retry of steps the run has is answered "
+            "from them, undecoded)",
+        ),
+    ] = None,
 ) -> Response:
+    from rollout_lens.server.exchange import wire  # pyarrow: loaded on the first recording
+
     data = await request.body()  # read (and bounded) by the Guard, after the token
     ingest, caller = _ingest(request), _caller(request)
     dropped = _dropped(dropped_steps, dropped_rollouts)
+    claimed = [int(s) for s in steps.split(",") if int(s) <= MAX_INT32] if steps else []
     try:
-        answer = await run_in_threadpool(ingest.write, caller, run_id, data, dropped=dropped)
+        answer = await run_in_threadpool(
+            ingest.write, caller, run_id, data, dropped=dropped, claimed=claimed
+        )
     except Forbidden as exc:
         return _refused(403, str(exc))
+    except Busy as exc:
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"retry-after": "1"})
     except wire.WireInvalid as exc:
         return _refused(422, str(exc), field=exc.field)
     except (IntegrityError, OperationalError):
