@@ -29,7 +29,6 @@ from rollout_lens.server.exchange import wire
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.trainer.recorder.writer import (
     BATCH_STEPS,
-    RETRY_FIRST_SECONDS,
     RETRY_MAX_SECONDS,
     BufferAndDrop,
     Pending,
@@ -87,6 +86,7 @@ class RemoteStepWriter(StepWriter):
         self._drops_seen = (0, 0)
         self._refusals = 0
         self.sent_bytes = 0  # request bodies of steps the dashboard took
+        self.busy_answers = 0  # 503s with Retry-After: the dashboard asked to wait
         super().__init__(
             policy=BufferAndDrop(max_bytes=max_bytes),
             database_url=self.url,
@@ -133,11 +133,13 @@ class RemoteStepWriter(StepWriter):
                 self._send_batch()
             self._report_remote_drops()
         except DashboardAway as exc:
-            self._went_down(exc)
-            if exc.retry_after is not None:  # busy, not away: back when it says (±50%)
-                self._retry_delay = RETRY_FIRST_SECONDS
+            if exc.retry_after is not None and self._down_since is None:
+                # busy, not away: send again when it says (±50%, so trainers spread out)
                 wait = min(exc.retry_after, RETRY_MAX_SECONDS) * random.uniform(0.5, 1.5)
                 self._retry_at = time.monotonic() + wait
+                self.busy_answers += 1
+                return False
+            self._went_down(exc)
             return False
         except DashboardRefused as exc:
             self._fail(exc)

@@ -207,8 +207,7 @@ async def record_steps(
                 "detail": "the steps could not be written now (the database is busy or another "
                 "write of them raced this one): send them again"
             },
-            status_code=503,
-            headers={"retry-after": "2"},
+            status_code=503,  # no Retry-After: the recorder backs off as from a database away
         )
     return JSONResponse(answer)
 
