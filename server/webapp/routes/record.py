@@ -222,6 +222,7 @@ class ImportedRun(BaseModel):
 
 @router.post(
     "/import",
+    status_code=201,
     summary="Import an export file (JSONL or Parquet)",
     openapi_extra={
         "requestBody": {
