@@ -250,6 +250,20 @@ def _rollouts_with(step: int, **columns: Any) -> bytes:
     return wire.MAGIC + _with_length(_frame([parts[0], sink.getvalue().to_pybytes(), parts[2]]))
 
 
+def _step_with_time(step: int) -> bytes:
+    import pyarrow as pa
+
+    parts = _tables(step)
+    table = pa.ipc.open_stream(parts[0]).read_all()
+    at = table.schema.get_field_index("recorded_at")
+    late = pa.array([2**62], pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+    table = table.set_column(at, table.schema.field(at), late)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return wire.MAGIC + _with_length(_frame([sink.getvalue().to_pybytes(), parts[1], parts[2]]))
+
+
 def _with_length(frame: bytes) -> bytes:
     return struct.pack("<I", len(frame)) + frame
 
@@ -293,6 +307,7 @@ def test_hostile_bodies_are_refused_naming_the_field(
             _rollouts_with(1, index=lambda col: pa.array([0] * len(col), pa.int64())),
             "steps[0].rollouts[1].index",
         ),
+        "a time past year 9999": (_step_with_time(1), "steps[0].step.recorded_at"),
         "junk in a blob": (
             _rollouts_with(1, control=lambda col: pa.array([b"junk"] * len(col), pa.binary())),
             "steps[0].rollouts[0].control",

@@ -326,7 +326,10 @@ def _decode_frame(
         )
     if step_t.num_rows != 1:
         raise WireInvalid(f"{where}.step", f"{step_t.num_rows} rows, not 1")
-    row = step_t.to_pylist()[0]
+    try:
+        row = step_t.to_pylist()[0]
+    except (ValueError, OverflowError):  # a time past Python's datetime (year 10000, say)
+        raise WireInvalid(f"{where}.step.recorded_at", "not a time of this era") from None
     step = _int(row["step"], f"{where}.step.step", low=0)
     rollout_step = _int(row["rollout_step"], f"{where}.step.rollout_step", low=0)
     if rollout_step > step:
