@@ -428,3 +428,30 @@ def test_a_dashboard_without_tokens_takes_a_recorder_without_one(
     assert writer.run_id is not None and writer.written_steps == 3
     run, _, steps, _ = load_run(url, writer.run_id)
     assert [s.step for s in steps] == [1, 2, 3] and run.recorded_by is None
+
+
+def test_a_busy_dashboard_answers_503_and_the_trainer_waits_then_catches_up(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """Every write slot of the dashboard taken (as by other trainers' bodies): steps are answered
+    503 with Retry-After, the writer keeps them and sends them, in order, once a slot is free."""
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    app = create_app(Settings(database_url=url), session_factory=session_factory)
+    slots = app.state.ingest.writing  # what other trainers' bodies hold while they are written
+    with serve_app(app) as base:
+        held = [slots.acquire(blocking=False) for _ in range(8)]
+        assert any(held)
+        writer = _remote(base, token=None)
+        started = time.monotonic()
+        for step in (1, 2, 3):
+            writer.put(_step(step))
+        assert time.monotonic() - started < 0.5
+        _wait(lambda: writer.busy_answers >= 2)
+        assert writer.written_steps == 0
+        for taken in held:
+            if taken:
+                slots.release()
+        assert writer.close(timeout=60)
+    assert writer.run_id is not None and writer.dropped_steps == 0
+    _, rows, steps, _ = load_run(url, writer.run_id)
+    assert [s.step for s in steps] == [1, 2, 3] and len(rows) == 48

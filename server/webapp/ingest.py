@@ -69,7 +69,8 @@ class Ingest:
         self.price_per_hour = price_per_hour
         self._kept: OrderedDict[int, _Kept] = OrderedDict()
         self._lock = threading.Lock()
-        self._writing = threading.BoundedSemaphore(WRITING_AT_ONCE)
+        # bodies decoded and written at once (a body past it is answered 503: Busy)
+        self.writing = threading.BoundedSemaphore(WRITING_AT_ONCE)
 
     @property
     def engine(self) -> Engine:
@@ -197,12 +198,12 @@ class Ingest:
                         "already": sorted(present),
                         "rollouts": 0,
                     }
-        if not self._writing.acquire(blocking=False):
+        if not self.writing.acquire(blocking=False):
             raise Busy("the dashboard is writing other recordings: send these again shortly")
         try:
             return self._write(caller, run, body, dropped=dropped, control_tokens=control_tokens)
         finally:
-            self._writing.release()
+            self.writing.release()
 
     def _write(
         self,
