@@ -458,3 +458,90 @@ def text_head(data: bytes, n_chars: int) -> str:
     with _zstd()[1].stream_reader(data) as reader:
         raw = reader.read(4 * n_chars)
     return raw.decode("utf-8", "ignore")[:n_chars]
+
+
+# --- blobs received from elsewhere (a trainer recording over HTTP) -----------------------------
+
+
+def _bounded(data: bytes, most: int, what: str) -> bytes:
+    """zstd frame → its bytes, refused (ValueError naming `what`) unless the frame says its size
+    and that size is at most `most`: a hostile frame never makes us allocate what it claims."""
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        raise ValueError(f"{what}: not a zstd frame") from None
+    if size < 0:
+        raise ValueError(f"{what}: a zstd frame that does not say its size")
+    if size > most:
+        raise ValueError(f"{what}: decompresses to {size:,} bytes, more than {most:,}")
+    try:
+        raw = _unpack(data)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"{what}: not a whole zstd frame ({exc})") from None
+    if len(raw) != size:
+        raise ValueError(f"{what}: decompressed to {len(raw):,} bytes, not the {size:,} it says")
+    return raw
+
+
+def decode_ids_checked(data: bytes, length: int, what: str = "ids") -> np.ndarray:
+    """Blob of encode_ids → exactly `length` int64 ids, none negative; ValueError otherwise."""
+    raw = _bounded(data, 4 * length, what)
+    if len(raw) != 4 * length:
+        raise ValueError(f"{what}: holds {len(raw) // 4:,} ids, not the {length:,} of its length")
+    ids = _unshuffle(raw, "i4").astype(np.int64)
+    if len(ids) and int(ids.min()) < 0:
+        raise ValueError(f"{what}: a negative token id ({int(ids.min())})")
+    return ids
+
+
+def decode_logprobs_checked(data: bytes, length: int, what: str = "logprobs") -> np.ndarray:
+    """Blob of encode_logprobs → exactly `length` float64 logprobs; ValueError otherwise."""
+    raw = _bounded(data, 2 * length, what)
+    if len(raw) != 2 * length:
+        raise ValueError(f"{what}: holds {len(raw) // 2:,} values, not {length:,}")
+    codes = _unshuffle(raw, "u2")
+    if np.any((codes > _LP_MAX) & (codes < _LP_NEG_INF)):
+        raise ValueError(f"{what}: a code outside the logprob range")
+    values = codes.astype(np.float64) / -LOGPROB_SCALE + 0.0
+    values[codes == _LP_NEG_INF] = -math.inf
+    values[codes == _LP_NAN] = math.nan
+    return values
+
+
+def decode_control_checked(
+    data: bytes, n_rows: int, length: int, what: str = "control"
+) -> np.ndarray:
+    """Blob of encode_control → [position × token] float64 (`length` × `n_rows`), every count,
+    gap and code checked against the layout; ValueError otherwise."""
+    most = 4 * (1 + n_rows) + 6 * n_rows * length
+    raw = _bounded(data, most, what)
+    if len(raw) < 4 * (1 + n_rows):
+        raise ValueError(f"{what}: too short for {n_rows} control tokens")
+    head = np.frombuffer(raw, "<u4", 1 + n_rows, 0)
+    if int(head[0]) != length:
+        raise ValueError(f"{what}: says {int(head[0]):,} positions, not the {length:,} of its ids")
+    counts = head[1:].astype(np.int64)
+    if np.any(counts > length):
+        raise ValueError(f"{what}: a row keeps more positions than the completion has")
+    total = int(counts.sum())
+    if len(raw) != 4 * (1 + n_rows) + 6 * total:
+        raise ValueError(f"{what}: {len(raw):,} bytes do not hold {total:,} kept positions")
+    at = 4 * (1 + n_rows)
+    gaps = _unshuffle(raw[at : at + 4 * total], "u4").astype(np.int64)
+    codes = _unshuffle(raw[at + 4 * total :], "u2")
+    if np.any((codes > _P_SCALE) & (codes != _P_NAN)):
+        raise ValueError(f"{what}: a probability code above 1")
+    dense = np.zeros((n_rows, length), dtype=np.float64)
+    if total:
+        running = np.cumsum(gaps)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        before = np.concatenate(([0], running))[starts]
+        position = running - np.repeat(before, counts)
+        row = np.repeat(np.arange(n_rows), counts)
+        same = np.diff(row) == 0  # positions within a row rise strictly
+        if np.any(position >= length) or np.any(np.diff(position)[same] <= 0):
+            raise ValueError(f"{what}: a kept position outside the completion, or repeated")
+        values = codes.astype(np.float64) / _P_SCALE
+        values[codes == _P_NAN] = math.nan
+        dense[row, position] = values
+    return dense.T.copy()

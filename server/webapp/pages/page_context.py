@@ -119,11 +119,14 @@ class RunPageContext(TypedDict):
     sections: list[dict[str, Any]]
     full: bool  # every step drawn, not downsampled
     notice: str  # what a form action left for this page (server.webapp.http.flash)
+    deliveries: str  # alerts that did not reach the alert webhook ("" if none)
     page: dict[str, Any]  # the page script's data
     chart_view: dict[str, Any]  # chart_data.chart_view(): default smoothing, folding rule
 
 
-def run_page(overview: RunOverviewData, url: Url, *, full: bool, notice: str) -> RunPageContext:
+def run_page(
+    overview: RunOverviewData, url: Url, *, full: bool, notice: str, deliveries: str = ""
+) -> RunPageContext:
     """A run's card, alerts and chart sections (empty figures the script fills)."""
     run = overview["run"]
     run_id = run["id"]
@@ -159,6 +162,7 @@ def run_page(overview: RunOverviewData, url: Url, *, full: bool, notice: str) ->
         "sections": figures.RUN_SECTIONS,
         "full": full,
         "notice": notice,
+        "deliveries": deliveries,
         "page": page,
         "chart_view": chart_data.chart_view(),
     }
