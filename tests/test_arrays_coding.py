@@ -67,3 +67,27 @@ def test_logprobs_read_back_as_the_older_blobs_did() -> None:
     # the batch encoder writes the same blobs as the one-rollout encoder
     ((ids, batch_lp, _),) = arrays.encode_rollouts([list(range(len(lp)))], [lp], [[]])
     assert batch_lp == new and arrays.decode_ids(ids) == list(range(len(lp)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000])
+def test_a_received_blob_is_checked_in_every_coding(n: int) -> None:
+    """What a trainer sends over HTTP is decoded by the checked readers: every coding the store
+    writes (and the older one) reads back as the unchecked readers read it; a blob cut short, or
+    one that says another length, is refused with its field's name."""
+    rng = np.random.default_rng(n)
+    for ids in (rng.integers(0, 2**31 - 1, n), np.tile(rng.integers(0, 300, 8), n // 8 + 1)[:n]):
+        blobs = [arrays.encode_ids(ids), _old_ids(ids)]
+        blobs += [bytes([arrays.RAW_UINT16]) + zstandard.compress(ids.astype("<u2").tobytes())]
+        for blob in blobs[: 3 if int(ids.max(initial=0)) < 1 << 16 else 2]:
+            assert arrays.decode_ids_checked(blob, n).tolist() == arrays.decode_ids(blob)
+            with pytest.raises(ValueError, match="^ids: "):
+                arrays.decode_ids_checked(blob, n + 1)
+            if len(blob) > 12:
+                with pytest.raises(ValueError, match="^ids: "):
+                    arrays.decode_ids_checked(blob[:-3], n)
+    logprobs = -rng.exponential(2.0, n)
+    for blob in (arrays.encode_logprobs(logprobs.tolist()), _old_logprobs(logprobs)):
+        checked = arrays.decode_logprobs_checked(blob, n, "lp")
+        assert checked.tolist() == arrays.decode_logprobs(blob)
+        with pytest.raises(ValueError, match="^lp: "):
+            arrays.decode_logprobs_checked(blob, n + 1, "lp")

@@ -483,23 +483,62 @@ def _bounded(data: bytes, most: int, what: str) -> bytes:
     return raw
 
 
+def _bits_checked(data: bytes, length: int, widest: int, what: str) -> np.ndarray:
+    """BIT_LENGTH_CODED bytes → exactly `length` values of at most `widest` bits; ValueError
+    otherwise (the bit lengths' frame bounded, the bits below them exactly as many as they say)."""
+    if len(data) < _LENGTHS.size:
+        raise ValueError(f"{what}: too short for a bit-length coded array")
+    _, size = _LENGTHS.unpack_from(data)
+    at = _LENGTHS.size
+    if size > len(data) - at:
+        raise ValueError(f"{what}: says {size:,} bytes of bit lengths, more than it holds")
+    widths = np.frombuffer(_bounded(data[at : at + size], length, what), np.uint8)
+    if len(widths) != length:
+        raise ValueError(f"{what}: holds {len(widths):,} values, not the {length:,} of its length")
+    if len(widths) and int(widths.max()) > widest:
+        raise ValueError(f"{what}: a value of {int(widths.max())} bits, more than {widest}")
+    bits = int(np.maximum(widths.astype(np.int64) - 1, 0).sum())
+    if len(data) - at - size != (bits + 7) // 8:
+        raise ValueError(f"{what}: {len(data) - at - size:,} bytes do not hold {bits:,} bits")
+    return _decode_bits(data)
+
+
 def decode_ids_checked(data: bytes, length: int, what: str = "ids") -> np.ndarray:
-    """Blob of encode_ids → exactly `length` int64 ids, none negative; ValueError otherwise."""
-    raw = _bounded(data, 4 * length, what)
-    if len(raw) != 4 * length:
-        raise ValueError(f"{what}: holds {len(raw) // 4:,} ids, not the {length:,} of its length")
-    ids = _unshuffle(raw, "i4").astype(np.int64)
+    """Blob of encode_ids (any of its codings) → exactly `length` int64 ids, none negative;
+    ValueError otherwise."""
+    kind = data[0] if data else None
+    if kind == BIT_LENGTH_CODED:
+        ids = _bits_checked(data, length, 32, what).view(np.int32).astype(np.int64)
+    elif kind in (RAW_UINT16, RAW_INT32):
+        width, dtype = (2, "<u2") if kind == RAW_UINT16 else (4, "<i4")
+        raw = _bounded(data[1:], width * length, what)
+        if len(raw) != width * length:
+            raise ValueError(
+                f"{what}: holds {len(raw) // width:,} ids, not the {length:,} of its length"
+            )
+        ids = np.frombuffer(raw, dtype).astype(np.int64)
+    else:  # byte-shuffled int32 in a zstd frame, as the store wrote ids before
+        raw = _bounded(data, 4 * length, what)
+        if len(raw) != 4 * length:
+            raise ValueError(
+                f"{what}: holds {len(raw) // 4:,} ids, not the {length:,} of its length"
+            )
+        ids = _unshuffle(raw, "i4").astype(np.int64)
     if len(ids) and int(ids.min()) < 0:
         raise ValueError(f"{what}: a negative token id ({int(ids.min())})")
     return ids
 
 
 def decode_logprobs_checked(data: bytes, length: int, what: str = "logprobs") -> np.ndarray:
-    """Blob of encode_logprobs → exactly `length` float64 logprobs; ValueError otherwise."""
-    raw = _bounded(data, 2 * length, what)
-    if len(raw) != 2 * length:
-        raise ValueError(f"{what}: holds {len(raw) // 2:,} values, not {length:,}")
-    codes = _unshuffle(raw, "u2")
+    """Blob of encode_logprobs (either of its codings) → exactly `length` float64 logprobs;
+    ValueError otherwise."""
+    if data and _coded(data):
+        codes = _bits_checked(data, length, 16, what).astype(np.uint16)
+    else:
+        raw = _bounded(data, 2 * length, what)
+        if len(raw) != 2 * length:
+            raise ValueError(f"{what}: holds {len(raw) // 2:,} values, not {length:,}")
+        codes = _unshuffle(raw, "u2")
     if np.any((codes > _LP_MAX) & (codes < _LP_NEG_INF)):
         raise ValueError(f"{what}: a code outside the logprob range")
     values = codes.astype(np.float64) / -LOGPROB_SCALE + 0.0
