@@ -32,6 +32,9 @@ stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
         [--fill-tokens 64] [--repeat 20] [--budget 4] [--cache DIR]
     .venv/bin/python -m bench.scale --write-only [--pg] [--steps 20]   # write figures, GIL
     .venv/bin/python -m bench.scale --profile [WARM] [--pg]   # cProfile of step WARM+1's write
+    .venv/bin/python -m bench.scale --text real --steps 10 --fill-to 10 [--pg]   # real text
+    .venv/bin/python -m bench.scale --pg --cache DIR --keep   # leaves both databases there
+    .venv/bin/python -m bench.scale --reuse DIR/scale-*/scale.db [--pg KEPT_URL]   # pages again
 
 The full run with --pg takes 9 to 12 minutes on two busy cores (the 100 full steps 4 to 5,
 the fill about 5, the pages the rest; building steps is a third of it) and about 4 GB of disk
@@ -53,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -68,10 +72,11 @@ from rollout_lens.server.store.db import make_engine, make_session_factory, sess
 from rollout_lens.server.store.migrate import upgrade
 from rollout_lens.server.store.models import RunSource, RunStatus
 from rollout_lens.server.webapp.app import create_app
-from sqlalchemy import JSON, Engine, LargeBinary, String, inspect, text
+from sqlalchemy import JSON, Engine, LargeBinary, String, create_engine, inspect, text
+from sqlalchemy.engine import make_url
 
 from bench.pages import PG_DEFAULT, chart_names, pg_database
-from bench.scale_data import ScaleRun, Shape, trl_table
+from bench.scale_data import RealText, ScaleRun, Shape, trl_table, use_real_text
 
 QUICK = {"groups": 4, "tokens": 96, "steps": 4, "fill_to": 10, "fill_tokens": 16, "repeat": 2}
 WRITE_TARGET_MS = 300
@@ -239,7 +244,9 @@ def _spread(ms: list[float]) -> str:
 
 # --- 1b. the training thread beside a busy writer -----------------------------------------------
 
-TRAIN_STEPS = 15
+TRAIN_STEPS = 15  # training steps timed at least, alone and beside each writer
+WRITER_STEPS = 3  # ... and beside the busy writer, until it has written at least this many
+TRAIN_SECONDS = 120.0  # but no longer than this
 
 
 def _training_step(work: np.ndarray) -> float:
@@ -255,7 +262,10 @@ def _training_step(work: np.ndarray) -> float:
 
 def print_training_thread(run: ScaleRun, dbs: list[Database], first_step: int) -> None:
     """The training thread's step time alone and while a writer thread writes full-shape steps
-    without pause (the StepWriter's thread at its busiest): what the writer's GIL costs it."""
+    without pause (the StepWriter's thread at its busiest): what the writer's GIL costs it.
+    Beside it, the same steps next to a thread as busy that never holds the GIL (zstd
+    compressing, which releases it): what sharing the machine's cores alone costs, so that
+    the writer's own GIL is the difference."""
     work = np.random.default_rng(0).random((384, 384))
     record = run.step(first_step)
     print(
@@ -264,12 +274,47 @@ def print_training_thread(run: ScaleRun, dbs: list[Database], first_step: int) -
     print(f"  {'':<22} {'median':>9} {'p90':>9} {'max':>9}   × alone   writer steps")
     alone = [_training_step(work) * 1000 for _ in range(TRAIN_STEPS)]
     print(f"  {'alone':<22} {_spread(alone)}")
+
+    def steps(done: Callable[[], bool]) -> list[float]:
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < TRAIN_STEPS or (
+            not done() and time.perf_counter() - start < TRAIN_SECONDS
+        ):
+            times.append(_training_step(work) * 1000)
+        return times
+
+    gil_free = _beside_gil_free(lambda: steps(lambda: True))
+    ratio = statistics.median(gil_free) / statistics.median(alone)
+    print(f"  {'beside a GIL-free one':<22} {_spread(gil_free)} {ratio:8.2f}×        –")
     busy = BusyWriter(record, first_step)
     for db in dbs:
-        beside = busy.around(db, lambda: [_training_step(work) * 1000 for _ in range(TRAIN_STEPS)])
+        beside = busy.around(db, lambda: steps(lambda: busy.wrote >= WRITER_STEPS))
         ratio = statistics.median(beside) / statistics.median(alone)
         label = f"beside {db.label}"
         print(f"  {label:<22} {_spread(beside)} {ratio:8.2f}×   {busy.wrote:>6}")
+
+
+def _beside_gil_free(work: Callable[[], list[float]]) -> list[float]:
+    """`work` while a thread compresses without pause (zstd releases the GIL while it works)."""
+    import zstandard
+
+    stop = threading.Event()
+    data = np.random.default_rng(1).integers(0, 64, 8 << 20, dtype=np.uint8).tobytes()
+
+    def burn() -> None:
+        compressor = zstandard.ZstdCompressor(level=3)
+        while not stop.is_set():
+            compressor.compress(data)
+
+    thread = threading.Thread(target=burn, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    try:
+        return work()
+    finally:
+        stop.set()
+        thread.join()
 
 
 class BusyWriter:
@@ -445,20 +490,24 @@ def _get(client: TestClient, url: str) -> Answer:
     return Answer(response.status_code, float(timing.split("dur=")[1]), response.content)
 
 
-def measure(client: TestClient, url: str, repeat: int, budget: float) -> tuple[list[float], Answer]:
+def measure(
+    client: TestClient, url: str, repeat: int, budget: float
+) -> tuple[list[float], Answer, float]:
     """Server times of `url` (ms) after a warm-up: `repeat` requests, or fewer (at least 2) once
-    `budget` seconds are spent, so a page taking seconds does not hold the bench for minutes."""
+    `budget` seconds are spent, so a page taking seconds does not hold the bench for minutes;
+    and the first request's time (the page's first read of the run: its caches cold, as far as
+    the databases' own buffers go — the operating system's file cache is not emptied)."""
     first = _get(client, url)
     if first.status != 200:
-        return [], first
+        return [], first, first.ms
     times = [first.ms] if first.ms > 1000 else []  # seconds of work: no warm-up cost to hide
     last, started = first, time.perf_counter()
     while len(times) < repeat and not (len(times) >= 2 and time.perf_counter() - started > budget):
         last = _get(client, url)
         if last.status != 200:
-            return [], last
+            return [], last, first.ms
         times.append(last.ms)
-    return times, last
+    return times, last, first.ms
 
 
 def explorer_queries(
@@ -484,6 +533,8 @@ def explorer_queries(
         "alert=1": {"alert": 1},
         f"q= rare ({words[0]})": {"q": words[0]},
         f"q= common ({words[1]})": {"q": words[1]},
+        f"q= two words ({words[1]} {words[0]})": {"q": f"{words[1]} {words[0]}"},
+        f"q= prefix ({words[0][:3]}*)": {"q": f"{words[0][:3]}*"},
         "sort=advantage&order=desc": {"sort": "advantage", "order": "desc"},
     }
     return [
@@ -549,7 +600,7 @@ class PageBench:
         self.errors: list[str] = []
 
     def row(self, page: Page) -> Answer | None:
-        times, answer = measure(self.client, page.url, self.repeat, self.budget)
+        times, answer, first = measure(self.client, page.url, self.repeat, self.budget)
         if answer.status == 404:
             print(f"  {page.label:<40} {'n/a (404)':>28}")
             return None
@@ -567,7 +618,7 @@ class PageBench:
             ok &= size <= page.kb_target * 1000
         want = f"{', '.join(wants)} {_mark(ok)}" if wants else ""
         print(
-            f"  {page.label:<40} {len(times):>3} {p50:9.1f} {p90:9.1f} {_size(size):>10}  "
+            f"  {page.label:<40} {len(times):>3} {first:9.1f} {p50:9.1f} {p90:9.1f} {_size(size):>10}  "
             f"{want:<22} {_total(answer.body)}"
         )
         return answer
@@ -583,7 +634,9 @@ def bench_pages(
     shape, step, group = run.shape, max(1, plan.steps // 2), run.shape.groups // 2
     vote = run.rows[0].target
     repeat, budget = plan.repeat, plan.budget
-    print(f"  {'page':<40} {'n':>3} {'p50 ms':>9} {'p90 ms':>9} {'bytes':>10}  target")
+    print(
+        f"  {'page':<40} {'n':>3} {'first ms':>9} {'p50 ms':>9} {'p90 ms':>9} {'bytes':>10}  target"
+    )
     with TestClient(create_app(settings), base_url="http://127.0.0.1") as client:
         bench = PageBench(client, repeat, budget)
         for page in page_list(db.run_id, step, group, names):
@@ -612,13 +665,78 @@ class Plan:
     repeat: int
     budget: float  # seconds a page's requests may take beyond the first two
     write_only: bool = False  # the write figures and the training thread's, then stop
+    real_text: bool = False  # completions of real English and code in a real tokenizer's ids
 
 
-def run_bench(plan: Plan, folder: Path, pg: str | None) -> int:
+def real_text(run: ScaleRun) -> None:
+    """--text real: the run's completions become SmolLM2's ids of real English and code."""
+    from rollout_lens.trainer.builders import pretrained
+
+    cache = get_settings().model_cache_dir
+    assert cache is not None
+    if not pretrained.is_ready(cache):
+        raise SystemExit(
+            f"--text real needs the real model's tokenizer in {cache}: rollout-lens build-model --real"
+        )
+    real = RealText(str(pretrained.model_dir(cache)))
+    use_real_text(run, real)
+    print(
+        f"  real text: {len(real.english):,} ids of English (README, docs), {len(real.code):,}"
+        f" of Python (the standard library), {pretrained.LABEL}'s tokenizer; search words are"
+        " the synthetic run's (they may find nothing)"
+    )
+
+
+@contextmanager
+def kept_pg_database(server_url: str) -> Iterator[str]:
+    """A fresh database on that server, left there (--keep: its URL is printed, for --reuse)."""
+    name = f"rollout_lens_bench_{uuid.uuid4().hex[:10]}_kept"
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    kept = make_url(server_url).set(database=name).render_as_string(hide_password=False)
+    print(f"  PostgreSQL database kept: {kept}")
+    yield kept
+
+
+def reuse_bench(plan: Plan, sqlite_file: Path, pg: str | None) -> int:
+    """The pages alone, on the databases a --keep run of the same shape and --steps left at
+    --fill-to steps (the 1,000-step figures again without writing a step)."""
+    run = ScaleRun(plan.shape)
+    words = run.words.search_words(plan.steps * plan.shape.rollouts * plan.shape.tokens)
+    dbs = [
+        Database(
+            "SQLite",
+            f"sqlite:///{sqlite_file}",
+            make_engine(f"sqlite:///{sqlite_file}"),
+            1,
+            run.control_tokens,
+        )
+    ]
+    if pg:
+        dbs.append(Database("PostgreSQL", pg, make_engine(pg), 1, run.control_tokens))
+    for db in dbs:
+        upgrade(db.engine)
+    with make_session_factory(dbs[0].engine)() as session:
+        rollouts = int(session.execute(text("SELECT count(*) FROM rollouts")).scalar_one())
+    try:
+        errors = pages_section(dbs, run, plan, plan.fill_to, rollouts, words)
+    finally:
+        for db in dbs:
+            db.engine.dispose()
+    for error in errors:
+        print(f"ERROR {error}")
+    return 1 if errors else 0
+
+
+def run_bench(plan: Plan, folder: Path, pg: str | None, keep: bool = False) -> int:
     """Every section on SQLite (and PostgreSQL); 1 if a page answered an error."""
     shape = plan.shape
     started = time.perf_counter()
     run = ScaleRun(shape)
+    if plan.real_text:
+        real_text(run)
     print(
         f"== data: {shape.groups} groups × {shape.group_size} rollouts × ~{shape.tokens:,} tokens,"
         f" {len(run.control_tokens)} control tokens, a {shape.vocab:,}-token vocabulary,"
@@ -633,7 +751,7 @@ def run_bench(plan: Plan, folder: Path, pg: str | None) -> int:
     with ExitStack() as stack:
         dbs = [open_database("SQLite", f"sqlite:///{sqlite_file}", run, plan.fill_to)]
         if pg:
-            url = stack.enter_context(pg_database(pg))
+            url = stack.enter_context(kept_pg_database(pg) if keep else pg_database(pg))
             dbs.append(open_database("PostgreSQL", url, run, plan.fill_to))
         stack.callback(lambda: [db.engine.dispose() for db in dbs])
         print("\n== write: store.write_batch, one step a transaction (ms a step)")
@@ -744,6 +862,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=4.0, help="seconds a page, past 2 requests")
     parser.add_argument("--cache", type=Path, help="keep the databases and parquet files here")
     parser.add_argument(
+        "--text",
+        choices=("zipf", "real"),
+        default="zipf",
+        help="completions: Zipf draws over a synthetic vocabulary (zipf), or real English and code"
+        " in SmolLM2's ids (real; needs `rollout-lens build-model --real`)",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="with --cache: keep the PostgreSQL database too (its URL is printed), for --reuse",
+    )
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        metavar="SQLITE_FILE",
+        help="only the pages at --fill-to steps, on a --keep run's SQLite file (and --pg URL: its"
+        " kept database)",
+    )
+    parser.add_argument(
         "--write-only",
         action="store_true",
         help="the write figures and the training thread's beside a busy writer, then stop",
@@ -778,11 +915,16 @@ def main(argv: list[str] | None = None) -> int:
         repeat=pick("repeat", 20),
         budget=args.budget,
         write_only=args.write_only,
+        real_text=args.text == "real",
     )
+    if args.reuse is not None:
+        return reuse_bench(plan, args.reuse, args.pg)
+    if args.keep and args.cache is None:
+        parser.error("--keep needs --cache (the SQLite file is kept there)")
     with _folder(args.cache) as folder:
         if args.profile is not None:
             return profile_write(shape, folder, args.pg, args.profile)
-        return run_bench(plan, folder, args.pg)
+        return run_bench(plan, folder, args.pg, keep=args.keep)
 
 
 @contextmanager

@@ -363,3 +363,72 @@ def trl_table(record: StepRecord) -> dict[str, list]:
         "tool_reward": [r.verifier_reward for r in rollouts],
         "advantage": [r.advantage for r in rollouts],
     }
+
+
+# --- real text: a real tokenizer's ids of real English and code -------------------------------
+
+
+class RealText:
+    """Windows of a real tokenizer's ids over real English and real code, for completions that
+    read like a model's instead of Zipf draws. English: this project's README and docs, then
+    the machine's own prose where it has some (the licence texts under /usr/share/common-licenses,
+    vim's manual); code: the Python standard library's modules; about CORPUS_CHARS of each.
+    ASCII lines only: each id's text is then exactly its share of the completion (a piece holding
+    part of a character would not be). The tokenizer is the real-model issue's,
+    SmolLM2-135M-Instruct (`rollout-lens build-model --real`)."""
+
+    CORPUS_CHARS = 3_000_000
+
+    def __init__(self, tokenizer_dir: str, *, code_share: float = 0.5) -> None:
+        import sysconfig
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        root = Path(__file__).resolve().parent.parent
+        english = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+        english += sorted(Path("/usr/share/common-licenses").glob("*"))
+        english += sorted(Path("/usr/share/vim").glob("vim*/doc/*.txt"))
+        code = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+        def ids_of(paths: list[Path]) -> np.ndarray:
+            lines: list[str] = []
+            size = 0
+            for path in paths:
+                if size >= self.CORPUS_CHARS:
+                    break
+                if path.is_file():
+                    text = path.read_text(encoding="utf-8", errors="replace")
+                    kept = [line for line in text.splitlines(True) if line.isascii()]
+                    lines += kept
+                    size += sum(map(len, kept))
+            return np.asarray(tokenizer("".join(lines))["input_ids"], dtype=np.int64)
+
+        self.english, self.code = ids_of(english), ids_of(code)
+        self.code_share = code_share
+        self.vocab_size = len(tokenizer)
+        self.pieces = {
+            i: tokenizer.convert_tokens_to_string([t])
+            for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(self.vocab_size))))
+        }
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """n consecutive ids from a random place in the English or the code."""
+        source = self.code if rng.random() < self.code_share else self.english
+        start = int(rng.integers(0, max(1, len(source) - n)))
+        window = source[start : start + n]
+        while len(window) < n:  # a source shorter than n: go round
+            window = np.concatenate([window, source[: n - len(window)]])
+        return window
+
+
+def use_real_text(run: ScaleRun, real: RealText) -> None:
+    """Make `run`'s completions windows of `real` (its structure and control tokens stay the
+    synthetic vocabulary's, at ids above the real tokenizer's)."""
+    words = run.words
+    if words.n_ranked < real.vocab_size:
+        raise ValueError("the synthetic vocabulary must be larger than the real tokenizer's")
+    for i, piece in real.pieces.items():
+        words.texts[i] = piece
+    words.sample = real.sample  # type: ignore[method-assign]

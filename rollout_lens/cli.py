@@ -14,7 +14,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from rollout_lens import cli_dumps, cli_exchange, cli_rollouts, demo
+from rollout_lens.cli_remote import add_remote_options, remote_client
 from rollout_lens.cli_runconfig import add_config_options, config_values
+from rollout_lens.client import ClientError
 from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings, get_settings
 from rollout_lens.server.core.errors import RolloutLensError
@@ -37,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args, settings) or 0)
     except RolloutLensError as exc:
         return _fail(str(exc))
+    except ClientError as exc:  # a dashboard read by --url refused or could not be reached
+        return _fail(printable(str(exc)), status=1)
     except OperationalError as exc:
         if not _is_locked(exc):
             raise
@@ -69,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     runs = sub.add_parser("runs", help="list runs")
     runs.add_argument("--format", choices=["table", "json"], default="table")
+    add_remote_options(runs)
     runs.set_defaults(handler=_runs)
 
     cli_exchange.add_commands(sub)  # export, import
@@ -195,9 +200,29 @@ def migrated_factory(settings: Settings):  # type: ignore[no-untyped-def]
     return engine, make_session_factory(engine)
 
 
+def no_database_here(settings: Settings) -> str | None:
+    """Why reading the local database makes no sense: an SQLite file that does not exist (a
+    read creates nothing)."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.database_url)
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return None
+    if Path(url.database).exists():
+        return None
+    return (
+        f"no Rollout Lens database here: {url.database} does not exist. Run this in the folder "
+        "where runs were recorded, point ROLLOUT_LENS_DATABASE_URL at a database, or read a "
+        "dashboard with --url URL (ROLLOUT_LENS_URL)"
+    )
+
+
 def open_factory(settings: Settings):  # type: ignore[no-untyped-def]
     from rollout_lens.server.store.migrate import ensure_current
 
+    problem = no_database_here(settings)
+    if problem:
+        raise RolloutLensError(problem)
     engine = make_engine(settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms)
     ensure_current(engine)
     return engine, make_session_factory(engine)
@@ -261,9 +286,15 @@ def _train(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _runs(args: argparse.Namespace, settings: Settings) -> int:
-    engine, factory = open_factory(settings)
-    with session_scope(factory) as session:
-        runs = [run_dict(r) for r in store.list_runs(session)]
+    lens = remote_client(args, settings)
+    if lens is not None:
+        with lens:
+            runs = lens.runs()
+    else:
+        engine, factory = open_factory(settings)
+        with session_scope(factory) as session:
+            runs = [run_dict(r) for r in store.list_runs(session)]
+        engine.dispose()
     if args.format == "json":
         print(json.dumps(runs, indent=2))
         return 0
@@ -340,7 +371,7 @@ def serve_dashboard(
     from rollout_lens.server.webapp.app import create_app, prepare_database
     from rollout_lens.server.webapp.http.security import is_loopback_host
 
-    settings = _served_settings(settings, args.host)
+    settings = _served_settings(settings, args.host, args.port)
     proxy_headers = bool(getattr(args, "proxy_headers", False))
     allow_ips = getattr(args, "forwarded_allow_ips", None)
     if allow_ips and not proxy_headers:
@@ -479,16 +510,19 @@ def _announce_when_listening(host: str, port: int, lines: Sequence[str]) -> None
     threading.Thread(target=wait_then_print, name="announce", daemon=True).start()
 
 
-def _served_settings(settings: Settings, host: str) -> Settings:
+def _served_settings(settings: Settings, host: str, port: int = 8000) -> Settings:
     """The settings with the host served on among the allowed host names (and, on every
-    interface, this machine's own names)."""
+    interface, this machine's own names), and the address alert webhooks link to."""
     import socket
 
     names = [host]
     if host in ("0.0.0.0", "::", ""):
         names = [socket.gethostname(), socket.getfqdn()]
     extra = ",".join([settings.allowed_hosts, *names])
-    return settings.model_copy(update={"allowed_hosts": extra})
+    shown = names[0] if host not in ("0.0.0.0", "::", "") else socket.getfqdn()
+    shown = f"[{shown}]" if ":" in shown else shown
+    public = settings.public_url or f"http://{shown}:{port}"
+    return settings.model_copy(update={"allowed_hosts": extra, "public_url": public})
 
 
 def _build_model(args: argparse.Namespace, settings: Settings) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_lens.cli_numbers import COUNT, POSITIVE
+from rollout_lens.cli_remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import printable
@@ -43,6 +44,7 @@ def add_commands(sub: Any) -> None:
         help="a reward column (repeat; default: every numeric column besides step and advantage)",
     )
     _follow_options(trl)
+    add_remote_options(trl)
     trl.set_defaults(handler=_import_trl)
 
     verl = sub.add_parser(
@@ -71,6 +73,7 @@ def add_commands(sub: Any) -> None:
         help="verl's trainer.validation_data_dir: becomes the run's evaluation series",
     )
     _follow_options(verl)
+    add_remote_options(verl)
     verl.set_defaults(handler=_import_verl)
 
 
@@ -152,6 +155,15 @@ def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -
     files = fmt.scan()  # a clear error before the database is touched (or created)
     if not files and not args.follow:
         raise InvalidInput(fmt.empty)
+    lens = remote_client(args, settings)
+    if lens is not None:
+        if args.follow:
+            raise InvalidInput(
+                "--follow records into a database of this machine; with --url, import the "
+                "folder in one go (or follow it where the dashboard's database is reachable)"
+            )
+        with lens:
+            return _send(lens, fmt, args, settings, what=what)
     engine, factory = migrated_factory(settings)
     try:
         if not args.follow:
@@ -167,6 +179,38 @@ def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -
         return _follow(factory, fmt, args, settings)
     finally:
         engine.dispose()
+
+
+def _send(lens: Any, fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -> int:
+    """--url: the folder imported into a scratch SQLite file here (the same reader and checks),
+    exported as Parquet and sent to the dashboard, which imports it (keeping its source)."""
+    import tempfile
+
+    from rollout_lens.cli import migrated_factory
+    from rollout_lens.server.exchange import export
+    from rollout_lens.server.exchange.dump_import import import_dumps
+    from rollout_lens.server.store.db import session_scope
+
+    with tempfile.TemporaryDirectory(prefix="rollout-lens-send-") as folder:
+        scratch = settings.model_copy(
+            update={"database_url": f"sqlite:///{Path(folder) / 'scratch.db'}"}
+        )
+        engine, factory = migrated_factory(scratch)
+        try:
+            done = import_dumps(factory, fmt, settle=args.settle, total_steps=args.total_steps)
+            path = Path(folder) / "run.parquet"
+            with session_scope(factory) as session, path.open("wb") as f:
+                for chunk in export.export_chunks(session, run_id=done.run_id, fmt="parquet"):
+                    f.write(chunk)
+        finally:
+            engine.dispose()
+        sent = lens.import_file(path, moved=True)
+    print(
+        f"imported run {sent['id']} ({printable(sent['name'])}) from {fmt.folder} into "
+        f"{lens.base_url}: {sent['steps']} {what}, {sent['rollouts']} rollouts"
+    )
+    print(f"run_id={sent['id']}")
+    return 0
 
 
 def _follow(factory: Any, fmt: Any, args: argparse.Namespace, settings: Settings) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollout_lens.cli_numbers import COUNT, POSITIVE, RUN_ID
+from rollout_lens.cli_remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import csv_cell, printable
@@ -48,6 +49,7 @@ def add_commands(sub: Any) -> None:
     found.add_argument("--order", choices=["asc", "desc"], default="asc")
     found.add_argument("--limit", type=POSITIVE, default=50, help="rows to print (default 50)")
     found.add_argument("--format", choices=["table", "json", "csv"], default="table")
+    add_remote_options(found)
     found.set_defaults(handler=_rollouts)
 
 
@@ -73,8 +75,19 @@ def _rollouts(args: argparse.Namespace, settings: Settings) -> int:
     from rollout_lens.server.webapp import queries
 
     query = _query(args)
-    engine, factory = open_factory(settings)
     rows: list[dict[str, Any]] = []
+    lens = remote_client(args, settings)
+    if lens is not None:
+        filters = query.model_dump(exclude_unset=True, exclude={"after"})
+        with lens:
+            page = lens.rollouts_page(args.run_id, **filters)
+            total, capped = page["total"], page["total_capped"]
+            rows += page["rollouts"]
+            while page["next"] is not None and len(rows) < args.limit:
+                page = lens.rollouts_page(args.run_id, after=page["next"], **filters)
+                rows += page["rollouts"]
+        return _print(args, rows, total, capped)
+    engine, factory = open_factory(settings)
     try:
         with session_scope(factory) as session:
             page = queries.explore(session, run_id=args.run_id, query=query)
@@ -86,6 +99,10 @@ def _rollouts(args: argparse.Namespace, settings: Settings) -> int:
                 rows += page["rollouts"]
     finally:
         engine.dispose()
+    return _print(args, rows, total, capped)
+
+
+def _print(args: argparse.Namespace, rows: list[dict[str, Any]], total: int, capped: bool) -> int:
     rows = rows[: max(args.limit, 0)]
     if args.format == "json":
         print(json.dumps(rows, indent=2, ensure_ascii=False))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import httpx
 
 from rollout_lens.server.core import read_models
 
-# The keys of a rollout (server.core.read_models.RolloutData, what serialize.rollout_dict builds);
+# The keys of a rollout (server.core.read_models.Rollout, what serialize.rollout_dict builds);
 # the step viewer's API adds view fields, which step_rollouts leaves out.
 ROLLOUT_KEYS = read_models.ROLLOUT_KEYS
 
@@ -31,6 +32,11 @@ GROUPS_PER_REQUEST = 500
 ROLLOUTS_PER_REQUEST = 32
 ALL_TOKENS = 2**31 - 1
 UNKNOWN_NAME = 422  # what GET /api/runs/{id}/series answers a name it does not know
+
+
+def no_cookies() -> CookieJar:
+    """A cookie jar that keeps none."""
+    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
 
 
 class ClientError(Exception):
@@ -50,7 +56,11 @@ class Client:
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        # No cookies kept: a script is no browser (the dashboard's CSRF cookie, sent back, would
+        # make its POSTs look like a browser's, which need the form's CSRF token).
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=timeout, cookies=no_cookies()
+        )
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -157,6 +167,24 @@ class Client:
             return rows
         return pd.DataFrame.from_records(rows)
 
+    def rollouts_page(self, run_id: int, *, after: str | None = None, **filters: Any) -> Any:
+        """One keyset page of the explorer's JSON (`rollouts`, `total`, `total_capped`, `next`:
+        pass it as `after` for the next page)."""
+        params = {key: _param(value) for key, value in filters.items() if value is not None}
+        if after is not None:
+            params["after"] = after
+        return self._get(f"/api/runs/{int(run_id)}/rollouts", params)
+
+    def export_chunks(
+        self, run_id: int, *, format: str = "jsonl", what: str = "rollouts"
+    ) -> Iterator[bytes]:
+        """A run's export file, chunk by chunk as it streams (raises before the first chunk when
+        the dashboard refuses)."""
+        with self._stream(
+            f"/api/runs/{int(run_id)}/export", params={"format": format, "what": what}
+        ) as response:
+            yield from response.iter_bytes()
+
     def export(
         self,
         run_id: int,
@@ -178,6 +206,28 @@ class Client:
                 target.unlink(missing_ok=True)  # no half-written file left behind
                 raise
         return target
+
+    def import_file(
+        self, path: str | Path, *, name: str | None = None, moved: bool = False
+    ) -> dict[str, Any]:
+        """Import an export file (`rollout-lens export`'s JSONL or Parquet) into the dashboard:
+        the new run's id, name, steps and rollouts. `moved`: the file holds a TRL or verl import
+        made on this machine (it keeps that source)."""
+        params: dict[str, Any] = {"moved": "true" if moved else "false"}
+        if name is not None:
+            params["name"] = name
+        try:
+            response = self._http.post(
+                "/api/record/import",
+                params=params,
+                content=Path(path).read_bytes(),
+                headers={"content-type": "application/octet-stream"},
+            )
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        _raise_for_status(response)
+        answer: dict[str, Any] = response.json()
+        return answer
 
     # --- transport -------------------------------------------------------------------------
 

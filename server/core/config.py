@@ -76,8 +76,38 @@ class Settings(BaseSettings):
     server_timing: bool = Field(
         False, description="Add a Server-Timing header (the server's own time) to responses."
     )
+    record_token: SecretStr = Field(
+        SecretStr(""),
+        description="Recording tokens, comma-separated: they may record runs (and read), nothing "
+        "else.",
+    )
+    record_max_mb: float = Field(
+        64.0,
+        gt=0,
+        le=1024,
+        description="The largest body of one recording request (a batch of steps), in MiB.",
+    )
+    alert_webhook: str = Field(
+        "",
+        description="URL(s), comma-separated, that receive a POST (Slack-compatible JSON) for "
+        "each new alert.",
+    )
+    public_url: str = Field(
+        "",
+        description="The dashboard's address as people reach it (links in alert webhooks); "
+        "default: http://host:port it serves on.",
+    )
+    # The client's side: where a trainer, the CLI and the client record and read.
+    url: str = Field(
+        "",
+        description="A dashboard's URL: the callback records there, the CLI reads and writes "
+        "through its API (empty: the local database).",
+    )
+    token: SecretStr = Field(
+        SecretStr(""), description="The token sent to the dashboard at `url` (Bearer)."
+    )
 
-    @field_validator("auth_token")
+    @field_validator("auth_token", "record_token")
     @classmethod
     def _strong_tokens(cls, value: SecretStr) -> SecretStr:
         """Refuse a token short enough to guess; the message never shows a token."""
@@ -104,6 +134,19 @@ class Settings(BaseSettings):
     def auth_token_list(self) -> list[str]:
         """The access tokens (never logged or shown)."""
         return [t.strip() for t in self.auth_token.get_secret_value().split(",") if t.strip()]
+
+    @property
+    def record_token_list(self) -> list[str]:
+        """The recording tokens (never logged or shown)."""
+        return [t.strip() for t in self.record_token.get_secret_value().split(",") if t.strip()]
+
+    @property
+    def record_max_bytes(self) -> int:
+        return int(self.record_max_mb * 2**20)
+
+    @property
+    def alert_webhook_list(self) -> list[str]:
+        return [u.strip() for u in self.alert_webhook.split(",") if u.strip()]
 
     @property
     def allowed_host_list(self) -> list[str]:

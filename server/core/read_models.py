@@ -2,56 +2,74 @@
 queries, read by the views, the templates, the JSON API and the Python client.
 
 TypedDicts: at run time they are the plain dicts the JSON API sends as they are (no copy, no
-change of a byte), and mypy checks every key each side names. The four the pages are built on:
-the run card (RunData), a run's live state (LiveState), a step in detail (StepHead and its
-StepGroups, GroupDetail, StepCard) and compare (CompareData).
+change of a byte), and mypy checks every key each side names. The pages are built on the run
+card (RunData), a run's live state (LiveState), a step (StepHead and its StepGroups, a
+group's header and its scalar rows); a group in detail and compare hold the read side's typed
+rollout views and live beside them, in server.core.step_views.
 
-Pure typing: no session, no SQL, no torch; the client imports this module for the names of a
-rollout's keys.
+A rollout is described once, here: `Rollout` (pydantic), the fields it leaves the store with
+and what each means, from which the export's records, the API's models and the view's JSON are
+derived.
+
+Pure shapes: no session, no SQL, no torch, nothing of ours; the client imports this module for
+the names of a rollout's keys.
 """
 
 from __future__ import annotations
 
 from typing import Any, NotRequired
 
+from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 
-class RolloutData(TypedDict):
-    """One rollout with its per-token arrays decoded (serialize.rollout_dict): what the JSONL
-    export writes and the step API sends (the viewer adds its own view fields beside these)."""
+class Rollout(BaseModel):
+    """One rollout as it leaves the store: the one description of its fields, in the order its
+    JSON has them. The read side's typed view (RolloutView) holds these fields (its per-token
+    ones as arrays) and its `data()` is this JSON; the export's records
+    (server.exchange.schema.RolloutLine) and the API's models (server.webapp.http.api_models)
+    are derived from it, the Python client names a rollout's keys by it (ROLLOUT_KEYS)."""
 
-    run_id: int
-    step: int
-    group: int
-    index: int
-    prompt: str
-    completion: str
-    completion_ids: list[int]
-    # each id's text as decoded (server.core.tokentext), when every id has a piece
-    tokens: list[str] | None
-    token_pieces: list[str] | None  # each id's raw piece as the tokenizer names it ('Ġcan')
-    tokens_kept: bool  # False: retention dropped the logprobs and control probabilities
-    vote: str | None
-    target: str | None
-    verifier_reward: float
-    true_score: float | None
-    advantage: float
-    sum_logprob: float | None
-    format_valid: bool | None  # None: nothing judged it
-    format_state: str | None
-    token_logprobs: list[float]
-    control_token_probs: dict[str, list[float]]
-    meta: dict[str, Any]
+    run_id: int = Field(description="the run's id in the database that served it")
+    step: int = Field(description="the step whose generation sampled it (its rollout step)")
+    group: int = Field(description="its group: the G rollouts of one prompt")
+    index: int = Field(description="its place in the group, in sampling order")
+    prompt: str = Field(description="what the policy saw, chat template applied")
+    completion: str = Field(description="what the policy sampled")
+    completion_ids: list[int] = Field(description="the completion's token ids")
+    tokens: list[str] | None = Field(
+        None,
+        description="each token's text as decoded (server.core.tokentext), when every id has a "
+        "piece (files of older versions held the raw pieces here)",
+    )
+    token_pieces: list[str] | None = Field(
+        None, description="each token's raw piece as the tokenizer names it ('Ġcan')"
+    )
+    tokens_kept: bool = Field(
+        True,
+        description="false: retention dropped its logprobs and control-token probabilities "
+        "(not in the export: its arrays say it)",
+    )
+    vote: str | None = Field(description="the tool id (or answer) the completion names")
+    target: str | None = Field(description="the tool id that is right for the query")
+    verifier_reward: float = Field(description="the training reward from the verifier")
+    true_score: float | None = Field(description="1 if the vote is the target, else 0")
+    advantage: float = Field(description="its reward relative to its group's")
+    sum_logprob: float | None = Field(
+        description="Σ logprob under the sampling policy, from full precision; null: not measured"
+    )
+    format_valid: bool | None = Field(description="null: nothing judged it")
+    format_state: str | None = Field(description="its structural state (vocab.FormatState)")
+    token_logprobs: list[float] = Field(
+        description="log p of each sampled token (empty: not measured, or retention dropped it)"
+    )
+    control_token_probs: dict[str, list[float]] = Field(
+        description="control token → its probability at each position"
+    )
+    meta: dict[str, Any] = Field(description="what else the recorder kept (probes, turns, row)")
 
 
-class RolloutWindow(RolloutData, total=False):
-    """A rollout cut to a page's first `max_tokens` positions."""
-
-    tokens_total: int  # positions the rollout has in all
-
-
-ROLLOUT_KEYS: tuple[str, ...] = tuple(RolloutData.__annotations__)
+ROLLOUT_KEYS: tuple[str, ...] = tuple(Rollout.model_fields)
 
 
 # --- the run card and its live state ------------------------------------------------------------
@@ -186,28 +204,44 @@ class StepGroups(StepHead):
     groups: list[dict[str, Any]]  # stepview.group_summary rows
 
 
-class GroupDetail(StepHead):
-    """One group of a step with a page of its rollouts (queries.group_detail)."""
+class ScalarRow(TypedDict):
+    """A rollout's scalar columns, what the groups overview is built from
+    (queries.step_groups: never its token arrays or completion)."""
 
-    group_nav: GroupNav
-    summary: dict[str, Any]  # stepview.group_summary
-    header: dict[str, Any] | None  # stepview.group_header: prompt, query, target, votes
-    rollouts_total: int
-    offset: int
-    rollouts: list[RolloutWindow]
-
-
-class MissingGroupCard(StepHead):
-    """Compare's step card for a step without the group asked for (queries.step_card)."""
-
-    group_nav: GroupNav
-    header: None
-    asked_group: int
-    rollouts: list[RolloutWindow]  # none
-    rollouts_total: int
+    group: int
+    index: int
+    vote: str | None
+    target: str | None
+    verifier_reward: float
+    true_score: float | None
+    advantage: float
+    sum_logprob: float | None
+    format_valid: bool | None
+    format_state: str | None
+    prompt_id: int
+    facts_id: int | None
 
 
-StepCard = GroupDetail | MissingGroupCard
+class GroupHeader(TypedDict):
+    """What a group's rollouts say about the group (stepview.group_header): prompt, query,
+    target, vote histograms, agreement, correct count, supervision."""
+
+    group: int
+    prompt: str
+    query: Any
+    target: str | None
+    target_listed: Any
+    hint: str | None
+    hint_shown_to: list[int]
+    tool_count: int
+    votes: list[dict[str, Any]]
+    vote_kind: str | None
+    first_calls: list[dict[str, Any]]
+    answers: list[dict[str, Any]]
+    agree: int
+    size: int
+    correct: int
+    supervised: dict[str, int]
 
 
 # --- compare ------------------------------------------------------------------------------------
@@ -243,27 +277,3 @@ class ConfigDiffRow(TypedDict):
 class ConfigDiff(TypedDict):
     rows: list[ConfigDiffRow]  # settings that differ
     same: int  # how many do not
-
-
-class CompareSide(TypedDict):
-    """One of the first two runs at the side-by-side step."""
-
-    run_id: int
-    last_step: int | None
-    detail: StepCard | None  # None: the run has no such step
-
-
-class CompareData(TypedDict):
-    """Two or more runs side by side (queries.compare)."""
-
-    runs: list[RunData]
-    series: dict[str, Any]  # run id → {bucket, series}: what fills compare's charts
-    points: int  # points per chart each run got
-    bands: bool  # min–max bands drawn (few runs)
-    method: str
-    summary: list[RunSummary]
-    config_diff: ConfigDiff
-    step: int  # the side-by-side step
-    group: int
-    max_step: int
-    side_by_side: list[CompareSide]

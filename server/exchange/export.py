@@ -18,6 +18,7 @@ from typing import Any
 from rollout_lens.server import store
 from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.read_models import Rollout
 from rollout_lens.server.core.textsafe import csv_cell
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.exchange.schema import (
@@ -145,36 +146,47 @@ class _Drain(io.RawIOBase):
         return data
 
 
-def rollout_schema() -> Any:
-    """The Parquet columns of a rollout (control_probs: one row per control token, in the run
-    header's control_tokens order)."""
+# Parquet: read_models.Rollout's fields as columns (tokens_kept left out, as in JSONL), the
+# control-token probabilities as rows in the run header's order under their column's name, the
+# token texts last (the columns' order of the files written so far).
+PARQUET_NAMES = {"control_token_probs": "control_probs"}
+PARQUET_LAST = ("tokens", "token_pieces")
+_NOT_IN_FILES = ("tokens_kept",)
+
+
+def _arrow_type(annotation: Any) -> Any:
+    """A field's Parquet type from its annotation in read_models.Rollout: ids int32 and
+    per-token numbers float32 (as stored), scalars 64-bit, meta JSON text."""
     import pyarrow as pa
 
     floats = pa.list_(pa.float32())
-    return pa.schema(
-        [
-            ("run_id", pa.int64()),
-            ("step", pa.int64()),
-            ("group", pa.int64()),
-            ("index", pa.int64()),
-            ("prompt", pa.string()),
-            ("completion", pa.string()),
-            ("completion_ids", pa.list_(pa.int32())),
-            ("vote", pa.string()),
-            ("target", pa.string()),
-            ("verifier_reward", pa.float64()),
-            ("true_score", pa.float64()),
-            ("advantage", pa.float64()),
-            ("sum_logprob", pa.float64()),
-            ("format_valid", pa.bool_()),
-            ("format_state", pa.string()),
-            ("token_logprobs", floats),
-            ("control_probs", pa.list_(floats)),
-            ("meta", pa.string()),  # JSON text: meta is free-form
-            ("tokens", pa.list_(pa.string())),
-            ("token_pieces", pa.list_(pa.string())),
-        ]
-    )
+    types = {
+        "int": pa.int64(),
+        "str": pa.string(),
+        "float": pa.float64(),
+        "bool": pa.bool_(),
+        "list[int]": pa.list_(pa.int32()),
+        "list[float]": floats,
+        "list[str]": pa.list_(pa.string()),
+        "dict[str, list[float]]": pa.list_(floats),
+        "dict[str, Any]": pa.string(),  # JSON text: meta is free-form
+    }
+    name = annotation.__name__ if type(annotation) is type else str(annotation)
+    return types[name.replace("typing.", "").removesuffix(" | None")]
+
+
+def rollout_schema() -> Any:
+    """The Parquet columns of a rollout, derived from read_models.Rollout (control_probs: one
+    row per control token, in the run header's control_tokens order)."""
+    import pyarrow as pa
+
+    fields = {
+        name: field.annotation
+        for name, field in Rollout.model_fields.items()
+        if name not in _NOT_IN_FILES
+    }
+    order = [n for n in fields if n not in PARQUET_LAST] + list(PARQUET_LAST)
+    return pa.schema([(PARQUET_NAMES.get(n, n), _arrow_type(fields[n])) for n in order])
 
 
 # Columns files written before them lack (the importer reads them as absent).

@@ -69,9 +69,12 @@ class _Rollout(RolloutRecord):
 
 
 def import_export(
-    factory: sessionmaker[Session], path: Path, *, name: str | None = None
+    factory: sessionmaker[Session], path: Path, *, name: str | None = None, moved: bool = False
 ) -> Imported:
-    """Create a run from an export file; InvalidInput (and nothing created) if it is damaged."""
+    """Create a run from an export file; InvalidInput (and nothing created) if it is damaged.
+    `moved`: the file carries a run made elsewhere for this database (the CLI's `import-trl
+    --url` imports the dumps on its own machine and sends the export): it keeps its source
+    (TRL's or verl's import) and gains no note."""
     if not path.is_file():
         raise InvalidInput(f"{path}: no such file")
     with path.open("rb") as f:
@@ -81,7 +84,7 @@ def import_export(
     try:
         with session_scope(factory) as session:
             # Parquet needs no end record: a file cut short has no footer and does not open.
-            return _write(session, records, name=name, needs_end=not parquet)
+            return _write(session, records, name=name, needs_end=not parquet, moved=moved)
     except InvalidInput as exc:
         raise InvalidInput(f"{path}: {exc}") from exc
     except (IntegrityError, DataError) as exc:
@@ -89,7 +92,12 @@ def import_export(
 
 
 def _write(
-    session: Session, records: Iterator[tuple[str, Any]], *, name: str | None, needs_end: bool
+    session: Session,
+    records: Iterator[tuple[str, Any]],
+    *,
+    name: str | None,
+    needs_end: bool,
+    moved: bool = False,
 ) -> Imported:
     first = next(records, None)
     if first is None:
@@ -108,7 +116,7 @@ def _write(
             f"this one reads version {VERSION}"
         )
     try:
-        writer = _ImportedRun(session, header, name=name)
+        writer = _ImportedRun(session, header, name=name, moved=moved)
     except InvalidInput as exc:
         raise InvalidInput(f"{where}: {exc}") from exc
     end: EndLine | None = None
@@ -140,7 +148,9 @@ def _write(
 class _ImportedRun:
     """Writes a run's records as they arrive: steps at once, rollouts in batches."""
 
-    def __init__(self, session: Session, header: RunRecord, *, name: str | None) -> None:
+    def __init__(
+        self, session: Session, header: RunRecord, *, name: str | None, moved: bool = False
+    ) -> None:
         self.session = session
         self.header = header
         self.tokens = list(header.control_tokens)
@@ -157,7 +167,10 @@ class _ImportedRun:
             )
         self.error = error
         notes = list(header.notes)
-        if header.source != RunSource.import_:  # a copy of a copy keeps the first note
+        source = RunSource.import_
+        if moved and header.source in (RunSource.trl_import, RunSource.verl_import):
+            source = RunSource(header.source)
+        elif header.source != RunSource.import_:  # a copy of a copy keeps the first note
             notes.append(
                 f"imported from a rollout-lens export of run {header.id} (source {header.source})"
             )
@@ -174,7 +187,7 @@ class _ImportedRun:
             config=header.config,
             control_tokens=self.tokens,
             status=RunStatus(status),
-            source=RunSource.import_,
+            source=source,
             notes=notes,
         )
         self.run_id = run.id

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rollout_lens.server.core.display import iso
+from rollout_lens.server.core.read_models import Rollout
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.exchange.bounds import MAX_INT32, MAX_TOKENS, MIN_INT32
 from rollout_lens.server.store.models import RolloutRow, RunRow, StepRow
@@ -202,31 +203,24 @@ class StepLine(_Record):
         return {name: getattr(self, name) for name in STEP_SERIES}
 
 
-class RolloutLine(_Record):
+class RolloutLine(Rollout):
+    """A rollout record: read_models.Rollout (the one description of a rollout, every field
+    of it) with its kind, checked as strictly as the other records and narrowed to what the
+    databases store. A file has no tokens_kept (its arrays say it); files of older versions
+    have no tokens (they kept them in meta["tokens"]) and those and files before token_pieces
+    hold the raw pieces in tokens (stored_pieces)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     kind: Literal["rollout"]
     run_id: RunIdNo
     step: StepNo
     group: Count
     index: Count
-    prompt: str
-    completion: str
     completion_ids: list[Int32] = Field(max_length=MAX_TOKENS)
-    vote: str | None
-    target: str | None
     verifier_reward: Number
-    true_score: float | None
     advantage: Number
-    sum_logprob: float | None  # None: not a number (a NaN logprob)
-    format_valid: bool | None  # None: nothing judged it (no format_valid function)
     format_state: str | None = Field(max_length=32)
-    token_logprobs: list[float]
-    control_token_probs: dict[str, list[float]]
-    meta: dict[str, Any]
-    # Each completion token's text as decoded (absent from files of older versions, which kept
-    # them in meta["tokens"]; those and files before token_pieces hold the raw pieces here).
-    tokens: list[str] | None = None
-    # Each token's raw piece ('Ġcan'): what the importer stores as the run's token texts.
-    token_pieces: list[str] | None = None
 
     def stored_pieces(self) -> list[str] | None:
         """The pieces to store for this rollout's ids: token_pieces, else (older files) tokens."""
@@ -256,7 +250,7 @@ class EndLine(_Record):
     rollouts: int
 
 
-RECORDS: dict[str, type[_Record]] = {
+RECORDS: dict[str, type[BaseModel]] = {
     "run": RunRecord,
     "step": StepLine,
     "rollout": RolloutLine,

@@ -4,21 +4,35 @@ ids where that gives it back exactly.
 
 At 512 rollouts × 1,000 tokens a step these arrays are nearly all of a run's bytes, so each is
 coded for its distribution:
-- ids: int32, bytes shuffled (every value's low bytes, then its next bytes…) so zstd sees runs
-  of zero high bytes; exact.
+- ids: int32, exact, bit-length coded (below): a BPE vocabulary numbers its frequent pieces
+  first, so most ids are short.
 - logprobs: 1/LOGPROB_SCALE nat steps as uint16 (a probability near 1 is off by at most 1.2e-4,
   below the 3 decimals the viewer shows), down to LOGPROB_FLOOR; −inf and NaN kept; exact
-  enough that Σ logprob (a float64 column computed at full precision) is never recomputed.
+  enough that Σ logprob (a float64 column computed at full precision) is never recomputed;
+  bit-length coded (most are near 0 nat: short).
 - control-token probabilities: only the positions where one is at least CONTROL_FLOOR, as
   uint16 steps of 1/32768; every other position reads back as 0.0 (pages say so). Most of a
   completion's control-token probabilities are near 0: a row is a few dozen positions.
 - text: where the run's token texts joined by one of TEXT_RULES give the completion back
   exactly (checked on write), no text is stored; otherwise it is stored zstd-compressed.
+
+Each array is written in the shortest of a few codings, told apart by its first byte (a zstd
+frame starts with 0x28: byte-shuffled zstd, as the store wrote every array before, is one of
+them and is still read):
+- bit-length coding (BIT_LENGTH_CODED): each value's bit length, one byte a value,
+  zstd-compressed (its entropy coder sees a few distinct, skewed symbols), then each value's bits
+  below its leading 1, packed (near-uniform: nothing to compress). A value costs about its bit
+  length plus two or three bits: best where values are drawn independently (on the scale
+  bench's Zipf ids some 15 % below byte-shuffled zstd, on its logprobs some 13 %);
+- ids only: zstd over the plain little-endian ids, 2 bytes each where they fit (RAW_UINT16) or 4
+  (RAW_INT32): best on real text, whose repeated runs of tokens zstd's matches find (on English
+  and Python in SmolLM2's ids some 20 % below bit-length coding).
 """
 
 from __future__ import annotations
 
 import math
+import struct
 import threading
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
@@ -64,6 +78,64 @@ def _unshuffle(data: bytes, dtype: str) -> np.ndarray:
     kind = np.dtype(dtype).newbyteorder("<")
     planes = np.frombuffer(data, np.uint8).reshape(kind.itemsize, -1)
     return planes.T.copy().view(kind).reshape(-1)
+
+
+BIT_LENGTH_CODED = 0x01  # the first byte of a bit-length coded array
+RAW_UINT16, RAW_INT32 = 0x02, 0x03  # … of zstd over plain little-endian ids (2 or 4 bytes each)
+_LENGTHS = struct.Struct("<BI")  # that byte, then the compressed bit lengths' size
+
+
+def _bit_lengths(values: np.ndarray) -> np.ndarray:
+    """Bit length of each uint32 (0 for 0): frexp is exact on float64 below 2**53."""
+    return np.frexp(values.astype(np.float64))[1].astype(np.uint8)
+
+
+def _code_bits(values: np.ndarray) -> bytes:
+    """uint32 values → BIT_LENGTH_CODED bytes."""
+    v = values.astype(np.uint32, copy=False).reshape(-1)
+    widths = _bit_lengths(v)
+    lengths = _pack(widths.tobytes())
+    tail = np.maximum(widths.astype(np.int64) - 1, 0)  # bits below the leading 1
+    most = int(tail.max()) if len(tail) else 0
+    if most:
+        shifts = np.arange(most, dtype=np.uint32)
+        bits = (v[:, None] >> shifts) & 1
+        packed = np.packbits(
+            bits[shifts[None, :] < tail[:, None]].astype(np.uint8), bitorder="little"
+        )
+        rest = packed.tobytes()
+    else:
+        rest = b""
+    return _LENGTHS.pack(BIT_LENGTH_CODED, len(lengths)) + lengths + rest
+
+
+def _decode_bits(data: bytes) -> np.ndarray:
+    """BIT_LENGTH_CODED bytes → the uint32 values."""
+    _, size = _LENGTHS.unpack_from(data)
+    at = _LENGTHS.size
+    widths = np.frombuffer(_unpack(data[at : at + size]), np.uint8).astype(np.int64)
+    tail = np.maximum(widths - 1, 0)
+    lead = np.where(widths > 0, np.left_shift(1, tail), 0).astype(np.uint32)
+    most = int(tail.max()) if len(tail) else 0
+    if not most:
+        return lead
+    total = int(tail.sum())
+    bits = np.unpackbits(
+        np.frombuffer(data, np.uint8, offset=at + size), count=total, bitorder="little"
+    )
+    starts = np.cumsum(tail) - tail
+    shifts = np.arange(most)
+    inside = shifts[None, :] < tail[:, None]
+    picked = bits[np.minimum(starts[:, None] + shifts[None, :], total - 1)] * inside
+    below: np.ndarray = (picked.astype(np.uint32) << shifts.astype(np.uint32)).sum(
+        axis=1, dtype=np.uint32
+    )
+    out: np.ndarray = lead | below
+    return out
+
+
+def _coded(data: bytes) -> bool:
+    return data[0] == BIT_LENGTH_CODED
 
 
 def _pack(payload: bytes) -> bytes:
@@ -130,28 +202,52 @@ def _sparse(length: int, counts: np.ndarray, gaps: np.ndarray, codes: np.ndarray
 
 
 def encode_ids(ids: Sequence[int] | np.ndarray) -> bytes:
-    """Token ids → compressed bytes (exact)."""
-    return _pack(_shuffle(np.asarray(ids, dtype=np.int32)))
+    """Token ids → compressed bytes (exact): the shortest of their bit-length coding (ids drawn
+    independently: every value its own) and zstd over the plain little-endian ids, 2 bytes each
+    where they fit (real text repeats runs of tokens, which zstd's matches find)."""
+    values = np.asarray(ids, dtype=np.int32)
+    found = [_code_bits(values.view(np.uint32))]
+    if len(values):
+        found.append(bytes([RAW_INT32]) + _pack(values.astype("<i4").tobytes()))
+        if int(values.min()) >= 0 and int(values.max()) < 1 << 16:
+            found.append(bytes([RAW_UINT16]) + _pack(values.astype("<u2").tobytes()))
+    return min(found, key=len)
 
 
 def decode_ids(data: bytes | None) -> list[int]:
     """Compressed bytes → token ids."""
     if not data:
         return []
-    values: list[int] = _unshuffle(_unpack(data), "i4").tolist()
-    return values
+    kind = data[0]
+    if kind == BIT_LENGTH_CODED:
+        values = _decode_bits(data).view(np.int32)
+    elif kind == RAW_UINT16:
+        values = np.frombuffer(_unpack(data[1:]), "<u2")
+    elif kind == RAW_INT32:
+        values = np.frombuffer(_unpack(data[1:]), "<i4")
+    else:  # a zstd frame: byte-shuffled int32, as the store wrote ids before
+        values = _unshuffle(_unpack(data), "i4")
+    out: list[int] = values.tolist()
+    return out
+
+
+def _logprob_blob(codes: np.ndarray) -> bytes:
+    """Logprob codes → the shorter of their bit-length coding and byte-shuffled zstd."""
+    return min(_code_bits(codes), _pack(_shuffle(codes)), key=len)
 
 
 def encode_logprobs(logprobs: Sequence[float]) -> bytes:
     """Per-token logprobs → compressed uint16 steps of 1/LOGPROB_SCALE nat."""
-    return _pack(_shuffle(_logprob_codes(_floats([logprobs]))))
+    return _logprob_blob(_logprob_codes(_floats([logprobs])))
 
 
 def decode_logprobs(data: bytes | None) -> list[float]:
     """Compressed bytes → per-token logprobs (−inf and NaN as they were written)."""
     if not data:
         return []
-    codes = _unshuffle(_unpack(data), "u2")
+    codes = (
+        _decode_bits(data).astype(np.uint16) if _coded(data) else _unshuffle(_unpack(data), "u2")
+    )
     values = codes.astype(np.float64) / -LOGPROB_SCALE + 0.0  # + 0.0: no -0.0
     values[codes == _LP_NEG_INF] = -math.inf
     values[codes == _LP_NAN] = math.nan
@@ -246,7 +342,7 @@ def encode_rollouts(
         out.append(
             (
                 encode_ids(ids[i]),
-                _pack(_shuffle(lp_codes[lp_at : lp_at + lp_lengths[i]])),
+                _logprob_blob(lp_codes[lp_at : lp_at + lp_lengths[i]]),
                 _sparse(n, counts[first_row : first_row + n_rows], gaps[a:b], codes[a:b]),
             )
         )
@@ -362,3 +458,129 @@ def text_head(data: bytes, n_chars: int) -> str:
     with _zstd()[1].stream_reader(data) as reader:
         raw = reader.read(4 * n_chars)
     return raw.decode("utf-8", "ignore")[:n_chars]
+
+
+# --- blobs received from elsewhere (a trainer recording over HTTP) -----------------------------
+
+
+def _bounded(data: bytes, most: int, what: str) -> bytes:
+    """zstd frame → its bytes, refused (ValueError naming `what`) unless the frame says its size
+    and that size is at most `most`: a hostile frame never makes us allocate what it claims."""
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        raise ValueError(f"{what}: not a zstd frame") from None
+    if size < 0:
+        raise ValueError(f"{what}: a zstd frame that does not say its size")
+    if size > most:
+        raise ValueError(f"{what}: decompresses to {size:,} bytes, more than {most:,}")
+    try:
+        raw = _unpack(data)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"{what}: not a whole zstd frame ({exc})") from None
+    if len(raw) != size:
+        raise ValueError(f"{what}: decompressed to {len(raw):,} bytes, not the {size:,} it says")
+    return raw
+
+
+def _bits_checked(data: bytes, length: int, widest: int, what: str) -> np.ndarray:
+    """BIT_LENGTH_CODED bytes → exactly `length` values of at most `widest` bits; ValueError
+    otherwise (the bit lengths' frame bounded, the bits below them exactly as many as they say)."""
+    if len(data) < _LENGTHS.size:
+        raise ValueError(f"{what}: too short for a bit-length coded array")
+    _, size = _LENGTHS.unpack_from(data)
+    at = _LENGTHS.size
+    if size > len(data) - at:
+        raise ValueError(f"{what}: says {size:,} bytes of bit lengths, more than it holds")
+    widths = np.frombuffer(_bounded(data[at : at + size], length, what), np.uint8)
+    if len(widths) != length:
+        raise ValueError(f"{what}: holds {len(widths):,} values, not the {length:,} of its length")
+    if len(widths) and int(widths.max()) > widest:
+        raise ValueError(f"{what}: a value of {int(widths.max())} bits, more than {widest}")
+    bits = int(np.maximum(widths.astype(np.int64) - 1, 0).sum())
+    if len(data) - at - size != (bits + 7) // 8:
+        raise ValueError(f"{what}: {len(data) - at - size:,} bytes do not hold {bits:,} bits")
+    return _decode_bits(data)
+
+
+def decode_ids_checked(data: bytes, length: int, what: str = "ids") -> np.ndarray:
+    """Blob of encode_ids (any of its codings) → exactly `length` int64 ids, none negative;
+    ValueError otherwise."""
+    kind = data[0] if data else None
+    if kind == BIT_LENGTH_CODED:
+        ids = _bits_checked(data, length, 32, what).view(np.int32).astype(np.int64)
+    elif kind in (RAW_UINT16, RAW_INT32):
+        width, dtype = (2, "<u2") if kind == RAW_UINT16 else (4, "<i4")
+        raw = _bounded(data[1:], width * length, what)
+        if len(raw) != width * length:
+            raise ValueError(
+                f"{what}: holds {len(raw) // width:,} ids, not the {length:,} of its length"
+            )
+        ids = np.frombuffer(raw, dtype).astype(np.int64)
+    else:  # byte-shuffled int32 in a zstd frame, as the store wrote ids before
+        raw = _bounded(data, 4 * length, what)
+        if len(raw) != 4 * length:
+            raise ValueError(
+                f"{what}: holds {len(raw) // 4:,} ids, not the {length:,} of its length"
+            )
+        ids = _unshuffle(raw, "i4").astype(np.int64)
+    if len(ids) and int(ids.min()) < 0:
+        raise ValueError(f"{what}: a negative token id ({int(ids.min())})")
+    return ids
+
+
+def decode_logprobs_checked(data: bytes, length: int, what: str = "logprobs") -> np.ndarray:
+    """Blob of encode_logprobs (either of its codings) → exactly `length` float64 logprobs;
+    ValueError otherwise."""
+    if data and _coded(data):
+        codes = _bits_checked(data, length, 16, what).astype(np.uint16)
+    else:
+        raw = _bounded(data, 2 * length, what)
+        if len(raw) != 2 * length:
+            raise ValueError(f"{what}: holds {len(raw) // 2:,} values, not {length:,}")
+        codes = _unshuffle(raw, "u2")
+    if np.any((codes > _LP_MAX) & (codes < _LP_NEG_INF)):
+        raise ValueError(f"{what}: a code outside the logprob range")
+    values = codes.astype(np.float64) / -LOGPROB_SCALE + 0.0
+    values[codes == _LP_NEG_INF] = -math.inf
+    values[codes == _LP_NAN] = math.nan
+    return values
+
+
+def decode_control_checked(
+    data: bytes, n_rows: int, length: int, what: str = "control"
+) -> np.ndarray:
+    """Blob of encode_control → [position × token] float64 (`length` × `n_rows`), every count,
+    gap and code checked against the layout; ValueError otherwise."""
+    most = 4 * (1 + n_rows) + 6 * n_rows * length
+    raw = _bounded(data, most, what)
+    if len(raw) < 4 * (1 + n_rows):
+        raise ValueError(f"{what}: too short for {n_rows} control tokens")
+    head = np.frombuffer(raw, "<u4", 1 + n_rows, 0)
+    if int(head[0]) != length:
+        raise ValueError(f"{what}: says {int(head[0]):,} positions, not the {length:,} of its ids")
+    counts = head[1:].astype(np.int64)
+    if np.any(counts > length):
+        raise ValueError(f"{what}: a row keeps more positions than the completion has")
+    total = int(counts.sum())
+    if len(raw) != 4 * (1 + n_rows) + 6 * total:
+        raise ValueError(f"{what}: {len(raw):,} bytes do not hold {total:,} kept positions")
+    at = 4 * (1 + n_rows)
+    gaps = _unshuffle(raw[at : at + 4 * total], "u4").astype(np.int64)
+    codes = _unshuffle(raw[at + 4 * total :], "u2")
+    if np.any((codes > _P_SCALE) & (codes != _P_NAN)):
+        raise ValueError(f"{what}: a probability code above 1")
+    dense = np.zeros((n_rows, length), dtype=np.float64)
+    if total:
+        running = np.cumsum(gaps)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        before = np.concatenate(([0], running))[starts]
+        position = running - np.repeat(before, counts)
+        row = np.repeat(np.arange(n_rows), counts)
+        same = np.diff(row) == 0  # positions within a row rise strictly
+        if np.any(position >= length) or np.any(np.diff(position)[same] <= 0):
+            raise ValueError(f"{what}: a kept position outside the completion, or repeated")
+        values = codes.astype(np.float64) / _P_SCALE
+        values[codes == _P_NAN] = math.nan
+        dense[row, position] = values
+    return dense.T.copy()

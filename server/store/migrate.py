@@ -17,12 +17,15 @@ MIGRATIONS_DIR = ROOT / "migrations"
 
 def is_modelled(name: str | None, type_: str, _parents: object = None) -> bool:
     """Alembic's include_name: the search engines' own tables and indexes (server.store.search:
-    FTS5 tables and their shadow tables, rollout_search, the prompts' GIN index) are made by
+    FTS5 tables and their shadow tables, rollout_search, prompt_search and search_words) are made by
     migrations and the store, not by the models, so comparisons leave them out."""
     if name is None:
         return True
     if type_ == "table":
-        return not (name.startswith(("rollout_fts_", "prompt_fts")) or name == "rollout_search")
+        return not (
+            name.startswith(("rollout_fts_", "prompt_fts"))
+            or name in ("rollout_search", "prompt_search", "search_words")
+        )
     return not (type_ == "index" and name == "ix_prompts_search")
 
 

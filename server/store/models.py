@@ -125,6 +125,12 @@ class RunRow(Base):
     # Alerts are evaluated as steps are written; this is the last step they were evaluated at.
     alerts_through: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
+    # A run recorded over HTTP (/api/record): the recorder's own key for it (a retried create
+    # finds the run it made) and a fingerprint of the token that created it (only that token, or
+    # a full access token, may write to it). NULL for every other run.
+    record_key: Mapped[str | None] = mapped_column(String(64), unique=True)
+    recorded_by: Mapped[str | None] = mapped_column(String(64))
+
     # Summary columns kept current by every step write, so lists never scan steps.
     current_step: Mapped[int] = mapped_column(Integer, default=0)
     recent_true_accuracy: Mapped[float | None] = mapped_column(Float)
@@ -308,6 +314,10 @@ class AlertRow(Base):
     kind: Mapped[str] = mapped_column(String(64))
     series: Mapped[str | None] = mapped_column(String(200))
     message: Mapped[str] = mapped_column(Text)
+    # Its webhook delivery (ROLLOUT_LENS_ALERT_WEBHOOK): NULL waiting, `sent`, `failed` (after
+    # every retry; notify_error says why), `before` (recorded before deliveries existed).
+    notify_state: Mapped[str | None] = mapped_column(String(16), index=True)
+    notify_error: Mapped[str | None] = mapped_column(Text)
 
 
 class BrowserSessionRow(Base):

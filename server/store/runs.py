@@ -404,3 +404,37 @@ def restore_run_columns(session: Session, *, run_id: int, values: dict[str, Any]
     """Set a run's columns as an exported copy had them (an import, after its steps)."""
     if values:
         session.execute(update(RunRow).where(RunRow.id == run_id).values(**values))
+
+
+# --- runs recorded over HTTP (/api/record) -----------------------------------------------------
+
+
+def recorded_run(session: Session, *, key: str) -> RunRow | None:
+    """The run a recorder created under `key` (its retried create finds it), or None."""
+    return session.scalars(select(RunRow).where(RunRow.record_key == key)).first()
+
+
+def set_record_owner(session: Session, *, run_id: int, key: str, recorded_by: str | None) -> None:
+    """A run created by a recorder over HTTP: its key and the token that may write to it."""
+    session.execute(
+        update(RunRow).where(RunRow.id == run_id).values(record_key=key, recorded_by=recorded_by)
+    )
+
+
+def present_steps(session: Session, *, run_id: int, steps: Sequence[int]) -> set[int]:
+    """Which of `steps` the run has recorded already (a retry after a lost answer)."""
+    if not steps:
+        return set()
+    rows = session.scalars(
+        select(StepRow.step).where(StepRow.run_id == run_id, StepRow.step.in_(sorted(set(steps))))
+    )
+    return set(rows)
+
+
+def revive(session: Session, *, run_id: int) -> None:
+    """A recorder heard from again after the dashboard marked its run lost: running again."""
+    session.execute(
+        update(RunRow)
+        .where(RunRow.id == run_id, RunRow.status == RunStatus.lost)
+        .values(status=RunStatus.running, finished_at=None, error=None, heartbeat_at=utcnow())
+    )

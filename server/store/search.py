@@ -2,8 +2,12 @@
 
 SQLite: an FTS5 table per run (`rollout_fts_<run id>`, contentless: it holds the index, not the
 text, which the rollout's ids already hold), created with the run's first rollouts and dropped
-with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `rollout_search` holds each
-rollout's words as a stripped tsvector under a GIN index; prompts have a GIN expression index.
+with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `search_words` numbers each
+distinct word once (its `word`, the primary key, in the "C" collation, so that a prefix is a
+range of that index), and `rollout_search` holds each rollout's words as a sorted int4[] of those
+numbers under a GIN index; `prompt_search` the same for each prompt. A word longer than
+MAX_WORD_CHARS, which no query may name whole, is numbered as its first MAX_WORD_CHARS
+characters and a `*` (no word has one), which only a prefix finds.
 
 Both engines see the same words: runs of letters and digits, lower-cased (`_` and every other
 character separates words), in the first SEARCH_CHARS characters of a completion (a prompt is
@@ -28,12 +32,11 @@ MAX_WORDS = 20  # a query's words, all of which must appear
 MAX_WORD_CHARS = 200  # a longer word is refused, not cut (the runs page's search says the same)
 MAX_QUERY_CHARS = 4096  # the text of a query: room for MAX_WORDS words of MAX_WORD_CHARS
 MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
+MAX_PREFIX_WORDS = 20_000  # distinct words a prefix may stand for (PostgreSQL: their numbers)
+COMMON_FROM = 20_000  # PostgreSQL: a search matching this many rollouts walks the sort order
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
-PG_PROMPT_WORDS = (
-    "to_tsvector('simple', regexp_replace(left(text, 200000), '[^[:alnum:]]+', ' ', 'g'))"
-)
 
 
 def fts_table(run_id: int) -> str:
@@ -68,23 +71,12 @@ def fts5_query(terms: Sequence[tuple[str, bool]]) -> str:
     return " ".join(f'"{word}"' + ("*" if prefix else "") for word, prefix in terms)
 
 
-def tsquery(terms: Sequence[tuple[str, bool]]) -> str:
-    """Terms → a to_tsquery('simple', …) text: words are letters and digits only, so safe."""
-    return " & ".join(word + (":*" if prefix else "") for word, prefix in terms)
-
-
 def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, str]]) -> None:
     """Index (rollout id, completion text) pairs of one run."""
     if not rows:
         return
     if conn.dialect.name == "postgresql":
-        ids, docs = zip(*((rollout_id, words(t)) for rollout_id, t in rows), strict=True)
-        conn.exec_driver_sql(
-            "INSERT INTO rollout_search (rollout_id, doc) SELECT i, strip(to_tsvector('simple', "
-            "w)) FROM unnest(%s::integer[], %s::text[]) AS u(i, w)",
-            (list(ids), list(docs)),
-            execution_options=CLEAN_ALREADY,  # words are letters and digits
-        )
+        _index_postgres(conn, [(rollout_id, words(t).split()) for rollout_id, t in rows])
         return
     table = fts_table(run_id)
     conn.exec_driver_sql(
@@ -98,10 +90,64 @@ def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, s
     )
 
 
+def word_key(word: str) -> str:
+    """A word as search_words holds it: itself, or a long one's head and `*` (prefixes only)."""
+    return word if len(word) <= MAX_WORD_CHARS else word[:MAX_WORD_CHARS] + "*"
+
+
+def word_numbers(conn: Connection, found: Sequence[str]) -> dict[str, int]:
+    """PostgreSQL: each of these words' keys (word_key) → its number in search_words, numbering
+    the new ones."""
+    wanted = sorted({word_key(w) for w in found})
+    if not wanted:
+        return {}
+    # Only the words not numbered yet are offered: ON CONFLICT alone would draw an identity
+    # value for every word offered (tens of thousands a step), not only for the new ones.
+    conn.exec_driver_sql(
+        "INSERT INTO search_words (word) SELECT u.w FROM unnest(%s::text[]) AS u(w) "
+        "WHERE NOT EXISTS (SELECT 1 FROM search_words s WHERE s.word = u.w) "
+        "ON CONFLICT (word) DO NOTHING",
+        (wanted,),
+        execution_options=CLEAN_ALREADY,  # words are letters and digits
+    )
+    rows = conn.exec_driver_sql(
+        "SELECT word, id FROM search_words WHERE word = ANY(%s::text[])",
+        (wanted,),
+        execution_options=CLEAN_ALREADY,
+    ).all()
+    return {word: number for word, number in rows}
+
+
+def _number_array(numbers: dict[str, int], found: Sequence[str]) -> str:
+    """A text's words as the int4[] literal of their numbers, sorted."""
+    return "{" + ",".join(map(str, sorted({numbers[word_key(w)] for w in found}))) + "}"
+
+
+def _index_postgres(conn: Connection, docs: Sequence[tuple[int, list[str]]]) -> None:
+    numbers = word_numbers(conn, [w for _, found in docs for w in found])
+    ids = [rollout_id for rollout_id, _ in docs]
+    arrays_ = [_number_array(numbers, found) for _, found in docs]
+    conn.exec_driver_sql(
+        "INSERT INTO rollout_search (rollout_id, words) SELECT i, w::integer[] "
+        "FROM unnest(%s::integer[], %s::text[]) AS u(i, w)",
+        (ids, arrays_),
+        execution_options=CLEAN_ALREADY,  # numbers
+    )
+
+
 def index_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
-    """Index new prompts, whole (SQLite's index is over the prompts table, which `rebuild` and
-    `delete` read; PostgreSQL's expression index needs nothing)."""
-    if rows and conn.dialect.name != "postgresql":
+    """Index new prompts (SQLite: whole, in an index over the prompts table, which `rebuild`
+    and `delete` read; PostgreSQL: their words' numbers, as a completion's)."""
+    if rows and conn.dialect.name == "postgresql":
+        docs = [(prompt_id, words(t).split()) for prompt_id, t in rows]
+        numbers = word_numbers(conn, [w for _, found in docs for w in found])
+        conn.exec_driver_sql(
+            "INSERT INTO prompt_search (prompt_id, words) SELECT i, w::integer[] "
+            "FROM unnest(%s::integer[], %s::text[]) AS u(i, w) ON CONFLICT DO NOTHING",
+            ([i for i, _ in docs], [_number_array(numbers, found) for _, found in docs]),
+            execution_options=CLEAN_ALREADY,  # numbers
+        )
+    elif rows:
         conn.exec_driver_sql(
             "INSERT INTO prompt_fts (rowid, text) VALUES (?, ?)",
             [(prompt_id, t) for prompt_id, t in rows],
@@ -203,18 +249,14 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
     terms = parse_query(q)
     postgres = conn.dialect.name == "postgresql"
     if postgres:
+        numbers = _postgres_terms(conn, terms)
+        if numbers is None:
+            return "(0 = 1)", {}
         prompts = conn.execute(
-            text(f"SELECT id FROM prompts WHERE {PG_PROMPT_WORDS} @@ to_tsquery('simple', :q)"),
-            {"q": tsquery(terms)},
+            text(f"SELECT prompt_id FROM prompt_search s WHERE {_words_condition(numbers)}"),
+            numbers,
         ).scalars()
-        # A materialized CTE: the matches are read once through the GIN index (a plain
-        # `IN (…)` let the planner walk the run's rollouts and test each one's words; an
-        # ARRAY(…) of many thousand ids was searched linearly for every row)
-        rollouts = (
-            "r.id IN (WITH found AS MATERIALIZED (SELECT rollout_id FROM rollout_search "
-            "WHERE doc @@ to_tsquery('simple', :search)) SELECT rollout_id FROM found)"
-        )
-        params: dict[str, Any] = {"search": tsquery(terms)}
+        rollouts, params = _postgres_rollouts(conn, numbers)
     else:
         prompts = conn.execute(
             text("SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :q"), {"q": fts5_query(terms)}
@@ -235,4 +277,114 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
         )
     marks = ", ".join(f":prompt{i}" for i in range(len(prompt_ids)))
     params |= {f"prompt{i}": pid for i, pid in enumerate(prompt_ids)}
-    return f"({rollouts} OR r.prompt_id IN ({marks}))", params
+    # The prompts first: a row whose prompt has the words needs no look at its own (PostgreSQL
+    # builds the rollouts' side only when a row needs it: none when every prompt matches)
+    return f"(r.prompt_id IN ({marks}) OR {rollouts})", params
+
+
+def _prefix_end(prefix: str) -> str:
+    """The first text past every text that starts with `prefix`, in code point order (the "C"
+    collation's order for UTF-8): its last character one higher."""
+    after = ord(prefix[-1]) + 1
+    return prefix[:-1] + chr(0xE000 if 0xD800 <= after < 0xE000 else after)  # no surrogate
+
+
+def _postgres_terms(
+    conn: Connection, terms: Sequence[tuple[str, bool]]
+) -> dict[str, list[int]] | None:
+    """PostgreSQL: the terms' word numbers as parameters — `search_all` every whole word's,
+    `search_any<i>` those of each prefix's words — or None when a term is no indexed word
+    (nothing can match)."""
+    whole = sorted({word for word, prefix in terms if not prefix})
+    numbers = word_numbers_known(conn, whole)
+    if len(numbers) < len(whole):
+        return None
+    params: dict[str, list[int]] = {}
+    if numbers:
+        params["search_all"] = sorted(numbers.values())
+    for i, prefix in enumerate(sorted({word for word, prefix in terms if prefix})):
+        found = (
+            conn.execute(
+                text(
+                    "SELECT id FROM search_words WHERE word >= :lo AND word < :hi "
+                    "ORDER BY word LIMIT :n"
+                ),
+                {"lo": prefix, "hi": _prefix_end(prefix), "n": MAX_PREFIX_WORDS + 1},
+            )
+            .scalars()
+            .all()
+        )
+        if not found:
+            return None
+        if len(found) > MAX_PREFIX_WORDS:
+            raise InvalidInput(
+                f"q: {prefix}* stands for more than {MAX_PREFIX_WORDS:,} words; "
+                "give more of the word"
+            )
+        params[f"search_any{i}"] = sorted(found)
+    return params
+
+
+def _words_condition(params: dict[str, list[int]], *, shown: bool = False) -> str:
+    """A condition on an int4[] of word numbers `s.words` that holds when it has every term of
+    these parameters (_postgres_terms): every whole word's number (@>) and one of each prefix's
+    (&&).
+
+    The arrays are handed to the planner as the result of a sub-select, which it cannot see
+    into: it then reads the GIN index (its estimate of `&&` over a prefix's many numbers was
+    most of the table, and it scanned every row's words, each against each of the prefix's
+    numbers: seconds to minutes, and 0.1 s on a few hundred prompts). `shown` hands them over as
+    they are, for a frequency the planner's statistics know (a common word: it walks the sort
+    order instead)."""
+    out = []
+    for name in params:
+        value = f"CAST(:{name} AS integer[])"
+        value = value if shown else _hidden(value)
+        op = "@>" if name == "search_all" else "&&"
+        out.append(f"s.words OPERATOR(pg_catalog.{op}) {value}")
+    return " AND ".join(out)
+
+
+def _hidden(value: str) -> str:
+    """A value the planner reads as an unknown (a sub-select's), not as its constant."""
+    return f"(SELECT {value})"
+
+
+def _postgres_rollouts(
+    conn: Connection, params: dict[str, list[int]]
+) -> tuple[str, dict[str, Any]]:
+    """The rollouts half of match_sql on PostgreSQL. The matches' rollout ids are read once
+    through the GIN index, up to COMMON_FROM: fewer, and the condition is those ids (the count
+    and the page then read no index of words again); as many, and it is a correlated EXISTS
+    whose frequency the planner knows, so a page walks the sort order and stops at its end
+    instead of reading every match's row (tens of thousands)."""
+    # One array, not a row a match: 20,000 rows cost more to fetch than to find
+    found: list[int] = (
+        conn.execute(
+            text(
+                "SELECT array_agg(m.rollout_id) FROM (SELECT s.rollout_id FROM rollout_search s "
+                f"WHERE {_words_condition(params)} LIMIT :probe) AS m"
+            ),
+            params | {"probe": COMMON_FROM},
+        ).scalar()
+        or []
+    )
+    if len(found) < COMMON_FROM:
+        if not found:
+            return "0 = 1", {}
+        return "r.id = ANY(CAST(:search_ids AS integer[]))", {"search_ids": sorted(found)}
+    shown = _words_condition(params, shown=True)
+    return f"EXISTS (SELECT 1 FROM rollout_search s WHERE s.rollout_id = r.id AND {shown})", dict(
+        params
+    )
+
+
+def word_numbers_known(conn: Connection, found: Sequence[str]) -> dict[str, int]:
+    """PostgreSQL: the numbers of those of these words that search_words has (none added)."""
+    if not found:
+        return {}
+    rows = conn.execute(
+        text("SELECT word, id FROM search_words WHERE word = ANY(CAST(:w AS text[]))"),
+        {"w": list(found)},
+    ).all()
+    return {word: number for word, number in rows}

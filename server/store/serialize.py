@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.display import iso
-from rollout_lens.server.core.read_models import RolloutWindow, RunData
+from rollout_lens.server.core.read_models import RunData
+from rollout_lens.server.core.records import ControlProbs
+from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.store import arrays
 from rollout_lens.server.store.models import RolloutRow, RunRow, RunSource, StepRow
@@ -45,16 +48,17 @@ def shown_tokens(rollout: RolloutRow, pieces: list[str] | None, *, whole: bool) 
     return tokentext.token_texts(pieces, rule, final=whole)
 
 
-def rollout_dict(
+def read_rollout(
     rollout: RolloutRow,
     prompt: str,
     control_tokens: Sequence[str],
     token_texts: Mapping[int, str] | None = None,
     *,
     max_tokens: int | None = None,
-) -> RolloutWindow:
-    """One rollout with its arrays decoded (read_models.RolloutData; keys match the JSONL
-    export).
+) -> RolloutView:
+    """One rollout with its arrays decoded, as the typed view the pages render
+    (read_models.RolloutView; its `data()`, read_models.Rollout's keys, is what the JSONL
+    export writes and the API sends).
 
     `token_texts` (store.token_texts) gives each completion token's stored piece: it must hold
     every id of a rollout whose text is rebuilt from its ids. When every id has one,
@@ -62,8 +66,8 @@ def rollout_dict(
     None. Where retention dropped the per-token logprobs and control-token
     probabilities, `tokens_kept` is False and those arrays are empty (the ids stay).
 
-    With `max_tokens` only the first max_tokens positions of the per-token arrays are returned
-    (a page's view of a long completion) and `tokens_total` says how many there are.
+    With `max_tokens` only the first max_tokens positions of the per-token arrays are read (a
+    page's view of a long completion: a window) and `tokens_total` says how many there are.
     """
     texts = token_texts or {}
     ids = completion_ids(rollout)
@@ -87,33 +91,50 @@ def rollout_dict(
         ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
         probs = [row[:max_tokens] for row in probs]
     pieces = every[: len(ids)] if every is not None else token_pieces(ids, texts)
-    tokens = shown_tokens(rollout, pieces, whole=len(ids) == total)
-    out: RolloutWindow = {
-        "run_id": rollout.run_id,
-        "step": rollout.step,
-        "group": rollout.group,
-        "index": rollout.index,
-        "prompt": prompt,
-        "completion": completion,
-        "completion_ids": ids,
-        "tokens": tokens,
-        "token_pieces": pieces,
-        "tokens_kept": kept,
-        "vote": rollout.vote,
-        "target": rollout.target,
-        "verifier_reward": rollout.verifier_reward,
-        "true_score": rollout.true_score,
-        "advantage": rollout.advantage,
-        "sum_logprob": rollout.sum_logprob,
-        "format_valid": rollout.format_valid,
-        "format_state": rollout.format_state,
-        "token_logprobs": logprobs,
-        "control_token_probs": dict(zip(control_tokens, probs, strict=True)),
-        "meta": rollout.meta,
-    }
-    if max_tokens is not None:
-        out["tokens_total"] = total
-    return out
+    return RolloutView(
+        run_id=rollout.run_id,
+        step=rollout.step,
+        group=rollout.group,
+        index=rollout.index,
+        prompt=prompt,
+        completion=completion,
+        completion_ids=np.asarray(ids, dtype=np.int64),
+        tokens=shown_tokens(rollout, pieces, whole=len(ids) == total),
+        token_pieces=pieces,
+        tokens_kept=kept,
+        vote=rollout.vote,
+        target=rollout.target,
+        verifier_reward=rollout.verifier_reward,
+        true_score=rollout.true_score,
+        advantage=rollout.advantage,
+        sum_logprob=rollout.sum_logprob,
+        format_valid=rollout.format_valid,
+        format_state=rollout.format_state,
+        token_logprobs=np.asarray(logprobs, dtype=np.float64),
+        control_token_probs=ControlProbs(control_tokens, _by_position(probs)),
+        meta=rollout.meta,
+        tokens_total=total,
+        window=max_tokens is not None,
+    )
+
+
+def _by_position(rows: Sequence[Sequence[float]]) -> np.ndarray:
+    """Dense rows by control token (as decoded) → the [position × token] array."""
+    if not rows or not len(rows[0]):
+        return np.zeros((0, len(rows)))
+    return np.asarray(rows, dtype=np.float64).T
+
+
+def rollout_dict(
+    rollout: RolloutRow,
+    prompt: str,
+    control_tokens: Sequence[str],
+    token_texts: Mapping[int, str] | None = None,
+    *,
+    max_tokens: int | None = None,
+) -> dict[str, Any]:
+    """read_rollout's JSON: the keys of read_models.Rollout (the JSONL export's, the API's)."""
+    return read_rollout(rollout, prompt, control_tokens, token_texts, max_tokens=max_tokens).data()
 
 
 def run_dict(run: RunRow) -> RunData:

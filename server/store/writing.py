@@ -175,6 +175,16 @@ class RunWriter:
             price_per_hour=self.price_per_hour,
         )
 
+    def token_texts(self, engine: Engine) -> dict[int, str]:
+        """The run's token texts as its recorder knows them (the recorder built from the
+        database first if there is none): a remote recorder sends each token's text once."""
+        if self.recorder is None:
+            with engine.connect() as conn:
+                self.recorder = Recorder(
+                    conn, run_id=self.run_id, control_tokens=self.control_tokens
+                )
+        return self.recorder.token_texts
+
     def reset(self) -> None:
         """Forget the recorder: its memory is ahead of a transaction that rolled back."""
         self.recorder = None

@@ -12,6 +12,8 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.store.db import WEB_POOL, make_engine, make_session_factory
+from rollout_lens.server.webapp.alert_hooks import POLL_SECONDS as ALERT_POLL_SECONDS
+from rollout_lens.server.webapp.alert_hooks import deliver_alerts
 from rollout_lens.server.webapp.http.cache import ResponseCache
 from rollout_lens.server.webapp.http.deps import render
 from rollout_lens.server.webapp.http.error_pages import HANDLED, handle_error, publish_error_shapes
@@ -20,7 +22,8 @@ from rollout_lens.server.webapp.http.ratelimit import FailureLimiter
 from rollout_lens.server.webapp.http.security import Guard
 from rollout_lens.server.webapp.http.templating import STATIC_DIR, make_templates
 from rollout_lens.server.webapp.http.timing import ServerTiming
-from rollout_lens.server.webapp.routes import actions, api, downloads, html, signin
+from rollout_lens.server.webapp.ingest import Ingest
+from rollout_lens.server.webapp.routes import actions, api, downloads, html, record, signin
 from rollout_lens.server.webapp.sweeper import SWEEP_SECONDS, sweep_lost_runs
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -51,6 +54,7 @@ def create_app(
     session_factory: sessionmaker[Session] | None = None,
     cache_size: int = 64,
     sweep_seconds: float = SWEEP_SECONDS,
+    alert_poll_seconds: float = ALERT_POLL_SECONDS,
     model_builds: Callable[[], Mapping[str, str]] | None = None,
 ) -> FastAPI:
     """The dashboard on the settings' database (or on `session_factory`, which tests pass).
@@ -71,13 +75,22 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        sweeper = asyncio.create_task(sweep_lost_runs(factory, settings, every=sweep_seconds))
+        tasks = [asyncio.create_task(sweep_lost_runs(factory, settings, every=sweep_seconds))]
+        if settings.alert_webhook_list:
+            deliveries = deliver_alerts(
+                factory,
+                settings.alert_webhook_list,
+                settings.public_url or "http://127.0.0.1:8000",
+                every=alert_poll_seconds,
+            )
+            tasks.append(asyncio.create_task(deliveries))
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if engine is not None:
                 engine.dispose()
 
@@ -104,6 +117,7 @@ def create_app(
     app.state.alert_cache = ResponseCache(ALERT_CACHE_SIZE if cache_size else 0)
     # Each run's part of a compare page (its rounded charts and summary, ~15 KB), per version.
     app.state.compare_cache = ResponseCache(COMPARE_CACHE_SIZE if cache_size else 0)
+    app.state.ingest = Ingest(session_factory, price_per_hour=settings.price_per_device_hour)
     app.state.templates = make_templates()
     app.state.flash_signer = make_signer()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -112,6 +126,7 @@ def create_app(
     app.include_router(actions.router)
     app.include_router(downloads.router)
     app.include_router(signin.router)
+    app.include_router(record.router)
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, handle_error)
     publish_error_shapes(app)

@@ -1,6 +1,6 @@
 """A GRPO script written as a TRL user writes one, plus the one Rollout Lens line.
 
-    python user_grpo.py --model DIR --out DIR --db URL [--steps N] [--grad-accum N] ...
+    python user_grpo.py --model DIR --out DIR [--db URL] [--steps N] [--grad-accum N] ...
 
 The model folder is built on first use (tests/user_script.py) with the TRL/transformers at hand.
 
@@ -25,7 +25,7 @@ from rollout_lens import RolloutLensCallback
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True)
 parser.add_argument("--out", required=True)
-parser.add_argument("--db", required=True)
+parser.add_argument("--db", default="", help="empty: ROLLOUT_LENS_* from the environment")
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--grad-accum", type=int, default=1)
 parser.add_argument("--batch", type=int, default=8)
@@ -33,6 +33,7 @@ parser.add_argument("--generations", type=int, default=4)
 parser.add_argument("--iterations", type=int, default=1)
 parser.add_argument("--logging-steps", type=int, default=1)
 parser.add_argument("--crash-at", type=int, default=0, help="raise at the end of this step")
+parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
 args = parser.parse_args()
 
 out = Path(args.out)
@@ -65,6 +66,7 @@ config = GRPOConfig(
 
 
 crash_at = args.crash_at
+step_sleep = args.step_sleep
 
 
 class CrashAt(TrainerCallback):
@@ -73,6 +75,10 @@ class CrashAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == crash_at:
             raise RuntimeError(f"the user's script broke at step {state.global_step}")
+        if step_sleep:
+            import time
+
+            time.sleep(step_sleep)
 
 
 trainer = GRPOTrainer(
@@ -80,7 +86,7 @@ trainer = GRPOTrainer(
     reward_funcs=[says_the_color, us.is_short],
     args=config,
     train_dataset=Dataset.from_list(us.questions(64)),
-    callbacks=[RolloutLensCallback(project="user", database_url=args.db), CrashAt()],
+    callbacks=[RolloutLensCallback(project="user", database_url=args.db or None), CrashAt()],
 )
 trainer.train()
 # As a distributed script should: end the process group before the interpreter exits. Left to

@@ -1,7 +1,8 @@
 """The step pages byte for byte against bodies captured before the write path's rewrite (issue
 27): a recorded fixture set (ragged rollouts, NaN and −inf logprobs, empty and one-token
 completions, tool-calling turns, a multi-turn group, alerts) rendered by the step viewer, the
-group page, their JSON and the export; every body must equal its file under
+group page, their JSON, the export, and compare's side-by-side step against a second run (its
+page, its JSON, the step card); every body must equal its file under
 tests/fixtures/pages/. A change that means to alter a page regenerates them with
 `ROLLOUT_LENS_WRITE_ORACLE=1 pytest tests/store/test_page_oracle.py` and shows the diff for review;
 after a merge whose pages changed, regenerate them from the merged-in branch's own code (not
@@ -102,10 +103,27 @@ def _fixture_runs(factory) -> dict[str, int]:  # type: ignore[no-untyped-def]
     multi = make_multiturn_group(group=1)
     record_step(factory, run_id, 4, rollouts=tools + multi)
     record_step(factory, run_id, 5, rollout_step=4, values={"loss": 0.1})  # a reused generation
-    return {"run": run_id}
+    # a second run to compare with: the same steps' shapes, other draws
+    with session_scope(factory) as session:
+        other = store.create_run(
+            session,
+            name="oracle other",
+            model="tiny",
+            total_steps=6,
+            group_size=8,
+            seed=28,
+            config={"learning_rate": 1e-4},
+            control_tokens=CONTROL_TOKENS,
+            status=RunStatus.completed,
+            prompts_per_step=6,
+        ).id
+    record_step(factory, other, 1, rollouts=make_rollouts(rng), values={"reward_mean": 0.25})
+    record_step(factory, other, 2, rollouts=make_groups(rng, groups=5, tokens=9))
+    record_step(factory, other, 4, rollouts=make_tool_rollouts(3) + make_multiturn_group(group=1))
+    return {"run": run_id, "other": other}
 
 
-def _pages(run_id: int) -> dict[str, str]:
+def _pages(run_id: int, other: int) -> dict[str, str]:
     pages = {}
     for step, groups in ((1, (0,)), (2, (0, 3)), (3, (0,)), (4, (0, 1)), (5, (0,))):
         pages[f"step{step}.html"] = f"/runs/{run_id}/steps/{step}"
@@ -116,6 +134,12 @@ def _pages(run_id: int) -> dict[str, str]:
     pages["step2-sorted.html"] = f"/runs/{run_id}/steps/2?sort=max_abs_advantage&order=desc"
     pages["export.jsonl"] = f"/api/runs/{run_id}/export"
     pages["explorer.json"] = f"/api/runs/{run_id}/rollouts?sort=advantage&order=desc"
+    # compare's side-by-side step (typed views in its cards, their JSON in its answer)
+    for step, group in ((2, 3), (4, 1)):
+        query = f"runs={run_id},{other}&step={step}&group={group}"
+        pages[f"compare-step{step}.html"] = f"/compare?{query}"
+        pages[f"compare-step{step}.json"] = f"/api/compare?{query}"
+        pages[f"card-step{step}.html"] = f"/runs/{run_id}/steps/{step}/card?group={group}"
     return pages
 
 
@@ -128,7 +152,7 @@ def _masked(body: str) -> str:
 @pytest.mark.parametrize("engine", ["sqlite"], indirect=True)
 def test_step_pages_match_the_recorded_oracle(session_factory, client) -> None:
     ids = _fixture_runs(session_factory)
-    pages = _pages(ids["run"])
+    pages = _pages(ids["run"], ids["other"])
     if WRITE:
         ORACLE.mkdir(parents=True, exist_ok=True)
     mismatched = []

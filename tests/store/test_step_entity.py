@@ -15,7 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollout_lens.server import store
+from rollout_lens.server.core.read_models import ROLLOUT_KEYS, Rollout
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
+from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.store import arrays
 from rollout_lens.server.store.db import session_scope
 from sqlalchemy import Engine
@@ -123,3 +125,139 @@ def test_a_step_reads_back_as_it_was_captured(
             assert got["sum_logprob"] is None
         else:
             assert got["sum_logprob"] == expected  # a float64 column, summed before quantizing
+
+
+# --- the read side: typed views, one description ------------------------------------------------
+
+
+def _read(engine: Engine, run_id: int, *, max_tokens: int | None = None) -> list[RolloutView]:
+    from rollout_lens.server.store.serialize import completion_ids, read_rollout
+
+    with session_scope(sessionmaker(engine)) as session:
+        pairs = list(store.iter_rollouts(session, run_id=run_id))
+        texts = store.token_texts(
+            session, run_id=run_id, ids={i for r, _ in pairs for i in completion_ids(r)}
+        )
+        return [read_rollout(r, p, TOKENS, texts, max_tokens=max_tokens) for r, p in pairs]
+
+
+@pytest.mark.parametrize("engine", ["sqlite"], indirect=True)
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_the_read_side_returns_typed_arrays_in_the_one_orientation(
+    engine: Engine, session_factory: sessionmaker[Session], data: st.DataObject
+) -> None:
+    """What the store gives back is a typed view of decoded arrays (ids int64, logprobs float64,
+    control-token probabilities [position × token]), whose JSON is read_models.Rollout's keys
+    in their order; a window holds the first positions and says how many there are."""
+    step = [data.draw(rollouts(i)) for i in range(data.draw(st.integers(1, 3)))]
+    with session_scope(session_factory) as session:
+        run_id = store.create_run(
+            session, name="views", model="m", total_steps=1, group_size=2, control_tokens=TOKENS
+        ).id
+    record = StepRecord(step=next(_steps), rollout_step=1, values={}, rollouts=step)
+    store.write_batch(
+        engine, None, [record], run_id=run_id, control_tokens=TOKENS, price_per_hour=0.0
+    )
+    window = data.draw(st.integers(0, 8))
+    for view, cut, want in zip(
+        _read(engine, run_id), _read(engine, run_id, max_tokens=window), step, strict=True
+    ):
+        n = len(want.completion_ids)
+        assert view.completion_ids.dtype == np.int64 and view.token_logprobs.dtype == np.float64
+        assert view.completion_ids.tolist() == want.completion_ids.tolist()
+        assert isinstance(view.control_token_probs, ControlProbs)
+        assert view.control_token_probs.tokens == TOKENS
+        # [position × token]; not measured reads as zeros at every position (as it always has)
+        assert view.control_token_probs.array.shape == (n, 3)
+        for k in range(len(TOKENS)):
+            column = view.control_token_probs.array[:, k].tolist()
+            wanted = want.control_probs.array[:, k] if want.control_probs.measured else [0.0] * n
+            assert _same(column, [_prob(v) for v in wanted], 1e-12)
+        as_json = view.data()
+        assert tuple(as_json) == ROLLOUT_KEYS and view.tokens_total == n and not view.window
+        assert as_json["completion_ids"] == want.completion_ids.tolist()
+        # the JSON read back as a view is the same view
+        again = RolloutView.from_data(as_json).data()
+        assert again.keys() == as_json.keys()
+        for key in ROLLOUT_KEYS:
+            if key == "token_logprobs":
+                assert _same(again[key], as_json[key], 0.0)
+            elif key == "control_token_probs":
+                assert again[key].keys() == as_json[key].keys()
+                for token in TOKENS:
+                    assert _same(again[key][token], as_json[key][token], 0.0)
+            else:
+                assert again[key] == as_json[key], key
+        # a window: the first positions of each array, the whole text, how many there are
+        assert cut.window and cut.tokens_total == n and cut.completion == view.completion
+        assert cut.completion_ids.tolist() == view.completion_ids[:window].tolist()
+        assert cut.control_token_probs.array.shape[0] == min(
+            window, view.control_token_probs.array.shape[0]
+        )
+        assert cut.data()["tokens_total"] == n
+
+
+def test_one_description_of_a_rollout_gives_the_export_the_api_and_the_view() -> None:
+    """read_models.Rollout is the one description: the view holds each of its fields, the
+    export's RolloutLine and the API's GroupRollout are derived from it (every field, by
+    name), and the OpenAPI document lists them."""
+    from rollout_lens.server.core.config import Settings
+    from rollout_lens.server.exchange.schema import RolloutLine
+    from rollout_lens.server.webapp.app import create_app
+    from rollout_lens.server.webapp.http.api_models import GroupRollout
+
+    fields = tuple(Rollout.model_fields)
+    assert fields == ROLLOUT_KEYS
+    assert set(fields) <= set(RolloutView.__dataclass_fields__)
+    assert issubclass(RolloutLine, Rollout) and issubclass(GroupRollout, Rollout)
+    assert set(RolloutLine.model_fields) == {*fields, "kind"}
+    assert set(fields) < set(GroupRollout.model_fields)
+    app = create_app(Settings(database_url="sqlite://", allowed_hosts="testserver"))
+    schemas = app.openapi()["components"]["schemas"]
+    listed = schemas["GroupRollout"]["properties"]
+    assert set(fields) <= set(listed)
+    assert all(listed[name].get("description") for name in fields)
+    rollouts = schemas["Group"]["properties"]["rollouts"]
+    assert rollouts["items"]["$ref"].endswith("/GroupRollout")
+    # the write side's entity carries the description's fields a trainer knows (two under the
+    # names the write path has always given them)
+    from dataclasses import fields as entity_fields
+
+    renamed = {"control_probs": "control_token_probs", "tokens": "token_pieces"}
+    assert {renamed.get(f.name, f.name) for f in entity_fields(RolloutRecord)} <= set(fields)
+    # the Parquet export's columns: the same fields (control-token probabilities as rows)
+    from rollout_lens.server.exchange.export import PARQUET_NAMES, rollout_schema
+
+    columns = set(rollout_schema().names)
+    assert columns == {PARQUET_NAMES.get(n, n) for n in fields} - {"tokens_kept"}
+
+
+def test_the_step_viewer_shows_views_it_never_changes() -> None:
+    """The viewer's rollout is built once from the read side's view (frozen), its cells and
+    control-token table within the page's budget."""
+    from dataclasses import FrozenInstanceError
+
+    from rollout_lens.server.webapp.pages import stepview
+
+    view = RolloutView.from_data(
+        {
+            "group": 0,
+            "index": 0,
+            "prompt": "p",
+            "completion": "<tool>tool_07</tool>",
+            "completion_ids": [5, 107, 6],
+            "token_logprobs": [-0.1, -0.2, -0.3],
+            "control_token_probs": {"</tool>": [0.0, 0.5, 0.9]},
+        }
+    )
+    (group,) = stepview.group_views([view])
+    (shown,) = group["rollouts"]
+    assert isinstance(shown, stepview.ShownRollout) and isinstance(shown, RolloutView)
+    assert [c["text"] for c in shown.cells] == ["<tool>", "tool_07", "</tool>"]
+    assert shown.control_rows[1][0] == "</tool>" and shown.turn_views is None
+    assert shown.completion_ids is view.completion_ids  # the view's arrays, not copies
+    with pytest.raises(FrozenInstanceError):
+        shown.cells = []  # type: ignore[misc]

@@ -134,7 +134,7 @@ def _assert_oracle(kept: list[Any], oracle: list[list[dict[str, Any]]]) -> int:
             model = [True] * len(t["ids"]) if t["mask"] is None else [v == 1 for v in t["mask"]]
             expected = [lp if m else 0.0 for lp, m in zip(t["logprobs"], model, strict=True)]
             assert r["logprobs"] == pytest.approx(expected, rel=REL, abs=ABS)
-            # the forward probe hands [position × token] arrays, generate's probe token rows
+            # both probes hand [position × token] arrays (a list of rows by token is read too)
             rows = r["control"].T if isinstance(r["control"], np.ndarray) else r["control"]
             assert len(rows) == len(t["control"])
             for got, want in zip(rows, t["control"], strict=True):
@@ -175,7 +175,7 @@ def test_generate_both_readings_agree_with_the_pre_step_model(
     ]
     for a, b in zip(forward_kept[0].rollouts, generate_kept[0].rollouts, strict=True):
         assert a["logprobs"] == pytest.approx(b["logprobs"], rel=REL, abs=ABS)
-        assert a["control"].T[0] == pytest.approx(b["control"][0], rel=REL, abs=ABS)
+        assert a["control"].T[0] == pytest.approx(b["control"].T[0], rel=REL, abs=ABS)
     # what was stored: the values, Σ logprob known, and the note saying where they were read
     run, rows, _, _ = load_run(forward_url, 1)
     assert run.control_tokens == [EOT]
@@ -315,7 +315,8 @@ def test_vllm_by_its_configuration(user_model_dir: Path, tmp_path: Path) -> None
     assert "control-token probabilities are not recorded" in fallback.notes[-1]
     sampled = torch.tensor([[-0.5, -1.0, 0.0]])
     output = {"sampling_per_token_logps": sampled}
-    assert fallback._logprobs(output, [[4, 5]]) == ([[-0.5, -1.0]], None)
+    logprobs, control = fallback._logprobs(output, [[4, 5]])  # float64 arrays, as probes give
+    assert [row.tolist() for row in logprobs] == [[-0.5, -1.0]] and control is None
 
 
 def test_tool_calling_run_is_read_off_the_scoring_pass(
@@ -385,3 +386,32 @@ def test_forward_probe_matches_full_logits_with_scale_and_soft_cap(
     rowwise = probe._chunk(hidden, labels)
     assert torch.allclose(rowwise.sampled, chunk.sampled, atol=1e-6)
     assert torch.allclose(rowwise.control, chunk.control, atol=1e-6)
+
+
+def test_generate_probe_hands_float64_arrays_position_by_token() -> None:
+    """GenerationProbe.finish: per row, log p of each sampled token [n] and the control tokens'
+    probabilities [n × k] (the step entity's orientation), float64 arrays cut to the row's
+    length, equal to the sampling distribution's; none (0 positions) when it never ran."""
+    from rollout_lens.trainer.recorder.probe import GenerationProbe
+
+    control_ids, temperature = [1, 3], 0.7
+    probe = GenerationProbe(control_ids, temperature)
+    assert [a.shape for a in probe.finish([[4], []])[1]] == [(0, 2), (0, 2)]
+    probe = GenerationProbe(control_ids, temperature)
+    generator = torch.Generator().manual_seed(0)
+    scores = [torch.randn(2, 6, generator=generator) for _ in range(3)]
+    rows = [[4, 2, 5], [1, 3]]  # the second row stopped after two tokens (then padding)
+    seq = torch.tensor([[7], [7]])
+    for t, step in enumerate(scores):
+        probe(seq, step)
+        sampled = torch.tensor([[rows[0][t]], [rows[1][t] if t < 2 else 0]])
+        seq = torch.cat([seq, sampled], dim=1)
+    logprobs, control = probe.finish(rows)
+    for row, ids in enumerate(rows):
+        dist = torch.log_softmax(torch.stack(scores)[:, row] / temperature, dim=-1).double()
+        assert logprobs[row].dtype == np.float64 and logprobs[row].shape == (len(ids),)
+        want = [dist[t, token].item() for t, token in enumerate(ids)]
+        assert logprobs[row].tolist() == pytest.approx(want, rel=1e-6)
+        assert control[row].dtype == np.float64 and control[row].shape == (len(ids), 2)
+        expected = dist[: len(ids), control_ids].exp().numpy()
+        assert control[row] == pytest.approx(expected, rel=1e-6)

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -260,10 +261,13 @@ def test_stitching_follows_trls_call_order() -> None:
         def __init__(self, rows: list[list[float]]) -> None:
             self.rows = rows
 
-        def finish(self, ids: list[list[int]]) -> tuple[list[list[float]], list[Any]]:
-            return [r[: len(i)] for r, i in zip(self.rows, ids, strict=True)], [
-                [[p / 10 for p in r[: len(i)]]] for r, i in zip(self.rows, ids, strict=True)
+        def finish(self, ids: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+            # GenerationProbe's arrays: logprobs [n], control-token probabilities [n × k]
+            rows = [
+                np.asarray(r[: len(i)], dtype=np.float64)
+                for r, i in zip(self.rows, ids, strict=True)
             ]
+            return rows, [(r / 10)[:, None] for r in rows]
 
     ids = [[1, 2, 9, 9, 3], [4, 5], [6, 9, 7, 9, 9, 8, 8]]
     masks = [[1, 1, 0, 0, 1], [1, 1], [1, 0, 1, 0, 0, 1, 1]]
@@ -273,8 +277,12 @@ def test_stitching_follows_trls_call_order() -> None:
         (Probe([[-8, -8, -5]]), [[8, 8, 5]]),  # TRL cut this turn to the budget: a prefix
     ]
     logprobs, control = tt.stitch(calls, ids, masks, 1)  # type: ignore[arg-type,misc]
-    assert logprobs == [[-1, -2, 0, 0, -3], [-4, -5], [-6, 0, -7, 0, 0, -8, -8]]
-    assert control[2] == [[-0.6, 0.0, -0.7, 0.0, 0.0, -0.8, -0.8]]
+    assert [row.tolist() for row in logprobs] == [
+        [-1, -2, 0, 0, -3],
+        [-4, -5],
+        [-6, 0, -7, 0, 0, -8, -8],
+    ]
+    assert control[2].T.tolist() == [[-0.6, 0.0, -0.7, 0.0, 0.0, -0.8, -0.8]]
     assert tt.stitch(calls[:2], ids, masks, 1) is None  # type: ignore[arg-type]
     assert tt.stitch([calls[0], calls[2], calls[1]], ids, masks, 1) is None  # type: ignore[arg-type]
     assert tt.model_spans([1, 1, 0, 0]) == [(0, 2), (4, 4)]  # a last turn cut to nothing

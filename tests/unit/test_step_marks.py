@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.webapp.pages import stepview
 
 from tests.factories import make_multiturn_group
@@ -28,6 +29,11 @@ def _dicts(legacy: bool) -> list[dict[str, Any]]:
         }
         for r in make_multiturn_group(legacy=legacy)
     ]
+
+
+def _header(members: list[dict[str, Any]]) -> stepview.GroupHeader:
+    """stepview.group_header of these rollouts as the read side's typed views."""
+    return stepview.group_header([RolloutView.from_data(m) for m in members])
 
 
 def test_a_new_runs_vote_is_the_answer_and_the_tool_that_gave_it() -> None:
@@ -58,7 +64,7 @@ def test_a_vote_names_a_tool_only_when_the_rollout_called_it() -> None:
         assert view is not None and view["source"] is None and view["answer_value"] == "31"
     members = _dicts(legacy=False)
     members[2]["vote"] = "31"
-    labels = {r["vote"]: r.get("label") for r in stepview.group_header(members)["votes"]}
+    labels = {r["vote"]: r.get("label") for r in _header(members)["votes"]}
     assert labels == {
         "tool_59": None,
         "31": "answer 31",
@@ -94,7 +100,7 @@ def test_first_call_skips_tool_stretches_and_turns_without_calls() -> None:
 
 
 def test_group_votes_first_calls_and_answers_of_a_multiturn_group() -> None:
-    header = stepview.group_header(_dicts(legacy=False))
+    header = _header(_dicts(legacy=False))
     assert header["vote_kind"] == "answer"
     votes = {row["vote"]: row for row in header["votes"]}
     assert votes["tool_59"]["is_target"] and votes["tool_59"]["rollouts"] == [0]
@@ -105,7 +111,7 @@ def test_group_votes_first_calls_and_answers_of_a_multiturn_group() -> None:
         ("tool_12", [2]),
         (None, [3]),
     ]
-    legacy = stepview.group_header(_dicts(legacy=True))
+    legacy = _header(_dicts(legacy=True))
     assert legacy["vote_kind"] == "first_call" and legacy["first_calls"] == []
     assert legacy["votes"][0]["vote"] == "tool_00" and legacy["votes"][0]["count"] == 2
 
@@ -164,7 +170,13 @@ def test_turn_views_format_results_and_fold_tables_to_their_maxima() -> None:
         },
     }
     cells = [{"text": str(i), "first": i, "last": i, "cls": "tok", "title": ""} for i in range(32)]
-    views = stepview.turn_views(rollout, cells, [("sampled", [])])
+    views = stepview.turn_views(
+        rollout["meta"],
+        rollout["token_logprobs"],
+        rollout["control_view"],
+        cells,
+        [("sampled", [])],
+    )
     assert views is not None
     tool_results = [c for v in views if v["role"] == "tool" for c in v["calls"]]
     assert tool_results[2]["result_json"] == '{\n  "error": "tool_47 cannot serve this request"\n}'
@@ -222,13 +234,13 @@ def test_a_hint_is_labelled_once_and_says_who_saw_it() -> None:
     assert stepview.hint_body("Use the hint: X") == "Use the hint: X"
     assert stepview.hint_body(None) == ""
     # the dataset's hint: in meta (launched runs) or in the row the callback kept
-    header = stepview.group_header(_dicts(legacy=False))
+    header = _header(_dicts(legacy=False))
     assert header["hint"] == "the ticket tool names the tool needed next."
     assert header["hint_shown_to"] == []
     members = _dicts(legacy=False)
     members[3]["meta"] = {"supervised": "hint", "hint_shown": "Hint: shown one."}
     members[0]["meta"] = {"hint": "Hint: in meta."} | {"turns": []}
-    header = stepview.group_header(members)
+    header = _header(members)
     assert header["hint"] == "in meta." and header["hint_shown_to"] == [3]
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from rollout_lens.server.core.display import fmt_num
+from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.webapp.http.templating import token_text, visible_text
 from rollout_lens.server.webapp.pages import chart_data, plotly_figures, stepview
 
@@ -141,7 +142,7 @@ def _rollout(completion: str, ids: list[int], probs: list[float], **extra):  # t
 
 
 def _texts(rollout: dict[str, Any]) -> tuple[list[str], bool]:
-    cells, exact = stepview.token_spans(rollout)
+    cells, exact = stepview.token_spans(RolloutView.from_data(rollout))
     assert [(c.first, c.last) for c in cells] == [(i, i) for i in range(len(cells))]
     return [c.text for c in cells], exact
 
@@ -181,13 +182,13 @@ def test_a_character_split_over_tokens_is_one_cell_with_their_ids_and_product() 
         tokens=[" ", "", "🎉", " ok"],
         token_pieces=pieces,
     ) | {"group": 0, "index": 0, "vote": None, "target": None, "true_score": None}
-    (group,) = stepview.group_views([rollout])
+    (group,) = stepview.group_views([RolloutView.from_data(rollout)])
     view = group["rollouts"][0]
-    cells = stepview.token_cells(view)
+    cells = view.cells  # stepview.token_cells, within the page's budget
     assert [(c["text"], c["first"], c["last"]) for c in cells] == [(" 🎉", 0, 2), (" ok", 3, 3)]
     assert cells[0]["title"].startswith("#0–2 · ids 11100, 224, 10391 · p=0.360")
     assert "p(</assistant>)=0.100" in cells[0]["title"] and cells[0]["cls"] == "tok p3"
-    rows = stepview.control_rows(view)
+    rows = view.control_rows
     assert rows[0] == ("sampled", [("p3", "0.36"), ("p7", "0.70")])
     assert rows[3] == ("</assistant>", [("c1", "0.10"), ("c0", "0.05")])
 
@@ -208,7 +209,7 @@ def test_group_view_votes_and_near_misses() -> None:
                 "true_score": float(vote == "tool_07"),
             }
         )
-    (group,) = stepview.group_views(rollouts)
+    (group,) = stepview.group_views([RolloutView.from_data(r) for r in rollouts])
     assert [(v["vote"], v["count"], v["rollouts"]) for v in group["votes"]] == [
         ("tool_07", 2, [0, 1]),
         ("tool_03", 1, [3]),
@@ -216,14 +217,14 @@ def test_group_view_votes_and_near_misses() -> None:
     ]
     assert group["votes"][0]["is_target"] and group["agree"] == 2 and group["correct"] == 2
     rollout = group["rollouts"][0]
-    assert rollout["near_misses"] == [
+    assert rollout.near_misses == [
         [],
         ["</assistant>"],
         [],
     ]  # 0.45 end-of-turn where an id was sampled
-    cells = stepview.token_cells(rollout)
+    cells = rollout.cells
     assert cells[1]["cls"] == "tok p5 near-miss" and "near miss: </assistant>" in cells[1]["title"]
-    rows = stepview.control_rows(rollout)
+    rows = rollout.control_rows
     assert rows[0][0] == "sampled" and rows[3] == (
         "</assistant>",
         [("c0", "0.00"), ("c4", "0.45"), ("c0", "0.00")],

@@ -101,6 +101,12 @@ def test_runs_on_an_unmigrated_database_says_how_to_fix(
     cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The entry point exits with the status main returns (not only argparse's SystemExit).
+    done = _cli(["runs"], cli_env)  # no database at all: said, and nothing created
+    assert done.returncode == 2 and "no Rollout Lens database here" in done.stderr
+    data = Path(cli_env["ROLLOUT_LENS_DATA_DIR"])
+    assert not data.exists()
+    data.mkdir()
+    (data / "rollout-lens.db").touch()  # a database file that was never migrated
     done = _cli(["runs"], cli_env)
     assert done.returncode == 2 and "rollout-lens db upgrade" in done.stderr
     assert _main(["db", "upgrade"], cli_env, monkeypatch, capsys)[0] == 0

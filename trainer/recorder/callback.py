@@ -66,6 +66,8 @@ class RolloutLensCallback(TrainerCallback):
         *,
         name: str | None = None,
         database_url: str | None = None,
+        url: str | None = None,
+        token: str | None = None,
         vote: TextFn | None = None,
         true_score: TextFn | None = None,
         format_valid: TextFn | None = None,
@@ -84,6 +86,9 @@ class RolloutLensCallback(TrainerCallback):
         reading: str = "forward",
     ) -> None:
         """`database_url` and the other settings default to the ROLLOUT_LENS_* environment;
+        `url` (ROLLOUT_LENS_URL) records into the dashboard at that address over HTTP instead,
+        with `token` (ROLLOUT_LENS_TOKEN: an access or recording token), writing nothing
+        locally;
         `vote`, `true_score` and `format_valid` judge a completion, and `format_free_score`
         scores it leniently, whatever its structure (recorded as format-free accuracy beside
         true accuracy: the gap is a skill hidden by a broken format); `target` names the right
@@ -119,6 +124,9 @@ class RolloutLensCallback(TrainerCallback):
         self.name = name
         self.settings = settings or get_settings()
         self.database_url = database_url or self.settings.database_url
+        # a database named here wins over a dashboard URL from the environment
+        self.url = url or (None if database_url else self.settings.url) or None
+        self.token = token or self.settings.token.get_secret_value() or None
         self.functions = FunctionJudge(
             vote=vote,
             true_score=true_score,
@@ -201,6 +209,19 @@ class RolloutLensCallback(TrainerCallback):
             self.attach(_find_trainer())
         if self.sink is None and state.is_world_process_zero:
             self._own_sink = True
+            if self.url:
+                from rollout_lens.trainer.recorder.remote import RemoteStepWriter
+
+                self.sink = RemoteStepWriter(
+                    url=self.url,
+                    token=self.token,
+                    spec=self._run_spec(args, state),
+                    prepare=self._prepare,
+                    max_bytes=self.buffer_bytes,
+                    heartbeat_seconds=self.settings.heartbeat_seconds,
+                )
+                atexit.register(self._at_exit)
+                return
             self.sink = StepWriter.for_script(
                 database_url=self.database_url,
                 spec=self._run_spec(args, state),
@@ -415,7 +436,7 @@ class RolloutLensCallback(TrainerCallback):
                 truncated=truncated,
             )
         )
-        # [n × k] arrays from the forward probe, rows by token from generate's: one orientation
+        # [n × k] arrays from either probe (the one orientation); a list of rows by token as before
         control_probs = ControlProbs.of(r["control"], len(ids), self.control_tokens)
         # positional reads any indexable of floats: the columns of the array, as they are
         by_token = cast(Mapping[str, Sequence[float]], control_probs)

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from rollout_lens.trainer.recorder import turns
 from rollout_lens.trainer.recorder.probe import ForwardProbe, GenerationProbe
 
@@ -545,9 +546,10 @@ class RolloutCapture:
 
     def _logprobs(
         self, output: dict[str, Any], ids_list: list[list[int]]
-    ) -> tuple[list[list[float]], list[list[list[float]]] | None]:
-        """The probe's rows when it ran (stitched turn by turn with tools); else the sampling
-        (vLLM) or old-policy logprobs TRL has."""
+    ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """Per row, logprobs [n] and control-token probabilities [n × k] as float64 arrays:
+        the probe's when it ran (stitched turn by turn with tools); else the sampling (vLLM) or
+        old-policy logprobs TRL has, and no control-token probabilities (None)."""
         if self._tool_mask is not None and self._calls:
             stitched = turns.stitch(
                 self._calls, ids_list, self._tool_mask, len(self.control_token_ids)
@@ -560,15 +562,15 @@ class RolloutCapture:
                     "Rollout Lens: the generation calls did not line up with the tool turns; "
                     "logprobs of this generation are not recorded"
                 )
-            return [[] for _ in ids_list], None
+            return [np.zeros(0) for _ in ids_list], None
         if len(self._calls) == 1 and self._calls[0][0].used:
             return self._calls[0][0].finish(ids_list)
         for key in ("sampling_per_token_logps", "old_per_token_logps"):
             found = output.get(key)
             if found is not None:
-                rows = found.tolist()
+                rows = found.detach().cpu().double().numpy()
                 return [row[: len(ids)] for row, ids in zip(rows, ids_list, strict=True)], None
-        return [[] for _ in ids_list], None
+        return [np.zeros(0) for _ in ids_list], None
 
 
 MAX_LIST = 64  # a list column is kept when it is this short and holds scalars only

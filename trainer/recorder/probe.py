@@ -68,10 +68,10 @@ class GenerationProbe(LogitsProcessor):
         """Whether generation called the probe at all."""
         return bool(self._control)
 
-    def finish(
-        self, completion_ids: list[list[int]]
-    ) -> tuple[list[list[float]], list[list[list[float]]]]:
-        """Per row: the logprobs of its completion tokens and the control probs (n_ctrl × T)."""
+    def finish(self, completion_ids: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per row: the logprobs of its completion tokens [n] and the control-token
+        probabilities [n × k] (float64 arrays, the step entity's orientation), copied off the
+        device once for the whole batch; none (0 positions) when generation never called it."""
         if self._last_logprobs is not None:
             # The last sampled token never reaches another processor call.
             final = torch.tensor(
@@ -80,16 +80,18 @@ class GenerationProbe(LogitsProcessor):
             )
             self._sampled.append(self._last_logprobs.gather(1, final[:, None]).squeeze(1))
         if not self._control:
-            empty: list[list[float]] = [[] for _ in completion_ids]
-            return empty, [[[] for _ in self.control_ids] for _ in completion_ids]
-        sampled = torch.stack(self._sampled, dim=1).cpu().tolist()  # (B, T)
-        control = torch.stack(self._control, dim=2).cpu().tolist()  # (B, n_ctrl, T)
-        logprobs, probs = [], []
-        for row, ids in enumerate(completion_ids):
-            n = len(ids)
-            logprobs.append(sampled[row][:n])
-            probs.append([series[:n] for series in control[row]])
-        return logprobs, probs
+            k = len(self.control_ids)
+            return (
+                [np.zeros(0) for _ in completion_ids],
+                [np.zeros((0, k)) for _ in completion_ids],
+            )
+        sampled = torch.stack(self._sampled, dim=1).cpu().double().numpy()  # (B, T)
+        control = torch.stack(self._control, dim=1).cpu().double().numpy()  # (B, T, k)
+        lengths = [len(ids) for ids in completion_ids]
+        return (
+            [sampled[row, :n] for row, n in enumerate(lengths)],
+            [control[row, :n] for row, n in enumerate(lengths)],
+        )
 
 
 POSITIONS = 4096  # positions whose float32 hidden states the probe copies at once

@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.records import RolloutRecord
 from rollout_lens.server.core.vocab import TurnState
@@ -60,11 +61,12 @@ def stitch(
     ids_list: Sequence[Sequence[int]],
     masks: Sequence[Sequence[int]],
     n_control: int,
-) -> tuple[list[list[float]], list[list[list[float]]]] | None:
-    """Per row: logprobs and control probs (n_control × T) over the whole completion, model
-    turns read from their call's probe, tool results 0.0. None when the calls do not line up."""
-    logprobs = [[0.0] * len(ids) for ids in ids_list]
-    control = [[[0.0] * len(ids) for _ in range(n_control)] for ids in ids_list]
+) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+    """Per row: logprobs [T] and control-token probabilities [T × n_control] over the whole
+    completion (float64 arrays), model turns read from their call's probe, tool results 0.0.
+    None when the calls do not line up."""
+    logprobs = [np.zeros(len(ids)) for ids in ids_list]
+    control = [np.zeros((len(ids), n_control)) for ids in ids_list]
     spans = [model_spans(mask) for mask in masks]
     if len(calls) < max((len(s) for s in spans), default=0):
         return None
@@ -80,9 +82,10 @@ def stitch(
             n = b - a  # TRL may cut a later turn to the completion budget: a prefix of it
             if n > len(returned[j]) or list(ids_list[i][a:b]) != returned[j][:n]:
                 return None
-            logprobs[i][a:b] = lp[j][:n]
-            for c in range(n_control):
-                control[i][c][a:b] = cp[j][c][:n]
+            read = min(n, len(lp[j]))
+            logprobs[i][a : a + read] = lp[j][:read]
+            read = min(n, len(cp[j]))
+            control[i][a : a + read] = cp[j][:read]
     return logprobs, control
 
 

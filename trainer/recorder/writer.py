@@ -95,7 +95,7 @@ class DatabaseAway(RuntimeError):
 
 
 @dataclass
-class _Pending:
+class Pending:
     record: StepRecord
     size: int  # approximate bytes held
 
@@ -130,7 +130,11 @@ class StepWriter:
 
     Make one with `StepWriter.for_script` (creates its run) or `StepWriter.for_launched` (writes
     into the worker's run). `prepare` turns what `put` is handed into a StepRecord.
+    (trainer/recorder/remote.py's RemoteStepWriter is the same writer with a dashboard's HTTP
+    API where the database is.)
     """
+
+    AWAY = "the database"  # what the logs say is away
 
     def __init__(
         self,
@@ -171,7 +175,7 @@ class StepWriter:
         self._engine: Engine | None = None  # ours to dispose (made from database_url)
         self._run_writer: store.RunWriter | None = None  # the store's, once the run exists
         self._inbox: deque[Any] = deque()  # handed over, not yet prepared (BufferAndDrop)
-        self._buffer: deque[_Pending] = deque()  # prepared, waiting for the database
+        self._buffer: deque[Pending] = deque()  # prepared, waiting for the database
         self._buffered_bytes = 0
         self._wake = threading.Condition()
         self._closing = False
@@ -260,7 +264,7 @@ class StepWriter:
             while len(self._buffer) >= self.policy.max_pending and self._error is None:
                 self._wake.wait()
             self._raise_if_failed()
-            self._buffer.append(_Pending(record, 0))
+            self._buffer.append(Pending(record, 0))
             self._wake.notify_all()
 
     def flush(self) -> None:
@@ -379,7 +383,7 @@ class StepWriter:
             self.dropped_steps += 1
             log.warning("Rollout Lens: could not prepare step for recording (dropped): %s", exc)
             return
-        pending = _Pending(record, record_size(record))
+        pending = Pending(record, record_size(record))
         with self._wake:
             self._buffer.append(pending)
             self._buffered_bytes += pending.size
@@ -492,7 +496,7 @@ class StepWriter:
                 return
         self._written(batch)
 
-    def _leave(self, batch: list[_Pending]) -> None:
+    def _leave(self, batch: list[Pending]) -> None:
         """The oldest waiting steps leave the buffer (written, already there, or dropped)."""
         with self._wake:
             for pending in batch:
@@ -500,7 +504,7 @@ class StepWriter:
                 self._buffered_bytes -= pending.size
             self._wake.notify_all()
 
-    def _written(self, batch: list[_Pending], *, counted: bool = True) -> None:
+    def _written(self, batch: list[Pending], *, counted: bool = True) -> None:
         """Steps that are in the database (`counted`: written by this commit)."""
         self._leave(batch)
         if counted:
@@ -510,7 +514,7 @@ class StepWriter:
             for pending in batch:
                 self.on_written(pending.record)
 
-    def _settle(self, pending: _Pending, exc: DBAPIError) -> None:
+    def _settle(self, pending: Pending, exc: DBAPIError) -> None:
         """A step the database would not take: retry later, skip it, drop it or fail."""
         if is_transient(exc):
             self._uncertain = True
@@ -602,8 +606,9 @@ class StepWriter:
             else:
                 assert isinstance(self.policy, BufferAndDrop)
                 log.warning(
-                    "Rollout Lens: the database is unreachable (%s); training goes on and steps "
+                    "Rollout Lens: %s is unreachable (%s); training goes on and steps "
                     "are kept in memory (up to %.1f MB) until it is back",
+                    self.AWAY,
                     short(exc),
                     self.policy.max_bytes / 2**20,
                 )
@@ -628,8 +633,9 @@ class StepWriter:
                 )
             else:
                 log.warning(
-                    "Rollout Lens: the database is back after %.0f s; buffered steps written "
+                    "Rollout Lens: %s is back after %.0f s; buffered steps written "
                     "(dropped so far: %d steps, %d rollouts)",
+                    self.AWAY,
                     time.monotonic() - self._down_since,
                     self.dropped_steps,
                     self.dropped_rollouts,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from rollout_lens.server.core.read_models import Rollout
 
 
 class _Open(BaseModel):
@@ -119,15 +120,48 @@ class Step(_Open):
     total: int = Field(description="groups that match (the page's look)")
 
 
+def _null_for_non_finite(schema: dict[str, Any]) -> None:
+    """JSON has no NaN or infinity: the API sends null for them (responses.encode), so any
+    number of a rollout (a NaN logprob, an infinite reward) may be null."""
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if node.get("type") == "number":
+                rest = {k: v for k, v in node.items() if k != "type"}
+                return {"anyOf": [{"type": "number"}, {"type": "null"}], **rest}
+            return {key: walk(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [walk(value) for value in node]
+        return node
+
+    schema.update(walk(schema))
+
+
+class GroupRollout(Rollout):
+    """A rollout of a group's page: read_models.Rollout (the one description of a rollout: what
+    the export writes), cut to the page's `max_tokens` positions and text budget, with the
+    viewer's marks."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_null_for_non_finite)
+
+    tokens_total: int = Field(description="token positions it has in all (the arrays hold fewer)")
+    completion_chars: int = Field(description="characters of its completion (the text may be cut)")
+    prompt_chars: int = Field(description="characters of its prompt (the text may be cut)")
+    disagree: bool = Field(description="the verifier and the truth disagree")
+    sampled: list[bool] | None = Field(
+        description="a tool-calling rollout's positions the model sampled (null: every one)"
+    )
+
+
 class Group(_Open):
     """One group of a step: its summary and a page of its rollouts with per-token arrays."""
 
     run: Run
     step: dict[str, Any]
     summary: dict[str, Any]
-    rollouts: list[dict[str, Any]] = Field(
-        description="a page of rollouts (read_models.RolloutData): `tokens` is each token's text "
-        "as decoded, `token_pieces` the tokenizer's raw pieces"
+    rollouts: list[GroupRollout] = Field(
+        description="a page of rollouts: `tokens` is each token's text as decoded, "
+        "`token_pieces` the tokenizer's raw pieces"
     )
     rollouts_total: int
     next: str | None = Field(description="the next page of rollouts (null at the end)")

@@ -30,8 +30,10 @@ otherwise).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
+import re
 import secrets
 from collections.abc import Iterable
 from typing import Any
@@ -82,6 +84,9 @@ UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 PUBLIC_PREFIXES = ("/static/", "/login", "/logout")  # reachable without a token
 MAX_BODY_BYTES = 1 << 20  # the largest body of a POST, PUT, PATCH or DELETE (the API and forms)
+RECORD_PREFIX = "/api/record/"  # recording over HTTP: full or recording tokens
+# bodies up to record_max_bytes: a batch of steps, an export file to import
+RECORD_STEPS = re.compile(r"^/api/record/(runs/[^/]+/steps|import)$")
 log = logging.getLogger(__name__)
 
 
@@ -165,6 +170,8 @@ class Guard:
     ) -> None:
         self.app = app
         self.tokens = settings.auth_token_list
+        self.record_tokens = settings.record_token_list
+        self.record_max_bytes = settings.record_max_bytes
         self.auth_read = settings.auth_read
         self.any_host = "*" in settings.allowed_host_list
         self.hosts = allowed_hosts(settings)
@@ -264,6 +271,16 @@ class Guard:
             self._check_same_origin(headers, scope.get("scheme", "http"))
         path: str = scope["path"]
         bearer = self._bearer(scope, headers)
+        recording = path.startswith(RECORD_PREFIX)
+        if recording and (self.tokens or self.record_tokens) and not bearer:
+            raise Refused(
+                401,
+                "recording needs a token: send `Authorization: Bearer <token>` (an access token "
+                "or a recording token)",
+                {"www-authenticate": "Bearer"},
+            )
+        if unsafe and not recording and scope["state"].get("token_scope") == "record":
+            raise Refused(403, "a recording token may record runs and read, nothing else")
         if self.tokens and (unsafe or self.auth_read) and not path.startswith(PUBLIC_PREFIXES):
             signed_in = scope["state"]["signed_in"]
             if not (bearer or signed_in):
@@ -277,7 +294,8 @@ class Guard:
                 )
         if not unsafe:
             return receive
-        body, receive = await read_body(receive, headers)
+        limit = self.record_max_bytes if RECORD_STEPS.match(path) else MAX_BODY_BYTES
+        body, receive = await read_body(receive, headers, limit=limit)
         if not bearer and _from_browser(headers):
             self._check_csrf(headers, body, csrf, fresh_csrf)
         return receive
@@ -286,15 +304,22 @@ class Guard:
         """Whether the request carries a valid Bearer token: 401 for one that is wrong, 429 (not
         checked) while its address is locked out for sending wrong ones (server.webapp.http.ratelimit)."""
         scheme, _, value = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not self.tokens:
+        if scheme.lower() != "bearer" or not (self.tokens or self.record_tokens):
             return False
         address, token = client_address(scope), value.strip()
         wait = self.limiter.retry_after(address, token)
         if wait:
             raise Refused(429, too_many_message(wait), {"retry-after": str(wait)})
-        if not matches_token(token, self.tokens):
+        full = matches_token(token, self.tokens)
+        recorder = matches_token(token, self.record_tokens)
+        if not (full or recorder):
             self.limiter.failed(address, token)
             raise Refused(401, "the token is not valid", {"www-authenticate": "Bearer"})
+        scope["state"]["token_scope"] = "full" if full else "record"
+        # what a recorded run keeps of the token that created it (server.webapp.ingest)
+        scope["state"]["token_fp"] = hashlib.sha256(
+            b"rollout-lens-recorder:" + token.encode()
+        ).hexdigest()
         return True
 
     @staticmethod
@@ -387,21 +412,24 @@ def _login_url(scope: Scope) -> str:
     return f"/login?next={quote(target, safe='')}"
 
 
-def _too_large(size: str) -> Refused:
-    """The 413 of a body past MAX_BODY_BYTES, naming the limit."""
+def _too_large(size: str, limit: int = MAX_BODY_BYTES) -> Refused:
+    """The 413 of a body past its limit, naming the limit."""
+    what = "the API and forms" if limit == MAX_BODY_BYTES else "recorded steps"
     return Refused(
         413,
-        f"the request body is larger than {MAX_BODY_BYTES:,} bytes ({size}), the limit for the "
-        "API and forms; nothing was changed",
+        f"the request body is larger than {limit:,} bytes ({size}), the limit for {what}; "
+        "nothing was changed",
     )
 
 
-async def read_body(receive: Receive, headers: Headers) -> tuple[bytes, Receive]:
+async def read_body(
+    receive: Receive, headers: Headers, *, limit: int = MAX_BODY_BYTES
+) -> tuple[bytes, Receive]:
     """The whole body of a state-changing request and a `receive` that replays it; a 413 past
-    MAX_BODY_BYTES, said by Content-Length before reading or found while reading (chunked)."""
+    `limit` (MAX_BODY_BYTES), said by Content-Length before reading or found while reading."""
     declared = headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _too_large(f"{int(declared):,} declared")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared):,} declared", limit)
     chunks: list[bytes] = []
     size = 0
     more = True
@@ -411,8 +439,8 @@ async def read_body(receive: Receive, headers: Headers) -> tuple[bytes, Receive]
             break
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _too_large("more were sent")
+        if size > limit:
+            raise _too_large("more were sent", limit)
         chunks.append(chunk)
         more = message.get("more_body", False)
     body = b"".join(chunks)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlencode
 
@@ -24,6 +25,8 @@ from rollout_lens.server.webapp.pages.stepview import (
     NEAR_MISS,
     SHOWN_CHARS,
     STATES,
+    ControlRows,
+    TokenCell,
     answer_vote,
     broken,
     call_limit,
@@ -182,7 +185,7 @@ def piece_view(piece: str) -> Markup:
 # slower. Same markup the loops made; every text escaped (token_text, escape).
 
 
-def token_cells_html(cells: list[dict[str, Any]]) -> Markup:
+def token_cells_html(cells: Sequence[TokenCell]) -> Markup:
     """One `<span role="listitem">` per token cell (server.webapp.pages.stepview.token_cells)."""
     return Markup(
         "".join(
@@ -193,9 +196,7 @@ def token_cells_html(cells: list[dict[str, Any]]) -> Markup:
     )
 
 
-def control_table_html(
-    cells: list[dict[str, Any]], rows: list[tuple[str, list[tuple[str, str]]]]
-) -> Markup:
+def control_table_html(cells: Sequence[TokenCell], rows: ControlRows) -> Markup:
     """The control-token table's head (a column a token cell) and body (server.webapp.pages.
     stepview.control_rows; each control token's name read as text, like the cells)."""
     head = "".join(f'<th scope="col" class="mono">{token_text(c["text"])}</th>' for c in cells)

@@ -8,14 +8,12 @@ Each page's `page` dict is the one way data reaches a script: base.html writes i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlencode
 
 from pydantic import ValidationError
 from rollout_lens.server.core import analysis, vocab
 from rollout_lens.server.core.read_models import (
-    CompareData,
-    GroupDetail,
     GroupNav,
     LiveState,
     RunData,
@@ -23,6 +21,7 @@ from rollout_lens.server.core.read_models import (
     StepGroups,
 )
 from rollout_lens.server.core.records import DISAGREE_AT, disagrees
+from rollout_lens.server.core.step_views import CompareData, GroupDetail
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 from rollout_lens.server.webapp.pages import chart_data, stepview
 from rollout_lens.server.webapp.pages import plotly_figures as figures
@@ -120,11 +119,14 @@ class RunPageContext(TypedDict):
     sections: list[dict[str, Any]]
     full: bool  # every step drawn, not downsampled
     notice: str  # what a form action left for this page (server.webapp.http.flash)
+    deliveries: str  # alerts that did not reach the alert webhook ("" if none)
     page: dict[str, Any]  # the page script's data
     chart_view: dict[str, Any]  # chart_data.chart_view(): default smoothing, folding rule
 
 
-def run_page(overview: RunOverviewData, url: Url, *, full: bool, notice: str) -> RunPageContext:
+def run_page(
+    overview: RunOverviewData, url: Url, *, full: bool, notice: str, deliveries: str = ""
+) -> RunPageContext:
     """A run's card, alerts and chart sections (empty figures the script fills)."""
     run = overview["run"]
     run_id = run["id"]
@@ -160,27 +162,18 @@ def run_page(overview: RunOverviewData, url: Url, *, full: bool, notice: str) ->
         "sections": figures.RUN_SECTIONS,
         "full": full,
         "notice": notice,
+        "deliveries": deliveries,
         "page": page,
         "chart_view": chart_data.chart_view(),
     }
 
 
-def group_view(detail: GroupDetail) -> dict[str, Any] | None:
-    """A group_detail's rollouts as the viewer shows them (stepview.group_views), each with its
-    token cells and control-token rows within the page's token budget; None for no rollouts."""
+def group_view(detail: GroupDetail) -> stepview.GroupView | None:
+    """A group_detail's rollouts as the viewer shows them (stepview.group_views: each with its
+    token cells and control-token rows within the page's token budget); None for no rollouts."""
     if not detail["rollouts"]:
         return None
-    (shown,) = stepview.group_views(cast(list[dict[str, Any]], detail["rollouts"]))
-    limit = stepview.page_token_limit(len(shown["rollouts"]))
-    for rollout in shown["rollouts"]:
-        rollout["cells"] = stepview.token_cells(rollout, limit)
-        # A tool-calling rollout's turns each show their own positions' table rows.
-        turns = rollout.get("sampled") is not None
-        table = limit if turns else min(limit, stepview.TABLE_TOKENS)
-        rollout["control_rows"] = stepview.control_rows(rollout, table)
-        rollout["turn_views"] = stepview.turn_views(
-            rollout, rollout["cells"], rollout["control_rows"]
-        )
+    (shown,) = stepview.group_views(detail["rollouts"])
     return shown
 
 
@@ -190,7 +183,7 @@ class StepPageContext(TypedDict):
     detail: StepGroups | GroupDetail  # the step as shown: its groups, or its only group
     step_groups: StepGroups  # the groups overview
     run: RunData
-    group: dict[str, Any] | None  # group_view of the only group shown whole
+    group: stepview.GroupView | None  # group_view of the only group shown whole
     group_index: int | None
     overview: bool  # the groups overview is shown (not one group)
     disagree_reward: float
@@ -295,7 +288,7 @@ class GroupPageContext(TypedDict):
 
     detail: GroupDetail
     run: RunData
-    group: dict[str, Any] | None  # group_view: the rollouts as the viewer shows them
+    group: stepview.GroupView | None  # group_view: the rollouts as the viewer shows them
     group_index: int
     summary: dict[str, Any]
     gnav: GroupNav
@@ -327,14 +320,14 @@ def group_json(detail: GroupDetail, url: Url, *, limit: int, max_tokens: int) ->
     cut = max(JSON_TEXT_CHARS, JSON_TEXT_BUDGET // max(limit, 1))
     rollouts = [
         {
-            **r,
-            "completion": r["completion"][:cut],
-            "completion_chars": len(r["completion"]),
-            "prompt": r["prompt"][:cut],
-            "prompt_chars": len(r["prompt"]),
-            "disagree": disagrees(r["verifier_reward"], r["true_score"]),
+            **r.data(),
+            "completion": r.completion[:cut],
+            "completion_chars": len(r.completion),
+            "prompt": r.prompt[:cut],
+            "prompt_chars": len(r.prompt),
+            "disagree": disagrees(r.verifier_reward, r.true_score),
             # a tool-calling rollout's positions the model sampled (None: every one)
-            "sampled": stepview.sampled_positions(r["meta"] or {}, len(r["completion_ids"])),
+            "sampled": stepview.sampled_positions(r.meta, len(r.completion_ids)),
         }
         for r in detail["rollouts"]
     ]
@@ -347,6 +340,19 @@ def group_json(detail: GroupDetail, url: Url, *, limit: int, max_tokens: int) ->
         if end < detail["rollouts_total"]
         else None,
     }
+
+
+def compare_json(data: CompareData) -> dict[str, Any]:
+    """Compare's JSON twin: queries.compare with the side-by-side rollouts as their JSON
+    (RolloutView.data)."""
+    sides = [
+        side
+        if side["detail"] is None
+        else side
+        | {"detail": side["detail"] | {"rollouts": [r.data() for r in side["detail"]["rollouts"]]}}
+        for side in data["side_by_side"]
+    ]
+    return {**data, "side_by_side": sides}
 
 
 class ComparePageContext(TypedDict):

@@ -10,11 +10,15 @@ import os
 import re
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NotRequired
 
 from rollout_lens.server.core import tokentext
-from rollout_lens.server.core.records import disagrees
+from rollout_lens.server.core.read_models import GroupHeader, ScalarRow
+from rollout_lens.server.core.records import ControlProbs, disagrees
+from rollout_lens.server.core.step_views import RolloutView
+from typing_extensions import TypedDict
 
 # The tiny model's pieces (tags, turn markers, ids, words with their leading space, punctuation,
 # whitespace): when the completion splits into as many pieces as it has ids, piece i is token i.
@@ -36,9 +40,7 @@ MIN_PAGE_TOKENS = 128
 TABLE_TOKENS = 64
 
 
-def _matching_control_token(
-    prob: float, control: dict[str, list[float]], position: int
-) -> str | None:
+def _matching_control_token(prob: float, control: ControlProbs, position: int) -> str | None:
     """The control token whose probability equals the sampled token's (so it was the one sampled)."""
     for token, probs in control.items():
         if position < len(probs) and math.isclose(
@@ -52,7 +54,7 @@ def _matching_control_token(
 
 
 def token_spans(
-    rollout: dict[str, Any], limit: int = VIEW_TOKENS
+    rollout: RolloutView, limit: int = VIEW_TOKENS
 ) -> tuple[list[tokentext.Cell], bool]:
     """The first `limit` completion tokens as cells (tokentext.Cell: a text and the positions
     first…last it covers), and whether the texts are the real tokens.
@@ -64,18 +66,18 @@ def token_spans(
     recognised by its probability). A completion longer than `limit` tokens is labelled, not
     split: splitting must read all of its text.
     """
-    ids: list[int] = rollout["completion_ids"]  # maybe only the first ones (tokens_total)
-    total = rollout.get("tokens_total", len(ids))
+    ids = rollout.completion_ids  # maybe only the first ones (tokens_total)
+    total = rollout.tokens_total
     shown = min(total, limit, len(ids))
-    stored = rollout.get("tokens")  # each id's text, when the recorder stored its piece
-    pieces = rollout.get("token_pieces")
+    stored = rollout.tokens  # each id's text, when the recorder stored its piece
+    pieces = rollout.token_pieces
     if isinstance(stored, list) and len(stored) == len(ids):
         if isinstance(pieces, list) and len(pieces) == len(ids):
             rule = tokentext.matching_rule(pieces[:shown], stored[:shown])
             return tokentext.cells(pieces[:shown], rule, final=shown == total), True
         return _single(str(t) for t in stored[:shown]), True
-    logprobs = rollout["token_logprobs"]
-    control = rollout["control_token_probs"]
+    logprobs = rollout.token_logprobs
+    control = rollout.control_token_probs
 
     def label(i: int) -> str:
         found = (
@@ -85,7 +87,7 @@ def token_spans(
         )
         return tokentext.piece_text(found) if found is not None else f"⟨{ids[i]}⟩"
 
-    text = rollout["completion"]
+    text = rollout.completion
     if total == len(ids) <= limit and len(text) <= limit * SPLIT_CHARS_PER_TOKEN:
         split = _split(text, len(ids) + 1)
         if split is not None and len(split) == len(ids):
@@ -144,46 +146,89 @@ def _row(meta: dict[str, Any]) -> dict[str, Any]:
     return row if isinstance(row, dict) else {}
 
 
-def answer_histogram(members: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def answer_histogram(members: Sequence[RolloutView]) -> list[dict[str, Any]]:
     """A tool-calling group's final answers (meta.answer: the last turn's text when it calls no
     tool) as vote_histogram rows; an answer is marked right when every rollout that gave it
     scored 1, and None means the rollout ended on a call."""
-    answers = [(r.get("meta") or {}).get("answer") for r in members]
+    answers = [r.meta.get("answer") for r in members]
     rows = vote_histogram(answers, None)
     for row in rows:
-        scores = [members[i]["true_score"] for i in row["rollouts"]]
+        scores = [members[i].true_score for i in row["rollouts"]]
         row["is_target"] = row["vote"] is not None and all((s or 0) >= 1 for s in scores)
     return rows
 
 
-def _rollout_view(rollout: dict[str, Any], group_prompt: str) -> dict[str, Any]:
+class TokenCell(TypedDict):
+    """A token cell as the page draws it (token_cells)."""
+
+    text: str  # what the cell's tokens contribute
+    first: int  # the positions it covers, first…last
+    last: int
+    cls: str  # CSS classes: its probability's shade, near-miss, tool-tok
+    title: str  # hover text: positions, ids, probabilities
+
+
+Cells = list[TokenCell]
+ControlRows = list[tuple[str, list[tuple[str, str]]]]  # control_rows: label, (class, text)
+
+
+@dataclass(frozen=True, slots=True)
+class ShownRollout(RolloutView):
+    """A rollout as the step viewer shows it: the read side's view and what the page draws
+    from it, built at once (shown_rollout), never changed after."""
+
+    token_view: list[tokentext.Cell]  # token_spans: a cell a token (or a split character)
+    tokens_exact: bool  # the cells' texts are the real tokens (not ids)
+    token_probs: list[float | None]  # the sampled token's probability at each shown position
+    control_view: dict[str, list[float | None]]  # control token → its probability there
+    sampled: list[bool] | None  # a tool-calling rollout's positions the model sampled
+    near_misses: list[list[str]]  # per position, control tokens likely there but not sampled
+    own_prompt: bool  # its prompt differs from its group's
+    disagree: bool  # verifier and truth disagree
+    cells: Cells  # token_cells within the page's budget
+    control_rows: ControlRows  # the control-token table's rows
+    turn_views: list[TurnView] | None  # a tool-calling rollout's turns
+
+
+def shown_rollout(rollout: RolloutView, group_prompt: str, limit: int | None) -> ShownRollout:
+    """What the viewer shows of a rollout: its cells (those starting in the first `limit`
+    positions), probabilities, control-token table and turns."""
     spans, exact = token_spans(rollout)
     n = spans[-1].last + 1 if spans else 0  # the positions the cells cover
-    probs: list[float | None] = [math.exp(lp) for lp in rollout["token_logprobs"][:n]]
+    probs: list[float | None] = [math.exp(lp) for lp in rollout.token_logprobs[:n].tolist()]
     probs += [None] * (n - len(probs))
-    control: dict[str, list[float | None]] = {
-        t: [*ps[:n], *[None] * (n - len(ps[:n]))]
-        for t, ps in rollout["control_token_probs"].items()
-    }
-    sampled = sampled_positions(rollout.get("meta") or {}, n)
+    control: dict[str, list[float | None]] = {}
+    for t, column in rollout.control_token_probs.items():
+        ps: list[float | None] = column[:n].tolist()
+        control[t] = ps + [None] * (n - len(ps))
+    sampled = sampled_positions(rollout.meta, n)
     if sampled is not None:  # tool results: not sampled, no probability to show
         probs = [p if keep else None for p, keep in zip(probs, sampled, strict=True)]
         control = {
             t: [p if k else None for p, k in zip(ps, sampled, strict=True)]
             for t, ps in control.items()
         }
-    return rollout | {
-        "token_view": spans,
-        "tokens_exact": exact,
-        # tokens has the first VIEW_TOKENS; a page reads only those (serialize's max_tokens)
-        "tokens_total": rollout.get("tokens_total", len(rollout["completion_ids"])),
-        "token_probs": probs,
-        "control_view": control,
-        "sampled": sampled,
-        "near_misses": [_near_misses(probs[i], control, i) for i in range(n)],
-        "own_prompt": rollout["prompt"] != group_prompt,
-        "disagree": disagrees(rollout.get("verifier_reward"), rollout.get("true_score")),
-    }
+    misses = [_near_misses(probs[i], control, i) for i in range(n)]
+    ids, logprobs = rollout.completion_ids.tolist(), rollout.token_logprobs.tolist()
+    cells = token_cells(spans, ids, probs, control, sampled, misses, limit)
+    # A tool-calling rollout's turns each show their own positions' table rows.
+    table = limit if sampled is not None or limit is None else min(limit, TABLE_TOKENS)
+    rows = control_rows(spans, probs, control, table)
+    fields = {name: getattr(rollout, name) for name in RolloutView.__dataclass_fields__}
+    return ShownRollout(
+        **fields,
+        token_view=spans,
+        tokens_exact=exact,
+        token_probs=probs,
+        control_view=control,
+        sampled=sampled,
+        near_misses=misses,
+        own_prompt=rollout.prompt != group_prompt,
+        disagree=disagrees(rollout.verifier_reward, rollout.true_score),
+        cells=cells,
+        control_rows=rows,
+        turn_views=turn_views(rollout.meta, logprobs, control, cells, rows),
+    )
 
 
 def _turn_list(meta: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -215,15 +260,42 @@ def _arguments_text(arguments: Any) -> str:
     return json.dumps(arguments, ensure_ascii=False, sort_keys=True)
 
 
+class CallView(TypedDict):
+    """A tool call of a turn, as the conversation shows it (untrusted text: escaped)."""
+
+    name: str
+    arguments: str
+    result: str | None
+    result_json: str | None  # the result pretty-printed when it is JSON or a Python literal
+
+
+class TurnView(TypedDict):
+    """A turn of a tool-calling rollout (turn_views): a model turn, or a tool stretch."""
+
+    role: str  # model or tool
+    start: int  # its positions [start, end)
+    end: int
+    calls: list[CallView]
+    cells: Cells
+    # a model turn's only
+    number: NotRequired[int]
+    state: NotRequired[dict[str, str] | None]
+    sum_logprob: NotRequired[float | None]
+    control_rows: NotRequired[ControlRows]
+    control_summary: NotRequired[list[tuple[str, str, int]]]
+
+
 def turn_views(
-    rollout: dict[str, Any],
-    cells: list[dict[str, Any]],
-    rows: list[tuple[str, list[tuple[str, str]]]],
-) -> list[dict[str, Any]] | None:
-    """A tool-calling rollout as a conversation: per model turn its token cells, control-token
-    rows and Σ logprob; per tool stretch each call's name, arguments and result (untrusted
-    text: the template escapes it) and its token cells. None for a single-turn rollout."""
-    meta = rollout.get("meta") or {}
+    meta: dict[str, Any],
+    logprobs: Sequence[float],
+    control: Mapping[str, Sequence[float | None]],
+    cells: Cells,
+    rows: ControlRows,
+) -> list[TurnView] | None:
+    """A tool-calling rollout (its meta, logprobs and shown control-token probabilities) as a
+    conversation: per model turn its token cells, control-token rows and Σ logprob; per tool
+    stretch each call's name, arguments and result (untrusted text: the template escapes it)
+    and its token cells. None for a single-turn rollout."""
     turns = _turn_list(meta)
     if turns is None:
         return None
@@ -231,28 +303,27 @@ def turn_views(
     states: list[Any] = recorded if isinstance(recorded, list) else []
     n = cells[-1]["last"] + 1 if cells else 0  # positions the cells cover
     firsts = [c["first"] for c in cells]
-    logprobs = rollout["token_logprobs"]
-    views = []
+    views: list[TurnView] = []
     model_turn = 0
     for turn in turns:
         a, b = max(0, int(turn["start"])), min(n, int(turn["end"]))
         # the cells starting at the turn's positions (a cell never spans two turns: a turn
         # ends on a whole character)
         ca, cb = bisect_left(firsts, a), bisect_left(firsts, b)
-        calls = []
+        calls: list[CallView] = []
         for c in turn.get("calls") or []:
             if not isinstance(c, dict):
                 continue
             result = None if c.get("result") is None else str(c["result"])
             calls.append(
-                {
-                    "name": str(c.get("name", "")),
-                    "arguments": _arguments_text(c.get("arguments")),
-                    "result": result,
-                    "result_json": None if result is None else result_json(result),
-                }
+                CallView(
+                    name=str(c.get("name", "")),
+                    arguments=_arguments_text(c.get("arguments")),
+                    result=result,
+                    result_json=None if result is None else result_json(result),
+                )
             )
-        view = {"role": turn["role"], "start": a, "end": b, "calls": calls, "cells": cells[ca:cb]}
+        view = TurnView(role=turn["role"], start=a, end=b, calls=calls, cells=cells[ca:cb])
         if turn["role"] == "model":
             view["number"] = model_turn
             state = states[model_turn] if model_turn < len(states) else None
@@ -260,13 +331,13 @@ def turn_views(
             model_turn += 1
             view["sum_logprob"] = sum(logprobs[a:b]) if len(logprobs) >= b else None
             view["control_rows"] = [(label, row[ca:cb]) for label, row in rows]
-            view["control_summary"] = control_summary(rollout.get("control_view") or {}, a, b)
+            view["control_summary"] = control_summary(control, a, b)
         views.append(view)
     return views
 
 
 def control_summary(
-    control: dict[str, list[float | None]], start: int, end: int
+    control: Mapping[str, Sequence[float | None]], start: int, end: int
 ) -> list[tuple[str, str, int]]:
     """The one line a folded control-token table shows: per control token, its largest
     probability over positions [start, end) of a turn and the position it was at (first of
@@ -454,7 +525,7 @@ def dataset_hint(meta: dict[str, Any]) -> Any:
 
 
 def _near_misses(
-    sampled: float | None, control: dict[str, list[float | None]], i: int
+    sampled: float | None, control: Mapping[str, Sequence[float | None]], i: int
 ) -> list[str]:
     """Control tokens that were likely (p ≥ NEAR_MISS) at position i but not the token sampled."""
     out = []
@@ -468,35 +539,35 @@ def _near_misses(
     return out
 
 
-def group_header(members: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What a group's rollout dicts (one group, in index order) say about the group: its prompt,
+def group_header(members: Sequence[RolloutView]) -> GroupHeader:
+    """What a group's rollouts (one group, in index order) say about the group: its prompt,
     query, target, vote histogram, agreement, correct count (no per-rollout views)."""
     first = members[0]
-    meta = first.get("meta") or {}
-    votes = [r["vote"] for r in members]
+    meta = first.meta
+    votes = [r.vote for r in members]
     valid = Counter(v for v in votes if v is not None)
-    multi = [answer_vote(r["vote"], r.get("meta")) for r in members]
+    multi = [answer_vote(r.vote, r.meta) for r in members]
     kinds = {None if v is None else ("first_call" if v["legacy"] else "answer") for v in multi}
     vote_kind = next(iter(kinds)) if len(kinds) == 1 else "mixed"
     # The hint: the dataset's column, and the rollouts that saw it (hint supervision).
-    hinted = [r for r in members if (r.get("meta") or {}).get("supervised") == "hint"]
+    hinted = [r for r in members if r.meta.get("supervised") == "hint"]
     hint = dataset_hint(meta)
     if hint is None and hinted:
-        hint = (hinted[0].get("meta") or {}).get("hint_shown")
-    vote_rows = vote_histogram(votes, first["target"])
+        hint = hinted[0].meta.get("hint_shown")
+    vote_rows = vote_histogram(votes, first.target)
     if vote_kind == "answer":  # a vote that is the answer itself: no tool result gave it
         sources = {v["source"] for v in multi if v is not None}
         for row in vote_rows:
             if row["vote"] is not None and row["vote"] not in sources:
                 row["label"] = f"answer {answer_value(row['vote'])}"
     return {
-        "group": first["group"],
-        "prompt": first["prompt"],
+        "group": first.group,
+        "prompt": first.prompt,
         "query": meta.get("query") or _row(meta).get("query"),
-        "target": first["target"],
+        "target": first.target,
         "target_listed": meta.get("target_listed", _row(meta).get("target_listed")),
         "hint": None if hint is None else hint_body(hint),
-        "hint_shown_to": [r["index"] for r in hinted],
+        "hint_shown_to": [r.index for r in hinted],
         "tool_count": len(meta.get("tool_ids") or _row(meta).get("tool_ids") or []),
         "votes": vote_rows,
         # what a tool-calling group's votes are: "answer" (the tool that gave the final
@@ -505,30 +576,34 @@ def group_header(members: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "first_calls": vote_histogram([v["first_call"] for v in multi if v is not None], None)
         if "answer" in kinds
         else [],
-        "answers": answer_histogram(members)
-        if any("turns" in (r.get("meta") or {}) for r in members)
-        else [],
+        "answers": answer_histogram(members) if any("turns" in r.meta for r in members) else [],
         "agree": max(valid.values()) if valid else 0,
         "size": len(members),
-        "correct": sum(1 for r in members if (r["true_score"] or 0) >= 1),
+        "correct": sum(1 for r in members if (r.true_score or 0) >= 1),
         # Rollouts that are not the policy's own samples: origin → count.
-        "supervised": dict(
-            Counter(o for r in members if (o := (r.get("meta") or {}).get("supervised")))
-        ),
+        "supervised": dict(Counter(o for r in members if (o := r.meta.get("supervised")))),
     }
 
 
-def group_views(rollouts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rollout dicts (server.store.serialize.rollout_dict, in group order) → one view per group: its
-    header (group_header) and each rollout's view (tokens, probabilities, disagreement)."""
-    by_group: dict[int, list[dict[str, Any]]] = {}
+class GroupView(GroupHeader):
+    """One group as the viewer shows it: its header and its rollouts' views."""
+
+    rollouts: list[ShownRollout]
+
+
+def group_views(rollouts: Sequence[RolloutView]) -> list[GroupView]:
+    """Rollouts (serialize.read_rollout's views, in group order) → one view per group: its
+    header (group_header) and each rollout's view (shown_rollout: tokens, probabilities,
+    disagreement), its cells within the page's budget (page_token_limit of the group's)."""
+    by_group: dict[int, list[RolloutView]] = {}
     for rollout in rollouts:
-        by_group.setdefault(rollout["group"], []).append(rollout)
-    return [
-        group_header(members)
-        | {"rollouts": [_rollout_view(r, members[0]["prompt"]) for r in members]}
-        for members in by_group.values()
-    ]
+        by_group.setdefault(rollout.group, []).append(rollout)
+    views: list[GroupView] = []
+    for members in by_group.values():
+        limit = page_token_limit(len(members))
+        shown = [shown_rollout(r, members[0].prompt, limit) for r in members]
+        views.append(GroupView(**group_header(members), rollouts=shown))
+    return views
 
 
 # --- groups overview: one row a group from the rollouts' scalar columns -----------------------
@@ -569,7 +644,7 @@ def _std(values: Sequence[float]) -> float | None:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
 
 
-def group_summary(rows: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
+def group_summary(rows: Sequence[ScalarRow], label: str) -> dict[str, Any]:
     """One overview row from a group's rollouts' scalar columns (group, index, vote, target,
     verifier_reward, true_score, advantage, sum_logprob, format_valid, format_state), in index
     order; `label` is what names the group (its query or its prompt's head: prompt_labels).
@@ -616,10 +691,10 @@ def group_summary(rows: Sequence[dict[str, Any]], label: str) -> dict[str, Any]:
     }
 
 
-def group_summaries(rows: Sequence[dict[str, Any]], labels: dict[int, str]) -> list[dict[str, Any]]:
+def group_summaries(rows: Sequence[ScalarRow], labels: dict[int, str]) -> list[dict[str, Any]]:
     """Scalar rows of a step's rollouts (group, index order) → group_summary per group, in group
     order; `labels`: group → its label."""
-    by_group: dict[int, list[dict[str, Any]]] = {}
+    by_group: dict[int, list[ScalarRow]] = {}
     for row in rows:
         by_group.setdefault(row["group"], []).append(row)
     return [group_summary(members, labels.get(g, "")) for g, members in by_group.items()]
@@ -726,28 +801,34 @@ def _cell_probability(probs: Sequence[float | None], first: int, last: int) -> f
     return p
 
 
-def token_cells(rollout: dict[str, Any], limit: int | None = None) -> list[dict[str, Any]]:
-    """Per cell of a rollout view (those starting in the first `limit` positions): text, its
-    positions (first, last), CSS classes and hover text (built here, not in Jinja: a 64-token
-    completion × every control token is thousands of template operations). A cell of several
-    tokens (one character split over them) shows the product of their probabilities, their
-    ids, and the control tokens' probabilities at its first position."""
+def token_cells(
+    spans: Sequence[tokentext.Cell],
+    ids: Sequence[int],
+    probs: Sequence[float | None],
+    control: Mapping[str, Sequence[float | None]],
+    sampled: Sequence[bool] | None,
+    near_misses: Sequence[Sequence[str]],
+    limit: int | None = None,
+) -> Cells:
+    """Per cell of a rollout's shown tokens (`spans`, those starting in the first `limit`
+    positions): text, its positions (first, last), CSS classes and hover text (built here, not
+    in Jinja: a 64-token completion × every control token is thousands of template
+    operations). A cell of several tokens (one character split over them) shows the product of
+    their probabilities, their ids, and the control tokens' probabilities at its first
+    position."""
     cells = []
-    control = rollout["control_view"]
-    sampled = rollout.get("sampled")
-    ids = rollout["completion_ids"]
-    probs = rollout["token_probs"]
     names = {t: control_name(t) for t in control}
-    for span in rollout["token_view"]:
+    for span in spans:
         a, b = span.first, span.last
         if limit is not None and a >= limit:
             break
         at = f"#{a}" if a == b else f"#{a}–{b}"
         id_text = f"id {ids[a]}" if a == b else "ids " + ", ".join(map(str, ids[a : b + 1]))
-        cell = {"text": span.text, "first": a, "last": b}
         if sampled is not None and not sampled[a]:
             title = f"{at} · {id_text} · tool result: not sampled, not trained"
-            cells.append(cell | {"cls": "tok tool-tok", "title": title})
+            cells.append(
+                TokenCell(text=span.text, first=a, last=b, cls="tok tool-tok", title=title)
+            )
             continue
         p = _cell_probability(probs, a, b)
         lines = [f"{at} · {id_text} · p={prob_text(p, 3)}"]
@@ -755,27 +836,29 @@ def token_cells(rollout: dict[str, Any], limit: int | None = None) -> list[dict[
             each = " × ".join(prob_text(q, 3) for q in probs[a : b + 1])
             lines.append(f"one character over {b - a + 1} tokens: p is the product {each}")
         lines += [f"p({names[t]})={prob_text(ps[a], 3)}" for t, ps in control.items()]
-        misses = sorted({t for i in range(a, b + 1) for t in rollout["near_misses"][i]})
+        misses = sorted({t for i in range(a, b + 1) for t in near_misses[i]})
         if misses:
             lines.append(f"near miss: {', '.join(names[t] for t in misses)} was likely here")
         cls = f"tok p{probability_bin(p)}" + (" near-miss" if misses else "")
-        cells.append(cell | {"cls": cls, "title": "\n".join(lines)})
+        cells.append(TokenCell(text=span.text, first=a, last=b, cls=cls, title="\n".join(lines)))
     return cells
 
 
 def control_rows(
-    rollout: dict[str, Any], limit: int | None = None
-) -> list[tuple[str, list[tuple[str, str]]]]:
+    spans: Sequence[tokentext.Cell],
+    probs: Sequence[float | None],
+    control: Mapping[str, Sequence[float | None]],
+    limit: int | None = None,
+) -> ControlRows:
     """The control-token table (the cells starting in its first `limit` positions): (row
     label, [(CSS class, text)] per cell). The sampled row is each cell's probability (the
     product of its tokens'); a control token's row its probability at the cell's first
     position."""
-    spans = [s for s in rollout["token_view"] if limit is None or s.first < limit]
-    probs = rollout["token_probs"]
-    sampled = [_cell_probability(probs, s.first, s.last) for s in spans]
+    shown = [s for s in spans if limit is None or s.first < limit]
+    sampled = [_cell_probability(probs, s.first, s.last) for s in shown]
     rows = [("sampled", [(f"p{probability_bin(p)}", prob_text(p)) for p in sampled])]
-    for token, ps in rollout["control_view"].items():
-        firsts = [ps[s.first] for s in spans]
+    for token, ps in control.items():
+        firsts = [ps[s.first] for s in shown]
         rows.append((token, [(f"c{probability_bin(p)}", prob_text(p)) for p in firsts]))
     return rows
 

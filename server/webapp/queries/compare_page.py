@@ -10,13 +10,8 @@ from typing import Any
 from rollout_lens.server import store
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.errors import InvalidInput, StepNotFound
-from rollout_lens.server.core.read_models import (
-    CompareData,
-    CompareSide,
-    RunData,
-    RunSummary,
-    StepCard,
-)
+from rollout_lens.server.core.read_models import RunData, RunSummary
+from rollout_lens.server.core.step_views import CompareData, CompareSide, StepCard
 from rollout_lens.server.store.serialize import run_dict
 from rollout_lens.server.webapp.pages import chart_data
 from rollout_lens.server.webapp.queries.run_page import series

@@ -4,19 +4,13 @@ nearest step whose token data retention kept."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import GroupNotFound, InvalidInput, NotFound, StepNotFound
-from rollout_lens.server.core.read_models import (
-    GroupDetail,
-    GroupNav,
-    StepCard,
-    StepGroups,
-    StepHead,
-    StepNav,
-)
+from rollout_lens.server.core.read_models import GroupNav, ScalarRow, StepGroups, StepHead, StepNav
 from rollout_lens.server.core.records import DISAGREE_AT
+from rollout_lens.server.core.step_views import GroupDetail, StepCard
 from rollout_lens.server.store import layout
 from rollout_lens.server.store.models import (
     FactsRow,
@@ -24,7 +18,7 @@ from rollout_lens.server.store.models import (
     RolloutRow,
     StepRow,
 )
-from rollout_lens.server.store.serialize import completion_ids, rollout_dict, run_dict, step_dict
+from rollout_lens.server.store.serialize import completion_ids, read_rollout, run_dict, step_dict
 from rollout_lens.server.webapp.pages import stepview
 from rollout_lens.server.webapp.queries.runs import step_bounds
 from sqlalchemy import and_, distinct, func, or_, select
@@ -75,20 +69,6 @@ SCALARS = (
     RolloutRow.format_state,
     RolloutRow.prompt_id,
     RolloutRow.facts_id,
-)
-SCALAR_KEYS = (
-    "group",
-    "index",
-    "vote",
-    "target",
-    "verifier_reward",
-    "true_score",
-    "advantage",
-    "sum_logprob",
-    "format_valid",
-    "format_state",
-    "prompt_id",
-    "facts_id",
 )
 GROUPS_PER_PAGE = 100  # overview rows a page (HTML and JSON)
 MAX_GROUPS_PER_PAGE = 500
@@ -141,19 +121,35 @@ def step_head(session: Session, *, run_id: int, step: int) -> tuple[StepRow, Ste
 
 def _scalar_rows(
     session: Session, *, run_id: int, rollout_step: int, group: int | None = None
-) -> list[dict[str, Any]]:
+) -> list[ScalarRow]:
     """The scalar columns of a step's rollouts (or one group's), in group and index order."""
     query = select(*SCALARS).where(RolloutRow.run_id == run_id, RolloutRow.step == rollout_step)
     if group is not None:
         query = query.where(RolloutRow.group == group)
     rows = session.execute(query.order_by(RolloutRow.group, RolloutRow.index))
-    return [dict(zip(SCALAR_KEYS, row, strict=True)) for row in rows]
+    return [
+        ScalarRow(
+            group=g,
+            index=i,
+            vote=vote,
+            target=target,
+            verifier_reward=reward,
+            true_score=true,
+            advantage=adv,
+            sum_logprob=lp,
+            format_valid=valid,
+            format_state=state,
+            prompt_id=prompt,
+            facts_id=facts,
+        )
+        for g, i, vote, target, reward, true, adv, lp, valid, state, prompt, facts in rows
+    ]
 
 
-def _labels(session: Session, rows: list[dict[str, Any]]) -> dict[int, str]:
+def _labels(session: Session, rows: list[ScalarRow]) -> dict[int, str]:
     """group → its label: the query its facts name, else its prompt's head past what the step's
     prompts share (stepview.prompt_labels); two small reads over the distinct prompts and facts."""
-    firsts: dict[int, dict[str, Any]] = {}
+    firsts: dict[int, ScalarRow] = {}
     for row in rows:
         firsts.setdefault(row["group"], row)
     prompt_ids = sorted({r["prompt_id"] for r in firsts.values()})
@@ -180,7 +176,10 @@ def _labels(session: Session, rows: list[dict[str, Any]]) -> dict[int, str]:
         queries.update({i: q or r for i, q, r in found if q or r})
     by_prompt = stepview.prompt_labels(heads)
     return {
-        group: str(queries.get(row["facts_id"]) or by_prompt.get(row["prompt_id"], ""))
+        group: str(
+            (queries.get(facts) if (facts := row["facts_id"]) is not None else None)
+            or by_prompt.get(row["prompt_id"], "")
+        )
         for group, row in firsts.items()
     }
 
@@ -287,7 +286,7 @@ def group_detail(
 ) -> GroupDetail:
     """One group of a step: its overview row, its header (stepview.group_header), its neighbours,
     and its rollouts from `offset` (at most `limit`) with their arrays decoded by
-    serialize.rollout_dict, cut to `max_tokens` positions (with `page_budget`, to no more than
+    serialize.read_rollout (typed views), cut to `max_tokens` positions (with `page_budget`, to no more than
     a page shows of each: stepview.page_token_limit). GroupNotFound when the step has no such
     group."""
     row, head = step_head(session, run_id=run_id, step=step)
@@ -317,7 +316,7 @@ def group_detail(
     texts = _token_texts(
         session, run_id=run_id, rollouts=[r for r, _ in rollouts], limit=max_tokens
     )
-    dicts = [rollout_dict(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
+    views = [read_rollout(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
     return {
         **head,
         "tokens_kept": head["tokens_kept"] and all(r.tokens_kept for r, _ in rollouts),
@@ -325,11 +324,10 @@ def group_detail(
             session, run_id=run_id, rollout_step=row.rollout_step, group=group
         ),
         "summary": stepview.group_summary(scalars, ""),
-        # viewer reads the rollouts as plain mappings (RolloutData is one)
-        "header": stepview.group_header(cast(list[dict[str, Any]], dicts)) if dicts else None,
+        "header": stepview.group_header(views) if views else None,
         "rollouts_total": len(scalars),
         "offset": offset,
-        "rollouts": dicts,
+        "rollouts": views,
     }
 
 

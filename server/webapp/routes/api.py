@@ -380,4 +380,4 @@ def get_compare(
         max_tokens=queries.JSON_TOKENS,
         memo=memo(cache),
     )
-    return DataResponse(data)
+    return DataResponse(page_context.compare_json(data))

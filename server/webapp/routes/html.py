@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from pydantic import ValidationError
 from rollout_lens.server.core.errors import InvalidInput
-from rollout_lens.server.webapp import queries
+from rollout_lens.server.webapp import alert_hooks, queries
 from rollout_lens.server.webapp.http import flash
 from rollout_lens.server.webapp.http.deps import (
     AlertCacheDep,
@@ -91,7 +91,10 @@ def run_page(
     overview = queries.run_overview(session, run_id=run_id)
     overview["alerts"] = run_alerts(request, session, cache, run_id)
     notice = flash.read(request)
-    context = page_context.run_page(overview, _url(request), full=full, notice=notice)
+    deliveries = alert_hooks.failed_deliveries(session, run_id=run_id)
+    context = page_context.run_page(
+        overview, _url(request), full=full, notice=notice, deliveries=deliveries
+    )
     response = render(request, "run.html", context)
     flash.forget(request, response, path=request.url.path)
     return response

@@ -1,0 +1,562 @@
+"""The recording wire format: steps as a trainer sends them to a dashboard over HTTP.
+
+A request body is `RLW1` and then one *frame* per step, each a u32 (little-endian) byte length
+and a zstd frame (its content size written) holding three Arrow IPC streams, each after its u64
+length:
+
+- `step`: one row — step, rollout_step, recorded_at, values and metrics (map<string, float64>);
+  its schema metadata names the run's control tokens;
+- `rollouts`: one row a rollout — its scalars and texts as columns (prompts dictionary-encoded)
+  and its per-token arrays as the store's own blobs (server.store.arrays: ids exact, logprobs in
+  1/4096 nat, control-token probabilities sparse), so a step is no larger on the wire than in
+  the store and the server stores what it received without quantizing twice (coding a decoded
+  blob again gives the same bytes); `text_rule` says when the completion's text is rebuilt from
+  its tokens' pieces (then not sent), as the store does;
+- `pieces`: the text of each token id the sender has not sent in an earlier step that the
+  dashboard took (`id`, `piece`).
+
+Σ logprob travels at full precision (the store keeps it so). The server decodes and checks
+everything before it writes (`decode_body`): the frame sizes against the request's limits,
+each Arrow stream's schema exactly and its data in full (`RecordBatch.validate(full=True)`),
+every number's range, every blob decoded against its rollout's length. A problem is a
+WireInvalid naming the field (`steps[2].rollouts[17].logprobs: …`), and nothing is written.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import zstandard
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
+from rollout_lens.server.core.textsafe import storable
+from rollout_lens.server.core.tokentext import TEXT_RULES
+from rollout_lens.server.exchange.bounds import MAX_INT32, MAX_TOKENS, check_depth
+from rollout_lens.server.store import arrays
+
+MAGIC = b"RLW1"
+CONTENT_TYPE = "application/octet-stream"  # the body starts with MAGIC
+WIRE_VERSION = "1"
+MAX_REQUEST_TOKENS = 4 * 2**20  # token positions of one request (its arrays are held decoded)
+MAX_STEPS = 256  # steps of one request
+MAX_NAMES = 2_000  # values and metrics names of one step
+MAX_NAME_CHARS = 200
+MAX_PIECE_CHARS = 4_096
+MAX_STATE_CHARS = 32
+_LEVEL = 3
+
+STEP_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("rollout_step", pa.int64()),
+        ("recorded_at", pa.timestamp("us", tz="UTC")),
+        ("values", pa.map_(pa.string(), pa.float64())),
+        ("metrics", pa.map_(pa.string(), pa.float64())),
+    ]
+)
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("group", pa.int64()),
+        ("index", pa.int64()),
+        ("prompt", pa.dictionary(pa.int32(), pa.large_string())),
+        ("completion", pa.large_string()),  # null: rebuilt from the pieces by text_rule
+        ("text_rule", pa.int32()),
+        ("n_tokens", pa.int32()),
+        ("ids", pa.binary()),
+        ("logprobs", pa.binary()),  # null: not measured
+        ("control", pa.binary()),  # null: not measured
+        ("sum_logprob", pa.float64()),
+        ("vote", pa.large_string()),
+        ("target", pa.large_string()),
+        ("verifier_reward", pa.float64()),
+        ("true_score", pa.float64()),
+        ("advantage", pa.float64()),
+        ("format_valid", pa.bool_()),
+        ("format_state", pa.large_string()),
+        ("meta", pa.large_string()),  # JSON object text
+        ("has_tokens", pa.bool_()),  # its tokens' pieces are known (sent now or before)
+    ]
+)
+PIECES_SCHEMA = pa.schema([("id", pa.int64()), ("piece", pa.large_string())])
+
+
+class WireInvalid(InvalidInput):
+    """A body the server refuses; `field` names what is at fault."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+# --- the sender's side ---------------------------------------------------------------------------
+
+
+def _ipc(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def _control_rows(r: RolloutRecord, tokens: Sequence[str]) -> Any:
+    """A rollout's control-token probabilities in the run's token order (as the store takes
+    them)."""
+    given = r.control_probs
+    if given.tokens == tuple(tokens):
+        return given.array
+    return [() if (row := given.get(t)) is None else row for t in tokens]
+
+
+@dataclass
+class Encoded:
+    """One step's frame and the token ids whose pieces it carries."""
+
+    frame: bytes
+    new_ids: np.ndarray
+    tokens: int  # token positions (the request's budget counts them)
+
+
+def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndarray) -> Encoded:
+    """A step → its frame; `sent` is the sorted ids whose pieces the dashboard has (or will
+    have from a frame before this one)."""
+    tokens = list(control_tokens)
+    rollouts = record.rollouts
+    blobs = arrays.encode_rollouts(
+        [r.completion_ids for r in rollouts],
+        [r.token_logprobs for r in rollouts],
+        [_control_rows(r, tokens) for r in rollouts],
+    )
+    pieces: dict[int, str] = {}
+    rules: list[int | None] = []
+    has_tokens: list[bool] = []
+    for r in rollouts:
+        given = r.tokens if r.tokens is not None else r.meta.get("tokens")
+        texts: list[str] = [str(t) for t in given] if isinstance(given, list) else []
+        ok = bool(texts) and len(texts) == len(r.completion_ids)
+        has_tokens.append(ok)
+        if not ok:
+            rules.append(None)
+            continue
+        rules.append(arrays.pieces_rule(r.completion, texts))
+        for token_id, text in zip(r.completion_ids.tolist(), texts, strict=True):
+            pieces.setdefault(token_id, text)
+    ids = np.fromiter(pieces, dtype=np.int64, count=len(pieces))
+    new = np.setdiff1d(ids, sent, assume_unique=False) if len(ids) else ids
+    step = pa.table(
+        {
+            "step": [record.step],
+            "rollout_step": [record.rollout_step],
+            "recorded_at": [record.recorded_at or datetime.now(UTC)],
+            "values": [list(_finite_items(record.values))],
+            "metrics": [list(_finite_items(record.metrics))],
+        },
+        schema=STEP_SCHEMA.with_metadata(
+            {"version": WIRE_VERSION, "control_tokens": json.dumps(tokens)}
+        ),
+    )
+    measured_lp = [bool(len(r.token_logprobs)) or not len(r.completion_ids) for r in rollouts]
+    table = pa.table(
+        {
+            "group": [r.group for r in rollouts],
+            "index": [r.index for r in rollouts],
+            "prompt": pa.array([r.prompt for r in rollouts], pa.large_string()).dictionary_encode(),
+            "completion": [
+                None if rule is not None else r.completion
+                for r, rule in zip(rollouts, rules, strict=True)
+            ],
+            "text_rule": rules,
+            "n_tokens": [len(r.completion_ids) for r in rollouts],
+            "ids": [b[0] for b in blobs],
+            "logprobs": [b[1] if m else None for b, m in zip(blobs, measured_lp, strict=True)],
+            "control": [
+                b[2] if r.control_probs.measured else None
+                for b, r in zip(blobs, rollouts, strict=True)
+            ],
+            "sum_logprob": [r.sum_logprob for r in rollouts],
+            "vote": [r.vote for r in rollouts],
+            "target": [r.target for r in rollouts],
+            "verifier_reward": [float(r.verifier_reward) for r in rollouts],
+            "true_score": [r.true_score for r in rollouts],
+            "advantage": [float(r.advantage) for r in rollouts],
+            "format_valid": [r.format_valid for r in rollouts],
+            "format_state": [r.format_state for r in rollouts],
+            "meta": [_meta_text(r.meta) for r in rollouts],
+            "has_tokens": has_tokens,
+        },
+        schema=ROLLOUT_SCHEMA,
+    )
+    new_list = new.tolist()
+    piece_table = pa.table(
+        {"id": new_list, "piece": [pieces[i] for i in new_list]}, schema=PIECES_SCHEMA
+    )
+    raw = b"".join(
+        struct.pack("<Q", len(part)) + part for part in map(_ipc, (step, table, piece_table))
+    )
+    frame = zstandard.ZstdCompressor(level=_LEVEL, write_content_size=True).compress(raw)
+    return Encoded(frame, new, sum(len(r.completion_ids) for r in rollouts))
+
+
+def _finite_items(values: Mapping[str, float | None]) -> Iterable[tuple[str, float | None]]:
+    for name, value in values.items():
+        number = None if value is None else float(value)
+        yield name, number if number is None or math.isfinite(number) else None
+
+
+def _meta_text(meta: Mapping[str, Any]) -> str | None:
+    own = {k: v for k, v in meta.items() if k != "tokens"}
+    return json.dumps(own, ensure_ascii=False, default=str) if own else None
+
+
+def body(frames: Iterable[bytes]) -> bytes:
+    """The request body of these step frames."""
+    return MAGIC + b"".join(struct.pack("<I", len(f)) + f for f in frames)
+
+
+# --- the server's side ---------------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    """A step as received: its record (rollouts' tokens still to be completed) and pieces."""
+
+    record: StepRecord
+    pieces: dict[int, str]
+    needs_tokens: list[bool] = field(default_factory=list)  # per rollout: has_tokens
+    tokens: int = 0
+
+
+class ReceivedRollout(RolloutRecord):
+    """A rollout from the wire: its Σ logprob is the sender's, at full precision (its logprobs
+    arrive quantized, as the store keeps them)."""
+
+    received_sum: float | None = None
+    text_rule: int | None = None  # the sender's: the completion is rebuilt from its pieces
+
+    @property
+    def sum_logprob(self) -> float | None:
+        return self.received_sum
+
+    def set_tokens(self, pieces: list[str]) -> None:
+        """Its tokens' texts, each made storable already when its piece was read (`_pieces`):
+        not scanned again position by position."""
+        object.__setattr__(self, "tokens", pieces)
+
+
+def decode_body(
+    data: bytes, *, control_tokens: Sequence[str], max_tokens: int = MAX_REQUEST_TOKENS
+) -> list[Received]:
+    """A request body → its steps, every field checked (WireInvalid names the one at fault)."""
+    if not data.startswith(MAGIC):
+        raise WireInvalid("body", f"not a Rollout Lens steps body (it must start with {MAGIC!r})")
+    at, budget = len(MAGIC), max_tokens
+    out: list[Received] = []
+    while at < len(data):
+        where = f"steps[{len(out)}]"
+        if len(out) >= MAX_STEPS:
+            raise WireInvalid("steps", f"more than {MAX_STEPS} steps in one request")
+        if at + 4 > len(data):
+            raise WireInvalid(where, "cut short (its length)")
+        (size,) = struct.unpack_from("<I", data, at)
+        at += 4
+        if at + size > len(data):
+            raise WireInvalid(where, f"cut short: {size:,} bytes said, {len(data) - at:,} left")
+        received = _decode_frame(
+            data[at : at + size], where, control_tokens=control_tokens, budget=budget
+        )
+        budget -= received.tokens
+        out.append(received)
+        at += size
+    if not out:
+        raise WireInvalid("steps", "no steps in the body")
+    return out
+
+
+def _decode_frame(
+    frame: bytes, where: str, *, control_tokens: Sequence[str], budget: int
+) -> Received:
+    # A step's frame: at most its share of the request's tokens decoded (a bound on memory).
+    most = 32 * 2**20 + 32 * max(budget, 0)
+    try:
+        size = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError:
+        size = -1
+    if size < 0 or size > most:
+        raise WireInvalid(where, "a zstd frame that does not say its size, or says too much")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(frame)
+    except zstandard.ZstdError as exc:
+        raise WireInvalid(where, f"not a whole zstd frame ({exc})") from None
+    parts, at = [], 0
+    for name in ("step", "rollouts", "pieces"):
+        if at + 8 > len(raw):
+            raise WireInvalid(f"{where}.{name}", "missing")
+        (n,) = struct.unpack_from("<Q", raw, at)
+        at += 8
+        if at + n > len(raw):
+            raise WireInvalid(f"{where}.{name}", "cut short")
+        parts.append(raw[at : at + n])
+        at += n
+    if at != len(raw):
+        raise WireInvalid(where, "bytes after its three tables")
+    step_t = _table(parts[0], STEP_SCHEMA, f"{where}.step")
+    rollouts_t = _table(parts[1], ROLLOUT_SCHEMA, f"{where}.rollouts")
+    pieces_t = _table(parts[2], PIECES_SCHEMA, f"{where}.pieces")
+    meta = step_t.schema.metadata or {}
+    if meta.get(b"version") != WIRE_VERSION.encode():
+        raise WireInvalid(f"{where}.step", f"wire version {meta.get(b'version')!r}, not 1")
+    try:
+        sent_tokens = json.loads(meta.get(b"control_tokens", b"[]"))
+    except ValueError:
+        raise WireInvalid(f"{where}.control_tokens", "not JSON") from None
+    if sent_tokens != list(control_tokens):
+        raise WireInvalid(
+            f"{where}.control_tokens",
+            f"{len(sent_tokens) if isinstance(sent_tokens, list) else '?'} tokens that are not "
+            "the run's (a run's control tokens are fixed when it is created)",
+        )
+    if step_t.num_rows != 1:
+        raise WireInvalid(f"{where}.step", f"{step_t.num_rows} rows, not 1")
+    try:
+        row = step_t.to_pylist()[0]
+    except (ValueError, OverflowError):  # a time past Python's datetime (year 10000, say)
+        raise WireInvalid(f"{where}.step.recorded_at", "not a time of this era") from None
+    step = _int(row["step"], f"{where}.step.step", low=0)
+    rollout_step = _int(row["rollout_step"], f"{where}.step.rollout_step", low=0)
+    if rollout_step > step:
+        raise WireInvalid(f"{where}.step.rollout_step", "after its step")
+    values = _series(row["values"], f"{where}.step.values")
+    metrics = _series(row["metrics"], f"{where}.step.metrics")
+    recorded_at = row["recorded_at"]
+    pieces = _pieces(pieces_t, f"{where}.pieces")
+
+    n_tokens = rollouts_t.column("n_tokens").to_pylist()
+    total = 0
+    for i, n in enumerate(n_tokens):
+        _int(n, f"{where}.rollouts[{i}].n_tokens", low=0, high=MAX_TOKENS)
+        total += n
+    if total > budget:
+        raise WireInvalid(
+            f"{where}.rollouts",
+            f"{total:,} tokens: more than this request may hold ({MAX_REQUEST_TOKENS:,} in all)",
+        )
+    rows = rollouts_t.to_pylist()
+    seen: set[tuple[int, int]] = set()
+    records: list[RolloutRecord] = []
+    needs: list[bool] = []
+    k = len(control_tokens)
+    for i, r in enumerate(rows):
+        w = f"{where}.rollouts[{i}]"
+        group = _int(r["group"], f"{w}.group", low=0)
+        index = _int(r["index"], f"{w}.index", low=0)
+        if (group, index) in seen:
+            raise WireInvalid(f"{w}.index", f"group {group} has two rollouts #{index}")
+        seen.add((group, index))
+        n = r["n_tokens"]
+        if r["ids"] is None:
+            raise WireInvalid(f"{w}.ids", "missing")
+        ids = _blob(f"{w}.ids", partial(arrays.decode_ids_checked, r["ids"], n))
+        lp = None
+        if r["logprobs"] is not None:
+            lp = _blob(f"{w}.logprobs", partial(arrays.decode_logprobs_checked, r["logprobs"], n))
+        control = None
+        if r["control"] is not None:
+            control = _blob(
+                f"{w}.control", partial(arrays.decode_control_checked, r["control"], k, n)
+            )
+        rule = r["text_rule"]
+        if rule is not None and (rule < 0 or rule % 8 not in TEXT_RULES or rule // 8 > 2):
+            raise WireInvalid(f"{w}.text_rule", f"no rule {rule}")
+        if rule is not None and not r["has_tokens"]:
+            raise WireInvalid(f"{w}.text_rule", "a text rule without the tokens' pieces")
+        if rule is None and r["completion"] is None:
+            raise WireInvalid(f"{w}.completion", "missing (and no text rule rebuilds it)")
+        for name in ("verifier_reward", "advantage"):
+            value = r[name]
+            if value is None or math.isnan(value):
+                raise WireInvalid(f"{w}.{name}", "missing or NaN")
+        true = r["true_score"]
+        if true is not None and math.isnan(true):
+            raise WireInvalid(f"{w}.true_score", "NaN (send null for unknown)")
+        state = r["format_state"]
+        if state is not None and len(state) > MAX_STATE_CHARS:
+            raise WireInvalid(f"{w}.format_state", f"longer than {MAX_STATE_CHARS} characters")
+        meta_value: dict[str, Any] = {}
+        if r["meta"] is not None:
+            try:
+                # a fresh float for each NaN, as the sender's were (json's own NaN is one
+                # object, which would make every rollout's NaN "the same value" to the store)
+                meta_value = json.loads(r["meta"], parse_constant=float)
+            except (ValueError, RecursionError):
+                raise WireInvalid(f"{w}.meta", "not JSON (or nested too deep)") from None
+            if not isinstance(meta_value, dict):
+                raise WireInvalid(f"{w}.meta", "not a JSON object")
+            try:
+                check_depth(meta_value, f"{w}.meta")
+            except InvalidInput as exc:
+                raise WireInvalid(f"{w}.meta", str(exc).split(": ", 1)[-1]) from None
+        record = ReceivedRollout(
+            group=group,
+            index=index,
+            prompt=r["prompt"] or "",
+            completion=r["completion"] or "",
+            completion_ids=ids,
+            token_logprobs=lp if lp is not None else np.zeros(0),
+            control_probs=ControlProbs(
+                list(control_tokens), control if control is not None else np.zeros((0, k))
+            ),
+            vote=r["vote"],
+            target=r["target"],
+            verifier_reward=r["verifier_reward"],
+            true_score=true,
+            advantage=r["advantage"],
+            format_valid=r["format_valid"],
+            format_state=state,
+            meta=meta_value,
+        )
+        record.received_sum = r["sum_logprob"]
+        record.text_rule = rule
+        records.append(record)
+        needs.append(bool(r["has_tokens"]))
+    return Received(
+        StepRecord(
+            step=step,
+            rollout_step=rollout_step,
+            values=values,
+            rollouts=records,
+            metrics=metrics,
+            recorded_at=recorded_at,
+        ),
+        pieces,
+        needs,
+        total,
+    )
+
+
+def _table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
+    """An Arrow IPC stream of exactly `schema`, validated in full before any value is read."""
+    try:
+        reader = pa.ipc.open_stream(pa.BufferReader(data))
+        got = reader.schema
+        if not got.remove_metadata().equals(schema.remove_metadata()):
+            names = {f.name: f.type for f in got}
+            for f in schema:
+                if f.name not in names:
+                    raise WireInvalid(f"{where}.{f.name}", "missing")
+                if names[f.name] != f.type:
+                    raise WireInvalid(f"{where}.{f.name}", f"of type {names[f.name]}, not {f.type}")
+            extra = [n for n in names if n not in schema.names]
+            raise WireInvalid(f"{where}.{extra[0] if extra else 'schema'}", "not expected")
+        batches = []
+        for batch in reader:
+            batch.validate(full=True)
+            batches.append(batch)
+        return pa.Table.from_batches(batches, schema=got)
+    except WireInvalid:
+        raise
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise WireInvalid(where, f"not a valid Arrow IPC stream ({str(exc)[:200]})") from None
+
+
+def _int(value: Any, where: str, *, low: int, high: int = MAX_INT32) -> int:
+    if value is None or not (low <= value <= high):
+        raise WireInvalid(where, f"{value!r} is not a whole number from {low} to {high:,}")
+    return int(value)
+
+
+def _series(items: Any, where: str) -> dict[str, float | None]:
+    items = items or []
+    if len(items) > MAX_NAMES:
+        raise WireInvalid(where, f"more than {MAX_NAMES} names")
+    out: dict[str, float | None] = {}
+    for name, value in items:
+        if name is None or not name or len(name) > MAX_NAME_CHARS:
+            raise WireInvalid(where, f"a name that is empty or over {MAX_NAME_CHARS} characters")
+        if name in out:
+            raise WireInvalid(where, f"{name[:80]!r} twice")
+        out[name] = None if value is None or not math.isfinite(value) else value
+    return out
+
+
+def _pieces(table: pa.Table, where: str) -> dict[int, str]:
+    ids = table.column("id").to_pylist()
+    texts = table.column("piece").to_pylist()
+    out: dict[int, str] = {}
+    for i, (token_id, text) in enumerate(zip(ids, texts, strict=True)):
+        _int(token_id, f"{where}[{i}].id", low=0)
+        if text is None or len(text) > MAX_PIECE_CHARS:
+            raise WireInvalid(f"{where}[{i}].piece", "missing or too long")
+        out.setdefault(token_id, storable(text))
+    return out
+
+
+def _blob(where: str, decode: Callable[[], np.ndarray]) -> np.ndarray:
+    try:
+        return decode()
+    except ValueError as exc:
+        raise WireInvalid(where, str(exc).split(": ", 1)[-1]) from None
+
+
+def complete_tokens(
+    received: Sequence[Received], known: Callable[[Sequence[int]], Mapping[int, str]]
+) -> None:
+    """Give each rollout sent with its tokens' pieces its `tokens` (the pieces of its ids: sent
+    in this body, or `known` to the run) and its completion text when a text rule rebuilds it.
+    WireInvalid names a rollout whose id has no piece anywhere."""
+    texts: dict[int, str] = {}
+    for step in received:
+        for token_id, text in step.pieces.items():
+            texts.setdefault(token_id, text)
+    chosen = [
+        (s, i, r)
+        for s, step in enumerate(received)
+        for i, (r, needs) in enumerate(zip(step.record.rollouts, step.needs_tokens, strict=True))
+        if needs
+    ]
+    if not chosen:
+        return
+    every = np.concatenate([r.completion_ids for _, _, r in chosen])
+    distinct, inverse = np.unique(every, return_inverse=True)
+    missing = [i for i in distinct.tolist() if i not in texts]
+    if missing:
+        for token_id, text in known(missing).items():
+            texts.setdefault(token_id, text)
+    table = np.empty(len(distinct), dtype=object)
+    absent: int | None = None
+    for k, token_id in enumerate(distinct.tolist()):
+        piece = texts.get(token_id)
+        if piece is None and absent is None:
+            absent = token_id
+        table[k] = piece
+    pieces_all = table[inverse]
+    at = 0
+    for s, i, r in chosen:
+        n = len(r.completion_ids)
+        pieces: list[str] = pieces_all[at : at + n].tolist()
+        at += n
+        if absent is not None and any(p is None for p in pieces):
+            raise WireInvalid(
+                f"steps[{s}].rollouts[{i}].ids",
+                "a token id with no piece (sent neither now nor before)",
+            )
+        if isinstance(r, ReceivedRollout):
+            r.set_tokens(pieces)
+        else:
+            r.tokens = pieces
+        rule = r.text_rule if isinstance(r, ReceivedRollout) else None
+        if rule is not None:
+            try:
+                r.completion = arrays.rebuild_from_pieces(rule, pieces)
+            except (ValueError, UnicodeError):
+                raise WireInvalid(
+                    f"steps[{s}].rollouts[{i}].text_rule", "does not rebuild a text"
+                ) from None

@@ -1,0 +1,282 @@
+"""Recording over HTTP: a trainer (RolloutLensCallback(url=...)) or the CLI (`--url`) creates a
+run and sends its steps (server.webapp.ingest; the body's format: server.exchange.wire).
+
+Who may call these is decided first by the Guard (server/webapp/http/security.py): with tokens
+set, a full access token or a recording token (ROLLOUT_LENS_RECORD_TOKEN), checked before the
+body is read, and the steps body may be up to ROLLOUT_LENS_RECORD_MAX_MB.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field, field_validator
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.exchange.bounds import MAX_INT32, check_depth
+from rollout_lens.server.store.models import RunStatus
+from rollout_lens.server.webapp.ingest import Busy, Caller, Forbidden, Ingest
+from sqlalchemy.exc import IntegrityError, OperationalError
+from starlette.concurrency import run_in_threadpool
+
+router = APIRouter(prefix="/api/record", tags=["recording"])
+
+KEY = re.compile(r"^[A-Za-z0-9_.:-]{8,64}$")
+RunPath = Annotated[int, Path(ge=1, le=MAX_INT32, description="The run's id")]
+Count = Annotated[int | None, Query(ge=0, le=MAX_INT32)]
+
+
+class RecordRun(BaseModel):
+    """A run a recorder creates (RolloutLensCallback's RunSpec)."""
+
+    key: str = Field(description="The recorder's own key for the run (8-64 of A-Z a-z 0-9 _.:-)")
+    name: str = Field(min_length=1, max_length=200)
+    model: str = Field("", max_length=500)
+    total_steps: int = Field(0, ge=0, le=MAX_INT32)
+    group_size: int = Field(1, ge=1, le=MAX_INT32)
+    prompts_per_step: int = Field(1, ge=1, le=MAX_INT32)
+    seed: int = Field(0, ge=-(2**31), le=MAX_INT32)
+    config: dict[str, Any] = Field(default_factory=dict)
+    control_tokens: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(
+        default_factory=list, max_length=64
+    )
+    device: str = Field("", max_length=64)
+    worker_host: str = Field("", max_length=255)
+    notes: list[Annotated[str, Field(max_length=4000)]] = Field(
+        default_factory=list, max_length=100
+    )
+    keep_tokens_every: int | None = Field(None, ge=1, le=MAX_INT32)
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, value: str) -> str:
+        if not KEY.match(value):
+            raise ValueError("8 to 64 characters of A-Z a-z 0-9 _ . : -")
+        return value
+
+    @field_validator("config")
+    @classmethod
+    def _config(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            check_depth(value, "config")
+        except InvalidInput as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+
+class Alive(BaseModel):
+    dropped_steps: int | None = Field(None, ge=0, le=MAX_INT32)
+    dropped_rollouts: int | None = Field(None, ge=0, le=MAX_INT32)
+
+
+class Finish(Alive):
+    status: RunStatus = RunStatus.completed
+    error: str | None = Field(None, max_length=20_000)
+
+    @field_validator("status")
+    @classmethod
+    def _ended(cls, value: RunStatus) -> RunStatus:
+        if value in (RunStatus.queued, RunStatus.running):
+            raise ValueError("a run ends completed, failed, cancelled or lost")
+        return value
+
+
+class WireRefusal(BaseModel):
+    detail: str
+    field: str | None = Field(None, description="what is at fault: `steps[2].rollouts[17].ids`")
+    errors: list[dict[str, Any]] | dict[str, Any] | None = None  # a query parameter's
+
+
+class RecordedRun(BaseModel):
+    id: int
+    name: str
+    url: str = Field(description="the run's page")
+    created: bool = Field(description="false: the run this key created before")
+
+
+class Written(BaseModel):
+    run_id: int
+    written: list[int] = Field(description="the steps written by this request")
+    already: list[int] = Field(description="steps the run had already (not written again)")
+    rollouts: int
+
+
+class Acknowledged(BaseModel):
+    run_id: int
+    status: str | None = None
+
+
+def _ingest(request: Request) -> Ingest:
+    ingest: Ingest = request.app.state.ingest
+    return ingest
+
+
+def _caller(request: Request) -> Caller:
+    state = request.scope.get("state", {})
+    return Caller(scope=state.get("token_scope"), token_fp=state.get("token_fp"))
+
+
+def _refused(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"detail": message} | extra, status_code=status)
+
+
+def _dropped(steps: int | None, rollouts: int | None) -> tuple[int, int] | None:
+    if steps is None and rollouts is None:
+        return None
+    return steps or 0, rollouts or 0
+
+
+@router.post(
+    "/runs",
+    summary="Create (or find) a recorded run",
+    responses={
+        200: {"description": "The run this key created before", "model": RecordedRun},
+        201: {"description": "The run, created running", "model": RecordedRun},
+        403: {"description": "The key's run belongs to another token"},
+    },
+)
+def create_run(request: Request, body: RecordRun) -> Response:
+    try:
+        run, created = _ingest(request).create_run(_caller(request), body.model_dump())
+    except Forbidden as exc:
+        return _refused(403, str(exc))
+    url = str(request.app.url_path_for("run_page", run_id=run.id))
+    return JSONResponse(
+        {"id": run.id, "name": run.name, "url": url, "created": created},
+        status_code=201 if created else 200,
+    )
+
+
+@router.post(
+    "/runs/{run_id}/steps",
+    summary="Record steps (the binary body of server.exchange.wire)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        }
+    },
+    responses={
+        200: {"description": "Steps written and those the run had already", "model": Written},
+        403: {"description": "A run this token did not create"},
+        404: {"description": "No such run"},
+        409: {"description": "The run has finished: it records nothing more"},
+        413: {"description": "The body is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
+        422: {"description": "A field of the body is invalid", "model": WireRefusal},
+        503: {"description": "The database is busy or away, or a write raced: retry"},
+    },
+)
+async def record_steps(
+    request: Request,
+    run_id: RunPath,
+    dropped_steps: Count = None,
+    dropped_rollouts: Count = None,
+    steps: Annotated[
+        str | None,
+        Query(
+            max_length=4000,
+            pattern=r"^[0-9]{1,10}(,[0-9]{1,10}){0,255}$",
+            description="the steps the body holds (a retry of steps the run has is answered "
+            "from them, undecoded)",
+        ),
+    ] = None,
+) -> Response:
+    from rollout_lens.server.exchange import wire  # pyarrow: loaded on the first recording
+
+    data = await request.body()  # read (and bounded) by the Guard, after the token
+    ingest, caller = _ingest(request), _caller(request)
+    dropped = _dropped(dropped_steps, dropped_rollouts)
+    claimed = [int(s) for s in steps.split(",") if int(s) <= MAX_INT32] if steps else []
+    try:
+        answer = await run_in_threadpool(
+            ingest.write, caller, run_id, data, dropped=dropped, claimed=claimed
+        )
+    except Forbidden as exc:
+        return _refused(403, str(exc))
+    except Busy as exc:
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"retry-after": "1"})
+    except wire.WireInvalid as exc:
+        return _refused(422, str(exc), field=exc.field)
+    except (IntegrityError, OperationalError):
+        return JSONResponse(
+            {
+                "detail": "the steps could not be written now (the database is busy or another "
+                "write of them raced this one): send them again"
+            },
+            status_code=503,  # no Retry-After: the recorder backs off as from a database away
+        )
+    return JSONResponse(answer)
+
+
+class ImportedRun(BaseModel):
+    id: int
+    name: str
+    steps: int
+    rollouts: int
+    url: str = Field(description="the run's page")
+
+
+@router.post(
+    "/import",
+    status_code=201,
+    summary="Import an export file (JSONL or Parquet)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        }
+    },
+    responses={
+        201: {"description": "The run it created", "model": ImportedRun},
+        400: {"description": "The file is damaged (the line is named); nothing was created"},
+        413: {"description": "The file is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
+    },
+)
+async def import_file(
+    request: Request,
+    name: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+    moved: Annotated[bool, Query(description="a TRL or verl import made elsewhere")] = False,
+) -> Response:
+    data = await request.body()
+    done = await run_in_threadpool(_ingest(request).import_file, data, name=name, moved=moved)
+    url = str(request.app.url_path_for("run_page", run_id=done["id"]))
+    return JSONResponse(done | {"url": url}, status_code=201)
+
+
+@router.post(
+    "/runs/{run_id}/heartbeat",
+    summary="Say a recorder is alive (and what it dropped)",
+    responses={200: {"model": Acknowledged}},
+)
+def heartbeat(request: Request, run_id: RunPath, body: Alive | None = None) -> Response:
+    body = body or Alive(dropped_steps=None, dropped_rollouts=None)
+    try:
+        _ingest(request).heartbeat(
+            _caller(request), run_id, dropped=_dropped(body.dropped_steps, body.dropped_rollouts)
+        )
+    except Forbidden as exc:
+        return _refused(403, str(exc))
+    return JSONResponse({"run_id": run_id})
+
+
+@router.post(
+    "/runs/{run_id}/finish",
+    summary="End a recorded run",
+    responses={200: {"model": Acknowledged}},
+)
+def finish(request: Request, run_id: RunPath, body: Finish) -> Response:
+    ingest, caller = _ingest(request), _caller(request)
+    try:
+        ingest.heartbeat(
+            caller, run_id, dropped=_dropped(body.dropped_steps, body.dropped_rollouts)
+        )
+        ingest.finish(caller, run_id, status=body.status, error=body.error)
+    except Forbidden as exc:
+        return _refused(403, str(exc))
+    return JSONResponse({"run_id": run_id, "status": body.status})

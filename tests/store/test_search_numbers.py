@@ -1,0 +1,191 @@
+"""PostgreSQL's search by word numbers (migration 0010 and server.store.search): a database
+indexed by the tsvectors of 0006 keeps every word its rollouts were found by; prefixes, words
+longer than a query may name, and letters past ASCII find on both databases what a brute-force
+scan of the texts finds."""
+
+from __future__ import annotations
+
+import random
+import re
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from rollout_lens.server import store
+from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.store import search
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.recording import sha256_text
+from rollout_lens.server.webapp import queries
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from tests.conftest import PG_URL
+
+VOCAB = ["straße", "über", "überweg", "zebra", "zeal", "x1y2", "a" * 201, "tool", "07", "ǅemal"]
+
+
+def _steps(rng: random.Random, steps: range) -> list[StepRecord]:
+    out = []
+    for step in steps:
+        rollouts = []
+        for index in range(6):
+            words = [rng.choice(VOCAB) for _ in range(rng.randrange(1, 6))]
+            text_ = "_".join(words) if index % 2 else " ".join(w.title() for w in words)
+            rollouts.append(
+                RolloutRecord(
+                    group=0,
+                    index=index,
+                    prompt="Pick one: prompt words only",
+                    completion=text_,
+                    completion_ids=list(range(len(words))),
+                    token_logprobs=[-0.1] * len(words),
+                    control_probs={},
+                    vote=None,
+                    target="tool",
+                    verifier_reward=0.0,
+                    true_score=0.0,
+                    advantage=0.0,
+                    format_valid=True,
+                    format_state="healthy_call",
+                )
+            )
+        out.append(StepRecord(step, step, {"reward_mean": 0.0}, rollouts))
+    return out
+
+
+def _write(factory: sessionmaker[Session], steps: list[StepRecord], *, index: bool) -> int:
+    with session_scope(factory) as session:
+        run_id = store.create_run(
+            session, name="words", model="m", total_steps=len(steps), group_size=6
+        ).id
+        store.write_steps(
+            session.connection(), None, steps, run_id=run_id, control_tokens=(), index=index
+        )
+    return run_id
+
+
+def _expected(steps: list[StepRecord], q: str) -> set[tuple[int, int]]:
+    terms = re.findall(r"[^\W_]+\*?", q.lower())
+    found = set()
+    for record in steps:
+        for r in record.rollouts:
+            words = {w.lower() for w in re.findall(r"[^\W_]+", r.completion)}
+            if all(
+                any(w.startswith(t[:-1]) for w in words) if t.endswith("*") else t in words
+                for t in terms
+            ):
+                found.add((record.step, r.index))
+    return found
+
+
+def _found(factory: sessionmaker[Session], run_id: int, q: str) -> set[tuple[int, int]]:
+    with session_scope(factory) as session:
+        page = queries.explore(session, run_id=run_id, query=queries.RolloutQuery(q=q, limit=200))
+    assert page["next"] is None
+    return {(r["step"], r["index"]) for r in page["rollouts"]}
+
+
+QUERIES = ["über", "ÜBER*", "zeal zebra", "ze*", "x1y2", "07", "straße", "ǆemal", "tool*", "a*"]
+
+
+@pytest.mark.parametrize("q", QUERIES)
+def test_search_finds_what_a_scan_finds(session_factory: sessionmaker[Session], q: str) -> None:
+    steps = _steps(random.Random(3), range(1, 5))
+    run_id = _write(session_factory, steps, index=True)
+    assert _found(session_factory, run_id, q) == _expected(steps, q)
+
+
+def test_a_word_longer_than_a_query_is_numbered_by_its_head(engine: Engine) -> None:
+    if engine.dialect.name != "postgresql":
+        pytest.skip("word numbers are PostgreSQL's")
+    factory = make_session_factory(engine)
+    _write(factory, _steps(random.Random(3), range(1, 3)), index=True)
+    with engine.connect() as conn:
+        longest = conn.execute(text("SELECT max(length(word)) FROM search_words")).scalar()
+        assert longest == search.MAX_WORD_CHARS + 1  # its head and `*`
+        # numbers are drawn for new words only: writing the same words again draws none
+        before = conn.execute(text("SELECT max(id) FROM search_words")).scalar()
+    _write(factory, _steps(random.Random(3), range(1, 3)), index=True)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT max(id) FROM search_words")).scalar() == before
+
+
+def test_a_prefix_standing_for_too_many_words_is_refused(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if engine.dialect.name != "postgresql":
+        pytest.skip("FTS5 takes any prefix")
+    factory = make_session_factory(engine)
+    run_id = _write(factory, _steps(random.Random(3), range(1, 3)), index=True)
+    monkeypatch.setattr(search, "MAX_PREFIX_WORDS", 1)
+    with pytest.raises(InvalidInput, match="give more of the word"):
+        _found(factory, run_id, "ze*")
+
+
+@pytest.fixture
+def pg_0009() -> Iterator[Engine]:
+    """A fresh PostgreSQL database migrated to 0009 (a tsvector per rollout)."""
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    name = f"rollout_lens_0010_{uuid.uuid4().hex[:10]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    engine = make_engine(make_url(PG_URL).set(database=name).render_as_string(False))
+    upgrade(engine, "0009")
+    yield engine
+    engine.dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.mark.postgres
+def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
+    factory = make_session_factory(pg_0009)
+    steps = _steps(random.Random(5), range(1, 6))
+    prompt = steps[0].rollouts[0].prompt
+    with pg_0009.begin() as conn:  # the prompt as 0006's store wrote it (nothing to index)
+        conn.execute(
+            text("INSERT INTO prompts (sha256, text) VALUES (:h, :t)"),
+            {"h": sha256_text(prompt), "t": prompt},
+        )
+    run_id = _write(factory, steps, index=False)  # indexed below as 0006's store did
+    with pg_0009.begin() as conn:
+        rows = conn.execute(
+            text("SELECT r.id, r.step, r.idx FROM rollouts r WHERE r.run_id = :r ORDER BY r.id"),
+            {"r": run_id},
+        ).all()
+        texts = {(s.step, r.index): r.completion for s in steps for r in s.rollouts}
+        for rid, step, idx in rows:
+            conn.execute(
+                text(
+                    "INSERT INTO rollout_search (rollout_id, doc) "
+                    "VALUES (:i, strip(to_tsvector('simple', :w)))"
+                ),
+                {"i": rid, "w": search.words(texts[(step, idx)])},
+            )
+    upgrade(pg_0009)
+    for q in QUERIES:
+        assert _found(factory, run_id, q) == _expected(steps, q), q
+    # the prompt's words were numbered by the migration: a search finds every rollout by them
+    everyone = {(s.step, r.index) for s in steps for r in s.rollouts}
+    assert _found(factory, run_id, "prompt words") == everyone
+    with pg_0009.connect() as conn:
+        kinds = dict(
+            conn.execute(
+                text(
+                    "SELECT column_name, data_type FROM information_schema.columns "
+                    "WHERE table_name = 'rollout_search'"
+                )
+            ).all()
+        )
+    assert kinds == {"rollout_id": "integer", "words": "ARRAY"}
+    # and the store goes on indexing the run's next steps
+    more = _steps(random.Random(6), range(6, 8))
+    with session_scope(factory) as session:
+        store.write_steps(session.connection(), None, more, run_id=run_id, control_tokens=())
+    for q in QUERIES:
+        assert _found(factory, run_id, q) == _expected(steps + more, q), q

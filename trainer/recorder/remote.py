@@ -1,0 +1,308 @@
+"""Recording into a dashboard over HTTP: the StepWriter (BufferAndDrop) with the dashboard's
+recording API (/api/record, server/webapp/routes/record.py) where the database was.
+
+Everything else is the local writer's: `put` never blocks and never raises, steps wait in the
+same byte budget while the dashboard is away (a restart, a network cut, a 503 or 429 under
+load), the oldest lose their rollouts first and then go, and the backlog is sent in order when
+the dashboard is back. Each step travels as a frame of server.exchange.wire, coded once on this
+thread (not the training thread) and kept until the dashboard has it; a request carries up to
+BATCH_STEPS frames within the request's byte cap. The run is created under a key of its own,
+so a create retried after a lost answer finds the run it made, and steps carry their step
+number: a retry after a lost answer is answered `already` and not written twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import time
+import uuid
+from dataclasses import asdict
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import Any
+
+import httpx
+import numpy as np
+from rollout_lens.server.exchange import wire
+from rollout_lens.server.store.models import RunStatus
+from rollout_lens.trainer.recorder.writer import (
+    BATCH_STEPS,
+    RETRY_MAX_SECONDS,
+    BufferAndDrop,
+    Pending,
+    RunSpec,
+    StepWriter,
+)
+
+log = logging.getLogger("rollout_lens")
+
+REQUEST_BYTES = 16 * 2**20  # a request's frames, at most (the dashboard's cap is 64 MiB)
+# A dashboard busy with other trainers' steps may take a while to answer a batch; a timeout
+# retries it, and a retry of steps it wrote meanwhile is answered at once (`steps=`).
+TIMEOUT = httpx.Timeout(120.0, connect=5.0)
+
+
+class DashboardAway(Exception):
+    """The dashboard cannot take the steps now (retried with the writer's backoff, or after
+    the Retry-After a busy dashboard asks for)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class DashboardRefused(Exception):
+    """The dashboard will not take them at all (a wrong token, a run that is gone)."""
+
+
+class RemoteStepWriter(StepWriter):
+    """A user's script recording into the dashboard at `url` (see the module docstring)."""
+
+    AWAY = "the dashboard"
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        token: str | None,
+        spec: RunSpec,
+        prepare: Any,
+        max_bytes: int = 256 * 2**20,
+        heartbeat_seconds: float = 5.0,
+        request_bytes: int = REQUEST_BYTES,
+        key: str | None = None,
+    ) -> None:
+        # set before the base class starts the writer thread
+        self.url = url.rstrip("/")
+        self.token = token or None
+        self.key = key or uuid.uuid4().hex
+        self.request_bytes = request_bytes
+        self._http: httpx.Client | None = None
+        self._acked = np.zeros(0, dtype=np.int64)  # token ids whose pieces the dashboard has
+        self._promised = self._acked  # … or will have from a frame already coded
+        self._frames: dict[int, wire.Encoded] = {}  # id(pending) → its coded frame
+        self._drops_seen = (0, 0)
+        self._refusals = 0
+        self.sent_bytes = 0  # request bodies of steps the dashboard took
+        self.busy_answers = 0  # 503s with Retry-After: the dashboard asked to wait
+        super().__init__(
+            policy=BufferAndDrop(max_bytes=max_bytes),
+            database_url=self.url,
+            spec=spec,
+            prepare=prepare,
+            heartbeat_seconds=heartbeat_seconds,
+        )
+
+    # -- HTTP ------------------------------------------------------------------------------------
+
+    def _client(self) -> httpx.Client:
+        if self._http is None:
+            headers = {"user-agent": "rollout-lens-recorder"}
+            if self.token:
+                headers["authorization"] = f"Bearer {self.token}"
+            # no cookies kept: sent back, the dashboard's CSRF cookie would make these POSTs a
+            # browser's (which need the form's CSRF token)
+            jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+            self._http = httpx.Client(
+                base_url=self.url, headers=headers, timeout=TIMEOUT, cookies=jar
+            )
+        return self._http
+
+    def _post(self, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._client().post(path, **kwargs)
+        except httpx.HTTPError as exc:  # connection refused or cut, a timeout
+            raise DashboardAway(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code == 429 or response.status_code >= 500:
+            raise DashboardAway(
+                f"HTTP {response.status_code}: {_detail(response)}", _retry_after(response)
+            )
+        if response.status_code in (401, 403, 404, 409):
+            raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
+        return response
+
+    # -- the writer's steps, over HTTP -----------------------------------------------------------
+
+    def _flush(self) -> bool:
+        try:
+            if self.run_id is None:
+                self._create_remote_run()
+            while self._buffer:
+                self._send_batch()
+            self._report_remote_drops()
+        except DashboardAway as exc:
+            if exc.retry_after is not None and self._down_since is None:
+                # busy, not away: send again when it says (±50%, so trainers spread out)
+                wait = min(exc.retry_after, RETRY_MAX_SECONDS) * random.uniform(0.5, 1.5)
+                self._retry_at = time.monotonic() + wait
+                self.busy_answers += 1
+                return False
+            self._went_down(exc)
+            return False
+        except DashboardRefused as exc:
+            self._fail(exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - recording stops, training goes on
+            self._fail(exc)
+            return False
+        self._came_back()
+        return True
+
+    def _create_remote_run(self) -> None:
+        spec = self.spec
+        assert spec is not None
+        body = {k: v for k, v in asdict(spec).items() if k not in ("source",) and v is not None} | {
+            "key": self.key,
+            "worker_host": socket.gethostname(),
+        }
+        response = self._post(
+            "/api/record/runs",
+            content=json.dumps(body, default=str),
+            headers={"content-type": "application/json"},
+        )
+        if response.status_code not in (200, 201):
+            raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
+        self.run_id = int(response.json()["id"])
+        log.info("Rollout Lens: recording run %d (%s) at %s", self.run_id, spec.name, self.url)
+
+    def _frame(self, pending: Pending) -> wire.Encoded:
+        encoded = self._frames.get(id(pending))
+        if encoded is None:
+            encoded = wire.encode_step(pending.record, self.control_tokens, self._promised)
+            self._promised = np.union1d(self._promised, encoded.new_ids)
+            self._frames[id(pending)] = encoded
+        return encoded
+
+    def _forget_frames(self) -> None:
+        """A step left the buffer unsent (dropped): frames coded after it may count on pieces
+        it carried, so every waiting frame is coded again."""
+        self._frames.clear()
+        self._promised = self._acked
+
+    def _send_batch(self, most: int = BATCH_STEPS) -> None:
+        with self._wake:
+            waiting = list(self._buffer)[:most]
+        batch: list[Pending] = []
+        frames: list[wire.Encoded] = []
+        size = tokens = 0
+        for pending in waiting:
+            encoded = self._frame(pending)
+            if batch and (
+                size + len(encoded.frame) > self.request_bytes
+                or tokens + encoded.tokens > wire.MAX_REQUEST_TOKENS
+            ):
+                break
+            batch.append(pending)
+            frames.append(encoded)
+            size += len(encoded.frame)
+            tokens += encoded.tokens
+        drops = self._drop_counts()
+        content = wire.body(f.frame for f in frames)
+        response = self._post(
+            f"/api/record/runs/{self.run_id}/steps",
+            content=content,
+            headers={"content-type": wire.CONTENT_TYPE},
+            params={
+                "dropped_steps": drops[0],
+                "dropped_rollouts": drops[1],
+                "steps": ",".join(str(p.record.step) for p in batch),
+            },
+        )
+        if response.status_code == 200:
+            answer = response.json()
+            self.sent_bytes += len(content)
+            self._drops_seen = drops
+            for f in frames:
+                self._acked = np.union1d(self._acked, f.new_ids)
+            for pending in batch:
+                self._frames.pop(id(pending), None)
+            self._written(batch, counted=False)
+            self.written_steps += len(answer.get("written", ()))
+            return
+        if response.status_code in (413, 422) and len(batch) > 1:
+            self._send_batch(most=1)  # find the step at fault; the others go on next call
+            return
+        if response.status_code in (413, 422):
+            self._refuse(batch[0], _detail(response))
+            return
+        raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
+
+    def _refuse(self, pending: Pending, why: str) -> None:
+        self.dropped_steps += 1
+        self._refusals += 1
+        if self._refusals == 1:
+            log.warning(
+                "Rollout Lens: the dashboard refused step %d (dropped; later refusals are only "
+                "counted on the run): %s",
+                pending.record.step,
+                why,
+            )
+        self._leave([pending])
+        self._forget_frames()
+
+    def _enforce_budget(self) -> None:
+        before = (self.dropped_steps, self.dropped_rollouts)
+        super()._enforce_budget()
+        if (self.dropped_steps, self.dropped_rollouts) != before:
+            self._forget_frames()
+
+    def _drop_counts(self) -> tuple[int, int]:
+        return self.dropped_steps, self.dropped_rollouts
+
+    def _report_remote_drops(self) -> None:
+        drops = self._drop_counts()
+        if drops == self._drops_seen or self.run_id is None:
+            return
+        self._post(
+            f"/api/record/runs/{self.run_id}/heartbeat",
+            json={"dropped_steps": drops[0], "dropped_rollouts": drops[1]},
+        )
+        self._drops_seen = drops
+
+    def _heartbeat(self) -> None:
+        if self.run_id is None:
+            return
+        try:
+            self._post(f"/api/record/runs/{self.run_id}/heartbeat", json={})
+        except (DashboardAway, DashboardRefused) as exc:
+            self._went_down(exc)
+
+    def _finish(self) -> None:
+        if self._final is None or self.run_id is None:
+            return
+        status, error = self._final
+        drops = self._drop_counts()
+        try:
+            self._post(
+                f"/api/record/runs/{self.run_id}/finish",
+                json={
+                    "status": RunStatus(status).value,
+                    "error": error,
+                    "dropped_steps": drops[0],
+                    "dropped_rollouts": drops[1],
+                },
+            )
+        except (DashboardAway, DashboardRefused) as exc:
+            log.warning("Rollout Lens: could not mark run %s finished: %s", self.run_id, exc)
+
+    def _dispose(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return max(0.0, float(response.headers.get("retry-after", "")))
+    except ValueError:
+        return None
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = None
+    return str(detail or response.text[:300] or response.reason_phrase)
