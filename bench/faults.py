@@ -339,7 +339,8 @@ def broker_down(data_dir: Path, *, queued: int = 2) -> FaultResult:
 
 
 def disk_full(data_dir: Path, *, limit: int = 256 * 1024, steps: int = 200) -> FaultResult:
-    """SQLite cannot grow its files (RLIMIT_FSIZE on the recording process): the run fails with
+    """SQLite cannot grow its files past `limit` bytes more than the migrated database holds
+    (RLIMIT_FSIZE on the recording process): the run fails with
     the database's message, steps before it intact; the web app still serves them."""
     from fastapi.testclient import TestClient
     from rollout_lens.server.core.config import Settings
@@ -353,7 +354,9 @@ def disk_full(data_dir: Path, *, limit: int = 256 * 1024, steps: int = 200) -> F
     run_id = new_run(factory, steps, RunStatus.running)
     with engine.connect() as conn:  # the WAL starts empty: it is the file that must grow
         conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
-    child = _recorder(database_url, run_id, 1, steps, interval=0.02, fsize=limit, give_up=1.0)
+    # `limit` bytes of room past the migrated file (its size depends on SQLite's page size)
+    fsize = (data_dir / "full.db").stat().st_size + limit
+    child = _recorder(database_url, run_id, 1, steps, interval=0.02, fsize=fsize, give_up=1.0)
     log_lines: list[str] = []
 
     def read_log() -> None:

@@ -18,14 +18,15 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("runs", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("record_key", sa.String(length=64), nullable=True))
-        batch_op.add_column(sa.Column("recorded_by", sa.String(length=64), nullable=True))
-        batch_op.create_unique_constraint("uq_runs_record_key", ["record_key"])
-    with op.batch_alter_table("alerts", schema=None) as batch_op:
-        batch_op.add_column(sa.Column("notify_state", sa.String(length=16), nullable=True))
-        batch_op.add_column(sa.Column("notify_error", sa.Text(), nullable=True))
-        batch_op.create_index("ix_alerts_notify_state", ["notify_state"], unique=False)
+    # Columns and indexes only, added in place: no table is rebuilt. On SQLite a rebuilt `runs`
+    # (what batch mode does for a unique constraint) is dropped and copied, and with its foreign
+    # keys on the drop empties steps, rollouts and alerts; a unique index has no such cost.
+    op.add_column("runs", sa.Column("record_key", sa.String(length=64), nullable=True))
+    op.add_column("runs", sa.Column("recorded_by", sa.String(length=64), nullable=True))
+    op.create_index("uq_runs_record_key", "runs", ["record_key"], unique=True)
+    op.add_column("alerts", sa.Column("notify_state", sa.String(length=16), nullable=True))
+    op.add_column("alerts", sa.Column("notify_error", sa.Text(), nullable=True))
+    op.create_index("ix_alerts_notify_state", "alerts", ["notify_state"], unique=False)
     # Alerts recorded before deliveries existed are not news: never sent.
     op.execute("UPDATE alerts SET notify_state = 'before'")
 
@@ -35,7 +36,7 @@ def downgrade() -> None:
         batch_op.drop_index("ix_alerts_notify_state")
         batch_op.drop_column("notify_error")
         batch_op.drop_column("notify_state")
+    op.drop_index("uq_runs_record_key", table_name="runs")
     with op.batch_alter_table("runs", schema=None) as batch_op:
-        batch_op.drop_constraint("uq_runs_record_key", type_="unique")
         batch_op.drop_column("recorded_by")
         batch_op.drop_column("record_key")

@@ -74,6 +74,7 @@ class Base(DeclarativeBase):
 
 class RunRow(Base):
     __tablename__ = "runs"
+    __table_args__ = (Index("uq_runs_record_key", "record_key", unique=True),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -128,7 +129,9 @@ class RunRow(Base):
     # A run recorded over HTTP (/api/record): the recorder's own key for it (a retried create
     # finds the run it made) and a fingerprint of the token that created it (only that token, or
     # a full access token, may write to it). NULL for every other run.
-    record_key: Mapped[str | None] = mapped_column(String(64), unique=True)
+    # Unique by an index, not a constraint: SQLite adds an index to a table in place, where a
+    # constraint would rebuild `runs` (and its foreign keys would empty every table under it).
+    record_key: Mapped[str | None] = mapped_column(String(64))
     recorded_by: Mapped[str | None] = mapped_column(String(64))
 
     # Summary columns kept current by every step write, so lists never scan steps.

@@ -12,15 +12,27 @@ import zstandard
 from rollout_lens.server.store import arrays
 
 
+def _shuffled(values: np.ndarray) -> bytes:
+    """The older blobs' layout, written here as they were (not the store's own code): little-endian
+    values' first bytes, then their second bytes, and so on."""
+    raw = values.astype(values.dtype.newbyteorder("<")).view(np.uint8)
+    return raw.reshape(-1, values.dtype.itemsize).T.tobytes()
+
+
 def _old_ids(ids: np.ndarray) -> bytes:
     """Ids as the store wrote them before bit-length coding: int32 bytes shuffled, zstd."""
-    return zstandard.ZstdCompressor(level=3).compress(arrays._shuffle(ids.astype(np.int32)))
+    return zstandard.ZstdCompressor(level=3).compress(_shuffled(ids.astype(np.int32)))
 
 
 def _old_logprobs(logprobs: np.ndarray) -> bytes:
-    return zstandard.ZstdCompressor(level=3).compress(
-        arrays._shuffle(arrays._logprob_codes(logprobs))
-    )
+    """Logprobs as the store wrote them before: uint16 steps of 1/LOGPROB_SCALE nat down to
+    LOGPROB_FLOOR (65534 for −inf, 65535 for NaN), shuffled, zstd."""
+    with np.errstate(invalid="ignore"):
+        steps = np.rint(np.clip(-logprobs, 0.0, -arrays.LOGPROB_FLOOR) * arrays.LOGPROB_SCALE)
+    codes = np.nan_to_num(steps).astype(np.uint16)
+    codes[np.isneginf(logprobs)] = 65534
+    codes[np.isnan(logprobs)] = 65535
+    return zstandard.ZstdCompressor(level=3).compress(_shuffled(codes))
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
