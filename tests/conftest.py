@@ -36,7 +36,7 @@ LAYERS = {
     "store": "the store, the exchange and the queries, on SQLite and on PostgreSQL",
     "web": "the dashboard in process or under uvicorn, the CLI and the client, on SQLite",
     "browser": "the pages in Debian's Chromium",
-    "trainer": "real training of the tiny and the real models through TRL",
+    "trainer": "real training of the tiny models through TRL (the real model's is in release)",
     "e2e": "several processes: Celery workers, Redis, faults, load",
     "release": "fresh venvs, the built wheel, other TRL versions, the real model, the benches",
     "slim": "the dashboard where the train extra is not installed",
