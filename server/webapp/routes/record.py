@@ -24,6 +24,13 @@ from starlette.concurrency import run_in_threadpool
 router = APIRouter(prefix="/api/record", tags=["recording"])
 
 KEY = re.compile(r"^[A-Za-z0-9_.:-]{8,64}$")
+# The OpenAPI description of a raw binary request body (a wire body, an export file).
+BINARY_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
 RunPath = Annotated[int, Path(ge=1, le=MAX_INT32, description="The run's id")]
 Count = Annotated[int | None, Query(ge=0, le=MAX_INT32)]
 
@@ -152,14 +159,7 @@ def create_run(request: Request, body: RecordRun) -> Response:
 @router.post(
     "/runs/{run_id}/steps",
     summary="Record steps (the binary body of server.exchange.wire)",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
-            },
-        }
-    },
+    openapi_extra=BINARY_BODY,
     responses={
         200: {"description": "Steps written and those the run had already", "model": Written},
         403: {"description": "A run this token did not create"},
@@ -224,14 +224,7 @@ class ImportedRun(BaseModel):
     "/import",
     status_code=201,
     summary="Import an export file (JSONL or Parquet)",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
-            },
-        }
-    },
+    openapi_extra=BINARY_BODY,
     responses={
         201: {"description": "The run it created", "model": ImportedRun},
         400: {"description": "The file is damaged (the line is named); nothing was created"},
