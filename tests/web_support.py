@@ -8,6 +8,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -333,8 +334,6 @@ CHROMIUM_ARGS = [
 
 def chromium_browser() -> Iterator[Any]:
     """Headless Debian Chromium driven by Playwright, for a module-scoped fixture to yield from."""
-    from pathlib import Path
-
     import pytest
     from playwright.sync_api import sync_playwright
 
@@ -344,3 +343,26 @@ def chromium_browser() -> Iterator[Any]:
         chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
+
+
+def launch_fails_saying_why(base: str, log: Path) -> None:
+    """A run launched on the dashboard at `base`, where no torch is installed where it trains,
+    ends `failed` with the install to make (`log`: the worker's output, shown if it does not)."""
+    import time
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{base}/api/runs",
+        data=json.dumps({"preset": "patched", "steps": 2}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        (run_id,) = [r["id"] for r in json.loads(response.read())["runs"]]
+    run, deadline = {}, time.monotonic() + 120
+    while run.get("status") not in ("failed", "completed", "lost") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        with urllib.request.urlopen(f"{base}/api/runs/{run_id}", timeout=10) as response:
+            run = json.loads(response.read())["run"]
+    assert run["status"] == "failed", (run, log.read_text() if log.exists() else "no log")
+    assert "rollout-lens[train]" in run["error"] and "torch" in run["error"], run["error"]

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from rollout_lens.server.store.migrate import head_revision
 
+from tests import web_support
+
 ROOT = Path(__file__).resolve().parents[2]
 # What the build never needs: version control, virtual environments, caches and build outputs.
 NOT_SOURCE = shutil.ignore_patterns(
@@ -156,7 +158,7 @@ def test_installed_package_serves_the_dashboard(
             status, _, form = _get(f"{base}/runs/new")
             assert status == 200 and "leaky" in form.lower()
             if kind == "wheel":  # the local worker of a dashboard-only install cannot train
-                _launch_fails_saying_why(base, log)
+                web_support.launch_fails_saying_why(base, log)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -167,24 +169,6 @@ def test_installed_package_serves_the_dashboard(
     with sqlite3.connect(db) as conn:
         (revision,) = conn.execute("SELECT version_num FROM alembic_version").fetchone()
     assert revision == head_revision()
-
-
-def _launch_fails_saying_why(base: str, log: Path) -> None:
-    """A run launched where no torch is installed ends `failed` with the install to make."""
-    request = urllib.request.Request(
-        f"{base}/api/runs",
-        data=json.dumps({"preset": "patched", "steps": 2}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        (run_id,) = [r["id"] for r in json.loads(response.read())["runs"]]
-    run, deadline = {}, time.monotonic() + 120
-    while run.get("status") not in ("failed", "completed", "lost") and time.monotonic() < deadline:
-        time.sleep(0.5)
-        run = json.loads(_get(f"{base}/api/runs/{run_id}")[2])["run"]
-    assert run["status"] == "failed", (run, log.read_text())
-    assert "rollout-lens[train]" in run["error"] and "torch" in run["error"], run["error"]
 
 
 def test_dockerfile_copies_what_the_package_is_built_from() -> None:

@@ -10,8 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from rollout_lens.server.webapp.app import create_app
 
 from tests.conftest import ML_STACK, TRAIN_EXTRA
 from tests.factories import make_run
-from tests.web_support import client_for, parse
+from tests.web_support import client_for, launch_fails_saying_why, parse, serve_app
 
 ROOT = Path(__file__).resolve().parents[2]
 absent = pytest.mark.skipif(TRAIN_EXTRA, reason="the train extra is installed here")
@@ -101,39 +99,22 @@ def test_what_trains_names_the_install_and_creates_nothing(tmp_path: Path) -> No
 def test_a_launched_run_fails_saying_what_to_install(tmp_path: Path) -> None:
     """The embedded worker of a dashboard-only install cannot train: the run ends `failed`, and
     its error names the install to make."""
-    from tests.web_support import serve_app
-
-    settings = Settings(data_dir=tmp_path)
     from rollout_lens.server.store.migrate import upgrade
 
+    settings = Settings(data_dir=tmp_path)
     upgrade(make_engine(settings.database_url))
-    with serve_app(create_app(settings)) as base:
-        request = urllib.request.Request(
-            f"{base}/api/runs",
-            data=json.dumps({"preset": "patched", "steps": 2}).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            (run_id,) = [r["id"] for r in json.loads(response.read())["runs"]]
+    log = tmp_path / "worker.log"
+    with serve_app(create_app(settings)) as base, log.open("w") as out:
         worker = subprocess.Popen(
             [sys.executable, "-m", "rollout_lens", "worker"],
             env={k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LENS_")}
             | {"ROLLOUT_LENS_DATA_DIR": str(tmp_path)},
             cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
         try:
-            run: dict[str, str] = {}
-            deadline = time.monotonic() + 180  # a hang, not load: it fails in about a second
-            while run.get("status") not in ("failed", "completed", "lost"):
-                assert time.monotonic() < deadline, run
-                time.sleep(0.5)
-                with urllib.request.urlopen(f"{base}/api/runs/{run_id}", timeout=30) as response:
-                    run = json.loads(response.read())["run"]
+            launch_fails_saying_why(base, log)
         finally:
             worker.terminate()
             worker.wait(timeout=30)
-    assert run["status"] == "failed", run
-    assert "rollout-lens[train]" in run["error"] and "torch" in run["error"], run["error"]
