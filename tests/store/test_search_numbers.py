@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from rollout_lens.server import store
@@ -202,3 +202,56 @@ def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
         store.write_steps(session.connection(), None, more, run_id=run_id, control_tokens=())
     for q in QUERIES:
         assert _found(factory, run_id, q) == _expected(steps + more, q), q
+
+
+@pytest.fixture
+def pg(pg_engine: Engine, _pg_reset: Callable[[], None]) -> Engine:
+    """The session's PostgreSQL database, emptied."""
+    _pg_reset()
+    return pg_engine
+
+
+@pytest.mark.postgres
+def test_each_step_leaves_no_gin_pending_list(pg: Engine) -> None:
+    """GIN's pending list, which every search reads whole, is merged after each step's
+    indexing (search.merge_pending): none is left for the searches between steps."""
+    with pg.begin() as conn:
+        conn.execute(text("CREATE EXTENSION IF NOT EXISTS pgstattuple"))
+
+    def pending(index: str) -> int:
+        with pg.connect() as conn:
+            found = conn.execute(
+                text("SELECT pending_pages FROM pgstatginindex(:i)"), {"i": index}
+            ).scalar_one()
+        return int(found)
+
+    factory = make_session_factory(pg)
+    _write(factory, _steps(random.Random(4), range(1, 4)), index=False)
+    assert pending(search.PROMPT_WORDS_INDEX) == 0  # the run's new prompt, merged as indexed
+    with pg.begin() as conn:  # rows inserted as GIN takes them: queued in the list
+        conn.execute(
+            text("INSERT INTO rollout_search (rollout_id, words) SELECT id, '{1,2}' FROM rollouts")
+        )
+        conn.execute(text("DELETE FROM rollout_search"))
+    assert pending(search.ROLLOUT_WORDS_INDEX) > 0
+    steps = _steps(random.Random(5), range(1, 4))
+    run_id = _write(factory, steps, index=True)
+    assert pending(search.ROLLOUT_WORDS_INDEX) == 0
+    assert _found(factory, run_id, "zeal") == _expected(steps, "zeal")
+
+
+@pytest.mark.postgres
+def test_a_role_that_does_not_own_the_index_indexes_without_merging(pg: Engine) -> None:
+    role = f"rl_writer_{uuid.uuid4().hex[:8]}"
+    with pg.begin() as conn:
+        conn.execute(text(f'CREATE ROLE "{role}" NOLOGIN'))
+        conn.execute(text(f'GRANT SELECT, INSERT ON rollout_search TO "{role}"'))
+    try:
+        with pg.begin() as conn:
+            conn.execute(text(f'SET LOCAL ROLE "{role}"'))
+            search.merge_pending(conn, search.ROLLOUT_WORDS_INDEX)  # no error: left as it is
+            assert conn.execute(text("SELECT current_user")).scalar() == role
+    finally:
+        with pg.begin() as conn:
+            conn.execute(text(f'REVOKE ALL ON rollout_search FROM "{role}"'))
+            conn.execute(text(f'DROP ROLE "{role}"'))
