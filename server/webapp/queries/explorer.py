@@ -252,12 +252,27 @@ def _sort_value(sort: str, is_null: bool, value: Any) -> Any:
     return number
 
 
+Searched = tuple[str, dict[str, Any]] | None  # search.match_sql's condition for `q`, if any
+
+
+def _searched(session: Session, run_id: int, query: RolloutQuery) -> Searched:
+    if query.q is None:
+        return None
+    return search.match_sql(session.connection(), run_id=run_id, q=query.q)
+
+
 def _where(
-    session: Session, run_id: int, query: RolloutQuery, *, walk: bool = False
+    session: Session,
+    run_id: int,
+    query: RolloutQuery,
+    searched: Searched,
+    *,
+    walk: bool = False,
 ) -> tuple[list[str], dict[str, Any]]:
-    """The filters as SQL on rollouts `r`. With `walk`, SQLite is kept from answering the
-    filters through their indexes (a unary + on the column), so that it walks the sort order's
-    index and stops at the page's end: right when most rows match, as the count just said."""
+    """The filters as SQL on rollouts `r`, `q`'s as `searched` found it (once: finding it reads
+    the search index). With `walk`, SQLite is kept from answering the filters through their
+    indexes (a unary + on the column), so that it walks the sort order's index and stops at the
+    page's end: right when most rows match, as the count just said."""
     clauses, params = ["r.run_id = :run"], {"run": run_id}
     hint = "+" if walk and session.get_bind().dialect.name == "sqlite" else ""
 
@@ -300,8 +315,8 @@ def _where(
             "r.step IN (SELECT s.rollout_step FROM steps s JOIN alerts a "
             "ON a.run_id = s.run_id AND a.step = s.step WHERE s.run_id = :run)"
         )
-    if query.q is not None:
-        clause, values = search.match_sql(session.connection(), run_id=run_id, q=query.q)
+    if searched is not None:
+        clause, values = searched
         add(clause, **values)
     return clauses, params
 
@@ -338,14 +353,15 @@ def explore(
     cursor_at = None  # checked before any other statement
     if query.after is not None:
         cursor_at = _Cursor.decode(query.after, run_id=run_id, query=query)
-    clauses, params = _where(session, run_id, query)
+    searched = _searched(session, run_id, query)
+    clauses, params = _where(session, run_id, query, searched)
     where = " AND ".join(clauses)
     counted = session.execute(
         text(f"SELECT count(*) FROM (SELECT 1 FROM rollouts r WHERE {where} LIMIT :cap) AS m"),
         params | {"cap": count_cap + 1},
     ).scalar_one()
     if counted > WALK_FROM and query.sort not in NULLABLE:
-        clauses, params = _where(session, run_id, query, walk=True)
+        clauses, params = _where(session, run_id, query, searched, walk=True)
     if cursor_at is not None:
         clauses.append(_after(query, cursor_at, params))
     rows = session.execute(
