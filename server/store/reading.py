@@ -3,13 +3,14 @@ their series, rollouts with their prompt, facts and token texts."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 
 from rollout_lens.server.store import layout
 from rollout_lens.server.store.models import PromptRow, RolloutRow, RunRow, RunTokenRow, StepRow
 from rollout_lens.server.store.rollups import latest_value
-from sqlalchemy import ARRAY, Integer, any_, bindparam, func, select
+from sqlalchemy import ARRAY, Integer, any_, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
 
@@ -103,16 +104,16 @@ def token_texts(
             )
         )
         return {token_id: text for token_id, text in rows}
-    out: dict[int, str] = {}
-    for start in range(0, len(wanted), 500):  # bounded IN lists
-        chunk = wanted[start : start + 500]
-        rows = session.execute(
-            select(RunTokenRow.token_id, RunTokenRow.text).where(
-                RunTokenRow.run_id == run_id, RunTokenRow.token_id.in_(chunk)
-            )
-        )
-        out.update({token_id: text for token_id, text in rows})
-    return out
+    # SQLite: the ids as one JSON array, read by json_each (the same reason: a bound parameter
+    # an id, in IN lists of 500, was a third of the group page's time to compile)
+    rows = session.execute(
+        text(
+            "SELECT token_id, text FROM run_tokens WHERE run_id = :run "
+            "AND token_id IN (SELECT value FROM json_each(:ids))"
+        ),
+        {"ids": json.dumps(wanted), "run": run_id},
+    )
+    return {token_id: token_text for token_id, token_text in rows}
 
 
 def metric_series(
