@@ -218,16 +218,25 @@ def test_a_single_turn_script_gets_the_diagnosis_and_trains_into_the_alerts(
 
     # The untrained policy says plain words (a word list of a few hundred, two of them tags);
     # lr 0.5 drives it onto the reward's optimum within a few steps: a bare opening tag, then
-    # end-of-turn (the classic collapse, eot after open), or end-of-turn alone.
+    # end-of-turn (the classic collapse, eot after open), or end-of-turn alone. Which of the two
+    # it finds depends on the machine's numerics (both seen, from the same seed): each is
+    # diagnosed as what it is.
     collapsed = dict(series[vocab.COLLAPSED])
     assert collapsed[1] < 0.5 and collapsed[10] == 1.0
-    assert {r["completion"] for r in rows if r["step"] == 10} <= {"", OPEN}
-    assert eot_after_open[10] > 0.9
+    at_ten = {r["completion"] for r in rows if r["step"] == 10}
+    assert at_ten <= {"", OPEN}
     kinds = {(a["kind"], a["series"]) for a in alerts}
     assert ("collapse", vocab.COLLAPSED) in kinds
-    assert ("control_token_spike", vocab.probe("eot_after_open")) in kinds
-    healthy_until = min(a["step"] for a in alerts) - 1  # no alert while the policy said words
-    assert healthy_until >= 2 and all(collapsed[s] < 0.5 for s in range(1, healthy_until + 1))
+    if OPEN in at_ten:  # the tag, then end-of-turn: the probe near 1, and its spike alert
+        assert eot_after_open[10] > 0.9
+        assert ("control_token_spike", vocab.probe("eot_after_open")) in kinds
+    else:  # end-of-turn alone: no tag opened at step 10, so nothing measured after one
+        assert at_ten == {""} and 10 not in eot_after_open
+    # No alert while the policy said words. The collapse alert judges the mean share over its
+    # window (two steps of this run's two groups), so it may come a step after the share itself
+    # crossed 0.5.
+    healthy_until = min(a["step"] for a in alerts) - 1
+    assert healthy_until >= 2 and all(collapsed[s] < 0.5 for s in range(1, healthy_until))
 
     # Each alert's link opens the rollouts it is about: a collapse's collapsed ones; a spike's
     # step (no format function: none is known invalid, so it cannot filter on that).
