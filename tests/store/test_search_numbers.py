@@ -255,3 +255,15 @@ def test_a_role_that_does_not_own_the_index_indexes_without_merging(pg: Engine) 
         with pg.begin() as conn:
             conn.execute(text(f'REVOKE ALL ON rollout_search FROM "{role}"'))
             conn.execute(text(f'DROP ROLE "{role}"'))
+
+
+@pytest.mark.parametrize("q", QUERIES)
+def test_a_search_past_the_common_mark_finds_what_a_scan_finds(
+    session_factory: sessionmaker[Session], q: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The common path (PostgreSQL: past COMMON_FROM matches a whole word is tested row by row, a
+    prefix's matches are looked up in one read of the index) finds what the rare path finds."""
+    monkeypatch.setattr(search, "COMMON_FROM", 1)
+    steps = _steps(random.Random(3), range(1, 5))
+    run_id = _write(session_factory, steps, index=True)
+    assert _found(session_factory, run_id, q) == _expected(steps, q)
