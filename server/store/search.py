@@ -383,7 +383,8 @@ def _postgres_rollouts(
     through the GIN index, up to COMMON_FROM: fewer, and the condition is those ids (the count
     and the page then read no index of words again); as many, and it is a correlated EXISTS
     whose frequency the planner knows, so a page walks the sort order and stops at its end
-    instead of reading every match's row (tens of thousands)."""
+    instead of reading every match's row (tens of thousands) — or, with a prefix among the
+    terms, a lookup in the matches read once through the index."""
     # One array, not a row a match: 20,000 rows cost more to fetch than to find
     found: list[int] = (
         conn.execute(
