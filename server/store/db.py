@@ -6,8 +6,9 @@ fifty dashboard clients polling a run do not stall its recorder, and the recorde
 not stall them; `synchronous=NORMAL` is safe with WAL and saves an fsync per commit; a writer
 that finds the file locked (the recorder and the web app's sweeper both write) waits up to
 `busy_timeout_ms` (ROLLOUT_LENS_SQLITE_BUSY_TIMEOUT_MS, 30 s) instead of failing with "database
-is locked"; the WAL file is cut back to SQLITE_WAL_LIMIT whenever it starts over. bench/load.py measures this: 50 clients for a minute against a run recording a step
-every 100 ms, no error and no lock, on SQLite and PostgreSQL.
+is locked"; the WAL file is cut back to SQLITE_WAL_LIMIT whenever it starts over. bench/load.py
+measures this: 50 clients for a minute against a run recording a step every 100 ms, no error and
+no lock, on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
 # over 100,000 rollouts, took 8 s a statement; 490 words, 58 ms a page).
 MAX_PREFIX_WORDS = 1_000
 COMMON_FROM = 20_000  # PostgreSQL: a search matching this many rollouts walks the sort order
+# PostgreSQL: the GIN indexes of the rollouts' and the prompts' word numbers (migration 0010)
+ROLLOUT_WORDS_INDEX, PROMPT_WORDS_INDEX = "ix_rollout_search_words", "ix_prompt_search_words"
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
@@ -137,9 +139,6 @@ def _index_postgres(conn: Connection, docs: Sequence[tuple[int, list[str]]]) -> 
         execution_options=CLEAN_ALREADY,  # numbers
     )
     merge_pending(conn, ROLLOUT_WORDS_INDEX)
-
-
-ROLLOUT_WORDS_INDEX, PROMPT_WORDS_INDEX = "ix_rollout_search_words", "ix_prompt_search_words"
 
 
 def merge_pending(conn: Connection, index: str) -> None:
