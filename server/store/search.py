@@ -22,6 +22,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
+from psycopg.adapt import Dumper
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import CLEAN_ALREADY
 from rollout_lens.server.store.arrays import completion
@@ -32,16 +34,16 @@ MAX_WORDS = 20  # a query's words, all of which must appear
 MAX_WORD_CHARS = 200  # a longer word is refused, not cut (the runs page's search says the same)
 MAX_QUERY_CHARS = 4096  # the text of a query: room for MAX_WORDS words of MAX_WORD_CHARS
 MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
-# Distinct words a prefix may stand for on PostgreSQL (their numbers go to GIN's `&&`, whose
-# scan merges every number's matches at every match: `ves*` at 1,000 full steps, 11,575 words
-# over 100,000 rollouts, took 8 s a statement; 490 words, 58 ms a page).
-MAX_PREFIX_WORDS = 1_000
+# Distinct words a prefix may stand for on PostgreSQL: each is a GIN scan (_by_prefix), a few
+# microseconds and its matches' rows.
+MAX_PREFIX_WORDS = 20_000
 COMMON_FROM = 20_000  # PostgreSQL: a search matching this many rollouts walks the sort order
 # PostgreSQL: the GIN indexes of the rollouts' and the prompts' word numbers (migration 0010)
 ROLLOUT_WORDS_INDEX, PROMPT_WORDS_INDEX = "ix_rollout_search_words", "ix_prompt_search_words"
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
+INT4_ARRAY_OID = 1007  # PostgreSQL's int4[] (pg_type)
 
 
 def fts_table(run_id: int) -> str:
@@ -278,8 +280,7 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> tuple[str, dict[str, 
         if numbers is None:
             return "(0 = 1)", {}
         prompts = conn.execute(
-            text(f"SELECT prompt_id FROM prompt_search s WHERE {_words_condition(numbers)}"),
-            numbers,
+            text(_matching("prompt_search", "prompt_id", numbers)), numbers
         ).scalars()
         rollouts, params = _postgres_rollouts(conn, numbers)
     else:
@@ -350,24 +351,62 @@ def _postgres_terms(
     return params
 
 
-def _words_condition(params: dict[str, list[int]], *, shown: bool = False) -> str:
-    """A condition on an int4[] of word numbers `s.words` that holds when it has every term of
-    these parameters (_postgres_terms): every whole word's number (@>) and one of each prefix's
-    (&&).
+_ALL = "CAST(:search_all AS integer[])"  # every whole word's number (_postgres_terms)
 
-    The arrays are handed to the planner as the result of a sub-select, which it cannot see
-    into: it then reads the GIN index (its estimate of `&&` over a prefix's many numbers was
-    most of the table, and it scanned every row's words, each against each of the prefix's
-    numbers: seconds to minutes, and 0.1 s on a few hundred prompts). `shown` hands them over as
-    they are, for a frequency the planner's statistics know (a common word: it walks the sort
-    order instead)."""
-    out = []
-    for name in params:
-        value = f"CAST(:{name} AS integer[])"
-        value = value if shown else _hidden(value)
-        op = "@>" if name == "search_all" else "&&"
-        out.append(f"s.words OPERATOR(pg_catalog.{op}) {value}")
-    return " AND ".join(out)
+
+def _prefixes(params: dict[str, list[int]]) -> list[str]:
+    """The parameters of a query's prefixes (each its words' numbers)."""
+    return sorted(name for name in params if name != "search_all")
+
+
+def _has_prefix(alias: str, name: str) -> str:
+    """A row `alias`'s words hold one of prefix `name`'s numbers: a look-up of each of its words
+    in them (a constant array, which PostgreSQL hashes), not `&&`, which compares every pair."""
+    return (
+        f"EXISTS (SELECT 1 FROM unnest({alias}.words) AS {alias}_u(w) "
+        f"WHERE {alias}_u.w = ANY(CAST(:{name} AS integer[])))"
+    )
+
+
+def _matching(table: str, key: str, params: dict[str, list[int]]) -> str:
+    """SQL of the `key`s of `table` (rollout_search or prompt_search) whose words have every
+    term of these parameters (_postgres_terms): one GIN scan of the whole words' numbers (`@>`)
+    and each row it finds checked for the prefixes; without a whole word, _by_prefix."""
+    prefixes = _prefixes(params)
+    if "search_all" not in params:
+        return _by_prefix(table, key, params)
+    found = f"SELECT t.{key} FROM {table} t WHERE t.words OPERATOR(pg_catalog.@>) {_hidden(_ALL)}"
+    return " AND ".join([found, *(_has_prefix("t", name) for name in prefixes)])
+
+
+def _among(table: str, key: str, params: dict[str, list[int]]) -> str:
+    """SQL of those of the rows `:search_among` (keys) of `table` that have every prefix."""
+    checks = [_has_prefix("t", name) for name in _prefixes(params)]
+    return (
+        f"SELECT t.{key} FROM {table} t WHERE t.{key} = ANY(:search_among) "
+        f"AND {' AND '.join(checks)}"
+    )
+
+
+def _by_prefix(table: str, key: str, params: dict[str, list[int]]) -> str:
+    """SQL of the distinct `key`s of `table` that have every term, found by one GIN scan a word
+    of the first prefix (a lateral join over its numbers), with the whole words' numbers as a
+    second key of each scan and the other prefixes checked on the rows found.
+
+    Not `&&` over the prefix's numbers: GIN's scan of a key of n entries looks at all n for each
+    match it returns, and `ves*` at 1,000 full steps (11,575 words over 100,000 rollouts) took
+    8 s; a scan a word costs the words and their matches. The numbers are hidden from the
+    planner: a constant's estimate is its length, whose product with GIN's default selectivity
+    passed the cost at which PostgreSQL compiles a plan (110 ms of JIT on a 70 ms statement)."""
+    first, *others = _prefixes(params)
+    conds = ["p.words OPERATOR(pg_catalog.@>) ARRAY[n.w]"]
+    if "search_all" in params:
+        conds.append(f"p.words OPERATOR(pg_catalog.@>) {_hidden(_ALL)}")
+    conds += [_has_prefix("p", name) for name in others]
+    return (
+        f"SELECT DISTINCT m.{key} FROM unnest({_hidden(f'CAST(:{first} AS integer[])')}) AS n(w) "
+        f"CROSS JOIN LATERAL (SELECT p.{key} FROM {table} p WHERE {' AND '.join(conds)}) AS m"
+    )
 
 
 def _hidden(value: str) -> str:
@@ -375,40 +414,67 @@ def _hidden(value: str) -> str:
     return f"(SELECT {value})"
 
 
+class IdsText(str):
+    """Ids as the text of an int4[] (`{1,2,3}`), sent to PostgreSQL as an int4[] parameter: the
+    planner then sees a constant array, which it hashes for `= ANY` (cast from text it is an
+    expression, tested against every row one element at a time: 18 s for 72,000 ids), and
+    psycopg need not turn a Python list of them into one (80 ms for 72,000)."""
+
+
+class _IdsTextDumper(Dumper):
+    oid = INT4_ARRAY_OID
+
+    def dump(self, obj: str) -> bytes:
+        return obj.encode()
+
+
+psycopg.adapters.register_dumper(IdsText, _IdsTextDumper)
+
+
+def _ids(
+    conn: Connection, sql: str, params: dict[str, Any], limit: int | None = None
+) -> tuple[int, IdsText]:
+    """How many of the keys `sql` finds (its first `limit`, or all), and them sorted, as one
+    array (20,000 rows cost more to fetch than to find) in the text that the statements using
+    them take back as it is (IdsText)."""
+    tail, extra = ("", {}) if limit is None else (" LIMIT :probe", {"probe": limit})
+    n, found = conn.execute(
+        text(f"SELECT count(*), array_agg(m.k ORDER BY m.k)::text FROM ({sql}{tail}) AS m(k)"),
+        params | extra,
+    ).one()
+    return n, IdsText(found or "{}")
+
+
 def _postgres_rollouts(
     conn: Connection, params: dict[str, list[int]]
 ) -> tuple[str, dict[str, Any]]:
     """The rollouts half of match_sql on PostgreSQL. The matches' rollout ids are read once
-    through the GIN index, up to COMMON_FROM: fewer, and the condition is those ids (the count
-    and the page then read no index of words again); as many, and it is a correlated EXISTS
-    whose frequency the planner knows, so a page walks the sort order and stops at its end
-    instead of reading every match's row (tens of thousands) — or, with a prefix among the
-    terms, a lookup in the matches read once through the index."""
-    # One array, not a row a match: 20,000 rows cost more to fetch than to find
-    found: list[int] = (
-        conn.execute(
-            text(
-                "SELECT array_agg(m.rollout_id) FROM (SELECT s.rollout_id FROM rollout_search s "
-                f"WHERE {_words_condition(params)} LIMIT :probe) AS m"
-            ),
-            params | {"probe": COMMON_FROM},
-        ).scalar()
-        or []
-    )
-    if len(found) < COMMON_FROM:
-        if not found:
-            return "0 = 1", {}
-        return "r.id = ANY(CAST(:search_ids AS integer[]))", {"search_ids": sorted(found)}
-    if any(name != "search_all" for name in params):
-        # A common prefix: `&&` tests a row's words against each of the prefix's numbers, row by
-        # row, so walking 100,000 rows with it took seconds to minutes. Its matches are found
-        # once through the index instead, and each row walked is a lookup in them.
-        hidden = _words_condition(params)
-        return f"r.id IN (SELECT s.rollout_id FROM rollout_search s WHERE {hidden})", dict(params)
-    shown = _words_condition(params, shown=True)
-    return f"EXISTS (SELECT 1 FROM rollout_search s WHERE s.rollout_id = r.id AND {shown})", dict(
-        params
-    )
+    through the GIN index — whole words' up to COMMON_FROM: fewer, and the condition is those
+    ids (the count and the page then read no index of words again); as many, and it is a
+    correlated EXISTS whose frequency the planner knows, so a page walks the sort order and
+    stops at its end instead of reading every match's row (tens of thousands).
+
+    A prefix's matches cannot be tested row by row that way (each row's words looked up in the
+    prefix's numbers: seconds over 100,000 rows), so they are always the ids, found all at once:
+    among the whole words' matches when those are fewer than COMMON_FROM, else _by_prefix."""
+    table, key = "rollout_search", "rollout_id"
+    whole = {"search_all": params["search_all"]} if "search_all" in params else {}
+    n, found = 0, IdsText("{}")
+    if whole:
+        n, found = _ids(conn, _matching(table, key, whole), whole, COMMON_FROM)
+    if len(params) > len(whole):  # a prefix
+        if not whole or n >= COMMON_FROM:
+            n, found = _ids(conn, _by_prefix(table, key, params), params)
+        elif n:
+            n, found = _ids(conn, _among(table, key, params), params | {"search_among": found})
+    elif n >= COMMON_FROM:
+        shown = "s.words OPERATOR(pg_catalog.@>) " + _ALL
+        return f"EXISTS (SELECT 1 FROM rollout_search s WHERE s.rollout_id = r.id AND {shown})", (
+            dict(params)
+        )
+    if not n:
+        return "0 = 1", {}
+    return "r.id = ANY(:search_ids)", {"search_ids": found}
 
 
 def word_numbers_known(conn: Connection, found: Sequence[str]) -> dict[str, int]:

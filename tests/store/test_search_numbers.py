@@ -90,6 +90,8 @@ def _found(factory: sessionmaker[Session], run_id: int, q: str) -> set[tuple[int
 
 
 QUERIES = ["über", "ÜBER*", "zeal zebra", "ze*", "x1y2", "07", "straße", "ǆemal", "tool*", "a*"]
+# a prefix with a whole word, and two prefixes (one found by the other's scans, on PostgreSQL)
+QUERIES += ["zebra über*", "ze* tool*", "über* ze* zeal"]
 
 
 @pytest.mark.parametrize("q", QUERIES)
