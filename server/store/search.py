@@ -44,7 +44,6 @@ ROLLOUT_WORDS_INDEX, PROMPT_WORDS_INDEX = "ix_rollout_search_words", "ix_prompt_
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
-INT4_ARRAY_OID = 1007  # PostgreSQL's int4[] (pg_type)
 
 
 def fts_table(run_id: int) -> str:
@@ -353,6 +352,12 @@ def _postgres_terms(
 _ALL = "CAST(:search_all AS integer[])"  # every whole word's number (_postgres_terms)
 
 
+def _has_all(alias: str, *, shown: bool = False) -> str:
+    """A row `alias`'s words hold every whole word's number (`@>`), the numbers hidden from the
+    planner (_hidden) unless `shown`."""
+    return f"{alias}.words OPERATOR(pg_catalog.@>) {_ALL if shown else _hidden(_ALL)}"
+
+
 def _prefixes(params: dict[str, list[int]]) -> list[str]:
     """The parameters of a query's prefixes (each its words' numbers)."""
     return sorted(name for name in params if name != "search_all")
@@ -374,28 +379,27 @@ def _prompts(params: dict[str, list[int]]) -> str:
     ones), so reading them costs less than a GIN scan a word (the planner, costing that small
     table, read it whole for each word instead: 11,575 words, 5 s) or `&&` (the words times the
     prompts matched: 150 ms for 256 prompts against 5 ms)."""
-    conds = [f"s.words OPERATOR(pg_catalog.@>) {_hidden(_ALL)}"] if "search_all" in params else []
+    conds = [_has_all("s")] if "search_all" in params else []
     conds += [_has_prefix("s", name) for name in _prefixes(params)]
     return f"SELECT s.prompt_id FROM prompt_search s WHERE {' AND '.join(conds)}"
 
 
-def _matching(table: str, key: str) -> str:
-    """SQL of the `key`s of `table` whose words have every whole word (`:search_all`): one GIN
-    scan of their numbers (`@>`)."""
-    return f"SELECT t.{key} FROM {table} t WHERE t.words OPERATOR(pg_catalog.@>) {_hidden(_ALL)}"
+def _whole_words() -> str:
+    """SQL of the rollout ids whose words have every whole word: one GIN scan of their numbers."""
+    return f"SELECT t.rollout_id FROM rollout_search t WHERE {_has_all('t')}"
 
 
-def _among(table: str, key: str, params: dict[str, list[int]]) -> str:
-    """SQL of those of the rows `:search_among` (keys) of `table` that have every prefix."""
+def _among(params: dict[str, list[int]]) -> str:
+    """SQL of those of the rollouts `:search_among` (ids) that have every prefix."""
     checks = [_has_prefix("t", name) for name in _prefixes(params)]
     return (
-        f"SELECT t.{key} FROM {table} t WHERE t.{key} = ANY(:search_among) "
+        "SELECT t.rollout_id FROM rollout_search t WHERE t.rollout_id = ANY(:search_among) "
         f"AND {' AND '.join(checks)}"
     )
 
 
-def _by_prefix(table: str, key: str, params: dict[str, list[int]]) -> str:
-    """SQL of the distinct `key`s of `table` that have every term, found by one GIN scan a word
+def _by_prefix(params: dict[str, list[int]]) -> str:
+    """SQL of the distinct rollout ids that have every term, found by one GIN scan a word
     of the first prefix (a lateral join over its numbers), with the whole words' numbers as a
     second key of each scan and the other prefixes checked on the rows found.
 
@@ -407,11 +411,12 @@ def _by_prefix(table: str, key: str, params: dict[str, list[int]]) -> str:
     first, *others = _prefixes(params)
     conds = ["p.words OPERATOR(pg_catalog.@>) ARRAY[n.w]"]
     if "search_all" in params:
-        conds.append(f"p.words OPERATOR(pg_catalog.@>) {_hidden(_ALL)}")
+        conds.append(_has_all("p"))
     conds += [_has_prefix("p", name) for name in others]
     return (
-        f"SELECT DISTINCT m.{key} FROM unnest({_hidden(f'CAST(:{first} AS integer[])')}) AS n(w) "
-        f"CROSS JOIN LATERAL (SELECT p.{key} FROM {table} p WHERE {' AND '.join(conds)}) AS m"
+        f"SELECT DISTINCT m.rollout_id FROM unnest({_hidden(f'CAST(:{first} AS integer[])')}) "
+        "AS n(w) CROSS JOIN LATERAL (SELECT p.rollout_id FROM rollout_search p "
+        f"WHERE {' AND '.join(conds)}) AS m"
     )
 
 
@@ -428,7 +433,7 @@ class IdsText(str):
 
 
 class _IdsTextDumper(Dumper):
-    oid = INT4_ARRAY_OID
+    oid = psycopg.postgres.types["int4"].array_oid
 
     def dump(self, obj: str) -> bytes:
         return obj.encode()
@@ -463,18 +468,17 @@ def _postgres_rollouts(
     A prefix's matches are always the ids, found all at once (testing a row for a prefix looks
     up each of its hundreds of words, and a count of 100,000 would do it for every row walked):
     among the whole words' matches when those are fewer than COMMON_FROM, else _by_prefix."""
-    table, key = "rollout_search", "rollout_id"
     whole = {"search_all": params["search_all"]} if "search_all" in params else {}
     n, found = 0, IdsText("{}")
     if whole:
-        n, found = _ids(conn, _matching(table, key), whole, COMMON_FROM)
+        n, found = _ids(conn, _whole_words(), whole, COMMON_FROM)
     if len(params) > len(whole):  # a prefix
         if not whole or n >= COMMON_FROM:
-            n, found = _ids(conn, _by_prefix(table, key, params), params)
+            n, found = _ids(conn, _by_prefix(params), params)
         elif n:
-            n, found = _ids(conn, _among(table, key, params), params | {"search_among": found})
+            n, found = _ids(conn, _among(params), params | {"search_among": found})
     elif n >= COMMON_FROM:
-        shown = "s.words OPERATOR(pg_catalog.@>) " + _ALL
+        shown = _has_all("s", shown=True)
         return f"EXISTS (SELECT 1 FROM rollout_search s WHERE s.rollout_id = r.id AND {shown})", (
             dict(params)
         )
