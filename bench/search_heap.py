@@ -14,8 +14,8 @@ shape) and a whole word's scan on both:
   ~35 B and moves the words out of line, leaving a ~90 B heap row (an 18 B pointer).
 
 It prints the bytes a row of heap, TOAST and GIN, and p50 ms of each query, with the narrow/inline
-ratio. Not built into the store: see the README's search section and the closing note of the
-issue for why (the prefix stays over its target either way).
+ratio. Not built into the store: the README's search section says why (the prefix stays over
+200 ms either way, and reading a row's words then reads TOAST).
 
     python -m bench.search_heap [--pg URL] [--rows 512000] [--repeat 5]
 """
