@@ -53,6 +53,8 @@ def build(conn: Connection, name: str, rows: int) -> None:
     if setting:
         conn.execute(text(setting.format(t=name)))
     conn.execute(text("SELECT setseed(0.29)"))
+    # `g % 2` ties the draws to the row: uncorrelated, the sub-select would run once and every
+    # row would hold the same words
     conn.execute(
         text(
             f"INSERT INTO {name} SELECT g, ARRAY(SELECT DISTINCT "
@@ -82,7 +84,7 @@ def sizes(conn: Connection, name: str, rows: int) -> str:
 
 def queries() -> dict[str, tuple[str, dict[str, object]]]:
     """Query name → SQL on table {t}, parameters. The prefix's numbers are rare ones (a few
-    matches each, as `ves*`'s 11,575 words at 1,000 full steps), a fortieth of the vocabulary."""
+    matches each, as `ves*`'s 11,575 words at 1,000 full steps), a fiftieth of the vocabulary."""
     lo = VOCAB - VOCAB * 77 // 1000
     prefix = list(range(lo, VOCAB + 1, 4))
     return {
