@@ -534,7 +534,8 @@ def explorer_queries(
         f"q= rare ({words[0]})": {"q": words[0]},
         f"q= common ({words[1]})": {"q": words[1]},
         f"q= two words ({words[1]} {words[0]})": {"q": f"{words[1]} {words[0]}"},
-        f"q= prefix ({words[0][:3]}*)": {"q": f"{words[0][:3]}*"},
+        f"q= prefix ({words[0][:3]}*)": {"q": f"{words[0][:3]}*"},  # a head: one number
+        f"q= prefix ({words[0][:4]}*)": {"q": f"{words[0][:4]}*"},  # its words, one scan each
         "sort=advantage&order=desc": {"sort": "advantage", "order": "desc"},
     }
     return [

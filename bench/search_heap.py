@@ -1,8 +1,8 @@
 """PostgreSQL: what a narrow `rollout_search` heap would buy the prefix search (an experiment).
 
-Today each rollout's word numbers (~180 int4, ~740 B) sit inline in rollout_search's heap: a row
-under 2 KB is never toasted, whatever `toast_tuple_target` says (heap_insert only calls the
-toaster past the compiled TOAST_TUPLE_THRESHOLD). So the heap is ~400 MB at 512,000 rollouts and
+A rollout's word numbers of this bench's size (~180 int4, ~740 B) sit inline in
+rollout_search's heap: a row under 2 KB is never toasted, whatever `toast_tuple_target` says
+(heap_insert only calls the toaster past the compiled TOAST_TUPLE_THRESHOLD). So the heap is ~400 MB at 512,000 rollouts and
 every GIN match costs a read of it from the OS cache. This bench builds the same synthetic
 word numbers (log-uniform draws, ~180 distinct a row, as the full-shape bench's) two ways, each
 under a GIN index, and times the store's prefix SQL (one GIN scan a word, search._by_prefix's
@@ -14,8 +14,9 @@ shape) and a whole word's scan on both:
   ~35 B and moves the words out of line, leaving a ~90 B heap row (an 18 B pointer).
 
 It prints the bytes a row of heap, TOAST and GIN, and p50 ms of each query, with the narrow/inline
-ratio. Not built into the store: the README's search section says why (the prefix stays over
-200 ms either way, and reading a row's words then reads TOAST).
+ratio. Not built into the store: the README's search section says why (this prefix stayed over
+200 ms either way; a 3-character prefix is now one number, its head's, and a full-shape row's
+words with their heads are past 2 KB, so they are toasted without a pad).
 
     python -m bench.search_heap [--pg URL] [--rows 512000] [--repeat 5]
 """

@@ -50,6 +50,15 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
         command.upgrade(cfg, revision)
 
 
+def downgrade(engine: Engine, revision: str) -> None:
+    """Migrate the database behind `engine` back to `revision` (one migration at a time per
+    process); a migration that cannot be undone raises and leaves the database as it was."""
+    cfg = alembic_config()
+    with _UPGRADING, engine.begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.downgrade(cfg, revision)
+
+
 def head_revision() -> str | None:
     """The newest migration's revision id."""
     return ScriptDirectory.from_config(alembic_config()).get_current_head()

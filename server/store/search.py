@@ -7,7 +7,10 @@ distinct word once (its `word`, the primary key, in the "C" collation, so that a
 range of that index), and `rollout_search` holds each rollout's words as a sorted int4[] of those
 numbers under a GIN index; `prompt_search` the same for each prompt. A word longer than
 MAX_WORD_CHARS, which no query may name whole, is numbered as its first MAX_WORD_CHARS
-characters and a `*` (no word has one), which only a prefix finds.
+characters and a `*` (no word has one), which only a prefix finds. A word of at least
+PREFIX_HEAD characters also adds its head's number: the key `*` and its first PREFIX_HEAD
+characters, which no prefix's range of words holds (`*` sorts before every letter and digit), so
+that a prefix of exactly PREFIX_HEAD characters is one number, looked up as a whole word is.
 
 Both engines see the same words: runs of letters and digits, lower-cased (`_` and every other
 character separates words), in the first SEARCH_CHARS characters of a completion (a prompt is
@@ -34,10 +37,13 @@ MAX_WORDS = 20  # a query's words, all of which must appear
 MAX_WORD_CHARS = 200  # a longer word is refused, not cut (the runs page's search says the same)
 MAX_QUERY_CHARS = 4096  # the text of a query: room for MAX_WORDS words of MAX_WORD_CHARS
 MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
-# Distinct words a prefix may stand for on PostgreSQL: each is a GIN scan (_by_prefix), a few
-# microseconds, and its matches a row read each (`ves*` at 1,000 full steps, 11,575 words and
-# 138,709 matches: 0.7-0.9 s, most of it those reads).
+# Distinct words a prefix may stand for on PostgreSQL: each is a GIN scan (_by_prefix), about
+# 60 microseconds, and its matches a row read each (`ves*` at 1,000 full steps, 11,575 words and
+# 138,709 matches: 0.7-0.9 s). A prefix of PREFIX_HEAD characters is one number instead, its
+# head's (search_keys), found as a whole word is; only a shorter or a longer one is its words.
 MAX_PREFIX_WORDS = 20_000
+PREFIX_HEAD = 3
+HEAD_MARK = "*"  # a head's key is the mark and the head (head_key)
 COMMON_FROM = 20_000  # PostgreSQL: a search matching this many rollouts walks the sort order
 # PostgreSQL: the GIN indexes of the rollouts' and the prompts' word numbers (migration 0010)
 ROLLOUT_WORDS_INDEX, PROMPT_WORDS_INDEX = "ix_rollout_search_words", "ix_prompt_search_words"
@@ -83,7 +89,7 @@ def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, s
     if not rows:
         return
     if conn.dialect.name == "postgresql":
-        _index_postgres(conn, [(rollout_id, words(t).split()) for rollout_id, t in rows])
+        _index_postgres(conn, rows)
         return
     table = fts_table(run_id)
     conn.exec_driver_sql(
@@ -102,10 +108,23 @@ def word_key(word: str) -> str:
     return word if len(word) <= MAX_WORD_CHARS else word[:MAX_WORD_CHARS] + "*"
 
 
-def word_numbers(conn: Connection, found: Sequence[str]) -> dict[str, int]:
-    """PostgreSQL: each of these words' keys (word_key) → its number in search_words, numbering
-    the new ones."""
-    wanted = sorted({word_key(w) for w in found})
+def head_key(prefix: str) -> str:
+    """The key of every word that starts with `prefix`, of PREFIX_HEAD characters."""
+    return HEAD_MARK + prefix
+
+
+def search_keys(found: Sequence[str]) -> set[str]:
+    """A text's words as search_words keys: each word's (word_key) and, for a word of at least
+    PREFIX_HEAD characters, its head's (head_key)."""
+    keys = {word_key(w) for w in found}
+    keys.update({head_key(w[:PREFIX_HEAD]) for w in found if len(w) >= PREFIX_HEAD})
+    return keys
+
+
+def word_numbers(conn: Connection, keys: set[str]) -> dict[str, int]:
+    """PostgreSQL: each of these keys (search_keys) → its number in search_words, numbering the
+    new ones."""
+    wanted = sorted(keys)
     if not wanted:
         return {}
     # Only the words not numbered yet are offered: ON CONFLICT alone would draw an identity
@@ -125,15 +144,17 @@ def word_numbers(conn: Connection, found: Sequence[str]) -> dict[str, int]:
     return {word: number for word, number in rows}
 
 
-def _number_array(numbers: dict[str, int], found: Sequence[str]) -> str:
-    """A text's words as the int4[] literal of their numbers, sorted."""
-    return "{" + ",".join(map(str, sorted({numbers[word_key(w)] for w in found}))) + "}"
+def _number_arrays(conn: Connection, rows: Sequence[tuple[int, str]]) -> list[str]:
+    """PostgreSQL: each (id, text) row's keys (search_keys) as the int4[] literal of their
+    numbers, sorted, numbering the new ones."""
+    keys = [search_keys(words(t).split()) for _, t in rows]
+    numbers = word_numbers(conn, set().union(*keys))
+    return ["{" + ",".join(map(str, sorted([numbers[k] for k in found]))) + "}" for found in keys]
 
 
-def _index_postgres(conn: Connection, docs: Sequence[tuple[int, list[str]]]) -> None:
-    numbers = word_numbers(conn, [w for _, found in docs for w in found])
-    ids = [rollout_id for rollout_id, _ in docs]
-    arrays_ = [_number_array(numbers, found) for _, found in docs]
+def _index_postgres(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
+    ids = [rollout_id for rollout_id, _ in rows]
+    arrays_ = _number_arrays(conn, rows)
     conn.exec_driver_sql(
         "INSERT INTO rollout_search (rollout_id, words) SELECT i, w::integer[] "
         "FROM unnest(%s::integer[], %s::text[]) AS u(i, w)",
@@ -165,12 +186,10 @@ def index_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
     """Index new prompts (SQLite: whole, in an index over the prompts table, which `rebuild`
     and `delete` read; PostgreSQL: their words' numbers, as a completion's)."""
     if rows and conn.dialect.name == "postgresql":
-        docs = [(prompt_id, words(t).split()) for prompt_id, t in rows]
-        numbers = word_numbers(conn, [w for _, found in docs for w in found])
         conn.exec_driver_sql(
             "INSERT INTO prompt_search (prompt_id, words) SELECT i, w::integer[] "
             "FROM unnest(%s::integer[], %s::text[]) AS u(i, w) ON CONFLICT DO NOTHING",
-            ([i for i, _ in docs], [_number_array(numbers, found) for _, found in docs]),
+            ([i for i, _ in rows], _number_arrays(conn, rows)),
             execution_options=CLEAN_ALREADY,  # numbers
         )
         merge_pending(conn, PROMPT_WORDS_INDEX)
@@ -316,17 +335,19 @@ def _prefix_end(prefix: str) -> str:
 def _postgres_terms(
     conn: Connection, terms: Sequence[tuple[str, bool]]
 ) -> dict[str, list[int]] | None:
-    """PostgreSQL: the terms' word numbers as parameters — `search_all` every whole word's,
-    `search_any<i>` those of each prefix's words — or None when a term is no indexed word
-    (nothing can match)."""
-    whole = sorted({word for word, prefix in terms if not prefix})
-    numbers = word_numbers_known(conn, whole)
+    """PostgreSQL: the terms' numbers as parameters — `search_all` every whole word's and every
+    head's (a prefix of PREFIX_HEAD characters), `search_any<i>` those of each other prefix's
+    words — or None when a term is no indexed word (nothing can match)."""
+    whole = {word for word, prefix in terms if not prefix}
+    whole |= {head_key(word) for word, prefix in terms if prefix and len(word) == PREFIX_HEAD}
+    numbers = word_numbers_known(conn, sorted(whole))
     if len(numbers) < len(whole):
         return None
     params: dict[str, list[int]] = {}
     if numbers:
         params["search_all"] = sorted(numbers.values())
-    for i, prefix in enumerate(sorted({word for word, prefix in terms if prefix})):
+    others = {word for word, prefix in terms if prefix and len(word) != PREFIX_HEAD}
+    for i, prefix in enumerate(sorted(others)):
         found = (
             conn.execute(
                 text(
@@ -349,7 +370,7 @@ def _postgres_terms(
     return params
 
 
-_ALL = "CAST(:search_all AS integer[])"  # every whole word's number (_postgres_terms)
+_ALL = "CAST(:search_all AS integer[])"  # every whole word's and head's number (_postgres_terms)
 
 
 def _has_all(alias: str, *, shown: bool = False) -> str:

@@ -9,6 +9,7 @@ import random
 import re
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 from rollout_lens.server import store
@@ -16,7 +17,7 @@ from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.store import search
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.migrate import downgrade, upgrade
 from rollout_lens.server.store.recording import sha256_text
 from rollout_lens.server.webapp import queries
 from sqlalchemy import Engine, create_engine, text
@@ -26,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tests.conftest import PG_URL
 
 VOCAB = ["straße", "über", "überweg", "zebra", "zeal", "x1y2", "a" * 201, "tool", "07", "ǅemal"]
+VOCAB += ["zeb", "str"]  # words that are their own heads (search.PREFIX_HEAD characters)
 
 
 def _steps(rng: random.Random, steps: range) -> list[StepRecord]:
@@ -92,6 +94,8 @@ def _found(factory: sessionmaker[Session], run_id: int, q: str) -> set[tuple[int
 QUERIES = ["über", "ÜBER*", "zeal zebra", "ze*", "x1y2", "07", "straße", "ǆemal", "tool*", "a*"]
 # a prefix with a whole word, and two prefixes (one found by the other's scans, on PostgreSQL)
 QUERIES += ["zebra über*", "ze* tool*", "über* ze* zeal"]
+# prefixes of search.PREFIX_HEAD characters (one number each on PostgreSQL), alone and mixed
+QUERIES += ["zeb*", "ÜBE*", "str*", "aaa*", "ǅem*", "x1y*", "zeb* zeal", "zea* ze* tool*", "qqq*"]
 
 
 @pytest.mark.parametrize("q", QUERIES)
@@ -128,20 +132,88 @@ def test_a_prefix_standing_for_too_many_words_is_refused(
         _found(factory, run_id, "ze*")
 
 
-@pytest.fixture
-def pg_0009() -> Iterator[Engine]:
-    """A fresh PostgreSQL database migrated to 0009 (a tsvector per rollout)."""
+def test_a_prefix_of_a_head_is_one_number_however_many_words(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`zeb*` (zeb, zebra) is its head's number on PostgreSQL, not its words: a cap of one word
+    a prefix refuses `ze*` and `über*` (über, überweg), shorter and longer, not `zeb*`."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("heads are PostgreSQL's")
+    factory = make_session_factory(engine)
+    steps = _steps(random.Random(3), range(1, 3))
+    run_id = _write(factory, steps, index=True)
+    monkeypatch.setattr(search, "MAX_PREFIX_WORDS", 1)
+    assert _found(factory, run_id, "zeb*") == _expected(steps, "zeb*") != set()
+    for q in ("ze*", "über*"):
+        with pytest.raises(InvalidInput, match="give more of the word"):
+            _found(factory, run_id, q)
+
+
+@contextmanager
+def _fresh_pg(revision: str) -> Iterator[Engine]:
+    """A fresh PostgreSQL database migrated to `revision`, dropped after."""
     admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    name = f"rollout_lens_0010_{uuid.uuid4().hex[:10]}"
+    name = f"rollout_lens_{revision}_{uuid.uuid4().hex[:10]}"
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     engine = make_engine(make_url(PG_URL).set(database=name).render_as_string(False))
-    upgrade(engine, "0009")
-    yield engine
-    engine.dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        upgrade(engine, revision)
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def pg_0009() -> Iterator[Engine]:
+    """A fresh PostgreSQL database migrated to 0009 (a tsvector per rollout)."""
+    with _fresh_pg("0009") as engine:
+        yield engine
+
+
+def _arrays(engine: Engine) -> dict[tuple[str, int], set[str]]:
+    """Every indexed rollout's and prompt's words, as the keys their numbers stand for."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT 'rollout', t.rollout_id, s.word FROM rollout_search t, unnest(t.words) "
+                "AS u(w) JOIN search_words s ON s.id = u.w UNION ALL SELECT 'prompt', "
+                "t.prompt_id, s.word FROM prompt_search t, unnest(t.words) AS u(w) "
+                "JOIN search_words s ON s.id = u.w"
+            )
+        ).all()
+    out: dict[tuple[str, int], set[str]] = {}
+    for kind, row_id, word in rows:
+        out.setdefault((kind, row_id), set()).add(word)
+    return out
+
+
+@pytest.mark.postgres
+def test_0013_adds_every_words_head_and_takes_it_back() -> None:
+    """A database indexed before 0013 (its downgrade takes the heads out) gets from 0013 the
+    very numbers the store writes today, and finds every query as a scan does."""
+    with _fresh_pg("head") as pg:
+        factory = make_session_factory(pg)
+        steps = _steps(random.Random(7), range(1, 6))
+        run_id = _write(factory, steps, index=True)
+        written = _arrays(pg)
+        assert any(k.startswith(search.HEAD_MARK) for keys in written.values() for k in keys)
+        downgrade(pg, "0012")
+        before = _arrays(pg)
+        assert before.keys() == written.keys()
+        assert before == {
+            row: {k for k in keys if not k.startswith(search.HEAD_MARK)}
+            for row, keys in written.items()
+        }
+        with pg.connect() as conn:
+            assert not conn.execute(text("SELECT 1 FROM search_words WHERE word LIKE '*%'")).all()
+        upgrade(pg)
+        assert _arrays(pg) == written
+        for q in QUERIES:
+            assert _found(factory, run_id, q) == _expected(steps, q), q
 
 
 @pytest.mark.postgres
