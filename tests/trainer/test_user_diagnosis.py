@@ -219,19 +219,24 @@ def test_a_single_turn_script_gets_the_diagnosis_and_trains_into_the_alerts(
     # The untrained policy says plain words (a word list of a few hundred, two of them tags);
     # lr 0.5 drives it onto the reward's optimum within a few steps: a bare opening tag, then
     # end-of-turn (the classic collapse, eot after open), or end-of-turn alone. Which of the two
-    # it finds depends on the machine's numerics (both seen, from the same seed): each is
-    # diagnosed as what it is.
+    # it finds depends on the machine's numerics (both seen, from the same seed), and so does
+    # whether it stays there: on one machine every completion was empty at step 5 and the
+    # overshooting policy repeated `yellow` from step 6 on. Each is diagnosed as what it is, at
+    # the first step wholly collapsed.
     collapsed = dict(series[vocab.COLLAPSED])
-    assert collapsed[1] < 0.5 and collapsed[10] == 1.0
-    at_ten = {r["completion"] for r in rows if r["step"] == 10}
-    assert at_ten <= {"", OPEN}
+    assert collapsed[1] < 0.5
+    whole = [step for step, share in sorted(collapsed.items()) if share == 1.0]
+    assert whole, collapsed  # the run collapsed: every completion of some step
+    at = whole[0]
+    at_collapse = {r["completion"] for r in rows if r["step"] == at}
+    assert at_collapse <= {"", OPEN}
     kinds = {(a["kind"], a["series"]) for a in alerts}
     assert ("collapse", vocab.COLLAPSED) in kinds
-    if OPEN in at_ten:  # the tag, then end-of-turn: the probe near 1, and its spike alert
-        assert eot_after_open[10] > 0.9
+    if OPEN in at_collapse:  # the tag, then end-of-turn: the probe near 1, and its spike alert
+        assert eot_after_open[at] > 0.9
         assert ("control_token_spike", vocab.probe("eot_after_open")) in kinds
-    else:  # end-of-turn alone: no tag opened at step 10, so nothing measured after one
-        assert at_ten == {""} and 10 not in eot_after_open
+    else:  # end-of-turn alone: no tag opened at that step, so nothing measured after one
+        assert at_collapse == {""} and at not in eot_after_open
     # No alert while the policy said words. The collapse alert judges the mean share over its
     # window (two steps of this run's two groups), so it may come a step after the share itself
     # crossed 0.5.
