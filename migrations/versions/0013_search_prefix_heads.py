@@ -30,20 +30,26 @@ _TABLES = (
 )
 
 
-def _rewrite(table: str, index: str, words: str) -> None:
-    """Set every row's words to `words` (SQL of the row `t`), its GIN index built afresh after
-    (one sorted build, not an entry at a time)."""
-    op.execute(f"DROP INDEX {index}")
-    op.execute(f"UPDATE {table} t SET words = {words}")
-    op.execute(f"CREATE INDEX {index} ON {table} USING gin (words)")
+def _rewrite(sql: str) -> None:
+    """Run `sql`, which rewrites both tables' words, with their GIN indexes dropped first and
+    built afresh after (one sorted build each, not an entry at a time), in memory enough to sort
+    their entries (the default 64 MB spills: 62 s → 48 s for 51,200 full-shape rollouts)."""
+    op.execute("SET LOCAL maintenance_work_mem = '256MB'")
+    for _, index in _TABLES:
+        op.execute(f"DROP INDEX {index}")
+    op.execute(sql)
+    for table, index in _TABLES:
+        op.execute(f"CREATE INDEX {index} ON {table} USING gin (words)")
+
+
+def _set_words(words: str) -> str:
+    """Both tables' UPDATEs setting every row's words to `words` (SQL of the row `t`)."""
+    return " ".join(f"UPDATE {table} t SET words = {words};" for table, _ in _TABLES)
 
 
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
-    # a GIN build sorts its entries in this much memory (the default 64 MB spills: 62 s → 48 s
-    # for 51,200 full-shape rollouts)
-    op.execute("SET LOCAL maintenance_work_mem = '256MB'")
     op.execute(
         f"INSERT INTO search_words (word) SELECT DISTINCT '*' || left(word, {_HEAD}) "
         f"FROM search_words WHERE length(word) >= {_HEAD} AND left(word, 1) <> '*' "
@@ -52,35 +58,28 @@ def upgrade() -> None:
     # Each word's number → its head's (0: none), as an array indexed by the number and held in
     # a PL/pgSQL variable, so that a row's lookups are subscripts: an index probe each (a join
     # with a table of them) took 3.5 ms a full-shape row, this 1 ms.
-    words_with_heads = (
-        "ARRAY(SELECT u.w FROM unnest(t.words) AS u(w) UNION "
-        "SELECT head[u.w] FROM unnest(t.words) AS u(w) WHERE head[u.w] > 0 ORDER BY 1)"
-    )
-    for _, index in _TABLES:
-        op.execute(f"DROP INDEX {index}")
-    op.execute(
+    _rewrite(
         "DO $$ DECLARE head integer[]; BEGIN "
         "SELECT array_agg(coalesce(h.id, 0) ORDER BY n) INTO head "
         "FROM generate_series(1, (SELECT max(id) FROM search_words)) AS n "
         "LEFT JOIN search_words s ON s.id = n "
         f"LEFT JOIN search_words h ON length(s.word) >= {_HEAD} AND left(s.word, 1) <> '*' "
         f"AND h.word = '*' || left(s.word, {_HEAD}); "
-        + " ".join(f"UPDATE {table} t SET words = {words_with_heads};" for table, _ in _TABLES)
+        + _set_words(
+            "ARRAY(SELECT u.w FROM unnest(t.words) AS u(w) UNION SELECT head[u.w] "
+            "FROM unnest(t.words) AS u(w) WHERE head[u.w] > 0 ORDER BY 1)"
+        )
         + " END $$"
     )
-    for table, index in _TABLES:
-        op.execute(f"CREATE INDEX {index} ON {table} USING gin (words)")
 
 
 def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
-    op.execute("SET LOCAL maintenance_work_mem = '256MB'")
     heads = "SELECT id FROM search_words WHERE left(word, 1) = '*'"
-    for table, index in _TABLES:
-        _rewrite(
-            table,
-            index,
-            f"ARRAY(SELECT u.w FROM unnest(t.words) AS u(w) WHERE u.w NOT IN ({heads}) ORDER BY 1)",
+    _rewrite(
+        _set_words(
+            f"ARRAY(SELECT u.w FROM unnest(t.words) AS u(w) WHERE u.w NOT IN ({heads}) ORDER BY 1)"
         )
+    )
     op.execute(f"DELETE FROM search_words WHERE id IN ({heads})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from alembic import command
 from alembic.config import Config
@@ -37,26 +38,29 @@ def alembic_config() -> Config:
 
 
 # Alembic runs env.py through one process-wide proxy (`alembic.context`) and module namespace:
-# two upgrades at once in one process (two RolloutLensCallbacks, each migrating from its
+# two migrations at once in one process (two RolloutLensCallbacks, each upgrading from its
 # writer's thread) run each other's migrations on the wrong connection. One at a time.
-_UPGRADING = threading.Lock()
+_MIGRATING = threading.Lock()
+
+
+def _migrate(engine: Engine, move: Callable[[Config, str], None], revision: str) -> None:
+    """Run Alembic's `move` (command.upgrade or command.downgrade) to `revision` on one
+    transaction of `engine`, one migration at a time per process."""
+    cfg = alembic_config()
+    with _MIGRATING, engine.begin() as connection:
+        cfg.attributes["connection"] = connection
+        move(cfg, revision)
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Migrate the database behind `engine` to `revision` (one upgrade at a time per process)."""
-    cfg = alembic_config()
-    with _UPGRADING, engine.begin() as connection:
-        cfg.attributes["connection"] = connection
-        command.upgrade(cfg, revision)
+    _migrate(engine, command.upgrade, revision)
 
 
 def downgrade(engine: Engine, revision: str) -> None:
     """Migrate the database behind `engine` back to `revision` (one migration at a time per
     process); a migration that cannot be undone raises and leaves the database as it was."""
-    cfg = alembic_config()
-    with _UPGRADING, engine.begin() as connection:
-        cfg.attributes["connection"] = connection
-        command.downgrade(cfg, revision)
+    _migrate(engine, command.downgrade, revision)
 
 
 def head_revision() -> str | None:
