@@ -2,13 +2,14 @@
 
 A rollout's word numbers of this bench's size (~180 int4, ~740 B) sit inline in
 rollout_search's heap: a row under 2 KB is never toasted, whatever `toast_tuple_target` says
-(heap_insert only calls the toaster past the compiled TOAST_TUPLE_THRESHOLD). So the heap is ~400 MB at 512,000 rollouts and
-every GIN match costs a read of it from the OS cache. This bench builds the same synthetic
-word numbers (log-uniform draws, ~180 distinct a row, as the full-shape bench's) two ways, each
-under a GIN index, and times the store's prefix SQL (one GIN scan a word, search._by_prefix's
-shape) and a whole word's scan on both:
+(heap_insert only calls the toaster past the compiled TOAST_TUPLE_THRESHOLD). So the heap is
+~400 MB at 512,000 rollouts and every GIN match costs a read of it from the OS cache. This bench
+builds the same synthetic word numbers (log-uniform draws, ~180 distinct a row, as the full-shape
+bench's were before migration 0013 added their heads) two ways, each under a GIN index, and times
+the store's prefix SQL (one GIN scan a word, search._by_prefix's shape) and a whole word's scan
+on both:
 
-- inline: today's layout (words STORAGE EXTERNAL, inline because the row is small);
+- inline: a small row's layout (words STORAGE EXTERNAL, inline because the row is small);
 - narrow: words STORAGE EXTERNAL, toast_tuple_target=128, and a `pad` text of 2,100 dots written
   with each row, which makes the row cross the threshold; the toaster compresses the pad to
   ~35 B and moves the words out of line, leaving a ~90 B heap row (an 18 B pointer).
