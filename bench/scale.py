@@ -25,7 +25,10 @@ stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
    warm-up, fewer (at least 2) once --budget seconds are spent on it, so a page that takes
    seconds shows n = 2 or 3. PostgreSQL is ANALYZEd first (as autovacuum would have). A route
    that answers 404 (not built yet) prints `n/a (404)`; any other non-200 is an error (the bench
-   goes on and exits 1). Targets are printed beside each figure.
+   goes on and exits 1). Targets are printed beside each figure. With --cold COMMAND (root:
+   restart PostgreSQL, drop the operating system's file cache) each page is asked once more
+   after its warm requests, after that command and on new database connections: `cold ms` is
+   the page read from disk (the app's own templates and modules still loaded), p50 warm.
 
     .venv/bin/python -m bench.scale [--pg [URL]] [--quick] [--groups 64] [--group-size 8]
         [--tokens 1024] [--vocab 150000] [--ctrl 4] [--steps 100] [--fill-to 1000]
@@ -35,6 +38,7 @@ stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
     .venv/bin/python -m bench.scale --text real --steps 10 --fill-to 10 [--pg]   # real text
     .venv/bin/python -m bench.scale --pg --cache DIR --keep   # leaves both databases there
     .venv/bin/python -m bench.scale --reuse DIR/scale-*/scale.db [--pg KEPT_URL]   # pages again
+        [--cold 'pg_ctlcluster 15 main restart && sync && echo 3 > /proc/sys/vm/drop_caches']
 
 The full run with --pg takes 9 to 12 minutes on two busy cores (the 100 full steps 4 to 5,
 the fill about 5, the pages the rest; building steps is a third of it) and about 4 GB of disk
@@ -52,6 +56,7 @@ import math
 import pstats
 import sqlite3
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -68,7 +73,12 @@ from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.core.config import get_settings
 from rollout_lens.server.core.records import StepRecord
-from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.db import (
+    WEB_POOL,
+    make_engine,
+    make_session_factory,
+    session_scope,
+)
 from rollout_lens.server.store.migrate import upgrade
 from rollout_lens.server.store.models import RunSource, RunStatus
 from rollout_lens.server.webapp.app import create_app
@@ -594,14 +604,26 @@ def _total(body: bytes) -> str:
 
 
 class PageBench:
-    """Measures pages of one database and prints a row each; remembers errors."""
+    """Measures pages of one database and prints a row each; remembers errors.
 
-    def __init__(self, client: TestClient, repeat: int, budget: float) -> None:
-        self.client, self.repeat, self.budget = client, repeat, budget
+    `cold`, where given, answers the page once more after its warm requests, on emptied caches
+    (--cold): that time is the row's first figure."""
+
+    def __init__(
+        self,
+        client: TestClient,
+        repeat: int,
+        budget: float,
+        cold: Callable[[str], Answer] | None = None,
+    ) -> None:
+        self.client, self.repeat, self.budget, self.cold = client, repeat, budget, cold
         self.errors: list[str] = []
 
     def row(self, page: Page) -> Answer | None:
         times, answer, first = measure(self.client, page.url, self.repeat, self.budget)
+        if self.cold is not None and answer.status == 200:
+            cold = self.cold(page.url)
+            answer, first = (answer, cold.ms) if cold.status == 200 else (cold, cold.ms)
         if answer.status == 404:
             print(f"  {page.label:<40} {'n/a (404)':>28}")
             return None
@@ -635,11 +657,23 @@ def bench_pages(
     shape, step, group = run.shape, max(1, plan.steps // 2), run.shape.groups // 2
     vote = run.rows[0].target
     repeat, budget = plan.repeat, plan.budget
-    print(
-        f"  {'page':<40} {'n':>3} {'first ms':>9} {'p50 ms':>9} {'p90 ms':>9} {'bytes':>10}  target"
-    )
-    with TestClient(create_app(settings), base_url="http://127.0.0.1") as client:
-        bench = PageBench(client, repeat, budget)
+    first = "cold ms" if plan.cold else "first ms"
+    print(f"  {'page':<40} {'n':>3} {first:>9} {'p50 ms':>9} {'p90 ms':>9} {'bytes':>10}  target")
+
+    # The app's engine, made here as the app makes its own, so that --cold can close its
+    # connections: the request after that is the database's first (its caches emptied), while
+    # the app's own (templates compiled, modules imported) stay warm.
+    engine = make_engine(db.url, busy_timeout_ms=settings.sqlite_busy_timeout_ms, **WEB_POOL)
+
+    def cold(url: str) -> Answer:
+        """`url` once more after --cold's command, on new database connections."""
+        subprocess.run(plan.cold, shell=True, check=True)
+        engine.dispose()
+        return _get(client, url)
+
+    app = create_app(settings, session_factory=make_session_factory(engine))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        bench = PageBench(client, repeat, budget, cold if plan.cold else None)
         for page in page_list(db.run_id, step, group, names):
             bench.row(page)
         for page in explorer_queries(db.run_id, steps, shape, words, vote):
@@ -651,6 +685,7 @@ def bench_pages(
                     print(f"  {'explorer second keyset page':<40} {why:>28}")
                 else:
                     bench.row(Page("explorer second keyset page", following, 200, JSON_MB * 1000))
+    engine.dispose()
     return bench.errors
 
 
@@ -667,6 +702,7 @@ class Plan:
     budget: float  # seconds a page's requests may take beyond the first two
     write_only: bool = False  # the write figures and the training thread's, then stop
     real_text: bool = False  # completions of real English and code in a real tokenizer's ids
+    cold: str | None = None  # a shell command that empties the caches before a page's first read
 
 
 def real_text(run: ScaleRun) -> None:
@@ -882,6 +918,13 @@ def main(argv: list[str] | None = None) -> int:
         " kept database)",
     )
     parser.add_argument(
+        "--cold",
+        metavar="COMMAND",
+        help="after each page's warm requests, run this shell command, close the app's database"
+        " connections and time one more request (`cold ms`): e.g. restart PostgreSQL and drop"
+        " the operating system's file cache",
+    )
+    parser.add_argument(
         "--write-only",
         action="store_true",
         help="the write figures and the training thread's beside a busy writer, then stop",
@@ -917,6 +960,7 @@ def main(argv: list[str] | None = None) -> int:
         budget=args.budget,
         write_only=args.write_only,
         real_text=args.text == "real",
+        cold=args.cold,
     )
     if args.reuse is not None:
         return reuse_bench(plan, args.reuse, args.pg)

@@ -4,6 +4,8 @@ asserted (timed tests on a shared machine mean little): only its sections and fi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import scale
@@ -74,3 +76,25 @@ def test_the_second_keyset_page_follows_the_next_cursor_however_it_is_given() ->
     )
     follow = b'{"next": "http://127.0.0.1/api/runs/1/rollouts?cursor=3"}'
     assert scale.next_page(base, follow) == "/api/runs/1/rollouts?cursor=3"
+
+
+def test_cold_runs_its_command_before_each_pages_last_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--reuse with --cold: every page that answered is read once more after the command (here
+    one that counts itself), and its row's first figure is that read's."""
+    pytest.importorskip("pandas")
+    assert scale.main(["--quick", "--fill-to", "4", "--cache", str(tmp_path), "--keep"]) == 0
+    capsys.readouterr()
+    (sqlite_file,) = tmp_path.glob("scale-*/scale.db")
+    calls = tmp_path / "calls"
+    argv = ["--quick", "--fill-to", "4", "--reuse", str(sqlite_file)]
+    assert scale.main([*argv, "--cold", f"echo cold >> {calls}"]) == 0
+    out = capsys.readouterr().out
+    section = out.split("== pages, SQLite, 4 steps", 1)[1]
+    lines = section.splitlines()
+    rows = [line for line in lines if line.startswith("  ") and not line.startswith("  page ")]
+    answered = [line for line in rows if "n/a" not in line and "ERROR" not in line]
+    assert "cold ms" in section and "first ms" not in section
+    assert len(answered) >= len(PAGES)
+    assert calls.read_text().count("cold\n") == len(answered)
