@@ -10,7 +10,8 @@ from datetime import datetime
 from rollout_lens.server.store import layout
 from rollout_lens.server.store.models import PromptRow, RolloutRow, RunRow, RunTokenRow, StepRow
 from rollout_lens.server.store.rollups import latest_value
-from sqlalchemy import ARRAY, Integer, any_, bindparam, func, select, text
+from rollout_lens.server.store.search import IdsText
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 
@@ -96,14 +97,16 @@ def token_texts(
     wanted = sorted(set(ids))
     if session.get_bind().dialect.name == "postgresql":
         # One array parameter: an IN list of a page's ~2,000 ids, one bound parameter each,
-        # cost PostgreSQL more to parse and plan than to answer (a third of the group page).
+        # cost PostgreSQL more to parse and plan than to answer (a third of the group page); and
+        # sent as its text (IdsText), not as a Python list that psycopg turns into one: 4,000 ids
+        # of a full-shape run were looked up in 25 ms as a list, 15 as text.
         rows = session.execute(
-            select(RunTokenRow.token_id, RunTokenRow.text).where(
-                RunTokenRow.run_id == run_id,
-                RunTokenRow.token_id == any_(bindparam("ids", wanted, type_=ARRAY(Integer))),
-            )
+            text(
+                "SELECT token_id, text FROM run_tokens WHERE run_id = :run AND token_id = ANY(:ids)"
+            ),
+            {"run": run_id, "ids": IdsText("{" + ",".join(map(str, wanted)) + "}")},
         )
-        return {token_id: text for token_id, text in rows}
+        return {token_id: token_text for token_id, token_text in rows}
     # SQLite: the ids as one JSON array, read by json_each (the same reason: a bound parameter
     # an id, in IN lists of 500, was a third of the group page's time to compile)
     rows = session.execute(
