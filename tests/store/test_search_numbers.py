@@ -20,7 +20,7 @@ from rollout_lens.server.store.db import make_engine, make_session_factory, sess
 from rollout_lens.server.store.migrate import downgrade, upgrade
 from rollout_lens.server.store.recording import sha256_text
 from rollout_lens.server.webapp import queries
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -283,6 +283,34 @@ def pg(pg_engine: Engine, _pg_reset: Callable[[], None]) -> Engine:
     """The session's PostgreSQL database, emptied."""
     _pg_reset()
     return pg_engine
+
+
+_COSTLY = "EXPLAIN (ANALYZE, FORMAT JSON) SELECT sum(g) FROM generate_series(1, 1000) AS g"
+
+
+def _compiled(conn: Connection) -> bool:
+    """Whether PostgreSQL JIT-compiled a statement costed past every JIT threshold."""
+    conn.execute(text("SET jit_above_cost = 0"))
+    return "JIT" in conn.execute(text(_COSTLY)).scalar_one()[0]
+
+
+@pytest.mark.postgres
+def test_the_stores_connections_never_jit_compile(pg_engine: Engine) -> None:
+    """make_engine's PostgreSQL connections, a new one after the pool lost the old included,
+    run with jit off: a search's statement costed as a walk of a whole run was compiled for
+    longer than it ran (server.store.db._postgres_settings)."""
+    plain = create_engine(pg_engine.url)
+    with plain.connect() as conn:
+        if not _compiled(conn.execution_options(isolation_level="AUTOCOMMIT")):
+            pytest.skip("this PostgreSQL server cannot JIT-compile (no LLVM)")
+    plain.dispose()
+    engine = make_engine(pg_engine.url.render_as_string(hide_password=False))
+    for _ in range(2):
+        with engine.connect() as conn:
+            assert not _compiled(conn)
+            conn.rollback()
+        engine.dispose()  # the next connection is a new one
+    engine.dispose()
 
 
 @pytest.mark.postgres
