@@ -84,9 +84,9 @@ def _claim(factory: sessionmaker[Session]) -> list[tuple[AlertRow, RunRow]]:
             .where(AlertRow.id.in_(claimed))
             .order_by(AlertRow.id)
         ).all()
-        for alert, run in rows:
-            session.expunge(alert)
-            session.expunge(run)
+        # Every object at once: two alerts of one run share its RunRow, and expunging it a second
+        # time raised, rolling back the claim, so alerts that waited together were never sent.
+        session.expunge_all()
         return [(alert, run) for alert, run in rows]
 
 

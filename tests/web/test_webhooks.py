@@ -13,9 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
+from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import AlertRow
+from rollout_lens.server.store.models import AlertRow, RunStatus
+from rollout_lens.server.webapp.alert_hooks import deliver_waiting
 from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -130,3 +132,31 @@ def test_a_failed_delivery_shows_on_the_run_page(
     assert refusing.attempts == len(_states(session_factory, run_id))  # a 404 is not retried
     assert 'id="alert-deliveries"' in page and "could not be delivered" in page
     assert "HTTP 404" in page
+
+
+def test_alerts_of_one_run_waiting_together_are_each_delivered(
+    session_factory: sessionmaker[Session], receivers: tuple[Receiver, Receiver, Receiver]
+) -> None:
+    """Two alerts of one run that wait for the same poll (a busy recorder, or two rules firing
+    at one step) are claimed together and each sent once: they share their run's row."""
+    ok, _, _ = receivers
+    with session_scope(session_factory) as session:
+        run_id = store.create_run(
+            session,
+            name="two at once",
+            model="tiny",
+            total_steps=3,
+            group_size=8,
+            status=RunStatus.running,
+        ).id
+        for step, kind in ((2, "collapse"), (2, "control_token_spike"), (3, "collapse")):
+            session.add(AlertRow(run_id=run_id, step=step, kind=kind, message=f"{kind} at {step}"))
+    assert deliver_waiting(session_factory, [ok.url], "http://lens.example:8000") == 3
+    assert _states(session_factory, run_id) == ["sent", "sent", "sent"]
+    assert sorted((b["step"], b["kind"]) for b in ok.bodies) == [
+        (2, "collapse"),
+        (2, "control_token_spike"),
+        (3, "collapse"),
+    ]
+    assert deliver_waiting(session_factory, [ok.url], "http://lens.example:8000") == 0
+    assert len(ok.bodies) == 3
