@@ -702,7 +702,7 @@ class Plan:
     budget: float  # seconds a page's requests may take beyond the first two
     write_only: bool = False  # the write figures and the training thread's, then stop
     real_text: bool = False  # completions of real English and code in a real tokenizer's ids
-    cold: str | None = None  # a shell command that empties the caches before a page's first read
+    cold: str | None = None  # a shell command that empties the caches before a page's last read
 
 
 def real_text(run: ScaleRun) -> None:

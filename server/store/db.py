@@ -75,11 +75,11 @@ def make_engine(url: str, *, busy_timeout_ms: int = 30_000, **pool: int) -> Engi
 
 
 def _postgres_settings(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
-    """Each new PostgreSQL connection: no JIT compilation. Every statement the store runs is
-    a page's or a step's, done in milliseconds, and past jit_above_cost (a cost, not a time: a
-    walk of a run's 512,000 rollouts that stops at its LIMIT is costed as the whole walk)
-    PostgreSQL spent more compiling than running: 61 of the 137 ms of the count of `ves*` at
-    1,000 full-shape steps (explorer `q=`: 227 → 170 ms, `need` 104 → 73 ms)."""
+    """Each new PostgreSQL connection: no JIT compilation. The store's statements are a page's
+    or a step's, meant to take milliseconds, and past jit_above_cost (a cost, not a time: a walk
+    of a run's 512,000 rollouts that stops at its LIMIT is costed as the whole walk) PostgreSQL
+    spent more compiling than running: 61 of the 137 ms of the count of `ves*` at 1,000
+    full-shape steps (explorer `q=`: 227 → 170 ms, `need` 104 → 73 ms)."""
     with dbapi_connection.cursor() as cursor:
         cursor.execute("SET jit = off")
     dbapi_connection.commit()
