@@ -461,3 +461,18 @@ def test_the_overview_reads_no_token_arrays_and_stays_small(session_factory, cli
     assert data["total"] == 65 and len(data["groups"]) == 65
     group = client.get(f"/api/runs/{run_id}/steps/1/groups/64")
     assert len(group.json()["rollouts"]) == 16 and len(group.content) < 2 * 2**20
+
+
+def test_a_group_shows_the_text_recorded_for_each_token(session_factory, client) -> None:
+    """Each rollout of a group comes back with the piece its recorder gave every token id (the
+    run's token texts, read for all of the page's ids at once), and its page shows them."""
+    run_id = make_run(session_factory, steps=1, prompts_per_step=2, seed=5)
+    rollouts = make_groups(random.Random(5), groups=2, tokens=6)
+    for r in rollouts:
+        r.meta = {**r.meta, "tokens": [f"Ġp{i}" for i in r.completion_ids]}
+    record_step(session_factory, run_id, 2, values={"reward_mean": 0.5}, rollouts=rollouts)
+    data = client.get(f"/api/runs/{run_id}/steps/2/groups/1").json()
+    members = [r for r in rollouts if r.group == 1]
+    assert [got["token_pieces"] for got in data["rollouts"]] == [r.meta["tokens"] for r in members]
+    page = client.get(f"/runs/{run_id}/steps/2/groups/1").text
+    assert all(f"p{i}" in page for r in members for i in r.completion_ids)
