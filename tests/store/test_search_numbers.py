@@ -301,9 +301,10 @@ def test_the_stores_connections_never_jit_compile(pg_engine: Engine) -> None:
     longer than it ran (server.store.db._postgres_settings)."""
     plain = create_engine(pg_engine.url)
     with plain.connect() as conn:
-        if not _compiled(conn.execution_options(isolation_level="AUTOCOMMIT")):
-            pytest.skip("this PostgreSQL server cannot JIT-compile (no LLVM)")
+        can_compile = _compiled(conn.execution_options(isolation_level="AUTOCOMMIT"))
     plain.dispose()
+    if not can_compile:
+        pytest.skip("this PostgreSQL server cannot JIT-compile (no LLVM)")
     engine = make_engine(pg_engine.url.render_as_string(hide_password=False))
     for _ in range(2):
         with engine.connect() as conn:
