@@ -28,6 +28,7 @@ from tests.conftest import PG_URL
 
 VOCAB = ["straße", "über", "überweg", "zebra", "zeal", "x1y2", "a" * 201, "tool", "07", "ǅemal"]
 VOCAB += ["zeb", "str"]  # words that are their own heads (search.PREFIX_HEAD characters)
+VOCAB += ["null", "NULL"]  # an unquoted NULL in an array literal is no word but a NULL
 
 
 def _steps(rng: random.Random, steps: range) -> list[StepRecord]:
@@ -96,6 +97,7 @@ QUERIES = ["über", "ÜBER*", "zeal zebra", "ze*", "x1y2", "07", "straße", "ǆe
 QUERIES += ["zebra über*", "ze* tool*", "über* ze* zeal"]
 # prefixes of search.PREFIX_HEAD characters (one number each on PostgreSQL), alone and mixed
 QUERIES += ["zeb*", "ÜBE*", "str*", "aaa*", "ǅem*", "x1y*", "zeb* zeal", "zea* ze* tool*", "qqq*"]
+QUERIES += ["null", "nul*", "null zeal"]
 
 
 @pytest.mark.parametrize("q", QUERIES)
@@ -109,13 +111,16 @@ def test_a_word_longer_than_a_query_is_numbered_by_its_head(engine: Engine) -> N
     if engine.dialect.name != "postgresql":
         pytest.skip("word numbers are PostgreSQL's")
     factory = make_session_factory(engine)
-    _write(factory, _steps(random.Random(3), range(1, 3)), index=True)
+    steps = _steps(random.Random(3), range(1, 4))
+    long_word = "a" * (search.MAX_WORD_CHARS + 1)
+    assert any(long_word in r.completion.lower() for s in steps for r in s.rollouts)
+    _write(factory, steps, index=True)
     with engine.connect() as conn:
         longest = conn.execute(text("SELECT max(length(word)) FROM search_words")).scalar()
         assert longest == search.MAX_WORD_CHARS + 1  # its head and `*`
         # numbers are drawn for new words only: writing the same words again draws none
         before = conn.execute(text("SELECT max(id) FROM search_words")).scalar()
-    _write(factory, _steps(random.Random(3), range(1, 3)), index=True)
+    _write(factory, _steps(random.Random(3), range(1, 4)), index=True)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT max(id) FROM search_words")).scalar() == before
 
