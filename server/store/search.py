@@ -127,9 +127,9 @@ def word_numbers(conn: Connection, keys: set[str]) -> dict[str, int]:
     wanted = sorted(keys)
     if not wanted:
         return {}
-    # The keys as one text[] literal, each quoted (a key is letters, digits and `*`: nothing to
-    # escape, and quoted, the word `null` is not a NULL): psycopg turning the list of a
-    # full-shape step's ~100,000 keys into an array was a tenth of its indexing.
+    # The keys as one text[] literal, each quoted (a key is letters, digits and `*`: no `"` or
+    # `\` to escape, and quoted, the word `null` is not a NULL): psycopg turning the list of a
+    # full-shape step's tens of thousands of keys into an array was a tenth of its indexing.
     literal = '{"' + '","'.join(wanted) + '"}'
     # Only the words not numbered yet are offered: ON CONFLICT alone would draw an identity
     # value for every word offered (tens of thousands a step), not only for the new ones.
