@@ -623,7 +623,9 @@ class PageBench:
         times, answer, first = measure(self.client, page.url, self.repeat, self.budget)
         if self.cold is not None and answer.status == 200:
             cold = self.cold(page.url)
-            answer, first = (answer, cold.ms) if cold.status == 200 else (cold, cold.ms)
+            first = cold.ms
+            if cold.status != 200:
+                answer = cold
         if answer.status == 404:
             print(f"  {page.label:<40} {'n/a (404)':>28}")
             return None

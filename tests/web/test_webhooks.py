@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import AlertRow, RunStatus
@@ -22,6 +21,7 @@ from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from tests.factories import make_run
 from tests.web_support import record_collapse_run, serve_app
 
 HOSTILE_NAME = "<!channel> & <https://evil.example|click>"
@@ -140,15 +140,8 @@ def test_alerts_of_one_run_waiting_together_are_each_delivered(
     """Two alerts of one run that wait for the same poll (a busy recorder, or two rules firing
     at one step) are claimed together and each sent once: they share their run's row."""
     ok, _, _ = receivers
+    run_id = make_run(session_factory, steps=0, name="two at once", status=RunStatus.running)
     with session_scope(session_factory) as session:
-        run_id = store.create_run(
-            session,
-            name="two at once",
-            model="tiny",
-            total_steps=3,
-            group_size=8,
-            status=RunStatus.running,
-        ).id
         for step, kind in ((2, "collapse"), (2, "control_token_spike"), (3, "collapse")):
             session.add(AlertRow(run_id=run_id, step=step, kind=kind, message=f"{kind} at {step}"))
     assert deliver_waiting(session_factory, [ok.url], "http://lens.example:8000") == 3
