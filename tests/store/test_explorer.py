@@ -153,6 +153,11 @@ FILTERS: list[tuple[str, Any]] = [
     ("q=x1y2", lambda r: _has(r, "x1y2")),
     ("q=tool_01", lambda r: _has(r, "tool 01")),
     ("q=nowhere", lambda r: False),
+    # q with a filter: counted from the rollouts, not as the index counts q's matches alone (on
+    # PostgreSQL, where no prompt matches: `edited` and `edi*` are in completions only)
+    ("q=edited&steps=2:4", lambda r: _has(r, "edited") and 2 <= r["step"] <= 4),
+    ("q=edi*&group=1", lambda r: _has(r, "edi*") and r["group"] == 1),
+    ("q=gamma&steps=2:4", lambda r: _has(r, "gamma") and 2 <= r["step"] <= 4),
     (
         "state=healthy_call&disagree=1&steps=1:3",
         lambda r: r["state"] == "healthy_call" and r["disagree"] and 1 <= r["step"] <= 3,

@@ -86,10 +86,14 @@ def _expected(steps: list[StepRecord], q: str) -> set[tuple[int, int]]:
 
 
 def _found(factory: sessionmaker[Session], run_id: int, q: str) -> set[tuple[int, int]]:
+    """The run's rollouts that `q` finds, each once and as many as the page's total says."""
     with session_scope(factory) as session:
         page = queries.explore(session, run_id=run_id, query=queries.RolloutQuery(q=q, limit=200))
     assert page["next"] is None
-    return {(r["step"], r["index"]) for r in page["rollouts"]}
+    found = [(r["step"], r["index"]) for r in page["rollouts"]]
+    assert (page["total"], page["total_capped"]) == (len(found), False)
+    assert len(set(found)) == len(found)
+    return set(found)
 
 
 QUERIES = ["über", "ÜBER*", "zeal zebra", "ze*", "x1y2", "07", "straße", "ǆemal", "tool*", "a*"]
@@ -102,9 +106,11 @@ QUERIES += ["null", "nul*", "null zeal"]
 
 @pytest.mark.parametrize("q", QUERIES)
 def test_search_finds_what_a_scan_finds(session_factory: sessionmaker[Session], q: str) -> None:
-    steps = _steps(random.Random(3), range(1, 5))
-    run_id = _write(session_factory, steps, index=True)
-    assert _found(session_factory, run_id, q) == _expected(steps, q)
+    """Each of two runs of the same words finds its own matches, and counts them alone."""
+    steps = [_steps(random.Random(seed), range(1, 5)) for seed in (3, 4)]
+    runs = [_write(session_factory, each, index=True) for each in steps]
+    for run_id, each in zip(runs, steps, strict=True):
+        assert _found(session_factory, run_id, q) == _expected(each, q)
 
 
 def test_a_word_longer_than_a_query_is_numbered_by_its_head(engine: Engine) -> None:
@@ -222,6 +228,37 @@ def test_0013_adds_every_words_head_and_takes_it_back() -> None:
 
 
 @pytest.mark.postgres
+def test_0014_gives_each_indexed_rollout_its_run_and_takes_it_back() -> None:
+    """A database indexed before 0014 (its downgrade takes the runs out) gets each row's run
+    from 0014, and each of two runs of the same words then finds and counts its own."""
+    with _fresh_pg("head") as pg:
+        factory = make_session_factory(pg)
+        steps = [_steps(random.Random(seed), range(1, 4)) for seed in (8, 9)]
+        runs = [_write(factory, each, index=True) for each in steps]
+        downgrade(pg, "0013")
+        with pg.connect() as conn:
+            columns = conn.execute(
+                text(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_name = 'rollout_search'"
+                )
+            ).scalars()
+            assert set(columns) == {"rollout_id", "words"}
+        upgrade(pg)
+        with pg.connect() as conn:
+            pairs = conn.execute(
+                text(
+                    "SELECT r.run_id, t.run_id FROM rollouts r "
+                    "LEFT JOIN rollout_search t ON t.rollout_id = r.id"
+                )
+            ).all()
+        assert len(pairs) == 2 * 3 * 6 and all(r == t for r, t in pairs)
+        for run_id, each in zip(runs, steps, strict=True):
+            for q in QUERIES:
+                assert _found(factory, run_id, q) == _expected(each, q), q
+
+
+@pytest.mark.postgres
 def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
     factory = make_session_factory(pg_0009)
     steps = _steps(random.Random(5), range(1, 6))
@@ -274,7 +311,7 @@ def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
                 )
             ).all()
         )
-    assert kinds == {"rollout_id": "integer", "words": "ARRAY"}
+    assert kinds == {"rollout_id": "integer", "run_id": "integer", "words": "ARRAY"}
     # and the store goes on indexing the run's next steps
     more = _steps(random.Random(6), range(6, 8))
     with session_scope(factory) as session:
@@ -338,7 +375,10 @@ def test_each_step_leaves_no_gin_pending_list(pg: Engine) -> None:
     assert pending(search.PROMPT_WORDS_INDEX) == 0  # the run's new prompt, merged as indexed
     with pg.begin() as conn:  # rows inserted as GIN takes them: queued in the list
         conn.execute(
-            text("INSERT INTO rollout_search (rollout_id, words) SELECT id, '{1,2}' FROM rollouts")
+            text(
+                "INSERT INTO rollout_search (rollout_id, run_id, words) "
+                "SELECT id, run_id, '{1,2}' FROM rollouts"
+            )
         )
         conn.execute(text("DELETE FROM rollout_search"))
     assert pending(search.ROLLOUT_WORDS_INDEX) > 0

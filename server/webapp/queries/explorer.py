@@ -252,7 +252,7 @@ def _sort_value(sort: str, is_null: bool, value: Any) -> Any:
     return number
 
 
-Searched = tuple[str, dict[str, Any]] | None  # search.match_sql's condition for `q`, if any
+Searched = search.Match | None  # search.match_sql's condition for `q`, if any
 
 
 def _searched(session: Session, run_id: int, query: RolloutQuery) -> Searched:
@@ -316,8 +316,7 @@ def _where(
             "ON a.run_id = s.run_id AND a.step = s.step WHERE s.run_id = :run)"
         )
     if searched is not None:
-        clause, values = searched
-        add(clause, **values)
+        add(searched.sql, **searched.params)
     return clauses, params
 
 
@@ -355,11 +354,14 @@ def explore(
         cursor_at = _Cursor.decode(query.after, run_id=run_id, query=query)
     searched = _searched(session, run_id, query)
     clauses, params = _where(session, run_id, query, searched)
-    where = " AND ".join(clauses)
-    counted = session.execute(
-        text(f"SELECT count(*) FROM (SELECT 1 FROM rollouts r WHERE {where} LIMIT :cap) AS m"),
-        params | {"cap": count_cap + 1},
-    ).scalar_one()
+    if searched is not None and searched.total is not None and clauses[1:] == [searched.sql]:
+        counted = searched.total  # no filter but q's, whose matches the index counted
+    else:
+        where = " AND ".join(clauses)
+        counted = session.execute(
+            text(f"SELECT count(*) FROM (SELECT 1 FROM rollouts r WHERE {where} LIMIT :cap) AS m"),
+            params | {"cap": count_cap + 1},
+        ).scalar_one()
     if counted > WALK_FROM and query.sort not in NULLABLE:
         clauses, params = _where(session, run_id, query, searched, walk=True)
     if cursor_at is not None:
