@@ -75,13 +75,23 @@ def make_engine(url: str, *, busy_timeout_ms: int = 30_000, **pool: int) -> Engi
 
 
 def _postgres_settings(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
-    """Each new PostgreSQL connection: no JIT compilation. The store's statements are a page's
-    or a step's, meant to take milliseconds, and past jit_above_cost (a cost, not a time: a walk
-    of a run's 512,000 rollouts that stops at its LIMIT is costed as the whole walk) PostgreSQL
-    spent more compiling than running: 61 of the 137 ms of the count of `ves*` at 1,000
-    full-shape steps (explorer `q=`: 227 → 170 ms, `need` 104 → 73 ms)."""
+    """Each new PostgreSQL connection: no JIT compilation, and a plan for each statement's own
+    values.
+
+    The store's statements are a page's or a step's, meant to take milliseconds, and past
+    jit_above_cost (a cost, not a time: a walk of a run's 512,000 rollouts that stops at its
+    LIMIT is costed as the whole walk) PostgreSQL spent more compiling than running: 61 of the
+    137 ms of the count of `ves*` at 1,000 full-shape steps (explorer `q=`: 227 → 170 ms, `need`
+    104 → 73 ms).
+
+    psycopg prepares a statement that a connection has run 5 times, and after 5 more PostgreSQL
+    may keep one generic plan for it, made without its values. A search's are constant arrays
+    of word numbers and ids, which only a plan that sees them hashes: the prompts of a prefix of
+    2,000 words at 100 full steps went from 19 ms to 1.3 s on a page's 11th request (each
+    prompt's words compared with every number)."""
     with dbapi_connection.cursor() as cursor:
         cursor.execute("SET jit = off")
+        cursor.execute("SET plan_cache_mode = force_custom_plan")
     dbapi_connection.commit()
 
 
