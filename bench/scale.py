@@ -546,6 +546,8 @@ def explorer_queries(
         f"q= two words ({words[1]} {words[0]})": {"q": f"{words[1]} {words[0]}"},
         f"q= prefix ({words[0][:3]}*)": {"q": f"{words[0][:3]}*"},  # a head: one number
         f"q= prefix ({words[0][:4]}*)": {"q": f"{words[0][:4]}*"},  # its words, one scan each
+        # a common word's: its words' scans return most of the run
+        f"q= prefix ({words[1][:4]}*)": {"q": f"{words[1][:4]}*"},
         "sort=advantage&order=desc": {"sort": "advantage", "order": "desc"},
     }
     return [

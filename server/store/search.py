@@ -5,9 +5,9 @@ text, which the rollout's ids already hold), created with the run's first rollou
 with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `search_words` numbers each
 distinct word once (its `word`, the primary key, in the "C" collation, so that a prefix is a
 range of that index), and `rollout_search` holds each rollout's run and its words as a sorted
-int4[] of those numbers under a GIN index; `prompt_search` the same for each prompt. A word longer than
-MAX_WORD_CHARS, which no query may name whole, is numbered as its first MAX_WORD_CHARS
-characters and a `*` (no word has one), which only a prefix finds. A word of at least
+int4[] of those numbers under a GIN index; `prompt_search` the same for each prompt. A word
+longer than MAX_WORD_CHARS, which no query may name whole, is numbered as its first
+MAX_WORD_CHARS characters and a `*` (no word has one), which only a prefix finds. A word of at least
 PREFIX_HEAD characters also adds its head's number: the key `*` and its first PREFIX_HEAD
 characters, which no prefix's range of words holds (`*` sorts before every letter and digit), so
 that a prefix of exactly PREFIX_HEAD characters is one number, looked up as a whole word is.
@@ -310,13 +310,13 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
     took 103 of its 307 ms)."""
     terms = parse_query(q)
     postgres = conn.dialect.name == "postgresql"
-    count: int | None = None
+    total: int | None = None
     if postgres:
         numbers = _postgres_terms(conn, terms)
         if numbers is None:
             return Match("(0 = 1)", {}, 0)
         prompts = conn.execute(text(_prompts(numbers)), numbers).scalars()
-        rollouts, params, count = _postgres_rollouts(conn, run_id, numbers)
+        rollouts, params, total = _postgres_rollouts(conn, run_id, numbers)
     else:
         prompts = conn.execute(
             text("SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :q"), {"q": fts5_query(terms)}
@@ -330,7 +330,7 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
         params = {"search": fts5_query(terms)}
     prompt_ids = list(prompts)[: MAX_PROMPTS + 1]
     if not prompt_ids:
-        return Match(f"({rollouts})", params, count)
+        return Match(f"({rollouts})", params, total)
     if len(prompt_ids) > MAX_PROMPTS:
         raise InvalidInput(
             f"q: the words are in more than {MAX_PROMPTS:,} prompts; add a word to narrow it"
