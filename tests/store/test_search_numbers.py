@@ -227,6 +227,18 @@ def test_0013_adds_every_words_head_and_takes_it_back() -> None:
             assert _found(factory, run_id, q) == _expected(steps, q), q
 
 
+def _search_columns(engine: Engine) -> dict[str, str]:
+    """rollout_search's columns and their types, as information_schema names them."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT column_name, data_type FROM information_schema.columns "
+                "WHERE table_name = 'rollout_search'"
+            )
+        ).all()
+    return {name: kind for name, kind in rows}
+
+
 @pytest.mark.postgres
 def test_0014_gives_each_indexed_rollout_its_run_and_takes_it_back() -> None:
     """A database indexed before 0014 (its downgrade takes the runs out) gets each row's run
@@ -236,14 +248,7 @@ def test_0014_gives_each_indexed_rollout_its_run_and_takes_it_back() -> None:
         steps = [_steps(random.Random(seed), range(1, 4)) for seed in (8, 9)]
         runs = [_write(factory, each, index=True) for each in steps]
         downgrade(pg, "0013")
-        with pg.connect() as conn:
-            columns = conn.execute(
-                text(
-                    "SELECT column_name FROM information_schema.columns "
-                    "WHERE table_name = 'rollout_search'"
-                )
-            ).scalars()
-            assert set(columns) == {"rollout_id", "words"}
+        assert _search_columns(pg) == {"rollout_id": "integer", "words": "ARRAY"}
         upgrade(pg)
         with pg.connect() as conn:
             pairs = conn.execute(
@@ -302,16 +307,11 @@ def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
     # the prompt's words were numbered by the migration: a search finds every rollout by them
     everyone = {(s.step, r.index) for s in steps for r in s.rollouts}
     assert _found(factory, run_id, "prompt words") == everyone
-    with pg_0009.connect() as conn:
-        kinds = dict(
-            conn.execute(
-                text(
-                    "SELECT column_name, data_type FROM information_schema.columns "
-                    "WHERE table_name = 'rollout_search'"
-                )
-            ).all()
-        )
-    assert kinds == {"rollout_id": "integer", "run_id": "integer", "words": "ARRAY"}
+    assert _search_columns(pg_0009) == {
+        "rollout_id": "integer",
+        "run_id": "integer",
+        "words": "ARRAY",
+    }
     # and the store goes on indexing the run's next steps
     more = _steps(random.Random(6), range(6, 8))
     with session_scope(factory) as session:
