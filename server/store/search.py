@@ -441,26 +441,29 @@ def _among(params: dict[str, list[int]]) -> str:
 
 
 def _by_prefix(params: dict[str, list[int]]) -> str:
-    """SQL of the run's rollout ids that have every term, once for each word of the first prefix
-    that they have (_ids keeps one of each), found by one GIN scan a word of that prefix (a
-    lateral join over its numbers), with the whole words' numbers as a second key of each scan
-    and the run and the other prefixes checked on the rows found.
+    """SQL of the run's rollout ids that have every term, each once: one bitmap scan of the GIN
+    index for the words of the first prefix (`words @> ANY(terms)`, one one-number search_term
+    array a word, whose scans PostgreSQL ORs into one bitmap before it reads a row), with the
+    whole words' numbers as a second condition and the run and the other prefixes checked on
+    the rows found.
 
     Not `&&` over the prefix's numbers: GIN's scan of a key of n entries looks at all n for each
     match it returns, and `ves*` at 1,000 full steps (11,575 words over 120,707 rollouts) took
-    8 s; a scan a word costs the words and their matches. The numbers are hidden from the
-    planner: a constant's estimate is its length, whose product with GIN's default selectivity
-    passed the cost at which PostgreSQL compiles a plan (113 ms of JIT on a 70 ms statement)."""
+    8 s. Nor a lateral join over the numbers, a bitmap heap scan a word: that reads a row once
+    for each of its words that match, and drops the repeats afterwards (`vest*`, 6,888 words at
+    1,000 full steps: 143 ms for the scans and the distinct ids). The terms are hidden from the
+    planner, which would cost them as that many rows each and read the table whole."""
     first, *others = _prefixes(params)
-    conds = ["p.words OPERATOR(pg_catalog.@>) ARRAY[n.w]", "p.run_id = :search_run"]
+    terms = (
+        f"ARRAY(SELECT CAST(ARRAY[u.w] AS search_term) FROM unnest(CAST(:{first} AS integer[])) "
+        "AS u(w))"
+    )
+    hidden = f"CAST({_hidden(terms)} AS search_term[])"  # not ANY((SELECT …)): a sub-query's rows
+    conds = [f"p.words OPERATOR(pg_catalog.@>) ANY({hidden})", "p.run_id = :search_run"]
     if "search_all" in params:
         conds.append(_has_all("p"))
     conds += [_has_prefix("p", name) for name in others]
-    return (
-        f"SELECT m.rollout_id FROM unnest({_hidden(f'CAST(:{first} AS integer[])')}) "
-        "AS n(w) CROSS JOIN LATERAL (SELECT p.rollout_id FROM rollout_search p "
-        f"WHERE {' AND '.join(conds)}) AS m"
-    )
+    return f"SELECT p.rollout_id FROM rollout_search p WHERE {' AND '.join(conds)}"
 
 
 def _hidden(value: str) -> str:
@@ -490,19 +493,15 @@ def _ids(
     sql: str,
     params: dict[str, Any],
     limit: int | None = None,
-    *,
-    distinct: bool = False,
 ) -> tuple[int, IdsText]:
-    """How many of the keys `sql` finds (its first `limit`, or all; with `distinct`, each once),
-    and them sorted, as one array (20,000 rows cost more to fetch than to find) in the text that
-    the statements using them take back as it is (IdsText). Distinct keys are the aggregate's
-    own (one sort that drops the repeats, not a DISTINCT before the sort)."""
+    """How many of the keys `sql` finds (its first `limit`, or all), and them sorted, as one
+    array (20,000 rows cost more to fetch than to find) in the text that the statements using
+    them take back as it is (IdsText)."""
     tail, extra = ("", {}) if limit is None else (" LIMIT :probe", {"probe": limit})
-    once = "DISTINCT " if distinct else ""
     n, found = conn.execute(
         text(
             "SELECT coalesce(cardinality(a.k), 0), a.k::text FROM "
-            f"(SELECT array_agg({once}m.k ORDER BY m.k) FROM ({sql}{tail}) AS m(k)) AS a(k)"
+            f"(SELECT array_agg(m.k ORDER BY m.k) FROM ({sql}{tail}) AS m(k)) AS a(k)"
         ),
         params | extra,
     ).one()
@@ -529,7 +528,7 @@ def _postgres_rollouts(
         n, found = _ids(conn, _whole_words(), whole | run, COMMON_FROM)
     if len(params) > len(whole):  # a prefix
         if not whole or n >= COMMON_FROM:
-            n, found = _ids(conn, _by_prefix(params), params | run, distinct=True)
+            n, found = _ids(conn, _by_prefix(params), params | run)
         elif n:
             n, found = _ids(conn, _among(params), params | {"search_among": found})
     elif n >= COMMON_FROM:

@@ -10,6 +10,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from rollout_lens.server import store
@@ -20,7 +21,7 @@ from rollout_lens.server.store.db import make_engine, make_session_factory, sess
 from rollout_lens.server.store.migrate import downgrade, upgrade
 from rollout_lens.server.store.recording import sha256_text
 from rollout_lens.server.webapp import queries
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -446,3 +447,40 @@ def test_a_search_past_the_common_mark_finds_what_a_scan_finds(
     steps = _steps(random.Random(3), range(1, 5))
     run_id = _write(session_factory, steps, index=True)
     assert _found(session_factory, run_id, q) == _expected(steps, q)
+
+
+def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _plan_nodes(child)
+
+
+@pytest.mark.postgres
+def test_a_prefix_is_one_bitmap_scan_of_the_words_index(pg: Engine) -> None:
+    """A prefix's words are found by one bitmap index scan, each of its words' GIN scans ORed
+    into one bitmap (`words @> ANY(terms)`, migration 0015's search_term), not a scan a word
+    that reads a row once for each of its words that match (each row is read once)."""
+    factory = make_session_factory(pg)
+    steps = _steps(random.Random(3), range(1, 5))
+    run_id = _write(factory, steps, index=True)
+    ran: list[tuple[str, Any]] = []
+
+    def grab(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        ran.append((statement, parameters))
+
+    event.listen(pg, "before_cursor_execute", grab)
+    try:
+        assert _found(factory, run_id, "ze*") == _expected(steps, "ze*")  # zeal, zebra, zeb
+    finally:
+        event.remove(pg, "before_cursor_execute", grab)
+    prefix = [(s, p) for s, p in ran if "FROM rollout_search" in s]
+    assert len(prefix) == 1, [s for s, _ in ran]
+    ((statement, parameters),) = prefix
+    with pg.begin() as conn:
+        conn.execute(text("SET LOCAL enable_seqscan = off"))  # a tiny table: by cost, read whole
+        (plan,) = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", parameters).scalar()
+    nodes = [node["Node Type"] for node in _plan_nodes(plan["Plan"])]
+    scans = [n for n in _plan_nodes(plan["Plan"]) if n["Node Type"] == "Bitmap Index Scan"]
+    assert [n["Index Name"] for n in scans] == [search.ROLLOUT_WORDS_INDEX], nodes
+    assert "ANY" in scans[0]["Index Cond"], scans[0]
+    assert "Nested Loop" not in nodes and nodes.count("Bitmap Heap Scan") == 1, nodes
