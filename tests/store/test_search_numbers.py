@@ -32,7 +32,11 @@ VOCAB += ["zeb", "str"]  # words that are their own heads (search.PREFIX_HEAD ch
 VOCAB += ["null", "NULL"]  # an unquoted NULL in an array literal is no word but a NULL
 
 
-def _steps(rng: random.Random, steps: range) -> list[StepRecord]:
+def _steps(
+    rng: random.Random, steps: range, prompts: tuple[str, ...] = ("Pick one: prompt words only",)
+) -> list[StepRecord]:
+    """Steps of 6 rollouts of VOCAB's words, the i-th rollout in group i % len(prompts) with
+    that group's prompt."""
     out = []
     for step in steps:
         rollouts = []
@@ -41,9 +45,9 @@ def _steps(rng: random.Random, steps: range) -> list[StepRecord]:
             text_ = "_".join(words) if index % 2 else " ".join(w.title() for w in words)
             rollouts.append(
                 RolloutRecord(
-                    group=0,
+                    group=index % len(prompts),
                     index=index,
-                    prompt="Pick one: prompt words only",
+                    prompt=prompts[index % len(prompts)],
                     completion=text_,
                     completion_ids=list(range(len(words))),
                     token_logprobs=[-0.1] * len(words),
@@ -72,18 +76,23 @@ def _write(factory: sessionmaker[Session], steps: list[StepRecord], *, index: bo
     return run_id
 
 
+def _has_all(text_: str, q: str) -> bool:
+    """Whether a text's words have every term of `q` (a term ending in `*` as a prefix)."""
+    words = {w.lower() for w in re.findall(r"[^\W_]+", text_)}
+    return all(
+        any(w.startswith(t[:-1]) for w in words) if t.endswith("*") else t in words
+        for t in re.findall(r"[^\W_]+\*?", q.lower())
+    )
+
+
 def _expected(steps: list[StepRecord], q: str) -> set[tuple[int, int]]:
-    terms = re.findall(r"[^\W_]+\*?", q.lower())
-    found = set()
-    for record in steps:
-        for r in record.rollouts:
-            words = {w.lower() for w in re.findall(r"[^\W_]+", r.completion)}
-            if all(
-                any(w.startswith(t[:-1]) for w in words) if t.endswith("*") else t in words
-                for t in terms
-            ):
-                found.add((record.step, r.index))
-    return found
+    """The (step, index) of each rollout whose completion, or whose prompt, has every term."""
+    return {
+        (record.step, r.index)
+        for record in steps
+        for r in record.rollouts
+        if _has_all(r.completion, q) or _has_all(r.prompt, q)
+    }
 
 
 def _found(factory: sessionmaker[Session], run_id: int, q: str) -> set[tuple[int, int]]:
@@ -484,3 +493,33 @@ def test_a_prefix_is_one_bitmap_scan_of_the_words_index(pg: Engine) -> None:
     assert [n["Index Name"] for n in scans] == [search.ROLLOUT_WORDS_INDEX], nodes
     assert "ANY" in scans[0]["Index Cond"], scans[0]
     assert "Nested Loop" not in nodes and nodes.count("Bitmap Heap Scan") == 1, nodes
+
+
+PROMPTS = ("Pick one: über shared", "Pick one: zeal shared", "Pick one: zeal straße")
+
+
+@pytest.mark.parametrize("q", ["shared", "pick one", "zeal", "über", "zeal shared", "sha*"])
+def test_words_in_prompts_find_every_rollout_of_those_prompts(
+    session_factory: sessionmaker[Session], engine: Engine, q: str
+) -> None:
+    """A rollout matches by its prompt or by its completion. Where the prompts that match are
+    all the run's (`shared`, in two of another run's three), its completions' index is not read;
+    where they are some (`zeal` in the second run), the others' completions are searched."""
+    first = _steps(random.Random(3), range(1, 4), PROMPTS[:2])
+    second = _steps(random.Random(4), range(1, 4), PROMPTS)
+    runs = [_write(session_factory, each, index=True) for each in (first, second)]
+    ran: list[str] = []
+
+    def grab(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        ran.append(statement)
+
+    event.listen(engine, "before_cursor_execute", grab)
+    try:
+        for run_id, each in zip(runs, (first, second), strict=True):
+            ran.clear()
+            assert _found(session_factory, run_id, q) == _expected(each, q)
+            every = {r.prompt for record in each for r in record.rollouts}
+            read = any("rollout_search" in s or "rollout_fts_" in s for s in ran)
+            assert read == (not all(_has_all(p, q) for p in every)), (run_id, ran)
+    finally:
+        event.remove(engine, "before_cursor_execute", grab)
