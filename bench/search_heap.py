@@ -6,8 +6,8 @@ rollout_search's heap: a row under 2 KB is never toasted, whatever `toast_tuple_
 ~400 MB at 512,000 rollouts and every GIN match costs a read of it from the OS cache. This bench
 builds the same synthetic word numbers (log-uniform draws, ~180 distinct a row, as the full-shape
 bench's were before migration 0013 added their heads) two ways, each under a GIN index, and times
-the store's prefix SQL (one GIN scan a word, search._by_prefix's shape) and a whole word's scan
-on both:
+a prefix's SQL (one GIN scan a word, the lateral join search._by_prefix was before migration
+0015 made it one bitmap scan) and a whole word's scan on both:
 
 - inline: a small row's layout (words STORAGE EXTERNAL, inline because the row is small);
 - narrow: words STORAGE EXTERNAL, toast_tuple_target=128, and a `pad` text of 2,100 dots written

@@ -18,8 +18,9 @@ MIGRATIONS_DIR = ROOT / "migrations"
 
 def is_modelled(name: str | None, type_: str, _parents: object = None) -> bool:
     """Alembic's include_name: the search engines' own tables and indexes (server.store.search:
-    FTS5 tables and their shadow tables, rollout_search, prompt_search and search_words) are made by
-    migrations and the store, not by the models, so comparisons leave them out."""
+    FTS5 tables and their shadow tables, rollout_search, prompt_search and search_words, and
+    PostgreSQL's index of a run's prompts) are made by migrations and the store, not by the
+    models, so comparisons leave them out."""
     if name is None:
         return True
     if type_ == "table":
@@ -27,7 +28,7 @@ def is_modelled(name: str | None, type_: str, _parents: object = None) -> bool:
             name.startswith(("rollout_fts_", "prompt_fts"))
             or name in ("rollout_search", "prompt_search", "search_words")
         )
-    return not (type_ == "index" and name == "ix_prompts_search")
+    return not (type_ == "index" and name in ("ix_prompts_search", "ix_rollouts_search_prompts"))
 
 
 def alembic_config() -> Config:

@@ -226,7 +226,6 @@ class RolloutRow(Base):
                 "advantage",
                 "n_tokens",
                 "disagree",
-                "prompt_id",  # a run's distinct prompts, a look-up each (search._all_prompts)
             )
         ),
     )

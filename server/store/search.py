@@ -47,6 +47,7 @@ HEAD_MARK = "*"  # a head's key is the mark and the head (head_key)
 COMMON_FROM = 20_000  # PostgreSQL: a search matching this many rollouts walks the sort order
 # PostgreSQL: the GIN indexes of the rollouts' and the prompts' word numbers (migration 0010)
 ROLLOUT_WORDS_INDEX, PROMPT_WORDS_INDEX = "ix_rollout_search_words", "ix_prompt_search_words"
+RUN_PROMPTS_INDEX = "ix_rollouts_search_prompts"  # PostgreSQL: rollouts (run_id, prompt_id), 0016
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
@@ -302,14 +303,15 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
     """The condition that a rollouts row `r` of the run has every word of `q` in its completion
     or its prompt.
 
-    The prompts that match are found first (a run has few). Where they are every prompt of the
-    run, that is the condition, and the completions' index is not read (a word of the prompts'
-    template is in all of them: `need*` at 100 full steps read 69,092 rollouts' ids in 74 ms
-    that no row needed). Otherwise the condition is also a lookup of the index's rollout ids,
-    which the database reads from the index instead of testing every rollout of the run. On
-    PostgreSQL, where no prompt matches and the run's matches are read from the index as ids,
-    their number is the count (a filter-free page need not count them again: `vest*` at 1,000
-    full steps, 76,422 ids tested against the run's 512,000 rollouts, took 103 of its 307 ms)."""
+    The prompts that match are found first (a run has few). On PostgreSQL, where they are every
+    prompt of the run, that is the condition, and the completions' index is not read (a word of
+    the prompts' template is in all of them: `need*` at 100 full steps read 69,092 rollouts' ids
+    in 74 ms that no row needed). Otherwise the condition is also a lookup of the index's
+    rollout ids, which the database reads from the index instead of testing every rollout of the
+    run. On PostgreSQL, where no prompt matches and the run's matches are read from the index
+    as ids, their number is the count (a filter-free page need not count them again: `vest*` at
+    1,000 full steps, 76,422 ids tested against the run's 512,000 rollouts, took 103 of its 307
+    ms)."""
     terms = parse_query(q)
     postgres = conn.dialect.name == "postgresql"
     numbers: dict[str, list[int]] = {}
@@ -330,7 +332,7 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
         )
     marks = ", ".join(f":prompt{i}" for i in range(len(prompt_ids)))
     by_prompt = {f"prompt{i}": pid for i, pid in enumerate(prompt_ids)}
-    if prompt_ids and _all_prompts(conn, run_id, marks, by_prompt):
+    if prompt_ids and postgres and _all_prompts(conn, run_id, marks, by_prompt):
         return Match(f"(r.prompt_id IN ({marks}))", by_prompt, None)
     total: int | None = None
     if postgres:
@@ -350,8 +352,8 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
 
 
 def _all_prompts(conn: Connection, run_id: int, marks: str, prompts: dict[str, int]) -> bool:
-    """Whether every rollout of the run has one of these prompts (`marks`, their parameters'
-    names): the run's distinct prompts, read in order from the (run_id, prompt_id) index one
+    """PostgreSQL: whether every rollout of the run has one of these prompts (`marks`, their
+    parameters' names): the run's distinct prompts, read in order from RUN_PROMPTS_INDEX one
     look-up each (a loose index scan), until one is not among them — at most one more look-up
     than there are prompts, however many rollouts the run has."""
     first = "SELECT prompt_id FROM rollouts WHERE run_id = :cover_run"
