@@ -18,9 +18,10 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.webapp.http.params import GroupSort, Look
 from rollout_lens.server.webapp.pages import stepview
 from rollout_lens.server.webapp.queries import GROUPS_PER_PAGE, JSON_TOKENS, disagrees_sql
-from sqlalchemy import event, literal, select
+from sqlalchemy import literal, select
 
 from tests.factories import make_groups, make_run, record_step
+from tests.sql_support import executed
 from tests.web_support import parse
 
 GROUPS = 20
@@ -444,18 +445,10 @@ def test_the_overview_reads_no_token_arrays_and_stays_small(session_factory, cli
         r.group = 64
     record_step(session_factory, run_id, 1, values={"reward_mean": 0.5}, rollouts=rollouts + big)
     engine = session_factory.kw["bind"]
-    statements: list[str] = []
-
-    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        statements.append(statement)
-
-    event.listen(engine, "before_cursor_execute", seen)
-    try:
+    with executed(engine) as ran:
         page = client.get(f"/runs/{run_id}/steps/1?sort=disagree&order=desc")
         data = client.get(f"/api/runs/{run_id}/steps/1?limit=500").json()
-    finally:
-        event.remove(engine, "before_cursor_execute", seen)
-    rollout_reads = [s for s in statements if "FROM rollouts" in s]
+    rollout_reads = [s for s, _ in ran if "FROM rollouts" in s]
     assert rollout_reads and not [s for s in rollout_reads for a in ARRAYS if f"rollouts.{a}" in s]
     assert page.status_code == 200 and len(page.content) < 300 * 1024
     assert data["total"] == 65 and len(data["groups"]) == 65

@@ -3,19 +3,16 @@ summary (on a real SQLite file and on PostgreSQL)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.server.webapp import queries
-from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS, record_step
+from tests.sql_support import executed
 from tests.web_support import parse
 
 
@@ -74,26 +71,12 @@ def test_runs_page_pages_through_sorted_runs(session_factory) -> None:
             _page(session_factory, **bad)
 
 
-@contextmanager
-def _statements(engine: Engine) -> Iterator[list[str]]:
-    seen: list[str] = []
-
-    def count(_conn, _cursor, statement, *_args) -> None:  # type: ignore[no-untyped-def]
-        seen.append(statement)
-
-    event.listen(engine, "before_cursor_execute", count)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", count)
-
-
 def test_runs_page_reads_the_same_statements_for_many_runs(engine, session_factory) -> None:
     _runs(session_factory, 4)
-    with _statements(engine) as few:
+    with executed(engine) as few:
         _page(session_factory)
     _runs(session_factory, 120)
-    with _statements(engine) as many:
+    with executed(engine) as many:
         page = _page(session_factory, page=2, sort="progress")
     assert len(page["runs"]) == 50 and page["total"] == 124
     # the count with the newest id, the page's rows, the queue, the warnings: nothing per run

@@ -21,11 +21,12 @@ from rollout_lens.server.store.db import make_engine, make_session_factory, sess
 from rollout_lens.server.store.migrate import downgrade, upgrade
 from rollout_lens.server.store.recording import sha256_text
 from rollout_lens.server.webapp import queries
-from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.conftest import PG_URL
+from tests.sql_support import executed
 
 VOCAB = ["straße", "über", "überweg", "zebra", "zeal", "x1y2", "a" * 201, "tool", "07", "ǅemal"]
 VOCAB += ["zeb", "str"]  # words that are their own heads (search.PREFIX_HEAD characters)
@@ -458,6 +459,15 @@ def test_a_search_past_the_common_mark_finds_what_a_scan_finds(
     assert _found(session_factory, run_id, q) == _expected(steps, q)
 
 
+def _plan(pg: Engine, statement: str, parameters: Any) -> dict[str, Any]:
+    """PostgreSQL's plan of a statement that ran (sql_support.executed), as if its tables were
+    big: a test's tiny table would be read whole by cost, whatever index could serve."""
+    with pg.begin() as conn:
+        conn.execute(text("SET LOCAL enable_seqscan = off"))
+        (plan,) = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", parameters).scalar()
+    return dict(plan["Plan"])
+
+
 def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
     yield plan
     for child in plan.get("Plans", []):
@@ -472,24 +482,13 @@ def test_a_prefix_is_one_bitmap_scan_of_the_words_index(pg: Engine) -> None:
     factory = make_session_factory(pg)
     steps = _steps(random.Random(3), range(1, 5))
     run_id = _write(factory, steps, index=True)
-    ran: list[tuple[str, Any]] = []
-
-    def grab(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        ran.append((statement, parameters))
-
-    event.listen(pg, "before_cursor_execute", grab)
-    try:
+    with executed(pg) as ran:
         assert _found(factory, run_id, "ze*") == _expected(steps, "ze*")  # zeal, zebra, zeb
-    finally:
-        event.remove(pg, "before_cursor_execute", grab)
     prefix = [(s, p) for s, p in ran if "FROM rollout_search" in s]
     assert len(prefix) == 1, [s for s, _ in ran]
-    ((statement, parameters),) = prefix
-    with pg.begin() as conn:
-        conn.execute(text("SET LOCAL enable_seqscan = off"))  # a tiny table: by cost, read whole
-        (plan,) = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", parameters).scalar()
-    nodes = [node["Node Type"] for node in _plan_nodes(plan["Plan"])]
-    scans = [n for n in _plan_nodes(plan["Plan"]) if n["Node Type"] == "Bitmap Index Scan"]
+    plan = _plan(pg, *prefix[0])
+    nodes = [node["Node Type"] for node in _plan_nodes(plan)]
+    scans = [n for n in _plan_nodes(plan) if n["Node Type"] == "Bitmap Index Scan"]
     assert [n["Index Name"] for n in scans] == [search.ROLLOUT_WORDS_INDEX], nodes
     assert "ANY" in scans[0]["Index Cond"], scans[0]
     assert "Nested Loop" not in nodes and nodes.count("Bitmap Heap Scan") == 1, nodes
@@ -509,19 +508,15 @@ def test_words_in_prompts_find_every_rollout_of_those_prompts(
     first = _steps(random.Random(3), range(1, 4), PROMPTS[:2])
     second = _steps(random.Random(4), range(1, 4), PROMPTS)
     runs = [_write(session_factory, each, index=True) for each in (first, second)]
-    ran: list[str] = []
-
-    def grab(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        ran.append(statement)
-
-    event.listen(engine, "before_cursor_execute", grab)
-    try:
-        for run_id, each in zip(runs, (first, second), strict=True):
-            ran.clear()
+    postgres = engine.dialect.name == "postgresql"
+    for run_id, each in zip(runs, (first, second), strict=True):
+        with executed(engine) as ran:
             assert _found(session_factory, run_id, q) == _expected(each, q)
-            every = {r.prompt for record in each for r in record.rollouts}
-            read = any("rollout_search" in s or "rollout_fts_" in s for s in ran)
-            covered = all(_has_all(p, q) for p in every) and engine.dialect.name == "postgresql"
-            assert read == (not covered), (run_id, ran)
-    finally:
-        event.remove(engine, "before_cursor_execute", grab)
+        every = {r.prompt for record in each for r in record.rollouts}
+        read = any("rollout_search" in s or "rollout_fts_" in s for s, _ in ran)
+        covered = all(_has_all(p, q) for p in every) and postgres
+        assert read == (not covered), (run_id, ran)
+        if postgres:  # the run's prompts are read from their index, a look-up each
+            (walk,) = [(s, p) for s, p in ran if "WITH RECURSIVE" in s]
+            used = {n.get("Index Name") for n in _plan_nodes(_plan(engine, *walk))}
+            assert search.RUN_PROMPTS_INDEX in used, used
