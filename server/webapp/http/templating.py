@@ -206,11 +206,21 @@ def escape_str(value: str) -> str:
     )
 
 
+# The same escaping, remembered, for the few texts a page repeats thousands of times: a cell's
+# CSS classes, and the control-token table's cells (a class and a probability's text each).
+_escaped_class = functools.lru_cache(maxsize=1024)(escape_str)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _table_cell(cls: str, text: str) -> str:
+    return f'<td class="{escape_str(cls)}">{escape_str(text)}</td>'
+
+
 def token_cells_html(cells: Sequence[TokenCell]) -> Markup:
     """One `<span role="listitem">` per token cell (server.webapp.pages.stepview.token_cells)."""
     return Markup(
         "".join(
-            f'<span role="listitem" class="{escape_str(c["cls"])}" tabindex="0" '
+            f'<span role="listitem" class="{_escaped_class(c["cls"])}" tabindex="0" '
             f'title="{escape_str(c["title"])}">{token_text(c["text"])}</span>'
             for c in cells
         )
@@ -224,7 +234,7 @@ def control_table_html(cells: Sequence[TokenCell], rows: ControlRows) -> Markup:
     body = "".join(
         ('<tr><th scope="row">' if i == 0 else '<tr><th scope="row" class="mono">')
         + f"{escape(label) if i == 0 else piece_view(label)}</th>"
-        + "".join(f'<td class="{escape_str(cls)}">{escape_str(text)}</td>' for cls, text in values)
+        + "".join([_table_cell(cls, text) for cls, text in values])
         + "</tr>"
         for i, (label, values) in enumerate(rows)
     )

@@ -818,30 +818,37 @@ def token_cells(
     position."""
     cells = []
     names = {t: control_name(t) for t in control}
+    heads = [(f"p({names[t]})=", ps) for t, ps in control.items()]  # a hover line each
     for span in spans:
         a, b = span.first, span.last
         if limit is not None and a >= limit:
             break
-        at = f"#{a}" if a == b else f"#{a}–{b}"
-        id_text = f"id {ids[a]}" if a == b else "ids " + ", ".join(map(str, ids[a : b + 1]))
+        if a == b:  # most cells: one token
+            at, id_text, p, misses = f"#{a}", f"id {ids[a]}", probs[a], sorted(near_misses[a])
+        else:
+            at, id_text = f"#{a}–{b}", "ids " + ", ".join(map(str, ids[a : b + 1]))
+            p = _cell_probability(probs, a, b)
+            misses = sorted({t for i in range(a, b + 1) for t in near_misses[i]})
         if sampled is not None and not sampled[a]:
             title = f"{at} · {id_text} · tool result: not sampled, not trained"
             cells.append(
                 TokenCell(text=span.text, first=a, last=b, cls="tok tool-tok", title=title)
             )
             continue
-        p = _cell_probability(probs, a, b)
         lines = [f"{at} · {id_text} · p={prob_text(p, 3)}"]
         if b > a:
             each = " × ".join(prob_text(q, 3) for q in probs[a : b + 1])
             lines.append(f"one character over {b - a + 1} tokens: p is the product {each}")
-        lines += [f"p({names[t]})={prob_text(ps[a], 3)}" for t, ps in control.items()]
-        misses = sorted({t for i in range(a, b + 1) for t in near_misses[i]})
+        lines += [head + prob_text(ps[a], 3) for head, ps in heads]
         if misses:
             lines.append(f"near miss: {', '.join(names[t] for t in misses)} was likely here")
-        cls = f"tok p{probability_bin(p)}" + (" near-miss" if misses else "")
+        cls = _CELL_CLASSES[probability_bin(p)][bool(misses)]
         cells.append(TokenCell(text=span.text, first=a, last=b, cls=cls, title="\n".join(lines)))
     return cells
+
+
+# A token cell's CSS classes by its probability's shade (0-9) and whether it is a near miss.
+_CELL_CLASSES = [(f"tok p{i}", f"tok p{i} near-miss") for i in range(10)]
 
 
 def control_rows(
