@@ -14,6 +14,7 @@ The pages' reads live in server.webapp.queries. Callers use `store.<function>`.
 """
 
 from rollout_lens.server.store.reading import (
+    TokenTextCache,
     first_recorded,
     iter_rollouts,
     iter_steps,
@@ -75,6 +76,7 @@ __all__ = [
     "RESUMABLE_STATUSES",
     "Recorder",
     "RunWriter",
+    "TokenTextCache",
     "add_device_time",
     "add_rollouts",
     "cancel_requested",

@@ -4,6 +4,8 @@ their series, rollouts with their prompt, facts and token texts."""
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 
@@ -121,6 +123,56 @@ def token_texts(
         {"ids": json.dumps(wanted), "run": run_id},
     )
     return {token_id: token_text for token_id, token_text in rows}
+
+
+class TokenTextCache:
+    """Token texts of runs kept across requests (the web app keeps one): a page of a group reads
+    the texts of some 3,000 ids, 10-14 ms on either database, the same ones each time.
+
+    A run's texts never change: the recorder only adds run_tokens rows (an id's first text
+    stays) and they are deleted with their run. So a text once read is kept under its run's id,
+    creation time and source: a new run given a deleted run's id (SQLite reuses the highest id)
+    is another key. Ids the run has no text for are asked again each time (a later step may
+    record them). At most `limit` texts in all (about 100 bytes each); past it the runs read
+    least recently are dropped, and a run with more than `limit` texts is read as before."""
+
+    def __init__(self, limit: int = 500_000) -> None:
+        self._limit = limit
+        self._runs: OrderedDict[tuple[int, datetime, str], dict[int, str]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def texts(self, session: Session, run: RunRow, ids: Iterable[int]) -> dict[int, str]:
+        """token_texts of these ids of `run`, reading only those not kept."""
+        key = (run.id, run.created_at, run.source)
+        wanted = set(ids)
+        with self._lock:
+            kept = self._runs.get(key, {})
+            if kept:
+                self._runs.move_to_end(key)
+            found = {i: kept[i] for i in wanted if i in kept}
+        missing = wanted.difference(found)
+        if missing:
+            read = token_texts(session, run_id=run.id, ids=missing)
+            found.update(read)
+            self._keep(key, read)
+        return found
+
+    def _keep(self, key: tuple[int, datetime, str], read: dict[int, str]) -> None:
+        with self._lock:
+            kept = self._runs.setdefault(key, {})
+            self._runs.move_to_end(key)
+            if len(kept) + len(read) > self._limit:
+                return
+            before = len(kept)
+            kept.update(read)
+            self._size += len(kept) - before
+            while self._size > self._limit:
+                _, dropped = self._runs.popitem(last=False)
+                self._size -= len(dropped)
 
 
 def metric_series(

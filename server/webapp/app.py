@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.store.db import WEB_POOL, make_engine, make_session_factory
 from rollout_lens.server.webapp.alert_hooks import POLL_SECONDS as ALERT_POLL_SECONDS
@@ -31,6 +32,7 @@ SWAGGER_JS = "vendor/swagger-ui-bundle-5.35.0.js"
 SWAGGER_CSS = "vendor/swagger-ui-5.35.0.css"
 ALERT_CACHE_SIZE = 4096
 COMPARE_CACHE_SIZE = 256
+TOKEN_TEXTS_KEPT = 500_000  # runs' token texts kept (about 100 bytes each)
 
 
 def prepare_database(settings: Settings) -> None:
@@ -117,6 +119,8 @@ def create_app(
     app.state.alert_cache = ResponseCache(ALERT_CACHE_SIZE if cache_size else 0)
     # Each run's part of a compare page (its rounded charts and summary, ~15 KB), per version.
     app.state.compare_cache = ResponseCache(COMPARE_CACHE_SIZE if cache_size else 0)
+    # Runs' token texts, which never change (the group page's and the step viewer's ~3,000 a page)
+    app.state.token_texts = store.TokenTextCache(TOKEN_TEXTS_KEPT if cache_size else 0)
     app.state.ingest = Ingest(session_factory, price_per_hour=settings.price_per_device_hour)
     app.state.templates = make_templates()
     app.state.flash_signer = make_signer()

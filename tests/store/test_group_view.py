@@ -469,3 +469,24 @@ def test_a_group_shows_the_text_recorded_for_each_token(session_factory, client)
     assert [got["token_pieces"] for got in data["rollouts"]] == [r.meta["tokens"] for r in members]
     page = client.get(f"/runs/{run_id}/steps/2/groups/1").text
     assert all(f"p{i}" in page for r in members for i in r.completion_ids)
+
+
+def test_the_group_pages_read_a_runs_token_texts_once(session_factory, client) -> None:
+    """The group page, its JSON twin and the one-group step page share the app's token texts:
+    the second time a group is shown no token text is read, and the page is the same."""
+    run_id = make_run(session_factory, steps=0, prompts_per_step=1, seed=5)
+    rollouts = make_groups(random.Random(5), groups=1, tokens=6)
+    for r in rollouts:
+        r.tokens = [f"Ġp{i}" for i in r.completion_ids]
+    record_step(session_factory, run_id, 1, values={"reward_mean": 0.5}, rollouts=rollouts)
+    engine = session_factory.kw["bind"]
+    urls = [f"/runs/{run_id}/steps/1/groups/0", f"/api/runs/{run_id}/steps/1/groups/0"]
+    urls.append(f"/runs/{run_id}/steps/1")  # one group: the step page shows it
+    pages = []
+    for _ in range(2):
+        with executed(engine) as ran:
+            pages.append([client.get(url).text for url in urls])
+        pages[-1].append(sum("run_tokens" in statement for statement, _ in ran))
+    assert pages[0][-1] == 1 and pages[1][-1] == 0
+    shown = {f"p{i}" for r in rollouts for i in r.completion_ids}
+    assert pages[0][:-1] == pages[1][:-1] and all(p in pages[0][0] for p in shown)

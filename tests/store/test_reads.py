@@ -3,15 +3,19 @@ summary (on a real SQLite file and on PostgreSQL)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.store import deletion
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.server.webapp import queries
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, record_step
+from tests.factories import CONTROL_TOKENS, make_rollouts, record_step
 from tests.sql_support import executed
 from tests.web_support import parse
 
@@ -171,3 +175,78 @@ def test_compare_keeps_each_runs_part_until_the_run_changes(session_factory, cli
     assert moved["series"][str(a)]["series"]["reward_mean"]["x"][-1] == 41
     page = parse(client.get(f"/compare?runs={a},{b}").text).json("page-data")
     assert page["series"] == moved["series"]
+
+
+def _run_with_tokens(factory: sessionmaker[Session], name: str, pieces: list[str]) -> int:
+    """A run whose one rollout's tokens are `pieces` (ids 0, 1, …), their texts recorded."""
+    with session_scope(factory) as session:
+        run = store.create_run(
+            session,
+            name=name,
+            model="tiny",
+            total_steps=2,
+            group_size=1,
+            seed=0,
+            control_tokens=CONTROL_TOKENS,
+        )
+    (rollout,) = make_rollouts(random.Random(0), group_size=1, completion="".join(pieces))
+    rollout.completion_ids, rollout.tokens = list(range(len(pieces))), pieces
+    rollout.token_logprobs, rollout.control_probs = [], {}
+    record_step(factory, run.id, 1, rollouts=[rollout])
+    return run.id
+
+
+def _texts(
+    engine: Engine,
+    factory: sessionmaker[Session],
+    cache: store.TokenTextCache,
+    run_id: int,
+    ids: set[int],
+) -> tuple[dict[int, str], int]:
+    """The cache's texts of these ids, and how many statements read run_tokens for them."""
+    with executed(engine) as ran, session_scope(factory) as session:
+        texts = cache.texts(session, store.get_run(session, run_id=run_id), ids)
+    return texts, sum("run_tokens" in statement for statement, _ in ran)
+
+
+def test_a_runs_token_texts_are_read_once(engine, session_factory) -> None:
+    """The web app's TokenTextCache reads each text of a run once and gives what token_texts
+    gives; a run given a deleted run's id (SQLite reuses the highest) is not served the old
+    run's texts; ids with no text are asked again."""
+    cache = store.TokenTextCache()
+    first = _run_with_tokens(session_factory, "first", ["Hel", "lo", " wor", "ld"])
+    assert _texts(engine, session_factory, cache, first, {0, 1}) == ({0: "Hel", 1: "lo"}, 1)
+    assert _texts(engine, session_factory, cache, first, {1, 0}) == ({0: "Hel", 1: "lo"}, 0)
+    with session_scope(session_factory) as session:
+        expected = store.token_texts(session, run_id=first, ids={0, 1, 2, 3, 9})
+    assert _texts(engine, session_factory, cache, first, {0, 1, 2, 3, 9}) == (expected, 1)
+    assert _texts(engine, session_factory, cache, first, {2, 9}) == ({2: " wor"}, 1)  # 9 asked
+    assert _texts(engine, session_factory, cache, first, {3}) == ({3: "ld"}, 0)
+    with session_scope(session_factory) as session:
+        deletion.delete_run(session, run_id=first)
+    second = _run_with_tokens(session_factory, "second", ["¡Ho", "la", "!"])
+    if engine.dialect.name == "sqlite":
+        assert second == first  # the id is reused
+    assert _texts(engine, session_factory, cache, second, {0, 1, 2}) == (
+        {0: "¡Ho", 1: "la", 2: "!"},
+        1,
+    )
+
+
+def test_the_token_text_cache_keeps_at_most_its_limit(engine, session_factory) -> None:
+    """Past its limit the cache drops the runs read least recently; a run with more texts than
+    the limit is read each time, never kept in part."""
+    cache = store.TokenTextCache(limit=5)
+    runs = [_run_with_tokens(session_factory, f"run {i}", ["a", "b", "c"]) for i in range(3)]
+    for run_id in runs[:2]:
+        assert _texts(engine, session_factory, cache, run_id, {0, 1})[1] == 1
+    assert len(cache) == 4
+    assert _texts(engine, session_factory, cache, runs[0], {0, 1})[1] == 0  # now the newest
+    assert _texts(engine, session_factory, cache, runs[2], {0, 1, 2})[1] == 1
+    assert len(cache) == 5  # runs[1] dropped, the least recently read
+    assert _texts(engine, session_factory, cache, runs[0], {0, 1})[1] == 0
+    assert _texts(engine, session_factory, cache, runs[1], {0, 1})[1] == 1
+    small = store.TokenTextCache(limit=2)
+    for _ in range(2):
+        texts, reads = _texts(engine, session_factory, small, runs[0], {0, 1, 2})
+        assert (texts, reads, len(small)) == ({0: "a", 1: "b", 2: "c"}, 1, 0)

@@ -12,6 +12,7 @@ from fastapi.responses import HTMLResponse
 from rollout_lens.server.core import textsafe
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.queue import make_celery
+from rollout_lens.server.store import TokenTextCache
 from rollout_lens.server.webapp.http.cache import ResponseCache
 from sqlalchemy.orm import Session
 
@@ -54,6 +55,12 @@ def get_compare_cache(request: Request) -> ResponseCache:
     return cache
 
 
+def get_token_texts(request: Request) -> TokenTextCache:
+    """The app's cache of runs' token texts (store.TokenTextCache)."""
+    texts: TokenTextCache = request.app.state.token_texts
+    return texts
+
+
 def get_celery(request: Request) -> Celery:
     """The app's Celery client, made on first use (the embedded broker creates its folders)."""
     state = request.app.state
@@ -70,6 +77,7 @@ CacheDep = Annotated[ResponseCache, Depends(get_cache)]
 CeleryDep = Annotated[Celery, Depends(get_celery)]
 AlertCacheDep = Annotated[ResponseCache, Depends(get_alert_cache)]
 CompareCacheDep = Annotated[ResponseCache, Depends(get_compare_cache)]
+TokenTextsDep = Annotated[TokenTextCache, Depends(get_token_texts)]
 
 
 def render(

@@ -16,6 +16,7 @@ from rollout_lens.server.store.models import (
     FactsRow,
     PromptRow,
     RolloutRow,
+    RunRow,
     StepRow,
 )
 from rollout_lens.server.store.serialize import completion_ids, read_rollout, run_dict, step_dict
@@ -244,16 +245,23 @@ def _group_neighbours(session: Session, *, run_id: int, rollout_step: int, group
 
 
 def _token_texts(
-    session: Session, *, run_id: int, rollouts: list[RolloutRow], limit: int | None
+    session: Session,
+    *,
+    run: RunRow,
+    rollouts: list[RolloutRow],
+    limit: int | None,
+    cache: store.TokenTextCache | None,
 ) -> dict[int, str]:
     """The texts of the token ids serialize.rollout_dict needs for these rollouts: every id of
     a rollout whose text is rebuilt from its ids, else those of its first `limit` positions (all
-    when None)."""
+    when None); those `cache` keeps are not read again."""
     ids: set[int] = set()
     for r in rollouts:
         every = completion_ids(r)
         ids.update(every if limit is None or r.text_rule is not None else every[:limit])
-    return store.token_texts(session, run_id=run_id, ids=ids)
+    if cache is None:
+        return store.token_texts(session, run_id=run.id, ids=ids)
+    return cache.texts(session, run, ids)
 
 
 def has_group(session: Session, *, run_id: int, step: int, group: int) -> bool:
@@ -283,12 +291,13 @@ def group_detail(
     offset: int = 0,
     limit: int | None = None,
     page_budget: bool = False,
+    texts_kept: store.TokenTextCache | None = None,
 ) -> GroupDetail:
     """One group of a step: its overview row, its header (stepview.group_header), its neighbours,
     and its rollouts from `offset` (at most `limit`) with their arrays decoded by
     serialize.read_rollout (typed views), cut to `max_tokens` positions (with `page_budget`, to no more than
-    a page shows of each: stepview.page_token_limit). GroupNotFound when the step has no such
-    group."""
+    a page shows of each: stepview.page_token_limit), their token texts read through
+    `texts_kept` when given. GroupNotFound when the step has no such group."""
     row, head = step_head(session, run_id=run_id, step=step)
     scalars = _scalar_rows(session, run_id=run_id, rollout_step=row.rollout_step, group=group)
     if not scalars:
@@ -314,7 +323,7 @@ def group_detail(
     run = store.get_run(session, run_id=run_id)  # already in the session: no second read
     tokens = list(run.control_tokens)
     texts = _token_texts(
-        session, run_id=run_id, rollouts=[r for r, _ in rollouts], limit=max_tokens
+        session, run=run, rollouts=[r for r, _ in rollouts], limit=max_tokens, cache=texts_kept
     )
     views = [read_rollout(r, text, tokens, texts, max_tokens=max_tokens) for r, text in rollouts]
     return {

@@ -14,6 +14,7 @@ from rollout_lens.server.webapp.http.deps import (
     CacheDep,
     CompareCacheDep,
     SessionDep,
+    TokenTextsDep,
 )
 from rollout_lens.server.webapp.http.params import (
     MAX_ID,
@@ -309,6 +310,7 @@ def get_step(
 def get_group(
     request: Request,
     session: SessionDep,
+    texts: TokenTextsDep,
     run_id: RunId,
     step: StepNo,
     group: GroupNo,
@@ -347,6 +349,7 @@ def get_group(
         max_tokens=max_tokens,
         offset=offset,
         limit=limit,
+        texts_kept=texts,
     )
     return DataResponse(
         page_context.group_json(detail, _url(request), limit=limit, max_tokens=max_tokens)

@@ -18,6 +18,7 @@ from rollout_lens.server.webapp.http.deps import (
     AlertCacheDep,
     CompareCacheDep,
     SessionDep,
+    TokenTextsDep,
     model_builds,
     render,
 )
@@ -147,6 +148,7 @@ def step_jump(
 def step_page(
     request: Request,
     session: SessionDep,
+    texts: TokenTextsDep,
     run_id: RunId,
     step: StepNo,
     sort: GroupSort = "group",
@@ -181,6 +183,7 @@ def step_page(
             max_tokens=VIEW_TOKENS,
             limit=queries.GROUP_TABS,
             page_budget=True,
+            texts_kept=texts,
         )
     return render(
         request, "step.html", page_context.step_page(overview, _url(request), detail=detail)
@@ -189,7 +192,12 @@ def step_page(
 
 @router.get("/runs/{run_id}/steps/{step}/groups/{group}", name="group_page")
 def group_page(
-    request: Request, session: SessionDep, run_id: RunId, step: StepNo, group: GroupNo
+    request: Request,
+    session: SessionDep,
+    texts: TokenTextsDep,
+    run_id: RunId,
+    step: StepNo,
+    group: GroupNo,
 ) -> HTMLResponse:
     """One group of a step: its rollouts #0…#G−1 (tabs, tokens) and a table of all of them."""
     detail = queries.group_detail(
@@ -200,6 +208,7 @@ def group_page(
         max_tokens=VIEW_TOKENS,
         limit=queries.GROUP_TABS,
         page_budget=True,
+        texts_kept=texts,
     )
     return render(request, "group.html", page_context.group_page(detail))
 
