@@ -163,10 +163,11 @@ class TokenTextCache:
 
     def _keep(self, key: tuple[int, datetime, str], read: dict[int, str]) -> None:
         with self._lock:
-            kept = self._runs.setdefault(key, {})
-            self._runs.move_to_end(key)
+            kept = self._runs.get(key, {})
             if len(kept) + len(read) > self._limit:
                 return
+            self._runs[key] = kept
+            self._runs.move_to_end(key)
             before = len(kept)
             kept.update(read)
             self._size += len(kept) - before

@@ -246,7 +246,8 @@ def test_the_token_text_cache_keeps_at_most_its_limit(engine, session_factory) -
     assert len(cache) == 5  # runs[1] dropped, the least recently read
     assert _texts(engine, session_factory, cache, runs[0], {0, 1})[1] == 0
     assert _texts(engine, session_factory, cache, runs[1], {0, 1})[1] == 1
-    small = store.TokenTextCache(limit=2)
-    for _ in range(2):
-        texts, reads = _texts(engine, session_factory, small, runs[0], {0, 1, 2})
-        assert (texts, reads, len(small)) == ({0: "a", 1: "b", 2: "c"}, 1, 0)
+    for small in (store.TokenTextCache(limit=2), store.TokenTextCache(limit=0)):  # 0: off
+        for _ in range(2):
+            texts, reads = _texts(engine, session_factory, small, runs[0], {0, 1, 2})
+            assert (texts, reads, len(small)) == ({0: "a", 1: "b", 2: "c"}, 1, 0)
+        assert not small._runs  # nothing kept for the run, not even an empty entry
