@@ -32,7 +32,7 @@ SWAGGER_JS = "vendor/swagger-ui-bundle-5.35.0.js"
 SWAGGER_CSS = "vendor/swagger-ui-5.35.0.css"
 ALERT_CACHE_SIZE = 4096
 COMPARE_CACHE_SIZE = 256
-TOKEN_TEXTS_KEPT = 500_000  # runs' token texts kept (about 100 bytes each)
+TOKEN_TEXTS_KEPT = 500_000  # runs' token texts kept (about 120 bytes each: 60 MB)
 
 
 def prepare_database(settings: Settings) -> None:
