@@ -471,22 +471,32 @@ def test_a_group_shows_the_text_recorded_for_each_token(session_factory, client)
     assert all(f"p{i}" in page for r in members for i in r.completion_ids)
 
 
-def test_the_group_pages_read_a_runs_token_texts_once(session_factory, client) -> None:
-    """The group page, its JSON twin and the one-group step page share the app's token texts:
-    the second time a group is shown no token text is read, and the page is the same."""
-    run_id = make_run(session_factory, steps=0, prompts_per_step=1, seed=5)
-    rollouts = make_groups(random.Random(5), groups=1, tokens=6)
+def _run_with_token_texts(session_factory, seed: int) -> tuple[int, list[RolloutRecord]]:
+    """A run of one step of one group whose tokens' texts are recorded (Ġp<id>)."""
+    run_id = make_run(session_factory, steps=0, prompts_per_step=1, seed=seed)
+    rollouts = make_groups(random.Random(seed), groups=1, tokens=6)
     for r in rollouts:
         r.tokens = [f"Ġp{i}" for i in r.completion_ids]
     record_step(session_factory, run_id, 1, values={"reward_mean": 0.5}, rollouts=rollouts)
+    return run_id, rollouts
+
+
+def test_the_group_pages_read_a_runs_token_texts_once(session_factory, client) -> None:
+    """The group page, its JSON twin, the one-group step page, compare (page and JSON) and its
+    step card share the app's token texts: the second time a group is shown no token text is
+    read, and every answer is the same."""
+    run_id, rollouts = _run_with_token_texts(session_factory, 5)
+    other, _ = _run_with_token_texts(session_factory, 6)
     engine = session_factory.kw["bind"]
     urls = [f"/runs/{run_id}/steps/1/groups/0", f"/api/runs/{run_id}/steps/1/groups/0"]
     urls.append(f"/runs/{run_id}/steps/1")  # one group: the step page shows it
+    urls += [f"/compare?runs={other},{run_id}", f"/api/compare?runs={other},{run_id}"]
+    urls.append(f"/runs/{other}/steps/1/card")
     pages = []
     for _ in range(2):
         with executed(engine) as ran:
             pages.append([client.get(url).text for url in urls])
         pages[-1].append(sum("run_tokens" in statement for statement, _ in ran))
-    assert pages[0][-1] == 1 and pages[1][-1] == 0
+    assert pages[0][-1] == 2 and pages[1][-1] == 0  # each run's texts once
     shown = {f"p{i}" for r in rollouts for i in r.completion_ids}
     assert pages[0][:-1] == pages[1][:-1] and all(p in pages[0][0] for p in shown)

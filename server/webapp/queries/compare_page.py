@@ -43,6 +43,7 @@ def compare(
     group: int = 0,
     max_tokens: int | None = 0,
     memo: Memo = _no_memo,
+    texts_kept: store.TokenTextCache | None = None,
 ) -> CompareData:
     """Two or more runs: chart series, summary, config diff, and one step of the first two side
     by side (the last step both have, unless `step` is given): one group of it (the first, or
@@ -53,7 +54,8 @@ def compare(
     if given), so a long run reads its rollups; values are rounded to what a chart shows and
     bands are left out past COMPARE_BANDS runs. Its summary comes from series()' 25-step buckets
     (queries.bucket_means) and the run's summary columns, not from every step in Python. A run's
-    part is the same until the run changes: `memo` may keep it, keyed by the run's version.
+    part is the same until the run changes: `memo` may keep it, keyed by the run's version. The
+    side-by-side groups' token texts are read through `texts_kept` when given.
     """
     if len(run_ids) < 2:
         raise InvalidInput("compare needs at least two run ids, e.g. /compare?runs=1,2")
@@ -80,7 +82,12 @@ def compare(
     for run_id, last in zip(pair, lasts, strict=True):
         try:
             detail: StepCard | None = step_card(
-                session, run_id=run_id, step=step, group=group, max_tokens=max_tokens
+                session,
+                run_id=run_id,
+                step=step,
+                group=group,
+                max_tokens=max_tokens,
+                texts_kept=texts_kept,
             )
         except StepNotFound:
             detail = None

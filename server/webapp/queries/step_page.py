@@ -341,11 +341,18 @@ def group_detail(
 
 
 def step_card(
-    session: Session, *, run_id: int, step: int, group: int = 0, max_tokens: int | None = 0
+    session: Session,
+    *,
+    run_id: int,
+    step: int,
+    group: int = 0,
+    max_tokens: int | None = 0,
+    texts_kept: store.TokenTextCache | None = None,
 ) -> StepCard:
     """Compare's compact step: one group of it (group_detail; `max_tokens` per-token positions,
-    none by default: the card shows no tokens) and how many groups the step has. A step without
-    that group (or without rollouts) has `header` None and no rollouts."""
+    none by default: the card shows no tokens, but its rollouts' texts are rebuilt from their
+    ids' texts, read through `texts_kept` when given) and how many groups the step has. A step
+    without that group (or without rollouts) has `header` None and no rollouts."""
     try:
         return group_detail(
             session,
@@ -354,6 +361,7 @@ def step_card(
             group=group,
             max_tokens=max_tokens,
             limit=GROUP_TABS,
+            texts_kept=texts_kept,
         )
     except GroupNotFound:
         row, head = step_head(session, run_id=run_id, step=step)

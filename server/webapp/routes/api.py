@@ -365,6 +365,7 @@ def get_group(
 def get_compare(
     session: SessionDep,
     cache: CompareCacheDep,
+    texts: TokenTextsDep,
     runs: Annotated[list[str], Query(description="two or more run ids, comma-separated")],
     step: Annotated[
         int | None, Query(ge=0, le=MAX_ID, description="the step shown side by side")
@@ -382,5 +383,6 @@ def get_compare(
         group=group,
         max_tokens=queries.JSON_TOKENS,
         memo=memo(cache),
+        texts_kept=texts,
     )
     return DataResponse(page_context.compare_json(data))

@@ -215,11 +215,16 @@ def group_page(
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
 def step_card(
-    request: Request, session: SessionDep, run_id: RunId, step: StepNo, group: CardGroup = 0
+    request: Request,
+    session: SessionDep,
+    texts: TokenTextsDep,
+    run_id: RunId,
+    step: StepNo,
+    group: CardGroup = 0,
 ) -> HTMLResponse:
     """The compact step card the compare page swaps in when its step control moves: one group
     (the first, or `group`), saying how many the step has."""
-    detail = queries.step_card(session, run_id=run_id, step=step, group=group)
+    detail = queries.step_card(session, run_id=run_id, step=step, group=group, texts_kept=texts)
     return render(request, "_step_card.html", {"detail": detail, "run": detail["run"]})
 
 
@@ -228,9 +233,17 @@ def compare_page(
     request: Request,
     session: SessionDep,
     cache: CompareCacheDep,
+    texts: TokenTextsDep,
     runs: Annotated[list[str] | None, Query()] = None,
     step: OptionalStep = None,
     group: CardGroup = 0,
 ) -> HTMLResponse:
-    data = queries.compare(session, run_ids=run_ids(runs), step=step, group=group, memo=memo(cache))
+    data = queries.compare(
+        session,
+        run_ids=run_ids(runs),
+        step=step,
+        group=group,
+        memo=memo(cache),
+        texts_kept=texts,
+    )
     return render(request, "compare.html", page_context.compare_page(data, _url(request)))
