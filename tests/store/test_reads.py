@@ -15,7 +15,7 @@ from rollout_lens.server.webapp import queries
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, make_rollouts, record_step
+from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
 from tests.sql_support import executed
 from tests.web_support import parse
 
@@ -179,21 +179,12 @@ def test_compare_keeps_each_runs_part_until_the_run_changes(session_factory, cli
 
 def _run_with_tokens(factory: sessionmaker[Session], name: str, pieces: list[str]) -> int:
     """A run whose one rollout's tokens are `pieces` (ids 0, 1, …), their texts recorded."""
-    with session_scope(factory) as session:
-        run = store.create_run(
-            session,
-            name=name,
-            model="tiny",
-            total_steps=2,
-            group_size=1,
-            seed=0,
-            control_tokens=CONTROL_TOKENS,
-        )
+    run_id = make_run(factory, steps=0, group_size=1, name=name)
     (rollout,) = make_rollouts(random.Random(0), group_size=1, completion="".join(pieces))
     rollout.completion_ids, rollout.tokens = list(range(len(pieces))), pieces
     rollout.token_logprobs, rollout.control_probs = [], {}
-    record_step(factory, run.id, 1, rollouts=[rollout])
-    return run.id
+    record_step(factory, run_id, 1, rollouts=[rollout])
+    return run_id
 
 
 def _texts(
