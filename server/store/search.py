@@ -322,9 +322,9 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
             return Match("(0 = 1)", {}, 0)
         numbers = known
         with _index_scans(conn) if _prefixes(numbers) else nullcontext():
-            prompts = conn.execute(text(_prompts(numbers)), numbers).scalars().all()
+            prompt_ids = conn.execute(text(_prompts(numbers)), numbers).scalars().all()
     else:
-        prompts = (
+        prompt_ids = (
             conn.execute(
                 text("SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :q"),
                 {"q": fts5_query(terms)},
@@ -332,7 +332,6 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
             .scalars()
             .all()
         )
-    prompt_ids = list(prompts)[: MAX_PROMPTS + 1]
     if len(prompt_ids) > MAX_PROMPTS:
         raise InvalidInput(
             f"q: the words are in more than {MAX_PROMPTS:,} prompts; add a word to narrow it"
