@@ -133,6 +133,12 @@ class RunRow(Base):
     # constraint would rebuild `runs` (and its foreign keys would empty every table under it).
     record_key: Mapped[str | None] = mapped_column(String(64))
     recorded_by: Mapped[str | None] = mapped_column(String(64))
+    # Goes up by one each time a trainer resumes the run from a checkpoint: steps sent under an
+    # older epoch come from the process the resume replaced (migration 0017).
+    record_epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Who ended a run that is no longer running: the recorder that finished it, the dashboard's
+    # cancel, the sweeper; NULL while it runs and for runs ended before migration 0017.
+    ended_by: Mapped[str | None] = mapped_column(String(200))
 
     # Summary columns kept current by every step write, so lists never scan steps.
     current_step: Mapped[int] = mapped_column(Integer, default=0)
