@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -41,3 +42,15 @@ def test_bad_values_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROLLOUT_LENS_PRICE_PER_DEVICE_HOUR", "-1")
     with pytest.raises(ValidationError, match="price_per_device_hour"):
         Settings()
+
+
+def test_the_callers_settings_never_reach_a_test() -> None:
+    # tests/conftest.py removes them: run `ROLLOUT_LENS_DATABASE_URL=postgresql://… make check`
+    # and this (with test_cli's and test_compose's defaults) still sees the embedded default.
+    from tests.conftest import KEPT_ENVIRONMENT
+
+    leaked = sorted(
+        n for n in os.environ if n.startswith("ROLLOUT_LENS_") and n not in KEPT_ENVIRONMENT
+    )
+    assert leaked == []
+    assert Settings().database_url.startswith("sqlite:")
