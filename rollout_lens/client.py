@@ -12,6 +12,7 @@ could not be reached.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -31,6 +32,7 @@ ROLLOUT_KEYS = read_models.ROLLOUT_KEYS
 GROUPS_PER_REQUEST = 500
 ROLLOUTS_PER_REQUEST = 32
 ALL_TOKENS = 2**31 - 1
+BUSY_WAIT_SECONDS = 120  # an import answered 503 (the dashboard writing others) is sent again
 UNKNOWN_NAME = 422  # what GET /api/runs/{id}/series answers a name it does not know
 
 
@@ -216,15 +218,22 @@ class Client:
         params: dict[str, Any] = {"moved": "true" if moved else "false"}
         if name is not None:
             params["name"] = name
-        try:
-            response = self._http.post(
-                "/api/record/import",
-                params=params,
-                content=Path(path).read_bytes(),
-                headers={"content-type": "application/octet-stream"},
-            )
-        except httpx.HTTPError as exc:
-            raise self._unreachable(exc) from exc
+        data = Path(path).read_bytes()
+        deadline = time.monotonic() + BUSY_WAIT_SECONDS
+        while True:
+            try:
+                response = self._http.post(
+                    "/api/record/import",
+                    params=params,
+                    content=data,
+                    headers={"content-type": "application/octet-stream"},
+                )
+            except httpx.HTTPError as exc:
+                raise self._unreachable(exc) from exc
+            wait = response.headers.get("retry-after", "")
+            if response.status_code != 503 or not wait.isdigit() or time.monotonic() > deadline:
+                break
+            time.sleep(max(int(wait), 1))
         _raise_for_status(response)
         answer: dict[str, Any] = response.json()
         return answer

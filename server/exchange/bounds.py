@@ -15,24 +15,35 @@ MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a line (configs and meta
 MAX_TOKENS = 2**20  # token ids of one completion (1,048,576): its arrays are held whole in memory
 MAX_INT32 = 2**31 - 1  # steps, groups, indexes, token ids and run columns are 32-bit integers
 MIN_INT32 = -(2**31)
+# A request over HTTP (a recording body, an imported file) decodes to at most DECODE_FACTOR × its
+# byte cap (ROLLOUT_LENS_RECORD_MAX_MB) held at once, each size taken before it is allocated.
+DECODE_FACTOR = 4
+JSON_BYTES = 24  # Python's objects a byte of JSON text, at most (`[{},{},…]`: 72 bytes a 3)
 
 
-def lines(f: IO[bytes], where: str) -> Iterator[tuple[int, bytes]]:
-    """(number, raw) for each line of `f`, one at a time; a line longer than MAX_LINE_BYTES is
+def lines(f: IO[bytes], where: str, *, most: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(number, raw) for each line of `f`, one at a time; a line longer than `most` bytes is
     refused without reading the rest of it (memory stays at one line)."""
     number = 0
     while True:
-        raw = f.readline(MAX_LINE_BYTES + 1)
+        raw = f.readline(most + 1)
         if not raw:
             return
         number += 1
-        if len(raw) > MAX_LINE_BYTES:
+        if len(raw) > most:
             raise InvalidInput(
                 f"{where} line {number}".strip()
-                + f": longer than {MAX_LINE_BYTES // 2**20} MiB, the most "
-                "an imported line may hold"
+                + f": longer than {most:,} bytes, the most an imported line may hold here"
             )
         yield number, raw
+
+
+def line_limit(max_bytes: int | None) -> int:
+    """The longest line an import reads: MAX_LINE_BYTES, or over HTTP what the request's decode
+    budget holds of its JSON at the worst (DECODE_FACTOR × the byte cap / JSON_BYTES)."""
+    if max_bytes is None:
+        return MAX_LINE_BYTES
+    return min(MAX_LINE_BYTES, DECODE_FACTOR * max_bytes // JSON_BYTES)
 
 
 def loads(text: str | bytes, where: str) -> Any:

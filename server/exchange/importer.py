@@ -4,6 +4,12 @@ The file is read as a stream and written step by step inside ONE transaction: a 
 (bad line, cut short, wrong counts, a value the database refuses) raises InvalidInput and leaves
 nothing behind. The new run has source `import`; a run exported while queued or running is
 imported as `lost` (nothing records the copy).
+
+What is held at once is bounded: a JSONL line, a Parquet batch of rows, the rollouts batched for
+one write (BATCH_BYTES). A file sent over HTTP (`max_bytes`, its byte cap) is held to
+bounds.DECODE_FACTOR × the cap at once: its lines are shorter, and a Parquet file's metadata is
+checked before any data is read (each row group's declared size, its columns), its texts read as
+dictionaries and each batch's rows measured before they become Python objects.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 BATCH = 500  # rollouts written per statement
 BATCH_TOKENS = 2**20  # ... or fewer: the batch holds at most about this many tokens' arrays
+BATCH_BYTES = 32 * 2**20  # ... and about this many bytes of texts and arrays
 NAME_CHARS = 200  # the runs table's name column
 PARQUET_MAGIC = b"PAR1"
 
@@ -69,18 +76,29 @@ class _Rollout(RolloutRecord):
 
 
 def import_export(
-    factory: sessionmaker[Session], path: Path, *, name: str | None = None, moved: bool = False
+    factory: sessionmaker[Session],
+    path: Path,
+    *,
+    name: str | None = None,
+    moved: bool = False,
+    max_bytes: int | None = None,
 ) -> Imported:
     """Create a run from an export file; InvalidInput (and nothing created) if it is damaged.
     `moved`: the file carries a run made elsewhere for this database (the CLI's `import-trl
     --url` imports the dumps on its own machine and sends the export): it keeps its source
-    (TRL's or verl's import) and gains no note."""
+    (TRL's or verl's import) and gains no note. `max_bytes`: the byte cap of the request that
+    sent it (its decoding is bounded by it); None for a file of this machine."""
     if not path.is_file():
         raise InvalidInput(f"{path}: no such file")
     with path.open("rb") as f:
         magic = f.read(4)
     parquet = magic == PARQUET_MAGIC
-    records = _parquet_records(path) if parquet else _jsonl_records(path)
+    most = None if max_bytes is None else bounds.DECODE_FACTOR * max_bytes
+    records = (
+        _parquet_records(path, most)
+        if parquet
+        else _jsonl_records(path, bounds.line_limit(max_bytes))
+    )
     try:
         with session_scope(factory) as session:
             # Parquet needs no end record: a file cut short has no footer and does not open.
@@ -197,6 +215,7 @@ class _ImportedRun:
         self._last_rollout: tuple[int, int, int] | None = None
         self._batch: list[RolloutRecord] = []
         self._batch_tokens = 0
+        self._batch_bytes = 0
         self._batch_step = 0
         self._writer = store.RunWriter(self.run_id, control_tokens=self.tokens)
         self._series = SeriesNames()
@@ -257,7 +276,12 @@ class _ImportedRun:
         )
         self.rollouts += 1
         self._batch_tokens += len(line.completion_ids)
-        if len(self._batch) >= BATCH or self._batch_tokens >= BATCH_TOKENS:
+        self._batch_bytes += _held_bytes(line, len(self.tokens))
+        if (
+            len(self._batch) >= BATCH
+            or self._batch_tokens >= BATCH_TOKENS
+            or self._batch_bytes >= BATCH_BYTES
+        ):
             self._flush()
 
     def _flush(self) -> None:
@@ -265,6 +289,7 @@ class _ImportedRun:
             self._writer.add_rollouts(self.session, step=self._batch_step, rollouts=self._batch)
             self._batch = []
             self._batch_tokens = 0
+            self._batch_bytes = 0
 
     def finish(self) -> None:
         """Write what is batched, then the run columns as exported."""
@@ -275,6 +300,13 @@ class _ImportedRun:
             if isinstance(value, datetime):
                 values[name] = _utc(value)
         store.restore_run_columns(self.session, run_id=self.run_id, values=values)
+
+
+def _held_bytes(line: RolloutLine, k: int) -> int:
+    """About what a batched rollout holds: its texts, and per token its id, logprob, control
+    probabilities and piece (8 bytes each)."""
+    texts = (line.prompt, line.completion, line.vote, line.target, line.format_state)
+    return sum(len(t) for t in texts if t) + 8 * (3 + k) * len(line.completion_ids)
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -296,31 +328,117 @@ def _parse(where: str, data: Any) -> Any:
         ) from exc
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+def _jsonl_records(path: Path, most: int) -> Iterator[tuple[str, Any]]:
     """(where, record) for each line of a JSONL export, read and validated one line at a time
-    (at most bounds.MAX_LINE_BYTES of it in memory)."""
+    (at most `most` bytes of it in memory)."""
     with path.open("rb") as f:
-        for number, raw in bounds.lines(f, ""):
+        for number, raw in bounds.lines(f, "", most=most):
             where = f"line {number}"
             data = json_line(raw, where)
             if data is not BLANK:
                 yield where, _parse(where, data)
 
 
-def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """(where, record): the run and steps from the metadata, then each rollout row."""
+def _parquet_records(path: Path, most: int | None) -> Iterator[tuple[str, Any]]:
+    """(where, record): the run and steps from the metadata, then each rollout row. `most`:
+    the bytes it may decode at once (None: unbounded)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from rollout_lens.server.exchange.export import rollout_schema
 
     try:
-        parquet = pq.ParquetFile(path)
+        with pq.ParquetFile(path) as parquet:
+            # texts stay dictionaries as they are read: a text repeated in a column is held once
+            # until a batch's rows are measured (read_dictionary names them by leaf path)
+            texts = [c.path for c in parquet.schema if c.physical_type == "BYTE_ARRAY"]
+            if most is not None:
+                _check_parquet(parquet.metadata, set(rollout_schema().names), most)
+        parquet = pq.ParquetFile(path, read_dictionary=texts)
     except (pa.ArrowException, OSError) as exc:
         raise InvalidInput(f"not a readable Parquet file ({exc})") from exc
     with parquet:
-        yield from _parquet_rows(parquet)
+        yield from _parquet_rows(parquet, most)
 
 
-def _parquet_rows(parquet: Any) -> Iterator[tuple[str, Any]]:
+MAX_PARQUET_COLUMNS = 64  # leaf columns of an imported Parquet file (an export has 21)
+
+
+def _check_parquet(metadata: Any, names: set[str], most: int) -> None:
+    """Refuse, from its metadata alone, a file of more columns than an export has room for or a
+    row group whose columns say they decode to more than `most` bytes."""
+    if metadata.num_columns > MAX_PARQUET_COLUMNS:
+        raise InvalidInput(
+            f"{metadata.num_columns} columns: more than the {MAX_PARQUET_COLUMNS} an export has"
+        )
+    for i in range(metadata.num_row_groups):
+        group = metadata.row_group(i)
+        size = sum(
+            group.column(j).total_uncompressed_size
+            for j in range(group.num_columns)
+            if group.column(j).path_in_schema.split(".")[0] in names
+        )
+        if size > most:
+            raise InvalidInput(
+                f"row group {i + 1}: its columns decode to {size:,} bytes, more than the "
+                f"{most:,} an import over HTTP may hold at once ({bounds.DECODE_FACTOR} × "
+                "ROLLOUT_LENS_RECORD_MAX_MB)"
+            )
+
+
+def _python_bytes(array: Any) -> Any:
+    """Per row, about the bytes of what `to_pylist` makes of it (an array of floats): 64 a
+    string or list (and its bytes or items), 32 a number."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = len(array)
+    valid = np.asarray(array.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    kind = array.type
+    if pa.types.is_dictionary(kind):
+        per_value = _python_bytes(array.dictionary)
+        indices = pc.fill_null(array.indices, 0).to_numpy(zero_copy_only=False)
+        out = per_value[indices] if len(per_value) else np.zeros(n)
+    elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        items = _python_bytes(array.flatten())
+        parents = pc.list_parent_indices(array).to_numpy(zero_copy_only=False)
+        lengths = pc.fill_null(pc.list_value_length(array), 0).to_numpy(zero_copy_only=False)
+        out = 64 + 8 * lengths + np.bincount(parents, weights=items, minlength=n)
+    elif pa.types.is_string(kind) or pa.types.is_binary(kind) or pa.types.is_large_string(kind):
+        out = 64 + pc.fill_null(pc.binary_length(array), 0).to_numpy(zero_copy_only=False)
+    else:
+        out = np.full(n, 32.0)
+    return np.where(valid, out, 16.0)
+
+
+def _measured(batch: Any, most: int | None, first_row: int) -> Iterator[Any]:
+    """A batch cut into runs of rows whose Python objects are at most `most` bytes (a meta's
+    JSON counted at bounds.JSON_BYTES a byte); a row over it alone is refused."""
+    if most is None:
+        yield batch
+        return
+    import numpy as np
+
+    cost = np.zeros(batch.num_rows)
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        cost += _python_bytes(column) * (bounds.JSON_BYTES if name == "meta" else 1)
+    start, held = 0, 0.0
+    for i, size in enumerate(cost.tolist()):
+        if size > most:
+            raise InvalidInput(
+                f"row {first_row + i}: decodes to about {int(size):,} bytes, more than the "
+                f"{most:,} an import over HTTP may hold at once ({bounds.DECODE_FACTOR} × "
+                "ROLLOUT_LENS_RECORD_MAX_MB)"
+            )
+        if held + size > most:
+            yield batch.slice(start, i - start)
+            start, held = i, 0.0
+        held += size
+    if start < batch.num_rows:
+        yield batch.slice(start)
+
+
+def _parquet_rows(parquet: Any, most: int | None = None) -> Iterator[tuple[str, Any]]:
     import pyarrow as pa
     from rollout_lens.server.exchange.export import OPTIONAL_COLUMNS, ROW_GROUP, rollout_schema
 
@@ -351,10 +469,11 @@ def _parquet_rows(parquet: Any) -> Iterator[tuple[str, Any]]:
         except ValueError as exc:
             raise InvalidInput(f"{where}: not valid JSON ({exc})") from exc
     row_number = 0
+    columns = [n for n in rollout_schema().names if n in parquet.schema_arrow.names]
     try:
-        batches = parquet.iter_batches(batch_size=ROW_GROUP)
-        for batch in batches:
-            for row in batch.to_pylist():
+        batches = parquet.iter_batches(batch_size=ROW_GROUP, columns=columns)
+        for rows in (part for b in batches for part in _measured(b, most, row_number + 1)):
+            for row in rows.to_pylist():
                 row_number += 1
                 where = f"row {row_number}"
                 probs = row.pop("control_probs") or []

@@ -20,6 +20,13 @@ everything before it writes (`decode_body`): the frame sizes against the request
 each Arrow stream's schema exactly and its data in full (`RecordBatch.validate(full=True)`),
 every number's range, every blob decoded against its rollout's length. A problem is a
 WireInvalid naming the field (`steps[2].rollouts[17].logprobs: …`), and nothing is written.
+
+What a request decodes is bounded before it is allocated by a Budget: DECODE_FACTOR × the
+request byte cap (ROLLOUT_LENS_RECORD_MAX_MB), taken by each frame's declared size while it is
+read and by every text, piece, rollout and token array it decodes into, from the sizes the
+Arrow streams declare (a dictionary's prompt counted for every rollout that uses it). Arrow's
+own buffer compression is refused unread: the frame is zstd already, and a compressed buffer
+says its size only as it is decompressed.
 """
 
 from __future__ import annotations
@@ -36,12 +43,19 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import zstandard
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
 from rollout_lens.server.core.textsafe import storable
 from rollout_lens.server.core.tokentext import TEXT_RULES
-from rollout_lens.server.exchange.bounds import MAX_INT32, MAX_TOKENS, check_depth
+from rollout_lens.server.exchange.bounds import (
+    DECODE_FACTOR,
+    JSON_BYTES,
+    MAX_INT32,
+    MAX_TOKENS,
+    check_depth,
+)
 from rollout_lens.server.store import arrays
 
 MAGIC = b"RLW1"
@@ -53,6 +67,12 @@ MAX_NAMES = 2_000  # values and metrics names of one step
 MAX_NAME_CHARS = 200
 MAX_PIECE_CHARS = 4_096
 MAX_STATE_CHARS = 32
+MAX_ROLLOUTS = 8_192  # rollouts of one step: 16 × a step of 64 prompts × 8 completions
+DEFAULT_MAX_BYTES = 64 * 2**20  # the byte cap when none is given (ROLLOUT_LENS_RECORD_MAX_MB's)
+ROLLOUT_BYTES = 2_048  # a rollout's Python objects (its row, its record), less texts and arrays
+PIECE_BYTES = 256  # a piece's Python objects, less its text
+TOKEN_BYTES = 32  # a token position's arrays: id, logprob, its piece's place twice (8 bytes each)
+CONTROL_BYTES = 8  # … and 8 bytes a control token (its probability)
 _LEVEL = 3
 
 STEP_SCHEMA = pa.schema(
@@ -98,6 +118,37 @@ class WireInvalid(InvalidInput):
         self.field = field_name
 
 
+@dataclass
+class Budget:
+    """The bytes one request may still hold decoded: taken before each allocation, so a body
+    that would decode to more is refused before it does."""
+
+    most: int
+    left: int = -1
+
+    def __post_init__(self) -> None:
+        if self.left < 0:
+            self.left = self.most
+
+    @classmethod
+    def of(cls, max_bytes: int = DEFAULT_MAX_BYTES) -> Budget:
+        """The budget of a request whose body may be up to `max_bytes`."""
+        return cls(DECODE_FACTOR * max_bytes)
+
+    def take(self, n: int, where: str, what: str) -> None:
+        if n > self.left:
+            raise WireInvalid(
+                where,
+                f"{what} would decode to {n:,} bytes, more than the {self.left:,} left of the "
+                f"{self.most:,} one request may decode ({DECODE_FACTOR} × "
+                "ROLLOUT_LENS_RECORD_MAX_MB): send fewer steps a request",
+            )
+        self.left -= n
+
+    def give(self, n: int) -> None:
+        self.left += n
+
+
 # --- the sender's side ---------------------------------------------------------------------------
 
 
@@ -124,6 +175,7 @@ class Encoded:
     frame: bytes
     new_ids: np.ndarray
     tokens: int  # token positions (the request's budget counts them)
+    decoded: int = 0  # about what the dashboard's Budget takes for it (a batch keeps within it)
 
 
 def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndarray) -> Encoded:
@@ -203,7 +255,14 @@ def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndar
         struct.pack("<Q", len(part)) + part for part in map(_ipc, (step, table, piece_table))
     )
     frame = zstandard.ZstdCompressor(level=_LEVEL, write_content_size=True).compress(raw)
-    return Encoded(frame, new, sum(len(r.completion_ids) for r in rollouts))
+    n_tokens = sum(len(r.completion_ids) for r in rollouts)
+    decoded = (
+        2 * len(raw)  # the frame, and its step row, pieces and rebuilt texts
+        + _rollouts_bytes(table)
+        + n_tokens * (TOKEN_BYTES + CONTROL_BYTES * len(tokens))
+        + len(new_list) * PIECE_BYTES
+    )
+    return Encoded(frame, new, n_tokens, decoded)
 
 
 def _finite_items(values: Mapping[str, float | None]) -> Iterable[tuple[str, float | None]]:
@@ -253,12 +312,19 @@ class ReceivedRollout(RolloutRecord):
 
 
 def decode_body(
-    data: bytes, *, control_tokens: Sequence[str], max_tokens: int = MAX_REQUEST_TOKENS
+    data: bytes,
+    *,
+    control_tokens: Sequence[str],
+    max_tokens: int = MAX_REQUEST_TOKENS,
+    budget: Budget | None = None,
 ) -> list[Received]:
-    """A request body → its steps, every field checked (WireInvalid names the one at fault)."""
+    """A request body → its steps, every field checked (WireInvalid names the one at fault).
+    `budget`: what it may decode (Budget.of the request's byte cap; complete_tokens takes the
+    rest of it)."""
     if not data.startswith(MAGIC):
         raise WireInvalid("body", f"not a Rollout Lens steps body (it must start with {MAGIC!r})")
-    at, budget = len(MAGIC), max_tokens
+    budget = budget if budget is not None else Budget.of()
+    at, tokens_left = len(MAGIC), max_tokens
     out: list[Received] = []
     while at < len(data):
         where = f"steps[{len(out)}]"
@@ -271,9 +337,13 @@ def decode_body(
         if at + size > len(data):
             raise WireInvalid(where, f"cut short: {size:,} bytes said, {len(data) - at:,} left")
         received = _decode_frame(
-            data[at : at + size], where, control_tokens=control_tokens, budget=budget
+            data[at : at + size],
+            where,
+            control_tokens=control_tokens,
+            budget=tokens_left,
+            decoded=budget,
         )
-        budget -= received.tokens
+        tokens_left -= received.tokens
         out.append(received)
         at += size
     if not out:
@@ -282,32 +352,18 @@ def decode_body(
 
 
 def _decode_frame(
-    frame: bytes, where: str, *, control_tokens: Sequence[str], budget: int
+    frame: bytes, where: str, *, control_tokens: Sequence[str], budget: int, decoded: Budget
 ) -> Received:
-    # A step's frame: at most its share of the request's tokens decoded (a bound on memory).
-    most = 32 * 2**20 + 32 * max(budget, 0)
+    # The frame's bytes are held while its tables are read (they are views of them), then
+    # given back: what stays is what its step decoded to, taken from `decoded` as it is made.
     try:
         size = zstandard.frame_content_size(frame)
     except zstandard.ZstdError:
         size = -1
-    if size < 0 or size > most:
-        raise WireInvalid(where, "a zstd frame that does not say its size, or says too much")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(frame)
-    except zstandard.ZstdError as exc:
-        raise WireInvalid(where, f"not a whole zstd frame ({exc})") from None
-    parts, at = [], 0
-    for name in ("step", "rollouts", "pieces"):
-        if at + 8 > len(raw):
-            raise WireInvalid(f"{where}.{name}", "missing")
-        (n,) = struct.unpack_from("<Q", raw, at)
-        at += 8
-        if at + n > len(raw):
-            raise WireInvalid(f"{where}.{name}", "cut short")
-        parts.append(raw[at : at + n])
-        at += n
-    if at != len(raw):
-        raise WireInvalid(where, "bytes after its three tables")
+    if size < 0:
+        raise WireInvalid(where, "a zstd frame that does not say its size")
+    decoded.take(size, where, "its zstd frame")
+    parts = _frame_parts(frame, size, where)
     step_t = _table(parts[0], STEP_SCHEMA, f"{where}.step")
     rollouts_t = _table(parts[1], ROLLOUT_SCHEMA, f"{where}.rollouts")
     pieces_t = _table(parts[2], PIECES_SCHEMA, f"{where}.pieces")
@@ -326,6 +382,10 @@ def _decode_frame(
         )
     if step_t.num_rows != 1:
         raise WireInvalid(f"{where}.step", f"{step_t.num_rows} rows, not 1")
+    for name in ("values", "metrics"):  # counted before their names become Python strings
+        if sum(len(chunk.keys) for chunk in step_t.column(name).chunks) > MAX_NAMES:
+            raise WireInvalid(f"{where}.step.{name}", f"more than {MAX_NAMES} names")
+    decoded.take(len(parts[0]), f"{where}.step", "its step row")
     try:
         row = step_t.to_pylist()[0]
     except (ValueError, OverflowError):  # a time past Python's datetime (year 10000, say)
@@ -337,7 +397,8 @@ def _decode_frame(
     values = _series(row["values"], f"{where}.step.values")
     metrics = _series(row["metrics"], f"{where}.step.metrics")
     recorded_at = row["recorded_at"]
-    pieces = _pieces(pieces_t, f"{where}.pieces")
+    _take_rollouts(rollouts_t, where, decoded)
+    pieces = _pieces(pieces_t, f"{where}.pieces", most=_pieced(rollouts_t), decoded=decoded)
 
     n_tokens = rollouts_t.column("n_tokens").to_pylist()
     total = 0
@@ -349,11 +410,14 @@ def _decode_frame(
             f"{where}.rollouts",
             f"{total:,} tokens: more than this request may hold ({MAX_REQUEST_TOKENS:,} in all)",
         )
+    k = len(control_tokens)
+    decoded.take(
+        total * (TOKEN_BYTES + CONTROL_BYTES * k), f"{where}.rollouts", f"{total:,} tokens"
+    )
     rows = rollouts_t.to_pylist()
     seen: set[tuple[int, int]] = set()
     records: list[RolloutRecord] = []
     needs: list[bool] = []
-    k = len(control_tokens)
     for i, r in enumerate(rows):
         w = f"{where}.rollouts[{i}]"
         group = _int(r["group"], f"{w}.group", low=0)
@@ -427,6 +491,8 @@ def _decode_frame(
         record.text_rule = rule
         records.append(record)
         needs.append(bool(r["has_tokens"]))
+    _check_pieced(pieces_t.num_rows, records, needs, f"{where}.pieces")
+    decoded.give(size)  # the frame's bytes: its tables are no longer read
     return Received(
         StepRecord(
             step=step,
@@ -442,9 +508,49 @@ def _decode_frame(
     )
 
 
+def _frame_parts(frame: bytes, size: int, where: str) -> list[bytes]:
+    """The three streams of a frame of `size` bytes, read one after the other: a length past
+    what the frame says it holds is refused before anything more is decompressed."""
+    reader = zstandard.ZstdDecompressor().stream_reader(frame)
+    parts, at = [], 0
+    try:
+        for name in ("step", "rollouts", "pieces"):
+            if at + 8 > size:
+                raise WireInvalid(f"{where}.{name}", "missing")
+            (n,) = struct.unpack("<Q", _read(reader, 8, f"{where}.{name}"))
+            at += 8
+            if n > size - at:
+                raise WireInvalid(f"{where}.{name}", "cut short")
+            parts.append(_read(reader, n, f"{where}.{name}"))
+            at += n
+        if at != size or reader.read(1):
+            raise WireInvalid(where, "bytes after its three tables")
+    except zstandard.ZstdError as exc:
+        raise WireInvalid(where, f"not a whole zstd frame ({exc})") from None
+    return parts
+
+
+def _read(reader: Any, n: int, where: str) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = reader.read(left)
+        if not chunk:
+            raise WireInvalid(where, "cut short")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
 def _table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
     """An Arrow IPC stream of exactly `schema`, validated in full before any value is read."""
     try:
+        for message in pa.ipc.MessageReader.open_stream(pa.BufferReader(data)):
+            if _compressed(message.metadata.to_pybytes()):
+                raise WireInvalid(
+                    where,
+                    "Arrow buffers compressed in the stream (the frame is zstd already: "
+                    "send them uncompressed)",
+                )
         reader = pa.ipc.open_stream(pa.BufferReader(data))
         got = reader.schema
         if not got.remove_metadata().equals(schema.remove_metadata()):
@@ -467,6 +573,46 @@ def _table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
         raise WireInvalid(where, f"not a valid Arrow IPC stream ({str(exc)[:200]})") from None
 
 
+def _compressed(header: bytes) -> bool:
+    """Whether an Arrow IPC message's header (a Message flatbuffer, Arrow's format/Message.fbs)
+    compresses its body: a RecordBatch's `compression`, or its DictionaryBatch's data's. Read
+    before the body, whose compressed buffers say their size only as they are decompressed."""
+    try:
+
+        def table(at: int) -> Callable[[int], int | None]:
+            vtable = at - struct.unpack_from("<i", header, at)[0]
+            (vtable_size,) = struct.unpack_from("<H", header, vtable)
+
+            def field(i: int) -> int | None:  # where field i is, or None if absent
+                slot = 4 + 2 * i
+                if slot + 2 > vtable_size:
+                    return None
+                (offset,) = struct.unpack_from("<H", header, vtable + slot)
+                return at + offset if offset else None
+
+            return field
+
+        def follow(at: int) -> int:
+            (offset,) = struct.unpack_from("<I", header, at)
+            return at + int(offset)
+
+        message = table(struct.unpack_from("<I", header, 0)[0])
+        kind_at, body_at = message(1), message(2)  # header_type, header
+        if kind_at is None or body_at is None:
+            return False
+        kind, batch = header[kind_at], table(follow(body_at))
+        if kind == 2:  # a DictionaryBatch: its `data` is a RecordBatch
+            data_at = batch(1)
+            if data_at is None:
+                return False
+            batch = table(follow(data_at))
+        elif kind != 3:  # not a RecordBatch: no body to decompress
+            return False
+        return batch(3) is not None  # RecordBatch.compression
+    except (struct.error, IndexError):
+        raise ValueError("a message header that does not read") from None
+
+
 def _int(value: Any, where: str, *, low: int, high: int = MAX_INT32) -> int:
     if value is None or not (low <= value <= high):
         raise WireInvalid(where, f"{value!r} is not a whole number from {low} to {high:,}")
@@ -487,7 +633,75 @@ def _series(items: Any, where: str) -> dict[str, float | None]:
     return out
 
 
-def _pieces(table: pa.Table, where: str) -> dict[int, str]:
+def _value_bytes(column: pa.ChunkedArray) -> int:
+    """The bytes of a string or binary column's values, a dictionary's value counted for each
+    row that uses it (as Python will hold them: one string a row)."""
+    total = 0
+    for chunk in column.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            lengths = pc.take(pc.binary_length(chunk.dictionary), chunk.indices)
+        else:
+            lengths = pc.binary_length(chunk)
+        total += pc.sum(lengths).as_py() or 0
+    return int(total)
+
+
+def _rollouts_bytes(table: pa.Table) -> int:
+    """What a step's rollout rows decode to: their objects, texts and blobs."""
+    size: int = table.num_rows * ROLLOUT_BYTES
+    for f in table.schema:
+        if f.name == "meta":
+            size += JSON_BYTES * _value_bytes(table.column(f.name))
+        elif pa.types.is_dictionary(f.type) or f.type in (pa.large_string(), pa.binary()):
+            size += _value_bytes(table.column(f.name))
+    return size
+
+
+def _take_rollouts(table: pa.Table, where: str, decoded: Budget) -> None:
+    """Refuse a step of more than MAX_ROLLOUTS rollouts, and take what its rows will decode to
+    before any is read."""
+    n = table.num_rows
+    if n > MAX_ROLLOUTS:
+        raise WireInvalid(
+            f"{where}.rollouts", f"{n:,} rollouts: more than the {MAX_ROLLOUTS:,} a step may hold"
+        )
+    decoded.take(_rollouts_bytes(table), f"{where}.rollouts", f"{n:,} rollouts")
+
+
+def _pieced(table: pa.Table) -> int:
+    """Token positions of the rollouts sent with their pieces: at most as many pieces."""
+    n_tokens = pc.if_else(table.column("has_tokens"), table.column("n_tokens"), 0)
+    return max(int(pc.sum(n_tokens).as_py() or 0), 0)
+
+
+def _check_pieced(
+    n_pieces: int, records: Sequence[RolloutRecord], needs: list[bool], where: str
+) -> None:
+    """A step's pieces are of its own rollouts' token ids: no more than there are distinct."""
+    if not n_pieces:
+        return
+    ids = [r.completion_ids for r, wanted in zip(records, needs, strict=True) if wanted]
+    distinct = len(np.unique(np.concatenate(ids))) if ids else 0
+    if n_pieces > distinct:
+        raise WireInvalid(
+            where,
+            f"{n_pieces:,} pieces for the {distinct:,} token ids of its rollouts sent with "
+            "their pieces",
+        )
+
+
+def _pieces(table: pa.Table, where: str, *, most: int, decoded: Budget) -> dict[int, str]:
+    if table.num_rows > most:
+        raise WireInvalid(
+            where,
+            f"{table.num_rows:,} pieces for the {most:,} token positions of its rollouts sent "
+            "with their pieces",
+        )
+    decoded.take(
+        table.num_rows * PIECE_BYTES + _value_bytes(table.column("piece")),
+        where,
+        f"{table.num_rows:,} pieces",
+    )
     ids = table.column("id").to_pylist()
     texts = table.column("piece").to_pylist()
     out: dict[int, str] = {}
@@ -507,11 +721,16 @@ def _blob(where: str, decode: Callable[[], np.ndarray]) -> np.ndarray:
 
 
 def complete_tokens(
-    received: Sequence[Received], known: Callable[[Sequence[int]], Mapping[int, str]]
+    received: Sequence[Received],
+    known: Callable[[Sequence[int]], Mapping[int, str]],
+    *,
+    budget: Budget | None = None,
 ) -> None:
     """Give each rollout sent with its tokens' pieces its `tokens` (the pieces of its ids: sent
-    in this body, or `known` to the run) and its completion text when a text rule rebuilds it.
-    WireInvalid names a rollout whose id has no piece anywhere."""
+    in this body, or `known` to the run) and its completion text when a text rule rebuilds it
+    (its characters taken from `budget`, decode_body's, first). WireInvalid names a rollout
+    whose id has no piece anywhere."""
+    budget = budget if budget is not None else Budget.of()
     texts: dict[int, str] = {}
     for step in received:
         for token_id, text in step.pieces.items():
@@ -538,6 +757,7 @@ def complete_tokens(
             absent = token_id
         table[k] = piece
     pieces_all = table[inverse]
+    chars = np.fromiter((0 if p is None else len(p) for p in table), np.int64, len(table))
     at = 0
     for s, i, r in chosen:
         n = len(r.completion_ids)
@@ -554,6 +774,11 @@ def complete_tokens(
             r.tokens = pieces
         rule = r.text_rule if isinstance(r, ReceivedRollout) else None
         if rule is not None:
+            # a piece of 4,096 characters repeated a million times is a 4 GB text
+            size = int(chars[inverse[at - n : at]].sum())
+            budget.take(
+                size, f"steps[{s}].rollouts[{i}].text_rule", "its text rebuilt from its pieces"
+            )
             try:
                 r.completion = arrays.rebuild_from_pieces(rule, pieces)
             except (ValueError, UnicodeError):

@@ -121,7 +121,11 @@ def create_app(
     app.state.compare_cache = ResponseCache(COMPARE_CACHE_SIZE if cache_size else 0)
     # Runs' token texts, which never change (the group page's and the step viewer's ~3,000 a page)
     app.state.token_texts = store.TokenTextCache(TOKEN_TEXTS_KEPT if cache_size else 0)
-    app.state.ingest = Ingest(session_factory, price_per_hour=settings.price_per_device_hour)
+    app.state.ingest = Ingest(
+        session_factory,
+        price_per_hour=settings.price_per_device_hour,
+        max_bytes=settings.record_max_bytes,
+    )
     app.state.templates = make_templates()
     app.state.flash_signer = make_signer()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

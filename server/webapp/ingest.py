@@ -64,9 +64,16 @@ class _Kept:
 class Ingest:
     """The web app's recording side (one per app)."""
 
-    def __init__(self, factory: sessionmaker[Session], *, price_per_hour: float) -> None:
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        *,
+        price_per_hour: float,
+        max_bytes: int = 64 * 2**20,
+    ) -> None:
         self.factory = factory
         self.price_per_hour = price_per_hour
+        self.max_bytes = max_bytes  # a body's cap (ROLLOUT_LENS_RECORD_MAX_MB): bounds decoding
         self._kept: OrderedDict[int, _Kept] = OrderedDict()
         self._lock = threading.Lock()
         # bodies decoded and written at once (a body past it is answered 503: Busy)
@@ -149,7 +156,16 @@ class Ingest:
 
     def import_file(self, data: bytes, *, name: str | None, moved: bool) -> dict[str, Any]:
         """An export file (JSONL or Parquet) sent whole: imported as `rollout-lens import` does,
-        in one transaction (server.exchange.importer)."""
+        in one transaction (server.exchange.importer), within the decode bound of its byte cap
+        and in one of the WRITING_AT_ONCE slots of bodies of steps (Busy when none is free)."""
+        if not self.writing.acquire(blocking=False):
+            raise Busy("the dashboard is writing other recordings: send the file again shortly")
+        try:
+            return self._import_file(data, name=name, moved=moved)
+        finally:
+            self.writing.release()
+
+    def _import_file(self, data: bytes, *, name: str | None, moved: bool) -> dict[str, Any]:
         import tempfile
         from pathlib import Path
 
@@ -160,7 +176,9 @@ class Ingest:
             path = Path(folder) / "upload"
             path.write_bytes(data)
             try:
-                done = import_export(self.factory, path, name=name, moved=moved)
+                done = import_export(
+                    self.factory, path, name=name, moved=moved, max_bytes=self.max_bytes
+                )
             except InvalidInput as exc:
                 raise InvalidInput(str(exc).replace(str(path), "the uploaded file")) from None
         return {
@@ -217,7 +235,8 @@ class Ingest:
         from rollout_lens.server.exchange import wire  # pyarrow: loaded on the first recording
 
         run_id = run.id
-        received = wire.decode_body(body, control_tokens=control_tokens)
+        budget = wire.Budget.of(self.max_bytes)
+        received = wire.decode_body(body, control_tokens=control_tokens, budget=budget)
         steps = [r.record.step for r in received]
         if len(set(steps)) != len(steps):
             raise wire.WireInvalid("steps", "a step sent twice in one request")
@@ -235,7 +254,7 @@ class Ingest:
                 def known(ids: Sequence[int]) -> dict[int, str]:
                     return {i: t for i in ids if (t := texts.get(i)) is not None}
 
-                wire.complete_tokens(fresh, known)
+                wire.complete_tokens(fresh, known, budget=budget)
                 try:
                     kept.writer.commit(self.engine, [r.record for r in fresh])
                 except BaseException:

@@ -39,6 +39,8 @@ from rollout_lens.trainer.recorder.writer import (
 log = logging.getLogger("rollout_lens")
 
 REQUEST_BYTES = 16 * 2**20  # a request's frames, at most (the dashboard's cap is 64 MiB)
+# … and what they decode to, within half what a dashboard of the default cap decodes a request
+DECODED_BYTES = wire.Budget.of().most // 2
 # A dashboard busy with other trainers' steps may take a while to answer a batch; a timeout
 # retries it, and a retry of steps it wrote meanwhile is answered at once (`steps=`).
 TIMEOUT = httpx.Timeout(120.0, connect=5.0)
@@ -186,18 +188,20 @@ class RemoteStepWriter(StepWriter):
             waiting = list(self._buffer)[:most]
         batch: list[Pending] = []
         frames: list[wire.Encoded] = []
-        size = tokens = 0
+        size = tokens = decoded = 0
         for pending in waiting:
             encoded = self._frame(pending)
             if batch and (
                 size + len(encoded.frame) > self.request_bytes
                 or tokens + encoded.tokens > wire.MAX_REQUEST_TOKENS
+                or decoded + encoded.decoded > DECODED_BYTES
             ):
                 break
             batch.append(pending)
             frames.append(encoded)
             size += len(encoded.frame)
             tokens += encoded.tokens
+            decoded += encoded.decoded
         drops = self._drop_counts()
         content = wire.body(f.frame for f in frames)
         response = self._post(

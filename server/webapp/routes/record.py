@@ -227,8 +227,12 @@ class ImportedRun(BaseModel):
     openapi_extra=BINARY_BODY,
     responses={
         201: {"description": "The run it created", "model": ImportedRun},
-        400: {"description": "The file is damaged (the line is named); nothing was created"},
+        400: {
+            "description": "The file is damaged (the line is named) or would decode to more "
+            "than the dashboard holds at once; nothing was created"
+        },
         413: {"description": "The file is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
+        503: {"description": "The dashboard is writing other recordings: send it again"},
     },
 )
 async def import_file(
@@ -237,7 +241,10 @@ async def import_file(
     moved: Annotated[bool, Query(description="a TRL or verl import made elsewhere")] = False,
 ) -> Response:
     data = await request.body()
-    done = await run_in_threadpool(_ingest(request).import_file, data, name=name, moved=moved)
+    try:
+        done = await run_in_threadpool(_ingest(request).import_file, data, name=name, moved=moved)
+    except Busy as exc:
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"retry-after": "1"})
     url = str(request.app.url_path_for("run_page", run_id=done["id"]))
     return JSONResponse(done | {"url": url}, status_code=201)
 
