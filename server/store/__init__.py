@@ -35,6 +35,7 @@ from rollout_lens.server.store.rollups import latest_value, rollup_series
 from rollout_lens.server.store.runs import (
     RESUMABLE_STATUSES,
     add_device_time,
+    callback_run,
     cancel_requested,
     claim_run,
     create_launched_run,
@@ -81,6 +82,7 @@ __all__ = [
     "TokenTextCache",
     "add_device_time",
     "add_rollouts",
+    "callback_run",
     "cancel_requested",
     "claim_run",
     "create_launched_run",

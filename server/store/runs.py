@@ -413,6 +413,24 @@ def followed_run(session: Session, *, source: RunSource, key: str, folder: str) 
     return next((run for run in runs if (run.config or {}).get(key) == folder), None)
 
 
+CALLBACK_CONFIG = "rollout_lens"  # the callback's own facts in a run's config (its run key too)
+
+
+def callback_run(session: Session, *, key: str) -> RunRow | None:
+    """The run a script's RolloutLensCallback recorded locally under `key` (its config says it):
+    the run a script resumed from its checkpoint continues. Newest first; resumes are rare."""
+    runs = session.execute(
+        select(RunRow.id, RunRow.config)
+        .where(RunRow.source == RunSource.callback)
+        .order_by(RunRow.id.desc())
+    )
+    for run_id, config in runs:
+        facts = (config or {}).get(CALLBACK_CONFIG)
+        if isinstance(facts, dict) and facts.get("key") == key:
+            return session.get(RunRow, run_id)
+    return None
+
+
 def mark_following(session: Session, *, run_id: int, worker_host: str) -> None:
     """A follower (`import-verl --follow`, `import-trl --follow`) records the run from now on."""
     run = get_run(session, run_id=run_id)
