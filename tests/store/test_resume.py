@@ -25,7 +25,7 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import AlertRow, RolloutRow, RollupRow, RunRow, StepRow
 from rollout_lens.server.webapp.app import create_app
 from rollout_lens.trainer.recorder.remote import RemoteStepWriter
-from rollout_lens.trainer.recorder.writer import RunSpec
+from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -230,6 +230,21 @@ def test_a_step_before_the_last_is_dropped_and_the_recorder_goes_on(
     assert run.dropped_steps == 1
     refused = [n for n in run.notes if n.startswith(resume.REFUSED)]
     assert len(refused) == 1 and "step 3 comes after step 30" in refused[0], run.notes
+
+
+def test_the_local_writer_drops_a_step_before_the_last_and_goes_on(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """The same order written locally: step 3 is refused by the store (StepOutOfOrder, not
+    the rollups' ValueError that stopped the recording), dropped alone and counted."""
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    local = StepWriter.for_script(database_url=url, spec=_spec(), prepare=lambda raw: raw)
+    for step in (30, 3, 31, 32):
+        local.put(_record(step))
+    assert local.close(timeout=20)
+    assert local.dropped_steps == 1 and local.run_id is not None
+    run, _, steps, _ = load_run(url, local.run_id)
+    assert run.status == "completed" and [s.step for s in steps] == [30, 31, 32]
 
 
 def _body(*steps: int) -> bytes:
