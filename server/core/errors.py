@@ -34,6 +34,20 @@ class InvalidInput(RolloutLensError):
     """Input that fails validation."""
 
 
+class StepOutOfOrder(InvalidInput):
+    """A step the run does not have that comes after a later one (the run's last recorded step,
+    or one sent before it): steps only rise (a resumed trainer says so when it starts:
+    server.store.resume)."""
+
+    def __init__(self, *, step: int, last: int) -> None:
+        super().__init__(
+            f"step {step} comes after step {last}: a run's steps only rise (a trainer resumed "
+            "from a checkpoint says so when it starts, and its steps after the checkpoint "
+            "replace the run's)"
+        )
+        self.step, self.last = step, last
+
+
 class InvalidState(RolloutLensError):
     """An action that the run's current status does not allow."""
 

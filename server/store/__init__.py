@@ -8,6 +8,7 @@
 - layout, sql: how a step's series are packed; dialect helpers;
 - models, db, migrate: the schema, engines and sessions, Alembic;
 - packing, arrays, search, serialize: bytes, per-token arrays, full-text search, rows as dicts;
+- resume: a resumed trainer's run, and one writer of a run's steps at a time;
 - deletion, browser_sessions: deleting a run; signed-in browsers.
 
 The pages' reads live in server.webapp.queries. Callers use `store.<function>`.
@@ -29,10 +30,12 @@ from rollout_lens.server.store.reading import (
     token_texts,
 )
 from rollout_lens.server.store.recording import Recorder
+from rollout_lens.server.store.resume import lock_run, note_refusal, resume_run
 from rollout_lens.server.store.rollups import latest_value, rollup_series
 from rollout_lens.server.store.runs import (
     RESUMABLE_STATUSES,
     add_device_time,
+    callback_run,
     cancel_requested,
     claim_run,
     create_launched_run,
@@ -79,6 +82,7 @@ __all__ = [
     "TokenTextCache",
     "add_device_time",
     "add_rollouts",
+    "callback_run",
     "cancel_requested",
     "claim_run",
     "create_launched_run",
@@ -96,12 +100,14 @@ __all__ = [
     "last_values",
     "latest_value",
     "list_runs",
+    "lock_run",
     "mark_finished",
     "mark_following",
     "mark_lost_runs",
     "mark_running",
     "metric_names",
     "metric_series",
+    "note_refusal",
     "queue_position",
     "queue_positions",
     "present_steps",
@@ -114,6 +120,7 @@ __all__ = [
     "requeue_for_resume",
     "restore_run_columns",
     "restore_status",
+    "resume_run",
     "rollup_series",
     "series_names",
     "set_checkpoint",

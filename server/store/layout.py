@@ -14,6 +14,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.store.models import StepRow
 from rollout_lens.server.store.packing import pack_doubles, unpack_doubles
@@ -21,6 +22,7 @@ from rollout_lens.server.store.packing import pack_doubles, unpack_doubles
 STEP_COLUMNS = tuple(getattr(StepRow, name) for name in STEP_SERIES)
 _NONE_BITS = 0x7FF8_0000_0000_0001
 LOGGED_NONE: float = struct.unpack("<d", struct.pack("<Q", _NONE_BITS))[0]
+_NOT_LOGGED_BITS = struct.unpack("<Q", struct.pack("<d", math.nan))[0]  # encode's quiet NaN
 
 
 def all_names(series_names: Sequence[str]) -> list[str]:
@@ -44,6 +46,16 @@ def decode(data: bytes | None, n_names: int) -> list[float | None]:
     """Packed generic series → n_names values (None where not logged)."""
     values: list[float | None] = [None if v != v else v for v in unpack_doubles(data)]
     return (values + [None] * n_names)[:n_names]
+
+
+def names_logged(data: bytes | None) -> int:
+    """How many of the run's names a step's packed series reach: 1 + the place of the last name
+    logged at the step (0 when none)."""
+    if not data:
+        return 0
+    bits = np.frombuffer(data, dtype="<u8")
+    logged = np.flatnonzero(bits != _NOT_LOGGED_BITS)
+    return int(logged[-1]) + 1 if logged.size else 0
 
 
 def row_values(row: Sequence[Any], n_series: int) -> list[float | None]:

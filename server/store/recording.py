@@ -23,6 +23,7 @@ import numpy as np
 import orjson
 from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core import textsafe
+from rollout_lens.server.core.errors import StepOutOfOrder
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
 from rollout_lens.server.store import arrays, layout, rollups, search
@@ -248,6 +249,7 @@ class Recorder:
             values = dict(zip(names, layout.row_values(row, len(self.series_names)), strict=True))
             self.recent.append((values["true_accuracy"], values["reward_mean"]))
             self.watch.feed(row[0], values)
+        self.last_step: int | None = history[-1][0] if history else None
         self.first_step: int | None = conn.scalar(
             select(StepRow.step).where(StepRow.run_id == run_id).order_by(StepRow.step).limit(1)
         )
@@ -300,6 +302,8 @@ class Recorder:
         """Write one step (inside the caller's transaction); return the alerts it fired.
         `index`: its rollouts are searchable in this transaction, else at the next `index`."""
         step = record.step
+        if self.last_step is not None and step < self.last_step:
+            raise StepOutOfOrder(step=step, last=self.last_step)  # before any write of it
         values = {name: finite(record.values.get(name)) for name in STEP_SERIES}
         metrics = {name: finite(value) for name, value in record.metrics.items()}
         new_names = [n for n in metrics if n not in self.known_series]
@@ -351,6 +355,7 @@ class Recorder:
         if new_names:
             cursor.execute(driver.update_names, (driver.json(self.series_names), self.run_id))
         self.recent.append((values["true_accuracy"], values["reward_mean"]))
+        self.last_step = step
         self.written += 1
         if not driver.postgres and (
             self.written in ANALYZE_AT or self.written % ANALYZE_EVERY == 0

@@ -143,7 +143,7 @@ class OpenBuckets:
             bucket = (step - 1) // width
             current = self.open.get(width)
             if current is not None and current[0] != bucket:
-                if bucket < current[0]:
+                if bucket < current[0]:  # the Recorder refuses such a step before this
                     raise ValueError(f"step {step} comes after a later step: steps must rise")
                 self._write(conn, width, *current)
                 current = None
@@ -185,13 +185,15 @@ def rolled_through(conn: Connection | Session, *, run_id: int) -> dict[int, int]
 
 
 def forget_after(conn: Connection | Session, *, run_id: int, step: int) -> None:
-    """Drop the rollups of buckets holding steps after `step` (a resume truncates them)."""
+    """Drop the rollups of buckets holding `step` or later steps (a resume truncates those): a
+    bucket is rolled up when a step past its end lands, so the one that ends at `step` is open
+    again, as it is in a run that never went past `step`."""
     for width in ROLLUP_WIDTHS:
         conn.execute(
             delete(RollupRow).where(
                 RollupRow.run_id == run_id,
                 RollupRow.width == width,
-                RollupRow.bucket >= step // width,
+                RollupRow.bucket >= (step - 1) // width,
             )
         )
 

@@ -8,9 +8,10 @@ from typing import Any, cast
 
 from rollout_lens.server.core.errors import InvalidState, NotFound
 from rollout_lens.server.core.vocab import WINDOW
-from rollout_lens.server.store import rollups, search
+from rollout_lens.server.store import layout, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
+    RolloutDataRow,
     RolloutRow,
     RunRow,
     RunSource,
@@ -263,8 +264,14 @@ def set_checkpoint(session: Session, *, run_id: int, step: int) -> None:
 
 
 def truncate_after(session: Session, *, run_id: int, step: int) -> None:
-    """Delete what was recorded after `step` (before resuming from a checkpoint at `step`)."""
-    search.forget_after(session.connection(), run_id=run_id, step=step)
+    """Delete what was recorded after `step` (before resuming from a checkpoint at `step`): the
+    run then reads as a run that never had those steps (its rollups, summary columns and series
+    names), except for the device time and cost already spent and the token texts it learned."""
+    conn = session.connection()
+    search.forget_after(conn, run_id=run_id, step=step)
+    later = select(RolloutRow.id).where(RolloutRow.run_id == run_id, RolloutRow.step > step)
+    # the arrays first (one statement, not a cascade row by row), as a deletion does
+    session.execute(delete(RolloutDataRow).where(RolloutDataRow.rollout_id.in_(later)))
     for model in (RolloutRow, StepRow, AlertRow):
         session.execute(delete(model).where(model.run_id == run_id, model.step > step))
     rollups.forget_after(session, run_id=run_id, step=step)
@@ -278,16 +285,36 @@ def truncate_after(session: Session, *, run_id: int, step: int) -> None:
     accuracy, reward = session.execute(
         select(func.avg(recent.c.true_accuracy), func.avg(recent.c.reward_mean))
     ).one()
+    kept = session.scalar(select(func.max(StepRow.step)).where(StepRow.run_id == run_id)) or 0
+    run = session.execute(
+        select(RunRow.series_names, RunRow.checkpoint_step).where(RunRow.id == run_id)
+    ).one()
+    names = list(run.series_names or [])
     session.execute(
         update(RunRow)
         .where(RunRow.id == run_id)
         .values(
-            current_step=step,
-            alerts_through=step,
+            current_step=kept,
+            alerts_through=kept,
             recent_true_accuracy=accuracy,
             recent_reward=reward,
+            series_names=names[: _names_used(session, run_id=run_id, names=len(names))],
+            checkpoint_step=None if run.checkpoint_step is None else min(run.checkpoint_step, step),
         )
     )
+
+
+def _names_used(session: Session, *, run_id: int, names: int) -> int:
+    """How many of a run's series names its steps use: names are appended as steps first log
+    them, so those only later steps logged are the list's tail."""
+    used = 0
+    for (data,) in session.execute(
+        select(StepRow.series).where(StepRow.run_id == run_id, StepRow.series.is_not(None))
+    ):
+        used = max(used, layout.names_logged(data))
+        if used >= names:
+            break
+    return used
 
 
 def mark_lost_runs(session: Session, *, stale_after: timedelta) -> list[int]:
@@ -384,6 +411,24 @@ def followed_run(session: Session, *, source: RunSource, key: str, folder: str) 
     """The newest run of `source` whose config[key] is `folder` (the run a follower resumes)."""
     runs = session.scalars(select(RunRow).where(RunRow.source == source).order_by(RunRow.id.desc()))
     return next((run for run in runs if (run.config or {}).get(key) == folder), None)
+
+
+CALLBACK_CONFIG = "rollout_lens"  # the callback's own facts in a run's config (its run key too)
+
+
+def callback_run(session: Session, *, key: str) -> RunRow | None:
+    """The run a script's RolloutLensCallback recorded locally under `key` (its config says it):
+    the run a script resumed from its checkpoint continues. Newest first; resumes are rare."""
+    runs = session.execute(
+        select(RunRow.id, RunRow.config)
+        .where(RunRow.source == RunSource.callback)
+        .order_by(RunRow.id.desc())
+    )
+    for run_id, config in runs:
+        facts = (config or {}).get(CALLBACK_CONFIG)
+        if isinstance(facts, dict) and facts.get("key") == key:
+            return session.get(RunRow, run_id)
+    return None
 
 
 def mark_following(session: Session, *, run_id: int, worker_host: str) -> None:

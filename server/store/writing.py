@@ -175,14 +175,40 @@ class RunWriter:
             price_per_hour=self.price_per_hour,
         )
 
-    def token_texts(self, engine: Engine) -> dict[int, str]:
+    def write_charged(self, conn: Connection, records: Sequence[StepRecord]) -> None:
+        """`commit`'s write in the caller's transaction (a caller that decides what to write
+        under the run's lock, store.lock_run): each step charged its wall time, its rollouts
+        searchable once `index_written` runs after the commit. After a failed transaction call
+        reset()."""
+        self.recorder = write_steps(
+            conn,
+            self.recorder,
+            records,
+            run_id=self.run_id,
+            control_tokens=self.control_tokens,
+            price_per_hour=self.price_per_hour,
+            charge_wall_time=True,
+            index=False,
+        )
+
+    def index_written(self, engine: Engine) -> None:
+        """Make the rollouts `write_charged` wrote searchable (write_batch's second half)."""
+        if self.recorder is not None:
+            index_written(engine, self.recorder)
+
+    def token_texts(self, bind: Engine | Connection) -> dict[int, str]:
         """The run's token texts as its recorder knows them (the recorder built from the
         database first if there is none): a remote recorder sends each token's text once."""
         if self.recorder is None:
-            with engine.connect() as conn:
+            if isinstance(bind, Connection):
                 self.recorder = Recorder(
-                    conn, run_id=self.run_id, control_tokens=self.control_tokens
+                    bind, run_id=self.run_id, control_tokens=self.control_tokens
                 )
+            else:
+                with bind.connect() as conn:
+                    self.recorder = Recorder(
+                        conn, run_id=self.run_id, control_tokens=self.control_tokens
+                    )
         return self.recorder.token_texts
 
     def reset(self) -> None:

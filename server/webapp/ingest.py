@@ -7,8 +7,15 @@ runs (a full access token to any recorded run). A body of steps is checked whole
 (server.exchange.wire) before anything is written; steps the run has already are answered as
 `already` and not written again (a retry after a lost answer), the others in one transaction of
 their own. Each run's RunWriter (what its next write needs: rollup buckets, alert windows,
-token texts) is kept between requests, checked against the run's last recorded step before
-each use and dropped with a transaction that does not commit.
+token texts) is kept between requests, checked against the run's last recorded step and record
+epoch before each use and dropped with a transaction that does not commit.
+
+A trainer resumed from a checkpoint creates with `resume_step` (server.store.resume: the run's
+steps after it go, its record epoch goes up); a body sent under an older epoch comes from the
+process the resume replaced (Superseded). A body is checked and written under the run's lock
+(store.lock_run): bodies of one run go one at a time, across web processes too. A step the run
+does not have that comes before its last is refused whole (StepOutOfOrder) and said, bounded, in
+the run's notes (store.note_refusal), as is a body the wire refuses.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server import store
-from rollout_lens.server.core.errors import InvalidState, NotFound
+from rollout_lens.server.core.errors import InvalidInput, InvalidState, NotFound, StepOutOfOrder
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
 from sqlalchemy import Engine
@@ -36,6 +43,11 @@ class Busy(Exception):
 
 class Forbidden(Exception):
     """A token that may not do this (a 403)."""
+
+
+class Superseded(Exception):
+    """A recorder whose run a resumed trainer continues now (an older record epoch): a 409
+    whose `status` is `superseded`; that recorder stops, its training goes on."""
 
 
 @dataclass
@@ -59,6 +71,7 @@ class _Kept:
     writer: store.RunWriter
     last_step: int | None  # the last step this writer committed
     lock: threading.Lock
+    epoch: int | None = None  # the run's record epoch when it did
 
 
 class Ingest:
@@ -93,6 +106,8 @@ class Ingest:
             if run is not None:
                 if not caller.may_write(run):
                     raise Forbidden(f"run {run.id} was recorded with another token")
+                if spec.get("resume_step") is not None:
+                    self._resume(session, run, spec)
                 session.expunge(run)
                 return run, False
             run = store.create_run(
@@ -125,6 +140,19 @@ class Ingest:
             session.expunge(run)
             return run, True
 
+    def _resume(self, session: Session, run: RunRow, spec: Mapping[str, Any]) -> None:
+        """The run's trainer resumed from its checkpoint: it continues the run (store.resume_run)
+        and the writer kept for it is stale."""
+        store.resume_run(
+            session,
+            run_id=run.id,
+            after_step=spec["resume_step"],
+            worker_host=spec["worker_host"] or None,
+            device=spec["device"] or None,
+        )
+        with self._lock:
+            self._kept.pop(run.id, None)
+
     def _run(self, session: Session, caller: Caller, run_id: int) -> RunRow:
         try:
             run = store.get_run(session, run_id=run_id)
@@ -137,19 +165,33 @@ class Ingest:
         return run
 
     def heartbeat(
-        self, caller: Caller, run_id: int, *, dropped: tuple[int, int] | None = None
+        self,
+        caller: Caller,
+        run_id: int,
+        *,
+        dropped: tuple[int, int] | None = None,
+        epoch: int | None = None,
     ) -> None:
         with session_scope(self.factory) as session:
             run = self._run(session, caller, run_id)
+            _current(run, epoch)
             if run.status == RunStatus.lost:
                 store.revive(session, run_id=run_id)
             store.heartbeat(session, run_id=run_id)
             if dropped is not None:
                 store.set_dropped(session, run_id=run_id, steps=dropped[0], rollouts=dropped[1])
 
-    def finish(self, caller: Caller, run_id: int, *, status: RunStatus, error: str | None) -> None:
+    def finish(
+        self,
+        caller: Caller,
+        run_id: int,
+        *,
+        status: RunStatus,
+        error: str | None,
+        epoch: int | None = None,
+    ) -> None:
         with session_scope(self.factory) as session:
-            self._run(session, caller, run_id)
+            _current(self._run(session, caller, run_id), epoch)
             store.mark_finished(session, run_id=run_id, status=status, error=error)
         with self._lock:
             self._kept.pop(run_id, None)
@@ -198,14 +240,17 @@ class Ingest:
         *,
         dropped: tuple[int, int] | None = None,
         claimed: Sequence[int] = (),
+        epoch: int | None = None,
     ) -> dict[str, Any]:
         """Check the body whole, then write the steps the run does not have yet. `claimed`:
         the steps the sender says the body holds (a retry whose first attempt was written is
-        answered from them, undecoded: the claim can only make the run skip its own steps)."""
+        answered from them, undecoded: the claim can only make the run skip its own steps);
+        `epoch`: the record epoch the sender's create answered (None: not checked)."""
         with session_scope(self.factory) as session:
             run = self._run(session, caller, run_id)  # before anything is decoded
             if run.status in (RunStatus.completed, RunStatus.failed, RunStatus.cancelled):
                 raise InvalidState(f"run {run_id} is {run.status}: it records nothing more")
+            _current(run, epoch)
             control_tokens = list(run.control_tokens or [])
             if claimed:
                 present = store.present_steps(session, run_id=run_id, steps=claimed)
@@ -219,18 +264,31 @@ class Ingest:
         if not self.writing.acquire(blocking=False):
             raise Busy("the dashboard is writing other recordings: send these again shortly")
         try:
-            return self._write(caller, run, body, dropped=dropped, control_tokens=control_tokens)
+            return self._write(
+                run, body, dropped=dropped, control_tokens=control_tokens, epoch=epoch
+            )
+        except StepOutOfOrder as exc:
+            self._note_refusal(run_id, f"step {exc.step}", str(exc))
+            raise
+        except InvalidInput as exc:  # the wire's refusals (WireInvalid)
+            said = f"steps {_listed(claimed)}" if claimed else "a body of steps"
+            self._note_refusal(run_id, said, str(exc))
+            raise
         finally:
             self.writing.release()
 
+    def _note_refusal(self, run_id: int, what: str, why: str) -> None:
+        with session_scope(self.factory) as session:
+            store.note_refusal(session, run_id=run_id, what=what, why=why)
+
     def _write(
         self,
-        caller: Caller,
         run: RunRow,
         body: bytes,
         *,
         dropped: tuple[int, int] | None,
         control_tokens: list[str],
+        epoch: int | None,
     ) -> dict[str, Any]:
         from rollout_lens.server.exchange import wire  # pyarrow: loaded on the first recording
 
@@ -241,40 +299,69 @@ class Ingest:
         if len(set(steps)) != len(steps):
             raise wire.WireInvalid("steps", "a step sent twice in one request")
         kept = self._writer(run_id, control_tokens)
-        with kept.lock:
-            with session_scope(self.factory) as session:
-                already = store.present_steps(session, run_id=run_id, steps=steps)
-                last = store.last_recorded_step(session, run_id=run_id)
-            if last != kept.last_step:
-                kept.writer.reset()  # another process wrote to it: rebuilt from the database
-            fresh = [r for r in received if r.record.step not in already]
-            if fresh:
-                texts = kept.writer.token_texts(self.engine)
+        with kept.lock:  # one body of a run at a time here; the run's row lock across processes
+            try:
+                with session_scope(self.factory) as session:
+                    fresh, already, last = self._fresh(session, kept, run_id, received, epoch)
+                    if fresh:
+                        texts = kept.writer.token_texts(session.connection())
 
-                def known(ids: Sequence[int]) -> dict[int, str]:
-                    return {i: t for i in ids if (t := texts.get(i)) is not None}
+                        def known(ids: Sequence[int]) -> dict[int, str]:
+                            return {i: t for i in ids if (t := texts.get(i)) is not None}
 
-                wire.complete_tokens(fresh, known, budget=budget)
-                try:
-                    kept.writer.commit(self.engine, [r.record for r in fresh])
-                except BaseException:
-                    kept.writer.reset()
-                    kept.last_step = None
-                    raise
-                kept.last_step = max(last or 0, *(r.record.step for r in fresh))
-            else:
-                kept.last_step = last
-        with session_scope(self.factory) as session:
-            if run.status == RunStatus.lost:
-                store.revive(session, run_id=run_id)
-            if dropped is not None:
-                store.set_dropped(session, run_id=run_id, steps=dropped[0], rollouts=dropped[1])
+                        wire.complete_tokens(fresh, known, budget=budget)
+                        kept.writer.write_charged(session.connection(), [r.record for r in fresh])
+                    if run.status == RunStatus.lost:
+                        store.revive(session, run_id=run_id)
+                    if dropped is not None:
+                        store.set_dropped(
+                            session, run_id=run_id, steps=dropped[0], rollouts=dropped[1]
+                        )
+            except (StepOutOfOrder, Superseded, InvalidState, NotFound):
+                raise  # refused before anything was written: the kept writer stands
+            except BaseException:
+                kept.writer.reset()
+                kept.last_step = kept.epoch = None
+                raise
+            kept.last_step = max(
+                [*([last] if last is not None else []), *steps_of(fresh)], default=None
+            )
+            kept.writer.index_written(self.engine)
         return {
             "run_id": run_id,
-            "written": [r.record.step for r in fresh],
+            "written": steps_of(fresh),
             "already": sorted(already),
             "rollouts": sum(len(r.record.rollouts) for r in fresh),
         }
+
+    @staticmethod
+    def _fresh(
+        session: Session, kept: _Kept, run_id: int, received: Sequence[Any], epoch: int | None
+    ) -> tuple[list[Any], set[int], int | None]:
+        """Under the run's lock: the received steps to write, those the run has already and its
+        last step. Refuses a superseded sender and a step that comes before the
+        run's last; forgets the kept writer if another process or a resume wrote since."""
+        locked = store.lock_run(session, run_id=run_id)
+        if locked is None:
+            raise NotFound(f"run {run_id} does not exist")
+        status, current = locked
+        if status in (RunStatus.completed, RunStatus.failed, RunStatus.cancelled):
+            raise InvalidState(f"run {run_id} is {status}: it records nothing more")
+        if epoch is not None and epoch < current:
+            raise Superseded(_SUPERSEDED.format(run_id=run_id))
+        steps = [r.record.step for r in received]
+        already = store.present_steps(session, run_id=run_id, steps=steps)
+        last = store.last_recorded_step(session, run_id=run_id)
+        if (last, current) != (kept.last_step, kept.epoch):
+            kept.writer.reset()  # its memory is of other writes: rebuilt from the database
+            kept.epoch = current
+        fresh = [r for r in received if r.record.step not in already]
+        top = last
+        for step in steps_of(fresh):  # steps only rise: after the run's last and in the body
+            if top is not None and step < top:
+                raise StepOutOfOrder(step=step, last=top)
+            top = step
+        return fresh, already, last
 
     def _writer(self, run_id: int, control_tokens: list[str]) -> _Kept:
         with self._lock:
@@ -288,3 +375,28 @@ class Ingest:
                     self._kept.popitem(last=False)
             self._kept.move_to_end(run_id)
             return kept
+
+
+_SUPERSEDED = (
+    "run {run_id} is continued by a trainer resumed from a checkpoint since this recorder "
+    "started: it records nothing more (its training goes on)"
+)
+
+
+def _current(run: RunRow, epoch: int | None) -> None:
+    """Refuse a recorder the run's latest resume replaced (an epoch before the run's)."""
+    if epoch is not None and epoch < run.record_epoch:
+        raise Superseded(_SUPERSEDED.format(run_id=run.id))
+
+
+def _step(received: Any) -> int:
+    return int(received.record.step)
+
+
+def steps_of(received: Sequence[Any]) -> list[int]:
+    return [_step(r) for r in received]
+
+
+def _listed(steps: Sequence[int]) -> str:
+    shown = ", ".join(str(s) for s in list(steps)[:8])
+    return shown + (f" and {len(steps) - 8} more" if len(steps) > 8 else "")

@@ -2,6 +2,9 @@
 
     python user_grpo.py --model DIR --out DIR [--db URL] [--steps N] [--grad-accum N] ...
 
+With --save-every N and --kill-at K it checkpoints every N steps and dies (SIGKILL) at the end
+of step K; run again with --resume it continues from its last checkpoint.
+
 The model folder is built on first use (tests/user_script.py) with the TRL/transformers at hand.
 
 It is run as its own process (plain, or under `accelerate launch`) from a folder that may hold a
@@ -34,11 +37,15 @@ parser.add_argument("--iterations", type=int, default=1)
 parser.add_argument("--logging-steps", type=int, default=1)
 parser.add_argument("--crash-at", type=int, default=0, help="raise at the end of this step")
 parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
+parser.add_argument("--save-every", type=int, default=0, help="a checkpoint every N steps")
+parser.add_argument("--kill-at", type=int, default=0, help="SIGKILL itself at this step's end")
+parser.add_argument("--resume", action="store_true", help="from the last checkpoint in --out")
+parser.add_argument("--restore-callbacks", action="store_true")
 args = parser.parse_args()
 
 out = Path(args.out)
 rank = int(os.environ.get("RANK", "0"))
-seen = (out / f"seen-{rank}.jsonl").open("w")
+seen = (out / f"seen-{rank}.jsonl").open("a" if args.resume else "w")
 
 
 def says_the_color(completions, answer, prompts, **kwargs):
@@ -60,21 +67,32 @@ config = GRPOConfig(
     max_completion_length=8,
     report_to="none",
     use_cpu=True,
-    save_strategy="no",
+    save_strategy="steps" if args.save_every else "no",
+    save_steps=args.save_every or 500,
+    restore_callback_states_from_checkpoint=args.restore_callbacks,
     disable_tqdm=True,
 )
 
 
 crash_at = args.crash_at
 step_sleep = args.step_sleep
+kill_at = args.kill_at
+recorder = RolloutLensCallback(project="user", database_url=args.db or None)
 
 
 class CrashAt(TrainerCallback):
-    """The user's own bug, some steps in."""
+    """The user's own bug, or their node dying, some steps in."""
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == crash_at:
             raise RuntimeError(f"the user's script broke at step {state.global_step}")
+        if state.global_step == kill_at:
+            # the node dies: every step before this one recorded, this one not, no exit handler
+            if recorder.sink is not None:
+                recorder.sink.flush()
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
         if step_sleep:
             import time
 
@@ -86,9 +104,9 @@ trainer = GRPOTrainer(
     reward_funcs=[says_the_color, us.is_short],
     args=config,
     train_dataset=Dataset.from_list(us.questions(64)),
-    callbacks=[RolloutLensCallback(project="user", database_url=args.db or None), CrashAt()],
+    callbacks=[recorder, CrashAt()],
 )
-trainer.train()
+trainer.train(resume_from_checkpoint=True if args.resume else None)
 # As a distributed script should: end the process group before the interpreter exits. Left to
 # the exit, gloo's threads can be torn down under a rank that then aborts ("terminate called
 # without an active exception", SIGABRT), after every step was recorded.

@@ -11,6 +11,10 @@ trainer/recorder/writer.py (BufferAndDrop).
 This is the one recording path: runs launched from the dashboard are recorded by the same
 callback, with the worker's writer as its `sink` (WaitThenFail), the task's `judge`, its
 `watch_tokens` (the id-position probe) and its GenerationHooks (in-group supervision).
+
+A script resumed from a checkpoint (`trainer.train(resume_from_checkpoint=...)`) continues the
+run it started: the run's key is kept in each checkpoint's trainer_state.json (see
+`_resume`), and the steps after the checkpoint replace the dead process's (server.store.resume).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import inspect
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -55,6 +60,11 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 # The recorder's own facts, kept in the stored config beside (not inside) the GRPOConfig's keys.
 CONFIG_KEY = "rollout_lens"
+# The run's key in a checkpoint: TrainerState.stateful_callbacks[STATE_KEY], in ExportableState's
+# shape. Not under this class's name: with restore_callback_states_from_checkpoint, transformers
+# rebuilds a callback saved under its class name from its saved args, and this one's judges and
+# token cannot be saved (transformers says it ignores an entry no callback is named after).
+STATE_KEY = "rollout_lens"
 
 
 class RolloutLensCallback(TrainerCallback):
@@ -207,6 +217,7 @@ class RolloutLensCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if not self._installed:
             self.attach(_find_trainer())
+        key, resume_step = self._resume(state)
         if self.sink is None and state.is_world_process_zero:
             self._own_sink = True
             if self.url:
@@ -219,21 +230,41 @@ class RolloutLensCallback(TrainerCallback):
                     prepare=self._prepare,
                     max_bytes=self.buffer_bytes,
                     heartbeat_seconds=self.settings.heartbeat_seconds,
+                    key=key,
+                    resume_step=resume_step,
                 )
                 atexit.register(self._at_exit)
                 return
+            spec = self._run_spec(args, state)
+            spec.config[CONFIG_KEY]["key"] = key  # found by it when a resumed script continues
             self.sink = StepWriter.for_script(
                 database_url=self.database_url,
-                spec=self._run_spec(args, state),
+                spec=spec,
                 prepare=self._prepare,
                 max_bytes=self.buffer_bytes,
                 heartbeat_seconds=self.settings.heartbeat_seconds,
                 price_per_device_hour=self.settings.price_per_device_hour,
                 busy_timeout_ms=self.settings.sqlite_busy_timeout_ms,
+                resume=None if resume_step is None else (key, resume_step),
             )
             atexit.register(self._at_exit)
         elif self.sink is not None:
             self.sink.prepare = self._prepare
+
+    @staticmethod
+    def _resume(state: Any) -> tuple[str, int | None]:
+        """The run's key, and the checkpoint's step when training resumed from one this
+        callback recorded (None: a new run). TrainerState is read from the checkpoint whether or
+        not restore_callback_states_from_checkpoint is set; the key goes into the state, and so
+        into every checkpoint saved from now on."""
+        saved = (state.stateful_callbacks or {}).get(STATE_KEY)
+        attributes = saved.get("attributes") if isinstance(saved, dict) else None
+        key = attributes.get("run_key") if isinstance(attributes, dict) else None
+        resuming = isinstance(key, str) and bool(key) and state.global_step > 0
+        if not resuming:
+            key = uuid.uuid4().hex
+        state.stateful_callbacks[STATE_KEY] = {"args": {}, "attributes": {"run_key": key}}
+        return str(key), int(state.global_step) if resuming else None
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self._step_started = time.perf_counter()

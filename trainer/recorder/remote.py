@@ -9,6 +9,13 @@ thread (not the training thread) and kept until the dashboard has it; a request 
 BATCH_STEPS frames within the request's byte cap. The run is created under a key of its own,
 so a create retried after a lost answer finds the run it made, and steps carry their step
 number: a retry after a lost answer is answered `already` and not written twice.
+
+A trainer resumed from a checkpoint passes the key it saved and the checkpoint's step
+(`resume_step`): the dashboard continues that run, and answers the record epoch its steps
+carry. Only 429, 5xx and network errors are retried; a step the dashboard refuses with another
+4xx is dropped alone and counted (the run's notes say why); 401, 403, 404 and a 409 that names
+a `status` (the run was cancelled, or a resumed trainer superseded this one) stop the
+recording, never the training.
 """
 
 from __future__ import annotations
@@ -75,11 +82,14 @@ class RemoteStepWriter(StepWriter):
         heartbeat_seconds: float = 5.0,
         request_bytes: int = REQUEST_BYTES,
         key: str | None = None,
+        resume_step: int | None = None,
     ) -> None:
         # set before the base class starts the writer thread
         self.url = url.rstrip("/")
         self.token = token or None
         self.key = key or uuid.uuid4().hex
+        self.resume_step = resume_step  # the checkpoint's step: the key's run continues
+        self.epoch: int | None = None  # the run's record epoch, as the create answered
         self.request_bytes = request_bytes
         self._http: httpx.Client | None = None
         self._acked = np.zeros(0, dtype=np.int64)  # token ids whose pieces the dashboard has
@@ -121,7 +131,7 @@ class RemoteStepWriter(StepWriter):
             raise DashboardAway(
                 f"HTTP {response.status_code}: {_detail(response)}", _retry_after(response)
             )
-        if response.status_code in (401, 403, 404, 409):
+        if response.status_code in (401, 403, 404) or _stops(response):
             raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
         return response
 
@@ -159,6 +169,8 @@ class RemoteStepWriter(StepWriter):
             "key": self.key,
             "worker_host": socket.gethostname(),
         }
+        if self.resume_step is not None:
+            body["resume_step"] = self.resume_step
         response = self._post(
             "/api/record/runs",
             content=json.dumps(body, default=str),
@@ -166,7 +178,9 @@ class RemoteStepWriter(StepWriter):
         )
         if response.status_code not in (200, 201):
             raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
-        self.run_id = int(response.json()["id"])
+        answer = response.json()
+        self.run_id = int(answer["id"])
+        self.epoch = answer.get("epoch")  # None from a dashboard older than resumes
         log.info("Rollout Lens: recording run %d (%s) at %s", self.run_id, spec.name, self.url)
 
     def _frame(self, pending: Pending) -> wire.Encoded:
@@ -212,6 +226,7 @@ class RemoteStepWriter(StepWriter):
                 "dropped_steps": drops[0],
                 "dropped_rollouts": drops[1],
                 "steps": ",".join(str(p.record.step) for p in batch),
+                **self._epoch(),
             },
         )
         if response.status_code == 200:
@@ -225,13 +240,16 @@ class RemoteStepWriter(StepWriter):
             self._written(batch, counted=False)
             self.written_steps += len(answer.get("written", ()))
             return
-        if response.status_code in (413, 422) and len(batch) > 1:
+        if 400 <= response.status_code < 500 and len(batch) > 1:
             self._send_batch(most=1)  # find the step at fault; the others go on next call
             return
-        if response.status_code in (413, 422):
-            self._refuse(batch[0], _detail(response))
+        if 400 <= response.status_code < 500:
+            self._refuse(batch[0], _detail(response))  # e.g. a step before the run's last
             return
         raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
+
+    def _epoch(self) -> dict[str, int]:
+        return {} if self.epoch is None else {"epoch": self.epoch}
 
     def _refuse(self, pending: Pending, why: str) -> None:
         self.dropped_steps += 1
@@ -262,6 +280,7 @@ class RemoteStepWriter(StepWriter):
         self._post(
             f"/api/record/runs/{self.run_id}/heartbeat",
             json={"dropped_steps": drops[0], "dropped_rollouts": drops[1]},
+            params=self._epoch(),
         )
         self._drops_seen = drops
 
@@ -269,7 +288,7 @@ class RemoteStepWriter(StepWriter):
         if self.run_id is None:
             return
         try:
-            self._post(f"/api/record/runs/{self.run_id}/heartbeat", json={})
+            self._post(f"/api/record/runs/{self.run_id}/heartbeat", json={}, params=self._epoch())
         except (DashboardAway, DashboardRefused) as exc:
             self._went_down(exc)
 
@@ -287,6 +306,7 @@ class RemoteStepWriter(StepWriter):
                     "dropped_steps": drops[0],
                     "dropped_rollouts": drops[1],
                 },
+                params=self._epoch(),
             )
         except (DashboardAway, DashboardRefused) as exc:
             log.warning("Rollout Lens: could not mark run %s finished: %s", self.run_id, exc)
@@ -295,6 +315,18 @@ class RemoteStepWriter(StepWriter):
         if self._http is not None:
             self._http.close()
             self._http = None
+
+
+def _stops(response: httpx.Response) -> bool:
+    """A 409 that names the run's `status` (cancelled, superseded by a resumed trainer): the
+    recording stops. Another 409 refuses a step (dropped alone)."""
+    if response.status_code != 409:
+        return False
+    try:
+        answer = response.json()
+    except ValueError:
+        return False
+    return isinstance(answer, dict) and bool(answer.get("status"))
 
 
 def _retry_after(response: httpx.Response) -> float | None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_lens.server import store
+from rollout_lens.server.core.errors import StepOutOfOrder
 from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.models import RunSource, RunStatus
@@ -150,7 +151,10 @@ class StepWriter:
         heartbeat_seconds: float | None = None,
         on_written: Callable[[StepRecord], None] | None = None,
         busy_timeout_ms: int = 30_000,
+        resume: tuple[str, int] | None = None,
     ) -> None:
+        """`resume`: (the key the run was created under, the checkpoint's step) of a script
+        resumed from a checkpoint: the run is continued (store.resume_run), not created."""
         if (factory is None) == (database_url is None):
             raise ValueError("StepWriter needs a session factory or a database URL (one of them)")
         if (run_id is None) == (spec is None):
@@ -167,6 +171,7 @@ class StepWriter:
         self.heartbeat_seconds = heartbeat_seconds
         self.on_written = on_written
         self.busy_timeout_ms = busy_timeout_ms
+        self.resume = resume
         self.written_steps = 0
         self.dropped_steps = 0
         self.dropped_rollouts = 0
@@ -206,9 +211,12 @@ class StepWriter:
         heartbeat_seconds: float = 5.0,
         price_per_device_hour: float = 0.0,
         busy_timeout_ms: int = 30_000,
+        resume: tuple[str, int] | None = None,
     ) -> StepWriter:
-        """A user's script: creates the run, buffers and drops rather than stop training."""
+        """A user's script: creates the run (or continues it: `resume`), buffers and drops
+        rather than stop training."""
         return cls(
+            resume=resume,
             policy=BufferAndDrop(max_bytes=max_bytes),
             database_url=database_url,
             spec=spec,
@@ -450,6 +458,8 @@ class StepWriter:
     def _create_run(self, factory: sessionmaker[Session]) -> None:
         spec = self.spec
         assert spec is not None
+        if self.resume is not None and self._resume_run(factory, *self.resume):
+            return
         with session_scope(factory) as session:
             run = store.create_run(
                 session,
@@ -476,6 +486,30 @@ class StepWriter:
             self.run_id = run.id
         log.info("Rollout Lens: recording run %d (%s)", self.run_id, spec.name)
 
+    def _resume_run(self, factory: sessionmaker[Session], key: str, after_step: int) -> bool:
+        """Continue the run created under `key` from the checkpoint at `after_step`; False when
+        this database has no such run (the script's run is recorded elsewhere: a new one)."""
+        assert self.spec is not None
+        with session_scope(factory) as session:
+            run = store.callback_run(session, key=key)
+            if run is None:
+                log.warning(
+                    "Rollout Lens: the run this checkpoint was recorded in is not in this "
+                    "database: recording a new run from step %d",
+                    after_step,
+                )
+                return False
+            store.resume_run(
+                session,
+                run_id=run.id,
+                after_step=after_step,
+                worker_host=socket.gethostname(),
+                device=self.spec.device,
+            )
+            self.run_id = run.id
+        log.info("Rollout Lens: run %d continues from step %d", self.run_id, after_step)
+        return True
+
     def _write_batch(self, factory: sessionmaker[Session]) -> None:
         """Write the oldest waiting steps (up to BATCH_STEPS) in one transaction; they leave the
         buffer once committed. A refused batch is written one step at a time to find the step
@@ -484,6 +518,19 @@ class StepWriter:
             batch = list(itertools.islice(self._buffer, BATCH_STEPS))
         try:
             self._commit(factory, [p.record for p in batch])
+        except StepOutOfOrder as refused:
+            culprit = refused
+            if len(batch) > 1:
+                batch = batch[:1]  # find the step at fault: the next call goes on with the others
+                try:
+                    self._commit(factory, [batch[0].record])
+                except StepOutOfOrder as single:
+                    culprit = single
+                else:
+                    self._written(batch)
+                    return
+            self._out_of_order(batch[0], culprit)
+            return
         except DBAPIError as exc:
             if is_transient(exc) or len(batch) == 1:
                 self._settle(batch[0], exc)
@@ -537,7 +584,15 @@ class StepWriter:
             )
         self._run_writer.commit(factory.kw["bind"], records)
 
-    def _refused(self, record: StepRecord, exc: DBAPIError) -> None:
+    def _out_of_order(self, pending: Pending, exc: StepOutOfOrder) -> None:
+        """A step that comes after a later one: a launched run fails (its steps never go back);
+        a script's is dropped alone, as a step the database refuses."""
+        if self.waits:
+            raise exc
+        self._refused(pending.record, exc)
+        self._leave([pending])
+
+    def _refused(self, record: StepRecord, exc: BaseException) -> None:
         self.dropped_steps += 1
         if not self._refusal_said:
             self._refusal_said = True

@@ -14,10 +14,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
-from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.errors import InvalidInput, StepOutOfOrder
 from rollout_lens.server.exchange.bounds import MAX_INT32, check_depth
 from rollout_lens.server.store.models import RunStatus
-from rollout_lens.server.webapp.ingest import Busy, Caller, Forbidden, Ingest
+from rollout_lens.server.webapp.ingest import Busy, Caller, Forbidden, Ingest, Superseded
 from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.concurrency import run_in_threadpool
 
@@ -33,6 +33,15 @@ BINARY_BODY: dict[str, Any] = {
 }
 RunPath = Annotated[int, Path(ge=1, le=MAX_INT32, description="The run's id")]
 Count = Annotated[int | None, Query(ge=0, le=MAX_INT32)]
+Epoch = Annotated[
+    int | None,
+    Query(
+        ge=0,
+        le=MAX_INT32,
+        description="the record epoch the create answered: a recorder a resumed trainer "
+        "replaced (an older epoch) is answered 409 with status `superseded`",
+    ),
+]
 
 
 class RecordRun(BaseModel):
@@ -55,6 +64,13 @@ class RecordRun(BaseModel):
         default_factory=list, max_length=100
     )
     keep_tokens_every: int | None = Field(None, ge=1, le=MAX_INT32)
+    resume_step: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_INT32,
+        description="A trainer resumed from its checkpoint at this step: the key's run continues "
+        "(its steps after it are deleted; it is running again under a new epoch)",
+    )
 
     @field_validator("key")
     @classmethod
@@ -101,6 +117,7 @@ class RecordedRun(BaseModel):
     name: str
     url: str = Field(description="the run's page")
     created: bool = Field(description="false: the run this key created before")
+    epoch: int = Field(description="the run's record epoch: send it with its steps")
 
 
 class Written(BaseModel):
@@ -125,8 +142,8 @@ def _caller(request: Request) -> Caller:
     return Caller(scope=state.get("token_scope"), token_fp=state.get("token_fp"))
 
 
-def _refused(status: int, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"detail": message} | extra, status_code=status)
+def _refused(code: int, message: str, /, **extra: Any) -> JSONResponse:
+    return JSONResponse({"detail": message} | extra, status_code=code)
 
 
 def _dropped(steps: int | None, rollouts: int | None) -> tuple[int, int] | None:
@@ -142,6 +159,7 @@ def _dropped(steps: int | None, rollouts: int | None) -> tuple[int, int] | None:
         200: {"description": "The run this key created before", "model": RecordedRun},
         201: {"description": "The run, created running", "model": RecordedRun},
         403: {"description": "The key's run belongs to another token"},
+        409: {"description": "`resume_step` given and the key's run completed or cancelled"},
     },
 )
 def create_run(request: Request, body: RecordRun) -> Response:
@@ -151,7 +169,13 @@ def create_run(request: Request, body: RecordRun) -> Response:
         return _refused(403, str(exc))
     url = str(request.app.url_path_for("run_page", run_id=run.id))
     return JSONResponse(
-        {"id": run.id, "name": run.name, "url": url, "created": created},
+        {
+            "id": run.id,
+            "name": run.name,
+            "url": url,
+            "created": created,
+            "epoch": run.record_epoch,
+        },
         status_code=201 if created else 200,
     )
 
@@ -164,7 +188,11 @@ def create_run(request: Request, body: RecordRun) -> Response:
         200: {"description": "Steps written and those the run had already", "model": Written},
         403: {"description": "A run this token did not create"},
         404: {"description": "No such run"},
-        409: {"description": "The run has finished: it records nothing more"},
+        409: {
+            "description": "The run has finished (it records nothing more), the sender's epoch "
+            "is superseded (`status`), or a step the run does not have comes before its last "
+            "(`step`: a resumed trainer says so when it starts); the run's notes say so"
+        },
         413: {"description": "The body is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
         422: {"description": "A field of the body is invalid", "model": WireRefusal},
         503: {"description": "The database is busy or away, or a write raced: retry"},
@@ -175,6 +203,7 @@ async def record_steps(
     run_id: RunPath,
     dropped_steps: Count = None,
     dropped_rollouts: Count = None,
+    epoch: Epoch = None,
     steps: Annotated[
         str | None,
         Query(
@@ -193,10 +222,14 @@ async def record_steps(
     claimed = [int(s) for s in steps.split(",") if int(s) <= MAX_INT32] if steps else []
     try:
         answer = await run_in_threadpool(
-            ingest.write, caller, run_id, data, dropped=dropped, claimed=claimed
+            ingest.write, caller, run_id, data, dropped=dropped, claimed=claimed, epoch=epoch
         )
     except Forbidden as exc:
         return _refused(403, str(exc))
+    except Superseded as exc:
+        return _refused(409, str(exc), status="superseded")
+    except StepOutOfOrder as exc:
+        return _refused(409, str(exc), step=exc.step, last=exc.last)
     except Busy as exc:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"retry-after": "1"})
     except wire.WireInvalid as exc:
@@ -254,14 +287,21 @@ async def import_file(
     summary="Say a recorder is alive (and what it dropped)",
     responses={200: {"model": Acknowledged}},
 )
-def heartbeat(request: Request, run_id: RunPath, body: Alive | None = None) -> Response:
+def heartbeat(
+    request: Request, run_id: RunPath, body: Alive | None = None, epoch: Epoch = None
+) -> Response:
     body = body or Alive(dropped_steps=None, dropped_rollouts=None)
     try:
         _ingest(request).heartbeat(
-            _caller(request), run_id, dropped=_dropped(body.dropped_steps, body.dropped_rollouts)
+            _caller(request),
+            run_id,
+            dropped=_dropped(body.dropped_steps, body.dropped_rollouts),
+            epoch=epoch,
         )
     except Forbidden as exc:
         return _refused(403, str(exc))
+    except Superseded as exc:
+        return _refused(409, str(exc), status="superseded")
     return JSONResponse({"run_id": run_id})
 
 
@@ -270,13 +310,15 @@ def heartbeat(request: Request, run_id: RunPath, body: Alive | None = None) -> R
     summary="End a recorded run",
     responses={200: {"model": Acknowledged}},
 )
-def finish(request: Request, run_id: RunPath, body: Finish) -> Response:
+def finish(request: Request, run_id: RunPath, body: Finish, epoch: Epoch = None) -> Response:
     ingest, caller = _ingest(request), _caller(request)
     try:
         ingest.heartbeat(
-            caller, run_id, dropped=_dropped(body.dropped_steps, body.dropped_rollouts)
+            caller, run_id, dropped=_dropped(body.dropped_steps, body.dropped_rollouts), epoch=epoch
         )
-        ingest.finish(caller, run_id, status=body.status, error=body.error)
+        ingest.finish(caller, run_id, status=body.status, error=body.error, epoch=epoch)
     except Forbidden as exc:
         return _refused(403, str(exc))
+    except Superseded as exc:
+        return _refused(409, str(exc), status="superseded")
     return JSONResponse({"run_id": run_id, "status": body.status})
