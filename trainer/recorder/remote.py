@@ -9,6 +9,10 @@ thread (not the training thread) and kept until the dashboard has it; a request 
 BATCH_STEPS frames within the request's byte cap. The run is created under a key of its own,
 so a create retried after a lost answer finds the run it made, and steps carry their step
 number: a retry after a lost answer is answered `already` and not written twice.
+
+A run that has ended answers 409 with its status (server/webapp/routes/record.py): recording
+stops there, and a `cancelled` one sets `stop_requested` (the callback stops training). A run
+deleted from the dashboard answers 404: recording stops, training goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from rollout_lens.server.core.errors import RunEnded
 from rollout_lens.server.exchange import wire
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.trainer.recorder.writer import (
@@ -99,7 +104,8 @@ class RemoteStepWriter(StepWriter):
 
     def _client(self) -> httpx.Client:
         if self._http is None:
-            headers = {"user-agent": "rollout-lens-recorder"}
+            # the key too: a request about a deleted run is a 404, never another run's
+            headers = {"user-agent": "rollout-lens-recorder", "x-record-key": self.key}
             if self.token:
                 headers["authorization"] = f"Bearer {self.token}"
             # no cookies kept: sent back, the dashboard's CSRF cookie would make these POSTs a
@@ -119,6 +125,9 @@ class RemoteStepWriter(StepWriter):
             raise DashboardAway(
                 f"HTTP {response.status_code}: {_detail(response)}", _retry_after(response)
             )
+        ended = _ended(response, self.run_id)
+        if ended is not None:
+            raise ended
         if response.status_code in (401, 403, 404, 409):
             raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
         return response
@@ -140,6 +149,9 @@ class RemoteStepWriter(StepWriter):
                 self.busy_answers += 1
                 return False
             self._went_down(exc)
+            return False
+        except RunEnded as exc:
+            self._run_ended(exc)
             return False
         except DashboardRefused as exc:
             self._fail(exc)
@@ -266,6 +278,8 @@ class RemoteStepWriter(StepWriter):
             return
         try:
             self._post(f"/api/record/runs/{self.run_id}/heartbeat", json={})
+        except RunEnded as exc:  # heard between slow steps too
+            self._run_ended(exc)
         except (DashboardAway, DashboardRefused) as exc:
             self._went_down(exc)
 
@@ -284,6 +298,8 @@ class RemoteStepWriter(StepWriter):
                     "dropped_rollouts": drops[1],
                 },
             )
+        except RunEnded as exc:  # cancelled from the dashboard since the last request: it stays
+            log.warning("Rollout Lens: %s", exc)
         except (DashboardAway, DashboardRefused) as exc:
             log.warning("Rollout Lens: could not mark run %s finished: %s", self.run_id, exc)
 
@@ -291,6 +307,26 @@ class RemoteStepWriter(StepWriter):
         if self._http is not None:
             self._http.close()
             self._http = None
+
+
+def _ended(response: httpx.Response, run_id: int | None) -> RunEnded | None:
+    """A 409 that says the run has ended (its JSON has the run's `status`), as RunEnded."""
+    if response.status_code != 409 or run_id is None:
+        return None
+    try:
+        answer = response.json()
+    except ValueError:
+        return None
+    status = answer.get("status") if isinstance(answer, dict) else None
+    if not isinstance(status, str):
+        return None
+    by = answer.get("ended_by")
+    return RunEnded(
+        str(answer.get("detail") or f"run {run_id} is {status}"),
+        run_id=run_id,
+        status=status,
+        ended_by=by if isinstance(by, str) else None,
+    )
 
 
 def _retry_after(response: httpx.Response) -> float | None:
