@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from rollout_lens.server.core.errors import NotFound, RunEnded
 from rollout_lens.server.store.models import EndedBy, RunRow, RunSource, RunStatus, utcnow
-from sqlalchemy import CursorResult, and_, or_, update
+from sqlalchemy import Connection, CursorResult, and_, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -44,28 +44,25 @@ def may_record(run: RunRow) -> bool:
 
 def ended(run: RunRow) -> RunEnded:
     """The error a recorder gets for a run it may no longer write to."""
-    by = f" by {run.ended_by}" if run.ended_by else ""
+    return _ended(run.id, run.status, run.ended_by)
+
+
+def _ended(run_id: int, status: str, ended_by: str | None) -> RunEnded:
+    by = f" by {ended_by}" if ended_by else ""
     return RunEnded(
-        f"run {run.id} was {run.status}{by}: it records nothing more",
-        run_id=run.id,
-        status=run.status,
-        ended_by=run.ended_by,
+        f"run {run_id} was {status}{by}: it records nothing more",
+        run_id=run_id,
+        status=status,
+        ended_by=ended_by,
     )
 
 
-def check_recording(session: Session, *, run_id: int) -> None:
-    """RunEnded unless the run's recorder may still write to it; NotFound once it is deleted."""
-    run = session.get(RunRow, run_id, populate_existing=True)
-    if run is None:
-        raise NotFound(f"run {run_id} does not exist")
-    if not may_record(run):
-        raise ended(run)
-
-
-def recorder_alive(session: Session, *, run_id: int) -> None:
-    """A recorder's heartbeat: a run the sweeper marked lost is running again; RunEnded for a
-    run that someone else ended (it is never reopened)."""
-    result = session.execute(
+def recorder_alive(db: Session | Connection, *, run_id: int) -> None:
+    """A recorder's heartbeat, and the first statement of its every write (the run's row is
+    held until it commits, so a cancel falls before or after the steps, never amid them): a run
+    the sweeper marked lost is running again; RunEnded for a run that someone else ended (it
+    is never reopened), NotFound for one deleted."""
+    result = db.execute(
         update(RunRow)
         .where(RunRow.id == run_id, RECORDING)
         .values(
@@ -76,10 +73,13 @@ def recorder_alive(session: Session, *, run_id: int) -> None:
             # the sweeper's reason goes with its `lost`; a running run has no error to keep
             error=None,
         )
-        .execution_options(synchronize_session=False)
     )
-    if _rowcount(result) != 1:
-        check_recording(session, run_id=run_id)  # raises: NotFound or RunEnded
+    if _rowcount(result) == 1:
+        return
+    row = db.execute(select(RunRow.status, RunRow.ended_by).where(RunRow.id == run_id)).first()
+    if row is None:
+        raise NotFound(f"run {run_id} does not exist")
+    raise _ended(run_id, row.status, row.ended_by)
 
 
 def finish_recorded(session: Session, *, run_id: int, status: RunStatus, error: str | None) -> None:

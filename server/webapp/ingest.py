@@ -13,6 +13,7 @@ each use and dropped with a transaction that does not commit.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -252,7 +253,12 @@ class Ingest:
 
                 wire.complete_tokens(fresh, known)
                 try:
-                    kept.writer.commit(self.engine, [r.record for r in fresh])
+                    # the run's row held first: a cancel meanwhile is a 409, not steps after it
+                    kept.writer.commit(
+                        self.engine,
+                        [r.record for r in fresh],
+                        guard=functools.partial(ending.recorder_alive, run_id=run_id),
+                    )
                 except BaseException:
                     kept.writer.reset()
                     kept.last_step = None

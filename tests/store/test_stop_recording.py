@@ -285,3 +285,49 @@ def test_a_launched_run_keeps_who_asked_it_to_stop(
         store.mark_finished(session, run_id=run_id, status=RunStatus.cancelled, ended_by="worker")
     with session_scope(session_factory) as session:
         assert store.get_run(session, run_id=run_id).ended_by == BY_FULL
+
+
+def test_steps_racing_a_cancel_land_before_it_or_not_at_all(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """The cancel holds the run's row (uncommitted) while a recorder's write starts: the write
+    waits for it, then is refused whole (RunEnded), never written after the cancel."""
+    import threading
+
+    from rollout_lens.server.core.errors import RunEnded
+    from rollout_lens.server.store import ending
+
+    engine = session_factory.kw["bind"]
+    with session_scope(session_factory) as session:
+        run = store.create_run(
+            session, name="race", model="m", total_steps=5, group_size=4, source="callback"
+        )
+        store.mark_running(session, run_id=run.id, worker_host="h", device="cpu", control_tokens=[])
+        run_id = run.id
+    writer = store.RunWriter(run_id, control_tokens=list(CONTROL_TOKENS))
+    writer.commit(engine, [_step(1)], guard=lambda conn: ending.recorder_alive(conn, run_id=run_id))
+    outcome: list[BaseException | None] = []
+
+    def write() -> None:
+        try:
+            writer.commit(
+                engine, [_step(2)], guard=lambda conn: ending.recorder_alive(conn, run_id=run_id)
+            )
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            outcome.append(exc)
+
+    cancel = session_factory()
+    try:
+        assert store.request_cancel(cancel, run_id=run_id, ended_by=BY_FULL) == "cancelled"
+        racing = threading.Thread(target=write)
+        racing.start()
+        racing.join(timeout=0.5)  # it waits on the cancel's hold of the run (it cannot finish)
+        cancel.commit()
+    finally:
+        cancel.close()
+    racing.join(timeout=60)
+    assert len(outcome) == 1 and isinstance(outcome[0], RunEnded), outcome
+    assert (outcome[0].status, outcome[0].ended_by) == ("cancelled", BY_FULL)
+    _, _, recorded, _ = load_run(_url(session_factory), run_id)
+    assert [s.step for s in recorded] == [1]

@@ -28,6 +28,7 @@ What differs between runs is what to do while the database is away, a policy:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import socket
@@ -444,7 +445,6 @@ class StepWriter:
             if self.run_id is None:
                 self._create_run(factory)
             while self._buffer:
-                self._check_run(factory)
                 self._write_batch(factory)
             self._report_drops(factory)
         except RunEnded as exc:
@@ -514,14 +514,6 @@ class StepWriter:
                 return
         self._written(batch)
 
-    def _check_run(self, factory: sessionmaker[Session]) -> None:
-        """BufferAndDrop: RunEnded once the run ended elsewhere (cancelled from the dashboard),
-        before its next steps are written (a read by primary key, on this thread)."""
-        if self.waits or self.run_id is None:
-            return  # a launched run: its worker asks about a cancel (trainer/worker/monitor.py)
-        with session_scope(factory) as session:
-            ending.check_recording(session, run_id=self.run_id)
-
     def _run_ended(self, exc: RunEnded) -> None:
         """The run ended elsewhere: recording stops (what waits is dropped, not counted as lost:
         the run has its end); a cancel asks the callback to stop training (stop_requested)."""
@@ -585,7 +577,10 @@ class StepWriter:
             self._run_writer = store.RunWriter(
                 self.run_id, control_tokens=self.control_tokens, price_per_hour=self.price
             )
-        self._run_writer.commit(factory.kw["bind"], records)
+        # A script's run: its row is held first, RunEnded once it was cancelled from the
+        # dashboard (a launched run's worker asks about a cancel: trainer/worker/monitor.py).
+        guard = None if self.waits else functools.partial(ending.recorder_alive, run_id=self.run_id)
+        self._run_writer.commit(factory.kw["bind"], records, guard=guard)
 
     def _refused(self, record: StepRecord, exc: DBAPIError) -> None:
         self.dropped_steps += 1
@@ -611,8 +606,10 @@ class StepWriter:
             return
         try:
             with session_scope(self._factory) as session:
-                store.heartbeat(session, run_id=self.run_id)
-            self._check_run(self._factory)  # a cancel is heard between slow steps too
+                if self.waits:
+                    store.heartbeat(session, run_id=self.run_id)
+                else:  # a cancel is heard between slow steps too
+                    ending.recorder_alive(session, run_id=self.run_id)
         except RunEnded as exc:
             self._run_ended(exc)
         except Exception as exc:  # noqa: BLE001 - the next write will find out and buffer
