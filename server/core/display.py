@@ -60,6 +60,7 @@ LIVE_FORMATS: dict[str, Callable[[Any], str]] = {
     "device_minutes": fmt_minutes,
     "cost": fmt_money,
     "finished_at": fmt_when,
+    "ended_by": lambda who: who or "—",
     "queue_position": lambda place: f"#{place} in queue" if place else "",
     "phase": lambda phase: phase or "",
 }

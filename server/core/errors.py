@@ -52,6 +52,15 @@ class InvalidState(RolloutLensError):
     """An action that the run's current status does not allow."""
 
 
+class RunEnded(InvalidState):
+    """A recorder writing to a run that has ended: a 409 whose JSON says the run's `status` and
+    who ended it (`ended_by`), so the recorder knows to stop (a cancel: training stops too)."""
+
+    def __init__(self, message: str, *, run_id: int, status: str, ended_by: str | None) -> None:
+        super().__init__(message)
+        self.run_id, self.status, self.ended_by = run_id, status, ended_by
+
+
 class QueueFull(InvalidState):
     """Queuing more runs would pass ROLLOUT_LENS_MAX_QUEUED_RUNS: nothing was queued."""
 

@@ -98,6 +98,9 @@ class RunData(TypedDict):
     device_minutes: float
     cost: float
     error: str | None
+    # who ended it (models.EndedBy: `recorder`, `dashboard (token 1a2b3c4d)`…); for a launched
+    # run still running, who asked it to stop
+    ended_by: str | None
     dropped_steps: int
     dropped_rollouts: int
     notes: list[str]
@@ -132,6 +135,7 @@ class ProgressData(TypedDict):
     cost: float
     error: str | None
     finished_at: str | None
+    ended_by: str | None  # who ended it, once it has ended
     phase: str | None
     active: bool
     text: dict[str, str]  # data-field → its text (display.live_text)

@@ -43,7 +43,7 @@ from rollout_lens.server.exchange.dump_import import (
     refused,
 )
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import RunRow, RunStatus, utcnow
+from rollout_lens.server.store.models import EndedBy, RunRow, RunStatus, utcnow
 from sqlalchemy.exc import DataError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -276,7 +276,13 @@ class Follower:
     def _finish(self, status: RunStatus, error: str | None) -> None:
         if self.run_id is not None:
             with session_scope(self.factory) as session:
-                store.mark_finished(session, run_id=self.run_id, status=status, error=error)
+                store.mark_finished(
+                    session,
+                    run_id=self.run_id,
+                    status=status,
+                    error=error,
+                    ended_by=EndedBy.recorder,
+                )
 
 
 def _recorded(ready: list[Unit], rollouts: int) -> str:

@@ -16,26 +16,28 @@ from rollout_lens.server.store.models import (
     RolloutRow,
     RollupRow,
     RunRow,
+    RunSource,
     RunStatus,
     RunTokenRow,
     StepRow,
 )
-from sqlalchemy import CursorResult, delete, exists, select, update
+from sqlalchemy import CursorResult, delete, exists, or_, select, update
 from sqlalchemy.orm import Session
 
 
 def delete_run(session: Session, *, run_id: int) -> str | None:
-    """Delete a run that is not training and everything recorded for it; returns its broker
-    task id (a queued run's message may still be waiting). Not committed here.
+    """Delete a run that is not training here and everything recorded for it; returns its
+    broker task id (a queued run's message may still be waiting). Not committed here.
 
-    A running run is refused (InvalidState: cancel it first). The first statement locks the
-    run's row while it is not running, so a worker cannot claim it while it is being deleted;
-    a worker that takes its message later finds no run and skips it.
+    A launched running run is refused (InvalidState: cancel it first); a running run a user's
+    script records is deleted (its recorder's next request finds no run: it stops recording,
+    the script trains on). The first statement locks the run's row while it is deletable, so a
+    worker cannot claim it while it is being deleted; a worker that takes its message later
+    finds no run and skips it.
     """
+    deletable = or_(RunRow.status != RunStatus.running, RunRow.source == RunSource.callback)
     locked = session.execute(
-        update(RunRow)
-        .where(RunRow.id == run_id, RunRow.status != RunStatus.running)
-        .values(cancel_requested=True)
+        update(RunRow).where(RunRow.id == run_id, deletable).values(cancel_requested=True)
     )
     if cast(CursorResult[Any], locked).rowcount != 1:
         if session.get(RunRow, run_id) is None:

@@ -50,6 +50,29 @@ class RunStatus(enum.StrEnum):
 ACTIVE_STATUSES = (RunStatus.queued, RunStatus.running)
 
 
+class EndedBy(enum.StrEnum):
+    """Who ended a run (runs.ended_by); a cancel from the dashboard says whose (`by_dashboard`)."""
+
+    recorder = "recorder"  # the process that recorded it finished it (a script, the callback)
+    worker = "worker"  # the dashboard's worker that trained a launched run
+    sweeper = "sweeper"  # no heartbeat for ROLLOUT_LENS_LOST_AFTER_SECONDS: marked lost
+    dashboard = "dashboard"  # cancelled from the dashboard (its page, form or API)
+
+
+def by_dashboard(who: str | None) -> str:
+    """runs.ended_by of a cancel from the dashboard by `who` (the Guard's name of the caller:
+    `token 1a2b3c4d`, never a token); `dashboard` alone on one without tokens."""
+    return f"{EndedBy.dashboard} ({who[:180]})" if who else EndedBy.dashboard.value
+
+
+def dashboard_caller(ended_by: str | None) -> str | None:
+    """Who cancelled from the dashboard (by_dashboard's `who`), else None."""
+    prefix = f"{EndedBy.dashboard} ("
+    if ended_by and ended_by.startswith(prefix) and ended_by.endswith(")"):
+        return ended_by[len(prefix) : -1]
+    return None
+
+
 class RunSource(enum.StrEnum):
     """How a run got in: launched here, recorded by the TRL callback, or imported."""
 
@@ -136,8 +159,9 @@ class RunRow(Base):
     # Goes up by one each time a trainer resumes the run from a checkpoint: steps sent under an
     # older epoch come from the process the resume replaced (migration 0017).
     record_epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    # Who ended a run that is no longer running: the recorder that finished it, the dashboard's
-    # cancel, the sweeper; NULL while it runs and for runs ended before migration 0017.
+    # Who ended a run that is no longer running (EndedBy): the recorder that finished it, the
+    # dashboard's cancel, the sweeper, the worker; NULL for runs ended before migration 0017.
+    # A launched run asked to stop keeps who asked here until its worker stops it.
     ended_by: Mapped[str | None] = mapped_column(String(200))
 
     # Summary columns kept current by every step write, so lists never scan steps.

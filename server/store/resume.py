@@ -9,7 +9,8 @@ rise: a step the run does not have that comes before its last one is refused.
 
 from __future__ import annotations
 
-from rollout_lens.server.core.errors import InvalidState, NotFound
+from rollout_lens.server.core.errors import NotFound
+from rollout_lens.server.store import ending
 from rollout_lens.server.store.models import RunRow, RunStatus, utcnow
 from rollout_lens.server.store.runs import truncate_after
 from sqlalchemy import select, update
@@ -51,16 +52,16 @@ def resume_run(
     """A trainer resumed from its checkpoint at `after_step` continues the run (see the module
     docstring): the steps after it go, the run is running again, its end (finished_at,
     ended_by, error) is cleared and its record epoch goes up by one; returns the new epoch.
-    A completed or cancelled run records nothing more (InvalidState)."""
+    A completed or cancelled run records nothing more (RunEnded, an InvalidState)."""
     found = lock_run(session, run_id=run_id)
     if found is None:
         raise NotFound(f"run {run_id} does not exist")
     status, epoch = found
     if status not in RESUMES_FROM:
-        raise InvalidState(
-            f"run {run_id} is {status}: it records nothing more (a trainer resumed from a "
-            "checkpoint continues a run that is running, lost or failed)"
-        )
+        # a 409 with the run's status: a resumed trainer of a run the dashboard cancelled
+        # stops training, one of a completed run stops recording
+        by = session.scalar(select(RunRow.ended_by).where(RunRow.id == run_id))
+        raise ending.run_ended(run_id, status, by)
     truncate_after(session, run_id=run_id, step=after_step)
     where = {"worker_host": worker_host, "device": device}
     session.execute(

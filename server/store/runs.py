@@ -8,9 +8,10 @@ from typing import Any, cast
 
 from rollout_lens.server.core.errors import InvalidState, NotFound
 from rollout_lens.server.core.vocab import WINDOW
-from rollout_lens.server.store import layout, rollups, search
+from rollout_lens.server.store import ending, layout, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
+    EndedBy,
     RolloutDataRow,
     RolloutRow,
     RunRow,
@@ -21,6 +22,7 @@ from rollout_lens.server.store.models import (
 )
 from sqlalchemy import CursorResult, delete, func, select, true, update
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
 
 RESUMABLE_STATUSES = (RunStatus.lost, RunStatus.failed, RunStatus.cancelled)
 
@@ -148,13 +150,22 @@ def mark_running(
 
 
 def mark_finished(
-    session: Session, *, run_id: int, status: RunStatus, error: str | None = None
+    session: Session,
+    *,
+    run_id: int,
+    status: RunStatus,
+    error: str | None = None,
+    ended_by: str | None = None,
 ) -> None:
-    """The run has ended as completed, failed, cancelled or lost."""
+    """The run has ended as completed, failed, cancelled or lost, by `ended_by` (EndedBy). A run
+    ending `cancelled` keeps who asked it to stop (request_cancel), where someone did."""
+    by: ColumnElement[str | None] | str | None = ended_by
+    if status == RunStatus.cancelled:
+        by = func.coalesce(RunRow.ended_by, ended_by)
     session.execute(
         update(RunRow)
         .where(RunRow.id == run_id)
-        .values(status=status, finished_at=utcnow(), error=error, phase=None)
+        .values(status=status, finished_at=utcnow(), error=error, phase=None, ended_by=by)
     )
 
 
@@ -222,14 +233,27 @@ def set_task_id(session: Session, *, run_id: int, task_id: str) -> None:
     session.execute(update(RunRow).where(RunRow.id == run_id).values(task_id=task_id))
 
 
-def request_cancel(session: Session, *, run_id: int) -> str:
-    """Cancel a queued run now, or ask a running one to stop; returns the resulting status."""
+def request_cancel(session: Session, *, run_id: int, ended_by: str = EndedBy.dashboard) -> str:
+    """Cancel a queued run now, or ask a running one to stop; returns the resulting status.
+
+    A run a recorder of the user's own trains is cancelled at once (its recorder is told on its
+    next write and stops training: server/store/ending.py); a launched one stops within a step
+    or two, its worker ending it. `ended_by` (models.by_dashboard) says who asked."""
     run = get_run(session, run_id=run_id)
     if run.status == RunStatus.queued:
-        mark_finished(session, run_id=run_id, status=RunStatus.cancelled)
+        mark_finished(session, run_id=run_id, status=RunStatus.cancelled, ended_by=ended_by)
         return RunStatus.cancelled
-    if run.status == RunStatus.running:
-        session.execute(update(RunRow).where(RunRow.id == run_id).values(cancel_requested=True))
+    if run.status == RunStatus.running and ending.recorded_elsewhere(run):
+        if ending.cancel_recorded(session, run_id=run_id, ended_by=ended_by):
+            return RunStatus.cancelled
+        session.refresh(run)  # it ended meanwhile
+    elif run.status == RunStatus.running:
+        # who asked is kept until the worker ends the run cancelled (mark_finished)
+        session.execute(
+            update(RunRow)
+            .where(RunRow.id == run_id)
+            .values(cancel_requested=True, ended_by=ended_by)
+        )
         return RunStatus.running
     raise InvalidState(
         f"run {run_id} is {run.status}: only queued or running runs can be cancelled"
@@ -255,6 +279,7 @@ def requeue_for_resume(session: Session, *, run_id: int) -> RunRow:
     run.cancel_requested = False
     run.error = None
     run.finished_at = None
+    run.ended_by = None
     return run
 
 
@@ -337,7 +362,13 @@ def mark_lost_runs(session: Session, *, stale_after: timedelta) -> list[int]:
             session.execute(
                 update(RunRow)
                 .where(RunRow.id.in_(ids), *stale)
-                .values(status=RunStatus.lost, finished_at=utcnow(), error=reason, phase=None)
+                .values(
+                    status=RunStatus.lost,
+                    finished_at=utcnow(),
+                    error=reason,
+                    phase=None,
+                    ended_by=EndedBy.sweeper.value,
+                )
             )
         lost += ids
     return sorted(lost)
@@ -384,12 +415,13 @@ def restore_status(
     status: str,
     error: str | None,
     finished_at: datetime | None,
+    ended_by: str | None = None,
 ) -> None:
     """Undo requeue_for_resume when the resumed run could not be enqueued (still queued only)."""
     session.execute(
         update(RunRow)
         .where(RunRow.id == run_id, RunRow.status == RunStatus.queued)
-        .values(status=status, error=error, finished_at=finished_at)
+        .values(status=status, error=error, finished_at=finished_at, ended_by=ended_by)
     )
 
 
@@ -441,6 +473,7 @@ def mark_following(session: Session, *, run_id: int, worker_host: str) -> None:
     run.heartbeat_at = now
     run.finished_at = None
     run.error = None
+    run.ended_by = None
     run.cancel_requested = False
     session.flush()
 
@@ -477,9 +510,16 @@ def present_steps(session: Session, *, run_id: int, steps: Sequence[int]) -> set
 
 
 def revive(session: Session, *, run_id: int) -> None:
-    """A recorder heard from again after the dashboard marked its run lost: running again."""
+    """A recorder heard from again after the sweeper marked its run lost: running again (a run
+    lost by its recorder's own finish stays lost)."""
     session.execute(
         update(RunRow)
-        .where(RunRow.id == run_id, RunRow.status == RunStatus.lost)
-        .values(status=RunStatus.running, finished_at=None, error=None, heartbeat_at=utcnow())
+        .where(RunRow.id == run_id, ending.REVIVABLE)
+        .values(
+            status=RunStatus.running,
+            finished_at=None,
+            error=None,
+            ended_by=None,
+            heartbeat_at=utcnow(),
+        )
     )

@@ -160,6 +160,7 @@ def run_dict(run: RunRow) -> RunData:
         "device_minutes": run.device_seconds / 60.0,
         "cost": run.cost,
         "error": run.error,
+        "ended_by": run.ended_by,
         "dropped_steps": run.dropped_steps,
         "dropped_rollouts": run.dropped_rollouts,
         "notes": run.notes,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
@@ -65,15 +65,19 @@ def write_batch(
     run_id: int,
     control_tokens: Sequence[str],
     price_per_hour: float,
+    guard: Callable[[Connection], None] | None = None,
 ) -> Recorder:
     """`records` of a run being trained in one transaction of their own (write_steps, each step
     charged its wall time); their rollouts become searchable in a second transaction right
     after the commit (search indexing is a third of a step's write: the steps are safe sooner).
     A crash between the two is mended by the run's next Recorder (search.unindexed).
+    `guard` runs first in the transaction and may refuse it by raising (a run that has ended).
 
     When this raises, the recorder's memory may be ahead of what was committed: the caller
     throws it away and passes None next time."""
     with engine.begin() as conn:
+        if guard is not None:
+            guard(conn)
         recorder = write_steps(
             conn,
             recorder,
@@ -162,9 +166,15 @@ class RunWriter:
             self.recorder = Recorder(conn, run_id=self.run_id, control_tokens=self.control_tokens)
         self.recorder.add_rollouts(conn, step=step, rollouts=rollouts)
 
-    def commit(self, engine: Engine, records: Sequence[StepRecord]) -> None:
-        """Write the steps in one transaction of their own (write_batch); the recorder is kept
-        only if it commits."""
+    def commit(
+        self,
+        engine: Engine,
+        records: Sequence[StepRecord],
+        *,
+        guard: Callable[[Connection], None] | None = None,
+    ) -> None:
+        """Write the steps in one transaction of their own (write_batch, `guard` first); the
+        recorder is kept only if it commits."""
         recorder, self.recorder = self.recorder, None
         self.recorder = write_batch(
             engine,
@@ -173,6 +183,7 @@ class RunWriter:
             run_id=self.run_id,
             control_tokens=self.control_tokens,
             price_per_hour=self.price_per_hour,
+            guard=guard,
         )
 
     def write_charged(self, conn: Connection, records: Sequence[StepRecord]) -> None:

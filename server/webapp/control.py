@@ -17,6 +17,7 @@ from rollout_lens.server.core.errors import BrokerUnavailable, QueueFull
 from rollout_lens.server.core.queue import check_broker, enqueue_run, revoke_task
 from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store import deletion
+from rollout_lens.server.store.models import by_dashboard
 from sqlalchemy.orm import Session
 
 
@@ -58,9 +59,11 @@ def launch_runs(
     return ids
 
 
-def cancel(session: Session, run_id: int) -> None:
-    """Cancel a queued run now; ask a running one to stop (it does within a step or two)."""
-    store.request_cancel(session, run_id=run_id)
+def cancel(session: Session, run_id: int, *, who: str | None = None) -> None:
+    """Cancel a queued run now, and a running run a user's recorder trains (it is told on its
+    next request); ask a launched running one to stop (it does within a step or two). `who`:
+    the Guard's name of the caller (security.caller_name), kept as runs.ended_by."""
+    store.request_cancel(session, run_id=run_id, ended_by=by_dashboard(who))
     session.commit()
 
 
@@ -71,6 +74,7 @@ def resume(session: Session, celery: Celery, run_id: int, *, max_queued: int) ->
     check_broker(celery)
     before = store.get_run(session, run_id=run_id)
     status, error, finished_at = before.status, before.error, before.finished_at
+    ended_by = before.ended_by
     store.requeue_for_resume(session, run_id=run_id)
     session.commit()
     try:
@@ -78,7 +82,12 @@ def resume(session: Session, celery: Celery, run_id: int, *, max_queued: int) ->
         session.commit()
     except BrokerUnavailable:
         store.restore_status(
-            session, run_id=run_id, status=status, error=error, finished_at=finished_at
+            session,
+            run_id=run_id,
+            status=status,
+            error=error,
+            finished_at=finished_at,
+            ended_by=ended_by,
         )
         session.commit()
         raise
@@ -88,8 +97,9 @@ log = logging.getLogger(__name__)
 
 
 def delete(session: Session, celery: Celery, settings: Settings, run_id: int) -> None:
-    """Delete a run that is not training (InvalidState for a running one: cancel it first) with
-    everything recorded for it and its files under the data dir; a queued run's broker message
+    """Delete a run that is not training here (InvalidState for a launched running one: cancel
+    it first; a user's script recording a running one stops recording) with everything recorded
+    for it and its files under the data dir; a queued run's broker message
     is revoked (best effort: a worker that gets it anyway finds no run and skips it)."""
     task_id = deletion.delete_run(session, run_id=run_id)
     session.commit()

@@ -28,6 +28,7 @@ from typing import Any
 
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput, InvalidState, NotFound, StepOutOfOrder
+from rollout_lens.server.store import ending
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
 from sqlalchemy import Engine
@@ -53,10 +54,12 @@ class Superseded(Exception):
 @dataclass
 class Caller:
     """Who is recording: the token's scope (`full`, `record`, or None when the dashboard has no
-    tokens) and its fingerprint (the Guard's: a SHA-256 of the token, never the token)."""
+    tokens) and its fingerprint (the Guard's: a SHA-256 of the token, never the token); `key`:
+    the run's key as the recorder sends it (X-Record-Key), if it does."""
 
     scope: str | None
     token_fp: str | None
+    key: str | None = None
 
     def may_write(self, run: RunRow) -> bool:
         if run.record_key is None:
@@ -154,10 +157,10 @@ class Ingest:
             self._kept.pop(run.id, None)
 
     def _run(self, session: Session, caller: Caller, run_id: int) -> RunRow:
-        try:
-            run = store.get_run(session, run_id=run_id)
-        except NotFound:
-            raise
+        run = store.get_run(session, run_id=run_id)
+        if caller.key is not None and run.record_key is not None and run.record_key != caller.key:
+            # SQLite gives a deleted run's id to the next run made: not the recorder's run
+            raise NotFound(f"run {run_id} does not exist (the run this recorder made was deleted)")
         if not caller.may_write(run):
             if run.record_key is None:
                 raise Forbidden(f"run {run_id} was not created by a recorder: nothing records it")
@@ -172,12 +175,12 @@ class Ingest:
         dropped: tuple[int, int] | None = None,
         epoch: int | None = None,
     ) -> None:
+        """The recorder is alive: a run the sweeper marked lost runs again; RunEnded (a 409 with
+        the status) for one that ended otherwise (server/store/ending.py)."""
         with session_scope(self.factory) as session:
             run = self._run(session, caller, run_id)
             _current(run, epoch)
-            if run.status == RunStatus.lost:
-                store.revive(session, run_id=run_id)
-            store.heartbeat(session, run_id=run_id)
+            ending.recorder_alive(session, run_id=run_id)
             if dropped is not None:
                 store.set_dropped(session, run_id=run_id, steps=dropped[0], rollouts=dropped[1])
 
@@ -188,11 +191,16 @@ class Ingest:
         *,
         status: RunStatus,
         error: str | None,
+        dropped: tuple[int, int] | None = None,
         epoch: int | None = None,
     ) -> None:
+        """The recorder ends its run; RunEnded for a run that ended otherwise, unless the finish
+        repeats its status (answered as done)."""
         with session_scope(self.factory) as session:
             _current(self._run(session, caller, run_id), epoch)
-            store.mark_finished(session, run_id=run_id, status=status, error=error)
+            ending.finish_recorded(session, run_id=run_id, status=status, error=error)
+            if dropped is not None:
+                store.set_dropped(session, run_id=run_id, steps=dropped[0], rollouts=dropped[1])
         with self._lock:
             self._kept.pop(run_id, None)
 
@@ -248,8 +256,8 @@ class Ingest:
         `epoch`: the record epoch the sender's create answered (None: not checked)."""
         with session_scope(self.factory) as session:
             run = self._run(session, caller, run_id)  # before anything is decoded
-            if run.status in (RunStatus.completed, RunStatus.failed, RunStatus.cancelled):
-                raise InvalidState(f"run {run_id} is {run.status}: it records nothing more")
+            if not ending.may_record(run):  # cancelled, finished: a 409 the recorder stops at
+                raise ending.ended(run)
             _current(run, epoch)
             control_tokens = list(run.control_tokens or [])
             if claimed:
@@ -311,8 +319,6 @@ class Ingest:
 
                         wire.complete_tokens(fresh, known, budget=budget)
                         kept.writer.write_charged(session.connection(), [r.record for r in fresh])
-                    if run.status == RunStatus.lost:
-                        store.revive(session, run_id=run_id)
                     if dropped is not None:
                         store.set_dropped(
                             session, run_id=run_id, steps=dropped[0], rollouts=dropped[1]
@@ -344,11 +350,12 @@ class Ingest:
         locked = store.lock_run(session, run_id=run_id)
         if locked is None:
             raise NotFound(f"run {run_id} does not exist")
-        status, current = locked
-        if status in (RunStatus.completed, RunStatus.failed, RunStatus.cancelled):
-            raise InvalidState(f"run {run_id} is {status}: it records nothing more")
+        _, current = locked
         if epoch is not None and epoch < current:
             raise Superseded(_SUPERSEDED.format(run_id=run_id))
+        # under the row's lock: a run the dashboard cancelled meanwhile is a 409 (RunEnded),
+        # not steps after the cancel; a run the sweeper marked lost runs again
+        ending.recorder_alive(session, run_id=run_id)
         steps = [r.record.step for r in received]
         already = store.present_steps(session, run_id=run_id, steps=steps)
         last = store.last_recorded_step(session, run_id=run_id)

@@ -154,6 +154,7 @@ def test_cancel_a_running_run_keeps_its_steps(harness: Harness) -> None:
     steps = harness.recorded_steps(run_id)
     assert 3 <= len(steps) < 2000 and steps == list(range(1, len(steps) + 1))
     assert run.finished_at is not None
+    assert run.ended_by == "dashboard"  # who asked, kept when its worker stopped it
 
 
 @pytest.mark.redis
@@ -172,6 +173,7 @@ def test_cancel_a_queued_run(harness: Harness) -> None:
         assert time.monotonic() < deadline, worker.log.read_text()[-3000:]
         time.sleep(0.2)
     assert harness.run(run_id).status == "cancelled" and harness.recorded_steps(run_id) == []
+    assert harness.run(run_id).ended_by == "dashboard"
 
 
 @pytest.mark.redis

@@ -272,6 +272,8 @@ class RolloutLensCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if self.capture is not None:
             self.capture.flush(state.global_step)  # every process: it may gather
+        if self._cancelled(args):  # every process: it may broadcast
+            control.should_training_stop = True  # the Trainer ends its loop after this step
         if self.sink is None:
             return
         self._send_pending()
@@ -301,9 +303,20 @@ class RolloutLensCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if self._own_sink:
-            self._close(RunStatus.completed, None)
+            stopped = self.sink is not None and self.sink.stop_requested
+            self._close(RunStatus.cancelled if stopped else RunStatus.completed, None)
         else:
             self._send_pending()  # the worker closes its writer and marks the run
+
+    def _cancelled(self, args: Any) -> bool:
+        """Whether the run was cancelled from the dashboard (its writer heard it); every process
+        of a distributed run gets the main one's answer, so that all of them stop together."""
+        stop = self.sink is not None and self.sink.stop_requested
+        if getattr(args, "world_size", 1) > 1:
+            from accelerate.utils import broadcast_object_list
+
+            stop = bool(broadcast_object_list([stop], from_process=0)[0])  # a collective
+        return stop
 
     def _at_exit(self) -> None:
         """The script ended without on_train_end (an exception): keep what was recorded."""

@@ -13,9 +13,11 @@ number: a retry after a lost answer is answered `already` and not written twice.
 A trainer resumed from a checkpoint passes the key it saved and the checkpoint's step
 (`resume_step`): the dashboard continues that run, and answers the record epoch its steps
 carry. Only 429, 5xx and network errors are retried; a step the dashboard refuses with another
-4xx is dropped alone and counted (the run's notes say why); 401, 403, 404 and a 409 that names
-a `status` (the run was cancelled, or a resumed trainer superseded this one) stop the
-recording, never the training.
+4xx is dropped alone and counted (the run's notes say why); 401, 403 and 404 (a run deleted
+from the dashboard) stop the recording, never the training. A run that has ended, or whose
+resumed trainer superseded this one, answers 409 with its `status`
+(server/webapp/routes/record.py): recording stops there, and a `cancelled` one sets
+`stop_requested` (the callback stops training).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from rollout_lens.server.core.errors import RunEnded
 from rollout_lens.server.exchange import wire
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.trainer.recorder.writer import (
@@ -111,7 +114,8 @@ class RemoteStepWriter(StepWriter):
 
     def _client(self) -> httpx.Client:
         if self._http is None:
-            headers = {"user-agent": "rollout-lens-recorder"}
+            # the key too: a request about a deleted run is a 404, never another run's
+            headers = {"user-agent": "rollout-lens-recorder", "x-record-key": self.key}
             if self.token:
                 headers["authorization"] = f"Bearer {self.token}"
             # no cookies kept: sent back, the dashboard's CSRF cookie would make these POSTs a
@@ -131,7 +135,10 @@ class RemoteStepWriter(StepWriter):
             raise DashboardAway(
                 f"HTTP {response.status_code}: {_detail(response)}", _retry_after(response)
             )
-        if response.status_code in (401, 403, 404) or _stops(response):
+        ended = _ended(response, self.run_id)
+        if ended is not None:  # cancelled, finished, or superseded by a resumed trainer
+            raise ended
+        if response.status_code in (401, 403, 404):
             raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
         return response
 
@@ -152,6 +159,9 @@ class RemoteStepWriter(StepWriter):
                 self.busy_answers += 1
                 return False
             self._went_down(exc)
+            return False
+        except RunEnded as exc:
+            self._run_ended(exc)
             return False
         except DashboardRefused as exc:
             self._fail(exc)
@@ -289,6 +299,8 @@ class RemoteStepWriter(StepWriter):
             return
         try:
             self._post(f"/api/record/runs/{self.run_id}/heartbeat", json={}, params=self._epoch())
+        except RunEnded as exc:  # heard between slow steps too
+            self._run_ended(exc)
         except (DashboardAway, DashboardRefused) as exc:
             self._went_down(exc)
 
@@ -308,6 +320,8 @@ class RemoteStepWriter(StepWriter):
                 },
                 params=self._epoch(),
             )
+        except RunEnded as exc:  # cancelled from the dashboard since the last request: it stays
+            log.warning("Rollout Lens: %s", exc)
         except (DashboardAway, DashboardRefused) as exc:
             log.warning("Rollout Lens: could not mark run %s finished: %s", self.run_id, exc)
 
@@ -317,16 +331,24 @@ class RemoteStepWriter(StepWriter):
             self._http = None
 
 
-def _stops(response: httpx.Response) -> bool:
-    """A 409 that names the run's `status` (cancelled, superseded by a resumed trainer): the
-    recording stops. Another 409 refuses a step (dropped alone)."""
-    if response.status_code != 409:
-        return False
+def _ended(response: httpx.Response, run_id: int | None) -> RunEnded | None:
+    """A 409 that says the run has ended (its JSON has the run's `status`), as RunEnded."""
+    if response.status_code != 409 or run_id is None:
+        return None
     try:
         answer = response.json()
     except ValueError:
-        return False
-    return isinstance(answer, dict) and bool(answer.get("status"))
+        return None
+    status = answer.get("status") if isinstance(answer, dict) else None
+    if not isinstance(status, str):
+        return None
+    by = answer.get("ended_by")
+    return RunEnded(
+        str(answer.get("detail") or f"run {run_id} is {status}"),
+        run_id=run_id,
+        status=status,
+        ended_by=by if isinstance(by, str) else None,
+    )
 
 
 def _retry_after(response: httpx.Response) -> float | None:

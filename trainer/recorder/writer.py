@@ -14,7 +14,9 @@ What differs between runs is what to do while the database is away, a policy:
   first (their per-step values are kept), then whole steps go; a step the database refuses, or
   whose preparation raises, is dropped alone. What was dropped is counted on the run, problems
   are logged once, and training goes on whatever happens. The writer creates the run row when
-  the database first answers, beats its heartbeat and marks it finished at `close`.
+  the database first answers, beats its heartbeat and marks it finished at `close`. A run that
+  ended elsewhere (cancelled from the dashboard: server/store/ending.py) records nothing more:
+  what waits is dropped, and on a cancel `stop_requested` tells the callback to stop training.
 - WaitThenFail, a run launched from the dashboard (the worker owns the run row, its heartbeat
   and its end): steps are prepared on the training thread, at most `max_pending` wait (then
   `put` blocks: training pauses), a database that stays away longer than `give_up_after`
@@ -26,6 +28,7 @@ What differs between runs is what to do while the database is away, a policy:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import socket
@@ -37,10 +40,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_lens.server import store
-from rollout_lens.server.core.errors import StepOutOfOrder
+from rollout_lens.server.core.errors import RunEnded, StepOutOfOrder
 from rollout_lens.server.core.records import StepRecord
+from rollout_lens.server.store import ending
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.store.models import RunSource, RunStatus
+from rollout_lens.server.store.models import RunSource, RunStatus, dashboard_caller
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -194,6 +198,7 @@ class StepWriter:
         self._gave_up: str | None = None  # BufferAndDrop: a permanent error; recording stops
         self._error: BaseException | None = None  # WaitThenFail: raised on the training thread
         self._refusal_said = False
+        self._ended: RunEnded | None = None  # the run ended elsewhere (a cancel): no more writes
         self._done = False
         self._thread = threading.Thread(
             target=self._loop, name=f"rollout-lens-writer-{run_id or 'new'}", daemon=True
@@ -249,6 +254,13 @@ class StepWriter:
         )
 
     @property
+    def stop_requested(self) -> bool:
+        """Whether the run was cancelled from the dashboard: training should stop (the callback
+        stops it the way TRL stops, and ends the run `cancelled`)."""
+        ended = self._ended
+        return ended is not None and ended.status == RunStatus.cancelled
+
+    @property
     def waits(self) -> bool:
         return isinstance(self.policy, WaitThenFail)
 
@@ -263,8 +275,9 @@ class StepWriter:
         here, blocks while `max_pending` steps wait, raises the writer's error."""
         if not isinstance(self.policy, WaitThenFail):
             with self._wake:
-                self._inbox.append(raw)
-                self._wake.notify_all()
+                if self._ended is None:  # once the run has ended, nothing more is recorded
+                    self._inbox.append(raw)
+                    self._wake.notify_all()
             return
         self._raise_if_failed()
         record = self.prepare(raw)
@@ -318,7 +331,8 @@ class StepWriter:
             raise RuntimeError(str(self._error)) from self._error
 
     def _stopped(self) -> bool:
-        return self._done or self._error is not None or self._gave_up is not None
+        stopped = self._error is not None or self._gave_up is not None
+        return self._done or stopped or self._ended is not None
 
     # -- the writer thread -------------------------------------------------------------------------
 
@@ -440,6 +454,9 @@ class StepWriter:
             while self._buffer:
                 self._write_batch(factory)
             self._report_drops(factory)
+        except RunEnded as exc:
+            self._run_ended(exc)
+            return False
         except DBAPIError as exc:
             if not is_transient(exc):
                 self._fail(exc)
@@ -543,6 +560,30 @@ class StepWriter:
                 return
         self._written(batch)
 
+    def _run_ended(self, exc: RunEnded) -> None:
+        """The run ended elsewhere: recording stops (what waits is dropped, not counted as lost:
+        the run has its end); a cancel asks the callback to stop training (stop_requested)."""
+        with self._wake:
+            self._ended = exc
+            self._buffer.clear()
+            self._inbox.clear()
+            self._buffered_bytes = 0
+            self._wake.notify_all()
+        if exc.status == RunStatus.cancelled:
+            who = dashboard_caller(exc.ended_by)
+            log.warning(
+                "Rollout Lens: the dashboard cancelled run %s%s: training stops",
+                exc.run_id,
+                f" (by {who})" if who else "",
+            )
+        else:
+            log.warning(
+                "Rollout Lens: run %s ended as %s%s: recording stops, training goes on",
+                exc.run_id,
+                exc.status,
+                f" (by {exc.ended_by})" if exc.ended_by else "",
+            )
+
     def _leave(self, batch: list[Pending]) -> None:
         """The oldest waiting steps leave the buffer (written, already there, or dropped)."""
         with self._wake:
@@ -582,7 +623,10 @@ class StepWriter:
             self._run_writer = store.RunWriter(
                 self.run_id, control_tokens=self.control_tokens, price_per_hour=self.price
             )
-        self._run_writer.commit(factory.kw["bind"], records)
+        # A script's run: its row is held first, RunEnded once it was cancelled from the
+        # dashboard (a launched run's worker asks about a cancel: trainer/worker/monitor.py).
+        guard = None if self.waits else functools.partial(ending.recorder_alive, run_id=self.run_id)
+        self._run_writer.commit(factory.kw["bind"], records, guard=guard)
 
     def _out_of_order(self, pending: Pending, exc: StepOutOfOrder) -> None:
         """A step that comes after a later one: a launched run fails (its steps never go back);
@@ -616,7 +660,12 @@ class StepWriter:
             return
         try:
             with session_scope(self._factory) as session:
-                store.heartbeat(session, run_id=self.run_id)
+                if self.waits:
+                    store.heartbeat(session, run_id=self.run_id)
+                else:  # a cancel is heard between slow steps too
+                    ending.recorder_alive(session, run_id=self.run_id)
+        except RunEnded as exc:
+            self._run_ended(exc)
         except Exception as exc:  # noqa: BLE001 - the next write will find out and buffer
             self._went_down(exc)
 
@@ -627,7 +676,9 @@ class StepWriter:
         status, error = self._final
         try:
             with session_scope(self._factory) as session:
-                store.mark_finished(session, run_id=self.run_id, status=status, error=error)
+                ending.finish_recorded(session, run_id=self.run_id, status=status, error=error)
+        except RunEnded as exc:  # cancelled from the dashboard since the last write: it stays
+            log.warning("Rollout Lens: %s", exc)
         except Exception as exc:  # noqa: BLE001 - nothing left to do but say so
             log.warning("Rollout Lens: could not mark run %s finished: %s", self.run_id, exc)
 

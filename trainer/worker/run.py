@@ -19,7 +19,7 @@ from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.core.task_vocab import IN_GROUP_MODES, SFT_MODES, TINY
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.store.models import RunStatus
+from rollout_lens.server.store.models import EndedBy, RunStatus
 from rollout_lens.trainer.builders import prebuilt
 from rollout_lens.trainer.builders.tiny_model import CONTROL_TOKENS as TINY_CONTROL_TOKENS
 from rollout_lens.trainer.escalation import multiturn, task
@@ -350,7 +350,9 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
             writer.close()
             status = RunStatus.cancelled if stop_requested() else RunStatus.completed
-            mark_finished(factory, run_id, settings.lost_after_seconds, status=status)
+            mark_finished(
+                factory, run_id, settings.lost_after_seconds, status=status, ended_by=EndedBy.worker
+            )
             return run_id
     except BaseException as exc:
         if writer is not None:
@@ -364,6 +366,7 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                 settings.lost_after_seconds,
                 status=RunStatus.cancelled if interrupted else RunStatus.failed,
                 error="interrupted" if interrupted else _error_text(exc),
+                ended_by=EndedBy.worker,
             )
         except DatabaseAway:
             log.error("run %s %s; the dashboard will show it lost", run_id, _error_text(exc))

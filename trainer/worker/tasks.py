@@ -11,7 +11,7 @@ from rollout_lens.server.core.config import get_settings
 from rollout_lens.server.core.queue import TRAIN_TASK
 from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.store.models import RunRow, RunStatus
+from rollout_lens.server.store.models import EndedBy, RunRow, RunStatus
 from rollout_lens.trainer.worker.modelref import ModelUnavailable, check_model, unusable
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,13 @@ def train_run(self, run_id: int) -> str:  # type: ignore[no-untyped-def]
                 log.warning("run %s: %s", run_id, exc)  # the detail, for the worker's operator
                 error = f"invalid run config: {unusable(str(config_data.get('model', '')))}"
             with session_scope(factory) as session:
-                store.mark_finished(session, run_id=run_id, status=RunStatus.failed, error=error)
+                store.mark_finished(
+                    session,
+                    run_id=run_id,
+                    status=RunStatus.failed,
+                    error=error,
+                    ended_by=EndedBy.worker,
+                )
             return f"run {run_id} failed: invalid config"
         # Only now the ML stack: the worker process stays light until a run arrives.
         try:
@@ -54,7 +60,13 @@ def train_run(self, run_id: int) -> str:  # type: ignore[no-untyped-def]
             )
             log.error("run %s: %s", run_id, error)
             with session_scope(factory) as session:
-                store.mark_finished(session, run_id=run_id, status=RunStatus.failed, error=error)
+                store.mark_finished(
+                    session,
+                    run_id=run_id,
+                    status=RunStatus.failed,
+                    error=error,
+                    ended_by=EndedBy.worker,
+                )
             return f"run {run_id} failed: no ML stack"
 
         start = resume_step(settings, run_id, checkpoint_step)

@@ -36,6 +36,12 @@ class Run(_Open):
     created_at: str | None = Field(description="ISO 8601, UTC with its zone (+00:00)")
     started_at: str | None = Field(description="ISO 8601, UTC with its zone")
     finished_at: str | None = Field(description="ISO 8601, UTC with its zone")
+    ended_by: str | None = Field(
+        None,
+        description="who ended it: recorder, worker, sweeper (lost: no heartbeat), or "
+        "`dashboard (token 1a2b3c4d)` for a cancel; for a launched run still running, who "
+        "asked it to stop",
+    )
 
 
 class Links(_Open):

@@ -15,6 +15,7 @@ from rollout_lens.server.core.errors import (
     InvalidState,
     NotFound,
     RolloutLensError,
+    RunEnded,
     StepNotFound,
 )
 from rollout_lens.server.webapp.http.deps import render
@@ -64,6 +65,8 @@ def _describe(exc: Exception) -> tuple[int, str, dict[str, Any]]:
         return 404, str(exc), {}
     if isinstance(exc, InvalidInput):
         return 400, str(exc), {}
+    if isinstance(exc, RunEnded):  # what a recorder reads to stop (server/store/ending.py)
+        return 409, str(exc), {"status": exc.status, "ended_by": exc.ended_by}
     if isinstance(exc, InvalidState):
         return 409, str(exc), {}
     if isinstance(exc, DatabaseBehind | BrokerUnavailable):

@@ -138,6 +138,24 @@ def safe_next(target: str) -> str:
     return target
 
 
+def token_fingerprint(token: str) -> str:
+    """What the dashboard keeps of a token (runs.recorded_by): a SHA-256, never the token."""
+    return hashlib.sha256(b"rollout-lens-recorder:" + token.encode()).hexdigest()
+
+
+def token_name(token: str) -> str:
+    """How pages name a token (who cancelled a run): its fingerprint's first 8 hex digits, the
+    same whether it came as a Bearer header or through a signed-in browser."""
+    return f"token {token_fingerprint(token)[:8]}"
+
+
+def caller_name(request: Request) -> str | None:
+    """Who sent `request`, as the Guard found it (`token 1a2b3c4d`, `a browser signed in with
+    token 1a2b3c4d`); None on a dashboard without tokens."""
+    name = request.scope.get("state", {}).get("caller")
+    return str(name) if name else None
+
+
 def find_token(candidate: str, tokens: Iterable[str]) -> str | None:
     """The token `candidate` equals, compared in constant time against every token."""
     found = None
@@ -178,16 +196,26 @@ class Guard:
         self.session_factory = session_factory
         self.limiter = limiter
 
-    def _signed_in(self, cookie: str) -> bool:
-        """Whether `cookie` is a live server-side session of a current token (a database read,
-        run in a worker thread)."""
+    def _signed_in(self, cookie: str) -> str | None:
+        """Who signed in, if `cookie` is a live server-side session of a current token (a
+        database read, run in a worker thread): the caller's name (caller_name)."""
         try:
             with self.session_factory() as session:
                 found = browser_sessions.signed_in_with(session, cookie, self.tokens)
         except Exception:  # a database that cannot answer signs no one in (and is logged)
             log.exception("could not read the session of a signed-in browser")
-            return False
-        return found is not None
+            return None
+        if found is None:
+            return None
+        token = next(
+            (
+                t
+                for t in self.tokens
+                if hmac.compare_digest(found, browser_sessions.token_digest(t))
+            ),
+            None,
+        )
+        return "a browser signed in" + (f" with {token_name(token)}" if token else "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -203,11 +231,12 @@ class Guard:
         state["csrf_token"] = csrf
         state["auth_enabled"] = bool(self.tokens)
         session_cookie = cookies.get(SESSION_COOKIE, "")
-        state["signed_in"] = (
-            bool(self.tokens and session_cookie)
-            and not scope["path"].startswith("/static/")
-            and await run_in_threadpool(self._signed_in, session_cookie)
-        )
+        signed_in: str | None = None
+        if self.tokens and session_cookie and not scope["path"].startswith("/static/"):
+            signed_in = await run_in_threadpool(self._signed_in, session_cookie)
+        state["signed_in"] = signed_in is not None
+        if signed_in:
+            state["caller"] = signed_in  # a Bearer token in the same request names it instead
         secure = scope.get("scheme") == "https"
 
         started = False
@@ -317,9 +346,8 @@ class Guard:
             raise Refused(401, "the token is not valid", {"www-authenticate": "Bearer"})
         scope["state"]["token_scope"] = "full" if full else "record"
         # what a recorded run keeps of the token that created it (server.webapp.ingest)
-        scope["state"]["token_fp"] = hashlib.sha256(
-            b"rollout-lens-recorder:" + token.encode()
-        ).hexdigest()
+        scope["state"]["token_fp"] = token_fingerprint(token)
+        scope["state"]["caller"] = token_name(token)
         return True
 
     @staticmethod

@@ -164,6 +164,7 @@ def run_progress(run: RunData) -> ProgressData:
         "cost": run["cost"],
         "error": run["error"],
         "finished_at": run["finished_at"],
+        "ended_by": None if run["status"] in ACTIVE_STATUSES else run["ended_by"],
         "phase": run["phase"],
         "active": run["status"] in ACTIVE_STATUSES,
         "text": {},

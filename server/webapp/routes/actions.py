@@ -26,6 +26,7 @@ from rollout_lens.server.webapp.http.deps import (
 )
 from rollout_lens.server.webapp.http.params import RunId
 from rollout_lens.server.webapp.http.responses import DataResponse
+from rollout_lens.server.webapp.http.security import caller_name
 from rollout_lens.server.webapp.pages import launch_fields
 from starlette.concurrency import run_in_threadpool
 
@@ -147,9 +148,11 @@ async def launch_form(
     summary="Cancel a run",
     responses={200: {"model": api_models.Progress}},
 )
-def cancel_api(session: SessionDep, run_id: RunId) -> JSONResponse:
-    """Cancel a queued run at once, or ask a running one to stop; 409 for a finished run."""
-    control.cancel(session, run_id)
+def cancel_api(request: Request, session: SessionDep, run_id: RunId) -> JSONResponse:
+    """Cancel a queued run at once, and a running run a user's script records (its recorder
+    stops training on its next request); ask a launched running one to stop. 409 for a finished
+    run."""
+    control.cancel(session, run_id, who=caller_name(request))
     return JSONResponse(queries.run_live(session, run_id=run_id))
 
 
@@ -180,7 +183,7 @@ def _back_to_run(request: Request, run_id: int, notice: str = "") -> RedirectRes
 @router.post("/runs/{run_id}/cancel", include_in_schema=False)
 def cancel_form(request: Request, session: SessionDep, run_id: RunId) -> RedirectResponse:
     try:
-        control.cancel(session, run_id)
+        control.cancel(session, run_id, who=caller_name(request))
     except InvalidState as exc:  # e.g. it finished while the page was open
         return _back_to_run(request, run_id, str(exc))
     return _back_to_run(request, run_id)
@@ -206,14 +209,15 @@ def resume_form(
     summary="Delete a run",
     responses={
         200: {"model": api_models.Deleted},
-        409: {"description": "The run is training: cancel it first"},
+        409: {"description": "A launched run is training: cancel it first"},
     },
 )
 def delete_api(
     session: SessionDep, celery: CeleryDep, settings: SettingsDep, run_id: RunId
 ) -> JSONResponse:
     """Delete a run and everything recorded for it (steps, rollouts, metrics, checkpoints); a
-    queued run's message is revoked. A running run is refused with 409: cancel it first."""
+    queued run's message is revoked. A launched running run is refused with 409: cancel it
+    first; a running run a user's script records is deleted (the script stops recording)."""
     control.delete(session, celery, settings, run_id)
     return JSONResponse({"deleted": run_id})
 

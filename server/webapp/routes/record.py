@@ -4,6 +4,10 @@ run and sends its steps (server.webapp.ingest; the body's format: server.exchang
 Who may call these is decided first by the Guard (server/webapp/http/security.py): with tokens
 set, a full access token or a recording token (ROLLOUT_LENS_RECORD_TOKEN), checked before the
 body is read, and the steps body may be up to ROLLOUT_LENS_RECORD_MAX_MB.
+
+A run that has ended (cancelled from the dashboard, finished by its recorder) answers steps,
+heartbeats and a finish with another status with 409 `{"detail", "status", "ended_by"}`
+(RunEnded, server/store/ending.py): the recorder stops there, and stops training on `cancelled`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from starlette.concurrency import run_in_threadpool
 router = APIRouter(prefix="/api/record", tags=["recording"])
 
 KEY = re.compile(r"^[A-Za-z0-9_.:-]{8,64}$")
+# The run's key on every request about it: a recorder whose run was deleted gets a 404, never
+# the run SQLite gave the same id to next.
+RECORD_KEY_HEADER = "x-record-key"
 # The OpenAPI description of a raw binary request body (a wire body, an export file).
 BINARY_BODY: dict[str, Any] = {
     "requestBody": {
@@ -132,6 +139,21 @@ class Acknowledged(BaseModel):
     status: str | None = None
 
 
+class Ended(BaseModel):
+    """A 409: the run has ended and records nothing more (the recorder stops)."""
+
+    detail: str
+    status: str = Field(description="the run's status: `cancelled` tells the trainer to stop")
+    ended_by: str | None = Field(
+        None, description="who ended it: `dashboard (token 1a2b3c4d)`, `recorder`, …"
+    )
+
+
+ENDED: dict[int | str, dict[str, Any]] = {
+    409: {"description": "The run has ended: it records nothing more", "model": Ended}
+}
+
+
 def _ingest(request: Request) -> Ingest:
     ingest: Ingest = request.app.state.ingest
     return ingest
@@ -139,7 +161,12 @@ def _ingest(request: Request) -> Ingest:
 
 def _caller(request: Request) -> Caller:
     state = request.scope.get("state", {})
-    return Caller(scope=state.get("token_scope"), token_fp=state.get("token_fp"))
+    key = request.headers.get(RECORD_KEY_HEADER)
+    return Caller(
+        scope=state.get("token_scope"),
+        token_fp=state.get("token_fp"),
+        key=key if key and KEY.match(key) else None,
+    )
 
 
 def _refused(code: int, message: str, /, **extra: Any) -> JSONResponse:
@@ -187,11 +214,13 @@ def create_run(request: Request, body: RecordRun) -> Response:
     responses={
         200: {"description": "Steps written and those the run had already", "model": Written},
         403: {"description": "A run this token did not create"},
-        404: {"description": "No such run"},
+        404: {"description": "No such run (deleted): the recorder stops recording"},
         409: {
-            "description": "The run has finished (it records nothing more), the sender's epoch "
-            "is superseded (`status`), or a step the run does not have comes before its last "
-            "(`step`: a resumed trainer says so when it starts); the run's notes say so"
+            "description": "The run has ended (`status`, `ended_by`: it records nothing more), "
+            "the sender's epoch is superseded (`status`), or a step the run does not have comes "
+            "before its last (`step`: a resumed trainer says so when it starts); the run's "
+            "notes say so",
+            "model": Ended,
         },
         413: {"description": "The body is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
         422: {"description": "A field of the body is invalid", "model": WireRefusal},
@@ -285,7 +314,7 @@ async def import_file(
 @router.post(
     "/runs/{run_id}/heartbeat",
     summary="Say a recorder is alive (and what it dropped)",
-    responses={200: {"model": Acknowledged}},
+    responses={200: {"model": Acknowledged}, **ENDED},
 )
 def heartbeat(
     request: Request, run_id: RunPath, body: Alive | None = None, epoch: Epoch = None
@@ -308,15 +337,22 @@ def heartbeat(
 @router.post(
     "/runs/{run_id}/finish",
     summary="End a recorded run",
-    responses={200: {"model": Acknowledged}},
+    responses={
+        200: {"description": "Ended (or it had ended with this status)", "model": Acknowledged},
+        **ENDED,
+    },
 )
 def finish(request: Request, run_id: RunPath, body: Finish, epoch: Epoch = None) -> Response:
     ingest, caller = _ingest(request), _caller(request)
     try:
-        ingest.heartbeat(
-            caller, run_id, dropped=_dropped(body.dropped_steps, body.dropped_rollouts), epoch=epoch
+        ingest.finish(
+            caller,
+            run_id,
+            status=body.status,
+            error=body.error,
+            dropped=_dropped(body.dropped_steps, body.dropped_rollouts),
+            epoch=epoch,
         )
-        ingest.finish(caller, run_id, status=body.status, error=body.error, epoch=epoch)
     except Forbidden as exc:
         return _refused(403, str(exc))
     except Superseded as exc:
