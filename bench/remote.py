@@ -27,7 +27,7 @@ Server-Timing on. Printed, as a table:
 
     .venv/bin/python -m bench.remote [--pg [URL]] [--sqlite] [--trainers 8] [--steps 3]
         [--groups 64] [--group-size 8] [--tokens 1024] [--buffer-mb 1024] [--every 0.05]
-        [--delay-ms 10] [--jitter-ms 2] [--cut-chance 0.0005] [--stall-chance 0.001]
+        [--delay-ms 10] [--jitter-ms 2] [--cut-chance 0.0001] [--stall-chance 0.0005]
         [--stall-seconds 1] [--refuse-chance 0.01] [--seed 0] [--cut-seconds 10]
         [--cut-after 0.34] [--loopback] [--json FILE] [--quick]
 
@@ -326,8 +326,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--every", type=float, default=0.05, help="seconds between a trainer's steps")
     add("--delay-ms", type=float, default=10.0, help="the link's latency, each way")
     add("--jitter-ms", type=float, default=2.0)
-    add("--cut-chance", type=float, default=0.0005, help=f"a connection reset, a {CHUNK} B chunk")
-    add("--stall-chance", type=float, default=0.001, help=f"a stall, a {CHUNK} B chunk")
+    add("--cut-chance", type=float, default=0.0001, help=f"a connection reset, a {CHUNK} B chunk")
+    add("--stall-chance", type=float, default=0.0005, help=f"a stall, a {CHUNK} B chunk")
     add("--stall-seconds", type=float, default=1.0)
     add("--refuse-chance", type=float, default=0.01, help="a new connection reset at once")
     add("--seed", type=int, default=0, help="the links' faults")

@@ -125,11 +125,35 @@ class TcpProxy:
             upstream.settimeout(None)
             with self._lock:
                 self._conns += [client, upstream]
-            for a, b, way in ((client, upstream, "up"), (upstream, client, "down")):
-                if self.faults:
-                    _Direction(self, a, b, f"{seed}/{way}").start()
-                else:
+            if not self.faults:
+                for a, b in ((client, upstream), (upstream, client)):
                     threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+                continue
+            ends = _Ends(self, client, upstream)
+            for a, b, way in ((client, upstream, "up"), (upstream, client, "down")):
+                _Direction(self, a, b, f"{seed}/{way}", ends).start()
+
+    def _forget(self, conns: tuple[socket.socket, ...]) -> None:
+        with self._lock:
+            self._conns = [c for c in self._conns if c not in conns]
+
+
+class _Ends:
+    """A connection through a faulty link: closed once both its directions have ended."""
+
+    def __init__(self, proxy: TcpProxy, *conns: socket.socket) -> None:
+        self.proxy, self.conns = proxy, conns
+        self.left = 2
+        self.lock = threading.Lock()
+
+    def ended(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left:
+                return
+        self.proxy._forget(self.conns)
+        for conn in self.conns:
+            conn.close()
 
 
 class _Direction:
@@ -137,8 +161,10 @@ class _Direction:
     with the time it may arrive, and a writer that sends it then (so a delay is paid once a
     piece, not once a read behind the pieces before it)."""
 
-    def __init__(self, proxy: TcpProxy, src: socket.socket, dst: socket.socket, seed: str) -> None:
-        self.proxy, self.src, self.dst = proxy, src, dst
+    def __init__(
+        self, proxy: TcpProxy, src: socket.socket, dst: socket.socket, seed: str, ends: _Ends
+    ) -> None:
+        self.proxy, self.src, self.dst, self.ends = proxy, src, dst, ends
         self.faults = proxy.faults
         self.dice = random.Random(seed)
         self.jitter = random.Random(f"{seed}/jitter")
@@ -192,11 +218,13 @@ class _Direction:
                 due, data = item
                 time.sleep(max(0.0, due - time.monotonic()))
                 self.dst.sendall(data)
-        except OSError:
-            pass
-        for s in (self.src, self.dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+            self.dst.shutdown(socket.SHUT_WR)  # the sender's end of its stream, passed on
+        except OSError:  # broken: the other way ends too
+            for s in (self.src, self.dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+        finally:
+            self.ends.ended()
 
 
 def _pipe(src: socket.socket, dst: socket.socket) -> None:
