@@ -391,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             cutter.start()
         results = _results(processes)
         cutter.done.set()
-        cutter.join()
+        if cutter.is_alive():
+            cutter.join()
         stop.set()
         poller.join(timeout=30)
         figures = _figures(args, db, results, cutter, links, where, per_step, total)
