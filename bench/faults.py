@@ -51,6 +51,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from bench.synthetic import CONTROL_TOKENS, SyntheticRun
+from bench.tcp_proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get(
@@ -173,8 +174,6 @@ def database_outage(
     pg_url: str = PG_URL, *, steps: int = 40, cut_seconds: float = 3.0
 ) -> FaultResult:
     """PostgreSQL goes away for `cut_seconds` under a writing run (a loopback proxy is cut)."""
-    from tests.tcp_proxy import TcpProxy
-
     with pg_database(pg_url) as url:
         parsed = make_url(url)
         proxy = TcpProxy((parsed.host or "127.0.0.1", parsed.port or 5432))

@@ -36,8 +36,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from bench import faults
+from bench.tcp_proxy import TcpProxy
 from tests import factories
-from tests.tcp_proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_TIMEOUT = 240  # seconds: worker start, model load and a short run, on a busy machine

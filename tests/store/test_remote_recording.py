@@ -1,6 +1,6 @@
 """Recording into a dashboard over HTTP: a real uvicorn dashboard on the test's database, the
 trainer's writer (RemoteStepWriter, BufferAndDrop) sending steps in the wire format; the export
-of a remote run equals a local one's; lost answers, a cut through tests/tcp_proxy.py, a
+of a remote run equals a local one's; lost answers, a cut through bench/tcp_proxy.py, a
 dashboard restarted mid-run, wrong and out-of-scope tokens, hostile bodies."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from rollout_lens.trainer.recorder.remote import TIMEOUT, RemoteStepWriter
 from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter
 from sqlalchemy.orm import Session, sessionmaker
 
+from bench.tcp_proxy import TcpProxy
 from tests.factories import CONTROL_TOKENS, load_run, make_rollouts
-from tests.tcp_proxy import TcpProxy
 from tests.web_support import serve_app
 
 FULL = "full-token-0123456789abcdef"

@@ -20,9 +20,9 @@ from rollout_lens.server.core.config import Settings
 from sqlalchemy.engine import make_url
 from transformers import TrainerCallback
 
+from bench.tcp_proxy import TcpProxy
 from tests import user_script as us
 from tests.factories import load_run
-from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
 
