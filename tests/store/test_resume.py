@@ -171,7 +171,10 @@ def test_a_resume_before_the_first_step_and_of_ended_runs(
     for status in ("completed", "cancelled"):
         with session_scope(session_factory) as session:
             store.mark_finished(session, run_id=run_id, status=status)
-        with pytest.raises(InvalidState, match=f"was {status}"), session_scope(session_factory) as s:
+        with (
+            pytest.raises(InvalidState, match=f"was {status}"),
+            session_scope(session_factory) as s,
+        ):
             store.resume_run(s, run_id=run_id, after_step=0)
 
 
