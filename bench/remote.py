@@ -444,6 +444,7 @@ def _figures(
             "cuts": sum(c.cuts for c in counts),
             "stalls": sum(c.stalls for c in counts),
             "refused": sum(c.refused for c in counts),
+            "bytes": sum(c.bytes for c in counts),  # both ways, resent bodies included
         },
     }
 
@@ -484,7 +485,7 @@ def _print(
         (
             "the links' faults",
             f"{link['connections']} connections, {link['cuts']} cut mid-way, {link['stalls']} "
-            f"stalls, {link['refused']} refused",
+            f"stalls, {link['refused']} refused; {link['bytes'] / 2**20:,.1f} MB carried",
         ),
     ]
     started = min(t for r in results for t in r["handed"].values())
