@@ -63,8 +63,11 @@ def layer_of(path: Path) -> str:
 # The caller's own settings never reach a test: a ROLLOUT_LENS_DATABASE_URL exported as the README
 # tells a PostgreSQL user to (or a URL, a token, a data dir) would change what the CLI, the
 # settings and every subprocess a test starts see. Only the test run's own knobs stay: where the
-# built models are cached and which PostgreSQL server the store tests use.
-KEPT_ENVIRONMENT = frozenset({"ROLLOUT_LENS_MODEL_CACHE_DIR", "ROLLOUT_LENS_TEST_PG_URL"})
+# built models are cached, which PostgreSQL server the store tests use, and the page oracle's
+# regeneration (tests/store/test_page_oracle.py).
+KEPT_ENVIRONMENT = frozenset(
+    {"ROLLOUT_LENS_MODEL_CACHE_DIR", "ROLLOUT_LENS_TEST_PG_URL", "ROLLOUT_LENS_WRITE_ORACLE"}
+)
 for _name in [n for n in os.environ if n.startswith("ROLLOUT_LENS_")]:
     if _name not in KEPT_ENVIRONMENT:
         del os.environ[_name]

@@ -284,13 +284,18 @@ def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
             text("INSERT INTO prompts (sha256, text) VALUES (:h, :t)"),
             {"h": sha256_text(prompt), "t": prompt},
         )
-    # Today's store writes the columns later migrations add (0011's): present while it writes,
-    # then dropped, so that the database is 0009's again when it is upgraded.
-    later = {"runs": ("record_key", "recorded_by"), "alerts": ("notify_state", "notify_error")}
+    # Today's store writes the columns later migrations add (0011's, 0017's): present while it
+    # writes, then dropped, so that the database is 0009's again when it is upgraded.
+    later = {
+        "runs": ("record_key", "recorded_by", "record_epoch", "ended_by"),
+        "alerts": ("notify_state", "notify_error"),
+    }
+    typed = {"record_epoch": "integer NOT NULL DEFAULT 0"}
     with pg_0009.begin() as conn:
         for table, columns in later.items():
             for column in columns:
-                conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} text"))
+                kind = typed.get(column, "text")
+                conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
     run_id = _write(factory, steps, index=False)  # indexed below as 0006's store did
     with pg_0009.begin() as conn:
         for table, columns in later.items():
