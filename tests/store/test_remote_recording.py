@@ -498,3 +498,23 @@ def test_concurrent_creates_of_one_key_make_one_run(
                 select(func.count()).select_from(RunRow).where(RunRow.record_key == spec["key"])
             )
         assert count == 1
+
+
+def test_the_recorder_sends_a_spec_the_dashboard_takes(
+    session_factory: sessionmaker[Session], dashboard: str
+) -> None:
+    """A run's name with a lone surrogate and a config with NaN and infinity (a user's text,
+    a GRPOConfig's float): the recorder sends what the dashboard takes (the text made storable,
+    the numbers null), as a local recording stores them; it once sent `\\ud800` (a 422)."""
+    spec = _spec("half \ud800 pair")
+    spec.config = {"max_grad_norm": float("nan"), "clip": float("inf"), "tag": "x\udc00"}
+    writer = RemoteStepWriter(
+        url=dashboard, token=RECORDER, spec=spec, prepare=lambda raw: raw, heartbeat_seconds=0.2
+    )
+    writer.put(_step(1))
+    assert writer.close(timeout=30) and writer.run_id is not None
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    run, _, steps, _ = load_run(url, writer.run_id)
+    assert run.name == "half \ufffd pair" and [s.step for s in steps] == [1]
+    assert run.config["max_grad_norm"] is None and run.config["clip"] is None
+    assert run.config["tag"] == "x\ufffd"

@@ -13,7 +13,6 @@ number: a retry after a lost answer is answered `already` and not written twice.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import socket
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from rollout_lens.server.core import textsafe
 from rollout_lens.server.exchange import wire
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.trainer.recorder.writer import (
@@ -159,7 +159,9 @@ class RemoteStepWriter(StepWriter):
         }
         response = self._post(
             "/api/record/runs",
-            content=json.dumps(body, default=str),
+            # text UTF-8 can hold and numbers JSON has: what the dashboard refuses (a lone
+            # surrogate, a 422) or stores as null (NaN) is never sent
+            content=textsafe.finite_json(textsafe.storable_value(body), default=str),
             headers={"content-type": "application/json"},
         )
         if response.status_code not in (200, 201):
