@@ -310,3 +310,31 @@ def test_rewards_at_the_edge_of_float_leave_every_page_readable(
     answer = client.post(f"/api/record/runs/{run_id}/steps", content=wire.body([frame]))
     assert answer.status_code == 200, answer.text
     assert _not_ok(run_pages(client, run_id, {1: [0]}, other=other)) == {}
+
+
+def test_the_migration_repairs_values_stored_before(sqlite_url: str) -> None:
+    """Rows an older store wrote with NaN and Infinity tokens (SQLite took them as text): the
+    step page was a 500 until migration 0018 made them null."""
+    from rollout_lens.server.store.db import make_engine, make_session_factory
+    from rollout_lens.server.store.migrate import upgrade
+    from sqlalchemy import text
+
+    from tests.web_support import client_for
+
+    engine = make_engine(sqlite_url)
+    upgrade(engine, "0017")
+    factory = make_session_factory(engine)
+    run_id = make_run(factory, steps=1)
+    with engine.begin() as conn:  # as the older serializer wrote them
+        conn.execute(text("""UPDATE facts SET data = '{"query": "q", "score": Infinity}'"""))
+        conn.execute(text(f"""UPDATE runs SET config = '{{"lr": NaN}}' WHERE id = {run_id}"""))
+    assert client_for(factory).get(f"/runs/{run_id}/steps/1").status_code == 500
+    upgrade(engine)
+    client = client_for(factory)
+    assert client.get(f"/runs/{run_id}/steps/1").status_code == 200
+    assert client.get(f"/api/runs/{run_id}").json()["run"]["config"] == {"lr": None}
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT data FROM facts")).scalar() == (
+            '{"query": "q", "score": null}'
+        )
+    engine.dispose()
