@@ -1,4 +1,5 @@
-"""Text the databases cannot hold, made storable: NUL and unpaired surrogates become U+FFFD.
+"""Text the databases cannot hold, made storable: NUL and unpaired surrogates become U+FFFD;
+and JSON every reader can parse: NaN and infinities (which JSON lacks) become null.
 
 A Python str can hold what UTF-8 cannot encode (a lone surrogate, e.g. from a decoder run with
 `surrogateescape` or a user's function slicing a pair apart) and PostgreSQL refuses NUL in text.
@@ -12,6 +13,7 @@ SQL sees it), and responses clean what they send when encoding fails (rows store
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -19,6 +21,7 @@ from sqlalchemy import Engine, event
 
 REPLACEMENT = "\ufffd"
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def storable(text: str) -> str:
@@ -29,6 +32,12 @@ def storable(text: str) -> str:
     # Through UTF-16: a pair becomes its character, a lone half cannot and is replaced.
     joined = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
     return joined.replace("\x00", REPLACEMENT)
+
+
+def encodable(text: str) -> bool:
+    """UTF-8 can encode `text`: it holds no surrogate code point (a JSON text's `\\ud800`, or a
+    pair left as its two halves)."""
+    return _SURROGATE.search(text) is None
 
 
 def storable_value(value: Any) -> Any:
@@ -57,12 +66,35 @@ def _cleaned(value: Any) -> Any:
     return value
 
 
+def finite_value(value: Any) -> Any:
+    """NaN and infinities anywhere in a JSON-like value made None; the same object when there
+    is none."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_value(v) for v in value]
+    return value
+
+
+def finite_json(value: Any, **options: Any) -> str:
+    """json.dumps(value, **options) with NaN and infinities written as null: json.dumps writes
+    them as the tokens NaN and Infinity, which are not JSON (SQLite's json_extract and
+    PostgreSQL's json type refuse them, so one such value broke every page reading its row)."""
+    try:
+        return json.dumps(value, allow_nan=False, **options)
+    except ValueError:  # a non-finite float somewhere: rare, so only then is the value walked
+        return json.dumps(finite_value(value), allow_nan=False, **options)
+
+
 def json_dumps(value: Any) -> str:
-    """The engines' JSON serializer: as SQLAlchemy's default (json.dumps), strings cleaned first.
+    """The engines' JSON serializer: as SQLAlchemy's default (json.dumps), strings cleaned first
+    and NaN and infinities written as null (finite_json) in every JSON column.
 
     ensure_ascii (json's default) would store a lone surrogate as a `\\ud800` escape that reads
     back as the same unencodable str, so the walk is needed, not just the escaping."""
-    return json.dumps(storable_value(value))
+    return finite_json(storable_value(value))
 
 
 def _clean_parameters(parameters: Any) -> Any:

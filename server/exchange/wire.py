@@ -47,7 +47,7 @@ import pyarrow.compute as pc
 import zstandard
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
-from rollout_lens.server.core.textsafe import storable
+from rollout_lens.server.core.textsafe import clip, finite_json, storable
 from rollout_lens.server.core.tokentext import TEXT_RULES
 from rollout_lens.server.exchange.bounds import (
     DECODE_FACTOR,
@@ -234,11 +234,11 @@ def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndar
                 b[2] if r.control_probs.measured else None
                 for b, r in zip(blobs, rollouts, strict=True)
             ],
-            "sum_logprob": [r.sum_logprob for r in rollouts],
+            "sum_logprob": [_sum_logprob(r.sum_logprob) for r in rollouts],
             "vote": [r.vote for r in rollouts],
             "target": [r.target for r in rollouts],
             "verifier_reward": [float(r.verifier_reward) for r in rollouts],
-            "true_score": [r.true_score for r in rollouts],
+            "true_score": [_finite(r.true_score) for r in rollouts],
             "advantage": [float(r.advantage) for r in rollouts],
             "format_valid": [r.format_valid for r in rollouts],
             "format_state": [r.format_state for r in rollouts],
@@ -271,9 +271,20 @@ def _finite_items(values: Mapping[str, float | None]) -> Iterable[tuple[str, flo
         yield name, number if number is None or math.isfinite(number) else None
 
 
+def _finite(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def _sum_logprob(value: float | None) -> float | None:
+    """As the store keeps it: -inf stays (a token given no mass), NaN and +inf are no sum."""
+    return value if value == -math.inf else _finite(value)
+
+
 def _meta_text(meta: Mapping[str, Any]) -> str | None:
+    """A rollout's meta as JSON text: NaN and infinities as null, as the store writes them (the
+    server refuses them: JSON has no such numbers)."""
     own = {k: v for k, v in meta.items() if k != "tokens"}
-    return json.dumps(own, ensure_ascii=False, default=str) if own else None
+    return finite_json(own, ensure_ascii=False, default=str) if own else None
 
 
 def body(frames: Iterable[bytes]) -> bytes:
@@ -372,8 +383,8 @@ def _decode_frame(
         raise WireInvalid(f"{where}.step", f"wire version {meta.get(b'version')!r}, not 1")
     try:
         sent_tokens = json.loads(meta.get(b"control_tokens", b"[]"))
-    except ValueError:
-        raise WireInvalid(f"{where}.control_tokens", "not JSON") from None
+    except (ValueError, RecursionError):  # "[[[…" past Python's recursion limit
+        raise WireInvalid(f"{where}.control_tokens", "not JSON (or nested too deep)") from None
     if sent_tokens != list(control_tokens):
         raise WireInvalid(
             f"{where}.control_tokens",
@@ -446,28 +457,21 @@ def _decode_frame(
             raise WireInvalid(f"{w}.completion", "missing (and no text rule rebuilds it)")
         for name in ("verifier_reward", "advantage"):
             value = r[name]
-            if value is None or math.isnan(value):
-                raise WireInvalid(f"{w}.{name}", "missing or NaN")
+            if value is None or not math.isfinite(value):
+                raise WireInvalid(
+                    f"{w}.{name}", "missing" if value is None else f"{value}: not a finite number"
+                )
         true = r["true_score"]
-        if true is not None and math.isnan(true):
-            raise WireInvalid(f"{w}.true_score", "NaN (send null for unknown)")
+        if true is not None and not math.isfinite(true):
+            raise WireInvalid(f"{w}.true_score", f"{true} (send null for unknown)")
+        total_lp = r["sum_logprob"]
+        # -inf is a Σ logprob (a token the policy gave no mass: the store keeps it)
+        if total_lp is not None and (math.isnan(total_lp) or total_lp == math.inf):
+            raise WireInvalid(f"{w}.sum_logprob", f"{total_lp} (send null for unknown)")
         state = r["format_state"]
         if state is not None and len(state) > MAX_STATE_CHARS:
             raise WireInvalid(f"{w}.format_state", f"longer than {MAX_STATE_CHARS} characters")
-        meta_value: dict[str, Any] = {}
-        if r["meta"] is not None:
-            try:
-                # a fresh float for each NaN, as the sender's were (json's own NaN is one
-                # object, which would make every rollout's NaN "the same value" to the store)
-                meta_value = json.loads(r["meta"], parse_constant=float)
-            except (ValueError, RecursionError):
-                raise WireInvalid(f"{w}.meta", "not JSON (or nested too deep)") from None
-            if not isinstance(meta_value, dict):
-                raise WireInvalid(f"{w}.meta", "not a JSON object")
-            try:
-                check_depth(meta_value, f"{w}.meta")
-            except InvalidInput as exc:
-                raise WireInvalid(f"{w}.meta", str(exc).split(": ", 1)[-1]) from None
+        meta_value = _meta(r["meta"], f"{w}.meta") if r["meta"] is not None else {}
         record = ReceivedRollout(
             group=group,
             index=index,
@@ -611,6 +615,57 @@ def _compressed(header: bytes) -> bool:
         return batch(3) is not None  # RecordBatch.compression
     except (struct.error, IndexError):
         raise ValueError("a message header that does not read") from None
+
+
+def _meta(text: str, where: str) -> dict[str, Any]:
+    """A rollout's meta: a JSON object, nested at most MAX_JSON_DEPTH deep, and no NaN or
+    infinity in it (`NaN`, `Infinity` or `1e999`): JSON has no such numbers, and the sender maps
+    them to null (a page could not read them back)."""
+    unshowable: list[str] = []
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            unshowable.append(literal)
+        return value
+
+    try:
+        value = json.loads(text, parse_constant=number, parse_float=number)
+    except (ValueError, RecursionError):
+        raise WireInvalid(where, "not JSON (or nested too deep)") from None
+    if not isinstance(value, dict):
+        raise WireInvalid(where, "not a JSON object")
+    try:
+        check_depth(value, where)
+    except InvalidInput as exc:
+        raise WireInvalid(where, str(exc).split(": ", 1)[-1]) from None
+    if unshowable:
+        raise WireInvalid(
+            _non_finite_at(value, where),
+            f"{unshowable[0][:40]}: JSON has no such number (send null, or a finite number)",
+        )
+    return value
+
+
+def _non_finite_at(value: Any, where: str) -> str:
+    """The path of the first NaN or infinity in a JSON value (`meta.score`, `meta.a[2]`)."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return at
+        if isinstance(item, dict):
+            stack.extend((v, _key_path(at, k)) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in reversed(list(enumerate(item))))
+    return where
+
+
+def _key_path(at: str, key: str) -> str:
+    """`at.key` for a plain name, else `at["key"]` (ASCII: a key's text is anyone's)."""
+    if key.isidentifier() and key.isascii():
+        return f"{at}.{key}"
+    return f"{at}[{clip(json.dumps(key), 80)}]"
 
 
 def _int(value: Any, where: str, *, low: int, high: int = MAX_INT32) -> int:

@@ -11,7 +11,6 @@ back, throw the recorder away and load a new one: its memory is ahead of the dat
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -51,15 +50,17 @@ def sha256_text(text: str) -> str:
 def json_text(value: Any) -> str:
     """JSON text of a rollout's own meta: orjson (json.dumps of 8 small dicts of probes was the
     write path's largest cost); NaN and infinities become null, as JSON has no such numbers.
-    Anything orjson refuses (lone surrogates, exotic types) goes through json.dumps."""
+    Anything orjson refuses (lone surrogates, exotic types, numpy's floats) goes through
+    json.dumps, with the same nulls (textsafe.finite_json)."""
     try:
         return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
     except (TypeError, orjson.JSONEncodeError):
-        return json.dumps(value, ensure_ascii=False, default=str)
+        return textsafe.finite_json(value, ensure_ascii=False, default=str)
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    """The text a facts dict is hashed by: as it is stored (NaN and infinities as null)."""
+    return textsafe.finite_json(value, sort_keys=True, ensure_ascii=False, default=str)
 
 
 STEP_COLUMNS = (

@@ -32,6 +32,7 @@ from rollout_lens.server.store import ending
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
 from sqlalchemy import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 KEPT_WRITERS = 64  # runs whose writer state is kept between requests
@@ -104,6 +105,14 @@ class Ingest:
 
     def create_run(self, caller: Caller, spec: Mapping[str, Any]) -> tuple[RunRow, bool]:
         """The run of `spec["key"]`: found (False) or created running (True)."""
+        try:
+            return self._find_or_create_run(caller, spec)
+        except IntegrityError:
+            # Two creates of one key at once (a recorder's retry racing its first try): both
+            # saw no run, the one whose key landed second rolled back. It finds the first's.
+            return self._find_or_create_run(caller, spec)
+
+    def _find_or_create_run(self, caller: Caller, spec: Mapping[str, Any]) -> tuple[RunRow, bool]:
         with session_scope(self.factory) as session:
             run = store.recorded_run(session, key=spec["key"])
             if run is not None:

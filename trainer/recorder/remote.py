@@ -22,7 +22,6 @@ resumed trainer superseded this one, answers 409 with its `status`
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import socket
@@ -34,6 +33,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from rollout_lens.server.core import textsafe
 from rollout_lens.server.core.errors import RunEnded
 from rollout_lens.server.exchange import wire
 from rollout_lens.server.store.models import RunStatus
@@ -183,7 +183,9 @@ class RemoteStepWriter(StepWriter):
             body["resume_step"] = self.resume_step
         response = self._post(
             "/api/record/runs",
-            content=json.dumps(body, default=str),
+            # text UTF-8 can hold and numbers JSON has: what the dashboard refuses (a lone
+            # surrogate, a 422) or stores as null (NaN) is never sent
+            content=textsafe.finite_json(textsafe.storable_value(body), default=str),
             headers={"content-type": "application/json"},
         )
         if response.status_code not in (200, 201):

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from rollout_lens.server.core.errors import (
     BrokerUnavailable,
     DatabaseBehind,
@@ -19,6 +19,7 @@ from rollout_lens.server.core.errors import (
     StepNotFound,
 )
 from rollout_lens.server.webapp.http.deps import render
+from rollout_lens.server.webapp.http.responses import DataResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 HANDLED = (RolloutLensError, StarletteHTTPException, RequestValidationError)
@@ -93,7 +94,9 @@ async def handle_error(request: Request, exc: Exception) -> Response:
     """The one error handler: JSON for the API, error.html for pages."""
     status, message, extra = _describe(exc)
     if _wants_json(request):
-        return JSONResponse({"detail": message} | extra, status_code=status)
+        # DataResponse: a 422's echo of its input may hold what UTF-8 cannot (a lone surrogate
+        # in a JSON body's "\\ud800"): the answer is sent with it replaced, never a 500.
+        return DataResponse({"detail": message} | extra, status_code=status)
     nearest = extra.get("nearest_step")
     context = {
         "status": status,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlencode
@@ -20,22 +19,9 @@ from rollout_lens.server.webapp.pages import page_context
 from sqlalchemy.orm import Session
 
 
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
 def encode(content: Any) -> bytes:
     """Compact JSON; NaN and infinities (which JSON lacks) become null."""
-    try:
-        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except ValueError:  # a non-finite float somewhere: rare, so only then walk the data
-        text = json.dumps(_finite(content), ensure_ascii=False, separators=(",", ":"))
+    text = textsafe.finite_json(content, ensure_ascii=False, separators=(",", ":"))
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate stored before server.core.textsafe cleaned writes

@@ -641,7 +641,8 @@ def _std(values: Sequence[float]) -> float | None:
     if not values:
         return None
     mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    # d * d, not d ** 2: past 1e154 a product is inf where a power raises OverflowError
+    return math.sqrt(sum(d * d for d in (v - mean for v in values)) / len(values))
 
 
 def group_summary(rows: Sequence[ScalarRow], label: str) -> dict[str, Any]:

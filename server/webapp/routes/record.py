@@ -12,12 +12,14 @@ heartbeats and a finish with another status with 409 `{"detail", "status", "ende
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
+from rollout_lens.server.core import textsafe
 from rollout_lens.server.core.errors import InvalidInput, StepOutOfOrder
 from rollout_lens.server.exchange.bounds import MAX_INT32, check_depth
 from rollout_lens.server.store.models import RunStatus
@@ -86,6 +88,21 @@ class RecordRun(BaseModel):
             raise ValueError("8 to 64 characters of A-Z a-z 0-9 _ . : -")
         return value
 
+    @field_validator(
+        "name", "model", "device", "worker_host", "control_tokens", "notes", "config", mode="before"
+    )
+    @classmethod
+    def _unicode(cls, value: Any) -> Any:
+        # A JSON body's "\\ud800" decodes to a str UTF-8 cannot hold: refused here, naming the
+        # field (pydantic's own message for a str field is obscure, and config takes any str).
+        where = _lone_surrogate(value)
+        if where is not None:
+            raise ValueError(
+                f"not valid Unicode: {where + ' holds ' if where else ''}a lone surrogate (half "
+                "of a UTF-16 pair, which UTF-8 cannot encode)"
+            )
+        return value
+
     @field_validator("config")
     @classmethod
     def _config(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -94,6 +111,25 @@ class RecordRun(BaseModel):
         except InvalidInput as exc:
             raise ValueError(str(exc)) from None
         return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where in a JSON value a string or a key is not valid Unicode: "" for the value itself,
+    `[2]`, `["key"]`…; None when all are. Walked without recursion (a config nests deep)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str) and not textsafe.encodable(item):
+            return where
+        if isinstance(item, dict):
+            for key, child in item.items():
+                inner = textsafe.clip(f"{where}[{json.dumps(key)}]", 200)
+                if isinstance(key, str) and not textsafe.encodable(key):
+                    return inner
+                stack.append((child, inner))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+    return None
 
 
 class Alive(BaseModel):
