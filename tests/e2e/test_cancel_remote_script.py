@@ -50,6 +50,22 @@ def _run(base: str) -> dict | None:  # type: ignore[type-arg]
     return runs[0] if runs else None
 
 
+def _cancel_at_step_2(base: str, script: subprocess.Popen[str]) -> dict:  # type: ignore[type-arg]
+    """Wait for the script's run to record step 2, then cancel it with the access token, as an
+    admin does from the API; the run as it was listed."""
+    deadline = time.monotonic() + 300
+    while (run := _run(base)) is None or run["current_step"] < 2:
+        assert script.poll() is None and time.monotonic() < deadline, script.stdout
+        time.sleep(0.1)
+    cancel = httpx.post(
+        f"{base}/api/runs/{run['id']}/cancel",
+        headers={"authorization": f"Bearer {FULL}"},
+        timeout=30,
+    )
+    assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled", cancel.text
+    return run
+
+
 def test_a_script_cancelled_from_the_dashboard_stops_training(
     user_model_dir: Path, tmp_path: Path, dashboard: tuple[str, str]
 ) -> None:
@@ -75,16 +91,7 @@ def test_a_script_cancelled_from_the_dashboard_stops_training(
         text=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        while (run := _run(base)) is None or run["current_step"] < 2:
-            assert script.poll() is None and time.monotonic() < deadline, script.stdout
-            time.sleep(0.1)
-        cancel = httpx.post(
-            f"{base}/api/runs/{run['id']}/cancel",
-            headers={"authorization": f"Bearer {FULL}"},
-            timeout=30,
-        )
-        assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled", cancel.text
+        run = _cancel_at_step_2(base, script)
         at_cancel = httpx.get(f"{base}/api/runs/{run['id']}", timeout=10).json()["last_step"]
         output, _ = script.communicate(timeout=300)
     finally:
@@ -135,16 +142,7 @@ def test_a_distributed_script_recording_locally_stops_on_every_process(
         text=True,
     )
     try:
-        deadline = time.monotonic() + 300
-        while (run := _run(base)) is None or run["current_step"] < 2:
-            assert script.poll() is None and time.monotonic() < deadline, script.stdout
-            time.sleep(0.1)
-        cancel = httpx.post(
-            f"{base}/api/runs/{run['id']}/cancel",
-            headers={"authorization": f"Bearer {FULL}"},
-            timeout=30,
-        )
-        assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled", cancel.text
+        run = _cancel_at_step_2(base, script)
         output, _ = script.communicate(timeout=300)
     finally:
         if script.poll() is None:
