@@ -388,3 +388,20 @@ def make_multiturn_group(*, legacy: bool = False, group: int = 0) -> list[Rollou
             )
         )
     return out
+
+
+def recorder_spec(name: str, *, total_steps: int) -> Any:
+    """The RunSpec a recorder's tests create their run with: groups of 4, one prompt a step."""
+    from rollout_lens.trainer.recorder.writer import RunSpec  # the trainer's, loaded on use
+
+    return RunSpec(
+        name=name,
+        model="m",
+        total_steps=total_steps,
+        group_size=4,
+        prompts_per_step=1,
+        seed=0,
+        config={},
+        control_tokens=list(CONTROL_TOKENS),
+        device="cpu",
+    )

@@ -25,11 +25,11 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import AlertRow, RolloutRow, RollupRow, RunRow, StepRow
 from rollout_lens.server.webapp.app import create_app
 from rollout_lens.trainer.recorder.remote import RemoteStepWriter
-from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter
+from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, load_run, make_rollouts
+from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec
 from tests.web_support import serve_app
 
 RECORDER = "record-token-0123456789abcdef"
@@ -192,25 +192,11 @@ def dashboard(session_factory: sessionmaker[Session]) -> Iterator[str]:
         yield base
 
 
-def _spec() -> RunSpec:
-    return RunSpec(
-        name="resumed",
-        model="m",
-        total_steps=40,
-        group_size=4,
-        prompts_per_step=1,
-        seed=0,
-        config={},
-        control_tokens=list(CONTROL_TOKENS),
-        device="cpu",
-    )
-
-
 def _remote(base: str, **kwargs: Any) -> RemoteStepWriter:
     return RemoteStepWriter(
         url=base,
         token=RECORDER,
-        spec=_spec(),
+        spec=recorder_spec("resumed", total_steps=40),
         prepare=lambda raw: raw,
         heartbeat_seconds=0.2,
         **kwargs,
@@ -241,7 +227,9 @@ def test_the_local_writer_drops_a_step_before_the_last_and_goes_on(
     """The same order written locally: step 3 is refused by the store (StepOutOfOrder, not
     the rollups' ValueError that stopped the recording), dropped alone and counted."""
     url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
-    local = StepWriter.for_script(database_url=url, spec=_spec(), prepare=lambda raw: raw)
+    local = StepWriter.for_script(
+        database_url=url, spec=recorder_spec("resumed", total_steps=40), prepare=lambda raw: raw
+    )
     for step in (30, 3, 31, 32):
         local.put(_record(step))
     assert local.close(timeout=20)

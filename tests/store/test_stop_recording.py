@@ -25,11 +25,11 @@ from rollout_lens.server.store.models import RunRow, RunStatus
 from rollout_lens.server.webapp.app import create_app
 from rollout_lens.server.webapp.http.security import token_name
 from rollout_lens.trainer.recorder.remote import RemoteStepWriter
-from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter
+from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, load_run, make_rollouts
+from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec
 from tests.web_support import parse, serve_app
 
 FULL = "full-token-0123456789abcdef"
@@ -77,20 +77,6 @@ def _new_run(base: str, key: str) -> int:
     answer = _post(base, "/api/record/runs", RECORDER, json=spec)
     assert answer.status_code == 201, answer.text
     return int(answer.json()["id"])
-
-
-def _spec() -> RunSpec:
-    return RunSpec(
-        name="stopped",
-        model="m",
-        total_steps=20,
-        group_size=4,
-        prompts_per_step=1,
-        seed=0,
-        config={},
-        control_tokens=list(CONTROL_TOKENS),
-        device="cpu",
-    )
 
 
 def _until(done: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
@@ -180,7 +166,11 @@ def test_the_recorder_stops_at_a_cancel_and_drops_what_waits(
     session_factory: sessionmaker[Session], dashboard: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     writer = RemoteStepWriter(
-        url=dashboard, token=RECORDER, spec=_spec(), prepare=lambda raw: raw, heartbeat_seconds=0.2
+        url=dashboard,
+        token=RECORDER,
+        spec=recorder_spec("stopped", total_steps=20),
+        prepare=lambda raw: raw,
+        heartbeat_seconds=0.2,
     )
     writer.put(_step(1))
     _until(lambda: writer.written_steps == 1, "step 1")
@@ -212,7 +202,7 @@ def test_a_local_recording_stops_at_a_cancel_from_the_dashboard(
     it writes, so the dashboard's cancel stops it the same way."""
     writer = StepWriter.for_script(
         database_url=_url(session_factory),
-        spec=_spec(),
+        spec=recorder_spec("stopped", total_steps=20),
         prepare=lambda raw: raw,
         heartbeat_seconds=0.2,
     )
@@ -233,7 +223,11 @@ def test_an_admin_deletes_a_run_whose_recorder_still_sends(
     session_factory: sessionmaker[Session], dashboard: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     writer = RemoteStepWriter(
-        url=dashboard, token=RECORDER, spec=_spec(), prepare=lambda raw: raw, heartbeat_seconds=60
+        url=dashboard,
+        token=RECORDER,
+        spec=recorder_spec("stopped", total_steps=20),
+        prepare=lambda raw: raw,
+        heartbeat_seconds=60,
     )
     writer.put(_step(1))
     _until(lambda: writer.written_steps == 1, "step 1")
