@@ -98,6 +98,7 @@ class Prepared:
     def __init__(self) -> None:
         self.prepare: Any = None
         self.records: list[Any] = []
+        self.stop_requested = False  # no dashboard to cancel from
 
     def put(self, raw: Any) -> None:
         self.records.append(self.prepare(raw))

@@ -334,6 +334,9 @@ def test_logged_values_only_where_trl_logged_and_format_validity_unknown(
 
     # The stored config: the GRPOConfig as given, and beside it the callback's own facts.
     given = json.loads(trainer.args.to_json_string())
+    # The run's key (a resumed script finds its run by it): the one the checkpoints will carry.
+    saved = trainer.state.stateful_callbacks["rollout_lens"]["attributes"]["run_key"]
+    assert run.config["rollout_lens"].pop("key") == saved and len(saved) == 32
     assert run.config == given | {
         "rollout_lens": {
             "project": "diag",
