@@ -24,7 +24,15 @@ from rollout_lens.server.webapp.http.security import Guard
 from rollout_lens.server.webapp.http.templating import STATIC_DIR, make_templates
 from rollout_lens.server.webapp.http.timing import ServerTiming
 from rollout_lens.server.webapp.ingest import Ingest
-from rollout_lens.server.webapp.routes import actions, api, downloads, html, record, signin
+from rollout_lens.server.webapp.routes import (
+    actions,
+    api,
+    downloads,
+    html,
+    prompt_pages,
+    record,
+    signin,
+)
 from rollout_lens.server.webapp.sweeper import SWEEP_SECONDS, sweep_lost_runs
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -130,6 +138,7 @@ def create_app(
     app.state.flash_signer = make_signer()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(html.router)
+    app.include_router(prompt_pages.router)
     app.include_router(api.router)
     app.include_router(actions.router)
     app.include_router(downloads.router)

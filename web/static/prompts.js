@@ -1,0 +1,27 @@
+"use strict";
+// The prompt lens: draw the server's figures (the prompts × steps heatmap, a prompt's history),
+// and open a heatmap cell's group in the step viewer on click.
+(() => {
+  const page = RL.pageData();
+  const CONFIG = { displaylogo: false, responsive: true, displayModeBar: false, doubleClick: "reset" };
+
+  /** A group's page in the step viewer: /runs/{id}/steps/{step}/groups/{group}. */
+  const groupUrl = (steps, step, group) => `${steps}/${step}/groups/${group}`;
+
+  for (const fig of page.figures || []) {
+    const el = document.getElementById(`fig-${fig.id}`);
+    if (!el) continue;
+    Plotly.newPlot(el, fig.data, fig.layout, CONFIG);
+    el.figure = fig;
+    const steps = el.dataset.steps || page.steps;
+    if (fig.data.some((t) => t.type === "heatmap") && steps) {
+      el.on("plotly_click", (event) => {
+        const point = event.points && event.points[0];
+        const cell = point && point.customdata;
+        if (!Array.isArray(cell)) return; // a gap: no group of this prompt there
+        window.location.assign(groupUrl(steps, cell[0], cell[1]));
+      });
+    }
+  }
+  document.body.dataset.chartsReady = "true";
+})();
