@@ -287,10 +287,11 @@ def compare_prompts_page(
             sides.append({"run": run, "history": None, "figure": None})
             continue
         figure = prompt_figures.history(h["steps"]) | {"id": f"history-{run['id']}"}
+        steps = [s | {"split": vote_split(s["votes"])} for s in h["steps"]]
         sides.append(
             {
                 "run": run,
-                "history": h,
+                "history": h | {"steps": steps},
                 "figure": figure,
                 "steps_url": url("step_jump", run_id=run["id"]),
                 "history_url": url(
@@ -307,6 +308,7 @@ def compare_prompts_page(
         "every": every,
         "q": q or "",
         "shown": shown,
+        "shown_label": next((m["label"] for m in data["prompts"] if m["key"] == shown), ""),
         "sides": sides,
         "next_page_url": None if data["next"] is None else with_params(path, base | {"after": data["next"]}),
         "json_url": with_params(url("api_compare_prompts"), base),
