@@ -24,7 +24,15 @@ from rollout_lens.server.webapp.http.security import Guard
 from rollout_lens.server.webapp.http.templating import STATIC_DIR, make_templates
 from rollout_lens.server.webapp.http.timing import ServerTiming
 from rollout_lens.server.webapp.ingest import Ingest
-from rollout_lens.server.webapp.routes import actions, api, downloads, html, record, signin
+from rollout_lens.server.webapp.routes import (
+    actions,
+    api,
+    downloads,
+    html,
+    prompts,
+    record,
+    signin,
+)
 from rollout_lens.server.webapp.sweeper import SWEEP_SECONDS, sweep_lost_runs
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -131,6 +139,7 @@ def create_app(
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(html.router)
     app.include_router(api.router)
+    app.include_router(prompts.router)
     app.include_router(actions.router)
     app.include_router(downloads.router)
     app.include_router(signin.router)
