@@ -30,6 +30,7 @@ from rollout_lens.server.webapp.routes import (
     downloads,
     html,
     prompt_pages,
+    prompts,
     record,
     signin,
 )
@@ -140,6 +141,7 @@ def create_app(
     app.include_router(html.router)
     app.include_router(prompt_pages.router)
     app.include_router(api.router)
+    app.include_router(prompts.router)
     app.include_router(actions.router)
     app.include_router(downloads.router)
     app.include_router(signin.router)

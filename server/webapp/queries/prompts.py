@@ -136,12 +136,24 @@ class PromptQuery(BaseModel):
         return value if value and value.strip() else None
 
     def filters(self) -> dict[str, Any]:
-        return self.model_dump(exclude_defaults=True, exclude={"after", "limit"})
+        return self.model_dump(exclude_defaults=True, exclude={"after", "limit", "width"})
 
     def digest(self) -> str:
-        filters = self.model_dump(exclude={"after", "limit"})
+        """A short fingerprint of the filters and sort (what a cursor belongs to)."""
+        filters = self.model_dump(exclude={"after", "limit", "width"})
         canonical = json.dumps(filters, sort_keys=True, ensure_ascii=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class HeatmapQuery(PromptQuery):
+    """The heatmap's rows (a PromptQuery: its cursors are the list's) and its width."""
+
+    width: int = Field(
+        default=HEATMAP_COLUMNS,
+        ge=1,
+        le=MAX_COLUMNS,
+        description="columns at most: more steps than this are bucketed",
+    )
 
 
 # --- cursors -------------------------------------------------------------------------------------
