@@ -14,14 +14,15 @@
     Plotly.newPlot(el, fig.data, fig.layout, CONFIG);
     el.figure = fig;
     const steps = el.dataset.steps || page.steps;
-    if (fig.data.some((t) => t.type === "heatmap") && steps) {
-      el.on("plotly_click", (event) => {
-        const point = event.points && event.points[0];
-        const cell = point && point.customdata;
-        if (!Array.isArray(cell)) return; // a gap: no group of this prompt there
-        window.location.assign(groupUrl(steps, cell[0], cell[1]));
-      });
-    }
+    if (!steps) continue;
+    el.on("plotly_click", (event) => {
+      const point = event.points && event.points[0];
+      if (!point) return;
+      const cell = point.customdata;
+      // a heatmap cell carries [step, group, …]; a history point its group (its x is the step)
+      if (Array.isArray(cell)) window.location.assign(groupUrl(steps, cell[0], cell[1]));
+      else if (Number.isInteger(cell) && Number.isFinite(point.x)) window.location.assign(groupUrl(steps, point.x, cell));
+    });
   }
   document.body.dataset.chartsReady = "true";
 })();
