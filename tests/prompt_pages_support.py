@@ -26,9 +26,11 @@ def _correct(variant: str, step: int, query: int) -> int:
     return GROUP if ((step - 1) // BUCKET + query) % 2 else 3
 
 
-def group_rollouts(env: EscalationEnv, variant: str, step: int) -> list[RolloutRecord]:
+def group_rollouts(
+    env: EscalationEnv, variant: str, step: int, queries: int | None = None
+) -> list[RolloutRecord]:
     out = []
-    for group, query in enumerate(env.train_queries):
+    for group, query in enumerate(env.train_queries[:queries]):
         example = env.example(query)
         wrong = next(t for t in example.tool_ids if t != example.target)
         right = _correct(variant, step, group)
@@ -62,9 +64,12 @@ def group_rollouts(env: EscalationEnv, variant: str, step: int) -> list[RolloutR
     return out
 
 
-def escalation_pair(factory: sessionmaker[Session], *, steps: int = 12) -> dict[str, Any]:
+def escalation_pair(
+    factory: sessionmaker[Session], *, steps: int = 12, queries: int | None = None
+) -> dict[str, Any]:
     """The leaky and the patched run (same seed, same queries), `steps` steps each, a group a
-    training query each step; their ids and the queries."""
+    training query each step (the env's first `queries` of them, else all); their ids and the
+    queries."""
     runs: dict[str, Any] = {}
     for variant in ("leaky", "patched"):
         env = EscalationEnv(seed=0, variant=variant, k=4)
@@ -81,10 +86,10 @@ def escalation_pair(factory: sessionmaker[Session], *, steps: int = 12) -> dict[
                 control_tokens=CONTROL_TOKENS,
             ).id
         for step in range(1, steps + 1):
-            rollouts = group_rollouts(env, variant, step)
+            rollouts = group_rollouts(env, variant, step, queries)
             acc = sum(r.true_score or 0 for r in rollouts) / len(rollouts)
             values = {"reward_mean": acc, "true_accuracy": acc}
             record_step(factory, run_id, step, values=values, rollouts=rollouts)
         runs[variant] = run_id
-    runs["queries"] = [q.text for q in EscalationEnv(seed=0).train_queries]
+    runs["queries"] = [q.text for q in EscalationEnv(seed=0).train_queries[:queries]]
     return runs

@@ -113,7 +113,8 @@ def prompts_page(
             "active": key == sort,
             "order": order if key == sort else None,
             "url": with_params(
-                path, keep | {"sort": key, "order": "desc" if key == sort and order == "asc" else "asc"}
+                path,
+                keep | {"sort": key, "order": "desc" if key == sort and order == "asc" else "asc"},
             ),
         }
         for key, label, numeric, title in PROMPT_COLUMNS
@@ -133,9 +134,14 @@ def prompts_page(
         "looks": looks,
         "headers": headers,
         "first_url": with_params(path, keep),
-        "next_page_url": None if data["next"] is None else with_params(path, keep | {"after": data["next"]}),
-        "json_url": with_params(url("api_run_prompts", run_id=run_id), keep | {"after": filters.get("after")}),
+        "next_page_url": None
+        if data["next"] is None
+        else with_params(path, keep | {"after": data["next"]}),
+        "json_url": with_params(
+            url("api_run_prompts", run_id=run_id), keep | {"after": filters.get("after")}
+        ),
         "heatmap_url": with_params(url("api_prompts_heatmap", run_id=run_id), keep),
+        "export_url": with_params(url("export_prompts", run_id=run_id), filters),
         "run_url": url("run_page", run_id=run_id),
         "path": path,
         "heat": {k: heat[k] for k in ("first_step", "last_step", "bucket", "columns")},
@@ -165,6 +171,7 @@ def prompts_invalid(
         "next_page_url": None,
         "json_url": with_params(url("api_run_prompts", run_id=run["id"]), given),
         "heatmap_url": None,
+        "export_url": None,
         "run_url": url("run_page", run_id=run["id"]),
         "path": path,
         "heat": None,
@@ -247,7 +254,9 @@ def prompt_page(
         "prompt": data["prompt"],
         "steps": steps,
         "figure": figure,
-        "next_page_url": None if data["next"] is None else with_params(path, {"after": data["next"], "limit": limit}),
+        "next_page_url": None
+        if data["next"] is None
+        else with_params(path, {"after": data["next"], "limit": limit}),
         "json_url": url("api_prompt_history", run_id=run_id, prompt_id=prompt_id),
         "prompts_url": url("prompts_page", run_id=run_id),
         "run_url": url("run_page", run_id=run_id),
@@ -310,11 +319,15 @@ def compare_prompts_page(
         "shown": shown,
         "shown_label": next((m["label"] for m in data["prompts"] if m["key"] == shown), ""),
         "sides": sides,
-        "next_page_url": None if data["next"] is None else with_params(path, base | {"after": data["next"]}),
+        "next_page_url": None
+        if data["next"] is None
+        else with_params(path, base | {"after": data["next"]}),
         "json_url": with_params(url("api_compare_prompts"), base),
         "compare_url": with_params(url("compare_page"), {"runs": base["runs"]}),
         "page": {
             "figures": [s["figure"] for s in sides if s["figure"] is not None],
-            "steps_of": {str(s["run"]["id"]): url("step_jump", run_id=s["run"]["id"]) for s in sides},
+            "steps_of": {
+                str(s["run"]["id"]): url("step_jump", run_id=s["run"]["id"]) for s in sides
+            },
         },
     }

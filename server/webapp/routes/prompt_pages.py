@@ -39,7 +39,9 @@ def prompts_page(
     kept = [(name, value) for name, value in given if value.strip()]
     url = _url(request)
     if len(kept) < len(given):
-        return RedirectResponse(prompt_pages.with_params(url("prompts_page", run_id=run_id), dict(kept)), 303)
+        return RedirectResponse(
+            prompt_pages.with_params(url("prompts_page", run_id=run_id), dict(kept)), 303
+        )
     try:
         query = queries.PromptQuery.model_validate(dict(kept))
         data = queries.prompts_page(session, run_id=run_id, query=query)
@@ -49,7 +51,9 @@ def prompts_page(
         context = prompt_pages.prompts_invalid(run, dict(kept), exc, url)
         status = 422 if isinstance(exc, ValidationError) else 400
         return render(request, "prompts.html", context, status_code=status)
-    return render(request, "prompts.html", prompt_pages.prompts_page(data, heat, url, run_id=run_id))
+    return render(
+        request, "prompts.html", prompt_pages.prompts_page(data, heat, url, run_id=run_id)
+    )
 
 
 @router.get("/runs/{run_id}/prompts/{prompt_id}", name="prompt_page")
