@@ -55,10 +55,10 @@ def page(browser: Browser, served: dict[str, Any]) -> Iterator[Page]:
     assert errors == []
 
 
-def _shot(page: Page, name: str) -> Path:
+def _shot(page: Page, name: str, *, full: bool = True) -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
+    page.screenshot(path=str(path), full_page=full)
     return path
 
 
@@ -206,4 +206,15 @@ def test_the_seed_shape_screenshots(page: Page, served: dict[str, Any]) -> None:
     page.wait_for_selector("body[data-charts-ready]")
     assert page.locator("#history-table tr.history-group").count() == SEED_STEPS
     assert page.locator("#history-table .vote-bar.split").count() > 0  # the leaky run's splits
-    _shot(page, "prompt-history-seed")
+    _shot(page, "prompt-history-seed", full=False)  # 150 groups: the top is what to look at
+    # a group's completions open under it, in place
+    fifth = page.locator("#history-table tr.history-group").nth(4)
+    below = page.locator("#history-table tr.completions-row").nth(4)
+    assert not below.is_visible()
+    fifth.locator("a.completions-toggle").click()
+    assert below.is_visible() and below.locator("tbody tr").count() == 8
+    assert fifth.locator("a.completions-toggle").get_attribute("aria-expanded") == "true"
+    below.evaluate("(row) => row.scrollIntoView({block: 'center'})")
+    _shot(page, "prompt-history-completions", full=False)
+    fifth.locator("a.completions-toggle").click()
+    assert not below.is_visible()

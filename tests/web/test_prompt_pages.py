@@ -217,7 +217,10 @@ def test_a_prompts_history_shows_every_group_and_its_completions(
         assert ("split" in row.find(cls="vote-bar").classes) == (len(g["votes"]) > 1)
         assert bool(row.find_all(cls="flag-stuck")) == g["zero_spread"]
         assert ("solved" in row.classes) == (g["solved"] is True)
-        completions = row.find("table", cls="rollout-rows").find("tbody").find_all("tr")
+        toggle = row.find("a", cls="completions-toggle")
+        below = page.by_id(toggle.attrs["aria-controls"])  # the row under the group's
+        assert "completions-row" in below.classes and toggle.attrs["href"] == f"#{below.attrs['id']}"
+        completions = below.find("table", cls="rollout-rows").find("tbody").find_all("tr")
         assert [int(c.attrs["data-rollout-id"]) for c in completions] == g["rollout_ids"]
         for c, reward, adv in zip(completions, g["rewards"], g["advantages"], strict=True):
             cells = _cells(c)
@@ -226,7 +229,8 @@ def test_a_prompts_history_shows_every_group_and_its_completions(
             link = c.find("a").attrs["href"]
             assert link.startswith(f"/runs/{run_id}/steps/{g['step']}/groups/{g['group']}#r")
     figure = _figure(response.text)
-    reward, true = figure["data"]
+    true, reward = figure["data"]
+    assert [true["name"], reward["name"]] == ["true score", "reward"]
     assert reward["x"] == [g["step"] for g in history]
     assert reward["y"] == pytest.approx([g["reward_mean"] for g in history])
     assert true["y"] == pytest.approx([g["true_mean"] for g in history])

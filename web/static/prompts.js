@@ -24,5 +24,17 @@
       else if (Number.isInteger(cell) && Number.isFinite(point.x)) window.location.assign(groupUrl(steps, point.x, cell));
     });
   }
+  // a group's completions: the row under it, opened and closed in place (a plain link to the row
+  // opens one at a time without script, by :target)
+  for (const toggle of document.querySelectorAll("a.completions-toggle")) {
+    toggle.addEventListener("click", (event) => {
+      event.preventDefault();
+      const row = document.getElementById(toggle.getAttribute("aria-controls"));
+      if (!row) return;
+      const open = !row.classList.contains("open");
+      row.classList.toggle("open", open);
+      toggle.setAttribute("aria-expanded", String(open));
+    });
+  }
   document.body.dataset.chartsReady = "true";
 })();

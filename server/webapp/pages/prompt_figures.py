@@ -114,18 +114,20 @@ def history(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """A prompt's groups over its steps: mean reward and true score of each group."""
     x = [s["step"] for s in steps]
     traces = []
-    for key, name, color in (
-        ("reward_mean", "reward", COLORS["reward_mean"]),
-        ("true_mean", "true score", COLORS["true_accuracy"]),
+    # true score first, reward dashed over it: where the verifier is exact the two coincide and
+    # both stay visible
+    for key, name, color, dash, mode in (
+        ("true_mean", "true score", COLORS["true_accuracy"], "solid", "lines+markers"),
+        ("reward_mean", "reward", COLORS["reward_mean"], "dash", "lines"),
     ):
         traces.append(
             {
                 "type": "scatter",
-                "mode": "lines+markers",
+                "mode": mode,
                 "x": x,
                 "y": [s.get(key) for s in steps],
                 "name": name,
-                "line": {"color": color, "width": 1.7},
+                "line": {"color": color, "width": 1.7, "dash": dash},
                 "marker": {"size": 6, "color": color},
                 "customdata": [s["group"] for s in steps],
                 "hovertemplate": f"step %{{x}} · group %{{customdata}}<br>{name} %{{y:.3g}}"
