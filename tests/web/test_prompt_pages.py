@@ -219,7 +219,9 @@ def test_a_prompts_history_shows_every_group_and_its_completions(
         assert ("solved" in row.classes) == (g["solved"] is True)
         toggle = row.find("a", cls="completions-toggle")
         below = page.by_id(toggle.attrs["aria-controls"])  # the row under the group's
-        assert "completions-row" in below.classes and toggle.attrs["href"] == f"#{below.attrs['id']}"
+        assert (
+            "completions-row" in below.classes and toggle.attrs["href"] == f"#{below.attrs['id']}"
+        )
         completions = below.find("table", cls="rollout-rows").find("tbody").find_all("tr")
         assert [int(c.attrs["data-rollout-id"]) for c in completions] == g["rollout_ids"]
         for c, reward, adv in zip(completions, g["rewards"], g["advantages"], strict=True):
