@@ -13,8 +13,10 @@ from typing import Any
 from rollout_lens.server.webapp.pages.plotly_figures import COLORS, plotly_text
 
 LABEL_CHARS = 48  # a heatmap row's label: the head of what tells its prompt apart
-ROW_PX = 20  # a heatmap row's height
+ROW_PX, MIN_ROW_PX = 20, 3  # a heatmap row's height: as tall as fits, never under 3 px
+LABELLED_ROW_PX = 12  # below this a row's label would overlap the next: hover names it instead
 MIN_HEIGHT, MAX_HEIGHT = 220, 1400
+AXES_PX = 90  # the x axis and its title under the rows
 # failed (red) → split (amber) → solved (green): a cell's true score (or reward)
 SCALE = [[0.0, "#dc2626"], [0.5, "#f5c542"], [1.0, "#16a34a"]]
 
@@ -25,6 +27,14 @@ def row_label(prompt_id: int, text: str) -> str:
     head = " ".join(text.split())
     head = head if len(head) <= LABEL_CHARS else head[: LABEL_CHARS - 1] + "…"
     return plotly_text(f"#{prompt_id} {head}")
+
+
+def row_height(rows: int) -> int:
+    """A heatmap row's height in pixels: ROW_PX while the rows fit MAX_HEIGHT, then less (a page
+    of 500 prompts stays one screen tall), never under MIN_ROW_PX."""
+    if rows <= 0:
+        return ROW_PX
+    return max(MIN_ROW_PX, min(ROW_PX, (MAX_HEIGHT - AXES_PX) // rows))
 
 
 def _short(value: float | None) -> str:
@@ -65,6 +75,7 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
     hi_z = max([1.0, *values])
     x = [(lo + hi) / 2 for lo, hi in buckets]
     widths = {hi - lo + 1 for lo, hi in buckets}
+    row_px = row_height(len(rows))
     trace = {
         "type": "heatmap",
         "x": x,
@@ -75,7 +86,7 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
         "zmax": hi_z,
         "colorscale": SCALE,
         "xgap": 1 if len(buckets) <= 200 else 0,
-        "ygap": 1,
+        "ygap": 1 if row_px >= 6 else 0,
         "hoverongaps": False,
         "colorbar": {"title": {"text": "true score"}, "thickness": 12, "len": 0.9},
         "hovertemplate": (
@@ -85,13 +96,14 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
         ),
     }
     width = widths.pop() if len(widths) == 1 else None
-    height = max(MIN_HEIGHT, min(MAX_HEIGHT, ROW_PX * len(rows) + 90))
+    labelled = row_px >= LABELLED_ROW_PX
+    height = max(MIN_HEIGHT, row_px * len(rows) + AXES_PX)
     return {
         "id": "prompt-heatmap",
         "data": [trace],
         "layout": {
             "height": height,
-            "margin": {"l": 330, "r": 20, "t": 10, "b": 40},
+            "margin": {"l": 330 if labelled else 40, "r": 20, "t": 10, "b": 40},
             "xaxis": {
                 "title": {"text": "step" if width == 1 else f"step ({width}-step buckets)"},
                 "zeroline": False,
@@ -101,6 +113,8 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
                 "type": "category",
                 "autorange": "reversed",
                 "automargin": False,
+                "showticklabels": labelled,
+                "title": {"text": "" if labelled else f"{len(rows)} prompts (hover a row for its text)"},
                 "tickfont": {"size": 11},
                 "showgrid": False,
             },
