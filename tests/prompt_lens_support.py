@@ -1,5 +1,5 @@
-"""A run whose prompts follow known schedules (learned midway, alternating, never solved, always
-solved with zero spread, forgotten, a tie, no true score, twice in a step), and the prompt
+"""A run whose prompts follow known schedules (learned midway, alternating, never solved, stuck
+without spread, always solved with zero spread, forgotten, a tie, no true score, twice in a step), and the prompt
 lens's figures computed by brute force from its rollouts as the database holds them."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ SCHEDULES: dict[str, Any] = {
     "learned": lambda s: 1 if s < 6 else 4,
     "alternating": lambda s: 3 if s % 2 else 1,
     "never": lambda s: 0,
+    "stuck": lambda s: 0,  # every reward 0: no spread, no gradient
     "always": lambda s: SIZE,
     "forgotten": lambda s: 3 if s < 5 else 0,
     "tie": lambda s: SIZE // 2,
