@@ -5,7 +5,6 @@ backfill, and a deletion."""
 
 from __future__ import annotations
 
-import math
 import random
 from pathlib import Path
 from typing import Any
@@ -26,119 +25,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from tests.factories import CONTROL_TOKENS
 from tests.prompt_lens_support import (
     SCHEDULES,
+    SYSTEM,
+    all_pages,
+    assert_matches_oracle,
     chatml,
     looks,
     oracle,
     schedule_rollouts,
     schedule_run,
 )
-
-FIGURES = (
-    "groups",
-    "first_step",
-    "last_step",
-    "reward_mean",
-    "true_mean",
-    "solved_at",
-    "last_failed",
-    "flips",
-    "zero_spread_share",
-    "forgotten",
-)
-GROUP_FIGURES = (
-    "step",
-    "group",
-    "size",
-    "reward_mean",
-    "true_mean",
-    "solved",
-    "zero_spread",
-    "agreement",
-    "votes",
-    "rollout_ids",
-    "rewards",
-    "true_scores",
-    "advantages",
-)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        return a is not None and b is not None and math.isclose(a, b, abs_tol=1e-12)
-    return bool(a == b)
-
-
-def _all_pages(factory: sessionmaker[Session], run_id: int, **query: Any) -> list[dict[str, Any]]:
-    """Every row of the prompts list, walking its cursor (pages of 2)."""
-    out: list[dict[str, Any]] = []
-    after = None
-    with session_scope(factory) as session:
-        while True:
-            page = lens.prompts_page(
-                session, run_id=run_id, query=lens.PromptQuery(limit=2, after=after, **query)
-            )
-            out += page["prompts"]
-            assert page["total"] == len(out) + (page["total"] - len(out))
-            after = page["next"]
-            if after is None:
-                assert len(out) == page["total"]
-                return out
-
-
-def assert_matches_oracle(factory: sessionmaker[Session], run_id: int) -> dict[int, Any]:
-    """Every figure of the list, every prompt's history and the heatmap equal the oracle's."""
-    want = oracle(factory, run_id)
-    got = {p["prompt_id"]: p for p in _all_pages(factory, run_id)}
-    assert set(got) == set(want)
-    for prompt_id, p in want.items():
-        for name in FIGURES:
-            assert _same(got[prompt_id][name], p[name]), (prompt_id, name, got[prompt_id], p)
-        top = sorted(p["votes"].items(), key=lambda kv: (kv[0] == "None", -kv[1], kv[0]))
-        assert got[prompt_id]["votes"] == dict(top[: lens.TOP_VOTES])
-    with session_scope(factory) as session:
-        for prompt_id, p in want.items():
-            history = lens.prompt_history(session, run_id=run_id, prompt_id=prompt_id, limit=5)
-            steps = history["steps"]
-            while history["next"]:
-                history = lens.prompt_history(
-                    session, run_id=run_id, prompt_id=prompt_id, limit=5, after=history["next"]
-                )
-                steps += history["steps"]
-            assert len(steps) == len(p["history"])
-            for g, w in zip(steps, p["history"], strict=True):
-                for name in GROUP_FIGURES:
-                    assert _same(g[name], w[name]) or g[name] == w[name], (name, g, w)
-            assert history["prompt"]["votes"] == dict(
-                sorted(p["votes"].items(), key=lambda kv: (kv[0] == "None", -kv[1], kv[0]))
-            )
-        for width in (3, 1000):
-            _check_heatmap(session, run_id, want, width)
-    return want
-
-
-def _check_heatmap(session: Session, run_id: int, want: dict[int, Any], width: int) -> None:
-    heat = lens.heatmap(session, run_id=run_id, query=lens.PromptQuery(limit=500), width=width)
-    steps = [g["step"] for p in want.values() for g in p["history"]]
-    lo, hi = min(steps), max(steps)
-    bucket = max(1, math.ceil((hi - lo + 1) / width))
-    assert (heat["first_step"], heat["last_step"], heat["bucket"]) == (lo, hi, bucket)
-    assert heat["columns"] <= width
-    for row in heat["rows"]:
-        cells: dict[int, list[dict[str, Any]]] = {}
-        for g in want[row["prompt_id"]]["history"]:
-            cells.setdefault((g["step"] - lo) // bucket, []).append(g)
-        assert [c["col"] for c in row["cells"]] == sorted(cells)
-        for cell in row["cells"]:
-            groups = cells[cell["col"]]
-            trues = [t for g in groups for t in g["_trues"]]
-            rewards = [r for g in groups for r in g["_rewards"]]
-            value = sum(trues) / len(trues) if trues else sum(rewards) / len(rewards)
-            assert _same(cell["value"], value)
-            assert cell["score"] == ("true" if trues else "reward")
-            assert (cell["step"], cell["group"]) == (groups[0]["step"], groups[0]["group"])
-            assert cell["groups"] == len(groups)
-            assert cell["solved"] == sum(g["solved"] is True for g in groups)
-            assert cell["failed"] == sum(g["solved"] is False for g in groups)
 
 
 def test_every_figure_equals_the_brute_force_one(session_factory: sessionmaker[Session]) -> None:
@@ -160,13 +55,47 @@ def test_every_figure_equals_the_brute_force_one(session_factory: sessionmaker[S
     assert named["unknown"]["true_mean"] is None and named["unknown"]["state"] is None
 
 
+def test_figures_are_current_after_every_step(session_factory: sessionmaker[Session]) -> None:
+    """Read between the steps of a recording, as a page open on a live run: every figure equals
+    the oracle's over the rollouts written so far."""
+    checked: list[int] = []
+
+    def check(run_id: int, step: int) -> None:
+        want = assert_matches_oracle(session_factory, run_id)
+        assert max(p["last_step"] for p in want.values()) == step
+        checked.append(step)
+
+    schedule_run(session_factory, steps=6, after_step=check)
+    assert checked == [1, 2, 3, 4, 5, 6]
+
+
+def test_what_tells_a_prompt_apart(session_factory: sessionmaker[Session]) -> None:
+    """The query its rollouts name; else its last user turn; else (no chat template) what
+    follows the lines every prompt of the run starts with."""
+    by_query = schedule_run(session_factory, steps=2)
+    by_turn = schedule_run(session_factory, steps=2, query_meta=False)
+    plain = schedule_run(
+        session_factory, steps=2, query_meta=False, render=lambda user: f"{SYSTEM}\nTools\n{user}"
+    )
+    names = sorted(SCHEDULES)
+    for run_id, label in (
+        (by_query, "what does {} need?"),
+        (by_turn, "Query: what does {} need?\nReply with <tool>ID</tool>."),
+        (plain, "…Query: what does {} need?\nReply with <tool>ID</tool>."),
+    ):
+        rows = all_pages(session_factory, run_id, sort="label")
+        assert [r["label"] for r in rows] == sorted(label.format(n) for n in names), run_id
+        for r in rows:
+            assert SYSTEM in r["text"] and SYSTEM not in r["label"]  # the whole text beside it
+
+
 @pytest.mark.parametrize("look", sorted(lens.LOOKS))
 def test_each_look_selects_the_oracles_prompts(
     session_factory: sessionmaker[Session], look: str
 ) -> None:
     run_id = schedule_run(session_factory)
     want = {i for i, p in oracle(session_factory, run_id).items() if look in looks(p)}
-    got = {p["prompt_id"] for p in _all_pages(session_factory, run_id, look=look)}
+    got = {p["prompt_id"] for p in all_pages(session_factory, run_id, look=look)}
     assert got == want and want  # each look holds a prompt of the schedules
 
 
@@ -176,7 +105,7 @@ def test_each_sort_pages_in_the_oracles_order(session_factory: sessionmaker[Sess
     for sort in lens.SORTS:
         for order in ("asc", "desc"):
             got = [
-                p["prompt_id"] for p in _all_pages(session_factory, run_id, sort=sort, order=order)
+                p["prompt_id"] for p in all_pages(session_factory, run_id, sort=sort, order=order)
             ]
             name = {"prompt": None, "label": None}.get(sort, sort)
             if name is None:
@@ -189,16 +118,16 @@ def test_each_sort_pages_in_the_oracles_order(session_factory: sessionmaker[Sess
             unknown = sorted((i for i in want if want[i][name] is None), reverse=order == "desc")
             expected = unknown + known if order == "asc" else known + unknown
             assert got == expected, (sort, order)
-    ids = [p["prompt_id"] for p in _all_pages(session_factory, run_id, sort="prompt")]
+    ids = [p["prompt_id"] for p in all_pages(session_factory, run_id, sort="prompt")]
     assert ids == sorted(want)
 
 
 def test_search_and_bad_input(session_factory: sessionmaker[Session]) -> None:
     run_id = schedule_run(session_factory, steps=4)
-    got = _all_pages(session_factory, run_id, q="alternating")
+    got = all_pages(session_factory, run_id, q="alternating")
     assert [p["label"] for p in got] == ["what does alternating need?"]
-    assert _all_pages(session_factory, run_id, q="altern*") == got
-    assert _all_pages(session_factory, run_id, q="nowhere") == []
+    assert all_pages(session_factory, run_id, q="altern*") == got
+    assert all_pages(session_factory, run_id, q="nowhere") == []
     with session_scope(session_factory) as session:
         page = lens.prompts_page(session, run_id=run_id, query=lens.PromptQuery(limit=1))
         with pytest.raises(InvalidInput, match="another sort"):
