@@ -1,5 +1,5 @@
-"""A run whose prompts follow known schedules (learned midway, alternating, never solved, always
-solved with zero spread, forgotten, a tie, no true score, twice in a step), and the prompt
+"""A run whose prompts follow known schedules (learned midway, alternating, never solved, stuck
+without spread, always solved with zero spread, forgotten, a tie, no true score, twice in a step), and the prompt
 lens's figures computed by brute force from its rollouts as the database holds them."""
 
 from __future__ import annotations
@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from rollout_lens.server import store
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
-from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import RolloutRow
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+from rollout_lens.server.store.models import PromptRow, RolloutRow
+from rollout_lens.server.webapp.queries import prompts as lens
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -35,6 +37,7 @@ SCHEDULES: dict[str, Any] = {
     "learned": lambda s: 1 if s < 6 else 4,
     "alternating": lambda s: 3 if s % 2 else 1,
     "never": lambda s: 0,
+    "stuck": lambda s: 0,  # every reward 0: no spread, no gradient
     "always": lambda s: SIZE,
     "forgotten": lambda s: 3 if s < 5 else 0,
     "tie": lambda s: SIZE // 2,
@@ -43,7 +46,11 @@ SCHEDULES: dict[str, Any] = {
 
 
 def schedule_rollouts(
-    step: int, rng: random.Random, *, query_meta: bool = True
+    step: int,
+    rng: random.Random,
+    *,
+    query_meta: bool = True,
+    render: Callable[[str], str] = chatml,
 ) -> list[RolloutRecord]:
     """One step's groups: each schedule's prompt (one absent on steps divisible by 4, as an
     epoch that skips it; `alternating` twice at step 3), in a shuffled group order."""
@@ -66,7 +73,7 @@ def schedule_rollouts(
                 RolloutRecord(
                     group=group,
                     index=index,
-                    prompt=chatml(user),
+                    prompt=render(user),
                     completion=f"<tool>{vote}</tool>",
                     completion_ids=[5, 6],
                     token_logprobs=[-0.1, -0.2],
@@ -85,8 +92,15 @@ def schedule_rollouts(
 
 
 def schedule_run(
-    factory: sessionmaker[Session], *, steps: int = STEPS, query_meta: bool = True
+    factory: sessionmaker[Session],
+    *,
+    steps: int = STEPS,
+    query_meta: bool = True,
+    render: Callable[[str], str] = chatml,
+    after_step: Callable[[int, int], None] | None = None,
 ) -> int:
+    """A run of SCHEDULES' prompts (as schedule_rollouts writes them, each prompt `render`ed
+    from its user turn), recorded a step at a time; `after_step(run_id, step)` after each."""
     rng = random.Random(7)
     with session_scope(factory) as session:
         run_id = store.create_run(
@@ -103,11 +117,13 @@ def schedule_run(
             step=step,
             rollout_step=step,
             values={"reward_mean": 0.5},
-            rollouts=schedule_rollouts(step, rng, query_meta=query_meta),
+            rollouts=schedule_rollouts(step, rng, query_meta=query_meta, render=render),
             metrics={},
         )
         with session_scope(factory) as session:
             store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
+        if after_step is not None:
+            after_step(run_id, step)
     return run_id
 
 
@@ -134,6 +150,9 @@ def oracle(factory: sessionmaker[Session], run_id: int) -> dict[int, dict[str, A
                 RolloutRow.advantage,
             ).where(RolloutRow.run_id == run_id)
         ).all()
+        used = select(RolloutRow.prompt_id).where(RolloutRow.run_id == run_id)
+        found = session.execute(select(PromptRow.id, PromptRow.text).where(PromptRow.id.in_(used)))
+        texts = {prompt_id: text for prompt_id, text in found}
     groups: dict[tuple[int, int], list[Any]] = {}
     for r in rows:
         groups.setdefault((r.step, r.group), []).append(r)
@@ -150,10 +169,10 @@ def oracle(factory: sessionmaker[Session], run_id: int) -> dict[int, dict[str, A
             "step": step,
             "group": group,
             "size": len(members),
-            "reward_mean": sum(rewards) / len(rewards),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "true_mean": sum(trues) / len(trues) if trues else None,
             "solved": solved,
-            "zero_spread": max(rewards) - min(rewards) < 1e-9,
+            "zero_spread": max(rewards) - min(rewards) < 1e-9 if rewards else True,
             "agreement": agree / len(members),
             "votes": {("None" if v is None else v): c for v, c in votes.items()},
             "rollout_ids": [r.id for r in members],
@@ -163,7 +182,9 @@ def oracle(factory: sessionmaker[Session], run_id: int) -> dict[int, dict[str, A
             "_trues": trues,
             "_rewards": rewards,
         }
-        prompts.setdefault(members[0].prompt_id, {"history": []})["history"].append(g)
+        prompt_id = members[0].prompt_id
+        prompts.setdefault(prompt_id, {"history": [], "text": texts[prompt_id]})
+        prompts[prompt_id]["history"].append(g)
     for p in prompts.values():
         h = p["history"]
         states = [g["solved"] for g in h if g["solved"] is not None]
@@ -178,7 +199,7 @@ def oracle(factory: sessionmaker[Session], run_id: int) -> dict[int, dict[str, A
             groups=len(h),
             first_step=h[0]["step"],
             last_step=h[-1]["step"],
-            reward_mean=sum(all_rewards) / len(all_rewards),
+            reward_mean=sum(all_rewards) / len(all_rewards) if all_rewards else None,
             true_mean=sum(all_trues) / len(all_trues) if all_trues else None,
             solved_at=min(solved_steps, default=None),
             last_failed=max(failed_steps, default=None),
@@ -208,3 +229,125 @@ def looks(p: dict[str, Any]) -> set[str]:
     if p["forgotten"]:
         out.add("forgotten")
     return out
+
+
+# --- the prompt lens against the oracle ---------------------------------------------------
+
+FIGURES = (
+    "groups",
+    "first_step",
+    "last_step",
+    "reward_mean",
+    "true_mean",
+    "solved_at",
+    "last_failed",
+    "flips",
+    "zero_spread_share",
+    "forgotten",
+)
+GROUP_FIGURES = (
+    "step",
+    "group",
+    "size",
+    "reward_mean",
+    "true_mean",
+    "solved",
+    "zero_spread",
+    "agreement",
+    "votes",
+    "rollout_ids",
+    "rewards",
+    "true_scores",
+    "advantages",
+)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b, abs_tol=1e-12)
+    return bool(a == b)
+
+
+def all_pages(factory: sessionmaker[Session], run_id: int, **query: Any) -> list[dict[str, Any]]:
+    """Every row of the prompts list, walking its cursor (pages of 2)."""
+    out: list[dict[str, Any]] = []
+    totals: set[int] = set()
+    after = None
+    with session_scope(factory) as session:
+        while True:
+            page = lens.prompts_page(
+                session, run_id=run_id, query=lens.PromptQuery(limit=2, after=after, **query)
+            )
+            out += page["prompts"]
+            totals.add(page["total"])
+            after = page["next"]
+            if after is None:
+                assert totals == {len(out)}  # every page counts them all
+                return out
+
+
+def assert_matches_oracle(factory: sessionmaker[Session], run_id: int) -> dict[int, Any]:
+    """Every figure of the list, every prompt's history and the heatmap equal the oracle's."""
+    want = oracle(factory, run_id)
+    got = {p["prompt_id"]: p for p in all_pages(factory, run_id)}
+    assert set(got) == set(want)
+    for prompt_id, p in want.items():
+        for name in FIGURES:
+            assert _same(got[prompt_id][name], p[name]), (prompt_id, name, got[prompt_id], p)
+        assert got[prompt_id]["text"] == p["text"]
+        assert got[prompt_id]["rollouts"] == sum(g["size"] for g in p["history"])
+        top = sorted(p["votes"].items(), key=lambda kv: (kv[0] == "None", -kv[1], kv[0]))
+        assert got[prompt_id]["votes"] == dict(top[: lens.TOP_VOTES])
+    with session_scope(factory) as session:
+        for prompt_id, p in want.items():
+            history = lens.prompt_history(session, run_id=run_id, prompt_id=prompt_id, limit=5)
+            steps = history["steps"]
+            while history["next"]:
+                history = lens.prompt_history(
+                    session, run_id=run_id, prompt_id=prompt_id, limit=5, after=history["next"]
+                )
+                steps += history["steps"]
+            assert len(steps) == len(p["history"])
+            for g, w in zip(steps, p["history"], strict=True):
+                for name in GROUP_FIGURES:
+                    assert _same(g[name], w[name]) or g[name] == w[name], (name, g, w)
+            assert history["prompt"]["votes"] == dict(
+                sorted(p["votes"].items(), key=lambda kv: (kv[0] == "None", -kv[1], kv[0]))
+            )
+        for width in (3, 1000):
+            _check_heatmap(session, run_id, want, width)
+    return want
+
+
+def _check_heatmap(session: Session, run_id: int, want: dict[int, Any], width: int) -> None:
+    heat = lens.heatmap(session, run_id=run_id, query=lens.PromptQuery(limit=500), width=width)
+    steps = [g["step"] for p in want.values() for g in p["history"]]
+    lo, hi = min(steps), max(steps)
+    bucket = max(1, math.ceil((hi - lo + 1) / width))
+    assert (heat["first_step"], heat["last_step"], heat["bucket"]) == (lo, hi, bucket)
+    assert heat["columns"] <= width
+    for row in heat["rows"]:
+        cells: dict[int, list[dict[str, Any]]] = {}
+        for g in want[row["prompt_id"]]["history"]:
+            cells.setdefault((g["step"] - lo) // bucket, []).append(g)
+        assert [c["col"] for c in row["cells"]] == sorted(cells)
+        for cell in row["cells"]:
+            groups = cells[cell["col"]]
+            trues = [t for g in groups for t in g["_trues"]]
+            rewards = [r for g in groups for r in g["_rewards"]]
+            value = sum(trues) / len(trues) if trues else sum(rewards) / len(rewards)
+            assert _same(cell["value"], value)
+            assert cell["score"] == ("true" if trues else "reward")
+            assert (cell["step"], cell["group"]) == (groups[0]["step"], groups[0]["group"])
+            assert cell["groups"] == len(groups)
+            assert cell["solved"] == sum(g["solved"] is True for g in groups)
+            assert cell["failed"] == sum(g["solved"] is False for g in groups)
+
+
+def assert_lens_matches(database_url: str, run_id: int) -> dict[int, Any]:
+    """assert_matches_oracle on the database at `database_url` (a trainer's, a script's)."""
+    engine = make_engine(database_url)
+    try:
+        return assert_matches_oracle(make_session_factory(engine), run_id)
+    finally:
+        engine.dispose()

@@ -1,11 +1,24 @@
-"""prompt rollups
+"""Per-prompt rollups: a row a group (prompt_groups) and a row a run's prompt (run_prompts)
+
+The prompt lens reads what happened to each prompt of a run from these, never by scanning the
+rollouts; the store writes them with every step (server.store.prompt_rollups). This fills them
+for the runs recorded before, from their rollouts, with a frozen copy of the rules
+(server.core.prompt_rules at this revision): a group is solved by majority when more than half
+of its rollouts with a true score are truly correct (≥ 1); zero spread when its rewards are all
+equal; a prompt's groups are folded in (step, group) order.
 
 Revision ID: 0019
 Revises: 0018
 Create Date: 2026-12-05 07:16:51.231510
 """
 
+import hashlib
+import json
+import math
+import re
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -83,6 +96,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("run_id", "prompt_id", name=op.f("pk_run_prompts")),
     )
     # ### end Alembic commands ###
+    _backfill(op.get_bind())
 
 
 def downgrade() -> None:
@@ -93,3 +107,202 @@ def downgrade() -> None:
 
     op.drop_table("prompt_groups")
     # ### end Alembic commands ###
+
+
+# --- the backfill: frozen copies of server.core.prompt_rules and server.store.prompt_rollups ---
+
+LABEL_CHARS = 500
+_TEMPLATES = (
+    re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>|$)", re.S),
+    re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)(?:<\|eot_id\|>|$)", re.S),
+    re.compile(r"<start_of_turn>(\w+)\n(.*?)(?:<end_of_turn>|$)", re.S),
+    re.compile(r"<\|(system|user|assistant)\|>\n?(.*?)(?:<\|end\|>|$)", re.S),
+)
+
+
+def _last_user_turn(text: str) -> str:
+    for pattern in _TEMPLATES:
+        found = [(m.group(1), m.group(2)) for m in pattern.finditer(text)]
+        if found:
+            users = [c.strip("\n") for role, c in found if role == "user"]
+            return users[-1] if users else text
+    return text
+
+
+def _query(meta: dict[str, Any]) -> str | None:
+    value = meta.get("query")
+    if not isinstance(value, str) or not value.strip():
+        row = meta.get("row")
+        value = row.get("query") if isinstance(row, dict) else None
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, str):
+        return json.loads(value)
+    return value or {}
+
+
+def _votes(counts: dict[Any, int]) -> list[list[Any]]:
+    pairs = sorted(counts.items(), key=lambda kv: (kv[0] is None, -kv[1], kv[0] or ""))
+    return [[v, c] for v, c in pairs]
+
+
+def _group(members: list[Any]) -> dict[str, Any]:
+    rewards = [r.verifier_reward for r in members if r.verifier_reward is not None]
+    rewards = [v for v in rewards if math.isfinite(v)]
+    known = [r.true_score for r in members if r.true_score is not None]
+    known = [v for v in known if math.isfinite(v)]
+    correct = sum(1 for s in known if s >= 1.0)
+    counts = Counter(r.vote for r in members)
+    agree = max((c for v, c in counts.items() if v is not None), default=0)
+    return {
+        "size": len(members),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "reward_min": min(rewards) if rewards else None,
+        "reward_max": max(rewards) if rewards else None,
+        "reward_n": len(rewards),
+        "true_n": len(known),
+        "true_mean": sum(known) / len(known) if known else None,
+        "correct": correct,
+        "solved": (2 * correct > len(known)) if known else None,
+        "zero_spread": (max(rewards) - min(rewards) < 1e-9) if rewards else True,
+        "agreement": agree / len(members) if members else None,
+        "votes": _votes(counts),
+    }
+
+
+def _fold(fold: dict[str, Any] | None, step: int, group: int, g: dict[str, Any]) -> dict[str, Any]:
+    if fold is None:
+        fold = {
+            "groups": 0, "rollouts": 0, "first_step": step, "last_step": step, "last_group": group,
+            "reward_sum": 0.0, "reward_n": 0, "true_sum": 0.0, "true_n": 0, "solved_groups": 0,
+            "solved_at": None, "last_solved": None, "last_failed": None, "state": None,
+            "flips": 0, "zero_spread": 0, "_votes": {},
+        }  # fmt: skip
+    fold["groups"] += 1
+    fold["rollouts"] += g["size"]
+    fold["last_step"], fold["last_group"] = step, group
+    if g["reward_mean"] is not None:
+        fold["reward_sum"] += g["reward_mean"] * g["reward_n"]
+        fold["reward_n"] += g["reward_n"]
+    if g["true_mean"] is not None:
+        fold["true_sum"] += g["true_mean"] * g["true_n"]
+        fold["true_n"] += g["true_n"]
+    if g["solved"] is not None:
+        if fold["state"] is not None and fold["state"] != g["solved"]:
+            fold["flips"] += 1
+        fold["state"] = g["solved"]
+        if g["solved"]:
+            fold["solved_groups"] += 1
+            fold["last_solved"] = step
+            if fold["solved_at"] is None:
+                fold["solved_at"] = step
+        else:
+            fold["last_failed"] = step
+    fold["zero_spread"] += bool(g["zero_spread"])
+    for vote, count in g["votes"]:
+        fold["_votes"][vote] = fold["_votes"].get(vote, 0) + count
+    return fold
+
+
+def _backfill(bind: sa.engine.Connection) -> None:
+    """Fold every run's rollouts into its groups and prompts, a run at a time."""
+    groups_table = sa.table(
+        "prompt_groups", *(sa.column(c) for c in ("run_id", "step", "group", "prompt_id")),
+        *(sa.column(c) for c in ("size", "reward_mean", "reward_min", "reward_max", "reward_n")),
+        *(sa.column(c) for c in ("true_n", "true_mean", "correct", "solved", "zero_spread")),
+        sa.column("agreement"), sa.column("votes", sa.JSON),
+    )  # fmt: skip
+    fold_names = (
+        "groups", "rollouts", "first_step", "last_step", "last_group", "reward_sum", "reward_n",
+        "true_sum", "true_n", "solved_groups", "solved_at", "last_solved", "last_failed",
+        "state", "flips", "zero_spread",
+    )  # fmt: skip
+    prompts_table = sa.table(
+        "run_prompts", sa.column("run_id"), sa.column("prompt_id"),
+        *(sa.column(c) for c in fold_names), sa.column("votes", sa.JSON),
+        *(sa.column(c) for c in ("label", "query_key", "user_key", "target")),
+    )  # fmt: skip
+    run_ids = bind.execute(sa.text("SELECT DISTINCT run_id FROM rollouts ORDER BY run_id"))
+    for (run_id,) in run_ids.all():
+        rows = bind.execute(
+            sa.text(
+                'SELECT r.step, r."group", r.prompt_id, r.verifier_reward, r.true_score, r.vote, '
+                "r.target, r.facts_id, r.id FROM rollouts r WHERE r.run_id = :run "
+                'ORDER BY r.step, r."group", r.idx'
+            ),
+            {"run": run_id},
+        ).all()
+        by_group: dict[tuple[int, int], list[Any]] = {}
+        for r in rows:
+            by_group.setdefault((r.step, r.group), []).append(r)
+        folds: dict[int, dict[str, Any]] = {}
+        firsts: dict[int, Any] = {}
+        group_rows = []
+        for (step, group), members in by_group.items():
+            g = _group(members)
+            prompt_id = members[0].prompt_id
+            firsts.setdefault(prompt_id, members[0])
+            group_rows.append(
+                {"run_id": run_id, "step": step, "group": group, "prompt_id": prompt_id, **g}
+            )
+            folds[prompt_id] = _fold(folds.get(prompt_id), step, group, g)
+        if group_rows:
+            bind.execute(sa.insert(groups_table), group_rows)
+        texts = dict(
+            bind.execute(
+                sa.text(
+                    "SELECT p.id, p.text FROM prompts p WHERE p.id IN "
+                    "(SELECT DISTINCT prompt_id FROM rollouts WHERE run_id = :run)"
+                ),
+                {"run": run_id},
+            ).all()
+        )
+        facts_ids = {r.facts_id for r in firsts.values() if r.facts_id is not None}
+        facts = {
+            i: _json(data)
+            for i, data in bind.execute(
+                sa.text(
+                    "SELECT f.id, f.data FROM facts f WHERE f.id IN "
+                    "(SELECT DISTINCT facts_id FROM rollouts WHERE run_id = :run)"
+                ),
+                {"run": run_id},
+            ).all()
+            if i in facts_ids
+        }
+        own: dict[int, Any] = {}
+        first_ids = sorted(r.id for r in firsts.values())
+        for start in range(0, len(first_ids), 500):
+            chunk = first_ids[start : start + 500]
+            found = bind.execute(
+                sa.text("SELECT id, own_meta FROM rollouts WHERE id IN :ids").bindparams(
+                    sa.bindparam("ids", expanding=True)
+                ),
+                {"ids": chunk},
+            )
+            own.update({i: _json(meta) for i, meta in found})
+        prompt_rows = []
+        for prompt_id, fold in folds.items():
+            first = firsts[prompt_id]
+            meta = {**facts.get(first.facts_id, {}), **own.get(first.id, {})}
+            query = _query(meta)
+            user = _last_user_turn(texts.get(prompt_id, ""))
+            prompt_rows.append(
+                {
+                    "run_id": run_id,
+                    "prompt_id": prompt_id,
+                    **{name: fold[name] for name in fold_names},
+                    "votes": _votes(fold["_votes"]),
+                    "label": (query or user)[:LABEL_CHARS],
+                    "query_key": _sha(query) if query else _sha(user),
+                    "user_key": _sha(user),
+                    "target": first.target,
+                }
+            )
+        if prompt_rows:
+            bind.execute(sa.insert(prompts_table), prompt_rows)

@@ -256,7 +256,7 @@ class PromptRollup:
         for start in range(0, len(missing), CHUNK):
             chunk = missing[start : start + CHUNK]
             for row in conn.execute(
-                select(RunPromptRow).where(
+                select(RunPromptRow.__table__).where(
                     RunPromptRow.run_id == self.run_id, RunPromptRow.prompt_id.in_(chunk)
                 )
             ):
@@ -315,10 +315,10 @@ def refold_prompts(
     for start in range(0, len(wanted), CHUNK):
         chunk = wanted[start : start + CHUNK]
         rows = conn.execute(
-            select(PromptGroupRow)
+            select(PromptGroupRow.__table__)
             .where(PromptGroupRow.run_id == run_id, PromptGroupRow.prompt_id.in_(chunk))
             .order_by(PromptGroupRow.prompt_id, PromptGroupRow.step, PromptGroupRow.group)
-        ).scalars()
+        )
         for row in rows:
             folds[row.prompt_id].add(row.step, row.group, figures_from_row(row))
     return folds

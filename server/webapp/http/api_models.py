@@ -165,6 +165,10 @@ class Group(_Open):
     run: Run
     step: dict[str, Any]
     summary: dict[str, Any]
+    prompt_id: int = Field(
+        description="its prompt (its first rollout's): /api/runs/{run_id}/prompts/{prompt_id} is "
+        "that prompt's history"
+    )
     rollouts: list[GroupRollout] = Field(
         description="a page of rollouts: `tokens` is each token's text as decoded, "
         "`token_pieces` the tokenizer's raw pieces"
@@ -302,6 +306,11 @@ class PromptGroup(_Open):
     advantages: list[float | None]
     rollout_votes: list[str | None]
     states: list[str | None]
+    completions: list[str] | None = Field(
+        default=None,
+        description="its rollouts' completions (their first 4,000 characters), with "
+        "completions=true",
+    )
 
 
 class PromptHistory(_Open):

@@ -5,7 +5,8 @@ module per page:
 - run_page: chart series, 25-step buckets, alerts;
 - step_page: the step viewer (a step's groups overview, one group's rollouts, compare's card);
 - compare_page: compare;
-- prompts: the prompt lens (a run's prompts, the heatmap, a prompt's history, across runs).
+- prompts: the prompt lens (a run's prompts, the heatmap, a prompt's history, across runs);
+- prompt_rollouts: a prompt's rollouts over a span of steps, with their completions.
 
 Every read costs the same whatever a run's length (index seeks on (run_id, step), rollups for a
 long history, alerts as the recorder wrote them), except compare's charts of runs it has not seen
@@ -20,6 +21,7 @@ from rollout_lens.server.webapp.queries.compare_page import (
     last_values,
 )
 from rollout_lens.server.webapp.queries.explorer import RolloutQuery, explore
+from rollout_lens.server.webapp.queries.prompt_rollouts import prompt_rollouts
 from rollout_lens.server.webapp.queries.prompts import (
     PromptQuery,
     compare_prompts,
@@ -78,6 +80,7 @@ __all__ = [
     "export_prompts",
     "heatmap",
     "prompt_history",
+    "prompt_rollouts",
     "prompts_page",
     "COMPARE_BANDS",
     "GROUPS_PER_PAGE",

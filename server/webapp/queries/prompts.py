@@ -30,6 +30,7 @@ from rollout_lens.server.store import search
 from rollout_lens.server.store.prompt_rollups import _pairs
 from rollout_lens.server.webapp.pages.stepview import state_name
 from rollout_lens.server.webapp.queries.explorer import MAX_ID, storable_text
+from rollout_lens.server.webapp.queries.prompt_rollouts import MAX_ROLLOUTS, prompt_rollouts
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -398,10 +399,20 @@ def _step_span(session: Session, run_id: int) -> tuple[int, int] | None:
 
 
 def _groups_of(
-    session: Session, run_id: int, prompt_ids: Sequence[int], extra: str = "", **params: Any
+    session: Session,
+    run_id: int,
+    prompt_ids: Sequence[int],
+    extra: str = "",
+    limit: int | None = None,
+    **params: Any,
 ) -> list[Any]:
+    """The group rows of these prompts in (prompt, step, group) order; `extra` more conditions
+    on `g`, `limit` rows at most."""
     if not prompt_ids:
         return []
+    tail = ""
+    if limit is not None:
+        tail, params["limit"] = " LIMIT :limit", limit
     marks = ", ".join(f":p{i}" for i in range(len(prompt_ids)))
     return list(
         session.execute(
@@ -410,7 +421,7 @@ def _groups_of(
                 "g.reward_max, g.reward_n, g.true_n, g.true_mean, g.correct, g.solved, "
                 "g.zero_spread, g.agreement, g.votes FROM prompt_groups g "
                 f"WHERE g.run_id = :run AND g.prompt_id IN ({marks}){extra} "
-                'ORDER BY g.prompt_id, g.step, g."group"'
+                f'ORDER BY g.prompt_id, g.step, g."group"{tail}'
             ),
             {"run": run_id} | {f"p{i}": p for i, p in enumerate(prompt_ids)} | params,
         )
@@ -510,6 +521,41 @@ def _prompt_row(session: Session, run_id: int, prompt_id: int) -> Any:
     return row
 
 
+def _rollouts_of(
+    session: Session, run_id: int, prompt_id: int, groups: Sequence[Any], *, completions: bool
+) -> list[dict[str, Any]]:
+    """The rollouts of these groups of the prompt (a page of its history, in order), with
+    their completions when asked (prompt_rollouts), else their scalar columns alone."""
+    lo, hi = groups[0].step, groups[-1].step
+    if completions:
+        return prompt_rollouts(
+            session, run_id=run_id, prompt_id=prompt_id, first_step=lo, last_step=hi
+        )
+    rows = session.execute(
+        text(
+            'SELECT r.id, r.step, r."group", r.idx, r.verifier_reward, r.true_score, '
+            "r.advantage, r.vote, r.format_valid, r.format_state FROM rollouts r "
+            "WHERE r.run_id = :run AND r.prompt_id = :prompt AND r.step >= :lo "
+            'AND r.step <= :hi ORDER BY r.step, r."group", r.idx'
+        ),
+        {"run": run_id, "prompt": prompt_id, "lo": lo, "hi": hi},
+    )
+    return [
+        {
+            "id": r.id,
+            "step": r.step,
+            "group": r.group,
+            "index": r.idx,
+            "verifier_reward": r.verifier_reward,
+            "true_score": r.true_score,
+            "advantage": r.advantage,
+            "vote": r.vote,
+            "state": state_name(r.format_valid, r.format_state),
+        }
+        for r in rows
+    ]
+
+
 def prompt_history(
     session: Session,
     *,
@@ -517,10 +563,12 @@ def prompt_history(
     prompt_id: int,
     after: str | None = None,
     limit: int = HISTORY_PAGE,
+    completions: bool = False,
 ) -> dict[str, Any]:
     """Every group of one prompt of the run in (step, group) order, `limit` a page: its
-    figures, its rollouts' rewards, true scores, advantages, votes, states and ids (a
-    completion is fetched by its id); the prompt's figures and whole text."""
+    figures, its rollouts' rewards, true scores, advantages, votes, states and ids; the
+    prompt's figures and whole text. `completions`: each group's completions too (the heads of
+    COMPLETION_CHARS; a page then holds at most MAX_ROLLOUTS rollouts)."""
     if not 1 <= limit <= MAX_HISTORY:
         raise InvalidInput(f"limit: from 1 to {MAX_HISTORY:,} groups")
     run = _run(session, run_id)
@@ -536,27 +584,26 @@ def prompt_history(
             raise InvalidInput("after: not a cursor of this prompt's history")
         extra = ' AND (g.step > :at_step OR (g.step = :at_step AND g."group" > :at_group))'
         params = {"at_step": step_at, "at_group": group_at}
-    groups = _groups_of(session, run_id, [prompt_id], extra, **params)
+    groups = _groups_of(session, run_id, [prompt_id], extra, limit=limit + 1, **params)
+    if completions:  # no more rollouts than one read decodes (one group at least)
+        size = 0
+        for n, g in enumerate(groups[:limit]):
+            size += g.size
+            if size > MAX_ROLLOUTS and n > 0:
+                limit = n
+                break
     cursor = None
     if len(groups) > limit:
         groups = groups[:limit]
         cursor = _encode(["history", run_id, prompt_id, groups[-1].step, groups[-1].group])
     members: dict[tuple[int, int], list[Any]] = {}
     if groups:
-        rollouts = session.execute(
-            text(
-                'SELECT r.id, r.step, r."group", r.idx, r.verifier_reward, r.true_score, '
-                "r.advantage, r.vote, r.format_valid, r.format_state FROM rollouts r "
-                "WHERE r.run_id = :run AND r.prompt_id = :prompt AND r.step >= :lo "
-                'AND r.step <= :hi ORDER BY r.step, r."group", r.idx'
-            ),
-            {"run": run_id, "prompt": prompt_id, "lo": groups[0].step, "hi": groups[-1].step},
-        )
-        for r in rollouts:
-            members.setdefault((r.step, r.group), []).append(r)
+        for r in _rollouts_of(session, run_id, prompt_id, groups, completions=completions):
+            members.setdefault((r["step"], r["group"]), []).append(r)
     steps = []
     for g in groups:
         rs = members.get((g.step, g.group), [])
+        written = {"completions": [r["completion"] for r in rs]} if completions else {}
         steps.append(
             {
                 "step": g.step,
@@ -571,13 +618,14 @@ def prompt_history(
                 "zero_spread": bool(g.zero_spread),
                 "agreement": g.agreement,
                 "votes": votes_object(_pairs(g.votes)),
-                "rollout_ids": [r.id for r in rs],
-                "indexes": [r.idx for r in rs],
-                "rewards": [r.verifier_reward for r in rs],
-                "true_scores": [r.true_score for r in rs],
-                "advantages": [r.advantage for r in rs],
-                "rollout_votes": [r.vote for r in rs],
-                "states": [state_name(r.format_valid, r.format_state) for r in rs],
+                "rollout_ids": [r["id"] for r in rs],
+                "indexes": [r["index"] for r in rs],
+                "rewards": [r["verifier_reward"] for r in rs],
+                "true_scores": [r["true_score"] for r in rs],
+                "advantages": [r["advantage"] for r in rs],
+                "rollout_votes": [r["vote"] for r in rs],
+                "states": [r["state"] for r in rs],
+                **written,
             }
         )
     whole = _texts(session, [prompt_id]).get(prompt_id, "")

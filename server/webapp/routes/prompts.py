@@ -15,6 +15,7 @@ from rollout_lens.server.webapp.http.deps import SessionDep
 from rollout_lens.server.webapp.http.params import RunId, run_ids
 from rollout_lens.server.webapp.http.responses import DataResponse, encode
 from rollout_lens.server.webapp.queries import prompts as lens
+from rollout_lens.server.webapp.queries.prompt_rollouts import MAX_ROLLOUTS
 from sqlalchemy.orm import Session, sessionmaker
 
 router = APIRouter(prefix="/api", tags=["prompts"])
@@ -64,6 +65,16 @@ def prompts_heatmap(
     name="export_prompts",
     response_class=StreamingResponse,
     summary="Export a run's prompts as a dataset",
+    responses={
+        200: {
+            "description": "JSON Lines: a line a prompt",
+            "content": {
+                "application/x-ndjson": {
+                    "schema": {"type": "string", "description": "a JSON object a line"}
+                }
+            },
+        }
+    },
 )
 def export_prompts(
     request: Request,
@@ -110,13 +121,26 @@ def prompt_history(
             ge=1, le=lens.MAX_HISTORY, description=f"groups a page (default {lens.HISTORY_PAGE})"
         ),
     ] = lens.HISTORY_PAGE,
+    completions: Annotated[
+        bool,
+        Query(
+            description="each group's completions too (their heads; a page then holds at most "
+            f"{MAX_ROLLOUTS:,} rollouts)"
+        ),
+    ] = False,
 ) -> DataResponse:
     """Every group of one prompt of the run in step order: its rewards, true scores, advantages,
-    votes, agreement, zero spread, its rollouts' states and ids (a rollout's completion:
-    /api/runs/{run_id}/steps/{step}/groups/{group}), with the prompt's figures and text."""
+    votes, agreement, zero spread, its rollouts' states and ids, and with completions=true their
+    completions (a rollout whole: /api/runs/{run_id}/steps/{step}/groups/{group}), with the
+    prompt's figures and text."""
     return DataResponse(
         queries.prompt_history(
-            session, run_id=run_id, prompt_id=prompt_id, after=after, limit=limit
+            session,
+            run_id=run_id,
+            prompt_id=prompt_id,
+            after=after,
+            limit=limit,
+            completions=completions,
         )
     )
 
