@@ -219,6 +219,7 @@ def test_step_viewer_navigation(session_factory, client) -> None:
         "next-step": f"/runs/{run_id}/steps/4",
         "last-step": f"/runs/{run_id}/steps/5",
         "step-rollouts": f"/runs/{run_id}/rollouts?steps=3",  # the step in the explorer
+        "step-prompts": f"/runs/{run_id}/prompts",  # the run's prompts over its steps
     }
     slider = page.by_id("step-slider")
     assert (slider.attrs["min"], slider.attrs["max"], slider.attrs["value"]) == ("1", "5", "3")

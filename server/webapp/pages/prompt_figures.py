@@ -114,7 +114,9 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
                 "autorange": "reversed",
                 "automargin": False,
                 "showticklabels": labelled,
-                "title": {"text": "" if labelled else f"{len(rows)} prompts (hover a row for its text)"},
+                "title": {
+                    "text": "" if labelled else f"{len(rows)} prompts (hover a row for its text)"
+                },
                 "tickfont": {"size": 11},
                 "showgrid": False,
             },

@@ -190,10 +190,11 @@ def vote_split(votes: Mapping[str, int]) -> list[dict[str, Any]]:
 
 
 def history_steps(
-    steps: Sequence[dict[str, Any]], heads: Mapping[int, str], url: Url, *, run_id: int
+    steps: Sequence[dict[str, Any]], url: Url, *, run_id: int
 ) -> list[dict[str, Any]]:
-    """queries.prompt_history's groups with their rollouts as rows (index, reward, true score,
-    advantage, vote, state, completion head) and links to the step viewer."""
+    """queries.prompt_history's groups (read with their completions) with their rollouts as rows
+    (index, reward, true score, advantage, vote, state, completion) and links to the step
+    viewer."""
     out = []
     for s in steps:
         group_url = url("group_page", run_id=run_id, step=s["step"], group=s["group"])
@@ -206,10 +207,10 @@ def history_steps(
                 "advantage": adv,
                 "vote": vote,
                 "state": state,
-                "completion": heads.get(rid, ""),
+                "completion": completion,
                 "url": f"{group_url}#r{idx}",
             }
-            for rid, idx, reward, true, adv, vote, state in zip(
+            for rid, idx, reward, true, adv, vote, state, completion in zip(
                 s["rollout_ids"],
                 s["indexes"],
                 s["rewards"],
@@ -217,6 +218,7 @@ def history_steps(
                 s["advantages"],
                 s["rollout_votes"],
                 s["states"],
+                s.get("completions") or [""] * len(s["rollout_ids"]),
                 strict=True,
             )
         ]
@@ -240,14 +242,12 @@ def _counts(values: Sequence[str | None]) -> list[tuple[str, int]]:
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
-def prompt_page(
-    data: dict[str, Any], heads: Mapping[int, str], url: Url, *, run_id: int, limit: int
-) -> dict[str, Any]:
+def prompt_page(data: dict[str, Any], url: Url, *, run_id: int, limit: int) -> dict[str, Any]:
     """One prompt's groups in order (figures, vote split, rollouts and their completions), its
     reward and true score over steps, and links to its JSON and the next page of groups."""
     prompt_id = data["prompt"]["prompt_id"]
     path = url("prompt_page", run_id=run_id, prompt_id=prompt_id)
-    steps = history_steps(data["steps"], heads, url, run_id=run_id)
+    steps = history_steps(data["steps"], url, run_id=run_id)
     figure = prompt_figures.history(steps)
     return {
         "run": data["run"],
@@ -257,7 +257,9 @@ def prompt_page(
         "next_page_url": None
         if data["next"] is None
         else with_params(path, {"after": data["next"], "limit": limit}),
-        "json_url": url("api_prompt_history", run_id=run_id, prompt_id=prompt_id),
+        "json_url": with_params(
+            url("api_prompt_history", run_id=run_id, prompt_id=prompt_id), {"completions": True}
+        ),
         "prompts_url": url("prompts_page", run_id=run_id),
         "run_url": url("run_page", run_id=run_id),
         "page": {"figures": [figure], "steps": url("step_jump", run_id=run_id)},

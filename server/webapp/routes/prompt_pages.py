@@ -13,7 +13,6 @@ from rollout_lens.server.webapp import queries
 from rollout_lens.server.webapp.http.deps import SessionDep, render
 from rollout_lens.server.webapp.http.params import RunId, run_ids
 from rollout_lens.server.webapp.pages import prompt_pages
-from rollout_lens.server.webapp.queries.completions import completion_heads
 
 router = APIRouter(include_in_schema=False)
 PromptId = Annotated[int, Path(ge=1, le=2**63 - 1, description="a prompt of the run")]
@@ -68,11 +67,9 @@ def prompt_page(
     """Every group of one prompt of the run in step order, with its rollouts and completions
     and a chart of its reward and true score; `after` pages on."""
     data = queries.prompt_history(
-        session, run_id=run_id, prompt_id=prompt_id, after=after, limit=limit
+        session, run_id=run_id, prompt_id=prompt_id, after=after, limit=limit, completions=True
     )
-    ids = [i for s in data["steps"] for i in s["rollout_ids"]]
-    heads = completion_heads(session, run_id=run_id, ids=ids)
-    context = prompt_pages.prompt_page(data, heads, _url(request), run_id=run_id, limit=limit)
+    context = prompt_pages.prompt_page(data, _url(request), run_id=run_id, limit=limit)
     return render(request, "prompt.html", context)
 
 
