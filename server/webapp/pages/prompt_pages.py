@@ -14,6 +14,7 @@ from urllib.parse import urlencode
 
 from pydantic import ValidationError
 from rollout_lens.server.webapp.pages import prompt_figures
+from rollout_lens.server.webapp.queries.prompts import LOOKS
 
 Url = Callable[..., str]  # route name and path params → path
 
@@ -29,13 +30,8 @@ PROMPT_COLUMNS = (  # (sort key, header, numeric, what it means)
     ("flips", "Flips", True, "times it turned from solved to failed or back"),
     ("zero_spread_share", "Zero spread", True, "share of its groups with no reward spread"),
 )
-LOOK_LABELS = {  # the filter's choices (queries.prompts.LOOKS says what each selects)
-    "never_solved": "never solved",
-    "solved": "solved at least once",
-    "flipping": "flipping",
-    "stuck": "stuck: no gradient",
-    "forgotten": "forgotten: solved, then failed",
-}
+# the filter's choices in the words queries.prompts.LOOKS gives them (with their thresholds)
+LOOK_LABELS = {key: words for key, (words, _) in LOOKS.items()}
 MATCH_LABELS = {
     "query": "its query (the env's, else the last user turn)",
     "user": "the last user turn",
