@@ -5,6 +5,7 @@ against the one the test computes by brute force from the run's rollouts
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -352,3 +353,34 @@ def test_hostile_prompts_and_completions_are_text(
     assert HOSTILE[:40] in segment.attrs["title"] and segment.text.startswith(HOSTILE[:20])
     compare = _inert(client.get(f"/compare/prompts?runs={run_id},{other}").text)
     assert HOSTILE in compare.by_id("matches-table").find(cls="prompt-label").text
+
+
+def test_the_export_link_downloads_what_the_filters_select(
+    client: TestClient, session_factory: sessionmaker[Session], schedules: Any
+) -> None:
+    run_id, truth = schedules
+    page = parse(client.get(f"/runs/{run_id}/prompts", params={"look": "never_solved"}).text)
+    link = page.by_id("export-prompts")
+    assert "download" in link.attrs
+    want = {p for p, figures in truth.items() if "never_solved" in looks(figures)}
+    assert link.text.strip() == f"Export {len(want)} as JSONL"
+    export = client.get(link.attrs["href"])
+    assert export.status_code == 200
+    lines = [json.loads(line) for line in export.text.splitlines()]
+    assert sorted(line["prompt_id"] for line in lines) == sorted(want)
+
+
+def test_a_run_without_steps_says_so(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    with session_scope(session_factory) as session:
+        run_id = store.create_run(
+            session, name="fresh", model="tiny", total_steps=3, group_size=8,
+            control_tokens=CONTROL_TOKENS,
+        ).id  # fmt: skip
+    response = client.get(f"/runs/{run_id}/prompts")
+    assert response.status_code == 200
+    page = parse(response.text)
+    assert "No prompts recorded yet" in page.by_id("no-prompts").text
+    assert page.json("page-data")["figures"] == []  # no empty heatmap drawn
+    assert not page.find_all(id="fig-prompt-heatmap")

@@ -142,7 +142,10 @@ def prompts_page(
         "path": path,
         "heat": {k: heat[k] for k in ("first_step", "last_step", "bucket", "columns")},
         "figure": figure,
-        "page": {"figures": [figure], "steps": url("step_jump", run_id=run_id)},
+        "page": {
+            "figures": [figure] if data["prompts"] else [],
+            "steps": url("step_jump", run_id=run_id),
+        },
     }
 
 
