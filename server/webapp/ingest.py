@@ -15,7 +15,9 @@ steps after it go, its record epoch goes up); a body sent under an older epoch c
 process the resume replaced (Superseded). A body is checked and written under the run's lock
 (store.lock_run): bodies of one run go one at a time, across web processes too. A step the run
 does not have that comes before its last is refused whole (StepOutOfOrder) and said, bounded, in
-the run's notes (store.note_refusal), as is a body the wire refuses.
+the run's notes (store.note_refusal), as is a body the wire refuses and a step whose rollouts
+were generated at a step whose rollouts the run has (RolloutsTaken): both are 409s naming the
+step, which the recorder drops alone.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server import store
-from rollout_lens.server.core.errors import InvalidInput, InvalidState, NotFound, StepOutOfOrder
+from rollout_lens.server.core.errors import (
+    InvalidInput,
+    InvalidState,
+    NotFound,
+    StepOutOfOrder,
+    StepRefused,
+)
 from rollout_lens.server.store import ending
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
@@ -284,7 +292,7 @@ class Ingest:
             return self._write(
                 run, body, dropped=dropped, control_tokens=control_tokens, epoch=epoch
             )
-        except StepOutOfOrder as exc:
+        except StepRefused as exc:  # out of order, or rollouts the run has (RolloutsTaken)
             self._note_refusal(run_id, f"step {exc.step}", str(exc))
             raise
         except InvalidInput as exc:  # the wire's refusals (WireInvalid)
@@ -334,6 +342,8 @@ class Ingest:
                         )
             except (StepOutOfOrder, Superseded, InvalidState, NotFound):
                 raise  # refused before anything was written: the kept writer stands
+            # (RolloutsTaken, from the store's writer, may come after the body's earlier steps
+            # were written in the transaction: the writer is reset below)
             except BaseException:
                 kept.writer.reset()
                 kept.last_step = kept.epoch = None

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_lens.server import store
-from rollout_lens.server.core.errors import RunEnded, StepOutOfOrder
+from rollout_lens.server.core.errors import RunEnded, StepRefused
 from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store import ending
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
@@ -535,13 +535,13 @@ class StepWriter:
             batch = list(itertools.islice(self._buffer, BATCH_STEPS))
         try:
             self._commit(factory, [p.record for p in batch])
-        except StepOutOfOrder as refused:
+        except StepRefused as refused:  # out of order, or rollouts the run has (RolloutsTaken)
             culprit = refused
             if len(batch) > 1:
                 batch = batch[:1]  # find the step at fault: the next call goes on with the others
                 try:
                     self._commit(factory, [batch[0].record])
-                except StepOutOfOrder as single:
+                except StepRefused as single:
                     culprit = single
                 else:
                     self._written(batch)
@@ -628,9 +628,10 @@ class StepWriter:
         guard = None if self.waits else functools.partial(ending.recorder_alive, run_id=self.run_id)
         self._run_writer.commit(factory.kw["bind"], records, guard=guard)
 
-    def _out_of_order(self, pending: Pending, exc: StepOutOfOrder) -> None:
-        """A step that comes after a later one: a launched run fails (its steps never go back);
-        a script's is dropped alone, as a step the database refuses."""
+    def _out_of_order(self, pending: Pending, exc: StepRefused) -> None:
+        """A step that comes after a later one, or whose rollouts the run has: a launched run
+        fails (its steps never go back); a script's is dropped alone, as a step the database
+        refuses."""
         if self.waits:
             raise exc
         self._refused(pending.record, exc)

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
 from rollout_lens.server.core import textsafe
-from rollout_lens.server.core.errors import InvalidInput, StepOutOfOrder
+from rollout_lens.server.core.errors import InvalidInput, StepOutOfOrder, StepRefused
 from rollout_lens.server.exchange.bounds import MAX_INT32, check_depth
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.server.webapp.ingest import Busy, Caller, Forbidden, Ingest, Superseded
@@ -253,9 +253,10 @@ def create_run(request: Request, body: RecordRun) -> Response:
         404: {"description": "No such run (deleted): the recorder stops recording"},
         409: {
             "description": "The run has ended (`status`, `ended_by`: it records nothing more), "
-            "the sender's epoch is superseded (`status`), or a step the run does not have comes "
-            "before its last (`step`: a resumed trainer says so when it starts); the run's "
-            "notes say so",
+            "the sender's epoch is superseded (`status`), a step the run does not have comes "
+            "before its last (`step`, `last`: a resumed trainer says so when it starts), or a "
+            "step's rollouts were generated at a step whose rollouts the run has already "
+            "(`step`); the run's notes say so",
             "model": Ended,
         },
         413: {"description": "The body is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
@@ -295,6 +296,8 @@ async def record_steps(
         return _refused(409, str(exc), status="superseded")
     except StepOutOfOrder as exc:
         return _refused(409, str(exc), step=exc.step, last=exc.last)
+    except StepRefused as exc:  # rollouts the run has already (RolloutsTaken)
+        return _refused(409, str(exc), step=exc.step)
     except Busy as exc:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"retry-after": "1"})
     except wire.WireInvalid as exc:
