@@ -176,7 +176,7 @@ class _ImportedRun:
         self.name = name or header.name
         if len(self.name) > NAME_CHARS:
             raise InvalidInput(f"--name: at most {NAME_CHARS} characters, got {len(self.name)}")
-        status, error = header.status, header.error
+        status, error, self.ended_by = header.status, header.error, header.ended_by
         if status in ACTIVE_STATUSES:
             # Nothing records the copy: lost, like a run whose worker stopped.
             status = RunStatus.lost.value
@@ -184,6 +184,7 @@ class _ImportedRun:
                 f"exported while {header.status} at step {header.current_step}; "
                 "this copy ends there"
             )
+            self.ended_by = None  # no one ended it: it stopped at the export
         self.error = error
         notes = list(header.notes)
         source = RunSource.import_
@@ -297,6 +298,7 @@ class _ImportedRun:
         self._flush()
         values = {name: getattr(self.header, name) for name in RUN_AFTER_STEPS}
         values["error"] = self.error
+        values["ended_by"] = self.ended_by
         for name, value in values.items():
             if isinstance(value, datetime):
                 values[name] = _utc(value)
