@@ -1,11 +1,13 @@
 # Three commands do all the set-up on a fresh machine (Python 3.11+ with venv):
 #   make demo   install into .venv, train a short leaky and a short patched run, serve, print the compare URL
 #   make run    install into .venv and start the dashboard on the embedded default
-#   make test   build a fresh virtual environment from pyproject.toml, lint, type-check and run every
-#               layer of tests/ but release (then the slim layer in a venv without the train extra)
-# and two more for tests:
-#   make check         the loop while working: lint, types, contracts and the unit, store and web
-#                      layers (no training, no browser) in .venv
+#   make test   build a fresh virtual environment from pyproject.toml, lint, type-check, build the
+#               docs site and run every layer of tests/ but release (then the slim layer in a venv
+#               without the train extra)
+# and three more:
+#   make check         the loop while working: lint, types, contracts, the docs site and the unit,
+#                      store and web layers (no training, no browser) in .venv
+#   make docs          build the documentation site (docs/, mkdocs.yml) into site/ with --strict
 #   make release-test  the release layer (fresh venvs, the built wheel, other TRL versions, the real
 #                      pretrained model) in make test's venv; CI runs it after make test
 # Options reach the command through ARGS: make demo ARGS="--port 8701 --steps 40".
@@ -17,7 +19,7 @@ WEB_TEST_VENV ?= .venv-test-web
 # The demo and the dashboard need the ML stack only; the test tools go into the test venv (and
 # into .venv when `make lint` first needs them).
 EXTRAS ?= train
-TEST_EXTRAS ?= train,test,real
+TEST_EXTRAS ?= train,test,real,docs
 ARGS ?=
 # The suite waits on subprocesses, Celery workers, Chromium and the databases more than on the
 # CPU: two pytest-xdist processes, each taking a whole file at a time (a file's module fixtures
@@ -26,12 +28,15 @@ PYTEST_XDIST ?= -n 2 --dist loadfile
 # The tiny models ship prebuilt in the package (rollout_lens/models/) and are copied here on
 # first use; they are built instead (minutes) only where torch/transformers differ from the build's.
 export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
+# mkdocs-material prints a notice on every build that it reaches end of life on 5 May 2027
+# (docs/development.md says what then); once is enough.
+export NO_MKDOCS_2_WARNING ?= 1
 
 # mypy needs the import names: a tree of links that lays server/ and trainer/ out as
 # rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
 MYPY_TREE = .mypy-tree
 
-.PHONY: demo run test test-venv release-test check lint typecheck tree imports prebuilt
+.PHONY: demo run test test-venv release-test check lint typecheck tree imports prebuilt docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,7 +60,7 @@ run: $(VENV)/.installed
 prebuilt: $(VENV)/.installed
 	$(VENV)/bin/python -m rollout_lens.trainer.builders.prebuilt
 
-# tests/ by layer (tests/conftest.py, README "Tests"): a test's folder says what it needs. The
+# tests/ by layer (tests/conftest.py, docs/tests.md): a test's folder says what it needs. The
 # layers of long tests go first, so that pytest-xdist's last files are short ones.
 CHECK_LAYERS = tests/web tests/store tests/unit
 TEST_LAYERS = tests/e2e tests/trainer tests/browser $(CHECK_LAYERS)
@@ -78,6 +83,7 @@ test: test-venv
 	$(TEST_VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(MAKE) typecheck MYPY=$(CURDIR)/$(TEST_VENV)/bin/mypy
 	$(MAKE) imports LINT_IMPORTS=$(CURDIR)/$(TEST_VENV)/bin/lint-imports
+	$(TEST_VENV)/bin/mkdocs build --strict --quiet
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) $(TEST_LAYERS) $(PYTEST_ARGS)
 	# The dashboard without the train extra (no torch, transformers or TRL): every module imports
 	# and what differs there behaves (tests/slim: pages, launch, demo and build-model say why).
@@ -91,10 +97,11 @@ release-test:
 	test -x $(TEST_VENV)/bin/python || $(MAKE) test-venv
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) tests/release $(PYTEST_ARGS)
 
-# The loop while working (3.5 minutes on 2 cores): lint, types, contracts and every test that needs no
-# training and no browser, in .venv.
+# The loop while working (3.5 minutes on 2 cores): lint, types, contracts, the docs site and every
+# test that needs no training and no browser, in .venv.
 check: $(VENV)/.installed-test
 	$(MAKE) lint
+	$(VENV)/bin/mkdocs build --strict --quiet
 	$(VENV)/bin/python -m pytest $(PYTEST_XDIST) $(CHECK_LAYERS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
@@ -118,3 +125,15 @@ typecheck: tree
 LINT_IMPORTS ?= $(CURDIR)/$(VENV)/bin/lint-imports
 imports: tree
 	cd $(MYPY_TREE) && PYTHONPATH=. $(LINT_IMPORTS) --no-cache --no-logo $(CURDIR)/pyproject.toml
+
+# The documentation site: docs/ as mkdocs.yml lays it out, built into site/ (git-ignored; while
+# writing, `.venv/bin/mkdocs serve` serves it at http://127.0.0.1:8000/ and rebuilds on save).
+# --strict turns every warning into a failure: a link to a missing page or anchor, a page left out
+# of the nav. make test and make check build it the same way.
+docs: $(VENV)/.installed-docs
+	$(VENV)/bin/mkdocs build --strict
+
+$(VENV)/.installed-docs: pyproject.toml constraints.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[docs]'
+	touch $@
