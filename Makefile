@@ -1,13 +1,14 @@
 # Three commands do all the set-up on a fresh machine (Python 3.11+ with venv):
 #   make demo   install into .venv, train a short leaky and a short patched run, serve, print the compare URL
 #   make run    install into .venv and start the dashboard on the embedded default
-#   make test   build a fresh virtual environment from pyproject.toml, lint, type-check, build the
-#               docs site and run every layer of tests/ but release (then the slim layer in a venv
-#               without the train extra)
-# and three more:
-#   make check         the loop while working: lint, types, contracts, the docs site and the unit,
-#                      store and web layers (no training, no browser) in .venv
+#   make test   build a fresh virtual environment from pyproject.toml, lint, type-check and run every
+#               layer of tests/ but release (then the slim layer in a venv without the train extra);
+#               the unit layer builds the docs site with --strict (tests/unit/test_docs.py)
+# and four more:
+#   make check         the loop while working: lint, types, contracts and the unit (the docs site
+#                      with it), store and web layers (no training, no browser) in .venv
 #   make docs          build the documentation site (docs/, mkdocs.yml) into site/ with --strict
+#   make screenshots   retake the docs' screenshots (docs/images/) with the browser tests
 #   make release-test  the release layer (fresh venvs, the built wheel, other TRL versions, the real
 #                      pretrained model) in make test's venv; CI runs it after make test
 # Options reach the command through ARGS: make demo ARGS="--port 8701 --steps 40".
@@ -36,7 +37,7 @@ export NO_MKDOCS_2_WARNING ?= 1
 # rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
 MYPY_TREE = .mypy-tree
 
-.PHONY: demo run test test-venv release-test check lint typecheck tree imports prebuilt docs
+.PHONY: demo run test test-venv release-test check lint typecheck tree imports prebuilt docs screenshots
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -83,7 +84,6 @@ test: test-venv
 	$(TEST_VENV)/bin/ruff format --check rollout_lens server trainer tests bench migrations
 	$(MAKE) typecheck MYPY=$(CURDIR)/$(TEST_VENV)/bin/mypy
 	$(MAKE) imports LINT_IMPORTS=$(CURDIR)/$(TEST_VENV)/bin/lint-imports
-	$(TEST_VENV)/bin/mkdocs build --strict --quiet
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) $(TEST_LAYERS) $(PYTEST_ARGS)
 	# The dashboard without the train extra (no torch, transformers or TRL): every module imports
 	# and what differs there behaves (tests/slim: pages, launch, demo and build-model say why).
@@ -97,11 +97,10 @@ release-test:
 	test -x $(TEST_VENV)/bin/python || $(MAKE) test-venv
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) tests/release $(PYTEST_ARGS)
 
-# The loop while working (3.5 minutes on 2 cores): lint, types, contracts, the docs site and every
-# test that needs no training and no browser, in .venv.
+# The loop while working (3.5 minutes on 2 cores): lint, types, contracts and every test that needs
+# no training and no browser, in .venv (the docs site among them: tests/unit/test_docs.py).
 check: $(VENV)/.installed-test
 	$(MAKE) lint
-	$(VENV)/bin/mkdocs build --strict --quiet
 	$(VENV)/bin/python -m pytest $(PYTEST_XDIST) $(CHECK_LAYERS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
@@ -129,7 +128,8 @@ imports: tree
 # The documentation site: docs/ as mkdocs.yml lays it out, built into site/ (git-ignored; while
 # writing, `.venv/bin/mkdocs serve` serves it at http://127.0.0.1:8000/ and rebuilds on save).
 # --strict turns every warning into a failure: a link to a missing page or anchor, a page left out
-# of the nav. make test and make check build it the same way.
+# of the nav (never with --quiet, which hides the warnings --strict counts). tests/unit/test_docs.py
+# builds it the same way, so make check, make test and CI fail on a dead link.
 docs: $(VENV)/.installed-docs
 	$(VENV)/bin/mkdocs build --strict
 
@@ -137,3 +137,15 @@ $(VENV)/.installed-docs: pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[docs]'
 	touch $@
+
+# The docs' screenshots are the browser tests' own (Debian's Chromium): these tests take them into
+# a fresh folder, and tests/screenshots.py copies the chosen set into docs/images/ (the tall pages
+# cut to their top). Commit the images that changed; the site builds from them without a browser.
+SHOTS ?= test-artifacts/docs
+SHOT_TESTS = runs_page_run_charts or marks_alerts or groups_overview or rollout_explorer \
+	or keeps_values or multiturn_vote
+screenshots: $(VENV)/.installed-test
+	rm -rf $(SHOTS)
+	ROLLOUT_LENS_TEST_ARTIFACTS=$(CURDIR)/$(SHOTS) $(VENV)/bin/python -m pytest -q \
+		tests/browser/test_browser.py tests/browser/test_browser_stepview.py -k '$(SHOT_TESTS)'
+	$(VENV)/bin/python -m tests.screenshots $(SHOTS) docs/images
