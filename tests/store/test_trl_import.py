@@ -209,7 +209,8 @@ def test_follow_a_trl_output_dir_while_it_is_written(
     import time
 
     from rollout_lens.cli import main
-    from tests.follow_support import half, newest_run, recorded, use_database, wait_for
+    from tests.follow_support import half, newest_run, recorded, use_database
+    from tests.waiting import until
 
     use_database(monkeypatch, session_factory, tmp_path)
     files = sorted((trl_output / "completions").glob("completions_*.parquet"))
@@ -222,7 +223,7 @@ def test_follow_a_trl_output_dir_while_it_is_written(
         try:
             for f in files[:2]:
                 shutil.copy(f, out / "completions" / f.name)
-            wait_for(lambda: len(recorded(session_factory)) == 2, "two steps")
+            until(lambda: len(recorded(session_factory)) == 2, "two steps")
             run = newest_run(session_factory)
             seen["status"] = run.status if run else None
             third = out / "completions" / files[2].name

@@ -23,7 +23,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import verl_dump
-from tests.follow_support import half, newest_run, recorded, use_database, wait_for
+from tests.follow_support import half, newest_run, recorded, use_database
+from tests.waiting import until
 
 N = 4  # verl's actor_rollout_ref.rollout.n
 PROMPTS = [  # as verl decodes them: the chat template applied, special tokens skipped
@@ -367,7 +368,7 @@ def test_follow_records_steps_as_verl_writes_them(
             host = verl_dump.trainer()
             for step in (1, 2):
                 write_step(host, folder, step)
-            wait_for(lambda: recorded(session_factory) == [1, 2], "steps 1 and 2")
+            until(lambda: recorded(session_factory) == [1, 2], "steps 1 and 2")
             run = newest_run(session_factory)
             assert run is not None
             seen["live"] = (run.status, run.heartbeat_at, run.worker_host, run.total_steps)
@@ -385,7 +386,7 @@ def test_follow_records_steps_as_verl_writes_them(
             assert before is not None and before.heartbeat_at is not None
             seen["beats"] = (run.heartbeat_at, before.heartbeat_at)
             (folder / "3.jsonl").write_bytes(full)
-            wait_for(lambda: 3 in recorded(session_factory), "step 3")
+            until(lambda: 3 in recorded(session_factory), "step 3")
             for step in (4, 5):
                 write_step(host, folder, step)
             host._shutdown_dump_executor()
@@ -507,7 +508,7 @@ def test_cancel_in_the_dashboard_stops_the_follower(
     use_database(monkeypatch, session_factory, tmp_path)
 
     def press_cancel() -> None:
-        run = wait_for(lambda: newest_run(session_factory), "the run")
+        run = until(lambda: newest_run(session_factory), "the run")
         with client_for(session_factory) as client:
             client.post(f"/api/runs/{run.id}/cancel").raise_for_status()
 
@@ -571,9 +572,9 @@ def test_ctrl_c_ends_the_followed_run_cleanly(
         text=True,
     ) as proc:
         try:
-            wait_for(lambda: recorded(session_factory) == [1, 2] or proc.poll(), "steps 1, 2")
+            until(lambda: recorded(session_factory) == [1, 2] or proc.poll(), "steps 1, 2")
             write_step(host, folder, 3)
-            wait_for(lambda: 3 in recorded(session_factory) or proc.poll(), "step 3")
+            until(lambda: 3 in recorded(session_factory) or proc.poll(), "step 3")
             run = newest_run(session_factory)
             assert run is not None and run.status == RunStatus.running
             proc.send_signal(signal.SIGINT)
