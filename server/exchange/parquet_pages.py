@@ -18,9 +18,10 @@ from typing import Any
 
 from rollout_lens.server.core.errors import InvalidInput
 
-# Arrow's decoded bytes a value of a page, past its uncompressed bytes: its repetition and
-# definition levels (2 bytes each) and its slot in the column's offsets or values (4 at least)
-VALUE_BYTES = 8
+# Arrow's decoded bytes a value of a page past its uncompressed bytes (which its decoded values
+# about equal): its repetition and definition levels, 2 bytes each. A page of a billion nulls
+# is a few bytes of RLE and 4 GB of levels.
+VALUE_BYTES = 4
 MAX_DEPTH = 16  # nesting of a page header's structs (a header has 3)
 
 # Thrift compact protocol's type ids
