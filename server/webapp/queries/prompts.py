@@ -27,7 +27,7 @@ from rollout_lens.server.core.prompt_rules import (
     votes_object,
 )
 from rollout_lens.server.store import search
-from rollout_lens.server.store.prompt_rollups import _pairs
+from rollout_lens.server.store.prompt_rollups import stored_votes
 from rollout_lens.server.webapp.pages.stepview import state_name
 from rollout_lens.server.webapp.queries.explorer import MAX_ID, storable_text
 from rollout_lens.server.webapp.queries.prompt_rollouts import MAX_ROLLOUTS, prompt_rollouts
@@ -294,7 +294,7 @@ def _page(session: Session, run_id: int, query: PromptQuery) -> tuple[list[Any],
 
 def _figures(row: Any) -> dict[str, Any]:
     """A run_prompts row's figures, as the API names them."""
-    votes = _pairs(row.votes)
+    votes = stored_votes(row.votes)
     return {
         "prompt_id": row.prompt_id,
         "label": row.label,
@@ -617,7 +617,7 @@ def prompt_history(
                 "solved": None if g.solved is None else bool(g.solved),
                 "zero_spread": bool(g.zero_spread),
                 "agreement": g.agreement,
-                "votes": votes_object(_pairs(g.votes)),
+                "votes": votes_object(stored_votes(g.votes)),
                 "rollout_ids": [r["id"] for r in rs],
                 "indexes": [r["index"] for r in rs],
                 "rewards": [r["verifier_reward"] for r in rs],
@@ -632,7 +632,7 @@ def prompt_history(
     prompt = _figures(head) | {
         "label": _labels(session, run_id, [head], {prompt_id: whole})[prompt_id],
         "text": whole,
-        "votes": votes_object(_pairs(head.votes)),
+        "votes": votes_object(stored_votes(head.votes)),
     }
     return {"run": run, "prompt": prompt, "steps": steps, "next": cursor}
 
