@@ -244,7 +244,7 @@ def _rows(engine: Engine) -> tuple[list[Any], list[Any]]:
 def test_the_migration_backfills_what_the_writer_writes(
     engine: Engine, session_factory: sessionmaker[Session]
 ) -> None:
-    schedule_run(session_factory)
+    schedule_run(session_factory, steps=55)  # more steps than the backfill reads at once
     schedule_run(session_factory, steps=5, query_meta=False)
     written = _rows(engine)
     assert written[0] and written[1]
