@@ -103,10 +103,11 @@ def _sha(text: str) -> str:
 def named(prompt: str, query: str | None, target: str | None) -> Named:
     """A new prompt's label (its query, else its last user turn) and match keys."""
     user = last_user_turn(prompt)
+    user_key = _sha(user)
     return Named(
         label=(query or user)[:LABEL_CHARS],
-        query_key=_sha(query) if query else _sha(user),
-        user_key=_sha(user),
+        query_key=_sha(query) if query else user_key,
+        user_key=user_key,
         target=target,
     )
 
