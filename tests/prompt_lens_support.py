@@ -14,6 +14,7 @@ from rollout_lens.server import store
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.models import PromptRow, RolloutRow
+from rollout_lens.server.webapp import queries
 from rollout_lens.server.webapp.queries import prompts as lens
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -300,10 +301,10 @@ def assert_matches_oracle(factory: sessionmaker[Session], run_id: int) -> dict[i
         assert got[prompt_id]["votes"] == dict(top[: lens.TOP_VOTES])
     with session_scope(factory) as session:
         for prompt_id, p in want.items():
-            history = lens.prompt_history(session, run_id=run_id, prompt_id=prompt_id, limit=5)
+            history = queries.prompt_history(session, run_id=run_id, prompt_id=prompt_id, limit=5)
             steps = history["steps"]
             while history["next"]:
-                history = lens.prompt_history(
+                history = queries.prompt_history(
                     session, run_id=run_id, prompt_id=prompt_id, limit=5, after=history["next"]
                 )
                 steps += history["steps"]
@@ -320,7 +321,7 @@ def assert_matches_oracle(factory: sessionmaker[Session], run_id: int) -> dict[i
 
 
 def _check_heatmap(session: Session, run_id: int, want: dict[int, Any], width: int) -> None:
-    heat = lens.heatmap(session, run_id=run_id, query=lens.PromptQuery(limit=500), width=width)
+    heat = queries.heatmap(session, run_id=run_id, query=lens.PromptQuery(limit=500), width=width)
     steps = [g["step"] for p in want.values() for g in p["history"]]
     lo, hi = min(steps), max(steps)
     bucket = max(1, math.ceil((hi - lo + 1) / width))

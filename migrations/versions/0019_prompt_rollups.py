@@ -112,6 +112,7 @@ def downgrade() -> None:
 # --- the backfill: frozen copies of server.core.prompt_rules and server.store.prompt_rollups ---
 
 LABEL_CHARS = 500
+STEPS_A_READ = 50  # steps of a run's rollouts read at once (64 groups × 8: 25,600 rows)
 _TEMPLATES = (
     re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>|$)", re.S),
     re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)(?:<\|eot_id\|>|$)", re.S),
@@ -228,32 +229,35 @@ def _backfill(bind: sa.engine.Connection) -> None:
         *(sa.column(c) for c in fold_names), sa.column("votes", sa.JSON),
         *(sa.column(c) for c in ("label", "query_key", "user_key", "target")),
     )  # fmt: skip
-    run_ids = bind.execute(sa.text("SELECT DISTINCT run_id FROM rollouts ORDER BY run_id"))
-    for (run_id,) in run_ids.all():
-        rows = bind.execute(
-            sa.text(
-                'SELECT r.step, r."group", r.prompt_id, r.verifier_reward, r.true_score, r.vote, '
-                "r.target, r.facts_id, r.id FROM rollouts r WHERE r.run_id = :run "
-                'ORDER BY r.step, r."group", r.idx'
-            ),
-            {"run": run_id},
-        ).all()
-        by_group: dict[tuple[int, int], list[Any]] = {}
-        for r in rows:
-            by_group.setdefault((r.step, r.group), []).append(r)
+    runs = bind.execute(
+        sa.text("SELECT run_id, min(step), max(step) FROM rollouts GROUP BY run_id ORDER BY run_id")
+    )
+    for run_id, lo, hi in runs.all():
         folds: dict[int, dict[str, Any]] = {}
         firsts: dict[int, Any] = {}
-        group_rows = []
-        for (step, group), members in by_group.items():
-            g = _group(members)
-            prompt_id = members[0].prompt_id
-            firsts.setdefault(prompt_id, members[0])
-            group_rows.append(
-                {"run_id": run_id, "step": step, "group": group, "prompt_id": prompt_id, **g}
-            )
-            folds[prompt_id] = _fold(folds.get(prompt_id), step, group, g)
-        if group_rows:
-            bind.execute(sa.insert(groups_table), group_rows)
+        for start in range(lo, hi + 1, STEPS_A_READ):  # a long run's rollouts a slice at a time
+            rows = bind.execute(
+                sa.text(
+                    'SELECT r.step, r."group", r.prompt_id, r.verifier_reward, r.true_score, '
+                    "r.vote, r.target, r.facts_id, r.id FROM rollouts r WHERE r.run_id = :run "
+                    'AND r.step >= :lo AND r.step < :hi ORDER BY r.step, r."group", r.idx'
+                ),
+                {"run": run_id, "lo": start, "hi": start + STEPS_A_READ},
+            ).all()
+            by_group: dict[tuple[int, int], list[Any]] = {}
+            for r in rows:
+                by_group.setdefault((r.step, r.group), []).append(r)
+            group_rows = []
+            for (step, group), members in by_group.items():
+                g = _group(members)
+                prompt_id = members[0].prompt_id
+                firsts.setdefault(prompt_id, members[0])
+                group_rows.append(
+                    {"run_id": run_id, "step": step, "group": group, "prompt_id": prompt_id, **g}
+                )
+                folds[prompt_id] = _fold(folds.get(prompt_id), step, group, g)
+            if group_rows:
+                bind.execute(sa.insert(groups_table), group_rows)
         texts = dict(
             bind.execute(
                 sa.text(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from rollout_lens.server.core.prompt_rules import (
@@ -27,6 +27,9 @@ from rollout_lens.server.core.prompt_rules import (
 from rollout_lens.server.store.models import PromptGroupRow, RolloutRow, RunPromptRow
 from sqlalchemy import Connection, delete, func, select, update
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:  # recording imports this module
+    from rollout_lens.server.store.recording import BulkInsert
 
 GROUP_COLUMNS = (
     "run_id",
@@ -100,10 +103,11 @@ def _sha(text: str) -> str:
 def named(prompt: str, query: str | None, target: str | None) -> Named:
     """A new prompt's label (its query, else its last user turn) and match keys."""
     user = last_user_turn(prompt)
+    user_key = _sha(user)
     return Named(
         label=(query or user)[:LABEL_CHARS],
-        query_key=_sha(query) if query else _sha(user),
-        user_key=_sha(user),
+        query_key=_sha(query) if query else user_key,
+        user_key=user_key,
         target=target,
     )
 
@@ -112,7 +116,7 @@ def _json(pairs: Iterable[tuple[str | None, int]]) -> str:
     return orjson.dumps([[v, c] for v, c in pairs]).decode()
 
 
-def _pairs(value: object) -> list[tuple[str | None, int]]:
+def stored_votes(value: object) -> list[tuple[str | None, int]]:
     """A votes column as stored ([[vote, count], ...]; SQLite may hand back its text)."""
     if isinstance(value, str | bytes):
         value = orjson.loads(value)
@@ -122,7 +126,7 @@ def _pairs(value: object) -> list[tuple[str | None, int]]:
 def fold_from_row(row: Any) -> PromptFold:
     """A run_prompts row (its FOLD_COLUMNS and votes) as a PromptFold."""
     fold = PromptFold(**{name: getattr(row, name) for name in FOLD_COLUMNS})
-    fold.votes = dict(_pairs(row.votes))
+    fold.votes = dict(stored_votes(row.votes))
     return fold
 
 
@@ -130,7 +134,7 @@ def figures_from_row(row: Any) -> GroupFigures:
     """A prompt_groups row as GroupFigures."""
     names = [c for c in GROUP_COLUMNS if c not in ("run_id", "step", "group", "prompt_id")]
     values = {name: getattr(row, name) for name in names}
-    values["votes"] = _pairs(values["votes"])
+    values["votes"] = stored_votes(values["votes"])
     return GroupFigures(**values)
 
 
@@ -151,10 +155,10 @@ class _Sql:
             f" ON CONFLICT (run_id, prompt_id) DO UPDATE SET {updates}",
         )
 
-    def insert(self, conn: Connection, bulk: object, rows: list[tuple[object, ...]]) -> None:
-        from rollout_lens.server.store.recording import _DriverSql
+    def insert(self, conn: Connection, bulk: BulkInsert, rows: list[tuple[object, ...]]) -> None:
+        from rollout_lens.server.store.recording import DriverSql
 
-        _DriverSql(conn).insert(bulk, rows)  # type: ignore[arg-type]
+        DriverSql(conn).insert(bulk, rows)
 
 
 class PromptRollup:

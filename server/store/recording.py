@@ -155,10 +155,12 @@ class _Driver:
     def cursor(conn: Connection) -> Any:
         """Driver SQL through the connection (its errors wrapped as SQLAlchemy's, so writers
         tell a lost connection from a refused row)."""
-        return _DriverSql(conn)
+        return DriverSql(conn)
 
 
-class _DriverSql:
+class DriverSql:
+    """Driver SQL on a connection, as the Recorder and the prompt rollups write rows."""
+
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.postgres = conn.dialect.name == "postgresql"

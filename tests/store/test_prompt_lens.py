@@ -18,6 +18,7 @@ from rollout_lens.server.store import deletion
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.migrate import downgrade, upgrade
 from rollout_lens.server.store.models import PromptGroupRow, RunPromptRow
+from rollout_lens.server.webapp import queries
 from rollout_lens.server.webapp.queries import prompts as lens
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -147,13 +148,13 @@ def test_search_and_bad_input(session_factory: sessionmaker[Session]) -> None:
         with pytest.raises(NotFound, match="run 999 does not exist"):
             lens.prompts_page(session, run_id=999, query=lens.PromptQuery())
         with pytest.raises(NotFound, match=f"run {run_id} has no prompt 999"):
-            lens.prompt_history(session, run_id=run_id, prompt_id=999)
+            queries.prompt_history(session, run_id=run_id, prompt_id=999)
         with pytest.raises(InvalidInput, match="q:"):
             lens.prompts_page(session, run_id=run_id, query=lens.PromptQuery(q="!!"))
         with pytest.raises(InvalidInput, match="runs:"):
-            lens.compare_prompts(session, run_ids=[run_id])
+            queries.compare_prompts(session, run_ids=[run_id])
         with pytest.raises(InvalidInput, match="width"):
-            lens.heatmap(session, run_id=run_id, query=lens.PromptQuery(), width=0)
+            queries.heatmap(session, run_id=run_id, query=lens.PromptQuery(), width=0)
 
 
 def test_a_resume_truncates_the_rollups_too(session_factory: sessionmaker[Session]) -> None:
@@ -244,7 +245,7 @@ def _rows(engine: Engine) -> tuple[list[Any], list[Any]]:
 def test_the_migration_backfills_what_the_writer_writes(
     engine: Engine, session_factory: sessionmaker[Session]
 ) -> None:
-    schedule_run(session_factory)
+    schedule_run(session_factory, steps=55)  # more steps than the backfill reads at once
     schedule_run(session_factory, steps=5, query_meta=False)
     written = _rows(engine)
     assert written[0] and written[1]
@@ -301,10 +302,10 @@ def test_runs_matched_by_query_user_turn_or_text(session_factory: sessionmaker[S
             ([first, other], "query", len(SCHEDULES)),
             ([first, again, other], "query", len(SCHEDULES)),
         ):
-            got = lens.compare_prompts(session, run_ids=runs, match=match, limit=2)
+            got = queries.compare_prompts(session, run_ids=runs, match=match, limit=2)
             rows = got["prompts"]
             while got["next"]:
-                got = lens.compare_prompts(
+                got = queries.compare_prompts(
                     session, run_ids=runs, match=match, limit=2, after=got["next"]
                 )
                 rows += got["prompts"]
@@ -313,7 +314,7 @@ def test_runs_matched_by_query_user_turn_or_text(session_factory: sessionmaker[S
                 labels = {p["label"] for r in row["runs"] for p in r["prompts"]}
                 assert labels == {row["label"]}
                 assert [r["run_id"] for r in row["runs"]] == runs
-        alone = lens.compare_prompts(session, run_ids=[first, other], match="user", every=False)
+        alone = queries.compare_prompts(session, run_ids=[first, other], match="user", every=False)
         assert alone["total"] == 2 * len(SCHEDULES)
 
 

@@ -1,10 +1,11 @@
 """The prompt lens's reads: a run's prompts with what happened to each (filtered, searched,
-sorted, a page at a time by keyset as the explorer pages), the heatmap of prompts × steps, one
-prompt's history, and the same prompts across runs.
+sorted, a page at a time by keyset as the explorer pages), and the prompts a filter selects as a
+dataset; the query and cursor rules the heatmap (queries.prompt_groups) pages by too.
 
 Every read is of the per-prompt rollups the writer keeps (server.store.prompt_rollups): a row a
-run's prompt (`run_prompts`) and a row a group (`prompt_groups`); a history reads its prompt's
-rollouts' scalar columns alone. server.core.prompt_rules says what each figure means.
+run's prompt (`run_prompts`) and a row a group (`prompt_groups`); queries.prompt_groups reads the
+groups (the heatmap, a prompt's history), queries.prompt_compare the same prompts across runs.
+server.core.prompt_rules says what each figure means.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollout_lens.server import store
-from rollout_lens.server.core.errors import InvalidInput, NotFound
+from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.prompt_rules import (
     FLIPPING_FLIPS,
     STUCK_SHARE,
@@ -27,10 +28,8 @@ from rollout_lens.server.core.prompt_rules import (
     votes_object,
 )
 from rollout_lens.server.store import search
-from rollout_lens.server.store.prompt_rollups import _pairs
-from rollout_lens.server.webapp.pages.stepview import state_name
+from rollout_lens.server.store.prompt_rollups import stored_votes
 from rollout_lens.server.webapp.queries.explorer import MAX_ID, storable_text
-from rollout_lens.server.webapp.queries.prompt_rollouts import MAX_ROLLOUTS, prompt_rollouts
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -92,7 +91,7 @@ Look = Literal["never_solved", "solved", "flipping", "stuck", "forgotten"]
 Match = Literal["query", "user", "exact"]
 MATCH_KEYS: dict[str, str] = {"query": "query_key", "user": "user_key", "exact": "prompt_id"}
 
-_COLUMNS = (
+PROMPT_COLUMNS = (
     "p.prompt_id, p.label, p.groups, p.rollouts, p.first_step, p.last_step, p.reward_sum, "
     "p.reward_n, p.true_sum, p.true_n, p.solved_groups, p.solved_at, p.last_solved, "
     "p.last_failed, p.state, p.flips, p.zero_spread, p.votes, p.target, p.query_key, p.user_key"
@@ -162,12 +161,14 @@ class HeatmapQuery(PromptQuery):
 _NOT_OURS = "after: not a cursor this list gave out"
 
 
-def _encode(fields: list[Any]) -> str:
+def encode_cursor(fields: list[Any]) -> str:
+    """A cursor: its fields (a kind first) as URL-safe base64 of their JSON."""
     raw = json.dumps(fields, allow_nan=False)
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
-def _decode(cursor: str, kind: str, size: int) -> list[Any]:
+def decode_cursor(cursor: str, kind: str, size: int) -> list[Any]:
+    """The `size` fields of a cursor of `kind` (InvalidInput for any other text)."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         fields = json.loads(raw)
@@ -178,14 +179,15 @@ def _decode(cursor: str, kind: str, size: int) -> list[Any]:
     return fields
 
 
-def _whole(value: Any, lo: int, hi: int) -> bool:
+def whole_number(value: Any, lo: int, hi: int) -> bool:
+    """Whether a cursor's field is a whole number (not a bool) from lo to hi."""
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
 def _cursor_at(cursor: str, *, run_id: int, query: PromptQuery) -> tuple[Any, int]:
     """(sort value or None, prompt id) a page's cursor ended at, checked whole."""
-    _, run, digest, sort, order, value, prompt_id = _decode(cursor, "prompts", 7)
-    if not (_whole(run, 1, MAX_ID) and _whole(prompt_id, 1, 2**63 - 1)):
+    _, run, digest, sort, order, value, prompt_id = decode_cursor(cursor, "prompts", 7)
+    if not (whole_number(run, 1, MAX_ID) and whole_number(prompt_id, 1, 2**63 - 1)):
         raise InvalidInput(_NOT_OURS)
     if run != run_id:
         raise InvalidInput(
@@ -202,7 +204,7 @@ def _cursor_at(cursor: str, *, run_id: int, query: PromptQuery) -> tuple[Any, in
         if query.sort not in NULLABLE:
             raise InvalidInput(_NOT_OURS)
     elif query.sort in INT_SORTS:
-        if not _whole(value, -MAX_ID - 1, MAX_ID):
+        if not whole_number(value, -MAX_ID - 1, MAX_ID):
             raise InvalidInput(f"after: the cursor's {query.sort} is not a whole number in range")
     elif query.sort in TEXT_SORTS:
         if not isinstance(value, str) or len(value) > 10_000 or not storable_text(value):
@@ -219,7 +221,8 @@ def _cursor_at(cursor: str, *, run_id: int, query: PromptQuery) -> tuple[Any, in
 # --- the prompts list ------------------------------------------------------------------------
 
 
-def _run(session: Session, run_id: int) -> dict[str, Any]:
+def run_head(session: Session, run_id: int) -> dict[str, Any]:
+    """The run's id, name and status (NotFound when there is none)."""
     run = store.get_run(session, run_id=run_id)
     return {"id": run.id, "name": run.name, "status": run.status}
 
@@ -262,8 +265,10 @@ def _order_by(session: Session, query: PromptQuery) -> str:
     return f"{column} {direction}{nulls}, p.prompt_id {direction}"
 
 
-def _page(session: Session, run_id: int, query: PromptQuery) -> tuple[list[Any], int, str | None]:
-    """The rows of one page (run_prompts columns `_COLUMNS` and the sort value), the total
+def list_page(
+    session: Session, run_id: int, query: PromptQuery
+) -> tuple[list[Any], int, str | None]:
+    """The rows of one page (run_prompts columns `PROMPT_COLUMNS` and the sort value), the total
     that match, and the next page's cursor."""
     at = _cursor_at(query.after, run_id=run_id, query=query) if query.after else None
     clauses, params = _where(session, run_id, query)
@@ -274,7 +279,7 @@ def _page(session: Session, run_id: int, query: PromptQuery) -> tuple[list[Any],
         clauses.append(_after(query, at[0], at[1], params))
     rows = session.execute(
         text(
-            f"SELECT {_COLUMNS}, {SORTS[query.sort]} AS sort_value FROM run_prompts p "
+            f"SELECT {PROMPT_COLUMNS}, {SORTS[query.sort]} AS sort_value FROM run_prompts p "
             f"WHERE {' AND '.join(clauses)} ORDER BY {_order_by(session, query)} LIMIT :limit"
         ),
         params | {"limit": query.limit + 1},
@@ -286,15 +291,15 @@ def _page(session: Session, run_id: int, query: PromptQuery) -> tuple[list[Any],
         value = last.sort_value
         if value is not None and query.sort not in INT_SORTS | TEXT_SORTS:
             value = float(value)
-        cursor = _encode(
+        cursor = encode_cursor(
             ["prompts", run_id, query.digest(), query.sort, query.order, value, last.prompt_id]
         )
     return list(rows), int(total), cursor
 
 
-def _figures(row: Any) -> dict[str, Any]:
+def prompt_figures(row: Any) -> dict[str, Any]:
     """A run_prompts row's figures, as the API names them."""
-    votes = _pairs(row.votes)
+    votes = stored_votes(row.votes)
     return {
         "prompt_id": row.prompt_id,
         "label": row.label,
@@ -321,7 +326,7 @@ def _figures(row: Any) -> dict[str, Any]:
     }
 
 
-def _texts(session: Session, prompt_ids: Sequence[int]) -> dict[int, str]:
+def prompt_texts(session: Session, prompt_ids: Sequence[int]) -> dict[int, str]:
     if not prompt_ids:
         return {}
     marks = ", ".join(f":p{i}" for i in range(len(prompt_ids)))
@@ -348,7 +353,7 @@ def shared_prefix(session: Session, *, run_id: int) -> int:
     return int(row[0].rfind("\n", 0, common)) + 1
 
 
-def _labels(
+def distinguishing_labels(
     session: Session, run_id: int, rows: Sequence[Any], texts: dict[int, str]
 ) -> dict[int, str]:
     """Each row's distinguishing text: its stored label (the query it names, or its last user
@@ -371,12 +376,12 @@ def _labels(
 def prompts_page(session: Session, *, run_id: int, query: PromptQuery) -> dict[str, Any]:
     """One page of a run's prompts that match `query`, with their figures and whole text; the
     total that match and the next page's cursor (None on the last)."""
-    run = _run(session, run_id)
-    rows, total, cursor = _page(session, run_id, query)
-    texts = _texts(session, [r.prompt_id for r in rows])
-    labels = _labels(session, run_id, rows, texts)
+    run = run_head(session, run_id)
+    rows, total, cursor = list_page(session, run_id, query)
+    texts = prompt_texts(session, [r.prompt_id for r in rows])
+    labels = distinguishing_labels(session, run_id, rows, texts)
     prompts = [
-        _figures(r) | {"label": labels[r.prompt_id], "text": texts.get(r.prompt_id, "")}
+        prompt_figures(r) | {"label": labels[r.prompt_id], "text": texts.get(r.prompt_id, "")}
         for r in rows
     ]
     return {
@@ -385,328 +390,6 @@ def prompts_page(session: Session, *, run_id: int, query: PromptQuery) -> dict[s
         "total": total,
         "next": cursor,
         "filters": query.filters(),
-    }
-
-
-# --- the heatmap -----------------------------------------------------------------------------
-
-
-def _step_span(session: Session, run_id: int) -> tuple[int, int] | None:
-    row = session.execute(
-        text("SELECT min(step), max(step) FROM prompt_groups WHERE run_id = :run"), {"run": run_id}
-    ).one()
-    return None if row[0] is None else (int(row[0]), int(row[1]))
-
-
-def _groups_of(
-    session: Session,
-    run_id: int,
-    prompt_ids: Sequence[int],
-    extra: str = "",
-    limit: int | None = None,
-    **params: Any,
-) -> list[Any]:
-    """The group rows of these prompts in (prompt, step, group) order; `extra` more conditions
-    on `g`, `limit` rows at most."""
-    if not prompt_ids:
-        return []
-    tail = ""
-    if limit is not None:
-        tail, params["limit"] = " LIMIT :limit", limit
-    marks = ", ".join(f":p{i}" for i in range(len(prompt_ids)))
-    return list(
-        session.execute(
-            text(
-                'SELECT g.prompt_id, g.step, g."group", g.size, g.reward_mean, g.reward_min, '
-                "g.reward_max, g.reward_n, g.true_n, g.true_mean, g.correct, g.solved, "
-                "g.zero_spread, g.agreement, g.votes FROM prompt_groups g "
-                f"WHERE g.run_id = :run AND g.prompt_id IN ({marks}){extra} "
-                f'ORDER BY g.prompt_id, g.step, g."group"{tail}'
-            ),
-            {"run": run_id} | {f"p{i}": p for i, p in enumerate(prompt_ids)} | params,
-        )
-    )
-
-
-def heatmap(
-    session: Session, *, run_id: int, query: PromptQuery, width: int = HEATMAP_COLUMNS
-) -> dict[str, Any]:
-    """Prompts × steps: a page of the prompts `query` lists (its order, its cursor), each a row
-    of cells, a cell a step, or a bucket of `bucket` steps where the run has more steps than
-    `width` columns. A cell's value is its groups' true score mean (`score` "true"), or their
-    reward mean where none has a true score (`score` "reward"); it names the first group of
-    its steps (`step`, `group`) for the step viewer."""
-    if not 1 <= width <= MAX_COLUMNS:
-        raise InvalidInput(f"width: from 1 to {MAX_COLUMNS:,} columns")
-    run = _run(session, run_id)
-    rows, total, cursor = _page(session, run_id, query)
-    span = _step_span(session, run_id)
-    lo, hi = span if span is not None else (0, -1)
-    bucket = max(1, math.ceil((hi - lo + 1) / width)) if span is not None else 1
-    columns = (hi - lo) // bucket + 1 if span is not None else 0
-    cells: dict[int, dict[int, dict[str, Any]]] = {}
-    for g in _groups_of(session, run_id, [r.prompt_id for r in rows]):
-        col = (g.step - lo) // bucket
-        cell = cells.setdefault(g.prompt_id, {}).get(col)
-        if cell is None:
-            cell = cells[g.prompt_id][col] = {
-                "col": col,
-                "first_step": g.step,
-                "last_step": g.step,
-                "step": g.step,
-                "group": g.group,
-                "groups": 0,
-                "solved": 0,
-                "failed": 0,
-                "zero_spread": 0,
-                "_r": [0.0, 0],
-                "_t": [0.0, 0],
-            }
-        cell["last_step"] = g.step
-        cell["groups"] += 1
-        cell["solved"] += g.solved is not None and bool(g.solved)
-        cell["failed"] += g.solved is not None and not g.solved
-        cell["zero_spread"] += bool(g.zero_spread)
-        if g.reward_mean is not None:
-            cell["_r"][0] += g.reward_mean * g.reward_n
-            cell["_r"][1] += g.reward_n
-        if g.true_mean is not None:
-            cell["_t"][0] += g.true_mean * g.true_n
-            cell["_t"][1] += g.true_n
-    out_rows = []
-    for r in rows:
-        row_cells = []
-        for cell in cells.get(r.prompt_id, {}).values():
-            rs, rn = cell.pop("_r")
-            ts, tn = cell.pop("_t")
-            cell["reward_mean"] = rs / rn if rn else None
-            cell["true_mean"] = ts / tn if tn else None
-            cell["score"] = "true" if tn else "reward"
-            cell["value"] = cell["true_mean"] if tn else cell["reward_mean"]
-            row_cells.append(cell)
-        out_rows.append(
-            {
-                "prompt_id": r.prompt_id,
-                "label": r.label[:LABEL_HEAD],
-                "solved_at": r.solved_at,
-                "flips": r.flips,
-                "cells": row_cells,
-            }
-        )
-    return {
-        "run": run,
-        "first_step": lo if span is not None else None,
-        "last_step": hi if span is not None else None,
-        "bucket": bucket,
-        "columns": columns,
-        "rows": out_rows,
-        "total": total,
-        "next": cursor,
-        "filters": query.filters(),
-    }
-
-
-# --- one prompt's history --------------------------------------------------------------------
-
-
-def _prompt_row(session: Session, run_id: int, prompt_id: int) -> Any:
-    row = session.execute(
-        text(
-            f"SELECT {_COLUMNS} FROM run_prompts p WHERE p.run_id = :run AND p.prompt_id = :prompt"
-        ),
-        {"run": run_id, "prompt": prompt_id},
-    ).first()
-    if row is None:
-        raise NotFound(f"run {run_id} has no prompt {prompt_id}")
-    return row
-
-
-def _rollouts_of(
-    session: Session, run_id: int, prompt_id: int, groups: Sequence[Any], *, completions: bool
-) -> list[dict[str, Any]]:
-    """The rollouts of these groups of the prompt (a page of its history, in order), with
-    their completions when asked (prompt_rollouts), else their scalar columns alone."""
-    lo, hi = groups[0].step, groups[-1].step
-    if completions:
-        return prompt_rollouts(
-            session, run_id=run_id, prompt_id=prompt_id, first_step=lo, last_step=hi
-        )
-    rows = session.execute(
-        text(
-            'SELECT r.id, r.step, r."group", r.idx, r.verifier_reward, r.true_score, '
-            "r.advantage, r.vote, r.format_valid, r.format_state FROM rollouts r "
-            "WHERE r.run_id = :run AND r.prompt_id = :prompt AND r.step >= :lo "
-            'AND r.step <= :hi ORDER BY r.step, r."group", r.idx'
-        ),
-        {"run": run_id, "prompt": prompt_id, "lo": lo, "hi": hi},
-    )
-    return [
-        {
-            "id": r.id,
-            "step": r.step,
-            "group": r.group,
-            "index": r.idx,
-            "verifier_reward": r.verifier_reward,
-            "true_score": r.true_score,
-            "advantage": r.advantage,
-            "vote": r.vote,
-            "state": state_name(r.format_valid, r.format_state),
-        }
-        for r in rows
-    ]
-
-
-def prompt_history(
-    session: Session,
-    *,
-    run_id: int,
-    prompt_id: int,
-    after: str | None = None,
-    limit: int = HISTORY_PAGE,
-    completions: bool = False,
-) -> dict[str, Any]:
-    """Every group of one prompt of the run in (step, group) order, `limit` a page: its
-    figures, its rollouts' rewards, true scores, advantages, votes, states and ids; the
-    prompt's figures and whole text. `completions`: each group's completions too (the heads of
-    COMPLETION_CHARS; a page then holds at most MAX_ROLLOUTS rollouts)."""
-    if not 1 <= limit <= MAX_HISTORY:
-        raise InvalidInput(f"limit: from 1 to {MAX_HISTORY:,} groups")
-    run = _run(session, run_id)
-    if not 1 <= prompt_id <= 2**63 - 1:
-        raise NotFound(f"run {run_id} has no prompt {prompt_id}")
-    head = _prompt_row(session, run_id, prompt_id)
-    extra, params = "", {}
-    if after is not None:
-        _, run_at, prompt_at, step_at, group_at = _decode(after, "history", 5)
-        if (run_at, prompt_at) != (run_id, prompt_id) or not (
-            _whole(step_at, -MAX_ID - 1, MAX_ID) and _whole(group_at, -MAX_ID - 1, MAX_ID)
-        ):
-            raise InvalidInput("after: not a cursor of this prompt's history")
-        extra = ' AND (g.step > :at_step OR (g.step = :at_step AND g."group" > :at_group))'
-        params = {"at_step": step_at, "at_group": group_at}
-    groups = _groups_of(session, run_id, [prompt_id], extra, limit=limit + 1, **params)
-    if completions:  # no more rollouts than one read decodes (one group at least)
-        size = 0
-        for n, g in enumerate(groups[:limit]):
-            size += g.size
-            if size > MAX_ROLLOUTS and n > 0:
-                limit = n
-                break
-    cursor = None
-    if len(groups) > limit:
-        groups = groups[:limit]
-        cursor = _encode(["history", run_id, prompt_id, groups[-1].step, groups[-1].group])
-    members: dict[tuple[int, int], list[Any]] = {}
-    if groups:
-        for r in _rollouts_of(session, run_id, prompt_id, groups, completions=completions):
-            members.setdefault((r["step"], r["group"]), []).append(r)
-    steps = []
-    for g in groups:
-        rs = members.get((g.step, g.group), [])
-        written = {"completions": [r["completion"] for r in rs]} if completions else {}
-        steps.append(
-            {
-                "step": g.step,
-                "group": g.group,
-                "size": g.size,
-                "reward_mean": g.reward_mean,
-                "reward_min": g.reward_min,
-                "reward_max": g.reward_max,
-                "true_mean": g.true_mean,
-                "correct": g.correct,
-                "solved": None if g.solved is None else bool(g.solved),
-                "zero_spread": bool(g.zero_spread),
-                "agreement": g.agreement,
-                "votes": votes_object(_pairs(g.votes)),
-                "rollout_ids": [r["id"] for r in rs],
-                "indexes": [r["index"] for r in rs],
-                "rewards": [r["verifier_reward"] for r in rs],
-                "true_scores": [r["true_score"] for r in rs],
-                "advantages": [r["advantage"] for r in rs],
-                "rollout_votes": [r["vote"] for r in rs],
-                "states": [r["state"] for r in rs],
-                **written,
-            }
-        )
-    whole = _texts(session, [prompt_id]).get(prompt_id, "")
-    prompt = _figures(head) | {
-        "label": _labels(session, run_id, [head], {prompt_id: whole})[prompt_id],
-        "text": whole,
-        "votes": votes_object(_pairs(head.votes)),
-    }
-    return {"run": run, "prompt": prompt, "steps": steps, "next": cursor}
-
-
-# --- across runs -----------------------------------------------------------------------------
-
-
-def compare_prompts(
-    session: Session,
-    *,
-    run_ids: Sequence[int],
-    match: Match = "query",
-    q: str | None = None,
-    every: bool = True,
-    after: str | None = None,
-    limit: int = 50,
-) -> dict[str, Any]:
-    """The runs' prompts matched across them (`match`: `query`, the query a prompt's env named,
-    else its last user turn; `user`, its last user turn; `exact`, the same text), sorted by
-    label, a page of `limit` matches; `every`: only prompts that every run has. Each match
-    lists each run's prompts under it with their figures."""
-    if not 2 <= len(run_ids) <= MAX_COMPARE_RUNS or len(set(run_ids)) != len(run_ids):
-        raise InvalidInput(f"runs: from 2 to {MAX_COMPARE_RUNS} different runs, e.g. runs=1,2")
-    if not 1 <= limit <= MAX_PAGE:
-        raise InvalidInput(f"limit: from 1 to {MAX_PAGE}")
-    if match not in MATCH_KEYS:
-        raise InvalidInput("match: one of query, user, exact")
-    runs = [_run(session, run_id) for run_id in run_ids]
-    key_column = MATCH_KEYS[match]
-    by_key: dict[str, list[list[Any]]] = {}
-    for i, run_id in enumerate(run_ids):
-        clauses, params = ["p.run_id = :run"], {"run": run_id}
-        if q is not None and q.strip():
-            found = search.prompt_match_sql(session.connection(), q=q, column="p.prompt_id")
-            clauses.append(found.sql)
-            params.update(found.params)
-        for row in session.execute(
-            text(f"SELECT {_COLUMNS} FROM run_prompts p WHERE {' AND '.join(clauses)}"), params
-        ):
-            key = str(getattr(row, key_column))
-            by_key.setdefault(key, [[] for _ in run_ids])[i].append(row)
-    matched = [
-        (min(r.label for rows in per_run for r in rows), key, per_run)
-        for key, per_run in by_key.items()
-        if not every or all(per_run)
-    ]
-    matched.sort(key=lambda m: (m[0], m[1]))
-    digest = hashlib.sha256(json.dumps([list(run_ids), match, q, every]).encode()).hexdigest()[:16]
-    if after is not None:
-        _, digest_at, label_at, key_at = _decode(after, "compare", 4)
-        if digest_at != digest or not isinstance(label_at, str) or not isinstance(key_at, str):
-            raise InvalidInput(
-                "after: the cursor is for other runs or another match; start from the first page"
-            )
-        matched = [m for m in matched if (m[0], m[1]) > (label_at, key_at)]
-    total = len(matched)
-    page, more = matched[:limit], len(matched) > limit
-    cursor = _encode(["compare", digest, page[-1][0], page[-1][1]]) if more else None
-    return {
-        "runs": runs,
-        "match": match,
-        "prompts": [
-            {
-                "key": key,
-                "label": label[:LABEL_HEAD],
-                "runs": [
-                    {"run_id": run_id, "prompts": [_figures(r) for r in rows]}
-                    for run_id, rows in zip(run_ids, per_run, strict=True)
-                ],
-            }
-            for label, key, per_run in page
-        ],
-        "total": total,
-        "next": cursor,
     }
 
 
@@ -721,11 +404,11 @@ def export_prompts(
     store.get_run(session, run_id=run_id)
     page = query.model_copy(update={"limit": min(EXPORT_PAGE, MAX_PAGE), "after": None})
     while True:
-        rows, _, cursor = _page(session, run_id, page)
-        texts = _texts(session, [r.prompt_id for r in rows])
+        rows, _, cursor = list_page(session, run_id, page)
+        texts = prompt_texts(session, [r.prompt_id for r in rows])
         for r in rows:
             whole = texts.get(r.prompt_id, "")
-            figures = _figures(r)
+            figures = prompt_figures(r)
             yield {
                 "prompt": chat_messages(whole),
                 "target": r.target,
