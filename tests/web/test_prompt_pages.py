@@ -271,6 +271,18 @@ def test_parameters_that_do_not_parse_say_why(client: TestClient, schedules: Any
     assert forged.status_code == 400
     assert "cursor" in parse(forged.text).by_id("err-form").text
     assert client.get(f"/runs/{run_id}/prompts/999999").status_code == 404
+    # a history's and a comparison's bad parameters: the error page, saying which
+    for url, status, words in (
+        (f"/runs/{run_id}/prompts/1?after=bm90IG91cnM", 400, "after"),
+        (f"/runs/{run_id}/prompts/1?limit=0", 422, "limit"),
+        (f"/compare/prompts?runs={run_id}", 400, "runs"),
+        (f"/compare/prompts?runs={run_id},{run_id}", 400, "runs"),
+        ("/compare/prompts?runs=1,x", 400, "runs"),
+        (f"/compare/prompts?runs={run_id},999999", 404, "999999"),
+    ):
+        answer = client.get(url)
+        assert (answer.status_code, words in answer.text) == (status, True), url
+        assert answer.headers["content-type"].startswith("text/html"), url
     # empty fields are dropped from the URL
     blank = client.get(f"/runs/{run_id}/prompts?q=&look=flipping", follow_redirects=False)
     assert blank.status_code == 303 and blank.headers["location"].endswith("?look=flipping")
