@@ -17,7 +17,6 @@ from rollout_lens.server.webapp.pages import prompt_pages
 router = APIRouter(include_in_schema=False)
 PromptId = Annotated[int, Path(ge=1, le=2**63 - 1, description="a prompt of the run")]
 HISTORY_GROUPS = 200  # groups a history page shows (each with its rollouts' completions)
-HEATMAP_COLUMNS = 200  # the heatmap's columns: steps, or buckets of steps past this many
 
 
 def _url(request: Request) -> prompt_pages.Url:
@@ -44,7 +43,7 @@ def prompts_page(
     try:
         query = queries.PromptQuery.model_validate(dict(kept))
         data = queries.prompts_page(session, run_id=run_id, query=query)
-        heat = queries.heatmap(session, run_id=run_id, query=query, width=HEATMAP_COLUMNS)
+        heat = queries.heatmap(session, run_id=run_id, query=query)  # its default width
     except (ValidationError, InvalidInput) as exc:
         run = queries.run_card(session, run_id=run_id)
         context = prompt_pages.prompts_invalid(run, dict(kept), exc, url)
