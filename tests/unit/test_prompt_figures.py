@@ -7,7 +7,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 import pytest
-from rollout_lens.server.webapp.pages import prompt_figures
+from rollout_lens.server.webapp.pages import prompt_figures, prompt_pages
 from rollout_lens.server.webapp.pages.prompt_pages import buckets
 
 
@@ -91,3 +91,12 @@ def test_a_label_is_text_to_plotly() -> None:
     label = prompt_figures.row_label(3, "<b>bold</b> <script>x</script> " + "w" * 80)
     assert "<" not in label and label.startswith("#3 &lt;b&gt;bold")
     assert label.endswith("…")
+
+
+def test_a_history_lists_its_top_votes_and_counts_the_rest() -> None:
+    votes = {f"tool_{i:02d}": 40 - i for i in range(30)} | {"None": 3}
+    shown = prompt_pages.top_votes(votes, top=10)
+    assert list(shown["top"]) == [f"tool_{i:02d}" for i in range(10)]
+    assert shown["others"] == 21
+    assert shown["others_count"] == sum(40 - i for i in range(10, 30)) + 3
+    assert prompt_pages.top_votes({"tool_01": 8})["others"] == 0

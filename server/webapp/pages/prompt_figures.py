@@ -114,6 +114,7 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
                 "autorange": "reversed",
                 "automargin": False,
                 "showticklabels": labelled,
+                "ticks": "",
                 "title": {
                     "text": "" if labelled else f"{len(rows)} prompts (hover a row for its text)"
                 },

@@ -32,6 +32,7 @@ PROMPT_COLUMNS = (  # (sort key, header, numeric, what it means)
 )
 # the filter's choices in the words queries.prompts.LOOKS gives them (with their thresholds)
 LOOK_LABELS = {key: words for key, (words, _) in LOOKS.items()}
+FACT_VOTES = 10  # votes a prompt's history lists over the run (the rest counted)
 MATCH_LABELS = {
     "query": "its query (the env's, else the last user turn)",
     "user": "the last user turn",
@@ -182,6 +183,14 @@ def prompts_invalid(
 # --- one prompt's history ----------------------------------------------------------------------
 
 
+def top_votes(votes: Mapping[str, int], top: int = FACT_VOTES) -> dict[str, Any]:
+    """A {vote: count} object (most first) as the `top` votes a page lists and what is left:
+    how many other votes, and how many rollouts cast them."""
+    items = list(votes.items())
+    rest = items[top:]
+    return {"top": dict(items[:top]), "others": len(rest), "others_count": sum(c for _, c in rest)}
+
+
 def vote_split(votes: Mapping[str, int]) -> list[dict[str, Any]]:
     """A group's {vote: count} as the bar the page draws: each vote's count and share."""
     total = sum(votes.values()) or 1
@@ -251,6 +260,7 @@ def prompt_page(data: dict[str, Any], url: Url, *, run_id: int, limit: int) -> d
     return {
         "run": data["run"],
         "prompt": data["prompt"],
+        "votes": top_votes(data["prompt"]["votes"]),
         "steps": steps,
         "figure": figure,
         "next_page_url": None
