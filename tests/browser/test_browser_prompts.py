@@ -206,6 +206,14 @@ def test_the_seed_shape_screenshots(page: Page, served: dict[str, Any]) -> None:
     page.wait_for_selector("body[data-charts-ready]")
     assert page.locator("#history-table tr.history-group").count() == SEED_STEPS
     assert page.locator("#history-table .vote-bar.split").count() > 0  # the leaky run's splits
+    # a split vote drawn in proportion: each segment's width its share of the group
+    split = page.locator("#history-table .vote-bar.split").first.locator(".vote-seg")
+    counts = [
+        int((t or "").split(" × ")[0]) for t in split.evaluate_all("(s) => s.map((e) => e.title)")
+    ]
+    widths = split.evaluate_all("(s) => s.map((e) => e.getBoundingClientRect().width)")
+    shares = [w / sum(widths) for w in widths]
+    assert shares == pytest.approx([c / sum(counts) for c in counts], abs=0.02)
     _shot(page, "prompt-history-seed", full=False)  # 150 groups: the top is what to look at
     # a group's completions open under it, in place
     fifth = page.locator("#history-table tr.history-group").nth(4)
