@@ -13,7 +13,12 @@ from rollout_lens.server.core.prompt_rules import votes_object
 from rollout_lens.server.store.prompt_rollups import stored_votes
 from rollout_lens.server.webapp.pages.stepview import state_name
 from rollout_lens.server.webapp.queries.explorer import MAX_ID
-from rollout_lens.server.webapp.queries.prompt_rollouts import MAX_ROLLOUTS, prompt_rollouts
+from rollout_lens.server.webapp.queries.prompt_rollouts import (
+    GROUPS_A_READ,
+    MAX_ROLLOUTS,
+    groups_sql,
+    prompt_rollouts,
+)
 from rollout_lens.server.webapp.queries.prompts import (
     HEATMAP_COLUMNS,
     HISTORY_PAGE,
@@ -169,35 +174,48 @@ def _rollouts_of(
     session: Session, run_id: int, prompt_id: int, groups: Sequence[Any], *, completions: bool
 ) -> list[dict[str, Any]]:
     """The rollouts of these groups of the prompt (a page of its history, in order), with
-    their completions when asked (prompt_rollouts), else their scalar columns alone."""
-    lo, hi = groups[0].step, groups[-1].step
+    their completions when asked (prompt_rollouts), else their scalar columns alone. Read by
+    seeks in the rollouts' (run, step, group, index) key (groups_sql): a step range would read
+    every rollout between the prompt's first and last groups on SQLite."""
+    pairs = [(g.step, g.group) for g in groups]
     if completions:
         return prompt_rollouts(
-            session, run_id=run_id, prompt_id=prompt_id, first_step=lo, last_step=hi
+            session,
+            run_id=run_id,
+            prompt_id=prompt_id,
+            first_step=pairs[0][0],
+            last_step=pairs[-1][0],
+            groups=pairs,
         )
-    rows = session.execute(
-        text(
-            'SELECT r.id, r.step, r."group", r.idx, r.verifier_reward, r.true_score, '
-            "r.advantage, r.vote, r.format_valid, r.format_state FROM rollouts r "
-            "WHERE r.run_id = :run AND r.prompt_id = :prompt AND r.step >= :lo "
-            'AND r.step <= :hi ORDER BY r.step, r."group", r.idx'
-        ),
-        {"run": run_id, "prompt": prompt_id, "lo": lo, "hi": hi},
-    )
-    return [
-        {
-            "id": r.id,
-            "step": r.step,
-            "group": r.group,
-            "index": r.idx,
-            "verifier_reward": r.verifier_reward,
-            "true_score": r.true_score,
-            "advantage": r.advantage,
-            "vote": r.vote,
-            "state": state_name(r.format_valid, r.format_state),
-        }
-        for r in rows
-    ]
+    out = []
+    for start in range(0, len(pairs), GROUPS_A_READ):
+        where, params = groups_sql(pairs[start : start + GROUPS_A_READ])
+        rows = session.execute(
+            text(
+                'SELECT r.id, r.step, r."group", r.idx, r.verifier_reward, r.true_score, '
+                "r.advantage, r.vote, r.format_valid, r.format_state FROM rollouts r "
+                f"WHERE r.run_id = :run AND r.prompt_id = :prompt AND {where} "
+                'ORDER BY r.step, r."group", r.idx'
+            ),
+            {"run": run_id, "prompt": prompt_id, **params},
+        )
+        wanted = set(pairs[start : start + GROUPS_A_READ])
+        out += [
+            {
+                "id": r.id,
+                "step": r.step,
+                "group": r.group,
+                "index": r.idx,
+                "verifier_reward": r.verifier_reward,
+                "true_score": r.true_score,
+                "advantage": r.advantage,
+                "vote": r.vote,
+                "state": state_name(r.format_valid, r.format_state),
+            }
+            for r in rows
+            if (r.step, r.group) in wanted
+        ]
+    return out
 
 
 def prompt_history(
