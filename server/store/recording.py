@@ -23,9 +23,10 @@ import orjson
 from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core import textsafe
 from rollout_lens.server.core.errors import RolloutsTaken, StepOutOfOrder
+from rollout_lens.server.core.prompt_rules import recorded_query
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
-from rollout_lens.server.store import arrays, layout, rollups, search
+from rollout_lens.server.store import arrays, layout, prompt_rollups, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
     Base,
@@ -154,10 +155,12 @@ class _Driver:
     def cursor(conn: Connection) -> Any:
         """Driver SQL through the connection (its errors wrapped as SQLAlchemy's, so writers
         tell a lost connection from a refused row)."""
-        return _DriverSql(conn)
+        return DriverSql(conn)
 
 
-class _DriverSql:
+class DriverSql:
+    """Driver SQL on a connection, as the Recorder and the prompt rollups write rows."""
+
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.postgres = conn.dialect.name == "postgresql"
@@ -238,6 +241,7 @@ class Recorder:
         self.refused_series = 0  # names past MAX_SERIES_PER_RUN, not recorded
         self.keep_every: int | None = run.keep_tokens_every or None
         self.buckets = rollups.OpenBuckets(conn, run_id=run_id, n_series=len(self.series_names))
+        self.prompts = prompt_rollups.PromptRollup(conn, run_id=run_id)
         history = conn.execute(
             select(StepRow.step, *layout.STEP_COLUMNS, StepRow.series)
             .where(StepRow.run_id == run_id)
@@ -515,6 +519,7 @@ class Recorder:
         self.unindexed += [
             (rid, r.completion) for r, rid in zip(rollouts, rollout_ids, strict=True)
         ]
+        self.prompts.add(conn, step=step, groups=_groups(rollouts, prompts, prompt_ids))
         if index:
             self.index(conn)
 
@@ -623,6 +628,24 @@ class Recorder:
         if ids.min() < 0 or ids.max() >= len(known) or not known[ids].all():
             return arrays.text_rule(r.completion, ids, self.token_texts)
         return arrays.pieces_rule(r.completion, self._texts[ids].tolist())
+
+
+def _groups(
+    rollouts: Sequence[RolloutRecord], shas: Sequence[str], prompt_ids: dict[str, int]
+) -> list[prompt_rollups.NewGroup]:
+    """The rollouts by group, as the per-prompt rollups take them (a group's prompt, query and
+    target are its first rollout's)."""
+    out: dict[int, prompt_rollups.NewGroup] = {}
+    for r, sha in zip(rollouts, shas, strict=True):
+        g = out.get(r.group)
+        if g is None:
+            g = out[r.group] = prompt_rollups.NewGroup(
+                r.group, prompt_ids[sha], r.prompt, recorded_query(r.meta), r.target, [], [], []
+            )
+        g.rewards.append(finite(r.verifier_reward))
+        g.true_scores.append(finite(r.true_score))
+        g.votes.append(r.vote)
+    return list(out.values())
 
 
 def _split_meta(

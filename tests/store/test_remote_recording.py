@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from bench.tcp_proxy import TcpProxy
 from tests.factories import CONTROL_TOKENS, load_run, make_rollouts
+from tests.prompt_lens_support import assert_matches_oracle
 from tests.waiting import returns, until
 from tests.web_support import serve_app
 
@@ -136,6 +137,10 @@ def test_a_remote_run_exports_as_the_same_run_recorded_locally(
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     run, rows, _, _ = load_run(url, remote.run_id)
     assert run.status == "completed" and run.source == "callback" and run.recorded_by
+    # the prompt lens of the run recorded over HTTP: the oracle's, and the local run's
+    lens_there = assert_matches_oracle(session_factory, remote.run_id)
+    lens_here = assert_matches_oracle(session_factory, local.run_id)
+    assert lens_there.keys() == lens_here.keys() and lens_there
 
 
 def test_a_retry_after_a_lost_answer_writes_nothing_twice(

@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import user_script as us
+from tests.prompt_lens_support import assert_matches_oracle
 
 REWARDS = ["says_the_color", "is_short"]
 
@@ -110,6 +111,8 @@ def test_a_real_trl_run_becomes_a_run(
         sum(r["verifier_reward"] for r in first) / len(first)
     )
     assert set(series) == {f"rewards/{name}/mean" for name in REWARDS}
+    lens = assert_matches_oracle(session_factory, done.run_id)
+    assert len(lens) == len({r["prompt"] for r in rollouts})
 
 
 def test_num_generations_can_be_given_and_must_fit(
@@ -253,6 +256,7 @@ def test_follow_a_trl_output_dir_while_it_is_written(
     with session_scope(session_factory) as session:
         count = sum(1 for _ in store.iter_rollouts(session, run_id=run.id))
     assert count == len(_rows(trl_output))
+    assert_matches_oracle(session_factory, run.id)
     # Again on the same folder: the run is resumed after its last step, nothing recorded twice.
     again = ["import-trl", str(out), "--follow", "--idle", "0.3", "--settle", "0.3"]
     assert main([*again, "--num-generations", "2"]) == 2

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tests import verl_dump
 from tests.follow_support import half, newest_run, recorded, use_database
+from tests.prompt_lens_support import assert_matches_oracle
 from tests.waiting import until
 
 N = 4  # verl's actor_rollout_ref.rollout.n
@@ -200,6 +201,7 @@ def test_a_verl_run_becomes_a_run(session_factory: sessionmaker[Session], dumps:
     assert [s for s, _ in series["verl/val/score"]] == [2, 4, 5]
     # The validation before training (verl's step 0) is a note: a run's steps start at 1.
     assert min(steps) == 1
+    assert len(assert_matches_oracle(session_factory, done.run_id)) == len(PROMPTS)
     assert "validation before training (verl's step 0): mean acc 0.3333 over 3 samples" in " ".join(
         run.notes
     )
@@ -372,6 +374,7 @@ def test_follow_records_steps_as_verl_writes_them(
             run = newest_run(session_factory)
             assert run is not None
             seen["live"] = (run.status, run.heartbeat_at, run.worker_host, run.total_steps)
+            seen["lens"] = assert_matches_oracle(session_factory, run.id)  # live, mid-run
             with client_for(session_factory) as client:
                 seen["page"] = client.get(f"/runs/{run.id}").text
                 seen["progress"] = client.get(f"/api/runs/{run.id}/progress").json()
@@ -421,6 +424,8 @@ def test_follow_records_steps_as_verl_writes_them(
     step3 = [r["completion"] for r in rollouts if r["step"] == 3]
     assert step3 == [row["output"] for row in lines(tmp_path / "scratch" / "3.jsonl")]
     assert len(rollouts) == 5 * N * len(PROMPTS)
+    assert {g["step"] for p in seen["lens"].values() for g in p["history"]} == {1, 2}
+    assert_matches_oracle(session_factory, run.id)
 
 
 def test_a_restart_resumes_after_the_last_recorded_step(
