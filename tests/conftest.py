@@ -29,7 +29,8 @@ PG_URL = os.environ.get(
 
 TESTS = Path(__file__).resolve().parent
 # A test's layer is the folder it lives in (docs/tests.md): what it needs and what runs it follow
-# from that alone. `make check` runs unit, store and web; `make test` every layer but release;
+# from that alone. `make check` runs unit, store and web (on SQLite: `-m 'not postgres'`, the
+# Makefile's CHECK_MARKS); `make test` every layer but release, the store's on both databases;
 # `make release-test` release; the dashboard-only venv runs slim.
 LAYERS = {
     "unit": "pure code: no database, no server, no model",
