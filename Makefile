@@ -25,8 +25,9 @@ TEST_EXTRAS ?= train,test,real,docs
 ARGS ?=
 # The suite waits on subprocesses, Celery workers, Chromium and the databases more than on the
 # CPU: two pytest-xdist processes, each taking a whole file at a time (a file's module fixtures
-# are built once, and the files that flush a Redis database each have their own).
-PYTEST_XDIST ?= -n 2 --dist loadfile
+# are built once, and the files that flush a Redis database each have their own), in the order
+# tests/conftest.py gives them (the longest first: --no-loadscope-reorder keeps it).
+PYTEST_XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 # The tiny models ship prebuilt in the package (rollout_lens/models/) and are copied here on
 # first use; they are built instead (minutes) only where torch/transformers differ from the build's.
 export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
@@ -62,8 +63,7 @@ run: $(VENV)/.installed
 prebuilt: $(VENV)/.installed
 	$(VENV)/bin/python -m rollout_lens.trainer.builders.prebuilt
 
-# tests/ by layer (tests/conftest.py, docs/tests.md): a test's folder says what it needs. The
-# layers of long tests go first, so that pytest-xdist's last files are short ones.
+# tests/ by layer (tests/conftest.py, docs/tests.md): a test's folder says what it needs.
 CHECK_LAYERS = tests/web tests/store tests/unit
 TEST_LAYERS = tests/e2e tests/trainer tests/browser $(CHECK_LAYERS)
 
