@@ -69,7 +69,7 @@ def test_a_real_trl_run_becomes_a_run(
     session_factory: sessionmaker[Session], trl_output: Path
 ) -> None:
     written = _rows(trl_output)
-    done = import_trl(session_factory, trl_output, name="my trl run")
+    done = import_trl(session_factory, trl_output, name="my trl run", settle=0)
     assert (done.steps, done.rollouts) == (4, len(written))
     with session_scope(session_factory) as session:
         run = store.get_run(session, run_id=done.run_id)
@@ -118,13 +118,13 @@ def test_a_real_trl_run_becomes_a_run(
 def test_num_generations_can_be_given_and_must_fit(
     session_factory: sessionmaker[Session], trl_output: Path
 ) -> None:
-    done = import_trl(session_factory, trl_output, num_generations=2)
+    done = import_trl(session_factory, trl_output, num_generations=2, settle=0)
     with session_scope(session_factory) as session:
         assert store.get_run(session, run_id=done.run_id).group_size == 2
         groups = {(r.step, r.group) for r, _ in store.iter_rollouts(session, run_id=done.run_id)}
     assert len(groups) == done.rollouts // 2
     with pytest.raises(InvalidInput, match="not a multiple of num_generations 3"):
-        import_trl(session_factory, trl_output, num_generations=3)
+        import_trl(session_factory, trl_output, num_generations=3, settle=0)
     assert _runs(session_factory) == 1
 
 
@@ -164,8 +164,10 @@ def test_a_damaged_output_dir_creates_nothing(
         steps = table.column("step").to_pylist()
         steps[-1] += 1
         pq.write_table(table.set_column(0, "step", [steps]), last)
+    # settle=0, as in every import here but the followed one: the files are whole, and the
+    # default waits 2 s for a file written a moment ago to keep its size (2 s a test).
     with pytest.raises(InvalidInput, match=message):
-        import_trl(session_factory, out)
+        import_trl(session_factory, out, settle=0)
     assert _runs(session_factory) == 0
 
 
@@ -187,7 +189,7 @@ def test_the_imported_run_shows_in_the_dashboard(
 ) -> None:
     from tests.web_support import client_for
 
-    done = import_trl(session_factory, trl_output, name="from TRL")
+    done = import_trl(session_factory, trl_output, name="from TRL", settle=0)
     with client_for(session_factory) as client:
         page = client.get(f"/runs/{done.run_id}")
         assert page.status_code == 200 and "from TRL" in page.text
