@@ -385,7 +385,7 @@ def trl_table(record: StepRecord) -> dict[str, list]:
 
 class RealText:
     """Windows of a real tokenizer's ids over real English and real code, for completions that
-    read like a model's instead of Zipf draws. English: this project's README and docs, then
+    read like a model's instead of Zipf draws. English: this project's README and docs/, then
     the machine's own prose where it has some (the licence texts under /usr/share/common-licenses,
     vim's manual); code: the Python standard library's modules; about CORPUS_CHARS of each.
     ASCII lines only: each id's text is then exactly its share of the completion (a piece holding
@@ -401,7 +401,7 @@ class RealText:
         from transformers import AutoTokenizer
 
         root = Path(__file__).resolve().parent.parent
-        english = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+        english = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
         english += sorted(Path("/usr/share/common-licenses").glob("*"))
         english += sorted(Path("/usr/share/vim").glob("vim*/doc/*.txt"))
         code = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))

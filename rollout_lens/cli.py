@@ -382,8 +382,8 @@ def serve_dashboard(
             return _fail(
                 f"refusing to serve on {args.host} without an access token: anyone who can "
                 "reach this port could launch, cancel and delete runs. Set "
-                "ROLLOUT_LENS_AUTH_TOKEN (see README: Security), serve on 127.0.0.1, or pass "
-                "--insecure to do it anyway"
+                "ROLLOUT_LENS_AUTH_TOKEN (see docs/deployment/security.md), serve on 127.0.0.1, "
+                "or pass --insecure to do it anyway"
             )
         print(
             f"rollout-lens: warning: serving on {args.host} with no access token (--insecure): "

@@ -28,7 +28,7 @@ PG_URL = os.environ.get(
 )
 
 TESTS = Path(__file__).resolve().parent
-# A test's layer is the folder it lives in (README, "Tests"): what it needs and what runs it follow
+# A test's layer is the folder it lives in (docs/tests.md): what it needs and what runs it follow
 # from that alone. `make check` runs unit, store and web; `make test` every layer but release;
 # `make release-test` release; the dashboard-only venv runs slim.
 LAYERS = {
@@ -55,18 +55,23 @@ def layer_of(path: Path) -> str:
     if len(parts) < 2 or parts[0] not in LAYERS:
         raise pytest.UsageError(
             f"tests/{'/'.join(parts)}: a test module lives in one of the layers' folders,"
-            f" tests/{{{','.join(LAYERS)}}}/ (README, Tests)"
+            f" tests/{{{','.join(LAYERS)}}}/ (docs/tests.md)"
         )
     return parts[0]
 
 
-# The caller's own settings never reach a test: a ROLLOUT_LENS_DATABASE_URL exported as the README
-# tells a PostgreSQL user to (or a URL, a token, a data dir) would change what the CLI, the
+# The caller's own settings never reach a test: a ROLLOUT_LENS_DATABASE_URL exported as the docs
+# tell a PostgreSQL user to (or a URL, a token, a data dir) would change what the CLI, the
 # settings and every subprocess a test starts see. Only the test run's own knobs stay: where the
-# built models are cached, which PostgreSQL server the store tests use, and the page oracle's
-# regeneration (tests/store/test_page_oracle.py).
+# built models are cached, which PostgreSQL server the store tests use, the page oracle's
+# regeneration (tests/store/test_page_oracle.py) and where screenshots go (docs/tests.md).
 KEPT_ENVIRONMENT = frozenset(
-    {"ROLLOUT_LENS_MODEL_CACHE_DIR", "ROLLOUT_LENS_TEST_PG_URL", "ROLLOUT_LENS_WRITE_ORACLE"}
+    {
+        "ROLLOUT_LENS_MODEL_CACHE_DIR",
+        "ROLLOUT_LENS_TEST_PG_URL",
+        "ROLLOUT_LENS_WRITE_ORACLE",
+        "ROLLOUT_LENS_TEST_ARTIFACTS",
+    }
 )
 for _name in [n for n in os.environ if n.startswith("ROLLOUT_LENS_")]:
     if _name not in KEPT_ENVIRONMENT:

@@ -22,7 +22,7 @@ import numpy as np
 import orjson
 from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core import textsafe
-from rollout_lens.server.core.errors import StepOutOfOrder
+from rollout_lens.server.core.errors import RolloutsTaken, StepOutOfOrder
 from rollout_lens.server.core.prompt_rules import recorded_query
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
@@ -32,6 +32,7 @@ from rollout_lens.server.store.models import (
     Base,
     FactsRow,
     PromptRow,
+    RolloutRow,
     RunRow,
     RunTokenRow,
     StepRow,
@@ -309,6 +310,8 @@ class Recorder:
         step = record.step
         if self.last_step is not None and step < self.last_step:
             raise StepOutOfOrder(step=step, last=self.last_step)  # before any write of it
+        if record.rollouts and self._has_rollouts(conn, record.rollout_step):
+            raise RolloutsTaken(step=step, rollout_step=record.rollout_step)  # and this too
         values = {name: finite(record.values.get(name)) for name in STEP_SERIES}
         metrics = {name: finite(value) for name, value in record.metrics.items()}
         new_names = [n for n in metrics if n not in self.known_series]
@@ -400,6 +403,16 @@ class Recorder:
                 MAX_SERIES_PER_RUN,
             )
         self.refused_series += len(names)
+
+    def _has_rollouts(self, conn: Connection, rollout_step: int) -> bool:
+        """Whether the run has rollouts generated at `rollout_step` (their unique key's index:
+        a step re-sending them would otherwise fail on that key, after its other writes)."""
+        found = conn.scalar(
+            select(RolloutRow.id)
+            .where(RolloutRow.run_id == self.run_id, RolloutRow.step == rollout_step)
+            .limit(1)
+        )
+        return found is not None
 
     def _keeps(self, step: int, fired: bool) -> bool:
         """Whether retention keeps the token arrays of the rollouts generated at `step`."""

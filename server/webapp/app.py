@@ -29,6 +29,7 @@ from rollout_lens.server.webapp.routes import (
     api,
     downloads,
     html,
+    prompt_pages,
     prompts,
     record,
     signin,
@@ -138,6 +139,7 @@ def create_app(
     app.state.flash_signer = make_signer()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(html.router)
+    app.include_router(prompt_pages.router)
     app.include_router(api.router)
     app.include_router(prompts.router)
     app.include_router(actions.router)

@@ -163,7 +163,7 @@ def test_assets_are_local(session_factory, client) -> None:
         assert all(s.startswith("/static/") for s in sources), sources
         for source in sources:
             assert client.get(source).status_code == 200, source
-    assert "/static/vendor/plotly-basic-4.1.1.min.js" in client.get(f"/runs/{run_id}").text
+    assert "/static/vendor/plotly-cartesian-4.1.1.min.js" in client.get(f"/runs/{run_id}").text
 
 
 def test_step_viewer_shows_the_group(session_factory, client) -> None:
@@ -219,6 +219,7 @@ def test_step_viewer_navigation(session_factory, client) -> None:
         "next-step": f"/runs/{run_id}/steps/4",
         "last-step": f"/runs/{run_id}/steps/5",
         "step-rollouts": f"/runs/{run_id}/rollouts?steps=3",  # the step in the explorer
+        "step-prompts": f"/runs/{run_id}/prompts",  # the run's prompts over its steps
     }
     slider = page.by_id("step-slider")
     assert (slider.attrs["min"], slider.attrs["max"], slider.attrs["value"]) == ("1", "5", "3")
