@@ -4,9 +4,9 @@ against TRL's own completions parquet, and the pages that read it at 100 and 1,0
 Data (bench/scale_data.py): steps of 64 groups × 8 rollouts × ~1,024 tokens (varying per
 rollout), 4 control tokens, a 150k vocabulary; token ids Zipf-like, token texts that concatenate
 to the completion, logprobs mostly near 0, control-token probabilities mostly near 0 with the
-close tag near 1 at the call's end, a dataset of 256 tool-listing prompts (a few KB each)
-recurring across steps, group-normalised advantages, a few verifier/truth disagreements, a
-stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
+close tag near 1 at the call's end, a dataset of 5,000 tool-listing prompts (a few KB each)
+read in epochs (a seeded shuffle each), group-normalised advantages, a few verifier/truth
+disagreements, a stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
 
 1. Write. Each step is built (untimed), then written by `store.write_batch` (the StepWriter's
    one transaction with a kept Recorder) into a migrated SQLite file and, with --pg, a database

@@ -77,6 +77,43 @@ def _groups_of(
     )
 
 
+def _cell_groups(session: Session, run_id: int, prompt_ids: Sequence[int]) -> Sequence[Any]:
+    """What a heatmap cell needs of these prompts' groups, in (prompt, step, group) order."""
+    if not prompt_ids:
+        return []
+    marks = ", ".join(f":p{i}" for i in range(len(prompt_ids)))
+    return session.execute(
+        text(
+            'SELECT g.prompt_id, g.step, g."group", g.reward_mean, g.reward_n, g.true_mean, '
+            "g.true_n, g.solved, g.zero_spread FROM prompt_groups g "
+            f"WHERE g.run_id = :run AND g.prompt_id IN ({marks}) "
+            'ORDER BY g.prompt_id, g.step, g."group"'
+        ),
+        {"run": run_id} | {f"p{i}": p for i, p in enumerate(prompt_ids)},
+    ).all()
+
+
+def _cell(col: int, c: list[Any]) -> dict[str, Any]:
+    """A heatmap cell from its sums (heatmap's positions)."""
+    reward = c[8] / c[9] if c[9] else None
+    true = c[10] / c[11] if c[11] else None
+    return {
+        "col": col,
+        "first_step": c[0],
+        "last_step": c[1],
+        "step": c[2],
+        "group": c[3],
+        "groups": c[4],
+        "solved": c[5],
+        "failed": c[6],
+        "zero_spread": c[7],
+        "reward_mean": reward,
+        "true_mean": true,
+        "score": "true" if c[11] else "reward",
+        "value": true if c[11] else reward,
+    }
+
+
 def heatmap(
     session: Session, *, run_id: int, query: PromptQuery, width: int = HEATMAP_COLUMNS
 ) -> dict[str, Any]:
@@ -93,53 +130,47 @@ def heatmap(
     lo, hi = span if span is not None else (0, -1)
     bucket = max(1, math.ceil((hi - lo + 1) / width)) if span is not None else 1
     columns = (hi - lo) // bucket + 1 if span is not None else 0
-    cells: dict[int, dict[int, dict[str, Any]]] = {}
-    for g in _groups_of(session, run_id, [r.prompt_id for r in rows]):
-        col = (g.step - lo) // bucket
-        cell = cells.setdefault(g.prompt_id, {}).get(col)
+    # [first step, last step, step, group, groups, solved, failed, zero spread, Σ reward,
+    # rewards, Σ true, trues] a cell, by prompt and column: positions, not a dict a group
+    cells: dict[int, dict[int, list[Any]]] = {}
+    for (
+        prompt_id,
+        step,
+        group,
+        reward_mean,
+        reward_n,
+        true_mean,
+        true_n,
+        solved,
+        flat,
+    ) in _cell_groups(session, run_id, [r.prompt_id for r in rows]):
+        col = (step - lo) // bucket
+        row_cells = cells.get(prompt_id)
+        if row_cells is None:
+            row_cells = cells[prompt_id] = {}
+        cell = row_cells.get(col)
         if cell is None:
-            cell = cells[g.prompt_id][col] = {
-                "col": col,
-                "first_step": g.step,
-                "last_step": g.step,
-                "step": g.step,
-                "group": g.group,
-                "groups": 0,
-                "solved": 0,
-                "failed": 0,
-                "zero_spread": 0,
-                "_r": [0.0, 0],
-                "_t": [0.0, 0],
-            }
-        cell["last_step"] = g.step
-        cell["groups"] += 1
-        cell["solved"] += g.solved is not None and bool(g.solved)
-        cell["failed"] += g.solved is not None and not g.solved
-        cell["zero_spread"] += bool(g.zero_spread)
-        if g.reward_mean is not None:
-            cell["_r"][0] += g.reward_mean * g.reward_n
-            cell["_r"][1] += g.reward_n
-        if g.true_mean is not None:
-            cell["_t"][0] += g.true_mean * g.true_n
-            cell["_t"][1] += g.true_n
+            cell = row_cells[col] = [step, step, step, group, 0, 0, 0, 0, 0.0, 0, 0.0, 0]
+        cell[1] = step
+        cell[4] += 1
+        if solved is not None:
+            cell[5 if solved else 6] += 1
+        cell[7] += bool(flat)
+        if reward_mean is not None:
+            cell[8] += reward_mean * reward_n
+            cell[9] += reward_n
+        if true_mean is not None:
+            cell[10] += true_mean * true_n
+            cell[11] += true_n
     out_rows = []
     for r in rows:
-        row_cells = []
-        for cell in cells.get(r.prompt_id, {}).values():
-            rs, rn = cell.pop("_r")
-            ts, tn = cell.pop("_t")
-            cell["reward_mean"] = rs / rn if rn else None
-            cell["true_mean"] = ts / tn if tn else None
-            cell["score"] = "true" if tn else "reward"
-            cell["value"] = cell["true_mean"] if tn else cell["reward_mean"]
-            row_cells.append(cell)
         out_rows.append(
             {
                 "prompt_id": r.prompt_id,
                 "label": r.label[:LABEL_HEAD],
                 "solved_at": r.solved_at,
                 "flips": r.flips,
-                "cells": row_cells,
+                "cells": [_cell(col, c) for col, c in cells.get(r.prompt_id, {}).items()],
             }
         )
     return {
