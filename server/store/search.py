@@ -37,7 +37,6 @@ SEARCH_CHARS = 200_000  # a longer completion is searchable in its first 200,000
 MAX_WORDS = 20  # a query's words, all of which must appear
 MAX_WORD_CHARS = 200  # a longer word is refused, not cut (the runs page's search says the same)
 MAX_QUERY_CHARS = 4096  # the text of a query: room for MAX_WORDS words of MAX_WORD_CHARS
-MAX_PROMPTS = 1000  # prompts a search may match (their ids go into the query)
 # Distinct words a prefix may stand for on PostgreSQL: each is a GIN scan (_by_prefix), about
 # 60 microseconds, and its matches a row read each (`ves*` at 1,000 full steps, 11,575 words and
 # 138,709 matches: 0.7-0.9 s). A prefix of PREFIX_HEAD characters is one number instead, its
@@ -332,14 +331,20 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
             .scalars()
             .all()
         )
-    if len(prompt_ids) > MAX_PROMPTS:
-        raise InvalidInput(
-            f"q: the words are in more than {MAX_PROMPTS:,} prompts; add a word to narrow it"
+    # The matching prompts as one parameter however many they are (a dataset's every prompt can
+    # hold a common word): PostgreSQL's an integer array, SQLite's the prompts' index again (a
+    # subquery it evaluates once), where a mark a prompt would meet SQLite's variable limit.
+    by_prompt: dict[str, Any]
+    if postgres:
+        prompts_sql = "r.prompt_id = ANY(CAST(:prompt_ids AS integer[]))"
+        by_prompt = {"prompt_ids": list(prompt_ids)}
+    else:
+        prompts_sql = (
+            "r.prompt_id IN (SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :prompt_words)"
         )
-    marks = ", ".join(f":prompt{i}" for i in range(len(prompt_ids)))
-    by_prompt = {f"prompt{i}": pid for i, pid in enumerate(prompt_ids)}
-    if prompt_ids and postgres and _all_prompts(conn, run_id, marks, by_prompt):
-        return Match(f"(r.prompt_id IN ({marks}))", by_prompt, None)
+        by_prompt = {"prompt_words": fts5_query(terms)}
+    if prompt_ids and postgres and _all_prompts(conn, run_id, by_prompt["prompt_ids"]):
+        return Match(f"({prompts_sql})", by_prompt, None)
     total: int | None = None
     if postgres:
         rollouts, params, total = _postgres_rollouts(conn, run_id, numbers)
@@ -354,7 +359,7 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
     if not prompt_ids:
         return Match(f"({rollouts})", params, total)
     # The prompts first: a row whose prompt has the words needs no look at its own
-    return Match(f"(r.prompt_id IN ({marks}) OR {rollouts})", params | by_prompt, None)
+    return Match(f"({prompts_sql} OR {rollouts})", params | by_prompt, None)
 
 
 def prompt_match_sql(conn: Connection, *, q: str, column: str) -> Match:
@@ -377,18 +382,20 @@ def prompt_match_sql(conn: Connection, *, q: str, column: str) -> Match:
     )
 
 
-def _all_prompts(conn: Connection, run_id: int, marks: str, prompts: dict[str, int]) -> bool:
-    """PostgreSQL: whether every rollout of the run has one of these prompts (`marks`, their
-    parameters' names): the run's distinct prompts, read in order from RUN_PROMPTS_INDEX one
-    look-up each (a loose index scan), until one is not among them — at most one more look-up
-    than there are prompts, however many rollouts the run has."""
+def _all_prompts(conn: Connection, run_id: int, prompt_ids: list[int]) -> bool:
+    """PostgreSQL: whether every rollout of the run has one of these prompts: the run's
+    distinct prompts, read in order from RUN_PROMPTS_INDEX one look-up each (a loose index
+    scan), until one is not among them — at most one more look-up than there are prompts,
+    however many rollouts the run has."""
     first = "SELECT prompt_id FROM rollouts WHERE run_id = :cover_run"
     walk = (
         f"WITH RECURSIVE p(id) AS (SELECT ({first} ORDER BY prompt_id LIMIT 1) UNION ALL "
         f"SELECT ({first} AND prompt_id > p.id ORDER BY prompt_id LIMIT 1) FROM p "
-        f"WHERE p.id IS NOT NULL) SELECT 1 FROM p WHERE p.id NOT IN ({marks}) LIMIT 1"
+        "WHERE p.id IS NOT NULL) SELECT 1 FROM p "
+        "WHERE p.id <> ALL(CAST(:cover_prompts AS integer[])) LIMIT 1"
     )
-    return conn.execute(text(walk), prompts | {"cover_run": run_id}).first() is None
+    found = conn.execute(text(walk), {"cover_run": run_id, "cover_prompts": prompt_ids})
+    return found.first() is None
 
 
 def _prefix_end(prefix: str) -> str:

@@ -227,6 +227,57 @@ def test_every_sort_pages_through_every_row_in_order(
     assert [r["id"] for r in rows] == _expected_order(truth, sort, order)
 
 
+def test_a_word_in_more_prompts_than_a_query_has_marks_is_searched(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """A dataset's every prompt holds its template's words: a search for one of them matches
+    1,100 prompts (past 1,000, where the explorer once refused, and past what one statement's
+    marks could hold) and finds every rollout they have, as the brute force does."""
+    rng = random.Random(5)
+    prompts = 1100
+    with session_scope(session_factory) as session:
+        run_id = store.create_run(
+            session, name="dataset", model="m", total_steps=1, group_size=1,
+            control_tokens=CONTROL_TOKENS,
+        ).id  # fmt: skip
+        rollouts = []
+        for group in range(prompts):
+            ids = [rng.randrange(len(WORDS)) for _ in range(3)]
+            rollouts.append(
+                RolloutRecord(
+                    group=group,
+                    index=0,
+                    prompt=f"Tools: tool_{group % 64:02d}. Query: template item{group}",
+                    completion="".join(TOKEN_TEXTS[i] for i in ids),
+                    completion_ids=ids,
+                    token_logprobs=[-0.5 for _ in ids],
+                    control_probs={c: [0.5 for _ in ids] for c in CONTROL_TOKENS},
+                    vote=None,
+                    target=None,
+                    verifier_reward=0.5,
+                    true_score=None,
+                    advantage=0.0,
+                    format_valid=True,
+                    format_state=None,
+                    tokens=[TOKEN_TEXTS[i] for i in ids],
+                )
+            )
+        store.record_step(
+            session,
+            run_id=run_id,
+            record=StepRecord(1, 1, {"reward_mean": 0.5}, rollouts),
+            control_tokens=CONTROL_TOKENS,
+        )
+    truth = _truth(session_factory, run_id)
+    with client_for(session_factory) as client:
+        for q in ["template", "templ*", "template+item1*", "templ*+item10*", "tool_07+query"]:
+            rows, total = _all_pages(client, f"/api/runs/{run_id}/rollouts?q={q}&limit=200")
+            expected = sorted(r["id"] for r in truth if _has(r, q.replace("+", " ")))
+            assert expected, q
+            assert sorted(r["id"] for r in rows) == expected, q
+            assert total == len(expected), q
+
+
 def test_keyset_pages_have_no_gap_or_repeat_while_steps_are_written(
     session_factory: sessionmaker[Session], explored: Any
 ) -> None:

@@ -19,6 +19,7 @@ from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.store import search
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.migrate import downgrade, upgrade
+from rollout_lens.server.store.models import PromptGroupRow, RunPromptRow
 from rollout_lens.server.store.recording import sha256_text
 from rollout_lens.server.webapp import queries
 from sqlalchemy import Connection, Engine, create_engine, text
@@ -284,24 +285,30 @@ def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
             text("INSERT INTO prompts (sha256, text) VALUES (:h, :t)"),
             {"h": sha256_text(prompt), "t": prompt},
         )
-    # Today's store writes the columns later migrations add (0011's, 0017's): present while it
-    # writes, then dropped, so that the database is 0009's again when it is upgraded.
+    # Today's store writes the columns and tables later migrations add (0011's, 0017's, 0019's
+    # prompt rollups): present while it writes, then dropped, so that the database is 0009's
+    # again when it is upgraded.
     later = {
         "runs": ("record_key", "recorded_by", "record_epoch", "ended_by"),
         "alerts": ("notify_state", "notify_error"),
     }
     typed = {"record_epoch": "integer NOT NULL DEFAULT 0"}
+    rollups = [PromptGroupRow.__table__, RunPromptRow.__table__]
     with pg_0009.begin() as conn:
         for table, columns in later.items():
             for column in columns:
                 kind = typed.get(column, "text")
                 conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
+        for rollup in rollups:
+            rollup.create(conn)
     run_id = _write(factory, steps, index=False)  # indexed below as 0006's store did
     with pg_0009.begin() as conn:
         for table, columns in later.items():
             conn.execute(
                 text(f"ALTER TABLE {table} " + ", ".join(f"DROP COLUMN {c}" for c in columns))
             )
+        for rollup in reversed(rollups):
+            rollup.drop(conn)
     pg_0009.dispose()  # no pooled connection keeps the columns' old row type
     with pg_0009.begin() as conn:
         rows = conn.execute(

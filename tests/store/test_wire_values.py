@@ -316,15 +316,16 @@ def test_the_migration_repairs_values_stored_before(sqlite_url: str) -> None:
     """Rows an older store wrote with NaN and Infinity tokens (SQLite took them as text): the
     step page was a 500 until migration 0018 made them null."""
     from rollout_lens.server.store.db import make_engine, make_session_factory
-    from rollout_lens.server.store.migrate import upgrade
+    from rollout_lens.server.store.migrate import downgrade, upgrade
     from sqlalchemy import text
 
     from tests.web_support import client_for
 
     engine = make_engine(sqlite_url)
-    upgrade(engine, "0017")
+    upgrade(engine)  # today's store records the run, then the schema goes back to before 0018
     factory = make_session_factory(engine)
     run_id = make_run(factory, steps=1)
+    downgrade(engine, "0017")
     with engine.begin() as conn:  # as the older serializer wrote them
         conn.execute(text("""UPDATE facts SET data = '{"query": "q", "score": Infinity}'"""))
         conn.execute(text(f"""UPDATE runs SET config = '{{"lr": NaN}}' WHERE id = {run_id}"""))
