@@ -118,6 +118,9 @@ _TEMPLATES = (
     re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)(?:<\|eot_id\|>|$)", re.S),
     re.compile(r"<start_of_turn>(\w+)\n(.*?)(?:<end_of_turn>|$)", re.S),
     re.compile(r"<\|(system|user|assistant)\|>\n?(.*?)(?:<\|end\|>|$)", re.S),
+    # tags named by their role, closed by the same name (the tiny models' <user>…</user>
+    # <assistant>, their <tool_response> turns)
+    re.compile(r"<(system|user|assistant|tool_response)>(.*?)(?:</\1>|$)", re.S),
 )
 
 

@@ -181,8 +181,11 @@ _TEMPLATES = (
     re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)(?:<\|eot_id\|>|$)", re.S),
     re.compile(r"<start_of_turn>(\w+)\n(.*?)(?:<end_of_turn>|$)", re.S),
     re.compile(r"<\|(system|user|assistant)\|>\n?(.*?)(?:<\|end\|>|$)", re.S),
+    # tags named by their role, closed by the same name (the tiny models' <user>…</user>
+    # <assistant>, their <tool_response> turns)
+    re.compile(r"<(system|user|assistant|tool_response)>(.*?)(?:</\1>|$)", re.S),
 )
-_ROLES = {"model": "assistant"}  # Gemma's name for the assistant
+_ROLES = {"model": "assistant", "tool_response": "tool"}  # Gemma's; the tiny models'
 
 
 def chat_messages(text: str) -> list[dict[str, str]]:
