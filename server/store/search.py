@@ -53,6 +53,9 @@ RUN_PROMPTS_INDEX = "ix_rollouts_search_prompts"  # PostgreSQL: rollouts (run_id
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
+# In a `spaced` text: each word's first PREFIX_HEAD characters, and each word too long to name
+_HEADS = re.compile(rf"(?:^| )([^ ]{{{PREFIX_HEAD}}})")
+_LONG = re.compile(rf"[^ ]{{{MAX_WORD_CHARS + 1},}}")
 
 
 def fts_table(run_id: int) -> str:
@@ -133,6 +136,16 @@ def search_keys(found: Iterable[str]) -> set[str]:
     return keys
 
 
+def spaced_keys(spaced_text: str) -> set[str]:
+    """search_keys of a `spaced` text's words, found by the regex engine and set operations in
+    C (no Python loop a word): its words, each word's head, a long word's key in its place."""
+    found = set(spaced_text.split())
+    keys = set(map(HEAD_MARK.__add__, set(_HEADS.findall(spaced_text))))
+    long_ = set(_LONG.findall(spaced_text))  # rare: words no query may name whole
+    keys.update(found - long_ if long_ else found, (word_key(w) for w in long_))
+    return keys
+
+
 def word_numbers(conn: Connection, keys: set[str]) -> dict[str, int]:
     """PostgreSQL: each of these keys (search_keys) → its number in search_words, numbering the
     new ones."""
@@ -163,9 +176,10 @@ def word_numbers(conn: Connection, keys: set[str]) -> dict[str, int]:
 def _number_arrays(conn: Connection, rows: Sequence[tuple[int, str]]) -> list[str]:
     """PostgreSQL: each (id, text) row's keys (search_keys) as the int4[] literal of their
     numbers, sorted, numbering the new ones."""
-    keys = [search_keys(set(found.split())) for found in spaced([t for _, t in rows])]
+    keys = [spaced_keys(found) for found in spaced([t for _, t in rows])]
     numbers = word_numbers(conn, set().union(*keys))
-    return ["{" + ",".join(map(str, sorted([numbers[k] for k in found]))) + "}" for found in keys]
+    number = numbers.__getitem__
+    return ["{" + ",".join(map(str, sorted(map(number, found)))) + "}" for found in keys]
 
 
 def _index_postgres(conn: Connection, run_id: int, rows: Sequence[tuple[int, str]]) -> None:

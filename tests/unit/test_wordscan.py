@@ -58,3 +58,14 @@ def test_the_first_search_chars_only() -> None:
     text_ = "a" * (search.SEARCH_CHARS - 2) + " bc" + " late"
     (found,) = search.spaced([text_])
     assert found.split() == ["a" * (search.SEARCH_CHARS - 2), "b"]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_spaced_keys_are_search_keys(seed: int) -> None:
+    """PostgreSQL's keys from a spaced text: each word's, each head's, a long word's own."""
+    rng = random.Random(seed)
+    long_word = "q" * (search.MAX_WORD_CHARS + 5)
+    for _ in range(300):
+        texts = _texts(rng) + [f"Ab {long_word} abc {long_word[:-5]} x " + rng.choice(TRICKY)]
+        for text_, found in zip(texts, search.spaced(texts), strict=True):
+            assert search.spaced_keys(found) == search.search_keys(search.words(text_).split())
