@@ -6,9 +6,11 @@ it: a GRPOConfig, a small dataset of chat prompts, a reward function of their ow
 train(); the callback added with nothing else (its own SQLite file). Each pair runs both arms
 (plain first in even pairs, the callback first in odd ones); a pair's ratio is the callback's
 median step over the plain one's, and the figure is the median of the pairs' ratios (their
-spread beside it). `--profile` runs one more pair under cProfile, on the training thread only
-(the writer's thread is not profiled), and prints both arms' top entries by own time: what the
-callback adds to the thread the user's step runs on.
+spread beside it); beside it the ratio of the process's CPU a step, every thread counted, which
+other load on the machine sways less than wall time. `--profile` runs one more pair with the
+training thread under cProfile (its timed steps) and prints both arms' top entries, and the
+callback's writer thread under a profiler of its own, with the CPU it spends preparing and
+committing each step: what the callback adds beside the user's step.
 
     .venv/bin/python -m bench.overhead_script --steps 40 --pairs 4
     .venv/bin/python -m bench.overhead_script --steps 30 --pairs 0 --profile
@@ -53,9 +55,12 @@ def one_run(
     steps: int,
     database_url: str | None,
     profiler: cProfile.Profile | None = None,
+    cpu: list[float] | None = None,
 ) -> list[float]:
     """Step times (seconds, after WARMUP) of one plain GRPO run; recorded when `database_url`;
-    the timed steps under `profiler` when given (the thread that trains)."""
+    the timed steps under `profiler` when given (the thread that trains); each timed step's
+    CPU seconds (the whole process's) appended to `cpu`."""
+    cpu = cpu if cpu is not None else []
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
@@ -71,15 +76,17 @@ def one_run(
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
-            self._t = 0.0
+            self.cpu: list[float] = []  # the process's CPU, every thread (the writer's too)
+            self._t = self._cpu = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             if profiler is not None and state.global_step == WARMUP:
                 profiler.enable()
-            self._t = time.perf_counter()
+            self._t, self._cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             self.times.append(time.perf_counter() - self._t)
+            self.cpu.append(time.process_time() - self._cpu)
 
     set_seed(0)
     args = GRPOConfig(
@@ -115,6 +122,7 @@ def one_run(
     trainer.train()
     if profiler is not None:
         profiler.disable()
+    cpu.extend(timer.cpu[WARMUP:])
     return timer.times[WARMUP:]
 
 
@@ -188,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"sqlite:///{tmp / 'lens.db'}"
         ratios: list[float] = []
         medians: dict[str, list[float]] = {"plain": [], "callback": []}
+        cpu: dict[str, list[float]] = {"plain": [], "callback": []}
         for pair in range(args.pairs):
             arms = ["plain", "callback"] if pair % 2 == 0 else ["callback", "plain"]
             got: dict[str, float] = {}
@@ -214,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"ratio callback/plain: median of pairs {ratio:.3f}"
                 f" (min {min(ratios):.3f}, max {max(ratios):.3f})"
                 f"   (target ≤ {TARGET:.2f}: {'met' if ratio <= TARGET else 'not met'})"
+            )
+            print(
+                "CPU a step, the whole process (the writer's thread included): plain median"
+                f" {statistics.median(cpu['plain']) * 1e3:.1f} ms, callback"
+                f" {statistics.median(cpu['callback']) * 1e3:.1f} ms, ratio"
+                f" {statistics.median(cpu['callback']) / statistics.median(cpu['plain']):.3f}"
+                " (less swayed by the machine's other load than wall time)"
             )
         if args.profile:
             writer = _profile_writer_thread()
