@@ -202,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
             got: dict[str, float] = {}
             for arm in arms:
                 times = one_run(
-                    model_path, tmp / arm, args.steps, url if arm == "callback" else None
+                    model_path,
+                    tmp / arm,
+                    args.steps,
+                    url if arm == "callback" else None,
+                    cpu=cpu[arm],
                 )
                 got[arm] = statistics.median(times)
                 medians[arm].append(got[arm])
