@@ -2,10 +2,14 @@
 #   make demo   install into .venv, train a short leaky and a short patched run, serve, print the compare URL
 #   make run    install into .venv and start the dashboard on the embedded default
 #   make test   build a fresh virtual environment from pyproject.toml, lint, type-check and run every
-#               layer of tests/ but release (then the slim layer in a venv without the train extra)
-# and two more for tests:
-#   make check         the loop while working: lint, types, contracts and the unit, store and web
-#                      layers (no training, no browser) in .venv
+#               layer of tests/ but release (then the slim layer in a venv without the train extra);
+#               the unit layer builds the docs site with --strict (tests/unit/test_docs.py)
+# and four more:
+#   make check         the loop while working: lint, types, contracts and the unit (the docs site
+#                      with it), store and web layers (no training, no browser) in .venv, on
+#                      SQLite (make test runs the store layer on PostgreSQL too)
+#   make docs          build the documentation site (docs/, mkdocs.yml) into site/ with --strict
+#   make screenshots   retake the docs' screenshots (docs/images/) with the browser tests
 #   make release-test  the release layer (fresh venvs, the built wheel, other TRL versions, the real
 #                      pretrained model) in make test's venv; CI runs it after make test
 # Options reach the command through ARGS: make demo ARGS="--port 8701 --steps 40".
@@ -17,21 +21,25 @@ WEB_TEST_VENV ?= .venv-test-web
 # The demo and the dashboard need the ML stack only; the test tools go into the test venv (and
 # into .venv when `make lint` first needs them).
 EXTRAS ?= train
-TEST_EXTRAS ?= train,test,real
+TEST_EXTRAS ?= train,test,real,docs
 ARGS ?=
 # The suite waits on subprocesses, Celery workers, Chromium and the databases more than on the
 # CPU: two pytest-xdist processes, each taking a whole file at a time (a file's module fixtures
-# are built once, and the files that flush a Redis database each have their own).
-PYTEST_XDIST ?= -n 2 --dist loadfile
+# are built once, and the files that flush a Redis database each have their own), in the order
+# tests/conftest.py gives them (the longest first: --no-loadscope-reorder keeps it).
+PYTEST_XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
 # The tiny models ship prebuilt in the package (rollout_lens/models/) and are copied here on
 # first use; they are built instead (minutes) only where torch/transformers differ from the build's.
 export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
+# mkdocs-material prints a notice on every build that it reaches end of life on 5 May 2027
+# (docs/development.md says what then); once is enough.
+export NO_MKDOCS_2_WARNING ?= 1
 
 # mypy needs the import names: a tree of links that lays server/ and trainer/ out as
 # rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
 MYPY_TREE = .mypy-tree
 
-.PHONY: demo run test test-venv release-test check lint typecheck tree imports prebuilt
+.PHONY: demo run test test-venv release-test check lint typecheck tree imports prebuilt docs screenshots
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,8 +63,7 @@ run: $(VENV)/.installed
 prebuilt: $(VENV)/.installed
 	$(VENV)/bin/python -m rollout_lens.trainer.builders.prebuilt
 
-# tests/ by layer (tests/conftest.py, README "Tests"): a test's folder says what it needs. The
-# layers of long tests go first, so that pytest-xdist's last files are short ones.
+# tests/ by layer (tests/conftest.py, docs/tests.md): a test's folder says what it needs.
 CHECK_LAYERS = tests/web tests/store tests/unit
 TEST_LAYERS = tests/e2e tests/trainer tests/browser $(CHECK_LAYERS)
 
@@ -91,11 +98,16 @@ release-test:
 	test -x $(TEST_VENV)/bin/python || $(MAKE) test-venv
 	$(TEST_VENV)/bin/python -m pytest $(PYTEST_XDIST) tests/release $(PYTEST_ARGS)
 
-# The loop while working (3.5 minutes on 2 cores): lint, types, contracts and every test that needs no
-# training and no browser, in .venv.
+# The loop while working: lint, types, contracts and every test that needs no training and no
+# browser, in .venv (the docs site among them: tests/unit/test_docs.py), on SQLite. The PostgreSQL
+# half of the tests that run on both databases (and the few on PostgreSQL alone) is make test's
+# and CI's: a quarter of these tests (376 of 1,564 on 5 Dec 2026), most of them twins of SQLite
+# tests that take as long or up to twice as long, and the PostgreSQL server's CPU besides.
+# CHECK_MARKS= runs them here too.
+CHECK_MARKS ?= not postgres
 check: $(VENV)/.installed-test
 	$(MAKE) lint
-	$(VENV)/bin/python -m pytest $(PYTEST_XDIST) $(CHECK_LAYERS) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(PYTEST_XDIST) -m '$(CHECK_MARKS)' $(CHECK_LAYERS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
@@ -118,3 +130,28 @@ typecheck: tree
 LINT_IMPORTS ?= $(CURDIR)/$(VENV)/bin/lint-imports
 imports: tree
 	cd $(MYPY_TREE) && PYTHONPATH=. $(LINT_IMPORTS) --no-cache --no-logo $(CURDIR)/pyproject.toml
+
+# The documentation site: docs/ as mkdocs.yml lays it out, built into site/ (git-ignored; while
+# writing, `.venv/bin/mkdocs serve` serves it at http://127.0.0.1:8000/ and rebuilds on save).
+# --strict turns every warning into a failure: a link to a missing page or anchor, a page left out
+# of the nav (never with --quiet, which hides the warnings --strict counts). tests/unit/test_docs.py
+# builds it the same way, so make check, make test and CI fail on a dead link.
+docs: $(VENV)/.installed-docs
+	$(VENV)/bin/mkdocs build --strict
+
+$(VENV)/.installed-docs: pyproject.toml constraints.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[docs]'
+	touch $@
+
+# The docs' screenshots are the browser tests' own (Debian's Chromium): these tests take them into
+# a fresh folder, and tests/screenshots.py copies the chosen set into docs/images/ (the tall pages
+# cut to their top). Commit the images that changed; the site builds from them without a browser.
+SHOTS ?= test-artifacts/docs
+SHOT_TESTS = runs_page_run_charts or marks_alerts or groups_overview or rollout_explorer \
+	or keeps_values or multiturn_vote
+screenshots: $(VENV)/.installed-test
+	rm -rf $(SHOTS)
+	ROLLOUT_LENS_TEST_ARTIFACTS=$(CURDIR)/$(SHOTS) $(VENV)/bin/python -m pytest -q \
+		tests/browser/test_browser.py tests/browser/test_browser_stepview.py -k '$(SHOT_TESTS)'
+	$(VENV)/bin/python -m tests.screenshots $(SHOTS) docs/images

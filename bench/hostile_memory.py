@@ -7,9 +7,10 @@ server's peak memory growth for it: VmHWM after the answer less VmRSS before it 
 mark is reset before each body through /proc/<pid>/clear_refs). The default sizes are the
 issue's: an Arrow stream whose buffers are zstd-compressed holding one 256 MiB piece, a frame
 declaring 150 MiB of zeros, six zero-token frames of 25,000 × 4,096-character pieces, 100,000
-zero-token rollouts in one step, and a 21 KB Parquet file holding one 256 MiB completion.
+zero-token rollouts in one step, and a 21 KB Parquet file holding one 256 MiB completion, as
+written and with a footer that says its columns hold 1,000 bytes (bench/parquet_lies.py).
 
-    .venv/bin/python -m bench.hostile_memory [--cap-mb 64]
+    .venv/bin/python -m bench.hostile_memory [--cap-mb 64] [--only Parquet]
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from rollout_lens.server.exchange import wire
 from rollout_lens.server.exchange.export import rollout_schema
 from rollout_lens.server.exchange.schema import FORMAT, META_RUN, META_STEPS, VERSION
 from rollout_lens.server.store import arrays
+
+from bench.parquet_lies import footer_lies
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
@@ -210,6 +213,7 @@ def hostile_bodies(
         for s in range(1, frames + 1)
     ]
     del many
+    parquet = parquet_with_completion(completion_mb * MB)
     return {
         f"Arrow-compressed piece of {piece_mb} MiB": Hostile(
             "steps", wire.body([frame([step, none, pieces_ipc(1, piece_mb * MB, "zstd")])])
@@ -221,8 +225,9 @@ def hostile_bodies(
         f"{rollouts:,} zero-token rollouts in a step": Hostile(
             "steps", wire.body([frame([step, rollouts_ipc(rollouts), pieces_ipc(0, 0)])])
         ),
-        f"Parquet with a {completion_mb} MiB completion": Hostile(
-            "import", parquet_with_completion(completion_mb * MB)
+        f"Parquet with a {completion_mb} MiB completion": Hostile("import", parquet),
+        f"Parquet whose footer hides a {completion_mb} MiB completion": Hostile(
+            "import", footer_lies(parquet, said=1_000)
         ),
     }
 
@@ -330,8 +335,9 @@ class Dashboard:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap-mb", type=float, default=64.0)
+    parser.add_argument("--only", default="", help="the bodies whose name holds this text")
     args = parser.parse_args(argv)
-    bodies = hostile_bodies()
+    bodies = {k: v for k, v in hostile_bodies().items() if args.only in k}
     with (
         tempfile.TemporaryDirectory() as folder,
         serving(Path(folder), cap_mb=args.cap_mb) as (
@@ -342,13 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         dashboard = Dashboard(base, pid)
         dashboard.warm()
         print(f"ROLLOUT_LENS_RECORD_MAX_MB={args.cap_mb:g}; peak growth = VmHWM − VmRSS before")
-        print(f"{'body':<42} {'bytes':>10} {'answer':>6} {'peak growth':>12}")
+        print(f"{'body':<56} {'bytes':>10} {'answer':>6} {'peak growth':>12} {'× cap':>6}")
         for i, (name, hostile) in enumerate(bodies.items()):
             run_id = dashboard.new_run(f"hostile-{i:04d}-run")
             answer, growth = dashboard.peak_growth(run_id, hostile)
             print(
-                f"{name:<42} {len(hostile.data):>10,} {answer.status_code:>6} "
-                f"{growth / MB:>9.0f} MiB"
+                f"{name:<56} {len(hostile.data):>10,} {answer.status_code:>6} "
+                f"{growth / MB:>8.0f} MiB {growth / (args.cap_mb * MB):>6.2f}"
             )
     return 0
 

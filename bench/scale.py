@@ -29,8 +29,11 @@ stretch of broken calls every 50 steps. Seeded: every run writes the same steps.
    restart PostgreSQL, drop the operating system's file cache) each page is asked once more
    after its warm requests, after that command and on new database connections: `cold ms` is
    the page read from disk (the app's own templates and modules still loaded), p50 warm.
+   The prompt lens (issue 46) beside them: the prompts list by look, sort and search, its
+   heatmap's data, the history of the prompt with the most groups and the export; the run
+   reads its 5,000 prompts in epochs, so at 1,000 steps each prompt has some 13 groups.
 
-    .venv/bin/python -m bench.scale [--pg [URL]] [--quick] [--groups 64] [--group-size 8]
+    .venv/bin/python -m bench.scale [--pg [URL]] [--quick] [--groups 64] [--group-size 8] [--prompts 5000]
         [--tokens 1024] [--vocab 150000] [--ctrl 4] [--steps 100] [--fill-to 1000]
         [--fill-tokens 64] [--repeat 20] [--budget 4] [--cache DIR]
     .venv/bin/python -m bench.scale --write-only [--pg] [--steps 20]   # write figures, GIL
@@ -561,6 +564,64 @@ def explorer_queries(
     ]
 
 
+PROMPTS_MS, HISTORY_MS, HEATMAP_MS = 200, 100, 300  # the prompt lens's targets (issue 46)
+
+
+def prompt_lens_pages(db: Database, run: ScaleRun) -> list[Page]:
+    """The prompt lens (issue 46): the prompts list by each look, a sort, a search and its second
+    keyset page; the heatmap's data (a page of rows, and the widest page); the history of the
+    prompt with the most groups, with and without completions; the export; the HTML pages."""
+    with db.engine.connect() as conn:
+        busiest = conn.execute(
+            text(
+                "SELECT prompt_id FROM run_prompts WHERE run_id = :run "
+                "ORDER BY groups DESC, prompt_id LIMIT 1"
+            ),
+            {"run": db.run_id},
+        ).scalar()
+    asked = run.rows[int(run.picks(1)[0])].prompt  # step 1's first group's prompt
+    user = asked.split("<|im_start|>user\n", 1)[1]
+    word = max(user.split("<|im_end|>", 1)[0].split(), key=len)  # its query's longest word
+    base = f"/api/runs/{db.run_id}/prompts"
+    lists = {
+        "": {},
+        "look=never_solved": {"look": "never_solved"},
+        "look=flipping": {"look": "flipping"},
+        "look=stuck": {"look": "stuck"},
+        "look=forgotten": {"look": "forgotten"},
+        "sort=flips&order=desc": {"sort": "flips", "order": "desc"},
+        "sort=true_mean": {"sort": "true_mean"},
+        f"q= ({word})": {"q": word},
+    }
+    pages = [
+        Page(f"prompts {label}".strip(), f"{base}?{urlencode(query)}", PROMPTS_MS, JSON_MB * 1000)
+        for label, query in lists.items()
+    ]
+    pages += [
+        Page("prompts heatmap data", f"{base}/heatmap", HEATMAP_MS, JSON_MB * 1000),
+        Page(
+            "prompts heatmap data, 500 rows",
+            f"{base}/heatmap?limit=500&width=1000",
+            HEATMAP_MS,
+            JSON_MB * 1000,
+        ),
+        Page("prompts export never_solved", f"{base}/export.jsonl?look=never_solved"),
+        Page("prompts page", f"/runs/{db.run_id}/prompts", PROMPTS_MS),
+    ]
+    if busiest is not None:
+        pages += [
+            Page("prompt history", f"{base}/{busiest}", HISTORY_MS, JSON_MB * 1000),
+            Page(
+                "prompt history, completions",
+                f"{base}/{busiest}?completions=true",
+                None,
+                JSON_MB * 1000,
+            ),
+            Page("prompt page", f"/runs/{db.run_id}/prompts/{busiest}", HISTORY_MS),
+        ]
+    return pages
+
+
 def page_list(run_id: int, step: int, group: int, names: str) -> list[Page]:
     return [
         Page("step viewer", f"/runs/{run_id}/steps/{step}", 100, STEP_PAGE_KB),
@@ -689,6 +750,15 @@ def bench_pages(
                     print(f"  {'explorer second keyset page':<40} {why:>28}")
                 else:
                     bench.row(Page("explorer second keyset page", following, 200, JSON_MB * 1000))
+        for page in prompt_lens_pages(db, run):
+            answer = bench.row(page)
+            if page.label == "prompts sort=flips&order=desc" and answer is not None:
+                cursor = json.loads(answer.body)["next"]  # the API's `after` for the next page
+                if cursor is None:
+                    print(f"  {'prompts second keyset page':<40} {'n/a (no next cursor)':>28}")
+                else:
+                    following = f"{page.url}&after={quote(cursor)}"
+                    bench.row(Page("prompts second keyset page", following, PROMPTS_MS))
     engine.dispose()
     return bench.errors
 
@@ -893,6 +963,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few small steps, 2 requests a page")
     parser.add_argument("--groups", type=int, help="prompts a step (64)")
     parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument(
+        "--prompts", type=int, default=5_000, help="the dataset's distinct prompts (5,000)"
+    )
     parser.add_argument("--tokens", type=int, help="mean completion tokens a rollout (1,024)")
     parser.add_argument("--vocab", type=int, default=150_000)
     parser.add_argument("--ctrl", type=int, default=4, help="control tokens watched")
@@ -954,6 +1027,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens=pick("tokens", 1024),
         vocab=args.vocab,
         ctrl=args.ctrl,
+        prompts=args.prompts,
     )
     plan = Plan(
         shape=shape,

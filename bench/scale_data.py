@@ -5,8 +5,9 @@ tokens, a 150k vocabulary, 4 control tokens), seeded and deterministic, as a tra
   concatenation of its tokens' texts (a writer may rebuild text from ids); ids Zipf-like over
   the vocabulary, frequent pieces mostly at low ids as in a BPE vocabulary; tool names, chat
   structure and control tokens are pieces of their own at the top.
-- Prompts: a dataset of a few hundred tool listings (48–64 tools, a few KB each); a step draws
-  one per group, so the same prompts recur across steps; a group's rollouts share it.
+- Prompts: a dataset of 5,000 tool listings (48–64 tools, a few KB each), drawn as epochs: each
+  epoch a new shuffle of the dataset, read group after group, step after step (1,000 steps of
+  64 groups: 12.8 epochs); a group's rollouts share its prompt.
 - Completions: reasoning in <think>, then one call <tool_call>{"name": ...}</tool_call> and
   <|im_end|>; a few rollouts pollute the call with text, make none, or collapse (end-of-turn
   right after the opening tag). Lengths vary per rollout around the shape's mean.
@@ -53,7 +54,7 @@ class Shape:
     tokens: int = 1024
     vocab: int = 150_000
     ctrl: int = 4
-    prompts: int = 256  # the dataset's distinct prompts
+    prompts: int = 5_000  # the dataset's distinct prompts, drawn in epochs
 
     @property
     def rollouts(self) -> int:
@@ -186,13 +187,27 @@ class ScaleRun:
         self.control_tokens = shape.control_tokens
         self.words = Vocabulary(shape.vocab, self.control_tokens, seed)
         self.rows = dataset(shape, self.words, seed)
+        self._epochs: dict[int, np.ndarray] = {}  # the current epoch's shuffle
+
+    def picks(self, step: int) -> np.ndarray:
+        """The dataset rows of step `step`'s groups: the run's groups read the dataset in
+        epochs, each a seeded shuffle of it (as a trainer's sampler over its dataset)."""
+        n, groups = len(self.rows), self.shape.groups
+        first = (step - 1) * groups
+        out = np.empty(groups, dtype=np.int64)
+        for k in range(groups):
+            epoch, at = divmod(first + k, n)
+            if epoch not in self._epochs:
+                self._epochs = {epoch: np.random.default_rng([self.seed, 1, epoch]).permutation(n)}
+            out[k] = self._epochs[epoch][at]
+        return out
 
     def step(self, step: int, *, tokens: int | None = None) -> StepRecord:
         """Step `step` with rollouts of ~`tokens` tokens (the shape's by default)."""
         shape = self.shape
         rng = np.random.default_rng([self.seed, step])
         mean_tokens = tokens or shape.tokens
-        picks = rng.choice(len(self.rows), size=shape.groups, replace=shape.groups > len(self.rows))
+        picks = self.picks(step)
         collapsing = 30 <= step % 50 < 33  # a stretch of broken calls every 50 steps (alerts)
         rollouts: list[RolloutRecord] = []
         for group, pick in enumerate(picks.tolist()):
@@ -370,7 +385,7 @@ def trl_table(record: StepRecord) -> dict[str, list]:
 
 class RealText:
     """Windows of a real tokenizer's ids over real English and real code, for completions that
-    read like a model's instead of Zipf draws. English: this project's README and docs, then
+    read like a model's instead of Zipf draws. English: this project's README and docs/, then
     the machine's own prose where it has some (the licence texts under /usr/share/common-licenses,
     vim's manual); code: the Python standard library's modules; about CORPUS_CHARS of each.
     ASCII lines only: each id's text is then exactly its share of the completion (a piece holding
@@ -386,7 +401,7 @@ class RealText:
         from transformers import AutoTokenizer
 
         root = Path(__file__).resolve().parent.parent
-        english = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+        english = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
         english += sorted(Path("/usr/share/common-licenses").glob("*"))
         english += sorted(Path("/usr/share/vim").glob("vim*/doc/*.txt"))
         code = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))

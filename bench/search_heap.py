@@ -15,7 +15,7 @@ a prefix's SQL (one GIN scan a word, the lateral join search._by_prefix was befo
   ~35 B and moves the words out of line, leaving a ~90 B heap row (an 18 B pointer).
 
 It prints the bytes a row of heap, TOAST and GIN, and p50 ms of each query, with the narrow/inline
-ratio. Not built into the store: the README's search section says why (this prefix stayed over
+ratio. Not built into the store: docs/benchmarks/search.md says why (this prefix stayed over
 200 ms either way; a 3-character prefix is now one number, its head's, and a full-shape row's
 words with their heads are past 2 KB, so they are toasted without a pad).
 

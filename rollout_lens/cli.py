@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from rollout_lens import cli_dumps, cli_exchange, cli_rollouts, demo
+from rollout_lens import cli_dumps, cli_exchange, cli_prompts, cli_rollouts, demo
 from rollout_lens.cli_remote import add_remote_options, remote_client
 from rollout_lens.cli_runconfig import add_config_options, config_values
 from rollout_lens.client import ClientError
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_exchange.add_commands(sub)  # export, import
     cli_dumps.add_commands(sub)  # import-trl, import-verl
     cli_rollouts.add_commands(sub)  # rollouts
+    cli_prompts.add_commands(sub)  # prompts
 
     worker = sub.add_parser("worker", help="train queued runs (a Celery worker, one run at a time)")
     worker.add_argument("--loglevel", default="INFO")
@@ -381,8 +382,8 @@ def serve_dashboard(
             return _fail(
                 f"refusing to serve on {args.host} without an access token: anyone who can "
                 "reach this port could launch, cancel and delete runs. Set "
-                "ROLLOUT_LENS_AUTH_TOKEN (see README: Security), serve on 127.0.0.1, or pass "
-                "--insecure to do it anyway"
+                "ROLLOUT_LENS_AUTH_TOKEN (see docs/deployment/security.md), serve on 127.0.0.1, "
+                "or pass --insecure to do it anyway"
             )
         print(
             f"rollout-lens: warning: serving on {args.host} with no access token (--insecure): "

@@ -34,6 +34,8 @@ ROLLOUTS_PER_REQUEST = 32
 ALL_TOKENS = 2**31 - 1
 BUSY_WAIT_SECONDS = 120  # an import answered 503 (the dashboard writing others) is sent again
 UNKNOWN_NAME = 422  # what GET /api/runs/{id}/series answers a name it does not know
+PROMPTS_PER_REQUEST = 500  # the prompts list's largest page
+HISTORY_PER_REQUEST = 5_000  # a prompt history's largest page
 
 
 def no_cookies() -> CookieJar:
@@ -162,12 +164,7 @@ class Client:
             if page["next"] is None or (max_rows is not None and len(rows) >= max_rows):
                 break
             page = self._get(f"/api/runs/{int(run_id)}/rollouts", params | {"after": page["next"]})
-        rows = rows[:max_rows] if max_rows is not None else rows
-        try:
-            import pandas as pd
-        except ImportError:
-            return rows
-        return pd.DataFrame.from_records(rows)
+        return _frame(rows[:max_rows] if max_rows is not None else rows)
 
     def rollouts_page(self, run_id: int, *, after: str | None = None, **filters: Any) -> Any:
         """One keyset page of the explorer's JSON (`rollouts`, `total`, `total_capped`, `next`:
@@ -176,6 +173,54 @@ class Client:
         if after is not None:
             params["after"] = after
         return self._get(f"/api/runs/{int(run_id)}/rollouts", params)
+
+    def prompts(self, run_id: int, *, max_rows: int | None = None, **filters: Any) -> Any:
+        """A run's distinct prompts with what happened to each (`/runs/{id}/prompts`): groups,
+        first and last step, mean reward and true score, solved_at, last_failed, flips,
+        zero_spread_share, top votes and the whole text. Filters by keyword — look="never_solved"
+        (or solved, flipping, stuck, forgotten), q="words" — and sort/order. A DataFrame (a row
+        a prompt) when pandas is importable, else a list of dicts; at most `max_rows` (None:
+        all)."""
+        params = {key: _param(value) for key, value in filters.items() if value is not None}
+        params["limit"] = PROMPTS_PER_REQUEST
+        path = f"/api/runs/{int(run_id)}/prompts"
+        rows: list[dict[str, Any]] = []
+        page = self._get(path, params)
+        while True:
+            rows += page["prompts"]
+            if page["next"] is None or (max_rows is not None and len(rows) >= max_rows):
+                break
+            page = self._get(path, params | {"after": page["next"]})
+        return _frame(rows[:max_rows] if max_rows is not None else rows)
+
+    def prompts_page(self, run_id: int, *, after: str | None = None, **filters: Any) -> Any:
+        """One keyset page of the prompts list's JSON (`prompts`, `total`, `next`: pass it as
+        `after` for the next page)."""
+        params = {key: _param(value) for key, value in filters.items() if value is not None}
+        if after is not None:
+            params["after"] = after
+        return self._get(f"/api/runs/{int(run_id)}/prompts", params)
+
+    def prompts_export_chunks(self, run_id: int, **filters: Any) -> Iterator[bytes]:
+        """The prompts the filters select (look=, q=, sort=, order=) as JSON Lines in the chat
+        format a TRL script reads, chunk by chunk as it streams."""
+        params = {key: _param(value) for key, value in filters.items() if value is not None}
+        with self._stream(f"/api/runs/{int(run_id)}/prompts/export.jsonl", params) as response:
+            yield from response.iter_bytes()
+
+    def prompt_history(self, run_id: int, prompt_id: int) -> Any:
+        """Every group of one prompt of the run in (step, group) order
+        (`/runs/{id}/prompts/{prompt_id}`): step, group, reward and true score means, agreement,
+        zero spread, votes, and its rollouts' ids, rewards, true scores, advantages, votes and
+        states. A DataFrame (a row a group) when pandas is importable, else a list of dicts."""
+        path = f"/api/runs/{int(run_id)}/prompts/{int(prompt_id)}"
+        params: dict[str, Any] = {"limit": HISTORY_PER_REQUEST}
+        page = self._get(path, params)
+        rows = list(page["steps"])
+        while page["next"] is not None:
+            page = self._get(path, params | {"after": page["next"]})
+            rows += page["steps"]
+        return _frame(rows)
 
     def export_chunks(
         self, run_id: int, *, format: str = "jsonl", what: str = "rollouts"
@@ -262,6 +307,15 @@ class Client:
     def _unreachable(self, exc: httpx.HTTPError) -> ClientError:
         kind = type(exc).__name__
         return ClientError(f"cannot reach Rollout Lens at {self.base_url}: {kind}: {exc}")
+
+
+def _frame(rows: list[dict[str, Any]]) -> Any:
+    """Rows as a pandas DataFrame when pandas is importable, else as they are."""
+    try:
+        import pandas as pd
+    except ImportError:
+        return rows
+    return pd.DataFrame.from_records(rows)
 
 
 def _param(value: Any) -> Any:

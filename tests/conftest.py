@@ -28,8 +28,9 @@ PG_URL = os.environ.get(
 )
 
 TESTS = Path(__file__).resolve().parent
-# A test's layer is the folder it lives in (README, "Tests"): what it needs and what runs it follow
-# from that alone. `make check` runs unit, store and web; `make test` every layer but release;
+# A test's layer is the folder it lives in (docs/tests.md): what it needs and what runs it follow
+# from that alone. `make check` runs unit, store and web (on SQLite: `-m 'not postgres'`, the
+# Makefile's CHECK_MARKS); `make test` every layer but release, the store's on both databases;
 # `make release-test` release; the dashboard-only venv runs slim.
 LAYERS = {
     "unit": "pure code: no database, no server, no model",
@@ -55,18 +56,23 @@ def layer_of(path: Path) -> str:
     if len(parts) < 2 or parts[0] not in LAYERS:
         raise pytest.UsageError(
             f"tests/{'/'.join(parts)}: a test module lives in one of the layers' folders,"
-            f" tests/{{{','.join(LAYERS)}}}/ (README, Tests)"
+            f" tests/{{{','.join(LAYERS)}}}/ (docs/tests.md)"
         )
     return parts[0]
 
 
-# The caller's own settings never reach a test: a ROLLOUT_LENS_DATABASE_URL exported as the README
-# tells a PostgreSQL user to (or a URL, a token, a data dir) would change what the CLI, the
+# The caller's own settings never reach a test: a ROLLOUT_LENS_DATABASE_URL exported as the docs
+# tell a PostgreSQL user to (or a URL, a token, a data dir) would change what the CLI, the
 # settings and every subprocess a test starts see. Only the test run's own knobs stay: where the
-# built models are cached, which PostgreSQL server the store tests use, and the page oracle's
-# regeneration (tests/store/test_page_oracle.py).
+# built models are cached, which PostgreSQL server the store tests use, the page oracle's
+# regeneration (tests/store/test_page_oracle.py) and where screenshots go (docs/tests.md).
 KEPT_ENVIRONMENT = frozenset(
-    {"ROLLOUT_LENS_MODEL_CACHE_DIR", "ROLLOUT_LENS_TEST_PG_URL", "ROLLOUT_LENS_WRITE_ORACLE"}
+    {
+        "ROLLOUT_LENS_MODEL_CACHE_DIR",
+        "ROLLOUT_LENS_TEST_PG_URL",
+        "ROLLOUT_LENS_WRITE_ORACLE",
+        "ROLLOUT_LENS_TEST_ARTIFACTS",
+    }
 )
 for _name in [n for n in os.environ if n.startswith("ROLLOUT_LENS_")]:
     if _name not in KEPT_ENVIRONMENT:
@@ -96,10 +102,49 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.definition.add_marker(pytest.mark.parametrize("engine", ["sqlite"], indirect=True))
 
 
+# The files that take longest, whatever their count of tests (a served subprocess, a real TRL
+# run, a real tokenizer, hundreds of recorded steps, hypothesis passes), longest first: under
+# pytest-xdist (`--dist loadfile --no-loadscope-reorder`, the Makefile's) each process takes the
+# next file when it is done with one, so these start first and the last files are short ones.
+# xdist's own order (its default --loadscope-reorder) is by count of tests alone, which left
+# test_web_serve.py's ten and test_wire_values.py's six near the end: a tail on one process.
+LONG_FILES = (
+    "web/test_web_serve.py",
+    "store/test_verl_import.py",
+    "store/test_recording.py",
+    "store/test_trl_import.py",
+    "store/test_tokentext_tokenizers.py",
+    "store/test_wire_values.py",
+    "web/test_web_pages.py",
+    "web/test_client.py",
+    "unit/test_layers.py",
+)
+
+
+def _run_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """LONG_FILES first, in their order; then the other files by count of tests, most first (as
+    xdist would order them); a file's tests stay together and in their order."""
+    missing = [name for name in LONG_FILES if not (TESTS / name).is_file()]
+    if missing:  # a renamed file would lose its place unseen
+        raise pytest.UsageError(f"tests/conftest.py LONG_FILES names no such file: {missing}")
+    long = {TESTS / name: i for i, name in enumerate(LONG_FILES)}
+    paths = {item.path: item.path.resolve() for item in items}
+    counts: dict[Path, int] = {}
+    for item in items:
+        counts[paths[item.path]] = counts.get(paths[item.path], 0) + 1
+
+    def key(item: pytest.Item) -> tuple[int, int, str]:
+        path = paths[item.path]
+        return (long.get(path, len(long)), -counts[path], str(path))
+
+    return sorted(items, key=key)  # stable: a file's own order is kept
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if layer_of(item.path) == "browser":
             item.add_marker(pytest.mark.browser)
+    items[:] = _run_order(items)
 
 
 @pytest.fixture(scope="session")
@@ -110,6 +155,11 @@ def pg_database_url() -> Iterator[str]:
     try:
         with admin.connect() as conn:
             conn.execute(text(f'CREATE DATABASE "{name}"'))
+            # A commit need not wait for its WAL to reach the disk: this database is dropped at
+            # the end and no test crashes the server, so nothing a test reads is ever lost. The
+            # fsync each commit otherwise waits for is most of a PostgreSQL test's time on a
+            # busy disk (a recorded step is one commit).
+            conn.execute(text(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
     except Exception as exc:  # noqa: BLE001 - say what is missing, not a stack of driver errors
         pytest.fail(f"PostgreSQL at {PG_URL} is needed for the store tests: {exc}")
     url = make_url(PG_URL).set(database=name).render_as_string(hide_password=False)

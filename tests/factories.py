@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rollout_lens.server import store
@@ -59,6 +60,23 @@ def make_rollouts(
     return out
 
 
+def step_record(
+    step: int,
+    *,
+    values: dict[str, float | None] | None = None,
+    rollouts: list[RolloutRecord] | None = None,
+    metrics: dict[str, float | None] | None = None,
+    rollout_step: int | None = None,
+) -> StepRecord:
+    return StepRecord(
+        step=step,
+        rollout_step=step if rollout_step is None else rollout_step,
+        values=dict(values or {}),
+        rollouts=list(rollouts or []),
+        metrics=dict(metrics or {}),
+    )
+
+
 def record_step(
     factory: sessionmaker[Session],
     run_id: int,
@@ -69,17 +87,34 @@ def record_step(
     metrics: dict[str, float | None] | None = None,
     rollout_step: int | None = None,
 ) -> StepRecord:
-    """Record one step through the store in one transaction, as the trainer's writer does."""
-    record = StepRecord(
-        step=step,
-        rollout_step=step if rollout_step is None else rollout_step,
-        values=dict(values or {}),
-        rollouts=list(rollouts or []),
-        metrics=dict(metrics or {}),
+    """Record one step through the store in one transaction, with a recorder built from the
+    database (as after a restart: record_steps keeps one between steps, as a trainer does)."""
+    record = step_record(
+        step, values=values, rollouts=rollouts, metrics=metrics, rollout_step=rollout_step
     )
     with session_scope(factory) as session:
         store.record_step(session, run_id=run_id, record=record, control_tokens=CONTROL_TOKENS)
     return record
+
+
+def record_steps(
+    factory: sessionmaker[Session], run_id: int, records: Iterable[StepRecord]
+) -> None:
+    """Record steps in order, one transaction each and one recorder kept between them, as the
+    trainer's writer does (store.RunWriter.commit). A recorder rebuilt from the database at
+    every step (record_step; the resume path, which tests/store/test_recording.py and
+    test_resume.py test) costs a third more: 0.10 s against 0.067 s of CPU for make_run's 10
+    steps."""
+    recorder = None
+    for record in records:
+        with session_scope(factory) as session:
+            recorder = store.record_step(
+                session,
+                run_id=run_id,
+                record=record,
+                control_tokens=CONTROL_TOKENS,
+                recorder=recorder,
+            )
 
 
 def make_run(
@@ -107,12 +142,23 @@ def make_run(
     } | columns
     with session_scope(factory) as session:
         run_id = store.create_run(session, **fields).id
-    for step in range(1, steps + 1):
-        rollouts = make_rollouts(rng, group_size=group_size, listed=listed, completion=completion)
-        acc = sum(r.true_score or 0 for r in rollouts) / group_size
-        values = {"reward_mean": acc, "true_accuracy": acc, "loss": rng.random(), "wall_time": 0.05}
-        metrics = {"ctrl/</assistant>/max": rng.random()}
-        record_step(factory, run_id, step, values=values, rollouts=rollouts, metrics=metrics)
+
+    def records() -> Iterator[StepRecord]:
+        for step in range(1, steps + 1):
+            rollouts = make_rollouts(
+                rng, group_size=group_size, listed=listed, completion=completion
+            )
+            acc = sum(r.true_score or 0 for r in rollouts) / group_size
+            values = {
+                "reward_mean": acc,
+                "true_accuracy": acc,
+                "loss": rng.random(),
+                "wall_time": 0.05,
+            }
+            metrics = {"ctrl/</assistant>/max": rng.random()}
+            yield step_record(step, values=values, rollouts=rollouts, metrics=metrics)
+
+    record_steps(factory, run_id, records())
     return run_id
 
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from rollout_lens.server import store
@@ -23,15 +20,6 @@ def use_database(
     monkeypatch.setenv("ROLLOUT_LENS_DATABASE_URL", url)
     monkeypatch.setenv("ROLLOUT_LENS_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("ROLLOUT_LENS_HEARTBEAT_SECONDS", "0.2")
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    """Poll `check` every 50 ms until it returns something truthy (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return found
 
 
 def newest_run(factory: sessionmaker[Session]) -> RunRow | None:

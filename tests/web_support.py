@@ -15,12 +15,13 @@ import httpx
 from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings
+from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.server.webapp.app import create_app
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, make_rollouts, record_step
+from tests.factories import CONTROL_TOKENS, make_rollouts, record_step, record_steps, step_record
 
 VOID = {
     "area",
@@ -255,11 +256,14 @@ def record_collapse_run(
             # enough groups a step that the collapse alert judges one step (rollouts: group 0)
             prompts_per_step=4,
         ).id
-    for step in range(1, steps + 1):
-        values, metrics = collapse_story(step, rng)
-        record_step(
-            factory, run_id, step, values=values, rollouts=make_rollouts(rng), metrics=metrics
-        )
+
+    def records() -> Iterator[StepRecord]:
+        for step in range(1, steps + 1):
+            values, metrics = collapse_story(step, rng)
+            rollouts = make_rollouts(rng)
+            yield step_record(step, values=values, rollouts=rollouts, metrics=metrics)
+
+    record_steps(factory, run_id, records())  # one recorder for the run, as a trainer's writer
     return run_id
 
 

@@ -11,7 +11,7 @@ MIN_TOKEN_CHARS = 16
 
 
 class Settings(BaseSettings):
-    """Every knob of Rollout Lens; each field is documented in the README."""
+    """Every knob of Rollout Lens; each field is documented in docs/deployment/settings.md."""
 
     # hide_input_in_errors: a refused setting's message never repeats its value (a token, or a
     # database URL with its password).

@@ -34,7 +34,16 @@ class InvalidInput(RolloutLensError):
     """Input that fails validation."""
 
 
-class StepOutOfOrder(InvalidInput):
+class StepRefused(InvalidInput):
+    """A step the run cannot take as it was sent, refused before any of it is written (a 409
+    naming the `step`): a script's recorder drops it alone, counts it and goes on."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class StepOutOfOrder(StepRefused):
     """A step the run does not have that comes after a later one (the run's last recorded step,
     or one sent before it): steps only rise (a resumed trainer says so when it starts:
     server.store.resume)."""
@@ -43,9 +52,25 @@ class StepOutOfOrder(InvalidInput):
         super().__init__(
             f"step {step} comes after step {last}: a run's steps only rise (a trainer resumed "
             "from a checkpoint says so when it starts, and its steps after the checkpoint "
-            "replace the run's)"
+            "replace the run's)",
+            step=step,
         )
-        self.step, self.last = step, last
+        self.last = last
+
+
+class RolloutsTaken(StepRefused):
+    """A step whose rollouts were generated at an earlier step (its `rollout_step`) whose
+    rollouts the run has already: a generation's rollouts are recorded once, with the first
+    step that uses them (the later steps of the generation carry none)."""
+
+    def __init__(self, *, step: int, rollout_step: int) -> None:
+        super().__init__(
+            f"step {step}'s rollouts were generated at step {rollout_step}, whose rollouts "
+            "were recorded already: a generation's rollouts are recorded once, with the first "
+            "step that uses them (send the later steps without rollouts)",
+            step=step,
+        )
+        self.rollout_step = rollout_step
 
 
 class InvalidState(RolloutLensError):

@@ -74,7 +74,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "leaky",
             "Leaky (64 tools)",
-            # Figures: `rollout-lens demo --steps 150` (seed 0), the tiny model's run; the README
+            # Figures: `rollout-lens demo --steps 150` (seed 0), the tiny model's run; docs/demo.md
             # says how they were measured.
             "Every prompt lists all 64 tools. The tiny model's true accuracy stays low (0.02 "
             "over steps 1–25, 0.11 over 126–150) with the reward near 0.5, and from about step "

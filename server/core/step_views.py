@@ -127,6 +127,7 @@ class GroupDetail(StepHead):
 
     group_nav: GroupNav
     summary: dict[str, Any]  # stepview.group_summary
+    prompt_id: int  # its first rollout's prompt: the prompt lens's history of it
     header: GroupHeader | None
     rollouts_total: int
     offset: int

@@ -8,8 +8,9 @@ imported as `lost` (nothing records the copy).
 What is held at once is bounded: a JSONL line, a Parquet batch of rows, the rollouts batched for
 one write (BATCH_BYTES). A file sent over HTTP (`max_bytes`, its byte cap) is held to
 bounds.DECODE_FACTOR × the cap at once: its lines are shorter, and a Parquet file's metadata is
-checked before any data is read (each row group's declared size, its columns), its texts read as
-dictionaries and each batch's rows measured before they become Python objects.
+checked before any data is read (each row group's declared size, its columns, and what its pages'
+own headers say they decode to: server.exchange.parquet_pages, as the footer may lie), its texts
+read as dictionaries and each batch's rows measured before they become Python objects.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pydantic import ValidationError
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, as_floats
-from rollout_lens.server.exchange import bounds
+from rollout_lens.server.exchange import bounds, parquet_pages
 from rollout_lens.server.exchange.dump_rows import BLANK, SeriesNames, json_line
 from rollout_lens.server.exchange.schema import (
     FORMAT,
@@ -175,7 +176,7 @@ class _ImportedRun:
         self.name = name or header.name
         if len(self.name) > NAME_CHARS:
             raise InvalidInput(f"--name: at most {NAME_CHARS} characters, got {len(self.name)}")
-        status, error = header.status, header.error
+        status, error, self.ended_by = header.status, header.error, header.ended_by
         if status in ACTIVE_STATUSES:
             # Nothing records the copy: lost, like a run whose worker stopped.
             status = RunStatus.lost.value
@@ -183,6 +184,7 @@ class _ImportedRun:
                 f"exported while {header.status} at step {header.current_step}; "
                 "this copy ends there"
             )
+            self.ended_by = None  # no one ended it: it stopped at the export
         self.error = error
         notes = list(header.notes)
         source = RunSource.import_
@@ -296,6 +298,7 @@ class _ImportedRun:
         self._flush()
         values = {name: getattr(self.header, name) for name in RUN_AFTER_STEPS}
         values["error"] = self.error
+        values["ended_by"] = self.ended_by
         for name, value in values.items():
             if isinstance(value, datetime):
                 values[name] = _utc(value)
@@ -352,7 +355,11 @@ def _parquet_records(path: Path, most: int | None) -> Iterator[tuple[str, Any]]:
             # until a batch's rows are measured (read_dictionary names them by leaf path)
             texts = [c.path for c in parquet.schema if c.physical_type == "BYTE_ARRAY"]
             if most is not None:
-                _check_parquet(parquet.metadata, set(rollout_schema().names), most)
+                names = set(rollout_schema().names)
+                _check_parquet(parquet.metadata, names, most)
+                parquet_pages.check_pages(
+                    path, parquet.metadata, names, most, where=_HELD_OVER_HTTP
+                )
         parquet = pq.ParquetFile(path, read_dictionary=texts)
     except (pa.ArrowException, OSError) as exc:
         raise InvalidInput(f"not a readable Parquet file ({exc})") from exc
@@ -361,6 +368,9 @@ def _parquet_records(path: Path, most: int | None) -> Iterator[tuple[str, Any]]:
 
 
 MAX_PARQUET_COLUMNS = 64  # leaf columns of an imported Parquet file (an export has 21)
+_HELD_OVER_HTTP = (
+    f"an import over HTTP may hold at once ({bounds.DECODE_FACTOR} × ROLLOUT_LENS_RECORD_MAX_MB)"
+)
 
 
 def _check_parquet(metadata: Any, names: set[str], most: int) -> None:
@@ -487,5 +497,5 @@ def _parquet_rows(parquet: Any, most: int | None = None) -> Iterator[tuple[str, 
                     raise InvalidInput(f"{where}: meta is not JSON ({exc})") from exc
                 row["control_token_probs"] = dict(zip(tokens, probs, strict=True))
                 yield where, _parse(where, {"kind": "rollout"} | row)
-    except (pa.ArrowException, OSError) as exc:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a text that is not UTF-8
         raise InvalidInput(f"damaged Parquet data after row {row_number} ({exc})") from exc

@@ -97,6 +97,7 @@ def run_record(run: RunRow) -> dict[str, Any]:
         "device_seconds": run.device_seconds,
         "cost": run.cost,
         "error": run.error,
+        "ended_by": run.ended_by,
         "dropped_steps": run.dropped_steps,
         "dropped_rollouts": run.dropped_rollouts,
         "current_step": run.current_step,
@@ -167,6 +168,9 @@ class RunRecord(_Record):
     device_seconds: Number
     cost: Number
     error: str | None
+    # who or what ended the run (runs.ended_by: EndedBy, `dashboard (token …)`); an export
+    # written before it was carried has none
+    ended_by: str | None = Field(default=None, max_length=200)
     dropped_steps: Count
     dropped_rollouts: Count
     current_step: StepNo

@@ -1,4 +1,4 @@
-"""Deleting a run: its steps, rollouts, metrics and rollups, and the prompts no other run uses
+"""Deleting a run: its steps, rollouts, metrics, rollups and prompt rollups, and the prompts no other run uses
 (prompts are shared by text hash). All SQL of a deletion lives here; server/webapp/control.py adds the
 broker message and the files on disk."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from rollout_lens.server.core.errors import InvalidState, NotFound
-from rollout_lens.server.store import search
+from rollout_lens.server.store import prompt_rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
     FactsRow,
@@ -63,6 +63,7 @@ def delete_run(session: Session, *, run_id: int) -> str | None:
         )
     )
     search.drop_run(session.connection(), run_id=run_id)
+    prompt_rollups.delete_run(session, run_id=run_id)
     for table in (RolloutRow, AlertRow, RollupRow, RunTokenRow, StepRow):
         session.execute(delete(table).where(table.run_id == run_id))
     session.execute(delete(RunRow).where(RunRow.id == run_id))

@@ -314,6 +314,68 @@ class RolloutDataRow(Base):
     text: Mapped[bytes | None] = mapped_column(LargeBinary)  # NULL: rebuilt from ids
 
 
+class PromptGroupRow(Base):
+    """One group's figures (server.core.prompt_rules.group_figures), written with its rollouts:
+    a prompt's history and the heatmap read these, never the rollouts' scan."""
+
+    __tablename__ = "prompt_groups"
+    __table_args__ = (Index("ix_prompt_groups_run_prompt", "run_id", "prompt_id", "step"),)
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    group: Mapped[int] = mapped_column("group", Integer, primary_key=True, autoincrement=False)
+    prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id"))
+    size: Mapped[int] = mapped_column(Integer)
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    reward_min: Mapped[float | None] = mapped_column(Float)
+    reward_max: Mapped[float | None] = mapped_column(Float)
+    reward_n: Mapped[int] = mapped_column(Integer)
+    true_n: Mapped[int] = mapped_column(Integer)
+    true_mean: Mapped[float | None] = mapped_column(Float)
+    correct: Mapped[int] = mapped_column(Integer)
+    solved: Mapped[bool | None] = mapped_column(Boolean)  # by majority; None: no true score
+    zero_spread: Mapped[bool] = mapped_column(Boolean)
+    agreement: Mapped[float | None] = mapped_column(Float)
+    votes: Mapped[list[Any]] = mapped_column(JSON)  # [[vote, count], ...], most first
+
+
+class RunPromptRow(Base):
+    """A run's prompt, its groups folded in step order (server.core.prompt_rules.PromptFold):
+    one row a distinct prompt of the run, kept current by every write, so the prompts list
+    reads a row a prompt."""
+
+    __tablename__ = "run_prompts"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    prompt_id: Mapped[int] = mapped_column(
+        ForeignKey("prompts.id"), primary_key=True, autoincrement=False
+    )
+    groups: Mapped[int] = mapped_column(Integer)
+    rollouts: Mapped[int] = mapped_column(Integer)
+    first_step: Mapped[int] = mapped_column(Integer)
+    last_step: Mapped[int] = mapped_column(Integer)
+    last_group: Mapped[int] = mapped_column(Integer)
+    reward_sum: Mapped[float] = mapped_column(Float)
+    reward_n: Mapped[int] = mapped_column(Integer)
+    true_sum: Mapped[float] = mapped_column(Float)
+    true_n: Mapped[int] = mapped_column(Integer)
+    solved_groups: Mapped[int] = mapped_column(Integer)
+    solved_at: Mapped[int | None] = mapped_column(Integer)
+    last_solved: Mapped[int | None] = mapped_column(Integer)
+    last_failed: Mapped[int | None] = mapped_column(Integer)
+    state: Mapped[bool | None] = mapped_column(Boolean)
+    flips: Mapped[int] = mapped_column(Integer)
+    zero_spread: Mapped[int] = mapped_column(Integer)
+    votes: Mapped[list[Any]] = mapped_column(JSON)  # [[vote, count], ...] over all its groups
+    # What tells it apart: the query its rollouts' meta names, else its last user turn (a head
+    # of LABEL_CHARS); and what matches it across runs: sha256 of that query (else of the last
+    # user turn) and of the last user turn.
+    label: Mapped[str] = mapped_column(Text)
+    query_key: Mapped[str] = mapped_column(String(64))
+    user_key: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str | None] = mapped_column(String(256))
+
+
 # Steps per bucket: a chart of any run length reads few rows; 25 is the run page's bucket table
 # (server.core.vocab.WINDOW).
 ROLLUP_WIDTHS = (10, 25, 100, 1000)

@@ -22,15 +22,17 @@ import numpy as np
 import orjson
 from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core import textsafe
-from rollout_lens.server.core.errors import StepOutOfOrder
+from rollout_lens.server.core.errors import RolloutsTaken, StepOutOfOrder
+from rollout_lens.server.core.prompt_rules import recorded_query
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
-from rollout_lens.server.store import arrays, layout, rollups, search
+from rollout_lens.server.store import arrays, layout, prompt_rollups, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
     Base,
     FactsRow,
     PromptRow,
+    RolloutRow,
     RunRow,
     RunTokenRow,
     StepRow,
@@ -153,10 +155,12 @@ class _Driver:
     def cursor(conn: Connection) -> Any:
         """Driver SQL through the connection (its errors wrapped as SQLAlchemy's, so writers
         tell a lost connection from a refused row)."""
-        return _DriverSql(conn)
+        return DriverSql(conn)
 
 
-class _DriverSql:
+class DriverSql:
+    """Driver SQL on a connection, as the Recorder and the prompt rollups write rows."""
+
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.postgres = conn.dialect.name == "postgresql"
@@ -237,6 +241,7 @@ class Recorder:
         self.refused_series = 0  # names past MAX_SERIES_PER_RUN, not recorded
         self.keep_every: int | None = run.keep_tokens_every or None
         self.buckets = rollups.OpenBuckets(conn, run_id=run_id, n_series=len(self.series_names))
+        self.prompts = prompt_rollups.PromptRollup(conn, run_id=run_id)
         history = conn.execute(
             select(StepRow.step, *layout.STEP_COLUMNS, StepRow.series)
             .where(StepRow.run_id == run_id)
@@ -305,6 +310,8 @@ class Recorder:
         step = record.step
         if self.last_step is not None and step < self.last_step:
             raise StepOutOfOrder(step=step, last=self.last_step)  # before any write of it
+        if record.rollouts and self._has_rollouts(conn, record.rollout_step):
+            raise RolloutsTaken(step=step, rollout_step=record.rollout_step)  # and this too
         values = {name: finite(record.values.get(name)) for name in STEP_SERIES}
         metrics = {name: finite(value) for name, value in record.metrics.items()}
         new_names = [n for n in metrics if n not in self.known_series]
@@ -396,6 +403,16 @@ class Recorder:
                 MAX_SERIES_PER_RUN,
             )
         self.refused_series += len(names)
+
+    def _has_rollouts(self, conn: Connection, rollout_step: int) -> bool:
+        """Whether the run has rollouts generated at `rollout_step` (their unique key's index:
+        a step re-sending them would otherwise fail on that key, after its other writes)."""
+        found = conn.scalar(
+            select(RolloutRow.id)
+            .where(RolloutRow.run_id == self.run_id, RolloutRow.step == rollout_step)
+            .limit(1)
+        )
+        return found is not None
 
     def _keeps(self, step: int, fired: bool) -> bool:
         """Whether retention keeps the token arrays of the rollouts generated at `step`."""
@@ -502,6 +519,7 @@ class Recorder:
         self.unindexed += [
             (rid, r.completion) for r, rid in zip(rollouts, rollout_ids, strict=True)
         ]
+        self.prompts.add(conn, step=step, groups=_groups(rollouts, prompts, prompt_ids))
         if index:
             self.index(conn)
 
@@ -610,6 +628,24 @@ class Recorder:
         if ids.min() < 0 or ids.max() >= len(known) or not known[ids].all():
             return arrays.text_rule(r.completion, ids, self.token_texts)
         return arrays.pieces_rule(r.completion, self._texts[ids].tolist())
+
+
+def _groups(
+    rollouts: Sequence[RolloutRecord], shas: Sequence[str], prompt_ids: dict[str, int]
+) -> list[prompt_rollups.NewGroup]:
+    """The rollouts by group, as the per-prompt rollups take them (a group's prompt, query and
+    target are its first rollout's)."""
+    out: dict[int, prompt_rollups.NewGroup] = {}
+    for r, sha in zip(rollouts, shas, strict=True):
+        g = out.get(r.group)
+        if g is None:
+            g = out[r.group] = prompt_rollups.NewGroup(
+                r.group, prompt_ids[sha], r.prompt, recorded_query(r.meta), r.target, [], [], []
+            )
+        g.rewards.append(finite(r.verifier_reward))
+        g.true_scores.append(finite(r.true_score))
+        g.votes.append(r.vote)
+    return list(out.values())
 
 
 def _split_meta(

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 from rollout_lens.server.core.errors import InvalidState, NotFound
 from rollout_lens.server.core.vocab import WINDOW
-from rollout_lens.server.store import ending, layout, rollups, search
+from rollout_lens.server.store import ending, layout, prompt_rollups, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
     EndedBy,
@@ -300,6 +300,7 @@ def truncate_after(session: Session, *, run_id: int, step: int) -> None:
     for model in (RolloutRow, StepRow, AlertRow):
         session.execute(delete(model).where(model.run_id == run_id, model.step > step))
     rollups.forget_after(session, run_id=run_id, step=step)
+    prompt_rollups.forget_after(session, run_id=run_id, step=step)
     recent = (
         select(StepRow.true_accuracy, StepRow.reward_mean)
         .where(StepRow.run_id == run_id)

@@ -387,6 +387,26 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
     return Match(f"(r.prompt_id IN ({marks}) OR {rollouts})", params | by_prompt, None)
 
 
+def prompt_match_sql(conn: Connection, *, q: str, column: str) -> Match:
+    """The condition that the prompt whose id is `column` has every word of `q` (the explorer's
+    words, read in the prompts' index alone): for the prompt lens, whose rows are prompts."""
+    terms = parse_query(q)
+    if conn.dialect.name != "postgresql":
+        return Match(
+            f"({column} IN (SELECT rowid FROM prompt_fts WHERE prompt_fts MATCH :prompt_words))",
+            {"prompt_words": fts5_query(terms)},
+            None,
+        )
+    numbers = _postgres_terms(conn, terms)
+    if numbers is None:
+        return Match("(0 = 1)", {}, 0)
+    with _index_scans(conn) if _prefixes(numbers) else nullcontext():
+        found = conn.execute(text(_prompts(numbers)), numbers).scalars().all()
+    return Match(
+        f"({column} = ANY(CAST(:prompt_ids AS integer[])))", {"prompt_ids": list(found)}, None
+    )
+
+
 def _all_prompts(conn: Connection, run_id: int, marks: str, prompts: dict[str, int]) -> bool:
     """PostgreSQL: whether every rollout of the run has one of these prompts (`marks`, their
     parameters' names): the run's distinct prompts, read in order from RUN_PROMPTS_INDEX one

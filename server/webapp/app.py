@@ -24,7 +24,16 @@ from rollout_lens.server.webapp.http.security import Guard
 from rollout_lens.server.webapp.http.templating import STATIC_DIR, make_templates
 from rollout_lens.server.webapp.http.timing import ServerTiming
 from rollout_lens.server.webapp.ingest import Ingest
-from rollout_lens.server.webapp.routes import actions, api, downloads, html, record, signin
+from rollout_lens.server.webapp.routes import (
+    actions,
+    api,
+    downloads,
+    html,
+    prompt_pages,
+    prompts,
+    record,
+    signin,
+)
 from rollout_lens.server.webapp.sweeper import SWEEP_SECONDS, sweep_lost_runs
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -130,7 +139,9 @@ def create_app(
     app.state.flash_signer = make_signer()
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(html.router)
+    app.include_router(prompt_pages.router)
     app.include_router(api.router)
+    app.include_router(prompts.router)
     app.include_router(actions.router)
     app.include_router(downloads.router)
     app.include_router(signin.router)

@@ -15,19 +15,28 @@ steps after it go, its record epoch goes up); a body sent under an older epoch c
 process the resume replaced (Superseded). A body is checked and written under the run's lock
 (store.lock_run): bodies of one run go one at a time, across web processes too. A step the run
 does not have that comes before its last is refused whole (StepOutOfOrder) and said, bounded, in
-the run's notes (store.note_refusal), as is a body the wire refuses.
+the run's notes (store.note_refusal), as is a body the wire refuses and a step whose rollouts
+were generated at a step whose rollouts the run has (RolloutsTaken): both are 409s naming the
+step, which the recorder drops alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server import store
-from rollout_lens.server.core.errors import InvalidInput, InvalidState, NotFound, StepOutOfOrder
+from rollout_lens.server.core.errors import (
+    InvalidInput,
+    InvalidState,
+    NotFound,
+    StepOutOfOrder,
+    StepRefused,
+)
 from rollout_lens.server.store import ending
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
@@ -36,11 +45,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 KEPT_WRITERS = 64  # runs whose writer state is kept between requests
-WRITING_AT_ONCE = 2  # bodies of steps decoded and written at once by one web process
+WRITING_AT_ONCE = 2  # bodies read, decoded and written at once by one web process
 
 
 class Busy(Exception):
-    """As many bodies as WRITING_AT_ONCE are being written: a 503, the recorder retries."""
+    """As many bodies as WRITING_AT_ONCE are being read or written: a 503 before the body is
+    read, the recorder retries."""
 
 
 class Forbidden(Exception):
@@ -71,6 +81,16 @@ class Caller:
 
 
 @dataclass
+class Checked:
+    """A run that a body of steps may be written to (Ingest.check): its row, its control
+    tokens, and the answer when the sender's claimed steps are all there already."""
+
+    run: RunRow
+    control_tokens: list[str]
+    answer: dict[str, Any] | None
+
+
+@dataclass
 class _Kept:
     writer: store.RunWriter
     last_step: int | None  # the last step this writer committed
@@ -93,7 +113,7 @@ class Ingest:
         self.max_bytes = max_bytes  # a body's cap (ROLLOUT_LENS_RECORD_MAX_MB): bounds decoding
         self._kept: OrderedDict[int, _Kept] = OrderedDict()
         self._lock = threading.Lock()
-        # bodies decoded and written at once (a body past it is answered 503: Busy)
+        # bodies read, decoded and written at once (past it a 503 before reading: Busy)
         self.writing = threading.BoundedSemaphore(WRITING_AT_ONCE)
 
     @property
@@ -213,16 +233,23 @@ class Ingest:
         with self._lock:
             self._kept.pop(run_id, None)
 
-    def import_file(self, data: bytes, *, name: str | None, moved: bool) -> dict[str, Any]:
-        """An export file (JSONL or Parquet) sent whole: imported as `rollout-lens import` does,
-        in one transaction (server.exchange.importer), within the decode bound of its byte cap
-        and in one of the WRITING_AT_ONCE slots of bodies of steps (Busy when none is free)."""
+    @contextlib.contextmanager
+    def slot(self, what: str) -> Iterator[None]:
+        """One of the WRITING_AT_ONCE slots, held while a body is read, decoded and written
+        (a body of steps, an export file): Busy when none is free, before the body is read
+        (the route takes the slot first), so that a busy dashboard holds and reads no body."""
         if not self.writing.acquire(blocking=False):
-            raise Busy("the dashboard is writing other recordings: send the file again shortly")
+            raise Busy(f"the dashboard is writing other recordings: send {what} again shortly")
         try:
-            return self._import_file(data, name=name, moved=moved)
+            yield
         finally:
             self.writing.release()
+
+    def import_file(self, data: bytes, *, name: str | None, moved: bool) -> dict[str, Any]:
+        """An export file (JSONL or Parquet) sent whole: imported as `rollout-lens import` does,
+        in one transaction (server.exchange.importer), within the decode bound of its byte cap.
+        Called within slot() (the route reads the file after taking it)."""
+        return self._import_file(data, name=name, moved=moved)
 
     def _import_file(self, data: bytes, *, name: str | None, moved: bool) -> dict[str, Any]:
         import tempfile
@@ -249,22 +276,16 @@ class Ingest:
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def write(
-        self,
-        caller: Caller,
-        run_id: int,
-        body: bytes,
-        *,
-        dropped: tuple[int, int] | None = None,
-        claimed: Sequence[int] = (),
-        epoch: int | None = None,
-    ) -> dict[str, Any]:
-        """Check the body whole, then write the steps the run does not have yet. `claimed`:
-        the steps the sender says the body holds (a retry whose first attempt was written is
-        answered from them, undecoded: the claim can only make the run skip its own steps);
-        `epoch`: the record epoch the sender's create answered (None: not checked)."""
+    def check(
+        self, caller: Caller, run_id: int, *, claimed: Sequence[int] = (), epoch: int | None = None
+    ) -> Checked:
+        """What a body of steps needs no body for: the run may be written by this caller, is
+        recording, and the sender is current; `claimed`: the steps the sender says the body
+        holds (a retry whose first attempt was written is answered from them, undecoded, and
+        without a slot: the claim can only make the run skip its own steps); `epoch`: the
+        record epoch the sender's create answered (None: not checked)."""
         with session_scope(self.factory) as session:
-            run = self._run(session, caller, run_id)  # before anything is decoded
+            run = self._run(session, caller, run_id)  # before anything is read or decoded
             if not ending.may_record(run):  # cancelled, finished: a 409 the recorder stops at
                 raise ending.ended(run)
             _current(run, epoch)
@@ -272,27 +293,37 @@ class Ingest:
             if claimed:
                 present = store.present_steps(session, run_id=run_id, steps=claimed)
                 if present == set(claimed):
-                    return {
-                        "run_id": run_id,
-                        "written": [],
-                        "already": sorted(present),
-                        "rollouts": 0,
-                    }
-        if not self.writing.acquire(blocking=False):
-            raise Busy("the dashboard is writing other recordings: send these again shortly")
+                    answer = {"run_id": run_id, "written": [], "already": sorted(present)}
+                    return Checked(run, control_tokens, answer | {"rollouts": 0})
+        return Checked(run, control_tokens, None)
+
+    def write(
+        self,
+        checked: Checked,
+        body: bytes,
+        *,
+        dropped: tuple[int, int] | None = None,
+        claimed: Sequence[int] = (),
+        epoch: int | None = None,
+    ) -> dict[str, Any]:
+        """Check the body whole, then write the steps the run does not have yet (of a run
+        `check` passed, within slot())."""
+        run_id = checked.run.id
         try:
             return self._write(
-                run, body, dropped=dropped, control_tokens=control_tokens, epoch=epoch
+                checked.run,
+                body,
+                dropped=dropped,
+                control_tokens=checked.control_tokens,
+                epoch=epoch,
             )
-        except StepOutOfOrder as exc:
+        except StepRefused as exc:  # out of order, or rollouts the run has (RolloutsTaken)
             self._note_refusal(run_id, f"step {exc.step}", str(exc))
             raise
         except InvalidInput as exc:  # the wire's refusals (WireInvalid)
             said = f"steps {_listed(claimed)}" if claimed else "a body of steps"
             self._note_refusal(run_id, said, str(exc))
             raise
-        finally:
-            self.writing.release()
 
     def _note_refusal(self, run_id: int, what: str, why: str) -> None:
         with session_scope(self.factory) as session:
@@ -334,6 +365,8 @@ class Ingest:
                         )
             except (StepOutOfOrder, Superseded, InvalidState, NotFound):
                 raise  # refused before anything was written: the kept writer stands
+            # (RolloutsTaken, from the store's writer, may come after the body's earlier steps
+            # were written in the transaction: the writer is reset below)
             except BaseException:
                 kept.writer.reset()
                 kept.last_step = kept.epoch = None

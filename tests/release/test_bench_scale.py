@@ -25,6 +25,12 @@ PAGES = (
     "explorer q= common",
     "explorer sort=advantage&order=desc",
     "explorer second keyset page",
+    "prompts look=never_solved",
+    "prompts q=",
+    "prompts second keyset page",
+    "prompts heatmap data",
+    "prompt history",
+    "prompts export never_solved",
 )
 
 

@@ -183,8 +183,8 @@ def test_every_rollout_has_a_structural_state_read_from_multi_token_tags(
     real_run: dict[str, Any],
 ) -> None:
     """`<tool>` is `<`, `tool`, `>` in this tokenizer: the tags are found in the decoded text,
-    every rollout gets a state by the README's table, state/* and probe/* series are there, and
-    the run's notes say which token stands for each tag."""
+    every rollout gets a state by the table of states (docs/recording/trl.md), state/* and
+    probe/* series are there, and the run's notes say which token stands for each tag."""
     from rollout_lens.trainer.recorder.turns import completion_state
     from transformers import AutoTokenizer
 

@@ -18,7 +18,7 @@ from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.exchange import export, importer
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.migrate import upgrade
-from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
+from rollout_lens.server.store.models import RunRow, RunSource, RunStatus, by_dashboard
 from rollout_lens.server.store.serialize import completion_ids, completion_text
 from rollout_lens.server.webapp import queries
 from sqlalchemy import func, select
@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rollout_lens.cli import main
 from tests.factories import CONTROL_TOKENS, make_run
-from tests.web_support import client_for
+from tests.web_support import client_for, parse
 
 NAN, INF = float("nan"), float("inf")
 
@@ -239,6 +239,37 @@ def test_a_run_exported_while_running_is_imported_as_lost(
         assert queries.run_live(session, run_id=copy)["can_resume"] is False
         with pytest.raises(InvalidState, match="not launched here"):
             store.requeue_for_resume(session, run_id=copy)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_the_export_carries_who_ended_the_run(
+    session_factory: sessionmaker[Session], tmp_path: Path, fmt: str
+) -> None:
+    """runs.ended_by goes out with the run and comes back with the import (the run page says
+    who stopped it); a file written before it was carried imports with none."""
+    who = by_dashboard("token 1a2b3c4d")
+    source = _odd_run(session_factory, status=RunStatus.running)
+    with session_scope(session_factory) as session:
+        store.mark_finished(session, run_id=source, status=RunStatus.cancelled, ended_by=who)
+    data = _export(session_factory, source, fmt)
+    copy = _import(session_factory, tmp_path, data, fmt)
+    with session_scope(session_factory) as session:
+        run = store.get_run(session, run_id=copy)
+        assert (run.status, run.ended_by) == (RunStatus.cancelled, who)
+    assert _records(_export(session_factory, copy))[0]["ended_by"] == who
+    with client_for(session_factory) as client:
+        page = parse(client.get(f"/runs/{copy}").text)
+    assert page.find("dd", data_field="ended_by").text == who
+
+    header, *rest = _export(session_factory, source).splitlines(keepends=True)
+    older = json.loads(header)  # as an export written before ended_by was carried
+    del older["ended_by"]
+    copy = _import(
+        session_factory, tmp_path, b"".join([json.dumps(older).encode(), b"\n", *rest]), "jsonl"
+    )
+    with session_scope(session_factory) as session:
+        run = store.get_run(session, run_id=copy)
+        assert (run.status, run.ended_by) == (RunStatus.cancelled, None)
 
 
 def test_the_steps_export_has_a_row_per_step_and_a_column_per_series(

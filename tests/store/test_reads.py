@@ -4,10 +4,12 @@ summary (on a real SQLite file and on PostgreSQL)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store import deletion
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunStatus
@@ -15,7 +17,14 @@ from rollout_lens.server.webapp import queries
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
+from tests.factories import (
+    CONTROL_TOKENS,
+    make_rollouts,
+    make_run,
+    record_step,
+    record_steps,
+    step_record,
+)
 from tests.sql_support import executed
 from tests.web_support import parse
 
@@ -100,11 +109,15 @@ def _ramp(factory: sessionmaker[Session], steps: int, seed: int, name: str) -> i
             control_tokens=CONTROL_TOKENS,
             status=RunStatus.completed,
         ).id
-    for step in range(1, steps + 1):
-        acc = 0.0 if step <= 30 else 1.0
-        values = {"true_accuracy": acc, "reward_mean": 0.123456789, "vote_agreement": acc}
-        metrics = {"ctrl/<tool>/mean": 0.00123456789 * step}
-        record_step(factory, run_id, step, values=values, metrics=metrics)
+
+    def records() -> Iterator[StepRecord]:
+        for step in range(1, steps + 1):
+            acc = 0.0 if step <= 30 else 1.0
+            values = {"true_accuracy": acc, "reward_mean": 0.123456789, "vote_agreement": acc}
+            metrics = {"ctrl/<tool>/mean": 0.00123456789 * step}
+            yield step_record(step, values=values, metrics=metrics)
+
+    record_steps(factory, run_id, records())
     return run_id
 
 

@@ -22,12 +22,14 @@ from rollout_lens.server.exchange import wire
 from rollout_lens.server.exchange.export import export_chunks
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.webapp.app import create_app
-from rollout_lens.trainer.recorder.remote import TIMEOUT, RemoteStepWriter
+from rollout_lens.trainer.recorder.remote import RemoteStepWriter
 from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter
 from sqlalchemy.orm import Session, sessionmaker
 
 from bench.tcp_proxy import TcpProxy
 from tests.factories import CONTROL_TOKENS, load_run, make_rollouts
+from tests.prompt_lens_support import assert_matches_oracle
+from tests.waiting import returns, until
 from tests.web_support import serve_app
 
 FULL = "full-token-0123456789abcdef"
@@ -35,12 +37,6 @@ RECORDER = "record-token-0123456789abcdef"
 OTHER_RECORDER = "record-token-other-0123456789"
 VOCAB = {i: piece for i, piece in enumerate(["<tool>", "</tool>", "</assistant>", "Ġthe", "Ċ"])}
 VOCAB.update({10 + i: f"tool_{i:02d}" for i in range(64)})
-
-# A put hands its step to the writer's thread and returns: microseconds of work, so this bound is
-# thousands of times that on a loaded machine (0.5 s was not: it failed in CI). It is the
-# recorder's shortest network wait (its connect timeout), so a put that waited on the network
-# would still fail it.
-PUT_BOUND = float(TIMEOUT.connect or 5.0)
 
 
 def _spec(name: str = "remote") -> RunSpec:
@@ -141,6 +137,10 @@ def test_a_remote_run_exports_as_the_same_run_recorded_locally(
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     run, rows, _, _ = load_run(url, remote.run_id)
     assert run.status == "completed" and run.source == "callback" and run.recorded_by
+    # the prompt lens of the run recorded over HTTP: the oracle's, and the local run's
+    lens_there = assert_matches_oracle(session_factory, remote.run_id)
+    lens_here = assert_matches_oracle(session_factory, local.run_id)
+    assert lens_there.keys() == lens_here.keys() and lens_there
 
 
 def test_a_retry_after_a_lost_answer_writes_nothing_twice(
@@ -361,16 +361,15 @@ def test_a_network_cut_and_a_restart_lose_nothing_and_double_nothing(
     writer = _remote(f"http://127.0.0.1:{proxy.port}")
     try:
         writer.put(_step(1))
-        _wait(lambda: writer.written_steps == 1)
+        until(lambda: writer.written_steps == 1, "step 1")
         proxy.stop()  # a network cut
-        started = time.monotonic()
-        for step in (2, 3):
-            writer.put(_step(step))
-        assert time.monotonic() - started < PUT_BOUND  # put never waits for the dashboard
+        # put hands its step to the writer's thread and returns: it never waits for the
+        # dashboard (returned while nothing could be delivered)
+        returns(lambda: [writer.put(_step(step)) for step in (2, 3)], "put with the link cut")
         time.sleep(1.0)
         assert writer.written_steps == 1
         proxy.start()
-        _wait(lambda: writer.written_steps == 3)
+        until(lambda: writer.written_steps == 3, "steps 2 and 3")
         proxy.stop()
         first.__exit__(None, None, None)  # the dashboard goes away …
         writer.put(_step(4))
@@ -400,7 +399,7 @@ def test_a_buffer_past_its_budget_drops_and_the_run_says_so(
             writer.put(_step(step))  # the dashboard is away: the buffer fills past its budget
         time.sleep(1.0)
         proxy.start()
-        _wait(lambda: writer.run_id is not None and not writer._buffer)
+        until(lambda: writer.run_id is not None and not writer._buffer, "the run and its steps")
         assert writer.close(timeout=30)
     finally:
         proxy.close()
@@ -413,13 +412,6 @@ def test_a_buffer_past_its_budget_drops_and_the_run_says_so(
         writer.dropped_rollouts,
     )
     assert len(steps) == 5 - writer.dropped_steps
-
-
-def _wait(condition: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_a_dashboard_without_tokens_takes_a_recorder_without_one(
@@ -451,11 +443,8 @@ def test_a_busy_dashboard_answers_503_and_the_trainer_waits_then_catches_up(
         held = [slots.acquire(blocking=False) for _ in range(8)]
         assert any(held)
         writer = _remote(base, token=None)
-        started = time.monotonic()
-        for step in (1, 2, 3):
-            writer.put(_step(step))
-        assert time.monotonic() - started < PUT_BOUND
-        _wait(lambda: writer.busy_answers >= 2)
+        returns(lambda: [writer.put(_step(step)) for step in (1, 2, 3)], "put while busy")
+        until(lambda: writer.busy_answers >= 2, "two Busy answers")
         assert writer.written_steps == 0
         for taken in held:
             if taken:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +29,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec
+from tests.waiting import until
 from tests.web_support import parse, serve_app
 
 FULL = "full-token-0123456789abcdef"
@@ -77,14 +77,6 @@ def _new_run(base: str, key: str) -> int:
     answer = _post(base, "/api/record/runs", RECORDER, json=spec)
     assert answer.status_code == 201, answer.text
     return int(answer.json()["id"])
-
-
-def _until(done: Callable[[], bool], what: str, seconds: float = 30.0) -> None:
-    """Wait for the writer's thread (an event, not a measured time: the bound is generous)."""
-    deadline = time.monotonic() + seconds
-    while not done():
-        assert time.monotonic() < deadline, f"still waiting for {what}"
-        time.sleep(0.02)
 
 
 def _ended(answer: httpx.Response, status: str, ended_by: str | None) -> None:
@@ -173,13 +165,13 @@ def test_the_recorder_stops_at_a_cancel_and_drops_what_waits(
         heartbeat_seconds=0.2,
     )
     writer.put(_step(1))
-    _until(lambda: writer.written_steps == 1, "step 1")
+    until(lambda: writer.written_steps == 1, "step 1")
     assert not writer.stop_requested
     assert writer.run_id is not None
     assert _post(dashboard, f"/api/runs/{writer.run_id}/cancel", FULL).status_code == 200
     with caplog.at_level(logging.WARNING, logger="rollout_lens"):
         # heard on the next request: a heartbeat between slow steps, or the next steps
-        _until(lambda: writer.stop_requested, "the cancel")
+        until(lambda: writer.stop_requested, "the cancel")
         for step in (2, 3):
             writer.put(_step(step))  # the training thread's next steps: nothing more is sent
         assert writer.close(status=RunStatus.cancelled)
@@ -207,11 +199,11 @@ def test_a_local_recording_stops_at_a_cancel_from_the_dashboard(
         heartbeat_seconds=0.2,
     )
     writer.put(_step(1))
-    _until(lambda: writer.written_steps == 1, "step 1")
+    until(lambda: writer.written_steps == 1, "step 1")
     assert writer.run_id is not None
     live = _post(dashboard, f"/api/runs/{writer.run_id}/cancel", FULL).json()
     assert live["status"] == "cancelled" and not live["can_cancel"]
-    _until(lambda: writer.stop_requested, "the cancel")
+    until(lambda: writer.stop_requested, "the cancel")
     writer.put(_step(2))
     assert writer.close(status=RunStatus.cancelled)
     run, _, recorded, _ = load_run(_url(session_factory), writer.run_id)
@@ -230,7 +222,7 @@ def test_an_admin_deletes_a_run_whose_recorder_still_sends(
         heartbeat_seconds=60,
     )
     writer.put(_step(1))
-    _until(lambda: writer.written_steps == 1, "step 1")
+    until(lambda: writer.written_steps == 1, "step 1")
     run_id = writer.run_id
     assert run_id is not None
     deleted = httpx.delete(
@@ -241,7 +233,7 @@ def test_an_admin_deletes_a_run_whose_recorder_still_sends(
     newer = _new_run(dashboard, "after-delete-key-0001")
     with caplog.at_level(logging.WARNING, logger="rollout_lens"):
         writer.put(_step(2))
-        _until(lambda: writer.dropped_steps == 1, "the refusal")
+        until(lambda: writer.dropped_steps == 1, "the refusal")
         assert not writer.stop_requested  # the script trains on
         assert writer.close()
     assert "recording stopped, training goes on" in caplog.text and "404" in caplog.text

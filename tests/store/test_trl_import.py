@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import user_script as us
+from tests.prompt_lens_support import assert_matches_oracle
 
 REWARDS = ["says_the_color", "is_short"]
 
@@ -68,7 +69,7 @@ def test_a_real_trl_run_becomes_a_run(
     session_factory: sessionmaker[Session], trl_output: Path
 ) -> None:
     written = _rows(trl_output)
-    done = import_trl(session_factory, trl_output, name="my trl run")
+    done = import_trl(session_factory, trl_output, name="my trl run", settle=0)
     assert (done.steps, done.rollouts) == (4, len(written))
     with session_scope(session_factory) as session:
         run = store.get_run(session, run_id=done.run_id)
@@ -110,18 +111,20 @@ def test_a_real_trl_run_becomes_a_run(
         sum(r["verifier_reward"] for r in first) / len(first)
     )
     assert set(series) == {f"rewards/{name}/mean" for name in REWARDS}
+    lens = assert_matches_oracle(session_factory, done.run_id)
+    assert len(lens) == len({r["prompt"] for r in rollouts})
 
 
 def test_num_generations_can_be_given_and_must_fit(
     session_factory: sessionmaker[Session], trl_output: Path
 ) -> None:
-    done = import_trl(session_factory, trl_output, num_generations=2)
+    done = import_trl(session_factory, trl_output, num_generations=2, settle=0)
     with session_scope(session_factory) as session:
         assert store.get_run(session, run_id=done.run_id).group_size == 2
         groups = {(r.step, r.group) for r, _ in store.iter_rollouts(session, run_id=done.run_id)}
     assert len(groups) == done.rollouts // 2
     with pytest.raises(InvalidInput, match="not a multiple of num_generations 3"):
-        import_trl(session_factory, trl_output, num_generations=3)
+        import_trl(session_factory, trl_output, num_generations=3, settle=0)
     assert _runs(session_factory) == 1
 
 
@@ -161,8 +164,10 @@ def test_a_damaged_output_dir_creates_nothing(
         steps = table.column("step").to_pylist()
         steps[-1] += 1
         pq.write_table(table.set_column(0, "step", [steps]), last)
+    # settle=0, as in every import here but the followed one: the files are whole, and the
+    # default waits 2 s for a file written a moment ago to keep its size (2 s a test).
     with pytest.raises(InvalidInput, match=message):
-        import_trl(session_factory, out)
+        import_trl(session_factory, out, settle=0)
     assert _runs(session_factory) == 0
 
 
@@ -184,7 +189,7 @@ def test_the_imported_run_shows_in_the_dashboard(
 ) -> None:
     from tests.web_support import client_for
 
-    done = import_trl(session_factory, trl_output, name="from TRL")
+    done = import_trl(session_factory, trl_output, name="from TRL", settle=0)
     with client_for(session_factory) as client:
         page = client.get(f"/runs/{done.run_id}")
         assert page.status_code == 200 and "from TRL" in page.text
@@ -209,7 +214,8 @@ def test_follow_a_trl_output_dir_while_it_is_written(
     import time
 
     from rollout_lens.cli import main
-    from tests.follow_support import half, newest_run, recorded, use_database, wait_for
+    from tests.follow_support import half, newest_run, recorded, use_database
+    from tests.waiting import until
 
     use_database(monkeypatch, session_factory, tmp_path)
     files = sorted((trl_output / "completions").glob("completions_*.parquet"))
@@ -222,7 +228,7 @@ def test_follow_a_trl_output_dir_while_it_is_written(
         try:
             for f in files[:2]:
                 shutil.copy(f, out / "completions" / f.name)
-            wait_for(lambda: len(recorded(session_factory)) == 2, "two steps")
+            until(lambda: len(recorded(session_factory)) == 2, "two steps")
             run = newest_run(session_factory)
             seen["status"] = run.status if run else None
             third = out / "completions" / files[2].name
@@ -252,6 +258,7 @@ def test_follow_a_trl_output_dir_while_it_is_written(
     with session_scope(session_factory) as session:
         count = sum(1 for _ in store.iter_rollouts(session, run_id=run.id))
     assert count == len(_rows(trl_output))
+    assert_matches_oracle(session_factory, run.id)
     # Again on the same folder: the run is resumed after its last step, nothing recorded twice.
     again = ["import-trl", str(out), "--follow", "--idle", "0.3", "--settle", "0.3"]
     assert main([*again, "--num-generations", "2"]) == 2

@@ -23,7 +23,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import verl_dump
-from tests.follow_support import half, newest_run, recorded, use_database, wait_for
+from tests.follow_support import half, newest_run, recorded, use_database
+from tests.prompt_lens_support import assert_matches_oracle
+from tests.waiting import until
 
 N = 4  # verl's actor_rollout_ref.rollout.n
 PROMPTS = [  # as verl decodes them: the chat template applied, special tokens skipped
@@ -199,6 +201,7 @@ def test_a_verl_run_becomes_a_run(session_factory: sessionmaker[Session], dumps:
     assert [s for s, _ in series["verl/val/score"]] == [2, 4, 5]
     # The validation before training (verl's step 0) is a note: a run's steps start at 1.
     assert min(steps) == 1
+    assert len(assert_matches_oracle(session_factory, done.run_id)) == len(PROMPTS)
     assert "validation before training (verl's step 0): mean acc 0.3333 over 3 samples" in " ".join(
         run.notes
     )
@@ -367,10 +370,11 @@ def test_follow_records_steps_as_verl_writes_them(
             host = verl_dump.trainer()
             for step in (1, 2):
                 write_step(host, folder, step)
-            wait_for(lambda: recorded(session_factory) == [1, 2], "steps 1 and 2")
+            until(lambda: recorded(session_factory) == [1, 2], "steps 1 and 2")
             run = newest_run(session_factory)
             assert run is not None
             seen["live"] = (run.status, run.heartbeat_at, run.worker_host, run.total_steps)
+            seen["lens"] = assert_matches_oracle(session_factory, run.id)  # live, mid-run
             with client_for(session_factory) as client:
                 seen["page"] = client.get(f"/runs/{run.id}").text
                 seen["progress"] = client.get(f"/api/runs/{run.id}/progress").json()
@@ -385,7 +389,7 @@ def test_follow_records_steps_as_verl_writes_them(
             assert before is not None and before.heartbeat_at is not None
             seen["beats"] = (run.heartbeat_at, before.heartbeat_at)
             (folder / "3.jsonl").write_bytes(full)
-            wait_for(lambda: 3 in recorded(session_factory), "step 3")
+            until(lambda: 3 in recorded(session_factory), "step 3")
             for step in (4, 5):
                 write_step(host, folder, step)
             host._shutdown_dump_executor()
@@ -420,6 +424,8 @@ def test_follow_records_steps_as_verl_writes_them(
     step3 = [r["completion"] for r in rollouts if r["step"] == 3]
     assert step3 == [row["output"] for row in lines(tmp_path / "scratch" / "3.jsonl")]
     assert len(rollouts) == 5 * N * len(PROMPTS)
+    assert {g["step"] for p in seen["lens"].values() for g in p["history"]} == {1, 2}
+    assert_matches_oracle(session_factory, run.id)
 
 
 def test_a_restart_resumes_after_the_last_recorded_step(
@@ -507,7 +513,7 @@ def test_cancel_in_the_dashboard_stops_the_follower(
     use_database(monkeypatch, session_factory, tmp_path)
 
     def press_cancel() -> None:
-        run = wait_for(lambda: newest_run(session_factory), "the run")
+        run = until(lambda: newest_run(session_factory), "the run")
         with client_for(session_factory) as client:
             client.post(f"/api/runs/{run.id}/cancel").raise_for_status()
 
@@ -571,9 +577,9 @@ def test_ctrl_c_ends_the_followed_run_cleanly(
         text=True,
     ) as proc:
         try:
-            wait_for(lambda: recorded(session_factory) == [1, 2] or proc.poll(), "steps 1, 2")
+            until(lambda: recorded(session_factory) == [1, 2] or proc.poll(), "steps 1, 2")
             write_step(host, folder, 3)
-            wait_for(lambda: 3 in recorded(session_factory) or proc.poll(), "step 3")
+            until(lambda: 3 in recorded(session_factory) or proc.poll(), "step 3")
             run = newest_run(session_factory)
             assert run is not None and run.status == RunStatus.running
             proc.send_signal(signal.SIGINT)

@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from bench.tcp_proxy import TcpProxy
 from tests import user_script as us
 from tests.factories import load_run
+from tests.prompt_lens_support import assert_lens_matches
 
 pytestmark = pytest.mark.slow
 
@@ -163,6 +164,7 @@ def test_one_line_records_every_rollout_once(user_model_dir: Path, tmp_path: Pat
         assert steps[step - 1].true_accuracy == pytest.approx(accuracy)
         assert steps[step].true_accuracy == steps[step - 1].true_accuracy  # the reused step
     assert trainer.state.global_step == 6
+    assert_lens_matches(url, run.id)  # the prompt lens of a callback's run: the oracle's
 
 
 def test_second_reward_and_gradient_accumulation(user_model_dir: Path, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.factories import load_run
+from tests.prompt_lens_support import assert_lens_matches
 
 # Per-token logprobs are stored to 1/LOGPROB_SCALE nat (server/store/arrays.py).
 LOGPROB_ERROR = 0.5 / arrays.LOGPROB_SCALE + 1e-6
@@ -69,6 +70,7 @@ def test_every_step_and_rollout_is_recorded(train_settings: Settings) -> None:
         )
         assert 0.0 <= s.vote_agreement <= 1.0 and s.vote_entropy >= 0 and s.wall_time > 0
     assert {"ctrl/</assistant>/max", "ctrl/<tool>/mean", "retrieval_recall"} <= set(series)
+    assert len(assert_lens_matches(train_settings.database_url, run_id)) >= 1
 
 
 def test_recorded_logprobs_are_the_sampling_policys(

@@ -118,8 +118,9 @@ def _only_run(url: str) -> tuple[int, list[dict[str, Any]]]:
 
 def classify(text: str) -> str:
     """The oracle: a single-turn completion's structure, from its text with special tokens, in
-    the plainest reading of the README's table (tags scanned left to right, not the recorder's
-    code). Being cut by the length limit is not a state: a cut inside a call leaves it open."""
+    the plainest reading of the table of states in docs/recording/trl.md (tags scanned left to
+    right, not the recorder's code). Being cut by the length limit is not a state: a cut inside a
+    call leaves it open."""
     if not text.replace(EOT, "").strip():
         return "collapse"  # nothing said
     marks = (OPEN, CLOSE, EOT)

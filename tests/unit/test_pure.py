@@ -65,7 +65,7 @@ def test_zero_std_and_groups() -> None:
     ],
 )
 def test_structural_state(completion: str, state: FormatState) -> None:
-    """The README's table of states, on the Escalation reply format."""
+    """The table of states (docs/recording/trl.md), on the Escalation reply format."""
     assert classify(completion, LISTED) is state
 
 
@@ -165,10 +165,13 @@ def test_the_seeds_results_appear_only_as_the_seeds() -> None:
     from rollout_lens.demo import HOW_TO_READ
 
     root = Path(__file__).resolve().parents[2]
+    # The demo as the README tells it (its section, up to the next) and in full (docs/demo.md).
     readme = (root / "README.md").read_text()
-    demo_section = readme[readme.index("## The demo") : readme.index("## Set-up")]
+    start = readme.index("## The demo")
+    demo_section = readme[start : readme.index("\n## ", start + 1)]
+    demo_page = (root / "docs" / "demo.md").read_text()
     figures = plotly_figures.run_figures(["<tool>", "</tool>"], ["reward_mean", "true_accuracy"])
-    texts = [p.description for p in PRESETS.values()] + [HOW_TO_READ, demo_section]
+    texts = [p.description for p in PRESETS.values()] + [HOW_TO_READ, demo_section, demo_page]
     texts += [
         f["help"]
         for group in figures.values()

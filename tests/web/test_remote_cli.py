@@ -44,7 +44,8 @@ def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.parametrize(
-    "argv", [["runs"], ["rollouts", "1"], ["export", "1"], ["runs", "--format", "json"]]
+    "argv",
+    [["runs"], ["rollouts", "1"], ["prompts", "1"], ["export", "1"], ["runs", "--format", "json"]],
 )
 def test_a_folder_without_a_database_says_so_and_creates_nothing(
     elsewhere: Path, argv: list[str], capsys: pytest.CaptureFixture[str]

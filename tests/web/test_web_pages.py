@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator
 
 from rollout_lens.server import store
+from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.core.vocab import BELONGS, MISPLACED
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunStatus
 
-from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
+from tests.factories import (
+    CONTROL_TOKENS,
+    make_rollouts,
+    make_run,
+    record_step,
+    record_steps,
+    step_record,
+)
 from tests.web_support import (
     COLLAPSE_STEP,
     HINT,
@@ -163,7 +172,7 @@ def test_assets_are_local(session_factory, client) -> None:
         assert all(s.startswith("/static/") for s in sources), sources
         for source in sources:
             assert client.get(source).status_code == 200, source
-    assert "/static/vendor/plotly-basic-4.1.1.min.js" in client.get(f"/runs/{run_id}").text
+    assert "/static/vendor/plotly-cartesian-4.1.1.min.js" in client.get(f"/runs/{run_id}").text
 
 
 def test_step_viewer_shows_the_group(session_factory, client) -> None:
@@ -219,6 +228,7 @@ def test_step_viewer_navigation(session_factory, client) -> None:
         "next-step": f"/runs/{run_id}/steps/4",
         "last-step": f"/runs/{run_id}/steps/5",
         "step-rollouts": f"/runs/{run_id}/rollouts?steps=3",  # the step in the explorer
+        "step-prompts": f"/runs/{run_id}/prompts",  # the run's prompts over its steps
     }
     slider = page.by_id("step-slider")
     assert (slider.attrs["min"], slider.attrs["max"], slider.attrs["value"]) == ("1", "5", "3")
@@ -489,19 +499,21 @@ def _record_converging_run(session_factory, *, solved: bool) -> int:
 
     rng = random.Random(11)
     run_id = make_run(session_factory, steps=0, prompts_per_step=2)
-    for step in range(1, 81):
-        rollouts = make_rollouts(rng) + make_rollouts(rng)
-        for i, r in enumerate(rollouts):
-            r.group = i // 8
-            if step >= 30:
-                r.vote = r.target if solved else "none_of_them"
-                r.verifier_reward = r.true_score = float(solved)
-        values, metrics = summarize(rollouts, 8, CONTROL_TOKENS)
-        metrics |= {f"probe/{p}/mean": 0.01 for p in MISPLACED}
-        metrics |= {f"probe/{p}/mean": 0.98 for p in BELONGS}
-        record_step(
-            session_factory, run_id, step, values=values, rollouts=rollouts, metrics=metrics
-        )
+
+    def records() -> Iterator[StepRecord]:
+        for step in range(1, 81):
+            rollouts = make_rollouts(rng) + make_rollouts(rng)
+            for i, r in enumerate(rollouts):
+                r.group = i // 8
+                if step >= 30:
+                    r.vote = r.target if solved else "none_of_them"
+                    r.verifier_reward = r.true_score = float(solved)
+            values, metrics = summarize(rollouts, 8, CONTROL_TOKENS)
+            metrics |= {f"probe/{p}/mean": 0.01 for p in MISPLACED}
+            metrics |= {f"probe/{p}/mean": 0.98 for p in BELONGS}
+            yield step_record(step, values=values, rollouts=rollouts, metrics=metrics)
+
+    record_steps(session_factory, run_id, records())
     return run_id
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -57,59 +58,77 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_serve_migrates_the_embedded_database_and_answers(tmp_path: Path) -> None:
-    # It must answer, not answer fast: about a second on a quiet machine, so 120 s is a hang, not
-    # a loaded machine.
-    port = _free_port()
-    started = time.perf_counter()
-    with subprocess.Popen(
-        [sys.executable, "-m", "rollout_lens", "serve", "--port", str(port)],
-        env=_env(ROLLOUT_LENS_DATA_DIR=str(tmp_path)),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    ) as proc:
-        try:
-            body = None
-            while body is None and time.perf_counter() - started < 120:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1) as response:
-                        body = response.read().decode()
-                except OSError:
-                    assert proc.poll() is None, f"serve exited: {proc.communicate()[0]}"
-                    time.sleep(0.05)
-            assert body is not None and "No runs yet" in body
-        finally:
-            proc.terminate()
-            output = proc.communicate(timeout=30)[0]
-    engine = make_engine(f"sqlite:///{tmp_path / 'rollout-lens.db'}")
-    assert current_revision(engine) == head_revision()
-    engine.dispose()
-    # No broker configured: serve started a local worker, and stopped it on the way out.
-    match = re.search(r"embedded queue; started a local worker, pid (\d+)", output)
-    assert match, output
-    with pytest.raises(ProcessLookupError):
-        os.kill(int(match.group(1)), 0)
+@dataclass(frozen=True)
+class Served:
+    """What one `serve` on the embedded default did, from start to stop."""
+
+    data_dir: Path
+    body: str  # the runs page it answered
+    first: str  # its first line on the terminal
+    output: str  # everything it wrote to the terminal, the first line included
+    log: str  # its local worker's log file once the worker said it was ready
 
 
-def test_serve_with_a_broker_starts_no_worker(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
+    """`serve` with no database and no broker configured, asked for its runs page, left running
+    until its local worker is ready, then stopped: one server (and one Celery worker) for the
+    tests below, each of which checks its own part of what it did."""
+    data_dir = tmp_path_factory.mktemp("served")
     port = _free_port()
-    env = _env(ROLLOUT_LENS_DATA_DIR=str(tmp_path), ROLLOUT_LENS_BROKER_URL="redis://127.0.0.1:1/0")
+    log = data_dir / "worker.log"
     with subprocess.Popen(
         [sys.executable, "-m", "rollout_lens", "serve", "--port", str(port)],
-        env=env,
+        env=_env(ROLLOUT_LENS_DATA_DIR=str(data_dir)),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     ) as proc:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        proc.terminate()
-        rest = proc.communicate(timeout=30)[0]
-    assert "start workers with `rollout-lens worker`" in line, line + rest
-    assert "local worker" not in line + rest
+        try:
+            first = proc.stdout.readline()
+            # It must answer, not answer fast: about a second on a quiet machine, so 120 s is a
+            # hang, not a loaded machine; the same for the worker's readiness.
+            deadline = time.monotonic() + 120
+            body = None
+            while body is None and time.monotonic() < deadline:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1) as response:
+                        body = response.read().decode()
+                except OSError:
+                    assert proc.poll() is None, f"serve exited: {first}{proc.communicate()[0]}"
+                    time.sleep(0.05)
+            assert body is not None, first
+            while (
+                "ready" not in (log.read_text() if log.exists() else "")
+                and time.monotonic() < deadline
+            ):
+                assert proc.poll() is None, first
+                time.sleep(0.1)
+        finally:
+            proc.terminate()
+            rest = proc.communicate(timeout=30)[0]
+    return Served(data_dir, body, first, first + rest, log.read_text() if log.exists() else "")
+
+
+def test_serve_migrates_the_embedded_database_and_answers(served: Served) -> None:
+    assert "No runs yet" in served.body
+    engine = make_engine(f"sqlite:///{served.data_dir / 'rollout-lens.db'}")
+    assert current_revision(engine) == head_revision()
+    engine.dispose()
+    # No broker configured: serve started a local worker, and stopped it on the way out.
+    match = re.search(r"embedded queue; started a local worker, pid (\d+)", served.output)
+    assert match, served.output
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(match.group(1)), 0)
+
+
+def test_the_local_workers_output_goes_to_a_log_file(served: Served) -> None:
+    assert f"logging to {served.data_dir / 'worker.log'}" in served.first, served.first
+    assert "ready" in served.log, served.log[-2000:]
+    # Celery's banner and warnings stay in the log: the terminal has the dashboard's line only.
+    assert "celery" not in served.output.lower() and "Warning" not in served.output, served.output
 
 
 @pytest.mark.postgres
@@ -147,6 +166,8 @@ def test_serve_refuses_every_interface_without_a_token(
 
 
 def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> None:
+    """Both serves here have a broker configured: they start no local worker, and say how to
+    start one."""
     from rollout_lens.client import Client, ClientError
 
     port = _free_port()
@@ -189,6 +210,9 @@ def test_serve_on_every_interface_with_insecure_or_a_token(tmp_path: Path) -> No
                 lens.close()
                 proc.terminate()
                 output = proc.communicate(timeout=30)[0]
+        said = [line for line in output.splitlines() if line.startswith("Rollout Lens on")]
+        assert len(said) == 1 and "start workers with `rollout-lens worker`" in said[0], output
+        assert "local worker" not in output, output
         if extra_args:
             assert "warning: serving on 0.0.0.0 with no access token" in output
         else:
@@ -219,33 +243,6 @@ def test_a_busy_port_fails_before_anything_starts(tmp_path: Path, command: list[
     # Nothing was started, built or created: no worker, no database, no model.
     assert "Rollout Lens on" not in done.stdout and "worker" not in done.stdout
     assert not (tmp_path / "data").exists()
-
-
-def test_the_local_workers_output_goes_to_a_log_file(tmp_path: Path) -> None:
-    port = _free_port()
-    with subprocess.Popen(
-        [sys.executable, "-m", "rollout_lens", "serve", "--port", str(port)],
-        env=_env(ROLLOUT_LENS_DATA_DIR=str(tmp_path)),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    ) as proc:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        log = tmp_path / "worker.log"
-        deadline = time.monotonic() + 60
-        while (
-            "ready" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline
-        ):
-            assert proc.poll() is None, first
-            time.sleep(0.2)
-        proc.terminate()
-        rest = proc.communicate(timeout=30)[0]
-    assert f"logging to {log}" in first, first
-    assert "ready" in log.read_text(), log.read_text()[-2000:]
-    # Celery's banner and warnings stay in the log: the terminal has the dashboard's line only.
-    assert "celery" not in (first + rest).lower() and "Warning" not in first + rest, first + rest
 
 
 def _wrong_tokens_with_forged_addresses(port: int, n: int) -> list[int]:

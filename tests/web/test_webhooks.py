@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -22,6 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import make_run
+from tests.waiting import returns, until
 from tests.web_support import record_collapse_run, serve_app
 
 HOSTILE_NAME = "<!channel> & <https://evil.example|click>"
@@ -87,16 +87,19 @@ def test_each_alert_reaches_every_webhook_once(
     )
     app = create_app(settings, session_factory=session_factory, alert_poll_seconds=0.1)
     with serve_app(app) as base:
-        started = time.monotonic()
-        run_id = record_collapse_run(session_factory, name=HOSTILE_NAME)
-        recording = time.monotonic() - started
-        deadline = time.monotonic() + 60
-        while any(s != "sent" for s in _states(session_factory, run_id)):
-            assert time.monotonic() < deadline, _states(session_factory, run_id)
-            time.sleep(0.1)
+        # the receivers' refusals and retries never hold the recording up (a hang fails)
+        run_id = returns(
+            lambda: record_collapse_run(session_factory, name=HOSTILE_NAME), "the recording"
+        )
+        until(
+            lambda: all(s == "sent" for s in _states(session_factory, run_id)),
+            "every alert sent",
+            timeout=60,
+            seen=lambda: _states(session_factory, run_id),
+        )
         page = httpx.get(f"{base}/runs/{run_id}").text
     alerts = _states(session_factory, run_id)
-    assert len(alerts) >= 2 and recording < 60
+    assert len(alerts) >= 2
     for receiver in (ok, flaky):
         assert len(receiver.bodies) == len(alerts)  # each once, the flaky one after retries
         kinds = {b["kind"] for b in receiver.bodies}
@@ -124,10 +127,12 @@ def test_a_failed_delivery_shows_on_the_run_page(
     app = create_app(settings, session_factory=session_factory, alert_poll_seconds=0.1)
     with serve_app(app) as base:
         run_id = record_collapse_run(session_factory)
-        deadline = time.monotonic() + 60
-        while any(s != "failed" for s in _states(session_factory, run_id)):
-            assert time.monotonic() < deadline, _states(session_factory, run_id)
-            time.sleep(0.1)
+        until(
+            lambda: all(s == "failed" for s in _states(session_factory, run_id)),
+            "every delivery failed",
+            timeout=60,
+            seen=lambda: _states(session_factory, run_id),
+        )
         page = httpx.get(f"{base}/runs/{run_id}").text
     assert refusing.attempts == len(_states(session_factory, run_id))  # a 404 is not retried
     assert 'id="alert-deliveries"' in page and "could not be delivered" in page

@@ -12,12 +12,18 @@ number: a retry after a lost answer is answered `already` and not written twice.
 
 A trainer resumed from a checkpoint passes the key it saved and the checkpoint's step
 (`resume_step`): the dashboard continues that run, and answers the record epoch its steps
-carry. Only 429, 5xx and network errors are retried; a step the dashboard refuses with another
+carry. Only 408, 429, 5xx and network errors are retried; a step the dashboard refuses with another
 4xx is dropped alone and counted (the run's notes say why); 401, 403 and 404 (a run deleted
 from the dashboard) stop the recording, never the training. A run that has ended, or whose
 resumed trainer superseded this one, answers 409 with its `status`
 (server/webapp/routes/record.py): recording stops there, and a `cancelled` one sets
 `stop_requested` (the callback stops training).
+
+`close(timeout)` sends what waits until `timeout` has run out (a request sent while closing
+waits at most until then); steps still waiting are dropped and counted on the run, and the
+run's end is sent once more within FINAL_SECONDS, so that a run whose dashboard was busy or
+slow at the end ends `completed` (or as close says) with its drops counted rather than stay
+`running`. A request already under way when close is called keeps its own TIMEOUT.
 """
 
 from __future__ import annotations
@@ -65,6 +71,10 @@ class DashboardAway(Exception):
         self.retry_after = retry_after
 
 
+class OutOfTime(DashboardAway):
+    """close's timeout has run out: nothing more is sent but the run's end (_finish_late)."""
+
+
 class DashboardRefused(Exception):
     """The dashboard will not take them at all (a wrong token, a run that is gone)."""
 
@@ -73,6 +83,7 @@ class RemoteStepWriter(StepWriter):
     """A user's script recording into the dashboard at `url` (see the module docstring)."""
 
     AWAY = "the dashboard"
+    FINAL_SECONDS = 5.0  # the run's end, sent once more when close's timeout ran out
 
     def __init__(
         self,
@@ -102,6 +113,7 @@ class RemoteStepWriter(StepWriter):
         self._refusals = 0
         self.sent_bytes = 0  # request bodies of steps the dashboard took
         self.busy_answers = 0  # 503s with Retry-After: the dashboard asked to wait
+        self._final_call = False  # the run's end after close's timeout: FINAL_SECONDS
         super().__init__(
             policy=BufferAndDrop(max_bytes=max_bytes),
             database_url=self.url,
@@ -126,12 +138,27 @@ class RemoteStepWriter(StepWriter):
             )
         return self._http
 
+    def _timeout(self) -> httpx.Timeout | None:
+        """While closing, a request waits at most until close's deadline (then OutOfTime), and
+        the run's end after it FINAL_SECONDS; otherwise TIMEOUT (None: the client's)."""
+        if self._final_call:
+            return httpx.Timeout(self.FINAL_SECONDS)
+        if not self._closing or self._deadline is None:
+            return None
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise OutOfTime("close's timeout ran out")
+        return httpx.Timeout(min(TIMEOUT.read or left, left), connect=min(5.0, left))
+
     def _post(self, path: str, **kwargs: Any) -> httpx.Response:
+        timeout = self._timeout()
+        if timeout is not None:
+            kwargs["timeout"] = timeout
         try:
             response = self._client().post(path, **kwargs)
         except httpx.HTTPError as exc:  # connection refused or cut, a timeout
             raise DashboardAway(f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code == 429 or response.status_code >= 500:
+        if response.status_code in (408, 429) or response.status_code >= 500:
             raise DashboardAway(
                 f"HTTP {response.status_code}: {_detail(response)}", _retry_after(response)
             )
@@ -151,6 +178,8 @@ class RemoteStepWriter(StepWriter):
             while self._buffer:
                 self._send_batch()
             self._report_remote_drops()
+        except OutOfTime:
+            return False  # the writer's loop drops what waits and ends the run (_out_of_time)
         except DashboardAway as exc:
             if exc.retry_after is not None and self._down_since is None:
                 # busy, not away: send again when it says (±50%, so trainers spread out)
@@ -303,6 +332,8 @@ class RemoteStepWriter(StepWriter):
             self._post(f"/api/record/runs/{self.run_id}/heartbeat", json={}, params=self._epoch())
         except RunEnded as exc:  # heard between slow steps too
             self._run_ended(exc)
+        except OutOfTime:
+            pass
         except (DashboardAway, DashboardRefused) as exc:
             self._went_down(exc)
 
@@ -311,6 +342,7 @@ class RemoteStepWriter(StepWriter):
             return
         status, error = self._final
         drops = self._drop_counts()
+        self._final_call = True  # within FINAL_SECONDS, close's deadline past or not
         try:
             self._post(
                 f"/api/record/runs/{self.run_id}/finish",
@@ -326,6 +358,13 @@ class RemoteStepWriter(StepWriter):
             log.warning("Rollout Lens: %s", exc)
         except (DashboardAway, DashboardRefused) as exc:
             log.warning("Rollout Lens: could not mark run %s finished: %s", self.run_id, exc)
+
+    def _finish_late(self) -> None:
+        """close's timeout ran out with steps waiting (dropped and counted): the run's end,
+        with those counts, is sent once more, within FINAL_SECONDS, so that the run ends as
+        close says rather than stay `running` (if this fails too, the dashboard marks it lost
+        once its heartbeats stop)."""
+        self._finish()
 
     def _dispose(self) -> None:
         if self._http is not None:

@@ -1,8 +1,8 @@
 """Structural state of a completion: is the tool call intact, polluted, collapsed or absent?
 
-One reading for every kind of run (the README's table of states): the call tags and end-of-turn
-tokens of a text are scanned left to right, so a tag is found whether the tokenizer holds it as
-one token or several, and the state follows from what the scan saw:
+One reading for every kind of run (the table of states in docs/recording/trl.md): the call tags
+and end-of-turn tokens of a text are scanned left to right, so a tag is found whether the
+tokenizer holds it as one token or several, and the state follows from what the scan saw:
 
 - collapse: nothing but end-of-turn tokens and space; or a call left open (cut by the length
   limit inside it, or never closed); or end-of-turn inside an open call;

@@ -234,7 +234,8 @@ def completion_state(text: str, tags: tuple[str, str], end_tokens: Sequence[str]
     """A single-turn completion's structural state (a vocab.FormatState) read with its call
     tags (`text` decoded with its special tokens): nothing said is a collapse, else its one
     model turn's state, every closed call counting as a call. A completion the length limit cut
-    is a collapse only when the cut fell inside a call (the README's table)."""
+    is a collapse only when the cut fell inside a call (docs/recording/trl.md, the table of
+    states)."""
     found = structure.read_tags(text, tags, end_tokens)
     if not found.outside.strip() and found.tags == 0:
         return vocab.FormatState.collapse.value

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_lens.server import store
-from rollout_lens.server.core.errors import RunEnded, StepOutOfOrder
+from rollout_lens.server.core.errors import RunEnded, StepRefused
 from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store import ending
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
@@ -140,6 +140,7 @@ class StepWriter:
     """
 
     AWAY = "the database"  # what the logs say is away
+    FINAL_SECONDS = 0.0  # what the run's end may take past close's timeout (RemoteStepWriter)
 
     def __init__(
         self,
@@ -200,6 +201,7 @@ class StepWriter:
         self._refusal_said = False
         self._ended: RunEnded | None = None  # the run ended elsewhere (a cancel): no more writes
         self._done = False
+        self._lost_at_close = 0  # steps still waiting when close's timeout ran out (dropped)
         self._thread = threading.Thread(
             target=self._loop, name=f"rollout-lens-writer-{run_id or 'new'}", daemon=True
         )
@@ -306,8 +308,10 @@ class StepWriter:
         """Write what is waiting and stop the thread; True when everything was written.
 
         BufferAndDrop waits at most `timeout` for the database, then marks the run finished
-        with `status`. WaitThenFail writes everything (retrying within its policy) and raises
-        the writer's error; the worker marks the run finished."""
+        with `status`; steps still waiting then are dropped and counted on the run
+        (RemoteStepWriter: its end is sent once more, within FINAL_SECONDS, so that the run does
+        not stay `running`). WaitThenFail writes everything (retrying within its policy) and
+        raises the writer's error; the worker marks the run finished."""
         with self._wake:
             if not self._closing:
                 self._closing = True
@@ -315,8 +319,8 @@ class StepWriter:
                 self._deadline = time.monotonic() + timeout
                 self._retry_at = min(self._retry_at, time.monotonic())  # try once more now
                 self._wake.notify_all()
-        self._thread.join(None if self.waits else timeout + 5.0)
-        left = len(self._buffer) + len(self._inbox)
+        self._thread.join(None if self.waits else timeout + self.FINAL_SECONDS + 5.0)
+        left = len(self._buffer) + len(self._inbox) + self._lost_at_close
         if left and not self.waits:
             log.warning(
                 "Rollout Lens: %d recorded step(s) could not be written before the end of training "
@@ -373,7 +377,25 @@ class StepWriter:
             if self._stopped():
                 break
             if closing and not self.waits and time.monotonic() >= (self._deadline or 0.0):
+                self._out_of_time()
                 break
+
+    def _out_of_time(self) -> None:
+        """BufferAndDrop: close's timeout ran out with steps waiting: they are dropped and
+        counted, and the run's end is tried once more (_finish_late)."""
+        with self._wake:
+            left = len(self._buffer) + len(self._inbox)
+            self._buffer.clear()
+            self._inbox.clear()
+            self._buffered_bytes = 0
+            self.dropped_steps += left
+            self._lost_at_close = left
+            self._wake.notify_all()
+        self._finish_late()
+
+    def _finish_late(self) -> None:
+        """The run's end after close's timeout: nothing here (the database did not answer in
+        time; a run whose heartbeats stop is marked lost by the dashboard's sweeper)."""
 
     def _due(self, last_beat: float) -> bool:
         now = time.monotonic()
@@ -535,13 +557,13 @@ class StepWriter:
             batch = list(itertools.islice(self._buffer, BATCH_STEPS))
         try:
             self._commit(factory, [p.record for p in batch])
-        except StepOutOfOrder as refused:
+        except StepRefused as refused:  # out of order, or rollouts the run has (RolloutsTaken)
             culprit = refused
             if len(batch) > 1:
                 batch = batch[:1]  # find the step at fault: the next call goes on with the others
                 try:
                     self._commit(factory, [batch[0].record])
-                except StepOutOfOrder as single:
+                except StepRefused as single:
                     culprit = single
                 else:
                     self._written(batch)
@@ -628,9 +650,10 @@ class StepWriter:
         guard = None if self.waits else functools.partial(ending.recorder_alive, run_id=self.run_id)
         self._run_writer.commit(factory.kw["bind"], records, guard=guard)
 
-    def _out_of_order(self, pending: Pending, exc: StepOutOfOrder) -> None:
-        """A step that comes after a later one: a launched run fails (its steps never go back);
-        a script's is dropped alone, as a step the database refuses."""
+    def _out_of_order(self, pending: Pending, exc: StepRefused) -> None:
+        """A step that comes after a later one, or whose rollouts the run has: a launched run
+        fails (its steps never go back); a script's is dropped alone, as a step the database
+        refuses."""
         if self.waits:
             raise exc
         self._refused(pending.record, exc)

@@ -165,6 +165,10 @@ class Group(_Open):
     run: Run
     step: dict[str, Any]
     summary: dict[str, Any]
+    prompt_id: int = Field(
+        description="its prompt (its first rollout's): /api/runs/{run_id}/prompts/{prompt_id} is "
+        "that prompt's history"
+    )
     rollouts: list[GroupRollout] = Field(
         description="a page of rollouts: `tokens` is each token's text as decoded, "
         "`token_pieces` the tokenizer's raw pieces"
@@ -193,3 +197,147 @@ class ValidationFailure(_Open):
 
 class Deleted(_Open):
     deleted: int = Field(description="the id of the deleted run")
+
+
+# --- the prompt lens (server.webapp.queries.prompts; server.core.prompt_rules defines each figure)
+
+
+class PromptFigures(_Open):
+    """What happened to one prompt of a run, its groups taken in (step, group) order."""
+
+    prompt_id: int
+    label: str = Field(
+        description="what tells it apart: the query its env named, else its last user turn, "
+        "else what follows the prefix every prompt of the run shares"
+    )
+    groups: int
+    rollouts: int
+    first_step: int
+    last_step: int
+    reward_mean: float | None
+    true_mean: float | None = Field(description="mean true score; null where none is known")
+    solved_groups: int = Field(description="groups solved by majority")
+    solved_at: int | None = Field(
+        description="first step a group of it was solved by majority (more than half of its "
+        "rollouts with a true score truly correct)"
+    )
+    last_solved: int | None
+    last_failed: int | None = Field(description="last step a group of it was not solved")
+    state: str | None = Field(description="solved or failed: its last known group's")
+    flips: int = Field(description="changes between solved and failed, group to group")
+    zero_spread_share: float | None = Field(
+        description="share of its groups whose rollouts all got the same reward (no gradient)"
+    )
+    forgotten: bool = Field(description="solved, then failed at a later step")
+    votes: dict[str, int] = Field(description="its most frequent votes; `None` is malformed")
+    target: str | None
+
+
+class Prompt(PromptFigures):
+    text: str = Field(description="the whole prompt")
+
+
+class PromptsPage(_Open):
+    """One page of a run's prompts: pass `next` back as `after`."""
+
+    run: dict[str, Any]
+    prompts: list[Prompt]
+    total: int
+    next: str | None
+    filters: dict[str, Any]
+
+
+class HeatmapCell(_Open):
+    col: int = Field(description="column: steps first_step + col × bucket onwards")
+    first_step: int
+    last_step: int
+    value: float | None = Field(description="true score mean, else reward mean (see score)")
+    score: str = Field(description="true or reward: what value is")
+    reward_mean: float | None
+    true_mean: float | None
+    groups: int
+    solved: int
+    failed: int
+    zero_spread: int
+    step: int = Field(description="the cell's first group's step (for the step viewer)")
+    group: int
+
+
+class HeatmapRow(_Open):
+    prompt_id: int
+    label: str
+    solved_at: int | None
+    flips: int
+    cells: list[HeatmapCell]
+
+
+class PromptHeatmap(_Open):
+    """Prompts × steps (or buckets of `bucket` steps): a page of the prompts list's rows."""
+
+    run: dict[str, Any]
+    first_step: int | None
+    last_step: int | None
+    bucket: int
+    columns: int
+    rows: list[HeatmapRow]
+    total: int
+    next: str | None
+
+
+class PromptGroup(_Open):
+    """One group of the prompt: its figures and its rollouts' values in index order."""
+
+    step: int
+    group: int
+    size: int
+    reward_mean: float | None
+    reward_min: float | None
+    reward_max: float | None
+    true_mean: float | None
+    correct: int
+    solved: bool | None
+    zero_spread: bool
+    agreement: float | None
+    votes: dict[str, int]
+    rollout_ids: list[int]
+    indexes: list[int]
+    rewards: list[float | None]
+    true_scores: list[float | None]
+    advantages: list[float | None]
+    rollout_votes: list[str | None]
+    states: list[str | None]
+    completions: list[str] | None = Field(
+        default=None,
+        description="its rollouts' completions (their first 4,000 characters), with "
+        "completions=true",
+    )
+
+
+class PromptHistory(_Open):
+    """Every group of one prompt of a run, in (step, group) order: pass `next` as `after`."""
+
+    run: dict[str, Any]
+    prompt: Prompt
+    steps: list[PromptGroup]
+    next: str | None
+
+
+class PromptInRun(_Open):
+    run_id: int
+    prompts: list[PromptFigures]
+
+
+class MatchedPrompt(_Open):
+    key: str
+    label: str
+    runs: list[PromptInRun]
+
+
+class ComparePrompts(_Open):
+    """The runs' prompts matched across them, by label: pass `next` as `after`."""
+
+    runs: list[dict[str, Any]]
+    match: str
+    prompts: list[MatchedPrompt]
+    total: int
+    next: str | None

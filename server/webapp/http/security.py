@@ -16,7 +16,9 @@ In order, for every HTTP request:
    wrong ones lock their client address out for a growing time, per token bucket, so that they
    cannot lock out a right one (server/webapp/http/ratelimit.py: 429).
 4. **Body.** A state-changing request's body is read here, at most MAX_BODY_BYTES (else 413), and
-   replayed to the app.
+   replayed to the app; a body of recorded steps or an export file (ROLLOUT_LENS_RECORD_MAX_MB)
+   sent with a Bearer token is bounded here and read by its route, once it has a write slot
+   (server/webapp/ingest.py: a busy dashboard answers 503 without reading it).
 5. **CSRF.** A state-changing request from a browser (one that carries cookies, `Origin` or
    `Sec-Fetch-*` headers) and not authenticated by a Bearer header must carry the CSRF token of
    its double-submit cookie: in the form field `csrf_token` or the `X-CSRF-Token` header. Pages
@@ -265,6 +267,11 @@ class Guard:
             return
         try:
             await self.app(scope, receive, send_with_headers)
+        except Refused as refusal:  # a body past its limit, found as the route read it
+            if started:
+                raise
+            response = await self._refusal(scope, refusal)
+            await response(scope, receive, send_with_headers)
         except Exception:
             if started:  # a streamed body failed half-way: nothing more can be sent
                 raise
@@ -324,8 +331,13 @@ class Guard:
         if not unsafe:
             return receive
         limit = self.record_max_bytes if RECORD_STEPS.match(path) else MAX_BODY_BYTES
+        csrf_checked = not bearer and _from_browser(headers)
+        if limit != MAX_BODY_BYTES and not csrf_checked:
+            # a body of steps or an export file: read by the route, after it has a write slot
+            # (a busy dashboard answers 503 without reading it), within the same limit
+            return bounded_receive(receive, headers, limit=limit)
         body, receive = await read_body(receive, headers, limit=limit)
-        if not bearer and _from_browser(headers):
+        if csrf_checked:
             self._check_csrf(headers, body, csrf, fresh_csrf)
         return receive
 
@@ -482,6 +494,26 @@ async def read_body(
         return await receive()
 
     return body, replay
+
+
+def bounded_receive(receive: Receive, headers: Headers, *, limit: int) -> Receive:
+    """`receive` that raises read_body's 413 past `limit` (Content-Length checked now, the
+    bytes as they come): the app reads the body when it chooses, the Guard still bounds it."""
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared):,} declared", limit)
+    size = 0
+
+    async def bounded() -> Message:
+        nonlocal size
+        message = await receive()
+        if message["type"] == "http.request":
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise _too_large("more were sent", limit)
+        return message
+
+    return bounded
 
 
 def csrf_cookie(*, secure: bool) -> dict[str, Any]:

@@ -4,7 +4,10 @@ module per page:
 - runs: the runs list (paged) and what every run page shares (card, version, bounds, live state);
 - run_page: chart series, 25-step buckets, alerts;
 - step_page: the step viewer (a step's groups overview, one group's rollouts, compare's card);
-- compare_page: compare.
+- compare_page: compare;
+- prompts: the prompt lens's list of a run's prompts (and its dataset export); prompt_groups:
+  its heatmap and a prompt's history; prompt_rollouts: a prompt's rollouts with their
+  completions; prompt_compare: the same prompts across runs.
 
 Every read costs the same whatever a run's length (index seeks on (run_id, step), rollups for a
 long history, alerts as the recorder wrote them), except compare's charts of runs it has not seen
@@ -19,6 +22,15 @@ from rollout_lens.server.webapp.queries.compare_page import (
     last_values,
 )
 from rollout_lens.server.webapp.queries.explorer import RolloutQuery, explore
+from rollout_lens.server.webapp.queries.prompt_compare import compare_prompts
+from rollout_lens.server.webapp.queries.prompt_groups import heatmap, prompt_history
+from rollout_lens.server.webapp.queries.prompt_rollouts import prompt_rollouts
+from rollout_lens.server.webapp.queries.prompts import (
+    HeatmapQuery,
+    PromptQuery,
+    export_prompts,
+    prompts_page,
+)
 from rollout_lens.server.webapp.queries.run_page import (
     alerts,
     bucket_means,
@@ -64,6 +76,14 @@ from rollout_lens.server.webapp.queries.step_page import (
 __all__ = [
     "RolloutQuery",
     "explore",
+    "HeatmapQuery",
+    "PromptQuery",
+    "compare_prompts",
+    "export_prompts",
+    "heatmap",
+    "prompt_history",
+    "prompt_rollouts",
+    "prompts_page",
     "COMPARE_BANDS",
     "GROUPS_PER_PAGE",
     "GROUP_TABS",

@@ -333,6 +333,7 @@ def group_detail(
             session, run_id=run_id, rollout_step=row.rollout_step, group=group
         ),
         "summary": stepview.group_summary(scalars, ""),
+        "prompt_id": scalars[0]["prompt_id"],
         "header": stepview.group_header(views) if views else None,
         "rollouts_total": len(scalars),
         "offset": offset,

@@ -12,6 +12,7 @@ heartbeats and a finish with another status with 409 `{"detail", "status", "ende
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Annotated, Any
@@ -20,7 +21,7 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, field_validator
 from rollout_lens.server.core import textsafe
-from rollout_lens.server.core.errors import InvalidInput, StepOutOfOrder
+from rollout_lens.server.core.errors import InvalidInput, StepOutOfOrder, StepRefused
 from rollout_lens.server.exchange.bounds import MAX_INT32, check_depth
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.server.webapp.ingest import Busy, Caller, Forbidden, Ingest, Superseded
@@ -28,6 +29,14 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from starlette.concurrency import run_in_threadpool
 
 router = APIRouter(prefix="/api/record", tags=["recording"])
+
+# A body is read while its route holds one of the dashboard's write slots (Ingest.slot): one
+# that has not arrived whole in this long is a 408 and gives its slot back.
+BODY_SECONDS = 120.0
+_SLOW_BODY = (
+    f"the request body did not arrive within {BODY_SECONDS:.0f} s (bodies are read while one "
+    "of the dashboard's few write slots is held): send it again"
+)
 
 KEY = re.compile(r"^[A-Za-z0-9_.:-]{8,64}$")
 # The run's key on every request about it: a recorder whose run was deleted gets a 404, never
@@ -209,6 +218,15 @@ def _refused(code: int, message: str, /, **extra: Any) -> JSONResponse:
     return JSONResponse({"detail": message} | extra, status_code=code)
 
 
+async def _read_body(request: Request) -> bytes | None:
+    """The body, read while the route holds a write slot; None when it takes longer than
+    BODY_SECONDS (a sender that trickles it must not hold the slot)."""
+    try:
+        return await asyncio.wait_for(request.body(), BODY_SECONDS)
+    except TimeoutError:
+        return None
+
+
 def _dropped(steps: int | None, rollouts: int | None) -> tuple[int, int] | None:
     if steps is None and rollouts is None:
         return None
@@ -253,14 +271,19 @@ def create_run(request: Request, body: RecordRun) -> Response:
         404: {"description": "No such run (deleted): the recorder stops recording"},
         409: {
             "description": "The run has ended (`status`, `ended_by`: it records nothing more), "
-            "the sender's epoch is superseded (`status`), or a step the run does not have comes "
-            "before its last (`step`: a resumed trainer says so when it starts); the run's "
-            "notes say so",
+            "the sender's epoch is superseded (`status`), a step the run does not have comes "
+            "before its last (`step`, `last`: a resumed trainer says so when it starts), or a "
+            "step's rollouts were generated at a step whose rollouts the run has already "
+            "(`step`); the run's notes say so",
             "model": Ended,
         },
+        408: {"description": "The body took longer than BODY_SECONDS to arrive: retry"},
         413: {"description": "The body is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
         422: {"description": "A field of the body is invalid", "model": WireRefusal},
-        503: {"description": "The database is busy or away, or a write raced: retry"},
+        503: {
+            "description": "The dashboard is writing other bodies (with Retry-After, answered "
+            "before this body is read), or the database is busy or away: retry"
+        },
     },
 )
 async def record_steps(
@@ -281,20 +304,30 @@ async def record_steps(
 ) -> Response:
     from rollout_lens.server.exchange import wire  # pyarrow: loaded on the first recording
 
-    data = await request.body()  # read (and bounded) by the Guard, after the token
     ingest, caller = _ingest(request), _caller(request)
     dropped = _dropped(dropped_steps, dropped_rollouts)
     claimed = [int(s) for s in steps.split(",") if int(s) <= MAX_INT32] if steps else []
     try:
-        answer = await run_in_threadpool(
-            ingest.write, caller, run_id, data, dropped=dropped, claimed=claimed, epoch=epoch
+        checked = await run_in_threadpool(
+            ingest.check, caller, run_id, claimed=claimed, epoch=epoch
         )
+        if checked.answer is not None:  # a retry of steps the run has: no body, no slot
+            return JSONResponse(checked.answer)
+        with ingest.slot("these"):  # a busy dashboard answers before it reads the body
+            data = await _read_body(request)  # bounded by the Guard
+            if data is None:
+                return _refused(408, _SLOW_BODY)
+            answer = await run_in_threadpool(
+                ingest.write, checked, data, dropped=dropped, claimed=claimed, epoch=epoch
+            )
     except Forbidden as exc:
         return _refused(403, str(exc))
     except Superseded as exc:
         return _refused(409, str(exc), status="superseded")
     except StepOutOfOrder as exc:
         return _refused(409, str(exc), step=exc.step, last=exc.last)
+    except StepRefused as exc:  # rollouts the run has already (RolloutsTaken)
+        return _refused(409, str(exc), step=exc.step)
     except Busy as exc:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"retry-after": "1"})
     except wire.WireInvalid as exc:
@@ -329,8 +362,12 @@ class ImportedRun(BaseModel):
             "description": "The file is damaged (the line is named) or would decode to more "
             "than the dashboard holds at once; nothing was created"
         },
+        408: {"description": "The file took longer than BODY_SECONDS to arrive: retry"},
         413: {"description": "The file is larger than ROLLOUT_LENS_RECORD_MAX_MB"},
-        503: {"description": "The dashboard is writing other recordings: send it again"},
+        503: {
+            "description": "The dashboard is writing other recordings (answered before the file "
+            "is read): send it again"
+        },
     },
 )
 async def import_file(
@@ -338,9 +375,13 @@ async def import_file(
     name: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
     moved: Annotated[bool, Query(description="a TRL or verl import made elsewhere")] = False,
 ) -> Response:
-    data = await request.body()
+    ingest = _ingest(request)
     try:
-        done = await run_in_threadpool(_ingest(request).import_file, data, name=name, moved=moved)
+        with ingest.slot("the file"):  # a busy dashboard answers before it reads the file
+            data = await _read_body(request)  # bounded by the Guard
+            if data is None:
+                return _refused(408, _SLOW_BODY)
+            done = await run_in_threadpool(ingest.import_file, data, name=name, moved=moved)
     except Busy as exc:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"retry-after": "1"})
     url = str(request.app.url_path_for("run_page", run_id=done["id"]))
