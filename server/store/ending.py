@@ -30,6 +30,19 @@ REVIVABLE: ColumnElement[bool] = and_(
 RECORDING: ColumnElement[bool] = or_(RunRow.status == RunStatus.running, REVIVABLE)
 
 
+def _alive_sql(mark: str) -> str:
+    """recorder_alive's UPDATE as driver SQL (RECORDING written out; SQLite's times are naive
+    UTC text, as SQLAlchemy keeps them)."""
+    return (
+        f"UPDATE runs SET status = {mark}, heartbeat_at = {mark}, finished_at = NULL, "
+        f"ended_by = NULL, error = NULL WHERE id = {mark} AND (status = {mark} OR "
+        f"(status = {mark} AND (ended_by IS NULL OR ended_by = {mark})))"
+    )
+
+
+_ALIVE_SQLITE, _ALIVE_POSTGRES = _alive_sql("?"), _alive_sql("%s")
+
+
 def recorded_elsewhere(run: RunRow) -> bool:
     """Whether a recorder of the user's own trains the run (no worker here to ask to stop)."""
     return run.source == RunSource.callback
@@ -62,19 +75,38 @@ def recorder_alive(db: Session | Connection, *, run_id: int) -> None:
     """A recorder's heartbeat, and the first statement of its every write (the run's row is
     held until it commits, so a cancel falls before or after the steps, never amid them): a run
     the sweeper marked lost is running again; RunEnded for a run that someone else ended (it
-    is never reopened), NotFound for one deleted."""
-    result = db.execute(
-        update(RunRow)
-        .where(RunRow.id == run_id, RECORDING)
-        .values(
-            status=RunStatus.running,
-            heartbeat_at=utcnow(),
-            finished_at=None,
-            ended_by=None,
-            # the sweeper's reason goes with its `lost`; a running run has no error to keep
-            error=None,
+    is never reopened), NotFound for one deleted.
+
+    On a Connection (a writer's every step) the UPDATE is driver SQL made once: building and
+    caching the ORM statement cost the writer's thread 0.45 ms of CPU a step, which at a toy
+    step of 25 ms the training thread waits for the GIL."""
+    if isinstance(db, Connection):
+        postgres = db.dialect.name == "postgresql"
+        now = utcnow()
+        result: Any = db.exec_driver_sql(
+            _ALIVE_POSTGRES if postgres else _ALIVE_SQLITE,
+            (
+                RunStatus.running.value,
+                now if postgres else now.strftime("%Y-%m-%d %H:%M:%S.%f"),
+                run_id,
+                RunStatus.running.value,
+                RunStatus.lost.value,
+                EndedBy.sweeper.value,
+            ),
         )
-    )
+    else:
+        result = db.execute(
+            update(RunRow)
+            .where(RunRow.id == run_id, RECORDING)
+            .values(
+                status=RunStatus.running,
+                heartbeat_at=utcnow(),
+                finished_at=None,
+                ended_by=None,
+                # the sweeper's reason goes with its `lost`; a running run has no error to keep
+                error=None,
+            )
+        )
     if _rowcount(result) == 1:
         return
     row = db.execute(select(RunRow.status, RunRow.ended_by).where(RunRow.id == run_id)).first()

@@ -22,7 +22,7 @@ appear; a word ending in `*` matches as a prefix.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
@@ -30,6 +30,7 @@ import psycopg
 from psycopg.adapt import Dumper
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import CLEAN_ALREADY
+from rollout_lens.server.store import wordscan
 from rollout_lens.server.store.arrays import completion
 from sqlalchemy import Connection, text
 
@@ -51,6 +52,9 @@ RUN_PROMPTS_INDEX = "ix_rollouts_search_prompts"  # PostgreSQL: rollouts (run_id
 _WORD = re.compile(r"[^\W_]+(\*?)")
 _WORDS = re.compile(r"[^\W_]+")
 _TOKENIZER = "unicode61 remove_diacritics 0"
+# In a `spaced` text: each word's first PREFIX_HEAD characters, and each word too long to name
+_HEADS = re.compile(rf"(?:^| )([^ ]{{{PREFIX_HEAD}}})")
+_LONG = re.compile(rf"[^ ]{{{MAX_WORD_CHARS + 1},}}")
 
 
 def fts_table(run_id: int) -> str:
@@ -60,9 +64,16 @@ def fts_table(run_id: int) -> str:
 
 def words(text_: str) -> str:
     """The words search sees in a text: each distinct one once, lower-cased, space-separated —
-    what both engines index (a search asks which words a text has, not where or how often, so
-    a 1,000-token completion is a few hundred words to parse)."""
+    the rule both engines index by (they are handed `spaced`'s texts, the same words found for
+    a whole step at once)."""
     return " ".join(dict.fromkeys(_WORDS.findall(text_[:SEARCH_CHARS].lower())))
+
+
+def spaced(texts: Sequence[str]) -> list[str]:
+    """Each text's words (`words`), lower-cased, between spaces where its other characters were:
+    found for all the texts in one pass (wordscan), repeats and all (FTS5's detail=none index
+    and a set keep each word once)."""
+    return wordscan.spaced(texts, SEARCH_CHARS)
 
 
 def parse_query(q: str) -> list[tuple[str, bool]]:
@@ -99,7 +110,9 @@ def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, s
     )
     conn.exec_driver_sql(
         f"INSERT INTO {table} (rowid, text) VALUES (?, ?)",
-        [(rollout_id, words(t)) for rollout_id, t in rows],
+        list(
+            zip([rollout_id for rollout_id, _ in rows], spaced([t for _, t in rows]), strict=True)
+        ),
         execution_options=CLEAN_ALREADY,  # words are letters and digits
     )
 
@@ -114,11 +127,21 @@ def head_key(prefix: str) -> str:
     return HEAD_MARK + prefix
 
 
-def search_keys(found: Sequence[str]) -> set[str]:
+def search_keys(found: Iterable[str]) -> set[str]:
     """A text's words as search_words keys: each word's (word_key) and, for a word of at least
     PREFIX_HEAD characters, its head's (head_key)."""
     keys = {word_key(w) for w in found}
     keys.update({head_key(w[:PREFIX_HEAD]) for w in found if len(w) >= PREFIX_HEAD})
+    return keys
+
+
+def spaced_keys(spaced_text: str) -> set[str]:
+    """search_keys of a `spaced` text's words, found by the regex engine and set operations in
+    C (no Python loop a word): its words, each word's head, a long word's key in its place."""
+    found = set(spaced_text.split())
+    keys = set(map(HEAD_MARK.__add__, set(_HEADS.findall(spaced_text))))
+    long_ = set(_LONG.findall(spaced_text))  # rare: words no query may name whole
+    keys.update(found - long_ if long_ else found, (word_key(w) for w in long_))
     return keys
 
 
@@ -152,9 +175,10 @@ def word_numbers(conn: Connection, keys: set[str]) -> dict[str, int]:
 def _number_arrays(conn: Connection, rows: Sequence[tuple[int, str]]) -> list[str]:
     """PostgreSQL: each (id, text) row's keys (search_keys) as the int4[] literal of their
     numbers, sorted, numbering the new ones."""
-    keys = [search_keys(words(t).split()) for _, t in rows]
+    keys = [spaced_keys(found) for found in spaced([t for _, t in rows])]
     numbers = word_numbers(conn, set().union(*keys))
-    return ["{" + ",".join(map(str, sorted([numbers[k] for k in found]))) + "}" for found in keys]
+    number = numbers.__getitem__
+    return ["{" + ",".join(map(str, sorted(map(number, found)))) + "}" for found in keys]
 
 
 def _index_postgres(conn: Connection, run_id: int, rows: Sequence[tuple[int, str]]) -> None:
@@ -234,7 +258,13 @@ def forget_after(conn: Connection, *, run_id: int, step: int) -> None:
     table = fts_table(run_id)
     conn.exec_driver_sql(
         f"INSERT INTO {table} ({table}, rowid, text) VALUES ('delete', ?, ?)",
-        [(rid, words(completion(rule, ids, text_, texts))) for rid, rule, ids, text_ in rows],
+        list(
+            zip(
+                [rid for rid, *_ in rows],
+                spaced([completion(rule, ids, text_, texts) for _, rule, ids, text_ in rows]),
+                strict=True,
+            )
+        ),
     )
 
 
