@@ -333,8 +333,8 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
     """The condition that a rollouts row `r` of the run has every word of `q` in its completion
     or its prompt.
 
-    The prompts that match are found first (a run has few). On PostgreSQL, where they are every
-    prompt of the run, that is the condition, and the completions' index is not read (a word of
+    The prompts that match are found first. On PostgreSQL, where they are every prompt of the
+    run, every rollout of the run matches (no condition), and the completions' index is not read (a word of
     the prompts' template is in all of them: `need*` at 100 full steps read 69,092 rollouts' ids
     in 74 ms that no row needed). Otherwise the condition is also a lookup of the index's
     rollout ids, which the database reads from the index instead of testing every rollout of the
@@ -374,7 +374,9 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
         )
         by_prompt = {"prompt_words": fts5_query(terms)}
     if prompt_ids and postgres and _all_prompts(conn, run_id, by_prompt["prompt_ids"]):
-        return Match(f"({prompts_sql})", by_prompt, None)
+        # every rollout of the run matches: the page is the run's, without a condition (a
+        # dataset's 5,000 prompts as one array took `need` at 1,000 steps to 221 ms)
+        return Match("(1 = 1)", {}, None)
     total: int | None = None
     if postgres:
         rollouts, params, total = _postgres_rollouts(conn, run_id, numbers)
