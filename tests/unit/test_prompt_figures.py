@@ -100,3 +100,24 @@ def test_a_history_lists_its_top_votes_and_counts_the_rest() -> None:
     assert shown["others"] == 21
     assert shown["others_count"] == sum(40 - i for i in range(10, 30)) + 3
     assert prompt_pages.top_votes({"tool_01": 8})["others"] == 0
+
+
+@pytest.mark.parametrize(
+    ("true_scores", "title"),
+    [
+        ([1.0, 0.0], "true score"),
+        ([None, None], "reward"),
+        ([1.0, None], "true score<br>(else reward)"),
+    ],
+)
+def test_the_colour_bar_says_what_colours_the_cells(
+    true_scores: list[float | None], title: str
+) -> None:
+    """A run with no true score is coloured by its rewards, and the colour bar says so."""
+    cells = [
+        {"groups": 1, "true_mean": t, "reward_mean": 0.5, "step": s, "group": 0}
+        for s, t in enumerate(true_scores, start=1)
+    ]
+    rows = [{"prompt_id": 1, "label": "a query", "cells": cells}]
+    figure = prompt_figures.heatmap(rows, [(1, 1), (2, 2)])
+    assert figure["data"][0]["colorbar"]["title"]["text"] == title

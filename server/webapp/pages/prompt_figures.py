@@ -41,6 +41,13 @@ def _short(value: float | None) -> str:
     return "—" if value is None else f"{value:.3g}"
 
 
+def _scale_title(by_true: int, by_reward: int) -> str:
+    """The colour bar's title: what its cells are coloured by."""
+    if by_reward and not by_true:
+        return "reward"
+    return "true score<br>(else reward)" if by_reward else "true score"
+
+
 def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) -> dict[str, Any]:
     """Prompts × step buckets, one row a prompt in the order given (top first).
 
@@ -52,6 +59,7 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
     z: list[list[float | None]] = []
     custom: list[list[Any]] = []
     values: list[float] = []
+    by_true = by_reward = 0  # cells coloured by a true score, by a reward (none had a true score)
     for r in rows:
         line: list[float | None] = []
         data: list[Any] = []
@@ -62,6 +70,8 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
                 continue
             true, reward = cell["true_mean"], cell["reward_mean"]
             value = true if true is not None else reward
+            by_true += true is not None
+            by_reward += true is None and reward is not None
             line.append(value)
             if value is not None:
                 values.append(value)
@@ -88,7 +98,11 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
         "xgap": 1 if len(buckets) <= 200 else 0,
         "ygap": 1 if row_px >= 6 else 0,
         "hoverongaps": False,
-        "colorbar": {"title": {"text": "true score"}, "thickness": 12, "len": 0.9},
+        "colorbar": {
+            "title": {"text": _scale_title(by_true, by_reward)},
+            "thickness": 12,
+            "len": 0.9,
+        },
         "hovertemplate": (
             "%{y}<br>step %{customdata[3]} · %{customdata[2]} group(s)<br>"
             "true score %{customdata[4]} · reward %{customdata[5]}<br>"
