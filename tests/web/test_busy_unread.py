@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -14,28 +13,12 @@ from rollout_lens.server.core.config import Settings
 from rollout_lens.server.webapp.app import create_app
 from sqlalchemy.orm import Session, sessionmaker
 
+from bench.busy_body import Counted
 from tests.factories import CONTROL_TOKENS
 from tests.web_support import serve_app
 
 RECORDER = "record-token-0123456789abcdef"
 CAP_MB = 8
-
-
-class Counted:
-    """The app, counting the body bytes it pulls from the server (its `receive`)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.read = 0
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def counted() -> Any:
-            message = await receive()
-            if message["type"] == "http.request":
-                self.read += len(message.get("body", b""))
-            return message
-
-        await self.app(scope, counted, send)
 
 
 @pytest.fixture
