@@ -10,12 +10,9 @@ import json
 import sys
 from typing import Any
 
-from pydantic import ValidationError
-
-from rollout_lens.cli_numbers import POSITIVE, RUN_ID
+from rollout_lens.cli_numbers import POSITIVE, RUN_ID, flags_query
 from rollout_lens.cli_remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
-from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import csv_cell, printable
 
 COLUMNS = ("prompt_id", "groups", "first_step", "last_step", "reward_mean", "true_mean",
@@ -61,15 +58,10 @@ def _query(args: argparse.Namespace) -> Any:
     from rollout_lens.server.webapp.queries import PromptQuery
 
     given = {"look": args.look, "q": args.q, "sort": args.sort, "order": args.order}
-    try:
-        return PromptQuery(
-            **{k: v for k, v in given.items() if v is not None} | {"limit": min(args.limit, PAGE)}
-        )
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"--{str(e['loc'][0]).replace('_', '-')}: {e['msg']}" for e in exc.errors()
-        )
-        raise InvalidInput(problems) from None
+    return flags_query(
+        PromptQuery,
+        {k: v for k, v in given.items() if v is not None} | {"limit": min(args.limit, PAGE)},
+    )
 
 
 def _prompts(args: argparse.Namespace, settings: Settings) -> int:

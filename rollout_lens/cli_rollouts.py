@@ -9,12 +9,9 @@ import json
 import sys
 from typing import Any
 
-from pydantic import ValidationError
-
-from rollout_lens.cli_numbers import COUNT, POSITIVE, RUN_ID
+from rollout_lens.cli_numbers import COUNT, POSITIVE, RUN_ID, flags_query
 from rollout_lens.cli_remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
-from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import csv_cell, printable
 from rollout_lens.server.store.db import session_scope
 
@@ -61,13 +58,7 @@ def _query(args: argparse.Namespace) -> Any:
         for key in RolloutQuery.model_fields
         if getattr(args, key, None) not in (None, False)
     }
-    try:
-        return RolloutQuery(**given | {"limit": min(max(args.limit, 1), 200)})
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"--{str(e['loc'][0]).replace('_', '-')}: {e['msg']}" for e in exc.errors()
-        )
-        raise InvalidInput(problems) from None
+    return flags_query(RolloutQuery, given | {"limit": min(max(args.limit, 1), 200)})
 
 
 def _rollouts(args: argparse.Namespace, settings: Settings) -> int:
