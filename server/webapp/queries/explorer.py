@@ -7,19 +7,23 @@ per-token arrays are decoded for the rows of the page alone, for their completio
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.store import arrays, search
 from rollout_lens.server.store.models import PromptRow, RolloutRow
+from rollout_lens.server.webapp.queries.keyset import (
+    FilterQuery,
+    check_scope,
+    cursor_fields,
+    encode_cursor,
+    whole_number,
+)
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
@@ -72,10 +76,8 @@ _STEPS = re.compile(r"^\s*(\d*)\s*:\s*(\d*)\s*$|^\s*(\d+)\s*$")
 Number = Annotated[float | None, Field(ge=-1e300, le=1e300)]
 
 
-class RolloutQuery(BaseModel):
+class RolloutQuery(FilterQuery):
     """What the explorer lists: every filter is optional and they all hold together."""
-
-    model_config = ConfigDict(extra="forbid")
 
     steps: str | None = Field(
         default=None, max_length=50, description="a step or a range A:B (either end open)"
@@ -113,14 +115,6 @@ class RolloutQuery(BaseModel):
         default=50, ge=1, le=MAX_PAGE, description=f"rows a page (at most {MAX_PAGE})"
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _blank_fields_are_unset(cls, data: Any) -> Any:
-        """The filter form sends every field; an empty one is no filter."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (isinstance(v, str) and not v.strip())}
-        return data
-
     @field_validator("steps")
     @classmethod
     def _steps(cls, value: str | None) -> str | None:
@@ -149,16 +143,6 @@ class RolloutQuery(BaseModel):
             return one, one
         lo, hi = found.group(1), found.group(2)
         return (int(lo) if lo else None), (int(hi) if hi else None)
-
-    def filters(self) -> dict[str, Any]:
-        """The filters given (for links that keep them), without paging."""
-        return self.model_dump(exclude_defaults=True, exclude={"after", "limit"})
-
-    def digest(self) -> str:
-        """A short fingerprint of the filters and sort (what a cursor belongs to; not the limit)."""
-        filters = self.model_dump(exclude={"after", "limit"})
-        canonical = json.dumps(filters, sort_keys=True, ensure_ascii=True)
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def storable_text(value: str) -> bool:
@@ -191,40 +175,30 @@ class _Cursor:
 
     def encode(self) -> str:
         fields = [self.run_id, self.digest, self.sort, self.order, self.is_null, self.value]
-        raw = json.dumps([*fields, self.id], allow_nan=True)
-        return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+        return encode_cursor([*fields, self.id], allow_nan=True)
 
     @classmethod
     def decode(cls, cursor: str, *, run_id: int, query: RolloutQuery) -> _Cursor:
         try:
-            raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-            run, digest, sort, order, is_null, value, row_id = json.loads(raw)
-        except (ValueError, TypeError, RecursionError) as exc:
+            run, digest, sort, order, is_null, value, row_id = cursor_fields(cursor, _NOT_OURS)
+        except (ValueError, TypeError) as exc:  # not 7 fields
             raise InvalidInput(_NOT_OURS) from exc
-        if not (_whole(run, 1, MAX_ID) and _whole(row_id, 1, MAX_ROW_ID)):
+        if not (whole_number(run, 1, MAX_ID) and whole_number(row_id, 1, MAX_ROW_ID)):
             raise InvalidInput(_NOT_OURS)
         if not all(isinstance(v, str) for v in (digest, sort, order)) or not isinstance(
             is_null, bool
         ):
             raise InvalidInput(_NOT_OURS)
-        if run != run_id:
-            raise InvalidInput(
-                f"after: the cursor is for run {run}'s rollouts, not run {run_id}'s; start "
-                "from the first page"
-            )
-        if (sort, order) != (query.sort, query.order):
-            raise InvalidInput("after: the cursor is for another sort; start from the first page")
-        if digest != query.digest():
-            raise InvalidInput(
-                "after: the cursor is for other filters or another search; start from the "
-                "first page"
-            )
+        check_scope(
+            query,
+            what="rollouts",
+            run=run,
+            run_id=run_id,
+            sorted_by=(sort, order),
+            asked=(query.sort, query.order),
+            digest=digest,
+        )
         return cls(run, digest, sort, order, is_null, _sort_value(sort, is_null, value), row_id)
-
-
-def _whole(value: Any, lo: int, hi: int) -> bool:
-    """Whether `value` is an integer (not a bool or a float) in lo..hi."""
-    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
 def _sort_value(sort: str, is_null: bool, value: Any) -> Any:
@@ -234,7 +208,7 @@ def _sort_value(sort: str, is_null: bool, value: Any) -> Any:
             raise InvalidInput(_NOT_OURS)
         return None
     if sort in INT_SORTS:
-        if not _whole(value, -MAX_ID - 1, MAX_ID):
+        if not whole_number(value, -MAX_ID - 1, MAX_ID):
             raise InvalidInput(f"after: the cursor's {sort} is not a whole number in range")
         return value
     if sort in TEXT_SORTS:

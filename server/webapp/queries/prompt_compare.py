@@ -10,6 +10,7 @@ from typing import Any
 
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.store import search
+from rollout_lens.server.webapp.queries.keyset import encode_cursor
 from rollout_lens.server.webapp.queries.prompts import (
     LABEL_HEAD,
     MATCH_KEYS,
@@ -18,7 +19,6 @@ from rollout_lens.server.webapp.queries.prompts import (
     PROMPT_COLUMNS,
     Match,
     decode_cursor,
-    encode_cursor,
     prompt_figures,
     run_head,
 )

@@ -13,6 +13,7 @@ from rollout_lens.server.core.prompt_rules import votes_object
 from rollout_lens.server.store.prompt_rollups import stored_votes
 from rollout_lens.server.webapp.pages.stepview import state_name
 from rollout_lens.server.webapp.queries.explorer import MAX_ID
+from rollout_lens.server.webapp.queries.keyset import encode_cursor, whole_number
 from rollout_lens.server.webapp.queries.prompt_rollouts import (
     GROUPS_A_READ,
     MAX_ROLLOUTS,
@@ -29,12 +30,10 @@ from rollout_lens.server.webapp.queries.prompts import (
     PromptQuery,
     decode_cursor,
     distinguishing_labels,
-    encode_cursor,
     list_page,
     prompt_figures,
     prompt_texts,
     run_head,
-    whole_number,
 )
 from sqlalchemy import text
 from sqlalchemy.orm import Session

@@ -10,15 +10,12 @@ server.core.prompt_rules says what each figure means.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import math
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.prompt_rules import (
@@ -30,6 +27,13 @@ from rollout_lens.server.core.prompt_rules import (
 from rollout_lens.server.store import search
 from rollout_lens.server.store.prompt_rollups import stored_votes
 from rollout_lens.server.webapp.queries.explorer import MAX_ID, storable_text
+from rollout_lens.server.webapp.queries.keyset import (
+    FilterQuery,
+    check_scope,
+    cursor_fields,
+    encode_cursor,
+    whole_number,
+)
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -98,10 +102,10 @@ PROMPT_COLUMNS = (
 )
 
 
-class PromptQuery(BaseModel):
+class PromptQuery(FilterQuery):
     """What the prompts list (and the heatmap's rows) shows: every filter optional."""
 
-    model_config = ConfigDict(extra="forbid")
+    PAGING: ClassVar[set[str]] = {"after", "limit", "width"}  # width: HeatmapQuery's
 
     look: Look | None = Field(
         default=None,
@@ -121,28 +125,12 @@ class PromptQuery(BaseModel):
         default=50, ge=1, le=MAX_PAGE, description=f"prompts a page (at most {MAX_PAGE})"
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _blank_fields_are_unset(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (isinstance(v, str) and not v.strip())}
-        return data
-
     @field_validator("q")
     @classmethod
     def _storable(cls, value: str | None) -> str | None:
         if value is not None and not storable_text(value):
             raise ValueError("holds a character no database stores (NUL or a lone surrogate)")
         return value if value and value.strip() else None
-
-    def filters(self) -> dict[str, Any]:
-        return self.model_dump(exclude_defaults=True, exclude={"after", "limit", "width"})
-
-    def digest(self) -> str:
-        """A short fingerprint of the filters and sort (what a cursor belongs to)."""
-        filters = self.model_dump(exclude={"after", "limit", "width"})
-        canonical = json.dumps(filters, sort_keys=True, ensure_ascii=True)
-        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 class HeatmapQuery(PromptQuery):
@@ -161,27 +149,13 @@ class HeatmapQuery(PromptQuery):
 _NOT_OURS = "after: not a cursor this list gave out"
 
 
-def encode_cursor(fields: list[Any]) -> str:
-    """A cursor: its fields (a kind first) as URL-safe base64 of their JSON."""
-    raw = json.dumps(fields, allow_nan=False)
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
-
-
 def decode_cursor(cursor: str, kind: str, size: int) -> list[Any]:
-    """The `size` fields of a cursor of `kind` (InvalidInput for any other text)."""
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        fields = json.loads(raw)
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise InvalidInput(_NOT_OURS) from exc
+    """The `size` fields of a cursor of `kind` (its first field; InvalidInput for any other
+    text)."""
+    fields = cursor_fields(cursor, _NOT_OURS)
     if not isinstance(fields, list) or len(fields) != size or fields[0] != kind:
         raise InvalidInput(_NOT_OURS)
     return fields
-
-
-def whole_number(value: Any, lo: int, hi: int) -> bool:
-    """Whether a cursor's field is a whole number (not a bool) from lo to hi."""
-    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
 
 
 def _cursor_at(cursor: str, *, run_id: int, query: PromptQuery) -> tuple[Any, int]:
@@ -189,17 +163,15 @@ def _cursor_at(cursor: str, *, run_id: int, query: PromptQuery) -> tuple[Any, in
     _, run, digest, sort, order, value, prompt_id = decode_cursor(cursor, "prompts", 7)
     if not (whole_number(run, 1, MAX_ID) and whole_number(prompt_id, 1, 2**63 - 1)):
         raise InvalidInput(_NOT_OURS)
-    if run != run_id:
-        raise InvalidInput(
-            f"after: the cursor is for run {run}'s prompts, not run {run_id}'s; start from the "
-            "first page"
-        )
-    if (sort, order) != (query.sort, query.order):
-        raise InvalidInput("after: the cursor is for another sort; start from the first page")
-    if digest != query.digest():
-        raise InvalidInput(
-            "after: the cursor is for other filters or another search; start from the first page"
-        )
+    check_scope(
+        query,
+        what="prompts",
+        run=run,
+        run_id=run_id,
+        sorted_by=(sort, order),
+        asked=(query.sort, query.order),
+        digest=digest,
+    )
     if value is None:
         if query.sort not in NULLABLE:
             raise InvalidInput(_NOT_OURS)
