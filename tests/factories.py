@@ -451,3 +451,20 @@ def recorder_spec(name: str, *, total_steps: int) -> Any:
         control_tokens=list(CONTROL_TOKENS),
         device="cpu",
     )
+
+
+def remote_writer(
+    url: str, token: str, name: str, *, total_steps: int, heartbeat_seconds: float = 0.2, **kw: Any
+) -> Any:
+    """The trainer's RemoteStepWriter of a test run (recorder_spec's), sending steps as they are
+    put (no preparing) and a heartbeat every `heartbeat_seconds`."""
+    from rollout_lens.trainer.recorder.remote import RemoteStepWriter  # the trainer's, on use
+
+    return RemoteStepWriter(
+        url=url,
+        token=token,
+        spec=recorder_spec(name, total_steps=total_steps),
+        prepare=lambda raw: raw,
+        heartbeat_seconds=heartbeat_seconds,
+        **kw,
+    )

@@ -17,7 +17,7 @@ from rollout_lens.trainer.recorder.remote import RemoteStepWriter
 from sqlalchemy.orm import Session, sessionmaker
 
 from bench.tcp_proxy import TcpProxy
-from tests.factories import load_run, make_rollouts, recorder_spec
+from tests.factories import load_run, make_rollouts, remote_writer
 from tests.web_support import serve_app
 
 RECORDER = "record-token-0123456789abcdef"
@@ -50,13 +50,7 @@ def dashboard(app: object) -> Iterator[str]:
 
 
 def _remote(base: str) -> RemoteStepWriter:
-    return RemoteStepWriter(
-        url=base,
-        token=RECORDER,
-        spec=recorder_spec("closing", total_steps=10),
-        prepare=lambda raw: raw,
-        heartbeat_seconds=0.2,
-    )
+    return remote_writer(base, RECORDER, "closing", total_steps=10)
 
 
 def test_steps_a_busy_dashboard_never_took_are_counted_and_the_run_ends(

@@ -29,7 +29,7 @@ from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec
+from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec, remote_writer
 from tests.web_support import serve_app
 
 RECORDER = "record-token-0123456789abcdef"
@@ -193,14 +193,7 @@ def dashboard(session_factory: sessionmaker[Session]) -> Iterator[str]:
 
 
 def _remote(base: str, **kwargs: Any) -> RemoteStepWriter:
-    return RemoteStepWriter(
-        url=base,
-        token=RECORDER,
-        spec=recorder_spec("resumed", total_steps=40),
-        prepare=lambda raw: raw,
-        heartbeat_seconds=0.2,
-        **kwargs,
-    )
+    return remote_writer(base, RECORDER, "resumed", total_steps=40, **kwargs)
 
 
 def test_a_step_before_the_last_is_dropped_and_the_recorder_goes_on(

@@ -23,12 +23,11 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunStatus
 from rollout_lens.server.webapp.app import create_app
 from rollout_lens.server.webapp.http.security import token_name
-from rollout_lens.trainer.recorder.remote import RemoteStepWriter
 from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec
+from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec, remote_writer
 from tests.waiting import until
 from tests.web_support import parse, serve_app
 
@@ -157,13 +156,7 @@ def test_a_token_cannot_reopen_the_run_it_finished_only_the_sweepers_lost_revive
 def test_the_recorder_stops_at_a_cancel_and_drops_what_waits(
     session_factory: sessionmaker[Session], dashboard: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    writer = RemoteStepWriter(
-        url=dashboard,
-        token=RECORDER,
-        spec=recorder_spec("stopped", total_steps=20),
-        prepare=lambda raw: raw,
-        heartbeat_seconds=0.2,
-    )
+    writer = remote_writer(dashboard, RECORDER, "stopped", total_steps=20)
     writer.put(_step(1))
     until(lambda: writer.written_steps == 1, "step 1")
     assert not writer.stop_requested
@@ -214,13 +207,7 @@ def test_a_local_recording_stops_at_a_cancel_from_the_dashboard(
 def test_an_admin_deletes_a_run_whose_recorder_still_sends(
     session_factory: sessionmaker[Session], dashboard: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    writer = RemoteStepWriter(
-        url=dashboard,
-        token=RECORDER,
-        spec=recorder_spec("stopped", total_steps=20),
-        prepare=lambda raw: raw,
-        heartbeat_seconds=60,
-    )
+    writer = remote_writer(dashboard, RECORDER, "stopped", total_steps=20, heartbeat_seconds=60)
     writer.put(_step(1))
     until(lambda: writer.written_steps == 1, "step 1")
     run_id = writer.run_id

@@ -17,11 +17,10 @@ from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.exchange import wire
 from rollout_lens.server.store import resume
 from rollout_lens.server.webapp.app import create_app
-from rollout_lens.trainer.recorder.remote import RemoteStepWriter
 from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec
+from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec, remote_writer
 from tests.web_support import serve_app
 
 RECORDER = "record-token-0123456789abcdef"
@@ -96,13 +95,7 @@ def test_a_step_whose_rollouts_were_recorded_is_a_409_over_http(
 def test_the_remote_recorder_drops_the_step_and_goes_on(
     session_factory: sessionmaker[Session], dashboard: str
 ) -> None:
-    remote = RemoteStepWriter(
-        url=dashboard,
-        token=RECORDER,
-        spec=recorder_spec("taken-remote", total_steps=10),
-        prepare=lambda raw: raw,
-        heartbeat_seconds=0.2,
-    )
+    remote = remote_writer(dashboard, RECORDER, "taken-remote", total_steps=10)
     for record in (_record(1), _record(2), _record(3, rollout_step=2), _record(4)):
         remote.put(record)
     assert remote.close(timeout=20)
