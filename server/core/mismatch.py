@@ -7,7 +7,9 @@ masked out, as TRL masks them with `tool_mask`) and both sides gave a finite log
 generator logprob that is NaN (vLLM sends None where it has none) is left out, never read as 0.
 The figures follow TRL's where TRL has one (trl/trainer/grpo_trainer.py, 1.16.0, lines
 2660–2674 and 2860–2895): |Δlogp| over the kept tokens, and the sequence ratio
-exp(Σ log r) over a rollout's kept tokens; the shares outside the bands are token-level.
+exp(Σ log r) over a rollout's kept tokens; the shares outside the bands are token-level. One
+difference: a rollout with no token to compare has no sequence ratio here (it is left out of
+min/mean/max), where TRL's is exp(0) = 1.
 """
 
 from __future__ import annotations
