@@ -23,6 +23,7 @@ from rollout_lens.server.exchange import bounds
 
 MAX_PICKLE_BYTES = bounds.MAX_LINE_BYTES  # data.pkl: the samples' plain values
 MAX_ARCHIVE_BYTES = 8 * 2**30  # every storage together, uncompressed
+MAX_STORAGE = 4 * bounds.MAX_TOKENS  # elements of one storage: a sample's prompt and response
 # torch's storage classes → numpy dtypes (bfloat16: its high 16 bits of a float32)
 STORAGES: dict[str, np.dtype[Any]] = {
     "FloatStorage": np.dtype("<f4"),
@@ -84,6 +85,10 @@ class _Unpickler(pickle.Unpickler):
         _, kind, key, _, numel = pid
         if not isinstance(kind, _Storage) or not isinstance(key, str) or type(numel) is not int:
             raise InvalidInput(f"{self.where}: a storage record of an unknown shape")
+        if not 0 <= numel <= MAX_STORAGE:
+            raise InvalidInput(
+                f"{self.where}: a storage of {numel:,} elements (at most {MAX_STORAGE:,})"
+            )
         try:
             info = self.archive.getinfo(f"{self.prefix}/data/{key}")
         except KeyError:
