@@ -59,8 +59,9 @@ class StalePolicy:
         self.snapshots: deque[dict[str, Any]] = deque(maxlen=staleness + 1)
         self.dtype = dtype
         self.max_new_tokens = max_new_tokens
-        # Its own copy from the folder: a deepcopy of the trainer's model would keep the
-        # forward that accelerate binds to the trainer's instance, and sample with its weights.
+        # Its own copy from the folder, not a deepcopy of the trainer's model: TRL 1.16 replaces
+        # that model's forward (trl/trainer/utils.py add_fused_lm_head) with a closure over the
+        # original bound forward, so a deepcopy would run the trainer's current weights.
         self.model = AutoModelForCausalLM.from_pretrained(model).eval()
         self.given: list[list[float]] = []  # the logprobs returned, in row order
 
