@@ -34,9 +34,11 @@ def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _rollout_func(seed: int):  # type: ignore[no-untyped-def]
     """A rollout function whose completions are random tokens and whose logprobs are random
-    numbers, some missing (None, as vLLM sends): any two sides TRL is given must agree."""
+    numbers, some missing (None, as vLLM sends), some positions masked as an environment's
+    (its `env_mask`, which TRL takes as the tool mask): any two sides TRL is given must agree."""
     rng = random.Random(seed)
     given: list[list[float | None]] = []
+    masks: list[list[int]] = []
 
     def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
         tok = trainer.processing_class
@@ -52,10 +54,19 @@ def _rollout_func(seed: int):  # type: ignore[no-untyped-def]
             [None if k and rng.random() < 0.15 else -rng.uniform(0.0, 6.0) for k in range(len(ids))]
             for ids in completions
         ]
+        env_mask = [
+            [int(k == 0 or rng.random() > 0.2) for k in range(len(ids))] for ids in completions
+        ]
         given.extend(logprobs)
-        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs}
+        masks.extend(env_mask)
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completions,
+            "logprobs": logprobs,
+            "env_mask": env_mask,
+        }
 
-    return rollout, given
+    return rollout, given, masks
 
 
 def _trainer(model_dir: Path, out: Path, rollout: Any, mode: str, clip: float | None):  # type: ignore[no-untyped-def]
@@ -91,25 +102,28 @@ def _trainer(model_dir: Path, out: Path, rollout: Any, mode: str, clip: float | 
     return trainer
 
 
-def _sides(output: dict[str, Any], given: list[list[float | None]]) -> list[Any]:
+def _sides(
+    output: dict[str, Any], given: list[list[float | None]], masks: list[list[int]]
+) -> list[Any]:
     from rollout_lens.server.core.mismatch import Sides
 
     out = []
-    for i, generator in enumerate(given):
+    for i, (generator, mask) in enumerate(zip(given, masks, strict=True)):
         n = len(generator)
         trainer = output["old_per_token_logps"][i][:n].double().numpy()
-        out.append(Sides(trainer, generator))
+        out.append(Sides(trainer, generator, np.asarray(mask, dtype=bool)))
+    assert any(0 in m for m in masks)  # masked positions are there, and left out by both
     return out
 
 
 def _run(tmp_path: Path, model_dir: Path, mode: str, clip: float | None):  # type: ignore[no-untyped-def]
-    rollout, given = _rollout_func(seed=7)
+    rollout, given, masks = _rollout_func(seed=7)
     trainer = _trainer(model_dir, tmp_path / mode, rollout, mode, clip)
     inputs = [trainer.train_dataset[i] for i in range(BATCH)]
     output = trainer._generate_and_score_completions(inputs)
     assert len(given) == BATCH and any(v is None for row in given for v in row)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("sampling/")}
-    return output, _sides(output, given), metrics
+    return output, _sides(output, given, masks), metrics
 
 
 def test_figures_equal_trl_sampling_metrics(tmp_path: Path, user_model_dir: Path) -> None:
