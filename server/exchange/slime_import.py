@@ -87,6 +87,23 @@ def _payload(path: Path, what: str) -> list[dict[str, Any]]:
     return list(data["samples"])
 
 
+def _reward(raw: dict[str, Any], key: str | None, where: str) -> float:
+    """The sample's reward: a number, or with `key` (slime's --reward-key) that key of a dict."""
+    reward = raw["reward"]
+    if key is not None and isinstance(reward, dict):
+        if key not in reward:
+            raise InvalidInput(
+                f"{where}: reward has no key {key!r} (its keys: {sorted(reward)[:8]})"
+            )
+        reward = reward[key]
+    if isinstance(reward, bool) or number(reward) is None:
+        raise InvalidInput(
+            f"{where}: reward is {type(reward).__name__} {reward!r}, not a number "
+            "(a reward dict needs the --reward-key slime ran with)"
+        )
+    return float(reward)
+
+
 def rollout_sample(raw: dict[str, Any], where: str) -> tuple[Sided, dict[str, Any]]:
     """A rollout dump's sample: its response's ids, the engine's logprobs and the loss mask
     (the trainer's side empty until a train dump fills it), and its checked fields."""
@@ -109,11 +126,6 @@ def rollout_sample(raw: dict[str, Any], where: str) -> tuple[Sided, dict[str, An
     same_length(where, response=ids, loss_mask=keep, rollout_log_probs=engine)
     if not isinstance(raw["response"], str):
         raise InvalidInput(f"{where}: response is not text")
-    if isinstance(raw["reward"], bool) or number(raw["reward"]) is None:
-        raise InvalidInput(
-            f"{where}: reward is {type(raw['reward']).__name__} {raw['reward']!r}, not a number "
-            "(a reward dict needs the --reward-key slime ran with)"
-        )
     if type(raw["group_index"]) is not int:
         raise InvalidInput(f"{where}: group_index {raw['group_index']!r} is not a number")
     return Sided(ids, np.full(n, np.nan), engine, keep), raw
@@ -131,7 +143,9 @@ def with_trainer(sided: Sided, raw: dict[str, Any], where: str) -> tuple[Sided, 
     return Sided(sided.ids, trainer, sided.generator, sided.mask), advantage
 
 
-def read_step(rollout: Path, train: Path | None) -> list[SlimeSample]:
+def read_step(
+    rollout: Path, train: Path | None, reward_key: str | None = None
+) -> list[SlimeSample]:
     """A step's samples in the rollout dump's order, joined with the train dump's when given
     (by `rollout_position`): InvalidInput for anything not in slime's formats."""
     rows = _payload(rollout, "rollout")
@@ -149,14 +163,17 @@ def read_step(rollout: Path, train: Path | None) -> list[SlimeSample]:
     for k, raw in enumerate(rows):
         where = f"{rollout} sample {k}"
         sided, fields = rollout_sample(raw, where)
+        reward = _reward(fields, reward_key, where)
         advantage, trained = 0.0, k in joined
         if trained:
             sided, advantage = with_trainer(sided, joined[k], f"{train} sample for {k}")
-        out.append(_sample(fields, sided, advantage, trained))
+        out.append(_sample(fields, reward, sided, advantage, trained))
     return out
 
 
-def _sample(raw: dict[str, Any], sided: Sided, advantage: float, trained: bool) -> SlimeSample:
+def _sample(
+    raw: dict[str, Any], reward: float, sided: Sided, advantage: float, trained: bool
+) -> SlimeSample:
     prompt = raw["prompt"]
     label = raw.get("label")
     return SlimeSample(
@@ -164,7 +181,7 @@ def _sample(raw: dict[str, Any], sided: Sided, advantage: float, trained: bool) 
         prompt=prompt if isinstance(prompt, str) else keys([prompt])[0],
         completion=raw["response"],
         label=None if label is None else str(label)[:64],
-        reward=float(raw["reward"]),
+        reward=reward,
         sided=sided,
         advantage=advantage,
         trained=trained,
@@ -211,13 +228,23 @@ class SlimeDump:
     source = RunSource.slime_import
     folder_key = "slime_dump_dir"
 
-    def __init__(self, folder: Path, *, name: str | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        name: str | None = None,
+        group_size: int | None = None,
+        reward_key: str | None = None,
+    ) -> None:
+        if group_size is not None and group_size < 1:
+            raise InvalidInput(f"group size must be at least 1, not {group_size}")
         self.folder = folder
         self.name = name
+        self.reward_key = reward_key
         nested = (folder / "rollout_data").is_dir()
         self.rollouts = folder / "rollout_data" if nested else folder
         self.train = folder / "train_data" if nested else None
-        self.group_size: int | None = None
+        self.group_size = group_size
         self.empty = f"{self.rollouts}: no {{rollout_id}}.pt files (slime's --dump-details)"
 
     def scan(self) -> list[DumpFile]:
@@ -237,13 +264,13 @@ class SlimeDump:
         rollout, train = unit.of("rollout"), unit.of("train")
         if rollout is None:
             raise InvalidInput(f"{train and train.path}: a train dump without its rollout dump")
-        return read_step(rollout.path, train.path if train else None)
+        return read_step(rollout.path, train.path if train else None, self.reward_key)
 
     def check(self, unit: Unit) -> list[int]:
         return run_lengths([str(s.group) for s in self._read(unit)])
 
     def plan(self, checked: Sequence[list[int]]) -> RunPlan:
-        self.group_size = detect_group_size(
+        self.group_size = self.group_size or detect_group_size(
             [n for c in checked for n in c], str(self.folder), "the group size", "--group-size N"
         )
         folder = self.folder.resolve()
@@ -258,12 +285,27 @@ class SlimeDump:
             name=self.name or f"slime {folder.name}",
             model="unknown",
             group_size=self.group_size,
-            config={self.folder_key: str(folder), "group_size": self.group_size},
+            config={
+                self.folder_key: str(folder),
+                "group_size": self.group_size,
+                "reward_key": self.reward_key,
+            },
             notes=notes,
         )
 
     def adopt(self, run: Any) -> None:
-        self.group_size = int((run.config or {}).get("group_size") or run.group_size)
+        config = run.config or {}
+        stored = int(config.get("group_size") or run.group_size)
+        for option, given, kept in (
+            ("--group-size", self.group_size, stored),
+            ("--reward-key", self.reward_key, config.get("reward_key")),
+        ):
+            if given is not None and given != kept:
+                raise InvalidInput(
+                    f"run {run.id} ({run.name}) follows {self.folder} with {option} {kept}, "
+                    f"not {given}: leave it out to resume that run"
+                )
+        self.group_size, self.reward_key = stored, config.get("reward_key")
 
     def read(self, unit: Unit) -> TwoSidedStep:
         assert self.group_size is not None

@@ -221,3 +221,22 @@ def test_a_transposed_tensor_is_refused(tmp_path: Path) -> None:
     torch.save({"t": torch.arange(6).reshape(2, 3).T}, tmp_path / "x.pt")
     with pytest.raises(InvalidInput, match="not contiguous"):
         torch_file.load(tmp_path / "x.pt")
+
+
+def test_a_reward_dict_is_read_by_its_key(tmp_path: Path) -> None:
+    """slime's --reward-key: a reward model returning several rewards names the one trained on."""
+    rng = random.Random(4)
+    samples = sd.rollout(rng, PROMPTS, N, tool=False)
+    for s in samples:
+        s.reward = {"acc": s.reward, "format": 0.5}
+    sd.save_rollout(tmp_path / "rollout_data" / "0.pt", 0, samples)
+    sd.save_train(
+        tmp_path / "train_data" / "0.pt", 0, samples, sd.trainer_logprobs(rng, samples, 0.1)
+    )
+    fmt = SlimeDump(tmp_path, reward_key="acc", group_size=N)
+    units = _units(fmt)
+    fmt.plan([fmt.check(u) for u in units])
+    record = fmt.read(units[0]).record
+    assert [r.verifier_reward for r in record.rollouts] == [s.reward["acc"] for s in samples]
+    with pytest.raises(InvalidInput, match="reward has no key 'score'"):
+        SlimeDump(tmp_path, reward_key="score").check(units[0])
