@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from rollout_lens.server.core import analysis
+from rollout_lens.server.core.mismatch import K3_KL
 from rollout_lens.server.core.vocab import (
     COLLAPSED,
     DROP_PROBES,
@@ -25,7 +26,7 @@ Series = Sequence[tuple[int, float | None]]
 REWARD, ACCURACY, ZERO_STD = "reward_mean", "true_accuracy", "zero_std_share"
 STUCK, SOLVED = STUCK_GROUPS, SOLVED_GROUPS
 # every rule's input
-READS = (REWARD, ACCURACY, ZERO_STD, STUCK, SOLVED, *SPIKE_PROBES, *DROP_PROBES, COLLAPSED)
+READS = (REWARD, ACCURACY, ZERO_STD, STUCK, SOLVED, *SPIKE_PROBES, *DROP_PROBES, COLLAPSED, K3_KL)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class AlertThresholds:
     solved_share: float = 0.8  # solved groups (info)…
     solved_window: int = WINDOW  # …over this many steps,
     solved_quiet: int = WINDOW  # …again only after this many steps without (no flapping)
+    # A step whose k3 estimate of KL(generator ‖ trainer) reaches this: verl's K3 rejection
+    # default (RolloutCorrectionConfig.decoupled_k3_rs, rs_threshold=0.01; its docs' typical
+    # 0.001–0.01), the level at which verl drops a sequence as too far off-policy to learn from.
+    mismatch_k3: float = 0.01
     # Shares of a step's completions or groups (collapse, stuck, solved) are judged over the last
     # N steps, N × groups_per_step ≥ min_groups: one bad group of 8 is not a collapse.
     groups_per_step: int = 1  # the run's prompts_per_step
@@ -78,6 +83,7 @@ KINDS = {  # kind → how pages name it
     "reward_hacking": "reward hacking",
     "signal_loss": "signal loss",
     "solved": "groups solved",
+    "mismatch": "training–inference mismatch",
 }
 # kind → severity: a warning asks a person to look; info says what a chart shows (a converged
 # run whose groups are all right has no spread left, which is no fault). Unknown kinds warn.
@@ -87,6 +93,7 @@ SEVERITY = {
     "reward_hacking": "warning",
     "signal_loss": "warning",
     "solved": "info",
+    "mismatch": "warning",
 }
 
 
@@ -295,6 +302,24 @@ def solved(share: Series, t: AlertThresholds, tail: int | None = None) -> list[F
     ]
 
 
+def mismatch(series: Series, t: AlertThresholds, tail: int | None = None) -> list[FiredAlert]:
+    """The generator sampled from a distribution the trainer no longer shares: the step's k3
+    KL(generator ‖ trainer) at or above `mismatch_k3`. Its series exists only where the
+    generator's logprobs were recorded, so the rule is off everywhere else."""
+    steps, values = _present(series)
+    flags = [not _skip(i, len(values), tail) and v >= t.mismatch_k3 for i, v in enumerate(values)]
+    return [
+        FiredAlert(
+            "mismatch",
+            step,
+            f"generator and trainer disagree on the sampled tokens: k3 KL(generator ‖ trainer) "
+            f"{values[steps.index(step)]:.3g} ≥ {t.mismatch_k3:g} at step {step}",
+            series=K3_KL,
+        )
+        for step in _episodes(steps, flags)
+    ]
+
+
 def evaluate(
     series: Mapping[str, Series], t: AlertThresholds, tail: int | None = None
 ) -> list[FiredAlert]:
@@ -317,6 +342,8 @@ def evaluate(
         alerts += signal_loss(series[ZERO_STD], t, tail, name=ZERO_STD)
     if SOLVED in series:
         alerts += solved(series[SOLVED], t, tail)
+    if K3_KL in series:
+        alerts += mismatch(series[K3_KL], t, tail)
     return sorted(alerts, key=lambda a: (a.step, a.kind))
 
 
@@ -345,6 +372,7 @@ class Watch:
             ZERO_STD: t.groups_window + 2,
             STUCK: t.groups_window + 2,
             SOLVED: t.solved_steps + t.solved_quiet + 2,
+            K3_KL: 2,  # the step and the one before it
             REWARD: CONTEXT,  # reward hacking pairs reward with accuracy where both are present
             ACCURACY: CONTEXT,
         }

@@ -80,6 +80,8 @@ class RunSource(enum.StrEnum):
     callback = "callback"  # a user's own GRPOTrainer with RolloutLensCallback
     trl_import = "trl-import"  # TRL's completions/*.parquet
     verl_import = "verl-import"  # verl's rollout dumps ({step}.jsonl)
+    nemo_rl_import = "nemo-rl-import"  # NeMo-RL's training dumps (train_data_step{N}.jsonl)
+    slime_import = "slime-import"  # slime's and miles' debug dumps ({rollout_id}.pt)
     import_ = "import"  # a file written by `rollout-lens export`
 
 
@@ -87,6 +89,8 @@ EXTERNAL_SOURCES = (
     RunSource.callback,
     RunSource.trl_import,
     RunSource.verl_import,
+    RunSource.nemo_rl_import,
+    RunSource.slime_import,
     RunSource.import_,
 )
 

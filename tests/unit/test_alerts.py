@@ -5,8 +5,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
-from rollout_lens.server.core.alerts import KINDS, SEVERITY, AlertThresholds, FiredAlert, evaluate
+from rollout_lens.server.core import mismatch as mm
+from rollout_lens.server.core.alerts import (
+    KINDS,
+    SEVERITY,
+    AlertThresholds,
+    FiredAlert,
+    Watch,
+    evaluate,
+)
 from rollout_lens.server.core.vocab import BELONGS, MISPLACED, NEUTRAL_PROBES, POSITIONAL_PROBES
 
 T = AlertThresholds()  # one group per step: share rules average over 4 steps
@@ -56,6 +65,15 @@ def _series(values: list[float | None], start: int = 1) -> list[tuple[int, float
         ),
         ({"zero_std_share": _series([0.0] * 10 + [1.0] * 12)}, [("signal_loss", 20)]),
         ({"zero_std_share": _series([1.0, 0.0] * 15)}, []),
+        # mismatch: k3 KL(generator ‖ trainer) reaching 0.01 (verl's K3 rejection default); one
+        # alert an episode, again once it has cleared
+        (
+            {"mismatch/k3_kl": _series([0.001] * 5 + [0.02] * 3 + [0.002] * 3 + [0.01])},
+            [("mismatch", 6), ("mismatch", 12)],
+        ),
+        ({"mismatch/k3_kl": _series([0.0, 0.004, 0.0099, 0.001] * 5)}, []),
+        # no generator logprobs: no k3 series, whatever the other figures
+        ({"mismatch/abs_diff_max": _series([3.0] * 10)}, []),
     ],
 )
 def test_alert_rules(series: dict[str, Any], expected: list[tuple[str, int]]) -> None:
@@ -191,6 +209,7 @@ def test_every_kind_has_a_severity_and_every_positional_probe_is_watched() -> No
     assert set(SEVERITY.values()) <= {"warning", "info"}
     assert [k for k, s in SEVERITY.items() if s == "info"] == ["solved"]
     assert FiredAlert("something_new", 3, "step 3").as_dict()["severity"] == "warning"
+    assert SEVERITY["mismatch"] == "warning"
     assert sorted((*BELONGS, *MISPLACED, *NEUTRAL_PROBES)) == sorted(POSITIONAL_PROBES)
 
 
@@ -200,3 +219,25 @@ def test_share_window_holds_enough_groups(groups: int, window: int) -> None:
     assert t.shares_window == window
     assert t.shares_window * groups >= t.min_groups
     assert t.groups_window == max(t.signal_loss_window, window)
+
+
+def test_mismatch_alert_from_recorded_sides() -> None:
+    """The rule reads the figure core.mismatch computes from both sides: the same tokens on
+    both sides never fire; a generator a little off (bf16-like noise) stays under the default;
+    one far off (a stale policy) fires, at the step it first does."""
+    rng = np.random.default_rng(0)
+    trainer = np.log(rng.uniform(0.05, 1.0, size=(6, 40)))
+
+    def k3_at(noise: float) -> float | None:
+        sides = [mm.Sides(t, t + rng.normal(0.0, noise, size=t.shape)) for t in trainer]
+        return mm.step_figures(sides).get(mm.K3_KL)
+
+    series = _series([k3_at(0.0), k3_at(0.02), k3_at(0.02), k3_at(0.5), k3_at(0.5)])
+    assert series[0][1] == 0.0
+    assert [(a.kind, a.step, a.series) for a in evaluate({mm.K3_KL: series}, T)] == [
+        ("mismatch", 4, mm.K3_KL)
+    ]
+    watch = Watch(T)
+    fired = [a.step for step, value in series for a in watch.push(step, {mm.K3_KL: value})]
+    assert fired == [4]  # step by step as a recorder evaluates: the same
+    assert Watch(T).push(1, {"reward_mean": 0.5}) == []  # no generator side: nothing to judge

@@ -1,0 +1,167 @@
+"""The mismatch figures against TRL's own: TRL's code path computes its `sampling/*` metrics and
+its importance-sampling ratios (trl/trainer/grpo_trainer.py, 1.16.0: the ratio at lines
+2660–2706, the metrics at 2860–2895) from a `rollout_func`'s logprobs, and core.mismatch must
+give the same numbers for the same tensors.
+
+TRL computes them only with `use_vllm`, and vLLM cannot run here: the trainer is built without it
+and the two switches are turned on after, with the weight sync already marked done (the only
+vLLM call on the `rollout_func` path). Everything else — the scoring pass, the masks, the ratios,
+the metrics — is TRL's own code running on the tiny model.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests import user_script as us
+
+pytestmark = pytest.mark.slow
+
+BATCH = 8  # rows of one generation: 2 prompts × 4 generations
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rollout_func is experimental in TRL, which warns so (warnings are errors here)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def _rollout_func(seed: int):  # type: ignore[no-untyped-def]
+    """A rollout function whose completions are random tokens and whose logprobs are random
+    numbers, some missing (None, as vLLM sends), some positions masked as an environment's
+    (its `env_mask`, which TRL takes as the tool mask): any two sides TRL is given must agree."""
+    rng = random.Random(seed)
+    given: list[list[float | None]] = []
+    masks: list[list[int]] = []
+
+    def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        tok = trainer.processing_class
+        vocab = [i for t, i in tok.get_vocab().items() if t not in us.SPECIAL]
+        prompt_ids = [
+            tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for p in prompts
+        ]
+        completions = [[rng.choice(vocab) for _ in range(rng.randint(2, 8))] for _ in prompts]
+        # Each row keeps one logprob at least: a row with none has no sequence ratio here
+        # (left out), where TRL's is exp(0) = 1 (test_mismatch.py's no-generator cases).
+        logprobs = [
+            [None if k and rng.random() < 0.15 else -rng.uniform(0.0, 6.0) for k in range(len(ids))]
+            for ids in completions
+        ]
+        env_mask = [
+            [int(k == 0 or rng.random() > 0.2) for k in range(len(ids))] for ids in completions
+        ]
+        given.extend(logprobs)
+        masks.extend(env_mask)
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completions,
+            "logprobs": logprobs,
+            "env_mask": env_mask,
+        }
+
+    return rollout, given, masks
+
+
+def _trainer(model_dir: Path, out: Path, rollout: Any, mode: str, clip: float | None):  # type: ignore[no-untyped-def]
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(out),
+        max_completion_length=8,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=BATCH,
+        num_generations=4,
+        max_steps=1,
+    )
+    trainer = GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=[us.is_short],
+        args=args,
+        train_dataset=Dataset.from_list(us.conversational(us.questions(BATCH))),
+        rollout_func=rollout,
+    )
+    trainer.use_vllm = True  # what TRL's IS correction and its sampling/* metrics are behind
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_importance_sampling_mode = mode
+    trainer.vllm_importance_sampling_clip_min = None if clip is None else 1 / clip
+    trainer.vllm_importance_sampling_clip_max = clip
+    trainer._last_loaded_step = trainer.state.global_step  # no vLLM weights to sync
+    trainer.model.train()
+    return trainer
+
+
+def _sides(
+    output: dict[str, Any], given: list[list[float | None]], masks: list[list[int]]
+) -> list[Any]:
+    from rollout_lens.server.core.mismatch import Sides
+
+    out = []
+    for i, (generator, mask) in enumerate(zip(given, masks, strict=True)):
+        n = len(generator)
+        trainer = output["old_per_token_logps"][i][:n].double().numpy()
+        out.append(Sides(trainer, generator, np.asarray(mask, dtype=bool)))
+    assert any(0 in m for m in masks)  # masked positions are there, and left out by both
+    return out
+
+
+def _run(tmp_path: Path, model_dir: Path, mode: str, clip: float | None):  # type: ignore[no-untyped-def]
+    rollout, given, masks = _rollout_func(seed=7)
+    trainer = _trainer(model_dir, tmp_path / mode, rollout, mode, clip)
+    inputs = [trainer.train_dataset[i] for i in range(BATCH)]
+    output = trainer._generate_and_score_completions(inputs)
+    assert len(given) == BATCH and any(v is None for row in given for v in row)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("sampling/")}
+    return output, _sides(output, given, masks), metrics
+
+
+def test_figures_equal_trl_sampling_metrics(tmp_path: Path, user_model_dir: Path) -> None:
+    """|Δlogp| mean and max, and the sequence ratio's min, mean and max, equal TRL's
+    sampling/sampling_logp_difference/* and sampling/importance_sampling_ratio/* (sequence
+    level, no bounds) for the same rollouts and the same scoring pass."""
+    from rollout_lens.server.core import mismatch as mm
+
+    _, sides, trl = _run(tmp_path, user_model_dir, "sequence_mask", None)
+    ours = mm.step_figures(sides)
+    pairs = {
+        mm.ABS_DIFF_MEAN: "sampling/sampling_logp_difference/mean",
+        mm.ABS_DIFF_MAX: "sampling/sampling_logp_difference/max",
+        mm.SEQ_RATIO_MIN: "sampling/importance_sampling_ratio/min",
+        mm.SEQ_RATIO_MEAN: "sampling/importance_sampling_ratio/mean",
+        mm.SEQ_RATIO_MAX: "sampling/importance_sampling_ratio/max",
+    }
+    for name, key in pairs.items():
+        # TRL computes in float32: agreement to its precision
+        assert ours[name] == pytest.approx(trl[key], rel=1e-4, abs=1e-6), name
+    assert ours[mm.ABS_DIFF_MAX] > 0.5  # random sides: a real mismatch, not two zeros
+
+
+@pytest.mark.parametrize("band", [2.0, 5.0])
+def test_outside_share_equals_trl_token_mask(
+    tmp_path: Path, user_model_dir: Path, band: float
+) -> None:
+    """The share outside [1/b, b] counts the tokens TRL's token_mask mode zeroes with those
+    bounds (NaN tokens, which TRL gives ratio 1, are left out of our denominator)."""
+    from rollout_lens.server.core import mismatch as mm
+
+    output, sides, _ = _run(tmp_path, user_model_dir, "token_mask", band)
+    ratio = output["importance_sampling_ratio"]
+    zeroed = sum(
+        int((ratio[i][: len(s.trainer)] == 0).sum()) for i, s in enumerate(sides)
+    )  # completion tokens only: padding is outside the mask and never zeroed
+    compared = sum(len(s.log_ratios()) for s in sides)
+    name = mm.OUTSIDE_2X if band == 2.0 else mm.OUTSIDE_5X
+    assert mm.step_figures(sides)[name] * compared == pytest.approx(zeroed)
+    assert zeroed > 0
+    assert not math.isnan(float(np.mean(ratio.numpy())))
