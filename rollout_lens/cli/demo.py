@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
+from rollout_lens.cli.base import train_extra_missing
+from rollout_lens.cli.serve import port_problem, serve_dashboard
 from rollout_lens.server import store
 from rollout_lens.server.core import analysis
 from rollout_lens.server.core.config import Settings
@@ -41,8 +43,8 @@ HOW_TO_READ = (
 )
 
 
-def add_parser(sub: Any) -> None:
-    """The `demo` subcommand on the CLI's subparsers."""
+def add_commands(sub: Any) -> None:
+    """Register `demo` on the CLI's subparsers."""
     demo = sub.add_parser(
         "demo", help="train a short leaky and a short patched run and open the comparison"
     )
@@ -59,8 +61,6 @@ def add_parser(sub: Any) -> None:
 
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     """Train both runs (printing progress), print the compare URL, then serve unless told not to."""
-    from rollout_lens.cli import port_problem, serve_dashboard, train_extra_missing
-
     configs = demo_configs(args.steps)
     missing = train_extra_missing("the demo trains, which")
     if missing:
