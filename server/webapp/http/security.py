@@ -178,6 +178,31 @@ class Refused(Exception):
         self.status, self.message, self.headers = status, message, headers or {}
 
 
+class _SecuredSend:
+    """The `send` of a guarded request: the security headers on every response, and the CSRF
+    cookie of a browser that had none (`new_csrf`); `started` once the response has begun."""
+
+    def __init__(self, scope: Scope, send: Send, *, new_csrf: str | None) -> None:
+        self.scope, self.send, self.new_csrf = scope, send, new_csrf
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            out = MutableHeaders(scope=message)
+            for name, value in SECURITY_HEADERS.items():
+                if name not in out:
+                    out[name] = value
+            sets_csrf = any(
+                v.startswith(f"{CSRF_COOKIE}=") for v in out.getlist("set-cookie")
+            )  # sign-in gives the browser a new one: it is not to be overwritten here
+            if self.new_csrf and not sets_csrf and not self.scope["path"].startswith("/static/"):
+                cookie = f"{CSRF_COOKIE}={self.new_csrf}; Path=/; HttpOnly; SameSite=Lax"
+                secure = self.scope.get("scheme") == "https"
+                out.append("set-cookie", cookie + ("; Secure" if secure else ""))
+        await self.send(message)
+
+
 class Guard:
     """The pure ASGI middleware described in the module docstring."""
 
@@ -224,8 +249,35 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        state = scope.setdefault("state", {})
         cookies = Request(scope).cookies
+        csrf, fresh_csrf = await self._browser_state(scope, cookies)
+        send_with_headers = _SecuredSend(scope, send, new_csrf=csrf if fresh_csrf else None)
+        try:
+            receive = await self._check(scope, receive, headers, cookies, csrf, fresh_csrf)
+        except Refused as refusal:
+            response = await self._refusal(scope, refusal)
+            await response(scope, receive, send_with_headers)
+            return
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Refused as refusal:  # a body past its limit, found as the route read it
+            if send_with_headers.started:
+                raise
+            response = await self._refusal(scope, refusal)
+            await response(scope, receive, send_with_headers)
+        except Exception:
+            if send_with_headers.started:  # a streamed body failed half-way: nothing more to send
+                raise
+            # Answered here, inside the Guard, so that a 500 carries the security headers too
+            # (Starlette's own error middleware sits outside every middleware).
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            response = await _server_error(scope)
+            await response(scope, receive, send_with_headers)
+
+    async def _browser_state(self, scope: Scope, cookies: dict[str, str]) -> tuple[str, bool]:
+        """The request's state as the pages read it: its CSRF token, whether tokens are on, and
+        who signed in; returns the CSRF token and whether it is new (no cookie held one)."""
+        state = scope.setdefault("state", {})
         csrf = cookies.get(CSRF_COOKIE, "")
         fresh_csrf = len(csrf) < 32
         if fresh_csrf:
@@ -239,47 +291,7 @@ class Guard:
         state["signed_in"] = signed_in is not None
         if signed_in:
             state["caller"] = signed_in  # a Bearer token in the same request names it instead
-        secure = scope.get("scheme") == "https"
-
-        started = False
-
-        async def send_with_headers(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                out = MutableHeaders(scope=message)
-                for name, value in SECURITY_HEADERS.items():
-                    if name not in out:
-                        out[name] = value
-                sets_csrf = any(
-                    v.startswith(f"{CSRF_COOKIE}=") for v in out.getlist("set-cookie")
-                )  # sign-in gives the browser a new one: it is not to be overwritten here
-                if fresh_csrf and not sets_csrf and not scope["path"].startswith("/static/"):
-                    cookie = f"{CSRF_COOKIE}={csrf}; Path=/; HttpOnly; SameSite=Lax"
-                    out.append("set-cookie", cookie + ("; Secure" if secure else ""))
-            await send(message)
-
-        try:
-            receive = await self._check(scope, receive, headers, cookies, csrf, fresh_csrf)
-        except Refused as refusal:
-            response = await self._refusal(scope, refusal)
-            await response(scope, receive, send_with_headers)
-            return
-        try:
-            await self.app(scope, receive, send_with_headers)
-        except Refused as refusal:  # a body past its limit, found as the route read it
-            if started:
-                raise
-            response = await self._refusal(scope, refusal)
-            await response(scope, receive, send_with_headers)
-        except Exception:
-            if started:  # a streamed body failed half-way: nothing more can be sent
-                raise
-            # Answered here, inside the Guard, so that a 500 carries the security headers too
-            # (Starlette's own error middleware sits outside every middleware).
-            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
-            response = await _server_error(scope)
-            await response(scope, receive, send_with_headers)
+        return csrf, fresh_csrf
 
     async def _check(
         self,

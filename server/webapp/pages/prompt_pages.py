@@ -293,32 +293,8 @@ def compare_prompts_page(
     path = url("compare_prompts_page")
     base = {"runs": ",".join(map(str, run_ids)), "match": data["match"], "q": q}
     base |= {"every": "false"} if not every else {}
-    for m in data["prompts"]:
-        m["show_url"] = with_params(path, base | {"show": m["key"]}) + "#histories"
-        m["shown"] = m["key"] == shown
-        for side in m["runs"]:
-            for p in side["prompts"]:
-                p["history_url"] = url(
-                    "prompt_page", run_id=side["run_id"], prompt_id=p["prompt_id"]
-                )
-    sides = []
-    for run, h in zip(data["runs"], histories, strict=True):
-        if h is None:
-            sides.append({"run": run, "history": None, "figure": None})
-            continue
-        figure = prompt_figures.history(h["steps"]) | {"id": f"history-{run['id']}"}
-        steps = [s | {"split": vote_split(s["votes"])} for s in h["steps"]]
-        sides.append(
-            {
-                "run": run,
-                "history": h | {"steps": steps},
-                "figure": figure,
-                "steps_url": url("step_jump", run_id=run["id"]),
-                "history_url": url(
-                    "prompt_page", run_id=run["id"], prompt_id=h["prompt"]["prompt_id"]
-                ),
-            }
-        )
+    _link_matches(data["prompts"], url, page=path, query=base, shown=shown)
+    sides = [_history_side(run, h, url) for run, h in zip(data["runs"], histories, strict=True)]
     return {
         "compare": data,
         "runs": data["runs"],
@@ -341,4 +317,40 @@ def compare_prompts_page(
                 str(s["run"]["id"]): url("step_jump", run_id=s["run"]["id"]) for s in sides
             },
         },
+    }
+
+
+def _link_matches(
+    matches: list[dict[str, Any]],
+    url: Url,
+    *,
+    page: str,
+    query: dict[str, Any],
+    shown: str | None,
+) -> None:
+    """Each match's link to this page (`page` with `query`) showing its histories, whether it is
+    the one shown, and each of its prompts' own page."""
+    for m in matches:
+        m["show_url"] = with_params(page, query | {"show": m["key"]}) + "#histories"
+        m["shown"] = m["key"] == shown
+        for side in m["runs"]:
+            for p in side["prompts"]:
+                p["history_url"] = url(
+                    "prompt_page", run_id=side["run_id"], prompt_id=p["prompt_id"]
+                )
+
+
+def _history_side(run: dict[str, Any], h: dict[str, Any] | None, url: Url) -> dict[str, Any]:
+    """One run's side of the match shown: its history (each step's vote split) and its chart;
+    None where the run has no prompt of the match."""
+    if h is None:
+        return {"run": run, "history": None, "figure": None}
+    figure = prompt_figures.history(h["steps"]) | {"id": f"history-{run['id']}"}
+    steps = [s | {"split": vote_split(s["votes"])} for s in h["steps"]]
+    return {
+        "run": run,
+        "history": h | {"steps": steps},
+        "figure": figure,
+        "steps_url": url("step_jump", run_id=run["id"]),
+        "history_url": url("prompt_page", run_id=run["id"], prompt_id=h["prompt"]["prompt_id"]),
     }
