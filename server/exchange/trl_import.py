@@ -43,7 +43,7 @@ FILE_NAME = re.compile(r"^completions_(\d+)\.parquet$")
 
 
 @dataclass
-class TrlFileShape:
+class _TrlFileShape:
     """What planning needs of a file: its prompts' run lengths and its other columns."""
 
     lengths: list[int]
@@ -84,7 +84,7 @@ class TrlDump:
         nested = self.folder / "completions"
         return numbered(nested if nested.is_dir() else self.folder, FILE_NAME, root=self.folder)
 
-    def check(self, unit: Unit) -> TrlFileShape:
+    def check(self, unit: Unit) -> _TrlFileShape:
         path = unit.files[0].path
         schema = _read(path, schema_only=True)
         missing = [c for c in REQUIRED if c not in schema.names]
@@ -94,7 +94,7 @@ class TrlDump:
             )
         numeric = {f.name: _is_number(f.type) for f in schema if f.name not in REQUIRED}
         prompts = _read(path, columns=["prompt"]).column("prompt").to_pylist()
-        return TrlFileShape(run_lengths(keys(prompts)), numeric)
+        return _TrlFileShape(run_lengths(keys(prompts)), numeric)
 
     def wants_more(self, unit: Unit) -> bool:
         return False

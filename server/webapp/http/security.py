@@ -113,7 +113,7 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def split_host(host: str) -> tuple[str, str]:
+def _split_host(host: str) -> tuple[str, str]:
     """`Example.org:8000` → (`example.org`, `8000`); `[::1]:8000` → (`[::1]`, `8000`); a bare
     IPv6 address (an ALLOWED_HOSTS entry) → (`[::1]`, ``)."""
     host = host.strip().lower()
@@ -129,7 +129,7 @@ def split_host(host: str) -> tuple[str, str]:
 def allowed_hosts(settings: Settings) -> frozenset[str]:
     """The names the Host header may carry with any port, and `name:port` for an entry that
     names its port (it matches that port only)."""
-    entries = (split_host(entry) for entry in settings.allowed_host_list)
+    entries = (_split_host(entry) for entry in settings.allowed_host_list)
     return LOOPBACK_NAMES | {f"{name}:{port}" if port else name for name, port in entries}
 
 
@@ -140,7 +140,7 @@ def safe_next(target: str) -> str:
     return target
 
 
-def token_fingerprint(token: str) -> str:
+def _token_fingerprint(token: str) -> str:
     """What the dashboard keeps of a token (runs.recorded_by): a SHA-256, never the token."""
     return hashlib.sha256(b"rollout-lens-recorder:" + token.encode()).hexdigest()
 
@@ -148,7 +148,7 @@ def token_fingerprint(token: str) -> str:
 def token_name(token: str) -> str:
     """How pages name a token (who cancelled a run): its fingerprint's first 8 hex digits, the
     same whether it came as a Bearer header or through a signed-in browser."""
-    return f"token {token_fingerprint(token)[:8]}"
+    return f"token {_token_fingerprint(token)[:8]}"
 
 
 def caller_name(request: Request) -> str | None:
@@ -303,7 +303,7 @@ class Guard:
         fresh_csrf: bool,
     ) -> Receive:
         """Raise Refused, or return the `receive` to pass on (a form's body is read and replayed)."""
-        name, port = split_host(headers.get("host", ""))
+        name, port = _split_host(headers.get("host", ""))
         known = name in self.hosts or f"{name}:{port}" in self.hosts
         if not (self.any_host or known or _is_ip_literal(name)):
             raise Refused(
@@ -347,8 +347,8 @@ class Guard:
         if limit != MAX_BODY_BYTES and not csrf_checked:
             # a body of steps or an export file: read by the route, after it has a write slot
             # (a busy dashboard answers 503 without reading it), within the same limit
-            return bounded_receive(receive, headers, limit=limit)
-        body, receive = await read_body(receive, headers, limit=limit)
+            return _bounded_receive(receive, headers, limit=limit)
+        body, receive = await _read_body(receive, headers, limit=limit)
         if csrf_checked:
             self._check_csrf(headers, body, csrf, fresh_csrf)
         return receive
@@ -370,7 +370,7 @@ class Guard:
             raise Refused(401, "the token is not valid", {"www-authenticate": "Bearer"})
         scope["state"]["token_scope"] = "full" if full else "record"
         # what a recorded run keeps of the token that created it (server.webapp.ingest)
-        scope["state"]["token_fp"] = token_fingerprint(token)
+        scope["state"]["token_fp"] = _token_fingerprint(token)
         scope["state"]["caller"] = token_name(token)
         return True
 
@@ -474,7 +474,7 @@ def _too_large(size: str, limit: int = MAX_BODY_BYTES) -> Refused:
     )
 
 
-async def read_body(
+async def _read_body(
     receive: Receive, headers: Headers, *, limit: int = MAX_BODY_BYTES
 ) -> tuple[bytes, Receive]:
     """The whole body of a state-changing request and a `receive` that replays it; a 413 past
@@ -508,8 +508,8 @@ async def read_body(
     return body, replay
 
 
-def bounded_receive(receive: Receive, headers: Headers, *, limit: int) -> Receive:
-    """`receive` that raises read_body's 413 past `limit` (Content-Length checked now, the
+def _bounded_receive(receive: Receive, headers: Headers, *, limit: int) -> Receive:
+    """`receive` that raises _read_body's 413 past `limit` (Content-Length checked now, the
     bytes as they come): the app reads the body when it chooses, the Guard still bounds it."""
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

@@ -139,7 +139,7 @@ def make_templates() -> Jinja2Templates:
         when=fmt_when,
         visible=visible_text,
         token=token_text,
-        piece=piece_view,
+        piece=_piece_view,
         token_cells_html=token_cells_html,
         control_table_html=control_table_html,
         clip=clip,
@@ -190,7 +190,7 @@ def _token_markup(text: str) -> Markup:
     return Markup(_INVISIBLE.sub(_invisible, _CONTROL_CHARS.sub(_picture, spaced)))
 
 
-def piece_view(piece: str) -> Markup:
+def _piece_view(piece: str) -> Markup:
     """A raw token piece (a control token's name, 'Ġ<') as the text it stands for (' <'), made
     visible like a token."""
     return token_text(tokentext.piece_text(piece))
@@ -241,7 +241,7 @@ def control_table_html(cells: Sequence[TokenCell], rows: ControlRows) -> Markup:
     head = "".join(f'<th scope="col" class="mono">{token_text(c["text"])}</th>' for c in cells)
     body = "".join(
         ('<tr><th scope="row">' if i == 0 else '<tr><th scope="row" class="mono">')
-        + f"{escape(label) if i == 0 else piece_view(label)}</th>"
+        + f"{escape(label) if i == 0 else _piece_view(label)}</th>"
         + "".join([_table_cell(cls, text) for cls, text in values])
         + "</tr>"
         for i, (label, values) in enumerate(rows)
