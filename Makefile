@@ -118,7 +118,7 @@ lint: $(VENV)/.installed-test
 MYPY ?= $(CURDIR)/$(VENV)/bin/mypy
 tree:
 	rm -rf $(MYPY_TREE) && mkdir -p $(MYPY_TREE)/rollout_lens
-	for f in $(CURDIR)/rollout_lens/*.py; do ln -s $$f $(MYPY_TREE)/rollout_lens/; done
+	for f in $(CURDIR)/rollout_lens/*.py $(CURDIR)/rollout_lens/cli; do ln -s $$f $(MYPY_TREE)/rollout_lens/; done
 	ln -s $(CURDIR)/server $(MYPY_TREE)/rollout_lens/server
 	ln -s $(CURDIR)/trainer $(MYPY_TREE)/rollout_lens/trainer
 

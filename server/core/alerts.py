@@ -136,7 +136,7 @@ def _skip(i: int, n: int, tail: int | None) -> bool:
     return tail is not None and i < n - tail
 
 
-def control_token_spikes(
+def _control_token_spikes(
     name: str, series: Series, t: AlertThresholds, tail: int | None = None
 ) -> list[FiredAlert]:
     """A probe far above its usual level: absolutely high, or a multiple of its trailing mean."""
@@ -165,7 +165,7 @@ def control_token_spikes(
     ]
 
 
-def control_token_drops(
+def _control_token_drops(
     name: str, series: Series, t: AlertThresholds, tail: int | None = None
 ) -> list[FiredAlert]:
     """A probe that is ~1 in healthy calls (the opening tag first) suddenly losing its mass."""
@@ -329,9 +329,9 @@ def evaluate(
     alerts: list[FiredAlert] = []
     for name, values in series.items():
         if name in SPIKE_PROBES:
-            alerts += control_token_spikes(name, values, t, tail)
+            alerts += _control_token_spikes(name, values, t, tail)
         if name in DROP_PROBES:
-            alerts += control_token_drops(name, values, t, tail)
+            alerts += _control_token_drops(name, values, t, tail)
     if COLLAPSED in series:
         alerts += collapse(series[COLLAPSED], t, tail)
     if REWARD in series and ACCURACY in series:

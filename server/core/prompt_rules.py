@@ -52,7 +52,7 @@ def _finite(values: Iterable[float | None]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 
 
-def count_votes(votes: Iterable[str | None]) -> Votes:
+def _count_votes(votes: Iterable[str | None]) -> Votes:
     """(vote, count) pairs: most first, ties by vote, malformed (None) last."""
     counts = Counter(votes)
     return sorted(counts.items(), key=lambda kv: (kv[0] is None, -kv[1], kv[0] or ""))
@@ -68,7 +68,7 @@ def group_figures(
     got = _finite(rewards)
     known = _finite(true_scores)
     correct = sum(1 for s in known if s >= CORRECT)
-    counted = count_votes(votes)
+    counted = _count_votes(votes)
     agree = max((c for v, c in counted if v is not None), default=0)
     return GroupFigures(
         size=size,
@@ -154,11 +154,11 @@ class PromptFold:
         return self.zero_spread / self.groups if self.groups else None
 
     def vote_pairs(self) -> Votes:
-        return count_votes_from(self.votes)
+        return _count_votes_from(self.votes)
 
 
-def count_votes_from(counts: dict[str | None, int]) -> Votes:
-    """A {vote: count} dict as count_votes orders it."""
+def _count_votes_from(counts: dict[str | None, int]) -> Votes:
+    """A {vote: count} dict as _count_votes orders it."""
     return sorted(counts.items(), key=lambda kv: (kv[0] is None, -kv[1], kv[0] or ""))
 
 

@@ -18,7 +18,7 @@ TRAIN_TASK = "rollout_lens.train_run"
 QUEUE = "rollout-lens"
 
 
-def embedded_broker_dirs(settings: Settings) -> dict[str, Path]:
+def _embedded_broker_dirs(settings: Settings) -> dict[str, Path]:
     """Folders of the embedded filesystem broker (in and out must be the same folder)."""
     root = settings.data_dir / "broker"
     return {"data": root / "queue", "control": root / "control"}
@@ -33,7 +33,7 @@ def make_celery(settings: Settings, *, include: list[str] | None = None) -> Cele
         # timeout can never redeliver a long run; a worker that dies leaves a `lost` run instead.
         app.conf.broker_transport_options = {"visibility_timeout": 24 * 3600}
     else:
-        dirs = embedded_broker_dirs(settings)
+        dirs = _embedded_broker_dirs(settings)
         for path in dirs.values():
             path.mkdir(parents=True, exist_ok=True)
         app.conf.broker_url = "filesystem://"

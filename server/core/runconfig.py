@@ -59,14 +59,14 @@ PRETRAINED_DEFAULTS: dict[str, dict[str, Any]] = {
 RECIPE_FIELDS = tuple(TINY_DEFAULTS["single"])
 
 
-def model_kind(model: str) -> str:
+def _model_kind(model: str) -> str:
     """`tiny` or `pretrained`: which defaults a model takes."""
     return TINY if str(model).strip() == TINY else PRETRAINED
 
 
 def recipe_defaults(model: str = TINY, turns: str = "single") -> dict[str, Any]:
     """The defaults of the fields that depend on the model and the turns (RECIPE_FIELDS)."""
-    table = TINY_DEFAULTS if model_kind(model) == TINY else PRETRAINED_DEFAULTS
+    table = TINY_DEFAULTS if _model_kind(model) == TINY else PRETRAINED_DEFAULTS
     return dict(table["multi" if turns == "multi" else "single"])
 
 

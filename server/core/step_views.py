@@ -110,11 +110,11 @@ def _json(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
     if isinstance(value, ControlProbs):
-        return control_lists(value)
+        return _control_lists(value)
     return value
 
 
-def control_lists(control: ControlProbs) -> dict[str, list[float]]:
+def _control_lists(control: ControlProbs) -> dict[str, list[float]]:
     """Control-token probabilities as JSON: token → its probability at each position."""
     return {token: control.array[:, k].tolist() for k, token in enumerate(control.tokens)}
 
@@ -134,7 +134,7 @@ class GroupDetail(StepHead):
     rollouts: list[RolloutView]
 
 
-class MissingGroupCard(StepHead):
+class _MissingGroupCard(StepHead):
     """Compare's step card for a step without the group asked for (queries.step_card)."""
 
     group_nav: GroupNav
@@ -144,7 +144,7 @@ class MissingGroupCard(StepHead):
     rollouts_total: int
 
 
-StepCard = GroupDetail | MissingGroupCard
+StepCard = GroupDetail | _MissingGroupCard
 
 
 class CompareSide(TypedDict):

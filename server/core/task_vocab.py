@@ -19,7 +19,6 @@ Turns = Literal["single", "multi"]
 TURNS: tuple[Turns, ...] = typing.get_args(Turns)
 # Multi-turn episodes: one call, a two-call chain (a ticket names the second tool), or both.
 Episodes = Literal["single", "chain", "mixed"]
-EPISODES: tuple[Episodes, ...] = typing.get_args(Episodes)
 VARIANTS: tuple[Variant, ...] = typing.get_args(Variant)
 
 # Training rewards: exact match, format (partial credit for any listed id), noisy (exact, flipped
@@ -29,6 +28,5 @@ VerifierName = Literal["exact", "format", "noisy", "judge"]
 VERIFIERS: tuple[VerifierName, ...] = typing.get_args(VerifierName)
 
 Supervision = Literal["none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"]
-SUPERVISION_MODES: tuple[Supervision, ...] = typing.get_args(Supervision)
 IN_GROUP_MODES = ("offpolicy", "hint")  # supervised rollouts inside each group
 SFT_MODES = ("interleaved_sft", "sft_then_rl")  # supervised phases between or before RL

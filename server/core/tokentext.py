@@ -15,7 +15,7 @@ import codecs
 import re
 from collections.abc import Callable, Sequence
 from functools import cache
-from itertools import accumulate, repeat
+from itertools import repeat
 from typing import Any, NamedTuple
 
 # How pieces become text (the ids of TEXT_RULES; a stored text_rule adds 8 × the trailing tokens
@@ -86,7 +86,7 @@ _BYTES: dict[int, Callable[[str], bytes]] = {
 }
 
 
-def base_rule(rule: int) -> int:
+def _base_rule(rule: int) -> int:
     """A stored text_rule (id + 8 × dropped tokens) → the rule id its pieces read by."""
     base = rule % 8
     if base not in _BYTES:
@@ -97,7 +97,7 @@ def base_rule(rule: int) -> int:
 def piece_bytes(piece: str, rule: int) -> bytes:
     """The exact bytes a piece contributes to the decoded text under `rule` (byte-level: the
     inverse of bytes_to_unicode; SentencePiece: '▁' a space, '<0xNN>' that byte)."""
-    return _BYTES[base_rule(rule)](piece)
+    return _BYTES[_base_rule(rule)](piece)
 
 
 # --- the rules that rebuild a completion from its pieces (server.store.arrays.TEXT_RULES) ------
@@ -213,7 +213,7 @@ def token_texts(pieces: Sequence[str], rule: int, *, final: bool = True) -> list
     text (special tokens as their text), one entry per piece. A token that ends inside a UTF-8
     character gives "", the one that completes it the character. `final=False` for a window of
     a longer completion: a character its last pieces leave open is not closed with U+FFFD."""
-    base = base_rule(rule)
+    base = _base_rule(rule)
     if base == JOIN:
         return list(pieces)
     whole = _whole_texts(pieces, base)
@@ -233,7 +233,7 @@ class Cell(NamedTuple):
 def cells(pieces: Sequence[str], rule: int, *, final: bool = True) -> list[Cell]:
     """The tokens as a page shows them: one cell per token, except that a run of tokens carrying
     parts of one UTF-8 character is one cell (' 🎉' from 'ĠðŁ', 'İ', 'ī' covers three ids)."""
-    base = base_rule(rule)
+    base = _base_rule(rule)
     texts: list[str | None] = list(pieces) if base == JOIN else _whole_texts(pieces, base)
     if None not in texts:
         whole: list[str] = texts  # type: ignore[assignment]
@@ -250,14 +250,6 @@ def cells(pieces: Sequence[str], rule: int, *, final: bool = True) -> list[Cell]
             out.append(Cell("".join(streamed[first : i + 1]), first, i))
             first = i + 1
     return out
-
-
-def char_offsets(texts: Sequence[str]) -> list[int]:
-    """Where each token (its token_texts entry) starts in the decoded text, in characters, and
-    (last) the text's length: token i is text[offsets[i]:offsets[i + 1]]. The token holding
-    character c is bisect_right(offsets, c) - 1 (of tokens sharing a character, the one that
-    completes it)."""
-    return [0, *accumulate(map(len, texts))]
 
 
 # --- which rule a stored rollout's pieces read by ------------------------------------------------
@@ -286,7 +278,7 @@ def infer_rule(pieces: Sequence[str]) -> int:
 def rule_for(stored_rule: int | None, pieces: Sequence[str]) -> int:
     """The rule a stored rollout's pieces read by: the one that rebuilt its completion (its
     text_rule), else the one its pieces show (infer_rule)."""
-    return base_rule(stored_rule) if stored_rule is not None else infer_rule(pieces)
+    return _base_rule(stored_rule) if stored_rule is not None else infer_rule(pieces)
 
 
 def piece_text(piece: str) -> str:

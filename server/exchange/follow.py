@@ -58,7 +58,7 @@ REWRITTEN_AFTER = 60.0
 
 
 @dataclass
-class Followed:
+class _Followed:
     """How following ended: the run (None if no step ever came), what this follower recorded,
     and why it stopped: idle (completed), interrupted or cancelled (both cancelled)."""
 
@@ -112,7 +112,7 @@ class Follower:
         self.beat_at = clock()
         self.resumed = False  # the run was there before this follower
 
-    def run(self) -> Followed:
+    def run(self) -> _Followed:
         """Follow until idle, stopped or cancelled (module docstring); InvalidInput on bad input."""
         self.fmt.scan()  # a missing folder is refused before anything is looked up
         self._resume()
@@ -126,7 +126,7 @@ class Follower:
         except KeyboardInterrupt:  # a second Ctrl-C: the write in progress was rolled back
             self._finish(RunStatus.cancelled, None)
             raise
-        return Followed(self.run_id, self.name, self.steps, self.rollouts, ended)
+        return _Followed(self.run_id, self.name, self.steps, self.rollouts, ended)
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -26,7 +26,6 @@ VERSION = 1
 # Parquet key-value metadata keys (values: JSON text; steps: one JSON object per line).
 META_RUN = b"rollout_lens.run"
 META_STEPS = b"rollout_lens.steps"
-META_END = b"rollout_lens.end"
 
 # Run columns an export carries; ids and this database's launch machinery (broker task, cancel
 # flag, checkpoint) are left out: they mean nothing in another database.

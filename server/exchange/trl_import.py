@@ -19,13 +19,12 @@ from typing import Any
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.exchange.dump_files import (
-    SETTLE_SECONDS,
     DumpFile,
     Incomplete,
     Unit,
     numbered,
 )
-from rollout_lens.server.exchange.dump_import import RunPlan, import_dumps
+from rollout_lens.server.exchange.dump_import import RunPlan
 from rollout_lens.server.exchange.dump_rows import (
     detect_group_size,
     keys,
@@ -36,9 +35,7 @@ from rollout_lens.server.exchange.dump_rows import (
     step_values,
     text_rollout,
 )
-from rollout_lens.server.exchange.importer import Imported
 from rollout_lens.server.store.models import RunRow, RunSource
-from sqlalchemy.orm import Session, sessionmaker
 
 REQUIRED = ("step", "prompt", "completion", "advantage")
 TOTAL = "reward"  # a column with this name is taken as the total reward, not a component
@@ -46,7 +43,7 @@ FILE_NAME = re.compile(r"^completions_(\d+)\.parquet$")
 
 
 @dataclass
-class TrlFileShape:
+class _TrlFileShape:
     """What planning needs of a file: its prompts' run lengths and its other columns."""
 
     lengths: list[int]
@@ -87,7 +84,7 @@ class TrlDump:
         nested = self.folder / "completions"
         return numbered(nested if nested.is_dir() else self.folder, FILE_NAME, root=self.folder)
 
-    def check(self, unit: Unit) -> TrlFileShape:
+    def check(self, unit: Unit) -> _TrlFileShape:
         path = unit.files[0].path
         schema = _read(path, schema_only=True)
         missing = [c for c in REQUIRED if c not in schema.names]
@@ -97,7 +94,7 @@ class TrlDump:
             )
         numeric = {f.name: _is_number(f.type) for f in schema if f.name not in REQUIRED}
         prompts = _read(path, columns=["prompt"]).column("prompt").to_pylist()
-        return TrlFileShape(run_lengths(keys(prompts)), numeric)
+        return _TrlFileShape(run_lengths(keys(prompts)), numeric)
 
     def wants_more(self, unit: Unit) -> bool:
         return False
@@ -192,28 +189,6 @@ class TrlDump:
             _rollout(path, i, row, group, index, components, self.rewards, self.extras)
             for i, (row, (group, index)) in enumerate(zip(rows, places, strict=True))
         ]
-
-
-def import_trl(
-    factory: sessionmaker[Session],
-    output_dir: Path,
-    *,
-    name: str | None = None,
-    num_generations: int | None = None,
-    model: str = "unknown",
-    reward_columns: Sequence[str] | None = None,
-    settle: float = SETTLE_SECONDS,
-) -> Imported:
-    """Create a run (source `trl-import`) from TRL's completions files; InvalidInput, and nothing
-    created, for a directory without them or a damaged file."""
-    fmt = TrlDump(
-        output_dir,
-        name=name,
-        num_generations=num_generations,
-        model=model,
-        reward_columns=reward_columns,
-    )
-    return import_dumps(factory, fmt, settle=settle)
 
 
 def _read(path: Path, *, columns: list[str] | None = None, schema_only: bool = False) -> Any:

@@ -64,7 +64,7 @@ def verl(key: str) -> str:
 
 
 @dataclass
-class VerlStepShape:
+class _VerlStepShape:
     """What planning needs of a step: its prompts' run lengths and the extra keys it holds."""
 
     lengths: list[int] = field(default_factory=list)
@@ -116,17 +116,17 @@ class VerlDump:
             found += numbered(self.validation, FILE_NAME, "validation")
         return [f for f in found if f.step >= 1]
 
-    def check(self, unit: Unit) -> VerlStepShape:
-        out = VerlStepShape()
+    def check(self, unit: Unit) -> _VerlStepShape:
+        out = _VerlStepShape()
         train = unit.of("train")
         if train is not None:
-            rows = read_lines(train)
+            rows = _read_lines(train)
             out.lengths = run_lengths(keys(row["input"] for row in rows))
             out.numeric = _numeric(rows)
             out.gts = any("gts" in row for row in rows)
         validation = unit.of("validation")
         if validation is not None:
-            read_lines(validation)
+            _read_lines(validation)
         return out
 
     def wants_more(self, unit: Unit) -> bool:
@@ -201,7 +201,7 @@ class VerlDump:
         assert self.validation is not None
         path = self.validation / "0.jsonl"
         try:
-            rows = read_lines(DumpFile(path, 0, "validation")) if path.is_file() else []
+            rows = _read_lines(DumpFile(path, 0, "validation")) if path.is_file() else []
         except InvalidInput:
             return []  # still being written, or damaged: the run goes on without the note
         if not rows:
@@ -252,14 +252,14 @@ class VerlDump:
         metrics: dict[str, float | None] = {}
         train = unit.of("train")
         if train is not None:
-            rows = read_lines(train)
+            rows = _read_lines(train)
             rollouts = self._rollouts(train, rows)
             assert self.n is not None
             values = step_values(rollouts, self.n)
             metrics = {verl(k): _key_mean(rows, k) for k, ok in _numeric(rows).items() if ok}
         validation = unit.of("validation")
         if validation is not None:
-            rows = read_lines(validation)
+            rows = _read_lines(validation)
             metrics[VALIDATION] = self._validation_mean(rows)
             metrics[verl("val/score")] = mean(row["score"] for row in rows)
             for k, ok in _numeric(rows).items():
@@ -303,7 +303,7 @@ class VerlDump:
 # --- reading a file ------------------------------------------------------------------------------
 
 
-def read_lines(file: DumpFile) -> list[dict[str, Any]]:
+def _read_lines(file: DumpFile) -> list[dict[str, Any]]:
     """A dump file's samples; Incomplete when it does not read whole (empty, or its last line not
     ended), InvalidInput naming the file and line for anything that is not verl's format."""
     path = file.path

@@ -31,7 +31,7 @@ def is_modelled(name: str | None, type_: str, _parents: object = None) -> bool:
     return not (type_ == "index" and name in ("ix_prompts_search", "ix_rollouts_search_prompts"))
 
 
-def alembic_config() -> Config:
+def _alembic_config() -> Config:
     """An Alembic config pointing at the project's migrations, no ini file needed."""
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
@@ -47,7 +47,7 @@ _MIGRATING = threading.Lock()
 def _migrate(engine: Engine, move: Callable[[Config, str], None], revision: str) -> None:
     """Run Alembic's `move` (command.upgrade or command.downgrade) to `revision` on one
     transaction of `engine`, one migration at a time per process."""
-    cfg = alembic_config()
+    cfg = _alembic_config()
     with _MIGRATING, engine.begin() as connection:
         cfg.attributes["connection"] = connection
         move(cfg, revision)
@@ -66,7 +66,7 @@ def downgrade(engine: Engine, revision: str) -> None:
 
 def head_revision() -> str | None:
     """The newest migration's revision id."""
-    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+    return ScriptDirectory.from_config(_alembic_config()).get_current_head()
 
 
 def current_revision(engine: Engine) -> str | None:

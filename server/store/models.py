@@ -85,16 +85,6 @@ class RunSource(enum.StrEnum):
     import_ = "import"  # a file written by `rollout-lens export`
 
 
-EXTERNAL_SOURCES = (
-    RunSource.callback,
-    RunSource.trl_import,
-    RunSource.verl_import,
-    RunSource.nemo_rl_import,
-    RunSource.slime_import,
-    RunSource.import_,
-)
-
-
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 

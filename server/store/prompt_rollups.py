@@ -87,7 +87,7 @@ class NewGroup:
 
 
 @dataclass
-class Named:
+class _Named:
     """What tells a run's prompt apart (RunPromptRow's label, keys and target)."""
 
     label: str
@@ -100,11 +100,11 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def named(prompt: str, query: str | None, target: str | None) -> Named:
+def named(prompt: str, query: str | None, target: str | None) -> _Named:
     """A new prompt's label (its query, else its last user turn) and match keys."""
     user = last_user_turn(prompt)
     user_key = _sha(user)
-    return Named(
+    return _Named(
         label=(query or user)[:LABEL_CHARS],
         query_key=_sha(query) if query else user_key,
         user_key=user_key,
@@ -123,14 +123,14 @@ def stored_votes(value: object) -> list[tuple[str | None, int]]:
     return [(v, int(c)) for v, c in value] if isinstance(value, list) else []
 
 
-def fold_from_row(row: Any) -> PromptFold:
+def _fold_from_row(row: Any) -> PromptFold:
     """A run_prompts row (its FOLD_COLUMNS and votes) as a PromptFold."""
     fold = PromptFold(**{name: getattr(row, name) for name in FOLD_COLUMNS})
     fold.votes = dict(stored_votes(row.votes))
     return fold
 
 
-def figures_from_row(row: Any) -> GroupFigures:
+def _figures_from_row(row: Any) -> GroupFigures:
     """A prompt_groups row as GroupFigures."""
     names = [c for c in GROUP_COLUMNS if c not in ("run_id", "step", "group", "prompt_id")]
     values = {name: getattr(row, name) for name in names}
@@ -168,7 +168,7 @@ class PromptRollup:
     def __init__(self, conn: Connection, *, run_id: int) -> None:
         self.run_id = run_id
         self.sql = _Sql(conn)
-        self.folds: dict[int, tuple[PromptFold, Named]] = {}
+        self.folds: dict[int, tuple[PromptFold, _Named]] = {}
         self.last_step: int | None = conn.scalar(
             select(func.max(PromptGroupRow.step)).where(PromptGroupRow.run_id == run_id)
         )
@@ -221,7 +221,7 @@ class PromptRollup:
                 refold.add(prompt_id)
             elif prompt_id not in refold:
                 fold.add(step, group, figures[group])
-        for prompt_id, fold in refold_prompts(conn, run_id=self.run_id, prompt_ids=refold).items():
+        for prompt_id, fold in _refold_prompts(conn, run_id=self.run_id, prompt_ids=refold).items():
             self.folds[prompt_id] = (fold, self.folds[prompt_id][1])
         touched = sorted(set(prompt_of.values()))
         self.sql.insert(
@@ -265,8 +265,8 @@ class PromptRollup:
                 )
             ):
                 self.folds[row.prompt_id] = (
-                    fold_from_row(row),
-                    Named(row.label, row.query_key, row.user_key, row.target),
+                    _fold_from_row(row),
+                    _Named(row.label, row.query_key, row.user_key, row.target),
                 )
         for g in groups:
             if g.prompt_id not in self.folds:
@@ -296,7 +296,7 @@ def _group_row(
     )
 
 
-def _prompt_row(run_id: int, prompt_id: int, fold: PromptFold, name: Named) -> tuple[object, ...]:
+def _prompt_row(run_id: int, prompt_id: int, fold: PromptFold, name: _Named) -> tuple[object, ...]:
     return (
         run_id,
         prompt_id,
@@ -309,7 +309,7 @@ def _prompt_row(run_id: int, prompt_id: int, fold: PromptFold, name: Named) -> t
     )
 
 
-def refold_prompts(
+def _refold_prompts(
     conn: Connection | Session, *, run_id: int, prompt_ids: Iterable[int]
 ) -> dict[int, PromptFold]:
     """Fold these prompts again from their group rows, in (step, group) order (a prompt without
@@ -324,7 +324,7 @@ def refold_prompts(
             .order_by(PromptGroupRow.prompt_id, PromptGroupRow.step, PromptGroupRow.group)
         )
         for row in rows:
-            folds[row.prompt_id].add(row.step, row.group, figures_from_row(row))
+            folds[row.prompt_id].add(row.step, row.group, _figures_from_row(row))
     return folds
 
 
@@ -343,7 +343,7 @@ def forget_after(conn: Connection | Session, *, run_id: int, step: int) -> None:
     conn.execute(
         delete(PromptGroupRow).where(PromptGroupRow.run_id == run_id, PromptGroupRow.step > step)
     )
-    for prompt_id, fold in refold_prompts(conn, run_id=run_id, prompt_ids=touched).items():
+    for prompt_id, fold in _refold_prompts(conn, run_id=run_id, prompt_ids=touched).items():
         where = (RunPromptRow.run_id == run_id, RunPromptRow.prompt_id == prompt_id)
         if not fold.groups:
             conn.execute(delete(RunPromptRow).where(*where))

@@ -118,7 +118,7 @@ class OpenBuckets:
     def __init__(self, conn: Connection, *, run_id: int, n_series: int) -> None:
         self.run_id = run_id
         self.open: dict[int, tuple[int, list[float]]] = {}
-        rolled = rolled_through(conn, run_id=run_id)
+        rolled = _rolled_through(conn, run_id=run_id)
         ends = {width: (rolled[width] + 1) * width for width in ROLLUP_WIDTHS}
         rows = step_rows(
             conn, run_id=run_id, after=min(ends.values()), through=None, n_series=n_series
@@ -172,7 +172,7 @@ class OpenBuckets:
         )
 
 
-def rolled_through(conn: Connection | Session, *, run_id: int) -> dict[int, int]:
+def _rolled_through(conn: Connection | Session, *, run_id: int) -> dict[int, int]:
     """Width → the last bucket index rolled up (-1 when none)."""
     found = dict(
         conn.execute(
@@ -229,7 +229,7 @@ def rollup_series(
         .order_by(RollupRow.bucket)
     ).all()
     flats = [(bucket, unpack_doubles(data)) for bucket, data in rows]
-    last_rolled = rows[-1][0] if rows else rolled_through(session, run_id=run_id)[width]
+    last_rolled = rows[-1][0] if rows else _rolled_through(session, run_id=run_id)[width]
     flats += sorted(
         _tail(
             session, run_id=run_id, width=width, after=(last_rolled + 1) * width, size=len(layout)
@@ -286,7 +286,7 @@ def latest_value(session: Session, *, run_id: int, name: str) -> tuple[int, floa
     if name not in layout:
         return None
     index, n_series = layout.index(name), len(series_names)
-    rolled = rolled_through(session, run_id=run_id)
+    rolled = _rolled_through(session, run_id=run_id)
     ends = {width: (rolled[width] + 1) * width for width in ROLLUP_WIDTHS}  # steps rolled up
     tail = step_rows(
         session, run_id=run_id, after=ends[min(ROLLUP_WIDTHS)], through=None, n_series=n_series

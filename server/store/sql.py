@@ -11,7 +11,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 
-def dialect_name(bind: Session | Connection) -> str:
+def _dialect_name(bind: Session | Connection) -> str:
     """'sqlite' or 'postgresql'."""
     engine = bind.get_bind() if isinstance(bind, Session) else bind
     return engine.dialect.name
@@ -19,12 +19,12 @@ def dialect_name(bind: Session | Connection) -> str:
 
 def upsert_insert(bind: Session | Connection, table: Any) -> Any:
     """A dialect insert that supports ON CONFLICT (SQLite and PostgreSQL)."""
-    return pg_insert(table) if dialect_name(bind) == "postgresql" else sqlite_insert(table)
+    return pg_insert(table) if _dialect_name(bind) == "postgresql" else sqlite_insert(table)
 
 
 def greatest(bind: Session | Connection) -> Any:
     """Two-argument max: SQLite's scalar max(), PostgreSQL's greatest()."""
-    return func.max if dialect_name(bind) == "sqlite" else func.greatest
+    return func.max if _dialect_name(bind) == "sqlite" else func.greatest
 
 
 def finite(value: float | None) -> float | None:

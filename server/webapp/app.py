@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
@@ -35,6 +35,7 @@ from rollout_lens.server.webapp.routes import (
     signin,
 )
 from rollout_lens.server.webapp.sweeper import SWEEP_SECONDS, sweep_lost_runs
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 SWAGGER_JS = "vendor/swagger-ui-bundle-5.35.0.js"
@@ -81,8 +82,41 @@ def create_app(
             settings.database_url, busy_timeout_ms=settings.sqlite_busy_timeout_ms, **WEB_POOL
         )
         session_factory = make_session_factory(engine)
+    app = FastAPI(
+        title="Rollout Lens",
+        summary="Experiment tracking for GRPO runs: every page's data as JSON.",
+        version="0.1.0",
+        lifespan=_lifespan(
+            session_factory,
+            settings,
+            engine,
+            sweep_seconds=sweep_seconds,
+            alert_poll_seconds=alert_poll_seconds,
+        ),
+        docs_url=None,  # served below from vendored assets: the dashboard works offline
+        redoc_url=None,
+    )
+    if settings.server_timing:  # off by default: it tells anyone how long each answer took
+        app.add_middleware(ServerTiming)
+    # Wrong tokens per client address, shared by the Guard (Bearer) and the sign-in form.
+    app.state.token_limiter = limiter = FailureLimiter()
+    # outermost: host, origin, token, body size, CSRF, headers
+    app.add_middleware(Guard, settings=settings, session_factory=session_factory, limiter=limiter)
+    _keep_state(app, settings, session_factory, cache_size=cache_size, model_builds=model_builds)
+    _add_routes(app)
+    return app
 
-    factory = session_factory
+
+def _lifespan(
+    factory: sessionmaker[Session],
+    settings: Settings,
+    engine: Engine | None,
+    *,
+    sweep_seconds: float,
+    alert_poll_seconds: float,
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """While the app serves: the lost-runs sweep and, where webhooks are set, the alerts'
+    delivery; at shutdown both are cancelled and the app's own engine disposed."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -105,20 +139,18 @@ def create_app(
             if engine is not None:
                 engine.dispose()
 
-    app = FastAPI(
-        title="Rollout Lens",
-        summary="Experiment tracking for GRPO runs: every page's data as JSON.",
-        version="0.1.0",
-        lifespan=lifespan,
-        docs_url=None,  # served below from vendored assets: the dashboard works offline
-        redoc_url=None,
-    )
-    if settings.server_timing:  # off by default: it tells anyone how long each answer took
-        app.add_middleware(ServerTiming)
-    # Wrong tokens per client address, shared by the Guard (Bearer) and the sign-in form.
-    app.state.token_limiter = limiter = FailureLimiter()
-    # outermost: host, origin, token, body size, CSRF, headers
-    app.add_middleware(Guard, settings=settings, session_factory=factory, limiter=limiter)
+    return lifespan
+
+
+def _keep_state(
+    app: FastAPI,
+    settings: Settings,
+    session_factory: sessionmaker[Session],
+    *,
+    cache_size: int,
+    model_builds: Callable[[], Mapping[str, str]] | None,
+) -> None:
+    """What the handlers find on app.state: settings, sessions, caches, ingest, templates."""
     app.state.settings = settings
     app.state.session_factory = session_factory
     app.state.model_builds = model_builds or dict
@@ -137,6 +169,10 @@ def create_app(
     )
     app.state.templates = make_templates()
     app.state.flash_signer = make_signer()
+
+
+def _add_routes(app: FastAPI) -> None:
+    """Static files, the routers, the error handlers and the vendored API docs page."""
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(html.router)
     app.include_router(prompt_pages.router)
@@ -155,5 +191,3 @@ def create_app(
         """Swagger UI from vendored files, started by static/docs.js (no inline script: CSP)."""
         context = {"openapi_url": app.openapi_url or "/openapi.json"}
         return render(request, "docs.html", context | {"js": SWAGGER_JS, "css": SWAGGER_CSS})
-
-    return app

@@ -21,7 +21,7 @@ from rollout_lens.server.store.models import by_dashboard
 from sqlalchemy.orm import Session
 
 
-def check_room(session: Session, *, adding: int, max_queued: int) -> None:
+def _check_room(session: Session, *, adding: int, max_queued: int) -> None:
     """QueueFull unless `adding` more runs keep the queue within `max_queued` (checked before
     anything is queued: a script cannot fill the workers' queue for days)."""
     waiting = store.queued_count(session)
@@ -44,7 +44,7 @@ def launch_runs(
     for this launch are deleted again (the rows are committed first: a worker may pick a
     message up at once and must find its run).
     """
-    check_room(session, adding=len(configs), max_queued=max_queued)
+    _check_room(session, adding=len(configs), max_queued=max_queued)
     check_broker(celery)
     ids = [store.create_launched_run(session, c.run_columns()).id for c in configs]
     session.commit()
@@ -70,7 +70,7 @@ def cancel(session: Session, run_id: int, *, who: str | None = None) -> None:
 def resume(session: Session, celery: Celery, run_id: int, *, max_queued: int) -> None:
     """Queue a lost, failed or cancelled run again; the worker resumes from its checkpoint
     (QueueFull past `max_queued` waiting runs)."""
-    check_room(session, adding=1, max_queued=max_queued)
+    _check_room(session, adding=1, max_queued=max_queued)
     check_broker(celery)
     before = store.get_run(session, run_id=run_id)
     status, error, finished_at = before.status, before.error, before.finished_at

@@ -281,7 +281,7 @@ def _trl_file(path: Path, step: int) -> None:
 def test_links_out_of_a_trl_output_dir_are_never_followed(
     session_factory: sessionmaker[Session], tmp_path: Path
 ) -> None:
-    from rollout_lens.server.exchange.trl_import import import_trl
+    from rollout_lens.server.exchange.trl_import import TrlDump
 
     elsewhere = tmp_path / "elsewhere" / "completions"
     _trl_file(elsewhere / "completions_00001.parquet", 1)
@@ -289,17 +289,17 @@ def test_links_out_of_a_trl_output_dir_are_never_followed(
     output.mkdir()
     (output / "completions").symlink_to(elsewhere)  # the whole folder links out
     with pytest.raises(InvalidInput, match="outside"):
-        import_trl(session_factory, output, settle=0)
+        import_dumps(session_factory, TrlDump(output), settle=0)
     (output / "completions").unlink()
     _trl_file(output / "completions" / "completions_00001.parquet", 1)
     (output / "completions" / "completions_00002.parquet").symlink_to(
         elsewhere / "completions_00001.parquet"
     )
     with pytest.raises(InvalidInput, match="completions_00002.parquet: a link to"):
-        import_trl(session_factory, output, settle=0)
+        import_dumps(session_factory, TrlDump(output), settle=0)
     assert _runs(session_factory) == 0
     (output / "completions" / "completions_00002.parquet").unlink()
-    assert import_trl(session_factory, output, settle=0).steps == 1
+    assert import_dumps(session_factory, TrlDump(output), settle=0).steps == 1
 
 
 # --- the command line: a locked SQLite file -----------------------------------------------------

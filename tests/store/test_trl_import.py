@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
-from rollout_lens.server.exchange.trl_import import import_trl
+from rollout_lens.server.exchange.dump_import import import_dumps
+from rollout_lens.server.exchange.trl_import import TrlDump
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
 from rollout_lens.server.store.serialize import rollout_dict
@@ -69,7 +70,7 @@ def test_a_real_trl_run_becomes_a_run(
     session_factory: sessionmaker[Session], trl_output: Path
 ) -> None:
     written = _rows(trl_output)
-    done = import_trl(session_factory, trl_output, name="my trl run", settle=0)
+    done = import_dumps(session_factory, TrlDump(trl_output, name="my trl run"), settle=0)
     assert (done.steps, done.rollouts) == (4, len(written))
     with session_scope(session_factory) as session:
         run = store.get_run(session, run_id=done.run_id)
@@ -118,13 +119,13 @@ def test_a_real_trl_run_becomes_a_run(
 def test_num_generations_can_be_given_and_must_fit(
     session_factory: sessionmaker[Session], trl_output: Path
 ) -> None:
-    done = import_trl(session_factory, trl_output, num_generations=2, settle=0)
+    done = import_dumps(session_factory, TrlDump(trl_output, num_generations=2), settle=0)
     with session_scope(session_factory) as session:
         assert store.get_run(session, run_id=done.run_id).group_size == 2
         groups = {(r.step, r.group) for r, _ in store.iter_rollouts(session, run_id=done.run_id)}
     assert len(groups) == done.rollouts // 2
     with pytest.raises(InvalidInput, match="not a multiple of num_generations 3"):
-        import_trl(session_factory, trl_output, num_generations=3, settle=0)
+        import_dumps(session_factory, TrlDump(trl_output, num_generations=3), settle=0)
     assert _runs(session_factory) == 1
 
 
@@ -167,7 +168,7 @@ def test_a_damaged_output_dir_creates_nothing(
     # settle=0, as in every import here but the followed one: the files are whole, and the
     # default waits 2 s for a file written a moment ago to keep its size (2 s a test).
     with pytest.raises(InvalidInput, match=message):
-        import_trl(session_factory, out, settle=0)
+        import_dumps(session_factory, TrlDump(out), settle=0)
     assert _runs(session_factory) == 0
 
 
@@ -189,7 +190,7 @@ def test_the_imported_run_shows_in_the_dashboard(
 ) -> None:
     from tests.web_support import client_for
 
-    done = import_trl(session_factory, trl_output, name="from TRL", settle=0)
+    done = import_dumps(session_factory, TrlDump(trl_output, name="from TRL"), settle=0)
     with client_for(session_factory) as client:
         page = client.get(f"/runs/{done.run_id}")
         assert page.status_code == 200 and "from TRL" in page.text

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_lens.demo import compare_url
+from rollout_lens.cli.demo import compare_url
 
 ROOT = Path(__file__).resolve().parents[2]
 URL = re.compile(r"Compare them at (http://\S+/compare\?runs=(\d+),(\d+))")

@@ -4,13 +4,12 @@ tool results, the response template TRL parses calls with, and the warm-up's cal
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rollout_lens.trainer.builders import multiturn_model as mm
-from rollout_lens.trainer.builders import tiny_model
+from rollout_lens.trainer.builders import prebuilt, tiny_model
 from rollout_lens.trainer.envs import multistep as ms
 
 
@@ -18,31 +17,6 @@ def test_model_dir_is_its_own_cache_key(tmp_path: Path) -> None:
     assert mm.model_dir(tmp_path) == tmp_path / f"tiny-multiturn-{mm.RECIPE_HASH}"
     assert mm.model_dir(tmp_path) != tiny_model.tiny_model_dir(tmp_path)
     assert mm.RECIPE_HASH != tiny_model.RECIPE_HASH
-
-
-def _fake_build(calls: list[Path]) -> Any:
-    def build(out_dir: Path, *, log: Any = print) -> dict[str, Any]:
-        calls.append(out_dir)
-        (out_dir / mm.BUILD_STATS_FILE).write_text("{}")
-        return {}
-
-    return build
-
-
-def test_concurrent_ensures_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[Path] = []
-    monkeypatch.setattr(mm, "build_multiturn_model", _fake_build(calls))
-    results: list[Path] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(mm.ensure_multiturn_model(tmp_path)))
-        for _ in range(4)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(calls) == 1 and results == [mm.model_dir(tmp_path)] * 4
-    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [mm.model_dir(tmp_path).name]
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +177,7 @@ def test_build_is_cached_and_self_contained(
     before = stats_file.stat().st_mtime_ns
     lines: list[str] = []
     assert (
-        mm.ensure_multiturn_model(multiturn_model_dir.parent, log=lines.append)
+        prebuilt.ensure(prebuilt.MULTITURN, multiturn_model_dir.parent, log=lines.append)
         == multiturn_model_dir
     )
     assert lines == [] and stats_file.stat().st_mtime_ns == before

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rollout_lens.trainer.builders import tiny_model
+from rollout_lens.trainer.builders import prebuilt, tiny_model
 from rollout_lens.trainer.builders.tiny_model import (
     BUILD_STATS_FILE,
     CONTROL_TOKENS,
     RECIPE_HASH,
-    ensure_tiny_model,
     tiny_model_dir,
 )
 from rollout_lens.trainer.envs.onestep import REPLY_FORMATS, EscalationEnv, corpus, reply
@@ -21,46 +19,6 @@ from rollout_lens.trainer.envs.onestep import REPLY_FORMATS, EscalationEnv, corp
 
 def test_model_dir_is_named_by_the_recipe_hash(tmp_path: Path) -> None:
     assert tiny_model_dir(tmp_path) == tmp_path / f"tiny-{RECIPE_HASH}"
-
-
-def _fake_build(calls: list[Path]) -> Any:
-    def build(out_dir: Path, *, log: Any = print) -> dict[str, Any]:
-        calls.append(out_dir)
-        (out_dir / BUILD_STATS_FILE).write_text("{}")
-        return {}
-
-    return build
-
-
-def test_concurrent_ensures_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The real build takes minutes; the race is about the lock and the rename, so fake the build.
-    calls: list[Path] = []
-    monkeypatch.setattr(tiny_model, "build_tiny_model", _fake_build(calls))
-    results: list[Path] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(ensure_tiny_model(tmp_path)))
-        for _ in range(4)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(calls) == 1
-    assert results == [tiny_model_dir(tmp_path)] * 4
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [f"tiny-{RECIPE_HASH}"]
-
-
-def test_failed_build_leaves_no_model_behind(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def broken(out_dir: Path, *, log: Any = print) -> dict[str, Any]:
-        (out_dir / "partial").write_text("x")
-        raise RuntimeError("out of memory")
-
-    monkeypatch.setattr(tiny_model, "build_tiny_model", broken)
-    with pytest.raises(RuntimeError, match="out of memory"):
-        ensure_tiny_model(tmp_path)
-    assert not any(p.is_dir() for p in tmp_path.iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +40,7 @@ def test_build_is_cached(tiny_model_dir: Path) -> None:
     stats_file = tiny_model_dir / BUILD_STATS_FILE
     before = stats_file.stat().st_mtime_ns
     lines: list[str] = []
-    assert ensure_tiny_model(tiny_model_dir.parent, log=lines.append) == tiny_model_dir
+    assert prebuilt.ensure(prebuilt.TINY, tiny_model_dir.parent, log=lines.append) == tiny_model_dir
     assert lines == []
     assert stats_file.stat().st_mtime_ns == before
     stats = json.loads(stats_file.read_text())

@@ -55,8 +55,8 @@ NOT_LOADED_BY_THE_CALLBACK = (
     "rollout_lens.trainer.builders.prebuilt",
     "rollout_lens.trainer.worker.run",
     "rollout_lens.trainer.worker.tasks",
-    "rollout_lens.demo",
     "rollout_lens.cli",
+    "rollout_lens.cli.demo",
     "trl",
 )
 

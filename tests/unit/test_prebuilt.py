@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rollout_lens.trainer.builders import prebuilt
 from rollout_lens.trainer.builders.tiny_model import BUILD_STATS_FILE
 
@@ -53,3 +55,48 @@ def test_a_different_recipe_is_built_instead(tmp_path: Path) -> None:
     # The staging folder the build wrote into is gone: the line names where the model stays.
     assert lines[2] == f"model built in 3.0s at {path}" and path.is_dir()
     assert prebuilt.build_progress("model built in 3.0s") is None
+
+
+def _quiet(line: str) -> None:
+    """A build's log, not shown."""
+
+
+def _built_here(kind: prebuilt.Kind, build: Any) -> prebuilt.Kind:
+    """`kind` as an install whose recipe the package has no build of, built by `build` (the
+    real build takes minutes; what is tested is the lock and the rename around it)."""
+    return dataclasses.replace(kind, recipe_hash="000000000000", build=build)
+
+
+@pytest.mark.parametrize("kind", prebuilt.KINDS, ids=lambda k: k.name)
+def test_concurrent_ensures_build_once(kind: prebuilt.Kind, tmp_path: Path) -> None:
+    built: list[Path] = []
+
+    def build(out: Path, *, log: Any) -> dict[str, Any]:
+        built.append(out)
+        (out / BUILD_STATS_FILE).write_text("{}")
+        return {}
+
+    kind = _built_here(kind, build)
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(prebuilt.ensure(kind, tmp_path, log=_quiet)))
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(built) == 1 and results == [kind.cache_dir(tmp_path)] * 4
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [kind.cache_dir(tmp_path).name]
+
+
+@pytest.mark.parametrize("kind", prebuilt.KINDS, ids=lambda k: k.name)
+def test_a_failed_build_leaves_no_model_behind(kind: prebuilt.Kind, tmp_path: Path) -> None:
+    def broken(out: Path, *, log: Any) -> dict[str, Any]:
+        (out / "partial").write_text("x")
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        prebuilt.ensure(_built_here(kind, broken), tmp_path, log=_quiet)
+    assert not any(p.is_dir() for p in tmp_path.iterdir())
+    assert not prebuilt.is_ready(kind, tmp_path)

@@ -162,7 +162,7 @@ def test_the_seeds_results_appear_only_as_the_seeds() -> None:
     from rollout_lens.server.core.presets import PRESETS
     from rollout_lens.server.webapp.pages import plotly_figures
 
-    from rollout_lens.demo import HOW_TO_READ
+    from rollout_lens.cli.demo import HOW_TO_READ
 
     root = Path(__file__).resolve().parents[2]
     # The demo as the README tells it (its section, up to the next) and in full (docs/demo.md).

@@ -161,7 +161,7 @@ def test_train_options_are_runconfigs_fields(monkeypatch: pytest.MonkeyPatch) ->
     from rollout_lens.server.core.runconfig import RunConfig
 
     from rollout_lens.cli import build_parser
-    from rollout_lens.cli_runconfig import config_values
+    from rollout_lens.cli.runconfig import config_values
 
     monkeypatch.setenv("COLUMNS", "10000")  # help on one line a option: no words hyphen-wrapped
     parser = build_parser()
@@ -196,7 +196,7 @@ def test_a_field_without_an_option_spelling_fails_at_once() -> None:
 
     from pydantic import BaseModel
 
-    from rollout_lens.cli_runconfig import UnsupportedField, add_config_options
+    from rollout_lens.cli.runconfig import UnsupportedField, add_config_options
 
     class Odd(BaseModel):
         limits: dict[str, int] = {}

@@ -131,13 +131,6 @@ def model_dir(cache_dir: Path) -> Path:
     return Path(cache_dir) / f"{MODEL_NAME}-{RECIPE_HASH}"
 
 
-def ensure_multiturn_model(cache_dir: Path, *, log: Callable[[str], None] = print) -> Path:
-    """The built model's directory, building it first if it is missing (once across processes)."""
-    return tiny_model.ensure_built(
-        model_dir(cache_dir), lambda out: build_multiturn_model(out, log=log)
-    )
-
-
 def build_multiturn_model(out_dir: Path, *, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train tokenizer and warm-up into `out_dir`; return the build stats."""
     return tiny_model.build_model(
@@ -282,12 +275,9 @@ def _warm_up(
     rng = random.Random(recipe.seed)
     env = ms.MultiStepEnv()
     queries = [q.text for q in env.train_queries + env.heldout_queries]
-    user_queries = [*queries, ms.CHAIN_QUERY]
     pieces = _Pieces(tokenizer)
     if tokenizer.convert_ids_to_tokens(pieces.ids(render_call("tool_00")))[2] != "tool_00":
         raise RuntimeError("a call did not tokenize with its tool id as the third token")
-    pad = tokenizer.pad_token_id
-    vocab = len(tokenizer)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay
     )
@@ -297,56 +287,81 @@ def _warm_up(
     model.train()
     progress = tiny_model.WarmUp(recipe, log)
     for step in range(1, recipe.steps + 1):
-        n_tools = tiny_model.listing_size(rng, step, recipe)
-        # Sized on the prompt as in tiny_model (a conversation adds ~30-90 tokens per row): fewer,
-        # longer-tokened rows per step learnt the listed ids slower for the same time.
-        batch = max(1, recipe.tokens_per_step // (60 + 9 * n_tools))
-        prompts: list[str] = []
-        listings: list[list[str]] = []
-        for _ in range(batch):
-            ids = sorted(rng.sample(range(esc.TOOL_COUNT), n_tools))
-            caps = rng.sample(esc.CAPABILITIES, n_tools)
-            names = [f"tool_{i:02d}" for i in ids]
-            tools = [
-                {"type": "function", "function": {"name": name, "description": cap}}
-                for name, cap in zip(names, caps, strict=True)
-            ]
-            chat = [{"role": "user", "content": ms.render_user(rng.choice(user_queries))}]
-            prompts.append(
-                tokenizer.apply_chat_template(
-                    chat, tools=tools, add_generation_prompt=True, tokenize=False
-                )
-            )
-            listings.append(names)
-        encoded = tokenizer.backend_tokenizer.encode_batch(prompts, add_special_tokens=False)
-        rows = [
-            _conversation(rng, pieces, e.ids, listed, recipe, queries)
-            for e, listed in zip(encoded, listings, strict=True)
-        ]
-        width = max(len(r.ids) for r in rows)
-        input_ids = torch.tensor([r.ids + [pad] * (width - len(r.ids)) for r in rows])
-        hidden = model.model(input_ids=input_ids).last_hidden_state
-        # Project only the supervised positions (each predicted from the position before it).
-        hard_rows = [i for i, r in enumerate(rows) for _ in r.hard]
-        hard_pos = [p - 1 for r in rows for p, _ in r.hard]
-        hard_tok = torch.tensor([t for r in rows for _, t in r.hard])
-        soft_rows = [i for i, r in enumerate(rows) for _ in r.soft]
-        soft_pos = [p - 1 for r in rows for p in r.soft]
-        logp_hard = model.lm_head(hidden[hard_rows, hard_pos]).log_softmax(-1)
-        logp_soft = model.lm_head(hidden[soft_rows, soft_pos]).log_softmax(-1)
-        soft_target = torch.zeros(len(soft_rows), vocab)
-        k = 0
-        for r in rows:
-            for _ in r.soft:
-                soft_target[k, r.listed] = 1.0 / len(r.listed)
-                k += 1
-        hard_loss = -logp_hard.gather(1, hard_tok[:, None]).sum()
-        soft_loss = -(logp_soft * soft_target).sum()
-        loss = (hard_loss + soft_loss) / len(rows)
-        with torch.no_grad():
-            mass = (logp_soft.exp() * (soft_target > 0)).sum(-1).mean().item()
+        rows = _warm_up_batch(rng, pieces, recipe, queries, step)
+        loss, mass = _warm_up_loss(model, rows, pad=tokenizer.pad_token_id, vocab=len(tokenizer))
         progress.step(step, loss, mass, model, optimizer, schedule)
     return progress.stats()
+
+
+def _warm_up_batch(
+    rng: random.Random,
+    pieces: _Pieces,
+    recipe: MultiturnRecipe,
+    queries: Sequence[str],
+    step: int,
+) -> list[_Conversation]:
+    """A warm-up step's conversations, each on a prompt listing tools at random (their ids and
+    capabilities drawn anew) for a user query."""
+    tokenizer = pieces.tokenizer
+    user_queries = [*queries, ms.CHAIN_QUERY]
+    n_tools = tiny_model.listing_size(rng, step, recipe)
+    # Sized on the prompt as in tiny_model (a conversation adds ~30-90 tokens per row): fewer,
+    # longer-tokened rows per step learnt the listed ids slower for the same time.
+    batch = max(1, recipe.tokens_per_step // (60 + 9 * n_tools))
+    prompts: list[str] = []
+    listings: list[list[str]] = []
+    for _ in range(batch):
+        ids = sorted(rng.sample(range(esc.TOOL_COUNT), n_tools))
+        caps = rng.sample(esc.CAPABILITIES, n_tools)
+        names = [f"tool_{i:02d}" for i in ids]
+        tools = [
+            {"type": "function", "function": {"name": name, "description": cap}}
+            for name, cap in zip(names, caps, strict=True)
+        ]
+        chat = [{"role": "user", "content": ms.render_user(rng.choice(user_queries))}]
+        prompts.append(
+            tokenizer.apply_chat_template(
+                chat, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+        )
+        listings.append(names)
+    encoded = tokenizer.backend_tokenizer.encode_batch(prompts, add_special_tokens=False)
+    return [
+        _conversation(rng, pieces, e.ids, listed, recipe, queries)
+        for e, listed in zip(encoded, listings, strict=True)
+    ]
+
+
+def _warm_up_loss(
+    model: PreTrainedModel, rows: Sequence[_Conversation], *, pad: int, vocab: int
+) -> tuple[Any, float]:
+    """The batch's loss (cross-entropy on the fixed tokens, and towards uniform over the listed
+    ids at each tool id) per conversation, and the probability mass on the listed ids."""
+    import torch
+
+    width = max(len(r.ids) for r in rows)
+    input_ids = torch.tensor([r.ids + [pad] * (width - len(r.ids)) for r in rows])
+    hidden = model.model(input_ids=input_ids).last_hidden_state
+    # Project only the supervised positions (each predicted from the position before it).
+    hard_rows = [i for i, r in enumerate(rows) for _ in r.hard]
+    hard_pos = [p - 1 for r in rows for p, _ in r.hard]
+    hard_tok = torch.tensor([t for r in rows for _, t in r.hard])
+    soft_rows = [i for i, r in enumerate(rows) for _ in r.soft]
+    soft_pos = [p - 1 for r in rows for p in r.soft]
+    logp_hard = model.lm_head(hidden[hard_rows, hard_pos]).log_softmax(-1)
+    logp_soft = model.lm_head(hidden[soft_rows, soft_pos]).log_softmax(-1)
+    soft_target = torch.zeros(len(soft_rows), vocab)
+    k = 0
+    for r in rows:
+        for _ in r.soft:
+            soft_target[k, r.listed] = 1.0 / len(r.listed)
+            k += 1
+    hard_loss = -logp_hard.gather(1, hard_tok[:, None]).sum()
+    soft_loss = -(logp_soft * soft_target).sum()
+    loss = (hard_loss + soft_loss) / len(rows)
+    with torch.no_grad():
+        mass = (logp_soft.exp() * (soft_target > 0)).sum(-1).mean().item()
+    return loss, mass
 
 
 # -- sampling conversations without TRL (evaluation) --------------------------------------------------
@@ -397,9 +412,49 @@ def sample_conversations(
     the results, sample again) and return the completion messages of each. `env` is one env for
     all episodes or one per episode. `first_calls` forces an episode's first turn to call that
     tool (teacher forcing, as rendered by the chat template) instead of sampling it."""
-    import torch
-
     envs = [env] * len(episodes) if isinstance(env, ms.MultiStepEnv) else list(env)
+    contexts, boxes = _start_episodes(tokenizer, envs, episodes)
+    messages: list[list[dict[str, Any]]] = [[] for _ in episodes]
+    active = list(range(len(episodes)))
+    forced = list(first_calls) if first_calls is not None else [None] * len(episodes)
+    for turn in range(max_calls + 1):
+        if not active:
+            break
+        sampled = active
+        if turn == 0 and any(forced):
+            sampled = [i for i in active if forced[i] is None]
+            for i in active:
+                name = forced[i]
+                if name is not None:
+                    turn_ids = _call_turn_ids(tokenizer, envs[i], episodes[i], name)
+                    messages[i].append(_parse(tokenizer, turn_ids, contexts[i]))
+                    contexts[i] += turn_ids
+        turns = _generate(
+            model, tokenizer, [contexts[i] for i in sampled], max_new_tokens, temperature
+        )
+        for i, new in zip(sampled, turns, strict=True):
+            messages[i].append(_parse(tokenizer, new, contexts[i]))
+            contexts[i] += new
+        still = []
+        for i in active:
+            calls = messages[i][-1].get("tool_calls") or []
+            if not calls or turn == max_calls:
+                continue
+            for call in calls:
+                name, content = _run_call(boxes[i], episodes[i], call)
+                messages[i].append({"role": "tool", "name": name, "content": content})
+                contexts[i] += suffix_ids(tokenizer, name, content)
+            still.append(i)
+        active = still
+    return messages
+
+
+def _start_episodes(
+    tokenizer: PreTrainedTokenizerBase,
+    envs: Sequence[ms.MultiStepEnv],
+    episodes: Sequence[ms.Episode],
+) -> tuple[list[list[int]], list[Any]]:
+    """Each episode's prompt as token ids (its tools listed) and its toolbox, reset to it."""
     contexts: list[list[int]] = []
     boxes = []
     for e, ep in zip(envs, episodes, strict=True):
@@ -414,74 +469,61 @@ def sample_conversations(
         box = ms.toolbox_class(e, ep.tool_ids)()
         box.reset(**ep.row())
         boxes.append(box)
-    messages: list[list[dict[str, Any]]] = [[] for _ in episodes]
-    active = list(range(len(episodes)))
+    return contexts, boxes
+
+
+def _generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: Sequence[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+) -> list[list[int]]:
+    """One turn sampled for each context (left-padded into one batch): its ids up to and with
+    end-of-turn, or all it generated without the padding."""
+    import torch
+
+    if not batch:
+        return []
     pad = tokenizer.pad_token_id
-    forced = list(first_calls) if first_calls is not None else [None] * len(episodes)
-    for turn in range(max_calls + 1):
-        if not active:
-            break
-        if turn == 0 and any(forced):
-            sampled = [i for i in active if forced[i] is None]
-            for i in active:
-                name = forced[i]
-                if name is not None:
-                    turn_ids = _call_turn_ids(tokenizer, envs[i], episodes[i], name)
-                    messages[i].append(_parse(tokenizer, turn_ids, contexts[i]))
-                    contexts[i] += turn_ids
+    width = max(map(len, batch))
+    input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in batch], device=model.device)
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            **sampling,
+        )
+    turns = []
+    for row in range(len(batch)):
+        new = out[row, width:].tolist()
+        if tokenizer.eos_token_id in new:
+            new = new[: new.index(tokenizer.eos_token_id) + 1]
         else:
-            sampled = active
-        batch = [contexts[i] for i in sampled]
-        width = max(map(len, batch), default=0)
-        input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in batch], device=model.device)
-        mask = torch.tensor(
-            [[0] * (width - len(c)) + [1] * len(c) for c in batch], device=model.device
-        )
-        sampling: dict[str, Any] = (
-            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-            if temperature > 0
-            else {"do_sample": False}
-        )
-        out = None
-        if batch:
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=mask,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=pad,
-                    **sampling,
-                )
-        rows = {i: row for row, i in enumerate(sampled)}
-        still = []
-        for i in active:
-            if i in rows and out is not None:
-                new = out[rows[i], width:].tolist()
-                if tokenizer.eos_token_id in new:
-                    new = new[: new.index(tokenizer.eos_token_id) + 1]
-                else:
-                    new = [t for t in new if t != pad]
-                messages[i].append(_parse(tokenizer, new, contexts[i]))
-                contexts[i] += new
-            parsed = messages[i][-1]
-            calls = parsed.get("tool_calls") or []
-            if not calls or turn == max_calls:
-                continue
-            for call in calls:
-                name = call["function"]["name"]
-                try:
-                    if name not in episodes[i].tool_ids:
-                        raise ValueError(f"Tool {name} not found.")
-                    content = str(
-                        getattr(boxes[i], name)(**(call["function"].get("arguments") or {}))
-                    )
-                except Exception as exc:  # noqa: BLE001 - as TRL: any tool failure is an observation
-                    content = str({"error": str(exc)})
-                messages[i].append({"role": "tool", "name": name, "content": content})
-                contexts[i] += suffix_ids(tokenizer, name, content)
-            still.append(i)
-        active = still
-    return messages
+            new = [t for t in new if t != pad]
+        turns.append(new)
+    return turns
+
+
+def _run_call(box: Any, episode: ms.Episode, call: dict[str, Any]) -> tuple[str, str]:
+    """(name, the tool message's content) of a parsed call run on the episode's toolbox; as
+    TRL's, any tool failure is an observation, an unlisted tool one too."""
+    name = call["function"]["name"]
+    try:
+        if name not in episode.tool_ids:
+            raise ValueError(f"Tool {name} not found.")
+        content = str(getattr(box, name)(**(call["function"].get("arguments") or {})))
+    except Exception as exc:  # noqa: BLE001 - as TRL: any tool failure is an observation
+        content = str({"error": str(exc)})
+    return name, content
 
 
 def _parse(tokenizer: PreTrainedTokenizerBase, ids: list[int], prefix: list[int]) -> dict[str, Any]:
@@ -542,12 +584,7 @@ def evaluate_format(
     import torch
 
     torch.manual_seed(seed)
-    envs, episodes = [], []
-    for i in range(n):
-        env = ms.MultiStepEnv(seed=1000 + i, variant=variant, k=k)
-        query = env.heldout_queries[i % len(env.heldout_queries)]
-        envs.append(env)
-        episodes.append(env.episode(query.text, kind=ms.KINDS[i % 2], episode=i))
+    envs, episodes = _heldout_episodes(variant, n, k)
     first = _sampled(model, tokenizer, envs, episodes, None, batch_size)
     right = _sampled(model, tokenizer, envs, episodes, [ep.target for ep in episodes], batch_size)
     failing = [_failing_tool(e, ep) for e, ep in zip(envs, episodes, strict=True)]
@@ -561,11 +598,21 @@ def evaluate_format(
         [episodes[i].needed[0] for i in chains],
         batch_size,
     )
+    return _format_rates(episodes, first=first, right=right, wrong=wrong, ticket=ticket)
 
-    def listed_call(message: dict[str, Any], ep: ms.Episode) -> bool:
-        ok, name = _first_call_ok(message, ep.tool_ids)
-        return ok and name in ep.tool_ids
 
+def _format_rates(
+    episodes: Sequence[ms.Episode],
+    *,
+    first: Sequence[list[dict[str, Any]]],
+    right: Sequence[list[dict[str, Any]]],
+    wrong: Sequence[list[dict[str, Any]]],
+    ticket: Sequence[list[dict[str, Any]]],
+) -> dict[str, float]:
+    """evaluate_format's rates from its conversations: sampled first turns, and the turn after
+    a forced call to the right tool, to a failing one, to the ticket tool (chain episodes)."""
+    n = len(episodes)
+    chains = [i for i, ep in enumerate(episodes) if ep.kind == "chain"]
     calls = [_first_call_ok(c[0], ep.tool_ids) for c, ep in zip(first, episodes, strict=True)]
     answered = [
         (c, ep)
@@ -575,7 +622,7 @@ def evaluate_format(
     return {
         "first_call_well_formed": sum(ok for ok, _ in calls) / n,
         "first_call_listed": sum(
-            listed_call(c[0], ep) for c, ep in zip(first, episodes, strict=True)
+            _listed_call(c[0], ep) for c, ep in zip(first, episodes, strict=True)
         )
         / n,
         "first_call_right": sum(
@@ -589,14 +636,33 @@ def evaluate_format(
         )
         / max(1, len(answered)),
         "call_after_ticket": sum(
-            listed_call(c[2], episodes[i]) for c, i in zip(ticket, chains, strict=True)
+            _listed_call(c[2], episodes[i]) for c, i in zip(ticket, chains, strict=True)
         )
         / max(1, len(chains)),
         "call_after_error": sum(
-            listed_call(c[2], ep) for c, ep in zip(wrong, episodes, strict=True)
+            _listed_call(c[2], ep) for c, ep in zip(wrong, episodes, strict=True)
         )
         / n,
     }
+
+
+def _heldout_episodes(
+    variant: str, n: int, k: int
+) -> tuple[list[ms.MultiStepEnv], list[ms.Episode]]:
+    """`n` held-out episodes, single and chain in turn, each in an env of its own seed."""
+    envs, episodes = [], []
+    for i in range(n):
+        env = ms.MultiStepEnv(seed=1000 + i, variant=variant, k=k)
+        query = env.heldout_queries[i % len(env.heldout_queries)]
+        envs.append(env)
+        episodes.append(env.episode(query.text, kind=ms.KINDS[i % 2], episode=i))
+    return envs, episodes
+
+
+def _listed_call(message: dict[str, Any], ep: ms.Episode) -> bool:
+    """Whether `message` is a well-formed call to a tool the episode lists."""
+    ok, name = _first_call_ok(message, ep.tool_ids)
+    return ok and name in ep.tool_ids
 
 
 def _failing_tool(env: ms.MultiStepEnv, ep: ms.Episode) -> str:

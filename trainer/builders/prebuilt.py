@@ -110,7 +110,7 @@ def ensure_multiturn(cache_dir: Path, *, log: Callable[[str], None] = print) -> 
     return ensure(MULTITURN, cache_dir, log=log)
 
 
-def estimate_seconds(kind: Kind) -> float | None:
+def _estimate_seconds(kind: Kind) -> float | None:
     """How long building `kind` took when the packaged build was made (one idle core)."""
     stats = packaged_dir(kind) / tiny_model.BUILD_STATS_FILE
     if not stats.is_file():
@@ -121,7 +121,7 @@ def estimate_seconds(kind: Kind) -> float | None:
 
 def estimate_text(kind: Kind) -> str:
     """ "about 3 minutes on an idle core" (longer on a busy machine), from the packaged build."""
-    seconds = estimate_seconds(kind)
+    seconds = _estimate_seconds(kind)
     if seconds is None:
         return "a few minutes"
     minutes = max(1, round(seconds / 60 + 0.49))
@@ -155,7 +155,7 @@ def build_progress(line: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def write_packaged(kind: Kind, *, log: Callable[[str], None] = print) -> Path:
+def _write_packaged(kind: Kind, *, log: Callable[[str], None] = print) -> Path:
     """Build `kind` afresh (deterministic: seeded, one thread) into the package's folder."""
     target = packaged_dir(kind)
     staging = target.with_name(f".{kind.name}-staging")
@@ -170,7 +170,7 @@ def write_packaged(kind: Kind, *, log: Callable[[str], None] = print) -> Path:
 def main() -> None:
     """`make prebuilt`: rebuild every packaged model for this install's recipe hashes."""
     for kind in KINDS:
-        print(f"{kind.label}: {write_packaged(kind)} ({kind.recipe_hash})", flush=True)
+        print(f"{kind.label}: {_write_packaged(kind)} ({kind.recipe_hash})", flush=True)
 
 
 if __name__ == "__main__":

@@ -104,11 +104,6 @@ def tiny_model_dir(cache_dir: Path) -> Path:
     return Path(cache_dir) / f"{TINY_MODEL_NAME}-{RECIPE_HASH}"
 
 
-def ensure_tiny_model(cache_dir: Path, *, log: Callable[[str], None] = print) -> Path:
-    """The built model's directory, building it first if it is missing."""
-    return ensure_built(tiny_model_dir(cache_dir), lambda out: build_tiny_model(out, log=log))
-
-
 def ensure_built(final: Path, build: Callable[[Path], Any]) -> Path:
     """`final`, built by `build(staging folder)` first if it is missing: once across processes
     (a file lock), into a staging folder renamed into place, so a killed build leaves nothing

@@ -35,14 +35,14 @@ class Scoring(Generic[P]):
     plausible: Callable[P, bool]  # a wrong reply a format-checking verifier still credits
 
 
-def is_name(name: str) -> TypeGuard[VerifierName]:
+def _is_name(name: str) -> TypeGuard[VerifierName]:
     return name in VERIFIERS
 
 
 def make(name: str, scoring: Scoring[P], *, p: float = 0.1, seed: int = 0) -> Callable[P, float]:
     """The verifier `name` over an env's scoring; `p` and `seed` only matter to noisy and judge
     (each draws from a random stream of its own, so noise does not shift the env's draws)."""
-    if not is_name(name):
+    if not _is_name(name):
         raise ValueError(f"unknown verifier {name!r}; valid names: {', '.join(sorted(VERIFIERS))}")
     match name:
         case "exact":

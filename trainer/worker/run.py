@@ -91,7 +91,7 @@ def _phase_writer(factory: Any, run_id: int) -> Callable[[str], None]:
     return write
 
 
-def load_model(named: str, path: str) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
+def _load_model(named: str, path: str) -> tuple[PreTrainedTokenizerBase, PreTrainedModel]:
     """The tokenizer and model at `path`; a folder that does not load is ModelUnavailable saying
     no more than modelref.unusable (transformers' message can quote the folder's files), with
     the detail in this process's log."""
@@ -112,7 +112,7 @@ def default_control_tokens(tokenizer: PreTrainedTokenizerBase) -> list[str] | No
     return None
 
 
-def device_name() -> str:
+def _device_name() -> str:
     """Where this process trains."""
     if torch.cuda.is_available():
         return f"cuda ({torch.cuda.get_device_name(0)})"
@@ -295,47 +295,17 @@ def _add_phases(trainer: GRPOTrainer, callback: RolloutLensCallback, config: Run
 def _train(config, settings, factory, run_id, on_step, should_stop, log_line, resume_from) -> int:  # type: ignore[no-untyped-def]
     writer: StepWriter | None = None
     monitor = RunMonitor(factory, run_id=run_id, interval=settings.heartbeat_seconds)
+
+    def stop_requested() -> bool:
+        return monitor.should_stop() or bool(should_stop and should_stop())
+
     try:
         with monitor:
-            if settings.torch_threads:
-                torch.set_num_threads(settings.torch_threads)
-            set_seed(config.seed)
-            phase = _phase_writer(factory, run_id)
-            phase("starting: loading the model")
-            model_path = resolve_model(config, settings, log_line, phase)
-            phase("starting: loading the model and preparing TRL's trainer")
-            tokenizer, model = load_model(config.model, model_path)
-
-            def stop_requested() -> bool:
-                return monitor.should_stop() or bool(should_stop and should_stop())
-
-            output_dir = run_output_dir(settings, run_id)
-            callback = recorder(
-                config,
-                settings=settings,
-                control_tokens=config.control_tokens
-                or (None if config.turns == "multi" else default_control_tokens(tokenizer)),
-                should_stop=stop_requested,
-            )
-            trainer = make_trainer(
-                config,
-                model,
-                tokenizer,
-                output_dir,
-                callback=callback,
-                checkpoint_every=settings.checkpoint_every,
+            trainer, callback, output_dir = _prepare(
+                config, settings, factory, run_id, log_line, stop_requested
             )
             control_tokens = callback.control_tokens
-            with session_scope(factory) as session:
-                store.truncate_after(session, run_id=run_id, step=resume_from)
-                store.mark_running(
-                    session,
-                    run_id=run_id,
-                    worker_host=socket.gethostname(),
-                    device=device_name(),
-                    control_tokens=control_tokens,
-                    notes=callback.tag_notes(),
-                )
+            _mark_running(factory, run_id, callback, resume_from=resume_from)
             writer = StepWriter.for_launched(
                 factory,
                 run_id=run_id,
@@ -355,25 +325,78 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
             )
             return run_id
     except BaseException as exc:
-        if writer is not None:
-            with contextlib.suppress(RuntimeError):  # the original error is the one to report
-                writer.close()
-        interrupted = isinstance(exc, KeyboardInterrupt)
-        try:
-            mark_finished(
-                factory,
-                run_id,
-                settings.lost_after_seconds,
-                status=RunStatus.cancelled if interrupted else RunStatus.failed,
-                error="interrupted" if interrupted else _error_text(exc),
-                ended_by=EndedBy.worker,
-            )
-        except DatabaseAway:
-            log.error("run %s %s; the dashboard will show it lost", run_id, _error_text(exc))
+        _record_failure(exc, writer, factory, run_id, settings)
         raise
 
 
-def run_output_dir(settings: Settings, run_id: int) -> Path:
+def _prepare(config, settings, factory, run_id, log_line, stop_requested):
+    """The run's TRL trainer, its recorder callback and its output folder: torch's threads and
+    the seed set, the model found (or built) and loaded, each stage shown as the run's phase."""
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    set_seed(config.seed)
+    phase = _phase_writer(factory, run_id)
+    phase("starting: loading the model")
+    model_path = resolve_model(config, settings, log_line, phase)
+    phase("starting: loading the model and preparing TRL's trainer")
+    tokenizer, model = _load_model(config.model, model_path)
+    output_dir = _run_output_dir(settings, run_id)
+    callback = recorder(
+        config,
+        settings=settings,
+        control_tokens=config.control_tokens
+        or (None if config.turns == "multi" else default_control_tokens(tokenizer)),
+        should_stop=stop_requested,
+    )
+    trainer = make_trainer(
+        config,
+        model,
+        tokenizer,
+        output_dir,
+        callback=callback,
+        checkpoint_every=settings.checkpoint_every,
+    )
+    return trainer, callback, output_dir
+
+
+def _mark_running(factory, run_id: int, callback: RolloutLensCallback, *, resume_from: int) -> None:
+    """The run `running` on this worker (steps past `resume_from` dropped: a resume redoes them),
+    with its control tokens and the recorder's notes."""
+    with session_scope(factory) as session:
+        store.truncate_after(session, run_id=run_id, step=resume_from)
+        store.mark_running(
+            session,
+            run_id=run_id,
+            worker_host=socket.gethostname(),
+            device=_device_name(),
+            control_tokens=callback.control_tokens,
+            notes=callback.tag_notes(),
+        )
+
+
+def _record_failure(
+    exc: BaseException, writer: StepWriter | None, factory, run_id: int, settings: Settings
+) -> None:  # type: ignore[no-untyped-def]
+    """A run that raised: what it wrote flushed, and marked cancelled (Ctrl-C) or failed with
+    the error; a database that is gone leaves it to the dashboard to show lost."""
+    if writer is not None:
+        with contextlib.suppress(RuntimeError):  # the original error is the one to report
+            writer.close()
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    try:
+        mark_finished(
+            factory,
+            run_id,
+            settings.lost_after_seconds,
+            status=RunStatus.cancelled if interrupted else RunStatus.failed,
+            error="interrupted" if interrupted else _error_text(exc),
+            ended_by=EndedBy.worker,
+        )
+    except DatabaseAway:
+        log.error("run %s %s; the dashboard will show it lost", run_id, _error_text(exc))
+
+
+def _run_output_dir(settings: Settings, run_id: int) -> Path:
     """Where a run's checkpoints go (Settings.run_dir: deleting the run removes it)."""
     return settings.run_dir(run_id)
 
@@ -382,7 +405,7 @@ def resume_step(settings: Settings, run_id: int, checkpoint_step: int | None) ->
     """The step to continue after: the recorded checkpoint if its files exist, else 0."""
     if (
         checkpoint_step
-        and (run_output_dir(settings, run_id) / f"checkpoint-{checkpoint_step}").is_dir()
+        and (_run_output_dir(settings, run_id) / f"checkpoint-{checkpoint_step}").is_dir()
     ):
         return checkpoint_step
     return 0

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 _celery_lock = threading.Lock()
 
 
-def get_session(request: Request) -> Iterator[Session]:
+def _get_session(request: Request) -> Iterator[Session]:
     """A session for this request, closed after the response (pages only read: nothing to commit)."""
     with request.app.state.session_factory() as session:
         yield session
@@ -37,31 +37,31 @@ def model_builds(request: Request) -> dict[str, str]:
     return dict(request.app.state.model_builds())
 
 
-def get_cache(request: Request) -> ResponseCache:
+def _get_cache(request: Request) -> ResponseCache:
     """The app's cache of encoded series responses."""
     cache: ResponseCache = request.app.state.response_cache
     return cache
 
 
-def get_alert_cache(request: Request) -> ResponseCache:
+def _get_alert_cache(request: Request) -> ResponseCache:
     """The app's cache of each run's alerts, keyed by run version."""
     cache: ResponseCache = request.app.state.alert_cache
     return cache
 
 
-def get_compare_cache(request: Request) -> ResponseCache:
+def _get_compare_cache(request: Request) -> ResponseCache:
     """The app's cache of each run's part of compare, keyed by run version."""
     cache: ResponseCache = request.app.state.compare_cache
     return cache
 
 
-def get_token_texts(request: Request) -> TokenTextCache:
+def _get_token_texts(request: Request) -> TokenTextCache:
     """The app's cache of runs' token texts (store.TokenTextCache)."""
     texts: TokenTextCache = request.app.state.token_texts
     return texts
 
 
-def get_celery(request: Request) -> Celery:
+def _get_celery(request: Request) -> Celery:
     """The app's Celery client, made on first use (the embedded broker creates its folders)."""
     state = request.app.state
     with _celery_lock:
@@ -71,13 +71,13 @@ def get_celery(request: Request) -> Celery:
     return celery
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionDep = Annotated[Session, Depends(_get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-CacheDep = Annotated[ResponseCache, Depends(get_cache)]
-CeleryDep = Annotated[Celery, Depends(get_celery)]
-AlertCacheDep = Annotated[ResponseCache, Depends(get_alert_cache)]
-CompareCacheDep = Annotated[ResponseCache, Depends(get_compare_cache)]
-TokenTextsDep = Annotated[TokenTextCache, Depends(get_token_texts)]
+CacheDep = Annotated[ResponseCache, Depends(_get_cache)]
+CeleryDep = Annotated[Celery, Depends(_get_celery)]
+AlertCacheDep = Annotated[ResponseCache, Depends(_get_alert_cache)]
+CompareCacheDep = Annotated[ResponseCache, Depends(_get_compare_cache)]
+TokenTextsDep = Annotated[TokenTextCache, Depends(_get_token_texts)]
 
 
 def render(

@@ -52,14 +52,14 @@ RunsPerPage = Annotated[
 ]
 
 
-def split_list(values: Iterable[str] | None) -> list[str]:
+def _split_list(values: Iterable[str] | None) -> list[str]:
     """`a,b` and repeated parameters alike → [a, b] (blank items dropped)."""
     return [item.strip() for value in values or () for item in value.split(",") if item.strip()]
 
 
 def run_ids(values: Iterable[str] | None) -> list[int]:
     """Run ids from `runs=1,2` or `runs=1&runs=2`."""
-    items = split_list(values)
+    items = _split_list(values)
     if len(items) > MAX_RUN_IDS:
         raise InvalidInput(f"at most {MAX_RUN_IDS} run ids at once, got {len(items)}")
     try:
@@ -77,7 +77,7 @@ def series_names(values: Iterable[str] | None) -> list[str] | None:
     More than MAX_SERIES_NAMES distinct names is an InvalidInput naming the limit."""
     if not values:
         return None
-    names = list(dict.fromkeys(split_list(values)))
+    names = list(dict.fromkeys(_split_list(values)))
     if len(names) > MAX_SERIES_NAMES:
         raise InvalidInput(f"at most {MAX_SERIES_NAMES} series names at once, got {len(names)}")
     return names

@@ -113,7 +113,7 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def split_host(host: str) -> tuple[str, str]:
+def _split_host(host: str) -> tuple[str, str]:
     """`Example.org:8000` → (`example.org`, `8000`); `[::1]:8000` → (`[::1]`, `8000`); a bare
     IPv6 address (an ALLOWED_HOSTS entry) → (`[::1]`, ``)."""
     host = host.strip().lower()
@@ -129,7 +129,7 @@ def split_host(host: str) -> tuple[str, str]:
 def allowed_hosts(settings: Settings) -> frozenset[str]:
     """The names the Host header may carry with any port, and `name:port` for an entry that
     names its port (it matches that port only)."""
-    entries = (split_host(entry) for entry in settings.allowed_host_list)
+    entries = (_split_host(entry) for entry in settings.allowed_host_list)
     return LOOPBACK_NAMES | {f"{name}:{port}" if port else name for name, port in entries}
 
 
@@ -140,7 +140,7 @@ def safe_next(target: str) -> str:
     return target
 
 
-def token_fingerprint(token: str) -> str:
+def _token_fingerprint(token: str) -> str:
     """What the dashboard keeps of a token (runs.recorded_by): a SHA-256, never the token."""
     return hashlib.sha256(b"rollout-lens-recorder:" + token.encode()).hexdigest()
 
@@ -148,7 +148,7 @@ def token_fingerprint(token: str) -> str:
 def token_name(token: str) -> str:
     """How pages name a token (who cancelled a run): its fingerprint's first 8 hex digits, the
     same whether it came as a Bearer header or through a signed-in browser."""
-    return f"token {token_fingerprint(token)[:8]}"
+    return f"token {_token_fingerprint(token)[:8]}"
 
 
 def caller_name(request: Request) -> str | None:
@@ -176,6 +176,31 @@ class Refused(Exception):
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.headers = status, message, headers or {}
+
+
+class _SecuredSend:
+    """The `send` of a guarded request: the security headers on every response, and the CSRF
+    cookie of a browser that had none (`new_csrf`); `started` once the response has begun."""
+
+    def __init__(self, scope: Scope, send: Send, *, new_csrf: str | None) -> None:
+        self.scope, self.send, self.new_csrf = scope, send, new_csrf
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            out = MutableHeaders(scope=message)
+            for name, value in SECURITY_HEADERS.items():
+                if name not in out:
+                    out[name] = value
+            sets_csrf = any(
+                v.startswith(f"{CSRF_COOKIE}=") for v in out.getlist("set-cookie")
+            )  # sign-in gives the browser a new one: it is not to be overwritten here
+            if self.new_csrf and not sets_csrf and not self.scope["path"].startswith("/static/"):
+                cookie = f"{CSRF_COOKIE}={self.new_csrf}; Path=/; HttpOnly; SameSite=Lax"
+                secure = self.scope.get("scheme") == "https"
+                out.append("set-cookie", cookie + ("; Secure" if secure else ""))
+        await self.send(message)
 
 
 class Guard:
@@ -224,8 +249,35 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        state = scope.setdefault("state", {})
         cookies = Request(scope).cookies
+        csrf, fresh_csrf = await self._browser_state(scope, cookies)
+        send_with_headers = _SecuredSend(scope, send, new_csrf=csrf if fresh_csrf else None)
+        try:
+            receive = await self._check(scope, receive, headers, cookies, csrf, fresh_csrf)
+        except Refused as refusal:
+            response = await self._refusal(scope, refusal)
+            await response(scope, receive, send_with_headers)
+            return
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Refused as refusal:  # a body past its limit, found as the route read it
+            if send_with_headers.started:
+                raise
+            response = await self._refusal(scope, refusal)
+            await response(scope, receive, send_with_headers)
+        except Exception:
+            if send_with_headers.started:  # a streamed body failed half-way: nothing more to send
+                raise
+            # Answered here, inside the Guard, so that a 500 carries the security headers too
+            # (Starlette's own error middleware sits outside every middleware).
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            response = await _server_error(scope)
+            await response(scope, receive, send_with_headers)
+
+    async def _browser_state(self, scope: Scope, cookies: dict[str, str]) -> tuple[str, bool]:
+        """The request's state as the pages read it: its CSRF token, whether tokens are on, and
+        who signed in; returns the CSRF token and whether it is new (no cookie held one)."""
+        state = scope.setdefault("state", {})
         csrf = cookies.get(CSRF_COOKIE, "")
         fresh_csrf = len(csrf) < 32
         if fresh_csrf:
@@ -239,47 +291,7 @@ class Guard:
         state["signed_in"] = signed_in is not None
         if signed_in:
             state["caller"] = signed_in  # a Bearer token in the same request names it instead
-        secure = scope.get("scheme") == "https"
-
-        started = False
-
-        async def send_with_headers(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                out = MutableHeaders(scope=message)
-                for name, value in SECURITY_HEADERS.items():
-                    if name not in out:
-                        out[name] = value
-                sets_csrf = any(
-                    v.startswith(f"{CSRF_COOKIE}=") for v in out.getlist("set-cookie")
-                )  # sign-in gives the browser a new one: it is not to be overwritten here
-                if fresh_csrf and not sets_csrf and not scope["path"].startswith("/static/"):
-                    cookie = f"{CSRF_COOKIE}={csrf}; Path=/; HttpOnly; SameSite=Lax"
-                    out.append("set-cookie", cookie + ("; Secure" if secure else ""))
-            await send(message)
-
-        try:
-            receive = await self._check(scope, receive, headers, cookies, csrf, fresh_csrf)
-        except Refused as refusal:
-            response = await self._refusal(scope, refusal)
-            await response(scope, receive, send_with_headers)
-            return
-        try:
-            await self.app(scope, receive, send_with_headers)
-        except Refused as refusal:  # a body past its limit, found as the route read it
-            if started:
-                raise
-            response = await self._refusal(scope, refusal)
-            await response(scope, receive, send_with_headers)
-        except Exception:
-            if started:  # a streamed body failed half-way: nothing more can be sent
-                raise
-            # Answered here, inside the Guard, so that a 500 carries the security headers too
-            # (Starlette's own error middleware sits outside every middleware).
-            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
-            response = await _server_error(scope)
-            await response(scope, receive, send_with_headers)
+        return csrf, fresh_csrf
 
     async def _check(
         self,
@@ -291,7 +303,7 @@ class Guard:
         fresh_csrf: bool,
     ) -> Receive:
         """Raise Refused, or return the `receive` to pass on (a form's body is read and replayed)."""
-        name, port = split_host(headers.get("host", ""))
+        name, port = _split_host(headers.get("host", ""))
         known = name in self.hosts or f"{name}:{port}" in self.hosts
         if not (self.any_host or known or _is_ip_literal(name)):
             raise Refused(
@@ -335,8 +347,8 @@ class Guard:
         if limit != MAX_BODY_BYTES and not csrf_checked:
             # a body of steps or an export file: read by the route, after it has a write slot
             # (a busy dashboard answers 503 without reading it), within the same limit
-            return bounded_receive(receive, headers, limit=limit)
-        body, receive = await read_body(receive, headers, limit=limit)
+            return _bounded_receive(receive, headers, limit=limit)
+        body, receive = await _read_body(receive, headers, limit=limit)
         if csrf_checked:
             self._check_csrf(headers, body, csrf, fresh_csrf)
         return receive
@@ -358,7 +370,7 @@ class Guard:
             raise Refused(401, "the token is not valid", {"www-authenticate": "Bearer"})
         scope["state"]["token_scope"] = "full" if full else "record"
         # what a recorded run keeps of the token that created it (server.webapp.ingest)
-        scope["state"]["token_fp"] = token_fingerprint(token)
+        scope["state"]["token_fp"] = _token_fingerprint(token)
         scope["state"]["caller"] = token_name(token)
         return True
 
@@ -462,7 +474,7 @@ def _too_large(size: str, limit: int = MAX_BODY_BYTES) -> Refused:
     )
 
 
-async def read_body(
+async def _read_body(
     receive: Receive, headers: Headers, *, limit: int = MAX_BODY_BYTES
 ) -> tuple[bytes, Receive]:
     """The whole body of a state-changing request and a `receive` that replays it; a 413 past
@@ -496,8 +508,8 @@ async def read_body(
     return body, replay
 
 
-def bounded_receive(receive: Receive, headers: Headers, *, limit: int) -> Receive:
-    """`receive` that raises read_body's 413 past `limit` (Content-Length checked now, the
+def _bounded_receive(receive: Receive, headers: Headers, *, limit: int) -> Receive:
+    """`receive` that raises _read_body's 413 past `limit` (Content-Length checked now, the
     bytes as they come): the app reads the body when it chooses, the Guard still bounds it."""
     declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

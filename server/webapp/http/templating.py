@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
@@ -53,6 +53,53 @@ def _static_versions() -> dict[str, str]:
     }
 
 
+@jinja2.pass_context
+def _url_for(
+    context: Any, name: str, /, _query: dict[str, Any] | None = None, **params: Any
+) -> str:
+    """A root-relative URL of a named route, with an optional query string."""
+    request: Request = context["request"]
+    path = request.scope.get("root_path", "") + str(request.app.url_path_for(name, **params))
+    query = {k: v for k, v in (_query or {}).items() if v not in (None, "")}
+    return f"{path}?{urlencode(query, doseq=True)}" if query else path
+
+
+def _static_url(versions: dict[str, str]) -> Callable[[str], str]:
+    """The `static(path)` of the templates: a static file's URL, versioned by its content."""
+
+    def static(path: str) -> str:
+        version = versions.get(path)
+        return f"/static/{path}" + (f"?v={version}" if version else "")
+
+    return static
+
+
+@jinja2.pass_context
+def _has_route(context: Any, name: str) -> bool:
+    """Whether the app serves a route of this name (links to optional pages)."""
+    try:
+        context["request"].app.url_path_for(name)
+    except NoMatchFound:
+        return False
+    return True
+
+
+@jinja2.pass_context
+def _csrf_token(context: Any) -> str:
+    """This browser's CSRF token (security.Guard sets it), for forms and scripts."""
+    return str(getattr(context["request"].state, "csrf_token", ""))
+
+
+@jinja2.pass_context
+def _access(context: Any) -> dict[str, bool]:
+    """Whether tokens are required, and whether this browser is signed in (the top bar)."""
+    state = context["request"].state
+    return {
+        "enabled": bool(getattr(state, "auth_enabled", False)),
+        "signed_in": bool(getattr(state, "signed_in", False)),
+    }
+
+
 def make_templates() -> Jinja2Templates:
     """Jinja2Templates over web/templates: autoescaped, strict about undefined names."""
     env = jinja2.Environment(
@@ -62,52 +109,13 @@ def make_templates() -> Jinja2Templates:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    versions = _static_versions()
-
-    @jinja2.pass_context
-    def url_for(
-        context: Any, name: str, /, _query: dict[str, Any] | None = None, **params: Any
-    ) -> str:
-        """A root-relative URL of a named route, with an optional query string."""
-        request: Request = context["request"]
-        path = request.scope.get("root_path", "") + str(request.app.url_path_for(name, **params))
-        query = {k: v for k, v in (_query or {}).items() if v not in (None, "")}
-        return f"{path}?{urlencode(query, doseq=True)}" if query else path
-
-    def static(path: str) -> str:
-        version = versions.get(path)
-        return f"/static/{path}" + (f"?v={version}" if version else "")
-
-    @jinja2.pass_context
-    def has_route(context: Any, name: str) -> bool:
-        """Whether the app serves a route of this name (links to optional pages)."""
-        try:
-            context["request"].app.url_path_for(name)
-        except NoMatchFound:
-            return False
-        return True
-
-    @jinja2.pass_context
-    def csrf_token(context: Any) -> str:
-        """This browser's CSRF token (security.Guard sets it), for forms and scripts."""
-        return str(getattr(context["request"].state, "csrf_token", ""))
-
-    @jinja2.pass_context
-    def access(context: Any) -> dict[str, bool]:
-        """Whether tokens are required, and whether this browser is signed in (the top bar)."""
-        state = context["request"].state
-        return {
-            "enabled": bool(getattr(state, "auth_enabled", False)),
-            "signed_in": bool(getattr(state, "signed_in", False)),
-        }
-
     env.globals.update(
-        url_for=url_for,
-        static=static,
-        has_route=has_route,
+        url_for=_url_for,
+        static=_static_url(_static_versions()),
+        has_route=_has_route,
         window=WINDOW,
-        csrf_token=csrf_token,
-        access=access,
+        csrf_token=_csrf_token,
+        access=_access,
         shown_chars=SHOWN_CHARS,  # of a long text (completion, prompt) a page shows
         card_chars=CARD_CHARS,  # of a completion in compare's compact step card
         # the step viewer's marks (server.webapp.pages.stepview): a rollout's vote and format badges, and
@@ -131,7 +139,7 @@ def make_templates() -> Jinja2Templates:
         when=fmt_when,
         visible=visible_text,
         token=token_text,
-        piece=piece_view,
+        piece=_piece_view,
         token_cells_html=token_cells_html,
         control_table_html=control_table_html,
         clip=clip,
@@ -182,7 +190,7 @@ def _token_markup(text: str) -> Markup:
     return Markup(_INVISIBLE.sub(_invisible, _CONTROL_CHARS.sub(_picture, spaced)))
 
 
-def piece_view(piece: str) -> Markup:
+def _piece_view(piece: str) -> Markup:
     """A raw token piece (a control token's name, 'Ġ<') as the text it stands for (' <'), made
     visible like a token."""
     return token_text(tokentext.piece_text(piece))
@@ -233,7 +241,7 @@ def control_table_html(cells: Sequence[TokenCell], rows: ControlRows) -> Markup:
     head = "".join(f'<th scope="col" class="mono">{token_text(c["text"])}</th>' for c in cells)
     body = "".join(
         ('<tr><th scope="row">' if i == 0 else '<tr><th scope="row" class="mono">')
-        + f"{escape(label) if i == 0 else piece_view(label)}</th>"
+        + f"{escape(label) if i == 0 else _piece_view(label)}</th>"
         + "".join([_table_cell(cls, text) for cls, text in values])
         + "</tr>"
         for i, (label, values) in enumerate(rows)

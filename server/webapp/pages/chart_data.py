@@ -267,14 +267,14 @@ def last_window_mean(points: dict[str, list[Any]] | None) -> float | None:
 CHART_DIGITS = 4  # significant digits of a chart's values, relative to the series' largest
 
 
-def chart_values(values: Sequence[float | None], places: int | None) -> list[float | int | None]:
+def _chart_values(values: Sequence[float | None], places: int | None) -> list[float | int | None]:
     """Values rounded to `places` decimals (None: as they are)."""
     if places is None:
         return list(values)
     return [None if v is None else round(v, places) for v in values]
 
 
-def chart_places(*parts: Sequence[float | None], digits: int = CHART_DIGITS) -> int | None:
+def _chart_places(*parts: Sequence[float | None], digits: int = CHART_DIGITS) -> int | None:
     """The decimals that keep `digits` significant digits of the largest value in `parts`: a
     250-pixel chart and its 4-digit hover show no more (None when there is nothing to round)."""
     top = 0.0
@@ -296,8 +296,8 @@ def chart_series(
     out = {}
     for name, entry in entries.items():
         parts = [p for p in (("y", "lo", "hi") if bands else ("y",)) if p in entry]
-        places = chart_places(*(entry[p] for p in parts))
-        out[name] = {"x": list(entry["x"])} | {p: chart_values(entry[p], places) for p in parts}
+        places = _chart_places(*(entry[p] for p in parts))
+        out[name] = {"x": list(entry["x"])} | {p: _chart_values(entry[p], places) for p in parts}
     return out
 
 

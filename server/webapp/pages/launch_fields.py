@@ -160,7 +160,7 @@ def display(value: Any) -> str:
     return str(value)
 
 
-def field_specs(values: Mapping[str, str], errors: Mapping[str, str]) -> list[dict[str, Any]]:
+def _field_specs(values: Mapping[str, str], errors: Mapping[str, str]) -> list[dict[str, Any]]:
     """The form's groups of fields, each with its label, help, current text and error.
 
     Every RunConfig field appears: fields no group names go to an "Other" group, so a field the
@@ -230,7 +230,7 @@ def defaults() -> dict[str, str]:
     return out
 
 
-def preset_values(preset: Preset) -> dict[str, str]:
+def _preset_values(preset: Preset) -> dict[str, str]:
     """The form text of a preset: defaults, its base, then its first run's values."""
     return defaults() | {k: display(v) for k, v in preset.base.items()}
 
@@ -281,7 +281,7 @@ class LaunchInvalid(Exception):
         self.errors = errors
 
 
-def field_errors(exc: ValidationError) -> dict[str, str]:
+def _field_errors(exc: ValidationError) -> dict[str, str]:
     """A message per field, in the form's words: its label and what it must be ("Group size G
     must be at least 2"), not its id and pydantic's phrasing. Errors of the model as a whole
     (e.g. supervised_per_group vs group_size) go to the field their message names first."""
@@ -351,12 +351,12 @@ def _named_field(message: str) -> str:
 def _all_errors(data: Mapping[str, Any], exc: ValidationError) -> dict[str, str]:
     """Field errors, plus the errors between fields that pydantic checks only once every field
     is valid (found again with the bad fields at their defaults): all messages in one round."""
-    found = field_errors(exc)
+    found = _field_errors(exc)
     if FORM_ERROR not in found:
         try:
             RunConfig.model_validate({k: v for k, v in data.items() if k not in found})
         except ValidationError as again:
-            for name, message in field_errors(again).items():
+            for name, message in _field_errors(again).items():
                 found.setdefault(name, message)
     return found
 
@@ -419,7 +419,7 @@ def presets_data() -> dict[str, Any]:
     its default, help and bounds."""
     fields = [
         {k: v for k, v in spec.items() if k not in ("value", "error")}
-        for group in field_specs({}, {})
+        for group in _field_specs({}, {})
         for spec in group["fields"]
     ]
     return {"presets": [p.as_dict() for p in PRESETS.values()], "fields": fields}
@@ -428,7 +428,7 @@ def presets_data() -> dict[str, Any]:
 # --- the form page ------------------------------------------------------------------------------
 
 
-def columns_config(run: Mapping[str, Any]) -> dict[str, Any]:
+def _columns_config(run: Mapping[str, Any]) -> dict[str, Any]:
     """What a run without a launch config (a user's own script) says about its recipe."""
     out = {"model": run["model"], "steps": run["total_steps"], "group_size": run["group_size"]}
     out |= {"prompts_per_step": run["prompts_per_step"], "seed": run["seed"]}
@@ -450,13 +450,13 @@ def start_form(
         # An external run's config is its own trainer's (a GRPOConfig, say), not a RunConfig.
         launched = bool(source["config"]) and not source.get("external")
         clone = {"id": source["id"], "name": source["name"], "has_config": launched}
-        values = config_values(source["config"] if launched else columns_config(source))
+        values = config_values(source["config"] if launched else _columns_config(source))
         return form_context(values, clone=clone, builds=builds)
     if preset_name:
         preset = PRESETS.get(preset_name)
         if preset is None:
             raise InvalidInput(f"no preset {preset_name!r}; choose one of {', '.join(PRESETS)}")
-        return form_context(preset_values(preset), preset=preset, builds=builds)
+        return form_context(_preset_values(preset), preset=preset, builds=builds)
     return form_context(defaults(), builds=builds)
 
 
@@ -474,7 +474,7 @@ def form_context(
     errors = errors or {}
     return {
         "builds": dict(builds or {}),
-        "groups": field_specs(defaults() | dict(values), errors),
+        "groups": _field_specs(defaults() | dict(values), errors),
         "presets": PRESETS,
         "preset_groups": PRESET_GROUPS,
         "preset": preset,

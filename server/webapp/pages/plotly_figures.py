@@ -306,66 +306,80 @@ def tool_use(names: set[str]) -> list[dict[str, Any]]:
 
 def _structure(names: set[str]) -> list[dict[str, Any]]:
     """Charts of the trainer's positional probes, structural states and id-position probes."""
-    out = []
+    return _probe_chart(names) + _states_chart(names) + _ids_chart(names)
+
+
+def _probe_chart(names: set[str]) -> list[dict[str, Any]]:
+    """The positional probes' chart: each control token where it breaks or ends the call."""
     probes = [p for p in vocab.POSITIONAL_PROBES if vocab.probe(p) in names]
-    if probes:
-        traces = []
-        for i, probe in enumerate(probes):
-            color = TOKEN_COLORS[i % len(TOKEN_COLORS)]
-            traces += line(vocab.probe(probe), vocab.POSITIONAL_PROBES[probe][1], color)
-        out.append(
-            figure(
-                "probes",
-                "Control tokens where they matter",
-                traces,
-                help="Mean probability, per step, of a control token at the position where it "
-                "breaks or ends the call. End-of-turn right after the opening tag is the collapse "
-                "signal. The key gives each line's last value: lines at 0 and at 1 lie on one "
-                "another.",
-                alerts=["control_token_spike", "collapse"],
-                wide=True,  # five keys: on a third of a row they took half the card
-                y=UNIT_RANGE,
-            )
-            | {"legend_last": True}
+    if not probes:
+        return []
+    traces = []
+    for i, probe in enumerate(probes):
+        color = TOKEN_COLORS[i % len(TOKEN_COLORS)]
+        traces += line(vocab.probe(probe), vocab.POSITIONAL_PROBES[probe][1], color)
+    return [
+        figure(
+            "probes",
+            "Control tokens where they matter",
+            traces,
+            help="Mean probability, per step, of a control token at the position where it "
+            "breaks or ends the call. End-of-turn right after the opening tag is the collapse "
+            "signal. The key gives each line's last value: lines at 0 and at 1 lie on one "
+            "another.",
+            alerts=["control_token_spike", "collapse"],
+            wide=True,  # five keys: on a third of a row they took half the card
+            y=UNIT_RANGE,
         )
+        | {"legend_last": True}
+    ]
+
+
+def _states_chart(names: set[str]) -> list[dict[str, Any]]:
+    """The share of completions in each structural state, per step."""
     states = [vocab.state(s) for s in vocab.STATES if vocab.state(s) in names]
     states += sorted(n for n in names if n.startswith(vocab.state("")) and n not in states)
-    if states:
-        out.append(
-            figure(
-                "states",
-                "Structural state of completions",
-                [_state_trace(n) for n in states],
-                help="Share of completions per step that are a healthy call, a call with stray "
-                "text, a collapsed call, or no call at all.",
-                alerts=["collapse"],
-                y={"range": [0, 1.02]},
-            )
+    if not states:
+        return []
+    return [
+        figure(
+            "states",
+            "Structural state of completions",
+            [_state_trace(n) for n in states],
+            help="Share of completions per step that are a healthy call, a call with stray "
+            "text, a collapsed call, or no call at all.",
+            alerts=["collapse"],
+            y={"range": [0, 1.02]},
         )
+    ]
+
+
+def _ids_chart(names: set[str]) -> list[dict[str, Any]]:
+    """At the id position: the target's and its best rival's logprob, and the ids' entropy."""
     ids = [n for n in ("target_logprob", "rival_logprob") if vocab.probe(n) in names]
-    if ids:
-        traces = []
-        for n, color in zip(ids, (COLORS["true_accuracy"], NEUTRAL), strict=False):
-            traces += line(vocab.probe(n), n.replace("_", " "), color)
-        if vocab.probe("id_entropy") in names:
-            traces += line(
-                vocab.probe("id_entropy"),
-                "id entropy (bits)",
-                COLORS["vote_entropy"],
-                dash="dot",
-                axis="y2",
-            )
-        out.append(
-            figure(
-                "ids",
-                "At the id position",
-                traces,
-                help="Log-probability of the target id and of its best listed rival, and the "
-                "entropy over listed ids (right).",
-                y2={"title": {"text": "bits"}, "rangemode": "tozero"},
-            )
+    if not ids:
+        return []
+    traces = []
+    for n, color in zip(ids, (COLORS["true_accuracy"], NEUTRAL), strict=False):
+        traces += line(vocab.probe(n), n.replace("_", " "), color)
+    if vocab.probe("id_entropy") in names:
+        traces += line(
+            vocab.probe("id_entropy"),
+            "id entropy (bits)",
+            COLORS["vote_entropy"],
+            dash="dot",
+            axis="y2",
         )
-    return out
+    return [
+        figure(
+            "ids",
+            "At the id position",
+            traces,
+            help="Log-probability of the target id and of its best listed rival, and the "
+            "entropy over listed ids (right).",
+            y2={"title": {"text": "bits"}, "rangemode": "tozero"},
+        )
+    ]
 
 
 # How each part of a probe is drawn on its detail chart: (part, name, color or None for the
@@ -503,6 +517,33 @@ def run_figures(
     (trl/…) for a lazily opened section; `config` (a launch config) adds what its settings
     explain (KL at β = 0)."""
     have = set(names)
+    main = _main_charts(control_tokens, have)
+    structure = _structure(have)
+    tools = tool_use(have)
+    probes = probe_details(have)
+    evals = evaluation(have)
+    shown = (
+        _used(main)
+        | _used(structure)
+        | _used(tools)
+        | _used(probes)
+        | _used(evals)
+        | set(STEP_SERIES)
+    )
+    return {
+        "main": main,
+        "structure": structure,
+        "tools": tools,
+        "probes": probes,
+        "evaluation": evals,
+        "optimization": _optimization(have, config),
+        "other": _other(names, shown),
+    }
+
+
+def _main_charts(control_tokens: Sequence[str], have: set[str]) -> list[dict[str, Any]]:
+    """The run page's first charts: reward against true accuracy, their buckets, the group's
+    votes, format validity and, where recorded, the control tokens' probabilities."""
     c = COLORS
     main = [
         figure(
@@ -555,23 +596,29 @@ def run_figures(
             y=UNIT_RANGE,
         ),
     ]
+    return main + _control_chart(control_tokens, have)
+
+
+def _control_chart(control_tokens: Sequence[str], have: set[str]) -> list[dict[str, Any]]:
+    """Each control token's max and mean probability over completion positions, per step."""
     control = _control_traces(control_tokens, have)
-    if control:
-        main.append(
-            figure(
-                "control",
-                "Control-token probabilities",
-                control,
-                help="Per step, the max (solid) and mean (dotted) over completion positions of each control token's probability.",
-                alerts=["control_token_spike"],
-                wide=True,
-                y=UNIT_RANGE,
-            )
+    if not control:
+        return []
+    return [
+        figure(
+            "control",
+            "Control-token probabilities",
+            control,
+            help="Per step, the max (solid) and mean (dotted) over completion positions of each control token's probability.",
+            alerts=["control_token_spike"],
+            wide=True,
+            y=UNIT_RANGE,
         )
-    structure = _structure(have)
-    tools = tool_use(have)
-    probes = probe_details(have)
-    evals = evaluation(have)
+    ]
+
+
+def _optimization(have: set[str], config: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A small chart per optimization series recorded (loss, KL, grad norm, …)."""
     optimization = []
     for n in vocab.OPTIMIZATION:
         if n in have:
@@ -586,30 +633,18 @@ def run_figures(
                     empty=notes.get("empty", ""),
                 )
             )
-    shown = (
-        _used(main)
-        | _used(structure)
-        | _used(tools)
-        | _used(probes)
-        | _used(evals)
-        | set(STEP_SERIES)
-    )
+    return optimization
+
+
+def _other(names: Sequence[str], shown: set[str]) -> list[dict[str, Any]]:
+    """Every series no other chart shows, a small chart each, grouped by prefix (trl/…)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for i, name in enumerate(n for n in names if n not in shown):
         prefix = name.split("/", 1)[0] if "/" in name else "other"
         groups.setdefault(prefix, []).append(
             figure(f"m-{i}", name, line(name, name, NEUTRAL), small=True)
         )
-    other = [{"title": prefix, "figures": figs} for prefix, figs in sorted(groups.items())]
-    return {
-        "main": main,
-        "structure": structure,
-        "tools": tools,
-        "probes": probes,
-        "evaluation": evals,
-        "optimization": optimization,
-        "other": other,
-    }
+    return [{"title": prefix, "figures": figs} for prefix, figs in sorted(groups.items())]
 
 
 def section(

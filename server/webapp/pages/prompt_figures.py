@@ -8,7 +8,7 @@ text that reaches a figure goes through plotly_text (tags become entities).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from rollout_lens.server.webapp.pages.plotly_figures import COLORS, plotly_text
 
@@ -48,6 +48,16 @@ def _scale_title(by_true: int, by_reward: int) -> str:
     return "true score<br>(else reward)" if by_reward else "true score"
 
 
+class _Cells(NamedTuple):
+    """The heatmap's cells: their colour values, hover data, and what coloured them."""
+
+    z: list[list[float | None]]
+    custom: list[list[Any]]
+    values: list[float]  # every value shown: the colour scale spans them
+    by_true: int  # cells coloured by a true score
+    by_reward: int  # cells coloured by a reward (none of their rollouts had a true score)
+
+
 def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) -> dict[str, Any]:
     """Prompts × step buckets, one row a prompt in the order given (top first).
 
@@ -55,11 +65,45 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
     of each column), each None (no group of the prompt there) or {"groups", "true_mean",
     "reward_mean", "step", "group"} where (step, group) is the group a click opens. A cell is
     coloured by its true score, by its reward where no rollout of it has one."""
-    labels = [row_label(r["prompt_id"], r["label"]) for r in rows]
+    cells = _cells(rows, buckets)
+    row_px = row_height(len(rows))
+    trace = {
+        "type": "heatmap",
+        "x": [(lo + hi) / 2 for lo, hi in buckets],
+        "y": [row_label(r["prompt_id"], r["label"]) for r in rows],
+        "z": cells.z,
+        "customdata": cells.custom,
+        "zmin": min([0.0, *cells.values]),
+        "zmax": max([1.0, *cells.values]),
+        "colorscale": SCALE,
+        "xgap": 1 if len(buckets) <= 200 else 0,
+        "ygap": 1 if row_px >= 6 else 0,
+        "hoverongaps": False,
+        "colorbar": {
+            "title": {"text": _scale_title(cells.by_true, cells.by_reward)},
+            "thickness": 12,
+            "len": 0.9,
+        },
+        "hovertemplate": (
+            "%{y}<br>step %{customdata[3]} · %{customdata[2]} group(s)<br>"
+            "true score %{customdata[4]} · reward %{customdata[5]}<br>"
+            "click: step %{customdata[0]}, group %{customdata[1]}<extra></extra>"
+        ),
+    }
+    return {
+        "id": "prompt-heatmap",
+        "data": [trace],
+        "layout": _heatmap_layout(len(rows), buckets, row_px),
+    }
+
+
+def _cells(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) -> _Cells:
+    """Each row's cells: a colour value (its true score, else its reward) and its hover data
+    (the group a click opens, its groups, steps and scores)."""
     z: list[list[float | None]] = []
     custom: list[list[Any]] = []
     values: list[float] = []
-    by_true = by_reward = 0  # cells coloured by a true score, by a reward (none had a true score)
+    by_true = by_reward = 0
     for r in rows:
         line: list[float | None] = []
         data: list[Any] = []
@@ -81,63 +125,35 @@ def heatmap(rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[int, int]]) 
             )
         z.append(line)
         custom.append(data)
-    lo_z = min([0.0, *values])
-    hi_z = max([1.0, *values])
-    x = [(lo + hi) / 2 for lo, hi in buckets]
+    return _Cells(z, custom, values, by_true, by_reward)
+
+
+def _heatmap_layout(rows: int, buckets: Sequence[tuple[int, int]], row_px: int) -> dict[str, Any]:
+    """Rows labelled where tall enough to read (else hovered), the x axis naming the buckets'
+    width where all are as wide."""
     widths = {hi - lo + 1 for lo, hi in buckets}
-    row_px = row_height(len(rows))
-    trace = {
-        "type": "heatmap",
-        "x": x,
-        "y": labels,
-        "z": z,
-        "customdata": custom,
-        "zmin": lo_z,
-        "zmax": hi_z,
-        "colorscale": SCALE,
-        "xgap": 1 if len(buckets) <= 200 else 0,
-        "ygap": 1 if row_px >= 6 else 0,
-        "hoverongaps": False,
-        "colorbar": {
-            "title": {"text": _scale_title(by_true, by_reward)},
-            "thickness": 12,
-            "len": 0.9,
-        },
-        "hovertemplate": (
-            "%{y}<br>step %{customdata[3]} · %{customdata[2]} group(s)<br>"
-            "true score %{customdata[4]} · reward %{customdata[5]}<br>"
-            "click: step %{customdata[0]}, group %{customdata[1]}<extra></extra>"
-        ),
-    }
     width = widths.pop() if len(widths) == 1 else None
     labelled = row_px >= LABELLED_ROW_PX
-    height = max(MIN_HEIGHT, row_px * len(rows) + AXES_PX)
     return {
-        "id": "prompt-heatmap",
-        "data": [trace],
-        "layout": {
-            "height": height,
-            "margin": {"l": 330 if labelled else 40, "r": 20, "t": 10, "b": 40},
-            "xaxis": {
-                "title": {"text": "step" if width == 1 else f"step ({width}-step buckets)"},
-                "zeroline": False,
-                "showgrid": False,
-            },
-            "yaxis": {
-                "type": "category",
-                "autorange": "reversed",
-                "automargin": False,
-                "showticklabels": labelled,
-                "ticks": "",
-                "title": {
-                    "text": "" if labelled else f"{len(rows)} prompts (hover a row for its text)"
-                },
-                "tickfont": {"size": 11},
-                "showgrid": False,
-            },
-            "plot_bgcolor": "#f1f5f9",
-            "hoverlabel": {"align": "left"},
+        "height": max(MIN_HEIGHT, row_px * rows + AXES_PX),
+        "margin": {"l": 330 if labelled else 40, "r": 20, "t": 10, "b": 40},
+        "xaxis": {
+            "title": {"text": "step" if width == 1 else f"step ({width}-step buckets)"},
+            "zeroline": False,
+            "showgrid": False,
         },
+        "yaxis": {
+            "type": "category",
+            "autorange": "reversed",
+            "automargin": False,
+            "showticklabels": labelled,
+            "ticks": "",
+            "title": {"text": "" if labelled else f"{rows} prompts (hover a row for its text)"},
+            "tickfont": {"size": 11},
+            "showgrid": False,
+        },
+        "plot_bgcolor": "#f1f5f9",
+        "hoverlabel": {"align": "left"},
     }
 
 

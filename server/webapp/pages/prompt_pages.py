@@ -46,7 +46,7 @@ def with_params(path: str, params: Mapping[str, Any]) -> str:
     return f"{path}?{urlencode(kept)}" if kept else path
 
 
-def errors_of(error: Exception) -> str:
+def _errors_of(error: Exception) -> str:
     """What is wrong with a page's parameters, in one line."""
     if isinstance(error, ValidationError):
         return "; ".join(
@@ -70,7 +70,7 @@ def buckets(heat: Mapping[str, Any]) -> list[tuple[int, int]]:
     ]
 
 
-def heatmap_figure(heat: Mapping[str, Any], labels: Mapping[int, str]) -> dict[str, Any]:
+def _heatmap_figure(heat: Mapping[str, Any], labels: Mapping[int, str]) -> dict[str, Any]:
     """queries.heatmap's rows (sparse cells by column) as the heatmap figure, each row labelled
     by its prompt's distinguishing text (`labels`, else the heatmap's own)."""
     columns = buckets(heat)
@@ -120,7 +120,7 @@ def prompts_page(
         {"key": key, "label": label, "active": filters.get("look") == key}
         for key, label in LOOK_LABELS.items()
     ]
-    figure = heatmap_figure(heat, {p["prompt_id"]: p["label"] for p in data["prompts"]})
+    figure = _heatmap_figure(heat, {p["prompt_id"]: p["label"] for p in data["prompts"]})
     return {
         "run": data["run"],
         "rows": data["prompts"],
@@ -162,7 +162,7 @@ def prompts_invalid(
         "total": 0,
         "f": {"q": None, "look": None, "sort": "first_step", "order": "asc"} | dict(given),
         "limit": None,
-        "error": errors_of(error),
+        "error": _errors_of(error),
         "looks": [
             {"key": k, "label": v, "active": given.get("look") == k} for k, v in LOOK_LABELS.items()
         ],
@@ -191,13 +191,13 @@ def top_votes(votes: Mapping[str, int], top: int = FACT_VOTES) -> dict[str, Any]
     return {"top": dict(items[:top]), "others": len(rest), "others_count": sum(c for _, c in rest)}
 
 
-def vote_split(votes: Mapping[str, int]) -> list[dict[str, Any]]:
+def _vote_split(votes: Mapping[str, int]) -> list[dict[str, Any]]:
     """A group's {vote: count} as the bar the page draws: each vote's count and share."""
     total = sum(votes.values()) or 1
     return [{"vote": v, "count": c, "share": c / total} for v, c in votes.items()]
 
 
-def history_steps(
+def _history_steps(
     steps: Sequence[dict[str, Any]], url: Url, *, run_id: int
 ) -> list[dict[str, Any]]:
     """queries.prompt_history's groups (read with their completions) with their rollouts as rows
@@ -234,7 +234,7 @@ def history_steps(
             s
             | {
                 "group_url": group_url,
-                "split": vote_split(s["votes"]),
+                "split": _vote_split(s["votes"]),
                 "rollouts": rollouts,
                 "state_counts": _counts([r["state"] for r in rollouts]),
             }
@@ -255,7 +255,7 @@ def prompt_page(data: dict[str, Any], url: Url, *, run_id: int, limit: int) -> d
     reward and true score over steps, and links to its JSON and the next page of groups."""
     prompt_id = data["prompt"]["prompt_id"]
     path = url("prompt_page", run_id=run_id, prompt_id=prompt_id)
-    steps = history_steps(data["steps"], url, run_id=run_id)
+    steps = _history_steps(data["steps"], url, run_id=run_id)
     figure = prompt_figures.history(steps)
     return {
         "run": data["run"],
@@ -293,32 +293,8 @@ def compare_prompts_page(
     path = url("compare_prompts_page")
     base = {"runs": ",".join(map(str, run_ids)), "match": data["match"], "q": q}
     base |= {"every": "false"} if not every else {}
-    for m in data["prompts"]:
-        m["show_url"] = with_params(path, base | {"show": m["key"]}) + "#histories"
-        m["shown"] = m["key"] == shown
-        for side in m["runs"]:
-            for p in side["prompts"]:
-                p["history_url"] = url(
-                    "prompt_page", run_id=side["run_id"], prompt_id=p["prompt_id"]
-                )
-    sides = []
-    for run, h in zip(data["runs"], histories, strict=True):
-        if h is None:
-            sides.append({"run": run, "history": None, "figure": None})
-            continue
-        figure = prompt_figures.history(h["steps"]) | {"id": f"history-{run['id']}"}
-        steps = [s | {"split": vote_split(s["votes"])} for s in h["steps"]]
-        sides.append(
-            {
-                "run": run,
-                "history": h | {"steps": steps},
-                "figure": figure,
-                "steps_url": url("step_jump", run_id=run["id"]),
-                "history_url": url(
-                    "prompt_page", run_id=run["id"], prompt_id=h["prompt"]["prompt_id"]
-                ),
-            }
-        )
+    _link_matches(data["prompts"], url, page=path, query=base, shown=shown)
+    sides = [_history_side(run, h, url) for run, h in zip(data["runs"], histories, strict=True)]
     return {
         "compare": data,
         "runs": data["runs"],
@@ -341,4 +317,40 @@ def compare_prompts_page(
                 str(s["run"]["id"]): url("step_jump", run_id=s["run"]["id"]) for s in sides
             },
         },
+    }
+
+
+def _link_matches(
+    matches: list[dict[str, Any]],
+    url: Url,
+    *,
+    page: str,
+    query: dict[str, Any],
+    shown: str | None,
+) -> None:
+    """Each match's link to this page (`page` with `query`) showing its histories, whether it is
+    the one shown, and each of its prompts' own page."""
+    for m in matches:
+        m["show_url"] = with_params(page, query | {"show": m["key"]}) + "#histories"
+        m["shown"] = m["key"] == shown
+        for side in m["runs"]:
+            for p in side["prompts"]:
+                p["history_url"] = url(
+                    "prompt_page", run_id=side["run_id"], prompt_id=p["prompt_id"]
+                )
+
+
+def _history_side(run: dict[str, Any], h: dict[str, Any] | None, url: Url) -> dict[str, Any]:
+    """One run's side of the match shown: its history (each step's vote split) and its chart;
+    None where the run has no prompt of the match."""
+    if h is None:
+        return {"run": run, "history": None, "figure": None}
+    figure = prompt_figures.history(h["steps"]) | {"id": f"history-{run['id']}"}
+    steps = [s | {"split": _vote_split(s["votes"])} for s in h["steps"]]
+    return {
+        "run": run,
+        "history": h | {"steps": steps},
+        "figure": figure,
+        "steps_url": url("step_jump", run_id=run["id"]),
+        "history_url": url("prompt_page", run_id=run["id"], prompt_id=h["prompt"]["prompt_id"]),
     }

@@ -1,4 +1,4 @@
-"""The `export` and `import` commands: move runs between databases (cli_dumps brings TRL's and
+"""The `export` and `import` commands: move runs between databases (cli.dumps brings TRL's and
 verl's own files in)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rollout_lens.cli_numbers import RUN_ID
-from rollout_lens.cli_remote import add_remote_options, remote_client
+from rollout_lens.cli.base import migrated_factory, open_factory
+from rollout_lens.cli.numbers import RUN_ID
+from rollout_lens.cli.remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import printable
@@ -45,8 +46,6 @@ def add_commands(sub: Any) -> None:
 
 
 def _export(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.cli import open_factory
-
     export.check(args.format, args.what)
     lens = remote_client(args, settings)
     if lens is not None:
@@ -92,7 +91,6 @@ def _write(chunks: Iterator[bytes], args: argparse.Namespace) -> None:
 
 
 def _import(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.cli import migrated_factory
     from rollout_lens.server.exchange.importer import import_export
 
     if not args.file.is_file():  # before the database is touched (or created)

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
+from rollout_lens.cli.base import train_extra_missing
+from rollout_lens.cli.serve import port_problem, serve_dashboard
 from rollout_lens.server import store
 from rollout_lens.server.core import analysis
 from rollout_lens.server.core.config import Settings
@@ -32,7 +34,7 @@ PRESET = "leaky_vs_patched"  # server/core/presets.py: both variants, same seed 
 # steps show patched converge (0.91 over steps 76–100).
 DEFAULT_STEPS = 60
 POLL_SECONDS = 2.0
-# What the two runs' charts mean, said under the figures the demo measured (what_they_show).
+# What the two runs' charts mean, said under the figures the demo measured (_what_they_show).
 HOW_TO_READ = (
     "The judge verifier gives 0.5 for naming any listed tool and 1 for the right one: a reward "
     "near 0.5 over a true accuracy near 0 is partial credit, not learning. Compare's summary "
@@ -41,8 +43,8 @@ HOW_TO_READ = (
 )
 
 
-def add_parser(sub: Any) -> None:
-    """The `demo` subcommand on the CLI's subparsers."""
+def add_commands(sub: Any) -> None:
+    """Register `demo` on the CLI's subparsers."""
     demo = sub.add_parser(
         "demo", help="train a short leaky and a short patched run and open the comparison"
     )
@@ -54,14 +56,12 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="train and print the URL; start no dashboard (so the port is not checked)",
     )
-    demo.set_defaults(handler=run_demo)
+    demo.set_defaults(handler=_run_demo)
 
 
-def run_demo(args: argparse.Namespace, settings: Settings) -> int:
+def _run_demo(args: argparse.Namespace, settings: Settings) -> int:
     """Train both runs (printing progress), print the compare URL, then serve unless told not to."""
-    from rollout_lens.cli import port_problem, serve_dashboard, train_extra_missing
-
-    configs = demo_configs(args.steps)
+    configs = _demo_configs(args.steps)
     missing = train_extra_missing("the demo trains, which")
     if missing:
         raise RolloutLensError(missing)
@@ -71,7 +71,7 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     _migrate(settings)
     _ensure_model(settings)
     run_ids = _create_runs(settings, configs)
-    workers = parallel_runs(settings)
+    workers = _parallel_runs(settings)
     mode = "side by side" if workers > 1 else "one after the other"
     print(f"Training {len(configs)} runs of {args.steps} steps, {mode}:", flush=True)
     for run_id, config in zip(run_ids, configs, strict=True):
@@ -82,7 +82,7 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     if failed:
         return _report_failures(settings, failed)
     url = compare_url(args.host, args.port, run_ids)
-    shown = what_they_show(settings, run_ids)
+    shown = _what_they_show(settings, run_ids)
     if args.no_serve:
         print(f"Start the dashboard with `rollout-lens serve --port {args.port}`, then", flush=True)
         print(f"{shown}\nCompare them at {url}", flush=True)
@@ -91,7 +91,7 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     return serve_dashboard(args, settings, announce=[shown, f"Compare them at {url}"])
 
 
-def what_they_show(settings: Settings, run_ids: Sequence[int]) -> str:
+def _what_they_show(settings: Settings, run_ids: Sequence[int]) -> str:
     """What these runs recorded, in figures (their true accuracy and verifier reward over the
     last 25 steps, and over steps 1–25 where those differ), then how to read them."""
     parts = []
@@ -118,7 +118,7 @@ def _figure(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def demo_configs(steps: int) -> list[RunConfig]:
+def _demo_configs(steps: int) -> list[RunConfig]:
     """The leaky-vs-patched preset's runs with `steps` steps (validated as any launch is)."""
     from rollout_lens.server.core.presets import PRESETS
     from rollout_lens.server.webapp.pages import launch_fields
@@ -137,7 +137,7 @@ def compare_url(host: str, port: int, run_ids: Sequence[int]) -> str:
     return f"http://{shown}:{port}/compare?runs={','.join(str(i) for i in run_ids)}"
 
 
-def parallel_runs(settings: Settings) -> int:
+def _parallel_runs(settings: Settings) -> int:
     """How many runs train at once: two when two cores are free for torch's threads, else one."""
     threads = settings.torch_threads or (os.cpu_count() or 1)
     return 2 if (os.cpu_count() or 1) >= 2 * threads else 1
@@ -180,7 +180,7 @@ def train_all(
                         failed.append(run_id)
             # A child loading torch sends no heartbeat yet: its parent vouches for it.
             _beat_starting(settings, [i for i, p in running.items() if p.is_alive()])
-            line = progress_line(settings, run_ids)
+            line = _progress_line(settings, run_ids)
             if line != last:
                 report(line)
                 last = line
@@ -213,7 +213,7 @@ def _raise_on_sigterm() -> Callable[[], bool]:
     return lambda: bool(came)
 
 
-def progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
+def _progress_line(settings: Settings, run_ids: Sequence[int]) -> str:
     """One line: each run's variant, step, status and true accuracy over its last 25 steps (or
     all its steps, before it has 25)."""
     parts = []

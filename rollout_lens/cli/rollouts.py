@@ -9,8 +9,9 @@ import json
 import sys
 from typing import Any
 
-from rollout_lens.cli_numbers import COUNT, POSITIVE, RUN_ID, flags_query
-from rollout_lens.cli_remote import add_remote_options, remote_client
+from rollout_lens.cli.base import open_factory
+from rollout_lens.cli.numbers import COUNT, POSITIVE, RUN_ID, flags_query
+from rollout_lens.cli.remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.textsafe import csv_cell, printable
 from rollout_lens.server.store.db import session_scope
@@ -62,7 +63,6 @@ def _query(args: argparse.Namespace) -> Any:
 
 
 def _rollouts(args: argparse.Namespace, settings: Settings) -> int:
-    from rollout_lens.cli import open_factory
     from rollout_lens.server.webapp import queries
 
     query = _query(args)

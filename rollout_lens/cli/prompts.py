@@ -10,8 +10,9 @@ import json
 import sys
 from typing import Any
 
-from rollout_lens.cli_numbers import POSITIVE, RUN_ID, flags_query
-from rollout_lens.cli_remote import add_remote_options, remote_client
+from rollout_lens.cli.base import open_factory
+from rollout_lens.cli.numbers import POSITIVE, RUN_ID, flags_query
+from rollout_lens.cli.remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.textsafe import csv_cell, printable
 
@@ -87,7 +88,6 @@ def _prompts(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _local(args: argparse.Namespace, settings: Settings, query: Any) -> int:
-    from rollout_lens.cli import open_factory
     from rollout_lens.server.store.db import session_scope
     from rollout_lens.server.webapp import queries
 

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rollout_lens.cli_numbers import COUNT, POSITIVE
-from rollout_lens.cli_remote import add_remote_options, remote_client
+from rollout_lens.cli.base import migrated_factory
+from rollout_lens.cli.numbers import COUNT, POSITIVE
+from rollout_lens.cli.remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.textsafe import printable
@@ -144,8 +145,6 @@ def _import_verl(args: argparse.Namespace, settings: Settings) -> int:
 
 def _run(fmt: Any, args: argparse.Namespace, settings: Settings, *, what: str) -> int:
     """Import the folder in one go, or follow it."""
-    from rollout_lens.cli import migrated_factory
-
     if (args.idle is not None or args.new) and not args.follow:
         raise InvalidInput("--idle and --new go with --follow")
     if args.settle < 0 or (args.idle is not None and args.idle <= 0):
@@ -186,7 +185,6 @@ def _send(lens: Any, fmt: Any, args: argparse.Namespace, settings: Settings, *, 
     exported as Parquet and sent to the dashboard, which imports it (keeping its source)."""
     import tempfile
 
-    from rollout_lens.cli import migrated_factory
     from rollout_lens.server.exchange import export
     from rollout_lens.server.exchange.dump_import import import_dumps
     from rollout_lens.server.store.db import session_scope
