@@ -1,5 +1,5 @@
-"""The `import-trl` and `import-verl` commands: a run from what those trainers already write,
-imported in one go or followed while they write it (`--follow`)."""
+"""The `import-trl`, `import-verl`, `import-nemo-rl` and `import-slime` commands: a run from what
+those trainers already write, imported in one go or followed while they write it (`--follow`)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,54 @@ def add_commands(sub: Any) -> None:
     _follow_options(verl)
     add_remote_options(verl)
     verl.set_defaults(handler=_import_verl)
+    _two_sided_commands(sub)
+
+
+def _two_sided_commands(sub: Any) -> None:
+    """The trainers whose dumps hold both sides: the generator's logprobs beside the trainer's."""
+    nemo = sub.add_parser(
+        "import-nemo-rl",
+        help="create a run from NeMo-RL's per-step training dumps (train_data_step{N}.jsonl), "
+        "the generator's logprobs beside the trainer's",
+    )
+    nemo.add_argument("folder", type=Path, help="the folder NeMo-RL's logger writes them into")
+    nemo.add_argument("--name", help="the new run's name (default: NeMo-RL <folder name>)")
+    nemo.add_argument(
+        "--group-size",
+        type=POSITIVE,
+        dest="group_size",
+        metavar="N",
+        help="generations per prompt (default: detected from runs of identical prompts)",
+    )
+    _follow_options(nemo)
+    add_remote_options(nemo)
+    nemo.set_defaults(handler=_import_nemo_rl)
+
+    slime = sub.add_parser(
+        "import-slime",
+        help="create a run from slime's or miles' debug dumps (--save-debug-rollout-data, "
+        "--dump-details: rollout_data/{id}.pt, train_data/{id}.pt)",
+    )
+    slime.add_argument(
+        "folder", type=Path, help="the --dump-details folder, or a folder of rollout dumps"
+    )
+    slime.add_argument("--name", help="the new run's name (default: slime <folder name>)")
+    slime.add_argument(
+        "--group-size",
+        type=POSITIVE,
+        dest="group_size",
+        metavar="N",
+        help="samples per prompt, slime's --n-samples-per-prompt (default: detected)",
+    )
+    slime.add_argument(
+        "--reward-key",
+        dest="reward_key",
+        metavar="KEY",
+        help="where a sample's reward is a dict: the key that holds the scalar reward",
+    )
+    _follow_options(slime)
+    add_remote_options(slime)
+    slime.set_defaults(handler=_import_slime)
 
 
 def _follow_options(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +187,22 @@ def _import_verl(args: argparse.Namespace, settings: Settings) -> int:
         n=args.n,
         true_score_key=args.true_score_key,
         model=args.model,
+    )
+    return _run(fmt, args, settings, what="steps")
+
+
+def _import_nemo_rl(args: argparse.Namespace, settings: Settings) -> int:
+    from rollout_lens.server.exchange.nemo_rl_import import NemoRlDump
+
+    fmt = NemoRlDump(args.folder, name=args.name, group_size=args.group_size)
+    return _run(fmt, args, settings, what="steps")
+
+
+def _import_slime(args: argparse.Namespace, settings: Settings) -> int:
+    from rollout_lens.server.exchange.slime_import import SlimeDump
+
+    fmt = SlimeDump(
+        args.folder, name=args.name, group_size=args.group_size, reward_key=args.reward_key
     )
     return _run(fmt, args, settings, what="steps")
 

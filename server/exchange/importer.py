@@ -188,7 +188,12 @@ class _ImportedRun:
         self.error = error
         notes = list(header.notes)
         source = RunSource.import_
-        if moved and header.source in (RunSource.trl_import, RunSource.verl_import):
+        if moved and header.source in (
+            RunSource.trl_import,
+            RunSource.verl_import,
+            RunSource.nemo_rl_import,
+            RunSource.slime_import,
+        ):
             source = RunSource(header.source)
         elif header.source != RunSource.import_:  # a copy of a copy keeps the first note
             notes.append(

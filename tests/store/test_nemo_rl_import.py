@@ -200,3 +200,32 @@ def test_not_a_microbatch_of_one(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(InvalidInput, match="line 1: rewards is not a one-element list"):
         NemoRlDump(tmp_path).check(_unit(path, 1))
+
+
+def test_the_cli_imports_a_nemo_rl_run(
+    session_factory: sessionmaker[Session],
+    folder: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rollout_lens.cli import main
+
+    from tests.follow_support import use_database
+
+    use_database(monkeypatch, session_factory, tmp_path)
+    assert main(["import-nemo-rl", str(folder), "--name", "nemo grpo", "--settle", "0"]) == 0
+    assert f"from {folder}: 2 steps, {2 * len(PROMPTS) * G} rollouts" in capsys.readouterr().out
+    with session_scope(session_factory) as session:
+        run = session.scalars(select(RunRow)).one()
+        assert (run.name, run.source, run.group_size) == ("nemo grpo", RunSource.nemo_rl_import, G)
+        assert set(mm.NAMES) <= set(store.series_names(session, run_id=run.id))
+    # Bad input: exit status 2, the reason, nothing more created.
+    with pytest.raises(SystemExit) as refused:
+        main(["import-nemo-rl", str(folder), "--group-size", "0"])
+    assert refused.value.code == 2
+    assert "--group-size: a whole number from 1" in capsys.readouterr().err
+    assert main(["import-nemo-rl", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().err
+    with session_scope(session_factory) as session:
+        assert session.scalar(select(func.count()).select_from(RunRow)) == 1

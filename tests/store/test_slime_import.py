@@ -240,3 +240,30 @@ def test_a_reward_dict_is_read_by_its_key(tmp_path: Path) -> None:
     assert [r.verifier_reward for r in record.rollouts] == [s.reward["acc"] for s in samples]
     with pytest.raises(InvalidInput, match="reward has no key 'score'"):
         SlimeDump(tmp_path, reward_key="score").check(units[0])
+
+
+def test_the_cli_imports_a_slime_run(
+    session_factory: sessionmaker[Session],
+    folder: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rollout_lens.cli import main
+
+    from tests.follow_support import use_database
+
+    use_database(monkeypatch, session_factory, tmp_path)
+    assert main(["import-slime", str(folder), "--settle", "0"]) == 0
+    assert f"from {folder}: 2 steps, {2 * len(PROMPTS) * N} rollouts" in capsys.readouterr().out
+    with session_scope(session_factory) as session:
+        run = session.scalars(select(RunRow)).one()
+        assert (run.name, run.source, run.group_size) == (
+            f"slime {folder.name}",
+            RunSource.slime_import,
+            N,
+        )
+    assert main(["import-slime", str(tmp_path / "nowhere"), "--reward-key", "score"]) == 2
+    assert "nowhere" in capsys.readouterr().err
+    with session_scope(session_factory) as session:
+        assert session.scalar(select(func.count()).select_from(RunRow)) == 1
