@@ -210,7 +210,6 @@ def test_the_cli_imports_a_nemo_rl_run(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from rollout_lens.cli import main
-
     from tests.follow_support import use_database
 
     use_database(monkeypatch, session_factory, tmp_path)

@@ -250,7 +250,6 @@ def test_the_cli_imports_a_slime_run(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from rollout_lens.cli import main
-
     from tests.follow_support import use_database
 
     use_database(monkeypatch, session_factory, tmp_path)
