@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from rollout_lens.server.core.read_models import Rollout
+from rollout_lens.server.core.step_views import RolloutJSON
 
 
 class _Open(BaseModel):
@@ -143,9 +143,9 @@ def _null_for_non_finite(schema: dict[str, Any]) -> None:
     schema.update(walk(schema))
 
 
-class GroupRollout(Rollout):
-    """A rollout of a group's page: read_models.Rollout (the one description of a rollout: what
-    the export writes), cut to the page's `max_tokens` positions and text budget, with the
+class GroupRollout(RolloutJSON):  # type: ignore[misc,valid-type]  # derived from the view
+    """A rollout of a group's page: step_views.RolloutJSON (the read view's JSON: what the
+    export writes), cut to the page's `max_tokens` positions and text budget, with the
     viewer's marks."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_null_for_non_finite)

@@ -21,21 +21,12 @@ from rollout_lens.server.core.display import fmt_minutes, fmt_money, fmt_num, fm
 from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.textsafe import clip
 from rollout_lens.server.core.vocab import WINDOW
+from rollout_lens.server.webapp.pages.badges import STATES, call_limit, format_badge
+from rollout_lens.server.webapp.pages.cells import NEAR_MISS, ControlRows, TokenCell, prob_text
 from rollout_lens.server.webapp.pages.state_reason import state_reason
-from rollout_lens.server.webapp.pages.stepview import (
-    NEAR_MISS,
-    SHOWN_CHARS,
-    STATES,
-    ControlRows,
-    TokenCell,
-    answer_vote,
-    broken,
-    call_limit,
-    format_badge,
-    hint_body,
-    prob_text,
-    state_name,
-)
+from rollout_lens.server.webapp.queries.budget import SHOWN_CHARS
+from rollout_lens.server.webapp.queries.group_header import answer_vote, hint_body
+from rollout_lens.server.webapp.queries.overview import broken, state_name
 from starlette.routing import NoMatchFound
 
 WEB_DIR = ROOT / "web"
@@ -110,7 +101,7 @@ def make_templates() -> Jinja2Templates:
         access=access,
         shown_chars=SHOWN_CHARS,  # of a long text (completion, prompt) a page shows
         card_chars=CARD_CHARS,  # of a completion in compare's compact step card
-        # the step viewer's marks (server.webapp.pages.stepview): a rollout's vote and format badges, and
+        # the step viewer's marks (server.webapp.pages.badges, turns; queries.group_header): a rollout's vote and format badges, and
         # what the key under its tabs explains
         answer_vote=answer_vote,
         call_limit=call_limit,
@@ -118,7 +109,7 @@ def make_templates() -> Jinja2Templates:
         format_states=STATES,
         near_miss=NEAR_MISS,
         disagree_reward=DISAGREE_AT,
-        broken=broken,  # a rollout's format is bad only when known to be (stepview.broken)
+        broken=broken,  # a rollout's format is bad only when known to be (overview.broken)
         state_name=state_name,  # its state, valid/invalid, or None: not recorded
         state_reason=state_reason,  # why, in words beside the badge (pages.state_reason)
     )
@@ -217,7 +208,7 @@ def _table_cell(cls: str, text: str) -> str:
 
 
 def token_cells_html(cells: Sequence[TokenCell]) -> Markup:
-    """One `<span role="listitem">` per token cell (server.webapp.pages.stepview.token_cells)."""
+    """One `<span role="listitem">` per token cell (server.webapp.pages.cells.token_cells)."""
     return Markup(
         "".join(
             f'<span role="listitem" class="{_escaped_class(c["cls"])}" tabindex="0" '
@@ -229,7 +220,7 @@ def token_cells_html(cells: Sequence[TokenCell]) -> Markup:
 
 def control_table_html(cells: Sequence[TokenCell], rows: ControlRows) -> Markup:
     """The control-token table's head (a column a token cell) and body (server.webapp.pages.
-    stepview.control_rows; each control token's name read as text, like the cells)."""
+    cells.control_rows; each control token's name read as text, like the cells)."""
     head = "".join(f'<th scope="col" class="mono">{token_text(c["text"])}</th>' for c in cells)
     body = "".join(
         ('<tr><th scope="row">' if i == 0 else '<tr><th scope="row" class="mono">')

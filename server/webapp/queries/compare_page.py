@@ -13,7 +13,7 @@ from rollout_lens.server.core.errors import InvalidInput, StepNotFound
 from rollout_lens.server.core.read_models import RunData, RunSummary
 from rollout_lens.server.core.step_views import CompareData, CompareSide, StepCard
 from rollout_lens.server.store.serialize import run_dict
-from rollout_lens.server.webapp.pages import chart_data
+from rollout_lens.server.webapp.queries import chart_data
 from rollout_lens.server.webapp.queries.run_page import series
 from rollout_lens.server.webapp.queries.runs import run_versions, step_bounds
 from rollout_lens.server.webapp.queries.step_page import step_card

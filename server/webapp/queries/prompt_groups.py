@@ -11,9 +11,9 @@ from typing import Any
 from rollout_lens.server.core.errors import InvalidInput, NotFound
 from rollout_lens.server.core.prompt_rules import votes_object
 from rollout_lens.server.store.prompt_rollups import stored_votes
-from rollout_lens.server.webapp.pages.stepview import state_name
 from rollout_lens.server.webapp.queries.explorer import MAX_ID
 from rollout_lens.server.webapp.queries.keyset import encode_cursor, whole_number
+from rollout_lens.server.webapp.queries.overview import state_name
 from rollout_lens.server.webapp.queries.prompt_rollouts import (
     GROUPS_A_READ,
     MAX_ROLLOUTS,
