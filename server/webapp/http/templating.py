@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlencode
 
@@ -22,7 +21,7 @@ from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.textsafe import clip
 from rollout_lens.server.core.vocab import WINDOW
 from rollout_lens.server.webapp.pages.badges import STATES, call_limit, format_badge
-from rollout_lens.server.webapp.pages.cells import NEAR_MISS, ControlRows, TokenCell, prob_text
+from rollout_lens.server.webapp.pages.cells import NEAR_MISS, prob_text
 from rollout_lens.server.webapp.pages.state_reason import state_reason
 from rollout_lens.server.webapp.queries.budget import SHOWN_CHARS
 from rollout_lens.server.webapp.queries.group_header import answer_vote, hint_body
@@ -123,8 +122,6 @@ def make_templates() -> Jinja2Templates:
         visible=visible_text,
         token=token_text,
         piece=piece_view,
-        token_cells_html=token_cells_html,
-        control_table_html=control_table_html,
         clip=clip,
         hint_body=hint_body,
     )
@@ -177,58 +174,3 @@ def piece_view(piece: str) -> Markup:
     """A raw token piece (a control token's name, 'Ġ<') as the text it stands for (' <'), made
     visible like a token."""
     return token_text(tokentext.piece_text(piece))
-
-
-# The token view as HTML built here rather than by Jinja loops: a long completion is thousands of
-# cells (and positions × control tokens table cells), which a template renders several times
-# slower. Same markup the loops made; every text escaped (token_text, escape_str).
-
-
-def escape_str(value: str) -> str:
-    """`value` escaped as markupsafe.escape escapes it (& < > " ' as &amp; &lt; &gt; &#34; &#39;),
-    as a plain str: the token view escapes some ten thousand hover texts and classes a page, and
-    a Markup object each was a fifth of the group page's time."""
-    return (
-        value.replace("&", "&amp;")
-        .replace("<", "&lt;")
-        .replace(">", "&gt;")
-        .replace('"', "&#34;")
-        .replace("'", "&#39;")
-    )
-
-
-# The same escaping, remembered, for the few texts a page repeats thousands of times: a cell's
-# CSS classes, and the control-token table's cells (a class and a probability's text each).
-_escaped_class = functools.lru_cache(maxsize=1024)(escape_str)
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _table_cell(cls: str, text: str) -> str:
-    return f'<td class="{escape_str(cls)}">{escape_str(text)}</td>'
-
-
-def token_cells_html(cells: Sequence[TokenCell]) -> Markup:
-    """One `<span role="listitem">` per token cell (server.webapp.pages.cells.token_cells)."""
-    return Markup(
-        "".join(
-            f'<span role="listitem" class="{_escaped_class(c["cls"])}" tabindex="0" '
-            f'title="{escape_str(c["title"])}">{token_text(c["text"])}</span>'
-            for c in cells
-        )
-    )
-
-
-def control_table_html(cells: Sequence[TokenCell], rows: ControlRows) -> Markup:
-    """The control-token table's head (a column a token cell) and body (server.webapp.pages.
-    cells.control_rows; each control token's name read as text, like the cells)."""
-    head = "".join(f'<th scope="col" class="mono">{token_text(c["text"])}</th>' for c in cells)
-    body = "".join(
-        ('<tr><th scope="row">' if i == 0 else '<tr><th scope="row" class="mono">')
-        + f"{escape(label) if i == 0 else piece_view(label)}</th>"
-        + "".join([_table_cell(cls, text) for cls, text in values])
-        + "</tr>"
-        for i, (label, values) in enumerate(rows)
-    )
-    return Markup(
-        f'<thead><tr><th scope="col">position</th>{head}</tr></thead><tbody>{body}</tbody>'
-    )
