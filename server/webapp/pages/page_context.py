@@ -20,7 +20,7 @@ from rollout_lens.server.core.read_models import (
     RunOverviewData,
     StepGroups,
 )
-from rollout_lens.server.core.records import DISAGREE_AT, disagrees
+from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.step_views import CompareData, GroupDetail
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 from rollout_lens.server.webapp.pages import plotly_figures as figures
@@ -312,27 +312,15 @@ def group_page(detail: GroupDetail) -> GroupPageContext:
 
 
 def group_json(detail: GroupDetail, url: Url, *, limit: int, max_tokens: int) -> dict[str, Any]:
-    """A group's JSON twin: group_detail with each rollout's `disagree` flag and `sampled`
-    positions (its `tokens_total` comes from serialize), and the link to its next page of
+    """A group's JSON twin: group_detail with each rollout as viewer.rollout_json sends it (the
+    read view's data() and the marks the page shows), and the link to its next page of
     rollouts (None at the end)."""
     run_id, step = detail["run"]["id"], detail["step"]["step"]
     group = detail["summary"]["group"]
     end = detail["offset"] + len(detail["rollouts"])
     path = url("get_group", run_id=run_id, step=step, group=group)
     cut = max(JSON_TEXT_CHARS, JSON_TEXT_BUDGET // max(limit, 1))
-    rollouts = [
-        {
-            **r.data(),
-            "completion": r.completion[:cut],
-            "completion_chars": len(r.completion),
-            "prompt": r.prompt[:cut],
-            "prompt_chars": len(r.prompt),
-            "disagree": disagrees(r.verifier_reward, r.true_score),
-            # a tool-calling rollout's positions the model sampled (None: every one)
-            "sampled": viewer.sampled_positions(r.meta, len(r.completion_ids)),
-        }
-        for r in detail["rollouts"]
-    ]
+    rollouts = [viewer.rollout_json(r, cut) for r in detail["rollouts"]]
     return {
         **detail,
         "rollouts": rollouts,

@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.read_models import GroupHeader
 from rollout_lens.server.core.records import disagrees
 from rollout_lens.server.core.step_views import RolloutView
@@ -27,13 +26,10 @@ from rollout_lens.server.webapp.queries.group_header import group_header, turn_l
 
 @dataclass(frozen=True, slots=True)
 class ShownRollout(RolloutView):
-    """A rollout as the step viewer shows it: the read side's view and what the page draws
-    from it, built at once (shown_rollout), never changed after."""
+    """A rollout as the step viewer shows it (the page's projection): the read view and what
+    the page draws from it, built at once (shown_rollout), never changed after."""
 
-    token_view: list[tokentext.Cell]  # token_spans: a cell a token (or a split character)
     tokens_exact: bool  # the cells' texts are the real tokens (not ids)
-    token_probs: list[float | None]  # the sampled token's probability at each shown position
-    control_view: dict[str, list[float | None]]  # control token → its probability there
     sampled: list[bool] | None  # a tool-calling rollout's positions the model sampled
     near_misses: list[list[str]]  # per position, control tokens likely there but not sampled
     own_prompt: bool  # its prompt differs from its group's
@@ -70,10 +66,7 @@ def shown_rollout(rollout: RolloutView, group_prompt: str, limit: int | None) ->
     fields = {name: getattr(rollout, name) for name in RolloutView.__dataclass_fields__}
     return ShownRollout(
         **fields,
-        token_view=spans,
         tokens_exact=exact,
-        token_probs=probs,
-        control_view=control,
         sampled=sampled,
         near_misses=misses,
         own_prompt=rollout.prompt != group_prompt,
@@ -82,6 +75,21 @@ def shown_rollout(rollout: RolloutView, group_prompt: str, limit: int | None) ->
         control_rows=rows,
         turn_views=turn_views(rollout.meta, logprobs, control, cells, rows),
     )
+
+
+def rollout_json(rollout: RolloutView, cut: int) -> dict[str, Any]:
+    """A rollout as the group page's JSON twin sends it: the read view's data() with its texts
+    cut to `cut` characters (and their lengths), and the marks the page shows of it: `disagree`
+    and a tool-calling rollout's `sampled` positions (None: every one)."""
+    return {
+        **rollout.data(),
+        "completion": rollout.completion[:cut],
+        "completion_chars": len(rollout.completion),
+        "prompt": rollout.prompt[:cut],
+        "prompt_chars": len(rollout.prompt),
+        "disagree": disagrees(rollout.verifier_reward, rollout.true_score),
+        "sampled": sampled_positions(rollout.meta, len(rollout.completion_ids)),
+    }
 
 
 def sampled_positions(meta: dict[str, Any], n: int) -> list[bool] | None:
