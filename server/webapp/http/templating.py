@@ -121,6 +121,8 @@ def make_templates() -> Jinja2Templates:
         when=fmt_when,
         visible=visible_text,
         token=token_text,
+        esc=escape_str,
+        esc_few=escape_few,
         piece=piece_view,
         clip=clip,
         hint_body=hint_body,
@@ -174,3 +176,22 @@ def piece_view(piece: str) -> Markup:
     """A raw token piece (a control token's name, 'Ġ<') as the text it stands for (' <'), made
     visible like a token."""
     return token_text(tokentext.piece_text(piece))
+
+
+def escape_str(value: Any) -> str:
+    """`value` as text escaped as markupsafe.escape escapes it (& < > " ' as &amp; &lt; &gt; &#34;
+    &#39;), as a plain str: the token view's macros escape some ten thousand classes and hover
+    texts a page, and a Markup object each was most of their time."""
+    return (
+        str(value)
+        .replace("&", "&amp;")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace('"', "&#34;")
+        .replace("'", "&#39;")
+    )
+
+
+# The same escaping, remembered, for the few texts a page repeats thousands of times: a cell's
+# CSS classes, and the control-token table's cells (a class and a probability's text each).
+escape_few = functools.lru_cache(maxsize=1 << 14)(escape_str)
