@@ -44,7 +44,9 @@ def shown_rollout(rollout: RolloutView, group_prompt: str, limit: int | None) ->
     positions), probabilities, control-token table and turns."""
     spans, exact = token_spans(rollout)
     n = spans[-1].last + 1 if spans else 0  # the positions the cells cover
-    probs: list[float | None] = [math.exp(lp) for lp in rollout.token_logprobs[:n].tolist()]
+    # the view's array as the projection's list, once: probabilities, and each turn's Σ logprob
+    logprobs: list[float] = rollout.token_logprobs.tolist()
+    probs: list[float | None] = [math.exp(lp) for lp in logprobs[:n]]
     probs += [None] * (n - len(probs))
     control: dict[str, list[float | None]] = {}
     for t, column in rollout.control_token_probs.items():
@@ -58,7 +60,7 @@ def shown_rollout(rollout: RolloutView, group_prompt: str, limit: int | None) ->
             for t, ps in control.items()
         }
     misses = [_near_misses(probs[i], control, i) for i in range(n)]
-    ids, logprobs = rollout.completion_ids.tolist(), rollout.token_logprobs.tolist()
+    ids = rollout.completion_ids.tolist()
     cells = token_cells(spans, ids, probs, control, sampled, misses, limit)
     # A tool-calling rollout's turns each show their own positions' table rows.
     table = limit if sampled is not None or limit is None else min(limit, TABLE_TOKENS)
