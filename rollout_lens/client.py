@@ -21,11 +21,11 @@ from typing import Any
 
 import httpx
 
-from rollout_lens.server.core import read_models
+from rollout_lens.server.core import step_views
 
-# The keys of a rollout (server.core.read_models.Rollout, what serialize.rollout_dict builds);
-# the step viewer's API adds view fields, which step_rollouts leaves out.
-ROLLOUT_KEYS = read_models.ROLLOUT_KEYS
+# The keys of a rollout (derived from the read view, server.core.step_views.RolloutView: what
+# its data() sends); the step viewer's API adds view fields, which step_rollouts leaves out.
+ROLLOUT_KEYS = step_views.ROLLOUT_KEYS
 
 # How rollouts() pages a step: the API's largest pages, every token position (2**31 - 1: the
 # largest max_tokens the API takes).

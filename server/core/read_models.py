@@ -7,70 +7,17 @@ card (RunData), a run's live state (LiveState), a step (StepHead and its StepGro
 group's header and its scalar rows); a group in detail and compare hold the read side's typed
 rollout views and live beside them, in server.core.step_views.
 
-A rollout is described once, here: `Rollout` (pydantic), the fields it leaves the store with
-and what each means, from which the export's records, the API's models and the view's JSON are
-derived.
+A rollout is described once, by its read view (server.core.step_views.RolloutView), from
+which its JSON, the export's records, the API's models and the client's keys are derived.
 
-Pure shapes: no session, no SQL, no torch, nothing of ours; the client imports this module for
-the names of a rollout's keys.
+Pure shapes: no session, no SQL, no torch, nothing of ours.
 """
 
 from __future__ import annotations
 
 from typing import Any, NotRequired
 
-from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
-
-
-class Rollout(BaseModel):
-    """One rollout as it leaves the store: the one description of its fields, in the order its
-    JSON has them. The read side's typed view (RolloutView) holds these fields (its per-token
-    ones as arrays) and its `data()` is this JSON; the export's records
-    (server.exchange.schema.RolloutLine) and the API's models (server.webapp.http.api_models)
-    are derived from it, the Python client names a rollout's keys by it (ROLLOUT_KEYS)."""
-
-    run_id: int = Field(description="the run's id in the database that served it")
-    step: int = Field(description="the step whose generation sampled it (its rollout step)")
-    group: int = Field(description="its group: the G rollouts of one prompt")
-    index: int = Field(description="its place in the group, in sampling order")
-    prompt: str = Field(description="what the policy saw, chat template applied")
-    completion: str = Field(description="what the policy sampled")
-    completion_ids: list[int] = Field(description="the completion's token ids")
-    tokens: list[str] | None = Field(
-        None,
-        description="each token's text as decoded (server.core.tokentext), when every id has a "
-        "piece (files of older versions held the raw pieces here)",
-    )
-    token_pieces: list[str] | None = Field(
-        None, description="each token's raw piece as the tokenizer names it ('Ġcan')"
-    )
-    tokens_kept: bool = Field(
-        True,
-        description="false: retention dropped its logprobs and control-token probabilities "
-        "(not in the export: its arrays say it)",
-    )
-    vote: str | None = Field(description="the tool id (or answer) the completion names")
-    target: str | None = Field(description="the tool id that is right for the query")
-    verifier_reward: float = Field(description="the training reward from the verifier")
-    true_score: float | None = Field(description="1 if the vote is the target, else 0")
-    advantage: float = Field(description="its reward relative to its group's")
-    sum_logprob: float | None = Field(
-        description="Σ logprob under the sampling policy, from full precision; null: not measured"
-    )
-    format_valid: bool | None = Field(description="null: nothing judged it")
-    format_state: str | None = Field(description="its structural state (vocab.FormatState)")
-    token_logprobs: list[float] = Field(
-        description="log p of each sampled token (empty: not measured, or retention dropped it)"
-    )
-    control_token_probs: dict[str, list[float]] = Field(
-        description="control token → its probability at each position"
-    )
-    meta: dict[str, Any] = Field(description="what else the recorder kept (probes, turns, row)")
-
-
-ROLLOUT_KEYS: tuple[str, ...] = tuple(Rollout.model_fields)
-
 
 # --- the run card and its live state ------------------------------------------------------------
 
@@ -205,7 +152,7 @@ class StepGroups(StepHead):
     total: int  # groups that match the look
     offset: int
     limit: int
-    groups: list[dict[str, Any]]  # stepview.group_summary rows
+    groups: list[dict[str, Any]]  # overview.group_summary rows
 
 
 class ScalarRow(TypedDict):
@@ -227,7 +174,7 @@ class ScalarRow(TypedDict):
 
 
 class GroupHeader(TypedDict):
-    """What a group's rollouts say about the group (stepview.group_header): prompt, query,
+    """What a group's rollouts say about the group (group_header.group_header): prompt, query,
     target, vote histograms, agreement, correct count, supervision."""
 
     group: int

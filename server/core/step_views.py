@@ -1,20 +1,21 @@
 """A step in detail as the read side returns it: a stored rollout's typed view (RolloutView:
-its per-token data decoded into arrays, read_models.Rollout's fields) and the shapes that hold
-views (a group of a step, compare's side-by-side step). The step viewer renders these as they
-are; their JSON is `RolloutView.data()` (read_models.Rollout's keys).
+its per-token data decoded into arrays, and the one description of a rollout's fields) and the
+shapes that hold views (a group of a step, compare's side-by-side step). The step viewer
+renders these as they are; their JSON is `RolloutView.data()`, its keys ROLLOUT_KEYS and its
+JSON model RolloutJSON, both derived from the view's fields.
 
-Apart from read_models (plain JSON shapes, which the client imports without numpy or the
-entity) because a view holds the entity's arrays (records.ControlProbs)."""
+Apart from read_models (plain JSON shapes of runs and steps, which import nothing of ours)
+because a view holds the entity's arrays (records.ControlProbs)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, get_type_hints
 
 import numpy as np
+from pydantic import BaseModel, Field, create_model
 from rollout_lens.server.core.read_models import (
-    ROLLOUT_KEYS,
     ConfigDiff,
     GroupHeader,
     GroupNav,
@@ -27,41 +28,83 @@ from typing_extensions import TypedDict
 
 
 @dataclass(frozen=True, slots=True)
-class RolloutView:
-    """One stored rollout as the read side returns it (serialize.read_rollout): the step
-    entity's per-token data decoded into arrays — ids (int64), logprobs (float64, none when not
-    measured or retention dropped them) and control-token probabilities (records.ControlProbs,
-    [position × token]) — cut to a page's first positions when read as a window. The step
-    viewer renders it as it is; `data()` is its JSON (read_models.Rollout: the export's and the API's
-    keys, in their order)."""
+class JsonKey:
+    """A view field that is a key of the rollout's JSON (its annotation's metadata): what it
+    means, its JSON type where the view holds an array (ids, logprobs, control-token
+    probabilities), and its value when a file or a client's record lacks it (... : required)."""
 
-    run_id: int
-    step: int
-    group: int
-    index: int
-    prompt: str
-    completion: str
-    completion_ids: Ids
-    tokens: list[str] | None  # each id's text as decoded (tokentext), when every id has a piece
-    token_pieces: list[str] | None  # each id's raw piece ('Ġcan')
-    tokens_kept: bool  # False: retention dropped the logprobs and control-token probabilities
-    vote: str | None
-    target: str | None
-    verifier_reward: float
-    true_score: float | None
-    advantage: float
-    sum_logprob: float | None  # the stored sum, from full precision
-    format_valid: bool | None
-    format_state: str | None
-    token_logprobs: Floats
-    control_token_probs: ControlProbs
-    meta: dict[str, Any]
+    description: str
+    json: Any = None
+    default: Any = ...
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutView:
+    """One stored rollout as the read side returns it (serialize.read_rollout), and the one
+    description of a rollout's fields: the step entity's per-token data decoded into arrays —
+    ids (int64), logprobs (float64, none when not measured or retention dropped them) and
+    control-token probabilities (records.ControlProbs, [position × token]) — cut to a page's
+    first positions when read as a window. The step viewer renders it as it is; `data()` is its
+    JSON, whose keys (ROLLOUT_KEYS, the client's) and JSON model (RolloutJSON: the export's
+    records, the API's models) are derived from the fields marked JsonKey, in their order."""
+
+    run_id: Annotated[int, JsonKey("the run's id in the database that served it")]
+    step: Annotated[int, JsonKey("the step whose generation sampled it (its rollout step)")]
+    group: Annotated[int, JsonKey("its group: the G rollouts of one prompt")]
+    index: Annotated[int, JsonKey("its place in the group, in sampling order")]
+    prompt: Annotated[str, JsonKey("what the policy saw, chat template applied")]
+    completion: Annotated[str, JsonKey("what the policy sampled")]
+    completion_ids: Annotated[Ids, JsonKey("the completion's token ids", list[int])]
+    tokens: Annotated[
+        list[str] | None,
+        JsonKey(
+            "each token's text as decoded (server.core.tokentext), when every id has a piece (files "
+            "of older versions held the raw pieces here)",
+            default=None,
+        ),
+    ]
+    token_pieces: Annotated[
+        list[str] | None,
+        JsonKey("each token's raw piece as the tokenizer names it ('Ġcan')", default=None),
+    ]
+    tokens_kept: Annotated[
+        bool,
+        JsonKey(
+            "false: retention dropped its logprobs and control-token probabilities (not in the "
+            "export: its arrays say it)",
+            default=True,
+        ),
+    ]
+    vote: Annotated[str | None, JsonKey("the tool id (or answer) the completion names")]
+    target: Annotated[str | None, JsonKey("the tool id that is right for the query")]
+    verifier_reward: Annotated[float, JsonKey("the training reward from the verifier")]
+    true_score: Annotated[float | None, JsonKey("1 if the vote is the target, else 0")]
+    advantage: Annotated[float, JsonKey("its reward relative to its group's")]
+    sum_logprob: Annotated[
+        float | None,
+        JsonKey("Σ logprob under the sampling policy, from full precision; null: not measured"),
+    ]
+    format_valid: Annotated[bool | None, JsonKey("null: nothing judged it")]
+    format_state: Annotated[str | None, JsonKey("its structural state (vocab.FormatState)")]
+    token_logprobs: Annotated[
+        Floats,
+        JsonKey(
+            "log p of each sampled token (empty: not measured, or retention dropped it)",
+            list[float],
+        ),
+    ]
+    control_token_probs: Annotated[
+        ControlProbs,
+        JsonKey("control token → its probability at each position", dict[str, list[float]]),
+    ]
+    meta: Annotated[dict[str, Any], JsonKey("what else the recorder kept (probes, turns, row)")]
+    # not keys of every rollout's JSON: a window's says tokens_total
     tokens_total: int  # positions the rollout has in all (more than the arrays hold: a window)
     window: bool  # read cut to a page's first positions: its JSON says tokens_total
 
     def data(self) -> dict[str, Any]:
-        """The rollout as JSON-ready values, its keys those of the one description (Rollout),
-        in its order; a window adds tokens_total."""
+        """The rollout as JSON-ready values, its keys ROLLOUT_KEYS in their order; a window
+        adds tokens_total."""
         out = {name: _json(getattr(self, name)) for name in ROLLOUT_KEYS}
         if self.window:
             out["tokens_total"] = self.tokens_total
@@ -69,8 +112,8 @@ class RolloutView:
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> RolloutView:
-        """A rollout's JSON (read_models.Rollout's keys, as the API sends it) as the typed view; a key it
-        lacks reads as nothing recorded (0, None, empty)."""
+        """A rollout's JSON (ROLLOUT_KEYS, as the API sends it) as the typed view; a key it lacks
+        reads as nothing recorded (0, None, empty)."""
         ids = np.asarray(data.get("completion_ids") or [], dtype=np.int64)
         control = data.get("control_token_probs") or {}
         return cls(
@@ -100,9 +143,42 @@ class RolloutView:
         )
 
 
-# The view holds every field of the one description (its per-token ones as arrays).
-if missing := set(ROLLOUT_KEYS) - set(RolloutView.__dataclass_fields__):
-    raise TypeError(f"RolloutView lacks {sorted(missing)} of read_models.Rollout")
+def _json_keys() -> dict[str, tuple[Any, JsonKey]]:
+    """The view's fields that are keys of its JSON, in order: name → (annotation, JsonKey)."""
+    hints = get_type_hints(RolloutView, include_extras=True)
+    out = {}
+    for name, hint in hints.items():
+        key = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, JsonKey)), None)
+        if key is not None:
+            out[name] = (hint.__origin__, key)
+    return out
+
+
+_KEYS = _json_keys()
+# The keys of a rollout's JSON, in its order: the export's, the API's, the Python client's.
+ROLLOUT_KEYS: tuple[str, ...] = tuple(_KEYS)
+
+
+def json_types() -> dict[str, Any]:
+    """Each key of a rollout's JSON (ROLLOUT_KEYS) → its type there: the view's own, or the
+    JSON one of a field the view holds as an array."""
+    return {name: key.json or kind for name, (kind, key) in _KEYS.items()}
+
+
+def _json_model() -> type[BaseModel]:
+    """A pydantic model of the rollout's JSON derived from the view's keys (their JSON types,
+    descriptions and defaults, in their order)."""
+    described: dict[str, Any] = {
+        name: (kind, Field(_KEYS[name][1].default, description=_KEYS[name][1].description))
+        for name, kind in json_types().items()
+    }
+    model: type[BaseModel] = create_model("Rollout", **described)
+    return model
+
+
+# The rollout's JSON as a pydantic model, derived from the view: the export's records
+# (exchange.schema.RolloutLine) and the API's models (http.api_models.GroupRollout) extend it.
+RolloutJSON = _json_model()
 
 
 def _json(value: Any) -> Any:
@@ -126,7 +202,7 @@ class GroupDetail(StepHead):
     """One group of a step with a page of its rollouts (queries.group_detail)."""
 
     group_nav: GroupNav
-    summary: dict[str, Any]  # stepview.group_summary
+    summary: dict[str, Any]  # overview.group_summary
     prompt_id: int  # its first rollout's prompt: the prompt lens's history of it
     header: GroupHeader | None
     rollouts_total: int

@@ -18,7 +18,7 @@ from typing import Any
 from rollout_lens.server import store
 from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.errors import InvalidInput
-from rollout_lens.server.core.read_models import Rollout
+from rollout_lens.server.core.step_views import json_types
 from rollout_lens.server.core.textsafe import csv_cell
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.exchange.schema import (
@@ -146,7 +146,7 @@ class _Drain(io.RawIOBase):
         return data
 
 
-# Parquet: read_models.Rollout's fields as columns (tokens_kept left out, as in JSONL), the
+# Parquet: the rollout's JSON keys (step_views.json_types) as columns (tokens_kept left out, as in JSONL), the
 # control-token probabilities as rows in the run header's order under their column's name, the
 # token texts last (the columns' order of the files written so far).
 PARQUET_NAMES = {"control_token_probs": "control_probs"}
@@ -155,7 +155,7 @@ _NOT_IN_FILES = ("tokens_kept",)
 
 
 def _arrow_type(annotation: Any) -> Any:
-    """A field's Parquet type from its annotation in read_models.Rollout: ids int32 and
+    """A field's Parquet type from its JSON type (step_views.json_types): ids int32 and
     per-token numbers float32 (as stored), scalars 64-bit, meta JSON text."""
     import pyarrow as pa
 
@@ -176,15 +176,11 @@ def _arrow_type(annotation: Any) -> Any:
 
 
 def rollout_schema() -> Any:
-    """The Parquet columns of a rollout, derived from read_models.Rollout (control_probs: one
+    """The Parquet columns of a rollout, derived from the read view's JSON types (control_probs: one
     row per control token, in the run header's control_tokens order)."""
     import pyarrow as pa
 
-    fields = {
-        name: field.annotation
-        for name, field in Rollout.model_fields.items()
-        if name not in _NOT_IN_FILES
-    }
+    fields = {name: kind for name, kind in json_types().items() if name not in _NOT_IN_FILES}
     order = [n for n in fields if n not in PARQUET_LAST] + list(PARQUET_LAST)
     return pa.schema([(PARQUET_NAMES.get(n, n), _arrow_type(fields[n])) for n in order])
 

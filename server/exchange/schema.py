@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rollout_lens.server.core.display import iso
-from rollout_lens.server.core.read_models import Rollout
+from rollout_lens.server.core.step_views import RolloutJSON
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.exchange.bounds import MAX_INT32, MAX_TOKENS, MIN_INT32
 from rollout_lens.server.store.models import RolloutRow, RunRow, StepRow
@@ -206,9 +206,8 @@ class StepLine(_Record):
         return {name: getattr(self, name) for name in STEP_SERIES}
 
 
-class RolloutLine(Rollout):
-    """A rollout record: read_models.Rollout (the one description of a rollout, every field
-    of it) with its kind, checked as strictly as the other records and narrowed to what the
+class RolloutLine(RolloutJSON):  # type: ignore[misc,valid-type]  # derived from the view
+    """A rollout record: step_views.RolloutJSON (the read view's JSON, every field of it) with its kind, checked as strictly as the other records and narrowed to what the
     databases store. A file has no tokens_kept (its arrays say it); files of older versions
     have no tokens (they kept them in meta["tokens"]) and those and files before token_pieces
     hold the raw pieces in tokens (stored_pieces)."""
@@ -227,7 +226,10 @@ class RolloutLine(Rollout):
 
     def stored_pieces(self) -> list[str] | None:
         """The pieces to store for this rollout's ids: token_pieces, else (older files) tokens."""
-        return self.token_pieces if self.token_pieces is not None else self.tokens
+        pieces: list[str] | None = (
+            self.token_pieces if self.token_pieces is not None else self.tokens
+        )
+        return pieces
 
     @model_validator(mode="after")
     def _one_length(self) -> RolloutLine:

@@ -1,4 +1,4 @@
-"""Rows → plain dicts for JSON (the API, the JSONL export): unpacks per-token arrays."""
+"""Rows → the read view (read_rollout: per-token arrays decoded) and plain dicts for JSON (the\nAPI, the JSONL export)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.read_models import RunData
-from rollout_lens.server.core.records import ControlProbs
+from rollout_lens.server.core.records import ControlProbs, Floats, Ids
 from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.store import arrays
@@ -56,9 +56,8 @@ def read_rollout(
     *,
     max_tokens: int | None = None,
 ) -> RolloutView:
-    """One rollout with its arrays decoded, as the typed view the pages render
-    (read_models.RolloutView; its `data()`, read_models.Rollout's keys, is what the JSONL
-    export writes and the API sends).
+    """One rollout with its arrays decoded, as the read view (step_views.RolloutView; its
+    `data()` is what the JSONL export writes and the API sends).
 
     `token_texts` (store.token_texts) gives each completion token's stored piece: it must hold
     every id of a rollout whose text is rebuilt from its ids. When every id has one,
@@ -71,14 +70,6 @@ def read_rollout(
     """
     texts = token_texts or {}
     ids = completion_ids(rollout)
-    kept = rollout.tokens_kept
-    data = rollout.data
-    logprobs = arrays.decode_logprobs(data.logprobs) if kept and data else []
-    probs = (
-        arrays.decode_control(data.control, len(control_tokens))
-        if kept and data
-        else [[] for _ in control_tokens]
-    )
     # A completion rebuilt from its ids needs every id's piece: looked up once for both.
     every = token_pieces(ids, texts) if rollout.text_rule is not None else None
     completion = (
@@ -87,10 +78,9 @@ def read_rollout(
         else completion_text(rollout, ids, texts)
     )
     total = len(ids)
-    if max_tokens is not None:
-        ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
-        probs = [row[:max_tokens] for row in probs]
-    pieces = every[: len(ids)] if every is not None else token_pieces(ids, texts)
+    shown = ids if max_tokens is None else ids[:max_tokens]
+    pieces = every[: len(shown)] if every is not None else token_pieces(shown, texts)
+    id_array, logprobs, control = per_token(rollout, shown, control_tokens, max_tokens)
     return RolloutView(
         run_id=rollout.run_id,
         step=rollout.step,
@@ -98,10 +88,10 @@ def read_rollout(
         index=rollout.index,
         prompt=prompt,
         completion=completion,
-        completion_ids=np.asarray(ids, dtype=np.int64),
-        tokens=shown_tokens(rollout, pieces, whole=len(ids) == total),
+        completion_ids=id_array,
+        tokens=shown_tokens(rollout, pieces, whole=len(shown) == total),
         token_pieces=pieces,
-        tokens_kept=kept,
+        tokens_kept=rollout.tokens_kept,
         vote=rollout.vote,
         target=rollout.target,
         verifier_reward=rollout.verifier_reward,
@@ -110,19 +100,31 @@ def read_rollout(
         sum_logprob=rollout.sum_logprob,
         format_valid=rollout.format_valid,
         format_state=rollout.format_state,
-        token_logprobs=np.asarray(logprobs, dtype=np.float64),
-        control_token_probs=ControlProbs(control_tokens, _by_position(probs)),
+        token_logprobs=logprobs,
+        control_token_probs=control,
         meta=rollout.meta,
         tokens_total=total,
         window=max_tokens is not None,
     )
 
 
-def _by_position(rows: Sequence[Sequence[float]]) -> np.ndarray:
-    """Dense rows by control token (as decoded) → the [position × token] array."""
-    if not rows or not len(rows[0]):
-        return np.zeros((0, len(rows)))
-    return np.asarray(rows, dtype=np.float64).T
+def per_token(
+    rollout: RolloutRow, ids: Sequence[int], control_tokens: Sequence[str], max_tokens: int | None
+) -> tuple[Ids, Floats, ControlProbs]:
+    """A rollout's per-token arrays as the view holds them — ids int64, logprobs float64 and
+    control-token probabilities [position × token] — from what the store's decoders return,
+    cut to the first `max_tokens` positions: the one place the decoders' shapes meet the view's
+    (retention dropped the logprobs and control-token probabilities: empty)."""
+    data = rollout.data if rollout.tokens_kept else None
+    logprobs = np.asarray(arrays.decode_logprobs(data.logprobs) if data else (), np.float64)
+    rows = arrays.decode_control(data.control, len(control_tokens)) if data else []
+    # the decoders give a row by control token: the view's orientation is by position
+    control = np.asarray(rows, dtype=np.float64).T if len(rows) and len(rows[0]) else None
+    if control is None:
+        control = np.zeros((0, len(control_tokens)))
+    if max_tokens is not None:
+        logprobs, control = logprobs[:max_tokens], control[:max_tokens]
+    return np.asarray(ids, dtype=np.int64), logprobs, ControlProbs(control_tokens, control)
 
 
 def rollout_dict(
@@ -133,7 +135,8 @@ def rollout_dict(
     *,
     max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """read_rollout's JSON: the keys of read_models.Rollout (the JSONL export's, the API's)."""
+    """read_rollout's JSON: the read view's keys (step_views.ROLLOUT_KEYS: the JSONL export's,
+    the API's)."""
     return read_rollout(rollout, prompt, control_tokens, token_texts, max_tokens=max_tokens).data()
 
 

@@ -17,7 +17,7 @@ from rollout_lens.server.store.db import make_engine, make_session_factory, sess
 from rollout_lens.server.store.migrate import upgrade
 from rollout_lens.server.store.models import RunStatus
 from rollout_lens.server.webapp.app import create_app
-from rollout_lens.server.webapp.pages.chart_data import (
+from rollout_lens.server.webapp.queries.chart_data import (
     FOLD_MIN_POINTS,
     SMOOTH_PAST_STEPS,
     SMOOTHING,

@@ -13,11 +13,10 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from rollout_lens.server.core.records import RolloutRecord
+from rollout_lens.server.core.records import RolloutRecord, disagrees
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.webapp.http.params import GroupSort, Look
-from rollout_lens.server.webapp.pages import stepview
-from rollout_lens.server.webapp.queries import GROUPS_PER_PAGE, JSON_TOKENS, disagrees_sql
+from rollout_lens.server.webapp.queries import GROUPS_PER_PAGE, JSON_TOKENS, disagrees_sql, overview
 from sqlalchemy import literal, select
 
 from tests.factories import make_groups, make_run, record_step
@@ -107,12 +106,12 @@ def _no_inline_script(page: Any) -> None:
 
 def test_the_sorts_and_looks_the_routes_take_are_the_viewers() -> None:
     (sorts,) = [a for a in typing.get_args(GroupSort) if typing.get_origin(a) is typing.Literal]
-    assert set(typing.get_args(sorts)) == set(stepview.GROUP_SORTS)
+    assert set(typing.get_args(sorts)) == set(overview.GROUP_SORTS)
     looks = typing.get_args(typing.get_args(Look)[0])
     literal_looks = {
         v for a in looks if typing.get_origin(a) is typing.Literal for v in typing.get_args(a)
     }
-    assert literal_looks == set(stepview.LOOKS)
+    assert literal_looks == set(overview.LOOKS)
 
 
 @pytest.mark.parametrize("reward", [0.0, 0.25, 0.4999, 0.5, 0.75, 1.0])
@@ -121,7 +120,7 @@ def test_disagreement_is_one_definition_in_python_and_sql(
     session_factory: Any, reward: float, true: float | None
 ) -> None:
     expected = _truth_disagrees(reward, true)
-    assert stepview.disagrees(reward, true) is expected
+    assert disagrees(reward, true) is expected
     with session_scope(session_factory) as session:
         found = session.scalar(select(disagrees_sql(literal(reward), literal(true))))
     assert bool(found) is expected
@@ -130,24 +129,24 @@ def test_disagreement_is_one_definition_in_python_and_sql(
 def test_prompt_labels_skip_what_every_prompt_of_the_step_shares() -> None:
     shared = "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nPlease "
     heads = {1: shared + "add 2 and 3", 2: shared + "add 40 and 2", 3: shared + "find a <b>"}
-    assert stepview.prompt_labels(heads) == {
+    assert overview.prompt_labels(heads) == {
         1: "…Please add 2 and 3",
         2: "…Please add 40 and 2",
         3: "…Please find a <b>",
     }
     # a long shared line: from the word where they part
     long = "Solve this problem and put the final answer in a box, thinking step by step: "
-    assert stepview.prompt_labels({1: long + "2 + 2", 2: long + "3 × 7"}) == {
+    assert overview.prompt_labels({1: long + "2 + 2", 2: long + "3 × 7"}) == {
         1: "…2 + 2",
         2: "…3 × 7",
     }
     # short prompts that part on their first line are shown whole
-    assert stepview.prompt_labels({1: "say the color red", 2: "say the color blue"}) == {
+    assert overview.prompt_labels({1: "say the color red", 2: "say the color blue"}) == {
         1: "say the color red",
         2: "say the color blue",
     }
-    assert stepview.prompt_labels({4: "  only one prompt  "}) == {4: "only one prompt"}
-    same = stepview.prompt_labels({5: "identical", 6: "identical"})
+    assert overview.prompt_labels({4: "  only one prompt  "}) == {4: "only one prompt"}
+    same = overview.prompt_labels({5: "identical", 6: "identical"})
     assert same == {5: "identical", 6: "identical"}
 
 
@@ -182,13 +181,13 @@ def test_step_json_rows_match_a_brute_force_computation(session_factory, client)
         else:  # named by its prompt's head, past what all the step's prompts share
             assert got["label"].startswith("…") and got["label"][1:] in want["prompt"]
     counts = data["counts"]
-    for look in stepview.LOOKS:
+    for look in overview.LOOKS:
         flagged = [g for g, r in expected.items() if r[look]]
         assert counts[look] == len(flagged), look
         only = client.get(f"/api/runs/{run_id}/steps/2?look={look}").json()
         assert [g["group"] for g in only["groups"]] == flagged and only["total"] == len(flagged)
     # the fixture's groups leave nothing to chance: every look finds some and misses some
-    assert all(0 < counts[look] < GROUPS for look in stepview.LOOKS), counts
+    assert all(0 < counts[look] < GROUPS for look in overview.LOOKS), counts
 
 
 @pytest.mark.parametrize("order", ["asc", "desc"])
@@ -200,7 +199,7 @@ def test_every_overview_sort_matches_a_brute_force_sort(session_factory, client,
     }
     for g, row in expected.items():
         row["label"] = labels[g]
-    for key in stepview.GROUP_SORTS:
+    for key in overview.GROUP_SORTS:
         want = _order(expected, key, order == "desc")
         api = client.get(f"/api/runs/{run_id}/steps/2?sort={key}&order={order}").json()
         assert [g["group"] for g in api["groups"]] == want, key

@@ -14,8 +14,8 @@ from rollout_lens.server.core.textsafe import storable
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.serialize import completion_ids, completion_text
 from rollout_lens.server.webapp import queries
-from rollout_lens.server.webapp.pages.stepview import SHOWN_CHARS
 from rollout_lens.server.webapp.queries import JSON_TOKENS
+from rollout_lens.server.webapp.queries.budget import SHOWN_CHARS
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import make_rollouts

@@ -15,9 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollout_lens.server import store
-from rollout_lens.server.core.read_models import ROLLOUT_KEYS, Rollout
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
-from rollout_lens.server.core.step_views import RolloutView
+from rollout_lens.server.core.step_views import ROLLOUT_KEYS, RolloutJSON, RolloutView
 from rollout_lens.server.store import arrays
 from rollout_lens.server.store.db import session_scope
 from sqlalchemy import Engine
@@ -150,7 +149,7 @@ def test_the_read_side_returns_typed_arrays_in_the_one_orientation(
     engine: Engine, session_factory: sessionmaker[Session], data: st.DataObject
 ) -> None:
     """What the store gives back is a typed view of decoded arrays (ids int64, logprobs float64,
-    control-token probabilities [position × token]), whose JSON is read_models.Rollout's keys
+    control-token probabilities [position × token]), whose JSON is ROLLOUT_KEYS
     in their order; a window holds the first positions and says how many there are."""
     step = [data.draw(rollouts(i)) for i in range(data.draw(st.integers(1, 3)))]
     with session_scope(session_factory) as session:
@@ -201,18 +200,18 @@ def test_the_read_side_returns_typed_arrays_in_the_one_orientation(
 
 
 def test_one_description_of_a_rollout_gives_the_export_the_api_and_the_view() -> None:
-    """read_models.Rollout is the one description: the view holds each of its fields, the
-    export's RolloutLine and the API's GroupRollout are derived from it (every field, by
-    name), and the OpenAPI document lists them."""
+    """The read view is the one description: its JSON model (RolloutJSON), which the export's
+    RolloutLine and the API's GroupRollout extend, is derived from its described fields (every
+    one, by name, in order), and the OpenAPI document lists them."""
     from rollout_lens.server.core.config import Settings
     from rollout_lens.server.exchange.schema import RolloutLine
     from rollout_lens.server.webapp.app import create_app
     from rollout_lens.server.webapp.http.api_models import GroupRollout
 
-    fields = tuple(Rollout.model_fields)
+    fields = tuple(RolloutJSON.model_fields)
     assert fields == ROLLOUT_KEYS
     assert set(fields) <= set(RolloutView.__dataclass_fields__)
-    assert issubclass(RolloutLine, Rollout) and issubclass(GroupRollout, Rollout)
+    assert issubclass(RolloutLine, RolloutJSON) and issubclass(GroupRollout, RolloutJSON)
     assert set(RolloutLine.model_fields) == {*fields, "kind"}
     assert set(fields) < set(GroupRollout.model_fields)
     app = create_app(Settings(database_url="sqlite://", allowed_hosts="testserver"))
@@ -240,7 +239,7 @@ def test_the_step_viewer_shows_views_it_never_changes() -> None:
     control-token table within the page's budget."""
     from dataclasses import FrozenInstanceError
 
-    from rollout_lens.server.webapp.pages import stepview
+    from rollout_lens.server.webapp.pages import viewer
 
     view = RolloutView.from_data(
         {
@@ -253,9 +252,9 @@ def test_the_step_viewer_shows_views_it_never_changes() -> None:
             "control_token_probs": {"</tool>": [0.0, 0.5, 0.9]},
         }
     )
-    (group,) = stepview.group_views([view])
+    (group,) = viewer.group_views([view])
     (shown,) = group["rollouts"]
-    assert isinstance(shown, stepview.ShownRollout) and isinstance(shown, RolloutView)
+    assert isinstance(shown, viewer.ShownRollout) and isinstance(shown, RolloutView)
     assert [c["text"] for c in shown.cells] == ["<tool>", "tool_07", "</tool>"]
     assert shown.control_rows[1][0] == "</tool>" and shown.turn_views is None
     assert shown.completion_ids is view.completion_ids  # the view's arrays, not copies

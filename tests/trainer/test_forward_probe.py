@@ -248,7 +248,7 @@ def test_continuous_batching_run_page_and_step_viewer(cb_run: SimpleNamespace) -
     from rollout_lens.server.store import arrays
     from rollout_lens.server.store.db import make_engine, make_session_factory
     from rollout_lens.server.webapp.app import create_app
-    from rollout_lens.server.webapp.pages.stepview import prob_text
+    from rollout_lens.server.webapp.pages.cells import prob_text
 
     from tests.web_support import chromium_browser, serve_app
 

@@ -22,7 +22,7 @@ from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.server.store import arrays
 from rollout_lens.server.store.db import make_engine, make_session_factory
 from rollout_lens.server.webapp.app import create_app
-from rollout_lens.server.webapp.pages import stepview
+from rollout_lens.server.webapp.pages.turns import result_json
 from rollout_lens.trainer.escalation import multiturn as mt
 from rollout_lens.trainer.recorder import turns as tt
 from sqlalchemy.orm import Session, sessionmaker
@@ -202,7 +202,7 @@ def test_a_tool_calling_run_is_recorded_and_viewed_turn_by_turn(
                 assert node.find(cls="not-trained").text == "not trained"
                 # a result that parses as JSON or a Python literal reads as indented JSON
                 assert [n.text for n in node.find_all("pre", cls="tool-result")] == [
-                    stepview.result_json(c["result"]) or c["result"] for c in turn["calls"]
+                    result_json(c["result"]) or c["result"] for c in turn["calls"]
                 ]
                 assert all("tool-tok" in n.classes for n in node.find_all("span", cls="tok"))
             else:

@@ -383,7 +383,7 @@ def test_logged_values_only_where_trl_logged_and_format_validity_unknown(
 def test_unknown_format_validity_is_neither_invalid_nor_broken() -> None:
     """The groups overview's states and broken count: a rollout no function judged (and with no
     structural state) is not recorded, not invalid; False and a broken state still count."""
-    from rollout_lens.server.webapp.pages import stepview
+    from rollout_lens.server.webapp.queries import overview
 
     def row(index: int, valid: bool | None, state: str | None) -> dict[str, Any]:
         return {
@@ -399,21 +399,21 @@ def test_unknown_format_validity_is_neither_invalid_nor_broken() -> None:
             "format_state": state,
         }
 
-    unknown = stepview.group_summary([row(i, None, None) for i in range(4)], "q")
+    unknown = overview.group_summary([row(i, None, None) for i in range(4)], "q")
     assert unknown["states"] == {} and unknown["broken"] == 0
-    mixed = stepview.group_summary(
+    mixed = overview.group_summary(
         [row(0, None, "healthy_call"), row(1, False, None), row(2, True, None), row(3, None, None)],
         "q",
     )
     assert mixed["states"] == {"healthy_call": 1, "invalid": 1, "valid": 1}
     assert mixed["broken"] == 1
-    assert stepview.state_name(None, "collapse") == "collapse"
-    assert stepview.broken(None, "collapse") and not stepview.broken(None, "healthy_call")
+    assert overview.state_name(None, "collapse") == "collapse"
+    assert overview.broken(None, "collapse") and not overview.broken(None, "healthy_call")
     # A user's single-turn run that never calls a tool answers with no call: not broken; where
     # the format needs a call (format_valid False, as on the Escalation task) it is.
-    answers = stepview.group_summary([row(i, None, "no_call") for i in range(4)], "q")
+    answers = overview.group_summary([row(i, None, "no_call") for i in range(4)], "q")
     assert answers["states"] == {"no_call": 4} and answers["broken"] == 0
-    assert stepview.broken(False, "no_call") and not stepview.broken(True, "no_call")
+    assert overview.broken(False, "no_call") and not overview.broken(True, "no_call")
 
 
 @pytest.mark.parametrize(

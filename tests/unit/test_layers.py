@@ -145,19 +145,24 @@ def test_no_module_uses_another_modules_private_names() -> None:
 
 
 def test_the_client_reads_shapes_only() -> None:
-    """The notebook client takes a rollout's keys from server.core.read_models, which imports
-    nothing of ours: reading a dashboard loads no SQLAlchemy, store or app."""
+    """The notebook client takes a rollout's keys from the read view (server.core.step_views),
+    which imports only the core: reading a dashboard loads no SQLAlchemy, store or app."""
     client = SERVER.parent / "rollout_lens" / "client.py"
     ours = {m for m in _imports(client) if m.startswith("rollout_lens")}
     assert ours <= {
         "rollout_lens.server",
         "rollout_lens.server.core",
-        "rollout_lens.server.core.read_models",
+        "rollout_lens.server.core.step_views",
     }, ours
-    spec = importlib.util.find_spec("rollout_lens.server.core.read_models")
+    spec = importlib.util.find_spec("rollout_lens.server.core.step_views")
     assert spec is not None and spec.origin is not None
     shapes = _imports(Path(spec.origin))
-    assert not {m for m in shapes if m.startswith("rollout_lens")}, shapes
+    outside = {
+        m
+        for m in shapes
+        if m.startswith("rollout_lens") and not m.startswith("rollout_lens.server.core.")
+    }
+    assert not outside, outside
 
 
 def test_no_two_public_classes_share_a_name() -> None:

@@ -8,8 +8,10 @@ import json
 from typing import Any
 
 import pytest
+from rollout_lens.server.core.read_models import GroupHeader
 from rollout_lens.server.core.step_views import RolloutView
-from rollout_lens.server.webapp.pages import stepview
+from rollout_lens.server.webapp.pages import badges, turns
+from rollout_lens.server.webapp.queries import group_header
 
 from tests.factories import make_multiturn_group
 
@@ -31,14 +33,14 @@ def _dicts(legacy: bool) -> list[dict[str, Any]]:
     ]
 
 
-def _header(members: list[dict[str, Any]]) -> stepview.GroupHeader:
-    """stepview.group_header of these rollouts as the read side's typed views."""
-    return stepview.group_header([RolloutView.from_data(m) for m in members])
+def _header(members: list[dict[str, Any]]) -> GroupHeader:
+    """group_header.group_header of these rollouts as the read side's typed views."""
+    return group_header.group_header([RolloutView.from_data(m) for m in members])
 
 
 def test_a_new_runs_vote_is_the_answer_and_the_tool_that_gave_it() -> None:
     right, out_of_calls, wrong, silent = (
-        stepview.answer_vote(r["vote"], r["meta"]) for r in _dicts(legacy=False)
+        group_header.answer_vote(r["vote"], r["meta"]) for r in _dicts(legacy=False)
     )
     assert right == {
         "legacy": False,
@@ -60,7 +62,7 @@ def test_a_new_runs_vote_is_the_answer_and_the_tool_that_gave_it() -> None:
 def test_a_vote_names_a_tool_only_when_the_rollout_called_it() -> None:
     meta = make_multiturn_group()[2].meta  # called tool_12, answered <answer>31</answer>
     for vote in ("31", "<answer>31</answer>", "tool_59"):  # the value, the text, a tool not called
-        view = stepview.answer_vote(vote, meta)
+        view = group_header.answer_vote(vote, meta)
         assert view is not None and view["source"] is None and view["answer_value"] == "31"
     members = _dicts(legacy=False)
     members[2]["vote"] = "31"
@@ -74,7 +76,7 @@ def test_a_vote_names_a_tool_only_when_the_rollout_called_it() -> None:
 
 
 def test_a_run_recorded_before_votes_with_its_first_call_derived_from_its_turns() -> None:
-    views = [stepview.answer_vote(r["vote"], r["meta"]) for r in _dicts(legacy=True)]
+    views = [group_header.answer_vote(r["vote"], r["meta"]) for r in _dicts(legacy=True)]
     assert all(v is not None and v["legacy"] for v in views)
     assert [v["first_call"] for v in views if v] == ["tool_00", "tool_00", "tool_12", None]
     assert [v["vote"] for v in views if v] == ["tool_00", "tool_00", "tool_12", None]
@@ -83,10 +85,10 @@ def test_a_run_recorded_before_votes_with_its_first_call_derived_from_its_turns(
 
 
 def test_a_single_turn_rollout_has_no_answer_vote() -> None:
-    assert stepview.answer_vote("tool_03", {"query": "q"}) is None
-    assert stepview.answer_vote(None, None) is None
+    assert group_header.answer_vote("tool_03", {"query": "q"}) is None
+    assert group_header.answer_vote(None, None) is None
     # turns that are not a list are not turns
-    assert stepview.answer_vote("tool_03", {"turns": "tool_00"}) is None
+    assert group_header.answer_vote("tool_03", {"turns": "tool_00"}) is None
 
 
 def test_first_call_skips_tool_stretches_and_turns_without_calls() -> None:
@@ -95,8 +97,8 @@ def test_first_call_skips_tool_stretches_and_turns_without_calls() -> None:
         {"role": "tool", "start": 2, "end": 3, "calls": [{"name": "tool_09", "result": "x"}]},
         {"role": "model", "start": 3, "end": 5, "calls": [{"name": "tool_04"}, {"name": "t"}]},
     ]
-    assert stepview.first_call(turns) == "tool_04"
-    assert stepview.first_call([]) is None
+    assert group_header.first_call(turns) == "tool_04"
+    assert group_header.first_call([]) is None
 
 
 def test_group_votes_first_calls_and_answers_of_a_multiturn_group() -> None:
@@ -132,7 +134,7 @@ def test_group_votes_first_calls_and_answers_of_a_multiturn_group() -> None:
 def test_tool_results_that_are_json_or_python_literals_read_as_formatted_json(
     text: str, value: Any
 ) -> None:
-    shown = stepview.result_json(text)
+    shown = turns.result_json(text)
     assert shown is not None
     assert json.loads(shown) == value
     assert shown == json.dumps(value, indent=2, ensure_ascii=False)
@@ -157,7 +159,7 @@ def test_tool_results_that_are_json_or_python_literals_read_as_formatted_json(
     ],
 )
 def test_other_tool_results_stay_text(text: str) -> None:
-    assert stepview.result_json(text) is None
+    assert turns.result_json(text) is None
 
 
 def test_turn_views_format_results_and_fold_tables_to_their_maxima() -> None:
@@ -170,7 +172,7 @@ def test_turn_views_format_results_and_fold_tables_to_their_maxima() -> None:
         },
     }
     cells = [{"text": str(i), "first": i, "last": i, "cls": "tok", "title": ""} for i in range(32)]
-    views = stepview.turn_views(
+    views = turns.turn_views(
         rollout["meta"],
         rollout["token_logprobs"],
         rollout["control_view"],
@@ -192,47 +194,47 @@ def test_turn_views_format_results_and_fold_tables_to_their_maxima() -> None:
 
 def test_control_summary_takes_the_first_of_equal_maxima_and_stays_in_range() -> None:
     control: dict[str, list[float | None]] = {"a": [0.5, 0.7, 0.7, 0.99], "b": [0.1]}
-    assert stepview.control_summary(control, 0, 3) == [("a", "0.70", 1), ("b", "0.10", 0)]
-    assert stepview.control_summary(control, 2, 10) == [("a", "0.99", 3)]
-    assert stepview.control_summary(control, 4, 8) == []
+    assert turns.control_summary(control, 0, 3) == [("a", "0.70", 1), ("b", "0.10", 0)]
+    assert turns.control_summary(control, 2, 10) == [("a", "0.99", 3)]
+    assert turns.control_summary(control, 4, 8) == []
 
 
 def test_the_format_badge_is_the_state_coloured_by_meaning_and_says_why_not_valid() -> None:
     group = make_multiturn_group()
     # ran out of calls: every call well-formed (healthy, green), not valid for lack of an answer
-    out = stepview.format_badge(False, "healthy_call", group[1].meta, max_calls=4)
+    out = badges.format_badge(False, "healthy_call", group[1].meta, max_calls=4)
     assert (out["state"], out["tone"], out["valid"]) == ("healthy_call", "ok", False)
     assert out["problem"]["label"] == "ran out of calls"
     assert "4 tool results" in out["problem"]["title"]
     # without the run's limit, or under it, only that it ended on a call
-    assert stepview.format_badge(False, "healthy_call", group[1].meta)["problem"]["label"] == (
+    assert badges.format_badge(False, "healthy_call", group[1].meta)["problem"]["label"] == (
         "no final answer"
     )
-    assert stepview.format_badge(False, "healthy_call", group[1].meta, 8)["problem"]["label"] == (
+    assert badges.format_badge(False, "healthy_call", group[1].meta, 8)["problem"]["label"] == (
         "no final answer"
     )
     # a right rollout: nothing more to say
-    right = stepview.format_badge(True, "healthy_call", group[0].meta, 4)
+    right = badges.format_badge(True, "healthy_call", group[0].meta, 4)
     assert right["problem"] is None and right["tone"] == "ok"
     # single-turn: the state's own tone; a broken state explains itself
-    assert stepview.format_badge(False, "collapse", {})["tone"] == "bad"
-    assert stepview.format_badge(False, "collapse", {})["problem"] is None
-    assert stepview.format_badge(False, "text_pollution", {})["tone"] == "warn"
-    odd = stepview.format_badge(False, "healthy_call", {})
+    assert badges.format_badge(False, "collapse", {})["tone"] == "bad"
+    assert badges.format_badge(False, "collapse", {})["problem"] is None
+    assert badges.format_badge(False, "text_pollution", {})["tone"] == "warn"
+    odd = badges.format_badge(False, "healthy_call", {})
     assert odd["problem"]["label"] == "not format-valid"
     # no state recorded: valid / invalid; an importer's unchecked and an unknown state are grey
-    assert stepview.format_badge(True, None, None)["state"] == "valid"
-    assert stepview.format_badge(False, None, None)["tone"] == "bad"
-    assert stepview.format_badge(True, "unchecked", None)["tone"] == "none"
-    assert stepview.format_badge(True, "<b>new</b>", None)["tone"] == "none"
+    assert badges.format_badge(True, None, None)["state"] == "valid"
+    assert badges.format_badge(False, None, None)["tone"] == "bad"
+    assert badges.format_badge(True, "unchecked", None)["tone"] == "none"
+    assert badges.format_badge(True, "<b>new</b>", None)["tone"] == "none"
 
 
 def test_a_hint_is_labelled_once_and_says_who_saw_it() -> None:
-    assert stepview.hint_body("Hint: the query needs X.") == "the query needs X."
-    assert stepview.hint_body("  HINT :no space") == "no space"
-    assert stepview.hint_body("Hint:") == "Hint:"  # nothing after it: left as it is
-    assert stepview.hint_body("Use the hint: X") == "Use the hint: X"
-    assert stepview.hint_body(None) == ""
+    assert group_header.hint_body("Hint: the query needs X.") == "the query needs X."
+    assert group_header.hint_body("  HINT :no space") == "no space"
+    assert group_header.hint_body("Hint:") == "Hint:"  # nothing after it: left as it is
+    assert group_header.hint_body("Use the hint: X") == "Use the hint: X"
+    assert group_header.hint_body(None) == ""
     # the dataset's hint: in meta (launched runs) or in the row the callback kept
     header = _header(_dicts(legacy=False))
     assert header["hint"] == "the ticket tool names the tool needed next."
@@ -245,8 +247,8 @@ def test_a_hint_is_labelled_once_and_says_who_saw_it() -> None:
 
 
 def test_the_call_limit_is_the_runs_max_calls_or_trls_iterations() -> None:
-    assert stepview.call_limit({"max_calls": 4, "max_tool_calling_iterations": 9}) == 4
-    assert stepview.call_limit({"max_tool_calling_iterations": 9}) == 9  # a recorded GRPOConfig
-    assert stepview.call_limit({"max_tool_calling_iterations": None}) is None
-    assert stepview.call_limit({"max_calls": True}) is None
-    assert stepview.call_limit(None) is None
+    assert badges.call_limit({"max_calls": 4, "max_tool_calling_iterations": 9}) == 4
+    assert badges.call_limit({"max_tool_calling_iterations": 9}) == 9  # a recorded GRPOConfig
+    assert badges.call_limit({"max_tool_calling_iterations": None}) is None
+    assert badges.call_limit({"max_calls": True}) is None
+    assert badges.call_limit(None) is None

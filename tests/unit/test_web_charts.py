@@ -9,7 +9,9 @@ import pytest
 from rollout_lens.server.core.display import fmt_num
 from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.webapp.http.templating import token_text, visible_text
-from rollout_lens.server.webapp.pages import chart_data, plotly_figures, stepview
+from rollout_lens.server.webapp.pages import cells as token_view
+from rollout_lens.server.webapp.pages import plotly_figures, viewer
+from rollout_lens.server.webapp.queries import chart_data
 
 
 @pytest.mark.parametrize(
@@ -142,7 +144,7 @@ def _rollout(completion: str, ids: list[int], probs: list[float], **extra):  # t
 
 
 def _texts(rollout: dict[str, Any]) -> tuple[list[str], bool]:
-    cells, exact = stepview.token_spans(RolloutView.from_data(rollout))
+    cells, exact = token_view.token_spans(RolloutView.from_data(rollout))
     assert [(c.first, c.last) for c in cells] == [(i, i) for i in range(len(cells))]
     return [c.text for c in cells], exact
 
@@ -182,9 +184,9 @@ def test_a_character_split_over_tokens_is_one_cell_with_their_ids_and_product() 
         tokens=[" ", "", "🎉", " ok"],
         token_pieces=pieces,
     ) | {"group": 0, "index": 0, "vote": None, "target": None, "true_score": None}
-    (group,) = stepview.group_views([RolloutView.from_data(rollout)])
+    (group,) = viewer.group_views([RolloutView.from_data(rollout)])
     view = group["rollouts"][0]
-    cells = view.cells  # stepview.token_cells, within the page's budget
+    cells = view.cells  # token_view.token_cells, within the page's budget
     assert [(c["text"], c["first"], c["last"]) for c in cells] == [(" 🎉", 0, 2), (" ok", 3, 3)]
     assert cells[0]["title"].startswith("#0–2 · ids 11100, 224, 10391 · p=0.360")
     assert "p(</assistant>)=0.100" in cells[0]["title"] and cells[0]["cls"] == "tok p3"
@@ -209,7 +211,7 @@ def test_group_view_votes_and_near_misses() -> None:
                 "true_score": float(vote == "tool_07"),
             }
         )
-    (group,) = stepview.group_views([RolloutView.from_data(r) for r in rollouts])
+    (group,) = viewer.group_views([RolloutView.from_data(r) for r in rollouts])
     assert [(v["vote"], v["count"], v["rollouts"]) for v in group["votes"]] == [
         ("tool_07", 2, [0, 1]),
         ("tool_03", 1, [3]),
@@ -229,7 +231,7 @@ def test_group_view_votes_and_near_misses() -> None:
         "</assistant>",
         [("c0", "0.00"), ("c4", "0.45"), ("c0", "0.00")],
     )
-    assert [stepview.probability_bin(p) for p in (None, 0.0, 0.05, 0.5, 0.99, 1.0)] == [
+    assert [token_view.probability_bin(p) for p in (None, 0.0, 0.05, 0.5, 0.99, 1.0)] == [
         0,
         0,
         0,
@@ -237,7 +239,11 @@ def test_group_view_votes_and_near_misses() -> None:
         9,
         9,
     ]
-    assert (stepview.prob_text(0.001), stepview.prob_text(None), stepview.prob_text(0.5, 3)) == (
+    assert (
+        token_view.prob_text(0.001),
+        token_view.prob_text(None),
+        token_view.prob_text(0.5, 3),
+    ) == (
         "<0.01",
         "—",
         "0.500",
@@ -339,9 +345,9 @@ def test_probe_details_group_each_probe_with_its_statistics_and_splits() -> None
 
 
 def test_evaluation_and_sft_charts_and_the_series_a_config_promises() -> None:
-    assert plotly_figures.expected_series(None) == []
-    assert plotly_figures.expected_series({"eval_every": 0, "supervision": "none"}) == []
-    assert plotly_figures.expected_series({"eval_every": 25, "supervision": "interleaved_sft"}) == [
+    assert chart_data.expected_series(None) == []
+    assert chart_data.expected_series({"eval_every": 0, "supervision": "none"}) == []
+    assert chart_data.expected_series({"eval_every": 25, "supervision": "interleaved_sft"}) == [
         "eval/id",
         "eval/format_ood",
         "eval/content_ood",

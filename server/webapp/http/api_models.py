@@ -1,47 +1,64 @@
-"""The JSON API's response shapes, for the OpenAPI schema and /docs (documentation only: the
-routes send the queries' dicts as they are, so these list the fields a client can rely on and
-allow more)."""
+"""The JSON API's response shapes, for the OpenAPI schema and /docs (the routes send the
+queries' dicts as they are, so these list the fields a client can rely on and allow more). Where
+the read side has a shape (server.core.read_models' TypedDicts, step_views' group and compare,
+the read view's RolloutJSON) the model is derived from it: its keys and types, with the
+descriptions only this module gives; the others describe what a route assembles itself."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
-from rollout_lens.server.core.read_models import Rollout
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from rollout_lens.server.core.read_models import LiveState, RunData, RunOverviewData, StepGroups
+from rollout_lens.server.core.step_views import CompareData, GroupDetail, RolloutJSON
 
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class Run(_Open):
-    """A run's columns: recipe, status, progress and its last-25-step figures."""
+def _documented(
+    shape: Any, name: str, doc: str, described: dict[str, str], **types: Any
+) -> type[BaseModel]:
+    """An open model of a read model (a TypedDict): its keys and their types as the read model
+    has them, a key it may leave out defaulting to null; `described`: key → its description;
+    `types`: the keys documented as another model (or whose read model holds typed views)."""
+    hints = get_type_hints(shape)
+    fields: dict[str, Any] = {
+        key: (
+            types.get(key, kind),
+            Field(... if key in shape.__required_keys__ else None, description=described.get(key)),
+        )
+        for key, kind in hints.items()
+    }
+    fields |= {  # what the route adds to the read model
+        key: (kind, Field(..., description=described.get(key)))
+        for key, kind in types.items()
+        if key not in hints
+    }
+    model: type[BaseModel] = create_model(name, __base__=_Open, __doc__=doc, **fields)
+    return model
 
-    id: int
-    name: str
-    status: str = Field(description="queued, running, completed, failed, cancelled or lost")
-    source: str = Field(description="launched, callback, trl-import or import")
-    variant: str | None
-    model: str
-    k: int | None = Field(description="shortlist size of a patched run; null for leaky")
-    group_size: int
-    seed: int
-    total_steps: int
-    current_step: int
-    recent_true_accuracy: float | None = Field(description="mean of the last 25 steps")
-    recent_reward: float | None = Field(description="mean of the last 25 steps")
-    phase: str | None = Field(
-        None, description="what a claimed run does before its first step (building its model)"
-    )
-    created_at: str | None = Field(description="ISO 8601, UTC with its zone (+00:00)")
-    started_at: str | None = Field(description="ISO 8601, UTC with its zone")
-    finished_at: str | None = Field(description="ISO 8601, UTC with its zone")
-    ended_by: str | None = Field(
-        None,
-        description="who ended it: recorder, worker, sweeper (lost: no heartbeat), or "
-        "`dashboard (token 1a2b3c4d)` for a cancel; for a launched run still running, who "
-        "asked it to stop",
-    )
+
+Run = _documented(
+    RunData,
+    "Run",
+    "A run's columns: recipe, status, progress and its last-25-step figures.",
+    {
+        "status": "queued, running, completed, failed, cancelled or lost",
+        "source": "launched, callback, trl-import or import",
+        "k": "shortlist size of a patched run; null for leaky",
+        "recent_true_accuracy": "mean of the last 25 steps",
+        "recent_reward": "mean of the last 25 steps",
+        "phase": "what a claimed run does before its first step (building its model)",
+        "created_at": "ISO 8601, UTC with its zone (+00:00)",
+        "started_at": "ISO 8601, UTC with its zone",
+        "finished_at": "ISO 8601, UTC with its zone",
+        "ended_by": "who ended it: recorder, worker, sweeper (lost: no heartbeat), or "
+        "`dashboard (token 1a2b3c4d)` for a cancel; for a launched run still running, who asked "
+        "it to stop",
+    },
+)
 
 
 class Links(_Open):
@@ -49,15 +66,17 @@ class Links(_Open):
     next: str | None
 
 
-class RunsPage(_Open):
-    """One page of runs, newest first unless sorted otherwise."""
-
-    runs: list[Run]
-    total: int
-    page: int
-    per_page: int
-    pages: int
-    links: Links
+RunsPage = create_model(
+    "RunsPage",
+    __base__=_Open,
+    __doc__="One page of runs, newest first unless sorted otherwise.",
+    runs=list[Run],  # type: ignore[valid-type]
+    total=int,
+    page=int,
+    per_page=int,
+    pages=int,
+    links=Links,
+)
 
 
 class Alert(_Open):
@@ -68,28 +87,21 @@ class Alert(_Open):
     url: str = Field(description="the step's page")
 
 
-class Progress(_Open):
-    """A run's live state (what live pages poll)."""
-
-    id: int
-    status: str
-    current_step: int
-    total_steps: int
-    active: bool
-    summary: str = Field(description="one line: place in the queue, speed and ETA, or its end")
-    steps_per_second: float | None
-    eta_seconds: float | None
-    can_cancel: bool
-    can_resume: bool
-
-
-class RunOverview(_Open):
-    run: Run
-    first_step: int | None
-    last_step: int | None
-    series_names: list[str]
-    live: Progress
-    alerts: list[Alert]
+Progress = _documented(
+    LiveState,
+    "Progress",
+    "A run's live state (what live pages poll).",
+    {"summary": "one line: place in the queue, speed and ETA, or its end"},
+)
+RunOverview = _documented(
+    RunOverviewData,
+    "RunOverview",
+    "A run's card, its first and last recorded steps, its series' names, live state and alerts.",
+    {},
+    run=Run,
+    live=Progress,
+    alerts=list[Alert],
+)
 
 
 class Series(_Open):
@@ -110,20 +122,24 @@ class Presets(_Open):
     fields: list[dict[str, Any]]
 
 
-class Compare(_Open):
-    runs: list[Run]
-    series: dict[str, Any]
-    summary: list[dict[str, Any]]
-    config_diff: dict[str, Any]
-
-
-class Step(_Open):
-    """A step: its metrics and neighbours and a page of its groups overview (no rollouts)."""
-
-    run: Run
-    step: dict[str, Any]
-    groups: list[dict[str, Any]] = Field(description="one summary a group, a page of them")
-    total: int = Field(description="groups that match (the page's look)")
+Compare = _documented(
+    CompareData,
+    "Compare",
+    "Two or more runs: their charts' series, summaries, settings that differ, one step side by side.",
+    {"side_by_side": "the first two runs at one step: each one's step card, its rollouts as JSON"},
+    runs=list[Run],  # type: ignore[valid-type]
+    side_by_side=list[dict[str, Any]],
+)
+Step = _documented(
+    StepGroups,
+    "Step",
+    "A step: its metrics and neighbours and a page of its groups overview (no rollouts).",
+    {
+        "groups": "one summary a group, a page of them",
+        "total": "groups that match (the page's look)",
+    },
+    run=Run,
+)
 
 
 def _null_for_non_finite(schema: dict[str, Any]) -> None:
@@ -143,9 +159,9 @@ def _null_for_non_finite(schema: dict[str, Any]) -> None:
     schema.update(walk(schema))
 
 
-class GroupRollout(Rollout):
-    """A rollout of a group's page: read_models.Rollout (the one description of a rollout: what
-    the export writes), cut to the page's `max_tokens` positions and text budget, with the
+class GroupRollout(RolloutJSON):  # type: ignore[misc,valid-type]  # derived from the view
+    """A rollout of a group's page: step_views.RolloutJSON (the read view's JSON: what the
+    export writes), cut to the page's `max_tokens` positions and text budget, with the
     viewer's marks."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra=_null_for_non_finite)
@@ -159,22 +175,23 @@ class GroupRollout(Rollout):
     )
 
 
-class Group(_Open):
-    """One group of a step: its summary and a page of its rollouts with per-token arrays."""
-
-    run: Run
-    step: dict[str, Any]
-    summary: dict[str, Any]
-    prompt_id: int = Field(
-        description="its prompt (its first rollout's): /api/runs/{run_id}/prompts/{prompt_id} is "
-        "that prompt's history"
-    )
-    rollouts: list[GroupRollout] = Field(
-        description="a page of rollouts: `tokens` is each token's text as decoded, "
-        "`token_pieces` the tokenizer's raw pieces"
-    )
-    rollouts_total: int
-    next: str | None = Field(description="the next page of rollouts (null at the end)")
+Group = _documented(
+    GroupDetail,
+    "Group",
+    "One group of a step: its summary and a page of its rollouts with per-token arrays.",
+    {
+        "prompt_id": "its prompt (its first rollout's): /api/runs/{run_id}/prompts/{prompt_id} is "
+        "that prompt's history",
+        "rollouts": "a page of rollouts: `tokens` is each token's text as decoded, "
+        "`token_pieces` the tokenizer's raw pieces",
+        "next": "the next page of rollouts (null at the end)",
+    },
+    run=Run,
+    rollouts=list[GroupRollout],
+    limit=int,
+    max_tokens=int,
+    next=str | None,
+)
 
 
 class Rollouts(_Open):
@@ -188,11 +205,6 @@ class Rollouts(_Open):
 
 class Launched(_Open):
     runs: list[dict[str, Any]] = Field(description="the queued runs, each with its page's URL")
-
-
-class ValidationFailure(_Open):
-    detail: str
-    errors: list[dict[str, Any]] | dict[str, Any] | None = None
 
 
 class Deleted(_Open):

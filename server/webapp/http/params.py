@@ -20,7 +20,7 @@ StepNo = Annotated[int, Path(ge=0, le=MAX_ID, description="a recorded step")]
 GroupNo = Annotated[int, Path(ge=0, le=MAX_ID, description="a group of the step (from 0)")]
 OptionalGroup = Annotated[int | None, Query(ge=0, le=MAX_ID, description="a group of the step")]
 Offset = Annotated[int, Query(ge=0, le=MAX_ID, description="how many rows to skip")]
-# The groups overview's sort columns and filters (server.webapp.pages.stepview.GROUP_SORTS and LOOKS: a test
+# The groups overview's sort columns and filters (server.webapp.pages.overview.GROUP_SORTS and LOOKS: a test
 # keeps these the same); anything else is a 422 naming the choices.
 GroupSort = Annotated[
     Literal[

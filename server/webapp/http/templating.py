@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
 
@@ -21,21 +21,12 @@ from rollout_lens.server.core.display import fmt_minutes, fmt_money, fmt_num, fm
 from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.textsafe import clip
 from rollout_lens.server.core.vocab import WINDOW
+from rollout_lens.server.webapp.pages.badges import STATES, call_limit, format_badge
+from rollout_lens.server.webapp.pages.cells import NEAR_MISS, prob_text
 from rollout_lens.server.webapp.pages.state_reason import state_reason
-from rollout_lens.server.webapp.pages.stepview import (
-    NEAR_MISS,
-    SHOWN_CHARS,
-    STATES,
-    ControlRows,
-    TokenCell,
-    answer_vote,
-    broken,
-    call_limit,
-    format_badge,
-    hint_body,
-    prob_text,
-    state_name,
-)
+from rollout_lens.server.webapp.queries.budget import SHOWN_CHARS
+from rollout_lens.server.webapp.queries.group_header import answer_vote, hint_body
+from rollout_lens.server.webapp.queries.overview import broken, state_name
 from starlette.routing import NoMatchFound
 
 WEB_DIR = ROOT / "web"
@@ -118,7 +109,7 @@ def make_templates() -> Jinja2Templates:
         access=_access,
         shown_chars=SHOWN_CHARS,  # of a long text (completion, prompt) a page shows
         card_chars=CARD_CHARS,  # of a completion in compare's compact step card
-        # the step viewer's marks (server.webapp.pages.stepview): a rollout's vote and format badges, and
+        # the step viewer's marks (server.webapp.pages.badges, turns; queries.group_header): a rollout's vote and format badges, and
         # what the key under its tabs explains
         answer_vote=answer_vote,
         call_limit=call_limit,
@@ -126,7 +117,7 @@ def make_templates() -> Jinja2Templates:
         format_states=STATES,
         near_miss=NEAR_MISS,
         disagree_reward=DISAGREE_AT,
-        broken=broken,  # a rollout's format is bad only when known to be (stepview.broken)
+        broken=broken,  # a rollout's format is bad only when known to be (overview.broken)
         state_name=state_name,  # its state, valid/invalid, or None: not recorded
         state_reason=state_reason,  # why, in words beside the badge (pages.state_reason)
     )
@@ -139,9 +130,9 @@ def make_templates() -> Jinja2Templates:
         when=fmt_when,
         visible=visible_text,
         token=token_text,
+        esc=escape_str,
+        esc_few=escape_few,
         piece=_piece_view,
-        token_cells_html=token_cells_html,
-        control_table_html=control_table_html,
         clip=clip,
         hint_body=hint_body,
     )
@@ -196,17 +187,13 @@ def _piece_view(piece: str) -> Markup:
     return token_text(tokentext.piece_text(piece))
 
 
-# The token view as HTML built here rather than by Jinja loops: a long completion is thousands of
-# cells (and positions × control tokens table cells), which a template renders several times
-# slower. Same markup the loops made; every text escaped (token_text, escape_str).
-
-
-def escape_str(value: str) -> str:
-    """`value` escaped as markupsafe.escape escapes it (& < > " ' as &amp; &lt; &gt; &#34; &#39;),
-    as a plain str: the token view escapes some ten thousand hover texts and classes a page, and
-    a Markup object each was a fifth of the group page's time."""
+def escape_str(value: Any) -> str:
+    """`value` as text escaped as markupsafe.escape escapes it (& < > " ' as &amp; &lt; &gt; &#34;
+    &#39;), as a plain str: the token view's macros escape some ten thousand classes and hover
+    texts a page, and a Markup object each was most of their time."""
     return (
-        value.replace("&", "&amp;")
+        str(value)
+        .replace("&", "&amp;")
         .replace("<", "&lt;")
         .replace(">", "&gt;")
         .replace('"', "&#34;")
@@ -216,36 +203,4 @@ def escape_str(value: str) -> str:
 
 # The same escaping, remembered, for the few texts a page repeats thousands of times: a cell's
 # CSS classes, and the control-token table's cells (a class and a probability's text each).
-_escaped_class = functools.lru_cache(maxsize=1024)(escape_str)
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _table_cell(cls: str, text: str) -> str:
-    return f'<td class="{escape_str(cls)}">{escape_str(text)}</td>'
-
-
-def token_cells_html(cells: Sequence[TokenCell]) -> Markup:
-    """One `<span role="listitem">` per token cell (server.webapp.pages.stepview.token_cells)."""
-    return Markup(
-        "".join(
-            f'<span role="listitem" class="{_escaped_class(c["cls"])}" tabindex="0" '
-            f'title="{escape_str(c["title"])}">{token_text(c["text"])}</span>'
-            for c in cells
-        )
-    )
-
-
-def control_table_html(cells: Sequence[TokenCell], rows: ControlRows) -> Markup:
-    """The control-token table's head (a column a token cell) and body (server.webapp.pages.
-    stepview.control_rows; each control token's name read as text, like the cells)."""
-    head = "".join(f'<th scope="col" class="mono">{token_text(c["text"])}</th>' for c in cells)
-    body = "".join(
-        ('<tr><th scope="row">' if i == 0 else '<tr><th scope="row" class="mono">')
-        + f"{escape(label) if i == 0 else _piece_view(label)}</th>"
-        + "".join([_table_cell(cls, text) for cls, text in values])
-        + "</tr>"
-        for i, (label, values) in enumerate(rows)
-    )
-    return Markup(
-        f'<thead><tr><th scope="col">position</th>{head}</tr></thead><tbody>{body}</tbody>'
-    )
+escape_few = functools.lru_cache(maxsize=1 << 14)(escape_str)

@@ -20,18 +20,20 @@ from rollout_lens.server.core.read_models import (
     RunOverviewData,
     StepGroups,
 )
-from rollout_lens.server.core.records import DISAGREE_AT, disagrees
+from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.step_views import CompareData, GroupDetail
 from rollout_lens.server.store.models import ACTIVE_STATUSES
-from rollout_lens.server.webapp.pages import chart_data, stepview
 from rollout_lens.server.webapp.pages import plotly_figures as figures
+from rollout_lens.server.webapp.pages import viewer
 from rollout_lens.server.webapp.queries import (
     JSON_TEXT_BUDGET,
     JSON_TEXT_CHARS,
     MAX_RUNS_PER_PAGE,
     RUNS_PER_PAGE,
     RolloutQuery,
+    chart_data,
 )
+from rollout_lens.server.webapp.queries.overview import GROUP_SORTS, LOOKS
 from typing_extensions import TypedDict
 
 Url = Callable[..., str]  # route name and path params → path
@@ -132,7 +134,7 @@ def run_page(
     run_id = run["id"]
     alerts = overview.get("alerts", [])
     names = overview["series_names"]
-    names += [n for n in figures.expected_series(run["config"]) if n not in names]
+    names += [n for n in chart_data.expected_series(run["config"]) if n not in names]
     figs = figures.run_figures(run["control_tokens"], names, run["config"])
     page = {
         "run_id": run_id,
@@ -168,12 +170,12 @@ def run_page(
     }
 
 
-def group_view(detail: GroupDetail) -> stepview.GroupView | None:
-    """A group_detail's rollouts as the viewer shows them (stepview.group_views: each with its
+def group_view(detail: GroupDetail) -> viewer.GroupView | None:
+    """A group_detail's rollouts as the viewer shows them (viewer.group_views: each with its
     token cells and control-token rows within the page's token budget); None for no rollouts."""
     if not detail["rollouts"]:
         return None
-    (shown,) = stepview.group_views(detail["rollouts"])
+    (shown,) = viewer.group_views(detail["rollouts"])
     return shown
 
 
@@ -183,7 +185,7 @@ class StepPageContext(TypedDict):
     detail: StepGroups | GroupDetail  # the step as shown: its groups, or its only group
     step_groups: StepGroups  # the groups overview
     run: RunData
-    group: stepview.GroupView | None  # group_view of the only group shown whole
+    group: viewer.GroupView | None  # group_view of the only group shown whole
     group_index: int | None
     overview: bool  # the groups overview is shown (not one group)
     disagree_reward: float
@@ -222,7 +224,7 @@ def step_page(
                 else ("asc" if key in ("group", "label") else "desc"),
             ),
         }
-        for key, (label, numeric) in stepview.GROUP_SORTS.items()
+        for key, (label, numeric) in GROUP_SORTS.items()
     ]
     looks = [
         {
@@ -232,7 +234,7 @@ def step_page(
             "active": key == look,
             "href": here(look=None if key == look else key),
         }
-        for key, label in stepview.LOOKS.items()
+        for key, label in LOOKS.items()
     ]
     group = group_view(detail) if detail is not None else None
     return {
@@ -288,7 +290,7 @@ class GroupPageContext(TypedDict):
 
     detail: GroupDetail
     run: RunData
-    group: stepview.GroupView | None  # group_view: the rollouts as the viewer shows them
+    group: viewer.GroupView | None  # group_view: the rollouts as the viewer shows them
     group_index: int
     summary: dict[str, Any]
     gnav: GroupNav
@@ -310,27 +312,15 @@ def group_page(detail: GroupDetail) -> GroupPageContext:
 
 
 def group_json(detail: GroupDetail, url: Url, *, limit: int, max_tokens: int) -> dict[str, Any]:
-    """A group's JSON twin: group_detail with each rollout's `disagree` flag and `sampled`
-    positions (its `tokens_total` comes from serialize), and the link to its next page of
+    """A group's JSON twin: group_detail with each rollout as viewer.rollout_json sends it (the
+    read view's data() and the marks the page shows), and the link to its next page of
     rollouts (None at the end)."""
     run_id, step = detail["run"]["id"], detail["step"]["step"]
     group = detail["summary"]["group"]
     end = detail["offset"] + len(detail["rollouts"])
     path = url("get_group", run_id=run_id, step=step, group=group)
     cut = max(JSON_TEXT_CHARS, JSON_TEXT_BUDGET // max(limit, 1))
-    rollouts = [
-        {
-            **r.data(),
-            "completion": r.completion[:cut],
-            "completion_chars": len(r.completion),
-            "prompt": r.prompt[:cut],
-            "prompt_chars": len(r.prompt),
-            "disagree": disagrees(r.verifier_reward, r.true_score),
-            # a tool-calling rollout's positions the model sampled (None: every one)
-            "sampled": stepview.sampled_positions(r.meta, len(r.completion_ids)),
-        }
-        for r in detail["rollouts"]
-    ]
+    rollouts = [viewer.rollout_json(r, cut) for r in detail["rollouts"]]
     return {
         **detail,
         "rollouts": rollouts,

@@ -12,7 +12,6 @@ from typing import Any
 
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.analysis import CONVERGED
-from rollout_lens.server.core.task_vocab import SFT_MODES
 from rollout_lens.server.core.vocab import STEP_SERIES, WINDOW, label
 
 FREE = vocab.FORMAT_FREE_ACCURACY
@@ -431,18 +430,6 @@ EVAL_COLORS = {
     "validation": "#0891b2",
 }
 SFT_SERIES = vocab.SFT_LOSS
-
-
-def expected_series(config: dict[str, Any] | None) -> list[str]:
-    """Series a run's launch config promises though they are not logged every step (evaluation
-    every E steps, SFT phases): the page charts them before their first point arrives."""
-    if not config:
-        return []
-    launched = [vocab.eval_set(n) for n in vocab.LAUNCHED_EVAL_SETS]
-    out = launched if config.get("eval_every") else []
-    if config.get("supervision") in SFT_MODES:
-        out.append(SFT_SERIES)
-    return out
 
 
 def _markers(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from rollout_lens.server.webapp.pages.stepview import STATES
+from rollout_lens.server.webapp.pages.badges import STATES
 
 # One call and nothing else: the single-turn reply format, in either tag pair the recorder reads.
 _ONE_CALL = re.compile(r"<(tool|tool_call)>\s*([^<>\s]*)\s*</\1>")

@@ -13,7 +13,7 @@ from rollout_lens.server.core.errors import InvalidInput, StepNotFound
 from rollout_lens.server.core.read_models import RunData, RunSummary
 from rollout_lens.server.core.step_views import CompareData, CompareSide, StepCard
 from rollout_lens.server.store.serialize import run_dict
-from rollout_lens.server.webapp.pages import chart_data
+from rollout_lens.server.webapp.queries import chart_data
 from rollout_lens.server.webapp.queries.run_page import series
 from rollout_lens.server.webapp.queries.runs import run_versions, step_bounds
 from rollout_lens.server.webapp.queries.step_page import step_card
@@ -32,6 +32,13 @@ Memo = Callable[[str, Callable[[], dict[str, Any]]], dict[str, Any]]
 
 def _no_memo(_key: str, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return compute()
+
+
+def _check_ids(run_ids: Sequence[int]) -> None:
+    if len(run_ids) < 2:
+        raise InvalidInput("compare needs at least two run ids, e.g. /compare?runs=1,2")
+    if len(set(run_ids)) != len(run_ids):
+        raise InvalidInput("compare needs distinct run ids")
 
 
 def compare(
@@ -57,54 +64,61 @@ def compare(
     part is the same until the run changes: `memo` may keep it, keyed by the run's version. The
     side-by-side groups' token texts are read through `texts_kept` when given.
     """
-    if len(run_ids) < 2:
-        raise InvalidInput("compare needs at least two run ids, e.g. /compare?runs=1,2")
-    if len(set(run_ids)) != len(run_ids):
-        raise InvalidInput("compare needs distinct run ids")
+    _check_ids(run_ids)
     points = max_points or max(MIN_COMPARE_POINTS, COMPARE_POINTS // len(run_ids))
     bands = len(run_ids) <= COMPARE_BANDS
+    runs = [run_dict(store.get_run(session, run_id=r)) for r in run_ids]  # NotFound: missing
     versions = run_versions(session, run_ids=run_ids)
-    runs: list[RunData] = []
-    by_run: dict[str, Any] = {}
-    summary: list[RunSummary] = []
-    for run_id in run_ids:
-        run = run_dict(store.get_run(session, run_id=run_id))  # NotFound for a missing run
-        runs.append(run)
-        key = f"compare:{points}:{'bands' if bands else 'lines'}@{versions[run_id]}"
-        part = memo(key, partial(_compare_run, session, run, points=points, bands=bands))
-        by_run[str(run_id)] = part["charts"]
-        summary.append(part["summary"])
+    parts = [
+        memo(
+            f"compare:{points}:{'bands' if bands else 'lines'}@{versions[run['id']]}",
+            partial(_compare_run, session, run, points=points, bands=bands),
+        )
+        for run in runs
+    ]
     pair = run_ids[:2]
     lasts = [step_bounds(session, run_id=r)[1] for r in pair]
     if step is None:
         step = min((s for s in lasts if s is not None), default=0)
-    side_by_side: list[CompareSide] = []
-    for run_id, last in zip(pair, lasts, strict=True):
-        try:
-            detail: StepCard | None = step_card(
-                session,
-                run_id=run_id,
-                step=step,
-                group=group,
-                max_tokens=max_tokens,
-                texts_kept=texts_kept,
-            )
-        except StepNotFound:
-            detail = None
-        side_by_side.append({"run_id": run_id, "last_step": last, "detail": detail})
+    side_by_side = [
+        _side(
+            session, run_id, last, step=step, group=group, max_tokens=max_tokens, texts=texts_kept
+        )
+        for run_id, last in zip(pair, lasts, strict=True)
+    ]
     return {
         "runs": runs,
-        "series": by_run,
+        "series": {str(run["id"]): part["charts"] for run, part in zip(runs, parts, strict=True)},
         "points": points,
         "bands": bands,
         "method": chart_data.DOWNSAMPLING,
-        "summary": summary,
+        "summary": [part["summary"] for part in parts],
         "config_diff": chart_data.config_diff(runs),
         "step": step,
         "group": group,
         "max_step": max((s for s in lasts if s is not None), default=0),
         "side_by_side": side_by_side,
     }
+
+
+def _side(
+    session: Session,
+    run_id: int,
+    last: int | None,
+    *,
+    step: int,
+    group: int,
+    max_tokens: int | None,
+    texts: store.TokenTextCache | None,
+) -> CompareSide:
+    """One run's side of the side-by-side step: its step card, None where it has no such step."""
+    try:
+        detail: StepCard | None = step_card(
+            session, run_id=run_id, step=step, group=group, max_tokens=max_tokens, texts_kept=texts
+        )
+    except StepNotFound:
+        detail = None
+    return {"run_id": run_id, "last_step": last, "detail": detail}
 
 
 def _compare_run(session: Session, run: RunData, *, points: int, bands: bool) -> dict[str, Any]:

@@ -5,15 +5,15 @@ one prompt's history, every group of it in (step, group) order with its rollouts
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rollout_lens.server.core.errors import InvalidInput, NotFound
 from rollout_lens.server.core.prompt_rules import votes_object
 from rollout_lens.server.store.prompt_rollups import stored_votes
-from rollout_lens.server.webapp.pages.stepview import state_name
 from rollout_lens.server.webapp.queries.explorer import MAX_ID
 from rollout_lens.server.webapp.queries.keyset import encode_cursor, whole_number
+from rollout_lens.server.webapp.queries.overview import state_name
 from rollout_lens.server.webapp.queries.prompt_rollouts import (
     GROUPS_A_READ,
     MAX_ROLLOUTS,
@@ -113,22 +113,10 @@ def _cell(col: int, c: list[Any]) -> dict[str, Any]:
     }
 
 
-def heatmap(
-    session: Session, *, run_id: int, query: PromptQuery, width: int = HEATMAP_COLUMNS
-) -> dict[str, Any]:
-    """Prompts × steps: a page of the prompts `query` lists (its order, its cursor), each a row
-    of cells, a cell a step, or a bucket of `bucket` steps where the run has more steps than
-    `width` columns. A cell's value is its groups' true score mean (`score` "true"), or their
-    reward mean where none has a true score (`score` "reward"); it names the first group of
-    its steps (`step`, `group`) for the step viewer."""
-    if not 1 <= width <= MAX_COLUMNS:
-        raise InvalidInput(f"width: from 1 to {MAX_COLUMNS:,} columns")
-    run = run_head(session, run_id)
-    rows, total, cursor = list_page(session, run_id, query)
-    span = _step_span(session, run_id)
-    lo, hi = span if span is not None else (0, -1)
-    bucket = max(1, math.ceil((hi - lo + 1) / width)) if span is not None else 1
-    columns = (hi - lo) // bucket + 1 if span is not None else 0
+def _bucket_cells(
+    groups: Iterable[Sequence[Any]], lo: int, bucket: int
+) -> dict[int, dict[int, list[Any]]]:
+    """The heatmap's cells from its groups (_cell_groups' rows), by prompt and column."""
     # [first step, last step, step, group, groups, solved, failed, zero spread, Σ reward,
     # rewards, Σ true, trues] a cell, by prompt and column: positions, not a dict a group
     cells: dict[int, dict[int, list[Any]]] = {}
@@ -142,7 +130,7 @@ def heatmap(
         true_n,
         solved,
         flat,
-    ) in _cell_groups(session, run_id, [r.prompt_id for r in rows]):
+    ) in groups:
         col = (step - lo) // bucket
         row_cells = cells.get(prompt_id)
         if row_cells is None:
@@ -161,6 +149,26 @@ def heatmap(
         if true_mean is not None:
             cell[10] += true_mean * true_n
             cell[11] += true_n
+    return cells
+
+
+def heatmap(
+    session: Session, *, run_id: int, query: PromptQuery, width: int = HEATMAP_COLUMNS
+) -> dict[str, Any]:
+    """Prompts × steps: a page of the prompts `query` lists (its order, its cursor), each a row
+    of cells, a cell a step, or a bucket of `bucket` steps where the run has more steps than
+    `width` columns. A cell's value is its groups' true score mean (`score` "true"), or their
+    reward mean where none has a true score (`score` "reward"); it names the first group of
+    its steps (`step`, `group`) for the step viewer."""
+    if not 1 <= width <= MAX_COLUMNS:
+        raise InvalidInput(f"width: from 1 to {MAX_COLUMNS:,} columns")
+    run = run_head(session, run_id)
+    rows, total, cursor = list_page(session, run_id, query)
+    span = _step_span(session, run_id)
+    lo, hi = span if span is not None else (0, -1)
+    bucket = max(1, math.ceil((hi - lo + 1) / width)) if span is not None else 1
+    columns = (hi - lo) // bucket + 1 if span is not None else 0
+    cells = _bucket_cells(_cell_groups(session, run_id, [r.prompt_id for r in rows]), lo, bucket)
     out_rows = []
     for r in rows:
         out_rows.append(
@@ -248,6 +256,46 @@ def _rollouts_of(
     return out
 
 
+def _after(after: str | None, run_id: int, prompt_id: int) -> tuple[str, dict[str, Any]]:
+    """A history cursor (`after`) as the SQL that starts past it and its parameters."""
+    if after is None:
+        return "", {}
+    _, run_at, prompt_at, step_at, group_at = decode_cursor(after, "history", 5)
+    if (run_at, prompt_at) != (run_id, prompt_id) or not (
+        whole_number(step_at, -MAX_ID - 1, MAX_ID) and whole_number(group_at, -MAX_ID - 1, MAX_ID)
+    ):
+        raise InvalidInput("after: not a cursor of this prompt's history")
+    extra = ' AND (g.step > :at_step OR (g.step = :at_step AND g."group" > :at_group))'
+    return extra, {"at_step": step_at, "at_group": group_at}
+
+
+def _history_step(g: Any, rs: Sequence[dict[str, Any]], completions: bool) -> dict[str, Any]:
+    """One group of a prompt's history: its figures and its rollouts' (`rs`, index order)."""
+    written = {"completions": [r["completion"] for r in rs]} if completions else {}
+    return {
+        "step": g.step,
+        "group": g.group,
+        "size": g.size,
+        "reward_mean": g.reward_mean,
+        "reward_min": g.reward_min,
+        "reward_max": g.reward_max,
+        "true_mean": g.true_mean,
+        "correct": g.correct,
+        "solved": None if g.solved is None else bool(g.solved),
+        "zero_spread": bool(g.zero_spread),
+        "agreement": g.agreement,
+        "votes": votes_object(stored_votes(g.votes)),
+        "rollout_ids": [r["id"] for r in rs],
+        "indexes": [r["index"] for r in rs],
+        "rewards": [r["verifier_reward"] for r in rs],
+        "true_scores": [r["true_score"] for r in rs],
+        "advantages": [r["advantage"] for r in rs],
+        "rollout_votes": [r["vote"] for r in rs],
+        "states": [r["state"] for r in rs],
+        **written,
+    }
+
+
 def prompt_history(
     session: Session,
     *,
@@ -267,16 +315,7 @@ def prompt_history(
     if not 1 <= prompt_id <= 2**63 - 1:
         raise NotFound(f"run {run_id} has no prompt {prompt_id}")
     head = _prompt_row(session, run_id, prompt_id)
-    extra, params = "", {}
-    if after is not None:
-        _, run_at, prompt_at, step_at, group_at = decode_cursor(after, "history", 5)
-        if (run_at, prompt_at) != (run_id, prompt_id) or not (
-            whole_number(step_at, -MAX_ID - 1, MAX_ID)
-            and whole_number(group_at, -MAX_ID - 1, MAX_ID)
-        ):
-            raise InvalidInput("after: not a cursor of this prompt's history")
-        extra = ' AND (g.step > :at_step OR (g.step = :at_step AND g."group" > :at_group))'
-        params = {"at_step": step_at, "at_group": group_at}
+    extra, params = _after(after, run_id, prompt_id)
     groups = _groups_of(session, run_id, [prompt_id], extra, limit=limit + 1, **params)
     if completions:  # no more rollouts than one read decodes (one group at least)
         size = 0
@@ -293,34 +332,7 @@ def prompt_history(
     if groups:
         for r in _rollouts_of(session, run_id, prompt_id, groups, completions=completions):
             members.setdefault((r["step"], r["group"]), []).append(r)
-    steps = []
-    for g in groups:
-        rs = members.get((g.step, g.group), [])
-        written = {"completions": [r["completion"] for r in rs]} if completions else {}
-        steps.append(
-            {
-                "step": g.step,
-                "group": g.group,
-                "size": g.size,
-                "reward_mean": g.reward_mean,
-                "reward_min": g.reward_min,
-                "reward_max": g.reward_max,
-                "true_mean": g.true_mean,
-                "correct": g.correct,
-                "solved": None if g.solved is None else bool(g.solved),
-                "zero_spread": bool(g.zero_spread),
-                "agreement": g.agreement,
-                "votes": votes_object(stored_votes(g.votes)),
-                "rollout_ids": [r["id"] for r in rs],
-                "indexes": [r["index"] for r in rs],
-                "rewards": [r["verifier_reward"] for r in rs],
-                "true_scores": [r["true_score"] for r in rs],
-                "advantages": [r["advantage"] for r in rs],
-                "rollout_votes": [r["vote"] for r in rs],
-                "states": [r["state"] for r in rs],
-                **written,
-            }
-        )
+    steps = [_history_step(g, members.get((g.step, g.group), []), completions) for g in groups]
     whole = prompt_texts(session, [prompt_id]).get(prompt_id, "")
     prompt = prompt_figures(head) | {
         "label": distinguishing_labels(session, run_id, [head], {prompt_id: whole})[prompt_id],

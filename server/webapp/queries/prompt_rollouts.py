@@ -10,7 +10,7 @@ from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.store.models import RolloutRow
 from rollout_lens.server.store.serialize import completion_ids, completion_text
-from rollout_lens.server.webapp.pages.stepview import state_name
+from rollout_lens.server.webapp.queries.overview import state_name
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 

@@ -18,8 +18,8 @@ from rollout_lens.server.store.models import (
     StepRow,
 )
 from rollout_lens.server.store.serialize import run_dict
-from rollout_lens.server.webapp.pages import chart_data
-from rollout_lens.server.webapp.pages.plotly_figures import expected_series
+from rollout_lens.server.webapp.queries import chart_data
+from rollout_lens.server.webapp.queries.chart_data import expected_series
 from rollout_lens.server.webapp.queries.runs import series_names
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session

@@ -22,7 +22,7 @@ from rollout_lens.server.store.models import (
     StepRow,
 )
 from rollout_lens.server.store.serialize import run_dict
-from rollout_lens.server.webapp.pages import chart_data
+from rollout_lens.server.webapp.queries import chart_data
 from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 

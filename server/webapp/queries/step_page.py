@@ -20,7 +20,8 @@ from rollout_lens.server.store.models import (
     StepRow,
 )
 from rollout_lens.server.store.serialize import completion_ids, read_rollout, run_dict, step_dict
-from rollout_lens.server.webapp.pages import stepview
+from rollout_lens.server.webapp.queries import group_header, overview
+from rollout_lens.server.webapp.queries.budget import page_token_limit
 from rollout_lens.server.webapp.queries.runs import step_bounds
 from sqlalchemy import and_, distinct, func, or_, select
 from sqlalchemy.orm import Session
@@ -149,7 +150,7 @@ def _scalar_rows(
 
 def _labels(session: Session, rows: list[ScalarRow]) -> dict[int, str]:
     """group → its label: the query its facts name, else its prompt's head past what the step's
-    prompts share (stepview.prompt_labels); two small reads over the distinct prompts and facts."""
+    prompts share (overview.prompt_labels); two small reads over the distinct prompts and facts."""
     firsts: dict[int, ScalarRow] = {}
     for row in rows:
         firsts.setdefault(row["group"], row)
@@ -159,7 +160,7 @@ def _labels(session: Session, rows: list[ScalarRow]) -> dict[int, str]:
     for start in range(0, len(prompt_ids), 500):  # bounded IN lists
         chunk = prompt_ids[start : start + 500]
         found = session.execute(
-            select(PromptRow.id, func.substr(PromptRow.text, 1, stepview.PROMPT_READ)).where(
+            select(PromptRow.id, func.substr(PromptRow.text, 1, overview.PROMPT_READ)).where(
                 PromptRow.id.in_(chunk)
             )
         )
@@ -175,7 +176,7 @@ def _labels(session: Session, rows: list[ScalarRow]) -> dict[int, str]:
             ).where(FactsRow.id.in_(chunk))
         )
         queries.update({i: q or r for i, q, r in found if q or r})
-    by_prompt = stepview.prompt_labels(heads)
+    by_prompt = overview.prompt_labels(heads)
     return {
         group: str(
             (queries.get(facts) if (facts := row["facts_id"]) is not None else None)
@@ -196,20 +197,20 @@ def step_groups(
     offset: int = 0,
     limit: int = GROUPS_PER_PAGE,
 ) -> StepGroups:
-    """A step as its groups overview: one row a group (stepview.group_summary) from the rollouts'
-    scalar columns only, sorted by a stepview.GROUP_SORTS column, optionally only the groups that
-    need a `look` (stepview.LOOKS), a page of `limit` rows from `offset`; `total` rows match and
+    """A step as its groups overview: one row a group (overview.group_summary) from the rollouts'
+    scalar columns only, sorted by a overview.GROUP_SORTS column, optionally only the groups that
+    need a `look` (overview.LOOKS), a page of `limit` rows from `offset`; `total` rows match and
     `counts` says how many groups each look finds."""
-    if sort not in stepview.GROUP_SORTS:
-        raise InvalidInput(f"unknown sort {sort!r}: use one of {', '.join(stepview.GROUP_SORTS)}")
-    if look is not None and look not in stepview.LOOKS:
-        raise InvalidInput(f"unknown look {look!r}: use one of {', '.join(stepview.LOOKS)}")
+    if sort not in overview.GROUP_SORTS:
+        raise InvalidInput(f"unknown sort {sort!r}: use one of {', '.join(overview.GROUP_SORTS)}")
+    if look is not None and look not in overview.LOOKS:
+        raise InvalidInput(f"unknown look {look!r}: use one of {', '.join(overview.LOOKS)}")
     row, head = step_head(session, run_id=run_id, step=step)
     rows = _scalar_rows(session, run_id=run_id, rollout_step=row.rollout_step)
-    summaries = stepview.group_summaries(rows, _labels(session, rows))
-    counts = {name: sum(stepview.needs_look(s, name) for s in summaries) for name in stepview.LOOKS}
-    chosen = [s for s in summaries if look is None or stepview.needs_look(s, look)]
-    ordered = stepview.sort_groups(chosen, sort, descending=descending)
+    summaries = overview.group_summaries(rows, _labels(session, rows))
+    counts = {name: sum(overview.needs_look(s, name) for s in summaries) for name in overview.LOOKS}
+    chosen = [s for s in summaries if look is None or overview.needs_look(s, look)]
+    ordered = overview.sort_groups(chosen, sort, descending=descending)
     return {
         **head,
         "groups_in_step": len(summaries),
@@ -293,10 +294,10 @@ def group_detail(
     page_budget: bool = False,
     texts_kept: store.TokenTextCache | None = None,
 ) -> GroupDetail:
-    """One group of a step: its overview row, its header (stepview.group_header), its neighbours,
+    """One group of a step: its overview row, its header (group_header.group_header), its neighbours,
     and its rollouts from `offset` (at most `limit`) with their arrays decoded by
     serialize.read_rollout (typed views), cut to `max_tokens` positions (with `page_budget`, to no more than
-    a page shows of each: stepview.page_token_limit), their token texts read through
+    a page shows of each: page_token_limit), their token texts read through
     `texts_kept` when given. GroupNotFound when the step has no such group."""
     row, head = step_head(session, run_id=run_id, step=step)
     scalars = _scalar_rows(session, run_id=run_id, rollout_step=row.rollout_step, group=group)
@@ -304,7 +305,7 @@ def group_detail(
         raise GroupNotFound(run_id=run_id, step=step, group=group)
     if page_budget:
         shown = len(scalars[offset:] if limit is None else scalars[offset : offset + limit])
-        budget = stepview.page_token_limit(shown)
+        budget = page_token_limit(shown)
         max_tokens = budget if max_tokens is None else min(max_tokens, budget)
     query = (
         select(RolloutRow, PromptRow.text)
@@ -332,9 +333,9 @@ def group_detail(
         "group_nav": _group_neighbours(
             session, run_id=run_id, rollout_step=row.rollout_step, group=group
         ),
-        "summary": stepview.group_summary(scalars, ""),
+        "summary": overview.group_summary(scalars, ""),
         "prompt_id": scalars[0]["prompt_id"],
-        "header": stepview.group_header(views) if views else None,
+        "header": group_header.group_header(views) if views else None,
         "rollouts_total": len(scalars),
         "offset": offset,
         "rollouts": views,

@@ -38,7 +38,8 @@ from rollout_lens.server.webapp.http.responses import (
     versioned,
     with_step_urls,
 )
-from rollout_lens.server.webapp.pages import chart_data, launch_fields, page_context
+from rollout_lens.server.webapp.pages import launch_fields, page_context
+from rollout_lens.server.webapp.queries import chart_data
 
 router = APIRouter(prefix="/api", tags=["runs"])
 

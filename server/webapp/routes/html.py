@@ -40,7 +40,7 @@ from rollout_lens.server.webapp.http.params import (
 )
 from rollout_lens.server.webapp.http.responses import memo, run_alerts
 from rollout_lens.server.webapp.pages import launch_fields, page_context
-from rollout_lens.server.webapp.pages.stepview import VIEW_TOKENS
+from rollout_lens.server.webapp.queries.budget import VIEW_TOKENS
 
 router = APIRouter(include_in_schema=False)
 CardGroup = Annotated[int, Query(ge=0, le=MAX_ID, description="the group shown")]

@@ -1,7 +1,7 @@
 """Pure builders for the dashboard: series shaping, 25-step buckets, summaries, config diffs.
 
 Nothing here touches a database or a request: data in, data out (tested without a server).
-The Plotly figures themselves are in server.webapp.pages.plotly_figures; the step viewer's shaping in server.webapp.pages.stepview.
+The Plotly figures themselves are in server.webapp.pages.plotly_figures; the step viewer's shaping in server.webapp.pages (cells, turns, viewer).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rollout_lens.server.core import analysis
+from rollout_lens.server.core import analysis, vocab
 from rollout_lens.server.core.display import live_text
 from rollout_lens.server.core.read_models import (
     BucketSummary,
@@ -20,6 +20,7 @@ from rollout_lens.server.core.read_models import (
     ProgressData,
     RunData,
 )
+from rollout_lens.server.core.task_vocab import SFT_MODES
 from rollout_lens.server.core.vocab import WINDOW
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 
@@ -347,3 +348,15 @@ def config_diff(runs: Sequence[RunData]) -> ConfigDiff:
             continue
         rows.append({"key": key, "values": shown, "differs": [v != shown[0] for v in shown]})
     return {"rows": rows, "same": same}
+
+
+def expected_series(config: dict[str, Any] | None) -> list[str]:
+    """Series a run's launch config promises though they are not logged every step (evaluation
+    every E steps, SFT phases): the page charts them before their first point arrives."""
+    if not config:
+        return []
+    launched = [vocab.eval_set(n) for n in vocab.LAUNCHED_EVAL_SETS]
+    out = launched if config.get("eval_every") else []
+    if config.get("supervision") in SFT_MODES:
+        out.append(vocab.SFT_LOSS)
+    return out
