@@ -27,7 +27,7 @@ def completion_text(rollout: RolloutRow, ids: Sequence[int], token_texts: Mappin
 
 def completion_ids(rollout: RolloutRow) -> list[int]:
     """A rollout's token ids (empty when none were recorded)."""
-    return arrays.decode_ids(rollout.data.ids) if rollout.data is not None else []
+    return arrays.decode_ids(rollout.data.ids).tolist() if rollout.data is not None else []
 
 
 def token_pieces(ids: Sequence[int], token_texts: Mapping[int, str]) -> list[str] | None:
@@ -73,12 +73,8 @@ def read_rollout(
     ids = completion_ids(rollout)
     kept = rollout.tokens_kept
     data = rollout.data
-    logprobs = arrays.decode_logprobs(data.logprobs) if kept and data else []
-    probs = (
-        arrays.decode_control(data.control, len(control_tokens))
-        if kept and data
-        else [[] for _ in control_tokens]
-    )
+    logprobs = arrays.decode_logprobs(data.logprobs if kept and data else None)
+    probs = arrays.decode_control(data.control if kept and data else None, len(control_tokens))
     # A completion rebuilt from its ids needs every id's piece: looked up once for both.
     every = token_pieces(ids, texts) if rollout.text_rule is not None else None
     completion = (
@@ -88,8 +84,7 @@ def read_rollout(
     )
     total = len(ids)
     if max_tokens is not None:
-        ids, logprobs = ids[:max_tokens], logprobs[:max_tokens]
-        probs = [row[:max_tokens] for row in probs]
+        ids, logprobs, probs = ids[:max_tokens], logprobs[:max_tokens], probs[:max_tokens]
     pieces = every[: len(ids)] if every is not None else token_pieces(ids, texts)
     return RolloutView(
         run_id=rollout.run_id,
@@ -110,19 +105,12 @@ def read_rollout(
         sum_logprob=rollout.sum_logprob,
         format_valid=rollout.format_valid,
         format_state=rollout.format_state,
-        token_logprobs=np.asarray(logprobs, dtype=np.float64),
-        control_token_probs=ControlProbs(control_tokens, _by_position(probs)),
+        token_logprobs=logprobs,
+        control_token_probs=ControlProbs(control_tokens, probs),
         meta=rollout.meta,
         tokens_total=total,
         window=max_tokens is not None,
     )
-
-
-def _by_position(rows: Sequence[Sequence[float]]) -> np.ndarray:
-    """Dense rows by control token (as decoded) → the [position × token] array."""
-    if not rows or not len(rows[0]):
-        return np.zeros((0, len(rows)))
-    return np.asarray(rows, dtype=np.float64).T
 
 
 def rollout_dict(
