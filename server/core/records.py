@@ -104,6 +104,19 @@ class ControlProbs(Mapping[str, Floats]):
     def measured(self) -> bool:
         return bool(self.array.shape[0])
 
+    def ordered(self, tokens: Sequence[str]) -> np.ndarray:
+        """The [position × token] array with a column per token of `tokens` (a run's order):
+        this one's own array when its tokens are those; a token it does not have is a column
+        of 0.0 (as the store has always written it)."""
+        wanted = tuple(tokens)
+        if wanted == self.tokens:
+            return self.array
+        out = np.zeros((self.array.shape[0], len(wanted)))
+        for k, token in enumerate(wanted):
+            if token in self.tokens:
+                out[:, k] = self.array[:, self.tokens.index(token)]
+        return out
+
     def __getitem__(self, token: str) -> Floats:
         try:
             column: Floats = self.array[:, self.tokens.index(token)]

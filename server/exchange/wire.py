@@ -159,15 +159,6 @@ def _ipc(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def _control_rows(r: RolloutRecord, tokens: Sequence[str]) -> Any:
-    """A rollout's control-token probabilities in the run's token order (as the store takes
-    them)."""
-    given = r.control_probs
-    if given.tokens == tuple(tokens):
-        return given.array
-    return [() if (row := given.get(t)) is None else row for t in tokens]
-
-
 @dataclass
 class Encoded:
     """One step's frame and the token ids whose pieces it carries."""
@@ -186,7 +177,7 @@ def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndar
     blobs = arrays.encode_rollouts(
         [r.completion_ids for r in rollouts],
         [r.token_logprobs for r in rollouts],
-        [_control_rows(r, tokens) for r in rollouts],
+        [r.control_probs.ordered(tokens) for r in rollouts],
     )
     pieces: dict[int, str] = {}
     rules: list[int | None] = []

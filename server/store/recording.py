@@ -24,7 +24,7 @@ from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core import textsafe
 from rollout_lens.server.core.errors import RolloutsTaken, StepOutOfOrder
 from rollout_lens.server.core.prompt_rules import recorded_query
-from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, disagrees
+from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
 from rollout_lens.server.store import arrays, layout, prompt_rollups, rollups, search
 from rollout_lens.server.store.models import (
@@ -506,7 +506,7 @@ class Recorder:
         blobs = arrays.encode_rollouts(
             [r.completion_ids for r in rollouts],
             [r.token_logprobs for r in rollouts],
-            [_control(r, ctrl) for r in rollouts],
+            [r.control_probs.ordered(ctrl) for r in rollouts],
         )
         cursor.insert(
             driver.insert_data,
@@ -672,16 +672,6 @@ def _split_meta(
             facts[i] = group_facts
             own[i] = {k: v for k, v in meta.items() if k not in shared}
     return facts, own
-
-
-def _control(r: RolloutRecord, tokens: Sequence[str]) -> Any:
-    """A rollout's control-token probabilities in the run's token order: its [position ×
-    token] array as it is when its tokens are the run's, else a row per run token (() for a
-    token it does not have)."""
-    given = r.control_probs
-    if isinstance(given, ControlProbs) and given.tokens == tuple(tokens):
-        return given.array
-    return [() if (row := given.get(t)) is None else row for t in tokens]
 
 
 def _not_nan(value: float | None) -> float | None:
