@@ -145,6 +145,7 @@ class _WriterProfile:
 
 def _profile_writer_thread() -> _WriterProfile:
     """The StepWriter's thread run under a profiler of its own, its CPU time summed."""
+    from rollout_lens.trainer.recorder.sinks import SqlSink
     from rollout_lens.trainer.recorder.writer import StepWriter
 
     found = _WriterProfile()
@@ -163,7 +164,7 @@ def _profile_writer_thread() -> _WriterProfile:
     # a step's own work: preparing it (rollouts read, judged) and writing it (the transaction,
     # its search indexing)
     StepWriter._take = found.timed("prepare", StepWriter._take)  # type: ignore[method-assign]
-    StepWriter._commit = found.timed("commit", StepWriter._commit)  # type: ignore[method-assign]
+    SqlSink._commit = found.timed("commit", SqlSink._commit)  # type: ignore[method-assign]
     return found
 
 
