@@ -63,16 +63,13 @@ def read_rollout(
     `token_texts` (store.token_texts) gives each completion token's stored piece: it must hold
     every id of a rollout whose text is rebuilt from its ids. When every id has one,
     `token_pieces` lists them and `tokens` is each token's text (shown_tokens); else both are
-    None. Where retention dropped the per-token logprobs and control-token
-    probabilities, `tokens_kept` is False and those arrays are empty (the ids stay).
+    None. Where retention dropped the per-token logprobs and control-token probabilities,
+    `tokens_kept` is False and those arrays are empty (the ids stay).
 
     With `max_tokens` only the first max_tokens positions of the per-token arrays are read (a
-    page's view of a long completion: a window) and `tokens_total` says how many there are.
-    """
-    texts = token_texts or {}
-    ids = completion_ids(rollout)
-    kept = rollout.tokens_kept
-    data = rollout.data
+    page's view of a long completion: a window) and `tokens_total` says how many there are."""
+    texts, ids = token_texts or {}, completion_ids(rollout)
+    kept, data = rollout.tokens_kept, rollout.data
     logprobs = arrays.decode_logprobs(data.logprobs if kept and data else None)
     probs = arrays.decode_control(data.control if kept and data else None, len(control_tokens))
     # A completion rebuilt from its ids needs every id's piece: looked up once for both.
