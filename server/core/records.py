@@ -160,6 +160,41 @@ class RolloutRecord:
     # Each completion token's text (tokenizer.convert_ids_to_tokens), stored once per run and id.
     tokens: list[str] | None = None
 
+    @classmethod
+    def captured(
+        cls,
+        *,
+        completion_ids: Ids,
+        token_logprobs: Floats,
+        control_probs: ControlProbs,
+        verifier_reward: float,
+        advantage: float,
+    ) -> RolloutRecord:
+        """A rollout as a trainer's capture first has it, on the training thread: its arrays
+        (int64 ids, float64 logprobs and ControlProbs, taken as they are), its reward and
+        advantage; its place in the step, texts and judgement are set later (each checked as
+        it is set)."""
+        record = cls.__new__(cls)
+        record.__dict__.update(
+            group=0,
+            index=0,
+            prompt="",
+            completion="",
+            completion_ids=completion_ids.astype(np.int64, copy=False).reshape(-1),
+            token_logprobs=as_floats(token_logprobs),
+            control_probs=control_probs,
+            vote=None,
+            target=None,
+            verifier_reward=verifier_reward,
+            true_score=None,
+            advantage=advantage,
+            format_valid=None,
+            format_state=None,
+            meta={},
+            tokens=None,
+        )
+        return record
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _ARRAY_FIELDS:
             value = self._array(name, value)

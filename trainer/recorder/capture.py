@@ -169,26 +169,19 @@ class _Generating:
             for i, ids in enumerate(ids_list)
         ]
         logprobs, control, watched = self._readings(capture, output, ids_list, masks, read_now)
+        id_rows = _id_rows(output, ids_list)
         prompt_ids = self._prompt_rows(capture, output)
         samples = []
         for i, row in enumerate(self.inputs):
             rewards = [None if math.isnan(v) else float(v) for v in reward_rows[i]]
             total = sum(w * v for w, v in zip(weights, rewards, strict=True) if v is not None)
             ids = ids_list[i]
-            record = RolloutRecord(
-                group=0,  # the callback numbers a step's rollouts (every process's, gathered)
-                index=0,
-                prompt="",  # rendered on the writer's thread, with the completion's text
-                completion="",
-                completion_ids=np.asarray(ids, dtype=np.int64),
+            record = RolloutRecord.captured(
+                completion_ids=id_rows[i],
                 token_logprobs=logprobs[i],
                 control_probs=_control(control[i] if control is not None else None, ids, capture),
-                vote=None,
-                target=None,
                 verifier_reward=total,
-                true_score=None,
                 advantage=float(advantages[i]),
-                format_valid=None,
             )
             samples.append(
                 Sample(
@@ -572,6 +565,22 @@ class RolloutCapture:
             everything = local
         if accelerator.is_main_process:
             self.on_generation(Generation(rollout_step, everything))
+
+
+def _id_rows(output: dict[str, Any], ids_list: list[list[int]]) -> list[np.ndarray]:
+    """Each row's ids as int64 arrays: views of TRL's right-padded `completion_ids` tensor (one
+    copy off the device for the generation, nothing a token on the training thread), paired
+    with TRL's lists by their lengths and ends; else each list converted."""
+    found = output.get("completion_ids")
+    shape: tuple[int, ...] = tuple(getattr(found, "shape", ()))
+    if found is not None and len(shape) == 2 and shape[0] == len(ids_list):
+        padded = found.detach().cpu().numpy().astype(np.int64, copy=False)
+        if all(len(ids) <= padded.shape[1] for ids in ids_list):
+            rows = [padded[i, : len(ids)] for i, ids in enumerate(ids_list)]
+            ends = [(ids[0], ids[-1]) for ids in ids_list if ids]
+            if ends == [(int(r[0]), int(r[-1])) for r in rows if len(r)]:
+                return rows
+    return [np.asarray(ids, dtype=np.int64) for ids in ids_list]
 
 
 def _control(control: Any, ids: list[int], capture: RolloutCapture) -> ControlProbs:
