@@ -73,21 +73,6 @@ def one_run(
 
     from rollout_lens import RolloutLensCallback
 
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.cpu: list[float] = []  # the process's CPU, every thread (the writer's too)
-            self._t = self._cpu = 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-            if profiler is not None and state.global_step == WARMUP:
-                profiler.enable()
-            self._t, self._cpu = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-            self.times.append(time.perf_counter() - self._t)
-            self.cpu.append(time.process_time() - self._cpu)
-
     set_seed(0)
     args = GRPOConfig(
         output_dir=str(out),
@@ -104,7 +89,7 @@ def one_run(
         bf16=False,
         seed=0,
     )
-    timer = StepTimer()
+    timer = _step_timer(TrainerCallback, profiler)
     callbacks: list[Any] = [timer]
     if database_url is not None:
         callbacks.append(RolloutLensCallback(project="bench", database_url=database_url))
@@ -126,6 +111,28 @@ def one_run(
     return timer.times[WARMUP:]
 
 
+def _step_timer(base: type, profiler: cProfile.Profile | None) -> Any:
+    """A TrainerCallback (`base`) timing each step, wall and the process's CPU; `profiler`
+    enabled from the first timed step."""
+
+    class StepTimer(base):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.cpu: list[float] = []  # the process's CPU, every thread (the writer's too)
+            self._t = self._cpu = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if profiler is not None and state.global_step == WARMUP:
+                profiler.enable()
+            self._t, self._cpu = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            self.times.append(time.perf_counter() - self._t)
+            self.cpu.append(time.process_time() - self._cpu)
+
+    return StepTimer()
+
+
 class _WriterProfile:
     def __init__(self) -> None:
         self.profiler = cProfile.Profile()
@@ -145,6 +152,7 @@ class _WriterProfile:
 
 def _profile_writer_thread() -> _WriterProfile:
     """The StepWriter's thread run under a profiler of its own, its CPU time summed."""
+    from rollout_lens.trainer.recorder.sinks import SqlSink
     from rollout_lens.trainer.recorder.writer import StepWriter
 
     found = _WriterProfile()
@@ -163,7 +171,7 @@ def _profile_writer_thread() -> _WriterProfile:
     # a step's own work: preparing it (rollouts read, judged) and writing it (the transaction,
     # its search indexing)
     StepWriter._take = found.timed("prepare", StepWriter._take)  # type: ignore[method-assign]
-    StepWriter._commit = found.timed("commit", StepWriter._commit)  # type: ignore[method-assign]
+    SqlSink._commit = found.timed("commit", SqlSink._commit)  # type: ignore[method-assign]
     return found
 
 
@@ -174,6 +182,76 @@ def _profile_text(profiler: cProfile.Profile, top: int, order: str, only: str = 
     lines = out.getvalue().splitlines()
     start = next(i for i, line in enumerate(lines) if "ncalls" in line)
     return "\n".join(f"  {line}" for line in lines[start:] if line.strip())
+
+
+def _pairs(args: argparse.Namespace, model_path: str, tmp: Path, url: str) -> None:
+    """`args.pairs` paired runs (plain, callback; alternating which goes first), and the
+    figures: the median of the pairs' ratios, the process's CPU a step."""
+    ratios: list[float] = []
+    medians: dict[str, list[float]] = {"plain": [], "callback": []}
+    cpu: dict[str, list[float]] = {"plain": [], "callback": []}
+    for pair in range(args.pairs):
+        arms = ["plain", "callback"] if pair % 2 == 0 else ["callback", "plain"]
+        got: dict[str, float] = {}
+        for arm in arms:
+            times = one_run(
+                model_path, tmp / arm, args.steps, url if arm == "callback" else None, cpu=cpu[arm]
+            )
+            got[arm] = statistics.median(times)
+            medians[arm].append(got[arm])
+        ratios.append(got["callback"] / got["plain"])
+        print(
+            f"pair {pair + 1}: plain {got['plain'] * 1e3:6.1f} ms/step, callback"
+            f" {got['callback'] * 1e3:6.1f} ms/step, ratio {ratios[-1]:.3f}",
+            flush=True,
+        )
+    if not ratios:
+        return
+    ratio = statistics.median(ratios)
+    print(
+        f"\n{args.pairs} pairs of {args.steps} steps ({args.steps - WARMUP} timed each):"
+        f" plain median {statistics.median(medians['plain']) * 1e3:.1f} ms/step,"
+        f" callback {statistics.median(medians['callback']) * 1e3:.1f} ms/step"
+    )
+    print(
+        f"ratio callback/plain: median of pairs {ratio:.3f}"
+        f" (min {min(ratios):.3f}, max {max(ratios):.3f})"
+        f"   (target ≤ {TARGET:.2f}: {'met' if ratio <= TARGET else 'not met'})"
+    )
+    print(
+        "CPU a step, the whole process (the writer's thread included): plain median"
+        f" {statistics.median(cpu['plain']) * 1e3:.1f} ms, callback"
+        f" {statistics.median(cpu['callback']) * 1e3:.1f} ms, ratio"
+        f" {statistics.median(cpu['callback']) / statistics.median(cpu['plain']):.3f}"
+        " (less swayed by the machine's other load than wall time)"
+    )
+
+
+def _profiled(args: argparse.Namespace, model_path: str, tmp: Path, url: str) -> None:
+    """One more pair, the training thread under cProfile, and the writer thread's CPU."""
+    writer = _profile_writer_thread()
+    for arm in ("plain", "callback"):
+        profiler = cProfile.Profile()  # enabled on the training thread only
+        times = one_run(
+            model_path, tmp / f"p-{arm}", args.steps, url if arm == "callback" else None, profiler
+        )
+        print(
+            f"\n== {arm}: {len(times)} steps (median {statistics.median(times) * 1e3:.1f}"
+            " ms) under cProfile, the training thread"
+        )
+        print(_profile_text(profiler, args.top, "tottime"))
+        print(_profile_text(profiler, args.top, "cumulative", "rollout_lens|recorder"))
+    print(
+        f"\n== the callback's writer thread: {writer.cpu * 1e3 / args.steps:.1f} ms of CPU"
+        f" a step ({writer.cpu:.2f} s for {args.steps} steps, creating the run included)"
+    )
+    for name, seconds in writer.parts.items():
+        print(
+            f"  {name}: {len(seconds)} calls, median {statistics.median(seconds) * 1e3:.2f}"
+            f" ms of CPU, {sum(seconds) * 1e3 / len(seconds):.2f} ms mean"
+        )
+    print(_profile_text(writer.profiler, args.top, "tottime"))
+    print(_profile_text(writer.profiler, args.top, "cumulative", "store/|recorder/"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,75 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_dir)
         model_path = str(prebuilt.ensure(prebuilt.TINY, get_settings().models_dir))
         url = f"sqlite:///{tmp / 'lens.db'}"
-        ratios: list[float] = []
-        medians: dict[str, list[float]] = {"plain": [], "callback": []}
-        cpu: dict[str, list[float]] = {"plain": [], "callback": []}
-        for pair in range(args.pairs):
-            arms = ["plain", "callback"] if pair % 2 == 0 else ["callback", "plain"]
-            got: dict[str, float] = {}
-            for arm in arms:
-                times = one_run(
-                    model_path,
-                    tmp / arm,
-                    args.steps,
-                    url if arm == "callback" else None,
-                    cpu=cpu[arm],
-                )
-                got[arm] = statistics.median(times)
-                medians[arm].append(got[arm])
-            ratios.append(got["callback"] / got["plain"])
-            print(
-                f"pair {pair + 1}: plain {got['plain'] * 1e3:6.1f} ms/step, callback"
-                f" {got['callback'] * 1e3:6.1f} ms/step, ratio {ratios[-1]:.3f}",
-                flush=True,
-            )
-        if ratios:
-            ratio = statistics.median(ratios)
-            print(
-                f"\n{args.pairs} pairs of {args.steps} steps ({args.steps - WARMUP} timed each):"
-                f" plain median {statistics.median(medians['plain']) * 1e3:.1f} ms/step,"
-                f" callback {statistics.median(medians['callback']) * 1e3:.1f} ms/step"
-            )
-            print(
-                f"ratio callback/plain: median of pairs {ratio:.3f}"
-                f" (min {min(ratios):.3f}, max {max(ratios):.3f})"
-                f"   (target ≤ {TARGET:.2f}: {'met' if ratio <= TARGET else 'not met'})"
-            )
-            print(
-                "CPU a step, the whole process (the writer's thread included): plain median"
-                f" {statistics.median(cpu['plain']) * 1e3:.1f} ms, callback"
-                f" {statistics.median(cpu['callback']) * 1e3:.1f} ms, ratio"
-                f" {statistics.median(cpu['callback']) / statistics.median(cpu['plain']):.3f}"
-                " (less swayed by the machine's other load than wall time)"
-            )
+        _pairs(args, model_path, tmp, url)
         if args.profile:
-            writer = _profile_writer_thread()
-            for arm in ("plain", "callback"):
-                profiler = cProfile.Profile()  # enabled on the training thread only
-                times = one_run(
-                    model_path,
-                    tmp / f"p-{arm}",
-                    args.steps,
-                    url if arm == "callback" else None,
-                    profiler,
-                )
-                print(
-                    f"\n== {arm}: {len(times)} steps (median {statistics.median(times) * 1e3:.1f}"
-                    " ms) under cProfile, the training thread"
-                )
-                print(_profile_text(profiler, args.top, "tottime"))
-                print(_profile_text(profiler, args.top, "cumulative", "rollout_lens|recorder"))
-            print(
-                f"\n== the callback's writer thread: {writer.cpu * 1e3 / args.steps:.1f} ms of CPU"
-                f" a step ({writer.cpu:.2f} s for {args.steps} steps, creating the run included)"
-            )
-            for name, seconds in writer.parts.items():
-                print(
-                    f"  {name}: {len(seconds)} calls, median {statistics.median(seconds) * 1e3:.2f}"
-                    f" ms of CPU, {sum(seconds) * 1e3 / len(seconds):.2f} ms mean"
-                )
-            print(_profile_text(writer.profiler, args.top, "tottime"))
-            print(_profile_text(writer.profiler, args.top, "cumulative", "store/|recorder/"))
+            _profiled(args, model_path, tmp, url)
     return 0
 
 

@@ -104,6 +104,19 @@ class ControlProbs(Mapping[str, Floats]):
     def measured(self) -> bool:
         return bool(self.array.shape[0])
 
+    def ordered(self, tokens: Sequence[str]) -> np.ndarray:
+        """The [position × token] array with a column per token of `tokens` (a run's order):
+        this one's own array when its tokens are those; a token it does not have is a column
+        of 0.0 (as the store has always written it)."""
+        wanted = tuple(tokens)
+        if wanted == self.tokens:
+            return self.array
+        out = np.zeros((self.array.shape[0], len(wanted)))
+        for k, token in enumerate(wanted):
+            if token in self.tokens:
+                out[:, k] = self.array[:, self.tokens.index(token)]
+        return out
+
     def __getitem__(self, token: str) -> Floats:
         try:
             column: Floats = self.array[:, self.tokens.index(token)]
@@ -146,6 +159,41 @@ class RolloutRecord:
     meta: dict[str, Any] = field(default_factory=dict)
     # Each completion token's text (tokenizer.convert_ids_to_tokens), stored once per run and id.
     tokens: list[str] | None = None
+
+    @classmethod
+    def captured(
+        cls,
+        *,
+        completion_ids: Ids,
+        token_logprobs: Floats,
+        control_probs: ControlProbs,
+        verifier_reward: float,
+        advantage: float,
+    ) -> RolloutRecord:
+        """A rollout as a trainer's capture first has it, on the training thread: its arrays
+        (int64 ids, float64 logprobs and ControlProbs, taken as they are), its reward and
+        advantage; its place in the step, texts and judgement are set later (each checked as
+        it is set)."""
+        record = cls.__new__(cls)
+        record.__dict__.update(
+            group=0,
+            index=0,
+            prompt="",
+            completion="",
+            completion_ids=completion_ids.astype(np.int64, copy=False).reshape(-1),
+            token_logprobs=as_floats(token_logprobs),
+            control_probs=control_probs,
+            vote=None,
+            target=None,
+            verifier_reward=verifier_reward,
+            true_score=None,
+            advantage=advantage,
+            format_valid=None,
+            format_state=None,
+            meta={},
+            tokens=None,
+        )
+        return record
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _ARRAY_FIELDS:

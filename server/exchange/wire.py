@@ -159,15 +159,6 @@ def _ipc(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def _control_rows(r: RolloutRecord, tokens: Sequence[str]) -> Any:
-    """A rollout's control-token probabilities in the run's token order (as the store takes
-    them)."""
-    given = r.control_probs
-    if given.tokens == tuple(tokens):
-        return given.array
-    return [() if (row := given.get(t)) is None else row for t in tokens]
-
-
 @dataclass
 class Encoded:
     """One step's frame and the token ids whose pieces it carries."""
@@ -183,11 +174,32 @@ def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndar
     have from a frame before this one)."""
     tokens = list(control_tokens)
     rollouts = record.rollouts
-    blobs = arrays.encode_rollouts(
-        [r.completion_ids for r in rollouts],
-        [r.token_logprobs for r in rollouts],
-        [_control_rows(r, tokens) for r in rollouts],
+    pieces, rules, has_tokens = _sent_pieces(rollouts)
+    ids = np.fromiter(pieces, dtype=np.int64, count=len(pieces))
+    new = np.setdiff1d(ids, sent, assume_unique=False) if len(ids) else ids
+    table = _rollout_table(rollouts, tokens, rules, has_tokens)
+    new_list = new.tolist()
+    piece_table = pa.table(
+        {"id": new_list, "piece": [pieces[i] for i in new_list]}, schema=PIECES_SCHEMA
     )
+    parts = (_step_table(record, tokens), table, piece_table)
+    raw = b"".join(struct.pack("<Q", len(part)) + part for part in map(_ipc, parts))
+    frame = zstandard.ZstdCompressor(level=_LEVEL, write_content_size=True).compress(raw)
+    n_tokens = sum(len(r.completion_ids) for r in rollouts)
+    decoded = (
+        2 * len(raw)  # the frame, and its step row, pieces and rebuilt texts
+        + _rollouts_bytes(table)
+        + n_tokens * (TOKEN_BYTES + CONTROL_BYTES * len(tokens))
+        + len(new_list) * PIECE_BYTES
+    )
+    return Encoded(frame, new, n_tokens, decoded)
+
+
+def _sent_pieces(
+    rollouts: Sequence[RolloutRecord],
+) -> tuple[dict[int, str], list[int | None], list[bool]]:
+    """The pieces of the rollouts' token ids (id → its text, the first seen), each rollout's
+    text rule (None: its completion travels as text) and whether it has every token's piece."""
     pieces: dict[int, str] = {}
     rules: list[int | None] = []
     has_tokens: list[bool] = []
@@ -202,9 +214,11 @@ def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndar
         rules.append(arrays.pieces_rule(r.completion, texts))
         for token_id, text in zip(r.completion_ids.tolist(), texts, strict=True):
             pieces.setdefault(token_id, text)
-    ids = np.fromiter(pieces, dtype=np.int64, count=len(pieces))
-    new = np.setdiff1d(ids, sent, assume_unique=False) if len(ids) else ids
-    step = pa.table(
+    return pieces, rules, has_tokens
+
+
+def _step_table(record: StepRecord, tokens: list[str]) -> pa.Table:
+    return pa.table(
         {
             "step": [record.step],
             "rollout_step": [record.rollout_step],
@@ -216,8 +230,22 @@ def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndar
             {"version": WIRE_VERSION, "control_tokens": json.dumps(tokens)}
         ),
     )
+
+
+def _rollout_table(
+    rollouts: Sequence[RolloutRecord],
+    tokens: list[str],
+    rules: list[int | None],
+    has_tokens: list[bool],
+) -> pa.Table:
+    """The rollouts' rows: their arrays as the store's blobs (coded for the batch at once)."""
+    blobs = arrays.encode_rollouts(
+        [r.completion_ids for r in rollouts],
+        [r.token_logprobs for r in rollouts],
+        [r.control_probs.ordered(tokens) for r in rollouts],
+    )
     measured_lp = [bool(len(r.token_logprobs)) or not len(r.completion_ids) for r in rollouts]
-    table = pa.table(
+    return pa.table(
         {
             "group": [r.group for r in rollouts],
             "index": [r.index for r in rollouts],
@@ -247,22 +275,6 @@ def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndar
         },
         schema=ROLLOUT_SCHEMA,
     )
-    new_list = new.tolist()
-    piece_table = pa.table(
-        {"id": new_list, "piece": [pieces[i] for i in new_list]}, schema=PIECES_SCHEMA
-    )
-    raw = b"".join(
-        struct.pack("<Q", len(part)) + part for part in map(_ipc, (step, table, piece_table))
-    )
-    frame = zstandard.ZstdCompressor(level=_LEVEL, write_content_size=True).compress(raw)
-    n_tokens = sum(len(r.completion_ids) for r in rollouts)
-    decoded = (
-        2 * len(raw)  # the frame, and its step row, pieces and rebuilt texts
-        + _rollouts_bytes(table)
-        + n_tokens * (TOKEN_BYTES + CONTROL_BYTES * len(tokens))
-        + len(new_list) * PIECE_BYTES
-    )
-    return Encoded(frame, new, n_tokens, decoded)
 
 
 def _finite_items(values: Mapping[str, float | None]) -> Iterable[tuple[str, float | None]]:
@@ -378,6 +390,29 @@ def _decode_frame(
     step_t = _table(parts[0], STEP_SCHEMA, f"{where}.step")
     rollouts_t = _table(parts[1], ROLLOUT_SCHEMA, f"{where}.rollouts")
     pieces_t = _table(parts[2], PIECES_SCHEMA, f"{where}.pieces")
+    _check_version(step_t, where, control_tokens)
+    step = _step_row(step_t, where, decoded, len(parts[0]))
+    _take_rollouts(rollouts_t, where, decoded)
+    pieces = _pieces(pieces_t, f"{where}.pieces", most=_pieced(rollouts_t), decoded=decoded)
+    total = _tokens_within(rollouts_t, where, budget)
+    k = len(control_tokens)
+    decoded.take(
+        total * (TOKEN_BYTES + CONTROL_BYTES * k), f"{where}.rollouts", f"{total:,} tokens"
+    )
+    seen: set[tuple[int, int]] = set()
+    records: list[RolloutRecord] = []
+    needs: list[bool] = []
+    for i, r in enumerate(rollouts_t.to_pylist()):
+        records.append(_rollout(r, f"{where}.rollouts[{i}]", control_tokens, seen))
+        needs.append(bool(r["has_tokens"]))
+    _check_pieced(pieces_t.num_rows, records, needs, f"{where}.pieces")
+    decoded.give(size)  # the frame's bytes: its tables are no longer read
+    step.rollouts = records
+    return Received(step, pieces, needs, total)
+
+
+def _check_version(step_t: pa.Table, where: str, control_tokens: Sequence[str]) -> None:
+    """The frame's wire version, and control tokens that are the run's."""
     meta = step_t.schema.metadata or {}
     if meta.get(b"version") != WIRE_VERSION.encode():
         raise WireInvalid(f"{where}.step", f"wire version {meta.get(b'version')!r}, not 1")
@@ -391,12 +426,17 @@ def _decode_frame(
             f"{len(sent_tokens) if isinstance(sent_tokens, list) else '?'} tokens that are not "
             "the run's (a run's control tokens are fixed when it is created)",
         )
+
+
+def _step_row(step_t: pa.Table, where: str, decoded: Budget, size: int) -> StepRecord:
+    """The frame's one step row (`size` bytes of the frame), checked; its rollouts come
+    apart."""
     if step_t.num_rows != 1:
         raise WireInvalid(f"{where}.step", f"{step_t.num_rows} rows, not 1")
     for name in ("values", "metrics"):  # counted before their names become Python strings
         if sum(len(chunk.keys) for chunk in step_t.column(name).chunks) > MAX_NAMES:
             raise WireInvalid(f"{where}.step.{name}", f"more than {MAX_NAMES} names")
-    decoded.take(len(parts[0]), f"{where}.step", "its step row")
+    decoded.take(size, f"{where}.step", "its step row")
     try:
         row = step_t.to_pylist()[0]
     except (ValueError, OverflowError):  # a time past Python's datetime (year 10000, say)
@@ -405,15 +445,20 @@ def _decode_frame(
     rollout_step = _int(row["rollout_step"], f"{where}.step.rollout_step", low=0)
     if rollout_step > step:
         raise WireInvalid(f"{where}.step.rollout_step", "after its step")
-    values = _series(row["values"], f"{where}.step.values")
-    metrics = _series(row["metrics"], f"{where}.step.metrics")
-    recorded_at = row["recorded_at"]
-    _take_rollouts(rollouts_t, where, decoded)
-    pieces = _pieces(pieces_t, f"{where}.pieces", most=_pieced(rollouts_t), decoded=decoded)
+    return StepRecord(
+        step=step,
+        rollout_step=rollout_step,
+        values=_series(row["values"], f"{where}.step.values"),
+        metrics=_series(row["metrics"], f"{where}.step.metrics"),
+        recorded_at=row["recorded_at"],
+    )
 
-    n_tokens = rollouts_t.column("n_tokens").to_pylist()
+
+def _tokens_within(rollouts_t: pa.Table, where: str, budget: int) -> int:
+    """The frame's token positions, each rollout's and in all within what the request may
+    still hold."""
     total = 0
-    for i, n in enumerate(n_tokens):
+    for i, n in enumerate(rollouts_t.column("n_tokens").to_pylist()):
         _int(n, f"{where}.rollouts[{i}].n_tokens", low=0, high=MAX_TOKENS)
         total += n
     if total > budget:
@@ -421,95 +466,78 @@ def _decode_frame(
             f"{where}.rollouts",
             f"{total:,} tokens: more than this request may hold ({MAX_REQUEST_TOKENS:,} in all)",
         )
-    k = len(control_tokens)
-    decoded.take(
-        total * (TOKEN_BYTES + CONTROL_BYTES * k), f"{where}.rollouts", f"{total:,} tokens"
+    return total
+
+
+def _rollout(
+    r: dict[str, Any], w: str, control_tokens: Sequence[str], seen: set[tuple[int, int]]
+) -> ReceivedRollout:
+    """One received rollout row as the write entity, its arrays decoded (checked) in the
+    entity's orientation; `seen`: the (group, index) of the frame's rollouts before it."""
+    group = _int(r["group"], f"{w}.group", low=0)
+    index = _int(r["index"], f"{w}.index", low=0)
+    if (group, index) in seen:
+        raise WireInvalid(f"{w}.index", f"group {group} has two rollouts #{index}")
+    seen.add((group, index))
+    n, k = r["n_tokens"], len(control_tokens)
+    if r["ids"] is None:
+        raise WireInvalid(f"{w}.ids", "missing")
+    ids = _blob(f"{w}.ids", partial(arrays.decode_ids_checked, r["ids"], n))
+    lp = np.zeros(0)
+    if r["logprobs"] is not None:
+        lp = _blob(f"{w}.logprobs", partial(arrays.decode_logprobs_checked, r["logprobs"], n))
+    control = np.zeros((0, k))
+    if r["control"] is not None:
+        control = _blob(f"{w}.control", partial(arrays.decode_control_checked, r["control"], k, n))
+    rule = r["text_rule"]
+    _check_values(r, w)
+    record = ReceivedRollout(
+        group=group,
+        index=index,
+        prompt=r["prompt"] or "",
+        completion=r["completion"] or "",
+        completion_ids=ids,
+        token_logprobs=lp,
+        control_probs=ControlProbs(list(control_tokens), control),
+        vote=r["vote"],
+        target=r["target"],
+        verifier_reward=r["verifier_reward"],
+        true_score=r["true_score"],
+        advantage=r["advantage"],
+        format_valid=r["format_valid"],
+        format_state=r["format_state"],
+        meta=_meta(r["meta"], f"{w}.meta") if r["meta"] is not None else {},
     )
-    rows = rollouts_t.to_pylist()
-    seen: set[tuple[int, int]] = set()
-    records: list[RolloutRecord] = []
-    needs: list[bool] = []
-    for i, r in enumerate(rows):
-        w = f"{where}.rollouts[{i}]"
-        group = _int(r["group"], f"{w}.group", low=0)
-        index = _int(r["index"], f"{w}.index", low=0)
-        if (group, index) in seen:
-            raise WireInvalid(f"{w}.index", f"group {group} has two rollouts #{index}")
-        seen.add((group, index))
-        n = r["n_tokens"]
-        if r["ids"] is None:
-            raise WireInvalid(f"{w}.ids", "missing")
-        ids = _blob(f"{w}.ids", partial(arrays.decode_ids_checked, r["ids"], n))
-        lp = None
-        if r["logprobs"] is not None:
-            lp = _blob(f"{w}.logprobs", partial(arrays.decode_logprobs_checked, r["logprobs"], n))
-        control = None
-        if r["control"] is not None:
-            control = _blob(
-                f"{w}.control", partial(arrays.decode_control_checked, r["control"], k, n)
+    record.received_sum = r["sum_logprob"]
+    record.text_rule = rule
+    return record
+
+
+def _check_values(r: dict[str, Any], w: str) -> None:
+    """A received rollout's text rule and numbers: what the store cannot take is refused."""
+    rule = r["text_rule"]
+    if rule is not None and (rule < 0 or rule % 8 not in TEXT_RULES or rule // 8 > 2):
+        raise WireInvalid(f"{w}.text_rule", f"no rule {rule}")
+    if rule is not None and not r["has_tokens"]:
+        raise WireInvalid(f"{w}.text_rule", "a text rule without the tokens' pieces")
+    if rule is None and r["completion"] is None:
+        raise WireInvalid(f"{w}.completion", "missing (and no text rule rebuilds it)")
+    for name in ("verifier_reward", "advantage"):
+        value = r[name]
+        if value is None or not math.isfinite(value):
+            raise WireInvalid(
+                f"{w}.{name}", "missing" if value is None else f"{value}: not a finite number"
             )
-        rule = r["text_rule"]
-        if rule is not None and (rule < 0 or rule % 8 not in TEXT_RULES or rule // 8 > 2):
-            raise WireInvalid(f"{w}.text_rule", f"no rule {rule}")
-        if rule is not None and not r["has_tokens"]:
-            raise WireInvalid(f"{w}.text_rule", "a text rule without the tokens' pieces")
-        if rule is None and r["completion"] is None:
-            raise WireInvalid(f"{w}.completion", "missing (and no text rule rebuilds it)")
-        for name in ("verifier_reward", "advantage"):
-            value = r[name]
-            if value is None or not math.isfinite(value):
-                raise WireInvalid(
-                    f"{w}.{name}", "missing" if value is None else f"{value}: not a finite number"
-                )
-        true = r["true_score"]
-        if true is not None and not math.isfinite(true):
-            raise WireInvalid(f"{w}.true_score", f"{true} (send null for unknown)")
-        total_lp = r["sum_logprob"]
-        # -inf is a Σ logprob (a token the policy gave no mass: the store keeps it)
-        if total_lp is not None and (math.isnan(total_lp) or total_lp == math.inf):
-            raise WireInvalid(f"{w}.sum_logprob", f"{total_lp} (send null for unknown)")
-        state = r["format_state"]
-        if state is not None and len(state) > MAX_STATE_CHARS:
-            raise WireInvalid(f"{w}.format_state", f"longer than {MAX_STATE_CHARS} characters")
-        meta_value = _meta(r["meta"], f"{w}.meta") if r["meta"] is not None else {}
-        record = ReceivedRollout(
-            group=group,
-            index=index,
-            prompt=r["prompt"] or "",
-            completion=r["completion"] or "",
-            completion_ids=ids,
-            token_logprobs=lp if lp is not None else np.zeros(0),
-            control_probs=ControlProbs(
-                list(control_tokens), control if control is not None else np.zeros((0, k))
-            ),
-            vote=r["vote"],
-            target=r["target"],
-            verifier_reward=r["verifier_reward"],
-            true_score=true,
-            advantage=r["advantage"],
-            format_valid=r["format_valid"],
-            format_state=state,
-            meta=meta_value,
-        )
-        record.received_sum = r["sum_logprob"]
-        record.text_rule = rule
-        records.append(record)
-        needs.append(bool(r["has_tokens"]))
-    _check_pieced(pieces_t.num_rows, records, needs, f"{where}.pieces")
-    decoded.give(size)  # the frame's bytes: its tables are no longer read
-    return Received(
-        StepRecord(
-            step=step,
-            rollout_step=rollout_step,
-            values=values,
-            rollouts=records,
-            metrics=metrics,
-            recorded_at=recorded_at,
-        ),
-        pieces,
-        needs,
-        total,
-    )
+    true = r["true_score"]
+    if true is not None and not math.isfinite(true):
+        raise WireInvalid(f"{w}.true_score", f"{true} (send null for unknown)")
+    total_lp = r["sum_logprob"]
+    # -inf is a Σ logprob (a token the policy gave no mass: the store keeps it)
+    if total_lp is not None and (math.isnan(total_lp) or total_lp == math.inf):
+        raise WireInvalid(f"{w}.sum_logprob", f"{total_lp} (send null for unknown)")
+    state = r["format_state"]
+    if state is not None and len(state) > MAX_STATE_CHARS:
+        raise WireInvalid(f"{w}.format_state", f"longer than {MAX_STATE_CHARS} characters")
 
 
 def _frame_parts(frame: bytes, size: int, where: str) -> list[bytes]:
@@ -775,6 +803,25 @@ def _blob(where: str, decode: Callable[[], np.ndarray]) -> np.ndarray:
         raise WireInvalid(where, str(exc).split(": ", 1)[-1]) from None
 
 
+def _piece_table(
+    distinct: list[int], texts: dict[int, str], known: Callable[[Sequence[int]], Mapping[int, str]]
+) -> tuple[np.ndarray, int | None]:
+    """Each distinct id's piece (sent in this body, else `known` to the run; None: neither),
+    and the first id with none."""
+    missing = [i for i in distinct if i not in texts]
+    if missing:
+        for token_id, text in known(missing).items():
+            texts.setdefault(token_id, text)
+    table = np.empty(len(distinct), dtype=object)
+    absent: int | None = None
+    for k, token_id in enumerate(distinct):
+        piece = texts.get(token_id)
+        if piece is None and absent is None:
+            absent = token_id
+        table[k] = piece
+    return table, absent
+
+
 def complete_tokens(
     received: Sequence[Received],
     known: Callable[[Sequence[int]], Mapping[int, str]],
@@ -800,17 +847,7 @@ def complete_tokens(
         return
     every = np.concatenate([r.completion_ids for _, _, r in chosen])
     distinct, inverse = np.unique(every, return_inverse=True)
-    missing = [i for i in distinct.tolist() if i not in texts]
-    if missing:
-        for token_id, text in known(missing).items():
-            texts.setdefault(token_id, text)
-    table = np.empty(len(distinct), dtype=object)
-    absent: int | None = None
-    for k, token_id in enumerate(distinct.tolist()):
-        piece = texts.get(token_id)
-        if piece is None and absent is None:
-            absent = token_id
-        table[k] = piece
+    table, absent = _piece_table(distinct.tolist(), texts, known)
     pieces_all = table[inverse]
     chars = np.fromiter((0 if p is None else len(p) for p in table), np.int64, len(table))
     at = 0

@@ -214,10 +214,10 @@ def encode_ids(ids: Sequence[int] | np.ndarray) -> bytes:
     return min(found, key=len)
 
 
-def decode_ids(data: bytes | None) -> list[int]:
-    """Compressed bytes → token ids."""
+def decode_ids(data: bytes | None) -> np.ndarray:
+    """Compressed bytes → token ids (int64, as the write entity holds them)."""
     if not data:
-        return []
+        return np.zeros(0, dtype=np.int64)
     kind = data[0]
     if kind == BIT_LENGTH_CODED:
         values = _decode_bits(data).view(np.int32)
@@ -227,8 +227,7 @@ def decode_ids(data: bytes | None) -> list[int]:
         values = np.frombuffer(_unpack(data[1:]), "<i4")
     else:  # a zstd frame: byte-shuffled int32, as the store wrote ids before
         values = _unshuffle(_unpack(data), "i4")
-    out: list[int] = values.tolist()
-    return out
+    return values.astype(np.int64)
 
 
 def _logprob_blob(codes: np.ndarray) -> bytes:
@@ -241,18 +240,17 @@ def encode_logprobs(logprobs: Sequence[float]) -> bytes:
     return _logprob_blob(_logprob_codes(_floats([logprobs])))
 
 
-def decode_logprobs(data: bytes | None) -> list[float]:
-    """Compressed bytes → per-token logprobs (−inf and NaN as they were written)."""
+def decode_logprobs(data: bytes | None) -> np.ndarray:
+    """Compressed bytes → per-token logprobs, float64 (−inf and NaN as they were written)."""
     if not data:
-        return []
+        return np.zeros(0)
     codes = (
         _decode_bits(data).astype(np.uint16) if _coded(data) else _unshuffle(_unpack(data), "u2")
     )
     values = codes.astype(np.float64) / -LOGPROB_SCALE + 0.0  # + 0.0: no -0.0
     values[codes == _LP_NEG_INF] = -math.inf
     values[codes == _LP_NAN] = math.nan
-    out: list[float] = values.tolist()
-    return out
+    return values
 
 
 def _fit(row: Sequence[float], length: int) -> Sequence[float]:
@@ -350,10 +348,11 @@ def encode_rollouts(
     return out
 
 
-def decode_control(data: bytes | None, n_rows: int) -> list[list[float]]:
-    """Compressed sparse rows → n_rows dense rows (0.0 where nothing was stored)."""
+def decode_control(data: bytes | None, n_rows: int) -> np.ndarray:
+    """Compressed sparse rows of `n_rows` control tokens → [position × token] float64, the
+    write entity's orientation (0.0 where nothing was stored; no rows: not measured)."""
     if not data or n_rows == 0:
-        return [[] for _ in range(n_rows)]
+        return np.zeros((0, n_rows))
     raw = _unpack(data)
     head = np.frombuffer(raw, "<u4", 1 + n_rows, 0)
     length, counts = int(head[0]), head[1:].astype(np.int64)
@@ -363,16 +362,15 @@ def decode_control(data: bytes | None, n_rows: int) -> list[list[float]]:
     codes = _unshuffle(raw[at + 4 * total : at + 6 * total], "u2")
     values = codes.astype(np.float64) / _P_SCALE
     values[codes == _P_NAN] = math.nan
-    dense = np.zeros((n_rows, length), dtype=np.float64)
+    dense = np.zeros((length, n_rows), dtype=np.float64)
     row = np.repeat(np.arange(n_rows), counts)
     if total:
         # positions: the running sum of gaps, restarted at each row's first (an empty row starts
         # where the next one does)
         running = np.cumsum(gaps)
         before = np.concatenate(([0], running))[np.concatenate(([0], np.cumsum(counts)[:-1]))]
-        dense[row, running - np.repeat(before, counts)] = values
-    out: list[list[float]] = dense.tolist()
-    return out
+        dense[running - np.repeat(before, counts), row] = values
+    return dense
 
 
 # --- text --------------------------------------------------------------------------------------
@@ -437,7 +435,7 @@ def completion(
 ) -> str:
     """A stored completion's text: rebuilt from its ids by `rule`, else its stored text."""
     if rule is not None:
-        return rebuild_text(rule, decode_ids(ids), texts)
+        return rebuild_text(rule, decode_ids(ids).tolist(), texts)
     return decode_text(text) if text is not None else ""
 
 

@@ -24,7 +24,7 @@ from rollout_lens.server.core import alerts as rules
 from rollout_lens.server.core import textsafe
 from rollout_lens.server.core.errors import RolloutsTaken, StepOutOfOrder
 from rollout_lens.server.core.prompt_rules import recorded_query
-from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord, disagrees
+from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
 from rollout_lens.server.store import arrays, layout, prompt_rollups, rollups, search
 from rollout_lens.server.store.models import (
@@ -224,6 +224,188 @@ class BulkInsert:
         return cls(single, unnest)
 
 
+class RunTokens:
+    """The run's token texts (id → the piece convert_ids_to_tokens gave, the first one given):
+    what rebuilds a completion's text from its ids; held as a dict and, for ids that fit, as a
+    mask and an array of texts (a step's ids are checked at once)."""
+
+    def __init__(self, conn: Connection, *, run_id: int) -> None:
+        self.run_id = run_id
+        self.texts: dict[int, str] = {
+            token_id: text
+            for token_id, text in conn.execute(
+                select(RunTokenRow.token_id, RunTokenRow.text).where(RunTokenRow.run_id == run_id)
+            )
+        }
+        self._known: np.ndarray | None = None  # the texts' ids as a mask (_known_ids)
+        self._texts: np.ndarray = np.empty(0, dtype=object)  # and their texts, by id
+
+    def add(self, driver: _Driver, conn: Connection, rollouts: Sequence[RolloutRecord]) -> None:
+        """Store the text of each token id not seen before in this run (the first text given
+        for an id is its text): the step's ids checked at once against the ids known."""
+        given = [
+            (r.completion_ids, texts)
+            for r in rollouts
+            if (texts := r.tokens if r.tokens is not None else r.meta.get("tokens"))
+            and len(texts) == len(r.completion_ids)
+        ]
+        if not given:
+            return
+        ids = np.concatenate([np.asarray(i, dtype=np.int64).reshape(-1) for i, _ in given])
+        known = self._known_ids(int(ids.max(initial=0)))
+        inside = (ids >= 0) & (ids < len(known))
+        unseen = np.flatnonzero(~known[np.where(inside, ids, 0)] | ~inside)
+        if not unseen.size:
+            return
+        new_ids, first = np.unique(ids[unseen], return_index=True)
+        at = unseen[first]  # where each new id first appears in the step
+        ends = np.cumsum([len(t) for _, t in given])
+        owner = np.searchsorted(ends, at, side="right")
+        starts = np.concatenate(([0], ends[:-1]))
+        new: dict[int, str] = {}
+        for token_id, rollout, position in zip(
+            new_ids.tolist(), owner.tolist(), (at - starts[owner]).tolist(), strict=True
+        ):
+            if token_id not in self.texts:  # a negative or huge id the mask cannot hold
+                new[token_id] = str(given[rollout][1][position])
+        if new:
+            driver.cursor(conn).insert(
+                driver.insert_tokens,
+                [(self.run_id, i, t) for i, t in new.items()],
+                clean=False,
+            )
+            self.texts.update(new)
+            self._learn(new)
+
+    def _known_ids(self, largest: int) -> np.ndarray:
+        """token id → whether the run has its text, as a mask at least `largest` + 1 long (a
+        vocabulary's ids are below a few hundred thousand; larger ones stay in the dict)."""
+        if self._known is None or (len(self._known) <= largest < MAX_MASK_IDS):
+            size = max(largest + 1, 2 * len(self._known) if self._known is not None else 0)
+            size = min(max(size, 1 << 16), MAX_MASK_IDS)
+            self._known = np.zeros(size, dtype=bool)
+            self._texts = np.empty(size, dtype=object)
+            self._learn(self.texts)
+        return self._known
+
+    def _learn(self, texts: dict[int, str]) -> None:
+        """Token texts into the mask and the text array (ids that fit)."""
+        if self._known is None:
+            return
+        held = [i for i in texts if 0 <= i < len(self._known)]
+        self._known[held] = True
+        self._texts[held] = [texts[i] for i in held]
+
+    def text_rule(self, r: RolloutRecord) -> int | None:
+        """arrays.text_rule of a rollout, its tokens' texts taken from the run's at once."""
+        ids = np.asarray(r.completion_ids, dtype=np.int64).reshape(-1)
+        if not len(ids):
+            return None
+        known = self._known_ids(int(ids.max()))
+        if ids.min() < 0 or ids.max() >= len(known) or not known[ids].all():
+            return arrays.text_rule(r.completion, ids, self.texts)
+        return arrays.pieces_rule(r.completion, self._texts[ids].tolist())
+
+
+class Interned:
+    """Each distinct prompt text and facts dict stored once, by sha256; the ids of those this
+    run wrote or looked up, so that a run's few distinct prompts are looked up once."""
+
+    def __init__(self) -> None:
+        self.prompt_ids: dict[str, int] = {}
+        self.prompt_shas: dict[str, str] = {}
+        self.facts_ids: dict[str, int] = {}
+
+    def prompt_sha(self, text: str) -> str:
+        """sha256 of a prompt, remembered by text (a dict lookup costs far less than hashing a
+        64-tool listing again for every rollout of every step)."""
+        digest = self.prompt_shas.get(text)
+        if digest is None:
+            if len(self.prompt_shas) > 4096:
+                self.prompt_shas.clear()
+            digest = self.prompt_shas[text] = sha256_text(text)
+        return digest
+
+    def intern(
+        self,
+        conn: Connection,
+        model: Any,
+        column: str,
+        cache: dict[str, int],
+        wanted: dict[str, Any],
+    ) -> dict[str, int]:
+        """Store each distinct prompt text (or facts dict) once, by sha256; return the cache of
+        sha256 → id (a run's few distinct prompts are looked up once, not every step)."""
+        missing = {h: v for h, v in wanted.items() if h not in cache}
+        if missing:
+            inserted = conn.execute(
+                upsert_insert(conn, model)
+                .values([{"sha256": h, column: v} for h, v in missing.items()])
+                .on_conflict_do_nothing(index_elements=["sha256"])
+                .returning(model.id, model.sha256)
+            ).all()
+            if model is PromptRow:  # new prompts become searchable (not those another run added)
+                search.index_prompts(conn, [(row_id, missing[h]) for row_id, h in inserted])
+            rows = conn.execute(select(model.sha256, model.id).where(model.sha256.in_(missing)))
+            cache.update({digest: row_id for digest, row_id in rows})
+        return cache
+
+
+class Retention:
+    """Which rollouts keep their token arrays: the newest are kept until the next arrive, then
+    dropped unless a reason to keep them was found (every N steps, the first step, an
+    alert)."""
+
+    def __init__(self, conn: Connection, *, run_id: int, every: int | None, resumed: bool) -> None:
+        self.run_id = run_id
+        self.every = every
+        self.first_step: int | None = conn.scalar(
+            select(StepRow.step).where(StepRow.run_id == run_id).order_by(StepRow.step).limit(1)
+        )
+        self.newest: tuple[int, bool] | None = None  # (its rollout step, kept)
+        if resumed:
+            newest = conn.execute(
+                select(StepRow.step, StepRow.rollout_step)
+                .where(StepRow.run_id == run_id)
+                .order_by(StepRow.step.desc())
+                .limit(1)
+            ).one()
+            fired = conn.scalar(
+                select(AlertRow.id).where(AlertRow.run_id == run_id, AlertRow.step == newest[0])
+            )
+            self.newest = (newest[1], self.keeps(newest[1], fired is not None))
+
+    def keeps(self, step: int, fired: bool) -> bool:
+        """Whether retention keeps the token arrays of the rollouts generated at `step`."""
+        every = self.every
+        return every is None or fired or step % every == 0 or step == self.first_step
+
+    def step(self, conn: Connection, driver: _Driver, record: StepRecord, fired: bool) -> None:
+        """A step written: its new rollouts retire the newest ones before them (their token
+        arrays dropped unless kept); whether its own are kept."""
+        if record.rollouts:
+            self._retire_newest(conn, driver, record.rollout_step)
+        if self.first_step is None or record.step < self.first_step:
+            self.first_step = record.step
+        keep = self.keeps(record.rollout_step, fired)
+        if self.newest is None or self.newest[0] != record.rollout_step:
+            self.newest = (record.rollout_step, keep)
+        else:
+            self.newest = (self.newest[0], self.newest[1] or keep)
+
+    def _retire_newest(self, conn: Connection, driver: _Driver, rollout_step: int) -> None:
+        """New rollouts arrived: drop the previous newest ones' token arrays unless kept."""
+        if self.newest is None or self.newest[0] == rollout_step or self.newest[1]:
+            return
+        old = self.newest[0]
+        driver.cursor(conn).execute(driver.drop_arrays, (self.run_id, old))
+        conn.execute(
+            update(StepRow)
+            .where(StepRow.run_id == self.run_id, StepRow.rollout_step == old)
+            .values(tokens_kept=False)
+        )
+
+
 class Recorder:
     """Writes the steps of one run (see the module docstring)."""
 
@@ -239,7 +421,6 @@ class Recorder:
         self.series_names: list[str] = list(run.series_names or [])
         self.known_series = set(self.series_names)  # membership at any number of names
         self.refused_series = 0  # names past MAX_SERIES_PER_RUN, not recorded
-        self.keep_every: int | None = run.keep_tokens_every or None
         self.buckets = rollups.OpenBuckets(conn, run_id=run_id, n_series=len(self.series_names))
         self.prompts = prompt_rollups.PromptRollup(conn, run_id=run_id)
         history = conn.execute(
@@ -256,42 +437,22 @@ class Recorder:
             self.recent.append((values["true_accuracy"], values["reward_mean"]))
             self.watch.feed(row[0], values)
         self.last_step: int | None = history[-1][0] if history else None
-        self.first_step: int | None = conn.scalar(
-            select(StepRow.step).where(StepRow.run_id == run_id).order_by(StepRow.step).limit(1)
+        self.retention = Retention(
+            conn, run_id=run_id, every=run.keep_tokens_every or None, resumed=bool(history)
         )
-        # Retention: the newest rollouts are kept until the next arrive; then dropped unless a
-        # reason to keep them was found (every N steps, the first step, an alert).
-        self.newest: tuple[int, bool] | None = None
-        if history:
-            newest = conn.execute(
-                select(StepRow.step, StepRow.rollout_step)
-                .where(StepRow.run_id == run_id)
-                .order_by(StepRow.step.desc())
-                .limit(1)
-            ).one()
-            fired = conn.scalar(
-                select(AlertRow.id).where(AlertRow.run_id == run_id, AlertRow.step == newest[0])
-            )
-            self.newest = (newest[1], self._keeps(newest[1], fired is not None))
-        # The run's token texts: what rebuilds a completion's text from its ids.
-        self.token_texts: dict[int, str] = {
-            token_id: text
-            for token_id, text in conn.execute(
-                select(RunTokenRow.token_id, RunTokenRow.text).where(RunTokenRow.run_id == run_id)
-            )
-        }
+        self.tokens = RunTokens(conn, run_id=run_id)
+        self.interned = Interned()
         self.written = 0  # steps this recorder wrote (SQLite's statistics are refreshed by it)
-        self.prompt_ids: dict[str, int] = {}
-        self.prompt_shas: dict[str, str] = {}
-        self.facts_ids: dict[str, int] = {}
         self.index_seconds = 0.0  # the last index_written's (the scale bench prints it)
-        self._known: np.ndarray | None = None  # token_texts' ids as a mask (_known_ids)
-        self._texts: np.ndarray = np.empty(0, dtype=object)  # and their texts, by id
         # Rollouts written but not yet searchable: indexed right after their step's commit
         # (write_batch), or, after a crash between the two, when the next recorder starts.
         self.unindexed: list[tuple[int, str]] = search.unindexed(
-            conn, run_id=run_id, token_texts=self.token_texts
+            conn, run_id=run_id, token_texts=self.tokens.texts
         )
+
+    @property
+    def token_texts(self) -> dict[int, str]:
+        return self.tokens.texts
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -313,29 +474,12 @@ class Recorder:
         if record.rollouts and self._has_rollouts(conn, record.rollout_step):
             raise RolloutsTaken(step=step, rollout_step=record.rollout_step)  # and this too
         values = {name: finite(record.values.get(name)) for name in STEP_SERIES}
-        metrics = {name: finite(value) for name, value in record.metrics.items()}
-        new_names = [n for n in metrics if n not in self.known_series]
-        room = max(0, MAX_SERIES_PER_RUN - len(self.series_names))
-        if len(new_names) > room:
-            self._refuse_series(step, new_names[room:], metrics)
-            new_names = new_names[:room]
-        self.series_names += new_names
-        self.known_series.update(new_names)
+        metrics, new_names = self._series(step, record.metrics)
         self.buckets.add(
             conn, step, [*values.values(), *(metrics.get(n) for n in self.series_names)]
         )
-
         fired = self.watch.push(step, values | {n: v for n, v in metrics.items() if v is not None})
-        if record.rollouts:
-            self._retire_newest(conn, record.rollout_step)
-        if self.first_step is None or step < self.first_step:
-            self.first_step = step
-        keep = self._keeps(record.rollout_step, bool(fired))
-        if self.newest is None or self.newest[0] != record.rollout_step:
-            self.newest = (record.rollout_step, keep)
-        else:
-            self.newest = (self.newest[0], self.newest[1] or keep)
-
+        self.retention.step(conn, self.driver, record, bool(fired))
         driver = self.driver
         cursor = driver.cursor(conn)
         cursor.execute(
@@ -365,7 +509,31 @@ class Recorder:
         self.recent.append((values["true_accuracy"], values["reward_mean"]))
         self.last_step = step
         self.written += 1
-        if not driver.postgres and (
+        self._update_run(
+            conn, cursor, step, device_seconds, device_seconds / 3600.0 * price_per_hour
+        )
+        return fired
+
+    def _series(
+        self, step: int, given: dict[str, float | None]
+    ) -> tuple[dict[str, float | None], list[str]]:
+        """The step's generic series (finite or None) within the run's cap, and the names new to
+        the run (added to its series names)."""
+        metrics = {name: finite(value) for name, value in given.items()}
+        new_names = [n for n in metrics if n not in self.known_series]
+        room = max(0, MAX_SERIES_PER_RUN - len(self.series_names))
+        if len(new_names) > room:
+            self._refuse_series(step, new_names[room:], metrics)
+            new_names = new_names[:room]
+        self.series_names += new_names
+        self.known_series.update(new_names)
+        return metrics, new_names
+
+    def _update_run(
+        self, conn: Connection, cursor: Any, step: int, device_seconds: float, cost: float
+    ) -> None:
+        """The run's summary columns after a step (and SQLite's statistics, now and then)."""
+        if not self.driver.postgres and (
             self.written in ANALYZE_AT or self.written % ANALYZE_EVERY == 0
         ):
             # SQLite plans by the statistics ANALYZE keeps (PostgreSQL's autovacuum keeps its
@@ -373,19 +541,18 @@ class Recorder:
             conn.exec_driver_sql(f"PRAGMA analysis_limit = {ANALYZE_ROWS}")
             conn.exec_driver_sql("ANALYZE rollouts")
         cursor.execute(
-            driver.update_run,
+            self.driver.update_run,
             (
                 step,
                 _mean(a for a, _ in self.recent),
                 _mean(r for _, r in self.recent),
-                driver.time(utcnow()),
+                self.driver.time(utcnow()),
                 step,
                 device_seconds,
-                device_seconds / 3600.0 * price_per_hour,
+                cost,
                 self.run_id,
             ),
         )
-        return fired
 
     def _refuse_series(self, step: int, names: Sequence[str], metrics: dict[str, Any]) -> None:
         """Names past the run's cap are not recorded (the rest of the step is), with a warning
@@ -414,23 +581,6 @@ class Recorder:
         )
         return found is not None
 
-    def _keeps(self, step: int, fired: bool) -> bool:
-        """Whether retention keeps the token arrays of the rollouts generated at `step`."""
-        every = self.keep_every
-        return every is None or fired or step % every == 0 or step == self.first_step
-
-    def _retire_newest(self, conn: Connection, rollout_step: int) -> None:
-        """New rollouts arrived: drop the previous newest ones' token arrays unless kept."""
-        if self.newest is None or self.newest[0] == rollout_step or self.newest[1]:
-            return
-        old = self.newest[0]
-        self.driver.cursor(conn).execute(self.driver.drop_arrays, (self.run_id, old))
-        conn.execute(
-            update(StepRow)
-            .where(StepRow.run_id == self.run_id, StepRow.rollout_step == old)
-            .values(tokens_kept=False)
-        )
-
     # -- rollouts ------------------------------------------------------------------------------
 
     def add_rollouts(
@@ -446,55 +596,25 @@ class Recorder:
         `index`: searchable in this transaction, else at the next `index` call."""
         if not rollouts:
             return
-        prompts = [self._prompt_sha(r.prompt) for r in rollouts]
-        prompt_ids = self._intern(
+        interned = self.interned
+        prompts = [interned.prompt_sha(r.prompt) for r in rollouts]
+        prompt_ids = interned.intern(
             conn,
             PromptRow,
             "text",
-            self.prompt_ids,
+            interned.prompt_ids,
             dict(zip(prompts, (r.prompt for r in rollouts), strict=True)),
         )
-        facts, own = _split_meta(rollouts)
-        by_object: dict[int, str] = {}  # a group's rollouts share one facts dict: hash it once
-        digests: list[str | None] = []
-        for f in facts:
-            if f and id(f) not in by_object:
-                by_object[id(f)] = sha256_text(canonical_json(f))
-            digests.append(by_object[id(f)] if f else None)
-        facts_ids = self._intern(
-            conn,
-            FactsRow,
-            "data",
-            self.facts_ids,
-            {d: f for d, f in zip(digests, facts, strict=True) if d},
-        )
-        self._add_tokens(conn, rollouts)
-        rules = [self._text_rule(r) for r in rollouts]
+        facts_ids, digests, own = self._facts(conn, rollouts)
+        self.tokens.add(self.driver, conn, rollouts)
+        rules = [self.tokens.text_rule(r) for r in rollouts]
         driver = self.driver
         cursor = cursor or driver.cursor(conn)
         cursor.insert(
             driver.insert_rollouts,
             [
-                (
-                    self.run_id,
-                    step,
-                    r.group,
-                    r.index,
-                    prompt_ids[p],
-                    r.target,
-                    r.vote,
-                    float(r.verifier_reward),
-                    finite(r.true_score),
-                    float(r.advantage),
-                    _not_nan(r.sum_logprob),
-                    None if r.format_valid is None else bool(r.format_valid),
-                    r.format_state,
-                    disagrees(r.verifier_reward, r.true_score),
-                    # no ids for a text (an import of text alone): its length is not known
-                    len(r.completion_ids) if len(r.completion_ids) or not r.completion else None,
-                    rule,
-                    facts_ids[d] if d else None,
-                    json_text(o) if o else None,  # text on both (PostgreSQL casts it)
+                _rollout_row(
+                    self.run_id, step, r, prompt_ids[p], facts_ids[d] if d else None, o, rule
                 )
                 for r, p, d, o, rule in zip(rollouts, prompts, digests, own, rules, strict=True)
             ],
@@ -506,7 +626,7 @@ class Recorder:
         blobs = arrays.encode_rollouts(
             [r.completion_ids for r in rollouts],
             [r.token_logprobs for r in rollouts],
-            [_control(r, ctrl) for r in rollouts],
+            [r.control_probs.ordered(ctrl) for r in rollouts],
         )
         cursor.insert(
             driver.insert_data,
@@ -523,111 +643,65 @@ class Recorder:
         if index:
             self.index(conn)
 
+    def _facts(
+        self, conn: Connection, rollouts: Sequence[RolloutRecord]
+    ) -> tuple[dict[str, int], list[str | None], list[dict[str, Any]]]:
+        """The rollouts' shared facts stored once (sha256 → id), each rollout's facts digest
+        (None: none) and the meta of its own."""
+        facts, own = _split_meta(rollouts)
+        by_object: dict[int, str] = {}  # a group's rollouts share one facts dict: hash it once
+        digests: list[str | None] = []
+        for f in facts:
+            if f and id(f) not in by_object:
+                by_object[id(f)] = sha256_text(canonical_json(f))
+            digests.append(by_object[id(f)] if f else None)
+        facts_ids = self.interned.intern(
+            conn,
+            FactsRow,
+            "data",
+            self.interned.facts_ids,
+            {d: f for d, f in zip(digests, facts, strict=True) if d},
+        )
+        return facts_ids, digests, own
+
     def index(self, conn: Connection) -> None:
         """Make the rollouts written so far searchable (in the caller's transaction)."""
         if self.unindexed:
             search.index_rollouts(conn, run_id=self.run_id, rows=self.unindexed)
             self.unindexed = []
 
-    def _prompt_sha(self, text: str) -> str:
-        """sha256 of a prompt, remembered by text (a dict lookup costs far less than hashing a
-        64-tool listing again for every rollout of every step)."""
-        digest = self.prompt_shas.get(text)
-        if digest is None:
-            if len(self.prompt_shas) > 4096:
-                self.prompt_shas.clear()
-            digest = self.prompt_shas[text] = sha256_text(text)
-        return digest
 
-    def _intern(
-        self,
-        conn: Connection,
-        model: Any,
-        column: str,
-        cache: dict[str, int],
-        wanted: dict[str, Any],
-    ) -> dict[str, int]:
-        """Store each distinct prompt text (or facts dict) once, by sha256; return the cache of
-        sha256 → id (a run's few distinct prompts are looked up once, not every step)."""
-        missing = {h: v for h, v in wanted.items() if h not in cache}
-        if missing:
-            inserted = conn.execute(
-                upsert_insert(conn, model)
-                .values([{"sha256": h, column: v} for h, v in missing.items()])
-                .on_conflict_do_nothing(index_elements=["sha256"])
-                .returning(model.id, model.sha256)
-            ).all()
-            if model is PromptRow:  # new prompts become searchable (not those another run added)
-                search.index_prompts(conn, [(row_id, missing[h]) for row_id, h in inserted])
-            rows = conn.execute(select(model.sha256, model.id).where(model.sha256.in_(missing)))
-            cache.update({digest: row_id for digest, row_id in rows})
-        return cache
-
-    def _add_tokens(self, conn: Connection, rollouts: Sequence[RolloutRecord]) -> None:
-        """Store the text of each token id not seen before in this run (the first text given
-        for an id is its text): the step's ids checked at once against the ids known."""
-        given = [
-            (r.completion_ids, texts)
-            for r in rollouts
-            if (texts := r.tokens if r.tokens is not None else r.meta.get("tokens"))
-            and len(texts) == len(r.completion_ids)
-        ]
-        if not given:
-            return
-        ids = np.concatenate([np.asarray(i, dtype=np.int64).reshape(-1) for i, _ in given])
-        known = self._known_ids(int(ids.max(initial=0)))
-        inside = (ids >= 0) & (ids < len(known))
-        unseen = np.flatnonzero(~known[np.where(inside, ids, 0)] | ~inside)
-        if not unseen.size:
-            return
-        new_ids, first = np.unique(ids[unseen], return_index=True)
-        at = unseen[first]  # where each new id first appears in the step
-        ends = np.cumsum([len(t) for _, t in given])
-        owner = np.searchsorted(ends, at, side="right")
-        starts = np.concatenate(([0], ends[:-1]))
-        new: dict[int, str] = {}
-        for token_id, rollout, position in zip(
-            new_ids.tolist(), owner.tolist(), (at - starts[owner]).tolist(), strict=True
-        ):
-            if token_id not in self.token_texts:  # a negative or huge id the mask cannot hold
-                new[token_id] = str(given[rollout][1][position])
-        if new:
-            self.driver.cursor(conn).insert(
-                self.driver.insert_tokens,
-                [(self.run_id, i, t) for i, t in new.items()],
-                clean=False,
-            )
-            self.token_texts.update(new)
-            self._learn(new)
-
-    def _known_ids(self, largest: int) -> np.ndarray:
-        """token id → whether the run has its text, as a mask at least `largest` + 1 long (a
-        vocabulary's ids are below a few hundred thousand; larger ones stay in the dict)."""
-        if self._known is None or (len(self._known) <= largest < MAX_MASK_IDS):
-            size = max(largest + 1, 2 * len(self._known) if self._known is not None else 0)
-            size = min(max(size, 1 << 16), MAX_MASK_IDS)
-            self._known = np.zeros(size, dtype=bool)
-            self._texts = np.empty(size, dtype=object)
-            self._learn(self.token_texts)
-        return self._known
-
-    def _learn(self, texts: dict[int, str]) -> None:
-        """Token texts into the mask and the text array (ids that fit)."""
-        if self._known is None:
-            return
-        held = [i for i in texts if 0 <= i < len(self._known)]
-        self._known[held] = True
-        self._texts[held] = [texts[i] for i in held]
-
-    def _text_rule(self, r: RolloutRecord) -> int | None:
-        """arrays.text_rule of a rollout, its tokens' texts taken from the run's at once."""
-        ids = np.asarray(r.completion_ids, dtype=np.int64).reshape(-1)
-        if not len(ids):
-            return None
-        known = self._known_ids(int(ids.max()))
-        if ids.min() < 0 or ids.max() >= len(known) or not known[ids].all():
-            return arrays.text_rule(r.completion, ids, self.token_texts)
-        return arrays.pieces_rule(r.completion, self._texts[ids].tolist())
+def _rollout_row(
+    run_id: int,
+    step: int,
+    r: RolloutRecord,
+    prompt_id: int,
+    facts_id: int | None,
+    own: dict[str, Any],
+    rule: int | None,
+) -> tuple[Any, ...]:
+    """A rollout's row of the rollouts table (its arrays go to rollout_data apart)."""
+    return (
+        run_id,
+        step,
+        r.group,
+        r.index,
+        prompt_id,
+        r.target,
+        r.vote,
+        float(r.verifier_reward),
+        finite(r.true_score),
+        float(r.advantage),
+        _not_nan(r.sum_logprob),
+        None if r.format_valid is None else bool(r.format_valid),
+        r.format_state,
+        disagrees(r.verifier_reward, r.true_score),
+        # no ids for a text (an import of text alone): its length is not known
+        len(r.completion_ids) if len(r.completion_ids) or not r.completion else None,
+        rule,
+        facts_id,
+        json_text(own) if own else None,  # text on both (PostgreSQL casts it)
+    )
 
 
 def _groups(
@@ -672,16 +746,6 @@ def _split_meta(
             facts[i] = group_facts
             own[i] = {k: v for k, v in meta.items() if k not in shared}
     return facts, own
-
-
-def _control(r: RolloutRecord, tokens: Sequence[str]) -> Any:
-    """A rollout's control-token probabilities in the run's token order: its [position ×
-    token] array as it is when its tokens are the run's, else a row per run token (() for a
-    token it does not have)."""
-    given = r.control_probs
-    if isinstance(given, ControlProbs) and given.tokens == tuple(tokens):
-        return given.array
-    return [() if (row := given.get(t)) is None else row for t in tokens]
 
 
 def _not_nan(value: float | None) -> float | None:

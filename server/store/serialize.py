@@ -27,7 +27,7 @@ def completion_text(rollout: RolloutRow, ids: Sequence[int], token_texts: Mappin
 
 def completion_ids(rollout: RolloutRow) -> list[int]:
     """A rollout's token ids (empty when none were recorded)."""
-    return arrays.decode_ids(rollout.data.ids) if rollout.data is not None else []
+    return arrays.decode_ids(rollout.data.ids).tolist() if rollout.data is not None else []
 
 
 def token_pieces(ids: Sequence[int], token_texts: Mapping[int, str]) -> list[str] | None:
@@ -62,8 +62,8 @@ def read_rollout(
     `token_texts` (store.token_texts) gives each completion token's stored piece: it must hold
     every id of a rollout whose text is rebuilt from its ids. When every id has one,
     `token_pieces` lists them and `tokens` is each token's text (shown_tokens); else both are
-    None. Where retention dropped the per-token logprobs and control-token
-    probabilities, `tokens_kept` is False and those arrays are empty (the ids stay).
+    None. Where retention dropped the per-token logprobs and control-token probabilities,
+    `tokens_kept` is False and those arrays are empty (the ids stay).
 
     With `max_tokens` only the first max_tokens positions of the per-token arrays are read (a
     page's view of a long completion: a window) and `tokens_total` says how many there are.
@@ -112,16 +112,12 @@ def per_token(
     rollout: RolloutRow, ids: Sequence[int], control_tokens: Sequence[str], max_tokens: int | None
 ) -> tuple[Ids, Floats, ControlProbs]:
     """A rollout's per-token arrays as the view holds them — ids int64, logprobs float64 and
-    control-token probabilities [position × token] — from what the store's decoders return,
-    cut to the first `max_tokens` positions: the one place the decoders' shapes meet the view's
-    (retention dropped the logprobs and control-token probabilities: empty)."""
+    control-token probabilities [position × token], as the store's decoders return them — cut
+    to the first `max_tokens` positions (retention dropped the logprobs and control-token
+    probabilities: empty)."""
     data = rollout.data if rollout.tokens_kept else None
-    logprobs = np.asarray(arrays.decode_logprobs(data.logprobs) if data else (), np.float64)
-    rows = arrays.decode_control(data.control, len(control_tokens)) if data else []
-    # the decoders give a row by control token: the view's orientation is by position
-    control = np.asarray(rows, dtype=np.float64).T if len(rows) and len(rows[0]) else None
-    if control is None:
-        control = np.zeros((0, len(control_tokens)))
+    logprobs = arrays.decode_logprobs(data.logprobs if data else None)
+    control = arrays.decode_control(data.control if data else None, len(control_tokens))
     if max_tokens is not None:
         logprobs, control = logprobs[:max_tokens], control[:max_tokens]
     return np.asarray(ids, dtype=np.int64), logprobs, ControlProbs(control_tokens, control)

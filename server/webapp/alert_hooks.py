@@ -6,7 +6,7 @@ receiver never slows recording). Each alert is claimed first (`notify_state` NUL
 one UPDATE that only one dashboard process wins), so it is sent at most once however many web
 processes run; then it is POSTed to every URL as a Slack-compatible JSON body (`text` in Slack's
 mrkdwn, with the run, kind, step, message and links beside it as fields of their own), retried
-with backoff (RETRY_SECONDS) on a connection error, a 429 or a 5xx, and marked `sent` or
+with backoff (ATTEMPTS) on a connection error, a 429 or a 5xx, and marked `sent` or
 `failed` with the reason (`notify_error`), which the run page shows.
 """
 
@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
+from rollout_lens.server.core.retry import Backoff, retry
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import AlertRow, RunRow
 from rollout_lens.server.webapp.pages.page_context import alert_rollouts
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     import httpx
 
 POLL_SECONDS = 2.0
-RETRY_SECONDS = (0.5, 1.0, 2.0, 4.0, 8.0)  # waits between the attempts at one URL
+ATTEMPTS = 6  # at one URL, a Backoff's 0.5, 1, 2, 4 and 8 s apart
 BATCH = 50
 log = logging.getLogger(__name__)
 
@@ -90,25 +91,35 @@ def _claim(factory: sessionmaker[Session]) -> list[tuple[AlertRow, RunRow]]:
         return [(alert, run) for alert, run in rows]
 
 
+class _Undelivered(Exception):
+    """An attempt at one URL that may succeed if tried again (a connection error, 429, 5xx)."""
+
+
 def _send(
     client: httpx.Client, url: str, body: dict[str, Any], sleep: Any = time.sleep
 ) -> str | None:
-    """POST `body` to `url`, retried with backoff; None when delivered, else why not."""
-    why = "not tried"
-    for attempt in range(len(RETRY_SECONDS) + 1):
-        if attempt:
-            sleep(RETRY_SECONDS[attempt - 1])
+    """POST `body` to `url`, retried with backoff (ATTEMPTS); None when delivered, else
+    why not."""
+
+    def attempt() -> str | None:
         try:
             response = client.post(url, json=body)
         except Exception as exc:  # noqa: BLE001 - httpx.HTTPError and kin: said, and retried
-            why = f"{type(exc).__name__}: {exc}"
-            continue
+            raise _Undelivered(f"{type(exc).__name__}: {exc}") from exc
         if response.status_code < 300:
             return None
         why = f"HTTP {response.status_code} {response.reason_phrase}"
         if response.status_code != 429 and response.status_code < 500:
             return why  # the receiver refuses it: asking again changes nothing
-    return f"{why} (after {len(RETRY_SECONDS) + 1} attempts)"
+        raise _Undelivered(why)
+
+    backoff = Backoff(tries=ATTEMPTS)
+    try:
+        return retry(
+            attempt, backoff=backoff, retryable=lambda e: isinstance(e, _Undelivered), sleep=sleep
+        )
+    except _Undelivered as exc:
+        return f"{exc} (after {backoff.attempts} attempts)"
 
 
 def deliver_waiting(factory: sessionmaker[Session], urls: list[str], base_url: str) -> int:

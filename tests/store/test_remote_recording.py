@@ -399,7 +399,10 @@ def test_a_buffer_past_its_budget_drops_and_the_run_says_so(
             writer.put(_step(step))  # the dashboard is away: the buffer fills past its budget
         time.sleep(1.0)
         proxy.start()
-        until(lambda: writer.run_id is not None and not writer._buffer, "the run and its steps")
+        until(
+            lambda: writer.run_id is not None and not writer.backlog.pending,
+            "the run and its steps",
+        )
         assert writer.close(timeout=30)
     finally:
         proxy.close()

@@ -131,12 +131,12 @@ def _assert_oracle(kept: list[Any], oracle: list[list[dict[str, Any]]]) -> int:
     for generation, truth in zip(kept, oracle, strict=True):
         assert len(generation.rollouts) == len(truth)
         for r, t in zip(generation.rollouts, truth, strict=True):
-            assert r["ids"] == t["ids"]
+            assert r.record.completion_ids.tolist() == t["ids"]
             model = [True] * len(t["ids"]) if t["mask"] is None else [v == 1 for v in t["mask"]]
             expected = [lp if m else 0.0 for lp, m in zip(t["logprobs"], model, strict=True)]
-            assert r["logprobs"] == pytest.approx(expected, rel=REL, abs=ABS)
-            # both probes hand [position × token] arrays (a list of rows by token is read too)
-            rows = r["control"].T if isinstance(r["control"], np.ndarray) else r["control"]
+            assert r.record.token_logprobs.tolist() == pytest.approx(expected, rel=REL, abs=ABS)
+            # the write entity's [position × token] array, as both probes hand it
+            rows = r.record.control_probs.array.T
             assert len(rows) == len(t["control"])
             for got, want in zip(rows, t["control"], strict=True):
                 want = [p if m else 0.0 for p, m in zip(want, model, strict=True)]
@@ -172,11 +172,13 @@ def test_generate_both_readings_agree_with_the_pre_step_model(
     assert _assert_oracle(generate_kept, oracle) == 8
     (record,) = generate.sink.records  # the generate reading's records, prepared
     assert [r.token_logprobs.tolist() for r in record.rollouts] == [
-        list(r["logprobs"]) for r in generate_kept[0].rollouts
+        r.record.token_logprobs.tolist() for r in generate_kept[0].rollouts
     ]
     for a, b in zip(forward_kept[0].rollouts, generate_kept[0].rollouts, strict=True):
-        assert a["logprobs"] == pytest.approx(b["logprobs"], rel=REL, abs=ABS)
-        assert a["control"].T[0] == pytest.approx(b["control"].T[0], rel=REL, abs=ABS)
+        a_lp, b_lp = a.record.token_logprobs.tolist(), b.record.token_logprobs.tolist()
+        assert a_lp == pytest.approx(b_lp, rel=REL, abs=ABS)
+        a_c, b_c = a.record.control_probs.array.T[0], b.record.control_probs.array.T[0]
+        assert a_c.tolist() == pytest.approx(b_c.tolist(), rel=REL, abs=ABS)
     # what was stored: the values, Σ logprob known, and the note saying where they were read
     run, rows, _, _ = load_run(forward_url, 1)
     assert run.control_tokens == [EOT]
@@ -291,6 +293,7 @@ def test_vllm_by_its_configuration(user_model_dir: Path, tmp_path: Path) -> None
     the capture's decision on a trainer configured for vLLM: read off the scoring pass (TRL's
     old-policy pass, which vLLM's importance-sampling correction always computes), with the note;
     and with the generate reading, nothing recorded but vLLM's own sampling logprobs."""
+    from rollout_lens.trainer.recorder import capture as capture_module
     from rollout_lens.trainer.recorder.capture import RolloutCapture
 
     trainer = _trainer(user_model_dir, tmp_path / "out")
@@ -312,11 +315,11 @@ def test_vllm_by_its_configuration(user_model_dir: Path, tmp_path: Path) -> None
         reading="generate",
     )
     fallback.trainer.use_vllm = True
-    assert fallback._can_probe() is False
+    assert capture_module.can_probe(fallback.trainer, fallback.notes) is False
     assert "control-token probabilities are not recorded" in fallback.notes[-1]
     sampled = torch.tensor([[-0.5, -1.0, 0.0]])
     output = {"sampling_per_token_logps": sampled}
-    logprobs, control = fallback._logprobs(output, [[4, 5]])  # float64 arrays, as probes give
+    logprobs, control = fallback._gen.logprobs(fallback, output, [[4, 5]])  # float64 arrays
     assert [row.tolist() for row in logprobs] == [[-0.5, -1.0]] and control is None
 
 
@@ -347,8 +350,9 @@ def test_tool_calling_run_is_read_off_the_scoring_pass(
     assert n == _assert_oracle(generate_kept, oracle) == len(oracle[0])
     assert any(0 in t["mask"] for t in oracle[0])  # some rollouts called a tool
     for a, b in zip(forward_kept[0].rollouts, generate_kept[0].rollouts, strict=True):
-        assert a["prompt_ids"] == b["prompt_ids"]  # the prompt as seen, from TRL's output
-        assert a["logprobs"] == pytest.approx(b["logprobs"], rel=REL, abs=ABS)
+        assert a.prompt_ids == b.prompt_ids  # the prompt as seen, from TRL's output
+        a_lp, b_lp = a.record.token_logprobs.tolist(), b.record.token_logprobs.tolist()
+        assert a_lp == pytest.approx(b_lp, rel=REL, abs=ABS)
 
 
 def test_forward_probe_matches_full_logits_with_scale_and_soft_cap(

@@ -191,7 +191,7 @@ def test_every_source_writes_through_the_one_writer() -> None:
     sources = {
         "server/exchange/importer.py",
         "server/exchange/dump_import.py",
-        "trainer/recorder/writer.py",
+        "trainer/recorder/sinks.py",
     }
     for name in sources:
         assert "store.RunWriter(" in (root / name).read_text(encoding="utf-8"), name

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.task_vocab import IN_GROUP_MODES
-from rollout_lens.trainer.recorder.capture import GenerationHooks
+from rollout_lens.trainer.recorder.capture import GenerationHooks, Sample
 from transformers import TrainerCallback
 
 
@@ -71,15 +71,15 @@ class Failures(GenerationHooks):
 
     def __init__(
         self,
-        failed: Callable[[dict[str, Any]], bool],
-        example: Callable[[dict[str, Any]], Any],
+        failed: Callable[[Sample], bool],
+        example: Callable[[Sample], Any],
         *,
         keep: int = 4096,
     ) -> None:
         self.failed, self.example = failed, example
         self.recent: deque[Any] = deque(maxlen=keep)
 
-    def on_generation(self, rollouts: list[dict[str, Any]]) -> None:
+    def on_generation(self, rollouts: list[Sample]) -> None:
         self.recent.extend(self.example(r) for r in rollouts if self.failed(r))
 
     def drain(self) -> list[Any]:
@@ -113,7 +113,7 @@ class Hooks(GenerationHooks):
             meta.update(more_meta)
         return replaced, meta
 
-    def on_generation(self, rollouts: list[dict[str, Any]]) -> None:
+    def on_generation(self, rollouts: list[Sample]) -> None:
         for hook in self.hooks:
             hook.on_generation(rollouts)
 

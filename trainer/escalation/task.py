@@ -93,8 +93,8 @@ def judge(completion: Completion) -> Judgement:
 def failures() -> Failures:
     """The (prompt messages, target) of rollouts that missed: erroneous-example SFT's data."""
     return Failures(
-        lambda r: true_score(parse_vote(message_text(r["completion"])), r["row"]["target"]) == 0,
-        lambda r: (r["prompt"], r["row"]["target"]),
+        lambda r: true_score(parse_vote(message_text(r.completion)), r.row["target"]) == 0,
+        lambda r: (r.prompt, r.row["target"]),
     )
 
 

@@ -20,36 +20,33 @@ run it started: the run's key is kept in each checkpoint's trainer_state.json (s
 from __future__ import annotations
 
 import atexit
-import functools
 import inspect
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from rollout_lens.server.core import tokentext, vocab
 from rollout_lens.server.core.config import Settings, get_settings
-from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
+from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store.models import RunStatus
-from rollout_lens.trainer.recorder import positional, tags, turns
+from rollout_lens.trainer.recorder import tags
 from rollout_lens.trainer.recorder.capture import (
     READINGS,
     Generation,
     GenerationHooks,
     RolloutCapture,
+    Sample,
 )
 from rollout_lens.trainer.recorder.judging import (
-    Completion,
     FunctionJudge,
     Judge,
-    Judgement,
     TextFn,
 )
 from rollout_lens.trainer.recorder.judging import message_text as message_text
-from rollout_lens.trainer.recorder.summary import split_logs, summarize
+from rollout_lens.trainer.recorder.preparing import StepPreparer, tokenizer_of
 from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter
 from transformers import TrainerCallback
 
@@ -67,8 +64,116 @@ CONFIG_KEY = "rollout_lens"
 STATE_KEY = "rollout_lens"
 
 
+def _resume(state: Any) -> tuple[str, int | None]:
+    """The run's key, and the checkpoint's step when training resumed from one this
+    callback recorded (None: a new run). TrainerState is read from the checkpoint whether or
+    not restore_callback_states_from_checkpoint is set; the key goes into the state, and so
+    into every checkpoint saved from now on."""
+    saved = (state.stateful_callbacks or {}).get(STATE_KEY)
+    attributes = saved.get("attributes") if isinstance(saved, dict) else None
+    key = attributes.get("run_key") if isinstance(attributes, dict) else None
+    resuming = isinstance(key, str) and bool(key) and state.global_step > 0
+    if not resuming:
+        key = uuid.uuid4().hex
+    state.stateful_callbacks[STATE_KEY] = {"args": {}, "attributes": {"run_key": key}}
+    return str(key), int(state.global_step) if resuming else None
+
+
+def _choose_control_tokens(
+    tokenizer: Any,
+    requested: list[str] | None,
+    formats: list[tags.CallTags],
+    end_tokens: list[str],
+) -> tuple[list[str], list[int]]:
+    """The control tokens (`requested`, else the call tags' and the end-of-turn tokens the
+    tokenizer has) and their ids."""
+    vocab_ = tokenizer.get_vocab()
+    if requested is not None:
+        missing = [t for t in requested if t not in vocab_]
+        if missing:
+            raise ValueError(f"control tokens not in the tokenizer's vocabulary: {missing}")
+        tokens = requested
+    else:
+        # the tags that are single tokens; if none is, the first format's first tokens
+        singles = [t for f in formats if f.single_tokens for t in f.pair]
+        firsts = [(f.open_token, f.close_token) for f in formats if f.spelled][:1]
+        candidates = [*(singles or [t for pair in firsts for t in pair]), *end_tokens]
+        tokens = list(dict.fromkeys(t for t in candidates if t and t in vocab_))
+    return list(tokens), [vocab_[t] for t in tokens]
+
+
+def _spec_notes(
+    found: list[str],
+    tool_calling: bool,
+    vote_given: bool,
+    judged: dict[str, bool],
+    formats: list[tags.CallTags],
+) -> list[str]:
+    """What the run page says of how the run was recorded: the capture's notes (`found`),
+    tool-calling, and what no function judged."""
+    notes = list(found)
+    if tool_calling:
+        notes.append(
+            "tool-calling rollouts: recorded turn by turn (model turns with their logprobs "
+            "and control-token probabilities, tool results apart and not trained); votes "
+            "are each rollout's final answer, with its first call beside"
+            + ("" if not vote_given else " unless the vote function says")
+        )
+    if not judged["true_score"]:
+        notes.append("no true_score function given: true accuracy is not recorded")
+    if not judged["format_valid"]:
+        notes.append(
+            "no format_valid function given: format validity is not recorded (unknown, not "
+            "valid); the structural state is read from the call tags "
+            + " or ".join(f"{f.open}…{f.close}" for f in formats)
+            if formats
+            else "no format_valid function given: format validity is not recorded"
+        )
+    return notes
+
+
+def _check_arguments(
+    keep_tokens_every: int | None,
+    reading: str,
+    call_tags: tuple[str, str] | None,
+    judge: Judge | None,
+    functions: FunctionJudge,
+) -> None:
+    """The callback's arguments refused when it is made, not when training starts."""
+    if keep_tokens_every is not None and keep_tokens_every < 1:
+        raise ValueError(f"keep_tokens_every must be 1 or more, not {keep_tokens_every}")
+    if reading not in READINGS:
+        raise ValueError(f"reading must be one of {READINGS}, not {reading!r}")
+    if call_tags is not None and (len(call_tags) != 2 or not all(call_tags)):
+        raise ValueError(f"call_tags must be an (opening, closing) pair of texts: {call_tags!r}")
+    if judge is not None and any(functions.given(k) for k in functions.functions):
+        raise ValueError("pass a judge or the vote/true_score/format_valid functions, not both")
+
+
 class RolloutLensCallback(TrainerCallback):
-    """Records a `trl.GRPOTrainer` run into Rollout Lens."""
+    """Records a `trl.GRPOTrainer` run into Rollout Lens.
+
+    `database_url` and the other settings default to the ROLLOUT_LENS_* environment; `url`
+    (ROLLOUT_LENS_URL) records into the dashboard at that address over HTTP instead, with
+    `token` (ROLLOUT_LENS_TOKEN: an access or recording token), writing nothing locally; `vote`,
+    `true_score` and `format_valid` judge a completion, and `format_free_score` scores it
+    leniently, whatever its structure (recorded as format-free accuracy beside true accuracy:
+    the gap is a skill hidden by a broken format); `target` names the right answer of a row;
+    `call_tags` are the opening and closing tags of a tool call (default: the chat template's,
+    else `<tool_call>`/`</tool_call>` and `<tool>`/`</tool>`, whichever a completion holds),
+    found in the decoded text whether they are one token or several; `control_tokens` default to
+    the tags' tokens (a tag of several tokens: its first) and the end-of-turn tokens;
+    `buffer_mb` bounds the memory kept while the database is away; `keep_tokens_every` keeps
+    token-level data only every N steps (and at the first and last step and at alerts) for very
+    long runs.
+
+    For a task of your own: `judge` replaces the four functions (a Completion in, a Judgement
+    out); `watch_tokens` (answer tokens, e.g. tool ids) are probed right after the opening call
+    tag; `hooks` change generation (trainer/recorder/capture.py); `sink` is the writer steps go
+    to (default: one that creates the run and never stops training); `should_stop` is asked
+    after every step; `reading` is where per-token logprobs and control-token probabilities are
+    read: "forward" (TRL's own scoring pass, on every generation path) or "generate" (generate's
+    logits; other paths record none)."""
 
     def __init__(
         self,
@@ -95,85 +200,39 @@ class RolloutLensCallback(TrainerCallback):
         should_stop: Callable[[], bool] | None = None,
         reading: str = "forward",
     ) -> None:
-        """`database_url` and the other settings default to the ROLLOUT_LENS_* environment;
-        `url` (ROLLOUT_LENS_URL) records into the dashboard at that address over HTTP instead,
-        with `token` (ROLLOUT_LENS_TOKEN: an access or recording token), writing nothing
-        locally;
-        `vote`, `true_score` and `format_valid` judge a completion, and `format_free_score`
-        scores it leniently, whatever its structure (recorded as format-free accuracy beside
-        true accuracy: the gap is a skill hidden by a broken format); `target` names the right
-        answer of a row; `call_tags` are the opening and closing tags of a tool call (default:
-        the chat template's, else `<tool_call>`/`</tool_call>` and `<tool>`/`</tool>`, whichever a
-        completion holds), found in the decoded text whether they are one token or several;
-        `control_tokens` default to the tags' tokens (a tag of several tokens: its first) and
-        the end-of-turn tokens; `buffer_mb` bounds the memory kept while the database is away;
-        `keep_tokens_every` keeps token-level data only every N steps (and at the first and last
-        step and at alerts) for very long runs.
-
-        For a task of your own: `judge` replaces the four functions (a Completion in, a
-        Judgement out); `watch_tokens` (answer tokens, e.g. tool ids) are probed right after the
-        opening call tag; `hooks` change generation (trainer/recorder/capture.py); `sink` is the writer
-        steps go to (default: one that creates the run and never stops training);
-        `should_stop` is asked after every step; `reading` is where per-token logprobs and
-        control-token probabilities are read: "forward" (TRL's own scoring pass, on every
-        generation path) or "generate" (generate's logits; other paths record none)."""
-        if keep_tokens_every is not None and keep_tokens_every < 1:
-            raise ValueError(f"keep_tokens_every must be 1 or more, not {keep_tokens_every}")
-        if reading not in READINGS:  # said here, not when training starts
-            raise ValueError(f"reading must be one of {READINGS}, not {reading!r}")
-        if call_tags is not None and (len(call_tags) != 2 or not all(call_tags)):
-            raise ValueError(
-                f"call_tags must be an (opening, closing) pair of texts: {call_tags!r}"
-            )
-        if judge is not None and any(
-            fn is not None for fn in (vote, true_score, format_valid, format_free_score)
-        ):
-            raise ValueError("pass a judge or the vote/true_score/format_valid functions, not both")
-        self.keep_tokens_every = keep_tokens_every
-        self.project = project
-        self.name = name
-        self.settings = settings or get_settings()
-        self.database_url = database_url or self.settings.database_url
-        # a database named here wins over a dashboard URL from the environment
-        self.url = url or (None if database_url else self.settings.url) or None
-        self.token = token or self.settings.token.get_secret_value() or None
-        self.functions = FunctionJudge(
+        functions = FunctionJudge(
             vote=vote,
             true_score=true_score,
             format_valid=format_valid,
             format_free=format_free_score,
         )
-        self.judge: Judge = judge or self.functions
-        self.target = target
+        _check_arguments(keep_tokens_every, reading, call_tags, judge, functions)
+        self.keep_tokens_every, self.project, self.name = keep_tokens_every, project, name
+        self.settings = settings or get_settings()
+        self.database_url = database_url or self.settings.database_url
+        # a database named here wins over a dashboard URL from the environment
+        self.url = url or (None if database_url else self.settings.url) or None
+        self.token = token or self.settings.token.get_secret_value() or None
+        self.functions, self.target = functions, target
+        self.judge: Judge = judge or functions
         self.requested_control_tokens = list(control_tokens) if control_tokens else None
         self.requested_call_tags = (call_tags[0], call_tags[1]) if call_tags is not None else None
         self.watch_tokens = list(watch_tokens)
-        self.hooks = hooks
+        self.hooks, self.should_stop, self.reading = hooks, should_stop, reading
         self.buffer_bytes = int(buffer_mb * 2**20)
         self.sink: StepWriter | None = sink
         self._own_sink = False  # made here at the start of training (no sink given)
-        self.should_stop = should_stop
-        self.reading = reading
         self.trainer: Any = None
         self.capture: RolloutCapture | None = None
+        self.preparer: StepPreparer | None = None  # a step's parts → its StepRecord
         self._formats: list[tags.CallTags] = []  # the call formats completions are read with
-        self._token_bytes: tags.TokenBytes | None = None
         self._end_tokens: list[str] = []
-        self._eot: str | None = None  # the end-of-turn token among the control tokens
         self.control_tokens: list[str] = []
-        self._watched: list[str] = []
         self._generations: list[Generation] = []
         self._last_rollout_step = 0
         self._pending: dict[str, Any] | None = None  # the step waiting for its logs
         self._extra: dict[int, dict[str, float | None]] = {}  # step -> series (add_metrics)
-        self._step_started = 0.0
-        self._prompt_text: dict[str, str] = {}
-        # (rollout step, values, series) of the last generation: a step that reuses it
-        # (num_iterations > 1) shows the same rollout-derived values, never its logged ones.
-        self._last_summary: tuple[int, dict[str, float | None], dict[str, float | None]] | None = (
-            None
-        )
-        self._installed = False
+        self._step_started, self._installed = 0.0, False
 
     # -- attaching -----------------------------------------------------------------------------
 
@@ -182,29 +241,41 @@ class RolloutLensCallback(TrainerCallback):
         if self._installed:
             return
         self.trainer = trainer
-        tokenizer = _tokenizer(trainer)
+        tokenizer = tokenizer_of(trainer)
         vocab_ = tokenizer.get_vocab()
         self._formats = tags.call_tags(tokenizer, self.requested_call_tags)
-        self._token_bytes = tags.TokenBytes(tokenizer)
         self._end_tokens = [
             t for t in dict.fromkeys([tokenizer.eos_token, *END_OF_TURN_TOKENS]) if t in vocab_
         ]
-        self.control_tokens, control_ids = self._control_tokens(tokenizer)
-        self._watched = [t for t in self.watch_tokens if t in vocab_]
+        self.control_tokens, control_ids = _choose_control_tokens(
+            tokenizer, self.requested_control_tokens, self._formats, self._end_tokens
+        )
+        watched = [t for t in self.watch_tokens if t in vocab_]
         # the id probe reads right after an opening tag that is one token
         opening = next((f.open for f in self._formats if f.single_tokens), None)
         capture = RolloutCapture(
             trainer,
             control_token_ids=control_ids,
             on_generation=self._generations.append,
-            watch_ids=[vocab_[t] for t in self._watched],
+            control_tokens=self.control_tokens,
+            watch_ids=[vocab_[t] for t in watched],
             after_token_id=vocab_[opening] if opening else None,
             hooks=self.hooks,
             reading=self.reading,
         )
         if not capture.probing:
-            self.control_tokens = []
-        self._eot = next((t for t in self._end_tokens if t in self.control_tokens), None)
+            self.control_tokens = capture.control_tokens = []
+        self.preparer = StepPreparer(
+            trainer,
+            capture,
+            judge=self.judge,
+            functions=self.functions,
+            target=self.target,
+            formats=self._formats,
+            end_tokens=self._end_tokens,
+            control_tokens=self.control_tokens,
+            watched=watched,
+        )
         capture.install()
         self.capture = capture
         self._installed = True
@@ -217,54 +288,13 @@ class RolloutLensCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if not self._installed:
             self.attach(_find_trainer())
-        key, resume_step = self._resume(state)
+        key, resume_step = _resume(state)
         if self.sink is None and state.is_world_process_zero:
             self._own_sink = True
-            if self.url:
-                from rollout_lens.trainer.recorder.remote import RemoteStepWriter
-
-                self.sink = RemoteStepWriter(
-                    url=self.url,
-                    token=self.token,
-                    spec=self._run_spec(args, state),
-                    prepare=self._prepare,
-                    max_bytes=self.buffer_bytes,
-                    heartbeat_seconds=self.settings.heartbeat_seconds,
-                    key=key,
-                    resume_step=resume_step,
-                )
-                atexit.register(self._at_exit)
-                return
-            spec = self._run_spec(args, state)
-            spec.config[CONFIG_KEY]["key"] = key  # found by it when a resumed script continues
-            self.sink = StepWriter.for_script(
-                database_url=self.database_url,
-                spec=spec,
-                prepare=self._prepare,
-                max_bytes=self.buffer_bytes,
-                heartbeat_seconds=self.settings.heartbeat_seconds,
-                price_per_device_hour=self.settings.price_per_device_hour,
-                busy_timeout_ms=self.settings.sqlite_busy_timeout_ms,
-                resume=None if resume_step is None else (key, resume_step),
-            )
+            self.sink = _own_writer(self, self._run_spec(args, state), key, resume_step)
             atexit.register(self._at_exit)
         elif self.sink is not None:
             self.sink.prepare = self._prepare
-
-    @staticmethod
-    def _resume(state: Any) -> tuple[str, int | None]:
-        """The run's key, and the checkpoint's step when training resumed from one this
-        callback recorded (None: a new run). TrainerState is read from the checkpoint whether or
-        not restore_callback_states_from_checkpoint is set; the key goes into the state, and so
-        into every checkpoint saved from now on."""
-        saved = (state.stateful_callbacks or {}).get(STATE_KEY)
-        attributes = saved.get("attributes") if isinstance(saved, dict) else None
-        key = attributes.get("run_key") if isinstance(attributes, dict) else None
-        resuming = isinstance(key, str) and bool(key) and state.global_step > 0
-        if not resuming:
-            key = uuid.uuid4().hex
-        state.stateful_callbacks[STATE_KEY] = {"args": {}, "attributes": {"run_key": key}}
-        return str(key), int(state.global_step) if resuming else None
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self._step_started = time.perf_counter()
@@ -278,7 +308,7 @@ class RolloutLensCallback(TrainerCallback):
             return
         self._send_pending()
         step = state.global_step
-        rollouts: list[dict[str, Any]] = []
+        rollouts: list[Sample] = []
         while self._generations and self._generations[0].rollout_step <= step:
             generation = self._generations.pop(0)
             rollouts.extend(generation.rollouts)
@@ -342,21 +372,6 @@ class RolloutLensCallback(TrainerCallback):
 
     # -- the run -------------------------------------------------------------------------------
 
-    def _control_tokens(self, tokenizer: Any) -> tuple[list[str], list[int]]:
-        vocab_ = tokenizer.get_vocab()
-        if self.requested_control_tokens is not None:
-            missing = [t for t in self.requested_control_tokens if t not in vocab_]
-            if missing:
-                raise ValueError(f"control tokens not in the tokenizer's vocabulary: {missing}")
-            tokens = self.requested_control_tokens
-        else:
-            # the tags that are single tokens; if none is, the first format's first tokens
-            singles = [t for f in self._formats if f.single_tokens for t in f.pair]
-            firsts = [(f.open_token, f.close_token) for f in self._formats if f.spelled][:1]
-            candidates = [*(singles or [t for pair in firsts for t in pair]), *self._end_tokens]
-            tokens = list(dict.fromkeys(t for t in candidates if t and t in vocab_))
-        return list(tokens), [vocab_[t] for t in tokens]
-
     @property
     def tool_calling(self) -> bool:
         return self.capture is not None and self.capture.tool_calling
@@ -385,24 +400,13 @@ class RolloutLensCallback(TrainerCallback):
         model = getattr(trainer.model, "name_or_path", None) or getattr(
             trainer.model.config, "_name_or_path", "model"
         )
-        notes = list(self.capture.notes)
-        if self.tool_calling:
-            notes.append(
-                "tool-calling rollouts: recorded turn by turn (model turns with their logprobs "
-                "and control-token probabilities, tool results apart and not trained); votes "
-                "are each rollout's final answer, with its first call beside"
-                + ("" if not self.functions.given("vote") else " unless the vote function says")
-            )
-        if not judged["true_score"]:
-            notes.append("no true_score function given: true accuracy is not recorded")
-        if not judged["format_valid"]:
-            notes.append(
-                "no format_valid function given: format validity is not recorded (unknown, not "
-                "valid); the structural state is read from the call tags "
-                + " or ".join(f"{f.open}…{f.close}" for f in self._formats)
-                if self._formats
-                else "no format_valid function given: format validity is not recorded"
-            )
+        notes = _spec_notes(
+            self.capture.notes,
+            self.tool_calling,
+            self.functions.given("vote"),
+            judged,
+            self._formats,
+        )
         notes.extend(self.tag_notes())
         return RunSpec(
             name=f"{self.project}/{label}" if self.project else label,
@@ -418,245 +422,47 @@ class RolloutLensCallback(TrainerCallback):
             keep_tokens_every=self.keep_tokens_every,
         )
 
-    # -- raw step → StepRecord (the writer's thread for a script, the training thread launched) --
-
     def _prepare(self, raw: dict[str, Any]) -> StepRecord:
-        trainer = self.trainer
-        group_size = int(trainer.num_generations)
-        tokenizer = _tokenizer(trainer)  # what every rollout of the step is read with, once
-        eos = set(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-        names = list(getattr(trainer, "reward_func_names", []) or [])
-        rollouts = [
-            self._rollout(i, r, group_size, tokenizer=tokenizer, eos=eos, names=names)
-            for i, r in enumerate(raw["rollouts"])
-        ]
-        values: dict[str, float | None] = {}
-        series: dict[str, float | None] = {}
-        if rollouts:
-            values, series = summarize(rollouts, group_size, self.control_tokens)
-            # what no function judged is unknown, not zero
-            unjudged = self.judge is self.functions and not self.functions.given("vote")
-            if unjudged and not self.tool_calling:
-                values["vote_agreement"] = values["vote_entropy"] = None
-            # copies: the logs below belong to this step only, not to a step reusing these
-            self._last_summary = (raw["rollout_step"], dict(values), dict(series))
-        elif self._last_summary is not None and self._last_summary[0] == raw["rollout_step"]:
-            values, series = dict(self._last_summary[1]), dict(self._last_summary[2])
-        values["wall_time"] = raw["wall_time"]
-        columns, logged = split_logs(raw["logs"])
-        values.update(columns)
-        series.update(logged)
-        series.update(raw.get("metrics") or {})
-        return StepRecord(
-            step=raw["step"],
-            rollout_step=raw["rollout_step"],
-            values=values,
-            rollouts=rollouts,
-            metrics=series,
-        )
-
-    def _rollout(
-        self,
-        i: int,
-        r: dict[str, Any],
-        group_size: int,
-        *,
-        tokenizer: Any,
-        eos: set[int],
-        names: list[str],
-    ) -> RolloutRecord:
-        ids = r["ids"]
-        mask = r.get("tool_mask")
-        # tool-calling: the whole conversation as the model saw it, tool results included
-        text = message_text(r["completion"]) if mask is None else tokenizer.decode(ids)
-        row = r["row"]
-        truncated = not ids or ids[-1] not in eos
-        judgement: Judgement = self.judge(
-            Completion(
-                text=text,
-                messages=r["completion"],
-                row=row,
-                prompt=r.get("prompt"),
-                truncated=truncated,
-            )
-        )
-        # [n × k] arrays from either probe (the one orientation); a list of rows by token as before
-        control_probs = ControlProbs.of(r["control"], len(ids), self.control_tokens)
-        # positional reads any indexable of floats: the columns of the array, as they are
-        by_token = cast(Mapping[str, Sequence[float]], control_probs)
-        tokens = tokenizer.convert_ids_to_tokens(ids)
-        meta: dict[str, Any] = {
-            "rewards": dict(zip(names, r["rewards"], strict=False)),
-            "truncated": truncated,
-        }
-        if row:
-            meta["row"] = row
-        meta.update(r.get("meta") or {})
-        if judgement.format_free is not None:
-            meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
-        vote, format_state = judgement.vote, judgement.format_state
-        probes: dict[str, float | None] = {}
-        spoken = text if mask is not None else tokenizer.decode(ids)  # special tokens kept
-        form = tags.pick(self._formats, spoken) if self._formats else None
-        if mask is not None:
-            meta["turns"] = turns.read_turns(mask, r["completion"])
-            meta["answer"] = turns.final_answer(r["completion"])
-            meta["first_call"] = turns.first_call(meta["turns"])
-            if form is not None:
-                meta["turn_states"] = turns.turn_states(
-                    meta["turns"],
-                    functools.partial(_decode_span, tokenizer, ids),
-                    form.pair,
-                    self._end_tokens,
-                )
-                if format_state is None:
-                    format_state = turns.rollout_state(meta["turn_states"])
-            marks = self._marks(ids, tokens, spoken, form)
-            if marks is not None and form is not None:
-                probes = positional.turn_probes_at(
-                    marks, by_token, meta["turns"], **self._roles(form)
-                )
-            if vote is None and not self.functions.given("vote"):
-                vote = meta["answer"]  # the group's votes: each rollout's final answer
-        else:
-            if format_state is None and form is not None:
-                format_state = turns.completion_state(spoken, form.pair, self._end_tokens)
-            marks = self._marks(ids, tokens, spoken, form)
-            if marks is not None and form is not None:
-                probes = positional.probes_at(marks, by_token, **self._roles(form))
-        watched = r.get("watched")
-        if watched is not None:
-            probes.update(
-                positional.id_probes(
-                    dict(zip(self._watched, watched, strict=True)),
-                    row.get("tool_ids") or [],
-                    row.get("target"),
-                )
-            )
-        if probes:
-            meta["probes"] = probes
-        return RolloutRecord(
-            group=i // group_size,
-            index=i % group_size,
-            prompt=self._render_prompt(r.get("prompt"), r.get("prompt_ids")),
-            completion=text,
-            completion_ids=ids,
-            token_logprobs=r["logprobs"],
-            control_probs=control_probs,
-            vote=None if vote is None else str(vote),
-            target=self._target(row),
-            verifier_reward=r["reward"],
-            true_score=judgement.true_score,
-            advantage=r["advantage"],
-            format_valid=judgement.format_valid,
-            format_state=format_state,
-            meta=meta,
-            tokens=tokens,
-        )
-
-    def _probing(self, form: tags.CallTags) -> bool:
-        """Positional probes need the tags' tokens and an end-of-turn among the control tokens."""
-        return (
-            form.spelled
-            and self._eot is not None
-            and all(t in self.control_tokens for t in (form.open_token, form.close_token))
-        )
-
-    def _marks(
-        self, ids: list[int], tokens: list[str], spoken: str, form: tags.CallTags | None
-    ) -> tags.Marks | None:
-        """Where the completion's tags and end-of-turn stand (None: no probes to read): tags
-        that are single tokens by the tokens themselves, others found in the decoded text."""
-        if form is None or not self._probing(form) or self._token_bytes is None:
-            return None
-        assert self._eot is not None
-        if form.single_tokens:
-            return tags.single_token_marks(tokens, form.open, form.close, self._eot)
-        laid = self._token_bytes.layout(ids, spoken)
-        if laid is None:
-            return None  # the tokens' bytes do not give the decoded text back
-        return tags.find_marks(*laid, form, self._eot)
-
-    def _roles(self, form: tags.CallTags) -> dict[str, str]:
-        assert self._eot is not None
-        return {"open_token": form.open_token, "close_token": form.close_token, "eot": self._eot}
+        """A step's raw parts → its StepRecord (the writer's `prepare`)."""
+        assert self.preparer is not None
+        return self.preparer.prepare(raw)
 
     def tag_notes(self) -> list[str]:
         """What the run page says of call tags that are not single tokens of the tokenizer."""
-        if not self._formats:
-            tried = " or ".join(f"{o}…{c}" for o, c in tags.COMMON_TAGS)
-            return [
-                f"no structural states: this tokenizer cannot spell the call tags {tried}, and "
-                "its chat template declares none (name them with RolloutLensCallback(call_tags="
-                "(opening, closing)))"
-            ]
-        notes = []
-        # where some format's tags are single tokens, those are the ones measured
-        several = [f for f in self._formats if f.spelled]
-        if any(f.single_tokens for f in self._formats):
-            several = []
-        for f in several:
-            stands = [
-                f"{tokentext.piece_text(tok)!r} for {tag}"
-                for tag, tok in zip(f.pair, (f.open_token, f.close_token), strict=True)
-                if tok != tag
-            ]
-            measured = self._probing(f)
-            notes.append(
-                f"the call tags {f.open}…{f.close} are several tokens in this tokenizer: they are "
-                "found in the decoded text"
-                + (
-                    ", and their control-token probabilities are read at their first tokens ("
-                    + ", ".join(stands)
-                    + ")"
-                    if measured
-                    else " (their first tokens are not among the control tokens: no positional "
-                    "probes for them)"
-                )
-            )
-        if self._eot is None:
-            notes.append(
-                "no end-of-turn token among the control tokens: no positional control-token probes"
-            )
-        return notes
-
-    def _target(self, row: dict[str, Any]) -> str | None:
-        if self.target is not None:
-            try:
-                found = self.target(row)
-            except Exception:  # noqa: BLE001
-                return None
-            return None if found is None else str(found)
-        value = row.get("target")
-        return None if value is None else str(value)
-
-    def _render_prompt(self, prompt: Any, ids: list[int] | None = None) -> str:
-        """The prompt as the model saw it (chat template applied), rendered once per text; with
-        tools, its ids decoded (TRL rendered each prompt with its own tools)."""
-        if ids is not None:
-            key = repr(ids)
-            if key not in self._prompt_text:
-                self._prompt_text[key] = _tokenizer(self.trainer).decode(ids)
-            return self._prompt_text[key]
-        if isinstance(prompt, str):
-            return prompt
-        key = repr(prompt)
-        if key not in self._prompt_text:
-            kwargs = getattr(self.trainer, "chat_template_kwargs", None) or {}
-            self._prompt_text[key] = _tokenizer(self.trainer).apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=True, **kwargs
-            )
-        return self._prompt_text[key]
+        assert self.preparer is not None
+        return self.preparer.tag_notes()
 
 
-def _decode_span(tokenizer: Any, ids: list[int], start: int, end: int) -> str:
-    """The text of completion positions [start, end), special tokens kept."""
-    return str(tokenizer.decode(ids[start:end]))
+def _own_writer(
+    callback: RolloutLensCallback, spec: RunSpec, key: str, resume_step: int | None
+) -> StepWriter:
+    """A script's own writer: into the dashboard at `callback.url`, else into its database (the
+    run created under `key`, or continued from the checkpoint at `resume_step`)."""
+    settings = callback.settings
+    if callback.url:
+        from rollout_lens.trainer.recorder.remote import RemoteStepWriter
 
-
-def _tokenizer(trainer: Any) -> Any:
-    processing = trainer.processing_class
-    return getattr(processing, "tokenizer", None) or processing
+        return RemoteStepWriter(
+            url=callback.url,
+            token=callback.token,
+            spec=spec,
+            prepare=callback._prepare,
+            max_bytes=callback.buffer_bytes,
+            heartbeat_seconds=settings.heartbeat_seconds,
+            key=key,
+            resume_step=resume_step,
+        )
+    spec.config[CONFIG_KEY]["key"] = key  # found by it when a resumed script continues
+    return StepWriter.for_script(
+        database_url=callback.database_url,
+        spec=spec,
+        prepare=callback._prepare,
+        max_bytes=callback.buffer_bytes,
+        heartbeat_seconds=settings.heartbeat_seconds,
+        price_per_device_hour=settings.price_per_device_hour,
+        busy_timeout_ms=settings.sqlite_busy_timeout_ms,
+        resume=None if resume_step is None else (key, resume_step),
+    )
 
 
 def _find_trainer() -> Any:

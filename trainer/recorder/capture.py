@@ -28,9 +28,12 @@ A run launched from the dashboard adds to this through GenerationHooks: in-group
 of the policy) and its failures collected for SFT; the id-position probe is the probe's
 `watch_ids` after the opening tag.
 
-Work on the training thread is kept to copying ids into lists and numbers into numpy arrays
-(logprobs [n], control-token probabilities [n × k], as the step entity holds them); prompts are
-rendered, user functions run and summaries computed later, on the writer's thread.
+Each rollout becomes a Sample here: the store's write entity (RolloutRecord) built once, from
+what TRL's tensors give (ids, logprobs [n] and control-token probabilities [n × k] as numpy
+arrays, in the entity's orientation; the total reward and the advantage), with what judging it
+needs beside it. Work on the training thread is kept to that; prompts are rendered, user
+functions run and summaries computed later, on the writer's thread (the callback's `_prepare`
+completes the entity).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from rollout_lens.server.core.records import ControlProbs, RolloutRecord
 from rollout_lens.trainer.recorder import turns
 from rollout_lens.trainer.recorder.probe import ForwardProbe, GenerationProbe
 
@@ -84,8 +88,35 @@ class GenerationHooks:
         """Completions to train on instead of the sampled ones (row -> ids), and meta per row."""
         return {}, {}
 
-    def on_generation(self, rollouts: list[dict[str, Any]]) -> None:
+    def on_generation(self, rollouts: list[Sample]) -> None:
         """Every training generation's rollouts (this process's), as soon as they are scored."""
+
+
+@dataclass
+class Sample:
+    """One rollout as the capture read it off TRL, on the training thread: the write entity
+    (`record`: ids, logprobs, control-token probabilities, total reward and advantage set;
+    its group, texts and judgement are the callback's, on the writer's thread) and what judging
+    it needs."""
+
+    record: RolloutRecord
+    prompt: Any  # TRL's prompt: chat messages or text
+    completion: Any  # TRL's completion: chat messages or text
+    row: dict[str, Any]  # the dataset row's small columns (besides the prompt)
+    rewards: list[float | None]  # each reward function's value (None: it gave none)
+    meta: dict[str, Any]  # the hooks' (in-group supervision)
+    tool_mask: list[int] | None = None  # TRL's tool loop: 1 on the model's tokens
+    prompt_ids: list[int] | None = None  # the prompt as the model saw it (tool-calling)
+    watched: list[float] | None = None  # the id-position probe's logprobs
+
+    def read(self, logprobs: Any, control: Any, watched: list[float] | None) -> None:
+        """A probe's readings of it: logprobs [n], control-token probabilities [n × k]."""
+        record = self.record
+        record.token_logprobs = logprobs
+        if control is not None:
+            tokens = record.control_probs.tokens
+            record.control_probs = ControlProbs.of(control, len(record.completion_ids), tokens)
+        self.watched = watched
 
 
 @dataclass
@@ -93,7 +124,7 @@ class Generation:
     """The rollouts of one generation, all processes together, in TRL's group order."""
 
     rollout_step: int  # the optimizer step that first trains on them
-    rollouts: list[dict[str, Any]] = field(default_factory=list)
+    rollouts: list[Sample] = field(default_factory=list)
 
 
 @dataclass
@@ -101,9 +132,144 @@ class _Pending:
     """This process's rollouts of a generation whose readings come from its loss passes."""
 
     rollout_step: int
-    rollouts: list[dict[str, Any]]
+    rollouts: list[Sample]
     rows: list[int]  # the row id of each rollout
-    masks: list[list[int] | None]  # each rollout's tool_mask
+
+
+@dataclass
+class _Generating:
+    """The generation in progress (one `_generate_and_score_completions` call): what the
+    capture's wrappers found of it, and its rollouts made from that (`samples`)."""
+
+    inputs: list[dict[str, Any]]  # the dataset rows, one per completion, in group order
+    rows: list[int]  # their row ids (unique over the run)
+    row_meta: dict[int, dict[str, Any]] = field(default_factory=dict)  # the hooks' meta a row
+    replaced: dict[int, tuple[Any, Any, list[float] | None]] = field(default_factory=dict)
+    # Each `_generate_single_turn` call: its probe and the ids it returned. One call for a
+    # single-turn generation; with tools, the first turn of every row, then one call per tool
+    # iteration on the rows that called a tool (trainer/recorder/turns.py).
+    calls: list[tuple[GenerationProbe, list[list[int]]]] = field(default_factory=list)
+    prompt_ids: list[list[int]] | None = None  # the first call's: the prompts as seen
+    tool_mask: list[list[int]] | None = None  # from TRL's tool loop, unpadded
+    scored: tuple[list[Any], list[list[int]], list[list[float]]] | None = None
+
+    def samples(
+        self, capture: RolloutCapture, output: dict[str, Any], *, read_now: bool = True
+    ) -> list[Sample]:
+        """This process's rollouts of the generation just scored, as Samples: the write entity
+        with the arrays read so far (`read_now`: off the old-policy pass; else `flush` reads
+        them off the loss passes)."""
+        completions, ids_list, reward_rows = self.scored  # type: ignore[misc]
+        weights = [float(w) for w in capture.trainer.reward_weights.tolist()]
+        advantages = output["advantages"].tolist()
+        # each row's tool_mask: None unless TRL's tool loop ran (and the mask fits the ids)
+        found = self.tool_mask or []
+        masks = [
+            found[i] if i < len(found) and len(found[i]) == len(ids) else None
+            for i, ids in enumerate(ids_list)
+        ]
+        logprobs, control, watched = self._readings(capture, output, ids_list, masks, read_now)
+        id_rows = _id_rows(output, ids_list)
+        prompt_ids = self._prompt_rows(capture, output)
+        samples = []
+        for i, row in enumerate(self.inputs):
+            rewards = [None if math.isnan(v) else float(v) for v in reward_rows[i]]
+            total = sum(w * v for w, v in zip(weights, rewards, strict=True) if v is not None)
+            ids = ids_list[i]
+            record = RolloutRecord.captured(
+                completion_ids=id_rows[i],
+                token_logprobs=logprobs[i],
+                control_probs=_control(control[i] if control is not None else None, ids, capture),
+                verifier_reward=total,
+                advantage=float(advantages[i]),
+            )
+            samples.append(
+                Sample(
+                    record,
+                    prompt=row.get("prompt"),
+                    completion=completions[i],
+                    row=_plain_columns(row),
+                    rewards=rewards,
+                    meta=self.row_meta.get(i, {}),
+                    tool_mask=masks[i],
+                    prompt_ids=prompt_ids[i] if prompt_ids else None,
+                    watched=watched[i],
+                )
+            )
+        return samples
+
+    def _readings(
+        self,
+        capture: RolloutCapture,
+        output: dict[str, Any],
+        ids_list: list[list[int]],
+        masks: list[list[int] | None],
+        read_now: bool,
+    ) -> tuple[list[Any], list[Any] | None, list[list[float] | None]]:
+        """Each row's logprobs [n], control-token probabilities [n × k] (None: none read) and
+        watched logprobs: the forward probe's (now, or left empty for `flush`), else generate's
+        or TRL's own; replaced completions (expert replies) as their forward pass read them."""
+        watched: list[list[float] | None] = [None] * len(ids_list)
+        control: list[Any] | None
+        if capture.forward is not None:
+            logprobs: list[Any] = [np.zeros(0) for _ in ids_list]  # arrays once read
+            control = [None for _ in ids_list]
+            for i, ids in enumerate(ids_list):
+                taken = capture.forward.take(self.rows[i], len(ids), masks[i]) if read_now else None
+                if taken is not None:
+                    logprobs[i], control[i], watched[i] = taken
+        else:
+            logprobs, generated = self.logprobs(capture, output, ids_list)
+            control = list(generated) if generated is not None else None
+            if len(self.calls) == 1 and capture.watch_ids:
+                watched = [self.calls[0][0].watched(i) for i in range(len(ids_list))]
+        for i, (sampled, probs, seen) in self.replaced.items():
+            logprobs[i] = sampled
+            if control is not None:
+                control[i] = probs
+            watched[i] = seen
+        return logprobs, control, watched
+
+    def _prompt_rows(
+        self, capture: RolloutCapture, output: dict[str, Any]
+    ) -> list[list[int]] | None:
+        """Each row's prompt ids as the model saw them (tool-calling runs only)."""
+        if not capture.tool_calling:
+            return None
+        if self.prompt_ids is not None:
+            return self.prompt_ids
+        return [
+            ids[mask.bool()].tolist()
+            for ids, mask in zip(output["prompt_ids"], output["prompt_mask"], strict=True)
+        ]
+
+    def logprobs(
+        self, capture: RolloutCapture, output: dict[str, Any], ids_list: list[list[int]]
+    ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        """Per row, logprobs [n] and control-token probabilities [n × k] as float64 arrays:
+        the probe's when it ran (stitched turn by turn with tools); else the sampling (vLLM) or
+        old-policy logprobs TRL has, and no control-token probabilities (None)."""
+        if self.tool_mask is not None and self.calls:
+            stitched = turns.stitch(
+                self.calls, ids_list, self.tool_mask, len(capture.control_token_ids)
+            )
+            if stitched is not None:
+                return stitched
+            if not capture._warned_stitch:
+                capture._warned_stitch = True
+                log.warning(
+                    "Rollout Lens: the generation calls did not line up with the tool turns; "
+                    "logprobs of this generation are not recorded"
+                )
+            return [np.zeros(0) for _ in ids_list], None
+        if len(self.calls) == 1 and self.calls[0][0].used:
+            return self.calls[0][0].finish(ids_list)
+        for key in ("sampling_per_token_logps", "old_per_token_logps"):
+            found = output.get(key)
+            if found is not None:
+                rows = found.detach().cpu().double().numpy()
+                return [row[: len(ids)] for row, ids in zip(rows, ids_list, strict=True)], None
+        return [np.zeros(0) for _ in ids_list], None
 
 
 class RolloutCapture:
@@ -115,6 +281,7 @@ class RolloutCapture:
         *,
         control_token_ids: list[int],
         on_generation: Callable[[Generation], None],
+        control_tokens: list[str] | None = None,
         watch_ids: list[int] | None = None,
         after_token_id: int | None = None,
         hooks: GenerationHooks | None = None,
@@ -129,21 +296,13 @@ class RolloutCapture:
         self.reading: str | None = reading
         self.trainer = trainer
         self.control_token_ids = control_token_ids
+        self.control_tokens = list(control_tokens or [])  # their names (the entity's columns)
         self.on_generation = on_generation
         self.watch_ids = list(watch_ids or [])
         self.after_token_id = after_token_id
         self.hooks = hooks or GenerationHooks()
         self.notes: list[str] = []
-        self._inputs: list[dict[str, Any]] = []  # the rows of the generation in progress
-        self._row_meta: dict[int, dict[str, Any]] = {}  # row -> meta from the hooks
-        self._replaced: dict[int, tuple[Any, Any, list[float] | None]] = {}
-        # Each `_generate_single_turn` call of the current generation: its probe and the ids it
-        # returned. One call for a single-turn generation; with tools, the first turn of every
-        # row, then one call per tool iteration on the rows that called a tool (trainer/recorder/turns.py).
-        self._calls: list[tuple[GenerationProbe, list[list[int]]]] = []
-        self._prompt_ids: list[list[int]] | None = None  # the first call's: the prompts as seen
-        self._tool_mask: list[list[int]] | None = None  # from TRL's tool loop, unpadded
-        self._scored: tuple[list[Any], list[list[int]], list[list[float]]] | None = None
+        self._gen = _Generating([], [])  # the generation in progress
         missing = [name for name in (_REWARDS, _SCORE) if not hasattr(trainer, name)]
         if missing:
             raise RuntimeError(
@@ -155,66 +314,10 @@ class RolloutCapture:
         self.forward: ForwardProbe | None = None
         self._arm: list[int | None] | None = None  # row ids of the next scoring pass to read
         self._next_row = 0  # row ids are unique over the run
-        self._rows: list[int] = []  # the row ids of the generation in progress
         self._pending: list[_Pending] = []  # generations waiting for their loss passes
         self._wanted: set[int] = set()  # their row ids not read yet
-        self.reading = self._choose_reading(reading)
+        self.reading = choose_reading(trainer, reading, self.notes)
         self.probing = self.reading is not None
-
-    def _choose_reading(self, wanted: str) -> str | None:
-        """Where this trainer's readings can come from (None: nowhere), with the run's note."""
-        trainer = self.trainer
-        if wanted == "forward":
-            if hasattr(trainer, _LOGPS) and hasattr(trainer, _LOSS):
-                self.notes.append(self._forward_note())
-                if getattr(trainer, "mask_truncated_completions", False):
-                    self.notes.append(
-                        "mask_truncated_completions: TRL's pass does not see a truncated "
-                        "completion, so its logprobs and control-token probabilities are not "
-                        "recorded"
-                    )
-                return "forward"
-            self.notes.append(
-                "this TRL version scores completions elsewhere: logprobs and control-token "
-                "probabilities are not read off its forward pass"
-            )
-        return "generate" if self._can_probe() else None
-
-    def _forward_note(self) -> str:
-        trainer = self.trainer
-        if getattr(trainer, "use_vllm", False):
-            path = "generation by vLLM (its own sampling logprobs are not recorded)"
-        elif getattr(trainer, "use_transformers_continuous_batching", False):
-            path = "continuous-batching generation"
-        else:
-            path = "generation by transformers' generate"
-        return (
-            f"{path}: per-token logprobs and control-token probabilities are read off TRL's "
-            "own scoring forward pass at the weights that sampled (its old-policy pass when it "
-            "computes one, else each rollout's first loss pass before the optimizer step)"
-        )
-
-    def _can_probe(self) -> bool:
-        trainer = self.trainer
-        if getattr(trainer, "use_vllm", False):
-            self.notes.append(
-                "generation by vLLM: per-token logprobs are vLLM's sampling logprobs; "
-                "control-token probabilities are not recorded"
-            )
-            return False
-        if getattr(trainer, "use_transformers_continuous_batching", False) or getattr(
-            trainer, "use_transformers_paged", False
-        ):
-            self.notes.append(
-                "continuous-batching generation: control-token probabilities are not recorded"
-            )
-            return False
-        if not hasattr(trainer, _GENERATE):
-            self.notes.append(
-                "this TRL version generates elsewhere: control-token probabilities are not recorded"
-            )
-            return False
-        return True
 
     def install(self) -> None:
         """Wrap the trainer's methods on the instance."""
@@ -259,9 +362,9 @@ class RolloutCapture:
         training = training and len(args) >= 4  # (prompt_ids, images, fields, num_generations)
         if training:
             sampled_from, meta = self.hooks.sampling_prompts(
-                trainer, list(args[0]), self._inputs, int(args[3])
+                trainer, list(args[0]), self._gen.inputs, int(args[3])
             )
-            self._row_meta.update(meta)
+            self._gen.row_meta.update(meta)
             args = (sampled_from, *args[1:])
         if self.reading != "generate":
             # the scoring pass reads every row (every turn of a tool-calling one) at once
@@ -288,7 +391,7 @@ class RolloutCapture:
         finally:
             del model.generate
         if not self.tool_calling:
-            self._calls = [(probe, [])]  # one call per generation: no turns to stitch
+            self._gen.calls = [(probe, [])]  # one call per generation: no turns to stitch
             if training:
                 result = self._replace(probe, args, result)
             return result
@@ -301,9 +404,9 @@ class RolloutCapture:
                 kwargs.get("prompt_ids", args[0] if args else None),
                 result[0],
             )
-        if not self._calls and prompt_ids is not None:
-            self._prompt_ids = [[int(t) for t in p] for p in prompt_ids]
-        self._calls.append((probe, [[int(t) for t in ids] for ids in completion_ids]))
+        if not self._gen.calls and prompt_ids is not None:
+            self._gen.prompt_ids = [[int(t) for t in p] for p in prompt_ids]
+        self._gen.calls.append((probe, [[int(t) for t in ids] for ids in completion_ids]))
         return result
 
     def _replace(self, probe: GenerationProbe | None, args: tuple[Any, ...], result: Any) -> Any:
@@ -313,46 +416,32 @@ class RolloutCapture:
         completion_ids, logprobs = result[0], result[1]
         prompt_ids = [list(p) for p in args[0]]
         replaced, meta = self.hooks.replace_completions(
-            self.trainer, prompt_ids, [list(c) for c in completion_ids], self._inputs, int(args[3])
+            self.trainer,
+            prompt_ids,
+            [list(c) for c in completion_ids],
+            self._gen.inputs,
+            int(args[3]),
         )
-        self._row_meta.update(meta)
+        self._gen.row_meta.update(meta)
         if not replaced:
             return result
         completion_ids = list(completion_ids)
         for i, ids in replaced.items():
             completion_ids[i] = list(ids)
             if probe is not None and probe.used:
-                self._replaced[i] = self.forward_probe(prompt_ids[i], list(ids))
+                self._gen.replaced[i] = forward_measure(
+                    self.trainer,
+                    prompt_ids[i],
+                    list(ids),
+                    self.control_token_ids,
+                    self.watch_ids,
+                    self.after_token_id,
+                )
         return (completion_ids, logprobs, *result[2:])
-
-    def forward_probe(
-        self, prompt_ids: list[int], completion_ids: list[int]
-    ) -> tuple[Any, Any, list[float] | None]:
-        """Logprobs [n], control probs [n × k] (numpy arrays) and watched logprobs of a
-        completion the policy did not sample (an expert reply): one no-grad forward at the
-        sampling temperature."""
-        import torch
-
-        trainer = self.trainer
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        with torch.no_grad():
-            ids = torch.tensor([prompt_ids + completion_ids], device=trainer.accelerator.device)
-            logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
-            logprobs = torch.log_softmax(logits / float(trainer.temperature or 1.0), dim=-1)
-            sampled = logprobs.gather(1, ids[0, len(prompt_ids) :, None]).squeeze(1)
-            sampled = sampled.cpu().double().numpy()
-            control = logprobs[:, self.control_token_ids].exp().cpu().double().numpy()
-            watched = None
-            after = self.after_token_id
-            if self.watch_ids and after is not None and after in completion_ids:
-                position = completion_ids.index(after) + 1
-                if position < len(completion_ids):
-                    watched = logprobs[position, self.watch_ids].tolist()
-        return sampled, control, watched
 
     def _tool_loop(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        self._tool_mask = [list(mask) for mask in result[0]]
+        self._gen.tool_mask = [list(mask) for mask in result[0]]
         return result
 
     def _scoring_pass(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -404,40 +493,38 @@ class RolloutCapture:
         n = len(prompts)
         start = self.trainer.accelerator.process_index * n
         rows = rewards_per_func[start : start + n].tolist()
-        self._scored = (completions, [list(ids) for ids in completion_ids_list], rows)
+        self._gen.scored = (completions, [list(ids) for ids in completion_ids_list], rows)
         return rewards_per_func
 
     def _score(self, original: Callable[..., Any], inputs: list[dict[str, Any]]) -> Any:
-        self._calls, self._prompt_ids, self._tool_mask, self._scored = [], None, None, None
-        self._inputs, self._row_meta, self._replaced = list(inputs), {}, {}
+        rows = list(range(self._next_row, self._next_row + len(inputs)))
+        self._gen = _Generating(list(inputs), rows)
         trainer = self.trainer
         training = bool(trainer.model.training)
-        self._rows = list(range(self._next_row, self._next_row + len(inputs)))
         if self.forward is not None and training:
             self._next_row += len(inputs)
             # TRL's old-policy pass, when it computes one, is the next pass of the policy
-            self._arm = list(self._rows)
+            self._arm = list(self._gen.rows)
         try:
             output = original(inputs)
         finally:
             self._arm = None
-        if not training or self._scored is None:
+        if not training or self._gen.scored is None:
             return output  # evaluation: not a training generation
         pending = False
         if self.forward is not None and "old_per_token_logps" not in output:
             # No old-policy pass: what was read (a PEFT reference pass, if any) is not the
             # policy's. Each rollout's first loss pass is read instead (the module docstring).
-            for row in self._rows:
+            for row in self._gen.rows:
                 self.forward.readings.pop(row, None)
-            output[ROW_KEY] = torch_rows(self._rows, output["advantages"].device)
-            self._wanted.update(self._rows)
+            output[ROW_KEY] = torch_rows(self._gen.rows, output["advantages"].device)
+            self._wanted.update(self._gen.rows)
             pending = True
-        local = self._local_rollouts(inputs, output, read_now=not pending)
+        local = self._gen.samples(self, output, read_now=not pending)
         self.hooks.on_generation(local)
         step = trainer.state.global_step + 1
         if pending:
-            masks = [r["tool_mask"] for r in local]
-            self._pending.append(_Pending(step, local, list(self._rows), masks))
+            self._pending.append(_Pending(step, local, list(self._gen.rows)))
         else:
             self._hand_on(step, local)
         return output
@@ -449,15 +536,14 @@ class RolloutCapture:
             waiting = self._pending.pop(0)
             assert self.forward is not None
             unread = 0
-            for rollout, row, mask in zip(
-                waiting.rollouts, waiting.rows, waiting.masks, strict=True
-            ):
+            for sample, row in zip(waiting.rollouts, waiting.rows, strict=True):
                 self._wanted.discard(row)
-                taken = self.forward.take(row, len(rollout["ids"]), mask)
+                n = len(sample.record.completion_ids)
+                taken = self.forward.take(row, n, sample.tool_mask)
                 if taken is None:
                     unread += 1
                     continue
-                rollout["logprobs"], rollout["control"], rollout["watched"] = taken
+                sample.read(*taken)
             if unread and not self._warned_unread:
                 self._warned_unread = True
                 log.warning(
@@ -469,7 +555,7 @@ class RolloutCapture:
                 )
             self._hand_on(waiting.rollout_step, waiting.rollouts)
 
-    def _hand_on(self, rollout_step: int, local: list[dict[str, Any]]) -> None:
+    def _hand_on(self, rollout_step: int, local: list[Sample]) -> None:
         accelerator = self.trainer.accelerator
         if accelerator.num_processes > 1:
             from accelerate.utils import gather_object
@@ -480,97 +566,113 @@ class RolloutCapture:
         if accelerator.is_main_process:
             self.on_generation(Generation(rollout_step, everything))
 
-    def _local_rollouts(
-        self, inputs: list[dict[str, Any]], output: dict[str, Any], *, read_now: bool = True
-    ) -> list[dict]:
-        trainer = self.trainer
-        completions, ids_list, reward_rows = self._scored  # type: ignore[misc]
-        weights = [float(w) for w in trainer.reward_weights.tolist()]
-        advantages = output["advantages"].tolist()
-        # each row's tool_mask: None unless TRL's tool loop ran (and the mask fits the ids)
-        found = self._tool_mask or []
-        masks = [
-            found[i] if i < len(found) and len(found[i]) == len(ids) else None
-            for i, ids in enumerate(ids_list)
-        ]
-        watched: list[list[float] | None] = [None] * len(ids_list)
-        if self.forward is not None:
-            # read now (the old-policy pass) or filled in by `flush` after the loss passes
-            logprobs: list[Any] = [[] for _ in ids_list]  # arrays once read
-            control: list[Any] | None = [None for _ in ids_list]
-            assert control is not None
-            for i, ids in enumerate(ids_list):
-                taken = self.forward.take(self._rows[i], len(ids), masks[i]) if read_now else None
-                if taken is not None:
-                    logprobs[i], control[i], watched[i] = taken
-        else:
-            logprobs, generated = self._logprobs(output, ids_list)
-            control = list(generated) if generated is not None else None
-            if len(self._calls) == 1 and self.watch_ids:
-                watched = [self._calls[0][0].watched(i) for i in range(len(ids_list))]
-        for i, (sampled, probs, seen) in self._replaced.items():
-            logprobs[i] = sampled
-            if control is not None:
-                control[i] = probs
-            watched[i] = seen
-        prompt_ids = self._prompt_ids
-        if self.tool_calling and prompt_ids is None:
-            prompt_ids = [
-                ids[mask.bool()].tolist()
-                for ids, mask in zip(output["prompt_ids"], output["prompt_mask"], strict=True)
-            ]
-        if not self.tool_calling:
-            prompt_ids = None
-        rollouts = []
-        for i, row in enumerate(inputs):
-            rewards = [None if math.isnan(v) else float(v) for v in reward_rows[i]]
-            total = sum(w * v for w, v in zip(weights, rewards, strict=True) if v is not None)
-            rollouts.append(
-                {
-                    "prompt": row.get("prompt"),
-                    "completion": completions[i],
-                    "ids": ids_list[i],
-                    "logprobs": logprobs[i],
-                    "control": control[i] if control is not None else None,
-                    "rewards": rewards,
-                    "reward": total,
-                    "advantage": float(advantages[i]),
-                    "row": _plain_columns(row),
-                    "tool_mask": masks[i],
-                    "prompt_ids": prompt_ids[i] if prompt_ids else None,
-                    "watched": watched[i],
-                    "meta": self._row_meta.get(i, {}),
-                }
-            )
-        return rollouts
 
-    def _logprobs(
-        self, output: dict[str, Any], ids_list: list[list[int]]
-    ) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-        """Per row, logprobs [n] and control-token probabilities [n × k] as float64 arrays:
-        the probe's when it ran (stitched turn by turn with tools); else the sampling (vLLM) or
-        old-policy logprobs TRL has, and no control-token probabilities (None)."""
-        if self._tool_mask is not None and self._calls:
-            stitched = turns.stitch(
-                self._calls, ids_list, self._tool_mask, len(self.control_token_ids)
-            )
-            if stitched is not None:
-                return stitched
-            if not self._warned_stitch:
-                self._warned_stitch = True
-                log.warning(
-                    "Rollout Lens: the generation calls did not line up with the tool turns; "
-                    "logprobs of this generation are not recorded"
+def _id_rows(output: dict[str, Any], ids_list: list[list[int]]) -> list[np.ndarray]:
+    """Each row's ids as int64 arrays: views of TRL's right-padded `completion_ids` tensor (one
+    copy off the device for the generation, nothing a token on the training thread), paired
+    with TRL's lists by their lengths and ends; else each list converted."""
+    found = output.get("completion_ids")
+    shape: tuple[int, ...] = tuple(getattr(found, "shape", ()))
+    if found is not None and len(shape) == 2 and shape[0] == len(ids_list):
+        padded = found.detach().cpu().numpy().astype(np.int64, copy=False)
+        if all(len(ids) <= padded.shape[1] for ids in ids_list):
+            rows = [padded[i, : len(ids)] for i, ids in enumerate(ids_list)]
+            ends = [(ids[0], ids[-1]) for ids in ids_list if ids]
+            if ends == [(int(r[0]), int(r[-1])) for r in rows if len(r)]:
+                return rows
+    return [np.asarray(ids, dtype=np.int64) for ids in ids_list]
+
+
+def _control(control: Any, ids: list[int], capture: RolloutCapture) -> ControlProbs:
+    """A rollout's control-token probabilities as the entity holds them, a column per control
+    token of the run (none read yet: no rows)."""
+    tokens = capture.control_tokens
+    if control is None:
+        return ControlProbs(tokens, np.zeros((0, len(tokens))))
+    return ControlProbs.of(control, len(ids), tokens)
+
+
+def forward_measure(
+    trainer: Any,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    control_token_ids: list[int],
+    watch_ids: list[int],
+    after_token_id: int | None,
+) -> tuple[Any, Any, list[float] | None]:
+    """Logprobs [n], control probs [n × k] (numpy arrays) and watched logprobs of a
+    completion the policy did not sample (an expert reply): one no-grad forward at the
+    sampling temperature."""
+    import torch
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + completion_ids], device=trainer.accelerator.device)
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
+        logprobs = torch.log_softmax(logits / float(trainer.temperature or 1.0), dim=-1)
+        sampled = logprobs.gather(1, ids[0, len(prompt_ids) :, None]).squeeze(1)
+        sampled = sampled.cpu().double().numpy()
+        control = logprobs[:, control_token_ids].exp().cpu().double().numpy()
+        watched = None
+        if watch_ids and after_token_id is not None and after_token_id in completion_ids:
+            position = completion_ids.index(after_token_id) + 1
+            if position < len(completion_ids):
+                watched = logprobs[position, watch_ids].tolist()
+    return sampled, control, watched
+
+
+def choose_reading(trainer: Any, wanted: str, notes: list[str]) -> str | None:
+    """Where this trainer's readings can come from (None: nowhere), with the run's note."""
+    if wanted == "forward":
+        if hasattr(trainer, _LOGPS) and hasattr(trainer, _LOSS):
+            notes.append(_forward_note(trainer))
+            if getattr(trainer, "mask_truncated_completions", False):
+                notes.append(
+                    "mask_truncated_completions: TRL's pass does not see a truncated "
+                    "completion, so its logprobs and control-token probabilities are not "
+                    "recorded"
                 )
-            return [np.zeros(0) for _ in ids_list], None
-        if len(self._calls) == 1 and self._calls[0][0].used:
-            return self._calls[0][0].finish(ids_list)
-        for key in ("sampling_per_token_logps", "old_per_token_logps"):
-            found = output.get(key)
-            if found is not None:
-                rows = found.detach().cpu().double().numpy()
-                return [row[: len(ids)] for row, ids in zip(rows, ids_list, strict=True)], None
-        return [np.zeros(0) for _ in ids_list], None
+            return "forward"
+        notes.append(
+            "this TRL version scores completions elsewhere: logprobs and control-token "
+            "probabilities are not read off its forward pass"
+        )
+    return "generate" if can_probe(trainer, notes) else None
+
+
+def _forward_note(trainer: Any) -> str:
+    if getattr(trainer, "use_vllm", False):
+        path = "generation by vLLM (its own sampling logprobs are not recorded)"
+    elif getattr(trainer, "use_transformers_continuous_batching", False):
+        path = "continuous-batching generation"
+    else:
+        path = "generation by transformers' generate"
+    return (
+        f"{path}: per-token logprobs and control-token probabilities are read off TRL's "
+        "own scoring forward pass at the weights that sampled (its old-policy pass when it "
+        "computes one, else each rollout's first loss pass before the optimizer step)"
+    )
+
+
+def can_probe(trainer: Any, notes: list[str]) -> bool:
+    """Whether generate's logits can be read (else the run's note says why not)."""
+    if getattr(trainer, "use_vllm", False):
+        notes.append(
+            "generation by vLLM: per-token logprobs are vLLM's sampling logprobs; "
+            "control-token probabilities are not recorded"
+        )
+        return False
+    if getattr(trainer, "use_transformers_continuous_batching", False) or getattr(
+        trainer, "use_transformers_paged", False
+    ):
+        notes.append("continuous-batching generation: control-token probabilities are not recorded")
+        return False
+    if not hasattr(trainer, _GENERATE):
+        notes.append(
+            "this TRL version generates elsewhere: control-token probabilities are not recorded"
+        )
+        return False
+    return True
 
 
 MAX_LIST = 64  # a list column is kept when it is this short and holds scalars only

@@ -1,5 +1,5 @@
-"""Recording into a dashboard over HTTP: the StepWriter (BufferAndDrop) with the dashboard's
-recording API (/api/record, server/webapp/routes/record.py) where the database was.
+"""Recording into a dashboard over HTTP: the StepWriter (BufferAndDrop) with an HttpSink, the
+dashboard's recording API (/api/record, server/webapp/routes/record.py), where the database is.
 
 Everything else is the local writer's: `put` never blocks and never raises, steps wait in the
 same byte budget while the dashboard is away (a restart, a network cut, a 503 or 429 under
@@ -29,10 +29,10 @@ slow at the end ends `completed` (or as close says) with its drops counted rathe
 from __future__ import annotations
 
 import logging
-import random
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
@@ -41,15 +41,17 @@ import httpx
 import numpy as np
 from rollout_lens.server.core import textsafe
 from rollout_lens.server.core.errors import RunEnded
+from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.exchange import wire
 from rollout_lens.server.store.models import RunStatus
+from rollout_lens.trainer.recorder.sinks import Drops
 from rollout_lens.trainer.recorder.writer import (
-    BATCH_STEPS,
-    RETRY_MAX_SECONDS,
     BufferAndDrop,
-    Pending,
+    OutOfTime,
     RunSpec,
+    SinkAway,
     StepWriter,
+    Wrote,
 )
 
 log = logging.getLogger("rollout_lens")
@@ -62,28 +64,13 @@ DECODED_BYTES = wire.Budget.of().most // 2
 TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 
 
-class DashboardAway(Exception):
-    """The dashboard cannot take the steps now (retried with the writer's backoff, or after
-    the Retry-After a busy dashboard asks for)."""
-
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class OutOfTime(DashboardAway):
-    """close's timeout has run out: nothing more is sent but the run's end (_finish_late)."""
-
-
 class DashboardRefused(Exception):
     """The dashboard will not take them at all (a wrong token, a run that is gone)."""
 
 
 class RemoteStepWriter(StepWriter):
-    """A user's script recording into the dashboard at `url` (see the module docstring)."""
-
-    AWAY = "the dashboard"
-    FINAL_SECONDS = 5.0  # the run's end, sent once more when close's timeout ran out
+    """A user's script recording into the dashboard at `url` (see the module docstring): the
+    StepWriter with an HttpSink."""
 
     def __init__(
         self,
@@ -98,29 +85,61 @@ class RemoteStepWriter(StepWriter):
         key: str | None = None,
         resume_step: int | None = None,
     ) -> None:
-        # set before the base class starts the writer thread
-        self.url = url.rstrip("/")
-        self.token = token or None
-        self.key = key or uuid.uuid4().hex
-        self.resume_step = resume_step  # the checkpoint's step: the key's run continues
-        self.epoch: int | None = None  # the run's record epoch, as the create answered
-        self.request_bytes = request_bytes
-        self._http: httpx.Client | None = None
-        self._acked = np.zeros(0, dtype=np.int64)  # token ids whose pieces the dashboard has
-        self._promised = self._acked  # … or will have from a frame already coded
-        self._frames: dict[int, wire.Encoded] = {}  # id(pending) → its coded frame
-        self._drops_seen = (0, 0)
-        self._refusals = 0
-        self.sent_bytes = 0  # request bodies of steps the dashboard took
-        self.busy_answers = 0  # 503s with Retry-After: the dashboard asked to wait
-        self._final_call = False  # the run's end after close's timeout: FINAL_SECONDS
-        super().__init__(
-            policy=BufferAndDrop(max_bytes=max_bytes),
-            database_url=self.url,
+        self.http = HttpSink(
+            url=url,
+            token=token,
             spec=spec,
+            request_bytes=request_bytes,
+            key=key,
+            resume_step=resume_step,
+        )
+        super().__init__(
+            self.http,
+            policy=BufferAndDrop(max_bytes=max_bytes),
             prepare=prepare,
             heartbeat_seconds=heartbeat_seconds,
         )
+
+    @property
+    def sent_bytes(self) -> int:
+        """Request bodies of steps the dashboard took."""
+        return self.http.sent_bytes
+
+
+class HttpSink:
+    """The dashboard at `url`: the run created under a key of its own, steps sent as wire
+    frames (coded once, on the writer's thread), within a request's byte cap."""
+
+    away = "the dashboard"
+    final_seconds = 5.0  # the run's end, sent once more when close's timeout ran out
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        token: str | None,
+        spec: RunSpec,
+        request_bytes: int = REQUEST_BYTES,
+        key: str | None = None,
+        resume_step: int | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.token = token or None
+        self.spec = spec
+        self.control_tokens = list(spec.control_tokens)
+        self.key = key or uuid.uuid4().hex
+        self.resume_step = resume_step  # the checkpoint's step: the key's run continues
+        self.run_id: int | None = None
+        self.epoch: int | None = None  # the run's record epoch, as the create answered
+        self.request_bytes = request_bytes
+        self.deadline: float | None = None
+        self.sent_bytes = 0  # request bodies of steps the dashboard took
+        self._http: httpx.Client | None = None
+        self._acked = np.zeros(0, dtype=np.int64)  # token ids whose pieces the dashboard has
+        self._promised = self._acked  # … or will have from a frame already coded
+        self._frames: dict[int, wire.Encoded] = {}  # id(record) → its coded frame
+        self._drops_seen: Drops = (0, 0)
+        self._final_call = False  # the run's end after close's timeout: final_seconds
 
     # -- HTTP ------------------------------------------------------------------------------------
 
@@ -140,12 +159,12 @@ class RemoteStepWriter(StepWriter):
 
     def _timeout(self) -> httpx.Timeout | None:
         """While closing, a request waits at most until close's deadline (then OutOfTime), and
-        the run's end after it FINAL_SECONDS; otherwise TIMEOUT (None: the client's)."""
+        the run's end after it final_seconds; otherwise TIMEOUT (None: the client's)."""
         if self._final_call:
-            return httpx.Timeout(self.FINAL_SECONDS)
-        if not self._closing or self._deadline is None:
+            return httpx.Timeout(self.final_seconds)
+        if self.deadline is None:
             return None
-        left = self._deadline - time.monotonic()
+        left = self.deadline - time.monotonic()
         if left <= 0:
             raise OutOfTime("close's timeout ran out")
         return httpx.Timeout(min(TIMEOUT.read or left, left), connect=min(5.0, left))
@@ -157,9 +176,9 @@ class RemoteStepWriter(StepWriter):
         try:
             response = self._client().post(path, **kwargs)
         except httpx.HTTPError as exc:  # connection refused or cut, a timeout
-            raise DashboardAway(f"{type(exc).__name__}: {exc}") from exc
+            raise SinkAway(f"{type(exc).__name__}: {exc}") from exc
         if response.status_code in (408, 429) or response.status_code >= 500:
-            raise DashboardAway(
+            raise SinkAway(
                 f"HTTP {response.status_code}: {_detail(response)}", _retry_after(response)
             )
         ended = _ended(response, self.run_id)
@@ -169,41 +188,15 @@ class RemoteStepWriter(StepWriter):
             raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
         return response
 
-    # -- the writer's steps, over HTTP -----------------------------------------------------------
+    def _epoch(self) -> dict[str, int]:
+        return {} if self.epoch is None else {"epoch": self.epoch}
 
-    def _flush(self) -> bool:
-        try:
-            if self.run_id is None:
-                self._create_remote_run()
-            while self._buffer:
-                self._send_batch()
-            self._report_remote_drops()
-        except OutOfTime:
-            return False  # the writer's loop drops what waits and ends the run (_out_of_time)
-        except DashboardAway as exc:
-            if exc.retry_after is not None and self._down_since is None:
-                # busy, not away: send again when it says (±50%, so trainers spread out)
-                wait = min(exc.retry_after, RETRY_MAX_SECONDS) * random.uniform(0.5, 1.5)
-                self._retry_at = time.monotonic() + wait
-                self.busy_answers += 1
-                return False
-            self._went_down(exc)
-            return False
-        except RunEnded as exc:
-            self._run_ended(exc)
-            return False
-        except DashboardRefused as exc:
-            self._fail(exc)
-            return False
-        except Exception as exc:  # noqa: BLE001 - recording stops, training goes on
-            self._fail(exc)
-            return False
-        self._came_back()
-        return True
+    # -- the sink ----------------------------------------------------------------------------------
 
-    def _create_remote_run(self) -> None:
+    def open(self) -> None:
+        if self.run_id is not None:
+            return
         spec = self.spec
-        assert spec is not None
         body = {k: v for k, v in asdict(spec).items() if k not in ("source",) and v is not None} | {
             "key": self.key,
             "worker_host": socket.gethostname(),
@@ -224,40 +217,43 @@ class RemoteStepWriter(StepWriter):
         self.epoch = answer.get("epoch")  # None from a dashboard older than resumes
         log.info("Rollout Lens: recording run %d (%s) at %s", self.run_id, spec.name, self.url)
 
-    def _frame(self, pending: Pending) -> wire.Encoded:
-        encoded = self._frames.get(id(pending))
+    def _frame(self, record: StepRecord) -> wire.Encoded:
+        encoded = self._frames.get(id(record))
         if encoded is None:
-            encoded = wire.encode_step(pending.record, self.control_tokens, self._promised)
+            encoded = wire.encode_step(record, self.control_tokens, self._promised)
             self._promised = np.union1d(self._promised, encoded.new_ids)
-            self._frames[id(pending)] = encoded
+            self._frames[id(record)] = encoded
         return encoded
 
-    def _forget_frames(self) -> None:
-        """A step left the buffer unsent (dropped): frames coded after it may count on pieces
+    def forget(self) -> None:
+        """A step left the writer unsent (dropped): frames coded after it may count on pieces
         it carried, so every waiting frame is coded again."""
         self._frames.clear()
         self._promised = self._acked
 
-    def _send_batch(self, most: int = BATCH_STEPS) -> None:
-        with self._wake:
-            waiting = list(self._buffer)[:most]
-        batch: list[Pending] = []
+    def _batch(self, records: Sequence[StepRecord]) -> list[wire.Encoded]:
+        """The frames of the oldest steps that fit one request (one at least)."""
         frames: list[wire.Encoded] = []
         size = tokens = decoded = 0
-        for pending in waiting:
-            encoded = self._frame(pending)
-            if batch and (
+        for record in records:
+            encoded = self._frame(record)
+            if frames and (
                 size + len(encoded.frame) > self.request_bytes
                 or tokens + encoded.tokens > wire.MAX_REQUEST_TOKENS
                 or decoded + encoded.decoded > DECODED_BYTES
             ):
                 break
-            batch.append(pending)
             frames.append(encoded)
             size += len(encoded.frame)
             tokens += encoded.tokens
             decoded += encoded.decoded
-        drops = self._drop_counts()
+        return frames
+
+    def write(self, records: Sequence[StepRecord], drops: Drops) -> Wrote:
+        """As many of the steps as one request holds; a step the dashboard refuses (another
+        4xx) is found by sending the first alone."""
+        frames = self._batch(records)
+        batch = records[: len(frames)]
         content = wire.body(f.frame for f in frames)
         response = self._post(
             f"/api/record/runs/{self.run_id}/steps",
@@ -266,56 +262,25 @@ class RemoteStepWriter(StepWriter):
             params={
                 "dropped_steps": drops[0],
                 "dropped_rollouts": drops[1],
-                "steps": ",".join(str(p.record.step) for p in batch),
+                "steps": ",".join(str(r.step) for r in batch),
                 **self._epoch(),
             },
         )
         if response.status_code == 200:
-            answer = response.json()
             self.sent_bytes += len(content)
             self._drops_seen = drops
             for f in frames:
                 self._acked = np.union1d(self._acked, f.new_ids)
-            for pending in batch:
-                self._frames.pop(id(pending), None)
-            self._written(batch, counted=False)
-            self.written_steps += len(answer.get("written", ()))
-            return
+            for record in batch:
+                self._frames.pop(id(record), None)
+            return Wrote(taken=len(batch), written=len(response.json().get("written", ())))
         if 400 <= response.status_code < 500 and len(batch) > 1:
-            self._send_batch(most=1)  # find the step at fault; the others go on next call
-            return
-        if 400 <= response.status_code < 500:
-            self._refuse(batch[0], _detail(response))  # e.g. a step before the run's last
-            return
+            return self.write(batch[:1], drops)  # find the step at fault; the others go on next
+        if 400 <= response.status_code < 500:  # e.g. a step before the run's last
+            return Wrote(taken=0, written=0, refused=DashboardRefused(_detail(response)))
         raise DashboardRefused(f"HTTP {response.status_code}: {_detail(response)}")
 
-    def _epoch(self) -> dict[str, int]:
-        return {} if self.epoch is None else {"epoch": self.epoch}
-
-    def _refuse(self, pending: Pending, why: str) -> None:
-        self.dropped_steps += 1
-        self._refusals += 1
-        if self._refusals == 1:
-            log.warning(
-                "Rollout Lens: the dashboard refused step %d (dropped; later refusals are only "
-                "counted on the run): %s",
-                pending.record.step,
-                why,
-            )
-        self._leave([pending])
-        self._forget_frames()
-
-    def _enforce_budget(self) -> None:
-        before = (self.dropped_steps, self.dropped_rollouts)
-        super()._enforce_budget()
-        if (self.dropped_steps, self.dropped_rollouts) != before:
-            self._forget_frames()
-
-    def _drop_counts(self) -> tuple[int, int]:
-        return self.dropped_steps, self.dropped_rollouts
-
-    def _report_remote_drops(self) -> None:
-        drops = self._drop_counts()
+    def report_drops(self, drops: Drops) -> None:
         if drops == self._drops_seen or self.run_id is None:
             return
         self._post(
@@ -325,24 +290,15 @@ class RemoteStepWriter(StepWriter):
         )
         self._drops_seen = drops
 
-    def _heartbeat(self) -> None:
-        if self.run_id is None:
-            return
-        try:
-            self._post(f"/api/record/runs/{self.run_id}/heartbeat", json={}, params=self._epoch())
-        except RunEnded as exc:  # heard between slow steps too
-            self._run_ended(exc)
-        except OutOfTime:
-            pass
-        except (DashboardAway, DashboardRefused) as exc:
-            self._went_down(exc)
+    def heartbeat(self) -> None:
+        self._post(f"/api/record/runs/{self.run_id}/heartbeat", json={}, params=self._epoch())
 
-    def _finish(self) -> None:
-        if self._final is None or self.run_id is None:
-            return
-        status, error = self._final
-        drops = self._drop_counts()
-        self._final_call = True  # within FINAL_SECONDS, close's deadline past or not
+    def finish(self, status: RunStatus, error: str | None, drops: Drops, *, late: bool) -> None:
+        """The run's end, within final_seconds whether close's deadline is past or not: after
+        it (`late`), with the counts of the steps dropped then, so that the run ends as close
+        says rather than stay `running` (if this fails too, the dashboard marks it lost once
+        its heartbeats stop)."""
+        self._final_call = True
         try:
             self._post(
                 f"/api/record/runs/{self.run_id}/finish",
@@ -356,17 +312,10 @@ class RemoteStepWriter(StepWriter):
             )
         except RunEnded as exc:  # cancelled from the dashboard since the last request: it stays
             log.warning("Rollout Lens: %s", exc)
-        except (DashboardAway, DashboardRefused) as exc:
+        except (SinkAway, DashboardRefused) as exc:
             log.warning("Rollout Lens: could not mark run %s finished: %s", self.run_id, exc)
 
-    def _finish_late(self) -> None:
-        """close's timeout ran out with steps waiting (dropped and counted): the run's end,
-        with those counts, is sent once more, within FINAL_SECONDS, so that the run ends as
-        close says rather than stay `running` (if this fails too, the dashboard marks it lost
-        once its heartbeats stop)."""
-        self._finish()
-
-    def _dispose(self) -> None:
+    def close(self) -> None:
         if self._http is not None:
             self._http.close()
             self._http = None

@@ -378,7 +378,7 @@ def _rows(session: Session, run_id: int, ids: list[int]) -> list[dict[str, Any]]
         )
     }
     heads = {
-        rid: arrays.decode_ids(r.data.ids)[:HEAD_TOKENS] if r.data is not None else []
+        rid: arrays.decode_ids(r.data.ids)[:HEAD_TOKENS].tolist() if r.data is not None else []
         for rid, (r, _) in found.items()
     }
     texts = store.token_texts(session, run_id=run_id, ids={i for h in heads.values() for i in h})
