@@ -88,8 +88,9 @@ from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import JSON, Engine, LargeBinary, String, create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
+from bench import scale_real
 from bench.pages import PG_DEFAULT, chart_names, pg_database
-from bench.scale_data import RealText, ScaleRun, Shape, trl_table, use_real_text
+from bench.scale_data import ScaleRun, Shape, trl_table
 
 QUICK = {"groups": 4, "tokens": 96, "steps": 4, "fill_to": 10, "fill_tokens": 16, "repeat": 2}
 WRITE_TARGET_MS = 300
@@ -181,6 +182,7 @@ class Written:
     build_seconds: list[float] = field(default_factory=list)
     parquet_seconds: list[float] = field(default_factory=list)
     parquet_bytes: int = 0
+    floor: scale_real.Floor = field(default_factory=scale_real.Floor)
 
 
 def write_steps(
@@ -196,6 +198,8 @@ def write_steps(
         written.build_seconds.append(time.perf_counter() - start)
         written.rollouts += len(record.rollouts)
         written.tokens += sum(len(r.completion_ids) for r in record.rollouts)
+        if parquet is not None:
+            written.floor.add(record)
         for db in dbs:
             (db.seconds if parquet else db.fill_seconds).append(db.write(record))
         if parquet is not None:
@@ -394,12 +398,20 @@ def postgres_bytes(engine: Engine) -> tuple[int, dict[str, tuple[int, int, int]]
     return sum(r[4] for r in rows), {r[0]: (r[1], r[2], r[3]) for r in rows}
 
 
-def print_disk(dbs: list[Database], written: Written, sqlite_file: Path) -> None:
+def print_disk(
+    dbs: list[Database],
+    written: Written,
+    sqlite_file: Path,
+    targets: dict[str, float] | None = None,
+) -> None:
+    """Each database's bytes a rollout against the parquet's: marked against `targets` (label →
+    most times the parquet's), else against the parquet's own."""
     n, tokens = written.rollouts, written.tokens
     trl = written.parquet_bytes / n
     print(
         f"  {n:,} rollouts, {tokens / 1e6:,.1f} M completion tokens; target: the database's "
         "bytes a rollout below the parquet's"
+        + (" times " + ", ".join(f"{k} {v}" for k, v in targets.items()) if targets else "")
     )
     print(f"  {'':<34} {'total':>10} {'a rollout':>11} {'a token':>9} {'× parquet':>10}")
 
@@ -409,18 +421,22 @@ def print_disk(dbs: list[Database], written: Written, sqlite_file: Path) -> None
             f" {total / n / trl:10.2f} {mark}"
         )
 
+    def bound(db: Database) -> float:
+        return (targets or {}).get(db.label, 1.0)
+
     line("TRL completions parquet", written.parquet_bytes)
     for db in dbs:
         if db.url.startswith("sqlite"):
             db.engine.dispose()  # VACUUM needs the file to itself
             total, parts = sqlite_bytes(sqlite_file)
-            line("SQLite, after VACUUM", total, _mark(total / n < trl))
+            line("SQLite, after VACUUM", total, _mark(total / n <= bound(db) * trl))
             _sqlite_parts(parts, total)
         else:
             total, pg_parts = postgres_bytes(db.engine)
-            line("PostgreSQL, tables+TOAST+indexes", total, _mark(total / n < trl))
+            line("PostgreSQL, tables+TOAST+indexes", total, _mark(total / n <= bound(db) * trl))
             _postgres_parts(pg_parts, total)
         _column_parts(db.engine, n)
+        _column_parts(db.engine, n, "rollout_data")
 
 
 def column_bytes(engine: Engine, table: str = "rollouts") -> dict[str, int]:
@@ -439,16 +455,16 @@ def column_bytes(engine: Engine, table: str = "rollouts") -> dict[str, int]:
     return dict(zip(wide, (int(x) for x in sums), strict=True))
 
 
-def _column_parts(engine: Engine, n: int) -> None:
-    """Where a rollout's bytes go, by column (the columns over 1 % of them)."""
-    parts = column_bytes(engine)
+def _column_parts(engine: Engine, n: int, table: str = "rollouts") -> None:
+    """Where a rollout's bytes go, by column of `table` (the columns over 1 % of them)."""
+    parts = column_bytes(engine, table)
     total = sum(parts.values()) or 1
     shown = [
         f"{name} {_size(size / n)} ({100 * size / total:.0f} %)"
         for name, size in sorted(parts.items(), key=lambda kv: -kv[1])
         if size >= total / 100
     ]
-    print(f"    a rollout's text, binary and JSON columns: {', '.join(shown)}")
+    print(f"    a rollout's text, binary and JSON columns of {table}: {', '.join(shown)}")
 
 
 def _sqlite_parts(parts: dict[str, tuple[int, int]], total: int) -> None:
@@ -775,27 +791,8 @@ class Plan:
     repeat: int
     budget: float  # seconds a page's requests may take beyond the first two
     write_only: bool = False  # the write figures and the training thread's, then stop
-    real_text: bool = False  # completions of real English and code in a real tokenizer's ids
+    real_text: bool = False  # --real-text: real text's ids and real logprobs; write and disk only
     cold: str | None = None  # a shell command that empties the caches before a page's last read
-
-
-def real_text(run: ScaleRun) -> None:
-    """--text real: the run's completions become SmolLM2's ids of real English and code."""
-    from rollout_lens.trainer.builders import pretrained
-
-    cache = get_settings().model_cache_dir
-    assert cache is not None
-    if not pretrained.is_ready(cache):
-        raise SystemExit(
-            f"--text real needs the real model's tokenizer in {cache}: rollout-lens build-model --real"
-        )
-    real = RealText(str(pretrained.model_dir(cache)))
-    use_real_text(run, real)
-    print(
-        f"  real text: {len(real.english):,} ids of English (README, docs), {len(real.code):,}"
-        f" of Python (the standard library), {pretrained.LABEL}'s tokenizer; search words are"
-        " the synthetic run's (they may find nothing)"
-    )
 
 
 @contextmanager
@@ -847,7 +844,7 @@ def run_bench(plan: Plan, folder: Path, pg: str | None, keep: bool = False) -> i
     started = time.perf_counter()
     run = ScaleRun(shape)
     if plan.real_text:
-        real_text(run)
+        scale_real.use_real(run)
     print(
         f"== data: {shape.groups} groups × {shape.group_size} rollouts × ~{shape.tokens:,} tokens,"
         f" {len(run.control_tokens)} control tokens, a {shape.vocab:,}-token vocabulary,"
@@ -873,7 +870,13 @@ def run_bench(plan: Plan, folder: Path, pg: str | None, keep: bool = False) -> i
             print(f"\n== done in {(time.perf_counter() - started) / 60:.1f} min")
             return 0
         print(f"\n== disk at {plan.steps} steps")
-        print_disk(dbs, written, sqlite_file)
+        print_disk(dbs, written, sqlite_file, scale_real.TARGETS if plan.real_text else None)
+        if plan.real_text:
+            scale_real.print_floor(
+                written.floor, written.rollouts, written.tokens, written.parquet_bytes
+            )
+            print(f"\n== done in {(time.perf_counter() - started) / 60:.1f} min")
+            return 0
         errors = pages_section(dbs, run, plan, plan.steps, written.rollouts, words)
         if plan.fill_to > plan.steps:
             print(f"\n== fill to {plan.fill_to:,} steps (rollouts of ~{plan.fill_tokens} tokens)")
@@ -976,11 +979,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=4.0, help="seconds a page, past 2 requests")
     parser.add_argument("--cache", type=Path, help="keep the databases and parquet files here")
     parser.add_argument(
-        "--text",
-        choices=("zipf", "real"),
-        default="zipf",
-        help="completions: Zipf draws over a synthetic vocabulary (zipf), or real English and code"
-        " in SmolLM2's ids (real; needs `rollout-lens build-model --real`)",
+        "--real-text",
+        action="store_true",
+        help="the bytes of real text: SmolLM2's ids of English, Python and six other languages,"
+        " the real model's logprobs; write and disk only, and the entropy floor (16 groups,"
+        " ~512 tokens, 200 steps unless given; needs `rollout-lens build-model --real`)",
+    )
+    parser.add_argument(
+        "--record-logprobs",
+        type=int,
+        nargs="?",
+        const=8192,
+        metavar="TOKENS",
+        help="draw TOKENS tokens from the real model's distributions over real text and print"
+        " their logprobs' quantiles"
+        " (scale_data.RECORDED_QUANTILES), then exit",
     )
     parser.add_argument(
         "--keep",
@@ -1015,7 +1028,10 @@ def main(argv: list[str] | None = None) -> int:
         help="profile one step's write after WARM steps (10), and exit",
     )
     args = parser.parse_args(argv)
-    quick = QUICK if args.quick else {}
+    if args.record_logprobs is not None:
+        scale_real.print_recorded(args.record_logprobs)
+        return 0
+    quick = QUICK if args.quick else scale_real.REAL_SHAPE if args.real_text else {}
 
     def pick(name: str, default: int) -> int:
         value = getattr(args, name)
@@ -1037,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
         repeat=pick("repeat", 20),
         budget=args.budget,
         write_only=args.write_only,
-        real_text=args.text == "real",
+        real_text=args.real_text,
         cold=args.cold,
     )
     if args.reuse is not None:

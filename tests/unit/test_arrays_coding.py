@@ -43,7 +43,12 @@ def test_ids_come_back_exactly(n: int) -> None:
     ).astype(np.int64)
     ids[: min(n, 3)] = [0, 1, 2**31 - 1][: min(n, 3)]
     blob = arrays.encode_ids(ids)
-    assert blob[0] in (arrays.BIT_LENGTH_CODED, arrays.RAW_INT32, arrays.RAW_UINT16)
+    assert blob[0] in (
+        arrays.BIT_LENGTH_CODED,
+        arrays.BUCKET_CODED,
+        arrays.RAW_INT32,
+        arrays.RAW_UINT16,
+    )
     assert arrays.decode_ids(blob) == ids.tolist()
     assert arrays.decode_ids(_old_ids(ids)) == ids.tolist()  # the older blobs are still read
 
@@ -70,9 +75,14 @@ def test_logprobs_read_back_as_the_older_blobs_did() -> None:
     lp[:4] = [-math.inf, math.nan, 0.0, -1e-9]
     new, old = arrays.encode_logprobs(lp.tolist()), _old_logprobs(lp)
     got, was = arrays.decode_logprobs(new), arrays.decode_logprobs(old)
-    assert new[0] == arrays.BIT_LENGTH_CODED and old[0] != arrays.BIT_LENGTH_CODED
+    assert new[0] == arrays.BUCKET_CODED and old[0] not in (1, arrays.BUCKET_CODED)
     assert len(new) < len(old)
     assert np.array_equal(np.asarray(got), np.asarray(was), equal_nan=True)
+    # the bit-length coded blobs the store wrote before bucket coding are still read, and
+    # bucket coding is shorter on such a smooth distribution
+    bits = arrays._code_bits(arrays._logprob_codes(lp))
+    assert bits[0] == arrays.BIT_LENGTH_CODED and len(new) < len(bits)
+    assert np.array_equal(np.asarray(arrays.decode_logprobs(bits)), np.asarray(was), equal_nan=True)
     same = np.full(3000, -0.25)  # one value throughout: zstd's matches beat bit lengths
     assert arrays.encode_logprobs(same.tolist()) == _old_logprobs(same)
     assert arrays.decode_logprobs(arrays.encode_logprobs(same.tolist())) == [-0.25] * 3000
@@ -98,7 +108,8 @@ def test_a_received_blob_is_checked_in_every_coding(n: int) -> None:
                 with pytest.raises(ValueError, match="^ids: "):
                     arrays.decode_ids_checked(blob[:-3], n)
     logprobs = -rng.exponential(2.0, n)
-    for blob in (arrays.encode_logprobs(logprobs.tolist()), _old_logprobs(logprobs)):
+    older = arrays._code_bits(arrays._logprob_codes(logprobs))  # bit-length coded, as before
+    for blob in (arrays.encode_logprobs(logprobs.tolist()), _old_logprobs(logprobs), older):
         checked = arrays.decode_logprobs_checked(blob, n, "lp")
         assert checked.tolist() == arrays.decode_logprobs(blob)
         with pytest.raises(ValueError, match="^lp: "):
