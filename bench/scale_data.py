@@ -488,11 +488,12 @@ class RealText:
         text of a kind drawn by SHARES."""
         source = self.sources[self.kinds[int(rng.choice(len(self.kinds), p=self.shares))]]
         n = min(n, len(source) - 1)
-        start = int(rng.integers(0, len(source) - n))
-        starts = self.starts[source[start : start + n + 1]]
-        first = int(np.argmax(starts))  # the first id that starts a character
-        last = n - int(np.argmax(starts[::-1]))  # the next window's first id that does
-        window = source[start + first : start + max(first + 1, last)]
+        while True:  # a stretch with two characters' starts at least (a window of whole ones)
+            start = int(rng.integers(0, len(source) - n))
+            found = np.flatnonzero(self.starts[source[start : start + n + 1]])
+            if len(found) >= 2:
+                window = source[start + found[0] : start + found[-1]]
+                break
         return window.copy()
 
 
