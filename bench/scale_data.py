@@ -488,11 +488,15 @@ class RealText:
         text of a kind drawn by SHARES."""
         source = self.sources[self.kinds[int(rng.choice(len(self.kinds), p=self.shares))]]
         n = min(n, len(source) - 1)
-        while True:  # a stretch with two characters' starts at least (a window of whole ones)
+        while True:  # a stretch with two characters' starts at least: a window of whole ones
             start = int(rng.integers(0, len(source) - n))
             found = np.flatnonzero(self.starts[source[start : start + n + 1]])
             if len(found) >= 2:
                 window = source[start + found[0] : start + found[-1]]
+                try:  # the tokenizer made a few stray bytes of odd characters: not those
+                    TEXT_RULES[BYTE_LEVEL]([self.pieces[i] for i in window.tolist()])
+                except UnicodeDecodeError:
+                    continue
                 break
         return window.copy()
 
