@@ -464,7 +464,8 @@ def _column_parts(engine: Engine, n: int, table: str = "rollouts") -> None:
         for name, size in sorted(parts.items(), key=lambda kv: -kv[1])
         if size >= total / 100
     ]
-    print(f"    a rollout's text, binary and JSON columns of {table}: {', '.join(shown)}")
+    where = "" if table == "rollouts" else f" of {table}"
+    print(f"    a rollout's text, binary and JSON columns{where}: {', '.join(shown)}")
 
 
 def _sqlite_parts(parts: dict[str, tuple[int, int]], total: int) -> None:

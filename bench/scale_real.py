@@ -68,8 +68,13 @@ class Floor:
     codes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def add(self, record: StepRecord) -> None:
-        ids = np.concatenate([np.asarray(r.completion_ids) for r in record.rollouts])
-        lp = np.concatenate([np.asarray(r.token_logprobs, float) for r in record.rollouts])
+        self.add_arrays(
+            np.concatenate([np.asarray(r.completion_ids) for r in record.rollouts]),
+            np.concatenate([np.asarray(r.token_logprobs, float) for r in record.rollouts]),
+        )
+
+    def add_arrays(self, ids: np.ndarray, lp: np.ndarray) -> None:
+        """Count these ids and these logprobs' codes (the store's steps of 1/LOGPROB_SCALE nat)."""
         codes = np.rint(np.clip(-lp, 0.0, -LOGPROB_FLOOR) * LOGPROB_SCALE).astype(np.int64)
         self.ids = _add(self.ids, np.bincount(ids))
         self.codes = _add(self.codes, np.bincount(codes))
