@@ -91,36 +91,34 @@ def _bit_lengths(values: np.ndarray) -> np.ndarray:
     return np.frexp(values.astype(np.float64))[1].astype(np.uint8)
 
 
+def _bit_places(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For `counts` bits of each value laid end to end: each bit's value and its place in it."""
+    total = int(counts.sum())
+    owner = np.repeat(np.arange(len(counts)), counts)
+    place = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, place.astype(np.uint32)
+
+
 def _low_bits(values: np.ndarray, counts: np.ndarray) -> bytes:
     """Each uint32 value's lowest `counts` bits, packed one after another (little-endian bit
-    order)."""
-    most = int(counts.max()) if len(counts) else 0
-    if not most:
+    order), one pass over the bits themselves."""
+    if not len(counts) or not int(counts.max()):
         return b""
-    shifts = np.arange(most, dtype=np.uint32)
-    bits = (values[:, None] >> shifts) & 1
-    packed = np.packbits(
-        bits[shifts[None, :] < counts[:, None]].astype(np.uint8), bitorder="little"
-    )
-    return packed.tobytes()
+    owner, place = _bit_places(counts)
+    bits = ((values[owner] >> place) & 1).astype(np.uint8)
+    return np.packbits(bits, bitorder="little").tobytes()
 
 
 def _read_low_bits(data: bytes, offset: int, counts: np.ndarray) -> np.ndarray:
     """_low_bits' inverse: each value's lowest `counts` bits, read from data[offset:]."""
-    most = int(counts.max()) if len(counts) else 0
-    if not most:
+    if not len(counts) or not int(counts.max()):
         return np.zeros(len(counts), dtype=np.uint32)
-    total = int(counts.sum())
+    owner, place = _bit_places(counts)
     bits = np.unpackbits(
-        np.frombuffer(data, np.uint8, offset=offset), count=total, bitorder="little"
+        np.frombuffer(data, np.uint8, offset=offset), count=len(owner), bitorder="little"
     )
-    starts = np.cumsum(counts) - counts
-    shifts = np.arange(most)
-    inside = shifts[None, :] < counts[:, None]
-    picked = bits[np.minimum(starts[:, None] + shifts[None, :], total - 1)] * inside
-    below: np.ndarray = (picked.astype(np.uint32) << shifts.astype(np.uint32)).sum(
-        axis=1, dtype=np.uint32
-    )
+    weights = (bits.astype(np.uint64) << place.astype(np.uint64)).astype(np.float64)
+    below: np.ndarray = np.bincount(owner, weights, minlength=len(counts)).astype(np.uint32)
     return below
 
 
