@@ -979,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
         "--prompts", type=int, default=5_000, help="the dataset's distinct prompts (5,000)"
     )
     parser.add_argument("--tokens", type=int, help="mean completion tokens a rollout (1,024)")
-    parser.add_argument("--vocab", type=int, default=150_000)
+    parser.add_argument("--vocab", type=int, help="token ids (150,000; --real-text 50,000)")
     parser.add_argument("--ctrl", type=int, default=4, help="control tokens watched")
     parser.add_argument("--steps", type=int, help="steps at the full shape (100)")
     parser.add_argument("--fill-to", type=int, help="steps in all for the second pages (1,000)")
@@ -1053,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
         groups=pick("groups", 64),
         group_size=args.group_size,
         tokens=pick("tokens", 1024),
-        vocab=args.vocab,
+        vocab=pick("vocab", 150_000),
         ctrl=args.ctrl,
         prompts=args.prompts,
     )

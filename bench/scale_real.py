@@ -32,8 +32,11 @@ from bench.scale_data import (
 )
 
 # The shape of --real-text unless given: a few hundred steps of 16 groups × 8 rollouts × ~512
-# tokens (102,400 rollouts would take the two cores an hour; 25,600 take minutes).
-REAL_SHAPE = {"groups": 16, "tokens": 512, "steps": 200}
+# tokens (102,400 rollouts would take the two cores an hour; 25,600 take minutes), in a
+# vocabulary of SmolLM2's 49,152 ids and the synthetic's structure and control tokens just above
+# them, as a tokenizer's added tokens are (at 150,000 they made every completion's ids need more
+# than 16 bits).
+REAL_SHAPE = {"groups": 16, "tokens": 512, "steps": 200, "vocab": 50_000}
 TARGETS = {"SQLite": 2.5, "PostgreSQL": 3.5}  # bytes a rollout ÷ TRL's parquet's
 
 
