@@ -910,17 +910,18 @@ def pages_section(
 ) -> list[str]:
     errors: list[str] = []
     for db in dbs:
+        preloaded = None
         if not db.url.startswith("sqlite"):
             with db.engine.begin() as conn:  # the statistics autovacuum would have gathered
                 conn.execute(text("ANALYZE"))
-                preloaded = conn.execute(text("SHOW shared_preload_libraries")).scalar()
-            if plan.cold:
-                prewarm = "on" if "pg_prewarm" in str(preloaded) else "off"
-                print(f"\n  --cold: `{plan.cold}`; autoprewarm (pg_prewarm preloaded) {prewarm}")
+                preloaded = str(conn.execute(text("SHOW shared_preload_libraries")).scalar())
         print(
             f"\n== pages, {db.label}, {steps:,} steps ({rollouts:,} rollouts): server time"
             f" (Server-Timing), step {max(1, plan.steps // 2)}, group {run.shape.groups // 2}"
         )
+        if plan.cold and preloaded is not None:
+            prewarm = "on" if "pg_prewarm" in preloaded else "off"
+            print(f"  --cold: `{plan.cold}`; autoprewarm (pg_prewarm preloaded) {prewarm}")
         errors += bench_pages(db, run, plan, steps, words)
     return errors
 
