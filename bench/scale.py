@@ -88,8 +88,9 @@ from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import JSON, Engine, LargeBinary, String, create_engine, inspect, text
 from sqlalchemy.engine import make_url
 
+from bench import scale_real
 from bench.pages import PG_DEFAULT, chart_names, pg_database
-from bench.scale_data import RealText, ScaleRun, Shape, trl_table, use_real_text
+from bench.scale_data import ScaleRun, Shape, trl_table
 
 QUICK = {"groups": 4, "tokens": 96, "steps": 4, "fill_to": 10, "fill_tokens": 16, "repeat": 2}
 WRITE_TARGET_MS = 300
@@ -181,6 +182,7 @@ class Written:
     build_seconds: list[float] = field(default_factory=list)
     parquet_seconds: list[float] = field(default_factory=list)
     parquet_bytes: int = 0
+    floor: scale_real.Floor = field(default_factory=scale_real.Floor)
 
 
 def write_steps(
@@ -196,6 +198,8 @@ def write_steps(
         written.build_seconds.append(time.perf_counter() - start)
         written.rollouts += len(record.rollouts)
         written.tokens += sum(len(r.completion_ids) for r in record.rollouts)
+        if parquet is not None:
+            written.floor.add(record)
         for db in dbs:
             (db.seconds if parquet else db.fill_seconds).append(db.write(record))
         if parquet is not None:
@@ -394,12 +398,20 @@ def postgres_bytes(engine: Engine) -> tuple[int, dict[str, tuple[int, int, int]]
     return sum(r[4] for r in rows), {r[0]: (r[1], r[2], r[3]) for r in rows}
 
 
-def print_disk(dbs: list[Database], written: Written, sqlite_file: Path) -> None:
+def print_disk(
+    dbs: list[Database],
+    written: Written,
+    sqlite_file: Path,
+    targets: dict[str, float] | None = None,
+) -> None:
+    """Each database's bytes a rollout against the parquet's: marked against `targets` (label →
+    most times the parquet's), else against the parquet's own."""
     n, tokens = written.rollouts, written.tokens
     trl = written.parquet_bytes / n
     print(
         f"  {n:,} rollouts, {tokens / 1e6:,.1f} M completion tokens; target: the database's "
         "bytes a rollout below the parquet's"
+        + (" times " + ", ".join(f"{k} {v}" for k, v in targets.items()) if targets else "")
     )
     print(f"  {'':<34} {'total':>10} {'a rollout':>11} {'a token':>9} {'× parquet':>10}")
 
@@ -409,18 +421,22 @@ def print_disk(dbs: list[Database], written: Written, sqlite_file: Path) -> None
             f" {total / n / trl:10.2f} {mark}"
         )
 
+    def bound(db: Database) -> float:
+        return (targets or {}).get(db.label, 1.0)
+
     line("TRL completions parquet", written.parquet_bytes)
     for db in dbs:
         if db.url.startswith("sqlite"):
             db.engine.dispose()  # VACUUM needs the file to itself
             total, parts = sqlite_bytes(sqlite_file)
-            line("SQLite, after VACUUM", total, _mark(total / n < trl))
+            line("SQLite, after VACUUM", total, _mark(total / n <= bound(db) * trl))
             _sqlite_parts(parts, total)
         else:
             total, pg_parts = postgres_bytes(db.engine)
-            line("PostgreSQL, tables+TOAST+indexes", total, _mark(total / n < trl))
+            line("PostgreSQL, tables+TOAST+indexes", total, _mark(total / n <= bound(db) * trl))
             _postgres_parts(pg_parts, total)
         _column_parts(db.engine, n)
+        _column_parts(db.engine, n, "rollout_data")
 
 
 def column_bytes(engine: Engine, table: str = "rollouts") -> dict[str, int]:
@@ -439,16 +455,17 @@ def column_bytes(engine: Engine, table: str = "rollouts") -> dict[str, int]:
     return dict(zip(wide, (int(x) for x in sums), strict=True))
 
 
-def _column_parts(engine: Engine, n: int) -> None:
-    """Where a rollout's bytes go, by column (the columns over 1 % of them)."""
-    parts = column_bytes(engine)
+def _column_parts(engine: Engine, n: int, table: str = "rollouts") -> None:
+    """Where a rollout's bytes go, by column of `table` (the columns over 1 % of them)."""
+    parts = column_bytes(engine, table)
     total = sum(parts.values()) or 1
     shown = [
         f"{name} {_size(size / n)} ({100 * size / total:.0f} %)"
         for name, size in sorted(parts.items(), key=lambda kv: -kv[1])
         if size >= total / 100
     ]
-    print(f"    a rollout's text, binary and JSON columns: {', '.join(shown)}")
+    where = "" if table == "rollouts" else f" of {table}"
+    print(f"    a rollout's text, binary and JSON columns{where}: {', '.join(shown)}")
 
 
 def _sqlite_parts(parts: dict[str, tuple[int, int]], total: int) -> None:
@@ -565,6 +582,7 @@ def explorer_queries(
 
 
 PROMPTS_MS, HISTORY_MS, HEATMAP_MS = 200, 100, 300  # the prompt lens's targets (issue 46)
+COLD_TIMES = 2  # --cold: a search's first answer after a restart, at most this × its warm p50
 
 
 def prompt_lens_pages(db: Database, run: ScaleRun) -> list[Page]:
@@ -704,6 +722,9 @@ class PageBench:
         if page.kb_target is not None:
             wants.append(f"≤ {_size(page.kb_target * 1000).replace('.0 ', ' ')}")
             ok &= size <= page.kb_target * 1000
+        if self.cold is not None and "q=" in page.label:  # a search: cold ≤ COLD_TIMES × warm
+            wants.append(f"cold {first / p50:.1f}× ≤ {COLD_TIMES}×")
+            ok &= first <= COLD_TIMES * p50
         want = f"{', '.join(wants)} {_mark(ok)}" if wants else ""
         print(
             f"  {page.label:<40} {len(times):>3} {first:9.1f} {p50:9.1f} {p90:9.1f} {_size(size):>10}  "
@@ -775,27 +796,8 @@ class Plan:
     repeat: int
     budget: float  # seconds a page's requests may take beyond the first two
     write_only: bool = False  # the write figures and the training thread's, then stop
-    real_text: bool = False  # completions of real English and code in a real tokenizer's ids
+    real_text: bool = False  # --real-text: real text's ids and real logprobs; write and disk only
     cold: str | None = None  # a shell command that empties the caches before a page's last read
-
-
-def real_text(run: ScaleRun) -> None:
-    """--text real: the run's completions become SmolLM2's ids of real English and code."""
-    from rollout_lens.trainer.builders import pretrained
-
-    cache = get_settings().model_cache_dir
-    assert cache is not None
-    if not pretrained.is_ready(cache):
-        raise SystemExit(
-            f"--text real needs the real model's tokenizer in {cache}: rollout-lens build-model --real"
-        )
-    real = RealText(str(pretrained.model_dir(cache)))
-    use_real_text(run, real)
-    print(
-        f"  real text: {len(real.english):,} ids of English (README, docs), {len(real.code):,}"
-        f" of Python (the standard library), {pretrained.LABEL}'s tokenizer; search words are"
-        " the synthetic run's (they may find nothing)"
-    )
 
 
 @contextmanager
@@ -847,7 +849,7 @@ def run_bench(plan: Plan, folder: Path, pg: str | None, keep: bool = False) -> i
     started = time.perf_counter()
     run = ScaleRun(shape)
     if plan.real_text:
-        real_text(run)
+        scale_real.use_real(run)
     print(
         f"== data: {shape.groups} groups × {shape.group_size} rollouts × ~{shape.tokens:,} tokens,"
         f" {len(run.control_tokens)} control tokens, a {shape.vocab:,}-token vocabulary,"
@@ -873,7 +875,13 @@ def run_bench(plan: Plan, folder: Path, pg: str | None, keep: bool = False) -> i
             print(f"\n== done in {(time.perf_counter() - started) / 60:.1f} min")
             return 0
         print(f"\n== disk at {plan.steps} steps")
-        print_disk(dbs, written, sqlite_file)
+        print_disk(dbs, written, sqlite_file, scale_real.TARGETS if plan.real_text else None)
+        if plan.real_text:
+            scale_real.print_floor(
+                written.floor, written.rollouts, written.tokens, written.parquet_bytes
+            )
+            print(f"\n== done in {(time.perf_counter() - started) / 60:.1f} min")
+            return 0
         errors = pages_section(dbs, run, plan, plan.steps, written.rollouts, words)
         if plan.fill_to > plan.steps:
             print(f"\n== fill to {plan.fill_to:,} steps (rollouts of ~{plan.fill_tokens} tokens)")
@@ -902,13 +910,18 @@ def pages_section(
 ) -> list[str]:
     errors: list[str] = []
     for db in dbs:
+        preloaded = None
         if not db.url.startswith("sqlite"):
             with db.engine.begin() as conn:  # the statistics autovacuum would have gathered
                 conn.execute(text("ANALYZE"))
+                preloaded = str(conn.execute(text("SHOW shared_preload_libraries")).scalar())
         print(
             f"\n== pages, {db.label}, {steps:,} steps ({rollouts:,} rollouts): server time"
             f" (Server-Timing), step {max(1, plan.steps // 2)}, group {run.shape.groups // 2}"
         )
+        if plan.cold and preloaded is not None:
+            prewarm = "on" if "pg_prewarm" in preloaded else "off"
+            print(f"  --cold: `{plan.cold}`; autoprewarm (pg_prewarm preloaded) {prewarm}")
         errors += bench_pages(db, run, plan, steps, words)
     return errors
 
@@ -967,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
         "--prompts", type=int, default=5_000, help="the dataset's distinct prompts (5,000)"
     )
     parser.add_argument("--tokens", type=int, help="mean completion tokens a rollout (1,024)")
-    parser.add_argument("--vocab", type=int, default=150_000)
+    parser.add_argument("--vocab", type=int, help="token ids (150,000; --real-text 50,000)")
     parser.add_argument("--ctrl", type=int, default=4, help="control tokens watched")
     parser.add_argument("--steps", type=int, help="steps at the full shape (100)")
     parser.add_argument("--fill-to", type=int, help="steps in all for the second pages (1,000)")
@@ -976,11 +989,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=4.0, help="seconds a page, past 2 requests")
     parser.add_argument("--cache", type=Path, help="keep the databases and parquet files here")
     parser.add_argument(
-        "--text",
-        choices=("zipf", "real"),
-        default="zipf",
-        help="completions: Zipf draws over a synthetic vocabulary (zipf), or real English and code"
-        " in SmolLM2's ids (real; needs `rollout-lens build-model --real`)",
+        "--real-text",
+        action="store_true",
+        help="the bytes of real text: SmolLM2's ids of English, Python and six other languages,"
+        " the real model's logprobs; write and disk only, and the entropy floor (16 groups,"
+        " ~512 tokens, 200 steps unless given; needs `rollout-lens build-model --real`)",
+    )
+    parser.add_argument(
+        "--record-logprobs",
+        type=int,
+        nargs="?",
+        const=8192,
+        metavar="TOKENS",
+        help="draw TOKENS tokens from the real model's distributions over real text and print"
+        " their logprobs' quantiles"
+        " (scale_data.RECORDED_QUANTILES), then exit",
     )
     parser.add_argument(
         "--keep",
@@ -996,10 +1019,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--cold",
+        nargs="?",
+        const="",
         metavar="COMMAND",
         help="after each page's warm requests, run this shell command, close the app's database"
-        " connections and time one more request (`cold ms`): e.g. restart PostgreSQL and drop"
-        " the operating system's file cache",
+        " connections and time one more request (`cold ms`); without COMMAND: restart the"
+        " PostgreSQL cluster of --pg's port (pg_ctlcluster; give --pg a cluster of the bench's"
+        " own, not one others use) and drop the operating system's file cache",
     )
     parser.add_argument(
         "--write-only",
@@ -1015,7 +1041,10 @@ def main(argv: list[str] | None = None) -> int:
         help="profile one step's write after WARM steps (10), and exit",
     )
     args = parser.parse_args(argv)
-    quick = QUICK if args.quick else {}
+    if args.record_logprobs is not None:
+        scale_real.print_recorded(args.record_logprobs)
+        return 0
+    quick = QUICK if args.quick else scale_real.REAL_SHAPE if args.real_text else {}
 
     def pick(name: str, default: int) -> int:
         value = getattr(args, name)
@@ -1025,7 +1054,7 @@ def main(argv: list[str] | None = None) -> int:
         groups=pick("groups", 64),
         group_size=args.group_size,
         tokens=pick("tokens", 1024),
-        vocab=args.vocab,
+        vocab=pick("vocab", 150_000),
         ctrl=args.ctrl,
         prompts=args.prompts,
     )
@@ -1037,8 +1066,8 @@ def main(argv: list[str] | None = None) -> int:
         repeat=pick("repeat", 20),
         budget=args.budget,
         write_only=args.write_only,
-        real_text=args.text == "real",
-        cold=args.cold,
+        real_text=args.real_text,
+        cold=cold_command(args.pg) if args.cold == "" else args.cold,
     )
     if args.reuse is not None:
         return reuse_bench(plan, args.reuse, args.pg)
@@ -1048,6 +1077,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile is not None:
             return profile_write(shape, folder, args.pg, args.profile)
         return run_bench(plan, folder, args.pg, keep=args.keep)
+
+
+def cold_command(pg: str | None) -> str:
+    """--cold's default: restart the PostgreSQL cluster that listens on `pg`'s port (found with
+    pg_lsclusters) and drop the operating system's file cache (root only)."""
+    if pg is None:
+        raise SystemExit("--cold without a COMMAND needs --pg (the cluster it restarts)")
+    port = make_url(pg).port or 5432
+    listed = subprocess.run(
+        ["pg_lsclusters", "--no-header"], capture_output=True, text=True, check=True
+    ).stdout
+    for line in listed.splitlines():
+        version, name, listens, *_ = line.split()
+        if int(listens) == port:
+            return (
+                f"pg_ctlcluster {version} {name} restart && sync"
+                " && echo 3 > /proc/sys/vm/drop_caches"
+            )
+    raise SystemExit(f"--cold: no PostgreSQL cluster of this machine listens on port {port}")
 
 
 @contextmanager

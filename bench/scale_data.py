@@ -21,11 +21,15 @@ tokens, a 150k vocabulary, 4 control tokens), seeded and deterministic, as a tra
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.core.tokentext import BYTE_LEVEL, TEXT_RULES, piece_bytes
 from rollout_lens.trainer.recorder import metrics as m
 
 from bench.synthetic import TOOLS
@@ -188,6 +192,10 @@ class ScaleRun:
         self.words = Vocabulary(shape.vocab, self.control_tokens, seed)
         self.rows = dataset(shape, self.words, seed)
         self._epochs: dict[int, np.ndarray] = {}  # the current epoch's shuffle
+        # how token texts become the completion, and how logprobs are drawn (use_real_text
+        # changes both)
+        self.decode: Callable[[Sequence[str]], str] = "".join
+        self.logprobs: Callable[[np.random.Generator, int], np.ndarray] = _logprobs
 
     def picks(self, step: int) -> np.ndarray:
         """The dataset rows of step `step`'s groups: the run's groups read the dataset in
@@ -243,7 +251,7 @@ class ScaleRun:
         vote = row.target if right else wrong[int(rng.integers(len(wrong)))]
         length = max(24, int(mean_tokens * math.exp(rng.normal(-0.045, 0.3))))
         ids, marks = self._completion(rng, state, vote, length)
-        logprobs = _logprobs(rng, len(ids))
+        logprobs = self.logprobs(rng, len(ids))
         ctrl = self._control_probs(rng, len(ids), marks, logprobs)
         texts = self.words.text(ids)
         closes = marks.get("</tool_call>")
@@ -257,7 +265,7 @@ class ScaleRun:
             group=group,
             index=index,
             prompt=row.prompt,
-            completion="".join(texts),
+            completion=self.decode(texts),
             completion_ids=ids,  # arrays, as the capture hands them over
             token_logprobs=logprobs,
             control_probs={t: ctrl[k] for k, t in enumerate(self.control_tokens)},
@@ -380,23 +388,51 @@ def trl_table(record: StepRecord) -> dict[str, list]:
     }
 
 
-# --- real text: a real tokenizer's ids of real English and code -------------------------------
+# --- real text: a real tokenizer's ids of real text in several languages ----------------------
+
+# The machine's own translations (gettext catalogs under /usr/share/locale): real sentences of
+# real programs, in these languages, alongside English prose and Python.
+LANGUAGES = ("de", "fr", "es", "ru", "zh_CN", "ja")
+LOCALE_DIR = Path("/usr/share/locale")
+# A completion's share of each kind of text: English prose, Python, the other languages.
+SHARES = {"english": 0.3, "code": 0.3} | {lang: 0.4 / len(LANGUAGES) for lang in LANGUAGES}
+_CONTINUATION = range(0x80, 0xC0)  # a UTF-8 byte that continues a character
+
+
+def catalog_texts(path: Path) -> list[str]:
+    """The translated strings of a gettext .mo file (its header and plural forms' separators
+    left out): the format's table of (length, offset) pairs read with struct."""
+    data = path.read_bytes()
+    if len(data) < 20:
+        return []
+    order = "<" if struct.unpack_from("<I", data)[0] == 0x950412DE else ">"
+    _, count, originals, translations = struct.unpack_from(order + "4I", data, 4)
+    out = []
+    for i in range(count):
+        size, at = struct.unpack_from(order + "2I", data, translations + 8 * i)
+        (original_size,) = struct.unpack_from(order + "I", data, originals + 8 * i)
+        if original_size:  # the entry of msgid "" is the catalog's header
+            text = data[at : at + size].decode("utf-8", "replace")
+            out += [part for part in text.split("\0") if part.strip()]
+    return out
 
 
 class RealText:
-    """Windows of a real tokenizer's ids over real English and real code, for completions that
-    read like a model's instead of Zipf draws. English: this project's README and docs/, then
-    the machine's own prose where it has some (the licence texts under /usr/share/common-licenses,
-    vim's manual); code: the Python standard library's modules; about CORPUS_CHARS of each.
-    ASCII lines only: each id's text is then exactly its share of the completion (a piece holding
-    part of a character would not be). The tokenizer is the real-model issue's,
-    SmolLM2-135M-Instruct (`rollout-lens build-model --real`)."""
+    """Windows of a real tokenizer's ids over real text: English prose (this project's README
+    and docs/, the machine's licence texts and vim's manual), Python (the standard library's
+    modules) and six other languages (the gettext catalogs under /usr/share/locale: German,
+    French, Spanish, Russian, Chinese, Japanese), about CORPUS_CHARS of English and of code
+    and LANGUAGE_CHARS of each language. A completion is one window, of a kind drawn by
+    SHARES; a window starts and ends where a character does (byte-level BPE splits a Chinese
+    character over tokens), so its raw pieces decode to its text. The tokenizer is the
+    real-model issue's, SmolLM2-135M-Instruct (`rollout-lens build-model --real`); its pieces
+    are kept raw (byte-level BPE's 'Ġword'), as a trainer records them."""
 
     CORPUS_CHARS = 3_000_000
+    LANGUAGE_CHARS = 400_000
 
-    def __init__(self, tokenizer_dir: str, *, code_share: float = 0.5) -> None:
+    def __init__(self, tokenizer_dir: str) -> None:
         import sysconfig
-        from pathlib import Path
 
         from transformers import AutoTokenizer
 
@@ -406,44 +442,243 @@ class RealText:
         english += sorted(Path("/usr/share/vim").glob("vim*/doc/*.txt"))
         code = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-
-        def ids_of(paths: list[Path]) -> np.ndarray:
-            lines: list[str] = []
-            size = 0
-            for path in paths:
-                if size >= self.CORPUS_CHARS:
-                    break
-                if path.is_file():
-                    text = path.read_text(encoding="utf-8", errors="replace")
-                    kept = [line for line in text.splitlines(True) if line.isascii()]
-                    lines += kept
-                    size += sum(map(len, kept))
-            return np.asarray(tokenizer("".join(lines))["input_ids"], dtype=np.int64)
-
-        self.english, self.code = ids_of(english), ids_of(code)
-        self.code_share = code_share
         self.vocab_size = len(tokenizer)
-        self.pieces = {
-            i: tokenizer.convert_tokens_to_string([t])
-            for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(self.vocab_size))))
+        self.pieces = dict(enumerate(tokenizer.convert_ids_to_tokens(list(range(self.vocab_size)))))
+        self.newline = int(tokenizer.convert_tokens_to_ids("\u010a"))  # byte-level BPE's "\n"
+        # whether each id's first byte starts a character (a window may begin at it)
+        self.starts = np.array(
+            [
+                not piece_bytes(self.pieces[i], BYTE_LEVEL)[:1]
+                or piece_bytes(self.pieces[i], BYTE_LEVEL)[0] not in _CONTINUATION
+                for i in range(self.vocab_size)
+            ]
+        )
+
+        def ids_of(texts: Iterable[str], most: int) -> np.ndarray:
+            kept, size = [], 0
+            for text in texts:
+                if size >= most:
+                    break
+                kept.append(text)
+                size += len(text)
+            return np.asarray(tokenizer("\n".join(kept))["input_ids"], dtype=np.int64)
+
+        def files(paths: list[Path]) -> Iterator[str]:
+            for path in paths:
+                if path.is_file():
+                    yield path.read_text(encoding="utf-8", errors="replace")
+
+        def catalogs(lang: str) -> Iterator[str]:
+            for path in sorted((LOCALE_DIR / lang / "LC_MESSAGES").glob("*.mo")):
+                yield from catalog_texts(path)
+
+        self.sources = {
+            "english": ids_of(files(english), self.CORPUS_CHARS),
+            "code": ids_of(files(code), self.CORPUS_CHARS),
         }
+        for lang in LANGUAGES:
+            found = ids_of(catalogs(lang), self.LANGUAGE_CHARS)
+            if len(found) > 1000:  # a machine without that language's catalogs goes without
+                self.sources[lang] = found
+        shares = np.array([SHARES[kind] for kind in self.sources])
+        self.kinds, self.shares = list(self.sources), shares / shares.sum()
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """n consecutive ids from a random place in the English or the code."""
-        source = self.code if rng.random() < self.code_share else self.english
-        start = int(rng.integers(0, max(1, len(source) - n)))
-        window = source[start : start + n]
-        while len(window) < n:  # a source shorter than n: go round
-            window = np.concatenate([window, source[: n - len(window)]])
-        return window
+        """About n consecutive ids (a few fewer: whole characters) from a random place in a
+        text of a kind drawn by SHARES."""
+        source = self.sources[self.kinds[int(rng.choice(len(self.kinds), p=self.shares))]]
+        n = min(n, len(source) - 1)
+        while True:  # a stretch with two characters' starts at least: a window of whole ones
+            start = int(rng.integers(0, len(source) - n))
+            found = np.flatnonzero(self.starts[source[start : start + n + 1]])
+            if len(found) >= 2:
+                window = source[start + found[0] : start + found[-1]]
+                try:  # the tokenizer made a few stray bytes of odd characters: not those
+                    TEXT_RULES[BYTE_LEVEL]([self.pieces[i] for i in window.tolist()])
+                except UnicodeDecodeError:
+                    continue
+                break
+        return window.copy()
 
 
-def use_real_text(run: ScaleRun, real: RealText) -> None:
-    """Make `run`'s completions windows of `real` (its structure and control tokens stay the
-    synthetic vocabulary's, at ids above the real tokenizer's)."""
+# The logprobs of tokens SmolLM2-135M-Instruct samples at temperature 1 (as GRPO samples) on
+# RealText's windows: their quantiles at QUANTILE_LEVELS, in nats, measured by
+# `record_logprobs` (`python -m bench.scale --record-logprobs`: 8,187 tokens, mean -2.59 nat, 5.5 %
+# above -0.01 nat: a 135M model on text it did not write is unsure, more than a larger model on
+# its own answers would be, so these logprobs cost more bits than many runs' would).
+QUANTILE_LEVELS = (
+    0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.12,
+    0.14,
+    0.16,
+    0.18,
+    0.2,
+    0.22,
+    0.24,
+    0.26,
+    0.28,
+    0.3,
+    0.32,
+    0.34,
+    0.36,
+    0.38,
+    0.4,
+    0.42,
+    0.44,
+    0.46,
+    0.48,
+    0.5,
+    0.52,
+    0.54,
+    0.56,
+    0.58,
+    0.6,
+    0.62,
+    0.64,
+    0.66,
+    0.68,
+    0.7,
+    0.72,
+    0.74,
+    0.76,
+    0.78,
+    0.8,
+    0.82,
+    0.84,
+    0.86,
+    0.88,
+    0.9,
+    0.92,
+    0.94,
+    0.96,
+    0.98,
+    0.99,
+    0.995,
+    0.999,
+    1,
+)
+RECORDED_QUANTILES = (
+    -16.861,
+    -15.08,
+    -13.04,
+    -11.632,
+    -10.504,
+    -9.0017,
+    -8.1148,
+    -7.4392,
+    -6.8492,
+    -6.3887,
+    -5.9876,
+    -5.5597,
+    -5.2189,
+    -4.8706,
+    -4.5733,
+    -4.2657,
+    -3.986,
+    -3.728,
+    -3.4501,
+    -3.2019,
+    -2.9834,
+    -2.7576,
+    -2.5648,
+    -2.3784,
+    -2.2011,
+    -2.0067,
+    -1.8143,
+    -1.6549,
+    -1.4958,
+    -1.36,
+    -1.2141,
+    -1.0779,
+    -0.96668,
+    -0.85707,
+    -0.75146,
+    -0.67106,
+    -0.56442,
+    -0.48797,
+    -0.41754,
+    -0.35874,
+    -0.29788,
+    -0.24377,
+    -0.19014,
+    -0.15144,
+    -0.11719,
+    -0.092983,
+    -0.068593,
+    -0.048125,
+    -0.032923,
+    -0.020587,
+    -0.011822,
+    -0.0053717,
+    -0.0017687,
+    -0.00072298,
+    -0.00030929,
+    -3.2333e-05,
+    0,
+)
+
+
+class LogprobSampler:
+    """Logprobs drawn from a recorded run's distribution: the inverse of its empirical CDF (the
+    quantiles of RECORDED_QUANTILES, linear between them), so the values' histogram, and with
+    it the order-0 entropy a coder faces, is the real model's."""
+
+    def __init__(self, levels: Sequence[float], quantiles: Sequence[float]) -> None:
+        self.levels = np.asarray(levels, dtype=np.float64)
+        self.quantiles = np.asarray(quantiles, dtype=np.float64)
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        values: np.ndarray = np.interp(rng.random(n), self.levels, self.quantiles)
+        return values
+
+
+def record_logprobs(
+    model_dir: str, real: RealText, *, tokens: int = 8192, seed: int = 0
+) -> np.ndarray:
+    """Logprobs of tokens the real model samples at temperature 1 (no top-k or top-p, TRL's
+    GRPO default): one forward pass over windows of `real`'s texts gives the model's
+    distribution at each position; a token is drawn from each and its logprob kept. (Sampling
+    whole answers token by token took the busy two-core machine over a quarter of an hour;
+    the contexts are then real text rather than the model's own, the distributions the
+    model's.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    width = 256
+    windows = [real.sample(rng, width)[:width] for _ in range(tokens // width)]
+    found = []
+    with torch.no_grad():
+        for window in windows:
+            logits = model(torch.as_tensor(window[None, :])).logits[0].float()
+            logprobs = torch.log_softmax(logits, -1)
+            drawn = torch.multinomial(logprobs.exp(), 1)
+            found.append(logprobs.gather(-1, drawn)[:, 0].numpy())
+    values: np.ndarray = np.concatenate(found).astype(np.float64)
+    return values
+
+
+def use_real_text(run: ScaleRun, real: RealText, logprobs: LogprobSampler | None = None) -> None:
+    """Make `run`'s completions windows of `real`, their texts its raw pieces decoded as
+    byte-level BPE (its structure and control tokens stay the synthetic vocabulary's, at ids
+    above the real tokenizer's), and, given a sampler, its logprobs drawn by it."""
     words = run.words
     if words.n_ranked < real.vocab_size:
         raise ValueError("the synthetic vocabulary must be larger than the real tokenizer's")
     for i, piece in real.pieces.items():
         words.texts[i] = piece
+    words.ids["\n"] = real.newline  # the synthetic's newline fell among the real ids
     words.sample = real.sample  # type: ignore[method-assign]
+    run.decode = TEXT_RULES[BYTE_LEVEL]
+    if logprobs is not None:
+        run.logprobs = logprobs.draw

@@ -82,6 +82,7 @@ def _unshuffle(data: bytes, dtype: str) -> np.ndarray:
 
 BIT_LENGTH_CODED = 0x01  # the first byte of a bit-length coded array
 RAW_UINT16, RAW_INT32 = 0x02, 0x03  # … of zstd over plain little-endian ids (2 or 4 bytes each)
+BUCKET_CODED = 0x04  # … of a bucket coded array (_code_buckets)
 _LENGTHS = struct.Struct("<BI")  # that byte, then the compressed bit lengths' size
 
 
@@ -90,23 +91,44 @@ def _bit_lengths(values: np.ndarray) -> np.ndarray:
     return np.frexp(values.astype(np.float64))[1].astype(np.uint8)
 
 
+def _bit_places(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For `counts` bits of each value laid end to end: each bit's value and its place in it."""
+    total = int(counts.sum())
+    owner = np.repeat(np.arange(len(counts)), counts)
+    place = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, place.astype(np.uint32)
+
+
+def _low_bits(values: np.ndarray, counts: np.ndarray) -> bytes:
+    """Each uint32 value's lowest `counts` bits, packed one after another (little-endian bit
+    order), one pass over the bits themselves."""
+    if not len(counts) or not int(counts.max()):
+        return b""
+    owner, place = _bit_places(counts)
+    bits = ((values[owner] >> place) & 1).astype(np.uint8)
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def _read_low_bits(data: bytes, offset: int, counts: np.ndarray) -> np.ndarray:
+    """_low_bits' inverse: each value's lowest `counts` bits, read from data[offset:]."""
+    if not len(counts) or not int(counts.max()):
+        return np.zeros(len(counts), dtype=np.uint32)
+    owner, place = _bit_places(counts)
+    bits = np.unpackbits(
+        np.frombuffer(data, np.uint8, offset=offset), count=len(owner), bitorder="little"
+    )
+    weights = (bits.astype(np.uint64) << place.astype(np.uint64)).astype(np.float64)
+    below: np.ndarray = np.bincount(owner, weights, minlength=len(counts)).astype(np.uint32)
+    return below
+
+
 def _code_bits(values: np.ndarray) -> bytes:
     """uint32 values → BIT_LENGTH_CODED bytes."""
     v = values.astype(np.uint32, copy=False).reshape(-1)
     widths = _bit_lengths(v)
     lengths = _pack(widths.tobytes())
     tail = np.maximum(widths.astype(np.int64) - 1, 0)  # bits below the leading 1
-    most = int(tail.max()) if len(tail) else 0
-    if most:
-        shifts = np.arange(most, dtype=np.uint32)
-        bits = (v[:, None] >> shifts) & 1
-        packed = np.packbits(
-            bits[shifts[None, :] < tail[:, None]].astype(np.uint8), bitorder="little"
-        )
-        rest = packed.tobytes()
-    else:
-        rest = b""
-    return _LENGTHS.pack(BIT_LENGTH_CODED, len(lengths)) + lengths + rest
+    return _LENGTHS.pack(BIT_LENGTH_CODED, len(lengths)) + lengths + _low_bits(v, tail)
 
 
 def _decode_bits(data: bytes) -> np.ndarray:
@@ -116,26 +138,61 @@ def _decode_bits(data: bytes) -> np.ndarray:
     widths = np.frombuffer(_unpack(data[at : at + size]), np.uint8).astype(np.int64)
     tail = np.maximum(widths - 1, 0)
     lead = np.where(widths > 0, np.left_shift(1, tail), 0).astype(np.uint32)
-    most = int(tail.max()) if len(tail) else 0
-    if not most:
-        return lead
-    total = int(tail.sum())
-    bits = np.unpackbits(
-        np.frombuffer(data, np.uint8, offset=at + size), count=total, bitorder="little"
+    out: np.ndarray = lead | _read_low_bits(data, at + size, tail)
+    return out
+
+
+# Bucket coding (BUCKET_CODED): a value below 2**(_TOP + 1) is its own symbol; a larger one's
+# symbol is its bit length and the _TOP bits below its leading 1 (8 buckets an octave), and its
+# lower bits follow, packed. The symbols (one byte each, at most 239) are zstd-compressed: its
+# entropy coder codes them near their order-0 entropy, so a value costs about the entropy of a
+# smooth distribution (logprobs), where bit-length coding spent 1 to 2 bits more.
+_TOP = 3
+_EXACT = 1 << (_TOP + 1)
+
+
+def _code_buckets(values: np.ndarray) -> bytes:
+    """uint32 values → BUCKET_CODED bytes."""
+    v = values.astype(np.uint32, copy=False).reshape(-1)
+    widths = _bit_lengths(v).astype(np.int64)
+    below = np.maximum(widths - 1 - _TOP, 0)  # bits below the symbol's
+    top = (v >> below.astype(np.uint32)).astype(np.int64)
+    symbols = np.where(
+        below == 0, v, _EXACT + (widths - _TOP - 2) * (1 << _TOP) + top - (1 << _TOP)
     )
-    starts = np.cumsum(tail) - tail
-    shifts = np.arange(most)
-    inside = shifts[None, :] < tail[:, None]
-    picked = bits[np.minimum(starts[:, None] + shifts[None, :], total - 1)] * inside
-    below: np.ndarray = (picked.astype(np.uint32) << shifts.astype(np.uint32)).sum(
-        axis=1, dtype=np.uint32
-    )
-    out: np.ndarray = lead | below
+    coded = _pack(symbols.astype(np.uint8).tobytes())
+    return _LENGTHS.pack(BUCKET_CODED, len(coded)) + coded + _low_bits(v, below)
+
+
+def _bucket_widths(symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symbols → (each value's bits above its packed ones, as a value; how many are packed)."""
+    s = symbols.astype(np.int64)
+    big = s >= _EXACT
+    rest = np.maximum(s - _EXACT, 0)
+    below = np.where(big, rest // (1 << _TOP) + 1, 0)
+    top = np.where(big, (1 << _TOP) + rest % (1 << _TOP), s)
+    return top, below
+
+
+def _decode_buckets(data: bytes, symbols: np.ndarray | None = None) -> np.ndarray:
+    """BUCKET_CODED bytes → the uint32 values."""
+    _, size = _LENGTHS.unpack_from(data)
+    at = _LENGTHS.size
+    if symbols is None:
+        symbols = np.frombuffer(_unpack(data[at : at + size]), np.uint8)
+    top, below = _bucket_widths(symbols)
+    high = (top.astype(np.uint64) << below.astype(np.uint64)).astype(np.uint32)
+    out: np.ndarray = high | _read_low_bits(data, at + size, below)
     return out
 
 
 def _coded(data: bytes) -> bool:
-    return data[0] == BIT_LENGTH_CODED
+    return data[0] in (BIT_LENGTH_CODED, BUCKET_CODED)
+
+
+def _decode_coded(data: bytes) -> np.ndarray:
+    """BIT_LENGTH_CODED or BUCKET_CODED bytes → the uint32 values."""
+    return _decode_bits(data) if data[0] == BIT_LENGTH_CODED else _decode_buckets(data)
 
 
 def _pack(payload: bytes) -> bytes:
@@ -219,8 +276,8 @@ def decode_ids(data: bytes | None) -> np.ndarray:
     if not data:
         return np.zeros(0, dtype=np.int64)
     kind = data[0]
-    if kind == BIT_LENGTH_CODED:
-        values = _decode_bits(data).view(np.int32)
+    if kind in (BIT_LENGTH_CODED, BUCKET_CODED):
+        values = _decode_coded(data).view(np.int32)
     elif kind == RAW_UINT16:
         values = np.frombuffer(_unpack(data[1:]), "<u2")
     elif kind == RAW_INT32:
@@ -231,8 +288,8 @@ def decode_ids(data: bytes | None) -> np.ndarray:
 
 
 def _logprob_blob(codes: np.ndarray) -> bytes:
-    """Logprob codes → the shorter of their bit-length coding and byte-shuffled zstd."""
-    return min(_code_bits(codes), _pack(_shuffle(codes)), key=len)
+    """Logprob codes → the shorter of their bucket coding and byte-shuffled zstd."""
+    return min(_code_buckets(codes), _pack(_shuffle(codes)), key=len)
 
 
 def encode_logprobs(logprobs: Sequence[float]) -> bytes:
@@ -245,7 +302,7 @@ def decode_logprobs(data: bytes | None) -> np.ndarray:
     if not data:
         return np.zeros(0)
     codes = (
-        _decode_bits(data).astype(np.uint16) if _coded(data) else _unshuffle(_unpack(data), "u2")
+        _decode_coded(data).astype(np.uint16) if _coded(data) else _unshuffle(_unpack(data), "u2")
     )
     values = codes.astype(np.float64) / -LOGPROB_SCALE + 0.0  # + 0.0: no -0.0
     values[codes == _LP_NEG_INF] = -math.inf
@@ -482,30 +539,37 @@ def _bounded(data: bytes, most: int, what: str) -> bytes:
 
 
 def _bits_checked(data: bytes, length: int, widest: int, what: str) -> np.ndarray:
-    """BIT_LENGTH_CODED bytes → exactly `length` values of at most `widest` bits; ValueError
-    otherwise (the bit lengths' frame bounded, the bits below them exactly as many as they say)."""
+    """BIT_LENGTH_CODED or BUCKET_CODED bytes → exactly `length` values of at most `widest`
+    bits; ValueError otherwise (the symbols' frame bounded, the bits below them exactly as many
+    as they say)."""
     if len(data) < _LENGTHS.size:
         raise ValueError(f"{what}: too short for a bit-length coded array")
     _, size = _LENGTHS.unpack_from(data)
     at = _LENGTHS.size
     if size > len(data) - at:
         raise ValueError(f"{what}: says {size:,} bytes of bit lengths, more than it holds")
-    widths = np.frombuffer(_bounded(data[at : at + size], length, what), np.uint8)
-    if len(widths) != length:
-        raise ValueError(f"{what}: holds {len(widths):,} values, not the {length:,} of its length")
+    symbols = np.frombuffer(_bounded(data[at : at + size], length, what), np.uint8)
+    if len(symbols) != length:
+        raise ValueError(f"{what}: holds {len(symbols):,} values, not the {length:,} of its length")
+    if data[0] == BUCKET_CODED:
+        top, below = _bucket_widths(symbols)
+        widths = np.where(below > 0, below + _TOP + 1, _bit_lengths(top.astype(np.uint32)))
+    else:
+        widths = symbols.astype(np.int64)
+        below = np.maximum(widths - 1, 0)
     if len(widths) and int(widths.max()) > widest:
         raise ValueError(f"{what}: a value of {int(widths.max())} bits, more than {widest}")
-    bits = int(np.maximum(widths.astype(np.int64) - 1, 0).sum())
+    bits = int(below.sum())
     if len(data) - at - size != (bits + 7) // 8:
         raise ValueError(f"{what}: {len(data) - at - size:,} bytes do not hold {bits:,} bits")
-    return _decode_bits(data)
+    return _decode_bits(data) if data[0] == BIT_LENGTH_CODED else _decode_buckets(data, symbols)
 
 
 def decode_ids_checked(data: bytes, length: int, what: str = "ids") -> np.ndarray:
     """Blob of encode_ids (any of its codings) → exactly `length` int64 ids, none negative;
     ValueError otherwise."""
     kind = data[0] if data else None
-    if kind == BIT_LENGTH_CODED:
+    if kind in (BIT_LENGTH_CODED, BUCKET_CODED):
         ids = _bits_checked(data, length, 32, what).view(np.int32).astype(np.int64)
     elif kind in (RAW_UINT16, RAW_INT32):
         width, dtype = (2, "<u2") if kind == RAW_UINT16 else (4, "<i4")

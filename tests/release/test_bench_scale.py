@@ -104,3 +104,36 @@ def test_cold_runs_its_command_before_each_pages_last_read(
     assert "cold ms" in section and "first ms" not in section
     assert len(answered) >= len(PAGES)
     assert calls.read_text().count("cold\n") == len(answered)
+
+
+def test_the_real_text_bench_prints_bytes_against_the_parquet_and_the_floor(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--real-text on SQLite (a few small steps): the databases' bytes a rollout against TRL's
+    parquet, where they go, and the order-0 entropy floor beside them."""
+    pytest.importorskip("pandas")
+    pytest.importorskip("transformers")
+    from rollout_lens.server.core.config import get_settings
+    from rollout_lens.trainer.builders import pretrained
+
+    cache = get_settings().model_cache_dir
+    if cache is None or not pretrained.is_ready(cache):
+        pytest.skip("the real model's tokenizer is not built (rollout-lens build-model --real)")
+    argv = ["--real-text", "--steps", "2", "--groups", "2", "--tokens", "64"]
+    assert scale.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "real text:" in out and "zh_CN" in out
+    assert "SQLite, after VACUUM" in out and "TRL completions parquet" in out
+    assert "floor (order-0 entropy): ids" in out and "KB a rollout" in out
+    assert "== pages" not in out  # write and disk only
+
+
+def test_the_floor_is_the_order_0_entropy_of_what_was_written() -> None:
+    """Two ids equally often: 1 bit a token; one logprob throughout: 0 bits."""
+    import numpy as np
+
+    from bench.scale_real import Floor
+
+    floor = Floor()
+    floor.add_arrays(np.array([3, 7, 3, 7]), np.full(4, -0.5))
+    assert floor.bits() == (1.0, 0.0)
