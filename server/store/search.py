@@ -381,17 +381,22 @@ def match_sql(conn: Connection, *, run_id: int, q: str) -> Match:
     if postgres:
         rollouts, params, total = _postgres_rollouts(conn, run_id, numbers)
     else:
-        table = fts_table(run_id)
-        rollouts = (
-            f"r.id IN (SELECT rowid FROM {table} WHERE {table} MATCH :search)"
-            if has_index(conn, run_id=run_id)
-            else "0 = 1"
-        )
-        params = {"search": fts5_query(terms)}
+        rollouts, params = _sqlite_rollouts(conn, run_id, terms)
     if not prompt_ids:
         return Match(f"({rollouts})", params, total)
     # The prompts first: a row whose prompt has the words needs no look at its own
     return Match(f"({prompts_sql} OR {rollouts})", params | by_prompt, None)
+
+
+def _sqlite_rollouts(conn: Connection, run_id: int, terms: Any) -> tuple[str, dict[str, Any]]:
+    """SQLite's condition that a rollout's completion has the words: its id in the run's index."""
+    table = fts_table(run_id)
+    rollouts = (
+        f"r.id IN (SELECT rowid FROM {table} WHERE {table} MATCH :search)"
+        if has_index(conn, run_id=run_id)
+        else "0 = 1"
+    )
+    return rollouts, {"search": fts5_query(terms)}
 
 
 def prompt_match_sql(conn: Connection, *, q: str, column: str) -> Match:

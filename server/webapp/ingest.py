@@ -185,17 +185,6 @@ class Ingest:
         with self._lock:
             self._kept.pop(run.id, None)
 
-    def _run(self, session: Session, caller: Caller, run_id: int) -> RunRow:
-        run = store.get_run(session, run_id=run_id)
-        if caller.key is not None and run.record_key is not None and run.record_key != caller.key:
-            # SQLite gives a deleted run's id to the next run made: not the recorder's run
-            raise NotFound(f"run {run_id} does not exist (the run this recorder made was deleted)")
-        if not caller.may_write(run):
-            if run.record_key is None:
-                raise Forbidden(f"run {run_id} was not created by a recorder: nothing records it")
-            raise Forbidden(f"run {run_id} was recorded with another token")
-        return run
-
     def heartbeat(
         self,
         caller: Caller,
@@ -207,7 +196,7 @@ class Ingest:
         """The recorder is alive: a run the sweeper marked lost runs again; RunEnded (a 409 with
         the status) for one that ended otherwise (server/store/ending.py)."""
         with session_scope(self.factory) as session:
-            run = self._run(session, caller, run_id)
+            run = _owned_run(session, caller, run_id)
             _current(run, epoch)
             ending.recorder_alive(session, run_id=run_id)
             if dropped is not None:
@@ -226,7 +215,7 @@ class Ingest:
         """The recorder ends its run; RunEnded for a run that ended otherwise, unless the finish
         repeats its status (answered as done)."""
         with session_scope(self.factory) as session:
-            _current(self._run(session, caller, run_id), epoch)
+            _current(_owned_run(session, caller, run_id), epoch)
             ending.finish_recorded(session, run_id=run_id, status=status, error=error)
             if dropped is not None:
                 store.set_dropped(session, run_id=run_id, steps=dropped[0], rollouts=dropped[1])
@@ -249,30 +238,7 @@ class Ingest:
         """An export file (JSONL or Parquet) sent whole: imported as `rollout-lens import` does,
         in one transaction (server.exchange.importer), within the decode bound of its byte cap.
         Called within slot() (the route reads the file after taking it)."""
-        return self._import_file(data, name=name, moved=moved)
-
-    def _import_file(self, data: bytes, *, name: str | None, moved: bool) -> dict[str, Any]:
-        import tempfile
-        from pathlib import Path
-
-        from rollout_lens.server.core.errors import InvalidInput
-        from rollout_lens.server.exchange.importer import import_export
-
-        with tempfile.TemporaryDirectory(prefix="rollout-lens-import-") as folder:
-            path = Path(folder) / "upload"
-            path.write_bytes(data)
-            try:
-                done = import_export(
-                    self.factory, path, name=name, moved=moved, max_bytes=self.max_bytes
-                )
-            except InvalidInput as exc:
-                raise InvalidInput(str(exc).replace(str(path), "the uploaded file")) from None
-        return {
-            "id": done.run_id,
-            "name": done.name,
-            "steps": done.steps,
-            "rollouts": done.rollouts,
-        }
+        return import_upload(self.factory, data, name=name, moved=moved, max_bytes=self.max_bytes)
 
     # -- steps -----------------------------------------------------------------------------------
 
@@ -285,7 +251,7 @@ class Ingest:
         without a slot: the claim can only make the run skip its own steps); `epoch`: the
         record epoch the sender's create answered (None: not checked)."""
         with session_scope(self.factory) as session:
-            run = self._run(session, caller, run_id)  # before anything is read or decoded
+            run = _owned_run(session, caller, run_id)  # before anything is read or decoded
             if not ending.may_record(run):  # cancelled, finished: a 409 the recorder stops at
                 raise ending.ended(run)
             _current(run, epoch)
@@ -430,6 +396,39 @@ _SUPERSEDED = (
     "run {run_id} is continued by a trainer resumed from a checkpoint since this recorder "
     "started: it records nothing more (its training goes on)"
 )
+
+
+def import_upload(
+    factory: sessionmaker[Session], data: bytes, *, name: str | None, moved: bool, max_bytes: int
+) -> dict[str, Any]:
+    """An uploaded export file imported from a file of its own (its path never in a message)."""
+    import tempfile
+    from pathlib import Path
+
+    from rollout_lens.server.core.errors import InvalidInput
+    from rollout_lens.server.exchange.importer import import_export
+
+    with tempfile.TemporaryDirectory(prefix="rollout-lens-import-") as folder:
+        path = Path(folder) / "upload"
+        path.write_bytes(data)
+        try:
+            done = import_export(factory, path, name=name, moved=moved, max_bytes=max_bytes)
+        except InvalidInput as exc:
+            raise InvalidInput(str(exc).replace(str(path), "the uploaded file")) from None
+    return {"id": done.run_id, "name": done.name, "steps": done.steps, "rollouts": done.rollouts}
+
+
+def _owned_run(session: Session, caller: Caller, run_id: int) -> RunRow:
+    """The run this caller may write to; NotFound or Forbidden otherwise."""
+    run = store.get_run(session, run_id=run_id)
+    if caller.key is not None and run.record_key is not None and run.record_key != caller.key:
+        # SQLite gives a deleted run's id to the next run made: not the recorder's run
+        raise NotFound(f"run {run_id} does not exist (the run this recorder made was deleted)")
+    if not caller.may_write(run):
+        if run.record_key is None:
+            raise Forbidden(f"run {run_id} was not created by a recorder: nothing records it")
+        raise Forbidden(f"run {run_id} was recorded with another token")
+    return run
 
 
 def _current(run: RunRow, epoch: int | None) -> None:

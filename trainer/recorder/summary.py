@@ -65,20 +65,7 @@ def summarize(
         vocab.SOLVED_GROUPS: m.mean([float(s == "solved") for s in spread]),
         vocab.STUCK_GROUPS: m.mean([float(s == "stuck") for s in spread]),
     }
-    # tool-calling rollouts: only the positions the model sampled (tool results hold 0.0)
-    sampled = [turns.model_positions(r.meta, len(r.completion_ids)) for r in rollouts]
-    for token in control_tokens:
-        probs = [
-            p
-            for r, keep in zip(rollouts, sampled, strict=True)
-            for p in (
-                r.control_probs.get(token, [])
-                if keep is None
-                else [p for p, k in zip(r.control_probs.get(token, []), keep, strict=False) if k]
-            )
-        ]
-        series[vocab.ctrl(token, "mean")] = m.mean(probs)
-        series[vocab.ctrl(token, "max")] = max(probs) if probs else None
+    series.update(_control_series(rollouts, control_tokens))
     states = [r.format_state for r in rollouts if r.format_state]
     for state in sorted({*vocab.FormatState, *states}):
         series[vocab.state(state)] = states.count(state) / len(states) if states else None
@@ -97,6 +84,28 @@ def summarize(
     if listed:
         series[vocab.RETRIEVAL_RECALL] = m.mean([float(x) for x in listed])
     return values, series
+
+
+def _control_series(
+    rollouts: Sequence[RolloutRecord], control_tokens: Sequence[str]
+) -> dict[str, float | None]:
+    """Each control token's mean and max probability over the positions the model sampled."""
+    series: dict[str, float | None] = {}
+    # tool-calling rollouts: only the positions the model sampled (tool results hold 0.0)
+    sampled = [turns.model_positions(r.meta, len(r.completion_ids)) for r in rollouts]
+    for token in control_tokens:
+        probs = [
+            p
+            for r, keep in zip(rollouts, sampled, strict=True)
+            for p in (
+                r.control_probs.get(token, [])
+                if keep is None
+                else [p for p, k in zip(r.control_probs.get(token, []), keep, strict=False) if k]
+            )
+        ]
+        series[vocab.ctrl(token, "mean")] = m.mean(probs)
+        series[vocab.ctrl(token, "max")] = max(probs) if probs else None
+    return series
 
 
 def _column(r: RolloutRecord, name: str) -> Any:

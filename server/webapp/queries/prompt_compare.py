@@ -47,20 +47,7 @@ def compare_prompts(
     if match not in MATCH_KEYS:
         raise InvalidInput("match: one of query, user, exact")
     runs = [run_head(session, run_id) for run_id in run_ids]
-    key_column = MATCH_KEYS[match]
-    by_key: dict[str, list[list[Any]]] = {}
-    for i, run_id in enumerate(run_ids):
-        clauses, params = ["p.run_id = :run"], {"run": run_id}
-        if q is not None and q.strip():
-            found = search.prompt_match_sql(session.connection(), q=q, column="p.prompt_id")
-            clauses.append(found.sql)
-            params.update(found.params)
-        for row in session.execute(
-            text(f"SELECT {PROMPT_COLUMNS} FROM run_prompts p WHERE {' AND '.join(clauses)}"),
-            params,
-        ):
-            key = str(getattr(row, key_column))
-            by_key.setdefault(key, [[] for _ in run_ids])[i].append(row)
+    by_key = _by_key(session, run_ids, MATCH_KEYS[match], q)
     matched = [
         (min(r.label for rows in per_run for r in rows), key, per_run)
         for key, per_run in by_key.items()
@@ -69,12 +56,7 @@ def compare_prompts(
     matched.sort(key=lambda m: (m[0], m[1]))
     digest = hashlib.sha256(json.dumps([list(run_ids), match, q, every]).encode()).hexdigest()[:16]
     if after is not None:
-        _, digest_at, label_at, key_at = decode_cursor(after, "compare", 4)
-        if digest_at != digest or not isinstance(label_at, str) or not isinstance(key_at, str):
-            raise InvalidInput(
-                "after: the cursor is for other runs or another match; start from the first page"
-            )
-        matched = [m for m in matched if (m[0], m[1]) > (label_at, key_at)]
+        matched = _after(matched, after, digest)
     total = len(matched)
     page, more = matched[:limit], len(matched) > limit
     cursor = encode_cursor(["compare", digest, page[-1][0], page[-1][1]]) if more else None
@@ -95,3 +77,33 @@ def compare_prompts(
         "total": total,
         "next": cursor,
     }
+
+
+def _by_key(
+    session: Session, run_ids: Sequence[int], key_column: str, q: str | None
+) -> dict[str, list[list[Any]]]:
+    """Each run's prompts (those `q` finds, if given) under their match key, a list a run."""
+    by_key: dict[str, list[list[Any]]] = {}
+    for i, run_id in enumerate(run_ids):
+        clauses, params = ["p.run_id = :run"], {"run": run_id}
+        if q is not None and q.strip():
+            found = search.prompt_match_sql(session.connection(), q=q, column="p.prompt_id")
+            clauses.append(found.sql)
+            params.update(found.params)
+        for row in session.execute(
+            text(f"SELECT {PROMPT_COLUMNS} FROM run_prompts p WHERE {' AND '.join(clauses)}"),
+            params,
+        ):
+            key = str(getattr(row, key_column))
+            by_key.setdefault(key, [[] for _ in run_ids])[i].append(row)
+    return by_key
+
+
+def _after(matched: list[Any], after: str, digest: str) -> list[Any]:
+    """The matches past the cursor `after`, which must be this comparison's."""
+    _, digest_at, label_at, key_at = decode_cursor(after, "compare", 4)
+    if digest_at != digest or not isinstance(label_at, str) or not isinstance(key_at, str):
+        raise InvalidInput(
+            "after: the cursor is for other runs or another match; start from the first page"
+        )
+    return [m for m in matched if (m[0], m[1]) > (label_at, key_at)]
