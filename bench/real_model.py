@@ -258,6 +258,41 @@ def _buckets(values: list[float | None]) -> list[float | None]:
     ]
 
 
+def _cell(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    """The docs' tables: each run's summary, then its curves in 5-step buckets."""
+    lines = [
+        "| run | method | seed | RL steps | true acc. 1–5 | last 10 | above chance from step |"
+        " format-valid 1–5 | last 10 | zero-spread share | median s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        got = run["summary"]
+        wall = got["stage_medians"].get("wall")
+        lines.append(
+            f"| {run['run_id']} | {run['method']} | {run['seed']} | {got['steps']} |"
+            f" {_cell(got['first5'])} | {_cell(got['last10'])} |"
+            f" {got['above_chance_from'] or 'never'} | {_cell(got['format_first5'])} |"
+            f" {_cell(got['format_last10'])} | {_cell(got['zero_spread_mean'])} |"
+            f" {'—' if wall is None else f'{wall:.0f}'} |"
+        )
+    width = max((len(_buckets(r["true_accuracy"])) for r in runs), default=0)
+    heads = " | ".join(f"{i * BUCKET + 1}–{(i + 1) * BUCKET}" for i in range(width))
+    lines += ["", f"| run | series | {heads} |", "|---|---|" + "---|" * width]
+    for run in runs:
+        for label, key in (
+            ("true accuracy", "true_accuracy"),
+            ("format-valid", "format_valid"),
+            ("zero spread", "zero_spread"),
+        ):
+            cells = " | ".join(_cell(v) for v in _buckets(run[key]))
+            lines.append(f"| {run['run_id']} {run['method']} s{run['seed']} | {label} | {cells} |")
+    return "\n".join(lines)
+
+
 def report(args: argparse.Namespace) -> None:
     runs = read_runs(args.data_dir)
     for run in runs:
@@ -278,6 +313,8 @@ def report(args: argparse.Namespace) -> None:
         if got["stage_medians"]:
             stages = ", ".join(f"{k} {v:.1f}" for k, v in got["stage_medians"].items())
             print(f"  median seconds a step: {stages}; SFT before RL {got['sft_seconds']:.0f} s")
+    if args.markdown:
+        print("\n" + markdown(runs))
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1) + "\n")
         print(f"\nwrote {args.json}")
@@ -303,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     read = sub.add_parser("report", help="the runs in a data dir, as curves and a summary")
     read.add_argument("--data-dir", type=Path, required=True)
     read.add_argument("--json", type=Path, help="also write every run's curves here")
+    read.add_argument("--markdown", action="store_true", help="also print the docs' tables")
     args = parser.parse_args(argv)
     if args.command == "zero-shot":
         from rollout_lens.trainer.builders import pretrained
