@@ -40,6 +40,7 @@ from rollout_lens.trainer.envs.onestep import EscalationEnv  # noqa: E402
 
 TAGGED = re.compile(r"<tool>\s*(tool_\d\d)\s*</tool>")
 NAMED = re.compile(r"tool_\d\d")
+QUERY = re.compile(r"Query: (.*)\n")
 CHANCE = 0.25  # 1 of the 4 tools a patched prompt lists
 FIRST, LAST, BUCKET = 5, 10, 5
 # The signals compared, as overrides of the real_patched preset. sft_then_rl as the issue ran it:
@@ -138,6 +139,7 @@ def grid(args: argparse.Namespace) -> None:
         for seed in args.seeds
         for method in args.methods
         for config in configs(args.preset, method, seed, args.steps)
+        if args.variants is None or config.variant in args.variants
     ]
     running: list[subprocess.Popen[bytes]] = []
     env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -176,6 +178,35 @@ def _above_from(values: list[float]) -> int | None:
     return None
 
 
+def _groups(rollouts: Any) -> list[dict[str, Any]]:
+    """Each recorded group: its step, query, target, the ids its rollouts voted and its mean
+    true score (a query's history across the run, and the vote splits)."""
+    groups: dict[tuple[int, int], dict[str, Any]] = {}
+    for row, prompt in rollouts:
+        found = QUERY.search(prompt)
+        group = groups.setdefault(
+            (row.step, row.group),
+            {
+                "step": row.step,
+                "query": found.group(1) if found else None,
+                "target": row.target,
+                "votes": [],
+                "scores": [],
+            },
+        )
+        group["votes"].append(row.vote)
+        group["scores"].append(row.true_score or 0.0)
+    return [g | {"true": statistics.fmean(g.pop("scores"))} for _, g in sorted(groups.items())]
+
+
+def per_query(run: dict[str, Any]) -> dict[str, list[float]]:
+    """Each query's mean true score at each of its visits, in order."""
+    visits: dict[str, list[float]] = {}
+    for group in run["groups"]:
+        visits.setdefault(group["query"], []).append(group["true"])
+    return visits
+
+
 def read_runs(data_dir: Path) -> list[dict[str, Any]]:
     """Every run in `data_dir`'s database with its per-step curves and stage costs."""
     from rollout_lens.server import store
@@ -211,6 +242,7 @@ def read_runs(data_dir: Path) -> list[dict[str, Any]]:
                     "stages": stages,
                     "sft": phases,
                     "device_minutes": run.device_seconds / 60.0,
+                    "groups": _groups(store.iter_rollouts(session, run_id=run.id)),
                 }
             )
     engine.dispose()
@@ -308,6 +340,10 @@ def report(args: argparse.Namespace) -> None:
         ):
             print(f"  {label} per step  : {_series(run[key])}")
             print(f"  {label} 5-step    : {_series(_buckets(run[key]))}")
+        visits = ", ".join(
+            f"{q!r} {' '.join(f'{v:.2f}' for v in vs)}" for q, vs in per_query(run).items()
+        )
+        print(f"  each query's visits (mean true score): {visits}")
         figures = {k: v for k, v in got.items() if k != "stage_medians"}
         print(f"  summary: {figures}")
         if got["stage_medians"]:
@@ -333,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     run_grid.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     run_grid.add_argument("--steps", type=int, default=40)
     run_grid.add_argument("--jobs", type=int, default=2)
+    run_grid.add_argument("--variants", nargs="+", help="only these of the preset's runs")
     one = sub.add_parser("one", help="(grid's child) train one run")
     one.add_argument("--data-dir", type=Path, required=True)
     one.add_argument("--timings", type=Path, required=True)
