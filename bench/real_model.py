@@ -278,6 +278,34 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _pick(runs: list[dict[str, Any]], method: str, seed: int, variant: str) -> dict[str, Any]:
+    (run,) = [
+        r
+        for r in runs
+        if (r["method"], r["seed"], r["variant"]) == (method, seed, variant) and r["steps"]
+    ]
+    return run
+
+
+def preset_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures the real presets' texts state (server.core.presets.REAL_FIGURES), from the
+    recorded runs: the format warm-up and plain GRPO on the patched task, seed 0."""
+    warm, plain = _pick(runs, "format_warmup", 0, "patched"), _pick(runs, "none", 0, "patched")
+    w, p = summary(warm), summary(plain)
+    group = len(warm["groups"][0]["votes"])
+    return {
+        "warmup_steps": w["steps"],
+        "warmup_format_first5": round(w["format_first5"], 2),
+        "warmup_first5": round(w["first5"], 2),
+        "warmup_last10": round(w["last10"], 2),
+        "warmup_step_seconds": round(w["stage_medians"]["wall"]),
+        "warmup_sft_minutes": round(w["sft_seconds"] / 60),
+        "plain_steps": p["steps"],
+        "plain_formatted": round(sum(f * group for f in plain["format_valid"] if f is not None)),
+        "plain_rollouts": group * p["steps"],
+    }
+
+
 def _series(values: list[float | None]) -> str:
     return " ".join("  — " if v is None else f"{v:.2f}" for v in values)
 
@@ -351,6 +379,7 @@ def report(args: argparse.Namespace) -> None:
             print(f"  median seconds a step: {stages}; SFT before RL {got['sft_seconds']:.0f} s")
     if args.markdown:
         print("\n" + markdown(runs))
+        print(f"\nthe presets' figures: {preset_figures(runs)}")
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1) + "\n")
         print(f"\nwrote {args.json}")
