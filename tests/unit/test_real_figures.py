@@ -1,6 +1,6 @@
 """The real presets' texts and the real-model page state what the recorded runs recorded: their
 figures are read back from docs/benchmarks/real-model.json (bench/real_model.py report --json,
-the runs' curves as the store held them) through the bench's own summary."""
+the runs' curves as the store held them) through the bench's own summary (bench/real_model_report.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rollout_lens.server.core.presets import PRESETS, REAL_FIGURES
 
-from bench.real_model import markdown, preset_figures, summary
+from bench.real_model_report import markdown, preset_figures, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = json.loads((ROOT / "docs" / "benchmarks" / "real-model.json").read_text())
