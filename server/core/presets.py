@@ -62,14 +62,16 @@ REAL_FIGURES: dict[str, Any] = {
     "plain_rollouts": 320,
 }
 REAL_PATCHED_TEXT = (
-    "SmolLM2-135M-Instruct (built on first use). 8 SFT steps teach the <tool>ID</tool> format on "
-    "tools, queries and ids the run never sees; which tool fits which query is left to RL. "
+    f"SmolLM2-135M-Instruct (built on first use). {REAL_RECIPE['sft_steps']} SFT steps teach the "
+    "<tool>ID</tool> format on tools, queries and ids the run never sees; which tool fits which "
+    "query is left to RL. "
     f"Recorded on this project's busy 2-core CPU (seed 0): over RL steps 1–5, "
     f"{REAL_FIGURES['warmup_format_first5']:.0%} of the rollouts in the format and true "
     f"accuracy {REAL_FIGURES['warmup_first5']:.2f} (chance 0.25); over the last 10 of its "
     f"{REAL_FIGURES['warmup_steps']} steps {REAL_FIGURES['warmup_last10']:.2f}. Plain GRPO on "
     f"the same recipe wrote the format in {REAL_FIGURES['plain_formatted']} of "
-    f"{REAL_FIGURES['plain_rollouts']} rollouts: no reward, no update. A step took a median "
+    f"{REAL_FIGURES['plain_rollouts']} rollouts: no reward, no update. A query whose 8 rollouts "
+    "all named the same wrong tool never moved (zero spread: no signal). A step took a median "
     f"{REAL_FIGURES['warmup_step_seconds']} s here, the warm-up "
     f"{REAL_FIGURES['warmup_sft_minutes']} min."
 )
