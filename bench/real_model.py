@@ -1,38 +1,63 @@
-"""The seed's pair on a real pretrained chat model: SmolLM2-135M-Instruct on the Escalation env.
+"""The seed's task on a real pretrained chat model: SmolLM2-135M-Instruct on the Escalation env.
 
-First zero-shot and greedy on the env's training queries, as the launched run's prompts put
-them (the model's chat template), for the patched (4 tools listed) and the leaky (64) variant:
-how many replies name the right tool somewhere, how many are in the `<tool>ID</tool>` format,
-and which tool the leaky replies name most. Then (with --steps N > 0) a launched run of each
-variant on the form's defaults for a pretrained model, trained here for N steps: true accuracy,
-verifier reward, vote agreement, format shares, seconds a step and device-minutes, with what the
-seed's 500 steps would take at that pace.
+zero-shot: greedy replies to the env's training queries, as a launched run prompts them (the
+model's chat template), patched (4 tools) and leaky (64): how many name the right tool
+somewhere, how many are in the `<tool>ID</tool>` format, which tool the leaky ones name most.
 
-    .venv/bin/python bench/real_model.py                      # zero-shot only (a few minutes)
-    .venv/bin/python bench/real_model.py --steps 10 --variants patched leaky
+grid: the recipe of the `real_patched` preset (server/core/presets.py) trained with each
+supervisory signal (plain GRPO, the format warm-up, off-policy experts, SFT then RL as the
+issue tried it), each seed, as launched runs in this process's children (one torch thread
+each, `--jobs` at a time), every step's stage costs timed (bench/real_model_stages.py). Runs
+go into `--data-dir`; `report` reads them back at any time, finished or not:
+
+    .venv/bin/python bench/real_model.py zero-shot
+    .venv/bin/python bench/real_model.py grid --data-dir D --seeds 0 1 --jobs 2   # hours on a CPU
+    .venv/bin/python bench/real_model.py report --data-dir D --json docs/benchmarks/real-model.json
+
+The report gives each run's true accuracy, format-valid share and zero-spread share per step
+and in 5-step buckets; its first 5 steps against its last 10, against chance (1 in 4), and the
+first step from which its 5-step mean stays above chance; and the median seconds of each stage.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
-import statistics
+import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rollout_lens.server.core.config import get_settings  # noqa: E402
-from rollout_lens.trainer.builders import pretrained  # noqa: E402
 from rollout_lens.trainer.envs.onestep import EscalationEnv  # noqa: E402
+
+from bench.real_model_report import (  # noqa: E402
+    _buckets,
+    _series,
+    markdown,
+    per_query,
+    preset_figures,
+    read_runs,
+    settings_for,
+    summary,
+)
 
 TAGGED = re.compile(r"<tool>\s*(tool_\d\d)\s*</tool>")
 NAMED = re.compile(r"tool_\d\d")
-SEED_STEPS = 500  # the seed's runs
+# The signals compared, as overrides of the real_patched preset. sft_then_rl as the issue ran it:
+# 20 SFT steps on the training queries' own answers at the pretrained default SFT rate.
+METHODS: dict[str, dict[str, Any]] = {
+    "none": {"supervision": "none"},
+    "format_warmup": {},  # the preset's own
+    "offpolicy": {"supervision": "offpolicy", "supervised_per_group": 1},
+    "sft_then_rl": {"supervision": "sft_then_rl", "sft_steps": 20, "sft_learning_rate": 1e-5},
+}
 
 
 def zero_shot(path: Path, variant: str, max_new_tokens: int) -> dict[str, object]:
@@ -74,74 +99,134 @@ def zero_shot(path: Path, variant: str, max_new_tokens: int) -> dict[str, object
     }
 
 
-def train(path: Path, variant: str, steps: int, data_dir: Path) -> dict[str, object]:
-    """A launched run on the pretrained model's defaults, trained here, read back."""
-    from rollout_lens.server import store
-    from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
+def configs(preset: str, method: str, seed: int, steps: int) -> list[Any]:
+    """The preset's runs with `method`'s overrides, validated as a launch is."""
+    from rollout_lens.server.core.presets import PRESETS
+    from rollout_lens.server.webapp.pages import launch_fields
 
-    from rollout_lens import cli
+    values = METHODS[method] | {"seed": seed, "steps": steps}
+    built = launch_fields.build_configs(PRESETS[preset], values)
+    return [c.model_copy(update={"name": f"{c.name} [{method}]"}) for c in built]
 
-    os.environ["ROLLOUT_LENS_DATA_DIR"] = str(data_dir)
-    os.environ["ROLLOUT_LENS_MODEL_CACHE_DIR"] = str(path.parent)
-    argv = ["train", "--model", str(path), "--variant", variant, "--steps", str(steps)]
-    started = time.perf_counter()
-    code = cli.main([*argv, "--eval-every", "0", "--quiet"])
-    wall = time.perf_counter() - started
-    if code:
-        raise SystemExit(f"training {variant} failed ({code})")
-    engine = make_engine(get_settings().database_url)
-    with session_scope(make_session_factory(engine)) as session:
-        run = max(store.list_runs(session), key=lambda r: r.id)  # the one just trained
-        rows = store.steps(session, run_id=run.id)
-        series = store.metric_series(session, run_id=run.id)
-        config = dict(store.get_run(session, run_id=run.id).config or {})
-        minutes = run.device_seconds / 60.0
+
+def train_one(args: argparse.Namespace) -> None:
+    """One launched run (the config's JSON), trained here with its stages timed."""
+    from rollout_lens.server.core.runconfig import RunConfig
+    from rollout_lens.trainer.worker import run
+
+    from bench.real_model_stages import StageTimer
+    from rollout_lens.cli import migrated_factory
+
+    config = RunConfig.model_validate_json(args.config)
+    settings = settings_for(args.data_dir)
+    engine, _ = migrated_factory(settings)
     engine.dispose()
+    original = run.make_trainer
 
-    def column(name: str) -> list[float]:
-        return [getattr(s, name) for s in rows if getattr(s, name) is not None]
+    def timed(*a: Any, **k: Any) -> Any:
+        trainer = original(*a, **k)
+        StageTimer(trainer, args.timings).install(k["callback"])
+        return trainer
 
-    def named(name: str) -> list[float]:
-        return [v for _, v in series.get(name, []) if v is not None]
-
-    shares = {
-        state: statistics.fmean(named(f"state/{state}")) if named(f"state/{state}") else 0.0
-        for state in ("healthy_call", "text_pollution", "collapse", "no_call")
-    }
-    return {
-        "steps": len(rows),
-        "wall": wall,
-        "step_seconds": statistics.median(column("wall_time")) if column("wall_time") else None,
-        "true_accuracy": column("true_accuracy"),
-        "reward": column("reward_mean"),
-        "agreement": column("vote_agreement"),
-        "format_free": named("format_free_accuracy"),
-        "states": shares,
-        "device_minutes": minutes,
-        "lr": config.get("learning_rate"),
-        "tokens": config.get("max_completion_tokens"),
-    }
+    run.make_trainer = timed  # this process only: the bench's timers around the trainer's stages
+    run_id = run.train(config, settings=settings)
+    print(f"run {run_id} done", flush=True)
 
 
-def _series(values: list[float]) -> str:
-    return " ".join(f"{v:.2f}" for v in values)
+def grid(args: argparse.Namespace) -> None:
+    """Every (method, seed) run of the preset, `--jobs` children at a time."""
+    logs = args.data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    queue = [
+        (method, seed, config)
+        for seed in args.seeds
+        for method in args.methods
+        for config in configs(args.preset, method, seed, args.steps)
+        if args.variants is None or config.variant in args.variants
+    ]
+    running: list[subprocess.Popen[bytes]] = []
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    while queue or running:
+        running = [p for p in running if p.poll() is None]
+        while queue and len(running) < args.jobs:
+            method, seed, config = queue.pop(0)
+            stem = f"{config.variant}-{method}-seed{seed}"
+            command = [
+                sys.executable,
+                __file__,
+                "one",
+                "--data-dir",
+                str(args.data_dir),
+                "--timings",
+                str(logs / f"{stem}.jsonl"),
+                "--config",
+                config.model_dump_json(),
+            ]
+            with (logs / f"{stem}.log").open("ab") as log:
+                running.append(subprocess.Popen(command, stdout=log, stderr=log, env=env))
+            print(f"started {stem}", flush=True)
+        time.sleep(5)
+
+
+def report(args: argparse.Namespace) -> None:
+    runs = read_runs(args.data_dir)
+    for run in runs:
+        run["summary"] = got = summary(run)
+        print(
+            f"\nrun {run['run_id']} {run['name']} ({run['status']}, {got['steps']} steps,"
+            f" {run['device_minutes']:.1f} device-minutes)"
+        )
+        for label, key in (
+            ("true accuracy", "true_accuracy"),
+            ("format-valid ", "format_valid"),
+            ("zero spread  ", "zero_spread"),
+        ):
+            print(f"  {label} per step  : {_series(run[key])}")
+            print(f"  {label} 5-step    : {_series(_buckets(run[key]))}")
+        visits = ", ".join(
+            f"{q!r} {' '.join(f'{v:.2f}' for v in vs)}" for q, vs in per_query(run).items()
+        )
+        print(f"  each query's visits (mean true score): {visits}")
+        figures = {k: v for k, v in got.items() if k != "stage_medians"}
+        print(f"  summary: {figures}")
+        if got["stage_medians"]:
+            stages = ", ".join(f"{k} {v:.1f}" for k, v in got["stage_medians"].items())
+            print(f"  median seconds a step: {stages}; SFT before RL {got['sft_seconds']:.0f} s")
+    if args.markdown:
+        print("\n" + markdown(runs))
+        print(f"\nthe presets' figures: {preset_figures(runs)}")
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=0, help="train each variant this long")
-    parser.add_argument("--variants", nargs="+", default=["patched", "leaky"])
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="zero-shot reply length")
-    parser.add_argument("--no-zero-shot", action="store_true")
-    parser.add_argument(
-        "--data-dir",
-        type=Path,
-        help="keep the trained runs here (`ROLLOUT_LENS_DATA_DIR=DIR rollout-lens serve` shows them)",
-    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    shot = sub.add_parser("zero-shot", help="greedy replies of the untrained model")
+    shot.add_argument("--variants", nargs="+", default=["patched", "leaky"])
+    shot.add_argument("--max-new-tokens", type=int, default=48)
+    run_grid = sub.add_parser("grid", help="train every method and seed of a preset")
+    run_grid.add_argument("--data-dir", type=Path, required=True)
+    run_grid.add_argument("--preset", default="real_patched")
+    run_grid.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    run_grid.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    run_grid.add_argument("--steps", type=int, default=40)
+    run_grid.add_argument("--jobs", type=int, default=2)
+    run_grid.add_argument("--variants", nargs="+", help="only these of the preset's runs")
+    one = sub.add_parser("one", help="(grid's child) train one run")
+    one.add_argument("--data-dir", type=Path, required=True)
+    one.add_argument("--timings", type=Path, required=True)
+    one.add_argument("--config", required=True)
+    read = sub.add_parser("report", help="the runs in a data dir, as curves and a summary")
+    read.add_argument("--data-dir", type=Path, required=True)
+    read.add_argument("--json", type=Path, help="also write every run's curves here")
+    read.add_argument("--markdown", action="store_true", help="also print the docs' tables")
     args = parser.parse_args(argv)
-    path = pretrained.ensure(get_settings().models_dir)
-    print(f"model: {pretrained.LABEL} at {path}")
-    if not args.no_zero_shot:
+    if args.command == "zero-shot":
+        from rollout_lens.trainer.builders import pretrained
+
+        path = pretrained.ensure(get_settings().models_dir)
         for variant in args.variants:
             found = zero_shot(path, variant, args.max_new_tokens)
             print(
@@ -149,27 +234,12 @@ def main(argv: list[str] | None = None) -> None:
                 f" <tool>ID</tool> format {found['tagged']}/{found['queries']},"
                 f" most named {found['most_named']}, {found['seconds']:.0f} s"
             )
-    if args.steps:
-        with tempfile.TemporaryDirectory() as tmp:
-            for variant in args.variants:
-                got = train(path, variant, args.steps, args.data_dir or Path(tmp))
-                per_step = got["step_seconds"]
-                print(
-                    f"\ntrained {variant}: {got['steps']} steps in {got['wall']:.0f} s"
-                    f" (lr {got['lr']}, {got['tokens']} completion tokens),"
-                    f" median {per_step:.1f} s/step, {got['device_minutes']:.2f} device-minutes"
-                )
-                print(f"  true accuracy : {_series(got['true_accuracy'])}")  # type: ignore[arg-type]
-                print(f"  reward        : {_series(got['reward'])}")  # type: ignore[arg-type]
-                print(f"  vote agreement: {_series(got['agreement'])}")  # type: ignore[arg-type]
-                print(f"  format-free   : {_series(got['format_free'])}")  # type: ignore[arg-type]
-                states = ", ".join(f"{k} {v:.2f}" for k, v in got["states"].items())  # type: ignore[attr-defined]
-                print(f"  states (mean share over the steps): {states}")
-                if isinstance(per_step, float):
-                    print(
-                        f"  the seed's {SEED_STEPS} steps at this pace: "
-                        f"{per_step * SEED_STEPS / 3600:.1f} h on this CPU"
-                    )
+    elif args.command == "grid":
+        grid(args)
+    elif args.command == "one":
+        train_one(args)
+    else:
+        report(args)
 
 
 if __name__ == "__main__":

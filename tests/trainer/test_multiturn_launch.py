@@ -32,6 +32,7 @@ MULTI = {"turns": "multi", "max_completion_tokens": 128, "eval_every": 0}
         ({"max_completion_tokens": 8}, "must be at least 32 for a multi-turn run"),
         ({"supervision": "offpolicy"}, "supervision offpolicy is single-turn only"),
         ({"supervision": "hint"}, "supervision hint is single-turn only"),
+        ({"supervision": "format_warmup"}, "supervision format_warmup is single-turn only"),
         ({"max_calls": 0}, "greater than or equal to 1"),
         ({"episodes": "triple"}, "'single', 'chain' or 'mixed'"),
     ],

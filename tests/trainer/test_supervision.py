@@ -63,6 +63,21 @@ def test_sft_then_rl_runs_sft_before_the_first_step(train_settings: Settings) ->
     assert [step for step, _ in series["sft/loss"]] == [1]
 
 
+def test_format_warmup_runs_its_own_examples_before_the_first_step(
+    train_settings: Settings,
+) -> None:
+    """format_warmup is an SFT phase before RL, like sft_then_rl, on the warm-up's examples (two
+    prompts for each filler capability), not on the run's 12 training queries."""
+    from rollout_lens.trainer.envs import warmup
+    from rollout_lens.trainer.envs.onestep import EscalationEnv
+
+    config = RunConfig(steps=2, supervision="format_warmup", sft_steps=3, seed=26, eval_every=0)
+    _, _, _, series = load_run(train_settings.database_url, train(config, settings=train_settings))
+    assert [step for step, _ in series["sft/loss"]] == [1]
+    expected = len(warmup.examples(EscalationEnv(seed=26)))
+    assert series["sft/examples"] == [(1, float(expected))] and expected != 12
+
+
 def test_eval_series_are_recorded_at_the_right_steps(train_settings: Settings) -> None:
     config = RunConfig(steps=5, eval_every=2, seed=25)
     _, _, _, series = load_run(train_settings.database_url, train(config, settings=train_settings))

@@ -20,6 +20,7 @@ from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.errors import BrokerUnavailable
 from rollout_lens.server.core.presets import PRESET_GROUPS
 from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.server.core.task_vocab import REAL
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunStatus, utcnow
 from rollout_lens.server.webapp import control
@@ -302,6 +303,7 @@ def test_presets_api_lists_presets_and_every_field(client: TestClient) -> None:
         "hint",
         "interleaved_sft",
         "sft_then_rl",
+        "format_warmup",
     ]
 
 
@@ -381,8 +383,24 @@ def test_each_single_run_preset_launches_what_it_says(
         assert config["turns"] == "multi" and config["max_completion_tokens"] >= 32
     if name in ("multi_collapse", "multi_sft_then_rl", "multi_interleaved_sft"):  # the study
         assert config["learning_rate"] == 3e-3 and config["steps"] == 200
-    if name in ("leaky", "patched", "multi_leaky", "multi_patched"):  # the seed's verifier
-        assert config["verifier"] == "judge" and config["verifier_noise"] == 0.12
+    if name in ("leaky", "patched", "multi_leaky", "multi_patched", "real_patched"):
+        assert config["verifier"] == "judge" and config["verifier_noise"] == 0.12  # the seed's
+    if name == "real_patched":  # the real model by name, on the format warm-up
+        assert config["model"] == REAL and config["supervision"] == "format_warmup"
+
+
+def test_the_real_pair_launches_both_variants_on_the_real_model(
+    client: TestClient, session_factory: sessionmaker[Session]
+) -> None:
+    """real_leaky_vs_patched: two queued runs of the real model on the same recipe and seed,
+    leaky and patched, opened side by side like every pair."""
+    body = client.post("/api/runs", json={"preset": "real_leaky_vs_patched"}).json()
+    configs = [get_run(session_factory, r["id"]).config for r in body["runs"]]
+    assert [c["variant"] for c in configs] == ["leaky", "patched"]
+    assert body["url"].startswith("/compare?runs=")
+    same = {k: v for k, v in configs[0].items() if k not in ("variant", "name")}
+    assert same == {k: v for k, v in configs[1].items() if k not in ("variant", "name")}
+    assert same["model"] == REAL and same["supervision"] == "format_warmup"
 
 
 def test_form_launches_a_run_and_opens_it(

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 from rollout_lens.server.core import vocab
-from rollout_lens.server.core.task_vocab import IN_GROUP_MODES
+from rollout_lens.server.core.task_vocab import BEFORE_RL_MODES, IN_GROUP_MODES
 from rollout_lens.trainer.recorder.capture import GenerationHooks, Sample
 from transformers import TrainerCallback
 
@@ -132,8 +132,10 @@ class SFTPhases(TrainerCallback):
 
     interleaved_sft: every `every` RL steps, `steps` SFT steps on the examples that failed since
     the last phase (`failures()` drains them: Failures.drain).
-    sft_then_rl: `steps` SFT steps on all training examples before the first RL step. Each
-    phase's loss goes into the series `sft/loss` at the step after which it ran.
+    sft_then_rl: `steps` SFT steps on all training examples before the first RL step;
+    format_warmup the same on the warm-up's examples (trainer.envs.warmup: other queries, other
+    capabilities, other ids). Each phase's loss goes into the series `sft/loss` at the step
+    after which it ran (a phase before RL at step 1).
 
     An example is (prompt, target) with the reply `expert_reply(target)`, or anything `encode`
     turns into (ids, labels): a multi-turn expert conversation, say.
@@ -165,10 +167,11 @@ class SFTPhases(TrainerCallback):
         self._optimizer: torch.optim.Optimizer | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        if self.mode == "sft_then_rl" and state.global_step == 0:
-            loss = self._phase(self.all_examples())
+        if self.mode in BEFORE_RL_MODES and state.global_step == 0:
+            examples = self.all_examples()
+            loss = self._phase(examples)
             self.recorder.add_metrics(
-                1, {vocab.SFT_LOSS: loss, vocab.SFT_EXAMPLES: float(len(self.all_examples()))}
+                1, {vocab.SFT_LOSS: loss, vocab.SFT_EXAMPLES: float(len(examples))}
             )
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_lens.server.core.runconfig import RunConfig
+from rollout_lens.trainer.envs import warmup
 from rollout_lens.trainer.envs.onestep import (
     TOOL_COUNT,
     EscalationEnv,
@@ -113,6 +114,11 @@ def sft_examples(env: EscalationEnv) -> list[tuple[Any, str]]:
     """(prompt messages, target) for every training query: SFT-then-RL's data."""
     examples = [env.example(q) for q in env.train_queries]
     return [([{"role": "user", "content": ex.prompt}], ex.target) for ex in examples]
+
+
+def warmup_examples(env: EscalationEnv) -> list[tuple[Any, str]]:
+    """(prompt messages, target) of the format warm-up: no training query, capability or id."""
+    return [([{"role": "user", "content": ex.prompt}], ex.target) for ex in warmup.examples(env)]
 
 
 def _vote_reader(reply_format: str) -> Callable[[str], str | None]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rollout_lens.server.core.task_vocab import TINY
+from rollout_lens.server.core.task_vocab import REAL, TINY
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -27,10 +27,11 @@ def unusable(model: str) -> str:
 
 
 def check_model(model: str) -> str:
-    """`tiny`, a hub id as given, or a local model folder as an absolute path on this host;
-    ModelUnavailable when it is a folder that is missing or was not saved with save_pretrained."""
+    """`tiny` or the real model's name (both built by the worker on first use), a hub id as
+    given, or a local model folder as an absolute path on this host; ModelUnavailable when it
+    is a folder that is missing or was not saved with save_pretrained."""
     value = model.strip()
-    if value == TINY or _HUB_ID.match(value) and not value.startswith((".", "/", "~")):
+    if value in (TINY, REAL) or _HUB_ID.match(value) and not value.startswith((".", "/", "~")):
         return value
     path = Path(value).expanduser()
     if not path.is_dir():

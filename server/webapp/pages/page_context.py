@@ -22,6 +22,7 @@ from rollout_lens.server.core.read_models import (
 )
 from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.step_views import CompareData, GroupDetail
+from rollout_lens.server.core.task_vocab import BEFORE_RL_MODES
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 from rollout_lens.server.webapp.pages import plotly_figures as figures
 from rollout_lens.server.webapp.pages import viewer
@@ -152,7 +153,7 @@ def run_page(
         "no_steps": overview["last_step"] is None,
         "first_step": overview["first_step"],
         "sft_series": figures.SFT_SERIES if figures.SFT_SERIES in names else None,
-        "sft_before_rl": (run["config"] or {}).get("supervision") == "sft_then_rl",
+        "sft_before_rl": (run["config"] or {}).get("supervision") in BEFORE_RL_MODES,
     }
     return {
         "run": run,
