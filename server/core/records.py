@@ -175,10 +175,11 @@ class RolloutRecord:
         control_probs: ControlProbs,
         verifier_reward: float,
         advantage: float,
+        generator_logprobs: Floats | None = None,
     ) -> RolloutRecord:
         """A rollout as a trainer's capture first has it, on the training thread: its arrays
-        (int64 ids, float64 logprobs and ControlProbs, taken as they are), its reward and
-        advantage; its place in the step, texts and judgement are set later (each checked as
+        (int64 ids, float64 logprobs — the trainer's and the generator's, None: none — and
+        ControlProbs, taken as they are), its reward and advantage; its place in the step, texts and judgement are set later (each checked as
         it is set)."""
         record = cls.__new__(cls)
         record.__dict__.update(
@@ -198,7 +199,7 @@ class RolloutRecord:
             format_state=None,
             meta={},
             tokens=None,
-            generator_logprobs=None,
+            generator_logprobs=generator_logprobs,
         )
         return record
 
