@@ -245,4 +245,4 @@ def test_a_run_without_generator_logprobs_records_none(
     assert len(rows) == BATCH and all(r["generator_logprobs"] is None for r in rows)
     assert all(len(r["token_logprobs"]) == len(r["completion_ids"]) for r in rows)
     assert not set(mm.NAMES) & set(series)
-    assert any("no generator side" in note for note in run.notes)
+    assert any("gives TRL no generator logprobs" in note for note in run.notes)

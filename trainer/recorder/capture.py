@@ -668,6 +668,7 @@ def choose_reading(trainer: Any, wanted: str, notes: list[str]) -> str | None:
 
 
 def _forward_note(trainer: Any) -> str:
+    generator = ""
     if getattr(trainer, "rollout_func", None) is not None:
         path = (
             "generation by a rollout_func (the logprobs it returns are recorded as the "
@@ -675,14 +676,19 @@ def _forward_note(trainer: Any) -> str:
         )
     elif getattr(trainer, "use_vllm", False):
         path = "generation by vLLM (its sampling logprobs are recorded as the generator's)"
-    elif getattr(trainer, "use_transformers_continuous_batching", False):
-        path = "continuous-batching generation (it gives TRL no logprobs: no generator side)"
     else:
-        path = "generation by transformers' generate (it gives TRL no logprobs: no generator side)"
+        if getattr(trainer, "use_transformers_continuous_batching", False):
+            path = "continuous-batching generation"
+        else:
+            path = "generation by transformers' generate"
+        generator = (
+            "; this path gives TRL no generator logprobs: none are recorded (null, not zeros) "
+            "and the steps have no mismatch figures"
+        )
     return (
         f"{path}: per-token logprobs and control-token probabilities are read off TRL's "
         "own scoring forward pass at the weights that sampled (its old-policy pass when it "
-        "computes one, else each rollout's first loss pass before the optimizer step)"
+        f"computes one, else each rollout's first loss pass before the optimizer step){generator}"
     )
 
 
