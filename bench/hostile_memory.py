@@ -114,6 +114,7 @@ def rollouts_ipc(n: int) -> bytes:
             "format_state": pa.nulls(n, pa.large_string()),
             "meta": pa.nulls(n, pa.large_string()),
             "has_tokens": pa.array(np.zeros(n, bool)),
+            "generator_logprobs": pa.nulls(n, pa.binary()),
         },
         schema=wire.ROLLOUT_SCHEMA,
     )

@@ -468,3 +468,30 @@ def remote_writer(
         heartbeat_seconds=heartbeat_seconds,
         **kw,
     )
+
+
+def rollout_views(factory: sessionmaker[Session], run_id: int) -> list[Any]:
+    """A run's rollouts as the read side returns them (step_views.RolloutView), in step, group
+    and index order."""
+    from rollout_lens.server.store.serialize import completion_ids, read_rollout
+
+    with session_scope(factory) as session:
+        tokens = list(store.get_run(session, run_id=run_id).control_tokens)
+        pairs = list(store.iter_rollouts(session, run_id=run_id))
+        ids = {i for r, _ in pairs for i in completion_ids(r)}
+        texts = store.token_texts(session, run_id=run_id, ids=ids)
+        return [read_rollout(r, p, tokens, texts) for r, p in pairs]
+
+
+def stored_logprobs_match(got: Any, want: Any) -> bool:
+    """Whether logprobs read back are `want` as the store keeps them (server.store.arrays):
+    NaN where NaN, else within half a step of 1/LOGPROB_SCALE nat, down to LOGPROB_FLOOR."""
+    import numpy as np
+    from rollout_lens.server.store import arrays
+
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape or not np.array_equal(np.isnan(got), np.isnan(want)):
+        return False
+    kept = ~np.isnan(want)
+    floor = np.maximum(want[kept], arrays.LOGPROB_FLOOR)
+    return bool(np.all(np.abs(got[kept] - floor) <= 0.5 / arrays.LOGPROB_SCALE + 1e-12))

@@ -38,7 +38,9 @@ LABEL_CHARS = 256
 _LABEL_FIELDS = frozenset({"vote", "target"})
 
 
-_ARRAY_FIELDS = frozenset({"completion_ids", "token_logprobs", "control_probs"})
+_ARRAY_FIELDS = frozenset(
+    {"completion_ids", "token_logprobs", "generator_logprobs", "control_probs"}
+)
 Ids = np.ndarray  # int64, one a completion position
 Floats = np.ndarray  # float64
 NO_IDS: Ids = np.zeros(0, dtype=np.int64)
@@ -138,8 +140,9 @@ class ControlProbs(Mapping[str, Floats]):
 class RolloutRecord:
     """One completion of a group, as the update saw it: the one typed rollout from the capture
     (or an import's reader) to the store. Its per-token data are numpy arrays whatever they are
-    given as: ids (int64), logprobs (float64, none when not measured) and control-token
-    probabilities (ControlProbs: [position × token])."""
+    given as: ids (int64), logprobs (float64, none when not measured), the generator's logprobs
+    of the same tokens (float64; None: the generation path gave none, NaN inside: a token it
+    gave none for) and control-token probabilities (ControlProbs: [position × token])."""
 
     group: int
     index: int
@@ -159,6 +162,9 @@ class RolloutRecord:
     meta: dict[str, Any] = field(default_factory=dict)
     # Each completion token's text (tokenizer.convert_ids_to_tokens), stored once per run and id.
     tokens: list[str] | None = None
+    # The generator's (vLLM's, a rollout function's) logprobs of the completion tokens, beside
+    # the trainer's token_logprobs: None where the generation path gave none (never zeros).
+    generator_logprobs: Floats | None = None
 
     @classmethod
     def captured(
@@ -169,10 +175,11 @@ class RolloutRecord:
         control_probs: ControlProbs,
         verifier_reward: float,
         advantage: float,
+        generator_logprobs: Floats | None = None,
     ) -> RolloutRecord:
         """A rollout as a trainer's capture first has it, on the training thread: its arrays
-        (int64 ids, float64 logprobs and ControlProbs, taken as they are), its reward and
-        advantage; its place in the step, texts and judgement are set later (each checked as
+        (int64 ids, float64 logprobs — the trainer's and the generator's, None: none — and
+        ControlProbs, taken as they are), its reward and advantage; its place in the step, texts and judgement are set later (each checked as
         it is set)."""
         record = cls.__new__(cls)
         record.__dict__.update(
@@ -192,6 +199,7 @@ class RolloutRecord:
             format_state=None,
             meta={},
             tokens=None,
+            generator_logprobs=generator_logprobs,
         )
         return record
 
@@ -213,6 +221,8 @@ class RolloutRecord:
             return np.asarray(value if len(value) else [], dtype=np.int64).reshape(-1)
         if name == "token_logprobs":
             return as_floats(value)
+        if name == "generator_logprobs":
+            return None if value is None else as_floats(value)
         return ControlProbs.of(value, len(self.__dict__.get("completion_ids", ())))
 
     @property

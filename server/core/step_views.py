@@ -93,6 +93,16 @@ class RolloutView:
             list[float],
         ),
     ]
+    generator_logprobs: Annotated[
+        Floats | None,
+        JsonKey(
+            "log p of each sampled token under the generator (vLLM's, a rollout function's), "
+            "beside token_logprobs; null: the generation path gave none (or retention dropped "
+            "it); NaN: a token it gave none for",
+            list[float] | None,
+            default=None,
+        ),
+    ]
     control_token_probs: Annotated[
         ControlProbs,
         JsonKey("control token → its probability at each position", dict[str, list[float]]),
@@ -136,11 +146,19 @@ class RolloutView:
             format_valid=data.get("format_valid"),
             format_state=data.get("format_state"),
             token_logprobs=np.asarray(data.get("token_logprobs") or [], dtype=np.float64),
+            generator_logprobs=_floats_or_none(data.get("generator_logprobs")),
             control_token_probs=ControlProbs.of(control, len(ids)),
             meta=dict(data.get("meta") or {}),
             tokens_total=int(data.get("tokens_total", len(ids))),
             window="tokens_total" in data,
         )
+
+
+def _floats_or_none(values: Any) -> Floats | None:
+    """A JSON list of logprobs as float64 (null: NaN); None stays None (none given)."""
+    if values is None:
+        return None
+    return np.asarray([np.nan if v is None else v for v in values], dtype=np.float64)
 
 
 def _json_keys() -> dict[str, tuple[Any, JsonKey]]:

@@ -186,7 +186,7 @@ def rollout_schema() -> Any:
 
 
 # Columns files written before them lack (the importer reads them as absent).
-OPTIONAL_COLUMNS = frozenset({"token_pieces"})
+OPTIONAL_COLUMNS = frozenset({"token_pieces", "generator_logprobs"})
 
 
 def _parquet_run(session: Session, run: RunRow) -> Iterator[bytes]:

@@ -268,6 +268,9 @@ class _ImportedRun:
                 completion=line.completion,
                 completion_ids=np.asarray(line.completion_ids, dtype=np.int64),
                 token_logprobs=as_floats(line.token_logprobs),
+                generator_logprobs=(
+                    None if line.generator_logprobs is None else as_floats(line.generator_logprobs)
+                ),
                 control_probs=ControlProbs.of(line.control_token_probs, len(line.completion_ids)),
                 vote=line.vote,
                 target=line.target,
@@ -311,10 +314,10 @@ class _ImportedRun:
 
 
 def _held_bytes(line: RolloutLine, k: int) -> int:
-    """About what a batched rollout holds: its texts, and per token its id, logprob, control
-    probabilities and piece (8 bytes each)."""
+    """About what a batched rollout holds: its texts, and per token its id, logprobs (both
+    sides), control probabilities and piece (8 bytes each)."""
     texts = (line.prompt, line.completion, line.vote, line.target, line.format_state)
-    return sum(len(t) for t in texts if t) + 8 * (3 + k) * len(line.completion_ids)
+    return sum(len(t) for t in texts if t) + 8 * (4 + k) * len(line.completion_ids)
 
 
 def _utc(value: datetime | None) -> datetime | None:

@@ -208,7 +208,8 @@ class StepLine(_Record):
 
 class RolloutLine(RolloutJSON):  # type: ignore[misc,valid-type]  # derived from the view
     """A rollout record: step_views.RolloutJSON (the read view's JSON, every field of it) with its kind, checked as strictly as the other records and narrowed to what the
-    databases store. A file has no tokens_kept (its arrays say it); files of older versions
+    databases store. A file has no tokens_kept (its arrays say it); files before
+    generator_logprobs have none (null: the generation path gave none); files of older versions
     have no tokens (they kept them in meta["tokens"]) and those and files before token_pieces
     hold the raw pieces in tokens (stored_pieces)."""
 
@@ -246,6 +247,12 @@ class RolloutLine(RolloutJSON):  # type: ignore[misc,valid-type]  # derived from
                 raise ValueError(
                     f"{name} has {len(values)} entries for {n} completion_ids (one per token)"
                 )
+        generator = self.generator_logprobs
+        if generator is not None and len(generator) != n:
+            raise ValueError(
+                f"generator_logprobs has {len(generator)} entries for {n} completion_ids (one "
+                "per token, or null: none given)"
+            )
         return self
 
 

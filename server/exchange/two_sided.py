@@ -2,9 +2,11 @@
 rollout's token arrays checked, the step as the existing import path takes it (a StepRecord)
 plus the generator's logprobs beside it, and the step's mismatch figures.
 
-The generator's logprobs travel beside the StepRecord, one array a rollout in the record's
-rollout order, until the write entity has a `generator_logprobs` field; the figures computed
-from them already land as the step's `mismatch/*` series.
+Each rollout's generator logprobs are stored with it (RolloutRecord.generator_logprobs: NaN at
+a masked position, a tool or environment result the generator did not sample, as at a token it
+gave none for); TwoSidedStep also keeps them unmasked beside the StepRecord with the masks, one
+array a rollout in the record's rollout order. The figures computed from them land as the
+step's `mismatch/*` series.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class Sided:
         """The trainer's logprobs as the store keeps them: 0.0 where the mask is off (what the
         recorder stores at a tool result's positions)."""
         return np.where(self.mask, self.trainer, 0.0)
+
+    def stored_generator(self) -> Floats:
+        """The generator's logprobs as the store keeps them: NaN where the mask is off (no
+        sampled token to compare there), so that the stored arrays compare as the dump does."""
+        return np.where(self.mask, self.generator, math.nan)
 
 
 @dataclass
@@ -101,11 +108,12 @@ def same_length(where: str, **arrays: np.ndarray) -> int:
 
 
 def token_rollout(sided: Sided, **fields: Any) -> RolloutRecord:
-    """A rollout with its token ids and the trainer's logprobs (no control-token probabilities:
+    """A rollout with its token ids and both sides' logprobs (no control-token probabilities:
     no dump holds them), its format unchecked."""
     return RolloutRecord(
         completion_ids=sided.ids,
         token_logprobs=sided.stored_logprobs(),
+        generator_logprobs=sided.stored_generator(),
         control_probs=ControlProbs.of(None, len(sided.ids)),
         vote=None,
         format_valid=True,

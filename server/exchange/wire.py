@@ -11,7 +11,10 @@ length:
   1/4096 nat, control-token probabilities sparse), so a step is no larger on the wire than in
   the store and the server stores what it received without quantizing twice (coding a decoded
   blob again gives the same bytes); `text_rule` says when the completion's text is rebuilt from
-  its tokens' pieces (then not sent), as the store does;
+  its tokens' pieces (then not sent), as the store does; `generator_logprobs` (the generator's
+  logprobs, coded as logprobs; null: none given) is its last column, and a body from a sender
+  before it (ROLLOUT_SCHEMA_BEFORE_GENERATOR: the same columns but that one) is taken as having
+  none;
 - `pieces`: the text of each token id the sender has not sent in an earlier step that the
   dashboard took (`id`, `piece`).
 
@@ -73,6 +76,7 @@ ROLLOUT_BYTES = 2_048  # a rollout's Python objects (its row, its record), less 
 PIECE_BYTES = 256  # a piece's Python objects, less its text
 TOKEN_BYTES = 32  # a token position's arrays: id, logprob, its piece's place twice (8 bytes each)
 CONTROL_BYTES = 8  # … and 8 bytes a control token (its probability)
+GENERATOR_BYTES = 8  # … and 8 bytes where the generator's logprobs came with it
 _LEVEL = 3
 
 STEP_SCHEMA = pa.schema(
@@ -105,7 +109,14 @@ ROLLOUT_SCHEMA = pa.schema(
         ("format_state", pa.large_string()),
         ("meta", pa.large_string()),  # JSON object text
         ("has_tokens", pa.bool_()),  # its tokens' pieces are known (sent now or before)
+        # the generator's logprobs, coded as logprobs; null: the generation path gave none
+        ("generator_logprobs", pa.binary()),
     ]
+)
+# What senders before the generator's logprobs send: the same columns but the last (taken, as
+# a body whose rollouts have none).
+ROLLOUT_SCHEMA_BEFORE_GENERATOR = ROLLOUT_SCHEMA.remove(
+    ROLLOUT_SCHEMA.get_field_index("generator_logprobs")
 )
 PIECES_SCHEMA = pa.schema([("id", pa.int64()), ("piece", pa.large_string())])
 
@@ -190,6 +201,7 @@ def encode_step(record: StepRecord, control_tokens: Sequence[str], sent: np.ndar
         2 * len(raw)  # the frame, and its step row, pieces and rebuilt texts
         + _rollouts_bytes(table)
         + n_tokens * (TOKEN_BYTES + CONTROL_BYTES * len(tokens))
+        + _generator_tokens(table) * GENERATOR_BYTES
         + len(new_list) * PIECE_BYTES
     )
     return Encoded(frame, new, n_tokens, decoded)
@@ -272,9 +284,25 @@ def _rollout_table(
             "format_state": [r.format_state for r in rollouts],
             "meta": [_meta_text(r.meta) for r in rollouts],
             "has_tokens": has_tokens,
+            "generator_logprobs": [_generator_blob(r) for r in rollouts],
         },
         schema=ROLLOUT_SCHEMA,
     )
+
+
+def _generator_blob(r: RolloutRecord) -> bytes | None:
+    """The generator's logprobs as the store codes them (None: none given)."""
+    found = r.generator_logprobs
+    return None if found is None else arrays.encode_logprobs(found)
+
+
+def _generator_tokens(table: pa.Table) -> int:
+    """Token positions of the rollouts that carry the generator's logprobs (none: an older
+    sender's table)."""
+    if "generator_logprobs" not in table.schema.names:
+        return 0
+    given = pc.is_valid(table.column("generator_logprobs"))
+    return int(pc.sum(pc.if_else(given, table.column("n_tokens"), 0)).as_py() or 0)
 
 
 def _finite_items(values: Mapping[str, float | None]) -> Iterable[tuple[str, float | None]]:
@@ -388,7 +416,9 @@ def _decode_frame(
     decoded.take(size, where, "its zstd frame")
     parts = _frame_parts(frame, size, where)
     step_t = _table(parts[0], STEP_SCHEMA, f"{where}.step")
-    rollouts_t = _table(parts[1], ROLLOUT_SCHEMA, f"{where}.rollouts")
+    rollouts_t = _table(
+        parts[1], ROLLOUT_SCHEMA, f"{where}.rollouts", older=ROLLOUT_SCHEMA_BEFORE_GENERATOR
+    )
     pieces_t = _table(parts[2], PIECES_SCHEMA, f"{where}.pieces")
     _check_version(step_t, where, control_tokens)
     step = _step_row(step_t, where, decoded, len(parts[0]))
@@ -397,7 +427,9 @@ def _decode_frame(
     total = _tokens_within(rollouts_t, where, budget)
     k = len(control_tokens)
     decoded.take(
-        total * (TOKEN_BYTES + CONTROL_BYTES * k), f"{where}.rollouts", f"{total:,} tokens"
+        total * (TOKEN_BYTES + CONTROL_BYTES * k) + _generator_tokens(rollouts_t) * GENERATOR_BYTES,
+        f"{where}.rollouts",
+        f"{total:,} tokens",
     )
     seen: set[tuple[int, int]] = set()
     records: list[RolloutRecord] = []
@@ -489,6 +521,12 @@ def _rollout(
     control = np.zeros((0, k))
     if r["control"] is not None:
         control = _blob(f"{w}.control", partial(arrays.decode_control_checked, r["control"], k, n))
+    generator = None
+    if r.get("generator_logprobs") is not None:
+        generator = _blob(
+            f"{w}.generator_logprobs",
+            partial(arrays.decode_logprobs_checked, r["generator_logprobs"], n),
+        )
     rule = r["text_rule"]
     _check_values(r, w)
     record = ReceivedRollout(
@@ -498,6 +536,7 @@ def _rollout(
         completion=r["completion"] or "",
         completion_ids=ids,
         token_logprobs=lp,
+        generator_logprobs=generator,
         control_probs=ControlProbs(list(control_tokens), control),
         vote=r["vote"],
         target=r["target"],
@@ -573,8 +612,11 @@ def _read(reader: Any, n: int, where: str) -> bytes:
     return b"".join(chunks)
 
 
-def _table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
-    """An Arrow IPC stream of exactly `schema`, validated in full before any value is read."""
+def _table(
+    data: bytes, schema: pa.Schema, where: str, *, older: pa.Schema | None = None
+) -> pa.Table:
+    """An Arrow IPC stream of exactly `schema` (or `older`, an earlier sender's), validated in
+    full before any value is read."""
     try:
         for message in pa.ipc.MessageReader.open_stream(pa.BufferReader(data)):
             if _compressed(message.metadata.to_pybytes()):
@@ -585,6 +627,8 @@ def _table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
                 )
         reader = pa.ipc.open_stream(pa.BufferReader(data))
         got = reader.schema
+        if older is not None and got.remove_metadata().equals(older.remove_metadata()):
+            schema = older
         if not got.remove_metadata().equals(schema.remove_metadata()):
             names = {f.name: f.type for f in got}
             for f in schema:

@@ -292,9 +292,10 @@ def _logprob_blob(codes: np.ndarray) -> bytes:
     return min(_code_buckets(codes), _pack(_shuffle(codes)), key=len)
 
 
-def encode_logprobs(logprobs: Sequence[float]) -> bytes:
-    """Per-token logprobs → compressed uint16 steps of 1/LOGPROB_SCALE nat."""
-    return _logprob_blob(_logprob_codes(_floats([logprobs])))
+def encode_logprobs(logprobs: Sequence[float] | np.ndarray) -> bytes:
+    """Per-token logprobs (a list, or an array taken as it is) → compressed uint16 steps of
+    1/LOGPROB_SCALE nat."""
+    return _logprob_blob(_logprob_codes(_as_floats(logprobs)))
 
 
 def decode_logprobs(data: bytes | None) -> np.ndarray:

@@ -304,6 +304,9 @@ class RolloutDataRow(Base):
     )
     ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)  # NULL: retention dropped it
+    # The generator's logprobs of the same tokens (the same codec); NULL: the generation path
+    # gave none, or retention dropped them.
+    generator_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
     control: Mapped[bytes | None] = mapped_column(LargeBinary)  # NULL: retention dropped it
     text: Mapped[bytes | None] = mapped_column(LargeBinary)  # NULL: rebuilt from ids
 

@@ -94,7 +94,7 @@ ROLLOUT_COLUMNS = (
     "facts_id",
     "own_meta",
 )
-DATA_COLUMNS = ("rollout_id", "ids", "logprobs", "control", "text")
+DATA_COLUMNS = ("rollout_id", "ids", "logprobs", "control", "text", "generator_logprobs")
 ANALYZE_AT, ANALYZE_EVERY, ANALYZE_ROWS = (1, 10), 100, 2000
 MAX_MASK_IDS = 1 << 22  # token ids the known-ids mask holds (larger ids are looked up in a dict)
 ALERT_COLUMNS = ("run_id", "step", "kind", "series", "message")
@@ -121,7 +121,8 @@ class _Driver:
             f'SELECT "group", idx, id FROM rollouts WHERE run_id = {mark} AND step = {mark}'
         )
         self.drop_arrays = (
-            f"UPDATE rollout_data SET logprobs = NULL, control = NULL WHERE rollout_id IN "
+            "UPDATE rollout_data SET logprobs = NULL, control = NULL, generator_logprobs = NULL "
+            "WHERE rollout_id IN "
             f"(SELECT id FROM rollouts WHERE run_id = {mark} AND step = {mark})"
         )
         self.insert_alerts = insert("alerts", ALERT_COLUMNS)
@@ -631,7 +632,12 @@ class Recorder:
         cursor.insert(
             driver.insert_data,
             [
-                (rid, *blob, None if rule is not None else arrays.encode_text(r.completion))
+                (
+                    rid,
+                    *blob,
+                    None if rule is not None else arrays.encode_text(r.completion),
+                    _generator_blob(r),
+                )
                 for r, rid, rule, blob in zip(rollouts, rollout_ids, rules, blobs, strict=True)
             ],
             clean=False,
@@ -669,6 +675,12 @@ class Recorder:
         if self.unindexed:
             search.index_rollouts(conn, run_id=self.run_id, rows=self.unindexed)
             self.unindexed = []
+
+
+def _generator_blob(rollout: RolloutRecord) -> bytes | None:
+    """The generator's logprobs in the logprobs' codec; None (NULL) where the path gave none."""
+    found = rollout.generator_logprobs
+    return None if found is None else arrays.encode_logprobs(found)
 
 
 def _rollout_row(

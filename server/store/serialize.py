@@ -80,7 +80,7 @@ def read_rollout(
     total = len(ids)
     shown = ids if max_tokens is None else ids[:max_tokens]
     pieces = every[: len(shown)] if every is not None else token_pieces(shown, texts)
-    id_array, logprobs, control = per_token(rollout, shown, control_tokens, max_tokens)
+    id_array, logprobs, generator, control = per_token(rollout, shown, control_tokens, max_tokens)
     return RolloutView(
         run_id=rollout.run_id,
         step=rollout.step,
@@ -101,6 +101,7 @@ def read_rollout(
         format_valid=rollout.format_valid,
         format_state=rollout.format_state,
         token_logprobs=logprobs,
+        generator_logprobs=generator,
         control_token_probs=control,
         meta=rollout.meta,
         tokens_total=total,
@@ -110,17 +111,22 @@ def read_rollout(
 
 def per_token(
     rollout: RolloutRow, ids: Sequence[int], control_tokens: Sequence[str], max_tokens: int | None
-) -> tuple[Ids, Floats, ControlProbs]:
-    """A rollout's per-token arrays as the view holds them — ids int64, logprobs float64 and
-    control-token probabilities [position × token], as the store's decoders return them — cut
-    to the first `max_tokens` positions (retention dropped the logprobs and control-token
-    probabilities: empty)."""
+) -> tuple[Ids, Floats, Floats | None, ControlProbs]:
+    """A rollout's per-token arrays as the view holds them — ids int64, logprobs float64, the
+    generator's logprobs float64 (None: the generation path gave none) and control-token
+    probabilities [position × token], as the store's decoders return them — cut to the first
+    `max_tokens` positions (retention dropped the logprobs, the generator's and the
+    control-token probabilities: empty, None)."""
     data = rollout.data if rollout.tokens_kept else None
     logprobs = arrays.decode_logprobs(data.logprobs if data else None)
+    found = data.generator_logprobs if data else None
+    generator = None if found is None else arrays.decode_logprobs(found)
     control = arrays.decode_control(data.control if data else None, len(control_tokens))
     if max_tokens is not None:
         logprobs, control = logprobs[:max_tokens], control[:max_tokens]
-    return np.asarray(ids, dtype=np.int64), logprobs, ControlProbs(control_tokens, control)
+        generator = None if generator is None else generator[:max_tokens]
+    ids_array = np.asarray(ids, dtype=np.int64)
+    return ids_array, logprobs, generator, ControlProbs(control_tokens, control)
 
 
 def rollout_dict(

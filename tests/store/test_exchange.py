@@ -66,6 +66,7 @@ def _odd_run(factory: sessionmaker[Session], *, status: RunStatus = RunStatus.co
         completion="<script>alert(1)</script> é",
         completion_ids=[7, 8, 9],
         token_logprobs=[-INF, -0.25, -1e-8],
+        generator_logprobs=[NAN, -0.5, -1e-8],  # NaN: a token the generator gave none for
         control_probs=dict(
             zip(CONTROL_TOKENS, [[NAN, 0.5, INF], [0, 0, 0], [1e-30, 1, 0.1]], strict=True)
         ),
@@ -195,6 +196,41 @@ def test_export_import_export_is_identical_apart_from_ids(
     assert empty["verifier_reward"] == -INF and empty["advantage"] == INF
     assert odd["token_logprobs"][0] == -INF and math.isnan(odd["control_token_probs"]["<tool>"][0])
     assert odd["meta"]["big"] == 2**53 and odd["true_score"] is None
+    # the generator's side beside the trainer's: null where none was given, NaN kept
+    assert empty["generator_logprobs"] is None
+    assert math.isnan(odd["generator_logprobs"][0]) and odd["generator_logprobs"][1:] == [-0.5, 0.0]
+    assert all(
+        r["generator_logprobs"] is None for r in one if r["kind"] == "rollout" and r is not odd
+    )
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_file_from_before_generator_logprobs_imports_without_them(
+    session_factory: sessionmaker[Session], tmp_path: Path, fmt: str
+) -> None:
+    """An export written before the generator's logprobs existed (no such key, no such column)
+    imports as it did: every rollout without them (null), nothing else changed."""
+    source = _odd_run(session_factory)
+    data = _export(session_factory, source, fmt)
+    if fmt == "jsonl":
+        lines = [json.loads(line) for line in data.decode().splitlines()]
+        for record in lines:
+            record.pop("generator_logprobs", None)
+        data = "".join(json.dumps(r) + "\n" for r in lines).encode()
+    else:
+        table = pq.read_table(io.BytesIO(data))
+        table = table.drop_columns(["generator_logprobs"])
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer)
+        data = buffer.getvalue()
+    copy = _import(session_factory, tmp_path, data, fmt)
+    records = _records(_export(session_factory, copy))
+    rollouts = [r for r in records if r["kind"] == "rollout"]
+    assert rollouts and all(r["generator_logprobs"] is None for r in rollouts)
+    before = [r for r in _records(_export(session_factory, source)) if r["kind"] == "rollout"]
+    for r in before:
+        r["generator_logprobs"] = None
+    assert _text(rollouts) == _text(before)
 
 
 def test_the_imported_run_is_a_run_like_any_other(

@@ -24,6 +24,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import nemo_rl_dump as nd
+from tests.factories import rollout_views, stored_logprobs_match
 
 G = 4  # num_generations_per_prompt
 PROMPTS = [
@@ -112,14 +113,30 @@ def test_both_sides_are_read(folder: Path) -> None:
 
 def test_a_nemo_rl_run_imports(session_factory: sessionmaker[Session], folder: Path) -> None:
     """Through the existing import path: a run of the two steps, the trainer's logprobs as
-    its rollouts' and the mismatch figures among its series (the engine's own array waits for
-    the write entity's generator_logprobs)."""
+    its rollouts', the engine's stored beside them (NaN where it gave none and at environment
+    results) and the mismatch figures among its series."""
     imported = import_dumps(session_factory, NemoRlDump(folder, name="nemo"), settle=0)
     assert (imported.steps, imported.rollouts) == (2, 2 * len(PROMPTS) * G)
     with session_scope(session_factory) as session:
         run = session.get(RunRow, imported.run_id)
         assert run is not None and run.source == RunSource.nemo_rl_import
         assert set(mm.NAMES) <= set(store.series_names(session, run_id=run.id))
+    fmt = NemoRlDump(folder)
+    fmt.plan([fmt.check(_unit(f.path, f.step)) for f in fmt.scan()])
+    wanted = {}
+    for step in (1, 2):
+        read = fmt.read(_unit(folder / f"train_data_step{step}.jsonl", step))
+        for r, engine, mask in zip(
+            read.record.rollouts, read.generator_logprobs, read.masks, strict=True
+        ):
+            wanted[(step, r.group, r.index)] = np.where(mask, engine, math.nan)
+    views = rollout_views(session_factory, imported.run_id)
+    assert len(views) == len(wanted)
+    for view in views:
+        want = wanted[(view.step, view.group, view.index)]
+        assert view.generator_logprobs is not None and len(want)
+        assert stored_logprobs_match(view.generator_logprobs, want)
+        assert np.isnan(view.generator_logprobs).any()  # vLLM's missing ones stay missing
 
 
 def _hostile(folder: Path, change: Any) -> Path:

@@ -95,11 +95,14 @@ def test_retention_keeps_every_nth_first_last_and_alert_steps(
     rng = random.Random(1)
     for step in range(1, 13):
         collapsed = 0.9 if step == 7 else 0.0  # a collapse alert fires at step 7
+        rollouts = make_rollouts(rng)
+        for r in rollouts:  # the generator's side too: dropped with the other arrays
+            r.generator_logprobs = [-rng.random() for _ in r.completion_ids]
         record_step(
             session_factory,
             run_id,
             step,
-            rollouts=make_rollouts(rng),
+            rollouts=rollouts,
             values={"true_accuracy": 0.5},
             metrics={COLLAPSED: collapsed},
         )
@@ -116,8 +119,15 @@ def test_retention_keeps_every_nth_first_last_and_alert_steps(
             .distinct()
             .order_by(RolloutRow.step)
         ).all()
+        with_generator = session.scalars(
+            select(RolloutRow.step)
+            .join(RolloutDataRow, RolloutDataRow.rollout_id == RolloutRow.id)
+            .where(RolloutRow.run_id == run_id, RolloutDataRow.generator_logprobs.is_not(None))
+            .distinct()
+            .order_by(RolloutRow.step)
+        ).all()
         assert [a["step"] for a in queries.alerts(session, run_id=run_id)] == [7]
-    assert list(kept) == list(with_arrays) == [1, 5, 7, 10, 12]
+    assert list(kept) == list(with_arrays) == list(with_generator) == [1, 5, 7, 10, 12]
 
     page = parse(client.get(f"/runs/{run_id}/steps/4").text)
     assert "every 5 steps" in page.find(id="tokens-not-kept").text
@@ -136,7 +146,9 @@ def test_retention_keeps_every_nth_first_last_and_alert_steps(
     rollout = group["rollouts"][0]
     assert rollout["completion"] and rollout["completion_ids"]
     assert rollout["token_logprobs"] == [] and not any(rollout["control_token_probs"].values())
-    assert rollout["tokens_kept"] is False
+    assert rollout["tokens_kept"] is False and rollout["generator_logprobs"] is None
+    kept_rollout = client.get(f"/api/runs/{run_id}/steps/5/groups/0").json()["rollouts"][0]
+    assert len(kept_rollout["generator_logprobs"]) == len(kept_rollout["completion_ids"])
 
 
 SPIKE, DROP = SPIKE_PROBES[0], DROP_PROBES[0]

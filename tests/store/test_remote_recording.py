@@ -6,6 +6,7 @@ dashboard restarted mid-run, wrong and out-of-scope tokens, hostile bodies."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import struct
 import time
@@ -20,6 +21,7 @@ from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.exchange import wire
 from rollout_lens.server.exchange.export import export_chunks
+from rollout_lens.server.store import arrays
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.webapp.app import create_app
 from rollout_lens.trainer.recorder.remote import RemoteStepWriter
@@ -68,6 +70,9 @@ def _step(step: int) -> StepRecord:
                 r.completion = "".join(r.tokens)
                 r.token_logprobs = [-rng.random() * 20 for _ in ids]  # below −15 too
                 r.control_probs = {t: [rng.random() ** 4 for _ in ids] for t in CONTROL_TOKENS}
+            if r.index % 2:  # the generator's side (NaN: none for a token); else none (null)
+                lps = [-rng.random() * 20 for _ in r.completion_ids]
+                r.generator_logprobs = [math.nan if k == 1 else v for k, v in enumerate(lps)]
             if r.index == 3:
                 r.token_logprobs = []  # not measured: Σ logprob unknown
                 r.control_probs = {}
@@ -137,6 +142,13 @@ def test_a_remote_run_exports_as_the_same_run_recorded_locally(
         assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     run, rows, _, _ = load_run(url, remote.run_id)
     assert run.status == "completed" and run.source == "callback" and run.recorded_by
+    # the generator's side came over the wire: NaN kept, null where none was given
+    for r in rows:
+        generator = r["generator_logprobs"]
+        if r["index"] % 2:
+            assert len(generator) == len(r["completion_ids"]) and math.isnan(generator[1])
+        else:
+            assert generator is None
     # the prompt lens of the run recorded over HTTP: the oracle's, and the local run's
     lens_there = assert_matches_oracle(session_factory, remote.run_id)
     lens_here = assert_matches_oracle(session_factory, local.run_id)
@@ -321,6 +333,15 @@ def test_hostile_bodies_are_refused_naming_the_field(
             _rollouts_with(1, control=lambda col: pa.array([b"junk"] * len(col), pa.binary())),
             "steps[0].rollouts[0].control",
         ),
+        "generator logprobs of another length": (
+            _rollouts_with(
+                1,
+                generator_logprobs=lambda col: pa.array(
+                    [arrays.encode_logprobs([-0.5] * 3)] * len(col), pa.binary()
+                ),
+            ),
+            "steps[0].rollouts[0].generator_logprobs",
+        ),
     }
     for what, (body, field) in cases.items():
         answer = _post(dashboard, path, RECORDER, content=body)
@@ -333,6 +354,28 @@ def test_hostile_bodies_are_refused_naming_the_field(
     _, rows, steps, _ = load_run(url, run_id)
     assert steps == [] and rows == []  # nothing of any of them was written
     assert _post(dashboard, path, RECORDER, content=good).status_code == 200
+
+
+def test_a_sender_from_before_generator_logprobs_is_taken(
+    session_factory: sessionmaker[Session], dashboard: str
+) -> None:
+    """A body without the generator_logprobs column (a recorder of an earlier version) is
+    written as before: every rollout without the generator's side (null)."""
+    import pyarrow as pa
+
+    run_id = _new_run(dashboard, RECORDER, "before-key-0001")
+    parts = _tables(1)
+    table = pa.ipc.open_stream(parts[1]).read_all().drop_columns(["generator_logprobs"])
+    assert table.schema.equals(wire.ROLLOUT_SCHEMA_BEFORE_GENERATOR)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    old = wire.MAGIC + _with_length(_frame([parts[0], sink.getvalue().to_pybytes(), parts[2]]))
+    answer = _post(dashboard, f"/api/record/runs/{run_id}/steps", RECORDER, content=old)
+    assert answer.status_code == 200, answer.text
+    url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+    _, rows, _, _ = load_run(url, run_id)
+    assert len(rows) == 16 and all(r["generator_logprobs"] is None for r in rows)
 
 
 def wire_ids(n: int) -> bytes:

@@ -26,6 +26,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import slime_dump as sd
+from tests.factories import rollout_views, stored_logprobs_match
 
 N = 4  # --n-samples-per-prompt
 PROMPTS = ["What is 6 times 7?", "Name the capital of France."]
@@ -95,6 +96,24 @@ def test_a_slime_run_imports(session_factory: sessionmaker[Session], folder: Pat
         run = session.get(RunRow, imported.run_id)
         assert run is not None and run.source == RunSource.slime_import
         assert set(mm.NAMES) <= set(store.series_names(session, run_id=run.id))
+    # the engine's logprobs stored beside the trainer's (NaN where the loss mask is off)
+    fmt = SlimeDump(folder)
+    units = _units(fmt)
+    fmt.plan([fmt.check(u) for u in units])
+    wanted = {}
+    for unit in units:
+        read = fmt.read(unit)
+        for r, engine, mask in zip(
+            read.record.rollouts, read.generator_logprobs, read.masks, strict=True
+        ):
+            wanted[(unit.step, r.group, r.index)] = np.where(mask, engine, math.nan)
+    views = rollout_views(session_factory, imported.run_id)
+    assert len(views) == len(wanted)
+    for view in views:
+        want = wanted[(view.step, view.group, view.index)]
+        assert view.generator_logprobs is not None and len(want)
+        assert stored_logprobs_match(view.generator_logprobs, want)
+    assert any(np.isnan(v.generator_logprobs).any() for v in views)  # the tool step's mask
 
 
 def test_rollout_dumps_alone_have_no_trainer_side(tmp_path: Path) -> None:

@@ -41,6 +41,8 @@ def rollouts(draw: st.DrawFn, index: int) -> RolloutRecord:
     ids = draw(st.lists(st.integers(0, 200_000), min_size=n, max_size=n))
     # a generation path without logprobs or control-token probabilities measures none
     logprobs = draw(st.lists(LOGPROB, min_size=n, max_size=n)) if draw(st.booleans()) else []
+    # the generator's side: none (a path without it), or a logprob a token (NaN: none for it)
+    generator = draw(st.none() | st.lists(LOGPROB, min_size=n, max_size=n))
     rows = n if draw(st.booleans()) else 0
     control = np.array(
         draw(st.lists(st.lists(PROB, min_size=3, max_size=3), min_size=rows, max_size=rows)),
@@ -54,6 +56,9 @@ def rollouts(draw: st.DrawFn, index: int) -> RolloutRecord:
         completion=" ".join(f"w{i}" for i in ids),
         completion_ids=np.asarray(ids, dtype=np.int64) if as_arrays else ids,
         token_logprobs=np.asarray(logprobs) if as_arrays else logprobs,
+        generator_logprobs=(
+            np.asarray(generator) if as_arrays and generator is not None else generator
+        ),
         control_probs=(
             ControlProbs(TOKENS, control)
             if as_arrays
@@ -115,6 +120,11 @@ def test_a_step_reads_back_as_it_was_captured(
         assert got["completion_ids"] == want.completion_ids.tolist()
         assert got["completion"] == want.completion
         assert _same(got["token_logprobs"], [_logprob(v) for v in want.token_logprobs], 1e-12)
+        if want.generator_logprobs is None:
+            assert got["generator_logprobs"] is None  # none given: null, never zeros
+        else:
+            wanted = [_logprob(v) for v in want.generator_logprobs]
+            assert _same(got["generator_logprobs"], wanted, 1e-12)
         for k, token in enumerate(TOKENS):
             # not measured: zeros at every position, as the store has always read them back
             column = want.control_probs.array[:, k] if want.control_probs.measured else [0.0] * n
@@ -182,7 +192,7 @@ def test_the_read_side_returns_typed_arrays_in_the_one_orientation(
         again = RolloutView.from_data(as_json).data()
         assert again.keys() == as_json.keys()
         for key in ROLLOUT_KEYS:
-            if key == "token_logprobs":
+            if key in ("token_logprobs", "generator_logprobs") and as_json[key] is not None:
                 assert _same(again[key], as_json[key], 0.0)
             elif key == "control_token_probs":
                 assert again[key].keys() == as_json[key].keys()
@@ -193,6 +203,13 @@ def test_the_read_side_returns_typed_arrays_in_the_one_orientation(
         # a window: the first positions of each array, the whole text, how many there are
         assert cut.window and cut.tokens_total == n and cut.completion == view.completion
         assert cut.completion_ids.tolist() == view.completion_ids[:window].tolist()
+        if view.generator_logprobs is None:
+            assert cut.generator_logprobs is None and want.generator_logprobs is None
+        else:
+            assert view.generator_logprobs.dtype == np.float64
+            assert _same(
+                cut.generator_logprobs.tolist(), view.generator_logprobs[:window].tolist(), 0.0
+            )
         assert cut.control_token_probs.array.shape[0] == min(
             window, view.control_token_probs.array.shape[0]
         )

@@ -302,7 +302,9 @@ def test_vllm_by_its_configuration(user_model_dir: Path, tmp_path: Path) -> None
     capture = RolloutCapture(trainer, control_token_ids=[1], on_generation=print)
     assert capture.reading == "forward" and capture.probing
     (note,) = capture.notes
-    assert note.startswith("generation by vLLM (its own sampling logprobs are not recorded)")
+    assert note.startswith(
+        "generation by vLLM (its sampling logprobs are recorded as the generator's)"
+    )
     assert "read off TRL's own scoring forward pass at the weights that sampled" in note
     capture.install()
     assert capture.forward is not None

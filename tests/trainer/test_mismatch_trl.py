@@ -165,3 +165,84 @@ def test_outside_share_equals_trl_token_mask(
     assert mm.step_figures(sides)[name] * compared == pytest.approx(zeroed)
     assert zeroed > 0
     assert not math.isnan(float(np.mean(ratio.numpy())))
+
+
+def test_the_recorder_stores_both_sides_and_trl_figures(
+    tmp_path: Path, user_model_dir: Path
+) -> None:
+    """A run recorded by the callback from a rollout_func: each rollout's generator logprobs are
+    what the function returned (NaN where it gave None and where its env_mask is off, rounded as
+    the store rounds logprobs), and the step's recorded mismatch/* figures equal TRL's own
+    sampling/* metrics for that step, recorded beside them from TRL's logs."""
+    from rollout_lens.server.core import mismatch as mm
+
+    from rollout_lens import RolloutLensCallback
+    from tests.factories import load_run, stored_logprobs_match
+
+    url = f"sqlite:///{tmp_path / 'lens.db'}"
+    rollout, given, masks = _rollout_func(seed=11)
+    trainer = _trainer(user_model_dir, tmp_path / "out", rollout, "sequence_mask", None)
+    trainer.args.logging_steps = 1
+    trainer.add_callback(RolloutLensCallback(project="mismatch", database_url=url))
+    trainer.train()
+    run, rows, _, series = load_run(url, 1)
+    assert run.status == "completed" and len(rows) == len(given) == BATCH
+    assert any("rollout_func" in note for note in run.notes)
+    ordered = sorted(rows, key=lambda r: (r["step"], r["group"], r["index"]))
+    for row, returned, mask in zip(ordered, given, masks, strict=True):
+        want = [math.nan if v is None or not m else v for v, m in zip(returned, mask, strict=True)]
+        assert len(row["generator_logprobs"]) == len(row["completion_ids"]) == len(want)
+        assert stored_logprobs_match(row["generator_logprobs"], want)
+        assert len(row["token_logprobs"]) == len(want)  # the trainer's side, from TRL's pass
+    pairs = {
+        mm.ABS_DIFF_MEAN: "sampling/sampling_logp_difference/mean",
+        mm.ABS_DIFF_MAX: "sampling/sampling_logp_difference/max",
+        mm.SEQ_RATIO_MIN: "sampling/importance_sampling_ratio/min",
+        mm.SEQ_RATIO_MEAN: "sampling/importance_sampling_ratio/mean",
+        mm.SEQ_RATIO_MAX: "sampling/importance_sampling_ratio/max",
+    }
+    for name, key in pairs.items():
+        (step, ours), (trl_step, theirs) = series[name][-1], series[f"trl/{key}"][-1]
+        assert step == trl_step == 1
+        assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-6), name  # TRL's float32
+    assert set(mm.NAMES) <= set(series)
+    assert series[mm.ABS_DIFF_MAX][-1][1] > 0.5  # random sides: a real mismatch
+
+
+def test_a_run_without_generator_logprobs_records_none(
+    tmp_path: Path, user_model_dir: Path
+) -> None:
+    """transformers' generate gives TRL no logprobs: every rollout's generator_logprobs is null
+    (never zeros), no mismatch/* series is recorded, and the run's note says why."""
+    from datasets import Dataset
+    from rollout_lens.server.core import mismatch as mm
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollout_lens import RolloutLensCallback
+    from tests.factories import load_run
+
+    url = f"sqlite:///{tmp_path / 'lens.db'}"
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_completion_length=8,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=BATCH,
+        num_generations=4,
+        max_steps=1,
+    )
+    trainer = GRPOTrainer(
+        model=str(user_model_dir),
+        reward_funcs=[us.is_short],
+        args=args,
+        train_dataset=Dataset.from_list(us.conversational(us.questions(BATCH))),
+        callbacks=[RolloutLensCallback(project="plain", database_url=url)],
+    )
+    trainer.train()
+    run, rows, _, series = load_run(url, 1)
+    assert len(rows) == BATCH and all(r["generator_logprobs"] is None for r in rows)
+    assert all(len(r["token_logprobs"]) == len(r["completion_ids"]) for r in rows)
+    assert not set(mm.NAMES) & set(series)
+    assert any("gives TRL no generator logprobs" in note for note in run.notes)

@@ -30,8 +30,9 @@ of the policy) and its failures collected for SFT; the id-position probe is the 
 
 Each rollout becomes a Sample here: the store's write entity (RolloutRecord) built once, from
 what TRL's tensors give (ids, logprobs [n] and control-token probabilities [n × k] as numpy
-arrays, in the entity's orientation; the total reward and the advantage), with what judging it
-needs beside it. Work on the training thread is kept to that; prompts are rendered, user
+arrays, in the entity's orientation; the generator's logprobs [n] where TRL has them, its
+`sampling_per_token_logps`, else None; the total reward and the advantage), with what judging
+it needs beside it. Work on the training thread is kept to that; prompts are rendered, user
 functions run and summaries computed later, on the writer's thread (the callback's `_prepare`
 completes the entity).
 """
@@ -170,6 +171,7 @@ class _Generating:
         ]
         logprobs, control, watched = self._readings(capture, output, ids_list, masks, read_now)
         id_rows = _id_rows(output, ids_list)
+        generator = _generator_rows(output, ids_list)
         prompt_ids = self._prompt_rows(capture, output)
         samples = []
         for i, row in enumerate(self.inputs):
@@ -182,6 +184,7 @@ class _Generating:
                 control_probs=_control(control[i] if control is not None else None, ids, capture),
                 verifier_reward=total,
                 advantage=float(advantages[i]),
+                generator_logprobs=generator[i],
             )
             samples.append(
                 Sample(
@@ -583,6 +586,30 @@ def _id_rows(output: dict[str, Any], ids_list: list[list[int]]) -> list[np.ndarr
     return [np.asarray(ids, dtype=np.int64) for ids in ids_list]
 
 
+def _generator_rows(output: dict[str, Any], ids_list: list[list[int]]) -> list[np.ndarray | None]:
+    """Each row's generator logprobs: TRL's `sampling_per_token_logps` (vLLM's sampling
+    logprobs, or the `logprobs` a rollout_func returned; NaN where it gave none) as float64, NaN
+    where TRL's tool mask is off (a tool or environment result, not sampled); None for every row
+    where TRL has none (transformers' generate), never zeros."""
+    found = output.get("sampling_per_token_logps")
+    shape: tuple[int, ...] = tuple(getattr(found, "shape", ()))
+    if found is None or len(shape) != 2 or shape[0] != len(ids_list):
+        return [None] * len(ids_list)
+    rows = found.detach().cpu().double().numpy()
+    tool = output.get("tool_mask")
+    off = None if tool is None else tool.detach().cpu().numpy() == 0
+    out: list[np.ndarray | None] = []
+    for i, ids in enumerate(ids_list):
+        if len(ids) > shape[1]:
+            out.append(None)
+            continue
+        row = rows[i, : len(ids)].copy()
+        if off is not None:
+            row[off[i, : len(ids)]] = np.nan
+        out.append(row)
+    return out
+
+
 def _control(control: Any, ids: list[int], capture: RolloutCapture) -> ControlProbs:
     """A rollout's control-token probabilities as the entity holds them, a column per control
     token of the run (none read yet: no rows)."""
@@ -641,16 +668,27 @@ def choose_reading(trainer: Any, wanted: str, notes: list[str]) -> str | None:
 
 
 def _forward_note(trainer: Any) -> str:
-    if getattr(trainer, "use_vllm", False):
-        path = "generation by vLLM (its own sampling logprobs are not recorded)"
-    elif getattr(trainer, "use_transformers_continuous_batching", False):
-        path = "continuous-batching generation"
+    generator = ""
+    if getattr(trainer, "rollout_func", None) is not None:
+        path = (
+            "generation by a rollout_func (the logprobs it returns are recorded as the "
+            "generator's; none where it returns none)"
+        )
+    elif getattr(trainer, "use_vllm", False):
+        path = "generation by vLLM (its sampling logprobs are recorded as the generator's)"
     else:
-        path = "generation by transformers' generate"
+        if getattr(trainer, "use_transformers_continuous_batching", False):
+            path = "continuous-batching generation"
+        else:
+            path = "generation by transformers' generate"
+        generator = (
+            "; this path gives TRL no generator logprobs: none are recorded (null, not zeros) "
+            "and the steps have no mismatch figures"
+        )
     return (
         f"{path}: per-token logprobs and control-token probabilities are read off TRL's "
         "own scoring forward pass at the weights that sampled (its old-policy pass when it "
-        "computes one, else each rollout's first loss pass before the optimizer step)"
+        f"computes one, else each rollout's first loss pass before the optimizer step){generator}"
     )
 
 

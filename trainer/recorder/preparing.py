@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-from rollout_lens.server.core import tokentext, vocab
+from rollout_lens.server.core import mismatch, tokentext, vocab
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.trainer.recorder import positional, tags, turns
 from rollout_lens.trainer.recorder.capture import RolloutCapture, Sample
@@ -76,6 +76,8 @@ class StepPreparer:
         series: dict[str, float | None] = {}
         if rollouts:
             values, series = summarize(rollouts, group_size, self.control_tokens)
+            if self.capture.forward is not None:  # the trainer's side is TRL's scoring pass
+                series.update(mismatch_figures(rollouts))
             # what no function judged is unknown, not zero
             unjudged = self.judge is self.functions and not self.functions.given("vote")
             if unjudged and not self.capture.tool_calling:
@@ -298,6 +300,20 @@ class StepPreparer:
                 prompt, tokenize=False, add_generation_prompt=True, **kwargs
             )
         return self._prompt_text[key]
+
+
+def mismatch_figures(rollouts: Sequence[RolloutRecord]) -> dict[str, float]:
+    """The step's mismatch figures (core.mismatch: mismatch/*) over the rollouts with both
+    sides, the trainer's logprobs and the generator's of the same tokens (tool results are NaN
+    on the generator's side: left out); none where no rollout has both, never zeros."""
+    sides = [
+        mismatch.Sides(r.token_logprobs, r.generator_logprobs)
+        for r in rollouts
+        if r.generator_logprobs is not None
+        and len(r.token_logprobs)
+        and len(r.generator_logprobs) == len(r.token_logprobs)
+    ]
+    return mismatch.step_figures(sides)
 
 
 def _decode_span(tokenizer: Any, ids: list[int], start: int, end: int) -> str:

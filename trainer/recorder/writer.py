@@ -148,6 +148,8 @@ def record_size(record: StepRecord) -> int:
     for r in record.rollouts:
         size += 300 + len(r.completion) + len(r.prompt) // 8  # prompts are shared between rollouts
         size += r.completion_ids.nbytes + r.token_logprobs.nbytes
+        if r.generator_logprobs is not None:
+            size += r.generator_logprobs.nbytes
         control = r.control_probs
         size += control.array.nbytes
         if r.tokens:
