@@ -597,15 +597,7 @@ class Recorder:
         `index`: searchable in this transaction, else at the next `index` call."""
         if not rollouts:
             return
-        interned = self.interned
-        prompts = [interned.prompt_sha(r.prompt) for r in rollouts]
-        prompt_ids = interned.intern(
-            conn,
-            PromptRow,
-            "text",
-            interned.prompt_ids,
-            dict(zip(prompts, (r.prompt for r in rollouts), strict=True)),
-        )
+        prompts, prompt_ids = self._prompts(conn, rollouts)
         facts_ids, digests, own = self._facts(conn, rollouts)
         self.tokens.add(self.driver, conn, rollouts)
         rules = [self.tokens.text_rule(r) for r in rollouts]
@@ -648,6 +640,21 @@ class Recorder:
         self.prompts.add(conn, step=step, groups=_groups(rollouts, prompts, prompt_ids))
         if index:
             self.index(conn)
+
+    def _prompts(
+        self, conn: Connection, rollouts: Sequence[RolloutRecord]
+    ) -> tuple[list[str], dict[str, int]]:
+        """Each rollout's prompt digest, and each digest's prompt id (new prompts stored)."""
+        interned = self.interned
+        prompts = [interned.prompt_sha(r.prompt) for r in rollouts]
+        prompt_ids = interned.intern(
+            conn,
+            PromptRow,
+            "text",
+            interned.prompt_ids,
+            dict(zip(prompts, (r.prompt for r in rollouts), strict=True)),
+        )
+        return prompts, prompt_ids
 
     def _facts(
         self, conn: Connection, rollouts: Sequence[RolloutRecord]
