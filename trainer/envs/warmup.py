@@ -22,10 +22,6 @@ import random
 from dataclasses import dataclass
 
 from rollout_lens.server.core.task_vocab import TOOL_COUNT
-
-# onestep's _FILLERS is read, not renamed: that file's bytes name the packaged tiny model's build
-# (tiny_model.RECIPE_HASH), and a rename would make every user rebuild it.
-from rollout_lens.trainer.envs.onestep import _FILLERS as FILLERS
 from rollout_lens.trainer.envs.onestep import (
     CAPABILITIES,
     EscalationEnv,
@@ -69,6 +65,10 @@ QUERIES: dict[str, str] = {
     "order a taxi ride": "get me a cab to the airport",
     "pay a utility bill": "pay this month's electricity bill",
 }
+# The fillers close onestep's CAPABILITIES (tasks, near misses, fillers). They are taken from
+# there, not named there: that file's bytes name the packaged tiny model's build
+# (tiny_model.RECIPE_HASH), and an edit would make every user rebuild it.
+FILLERS: tuple[str, ...] = CAPABILITIES[-len(QUERIES) :]
 assert set(QUERIES) == set(FILLERS)
 
 
