@@ -33,11 +33,12 @@ def _dashboard_modules() -> list[str]:
         parts = path.relative_to(ROOT).with_suffix("").parts
         parts = parts[:-1] if parts[-1] == "__init__" else parts
         names.append(".".join(("rollout_lens", *parts)))
-    names += [
-        f"rollout_lens.{p.stem}"
-        for p in sorted((ROOT / "rollout_lens").glob("*.py"))
-        if p.stem not in ("__init__", "__main__")
-    ]
+    for path in sorted((ROOT / "rollout_lens").rglob("*.py")):  # the CLI is a package
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        names.append(".".join(parts))
     return names
 
 
