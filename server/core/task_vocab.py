@@ -33,7 +33,6 @@ VERIFIERS: tuple[VerifierName, ...] = typing.get_args(VerifierName)
 Supervision = Literal[
     "none", "offpolicy", "hint", "interleaved_sft", "sft_then_rl", "format_warmup"
 ]
-SUPERVISION_MODES: tuple[Supervision, ...] = typing.get_args(Supervision)
 IN_GROUP_MODES = ("offpolicy", "hint")  # supervised rollouts inside each group
 # Supervised phases between or before RL. format_warmup: SFT before RL on queries, capabilities
 # and tool ids the run never sees (trainer.envs.warmup): the format, not the answers.
