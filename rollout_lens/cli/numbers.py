@@ -50,3 +50,8 @@ def flags_query(model: type[Query], given: dict[str, Any]) -> Query:
             f"--{str(e['loc'][0]).replace('_', '-')}: {e['msg']}" for e in exc.errors()
         )
         raise InvalidInput(problems) from None
+
+
+def two_places(value: float | None) -> str:
+    """A table cell's number: two decimal places, a dash where it is unknown."""
+    return "—" if value is None else f"{value:.2f}"

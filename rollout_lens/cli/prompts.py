@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from rollout_lens.cli.base import open_factory
-from rollout_lens.cli.numbers import POSITIVE, RUN_ID, flags_query
+from rollout_lens.cli.numbers import POSITIVE, RUN_ID, flags_query, two_places
 from rollout_lens.cli.remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.textsafe import csv_cell, printable
@@ -132,15 +132,11 @@ def _table(rows: list[dict[str, Any]], total: int) -> None:
         label = printable(r["label"]).replace("\n", " ⏎ ")[:60]
         steps = f"{r['first_step']}–{r['last_step']}"
         print(
-            f"{r['prompt_id']:>7} {r['groups']:>6} {steps:>11} {_num(r['reward_mean']):>6} "
-            f"{_num(r['true_mean']):>5} {_step(r['solved_at']):>6} {_step(r['last_failed']):>6} "
-            f"{r['flips']:>5} {_num(r['zero_spread_share']):>5}  "
+            f"{r['prompt_id']:>7} {r['groups']:>6} {steps:>11} {two_places(r['reward_mean']):>6} "
+            f"{two_places(r['true_mean']):>5} {_step(r['solved_at']):>6} {_step(r['last_failed']):>6} "
+            f"{r['flips']:>5} {two_places(r['zero_spread_share']):>5}  "
             f"{'↺ ' if r['forgotten'] else ''}{label}"
         )
-
-
-def _num(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
 
 
 def _step(value: int | None) -> str:

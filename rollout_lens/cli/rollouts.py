@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from rollout_lens.cli.base import open_factory
-from rollout_lens.cli.numbers import COUNT, POSITIVE, RUN_ID, flags_query
+from rollout_lens.cli.numbers import COUNT, POSITIVE, RUN_ID, flags_query, two_places
 from rollout_lens.cli.remote import add_remote_options, remote_client
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.core.textsafe import csv_cell, printable
@@ -116,12 +116,8 @@ def _table(rows: list[dict[str, Any]], total: int, capped: bool) -> None:
         head = printable(r["completion_head"]).replace("\n", " ⏎ ")[:60]
         print(
             f"{r['step']:>6} {r['group']:>4} {r['index']:>3}  {printable(r['vote'] or '—'):<10} "
-            f"{r['verifier_reward']:>6.2f} {_num(r['true_score']):>5} {r['advantage']:>7.3f}  "
+            f"{r['verifier_reward']:>6.2f} {two_places(r['true_score']):>5} {r['advantage']:>7.3f}  "
             f"{r['length'] if r['length'] is not None else '—':>6}  "
             f"{printable(r['format_state'] or '—'):<14} "
             f"{'≠ ' if r['disagree'] else ''}{head}"
         )
-
-
-def _num(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
