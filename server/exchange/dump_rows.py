@@ -32,6 +32,19 @@ def json_line(raw: bytes, where: str) -> Any:
         raise InvalidInput(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
 
 
+def dump_line(
+    row: Any, required: Sequence[str], where: str, *, what: str, hint: str
+) -> dict[str, Any]:
+    """A dump's line as its JSON object, with every `required` key; InvalidInput naming the line
+    (`what` the format's line, `hint` what its lines hold) otherwise."""
+    if not isinstance(row, dict):
+        raise InvalidInput(f"{where}: a JSON {type(row).__name__}, not {what}")
+    missing = [k for k in required if k not in row]
+    if missing:
+        raise InvalidInput(f"{where}: no {', '.join(missing)}: not {what} ({hint})")
+    return row
+
+
 class SeriesNames:
     """The generic series names an import has brought so far: past MAX_SERIES_PER_RUN the step
     that brings one more is refused (the caller names its file and line), before it is written."""

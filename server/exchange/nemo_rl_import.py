@@ -36,6 +36,7 @@ from rollout_lens.server.exchange.dump_import import RunPlan
 from rollout_lens.server.exchange.dump_rows import (
     BLANK,
     detect_group_size,
+    dump_line,
     json_line,
     keys,
     number,
@@ -104,15 +105,14 @@ def _one(row: dict[str, Any], key: str, where: str) -> Any:
 
 def sample(row: Any, where: str) -> NemoSample:
     """One line, checked against NeMo-RL's training dump format."""
-    if not isinstance(row, dict):
-        raise InvalidInput(f"{where}: a JSON {type(row).__name__}, not a NeMo-RL training sample")
-    missing = [k for k in REQUIRED if k not in row]
-    if missing:
-        raise InvalidInput(
-            f"{where}: no {', '.join(missing)}: not a NeMo-RL train_data_step line with both "
-            "sides and their masks (older NeMo-RL wrote neither token ids nor masks: its dumps "
-            "cannot say which tokens the model sampled)"
-        )
+    row = dump_line(
+        row,
+        REQUIRED,
+        where,
+        what="a NeMo-RL train_data_step line with both sides and their masks",
+        hint="older NeMo-RL wrote neither token ids nor masks: its dumps cannot say which tokens "
+        "the model sampled",
+    )
     ids = integers(_one(row, "token_ids", where), where, "token_ids")
     mask = flags(_one(row, "token_loss_mask", where), where, "token_loss_mask")
     generator = floats(

@@ -33,6 +33,7 @@ from rollout_lens.server.exchange.dump_import import RunPlan
 from rollout_lens.server.exchange.dump_rows import (
     BLANK,
     detect_group_size,
+    dump_line,
     json_line,
     keys,
     mean,
@@ -326,24 +327,23 @@ def _read_lines(file: DumpFile) -> list[dict[str, Any]]:
 
 def _sample(row: Any, where: str, step: int) -> dict[str, Any]:
     """One line, checked against verl's dump format."""
-    if not isinstance(row, dict):
-        raise InvalidInput(f"{where}: a JSON {type(row).__name__}, not one of verl's dump lines")
-    missing = [k for k in REQUIRED if k not in row]
-    if missing:
-        raise InvalidInput(
-            f"{where}: no {', '.join(missing)}: not one of verl's dump lines (they have input, "
-            "output, score, step and, since verl 0.5, gts)"
-        )
+    line = dump_line(
+        row,
+        REQUIRED,
+        where,
+        what="one of verl's dump lines",
+        hint="they have input, output, score, step and, since verl 0.5, gts",
+    )
     for text in ("input", "output"):
-        if not isinstance(row[text], str):
-            raise InvalidInput(f"{where}: {text} is a {type(row[text]).__name__}, not text")
-    score = row["score"]
+        if not isinstance(line[text], str):
+            raise InvalidInput(f"{where}: {text} is a {type(line[text]).__name__}, not text")
+    score = line["score"]
     if isinstance(score, bool) or number(score) is None:
         raise InvalidInput(f"{where}: score is {score!r}, not a finite number")
-    row["score"] = float(score)
-    if row["step"] != step or isinstance(row["step"], bool):
-        raise InvalidInput(f"{where}: step {row['step']!r} in the file of step {step}")
-    return row
+    line["score"] = float(score)
+    if line["step"] != step or isinstance(line["step"], bool):
+        raise InvalidInput(f"{where}: step {line['step']!r} in the file of step {step}")
+    return line
 
 
 def _numeric(rows: list[dict[str, Any]]) -> dict[str, bool]:
