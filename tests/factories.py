@@ -10,6 +10,7 @@ from rollout_lens.server import store
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, StepRow
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 CONTROL_TOKENS = ("<tool>", "</tool>", "</assistant>")
@@ -189,6 +190,12 @@ def load_run(
             )
     finally:
         engine.dispose()
+
+
+def run_count(factory: sessionmaker[Session]) -> int:
+    """How many runs the database holds (a refused import or launch creates none)."""
+    with session_scope(factory) as session:
+        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 def recorded_steps(factory: sessionmaker[Session], run_id: int) -> list[int]:

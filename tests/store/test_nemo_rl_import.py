@@ -20,11 +20,11 @@ from rollout_lens.server.exchange.dump_import import import_dumps
 from rollout_lens.server.exchange.nemo_rl_import import NemoRlDump
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunSource
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import nemo_rl_dump as nd
-from tests.factories import rollout_views, stored_logprobs_match
+from tests.factories import rollout_views, run_count, stored_logprobs_match
 
 G = 4  # num_generations_per_prompt
 PROMPTS = [
@@ -198,8 +198,7 @@ def test_hostile_dumps_are_refused_and_create_nothing(
     folder = _hostile(tmp_path / "logs", change)
     with pytest.raises(InvalidInput, match=message):
         import_dumps(session_factory, NemoRlDump(folder, group_size=G), settle=0)
-    with session_scope(session_factory) as session:
-        assert session.scalar(select(func.count()).select_from(RunRow)) == 0
+    assert run_count(session_factory) == 0
 
 
 def test_a_line_cut_short_is_incomplete(tmp_path: Path) -> None:
@@ -243,5 +242,4 @@ def test_the_cli_imports_a_nemo_rl_run(
     assert "--group-size: a whole number from 1" in capsys.readouterr().err
     assert main(["import-nemo-rl", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
-    with session_scope(session_factory) as session:
-        assert session.scalar(select(func.count()).select_from(RunRow)) == 1
+    assert run_count(session_factory) == 1

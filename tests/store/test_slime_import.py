@@ -22,11 +22,11 @@ from rollout_lens.server.exchange.dump_import import import_dumps
 from rollout_lens.server.exchange.slime_import import SlimeDump, read_step
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunSource
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import slime_dump as sd
-from tests.factories import rollout_views, stored_logprobs_match
+from tests.factories import rollout_views, run_count, stored_logprobs_match
 
 N = 4  # --n-samples-per-prompt
 PROMPTS = ["What is 6 times 7?", "Name the capital of France."]
@@ -187,8 +187,7 @@ def test_hostile_dumps_are_refused_and_create_nothing(
     sd.save_train(tmp_path / "train_data" / "0.pt", 0, samples, log_probs)
     with pytest.raises(InvalidInput, match=message):
         import_dumps(session_factory, SlimeDump(tmp_path), settle=0)
-    with session_scope(session_factory) as session:
-        assert session.scalar(select(func.count()).select_from(RunRow)) == 0
+    assert run_count(session_factory) == 0
 
 
 def test_not_a_torch_file(tmp_path: Path) -> None:
@@ -283,5 +282,4 @@ def test_the_cli_imports_a_slime_run(
         )
     assert main(["import-slime", str(tmp_path / "nowhere"), "--reward-key", "score"]) == 2
     assert "nowhere" in capsys.readouterr().err
-    with session_scope(session_factory) as session:
-        assert session.scalar(select(func.count()).select_from(RunRow)) == 1
+    assert run_count(session_factory) == 1

@@ -17,12 +17,12 @@ from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.exchange.dump_import import import_dumps
 from rollout_lens.server.exchange.verl_import import VerlDump
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.server.store.models import RunRow, RunSource, RunStatus
+from rollout_lens.server.store.models import RunSource, RunStatus
 from rollout_lens.server.store.serialize import rollout_dict
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests import verl_dump
+from tests.factories import run_count
 from tests.follow_support import half, newest_run, recorded, use_database
 from tests.prompt_lens_support import assert_matches_oracle
 from tests.waiting import until
@@ -119,11 +119,6 @@ def dumps(tmp_path: Path) -> Dumps:
 
 def lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
-def run_count(factory: sessionmaker[Session]) -> int:
-    with session_scope(factory) as session:
-        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 def rollouts_of(factory: sessionmaker[Session], run_id: int) -> list[dict[str, Any]]:

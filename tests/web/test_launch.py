@@ -27,10 +27,10 @@ from rollout_lens.server.webapp import control
 from rollout_lens.server.webapp.app import create_app
 from rollout_lens.server.webapp.pages import launch_fields
 from rollout_lens.trainer.worker.modelref import unusable
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import make_rollouts, make_run, record_step
+from tests.factories import make_rollouts, make_run, record_step, run_count
 from tests.waiting import returns
 from tests.web_support import client_for, parse
 
@@ -98,11 +98,6 @@ BAD_COMBINATIONS = [
 @pytest.fixture
 def down_client(session_factory: sessionmaker[Session], tmp_path: Path) -> TestClient:
     return client_for(session_factory, data_dir=tmp_path, broker_url=BROKER_DOWN)
-
-
-def run_count(factory: sessionmaker[Session]) -> int:
-    with session_scope(factory) as session:
-        return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
 def messages(tmp_path: Path) -> int:
