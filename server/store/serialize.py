@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.read_models import RunData
-from rollout_lens.server.core.records import ControlProbs, Floats, Ids
+from rollout_lens.server.core.records import ControlProbs, Floats
 from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.store import arrays
@@ -69,7 +68,8 @@ def read_rollout(
     page's view of a long completion: a window) and `tokens_total` says how many there are.
     """
     texts = token_texts or {}
-    ids = completion_ids(rollout)
+    id_array = arrays.decode_ids(rollout.data.ids if rollout.data is not None else None)
+    ids = id_array.tolist()  # the pieces are looked up by Python int
     # A completion rebuilt from its ids needs every id's piece: looked up once for both.
     every = token_pieces(ids, texts) if rollout.text_rule is not None else None
     completion = (
@@ -80,7 +80,7 @@ def read_rollout(
     total = len(ids)
     shown = ids if max_tokens is None else ids[:max_tokens]
     pieces = every[: len(shown)] if every is not None else token_pieces(shown, texts)
-    id_array, logprobs, generator, control = per_token(rollout, shown, control_tokens, max_tokens)
+    logprobs, generator, control = per_token(rollout, control_tokens, max_tokens)
     return RolloutView(
         run_id=rollout.run_id,
         step=rollout.step,
@@ -88,7 +88,7 @@ def read_rollout(
         index=rollout.index,
         prompt=prompt,
         completion=completion,
-        completion_ids=id_array,
+        completion_ids=id_array if max_tokens is None else id_array[:max_tokens],
         tokens=shown_tokens(rollout, pieces, whole=len(shown) == total),
         token_pieces=pieces,
         tokens_kept=rollout.tokens_kept,
@@ -110,9 +110,9 @@ def read_rollout(
 
 
 def per_token(
-    rollout: RolloutRow, ids: Sequence[int], control_tokens: Sequence[str], max_tokens: int | None
-) -> tuple[Ids, Floats, Floats | None, ControlProbs]:
-    """A rollout's per-token arrays as the view holds them — ids int64, logprobs float64, the
+    rollout: RolloutRow, control_tokens: Sequence[str], max_tokens: int | None
+) -> tuple[Floats, Floats | None, ControlProbs]:
+    """A rollout's per-token arrays as the view holds them — logprobs float64, the
     generator's logprobs float64 (None: the generation path gave none) and control-token
     probabilities [position × token], as the store's decoders return them — cut to the first
     `max_tokens` positions (retention dropped the logprobs, the generator's and the
@@ -125,8 +125,7 @@ def per_token(
     if max_tokens is not None:
         logprobs, control = logprobs[:max_tokens], control[:max_tokens]
         generator = None if generator is None else generator[:max_tokens]
-    ids_array = np.asarray(ids, dtype=np.int64)
-    return ids_array, logprobs, generator, ControlProbs(control_tokens, control)
+    return logprobs, generator, ControlProbs(control_tokens, control)
 
 
 def rollout_dict(
