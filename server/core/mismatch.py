@@ -107,15 +107,17 @@ class RolloutMismatch:
     tokens: int  # the tokens compared
     abs_diff_max: float
     seq_ratio: float
+    log_seq_ratio: float  # Σ log r: finite where the ratio over- or underflows
 
     @classmethod
     def of(cls, log_ratios: np.ndarray) -> RolloutMismatch | None:
         """From a rollout's log r; None where no token could be compared."""
         if not len(log_ratios):
             return None
+        total = math.fsum(log_ratios.tolist())
         with np.errstate(over="ignore"):  # a sum past ~709 nats is an infinite ratio
-            ratio = float(np.exp(math.fsum(log_ratios.tolist())))
-        return cls(len(log_ratios), float(np.max(np.abs(log_ratios))), ratio)
+            ratio = float(np.exp(total))
+        return cls(len(log_ratios), float(np.max(np.abs(log_ratios))), ratio, total)
 
 
 def rollout_figures(sides: Sides) -> RolloutMismatch | None:

@@ -18,6 +18,38 @@ PROBABILITY_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
 
 
 @dataclass(frozen=True)
+class Pool:
+    """Every compared token of some rollouts laid end to end, in rollout and position order:
+    the rollout holding it (an index into the rollouts given), its completion position, and
+    both sides' logprobs."""
+
+    rollout: np.ndarray  # int64
+    position: np.ndarray  # int64
+    trainer: np.ndarray
+    generator: np.ndarray
+
+    def log_ratios(self) -> np.ndarray:
+        log_r: np.ndarray = self.trainer - self.generator
+        return log_r
+
+
+def pool(rollouts: Sequence[Sides]) -> Pool:
+    """The compared tokens of `rollouts` (Sides.kept: masked, NaN on either side left out)."""
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    for index, sides in enumerate(rollouts):
+        keep = sides.kept()
+        at = np.flatnonzero(keep)
+        if len(at):
+            trainer, generator = sides.trainer_floats()[keep], sides.generator_floats()[keep]
+            parts.append((np.full(len(at), index, dtype=np.int64), at, trainer, generator))
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return Pool(empty, empty, np.zeros(0), np.zeros(0))
+    rollout, position, trainer, generator = (np.concatenate(c) for c in zip(*parts, strict=True))
+    return Pool(rollout, position.astype(np.int64), trainer, generator)
+
+
+@dataclass(frozen=True)
 class Histogram:
     """Counts of log r between `edges` (ascending; the band edges are among them), and the
     tokens beyond either end."""
@@ -63,11 +95,13 @@ def by_probability(
     rollouts: Sequence[Sides], edges: Sequence[float] = PROBABILITY_EDGES
 ) -> list[Bucket]:
     """Mismatch by the sampled token's probability under the generator, one row a bucket."""
-    pairs = [s.compared() for s in rollouts]
-    generator = [g for _, g in pairs]
-    ratios = [t - g for t, g in pairs]
-    probs = np.exp(np.concatenate(generator)) if generator else np.zeros(0)
-    log_r = np.concatenate(ratios) if ratios else np.zeros(0)
+    return probability_table(pool(rollouts), edges)
+
+
+def probability_table(tokens: Pool, edges: Sequence[float] = PROBABILITY_EDGES) -> list[Bucket]:
+    """by_probability over tokens already pooled."""
+    probs = np.exp(tokens.generator)
+    log_r = tokens.log_ratios()
     which = np.clip(np.searchsorted(edges, probs, side="right") - 1, 0, len(edges) - 2)
     return [_bucket(edges[i], edges[i + 1], log_r[which == i]) for i in range(len(edges) - 1)]
 
@@ -98,12 +132,37 @@ class WorstToken:
 def worst_tokens(rollouts: Sequence[Sides], n: int = 10) -> list[WorstToken]:
     """The `n` compared tokens of largest |log r|, largest first (ties: earliest first), for
     the drill-down's links to the rollouts that hold them."""
-    found: list[WorstToken] = []
-    for index, sides in enumerate(rollouts):
-        positions = np.flatnonzero(sides.kept())
-        found += [
-            WorstToken(index, int(p), float(r))
-            for p, r in zip(positions, sides.log_ratios(), strict=True)
-        ]
-    found.sort(key=lambda t: (-abs(t.log_ratio), t.rollout, t.position))
-    return found[:n]
+    tokens = pool(rollouts)
+    return [
+        WorstToken(int(tokens.rollout[i]), int(tokens.position[i]), float(tokens.log_ratios()[i]))
+        for i in worst_of(tokens, n)
+    ]
+
+
+def worst_of(tokens: Pool, n: int) -> np.ndarray:
+    """Indices into `tokens` of the `n` largest |log r|, largest first (ties: earliest rollout,
+    then position): one partition and a sort of the candidates, never a sort of every token."""
+    size = np.abs(tokens.log_ratios())
+    if n <= 0 or not len(size):
+        return np.zeros(0, dtype=np.int64)
+    chosen = np.arange(len(size))
+    if len(size) > n:
+        cut = np.partition(size, len(size) - n)[len(size) - n]  # the n-th largest
+        chosen = np.flatnonzero(size >= cut)
+    order = np.lexsort((tokens.position[chosen], tokens.rollout[chosen], -size[chosen]))
+    picked: np.ndarray = chosen[order][:n]
+    return picked
+
+
+def sample(tokens: Pool, most: int, keep: np.ndarray) -> np.ndarray:
+    """Indices into `tokens` of at most `most` of them, ascending, for a scatter: every index
+    in `keep` (the worst tokens), the rest drawn without replacement with a fixed seed, so that
+    the same tokens give the same points on every read."""
+    n = len(tokens.trainer)
+    if n <= most:
+        return np.arange(n)
+    kept = np.unique(keep)
+    rest = np.setdiff1d(np.arange(n), kept, assume_unique=True)
+    drawn = np.random.default_rng(0).choice(rest, size=max(0, most - len(kept)), replace=False)
+    both: np.ndarray = np.union1d(kept, drawn)
+    return both

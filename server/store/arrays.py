@@ -305,10 +305,22 @@ def decode_logprobs(data: bytes | None) -> np.ndarray:
     codes = (
         _decode_coded(data).astype(np.uint16) if _coded(data) else _unshuffle(_unpack(data), "u2")
     )
+    return _logprob_values(codes)
+
+
+def _logprob_values(codes: np.ndarray) -> np.ndarray:
+    """Logprob codes → float64 logprobs (−inf and NaN as they were written)."""
     values = codes.astype(np.float64) / -LOGPROB_SCALE + 0.0  # + 0.0: no -0.0
     values[codes == _LP_NEG_INF] = -math.inf
     values[codes == _LP_NAN] = math.nan
     return values
+
+
+def stored_logprobs(logprobs: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Logprobs as the store reads them back (decode_logprobs of encode_logprobs), without
+    coding them: what a figure computed on the write path must see to equal the one the pages
+    compute from the stored arrays."""
+    return _logprob_values(_logprob_codes(_as_floats(logprobs)))
 
 
 def _fit(row: Sequence[float], length: int) -> Sequence[float]:

@@ -250,6 +250,8 @@ class RolloutRow(Base):
                 "advantage",
                 "n_tokens",
                 "disagree",
+                "abs_diff_max",
+                "log_seq_ratio",
             )
         ),
     )
@@ -270,6 +272,11 @@ class RolloutRow(Base):
     format_state: Mapped[str | None] = mapped_column(String(32))
     # server.core.records.disagrees(verifier_reward, true_score), kept so that it can be filtered on.
     disagree: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Training–inference mismatch (server.core.mismatch.rollout_figures over the logprobs as
+    # stored): the largest |Δlogp| of its compared tokens and the log of its sequence ratio,
+    # Σ log(p_trainer / p_generator). NULL: no generator side, or no token to compare.
+    abs_diff_max: Mapped[float | None] = mapped_column(Float)
+    log_seq_ratio: Mapped[float | None] = mapped_column(Float)
     # The completion's length in tokens, and how its text comes back (server.store.arrays):
     # a TEXT_RULES id when the run's token texts of its ids rebuild it exactly, else NULL and
     # the text is in RolloutDataRow.text.

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 from rollout_lens.server.core import alerts as rules
-from rollout_lens.server.core import textsafe
+from rollout_lens.server.core import mismatch, textsafe
 from rollout_lens.server.core.errors import RolloutsTaken, StepOutOfOrder
 from rollout_lens.server.core.prompt_rules import recorded_query
 from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
@@ -89,6 +89,8 @@ ROLLOUT_COLUMNS = (
     "format_valid",
     "format_state",
     "disagree",
+    "abs_diff_max",
+    "log_seq_ratio",
     "n_tokens",
     "text_rule",
     "facts_id",
@@ -715,12 +717,30 @@ def _rollout_row(
         None if r.format_valid is None else bool(r.format_valid),
         r.format_state,
         disagrees(r.verifier_reward, r.true_score),
+        *rollout_mismatch(r),
         # no ids for a text (an import of text alone): its length is not known
         len(r.completion_ids) if len(r.completion_ids) or not r.completion else None,
         rule,
         facts_id,
         json_text(own) if own else None,  # text on both (PostgreSQL casts it)
     )
+
+
+def rollout_mismatch(r: RolloutRecord) -> tuple[float | None, float | None]:
+    """A rollout's largest |Δlogp| and log sequence ratio (mismatch.rollout_figures) over its
+    two sides' logprobs as the store keeps them (arrays.stored_logprobs: 1/4096 nat, floored at
+    −15), so that every write path (the callback's, the wire's, which receives them so, the
+    imports') and migration 0021's backfill store the same figures, and the explorer's columns
+    equal what the drill-down reads from the arrays. (None, None): no generator side, sides of
+    different lengths, or no token to compare."""
+    generator = r.generator_logprobs
+    if generator is None or not len(generator) or len(generator) != len(r.token_logprobs):
+        return None, None
+    sides = mismatch.Sides(
+        arrays.stored_logprobs(r.token_logprobs), arrays.stored_logprobs(generator)
+    )
+    found = mismatch.rollout_figures(sides)
+    return (None, None) if found is None else (found.abs_diff_max, found.log_seq_ratio)
 
 
 def _groups(
