@@ -45,6 +45,13 @@ Look = Annotated[
     ),
 ]
 OptionalStep = Annotated[int | None, Query(ge=0, le=MAX_ID, description="a step")]
+RangeFrom = Annotated[
+    int | None,
+    Query(alias="from", ge=0, le=MAX_ID, description="a range's first step (default: the run's)"),
+]
+RangeTo = Annotated[
+    int | None, Query(ge=0, le=MAX_ID, description="a range's last step (default: the run's)")
+]
 OptionalRunId = Annotated[int | None, Query(ge=1, le=MAX_ID, description="a run's id")]
 RunsPage = Annotated[int, Query(ge=1, le=MAX_ID, description="which page of runs (from 1)")]
 RunsPerPage = Annotated[

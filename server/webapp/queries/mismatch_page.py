@@ -266,15 +266,18 @@ def mismatch_drill(
     first: int | None = None,
     last: int | None = None,
 ) -> dict[str, Any]:
-    """The drill-down of one recorded step (`step`) or of the steps from `first` to `last`
-    (either end open: the run's first or last step), read within MAX_STEPS and MAX_TOKENS."""
+    """The drill-down of one recorded step (`step`; none given: the run's last) or of the
+    steps from `first` to `last` (either end open: the run's first or last step), read within
+    MAX_STEPS and MAX_TOKENS."""
     run = store.get_run(session, run_id=run_id)
-    one = step is not None
-    if one and (first is not None or last is not None):
+    if step is not None and (first is not None or last is not None):
         raise InvalidInput("step: give a step, or a range (from, to), not both")
+    one = first is None and last is None
     lo, hi = _range(session, run_id, step, first, last)
     if lo is None or hi is None:  # a run with no step yet
         raise NotFound(f"run {run_id} has recorded no step")
+    if one:
+        step, lo = hi, hi
     chosen = plan(session, run_id=run_id, first=lo, last=hi, one=one)
     found = read_sides(session, run_id, [r for _, r in chosen.read])
     tokens = drill.pool(found.sides)

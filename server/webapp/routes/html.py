@@ -32,6 +32,8 @@ from rollout_lens.server.webapp.http.params import (
     OptionalGroup,
     OptionalRunId,
     OptionalStep,
+    RangeFrom,
+    RangeTo,
     RunId,
     RunsPage,
     RunsPerPage,
@@ -39,7 +41,7 @@ from rollout_lens.server.webapp.http.params import (
     run_ids,
 )
 from rollout_lens.server.webapp.http.responses import memo, run_alerts
-from rollout_lens.server.webapp.pages import launch_fields, page_context
+from rollout_lens.server.webapp.pages import launch_fields, mismatch_page, page_context
 from rollout_lens.server.webapp.queries.budget import VIEW_TOKENS
 
 router = APIRouter(include_in_schema=False)
@@ -126,6 +128,22 @@ def explorer_page(
     )
 
 
+@router.get("/runs/{run_id}/mismatch", name="mismatch_page")
+def mismatch_drill_page(
+    request: Request,
+    session: SessionDep,
+    run_id: RunId,
+    step: OptionalStep = None,
+    first: RangeFrom = None,
+    to: RangeTo = None,
+) -> HTMLResponse:
+    """The mismatch drill-down of a step (`step`) or a range of steps (`from`, `to`): the
+    histogram of token log-ratios, generator vs trainer probability, the table by probability
+    and the worst tokens, each linked to its rollout (the run's last step by default)."""
+    data = queries.mismatch_drill(session, run_id=run_id, step=step, first=first, last=to)
+    return render(request, "mismatch.html", mismatch_page.mismatch_page(data, _url(request)))
+
+
 @router.get("/runs/{run_id}/steps", name="step_jump")
 def step_jump(
     request: Request,
@@ -185,9 +203,11 @@ def step_page(
             page_budget=True,
             texts_kept=texts,
         )
-    return render(
-        request, "step.html", page_context.step_page(overview, _url(request), detail=detail)
+    mismatch = queries.has_generator_side(
+        session, run_id=run_id, step=overview["step"]["rollout_step"]
     )
+    context = page_context.step_page(overview, _url(request), detail=detail, mismatch=mismatch)
+    return render(request, "step.html", context)
 
 
 @router.get("/runs/{run_id}/steps/{step}/groups/{group}", name="group_page")
