@@ -58,8 +58,7 @@ def _rollout(
     )
 
 
-def mismatch_run(
-    factory: sessionmaker[Session],
+def mismatch_steps(
     *,
     steps: int = 4,
     groups: int = 3,
@@ -67,18 +66,12 @@ def mismatch_run(
     seed: int = 0,
     generator: str = "most",
     hostile: bool = False,
-    keep_tokens_every: int | None = None,
-) -> int:
-    """A run of `steps` steps × `groups` × `group_size`; `generator`: "most" (a rollout in five
-    without a generator side), "all" or "none". Returns its id."""
+) -> list[StepRecord]:
+    """`steps` steps × `groups` × `group_size`, each with its mismatch/* series as the recorder
+    computes them; `generator`: "most" (a rollout in five without a generator side), "all" or
+    "none"."""
     rng = random.Random(seed)
-    with session_scope(factory) as session:
-        run_id = store.create_run(
-            session, name=f"mismatch {seed}", model="tiny", total_steps=steps,
-            group_size=group_size, control_tokens=CONTROL_TOKENS,
-            keep_tokens_every=keep_tokens_every,
-        ).id  # fmt: skip
-    recorder = None
+    records = []
     for step in range(1, steps + 1):
         rollouts = [
             _rollout(
@@ -92,11 +85,39 @@ def mismatch_run(
             for g in range(groups)
             for i in range(group_size)
         ]
+        sides = [
+            mismatch.Sides(r.token_logprobs, r.generator_logprobs)
+            for r in rollouts
+            if r.generator_logprobs is not None
+        ]
+        metrics: dict[str, float | None] = dict(mismatch.step_figures(sides))
+        records.append(StepRecord(step, step, {"reward_mean": 0.5}, rollouts, metrics))
+    return records
+
+
+def mismatch_run(
+    factory: sessionmaker[Session],
+    *,
+    records: list[StepRecord] | None = None,
+    keep_tokens_every: int | None = None,
+    name: str = "mismatch",
+    **shape: Any,
+) -> int:
+    """A run of `records` (else mismatch_steps(**shape)) recorded through the store; its id."""
+    records = records if records is not None else mismatch_steps(**shape)
+    size = max((len(r.rollouts) for r in records), default=1)
+    with session_scope(factory) as session:
+        run_id = store.create_run(
+            session, name=name, model="tiny", total_steps=len(records), group_size=size,
+            control_tokens=CONTROL_TOKENS, keep_tokens_every=keep_tokens_every,
+        ).id  # fmt: skip
+    recorder = None
+    for record in records:
         with session_scope(factory) as session:
             recorder = store.record_step(
                 session,
                 run_id=run_id,
-                record=StepRecord(step, step, {"reward_mean": 0.5}, rollouts),
+                record=record,
                 control_tokens=CONTROL_TOKENS,
                 recorder=recorder,
             )

@@ -45,11 +45,11 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # In place on SQLite too (ALTER TABLE DROP COLUMN, SQLite 3.35+): a batch would copy
+    # rollouts and drop the old table, whose implicit DELETE cascades to every rollout_data row.
     for column in COLUMNS:
         op.drop_index(f"ix_rollouts_run_id_{column}", table_name="rollouts")
-    with op.batch_alter_table("rollouts") as batch:
-        for column in COLUMNS:
-            batch.drop_column(column)
+        op.drop_column("rollouts", column)
 
 
 # --- frozen copy of server.store.arrays' logprob decoder (0x01 bit-length coded, 0x04 bucket
