@@ -38,6 +38,9 @@ def _rollout(
             math.nan if rng.random() < 0.15 else min(0.0, t + rng.gauss(0.0, drift))
             for t in trainer
         ]
+        for at, token in enumerate(ids):  # the hostile token far off: among the worst
+            if token == len(WORDS):
+                gen[at] = trainer[at] - 2.5
     return RolloutRecord(
         group=group,
         index=index,

@@ -104,12 +104,19 @@ def mismatch_page(data: dict[str, Any], url: Url) -> dict[str, Any]:
 
 
 def _worst_row(w: dict[str, Any]) -> dict[str, Any]:
-    """A worst token's row: its ratio and both probabilities as text."""
+    """A worst token's row: its ratio and both probabilities as text, the context around it on
+    one line (line breaks and tabs shown as the token view shows them)."""
     return w | {
+        "before": _one_line(w["before"]),
+        "after": _one_line(w["after"]),
         "ratio": ratio_text(w["log_ratio"]),
         "p_generator": f"{math.exp(w['generator_logprob']):.3g}",
         "p_trainer": f"{math.exp(w['trainer_logprob']):.3g}",
     }
+
+
+def _one_line(text: str | None) -> str | None:
+    return None if text is None else text.replace("\n", "↵").replace("\t", "⇥")
 
 
 def _steps_text(read: Sequence[int]) -> str:
