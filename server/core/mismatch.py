@@ -54,17 +54,23 @@ class Sides:
     def kept(self) -> np.ndarray:
         """Which positions are compared: kept by the mask, finite on both sides (all False
         without a generator side)."""
+        trainer, generator, keep = self.checked()
+        kept: np.ndarray = keep & np.isfinite(trainer) & np.isfinite(generator)
+        return kept
+
+    def checked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(trainer, generator, mask) as float64, float64 (all NaN without a generator side)
+        and bool arrays of one length; ValueError where the sides or the mask differ in it."""
         trainer = self.trainer_floats()
         keep = _mask(self.mask, len(trainer))
         if self.generator is None:
-            return np.zeros(len(trainer), dtype=bool)
+            return trainer, np.full(len(trainer), math.nan), keep
         generator = self.generator_floats()
         if len(generator) != len(trainer):
             raise ValueError(
                 f"generator logprobs have {len(generator)} positions, trainer logprobs {len(trainer)}"
             )
-        kept: np.ndarray = keep & np.isfinite(trainer) & np.isfinite(generator)
-        return kept
+        return trainer, generator, keep
 
     def trainer_floats(self) -> np.ndarray:
         return np.asarray(self.trainer, dtype=np.float64).reshape(-1)
@@ -125,6 +131,70 @@ def rollout_figures(sides: Sides) -> RolloutMismatch | None:
     return RolloutMismatch.of(sides.log_ratios())
 
 
+def each_rollout(
+    log_ratios: np.ndarray, counts: Sequence[int] | np.ndarray
+) -> list[RolloutMismatch | None]:
+    """RolloutMismatch.of of each rollout, their log r laid end to end (`counts`: how many each
+    has): the same figures as one call a rollout, the step's tokens in a few passes."""
+    sizes = np.asarray(counts, dtype=np.int64).reshape(-1)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    have = sizes > 0
+    maxes = iter(
+        np.maximum.reduceat(np.abs(log_ratios), starts[have]).tolist() if have.any() else []
+    )
+    values = log_ratios.tolist()
+    out: list[RolloutMismatch | None] = []
+    for start, end, n in zip(starts.tolist(), ends.tolist(), sizes.tolist(), strict=True):
+        if not n:
+            out.append(None)
+            continue
+        total = math.fsum(values[start:end])
+        with np.errstate(over="ignore"):  # as RolloutMismatch.of
+            ratio = float(np.exp(total))
+        out.append(RolloutMismatch(n, next(maxes), ratio, total))
+    return out
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Every compared token of some rollouts laid end to end, in rollout and position order:
+    the rollout holding it (an index into the rollouts given), its completion position, and
+    both sides' logprobs."""
+
+    rollout: np.ndarray  # int64
+    position: np.ndarray  # int64
+    trainer: np.ndarray
+    generator: np.ndarray
+    rollouts: int = 0  # how many rollouts were given (some may have no token here)
+
+    def log_ratios(self) -> np.ndarray:
+        log_r: np.ndarray = self.trainer - self.generator
+        return log_r
+
+    def counts(self) -> np.ndarray:
+        """How many compared tokens each rollout given has."""
+        found: np.ndarray = np.bincount(self.rollout, minlength=self.rollouts)
+        return found
+
+
+def pool(rollouts: Sequence[Sides]) -> Pool:
+    """The compared tokens of `rollouts` (Sides.kept: masked, NaN on either side left out), in
+    one pass over all of them."""
+    parts = [sides.checked() for sides in rollouts]
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return Pool(empty, empty, np.zeros(0), np.zeros(0), 0)
+    lengths = np.fromiter((len(t) for t, _, _ in parts), dtype=np.int64, count=len(parts))
+    trainer, generator, keep = (np.concatenate(c) for c in zip(*parts, strict=True))
+    kept = keep & np.isfinite(trainer) & np.isfinite(generator)
+    owner = np.repeat(np.arange(len(parts), dtype=np.int64), lengths)
+    position = np.arange(len(trainer), dtype=np.int64) - np.repeat(
+        np.cumsum(lengths) - lengths, lengths
+    )
+    return Pool(owner[kept], position[kept], trainer[kept], generator[kept], len(parts))
+
+
 def k3(log_ratios: np.ndarray) -> np.ndarray:
     """k3 = r − 1 − log r per token: an unbiased, never negative estimate of
     KL(generator ‖ trainer) from tokens the generator sampled (Schulman, "Approximating KL
@@ -142,9 +212,13 @@ def outside(log_ratios: np.ndarray, band: float) -> np.ndarray:
 def step_figures(rollouts: Iterable[Sides]) -> dict[str, float]:
     """A step's figures over its rollouts' compared tokens, pooled (as TRL's are on one
     process); empty where no rollout has a generator side to compare."""
-    pieces = [sides.log_ratios() for sides in rollouts]
-    ratios = [r.seq_ratio for r in map(RolloutMismatch.of, pieces) if r is not None]
-    tokens = np.concatenate(pieces) if pieces else np.zeros(0)
+    tokens = pool(list(rollouts))
+    return pooled_figures(tokens.log_ratios(), tokens.counts())
+
+
+def pooled_figures(tokens: np.ndarray, counts: Sequence[int] | np.ndarray) -> dict[str, float]:
+    """step_figures over log r already pooled, each rollout's laid end to end (`counts`)."""
+    ratios = [r.seq_ratio for r in each_rollout(tokens, counts) if r is not None]
     if not len(tokens):
         return {}
     diff = np.abs(tokens)
@@ -162,5 +236,4 @@ def step_figures(rollouts: Iterable[Sides]) -> dict[str, float]:
 
 def pooled(rollouts: Sequence[Sides]) -> np.ndarray:
     """Every compared token's log r of a step (or of a range of steps), in rollout order."""
-    pieces = [sides.log_ratios() for sides in rollouts]
-    return np.concatenate(pieces) if pieces else np.zeros(0)
+    return pool(rollouts).log_ratios()

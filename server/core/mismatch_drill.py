@@ -8,45 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from rollout_lens.server.core.mismatch import BANDS, Sides, k3, outside
+from rollout_lens.server.core.mismatch import BANDS, Pool, Sides, k3, outside, pool
 
 # log r of the bands' edges, ascending: −log 5, −log 2, log 2, log 5
 BAND_EDGES = tuple(sorted(s * math.log(b) for b in BANDS for s in (-1.0, 1.0)))
 # The sampled token's probability under the generator, by decade where mismatch lives (low
 # probabilities) and coarser near 1. Each bucket is [low, high); the last holds 1.0 too.
 PROBABILITY_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 1.0)
-
-
-@dataclass(frozen=True)
-class Pool:
-    """Every compared token of some rollouts laid end to end, in rollout and position order:
-    the rollout holding it (an index into the rollouts given), its completion position, and
-    both sides' logprobs."""
-
-    rollout: np.ndarray  # int64
-    position: np.ndarray  # int64
-    trainer: np.ndarray
-    generator: np.ndarray
-
-    def log_ratios(self) -> np.ndarray:
-        log_r: np.ndarray = self.trainer - self.generator
-        return log_r
-
-
-def pool(rollouts: Sequence[Sides]) -> Pool:
-    """The compared tokens of `rollouts` (Sides.kept: masked, NaN on either side left out)."""
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-    for index, sides in enumerate(rollouts):
-        keep = sides.kept()
-        at = np.flatnonzero(keep)
-        if len(at):
-            trainer, generator = sides.trainer_floats()[keep], sides.generator_floats()[keep]
-            parts.append((np.full(len(at), index, dtype=np.int64), at, trainer, generator))
-    if not parts:
-        empty = np.zeros(0, dtype=np.int64)
-        return Pool(empty, empty, np.zeros(0), np.zeros(0))
-    rollout, position, trainer, generator = (np.concatenate(c) for c in zip(*parts, strict=True))
-    return Pool(rollout, position.astype(np.int64), trainer, generator)
 
 
 @dataclass(frozen=True)
@@ -99,27 +67,38 @@ def by_probability(
 
 
 def probability_table(tokens: Pool, edges: Sequence[float] = PROBABILITY_EDGES) -> list[Bucket]:
-    """by_probability over tokens already pooled."""
+    """by_probability over tokens already pooled: each figure summed by bucket in one pass."""
+    buckets = len(edges) - 1
     probs = np.exp(tokens.generator)
     log_r = tokens.log_ratios()
-    which = np.clip(np.searchsorted(edges, probs, side="right") - 1, 0, len(edges) - 2)
-    return [_bucket(edges[i], edges[i + 1], log_r[which == i]) for i in range(len(edges) - 1)]
-
-
-def _bucket(low: float, high: float, log_r: np.ndarray) -> Bucket:
-    if not len(log_r):
-        return Bucket(low, high, 0, None, None, None, None, None)
+    which = np.clip(np.searchsorted(edges, probs, side="right") - 1, 0, buckets - 1)
     diff = np.abs(log_r)
-    return Bucket(
-        low,
-        high,
-        len(log_r),
-        float(np.mean(diff)),
-        float(np.max(diff)),
-        float(np.mean(k3(log_r))),
-        float(np.mean(outside(log_r, BANDS[0]))),
-        float(np.mean(outside(log_r, BANDS[1]))),
+    n = np.bincount(which, minlength=buckets)
+    diff_sum, k3_sum, out2_sum, out5_sum = (
+        np.bincount(which, weights.astype(np.float64), minlength=buckets).tolist()
+        for weights in (diff, k3(log_r), outside(log_r, BANDS[0]), outside(log_r, BANDS[1]))
     )
+    top = np.full(buckets, -np.inf)
+    np.maximum.at(top, which, diff)
+    rows = []
+    for i in range(buckets):
+        count = int(n[i])
+        if not count:
+            rows.append(Bucket(edges[i], edges[i + 1], 0, None, None, None, None, None))
+            continue
+        rows.append(
+            Bucket(
+                edges[i],
+                edges[i + 1],
+                count,
+                abs_diff_mean=diff_sum[i] / count,
+                abs_diff_max=float(top[i]),
+                k3_kl=k3_sum[i] / count,
+                outside_2x=out2_sum[i] / count,
+                outside_5x=out5_sum[i] / count,
+            )
+        )
+    return rows
 
 
 @dataclass(frozen=True)
@@ -155,14 +134,14 @@ def worst_of(tokens: Pool, n: int) -> np.ndarray:
 
 
 def sample(tokens: Pool, most: int, keep: np.ndarray) -> np.ndarray:
-    """Indices into `tokens` of at most `most` of them, ascending, for a scatter: every index
-    in `keep` (the worst tokens), the rest drawn without replacement with a fixed seed, so that
-    the same tokens give the same points on every read."""
+    """Indices into `tokens` of at most `most` of them (and every one of `keep`), ascending, for
+    a scatter: `keep` (the worst tokens) and the first of a fixed-seed draw without replacement
+    that are not in it, so that the same tokens give the same points on every read."""
     n = len(tokens.trainer)
     if n <= most:
         return np.arange(n)
     kept = np.unique(keep)
-    rest = np.setdiff1d(np.arange(n), kept, assume_unique=True)
-    drawn = np.random.default_rng(0).choice(rest, size=max(0, most - len(kept)), replace=False)
-    both: np.ndarray = np.union1d(kept, drawn)
+    drawn = np.random.default_rng(0).choice(n, size=most, replace=False)
+    rest = drawn[~np.isin(drawn, kept)][: max(0, most - len(kept))]
+    both: np.ndarray = np.union1d(kept, rest)
     return both

@@ -7,6 +7,7 @@ a brute-force answer over the same rows (NULLs where a rollout has no generator 
 from __future__ import annotations
 
 import math
+from statistics import median
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +46,14 @@ def _columns(factory: sessionmaker[Session], run_id: int) -> dict[tuple[int, int
 def test_the_columns_are_the_figures_of_the_stored_arrays(
     session_factory: sessionmaker[Session],
 ) -> None:
-    run_id = mismatch_run(session_factory, steps=5, hostile=True)
+    run_id = mismatch_run(session_factory, steps=5)
     figures = stored_figures(session_factory, run_id)
     known = [f for f in figures.values() if f["abs_diff_max"] is not None]
     assert known and len(known) < len(figures)  # rollouts without a generator side are NULL
     for f in figures.values():
         assert (f["column_diff"], f["column_ratio"]) == (f["abs_diff_max"], f["log_seq_ratio"])
-    # the drift grows with the step (mismatch_support): so does the largest |Δlogp|
-    by_step = {s: max(f["column_diff"] or 0 for f in known if f["step"] == s) for s in (1, 5)}
+    # the drift grows with the step (mismatch_support): so does the typical largest |Δlogp|
+    by_step = {s: median(f["column_diff"] for f in known if f["step"] == s) for s in (1, 5)}
     assert by_step[5] > by_step[1]
 
 

@@ -184,7 +184,7 @@ def test_histogram_needs_room_for_the_bands() -> None:
 def test_a_sample_is_bounded_holds_the_worst_and_is_the_same_every_time(
     rollouts: list[tuple[Any, Any, Any]], most: int
 ) -> None:
-    tokens = drill.pool([_sides(r) for r in rollouts])
+    tokens = mm.pool([_sides(r) for r in rollouts])
     worst = drill.worst_of(tokens, min(5, most))
     shown = drill.sample(tokens, most, worst)
     n = len(tokens.trainer)
@@ -200,6 +200,6 @@ def test_a_pool_lays_the_compared_tokens_end_to_end() -> None:
         mm.Sides(np.array([-0.5]), None),
         mm.Sides(np.array([-0.1, -0.2]), [-0.1, -0.4], np.array([False, True])),
     ]
-    tokens = drill.pool(sides)
+    tokens = mm.pool(sides)
     assert tokens.rollout.tolist() == [0, 0, 2] and tokens.position.tolist() == [0, 2, 1]
     assert tokens.log_ratios().tolist() == pytest.approx([0.5, -1.0, 0.2])

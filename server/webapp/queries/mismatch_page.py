@@ -157,8 +157,8 @@ def _round(values: np.ndarray) -> list[float]:
     return [round(v, DIGITS) for v in values.tolist()]
 
 
-def _worst(
-    session: Session, run_id: int, found: Compared, tokens: drill.Pool, picked: np.ndarray
+def worst_in_context(
+    session: Session, run_id: int, found: Compared, tokens: mismatch.Pool, picked: np.ndarray
 ) -> list[dict[str, Any]]:
     """The worst tokens (`picked`: indices into `tokens`), each with its rollout, position,
     both logprobs and its text in a few tokens of context (the run's token texts)."""
@@ -227,7 +227,7 @@ def _in_context(
     }
 
 
-def _scatter(tokens: drill.Pool, found: Compared, worst: np.ndarray) -> dict[str, Any]:
+def scatter_points(tokens: mismatch.Pool, found: Compared, worst: np.ndarray) -> dict[str, Any]:
     """The scatter's points: each one's two logprobs and its rollout's (step, group, index);
     `worst` (indices into `tokens`) are always among them."""
     shown = drill.sample(tokens, SCATTER_POINTS, worst)
@@ -242,11 +242,11 @@ def _scatter(tokens: drill.Pool, found: Compared, worst: np.ndarray) -> dict[str
     }
 
 
-def _figures(found: Compared, tokens: drill.Pool) -> dict[str, Any]:
+def _figures(found: Compared, tokens: mismatch.Pool) -> dict[str, Any]:
     """The histogram, the table by probability and the step's figures over the tokens read."""
     hist = drill.histogram(tokens.log_ratios())
     return {
-        "figures": mismatch.step_figures(found.sides),
+        "figures": mismatch.pooled_figures(tokens.log_ratios(), tokens.counts()),
         "histogram": {
             "edges": hist.edges.tolist(),
             "counts": hist.counts.tolist(),
@@ -280,7 +280,7 @@ def mismatch_drill(
         step, lo = hi, hi
     chosen = plan(session, run_id=run_id, first=lo, last=hi, one=one)
     found = read_sides(session, run_id, [r for _, r in chosen.read])
-    tokens = drill.pool(found.sides)
+    tokens = mismatch.pool(found.sides)
     worst = drill.worst_of(tokens, WORST)
     return {
         "run": {"id": run.id, "name": run.name},
@@ -298,8 +298,8 @@ def mismatch_drill(
         "rollouts": len(found.sides),
         "tokens": len(tokens.trainer),
         **_figures(found, tokens),
-        "worst": _worst(session, run_id, found, tokens, worst),
-        "scatter": _scatter(tokens, found, worst),
+        "worst": worst_in_context(session, run_id, found, tokens, worst),
+        "scatter": scatter_points(tokens, found, worst),
     }
 
 
