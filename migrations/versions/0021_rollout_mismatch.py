@@ -7,10 +7,11 @@ compare.
 The store computes them on the write path from the logprobs as it keeps them
 (server.store.recording.rollout_mismatch); this fills them for the rollouts recorded before,
 from rollout_data's two blobs, with frozen copies of the store's logprob decoder
-(server.store.arrays at this revision) and of server.core.mismatch.rollout_figures: a token is
-compared where both sides are finite, log r = trainer − generator, the ratio's log summed with
-math.fsum. Rollouts whose arrays retention dropped (logprobs NULL) keep NULL: nothing to read.
-Read and written ROWS_A_READ rollouts at a time, in id order.
+(server.store.arrays at this revision) and of server.core.mismatch's figures: a token is
+compared where both sides are finite, log r = trainer − generator, its largest |log r| and the
+sum of log r by numpy's add.reduceat (as core.mismatch.each_rollout sums it). Rollouts whose
+arrays retention dropped (logprobs NULL) keep NULL: nothing to read. Read and written
+ROWS_A_READ rollouts at a time, in id order.
 
 Revision ID: 0021
 Revises: 0020
@@ -129,7 +130,7 @@ def _figures(trainer: np.ndarray, generator: np.ndarray) -> tuple[float | None, 
     if not kept.any():
         return None, None
     log_r = trainer[kept] - generator[kept]
-    return float(np.max(np.abs(log_r))), math.fsum(log_r.tolist())
+    return float(np.max(np.abs(log_r))), float(np.add.reduceat(log_r, [0])[0])
 
 
 def _backfill(bind: sa.engine.Connection) -> None:

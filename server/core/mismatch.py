@@ -118,12 +118,7 @@ class RolloutMismatch:
     @classmethod
     def of(cls, log_ratios: np.ndarray) -> RolloutMismatch | None:
         """From a rollout's log r; None where no token could be compared."""
-        if not len(log_ratios):
-            return None
-        total = math.fsum(log_ratios.tolist())
-        with np.errstate(over="ignore"):  # a sum past ~709 nats is an infinite ratio
-            ratio = float(np.exp(total))
-        return cls(len(log_ratios), float(np.max(np.abs(log_ratios))), ratio, total)
+        return each_rollout(log_ratios, [len(log_ratios)])[0]
 
 
 def rollout_figures(sides: Sides) -> RolloutMismatch | None:
@@ -134,25 +129,27 @@ def rollout_figures(sides: Sides) -> RolloutMismatch | None:
 def each_rollout(
     log_ratios: np.ndarray, counts: Sequence[int] | np.ndarray
 ) -> list[RolloutMismatch | None]:
-    """RolloutMismatch.of of each rollout, their log r laid end to end (`counts`: how many each
-    has): the same figures as one call a rollout, the step's tokens in a few passes."""
+    """The figures of each rollout, their log r laid end to end (`counts`: how many each has),
+    in a few passes over the step's tokens. Σ log r is numpy's add.reduceat over the rollout's
+    segment: the same bits wherever the segment lies (a rollout alone or inside a step's
+    tokens), which the write path, migration 0021 and the pages rely on."""
+    log_r = np.asarray(log_ratios, dtype=np.float64).reshape(-1)
     sizes = np.asarray(counts, dtype=np.int64).reshape(-1)
-    ends = np.cumsum(sizes)
-    starts = ends - sizes
-    have = sizes > 0
-    maxes = iter(
-        np.maximum.reduceat(np.abs(log_ratios), starts[have]).tolist() if have.any() else []
-    )
-    values = log_ratios.tolist()
+    starts = (np.cumsum(sizes) - sizes)[sizes > 0]
+    if not len(starts):
+        return [None] * len(sizes)
+    sums = np.add.reduceat(log_r, starts)
+    maxes = np.maximum.reduceat(np.abs(log_r), starts)
+    with np.errstate(over="ignore"):  # a sum past ~709 nats is an infinite ratio
+        ratios = np.exp(sums)
+    found = iter(zip(sums.tolist(), maxes.tolist(), ratios.tolist(), strict=True))
     out: list[RolloutMismatch | None] = []
-    for start, end, n in zip(starts.tolist(), ends.tolist(), sizes.tolist(), strict=True):
-        if not n:
+    for n in sizes.tolist():
+        if n:
+            total, top, ratio = next(found)
+            out.append(RolloutMismatch(n, top, ratio, total))
+        else:
             out.append(None)
-            continue
-        total = math.fsum(values[start:end])
-        with np.errstate(over="ignore"):  # as RolloutMismatch.of
-            ratio = float(np.exp(total))
-        out.append(RolloutMismatch(n, next(maxes), ratio, total))
     return out
 
 

@@ -71,7 +71,9 @@ def probability_table(tokens: Pool, edges: Sequence[float] = PROBABILITY_EDGES) 
     buckets = len(edges) - 1
     probs = np.exp(tokens.generator)
     log_r = tokens.log_ratios()
-    which = np.clip(np.searchsorted(edges, probs, side="right") - 1, 0, buckets - 1)
+    which = np.zeros(len(probs), dtype=np.int64)  # the bucket: interior edges at or below p
+    for edge in edges[1:-1]:
+        which += probs >= edge
     diff = np.abs(log_r)
     n = np.bincount(which, minlength=buckets)
     diff_sum, k3_sum, out2_sum, out5_sum = (
