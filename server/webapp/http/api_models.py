@@ -219,7 +219,7 @@ class MismatchSteps(_Open):
     next_from: int | None = Field(description="the first step not read when cut")
 
 
-class WorstToken(_Open):
+class MismatchToken(_Open):
     """A token of largest |log r|, in its rollout."""
 
     step: int
@@ -259,7 +259,7 @@ class Mismatch(_Open):
         description="a row a bucket of the generator's probability [low, high): tokens, mean "
         "and max |Δlogp|, k3 KL, shares outside ×2 and ×5 (null where empty)"
     )
-    worst: list[WorstToken]
+    worst: list[MismatchToken]
     scatter: dict[str, Any] = Field(
         description="at most 4,000 points (the worst tokens and a fixed-seed sample): "
         "`generator` and `trainer` logprobs, `rollouts` [step, group, index], `worst` (which "
