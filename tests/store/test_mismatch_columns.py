@@ -7,8 +7,8 @@ a brute-force answer over the same rows (NULLs where a rollout has no generator 
 from __future__ import annotations
 
 import math
-from statistics import median
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import numpy as np
