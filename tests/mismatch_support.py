@@ -16,7 +16,7 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.serialize import per_token
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS
+from tests.factories import CONTROL_TOKENS, record_steps
 
 WORDS = ["<tool>", "tool_01", "</tool>", " the", " cat", " sat", " on", " mat", "\n", " é"]
 HOSTILE = '<script>alert("worst")</script>'
@@ -114,16 +114,7 @@ def mismatch_run(
             session, name=name, model="tiny", total_steps=len(records), group_size=size,
             control_tokens=CONTROL_TOKENS, keep_tokens_every=keep_tokens_every,
         ).id  # fmt: skip
-    recorder = None
-    for record in records:
-        with session_scope(factory) as session:
-            recorder = store.record_step(
-                session,
-                run_id=run_id,
-                record=record,
-                control_tokens=CONTROL_TOKENS,
-                recorder=recorder,
-            )
+    record_steps(factory, run_id, records)
     return run_id
 
 

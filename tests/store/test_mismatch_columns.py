@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS, make_run
 from tests.mismatch_support import mismatch_run, mismatch_steps, stored_figures
-from tests.web_support import client_for
+from tests.web_support import client_for, explorer_pages
 from tests.wire_support import record_run
 
 
@@ -134,15 +134,6 @@ FILTERS: list[tuple[str, Any]] = [
 ]
 
 
-def _all_pages(client: TestClient, url: str) -> list[dict[str, Any]]:
-    page = client.get(url).json()
-    rows = page["rollouts"]
-    while page["next_url"]:
-        page = client.get(page["next_url"]).json()
-        rows += page["rollouts"]
-    return rows
-
-
 @pytest.mark.parametrize(("query", "keep"), FILTERS, ids=[f for f, _ in FILTERS])
 def test_each_filter_matches_the_brute_force_answer(
     session_factory: sessionmaker[Session], explored: Any, query: str, keep: Any
@@ -151,7 +142,7 @@ def test_each_filter_matches_the_brute_force_answer(
     expected = sorted((r["step"], r["id"]) for r in truth if keep(r))
     assert expected and len(expected) < len(truth)
     with client_for(session_factory) as client:
-        rows = _all_pages(client, f"/api/runs/{run_id}/rollouts?{query}&limit=6")
+        rows, _ = explorer_pages(client, f"/api/runs/{run_id}/rollouts?{query}&limit=6")
     assert [(r["step"], r["id"]) for r in rows] == expected
     by_id = {r["id"]: r for r in truth}
     for row in rows:
@@ -177,7 +168,9 @@ def test_each_sort_pages_through_every_row_nulls_at_the_end_going_down(
     assert present and nulls
     expected = [r["id"] for r in (present + nulls if down else nulls + present)]
     with client_for(session_factory) as client:
-        rows = _all_pages(client, f"/api/runs/{run_id}/rollouts?sort={sort}&order={order}&limit=7")
+        rows, _ = explorer_pages(
+            client, f"/api/runs/{run_id}/rollouts?sort={sort}&order={order}&limit=7"
+        )
     assert [r["id"] for r in rows] == expected
 
 
