@@ -26,6 +26,7 @@ from rollout_lens.server.core.task_vocab import BEFORE_RL_MODES
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 from rollout_lens.server.webapp.pages import plotly_figures as figures
 from rollout_lens.server.webapp.pages import viewer
+from rollout_lens.server.webapp.pages.cells import Shade
 from rollout_lens.server.webapp.queries import (
     JSON_TEXT_BUDGET,
     JSON_TEXT_CHARS,
@@ -195,13 +196,19 @@ class StepPageContext(TypedDict):
     all_groups: str
     links: dict[str, str | None]
     keep_query: dict[str, Any]
+    shade: Shade  # what the token view is shaded by (a group with a generator side)
 
 
 def step_page(
-    overview: StepGroups, url: Url, *, detail: GroupDetail | None = None
+    overview: StepGroups,
+    url: Url,
+    *,
+    detail: GroupDetail | None = None,
+    shade: Shade = "probability",
 ) -> StepPageContext:
     """A step: its groups overview (step_groups: sortable rows, filters for the groups that need
-    a look, pages), or with one group (`detail`: group_detail) that group's rollouts as today."""
+    a look, pages), or with one group (`detail`: group_detail) that group's rollouts as today,
+    its tokens shaded by `shade`."""
     run, step = overview["run"], overview["step"]["step"]
     sort, order, look = overview["sort"], overview["order"], overview["look"]
 
@@ -255,6 +262,7 @@ def step_page(
         },
         # what the step links keep: the overview's sort and filter
         "keep_query": _overview_query({"sort": sort, "order": order, "look": look}),
+        "shade": shade,
     }
 
 
@@ -296,11 +304,12 @@ class GroupPageContext(TypedDict):
     summary: dict[str, Any]
     gnav: GroupNav
     overview: bool  # always False: one group
+    shade: Shade  # what the token view is shaded by (a group with a generator side)
 
 
-def group_page(detail: GroupDetail) -> GroupPageContext:
-    """One group of a step: its rollouts (tabs, tokens) and the table of all of them, with links
-    to the groups around it and to the step's overview."""
+def group_page(detail: GroupDetail, shade: Shade = "probability") -> GroupPageContext:
+    """One group of a step: its rollouts (tabs, tokens shaded by `shade`) and the table of all
+    of them, with links to the groups around it and to the step's overview."""
     return {
         "detail": detail,
         "run": detail["run"],
@@ -309,6 +318,7 @@ def group_page(detail: GroupDetail) -> GroupPageContext:
         "summary": detail["summary"],
         "gnav": detail["group_nav"],
         "overview": False,
+        "shade": shade,
     }
 
 

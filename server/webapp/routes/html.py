@@ -36,6 +36,7 @@ from rollout_lens.server.webapp.http.params import (
     RunsPage,
     RunsPerPage,
     StepNo,
+    TokenShade,
     run_ids,
 )
 from rollout_lens.server.webapp.http.responses import memo, run_alerts
@@ -156,9 +157,11 @@ def step_page(
     look: Look = None,
     offset: Offset = 0,
     group: OptionalGroup = None,
+    shade: TokenShade = "probability",
 ) -> HTMLResponse | RedirectResponse:
     """A step: its groups overview, or with one group that group's rollouts (as before groups
-    had pages). `?group=` (the old group switch) is that group's page now."""
+    had pages), their tokens shaded by `shade`. `?group=` (the old group switch) is that
+    group's page now."""
     if group is not None:
         url = request.app.url_path_for("group_page", run_id=run_id, step=step, group=group)
         return RedirectResponse(str(url), status_code=307)
@@ -186,7 +189,9 @@ def step_page(
             texts_kept=texts,
         )
     return render(
-        request, "step.html", page_context.step_page(overview, _url(request), detail=detail)
+        request,
+        "step.html",
+        page_context.step_page(overview, _url(request), detail=detail, shade=shade),
     )
 
 
@@ -198,8 +203,10 @@ def group_page(
     run_id: RunId,
     step: StepNo,
     group: GroupNo,
+    shade: TokenShade = "probability",
 ) -> HTMLResponse:
-    """One group of a step: its rollouts #0…#G−1 (tabs, tokens) and a table of all of them."""
+    """One group of a step: its rollouts #0…#G−1 (tabs, tokens shaded by `shade`) and a table
+    of all of them."""
     detail = queries.group_detail(
         session,
         run_id=run_id,
@@ -210,7 +217,7 @@ def group_page(
         page_budget=True,
         texts_kept=texts,
     )
-    return render(request, "group.html", page_context.group_page(detail))
+    return render(request, "group.html", page_context.group_page(detail, shade))
 
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
