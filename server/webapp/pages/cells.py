@@ -157,15 +157,22 @@ def _ratio_scale() -> list[tuple[str, str]]:
 RATIO_SCALE = _ratio_scale()
 
 
+# The bands as hover text says a log r lies outside them, the widest first.
+_OUTSIDE = tuple((math.log(b), f" · outside [1/{b:g}, {b:g}]") for b in sorted(BANDS)[::-1])
+
+
 def ratio_text(log_r: float | None) -> str:
     """A token's (or a cell's) log r for hover text: log r, r, and the widest band it lies
     outside of."""
     if log_r is None or not math.isfinite(log_r):
         return "log r: — (no generator logprob to compare)"
-    r = f"{math.exp(log_r):.3g}" if abs(log_r) < 700 else ("∞" if log_r > 0 else "0")
+    size = abs(log_r)
+    r = f"{math.exp(log_r):.3g}" if size < 700 else ("∞" if log_r > 0 else "0")
     out = f"log r={log_r:+.3f} (r={r})"
-    beyond = [b for b in BANDS if abs(log_r) > math.log(b)]
-    return f"{out} · outside [1/{beyond[-1]:g}, {beyond[-1]:g}]" if beyond else out
+    for edge, note in _OUTSIDE:
+        if size > edge:
+            return out + note
+    return out
 
 
 @dataclass(frozen=True, slots=True)
