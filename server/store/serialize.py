@@ -78,7 +78,6 @@ def read_rollout(
         if rollout.text_rule is not None and every is not None
         else completion_text(rollout, ids, texts)
     )
-    total = len(ids)
     shown = ids if max_tokens is None else ids[:max_tokens]
     pieces = every[: len(shown)] if every is not None else token_pieces(shown, texts)
     logprobs, generator, control, figures = per_token(rollout, control_tokens, max_tokens)
@@ -90,7 +89,7 @@ def read_rollout(
         prompt=prompt,
         completion=completion,
         completion_ids=id_array if max_tokens is None else id_array[:max_tokens],
-        tokens=shown_tokens(rollout, pieces, whole=len(shown) == total),
+        tokens=shown_tokens(rollout, pieces, whole=len(shown) == len(ids)),
         token_pieces=pieces,
         tokens_kept=rollout.tokens_kept,
         vote=rollout.vote,
@@ -105,7 +104,7 @@ def read_rollout(
         generator_logprobs=generator,
         control_token_probs=control,
         meta=rollout.meta,
-        tokens_total=total,
+        tokens_total=len(ids),
         window=max_tokens is not None,
         mismatch=figures,
     )

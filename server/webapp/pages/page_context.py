@@ -218,22 +218,6 @@ def step_page(
         return f"{path}?{urlencode(query)}" if query else path
 
     offset, limit, total = overview["offset"], overview["limit"], overview["total"]
-    columns = [
-        {
-            "key": key,
-            "label": label,
-            "numeric": numeric,
-            "active": key == sort,
-            # a column first sorts the way that brings the ones to look at up: high first
-            "href": here(
-                sort=key,
-                order=("asc" if order == "desc" else "desc")
-                if key == sort
-                else ("asc" if key in ("group", "label") else "desc"),
-            ),
-        }
-        for key, (label, numeric) in GROUP_SORTS.items()
-    ]
     looks = [
         {
             "key": key,
@@ -253,7 +237,7 @@ def step_page(
         "group_index": group["group"] if group else None,
         "overview": detail is None,
         "disagree_reward": DISAGREE_AT,
-        "columns": columns,
+        "columns": _sort_columns(sort, order, here),
         "looks": looks,
         "all_groups": here(look=None),
         "links": {
@@ -264,6 +248,26 @@ def step_page(
         "keep_query": _overview_query({"sort": sort, "order": order, "look": look}),
         "shade": shade,
     }
+
+
+def _sort_columns(sort: str, order: str, here: Callable[..., str]) -> list[dict[str, Any]]:
+    """The groups overview's sortable columns, each with its link: a column first sorts the way
+    that brings the ones to look at up (high first), the sorted one the other way."""
+    return [
+        {
+            "key": key,
+            "label": label,
+            "numeric": numeric,
+            "active": key == sort,
+            "href": here(
+                sort=key,
+                order=("asc" if order == "desc" else "desc")
+                if key == sort
+                else ("asc" if key in ("group", "label") else "desc"),
+            ),
+        }
+        for key, (label, numeric) in GROUP_SORTS.items()
+    ]
 
 
 def _overview_query(params: dict[str, Any]) -> dict[str, Any]:

@@ -492,70 +492,73 @@ MISMATCH_TEXT = (
 )
 
 
-def mismatch_charts(names: set[str]) -> list[dict[str, Any]]:
-    """The training–inference mismatch charts (core.mismatch's per-step figures), where the run
-    recorded them: |Δlogp| mean and max, k3 KL, the sequence ratio's min, mean and max, and the
-    shares of tokens outside the bands."""
-    color = MISMATCH_COLOR
-    spec = [
-        (
-            "mismatch-diff",
-            "|Δlogp| mean · max",
-            [
-                (mm.ABS_DIFF_MEAN, "mean", "solid", "y"),
-                (mm.ABS_DIFF_MAX, "max (right)", "dot", "y2"),
-            ],
-            "Per step, the mean (left) and the largest (right) |trainer − generator logprob| "
-            "of the sampled tokens.",
-        ),
-        (
-            "mismatch-k3",
-            "k3 KL(generator ‖ trainer)",
-            [(mm.K3_KL, "k3 KL", "solid", "y")],
-            "The mean of r − 1 − log r over the step's tokens: an unbiased estimate of the KL "
-            "from the generator's distribution to the trainer's, never negative.",
-        ),
-        (
-            "mismatch-seq",
-            "Sequence ratio min · mean · max",
-            [
-                (mm.SEQ_RATIO_MIN, "min", "dot", "y"),
-                (mm.SEQ_RATIO_MEAN, "mean", "solid", "y"),
-                (mm.SEQ_RATIO_MAX, "max", "dash", "y"),
-            ],
-            "Π r over each rollout's compared tokens: 1 where the trainer would have sampled it "
-            "as likely as the generator did.",
-        ),
-        (
-            "mismatch-bands",
-            "Tokens outside the bands",
-            [
-                (mm.OUTSIDE_2X, f"outside [1/{mm.BANDS[0]:g}, {mm.BANDS[0]:g}]", "solid", "y"),
-                (mm.OUTSIDE_5X, f"outside [1/{mm.BANDS[1]:g}, {mm.BANDS[1]:g}]", "dot", "y"),
-            ],
-            "The share of the step's compared tokens whose ratio lies outside each band.",
-        ),
-    ]
-    out = []
-    for fid, title, parts, help_text in spec:
-        traces = []
-        for name, legend, dash, axis in parts:
-            if name in names:
-                traces += line(name, legend, color, dash=dash, axis=axis)
-        if traces:
-            y2 = {"rangemode": "tozero"} if any(a == "y2" for *_, a in parts) else None
-            alerts = ["mismatch"] if fid == "mismatch-k3" else []
-            out.append(
-                figure(
-                    fid,
-                    title,
-                    traces,
-                    help=help_text,
-                    alerts=alerts,
-                    y={"rangemode": "tozero"},
-                    y2=y2,
-                )
+Line = tuple[str, str, str, str]  # a chart's line: series, legend, dash, y axis
+# The mismatch charts: (id, title, lines, help), in the section's order.
+MISMATCH_CHARTS: tuple[tuple[str, str, tuple[Line, ...], str], ...] = (
+    (
+        "mismatch-diff",
+        "|Δlogp| mean · max",
+        ((mm.ABS_DIFF_MEAN, "mean", "solid", "y"), (mm.ABS_DIFF_MAX, "max (right)", "dot", "y2")),
+        "Per step, the mean (left) and the largest (right) |trainer − generator logprob| of the "
+        "sampled tokens.",
+    ),
+    (
+        "mismatch-k3",
+        "k3 KL(generator ‖ trainer)",
+        ((mm.K3_KL, "k3 KL", "solid", "y"),),
+        "The mean of r − 1 − log r over the step's tokens: an unbiased estimate of the KL from "
+        "the generator's distribution to the trainer's, never negative.",
+    ),
+    (
+        "mismatch-seq",
+        "Sequence ratio min · mean · max",
+        tuple(
+            (name, name.rsplit("_", 1)[1], dash, "y")
+            for name, dash in zip(
+                (mm.SEQ_RATIO_MIN, mm.SEQ_RATIO_MEAN, mm.SEQ_RATIO_MAX),
+                ("dot", "solid", "dash"),
+                strict=True,
             )
+        ),
+        "Π r over each rollout's compared tokens: 1 where the trainer would have sampled it as "
+        "likely as the generator did.",
+    ),
+    (
+        "mismatch-bands",
+        "Tokens outside the bands",
+        tuple(
+            (name, f"outside [1/{band:g}, {band:g}]", dash, "y")
+            for name, band, dash in zip(
+                (mm.OUTSIDE_2X, mm.OUTSIDE_5X), mm.BANDS, ("solid", "dot"), strict=True
+            )
+        ),
+        "The share of the step's compared tokens whose ratio lies outside each band.",
+    ),
+)
+
+
+def mismatch_charts(names: set[str]) -> list[dict[str, Any]]:
+    """The training–inference mismatch charts (MISMATCH_CHARTS: core.mismatch's per-step
+    figures) where the run recorded their series; k3 KL shows the mismatch alert."""
+    out = []
+    for fid, title, lines, help_text in MISMATCH_CHARTS:
+        traces = []
+        for name, legend, dash, axis in lines:
+            if name in names:
+                traces += line(name, legend, MISMATCH_COLOR, dash=dash, axis=axis)
+        if not traces:
+            continue
+        right = any(axis == "y2" for *_, axis in lines)
+        fig = figure(
+            fid,
+            title,
+            traces,
+            help=help_text,
+            alerts=["mismatch"] if fid == "mismatch-k3" else [],
+            y={"rangemode": "tozero"},
+            y2={"rangemode": "tozero"} if right else None,
+        )
+        out.append(fig)
     return out
 
 
