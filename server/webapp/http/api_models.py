@@ -159,7 +159,7 @@ def _null_for_non_finite(schema: dict[str, Any]) -> None:
     schema.update(walk(schema))
 
 
-class RolloutMismatch(BaseModel):
+class RolloutFigures(BaseModel):
     """A rollout's training–inference mismatch over all its compared tokens (viewer.mismatch_json:
     the figures its stats row shows beside Σ logprob)."""
 
@@ -187,7 +187,7 @@ class GroupRollout(RolloutJSON):  # type: ignore[misc,valid-type]  # derived fro
     sampled: list[bool] | None = Field(
         description="a tool-calling rollout's positions the model sampled (null: every one)"
     )
-    mismatch: RolloutMismatch | None = Field(
+    mismatch: RolloutFigures | None = Field(
         None,
         description="only where it has the generator's logprobs: its figures over all its "
         "positions, not only those sent (null: no token to compare)",
