@@ -361,11 +361,14 @@ def test_tokens_shade_by_log_ratio_with_both_probabilities_on_hover(
     assert HOSTILE_TOKENS[0] in texts
     assert page.locator(".tokens img, .tokens script").count() == 0
     _shot(page, "ratio")
+    assert page.locator("form.jump #jump-shade").count() == 1  # the Go box keeps it too
     page.click("#shade-switch a[data-shade=probability]")
-    assert "shade=" not in page.url
+    assert "shade=" not in page.url and page.locator("#jump-shade").count() == 0
     assert [c["bg"] for c in _cell_facts(page, "#rollout-0")] == [c["bg"] for c in by_p]
     # a tool-calling group: tool results stay grey, not sampled, in either shade
     page.goto(f"/runs/{run_id}/steps/1/groups/1?shade=ratio")
+    page.click("form.jump button[type=submit]")  # the Go box: the same step, still shaded
+    page.wait_for_url("**/steps/1/groups/1?shade=ratio")
     tools = _cell_facts(page, "#rollout-0 li[data-turn=tool]")
     assert tools and all(c["cls"] == "tok tool-tok" and c["bg"] == TOOL_GREY for c in tools)
     model = _cell_facts(page, "#rollout-0 li[data-turn=model]")

@@ -170,6 +170,14 @@ def test_tool_results_stay_neutral_and_the_step_viewer_keeps_the_shade(client, r
     assert tool_cells and all(c.classes == {"tok", "tool-tok"} for c in tool_cells)
     model_cells = [c for t in panel.find_all("li", data_turn="model") for c in t.find_all("span", role="listitem")]  # fmt: skip
     assert model_cells and all("generator p=" in c.attrs["title"] for c in model_cells)
+    # the jump box and the step_jump redirect keep the shade (the prev/next links: step.js)
+    assert page.by_id("jump-shade").attrs["value"] == "ratio"
+    params = {"step": 1, "group": 1, "shade": "ratio"}
+    jump = client.get(f"/runs/{runs['two']}/steps", params=params, follow_redirects=False)
+    assert jump.status_code == 303
+    assert jump.headers["location"] == f"/runs/{runs['two']}/steps/1/groups/1?shade=ratio"
+    plain_jump = client.get(f"/runs/{runs['two']}/steps", params={"step": 1, "group": 1}, follow_redirects=False)  # fmt: skip
+    assert plain_jump.headers["location"] == f"/runs/{runs['two']}/steps/1/groups/1"
     single = parse(client.get(f"/runs/{runs['two']}/steps/2", params={"shade": "ratio"}).text)
     assert "shade-ratio" in _rollouts(single).classes  # a step of one group: its page
     assert client.get(f"/runs/{runs['two']}/steps/2", params={"shade": "odd"}).status_code == 422

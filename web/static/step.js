@@ -38,6 +38,18 @@
     }
   }
 
+  /** The jump box's form carries the shade (the page renders its field when it was asked for). */
+  function keepShadeInJump(mode) {
+    const form = document.querySelector("form.jump");
+    let field = document.getElementById("jump-shade");
+    if (mode === "ratio" && form && !field) {
+      field = Object.assign(document.createElement("input"), { type: "hidden", name: "shade", value: "ratio", id: "jump-shade" });
+      form.append(field);
+    } else if (mode !== "ratio" && field) {
+      field.remove();
+    }
+  }
+
   /** Shade the tokens by probability or by log-ratio at once (the links reload without JS). */
   function shade(mode) {
     rollouts.classList.toggle("shade-ratio", mode === "ratio");
@@ -45,6 +57,7 @@
     const url = new URL(window.location.href);
     if (mode === "ratio") url.searchParams.set("shade", "ratio");
     else url.searchParams.delete("shade");
+    keepShadeInJump(mode);
     history.replaceState(null, "", url);
     keepTabInLinks();
   }
@@ -105,7 +118,8 @@
     const group = nav.dataset.group === undefined ? "" : `&group=${nav.dataset.group}`;
     slider.addEventListener("input", () => (input.value = slider.value));
     slider.addEventListener("change", () => {
-      window.location.href = `${nav.dataset.jump}?step=${slider.value}${group}${currentHash()}`;
+      const shaded = shadedByRatio() ? "&shade=ratio" : "";
+      window.location.href = `${nav.dataset.jump}?step=${slider.value}${group}${shaded}${currentHash()}`;
     });
   }
 })();

@@ -134,15 +134,16 @@ def step_jump(
     run_id: RunId,
     step: OptionalStep = None,
     group: OptionalGroup = None,
+    shade: TokenShade = "probability",
 ) -> RedirectResponse:
     """The recorded step nearest `step`; with `group`, that group's page when the step has it
-    (else the step's groups overview)."""
+    (else the step's groups overview); the tokens shaded as they were (`shade`)."""
     found = queries.resolve_step(session, run_id=run_id, step=step)
     if group is not None and queries.has_group(session, run_id=run_id, step=found, group=group):
-        url = request.app.url_path_for("group_page", run_id=run_id, step=found, group=group)
+        url = str(request.app.url_path_for("group_page", run_id=run_id, step=found, group=group))
     else:
-        url = request.app.url_path_for("step_page", run_id=run_id, step=found)
-    return RedirectResponse(str(url), status_code=303)
+        url = str(request.app.url_path_for("step_page", run_id=run_id, step=found))
+    return RedirectResponse(url + ("?shade=ratio" if shade == "ratio" else ""), status_code=303)
 
 
 @router.get("/runs/{run_id}/steps/{step}", name="step_page", response_model=None)
