@@ -192,6 +192,16 @@ def pool(rollouts: Sequence[Sides]) -> Pool:
     return Pool(owner[kept], position[kept], trainer[kept], generator[kept], len(parts))
 
 
+def stored_figures(trainer: np.ndarray, generator: np.ndarray | None) -> RolloutMismatch | None:
+    """A stored rollout's figures from its arrays as the store keeps them, where a position
+    the generator did not sample (a tool result, a masked one) holds NaN on its side: None
+    without a generator side, where the trainer's were not measured (an empty array, or one
+    of another length) or where no token could be compared."""
+    if generator is None or len(generator) != len(trainer):
+        return None
+    return rollout_figures(Sides(trainer, generator))
+
+
 def k3(log_ratios: np.ndarray) -> np.ndarray:
     """k3 = r − 1 − log r per token: an unbiased, never negative estimate of
     KL(generator ‖ trainer) from tokens the generator sampled (Schulman, "Approximating KL

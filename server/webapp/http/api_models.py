@@ -159,6 +159,20 @@ def _null_for_non_finite(schema: dict[str, Any]) -> None:
     schema.update(walk(schema))
 
 
+class RolloutFigures(BaseModel):
+    """A rollout's training–inference mismatch over all its compared tokens (viewer.mismatch_json:
+    the figures its stats row shows beside Σ logprob)."""
+
+    model_config = ConfigDict(json_schema_extra=_null_for_non_finite)
+
+    tokens: int = Field(description="its tokens with a finite logprob on both sides")
+    abs_diff_max: float = Field(description="the largest |trainer − generator logprob| of them")
+    seq_ratio: float = Field(
+        description="the sequence-level importance ratio Π p_trainer / p_generator over them "
+        "(null past a float's range)"
+    )
+
+
 class GroupRollout(RolloutJSON):  # type: ignore[misc,valid-type]  # derived from the view
     """A rollout of a group's page: step_views.RolloutJSON (the read view's JSON: what the
     export writes), cut to the page's `max_tokens` positions and text budget, with the
@@ -172,6 +186,11 @@ class GroupRollout(RolloutJSON):  # type: ignore[misc,valid-type]  # derived fro
     disagree: bool = Field(description="the verifier and the truth disagree")
     sampled: list[bool] | None = Field(
         description="a tool-calling rollout's positions the model sampled (null: every one)"
+    )
+    mismatch: RolloutFigures | None = Field(
+        None,
+        description="only where it has the generator's logprobs: its figures over all its "
+        "positions, not only those sent (null: no token to compare)",
     )
 
 

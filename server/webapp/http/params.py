@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from fastapi import Path, Query
 from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.webapp.pages.cells import Shade
 from rollout_lens.server.webapp.queries import MAX_RUNS_PER_PAGE
 
 MAX_ID = 2**31 - 1  # the largest id or step the databases store (a 32-bit INTEGER)
@@ -42,6 +43,13 @@ Look = Annotated[
     Query(
         description="only the groups that need a look: verifier ≠ truth in a rollout, no reward "
         "spread, a broken call, or every rollout correct"
+    ),
+]
+TokenShade = Annotated[
+    Shade,
+    Query(
+        description="what the step viewer shades tokens by: the sampled token's probability, or "
+        "where the rollout has the generator's logprobs log r = trainer − generator logprob"
     ),
 ]
 OptionalStep = Annotated[int | None, Query(ge=0, le=MAX_ID, description="a step")]

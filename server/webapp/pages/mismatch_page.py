@@ -34,8 +34,9 @@ FIGURE_NAMES = (  # (series, label) of the figures card, in the run page's words
 )
 
 
-def ratio_text(log_ratio: float | None) -> str:
-    """A sequence ratio from its log, for a cell: 3 significant digits, e^x past float range."""
+def seq_ratio_text(log_ratio: float | None) -> str:
+    """A ratio from its log, for a cell (a rollout's sequence ratio, a token's r): 3 significant
+    digits, e^x past float range."""
     if log_ratio is None or not math.isfinite(log_ratio):
         return "—"
     if abs(log_ratio) > 700:
@@ -109,7 +110,7 @@ def _worst_row(w: dict[str, Any]) -> dict[str, Any]:
     return w | {
         "before": _one_line(w["before"]),
         "after": _one_line(w["after"]),
-        "ratio": ratio_text(w["log_ratio"]),
+        "ratio": seq_ratio_text(w["log_ratio"]),
         "p_generator": f"{math.exp(w['generator_logprob']):.3g}",
         "p_trainer": f"{math.exp(w['trainer_logprob']):.3g}",
     }

@@ -26,7 +26,8 @@ from rollout_lens.server.core.task_vocab import BEFORE_RL_MODES
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 from rollout_lens.server.webapp.pages import plotly_figures as figures
 from rollout_lens.server.webapp.pages import viewer
-from rollout_lens.server.webapp.pages.mismatch_page import ratio_text
+from rollout_lens.server.webapp.pages.cells import Shade
+from rollout_lens.server.webapp.pages.mismatch_page import seq_ratio_text
 from rollout_lens.server.webapp.queries import (
     JSON_TEXT_BUDGET,
     JSON_TEXT_CHARS,
@@ -196,15 +197,22 @@ class StepPageContext(TypedDict):
     all_groups: str
     links: dict[str, str | None]
     keep_query: dict[str, Any]
+    shade: Shade  # what the token view is shaded by (a group with a generator side)
     mismatch_url: str | None  # the step's mismatch drill-down, where it has a generator side
 
 
 def step_page(
-    overview: StepGroups, url: Url, *, detail: GroupDetail | None = None, mismatch: bool = False
+    overview: StepGroups,
+    url: Url,
+    *,
+    detail: GroupDetail | None = None,
+    shade: Shade = "probability",
+    mismatch: bool = False,
 ) -> StepPageContext:
     """A step: its groups overview (step_groups: sortable rows, filters for the groups that need
-    a look, pages), or with one group (`detail`: group_detail) that group's rollouts as today;
-    `mismatch`: its rollouts have a generator side (the drill-down is linked)."""
+    a look, pages), or with one group (`detail`: group_detail) that group's rollouts as today,
+    its tokens shaded by `shade`; `mismatch`: its rollouts have a generator side (the
+    drill-down is linked)."""
     run, step = overview["run"], overview["step"]["step"]
     sort, order, look = overview["sort"], overview["order"], overview["look"]
 
@@ -214,22 +222,6 @@ def step_page(
         return f"{path}?{urlencode(query)}" if query else path
 
     offset, limit, total = overview["offset"], overview["limit"], overview["total"]
-    columns = [
-        {
-            "key": key,
-            "label": label,
-            "numeric": numeric,
-            "active": key == sort,
-            # a column first sorts the way that brings the ones to look at up: high first
-            "href": here(
-                sort=key,
-                order=("asc" if order == "desc" else "desc")
-                if key == sort
-                else ("asc" if key in ("group", "label") else "desc"),
-            ),
-        }
-        for key, (label, numeric) in GROUP_SORTS.items()
-    ]
     looks = [
         {
             "key": key,
@@ -249,7 +241,7 @@ def step_page(
         "group_index": group["group"] if group else None,
         "overview": detail is None,
         "disagree_reward": DISAGREE_AT,
-        "columns": columns,
+        "columns": _sort_columns(sort, order, here),
         "looks": looks,
         "all_groups": here(look=None),
         "links": {
@@ -258,10 +250,31 @@ def step_page(
         },
         # what the step links keep: the overview's sort and filter
         "keep_query": _overview_query({"sort": sort, "order": order, "look": look}),
+        "shade": shade,
         "mismatch_url": f"{url('mismatch_page', run_id=run['id'])}?step={step}"
         if mismatch
         else None,
     }
+
+
+def _sort_columns(sort: str, order: str, here: Callable[..., str]) -> list[dict[str, Any]]:
+    """The groups overview's sortable columns, each with its link: a column first sorts the way
+    that brings the ones to look at up (high first), the sorted one the other way."""
+    return [
+        {
+            "key": key,
+            "label": label,
+            "numeric": numeric,
+            "active": key == sort,
+            "href": here(
+                sort=key,
+                order=("asc" if order == "desc" else "desc")
+                if key == sort
+                else ("asc" if key in ("group", "label") else "desc"),
+            ),
+        }
+        for key, (label, numeric) in GROUP_SORTS.items()
+    ]
 
 
 def _overview_query(params: dict[str, Any]) -> dict[str, Any]:
@@ -302,11 +315,12 @@ class GroupPageContext(TypedDict):
     summary: dict[str, Any]
     gnav: GroupNav
     overview: bool  # always False: one group
+    shade: Shade  # what the token view is shaded by (a group with a generator side)
 
 
-def group_page(detail: GroupDetail) -> GroupPageContext:
-    """One group of a step: its rollouts (tabs, tokens) and the table of all of them, with links
-    to the groups around it and to the step's overview."""
+def group_page(detail: GroupDetail, shade: Shade = "probability") -> GroupPageContext:
+    """One group of a step: its rollouts (tabs, tokens shaded by `shade`) and the table of all
+    of them, with links to the groups around it and to the step's overview."""
     return {
         "detail": detail,
         "run": detail["run"],
@@ -315,6 +329,7 @@ def group_page(detail: GroupDetail) -> GroupPageContext:
         "summary": detail["summary"],
         "gnav": detail["group_nav"],
         "overview": False,
+        "shade": shade,
     }
 
 
@@ -526,7 +541,7 @@ def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, A
     ]
     return {
         "run": data["run"],
-        "rows": [r | {"seq_ratio": ratio_text(r["log_seq_ratio"])} for r in data["rollouts"]],
+        "rows": [r | {"seq_ratio": seq_ratio_text(r["log_seq_ratio"])} for r in data["rollouts"]],
         "mismatch": shown,
         "total": data["total"],
         "total_capped": data["total_capped"],

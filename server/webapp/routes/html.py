@@ -38,6 +38,7 @@ from rollout_lens.server.webapp.http.params import (
     RunsPage,
     RunsPerPage,
     StepNo,
+    TokenShade,
     run_ids,
 )
 from rollout_lens.server.webapp.http.responses import memo, run_alerts
@@ -151,15 +152,16 @@ def step_jump(
     run_id: RunId,
     step: OptionalStep = None,
     group: OptionalGroup = None,
+    shade: TokenShade = "probability",
 ) -> RedirectResponse:
     """The recorded step nearest `step`; with `group`, that group's page when the step has it
-    (else the step's groups overview)."""
+    (else the step's groups overview); the tokens shaded as they were (`shade`)."""
     found = queries.resolve_step(session, run_id=run_id, step=step)
     if group is not None and queries.has_group(session, run_id=run_id, step=found, group=group):
-        url = request.app.url_path_for("group_page", run_id=run_id, step=found, group=group)
+        url = str(request.app.url_path_for("group_page", run_id=run_id, step=found, group=group))
     else:
-        url = request.app.url_path_for("step_page", run_id=run_id, step=found)
-    return RedirectResponse(str(url), status_code=303)
+        url = str(request.app.url_path_for("step_page", run_id=run_id, step=found))
+    return RedirectResponse(url + ("?shade=ratio" if shade == "ratio" else ""), status_code=303)
 
 
 @router.get("/runs/{run_id}/steps/{step}", name="step_page", response_model=None)
@@ -174,9 +176,11 @@ def step_page(
     look: Look = None,
     offset: Offset = 0,
     group: OptionalGroup = None,
+    shade: TokenShade = "probability",
 ) -> HTMLResponse | RedirectResponse:
     """A step: its groups overview, or with one group that group's rollouts (as before groups
-    had pages). `?group=` (the old group switch) is that group's page now."""
+    had pages), their tokens shaded by `shade`. `?group=` (the old group switch) is that
+    group's page now."""
     if group is not None:
         url = request.app.url_path_for("group_page", run_id=run_id, step=step, group=group)
         return RedirectResponse(str(url), status_code=307)
@@ -206,7 +210,9 @@ def step_page(
     mismatch = queries.has_generator_side(
         session, run_id=run_id, step=overview["step"]["rollout_step"]
     )
-    context = page_context.step_page(overview, _url(request), detail=detail, mismatch=mismatch)
+    context = page_context.step_page(
+        overview, _url(request), detail=detail, shade=shade, mismatch=mismatch
+    )
     return render(request, "step.html", context)
 
 
@@ -218,8 +224,10 @@ def group_page(
     run_id: RunId,
     step: StepNo,
     group: GroupNo,
+    shade: TokenShade = "probability",
 ) -> HTMLResponse:
-    """One group of a step: its rollouts #0…#G−1 (tabs, tokens) and a table of all of them."""
+    """One group of a step: its rollouts #0…#G−1 (tabs, tokens shaded by `shade`) and a table
+    of all of them."""
     detail = queries.group_detail(
         session,
         run_id=run_id,
@@ -230,7 +238,7 @@ def group_page(
         page_budget=True,
         texts_kept=texts,
     )
-    return render(request, "group.html", page_context.group_page(detail))
+    return render(request, "group.html", page_context.group_page(detail, shade))
 
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
