@@ -124,7 +124,7 @@ def stored_figures(factory: sessionmaker[Session], run_id: int) -> dict[int, dic
     out = {}
     with session_scope(factory) as session:
         for row, _ in store.iter_rollouts(session, run_id=run_id):
-            trainer, generator, _ = per_token(row, CONTROL_TOKENS, None)
+            trainer, generator, _, _ = per_token(row, CONTROL_TOKENS, None)
             found = None
             if generator is not None and row.tokens_kept:
                 found = mismatch.rollout_figures(mismatch.Sides(trainer, generator))
