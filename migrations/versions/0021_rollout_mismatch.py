@@ -42,7 +42,13 @@ def upgrade() -> None:
         op.add_column("rollouts", sa.Column(column, sa.Float(), nullable=True))
     _backfill(op.get_bind())
     for column in COLUMNS:  # after the backfill: its updates need not maintain them
-        op.create_index(f"ix_rollouts_run_id_{column}", "rollouts", ["run_id", column])
+        # partial on PostgreSQL (a run's NULLs are no index its planner takes for run_id alone)
+        op.create_index(
+            f"ix_rollouts_run_id_{column}",
+            "rollouts",
+            ["run_id", column],
+            postgresql_where=sa.text(f"{column} IS NOT NULL"),
+        )
 
 
 def downgrade() -> None:

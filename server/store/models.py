@@ -20,6 +20,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    text,
     true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -250,9 +251,21 @@ class RolloutRow(Base):
                 "advantage",
                 "n_tokens",
                 "disagree",
-                "abs_diff_max",
-                "log_seq_ratio",
             )
+        ),
+        # The mismatch columns (0021): partial on PostgreSQL, where a run without a generator
+        # side would otherwise hold a tiny index of NULLs that the planner took for its other
+        # run_id look-ups (the search's walk of a run's prompts); its nullable sorts never read
+        # an index's order there (NULLS FIRST going up), so nothing is lost. Whole on SQLite,
+        # whose nullable sorts walk them.
+        *(
+            Index(
+                f"ix_rollouts_run_id_{column}",
+                "run_id",
+                column,
+                postgresql_where=text(f"{column} IS NOT NULL"),
+            )
+            for column in ("abs_diff_max", "log_seq_ratio")
         ),
     )
 
