@@ -248,6 +248,20 @@ def _sort_value(sort: str, is_null: bool, value: Any) -> Any:
     return number
 
 
+# The range filters: (column, the query's field, its comparison); a ratio is compared through
+# its log (rollouts.log_seq_ratio).
+RANGES = tuple(
+    (column, f"{prefix}_{end}", ">=" if end == "min" else "<=")
+    for column, prefix in (
+        ("r.verifier_reward", "reward"),
+        ("r.true_score", "true"),
+        ("r.advantage", "adv"),
+        ("r.n_tokens", "len"),
+        ("r.abs_diff_max", "diff"),
+        ("r.log_seq_ratio", "ratio"),
+    )
+    for end in ("min", "max")
+)
 Searched = search.Match | None  # search.match_sql's condition for `q`, if any
 
 
@@ -291,20 +305,7 @@ def _where(
         add(f"{hint}r.vote = :vote", vote=query.vote)
     if query.target is not None:
         add(f"{hint}r.target = :target", target=query.target)
-    for column, name, op in (
-        ("r.verifier_reward", "reward_min", ">="),
-        ("r.verifier_reward", "reward_max", "<="),
-        ("r.true_score", "true_min", ">="),
-        ("r.true_score", "true_max", "<="),
-        ("r.advantage", "adv_min", ">="),
-        ("r.advantage", "adv_max", "<="),
-        ("r.n_tokens", "len_min", ">="),
-        ("r.n_tokens", "len_max", "<="),
-        ("r.abs_diff_max", "diff_min", ">="),
-        ("r.abs_diff_max", "diff_max", "<="),
-        ("r.log_seq_ratio", "ratio_min", ">="),
-        ("r.log_seq_ratio", "ratio_max", "<="),
-    ):
+    for column, name, op in RANGES:
         value = getattr(query, name)
         if value is not None:
             value = math.log(value) if name.startswith("ratio_") else value
