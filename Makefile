@@ -160,9 +160,10 @@ $(VENV)/.installed-docs: pyproject.toml constraints.txt
 # cut to their top). Commit the images that changed; the site builds from them without a browser.
 SHOTS ?= test-artifacts/docs
 SHOT_TESTS = runs_page_run_charts or marks_alerts or groups_overview or rollout_explorer \
-	or keeps_values or multiturn_vote or log_ratio
+	or keeps_values or multiturn_vote or log_ratio or histogram_renders
 screenshots: $(VENV)/.installed-test
 	rm -rf $(SHOTS)
 	ROLLOUT_LENS_TEST_ARTIFACTS=$(CURDIR)/$(SHOTS) $(VENV)/bin/python -m pytest -q \
-		tests/browser/test_browser.py tests/browser/test_browser_stepview.py -k '$(SHOT_TESTS)'
+		tests/browser/test_browser.py tests/browser/test_browser_stepview.py \
+		tests/browser/test_browser_mismatch.py -k '$(SHOT_TESTS)'
 	$(VENV)/bin/python -m tests.screenshots $(SHOTS) docs/images

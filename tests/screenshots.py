@@ -22,6 +22,7 @@ CHOSEN: dict[str, tuple[str, int | None]] = {
     "group-page.png": ("group-page.png", None),
     "group-multiturn.png": ("stepview-multiturn-group.png", None),
     "group-log-ratio.png": ("stepview-ratio.png", 860),
+    "mismatch.png": ("mismatch-range.png", 1500),
     "explorer.png": ("explorer.png", None),
     "launch-form.png": ("launch-form.png", 1080),
 }
