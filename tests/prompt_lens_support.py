@@ -12,8 +12,9 @@ from typing import Any
 
 from rollout_lens.server import store
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
+from rollout_lens.server.store import prompt_texts
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.store.models import PromptRow, RolloutRow
+from rollout_lens.server.store.models import RolloutRow
 from rollout_lens.server.webapp import queries
 from rollout_lens.server.webapp.queries import prompts as lens
 from sqlalchemy import select
@@ -151,9 +152,10 @@ def oracle(factory: sessionmaker[Session], run_id: int) -> dict[int, dict[str, A
                 RolloutRow.advantage,
             ).where(RolloutRow.run_id == run_id)
         ).all()
-        used = select(RolloutRow.prompt_id).where(RolloutRow.run_id == run_id)
-        found = session.execute(select(PromptRow.id, PromptRow.text).where(PromptRow.id.in_(used)))
-        texts = {prompt_id: text for prompt_id, text in found}
+        used = session.scalars(
+            select(RolloutRow.prompt_id).where(RolloutRow.run_id == run_id).distinct()
+        )
+        texts = prompt_texts.texts(session, used)
     groups: dict[tuple[int, int], list[Any]] = {}
     for r in rows:
         groups.setdefault((r.step, r.group), []).append(r)

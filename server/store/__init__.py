@@ -7,7 +7,8 @@
 - reading: steps, rollouts and series read back;
 - layout, sql: how a step's series are packed; dialect helpers;
 - models, db, migrate: the schema, engines and sessions, Alembic;
-- packing, arrays, search, serialize: bytes, per-token arrays, full-text search, rows as dicts;
+- packing, arrays, prompt_texts, search, serialize: bytes, per-token arrays, prompts compressed,
+  full-text search, rows as dicts;
 - resume: a resumed trainer's run, and one writer of a run's steps at a time;
 - deletion, browser_sessions: deleting a run; signed-in browsers.
 

@@ -1,5 +1,5 @@
 """Deleting a run: its steps, rollouts, metrics, rollups and prompt rollups, and the prompts no other run uses
-(prompts are shared by text hash). All SQL of a deletion lives here; server/webapp/control.py adds the
+(prompts are shared by text hash) with the prompt dictionaries no prompt left uses. All SQL of a deletion lives here; server/webapp/control.py adds the
 broker message and the files on disk."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from rollout_lens.server.core.errors import InvalidState, NotFound
-from rollout_lens.server.store import prompt_rollups, search
+from rollout_lens.server.store import prompt_rollups, prompt_texts, search
 from rollout_lens.server.store.models import (
     AlertRow,
     FactsRow,
@@ -71,9 +71,13 @@ def delete_run(session: Session, *, run_id: int) -> str | None:
     if prompt_ids:
         still_used = exists().where(RolloutRow.prompt_id == PromptRow.id)
         unused = [PromptRow.id.in_(prompt_ids), ~still_used]
-        gone = session.execute(select(PromptRow.id, PromptRow.text).where(*unused)).all()
-        search.forget_prompts(session.connection(), gone)
+        gone = session.execute(
+            select(PromptRow.id, PromptRow.dictionary_id, PromptRow.packed).where(*unused)
+        ).all()
+        texts = prompt_texts.decode(session, [(i, d, packed) for i, d, packed in gone])
+        search.forget_prompts(session.connection(), list(texts.items()))
         session.execute(delete(PromptRow).where(*unused))
+        prompt_texts.forget_dictionaries(session, {d for _, d, _ in gone if d is not None})
     if facts_ids:
         facts_used = exists().where(RolloutRow.facts_id == FactsRow.id)
         session.execute(delete(FactsRow).where(FactsRow.id.in_(facts_ids), ~facts_used))

@@ -165,14 +165,31 @@ class RunRow(Base):
     recent_reward: Mapped[float | None] = mapped_column(Float)
 
 
+class PromptDictionaryRow(Base):
+    """A run's prompt dictionary: its first prompts' text (zstd-compressed), which the prompts
+    it wrote after them are compressed against (server.store.prompt_texts): a dataset's shared
+    template and tool listings stored once, not once a prompt."""
+
+    __tablename__ = "prompt_dictionaries"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)  # of the text it holds
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class PromptRow(Base):
-    """Each distinct prompt text once; rollouts refer to it (a 64-tool listing is a few KB)."""
+    """Each distinct prompt text once; rollouts refer to it (a 64-tool listing is a few KB).
+    Its text is zstd-compressed (`packed`), against a prompt dictionary where it names one:
+    server.store.prompt_texts reads it back."""
 
     __tablename__ = "prompts"
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    sha256: Mapped[str] = mapped_column(String(64), unique=True)
-    text: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)  # of the text
+    dictionary_id: Mapped[int | None] = mapped_column(
+        ForeignKey("prompt_dictionaries.id"), index=True
+    )
+    packed: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class FactsRow(Base):

@@ -9,8 +9,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 
-from rollout_lens.server.store import layout
-from rollout_lens.server.store.models import PromptRow, RolloutRow, RunRow, RunTokenRow, StepRow
+from rollout_lens.server.store import layout, prompt_texts
+from rollout_lens.server.store.models import RolloutRow, RunRow, RunTokenRow, StepRow
 from rollout_lens.server.store.rollups import latest_value
 from rollout_lens.server.store.search import IdsText
 from sqlalchemy import func, select, text
@@ -64,12 +64,11 @@ def step_rollouts(session: Session, *, run_id: int, step: int) -> list[tuple[Rol
         select(StepRow.rollout_step).where(StepRow.run_id == run_id, StepRow.step == step)
     )
     query = (
-        select(RolloutRow, PromptRow.text)
-        .join(PromptRow, PromptRow.id == RolloutRow.prompt_id)
+        select(RolloutRow)
         .where(RolloutRow.run_id == run_id, RolloutRow.step == (rollout_step or step))
         .order_by(RolloutRow.group, RolloutRow.index)
     )
-    return [(r, text) for r, text in session.execute(query)]
+    return prompt_texts.with_prompts(session, session.scalars(query).all())
 
 
 def iter_rollouts(
@@ -77,13 +76,13 @@ def iter_rollouts(
 ) -> Iterator[tuple[RolloutRow, str]]:
     """Every rollout of a run with its prompt text, by step, group and index (streamed)."""
     query = (
-        select(RolloutRow, PromptRow.text)
-        .join(PromptRow, PromptRow.id == RolloutRow.prompt_id)
+        select(RolloutRow)
         .where(RolloutRow.run_id == run_id)
         .order_by(RolloutRow.step, RolloutRow.group, RolloutRow.index)
         .execution_options(yield_per=batch)
     )
-    yield from session.execute(query)  # rows unpack like (rollout, prompt text)
+    for part in session.scalars(query).partitions():
+        yield from prompt_texts.with_prompts(session, part)
 
 
 def token_texts(

@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from rollout_lens.server.core.errors import RolloutsTaken, StepOutOfOrder
 from rollout_lens.server.core.prompt_rules import recorded_query
 from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
 from rollout_lens.server.core.vocab import MAX_SERIES_PER_RUN, STEP_SERIES, WINDOW
-from rollout_lens.server.store import arrays, layout, prompt_rollups, rollups, search
+from rollout_lens.server.store import arrays, layout, prompt_rollups, prompt_texts, rollups, search
 from rollout_lens.server.store.models import (
     AlertRow,
     Base,
@@ -333,25 +334,39 @@ class Interned:
         self,
         conn: Connection,
         model: Any,
-        column: str,
         cache: dict[str, int],
         wanted: dict[str, Any],
+        columns: Callable[[Sequence[Any]], list[dict[str, Any]]],
     ) -> dict[str, int]:
-        """Store each distinct prompt text (or facts dict) once, by sha256; return the cache of
-        sha256 → id (a run's few distinct prompts are looked up once, not every step)."""
-        missing = {h: v for h, v in wanted.items() if h not in cache}
+        """Store each distinct prompt text (or facts dict) once, by sha256, as `columns` gives
+        the rows' other columns; return the cache of sha256 → id (a run's few distinct prompts
+        are looked up once, not every step). Those stored already are looked up first, so
+        that only new ones are packed (a run whose prompts another run wrote makes no prompt
+        dictionary)."""
+        missing = [h for h in wanted if h not in cache]
         if missing:
+            cache.update(_ids_of(conn, model, missing))
+        new = {h: wanted[h] for h in missing if h not in cache}
+        if new:
+            rows = columns(list(new.values()))
             inserted = conn.execute(
                 upsert_insert(conn, model)
-                .values([{"sha256": h, column: v} for h, v in missing.items()])
+                .values([{"sha256": h, **row} for h, row in zip(new, rows, strict=True)])
                 .on_conflict_do_nothing(index_elements=["sha256"])
                 .returning(model.id, model.sha256)
             ).all()
             if model is PromptRow:  # new prompts become searchable (not those another run added)
-                search.index_prompts(conn, [(row_id, missing[h]) for row_id, h in inserted])
-            rows = conn.execute(select(model.sha256, model.id).where(model.sha256.in_(missing)))
-            cache.update({digest: row_id for digest, row_id in rows})
+                search.index_prompts(conn, [(row_id, new[h]) for row_id, h in inserted])
+            cache.update({digest: row_id for row_id, digest in inserted})
+            if len(inserted) < len(new):  # another writer stored some of them meanwhile
+                cache.update(_ids_of(conn, model, [h for h in new if h not in cache]))
         return cache
+
+
+def _ids_of(conn: Connection, model: Any, digests: Sequence[str]) -> dict[str, int]:
+    """sha256 → id of those of these prompts (or facts) that are stored."""
+    rows = conn.execute(select(model.sha256, model.id).where(model.sha256.in_(digests)))
+    return {digest: row_id for digest, row_id in rows}
 
 
 class Retention:
@@ -445,6 +460,7 @@ class Recorder:
         )
         self.tokens = RunTokens(conn, run_id=run_id)
         self.interned = Interned()
+        self.packer = prompt_texts.Packer(run_id)
         self.written = 0  # steps this recorder wrote (SQLite's statistics are refreshed by it)
         self.index_seconds = 0.0  # the last index_written's (the scale bench prints it)
         # Rollouts written but not yet searchable: indexed right after their step's commit
@@ -655,9 +671,9 @@ class Recorder:
         prompt_ids = interned.intern(
             conn,
             PromptRow,
-            "text",
             interned.prompt_ids,
             dict(zip(prompts, (r.prompt for r in rollouts), strict=True)),
+            partial(self.packer.pack, conn),
         )
         return prompts, prompt_ids
 
@@ -676,9 +692,9 @@ class Recorder:
         facts_ids = self.interned.intern(
             conn,
             FactsRow,
-            "data",
             self.interned.facts_ids,
             {d: f for d, f in zip(digests, facts, strict=True) if d},
+            lambda found: [{"data": f} for f in found],
         )
         return facts_ids, digests, own
 

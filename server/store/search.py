@@ -2,7 +2,8 @@
 
 SQLite: an FTS5 table per run (`rollout_fts_<run id>`, contentless: it holds the index, not the
 text, which the rollout's ids already hold), created with the run's first rollouts and dropped
-with the run; `prompt_fts` indexes the prompts table. PostgreSQL: `search_words` numbers each
+with the run; `prompt_fts` indexes the prompts' text (contentless too: the prompts are stored
+compressed, server.store.prompt_texts). PostgreSQL: `search_words` numbers each
 distinct word once (its `word`, the primary key, in the "C" collation, so that a prefix is a
 range of that index), and `rollout_search` holds each rollout's run and its words as a sorted
 int4[] of those numbers under a GIN index; `prompt_search` the same for each prompt. A word
@@ -212,8 +213,8 @@ def merge_pending(conn: Connection, index: str) -> None:
 
 
 def index_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
-    """Index new prompts (SQLite: whole, in an index over the prompts table, which `rebuild`
-    and `delete` read; PostgreSQL: their words' numbers, as a completion's)."""
+    """Index new prompts (SQLite: whole, in the contentless prompt_fts, which `forget_prompts`
+    hands the same text to take one out; PostgreSQL: their words' numbers, as a completion's)."""
     if rows and conn.dialect.name == "postgresql":
         conn.exec_driver_sql(
             "INSERT INTO prompt_search (prompt_id, words) SELECT i, w::integer[] "

@@ -11,11 +11,14 @@ from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.core.records import RolloutRecord
 from rollout_lens.server.core.textsafe import storable
+from rollout_lens.server.store import prompt_texts
 from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.models import PromptRow
 from rollout_lens.server.store.serialize import completion_ids, completion_text
 from rollout_lens.server.webapp import queries
 from rollout_lens.server.webapp.queries import JSON_TOKENS
 from rollout_lens.server.webapp.queries.budget import SHOWN_CHARS
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import make_rollouts
@@ -153,12 +156,13 @@ def test_hostile_text_is_stored_and_shown_inert(
                 f"SELECT name, config{cast}, notes{cast} FROM runs",
                 f"SELECT vote, own_meta{cast} FROM rollouts",
                 f"SELECT data{cast} FROM facts",
-                "SELECT text FROM prompts",
             )
             for row in conn.exec_driver_sql(sql)
             for value in row
         ]
-    with session_scope(session_factory) as session:  # completions are stored compressed
+    with session_scope(session_factory) as session:  # completions and prompts: compressed
+        prompt_ids = session.scalars(select(PromptRow.id)).all()
+        stored += prompt_texts.texts(session, prompt_ids).values()
         texts = store.token_texts(session, run_id=run_id)
         stored += [
             completion_text(r, completion_ids(r), texts)

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.core.display import fmt_num, fmt_pct
 from rollout_lens.server.core.records import RolloutRecord
+from rollout_lens.server.store import prompt_texts
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import PromptRow
 from sqlalchemy import select
@@ -46,7 +47,7 @@ def _ids(html: str) -> list[int]:
 
 def _texts(factory: sessionmaker[Session]) -> dict[int, str]:
     with session_scope(factory) as session:
-        return {i: t for i, t in session.execute(select(PromptRow.id, PromptRow.text))}
+        return prompt_texts.texts(session, session.scalars(select(PromptRow.id)))
 
 
 def _figure(html: str) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import InvalidInput
-from rollout_lens.server.store import arrays, search
-from rollout_lens.server.store.models import PromptRow, RolloutRow
+from rollout_lens.server.store import arrays, prompt_texts, search
+from rollout_lens.server.store.models import RolloutRow
 from rollout_lens.server.webapp.queries.keyset import (
     FilterQuery,
     check_scope,
@@ -400,10 +400,8 @@ def _rows(session: Session, run_id: int, ids: list[int]) -> list[dict[str, Any]]
         return []
     found = {
         r.id: (r, prompt)
-        for r, prompt in session.execute(
-            select(RolloutRow, PromptRow.text)
-            .join(PromptRow, PromptRow.id == RolloutRow.prompt_id)
-            .where(RolloutRow.id.in_(ids))
+        for r, prompt in prompt_texts.with_prompts(
+            session, session.scalars(select(RolloutRow).where(RolloutRow.id.in_(ids))).all()
         )
     }
     heads = {

@@ -24,6 +24,7 @@ from rollout_lens.server.core.prompt_rules import (
     chat_messages,
     votes_object,
 )
+from rollout_lens.server.store import prompt_texts as stored_texts
 from rollout_lens.server.store import search
 from rollout_lens.server.store.prompt_rollups import stored_votes
 from rollout_lens.server.webapp.queries.explorer import MAX_ID, storable_text
@@ -299,30 +300,22 @@ def prompt_figures(row: Any) -> dict[str, Any]:
 
 
 def prompt_texts(session: Session, prompt_ids: Sequence[int]) -> dict[int, str]:
-    if not prompt_ids:
-        return {}
-    marks = ", ".join(f":p{i}" for i in range(len(prompt_ids)))
-    rows = session.execute(
-        text(f"SELECT id, text FROM prompts WHERE id IN ({marks})"),
-        {f"p{i}": p for i, p in enumerate(prompt_ids)},
-    )
-    return {i: t for i, t in rows}
+    """Prompt id → its whole text."""
+    return stored_texts.texts(session, prompt_ids)
 
 
 def shared_prefix(session: Session, *, run_id: int) -> int:
     """Characters every prompt of the run starts with, read back to the start of the line
     where they part: the lexically first and last prompts' common prefix is every prompt's."""
-    row = session.execute(
-        text(
-            "SELECT min(substr(t.text, 1, :n)), max(substr(t.text, 1, :n)), count(*) "
-            "FROM run_prompts p JOIN prompts t ON t.id = p.prompt_id WHERE p.run_id = :run"
-        ),
-        {"n": PREFIX_READ, "run": run_id},
-    ).one()
-    if row[2] < 2:
+    ids = session.execute(
+        text("SELECT prompt_id FROM run_prompts WHERE run_id = :run"), {"run": run_id}
+    ).scalars()
+    heads = [t[:PREFIX_READ] for t in stored_texts.texts(session, ids).values()]
+    if len(heads) < 2:
         return 0
-    common = len(os.path.commonprefix([row[0], row[1]]))
-    return int(row[0].rfind("\n", 0, common)) + 1
+    first, last = min(heads), max(heads)
+    common = len(os.path.commonprefix([first, last]))
+    return int(first.rfind("\n", 0, common)) + 1
 
 
 def distinguishing_labels(

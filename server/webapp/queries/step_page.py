@@ -11,10 +11,9 @@ from rollout_lens.server.core.errors import GroupNotFound, InvalidInput, NotFoun
 from rollout_lens.server.core.read_models import GroupNav, ScalarRow, StepGroups, StepHead, StepNav
 from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.step_views import GroupDetail, StepCard
-from rollout_lens.server.store import layout
+from rollout_lens.server.store import layout, prompt_texts
 from rollout_lens.server.store.models import (
     FactsRow,
-    PromptRow,
     RolloutRow,
     RunRow,
     StepRow,
@@ -156,15 +155,10 @@ def _labels(session: Session, rows: list[ScalarRow]) -> dict[int, str]:
         firsts.setdefault(row["group"], row)
     prompt_ids = sorted({r["prompt_id"] for r in firsts.values()})
     facts_ids = sorted({r["facts_id"] for r in firsts.values() if r["facts_id"] is not None})
-    heads: dict[int, str] = {}
-    for start in range(0, len(prompt_ids), 500):  # bounded IN lists
-        chunk = prompt_ids[start : start + 500]
-        found = session.execute(
-            select(PromptRow.id, func.substr(PromptRow.text, 1, overview.PROMPT_READ)).where(
-                PromptRow.id.in_(chunk)
-            )
-        )
-        heads.update({prompt_id: head or "" for prompt_id, head in found})
+    heads = {
+        prompt_id: text[: overview.PROMPT_READ]
+        for prompt_id, text in prompt_texts.texts(session, prompt_ids).items()
+    }
     queries: dict[int, str] = {}
     for start in range(0, len(facts_ids), 500):
         chunk = facts_ids[start : start + 500]
@@ -308,8 +302,7 @@ def group_detail(
         budget = page_token_limit(shown)
         max_tokens = budget if max_tokens is None else min(max_tokens, budget)
     query = (
-        select(RolloutRow, PromptRow.text)
-        .join(PromptRow, PromptRow.id == RolloutRow.prompt_id)
+        select(RolloutRow)
         .where(
             RolloutRow.run_id == run_id,
             RolloutRow.step == row.rollout_step,
@@ -320,7 +313,7 @@ def group_detail(
     )
     if limit is not None:
         query = query.limit(limit)
-    rollouts = session.execute(query).all()
+    rollouts = prompt_texts.with_prompts(session, session.scalars(query).all())
     run = store.get_run(session, run_id=run_id)  # already in the session: no second read
     tokens = list(run.control_tokens)
     texts = _token_texts(
