@@ -61,7 +61,9 @@ def upgrade() -> None:
         if postgres
         else "ALTER TABLE prompts ADD COLUMN packed BLOB NOT NULL DEFAULT x''"
     )
-    if not postgres:
+    if postgres:  # each row's text goes with its update: its new version holds none
+        op.execute("ALTER TABLE prompts ALTER COLUMN text DROP NOT NULL")
+    else:
         op.execute("DROP TABLE prompt_fts")
         op.execute(
             "CREATE VIRTUAL TABLE prompt_fts USING fts5(text, content='', detail=none, "
@@ -152,8 +154,9 @@ def _pack(bind: sa.Connection, rows: Sequence[sa.Row], postgres: bool) -> None:
                 {"h": digest, "d": data},
             ).scalar_one()
         compressor = zstandard.ZstdCompressor(level=_LEVEL, dict_data=_raw(content))
+    clear = ", text = NULL" if postgres else ""  # PostgreSQL's DROP COLUMN leaves rows as they are
     bind.execute(
-        sa.text("UPDATE prompts SET packed = :p, dictionary_id = :d WHERE id = :i"),
+        sa.text(f"UPDATE prompts SET packed = :p, dictionary_id = :d{clear} WHERE id = :i"),
         [
             {"i": row[0], "p": compressor.compress(b), "d": dictionary_id}
             for row, b in zip(rows, raw, strict=True)
