@@ -6,7 +6,10 @@ generation and before any update, over each rollout's own prompt and completion.
 rollout's per-token logprobs and control-token probabilities must equal it within float16
 precision, whichever generator sampled it (generate, transformers' continuous batching, TRL's
 tool loop); where generate's own probe exists, both readings are recorded in the same run and
-must agree. vLLM cannot run here: its capture is built on a trainer configured for it.
+must agree. Where transformers' generate sampled, the generator logprobs (its SamplingProbe's)
+must equal the oracle too, tool results NaN: no top-k or top-p here, so generate samples from
+the oracle's distribution. vLLM cannot run here: its capture is built on a trainer configured
+for it.
 """
 
 from __future__ import annotations
@@ -124,8 +127,12 @@ def _record(trainer: Any, url: str | None, **kwargs: Any) -> tuple[Any, list[Any
     return callback, kept
 
 
-def _assert_oracle(kept: list[Any], oracle: list[list[dict[str, Any]]]) -> int:
-    """Every kept rollout equals the oracle within float16 precision; returns how many."""
+def _assert_oracle(
+    kept: list[Any], oracle: list[list[dict[str, Any]]], *, generator: bool = True
+) -> int:
+    """Every kept rollout equals the oracle within float16 precision; returns how many. With
+    `generator`, so do its generator logprobs (generate's sampling distribution: no top-k or
+    top-p here), NaN on tool results; else it has none."""
     assert len(kept) == len(oracle)
     n = 0
     for generation, truth in zip(kept, oracle, strict=True):
@@ -135,6 +142,12 @@ def _assert_oracle(kept: list[Any], oracle: list[list[dict[str, Any]]]) -> int:
             model = [True] * len(t["ids"]) if t["mask"] is None else [v == 1 for v in t["mask"]]
             expected = [lp if m else 0.0 for lp, m in zip(t["logprobs"], model, strict=True)]
             assert r.record.token_logprobs.tolist() == pytest.approx(expected, rel=REL, abs=ABS)
+            sampled = [lp if m else math.nan for lp, m in zip(t["logprobs"], model, strict=True)]
+            if not generator:
+                assert r.record.generator_logprobs is None
+            else:
+                got = r.record.generator_logprobs.tolist()
+                assert got == pytest.approx(sampled, rel=REL, abs=ABS, nan_ok=True)
             # the write entity's [position × token] array, as both probes hand it
             rows = r.record.control_probs.array.T
             assert len(rows) == len(t["control"])
@@ -215,11 +228,17 @@ def cb_run(user_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Si
 def test_continuous_batching_is_read_off_the_scoring_pass(cb_run: SimpleNamespace) -> None:
     """It stands for every generator that is not `generate` (vLLM's too): the reading does not
     depend on how a completion was sampled."""
-    assert _assert_oracle(cb_run.kept, cb_run.oracle) == 8
-    run, rows, _, _ = load_run(cb_run.url, 1)
+    from rollout_lens.server.core import mismatch as mm
+
+    assert _assert_oracle(cb_run.kept, cb_run.oracle, generator=False) == 8
+    run, rows, _, series = load_run(cb_run.url, 1)
     assert run.control_tokens == [EOT]
     (note,) = [n for n in run.notes if "scoring forward pass" in n]
     assert note.startswith("continuous-batching generation")
+    # generate_batch gives TRL no generator logprobs: null (never zeros), no figures, said so
+    assert "gives TRL no generator logprobs" in note
+    assert all(r["generator_logprobs"] is None for r in rows)
+    assert not set(mm.NAMES) & set(series)
     for r, t in zip(rows, cb_run.oracle[0], strict=True):
         assert r["completion_ids"] == t["ids"]
         assert r["sum_logprob"] == pytest.approx(sum(t["logprobs"]), abs=1e-4)

@@ -49,7 +49,12 @@ from typing import Any
 import numpy as np
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord
 from rollout_lens.trainer.recorder import turns
-from rollout_lens.trainer.recorder.probe import ForwardProbe, GenerationProbe
+from rollout_lens.trainer.recorder.probe import (
+    ForwardProbe,
+    GenerationProbe,
+    SamplingProbe,
+    bound,
+)
 
 log = logging.getLogger("rollout_lens")
 
@@ -150,6 +155,9 @@ class _Generating:
     # single-turn generation; with tools, the first turn of every row, then one call per tool
     # iteration on the rows that called a tool (trainer/recorder/turns.py).
     calls: list[tuple[GenerationProbe, list[list[int]]]] = field(default_factory=list)
+    # The same calls' sampling probes (transformers' generate): the generator's own logprobs.
+    sampling: list[tuple[SamplingProbe, list[list[int]]]] = field(default_factory=list)
+    swapped: set[int] = field(default_factory=set)  # rows the hooks replaced: not sampled
     prompt_ids: list[list[int]] | None = None  # the first call's: the prompts as seen
     tool_mask: list[list[int]] | None = None  # from TRL's tool loop, unpadded
     scored: tuple[list[Any], list[list[int]], list[list[float]]] | None = None
@@ -171,7 +179,7 @@ class _Generating:
         ]
         logprobs, control, watched = self._readings(capture, output, ids_list, masks, read_now)
         id_rows = _id_rows(output, ids_list)
-        generator = _generator_rows(output, ids_list)
+        generator = self.generator_rows(output, ids_list)
         prompt_ids = self._prompt_rows(capture, output)
         samples = []
         for i, row in enumerate(self.inputs):
@@ -232,6 +240,29 @@ class _Generating:
                 control[i] = probs
             watched[i] = seen
         return logprobs, control, watched
+
+    def generator_rows(
+        self, output: dict[str, Any], ids_list: list[list[int]]
+    ) -> list[np.ndarray | None]:
+        """Each row's generator logprobs [n]: TRL's `sampling_per_token_logps` where it has them
+        (vLLM, a rollout_func); else what generate's sampling probes read (transformers'
+        generate: one call, or stitched turn by turn with tools, NaN on tool results); None
+        where neither gave any, and for a row the hooks replaced (an expert reply, not
+        sampled)."""
+        found = _generator_rows(output, ids_list)
+        if any(row is not None for row in found) or not self.sampling:
+            return found
+        read: list[np.ndarray] | None = None
+        if self.tool_mask is not None:
+            read = turns.stitch_sampled(self.sampling, ids_list, self.tool_mask)
+        elif len(self.sampling) == 1 and self.sampling[0][0].used:
+            read = self.sampling[0][0].sampled(ids_list)
+        if read is None:
+            return found
+        return [
+            None if i in self.swapped or len(row) != len(ids) else row
+            for i, (row, ids) in enumerate(zip(read, ids_list, strict=True))
+        ]
 
     def _prompt_rows(
         self, capture: RolloutCapture, output: dict[str, Any]
@@ -358,8 +389,6 @@ class RolloutCapture:
     # -- the wrappers ------------------------------------------------------------------------------
 
     def _generate(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        from transformers import LogitsProcessorList
-
         trainer = self.trainer
         training = bool(trainer.model.training) and not self.tool_calling
         training = training and len(args) >= 4  # (prompt_ids, images, fields, num_generations)
@@ -369,47 +398,33 @@ class RolloutCapture:
             )
             self._gen.row_meta.update(meta)
             args = (sampled_from, *args[1:])
-        if self.reading != "generate":
-            # the scoring pass reads every row (every turn of a tool-calling one) at once
-            result = original(*args, **kwargs)
-            return self._replace(None, args, result) if training else result
-        probe = GenerationProbe(
-            self.control_token_ids,
-            float(trainer.temperature or 1.0),
-            after_token_id=self.after_token_id,
-            watch_ids=self.watch_ids,
-        )
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        generate = type(model).generate
-
-        def probed_generate(*g_args: Any, **g_kwargs: Any) -> Any:
-            processors = LogitsProcessorList(
-                [probe, *(g_kwargs.pop("logits_processor", None) or [])]
+        # the scoring pass reads every row (every turn of a tool-calling one) at once; generate's
+        # probe, with reading "generate", reads them off generation instead
+        probe = None
+        if self.reading == "generate":
+            probe = GenerationProbe(
+                self.control_token_ids,
+                float(trainer.temperature or 1.0),
+                after_token_id=self.after_token_id,
+                watch_ids=self.watch_ids,
             )
-            return generate(model, *g_args, logits_processor=processors, **g_kwargs)
-
-        model.generate = probed_generate  # for this call only
-        try:
+        sampling = None
+        if trainer.model.training and generates_locally(trainer):
+            sampling = SamplingProbe()  # the generator's own logprobs
+        with bound(trainer.accelerator.unwrap_model(trainer.model), probe, sampling):
             result = original(*args, **kwargs)
-        finally:
-            del model.generate
-        if not self.tool_calling:
-            self._gen.calls = [(probe, [])]  # one call per generation: no turns to stitch
-            if training:
-                result = self._replace(probe, args, result)
-            return result
-        # trl 1.x returns (completion_ids, logprobs) and takes prompt ids; older ones returned
-        # (prompt_ids, completion_ids, logprobs, extra)
-        if isinstance(result, tuple) and len(result) >= 4:
-            prompt_ids, completion_ids = result[0], result[1]
-        else:
-            prompt_ids, completion_ids = (
-                kwargs.get("prompt_ids", args[0] if args else None),
-                result[0],
-            )
-        if not self._gen.calls and prompt_ids is not None:
-            self._gen.prompt_ids = [[int(t) for t in p] for p in prompt_ids]
-        self._gen.calls.append((probe, [[int(t) for t in ids] for ids in completion_ids]))
+        if not self.tool_calling:  # one call per generation: no turns to stitch
+            self._gen.calls = [(probe, [])] if probe is not None else []
+            self._gen.sampling = [(sampling, [])] if sampling is not None else []
+            return self._replace(probe, args, result) if training else result
+        prompt_ids, completion_ids = _call_ids(result, args, kwargs)
+        returned = [[int(t) for t in ids] for ids in completion_ids]
+        if sampling is not None:
+            self._gen.sampling.append((sampling, returned))
+        if probe is not None:
+            if not self._gen.calls and prompt_ids is not None:
+                self._gen.prompt_ids = [[int(t) for t in p] for p in prompt_ids]
+            self._gen.calls.append((probe, returned))
         return result
 
     def _replace(self, probe: GenerationProbe | None, args: tuple[Any, ...], result: Any) -> Any:
@@ -428,6 +443,7 @@ class RolloutCapture:
         self._gen.row_meta.update(meta)
         if not replaced:
             return result
+        self._gen.swapped.update(replaced)
         completion_ids = list(completion_ids)
         for i, ids in replaced.items():
             completion_ids[i] = list(ids)
@@ -586,6 +602,27 @@ def _id_rows(output: dict[str, Any], ids_list: list[list[int]]) -> list[np.ndarr
     return [np.asarray(ids, dtype=np.int64) for ids in ids_list]
 
 
+def _call_ids(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The prompt ids and completion ids of one `_generate_single_turn` call: trl 1.x returns
+    (completion_ids, logprobs) and takes prompt ids; older ones returned (prompt_ids,
+    completion_ids, logprobs, extra)."""
+    if isinstance(result, tuple) and len(result) >= 4:
+        return result[0], result[1]
+    return kwargs.get("prompt_ids", args[0] if args else None), result[0]
+
+
+def generates_locally(trainer: Any) -> bool:
+    """Whether TRL's `_generate_single_turn` samples with transformers' `generate` (not vLLM,
+    not continuous batching; a rollout_func bypasses it), where a SamplingProbe can read the
+    generator's logprobs."""
+    return not (
+        getattr(trainer, "use_vllm", False)
+        or getattr(trainer, "use_transformers_continuous_batching", False)
+        or getattr(trainer, "use_transformers_paged", False)
+        or getattr(trainer, "rollout_func", None) is not None
+    )
+
+
 def _generator_rows(output: dict[str, Any], ids_list: list[list[int]]) -> list[np.ndarray | None]:
     """Each row's generator logprobs: TRL's `sampling_per_token_logps` (vLLM's sampling
     logprobs, or the `logprobs` a rollout_func returned; NaN where it gave none) as float64, NaN
@@ -676,11 +713,14 @@ def _forward_note(trainer: Any) -> str:
         )
     elif getattr(trainer, "use_vllm", False):
         path = "generation by vLLM (its sampling logprobs are recorded as the generator's)"
+    elif generates_locally(trainer):
+        path = (
+            "generation by transformers' generate (the generator's logprobs are read off "
+            "generate's own sampling distribution, after its temperature, top-k, top-p and "
+            "other processors, on every training generation)"
+        )
     else:
-        if getattr(trainer, "use_transformers_continuous_batching", False):
-            path = "continuous-batching generation"
-        else:
-            path = "generation by transformers' generate"
+        path = "continuous-batching generation"
         generator = (
             "; this path gives TRL no generator logprobs: none are recorded (null, not zeros) "
             "and the steps have no mismatch figures"

@@ -1,5 +1,8 @@
 """Read sampled-token logprobs and control-token probabilities: off generation, or off TRL's pass.
 
+SamplingProbe: the last of the logits processors `model.generate` builds sees the scores every
+token is drawn from, so the generator's own log p(sampled token) costs one log-sum-exp a
+generated position (transformers' generate path: the generator's side of the mismatch lens).
 GenerationProbe: a LogitsProcessor on `model.generate` sees the logits of every sampling step,
 so recording costs one log-softmax per generated token (the `generate` path only).
 ForwardProbe: a forward hook on the backbone while TRL scores the completions reads k dot
@@ -8,16 +11,67 @@ products a position from the final hidden states, whatever generated them (every
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import LogitsProcessor
+from transformers import LogitsProcessor, LogitsProcessorList
 
 
-class GenerationProbe(LogitsProcessor):
+class SamplingProbe(LogitsProcessor):
+    """Records, per generated position, log p(sampled token) under the scores it is handed.
+
+    Bound last (`bound`), it sees the scores generate's sampling step softmaxes and draws from
+    (transformers 5.x generation/utils.py `_sample`: `probs = softmax(next_token_scores)`, then
+    `multinomial`), after every processor and warper `_get_logits_processor` builds from TRL's
+    GenerationConfig (repetition penalty, temperature, top-k, top-p, min-p, ...): the
+    distribution each token was actually drawn from. It keeps the scores of the last position
+    and their log-sum-exp (B,) until the next call says which token was drawn from them.
+    """
+
+    def __init__(self) -> None:
+        self._sampled: list[torch.Tensor] = []  # per position: (B,) log p of the token sampled
+        self._last: tuple[torch.Tensor, torch.Tensor | None] | None = None  # scores, log Z
+        self.positions = 0  # generation steps seen
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        with torch.no_grad():
+            self._take(input_ids[:, -1])
+            self._last = (scores, torch.logsumexp(scores.float(), dim=-1))
+            self.positions += 1
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        """Log p of `tokens` (B,), drawn from the last position's scores."""
+        if self._last is None:
+            return
+        scores, log_z = self._last
+        picked = scores.gather(1, tokens[:, None]).squeeze(1).float()
+        self._sampled.append(picked if log_z is None else picked - log_z)
+
+    @property
+    def used(self) -> bool:
+        """Whether generation called the probe at all."""
+        return self.positions > 0
+
+    def sampled(self, completion_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per row, the logprob of each of its completion tokens [n] (float64), copied off the
+        device once for the whole batch; none (0 positions) when generation never called it."""
+        if not self.used:
+            return [np.zeros(0) for _ in completion_ids]
+        assert self._last is not None
+        # The last sampled token never reaches another processor call.
+        final = [ids[-1] if len(ids) == self.positions else 0 for ids in completion_ids]
+        self._take(torch.tensor(final, device=self._last[0].device))
+        self._last = None
+        sampled = torch.stack(self._sampled, dim=1).cpu().double().numpy()  # (B, T)
+        return [sampled[row, : len(ids)] for row, ids in enumerate(completion_ids)]
+
+
+class GenerationProbe(SamplingProbe):
     """Records, per generated position, log p(sampled token) and p(each control token).
 
     Transformers applies user processors before its temperature warper, so the probe divides by
@@ -32,6 +86,7 @@ class GenerationProbe(LogitsProcessor):
         after_token_id: int | None = None,
         watch_ids: list[int] | None = None,
     ) -> None:
+        super().__init__()
         self.control_ids = control_token_ids
         self.temperature = temperature
         # The distribution over `watch_ids` (e.g. every tool id) at the position right after
@@ -40,14 +95,11 @@ class GenerationProbe(LogitsProcessor):
         self.watch_ids = watch_ids or []
         self._watched: dict[int, torch.Tensor] = {}  # row -> logprobs over watch_ids
         self._control: list[torch.Tensor] = []  # per position: (B, n_ctrl)
-        self._sampled: list[torch.Tensor] = []  # per position: (B,) log p of the token sampled
-        self._last_logprobs: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         with torch.no_grad():
-            if self._last_logprobs is not None:
-                # input_ids[:, -1] is the token sampled from the previous position's distribution.
-                self._sampled.append(self._last_logprobs.gather(1, input_ids[:, -1:]).squeeze(1))
+            # input_ids[:, -1] is the token sampled from the previous position's distribution.
+            self._take(input_ids[:, -1])
             logprobs = torch.log_softmax(scores.float() / self.temperature, dim=-1)
             self._control.append(logprobs[:, self.control_ids].exp())
             if self.watch_ids and self.after_token_id is not None and len(self._control) > 1:
@@ -55,7 +107,8 @@ class GenerationProbe(LogitsProcessor):
                 for row in hits:
                     if row not in self._watched:
                         self._watched[row] = logprobs[row, self.watch_ids].cpu()
-            self._last_logprobs = logprobs
+            self._last = (logprobs, None)
+            self.positions += 1
         return scores
 
     def watched(self, row: int) -> list[float] | None:
@@ -63,35 +116,62 @@ class GenerationProbe(LogitsProcessor):
         found = self._watched.get(row)
         return found.tolist() if found is not None else None
 
-    @property
-    def used(self) -> bool:
-        """Whether generation called the probe at all."""
-        return bool(self._control)
-
     def finish(self, completion_ids: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per row: the logprobs of its completion tokens [n] and the control-token
         probabilities [n × k] (float64 arrays, the step entity's orientation), copied off the
         device once for the whole batch; none (0 positions) when generation never called it."""
-        if self._last_logprobs is not None:
-            # The last sampled token never reaches another processor call.
-            final = torch.tensor(
-                [ids[-1] if len(ids) == len(self._control) else 0 for ids in completion_ids],
-                device=self._last_logprobs.device,
-            )
-            self._sampled.append(self._last_logprobs.gather(1, final[:, None]).squeeze(1))
+        sampled = self.sampled(completion_ids)
         if not self._control:
             k = len(self.control_ids)
-            return (
-                [np.zeros(0) for _ in completion_ids],
-                [np.zeros((0, k)) for _ in completion_ids],
-            )
-        sampled = torch.stack(self._sampled, dim=1).cpu().double().numpy()  # (B, T)
+            return sampled, [np.zeros((0, k)) for _ in completion_ids]
         control = torch.stack(self._control, dim=1).cpu().double().numpy()  # (B, T, k)
-        lengths = [len(ids) for ids in completion_ids]
-        return (
-            [sampled[row, :n] for row, n in enumerate(lengths)],
-            [control[row, :n] for row, n in enumerate(lengths)],
-        )
+        return sampled, [control[row, : len(ids)] for row, ids in enumerate(completion_ids)]
+
+
+@contextmanager
+def bound(
+    model: Any, probe: GenerationProbe | None, sampling: SamplingProbe | None
+) -> Iterator[None]:
+    """`model.generate` with the probes bound, for the calls inside: `probe` among the user's
+    processors (transformers runs them before its warpers), `sampling` appended to the list
+    generate builds (`_get_logits_processor`, a private method of transformers'
+    GenerationMixin since 4.x, wrapped on the instance), after its warpers: the last to see the
+    scores. Under PEFT the wrapped model's own method is the one generate calls. Whatever the
+    instance held before (another capture's binding) is put back after."""
+    patches: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+
+    def patch(owner: Any, name: str, value: Any) -> None:
+        patches[(id(owner), name)] = (owner, name, vars(owner).get(name))
+        setattr(owner, name, value)
+
+    if probe is not None:
+        generate = type(model).generate
+
+        def probed_generate(*g_args: Any, **g_kwargs: Any) -> Any:
+            processors = LogitsProcessorList(
+                [probe, *(g_kwargs.pop("logits_processor", None) or [])]
+            )
+            return generate(model, *g_args, logits_processor=processors, **g_kwargs)
+
+        patch(model, "generate", probed_generate)
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    build = getattr(target, "_get_logits_processor", None)
+    if sampling is not None and build is not None:
+
+        def built(*b_args: Any, **b_kwargs: Any) -> LogitsProcessorList:
+            processors = build(*b_args, **b_kwargs)
+            processors.append(sampling)
+            return processors
+
+        patch(target, "_get_logits_processor", built)
+    try:
+        yield
+    finally:
+        for owner, name, before in patches.values():
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
 
 
 POSITIONS = 4096  # positions whose float32 hidden states the probe copies at once
