@@ -29,27 +29,28 @@ class SamplingProbe(LogitsProcessor):
     `multinomial`), after every processor and warper `_get_logits_processor` builds from TRL's
     GenerationConfig (repetition penalty, temperature, top-k, top-p, min-p, ...): the
     distribution each token was actually drawn from. It keeps the scores of the last position
-    and their log-sum-exp (B,) until the next call says which token was drawn from them.
+    and their log-sum-exp (B, 1) until the next call says which token was drawn from them: three
+    tensor operations a position (one pass over the vocabulary), the rest at the end.
     """
 
     def __init__(self) -> None:
-        self._sampled: list[torch.Tensor] = []  # per position: (B,) log p of the token sampled
+        self._sampled: list[torch.Tensor] = []  # per position: (B, 1) log p of the token sampled
         self._last: tuple[torch.Tensor, torch.Tensor | None] | None = None  # scores, log Z
         self.positions = 0  # generation steps seen
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         with torch.no_grad():
-            self._take(input_ids[:, -1])
-            self._last = (scores, torch.logsumexp(scores.float(), dim=-1))
+            self._take(input_ids[:, -1:])
+            self._last = (scores, torch.logsumexp(scores.float(), dim=-1, keepdim=True))
             self.positions += 1
         return scores
 
     def _take(self, tokens: torch.Tensor) -> None:
-        """Log p of `tokens` (B,), drawn from the last position's scores."""
+        """Log p of `tokens` (B, 1), drawn from the last position's scores."""
         if self._last is None:
             return
         scores, log_z = self._last
-        picked = scores.gather(1, tokens[:, None]).squeeze(1).float()
+        picked = scores.gather(1, tokens)
         self._sampled.append(picked if log_z is None else picked - log_z)
 
     @property
@@ -64,10 +65,10 @@ class SamplingProbe(LogitsProcessor):
             return [np.zeros(0) for _ in completion_ids]
         assert self._last is not None
         # The last sampled token never reaches another processor call.
-        final = [ids[-1] if len(ids) == self.positions else 0 for ids in completion_ids]
+        final = [[ids[-1] if len(ids) == self.positions else 0] for ids in completion_ids]
         self._take(torch.tensor(final, device=self._last[0].device))
         self._last = None
-        sampled = torch.stack(self._sampled, dim=1).cpu().double().numpy()  # (B, T)
+        sampled = torch.cat(self._sampled, dim=1).cpu().double().numpy()  # (B, T)
         return [sampled[row, : len(ids)] for row, ids in enumerate(completion_ids)]
 
 
@@ -99,7 +100,7 @@ class GenerationProbe(SamplingProbe):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         with torch.no_grad():
             # input_ids[:, -1] is the token sampled from the previous position's distribution.
-            self._take(input_ids[:, -1])
+            self._take(input_ids[:, -1:])
             logprobs = torch.log_softmax(scores.float() / self.temperature, dim=-1)
             self._control.append(logprobs[:, self.control_ids].exp())
             if self.watch_ids and self.after_token_id is not None and len(self._control) > 1:
