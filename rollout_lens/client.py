@@ -152,8 +152,9 @@ class Client:
     def rollouts(self, run_id: int, *, max_rows: int | None = 10_000, **filters: Any) -> Any:
         """Rollouts across steps, as the explorer finds them (`/runs/{id}/rollouts`): filters
         by keyword — steps="100:200" (or a (first, last) pair), group, state, format_valid, vote,
-        target, reward_min/max, true_min/max, adv_min/max, len_min/max, disagree=True,
-        alert=True, q="words" — and sort/order. A DataFrame (one row a rollout, with its links)
+        target, reward_min/max, true_min/max, adv_min/max, len_min/max, diff_min/max (largest
+        |Δlogp|), ratio_min/max (sequence ratio), disagree=True, alert=True, q="words" — and
+        sort/order (abs_diff_max and seq_ratio among the sorts). A DataFrame (one row a rollout, with its links)
         when pandas is importable, else a list of dicts; at most `max_rows` (None: all)."""
         params = {key: _param(value) for key, value in filters.items() if value is not None}
         params["limit"] = 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -441,6 +442,31 @@ def make_multiturn_group(*, legacy: bool = False, group: int = 0) -> list[Rollou
             )
         )
     return out
+
+
+def with_generator(
+    rollouts: list[RolloutRecord], rng: random.Random, *, spread: float = 1.0, none_every: int = 0
+) -> list[RolloutRecord]:
+    """The rollouts with a generator side as the recorder stores one: at each sampled position
+    (a tool-calling rollout's model turns) the trainer's logprob moved by up to ±`spread` nats
+    (capped at 0), NaN at a tool result's positions (TRL's tool mask) and at every
+    `none_every`-th position (a token the generator gave no logprob for)."""
+    for r in rollouts:
+        n = len(r.completion_ids)
+        sampled = [True] * n
+        for turn in r.meta.get("turns") or []:
+            if turn["role"] == "tool":
+                sampled[turn["start"] : turn["end"]] = [False] * (turn["end"] - turn["start"])
+        generator = [
+            min(0.0, float(lp) + rng.uniform(-spread, spread)) if keep else math.nan
+            for lp, keep in zip(r.token_logprobs, sampled, strict=True)
+        ]
+        if none_every:
+            generator[none_every - 1 :: none_every] = [math.nan] * len(
+                generator[none_every - 1 :: none_every]
+            )
+        r.generator_logprobs = generator
+    return rollouts
 
 
 def recorder_spec(name: str, *, total_steps: int) -> Any:

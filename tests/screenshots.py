@@ -21,6 +21,8 @@ CHOSEN: dict[str, tuple[str, int | None]] = {
     "step-groups.png": ("step-groups.png", None),
     "group-page.png": ("group-page.png", None),
     "group-multiturn.png": ("stepview-multiturn-group.png", None),
+    "group-log-ratio.png": ("stepview-ratio.png", 860),
+    "mismatch.png": ("mismatch-range.png", 1500),
     "explorer.png": ("explorer.png", None),
     "launch-form.png": ("launch-form.png", 1080),
 }

@@ -55,6 +55,20 @@ def client_for(factory: sessionmaker[Session], **settings: Any) -> TestClient:
     return browser_like(TestClient(app, base_url="http://127.0.0.1"))
 
 
+def explorer_pages(client: Any, url: str) -> tuple[list[dict[str, Any]], int]:
+    """Every row of an explorer answer from `url` on, following its `next_url`s, and its total
+    (the same on every page)."""
+    rows: list[dict[str, Any]] = []
+    page = client.get(url).json()
+    total = page["total"]
+    rows += page["rollouts"]
+    while page["next_url"]:
+        page = client.get(page["next_url"]).json()
+        assert page["total"] == total
+        rows += page["rollouts"]
+    return rows, total
+
+
 def browser_like(client: TestClient) -> TestClient:
     """A client that sends the CSRF cookie and header of a same-origin page: the header follows
     the cookie, as a page's script reads the token its page was rendered with (sign-in gives a

@@ -17,7 +17,8 @@ from rollout_lens.server.core.textsafe import csv_cell, printable
 from rollout_lens.server.store.db import session_scope
 
 COLUMNS = ("id", "step", "group", "index", "vote", "target", "verifier_reward", "true_score",
-           "advantage", "sum_logprob", "length", "format_state", "disagree", "completion_head")  # fmt: skip
+           "advantage", "sum_logprob", "length", "format_state", "disagree", "abs_diff_max",
+           "log_seq_ratio", "completion_head")  # fmt: skip
 
 
 def add_commands(sub: Any) -> None:
@@ -40,6 +41,12 @@ def add_commands(sub: Any) -> None:
         found.add_argument(f"--{name}-max", type=float)
     found.add_argument("--len-min", type=COUNT, help="completion length in tokens, at least")
     found.add_argument("--len-max", type=COUNT)
+    found.add_argument(
+        "--diff-min", type=float, help="largest |Δlogp| (trainer vs generator), at least"
+    )
+    found.add_argument("--diff-max", type=float)
+    found.add_argument("--ratio-min", type=float, help="sequence ratio (above 0), at least")
+    found.add_argument("--ratio-max", type=float)
     found.add_argument("--disagree", action="store_true", help="verifier reward ≠ true score")
     found.add_argument("--alert", action="store_true", help="only steps where an alert fired")
     found.add_argument("-q", "--query", dest="q", help="words to search for")

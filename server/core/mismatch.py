@@ -54,17 +54,23 @@ class Sides:
     def kept(self) -> np.ndarray:
         """Which positions are compared: kept by the mask, finite on both sides (all False
         without a generator side)."""
+        trainer, generator, keep = self.checked()
+        kept: np.ndarray = keep & np.isfinite(trainer) & np.isfinite(generator)
+        return kept
+
+    def checked(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(trainer, generator, mask) as float64, float64 (all NaN without a generator side)
+        and bool arrays of one length; ValueError where the sides or the mask differ in it."""
         trainer = self.trainer_floats()
         keep = _mask(self.mask, len(trainer))
         if self.generator is None:
-            return np.zeros(len(trainer), dtype=bool)
+            return trainer, np.full(len(trainer), math.nan), keep
         generator = self.generator_floats()
         if len(generator) != len(trainer):
             raise ValueError(
                 f"generator logprobs have {len(generator)} positions, trainer logprobs {len(trainer)}"
             )
-        kept: np.ndarray = keep & np.isfinite(trainer) & np.isfinite(generator)
-        return kept
+        return trainer, generator, keep
 
     def trainer_floats(self) -> np.ndarray:
         return np.asarray(self.trainer, dtype=np.float64).reshape(-1)
@@ -107,20 +113,93 @@ class RolloutMismatch:
     tokens: int  # the tokens compared
     abs_diff_max: float
     seq_ratio: float
+    log_seq_ratio: float  # Σ log r: finite where the ratio over- or underflows
 
     @classmethod
     def of(cls, log_ratios: np.ndarray) -> RolloutMismatch | None:
         """From a rollout's log r; None where no token could be compared."""
-        if not len(log_ratios):
-            return None
-        with np.errstate(over="ignore"):  # a sum past ~709 nats is an infinite ratio
-            ratio = float(np.exp(math.fsum(log_ratios.tolist())))
-        return cls(len(log_ratios), float(np.max(np.abs(log_ratios))), ratio)
+        return each_rollout(log_ratios, [len(log_ratios)])[0]
 
 
 def rollout_figures(sides: Sides) -> RolloutMismatch | None:
     """One rollout's figures (None: nothing to compare)."""
     return RolloutMismatch.of(sides.log_ratios())
+
+
+def each_rollout(
+    log_ratios: np.ndarray, counts: Sequence[int] | np.ndarray
+) -> list[RolloutMismatch | None]:
+    """The figures of each rollout, their log r laid end to end (`counts`: how many each has),
+    in a few passes over the step's tokens. Σ log r is numpy's add.reduceat over the rollout's
+    segment: the same bits wherever the segment lies (a rollout alone or inside a step's
+    tokens), which the write path, migration 0021 and the pages rely on."""
+    log_r = np.asarray(log_ratios, dtype=np.float64).reshape(-1)
+    sizes = np.asarray(counts, dtype=np.int64).reshape(-1)
+    starts = (np.cumsum(sizes) - sizes)[sizes > 0]
+    if not len(starts):
+        return [None] * len(sizes)
+    sums = np.add.reduceat(log_r, starts)
+    maxes = np.maximum.reduceat(np.abs(log_r), starts)
+    with np.errstate(over="ignore"):  # a sum past ~709 nats is an infinite ratio
+        ratios = np.exp(sums)
+    found = iter(zip(sums.tolist(), maxes.tolist(), ratios.tolist(), strict=True))
+    out: list[RolloutMismatch | None] = []
+    for n in sizes.tolist():
+        if n:
+            total, top, ratio = next(found)
+            out.append(RolloutMismatch(n, top, ratio, total))
+        else:
+            out.append(None)
+    return out
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Every compared token of some rollouts laid end to end, in rollout and position order:
+    the rollout holding it (an index into the rollouts given), its completion position, and
+    both sides' logprobs."""
+
+    rollout: np.ndarray  # int64
+    position: np.ndarray  # int64
+    trainer: np.ndarray
+    generator: np.ndarray
+    rollouts: int = 0  # how many rollouts were given (some may have no token here)
+
+    def log_ratios(self) -> np.ndarray:
+        log_r: np.ndarray = self.trainer - self.generator
+        return log_r
+
+    def counts(self) -> np.ndarray:
+        """How many compared tokens each rollout given has."""
+        found: np.ndarray = np.bincount(self.rollout, minlength=self.rollouts)
+        return found
+
+
+def pool(rollouts: Sequence[Sides]) -> Pool:
+    """The compared tokens of `rollouts` (Sides.kept: masked, NaN on either side left out), in
+    one pass over all of them."""
+    parts = [sides.checked() for sides in rollouts]
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return Pool(empty, empty, np.zeros(0), np.zeros(0), 0)
+    lengths = np.fromiter((len(t) for t, _, _ in parts), dtype=np.int64, count=len(parts))
+    trainer, generator, keep = (np.concatenate(c) for c in zip(*parts, strict=True))
+    kept = keep & np.isfinite(trainer) & np.isfinite(generator)
+    owner = np.repeat(np.arange(len(parts), dtype=np.int64), lengths)
+    position = np.arange(len(trainer), dtype=np.int64) - np.repeat(
+        np.cumsum(lengths) - lengths, lengths
+    )
+    return Pool(owner[kept], position[kept], trainer[kept], generator[kept], len(parts))
+
+
+def stored_figures(trainer: np.ndarray, generator: np.ndarray | None) -> RolloutMismatch | None:
+    """A stored rollout's figures from its arrays as the store keeps them, where a position
+    the generator did not sample (a tool result, a masked one) holds NaN on its side: None
+    without a generator side, where the trainer's were not measured (an empty array, or one
+    of another length) or where no token could be compared."""
+    if generator is None or len(generator) != len(trainer):
+        return None
+    return rollout_figures(Sides(trainer, generator))
 
 
 def k3(log_ratios: np.ndarray) -> np.ndarray:
@@ -140,9 +219,13 @@ def outside(log_ratios: np.ndarray, band: float) -> np.ndarray:
 def step_figures(rollouts: Iterable[Sides]) -> dict[str, float]:
     """A step's figures over its rollouts' compared tokens, pooled (as TRL's are on one
     process); empty where no rollout has a generator side to compare."""
-    pieces = [sides.log_ratios() for sides in rollouts]
-    ratios = [r.seq_ratio for r in map(RolloutMismatch.of, pieces) if r is not None]
-    tokens = np.concatenate(pieces) if pieces else np.zeros(0)
+    tokens = pool(list(rollouts))
+    return pooled_figures(tokens.log_ratios(), tokens.counts())
+
+
+def pooled_figures(tokens: np.ndarray, counts: Sequence[int] | np.ndarray) -> dict[str, float]:
+    """step_figures over log r already pooled, each rollout's laid end to end (`counts`)."""
+    ratios = [r.seq_ratio for r in each_rollout(tokens, counts) if r is not None]
     if not len(tokens):
         return {}
     diff = np.abs(tokens)
@@ -160,5 +243,4 @@ def step_figures(rollouts: Iterable[Sides]) -> dict[str, float]:
 
 def pooled(rollouts: Sequence[Sides]) -> np.ndarray:
     """Every compared token's log r of a step (or of a range of steps), in rollout order."""
-    pieces = [sides.log_ratios() for sides in rollouts]
-    return np.concatenate(pieces) if pieces else np.zeros(0)
+    return pool(rollouts).log_ratios()

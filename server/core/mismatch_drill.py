@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from rollout_lens.server.core.mismatch import BANDS, Sides, k3, outside
+from rollout_lens.server.core.mismatch import BANDS, Pool, Sides, k3, outside, pool
 
 # log r of the bands' edges, ascending: −log 5, −log 2, log 2, log 5
 BAND_EDGES = tuple(sorted(s * math.log(b) for b in BANDS for s in (-1.0, 1.0)))
@@ -63,29 +63,44 @@ def by_probability(
     rollouts: Sequence[Sides], edges: Sequence[float] = PROBABILITY_EDGES
 ) -> list[Bucket]:
     """Mismatch by the sampled token's probability under the generator, one row a bucket."""
-    pairs = [s.compared() for s in rollouts]
-    generator = [g for _, g in pairs]
-    ratios = [t - g for t, g in pairs]
-    probs = np.exp(np.concatenate(generator)) if generator else np.zeros(0)
-    log_r = np.concatenate(ratios) if ratios else np.zeros(0)
-    which = np.clip(np.searchsorted(edges, probs, side="right") - 1, 0, len(edges) - 2)
-    return [_bucket(edges[i], edges[i + 1], log_r[which == i]) for i in range(len(edges) - 1)]
+    return probability_table(pool(rollouts), edges)
 
 
-def _bucket(low: float, high: float, log_r: np.ndarray) -> Bucket:
-    if not len(log_r):
-        return Bucket(low, high, 0, None, None, None, None, None)
+def probability_table(tokens: Pool, edges: Sequence[float] = PROBABILITY_EDGES) -> list[Bucket]:
+    """by_probability over tokens already pooled: each figure summed by bucket in one pass."""
+    buckets = len(edges) - 1
+    probs = np.exp(tokens.generator)
+    log_r = tokens.log_ratios()
+    which = np.zeros(len(probs), dtype=np.int64)  # the bucket: interior edges at or below p
+    for edge in edges[1:-1]:
+        which += probs >= edge
     diff = np.abs(log_r)
-    return Bucket(
-        low,
-        high,
-        len(log_r),
-        float(np.mean(diff)),
-        float(np.max(diff)),
-        float(np.mean(k3(log_r))),
-        float(np.mean(outside(log_r, BANDS[0]))),
-        float(np.mean(outside(log_r, BANDS[1]))),
+    n = np.bincount(which, minlength=buckets)
+    diff_sum, k3_sum, out2_sum, out5_sum = (
+        np.bincount(which, weights.astype(np.float64), minlength=buckets).tolist()
+        for weights in (diff, k3(log_r), outside(log_r, BANDS[0]), outside(log_r, BANDS[1]))
     )
+    top = np.full(buckets, -np.inf)
+    np.maximum.at(top, which, diff)
+    rows = []
+    for i in range(buckets):
+        count = int(n[i])
+        if not count:
+            rows.append(Bucket(edges[i], edges[i + 1], 0, None, None, None, None, None))
+            continue
+        rows.append(
+            Bucket(
+                edges[i],
+                edges[i + 1],
+                count,
+                abs_diff_mean=diff_sum[i] / count,
+                abs_diff_max=float(top[i]),
+                k3_kl=k3_sum[i] / count,
+                outside_2x=out2_sum[i] / count,
+                outside_5x=out5_sum[i] / count,
+            )
+        )
+    return rows
 
 
 @dataclass(frozen=True)
@@ -98,12 +113,37 @@ class WorstToken:
 def worst_tokens(rollouts: Sequence[Sides], n: int = 10) -> list[WorstToken]:
     """The `n` compared tokens of largest |log r|, largest first (ties: earliest first), for
     the drill-down's links to the rollouts that hold them."""
-    found: list[WorstToken] = []
-    for index, sides in enumerate(rollouts):
-        positions = np.flatnonzero(sides.kept())
-        found += [
-            WorstToken(index, int(p), float(r))
-            for p, r in zip(positions, sides.log_ratios(), strict=True)
-        ]
-    found.sort(key=lambda t: (-abs(t.log_ratio), t.rollout, t.position))
-    return found[:n]
+    tokens = pool(rollouts)
+    return [
+        WorstToken(int(tokens.rollout[i]), int(tokens.position[i]), float(tokens.log_ratios()[i]))
+        for i in worst_of(tokens, n)
+    ]
+
+
+def worst_of(tokens: Pool, n: int) -> np.ndarray:
+    """Indices into `tokens` of the `n` largest |log r|, largest first (ties: earliest rollout,
+    then position): one partition and a sort of the candidates, never a sort of every token."""
+    size = np.abs(tokens.log_ratios())
+    if n <= 0 or not len(size):
+        return np.zeros(0, dtype=np.int64)
+    chosen = np.arange(len(size))
+    if len(size) > n:
+        cut = np.partition(size, len(size) - n)[len(size) - n]  # the n-th largest
+        chosen = np.flatnonzero(size >= cut)
+    order = np.lexsort((tokens.position[chosen], tokens.rollout[chosen], -size[chosen]))
+    picked: np.ndarray = chosen[order][:n]
+    return picked
+
+
+def sample(tokens: Pool, most: int, keep: np.ndarray) -> np.ndarray:
+    """Indices into `tokens` of at most `most` of them (and every one of `keep`), ascending, for
+    a scatter: `keep` (the worst tokens) and the first of a fixed-seed draw without replacement
+    that are not in it, so that the same tokens give the same points on every read."""
+    n = len(tokens.trainer)
+    if n <= most:
+        return np.arange(n)
+    kept = np.unique(keep)
+    drawn = np.random.default_rng(0).choice(n, size=most, replace=False)
+    rest = drawn[~np.isin(drawn, kept)][: max(0, most - len(kept))]
+    both: np.ndarray = np.union1d(kept, rest)
+    return both

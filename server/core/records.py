@@ -165,6 +165,14 @@ class RolloutRecord:
     # The generator's (vLLM's, a rollout function's) logprobs of the completion tokens, beside
     # the trainer's token_logprobs: None where the generation path gave none (never zeros).
     generator_logprobs: Floats | None = None
+    # Σ logprob where it is not the sum of token_logprobs: an export's stored sum (its float16
+    # logprobs need not add up to it exactly), a recorder's over the wire (at full precision:
+    # its logprobs arrive quantized), NaN where it is unknown (a rollout known only as text).
+    # None: summed from token_logprobs (sum_logprob).
+    given_sum_logprob: float | None = None
+    # How the completion's text is rebuilt from its tokens' pieces (arrays.text_rule), where a
+    # sender said so and sent no text; None: the text is the completion's own.
+    text_rule: int | None = None
 
     @classmethod
     def captured(
@@ -200,6 +208,8 @@ class RolloutRecord:
             meta={},
             tokens=None,
             generator_logprobs=generator_logprobs,
+            given_sum_logprob=None,
+            text_rule=None,
         )
         return record
 
@@ -225,10 +235,18 @@ class RolloutRecord:
             return None if value is None else as_floats(value)
         return ControlProbs.of(value, len(self.__dict__.get("completion_ids", ())))
 
+    def set_storable_tokens(self, pieces: list[str]) -> None:
+        """Its tokens' texts, each made storable already (the wire checks every piece as it
+        reads it): not scanned again position by position."""
+        object.__setattr__(self, "tokens", pieces)
+
     @property
     def sum_logprob(self) -> float | None:
-        """Σ logprob of the completion; None when its tokens' logprobs were not measured (a
-        generation path without them), never a 0.0 that reads as certainty."""
+        """Σ logprob of the completion: the one given (given_sum_logprob) or its tokens'
+        logprobs summed; None when they were not measured (a generation path without them),
+        never a 0.0 that reads as certainty."""
+        if self.given_sum_logprob is not None:
+            return self.given_sum_logprob
         logprobs = self.token_logprobs
         if not len(logprobs) and len(self.completion_ids):
             return None

@@ -15,6 +15,7 @@ from typing import Annotated, Any, get_type_hints
 
 import numpy as np
 from pydantic import BaseModel, Field, create_model
+from rollout_lens.server.core.mismatch import RolloutMismatch, stored_figures
 from rollout_lens.server.core.read_models import (
     ConfigDiff,
     GroupHeader,
@@ -111,6 +112,9 @@ class RolloutView:
     # not keys of every rollout's JSON: a window's says tokens_total
     tokens_total: int  # positions the rollout has in all (more than the arrays hold: a window)
     window: bool  # read cut to a page's first positions: its JSON says tokens_total
+    # max |Δlogp| and the sequence ratio over all its positions, a window's too (None: no
+    # generator side, or no token to compare); the group page's JSON twin sends it
+    mismatch: RolloutMismatch | None
 
     def data(self) -> dict[str, Any]:
         """The rollout as JSON-ready values, its keys ROLLOUT_KEYS in their order; a window
@@ -126,6 +130,8 @@ class RolloutView:
         reads as nothing recorded (0, None, empty)."""
         ids = np.asarray(data.get("completion_ids") or [], dtype=np.int64)
         control = data.get("control_token_probs") or {}
+        logprobs = np.asarray(data.get("token_logprobs") or [], dtype=np.float64)
+        generator = _floats_or_none(data.get("generator_logprobs"))
         return cls(
             run_id=int(data.get("run_id", 0)),
             step=int(data.get("step", 0)),
@@ -145,12 +151,13 @@ class RolloutView:
             sum_logprob=data.get("sum_logprob"),
             format_valid=data.get("format_valid"),
             format_state=data.get("format_state"),
-            token_logprobs=np.asarray(data.get("token_logprobs") or [], dtype=np.float64),
-            generator_logprobs=_floats_or_none(data.get("generator_logprobs")),
+            token_logprobs=logprobs,
+            generator_logprobs=generator,
             control_token_probs=ControlProbs.of(control, len(ids)),
             meta=dict(data.get("meta") or {}),
             tokens_total=int(data.get("tokens_total", len(ids))),
             window="tokens_total" in data,
+            mismatch=stored_figures(logprobs, generator),  # from the positions given
         )
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from rollout_lens.server.core import mismatch
+
 WINDOW = 25  # the 25-step window: buckets 1–25, 26–50, …, "last 25 steps", convergence
 # Generic series names one run may hold: each is a value in every step's packed row, a chart on
 # the run page and a name in its JSON (200,000 of them froze the server). An import past it is
@@ -253,4 +255,18 @@ COMPARE_EXTRA: dict[str, tuple[str, str]] = {
     TOOL_TURNS: ("tools", "Model turns per rollout"),
     RIGHT_TOOL_RATE: ("tools", "Right-tool rate"),
     TOOL_FAILURE_RATE: ("tools", "Tool failure rate"),
+    mismatch.ABS_DIFF_MEAN: ("mismatch", "|Δlogp| mean"),
+    mismatch.ABS_DIFF_MAX: ("mismatch", "|Δlogp| max"),
+    mismatch.K3_KL: ("mismatch", "k3 KL(generator ‖ trainer)"),
+    mismatch.SEQ_RATIO_MIN: ("mismatch", "Sequence ratio min"),
+    mismatch.SEQ_RATIO_MEAN: ("mismatch", "Sequence ratio mean"),
+    mismatch.SEQ_RATIO_MAX: ("mismatch", "Sequence ratio max"),
+    mismatch.OUTSIDE_2X: (
+        "mismatch",
+        f"Tokens outside [1/{mismatch.BANDS[0]:g}, {mismatch.BANDS[0]:g}]",
+    ),
+    mismatch.OUTSIDE_5X: (
+        "mismatch",
+        f"Tokens outside [1/{mismatch.BANDS[1]:g}, {mismatch.BANDS[1]:g}]",
+    ),
 }

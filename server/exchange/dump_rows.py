@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from rollout_lens.server.core.errors import InvalidInput
@@ -62,25 +61,18 @@ class SeriesNames:
         self.names.update(new)
 
 
-@dataclass
-class TextRollout(RolloutRecord):
-    """A rollout known only as text: no token ids, so its Σ logprob is unknown (stored NULL, shown
-    as a dash), not the 0 of an empty sum."""
-
-    @property
-    def sum_logprob(self) -> float:
-        return math.nan
-
-
-def text_rollout(**fields: Any) -> TextRollout:
-    """A TextRollout with the token-level fields empty and the format unchecked."""
-    return TextRollout(
+def text_rollout(**fields: Any) -> RolloutRecord:
+    """A rollout known only as text: no token ids (the token-level fields empty), so its Σ
+    logprob is unknown (NaN: stored NULL, shown as a dash), not the 0 of an empty sum; the
+    format unchecked."""
+    return RolloutRecord(
         completion_ids=NO_IDS,
         token_logprobs=NO_FLOATS,
         control_probs=ControlProbs.of(None, 0),
         vote=None,
         format_valid=True,
         format_state="unchecked",
+        given_sum_logprob=math.nan,
         **fields,
     )
 

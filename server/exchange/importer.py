@@ -64,18 +64,6 @@ class Imported:
     rollouts: int
 
 
-@dataclass
-class _Rollout(RolloutRecord):
-    """A rollout as exported: its Σ logprob is the stored one (the float16 token logprobs need
-    not add up to it exactly; None, a NaN sum, stays unknown)."""
-
-    stored_sum_logprob: float | None = 0.0
-
-    @property
-    def sum_logprob(self) -> float:
-        return math.nan if self.stored_sum_logprob is None else self.stored_sum_logprob
-
-
 def import_export(
     factory: sessionmaker[Session],
     path: Path,
@@ -261,7 +249,7 @@ class _ImportedRun:
             self._flush()
         self._batch_step = line.step
         self._batch.append(
-            _Rollout(
+            RolloutRecord(
                 group=line.group,
                 index=line.index,
                 prompt=line.prompt,
@@ -281,7 +269,8 @@ class _ImportedRun:
                 format_state=line.format_state,
                 meta=line.meta,
                 tokens=line.stored_pieces(),
-                stored_sum_logprob=line.sum_logprob,
+                # the stored sum (None: unknown, NaN; never re-summed from float16 logprobs)
+                given_sum_logprob=math.nan if line.sum_logprob is None else line.sum_logprob,
             )
         )
         self.rollouts += 1

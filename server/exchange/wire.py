@@ -345,23 +345,6 @@ class Received:
     tokens: int = 0
 
 
-class ReceivedRollout(RolloutRecord):
-    """A rollout from the wire: its Σ logprob is the sender's, at full precision (its logprobs
-    arrive quantized, as the store keeps them)."""
-
-    received_sum: float | None = None
-    text_rule: int | None = None  # the sender's: the completion is rebuilt from its pieces
-
-    @property
-    def sum_logprob(self) -> float | None:
-        return self.received_sum
-
-    def set_tokens(self, pieces: list[str]) -> None:
-        """Its tokens' texts, each made storable already when its piece was read (`_pieces`):
-        not scanned again position by position."""
-        object.__setattr__(self, "tokens", pieces)
-
-
 def decode_body(
     data: bytes,
     *,
@@ -503,7 +486,7 @@ def _tokens_within(rollouts_t: pa.Table, where: str, budget: int) -> int:
 
 def _rollout(
     r: dict[str, Any], w: str, control_tokens: Sequence[str], seen: set[tuple[int, int]]
-) -> ReceivedRollout:
+) -> RolloutRecord:
     """One received rollout row as the write entity, its arrays decoded (checked) in the
     entity's orientation; `seen`: the (group, index) of the frame's rollouts before it."""
     group = _int(r["group"], f"{w}.group", low=0)
@@ -529,7 +512,8 @@ def _rollout(
         )
     rule = r["text_rule"]
     _check_values(r, w)
-    record = ReceivedRollout(
+    total = r["sum_logprob"]
+    return RolloutRecord(
         group=group,
         index=index,
         prompt=r["prompt"] or "",
@@ -546,10 +530,10 @@ def _rollout(
         format_valid=r["format_valid"],
         format_state=r["format_state"],
         meta=_meta(r["meta"], f"{w}.meta") if r["meta"] is not None else {},
+        # the sender's Σ, at full precision (its logprobs arrive quantized); null: unknown
+        given_sum_logprob=math.nan if total is None else total,
+        text_rule=rule,
     )
-    record.received_sum = r["sum_logprob"]
-    record.text_rule = rule
-    return record
 
 
 def _check_values(r: dict[str, Any], w: str) -> None:
@@ -904,11 +888,8 @@ def complete_tokens(
                 f"steps[{s}].rollouts[{i}].ids",
                 "a token id with no piece (sent neither now nor before)",
             )
-        if isinstance(r, ReceivedRollout):
-            r.set_tokens(pieces)
-        else:
-            r.tokens = pieces
-        rule = r.text_rule if isinstance(r, ReceivedRollout) else None
+        r.set_storable_tokens(pieces)
+        rule = r.text_rule
         if rule is not None:
             # a piece of 4,096 characters repeated a million times is a 4 GB text
             size = int(chars[inverse[at - n : at]].sum())

@@ -110,16 +110,23 @@ def _low_bits(values: np.ndarray, counts: np.ndarray) -> bytes:
 
 
 def _read_low_bits(data: bytes, offset: int, counts: np.ndarray) -> np.ndarray:
-    """_low_bits' inverse: each value's lowest `counts` bits, read from data[offset:]."""
+    """_low_bits' inverse: each value's lowest `counts` bits, read from data[offset:]. Each
+    value is read as the 64-bit little-endian word at the byte its bits start in, shifted and
+    masked (a value's bits, at most 32, and the 7 before them in that byte fit one word): a few
+    passes over the values, none over the bits."""
     if not len(counts) or not int(counts.max()):
         return np.zeros(len(counts), dtype=np.uint32)
-    owner, place = _bit_places(counts)
-    bits = np.unpackbits(
-        np.frombuffer(data, np.uint8, offset=offset), count=len(owner), bitorder="little"
-    )
-    weights = (bits.astype(np.uint64) << place.astype(np.uint64)).astype(np.float64)
-    below: np.ndarray = np.bincount(owner, weights, minlength=len(counts)).astype(np.uint32)
-    return below
+    widths = counts.astype(np.uint64)
+    starts = np.cumsum(widths) - widths
+    raw = np.frombuffer(data, np.uint8, offset=offset)
+    padded = np.zeros(int(starts[-1] >> np.uint64(3)) + 16, dtype=np.uint8)
+    padded[: min(len(raw), len(padded))] = raw[: len(padded)]
+    # every byte offset's 64-bit word: one view of the bytes, a byte apart (unaligned reads)
+    words = np.ndarray((len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))
+    word = words[(starts >> np.uint64(3)).astype(np.intp)]
+    shifted = word >> (starts & np.uint64(7))
+    low: np.ndarray = (shifted & ((np.uint64(1) << widths) - np.uint64(1))).astype(np.uint32)
+    return low
 
 
 def _code_bits(values: np.ndarray) -> bytes:
@@ -164,14 +171,25 @@ def _code_buckets(values: np.ndarray) -> bytes:
     return _LENGTHS.pack(BUCKET_CODED, len(coded)) + coded + _low_bits(v, below)
 
 
-def _bucket_widths(symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symbols → (each value's bits above its packed ones, as a value; how many are packed)."""
-    s = symbols.astype(np.int64)
+def _bucket_table() -> tuple[np.ndarray, np.ndarray]:
+    """For each of the 256 byte values a symbol may be: (its value's bits above the packed ones,
+    as a value; how many are packed)."""
+    s = np.arange(256, dtype=np.int64)
     big = s >= _EXACT
     rest = np.maximum(s - _EXACT, 0)
     below = np.where(big, rest // (1 << _TOP) + 1, 0)
     top = np.where(big, (1 << _TOP) + rest % (1 << _TOP), s)
     return top, below
+
+
+_BUCKET_TOPS, _BUCKET_BELOWS = _bucket_table()
+
+
+def _bucket_widths(symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symbols → (each value's bits above its packed ones, as a value; how many are packed),
+    looked up (a symbol is one byte)."""
+    at = symbols.astype(np.intp, copy=False)
+    return _BUCKET_TOPS[at], _BUCKET_BELOWS[at]
 
 
 def _decode_buckets(data: bytes, symbols: np.ndarray | None = None) -> np.ndarray:
@@ -305,10 +323,22 @@ def decode_logprobs(data: bytes | None) -> np.ndarray:
     codes = (
         _decode_coded(data).astype(np.uint16) if _coded(data) else _unshuffle(_unpack(data), "u2")
     )
+    return _logprob_values(codes)
+
+
+def _logprob_values(codes: np.ndarray) -> np.ndarray:
+    """Logprob codes → float64 logprobs (−inf and NaN as they were written)."""
     values = codes.astype(np.float64) / -LOGPROB_SCALE + 0.0  # + 0.0: no -0.0
     values[codes == _LP_NEG_INF] = -math.inf
     values[codes == _LP_NAN] = math.nan
     return values
+
+
+def stored_logprobs(logprobs: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Logprobs as the store reads them back (decode_logprobs of encode_logprobs), without
+    coding them: what a figure computed on the write path must see to equal the one the pages
+    compute from the stored arrays."""
+    return _logprob_values(_logprob_codes(_as_floats(logprobs)))
 
 
 def _fit(row: Sequence[float], length: int) -> Sequence[float]:

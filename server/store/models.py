@@ -20,6 +20,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    text,
     true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -252,6 +253,20 @@ class RolloutRow(Base):
                 "disagree",
             )
         ),
+        # The mismatch columns (0021): partial on PostgreSQL, where a run without a generator
+        # side would otherwise hold a tiny index of NULLs that the planner took for its other
+        # run_id look-ups (the search's walk of a run's prompts); its nullable sorts never read
+        # an index's order there (NULLS FIRST going up), so nothing is lost. Whole on SQLite,
+        # whose nullable sorts walk them.
+        *(
+            Index(
+                f"ix_rollouts_run_id_{column}",
+                "run_id",
+                column,
+                postgresql_where=text(f"{column} IS NOT NULL"),
+            )
+            for column in ("abs_diff_max", "log_seq_ratio")
+        ),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -270,6 +285,11 @@ class RolloutRow(Base):
     format_state: Mapped[str | None] = mapped_column(String(32))
     # server.core.records.disagrees(verifier_reward, true_score), kept so that it can be filtered on.
     disagree: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Training–inference mismatch (server.core.mismatch.rollout_figures over the logprobs as
+    # stored): the largest |Δlogp| of its compared tokens and the log of its sequence ratio,
+    # Σ log(p_trainer / p_generator). NULL: no generator side, or no token to compare.
+    abs_diff_max: Mapped[float | None] = mapped_column(Float)
+    log_seq_ratio: Mapped[float | None] = mapped_column(Float)
     # The completion's length in tokens, and how its text comes back (server.store.arrays):
     # a TEXT_RULES id when the run's token texts of its ids rebuild it exactly, else NULL and
     # the text is in RolloutDataRow.text.

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 from rollout_lens.server.core import alerts as rules
-from rollout_lens.server.core import textsafe
+from rollout_lens.server.core import mismatch, textsafe
 from rollout_lens.server.core.errors import RolloutsTaken, StepOutOfOrder
 from rollout_lens.server.core.prompt_rules import recorded_query
 from rollout_lens.server.core.records import RolloutRecord, StepRecord, disagrees
@@ -89,6 +89,8 @@ ROLLOUT_COLUMNS = (
     "format_valid",
     "format_state",
     "disagree",
+    "abs_diff_max",
+    "log_seq_ratio",
     "n_tokens",
     "text_rule",
     "facts_id",
@@ -603,13 +605,16 @@ class Recorder:
         rules = [self.tokens.text_rule(r) for r in rollouts]
         driver = self.driver
         cursor = cursor or driver.cursor(conn)
+        figures = rollout_mismatch(rollouts)
         cursor.insert(
             driver.insert_rollouts,
             [
                 _rollout_row(
-                    self.run_id, step, r, prompt_ids[p], facts_ids[d] if d else None, o, rule
+                    self.run_id, step, r, prompt_ids[p], facts_ids[d] if d else None, o, rule, f
                 )
-                for r, p, d, o, rule in zip(rollouts, prompts, digests, own, rules, strict=True)
+                for r, p, d, o, rule, f in zip(
+                    rollouts, prompts, digests, own, rules, figures, strict=True
+                )
             ],
             clean=False,
         )
@@ -698,8 +703,10 @@ def _rollout_row(
     facts_id: int | None,
     own: dict[str, Any],
     rule: int | None,
+    figures: tuple[float | None, float | None],
 ) -> tuple[Any, ...]:
-    """A rollout's row of the rollouts table (its arrays go to rollout_data apart)."""
+    """A rollout's row of the rollouts table (its arrays go to rollout_data apart); `figures`:
+    its mismatch columns (rollout_mismatch)."""
     return (
         run_id,
         step,
@@ -715,12 +722,52 @@ def _rollout_row(
         None if r.format_valid is None else bool(r.format_valid),
         r.format_state,
         disagrees(r.verifier_reward, r.true_score),
+        *figures,
         # no ids for a text (an import of text alone): its length is not known
         len(r.completion_ids) if len(r.completion_ids) or not r.completion else None,
         rule,
         facts_id,
         json_text(own) if own else None,  # text on both (PostgreSQL casts it)
     )
+
+
+def rollout_mismatch(rollouts: Sequence[RolloutRecord]) -> list[tuple[float | None, float | None]]:
+    """Each rollout's largest |Δlogp| and log sequence ratio (mismatch.rollout_figures, all the
+    step's rollouts in one pass) over its two sides' logprobs as the store keeps them
+    (arrays.stored_logprobs: 1/4096 nat, floored at −15), so that every write path (the
+    callback's, the wire's, which receives them so, the imports') and migration 0021's
+    backfill store the same figures, and the explorer's columns equal what the drill-down reads
+    from the arrays. (None, None): no generator side, sides of different lengths, or no token
+    to compare."""
+    out: list[tuple[float | None, float | None]] = [(None, None)] * len(rollouts)
+    chosen = [
+        i
+        for i, r in enumerate(rollouts)
+        if r.generator_logprobs is not None
+        and len(r.generator_logprobs)
+        and len(r.generator_logprobs) == len(r.token_logprobs)
+    ]
+    if not chosen:
+        return out
+    trainer, generator = (
+        arrays.stored_logprobs(np.concatenate(side))
+        for side in zip(
+            *((rollouts[i].token_logprobs, rollouts[i].generator_logprobs) for i in chosen),
+            strict=True,
+        )
+    )
+    cuts = np.cumsum([len(rollouts[i].token_logprobs) for i in chosen])[:-1]
+    tokens = mismatch.pool(
+        [
+            mismatch.Sides(t, g)
+            for t, g in zip(np.split(trainer, cuts), np.split(generator, cuts), strict=True)
+        ]
+    )
+    figures = mismatch.each_rollout(tokens.log_ratios(), tokens.counts())
+    for i, found in zip(chosen, figures, strict=True):
+        if found is not None:
+            out[i] = (found.abs_diff_max, found.log_seq_ratio)
+    return out
 
 
 def _groups(

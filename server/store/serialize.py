@@ -7,6 +7,7 @@ from typing import Any
 
 from rollout_lens.server.core import tokentext
 from rollout_lens.server.core.display import iso
+from rollout_lens.server.core.mismatch import RolloutMismatch, stored_figures
 from rollout_lens.server.core.read_models import RunData
 from rollout_lens.server.core.records import ControlProbs, Floats
 from rollout_lens.server.core.step_views import RolloutView
@@ -77,10 +78,9 @@ def read_rollout(
         if rollout.text_rule is not None and every is not None
         else completion_text(rollout, ids, texts)
     )
-    total = len(ids)
     shown = ids if max_tokens is None else ids[:max_tokens]
     pieces = every[: len(shown)] if every is not None else token_pieces(shown, texts)
-    logprobs, generator, control = per_token(rollout, control_tokens, max_tokens)
+    logprobs, generator, control, figures = per_token(rollout, control_tokens, max_tokens)
     return RolloutView(
         run_id=rollout.run_id,
         step=rollout.step,
@@ -89,7 +89,7 @@ def read_rollout(
         prompt=prompt,
         completion=completion,
         completion_ids=id_array if max_tokens is None else id_array[:max_tokens],
-        tokens=shown_tokens(rollout, pieces, whole=len(shown) == total),
+        tokens=shown_tokens(rollout, pieces, whole=len(shown) == len(ids)),
         token_pieces=pieces,
         tokens_kept=rollout.tokens_kept,
         vote=rollout.vote,
@@ -104,28 +104,31 @@ def read_rollout(
         generator_logprobs=generator,
         control_token_probs=control,
         meta=rollout.meta,
-        tokens_total=total,
+        tokens_total=len(ids),
         window=max_tokens is not None,
+        mismatch=figures,
     )
 
 
 def per_token(
     rollout: RolloutRow, control_tokens: Sequence[str], max_tokens: int | None
-) -> tuple[Floats, Floats | None, ControlProbs]:
+) -> tuple[Floats, Floats | None, ControlProbs, RolloutMismatch | None]:
     """A rollout's per-token arrays as the view holds them — logprobs float64, the
     generator's logprobs float64 (None: the generation path gave none) and control-token
     probabilities [position × token], as the store's decoders return them — cut to the first
     `max_tokens` positions (retention dropped the logprobs, the generator's and the
-    control-token probabilities: empty, None)."""
+    control-token probabilities: empty, None), and the rollout's mismatch figures over all its
+    positions (mismatch.stored_figures, before the cut)."""
     data = rollout.data if rollout.tokens_kept else None
     logprobs = arrays.decode_logprobs(data.logprobs if data else None)
     found = data.generator_logprobs if data else None
     generator = None if found is None else arrays.decode_logprobs(found)
     control = arrays.decode_control(data.control if data else None, len(control_tokens))
+    figures = stored_figures(logprobs, generator)
     if max_tokens is not None:
         logprobs, control = logprobs[:max_tokens], control[:max_tokens]
         generator = None if generator is None else generator[:max_tokens]
-    return logprobs, generator, ControlProbs(control_tokens, control)
+    return logprobs, generator, ControlProbs(control_tokens, control), figures
 
 
 def rollout_dict(

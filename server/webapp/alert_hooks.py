@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 from rollout_lens.server.core.retry import Backoff, retry
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import AlertRow, RunRow
-from rollout_lens.server.webapp.pages.page_context import alert_rollouts
+from rollout_lens.server.webapp.pages.page_context import alert_mismatch, alert_rollouts
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -46,11 +46,16 @@ def payload(alert: AlertRow, run: RunRow, base_url: str) -> dict[str, Any]:
     run_url = f"{base}/runs/{run.id}"
     filters = alert_rollouts({"step": alert.step, "kind": alert.kind})
     rollouts_url = f"{run_url}/rollouts?{urlencode(filters)}"
+    drill = alert_mismatch({"step": alert.step, "kind": alert.kind})
+    mismatch_url = None if drill is None else f"{run_url}/mismatch?{urlencode(drill)}"
     text = (
         f":warning: *{slack_escape(alert.kind)}* at step {alert.step} of run "
         f"<{run_url}|{slack_escape(run.name)}>: {slack_escape(alert.message)} "
-        f"(<{rollouts_url}|the rollouts>)"
+        f"(<{rollouts_url}|the rollouts>"
+        + ("" if mismatch_url is None else f", <{mismatch_url}|the tokens>")
+        + ")"
     )
+    extra = {} if mismatch_url is None else {"mismatch_url": mismatch_url}
     return {
         "text": text,
         "run_id": run.id,
@@ -61,6 +66,7 @@ def payload(alert: AlertRow, run: RunRow, base_url: str) -> dict[str, Any]:
         "message": alert.message,
         "run_url": run_url,
         "rollouts_url": rollouts_url,
+        **extra,
     }
 
 

@@ -1,12 +1,14 @@
 """The step viewer's marks in a real browser (Playwright driving Debian's Chromium): a multi-turn
 group as the issue's user saw it (a rollout that ran out of calls, the one right rollout that
 called tool_00 twice before tool_59, tool results that are a Python dict and a JSON object), the
-same group recorded before votes were final answers, and where a hint was and was not shown to
-the model. Screenshots go to $ROLLOUT_LENS_TEST_ARTIFACTS as stepview-*.png."""
+same group recorded before votes were final answers, where a hint was and was not shown to
+the model, and a run with the generator's logprobs whose tokens shade by log r (hostile token
+texts among them). Screenshots go to $ROLLOUT_LENS_TEST_ARTIFACTS as stepview-*.png."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -19,9 +21,17 @@ from rollout_lens.server import store
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.migrate import upgrade
+from rollout_lens.server.store.models import RunStatus
 from rollout_lens.server.webapp.app import create_app
 
-from tests.factories import CONTROL_TOKENS, make_multiturn_group, make_rollouts, record_step
+from tests.factories import (
+    CONTROL_TOKENS,
+    make_multiturn_group,
+    make_prompt,
+    make_rollouts,
+    record_step,
+    with_generator,
+)
 from tests.web_support import HINT, record_supervised_run, serve_app
 
 pytest.importorskip("playwright.sync_api")
@@ -73,6 +83,45 @@ def _hinted_dataset_run(factory: Any) -> int:
     return run_id
 
 
+# Token texts a page must show as text: tags, an attribute breaking out, a template expression.
+HOSTILE_TOKENS = ("<script>alert(1)</script>", '"><img src=x onerror=alert(2)>', "{{7*7}}")
+WORDS = ("the", "weather", "tool", "is", "tool_07", "so", "I", "call", "it", "now", "with", "city")
+
+
+def _two_sided_run(factory: Any) -> int:
+    """A run with the generator's logprobs: a group of eight 40-token replies (words, and the
+    hostile texts among them; the generator off by more where the trainer's probability is
+    low, as mismatch is) and a multi-turn group, tool results masked."""
+    with session_scope(factory) as session:
+        run_id = store.create_run(
+            session, name="two-sided <b>mismatch</b>", model="tiny", total_steps=1,
+            group_size=8, control_tokens=CONTROL_TOKENS, status=RunStatus.completed,
+        ).id  # fmt: skip
+    rng = random.Random(47)
+    words = [f" {w}" for w in WORDS] + [","]
+    vocabulary = words + list(HOSTILE_TOKENS)
+    rollouts = make_rollouts(rng)
+    for r in rollouts:
+        tokens = [rng.choice(words) for _ in range(40)]
+        tokens[3 + r.index] = HOSTILE_TOKENS[r.index % 3]
+        r.prompt = make_prompt(["tool_07", "tool_03"], query="the weather in Paris")
+        r.completion = "".join(tokens)
+        r.completion_ids = [300 + vocabulary.index(t) for t in tokens]
+        r.tokens = tokens
+        r.token_logprobs = [math.log(rng.betavariate(3, 1)) for _ in tokens]
+        r.control_probs = None
+        generator = [
+            min(0.0, lp + rng.gauss(0.0, 0.05 + 0.8 * (1 - math.exp(lp)) ** 2))
+            for lp in r.token_logprobs
+        ]
+        generator[20 + r.index] = r.token_logprobs[20 + r.index] - 2.0  # r = e² > 5: stale
+        generator[rng.randrange(20)] = math.nan  # vLLM gave none for one token
+        r.generator_logprobs = generator
+    multi = with_generator(make_multiturn_group(group=1), rng, spread=0.8)
+    record_step(factory, run_id, 1, values={"reward_mean": 0.5}, rollouts=rollouts + multi)
+    return run_id
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     data_dir = tmp_path_factory.mktemp("stepview")
@@ -85,6 +134,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "legacy": _multiturn_run(factory, legacy=True),
         "dataset_hint": _hinted_dataset_run(factory),
         "supervised": record_supervised_run(factory, steps=1),
+        "two_sided": _two_sided_run(factory),
     }
     app = create_app(Settings(database_url=url, data_dir=data_dir, lost_after_seconds=3600))
     with serve_app(app) as base:
@@ -256,3 +306,71 @@ def test_a_hint_says_whether_the_model_saw_it(page: Any, served: Served) -> None
     assert "Hint (shown to the model):" in banner.inner_text()
     assert banner.locator(".hint-text").inner_text() == HINT.removeprefix("Hint: ")
     _shot(page, "hint-shown")
+
+
+SLATE = "rgb(241, 245, 249)"  # .shade-ratio .tok: nothing to compare
+TOOL_GREY = "rgb(229, 231, 235)"  # .tok.tool-tok
+
+
+def _cell_facts(page: Any, panel: str) -> list[dict[str, str]]:
+    return list(
+        page.eval_on_selector_all(
+            f"{panel} .tokens [role=listitem]",
+            """els => els.map(e => ({text: e.textContent, cls: e.className, title: e.title,
+                bg: getComputedStyle(e).backgroundColor, ring: getComputedStyle(e).boxShadow}))""",
+        )
+    )
+
+
+def test_tokens_shade_by_log_ratio_with_both_probabilities_on_hover(
+    page: Any, served: Served
+) -> None:
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    run_id = served.runs["two_sided"]
+    page.goto(f"/runs/{run_id}/steps/1/groups/0")
+    page.evaluate("window.sameDocument = true")  # gone if the switch reloaded the page
+    by_p = _cell_facts(page, "#rollout-0")
+    assert page.locator(".ratio-legend").first.is_hidden()
+    page.click("#shade-switch a[data-shade=ratio]")
+    assert "shade=ratio" in page.url and page.evaluate("window.sameDocument") is True
+    assert "shade-ratio" in (page.locator("section.rollouts").get_attribute("class") or "")
+    assert page.locator("#shade-switch a[data-shade=ratio]").get_attribute("aria-current") == "true"
+    assert "shade=ratio" in (page.locator("#next-group").get_attribute("href") or "")
+    by_r = _cell_facts(page, "#rollout-0")
+    assert [c["text"] for c in by_r] == [c["text"] for c in by_p]
+    assert page.locator(".ratio-legend").first.is_visible()
+    assert page.locator(".token-legend:not(.ratio-legend)").first.is_hidden()
+    ringed = 0
+    for cell in by_r:
+        assert "trainer p=" in cell["title"] and "generator p=" in cell["title"]
+        assert "log r" in cell["title"]
+        shade = cell["cls"].split()[-1]
+        if shade == "rx":
+            assert cell["bg"] == SLATE and "log r: —" in cell["title"]
+        if shade[-1:] in ("3", "4"):  # outside [1/2, 2]: a ring, and the hover names the band
+            ringed += 1
+            assert cell["ring"] != "none" and "outside [1/" in cell["title"]
+        else:
+            assert cell["ring"] == "none"
+    assert ringed and any(c["cls"].endswith(" rx") for c in by_r)
+    changed = [p["bg"] != r["bg"] for p, r in zip(by_p, by_r, strict=True)]
+    assert sum(changed) > len(changed) // 2
+    # hostile token texts are text: shown as written, no element, no dialog
+    texts = [c["text"].replace("·", " ") for c in by_r]
+    assert HOSTILE_TOKENS[0] in texts
+    assert page.locator(".tokens img, .tokens script").count() == 0
+    _shot(page, "ratio")
+    assert page.locator("form.jump #jump-shade").count() == 1  # the Go box keeps it too
+    page.click("#shade-switch a[data-shade=probability]")
+    assert "shade=" not in page.url and page.locator("#jump-shade").count() == 0
+    assert [c["bg"] for c in _cell_facts(page, "#rollout-0")] == [c["bg"] for c in by_p]
+    # a tool-calling group: tool results stay grey, not sampled, in either shade
+    page.goto(f"/runs/{run_id}/steps/1/groups/1?shade=ratio")
+    page.click("form.jump button[type=submit]")  # the Go box: the same step, still shaded
+    page.wait_for_url("**/steps/1/groups/1?shade=ratio")
+    tools = _cell_facts(page, "#rollout-0 li[data-turn=tool]")
+    assert tools and all(c["cls"] == "tok tool-tok" and c["bg"] == TOOL_GREY for c in tools)
+    model = _cell_facts(page, "#rollout-0 li[data-turn=model]")
+    assert model and all("generator p=" in c["title"] for c in model)
+    assert dialogs == []

@@ -16,7 +16,7 @@ from rollout_lens.server.store.serialize import completion_ids, completion_text
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS
-from tests.web_support import client_for, parse
+from tests.web_support import client_for, explorer_pages, parse
 
 WORDS = ["alpha", "beta", "gamma", "delta", "tool", "call", "Überweg", "x1y2", "answer", "none"]
 STATES = ["healthy_call", "collapse", "text_pollution", None]
@@ -165,18 +165,6 @@ FILTERS: list[tuple[str, Any]] = [
 ]
 
 
-def _all_pages(client: Any, url: str) -> tuple[list[dict[str, Any]], int]:
-    rows: list[dict[str, Any]] = []
-    page = client.get(url).json()
-    total = page["total"]
-    rows += page["rollouts"]
-    while page["next_url"]:
-        page = client.get(page["next_url"]).json()
-        assert page["total"] == total
-        rows += page["rollouts"]
-    return rows, total
-
-
 @pytest.mark.parametrize(("query", "keep"), FILTERS, ids=[f for f, _ in FILTERS])
 def test_every_filter_matches_the_brute_force_answer(
     session_factory: sessionmaker[Session], explored: Any, query: str, keep: Any
@@ -184,7 +172,7 @@ def test_every_filter_matches_the_brute_force_answer(
     run_id, truth = explored
     expected = sorted((r["step"], r["id"]) for r in truth if keep(r))
     with client_for(session_factory) as client:
-        rows, total = _all_pages(client, f"/api/runs/{run_id}/rollouts?{query}&limit=5")
+        rows, total = explorer_pages(client, f"/api/runs/{run_id}/rollouts?{query}&limit=5")
     assert [(r["step"], r["id"]) for r in rows] == expected
     assert total == len(expected)
     by_id = {r["id"]: r for r in truth}
@@ -221,7 +209,7 @@ def test_every_sort_pages_through_every_row_in_order(
 ) -> None:
     run_id, truth = explored
     with client_for(session_factory) as client:
-        rows, _ = _all_pages(
+        rows, _ = explorer_pages(
             client, f"/api/runs/{run_id}/rollouts?sort={sort}&order={order}&limit=7"
         )
     assert [r["id"] for r in rows] == _expected_order(truth, sort, order)
@@ -271,7 +259,7 @@ def test_a_word_in_more_prompts_than_a_query_has_marks_is_searched(
     truth = _truth(session_factory, run_id)
     with client_for(session_factory) as client:
         for q in ["template", "templ*", "template+item1*", "templ*+item10*", "tool_07+query"]:
-            rows, total = _all_pages(client, f"/api/runs/{run_id}/rollouts?q={q}&limit=200")
+            rows, total = explorer_pages(client, f"/api/runs/{run_id}/rollouts?q={q}&limit=200")
             expected = sorted(r["id"] for r in truth if _has(r, q.replace("+", " ")))
             assert expected, q
             assert sorted(r["id"] for r in rows) == expected, q
@@ -499,7 +487,7 @@ def test_a_resume_takes_the_steps_it_redoes_out_of_the_search(
     again = _truth(session_factory, run_id)
     expected = sorted(r["id"] for r in again if _has(r, "gamma"))
     with client_for(session_factory) as client:
-        rows, total = _all_pages(client, f"/api/runs/{run_id}/rollouts?q=gamma&limit=50")
+        rows, total = explorer_pages(client, f"/api/runs/{run_id}/rollouts?q=gamma&limit=50")
     assert sorted(r["id"] for r in rows) == expected and total == len(expected)
 
 

@@ -286,14 +286,20 @@ def test_0010_carries_the_tsvector_index(pg_0009: Engine) -> None:
             {"h": sha256_text(prompt), "t": prompt},
         )
     # Today's store writes the columns and tables later migrations add (0011's, 0017's, 0019's
-    # prompt rollups, 0020's generator logprobs): present while it writes, then dropped, so that
-    # the database is 0009's again when it is upgraded.
+    # prompt rollups, 0020's generator logprobs, 0021's mismatch columns): present while it
+    # writes, then dropped, so that the database is 0009's again when it is upgraded.
     later = {
         "runs": ("record_key", "recorded_by", "record_epoch", "ended_by"),
         "alerts": ("notify_state", "notify_error"),
         "rollout_data": ("generator_logprobs",),
+        "rollouts": ("abs_diff_max", "log_seq_ratio"),
     }
-    typed = {"record_epoch": "integer NOT NULL DEFAULT 0", "generator_logprobs": "bytea"}
+    typed = {
+        "record_epoch": "integer NOT NULL DEFAULT 0",
+        "generator_logprobs": "bytea",
+        "abs_diff_max": "double precision",
+        "log_seq_ratio": "double precision",
+    }
     rollups = [PromptGroupRow.__table__, RunPromptRow.__table__]
     with pg_0009.begin() as conn:
         for table, columns in later.items():

@@ -238,12 +238,18 @@ def test_one_description_of_a_rollout_gives_the_export_the_api_and_the_view() ->
     assert all(listed[name].get("description") for name in fields)
     rollouts = schemas["Group"]["properties"]["rollouts"]
     assert rollouts["items"]["$ref"].endswith("/GroupRollout")
-    # the write side's entity carries the description's fields a trainer knows (two under the
-    # names the write path has always given them)
+    # the write side's entity carries the description's fields a trainer knows (three under the
+    # names the write path has always given them), and one instruction to the store: how its
+    # text is rebuilt from its pieces (the wire's text_rule; the store keeps its own)
     from dataclasses import fields as entity_fields
 
-    renamed = {"control_probs": "control_token_probs", "tokens": "token_pieces"}
-    assert {renamed.get(f.name, f.name) for f in entity_fields(RolloutRecord)} <= set(fields)
+    renamed = {
+        "control_probs": "control_token_probs",
+        "tokens": "token_pieces",
+        "given_sum_logprob": "sum_logprob",
+    }
+    written = {renamed.get(f.name, f.name) for f in entity_fields(RolloutRecord)}
+    assert written - set(fields) == {"text_rule"}
     # the Parquet export's columns: the same fields (control-token probabilities as rows)
     from rollout_lens.server.exchange.export import PARQUET_NAMES, rollout_schema
 

@@ -104,7 +104,8 @@ def test_our_recorder_sends_what_no_page_can_show_as_null(
     (received,) = wire.decode_body(wire.body([frame]), control_tokens=CONTROL)
     sent = received.record.rollouts[0]
     assert sent.meta["score"] is None and sent.meta["probe"] == {"p": [0.5, None, None]}
-    assert sent.meta["ok"] == 1.5 and sent.true_score is None and sent.sum_logprob is None
+    assert sent.meta["ok"] == 1.5 and sent.true_score is None
+    assert sent.sum_logprob is not None and math.isnan(sent.sum_logprob)  # unknown: stored NULL
     run_id = record_run(client, "values-key-0002", CONTROL)
     answer = client.post(f"/api/record/runs/{run_id}/steps", content=wire.body([frame]))
     assert answer.status_code == 200, answer.text

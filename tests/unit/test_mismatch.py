@@ -177,3 +177,29 @@ def test_band_edge_is_inside() -> None:
 def test_histogram_needs_room_for_the_bands() -> None:
     with pytest.raises(ValueError, match="limit > log 5"):
         drill.histogram(np.zeros(3), limit=1.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(rollout(), max_size=6), st.integers(min_value=0, max_value=30))
+def test_a_sample_is_bounded_holds_the_worst_and_is_the_same_every_time(
+    rollouts: list[tuple[Any, Any, Any]], most: int
+) -> None:
+    tokens = mm.pool([_sides(r) for r in rollouts])
+    worst = drill.worst_of(tokens, min(5, most))
+    shown = drill.sample(tokens, most, worst)
+    n = len(tokens.trainer)
+    assert len(shown) == min(n, max(most, len(worst)))
+    assert set(worst.tolist()) <= set(shown.tolist())
+    assert shown.tolist() == sorted(set(shown.tolist())) and all(0 <= i < n for i in shown)
+    assert drill.sample(tokens, most, worst).tolist() == shown.tolist()
+
+
+def test_a_pool_lays_the_compared_tokens_end_to_end() -> None:
+    sides = [
+        mm.Sides(np.array([-1.0, -2.0, -3.0]), [-1.5, None, -2.0]),
+        mm.Sides(np.array([-0.5]), None),
+        mm.Sides(np.array([-0.1, -0.2]), [-0.1, -0.4], np.array([False, True])),
+    ]
+    tokens = mm.pool(sides)
+    assert tokens.rollout.tolist() == [0, 0, 2] and tokens.position.tolist() == [0, 2, 1]
+    assert tokens.log_ratios().tolist() == pytest.approx([0.5, -1.0, 0.2])

@@ -14,7 +14,7 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 from fastapi.testclient import TestClient
-from rollout_lens.server.core import vocab
+from rollout_lens.server.core import mismatch, vocab
 from rollout_lens.server.webapp.pages import plotly_figures
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -57,6 +57,7 @@ def every_series() -> list[str]:
     ]
     names += [vocab.FORMAT_FREE_ACCURACY, *vocab.TOOL_SERIES]
     names += [vocab.turn_state(p, s) for p in vocab.TURN_POSITIONS for s in vocab.TURN_STATES]
+    names += list(mismatch.NAMES)
     return names + [*vocab.EVAL_SERIES, vocab.SFT_LOSS, vocab.trl("clip_ratio")]
 
 

@@ -66,6 +66,13 @@ window.RL = (() => {
       rollouts.textContent = "rollouts";
       li.append(document.createTextNode(" "), rollouts);
     }
+    if (a.mismatch_url) {  // a mismatch alert: its step's tokens in the drill-down
+      const tokens = document.createElement("a");
+      tokens.className = "alert-mismatch";
+      tokens.href = a.mismatch_url;
+      tokens.textContent = "tokens";
+      li.append(document.createTextNode(" "), tokens);
+    }
     return li;
   }
 

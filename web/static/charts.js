@@ -10,6 +10,7 @@ window.RL.charts = (() => {
     collapse: "#d97706",
     control_token_spike: "#9333ea",
     signal_loss: "#64748b",
+    mismatch: "#be123c",
   };
 
   // --- the page's view: smoothing and log scale, read from and written to the URL ---------------

@@ -1,10 +1,13 @@
 "use strict";
 // The step viewer: rollout tabs, keyboard (←/→ steps, Home/End, 0–9 rollouts, [/] groups, j/k
-// overview rows), slider and jump.
+// overview rows), slider and jump, and the token shade (probability or log-ratio, ?shade=ratio).
 (() => {
   const tabs = [...document.querySelectorAll('[role="tab"]')];
   const nav = document.getElementById("step-nav");
   const rows = [...document.querySelectorAll("#groups-table tbody tr")];
+  const shadeLinks = [...document.querySelectorAll("a[data-shade]")];
+  const rollouts = document.querySelector("section.rollouts");
+  const shadedByRatio = () => Boolean(rollouts && rollouts.classList.contains("shade-ratio"));
 
   function select(index, focus = false) {
     if (!tabs[index]) return;
@@ -21,13 +24,50 @@
 
   const currentHash = () => (/^#r\d+$/.test(window.location.hash) ? window.location.hash : "");
 
-  /** Step and group links carry the selected rollout, so moving keeps the same #n open. */
+  /** Step and group links carry the selected rollout and the shade, so moving keeps the same #n
+   *  open and the tokens shaded as they are. */
   function keepTabInLinks() {
     for (const id of ["first-step", "prev-step", "next-step", "last-step", "prev-group", "next-group"]) {
       const link = document.getElementById(id);
-      if (link && link.hasAttribute("href")) link.href = link.href.split("#")[0] + currentHash();
+      if (!link || !link.hasAttribute("href")) continue;
+      const url = new URL(link.href);
+      if (shadedByRatio()) url.searchParams.set("shade", "ratio");
+      else url.searchParams.delete("shade");
+      url.hash = currentHash();
+      link.href = url.href;
     }
   }
+
+  /** The jump box's form carries the shade (the page renders its field when it was asked for). */
+  function keepShadeInJump(mode) {
+    const form = document.querySelector("form.jump");
+    let field = document.getElementById("jump-shade");
+    if (mode === "ratio" && form && !field) {
+      field = Object.assign(document.createElement("input"), { type: "hidden", name: "shade", value: "ratio", id: "jump-shade" });
+      form.append(field);
+    } else if (mode !== "ratio" && field) {
+      field.remove();
+    }
+  }
+
+  /** Shade the tokens by probability or by log-ratio at once (the links reload without JS). */
+  function shade(mode) {
+    rollouts.classList.toggle("shade-ratio", mode === "ratio");
+    for (const link of shadeLinks) link.setAttribute("aria-current", link.dataset.shade === mode ? "true" : "false");
+    const url = new URL(window.location.href);
+    if (mode === "ratio") url.searchParams.set("shade", "ratio");
+    else url.searchParams.delete("shade");
+    keepShadeInJump(mode);
+    history.replaceState(null, "", url);
+    keepTabInLinks();
+  }
+  for (const link of shadeLinks) {
+    link.addEventListener("click", (event) => {
+      event.preventDefault();
+      shade(link.dataset.shade);
+    });
+  }
+  if (shadedByRatio()) keepTabInLinks();
 
   tabs.forEach((tab, i) => tab.addEventListener("click", () => select(i)));
   for (const chip of document.querySelectorAll("[data-tab]")) {
@@ -78,7 +118,8 @@
     const group = nav.dataset.group === undefined ? "" : `&group=${nav.dataset.group}`;
     slider.addEventListener("input", () => (input.value = slider.value));
     slider.addEventListener("change", () => {
-      window.location.href = `${nav.dataset.jump}?step=${slider.value}${group}${currentHash()}`;
+      const shaded = shadedByRatio() ? "&shade=ratio" : "";
+      window.location.href = `${nav.dataset.jump}?step=${slider.value}${group}${shaded}${currentHash()}`;
     });
   }
 })();

@@ -159,6 +159,20 @@ def _null_for_non_finite(schema: dict[str, Any]) -> None:
     schema.update(walk(schema))
 
 
+class RolloutFigures(BaseModel):
+    """A rollout's training–inference mismatch over all its compared tokens (viewer.mismatch_json:
+    the figures its stats row shows beside Σ logprob)."""
+
+    model_config = ConfigDict(json_schema_extra=_null_for_non_finite)
+
+    tokens: int = Field(description="its tokens with a finite logprob on both sides")
+    abs_diff_max: float = Field(description="the largest |trainer − generator logprob| of them")
+    seq_ratio: float = Field(
+        description="the sequence-level importance ratio Π p_trainer / p_generator over them "
+        "(null past a float's range)"
+    )
+
+
 class GroupRollout(RolloutJSON):  # type: ignore[misc,valid-type]  # derived from the view
     """A rollout of a group's page: step_views.RolloutJSON (the read view's JSON: what the
     export writes), cut to the page's `max_tokens` positions and text budget, with the
@@ -172,6 +186,11 @@ class GroupRollout(RolloutJSON):  # type: ignore[misc,valid-type]  # derived fro
     disagree: bool = Field(description="the verifier and the truth disagree")
     sampled: list[bool] | None = Field(
         description="a tool-calling rollout's positions the model sampled (null: every one)"
+    )
+    mismatch: RolloutFigures | None = Field(
+        None,
+        description="only where it has the generator's logprobs: its figures over all its "
+        "positions, not only those sent (null: no token to compare)",
     )
 
 
@@ -201,6 +220,71 @@ class Rollouts(_Open):
     total: int = Field(description="rollouts that match, counted up to 100,000")
     total_capped: bool = Field(description="true when more than 100,000 match")
     next: str | None = Field(description="pass as `after` for the next page (null at the end)")
+    generator_side: bool = Field(
+        description="whether any rollout of the run has generator logprobs to compare: the rows' "
+        "abs_diff_max (largest |Δlogp|) and log_seq_ratio (log of the sequence ratio) are null "
+        "where not"
+    )
+
+
+class MismatchSteps(_Open):
+    """Which steps a drill-down read."""
+
+    read: list[int] = Field(description="the steps read, in order")
+    first: int | None = Field(description="the first step read")
+    last: int | None = Field(description="the last step read")
+    unkept: list[int] = Field(description="steps whose token arrays retention dropped: not read")
+    cut: bool = Field(description="true when a range stopped before its end (its bounds)")
+    next_from: int | None = Field(description="the first step not read when cut")
+
+
+class MismatchToken(_Open):
+    """A token of largest |log r|, in its rollout."""
+
+    step: int
+    group: int
+    index: int = Field(description="the rollout's index in its group")
+    position: int = Field(description="the token's completion position")
+    log_ratio: float = Field(description="log p_trainer − log p_generator")
+    trainer_logprob: float
+    generator_logprob: float
+    token_id: int | None
+    token: str | None = Field(description="its text (null where the run kept none)")
+    before: str | None = Field(description="the text of up to 4 tokens before it")
+    after: str | None = Field(description="the text of up to 4 tokens after it")
+    rollout_url: str = Field(description="its rollout in the step viewer")
+
+
+class MismatchLinks(_Open):
+    next: str | None = Field(description="the rest of a range that was cut (null otherwise)")
+    page: str = Field(description="this drill-down's page")
+
+
+class Mismatch(_Open):
+    """A step's (or a range's) generator and trainer logprobs compared, token by token."""
+
+    generator_side: bool = Field(description="whether the run recorded generator logprobs")
+    steps: MismatchSteps
+    rollouts: int = Field(description="rollouts compared")
+    tokens: int = Field(description="tokens compared (sampled tokens both sides gave)")
+    figures: dict[str, float | None] = Field(
+        description="the mismatch/* figures over these tokens (null: past float range)"
+    )
+    histogram: dict[str, Any] = Field(
+        description="counts of log r between `edges` (the bands' edges among them), `below` "
+        "and `above` its range, `bands`: the edges ±log 2 and ±log 5"
+    )
+    by_probability: list[dict[str, Any]] = Field(
+        description="a row a bucket of the generator's probability [low, high): tokens, mean "
+        "and max |Δlogp|, k3 KL, shares outside ×2 and ×5 (null where empty)"
+    )
+    worst: list[MismatchToken]
+    scatter: dict[str, Any] = Field(
+        description="at most 4,000 points (the worst tokens and a fixed-seed sample): "
+        "`generator` and `trainer` logprobs, `rollouts` [step, group, index], `worst` (which "
+        "points are the worst tokens), `points` of `tokens`"
+    )
+    links: MismatchLinks
 
 
 class Launched(_Open):

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from fastapi import Path, Query
 from rollout_lens.server.core.errors import InvalidInput
+from rollout_lens.server.webapp.pages.cells import Shade
 from rollout_lens.server.webapp.queries import MAX_RUNS_PER_PAGE
 
 MAX_ID = 2**31 - 1  # the largest id or step the databases store (a 32-bit INTEGER)
@@ -44,7 +45,21 @@ Look = Annotated[
         "spread, a broken call, or every rollout correct"
     ),
 ]
+TokenShade = Annotated[
+    Shade,
+    Query(
+        description="what the step viewer shades tokens by: the sampled token's probability, or "
+        "where the rollout has the generator's logprobs log r = trainer − generator logprob"
+    ),
+]
 OptionalStep = Annotated[int | None, Query(ge=0, le=MAX_ID, description="a step")]
+RangeFrom = Annotated[
+    int | None,
+    Query(alias="from", ge=0, le=MAX_ID, description="a range's first step (default: the run's)"),
+]
+RangeTo = Annotated[
+    int | None, Query(ge=0, le=MAX_ID, description="a range's last step (default: the run's)")
+]
 OptionalRunId = Annotated[int | None, Query(ge=1, le=MAX_ID, description="a run's id")]
 RunsPage = Annotated[int, Query(ge=1, le=MAX_ID, description="which page of runs (from 1)")]
 RunsPerPage = Annotated[

@@ -83,7 +83,7 @@ def with_step_urls(
 ) -> list[dict[str, Any]]:
     """Alerts as every page and script renders them: FiredAlert.as_dict plus the step's page and the
     explorer showing the rollouts that tripped it (page_context.alert_rollouts; what it may filter on
-    depends on what the run judged)."""
+    depends on what the run judged), and a mismatch alert's drill-down (`mismatch_url`)."""
     if not alerts:
         return alerts
     explorer = str(request.app.url_path_for("explorer_page", run_id=run_id))
@@ -93,6 +93,10 @@ def with_step_urls(
         alert["url"] = str(url)
         filters = page_context.alert_rollouts(alert, format_judged=format_judged)
         alert["rollouts_url"] = f"{explorer}?{urlencode(filters)}"
+        drill = page_context.alert_mismatch(alert)
+        if drill is not None:
+            drill_path = request.app.url_path_for("mismatch_page", run_id=run_id)
+            alert["mismatch_url"] = f"{drill_path}?{urlencode(drill)}"
     return alerts
 
 

@@ -22,7 +22,7 @@ from rollout_lens.server.core.records import DISAGREE_AT
 from rollout_lens.server.core.textsafe import clip
 from rollout_lens.server.core.vocab import WINDOW
 from rollout_lens.server.webapp.pages.badges import STATES, call_limit, format_badge
-from rollout_lens.server.webapp.pages.cells import NEAR_MISS, prob_text
+from rollout_lens.server.webapp.pages.cells import NEAR_MISS, RATIO_SCALE, prob_text
 from rollout_lens.server.webapp.pages.state_reason import state_reason
 from rollout_lens.server.webapp.queries.budget import SHOWN_CHARS
 from rollout_lens.server.webapp.queries.group_header import answer_vote, hint_body
@@ -116,6 +116,7 @@ def make_templates() -> Jinja2Templates:
         format_badge=format_badge,
         format_states=STATES,
         near_miss=NEAR_MISS,
+        ratio_scale=RATIO_SCALE,  # the token view's log-ratio shades: (class, range of r)
         disagree_reward=DISAGREE_AT,
         broken=broken,  # a rollout's format is bad only when known to be (overview.broken)
         state_name=state_name,  # its state, valid/invalid, or None: not recorded

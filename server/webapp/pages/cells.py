@@ -1,14 +1,20 @@
 """The token view's pieces: a rollout's tokens as cells (token_spans), each cell's classes and
-hover text (token_cells), the control-token table (control_rows), probabilities as text."""
+hover text (token_cells), the control-token table (control_rows), probabilities as text, and
+where the rollout has a generator side its log-ratio shade (ratio_class, generator_side)."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
+import numpy as np
 from rollout_lens.server.core import tokentext
+from rollout_lens.server.core.mismatch import BANDS
 from rollout_lens.server.core.records import ControlProbs
 from rollout_lens.server.core.step_views import RolloutView
 from rollout_lens.server.webapp.queries.budget import SPLIT_CHARS_PER_TOKEN, VIEW_TOKENS
@@ -105,6 +111,111 @@ def probability_bin(p: float | None) -> int:
     return min(9, max(0, int(p * 10)))
 
 
+# |log r| at the edges of the log-ratio shades: within 1 %, within 10 %, inside the narrow
+# band [1/2, 2], inside the wide one [1/5, 5], beyond it (mismatch.BANDS: the TIS/MIS bands).
+RATIO_EDGES = (0.01, 0.1, math.log(BANDS[0]), math.log(BANDS[1]))
+RATIO_NONE = "rx"  # no log r: no generator logprob, no trainer one
+Shade = Literal["probability", "ratio"]  # what the page shades cells by (?shade=ratio: log r)
+
+
+def ratio_class(log_r: float | None) -> str:
+    """The log-ratio shade of a token (CSS classes, no inline styles): r0 where |log r| ≤ 0.01,
+    rp1…rp4 where the trainer gave the token more probability than the generator (r > 1), rn1…rn4
+    less; level 3 lies outside [1/2, 2], level 4 outside [1/5, 5] (as mismatch.outside counts
+    them: strictly beyond); rx where there is nothing to compare."""
+    if log_r is None or not math.isfinite(log_r):
+        return RATIO_NONE
+    level = bisect.bisect_left(RATIO_EDGES, abs(log_r))
+    if level == 0:
+        return "r0"
+    return f"rp{level}" if log_r > 0 else f"rn{level}"
+
+
+def _ratio_label(log_r: float) -> str:
+    """r = exp(log r) as the legend writes a shade's edge: 1/5, 1/2, 0.90, 1.1, 2, 5."""
+    r = math.exp(log_r)
+    for band in BANDS:
+        if math.isclose(r, band):
+            return f"{band:g}"
+        if math.isclose(r, 1 / band):
+            return f"1/{band:g}"
+    return f"{r:.2f}" if r < 1 else f"{r:.3g}"
+
+
+def _ratio_scale() -> list[tuple[str, str]]:
+    """The log-ratio legend: (class, the range of r it shades), from r < 1/5 to r > 5."""
+    edges = [-e for e in reversed(RATIO_EDGES)] + list(RATIO_EDGES)
+    labels = [_ratio_label(e) for e in edges]
+    out = [(ratio_class(edges[0] - 1), f"<{labels[0]}")]
+    for i, (a, b) in enumerate(zip(edges, edges[1:], strict=False)):
+        text = f"≈1 (±{b:.0%})" if a < 0 < b else f"{labels[i]}–{labels[i + 1]}"
+        out.append((ratio_class((a + b) / 2), text))
+    out.append((ratio_class(edges[-1] + 1), f">{labels[-1]}"))
+    return out
+
+
+RATIO_SCALE = _ratio_scale()
+
+
+# The bands as hover text says a log r lies outside them, the widest first.
+_OUTSIDE = tuple((math.log(b), f" · outside [1/{b:g}, {b:g}]") for b in sorted(BANDS)[::-1])
+
+
+def ratio_text(log_r: float | None) -> str:
+    """A token's (or a cell's) log r for hover text: log r, r, and the widest band it lies
+    outside of."""
+    if log_r is None or not math.isfinite(log_r):
+        return "log r: — (no generator logprob to compare)"
+    size = abs(log_r)
+    r = f"{math.exp(log_r):.3g}" if size < 700 else ("∞" if log_r > 0 else "0")
+    out = f"log r={log_r:+.3f} (r={r})"
+    for edge, note in _OUTSIDE:
+        if size > edge:
+            return out + note
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorSide:
+    """A rollout's generator side at its shown positions, for its cells: the generator's
+    probability of each sampled token and log r = trainer − generator logprob, None where
+    there is nothing to compare (no generator logprob, no finite trainer one, a tool result)."""
+
+    probs: list[float | None]
+    log_ratios: list[float | None]
+
+    def at(self, first: int, last: int) -> tuple[float | None, float | None]:
+        """A cell's generator probability (the product of its tokens') and log r (the sum of
+        theirs); None when one of its tokens has none."""
+        if first == last:
+            return self.probs[first], self.log_ratios[first]
+        ratios = [v for v in self.log_ratios[first : last + 1] if v is not None]
+        if len(ratios) <= last - first:
+            return None, None
+        return _cell_probability(self.probs, first, last), math.fsum(ratios)
+
+
+def generator_side(
+    trainer: np.ndarray, generator: np.ndarray, n: int, sampled: Sequence[bool] | None
+) -> GeneratorSide:
+    """The generator side of a rollout's first `n` positions from its logprob arrays (either
+    may be shorter: the positions past it have nothing to compare); positions not `sampled`
+    (tool results) have none."""
+    both = np.full((2, n), np.nan)
+    both[0, : min(n, len(trainer))] = trainer[:n]
+    both[1, : min(n, len(generator))] = generator[:n]
+    keep = np.isfinite(both).all(axis=0)
+    if sampled is not None:
+        keep &= np.asarray(sampled, dtype=bool)
+    ratios = (both[0] - both[1]).tolist()
+    probs = np.exp(both[1]).tolist()
+    flags = keep.tolist()
+    return GeneratorSide(
+        probs=[p if k else None for p, k in zip(probs, flags, strict=True)],
+        log_ratios=[r if k else None for r, k in zip(ratios, flags, strict=True)],
+    )
+
+
 class TokenCell(TypedDict):
     """A token cell as the page draws it (token_cells)."""
 
@@ -153,13 +264,15 @@ def token_cells(
     sampled: Sequence[bool] | None,
     near_misses: Sequence[Sequence[str]],
     limit: int | None = None,
+    generator: GeneratorSide | None = None,
 ) -> Cells:
     """Per cell of a rollout's shown tokens (`spans`, those starting in the first `limit`
     positions): text, its positions (first, last), CSS classes and hover text (built here, not
     in Jinja: a 64-token completion × every control token is thousands of template
     operations). A cell of several tokens (one character split over them) shows the product of
     their probabilities, their ids, and the control tokens' probabilities at its first
-    position."""
+    position. With a `generator` side a cell also has its log-ratio shade (ratio_class, drawn
+    where the page asks for it) and its hover text the generator's probability and log r."""
     cells = []
     names = {t: control_name(t) for t in control}
     heads = [(f"p({names[t]})=", ps) for t, ps in control.items()]  # a hover line each
@@ -179,14 +292,22 @@ def token_cells(
                 TokenCell(text=span.text, first=a, last=b, cls="tok tool-tok", title=title)
             )
             continue
-        lines = [f"{at} · {id_text} · p={prob_text(p, 3)}"]
+        cls = _CELL_CLASSES[probability_bin(p)][bool(misses)]
+        if generator is None:
+            lines = [f"{at} · {id_text} · p={prob_text(p, 3)}"]
+        else:
+            q, log_r = generator.at(a, b)
+            lines = [
+                f"{at} · {id_text} · trainer p={prob_text(p, 3)} · generator p={prob_text(q, 3)}",
+                ratio_text(log_r),
+            ]
+            cls = f"{cls} {ratio_class(log_r)}"
         if b > a:
             each = " × ".join(prob_text(q, 3) for q in probs[a : b + 1])
             lines.append(f"one character over {b - a + 1} tokens: p is the product {each}")
         lines += [head + prob_text(ps[a], 3) for head, ps in heads]
         if misses:
             lines.append(f"near miss: {', '.join(names[t] for t in misses)} was likely here")
-        cls = _CELL_CLASSES[probability_bin(p)][bool(misses)]
         cells.append(TokenCell(text=span.text, first=a, last=b, cls=cls, title="\n".join(lines)))
     return cells
 

@@ -26,6 +26,8 @@ from rollout_lens.server.core.task_vocab import BEFORE_RL_MODES
 from rollout_lens.server.store.models import ACTIVE_STATUSES
 from rollout_lens.server.webapp.pages import plotly_figures as figures
 from rollout_lens.server.webapp.pages import viewer
+from rollout_lens.server.webapp.pages.cells import Shade
+from rollout_lens.server.webapp.pages.mismatch_page import seq_ratio_text
 from rollout_lens.server.webapp.queries import (
     JSON_TEXT_BUDGET,
     JSON_TEXT_CHARS,
@@ -195,13 +197,22 @@ class StepPageContext(TypedDict):
     all_groups: str
     links: dict[str, str | None]
     keep_query: dict[str, Any]
+    shade: Shade  # what the token view is shaded by (a group with a generator side)
+    mismatch_url: str | None  # the step's mismatch drill-down, where it has a generator side
 
 
 def step_page(
-    overview: StepGroups, url: Url, *, detail: GroupDetail | None = None
+    overview: StepGroups,
+    url: Url,
+    *,
+    detail: GroupDetail | None = None,
+    shade: Shade = "probability",
+    mismatch: bool = False,
 ) -> StepPageContext:
     """A step: its groups overview (step_groups: sortable rows, filters for the groups that need
-    a look, pages), or with one group (`detail`: group_detail) that group's rollouts as today."""
+    a look, pages), or with one group (`detail`: group_detail) that group's rollouts as today,
+    its tokens shaded by `shade`; `mismatch`: its rollouts have a generator side (the
+    drill-down is linked)."""
     run, step = overview["run"], overview["step"]["step"]
     sort, order, look = overview["sort"], overview["order"], overview["look"]
 
@@ -211,22 +222,6 @@ def step_page(
         return f"{path}?{urlencode(query)}" if query else path
 
     offset, limit, total = overview["offset"], overview["limit"], overview["total"]
-    columns = [
-        {
-            "key": key,
-            "label": label,
-            "numeric": numeric,
-            "active": key == sort,
-            # a column first sorts the way that brings the ones to look at up: high first
-            "href": here(
-                sort=key,
-                order=("asc" if order == "desc" else "desc")
-                if key == sort
-                else ("asc" if key in ("group", "label") else "desc"),
-            ),
-        }
-        for key, (label, numeric) in GROUP_SORTS.items()
-    ]
     looks = [
         {
             "key": key,
@@ -246,7 +241,7 @@ def step_page(
         "group_index": group["group"] if group else None,
         "overview": detail is None,
         "disagree_reward": DISAGREE_AT,
-        "columns": columns,
+        "columns": _sort_columns(sort, order, here),
         "looks": looks,
         "all_groups": here(look=None),
         "links": {
@@ -255,7 +250,31 @@ def step_page(
         },
         # what the step links keep: the overview's sort and filter
         "keep_query": _overview_query({"sort": sort, "order": order, "look": look}),
+        "shade": shade,
+        "mismatch_url": f"{url('mismatch_page', run_id=run['id'])}?step={step}"
+        if mismatch
+        else None,
     }
+
+
+def _sort_columns(sort: str, order: str, here: Callable[..., str]) -> list[dict[str, Any]]:
+    """The groups overview's sortable columns, each with its link: a column first sorts the way
+    that brings the ones to look at up (high first), the sorted one the other way."""
+    return [
+        {
+            "key": key,
+            "label": label,
+            "numeric": numeric,
+            "active": key == sort,
+            "href": here(
+                sort=key,
+                order=("asc" if order == "desc" else "desc")
+                if key == sort
+                else ("asc" if key in ("group", "label") else "desc"),
+            ),
+        }
+        for key, (label, numeric) in GROUP_SORTS.items()
+    ]
 
 
 def _overview_query(params: dict[str, Any]) -> dict[str, Any]:
@@ -296,11 +315,12 @@ class GroupPageContext(TypedDict):
     summary: dict[str, Any]
     gnav: GroupNav
     overview: bool  # always False: one group
+    shade: Shade  # what the token view is shaded by (a group with a generator side)
 
 
-def group_page(detail: GroupDetail) -> GroupPageContext:
-    """One group of a step: its rollouts (tabs, tokens) and the table of all of them, with links
-    to the groups around it and to the step's overview."""
+def group_page(detail: GroupDetail, shade: Shade = "probability") -> GroupPageContext:
+    """One group of a step: its rollouts (tabs, tokens shaded by `shade`) and the table of all
+    of them, with links to the groups around it and to the step's overview."""
     return {
         "detail": detail,
         "run": detail["run"],
@@ -309,6 +329,7 @@ def group_page(detail: GroupDetail) -> GroupPageContext:
         "summary": detail["summary"],
         "gnav": detail["group_nav"],
         "overview": False,
+        "shade": shade,
     }
 
 
@@ -405,6 +426,11 @@ EXPLORER_COLUMNS = (  # (sort key, header, numeric)
     ("length", "Tokens", True),
     ("state", "State", False),
 )
+# shown where the run has a generator side (generator_side): training–inference mismatch
+MISMATCH_COLUMNS = (
+    ("abs_diff_max", "max |Δlogp|", True),
+    ("seq_ratio", "Seq. ratio", True),
+)
 
 
 def _explorer_url(path: str, filters: dict[str, Any], **changes: Any) -> str:
@@ -466,6 +492,7 @@ def explorer_invalid(
         "total_capped": False,
         "f": dict.fromkeys(fields) | RolloutQuery().filters() | typed,
         "errors": errors,
+        "mismatch": _asks_mismatch(given),
         "states": EXPLORER_STATES,
         "headers": [],
         "first_url": path,
@@ -498,6 +525,7 @@ def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, A
     path = url("explorer_page", run_id=run_id)
     filters = data["filters"]
     sort, order = filters.get("sort", "step"), filters.get("order", "asc")
+    shown = data["generator_side"] or _asks_mismatch(filters)
     headers = [
         {
             "key": key,
@@ -509,11 +537,12 @@ def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, A
                 path, filters, sort=key, order="desc" if key == sort and order == "asc" else "asc"
             ),
         }
-        for key, label, numeric in EXPLORER_COLUMNS
+        for key, label, numeric in _explorer_columns(shown)
     ]
     return {
         "run": data["run"],
-        "rows": data["rollouts"],
+        "rows": [r | {"seq_ratio": seq_ratio_text(r["log_seq_ratio"])} for r in data["rollouts"]],
+        "mismatch": shown,
         "total": data["total"],
         "total_capped": data["total_capped"],
         "f": dict.fromkeys(RolloutQuery.model_fields) | RolloutQuery().filters() | filters,
@@ -530,6 +559,18 @@ def explorer_page(data: dict[str, Any], url: Url, *, run_id: int) -> dict[str, A
     }
 
 
+def _asks_mismatch(filters: Mapping[str, Any]) -> bool:
+    """Whether the explorer's filters or sort name a mismatch figure (their columns then show
+    whatever the run holds)."""
+    named = {"diff_min", "diff_max", "ratio_min", "ratio_max"}
+    return bool(named & set(filters)) or filters.get("sort") in {k for k, _, _ in MISMATCH_COLUMNS}
+
+
+def _explorer_columns(mismatch: bool) -> tuple[tuple[str, str, bool], ...]:
+    """The explorer's columns: the mismatch figures' only where the run has them."""
+    return EXPLORER_COLUMNS + (MISMATCH_COLUMNS if mismatch else ())
+
+
 def alert_rollouts(alert: dict[str, Any], *, format_judged: bool = True) -> dict[str, str]:
     """The explorer's filters that show the rollouts an alert is about: those of its step, in
     a collapsed state for a collapse, where verifier and truth disagree over the reward-hacking
@@ -540,7 +581,16 @@ def alert_rollouts(alert: dict[str, Any], *, format_judged: bool = True) -> dict
     if kind == "reward_hacking":
         first = max(0, step - 2 * vocab.WINDOW + 1)
         return {"steps": f"{first}:{step}", "disagree": "true", "sort": "step", "order": "desc"}
-    extra = {"collapse": {"state": "collapse"}}
+    extra = {
+        "collapse": {"state": "collapse"},
+        "mismatch": {"sort": "abs_diff_max", "order": "desc"},  # the worst token's rollout first
+    }
     if format_judged:
         extra["control_token_spike"] = {"format_valid": "false"}
     return {"steps": str(step), **extra.get(kind, {})}
+
+
+def alert_mismatch(alert: Mapping[str, Any]) -> dict[str, str] | None:
+    """The mismatch drill-down's parameters for a mismatch alert (its step); None for another
+    kind."""
+    return {"step": str(int(alert["step"]))} if alert["kind"] == "mismatch" else None

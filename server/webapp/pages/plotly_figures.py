@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollout_lens.server.core import mismatch as mm
 from rollout_lens.server.core import vocab
+from rollout_lens.server.core.alerts import AlertThresholds
 from rollout_lens.server.core.analysis import CONVERGED
 from rollout_lens.server.core.vocab import STEP_SERIES, WINDOW, label
 
@@ -477,6 +479,89 @@ def evaluation(names: set[str]) -> list[dict[str, Any]]:
     return out
 
 
+MISMATCH_COLOR = "#0891b2"
+# What the mismatch section says above its charts: what r is, the bands, the alert.
+MISMATCH_TEXT = (
+    "r = p_trainer / p_generator of each sampled completion token (log r = trainer − generator "
+    "logprob), over the tokens both sides scored: a tool result, or a token the generator gave "
+    "no logprob for, is left out. Bands: the share of tokens whose r lies outside "
+    f"[1/{mm.BANDS[0]:g}, {mm.BANDS[0]:g}] and [1/{mm.BANDS[1]:g}, {mm.BANDS[1]:g}], where "
+    "token-level TIS truncates and MIS masks. Sequence ratio: Π r over a rollout's tokens (min, "
+    "mean and max over the step's rollouts). The mismatch alert fires at a step whose k3 "
+    f"KL(generator ‖ trainer) ≥ {AlertThresholds().mismatch_k3:g} (verl's K3 rejection default)."
+)
+
+
+Line = tuple[str, str, str, str]  # a chart's line: series, legend, dash, y axis
+# The mismatch charts: (id, title, lines, help), in the section's order.
+MISMATCH_CHARTS: tuple[tuple[str, str, tuple[Line, ...], str], ...] = (
+    (
+        "mismatch-diff",
+        "|Δlogp| mean · max",
+        ((mm.ABS_DIFF_MEAN, "mean", "solid", "y"), (mm.ABS_DIFF_MAX, "max (right)", "dot", "y2")),
+        "Per step, the mean (left) and the largest (right) |trainer − generator logprob| of the "
+        "sampled tokens.",
+    ),
+    (
+        "mismatch-k3",
+        "k3 KL(generator ‖ trainer)",
+        ((mm.K3_KL, "k3 KL", "solid", "y"),),
+        "The mean of r − 1 − log r over the step's tokens: an unbiased estimate of the KL from "
+        "the generator's distribution to the trainer's, never negative.",
+    ),
+    (
+        "mismatch-seq",
+        "Sequence ratio min · mean · max",
+        tuple(
+            (name, name.rsplit("_", 1)[1], dash, "y")
+            for name, dash in zip(
+                (mm.SEQ_RATIO_MIN, mm.SEQ_RATIO_MEAN, mm.SEQ_RATIO_MAX),
+                ("dot", "solid", "dash"),
+                strict=True,
+            )
+        ),
+        "Π r over each rollout's compared tokens: 1 where the trainer would have sampled it as "
+        "likely as the generator did.",
+    ),
+    (
+        "mismatch-bands",
+        "Tokens outside the bands",
+        tuple(
+            (name, f"outside [1/{band:g}, {band:g}]", dash, "y")
+            for name, band, dash in zip(
+                (mm.OUTSIDE_2X, mm.OUTSIDE_5X), mm.BANDS, ("solid", "dot"), strict=True
+            )
+        ),
+        "The share of the step's compared tokens whose ratio lies outside each band.",
+    ),
+)
+
+
+def mismatch_charts(names: set[str]) -> list[dict[str, Any]]:
+    """The training–inference mismatch charts (MISMATCH_CHARTS: core.mismatch's per-step
+    figures) where the run recorded their series; k3 KL shows the mismatch alert."""
+    out = []
+    for fid, title, lines, help_text in MISMATCH_CHARTS:
+        traces = []
+        for name, legend, dash, axis in lines:
+            if name in names:
+                traces += line(name, legend, MISMATCH_COLOR, dash=dash, axis=axis)
+        if not traces:
+            continue
+        right = any(axis == "y2" for *_, axis in lines)
+        fig = figure(
+            fid,
+            title,
+            traces,
+            help=help_text,
+            alerts=["mismatch"] if fid == "mismatch-k3" else [],
+            y={"rangemode": "tozero"},
+            y2={"rangemode": "tozero"} if right else None,
+        )
+        out.append(fig)
+    return out
+
+
 def _used(figs: Sequence[dict[str, Any]]) -> set[str]:
     return {t["meta"]["series"] for f in figs for t in f["data"] if "series" in t.get("meta", {})}
 
@@ -500,7 +585,8 @@ def run_figures(
     control_tokens: Sequence[str], names: Sequence[str], config: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The run page's charts (empty; the page fills them): main, structure (states and probes),
-    probe details, evaluation, optimization, and every other recorded series grouped by prefix
+    probe details, evaluation, training–inference mismatch, optimization, and every other
+    recorded series grouped by prefix
     (trl/…) for a lazily opened section; `config` (a launch config) adds what its settings
     explain (KL at β = 0)."""
     have = set(names)
@@ -509,12 +595,14 @@ def run_figures(
     tools = tool_use(have)
     probes = probe_details(have)
     evals = evaluation(have)
+    mismatch = mismatch_charts(have)
     shown = (
         _used(main)
         | _used(structure)
         | _used(tools)
         | _used(probes)
         | _used(evals)
+        | _used(mismatch)
         | set(STEP_SERIES)
     )
     return {
@@ -523,6 +611,7 @@ def run_figures(
         "tools": tools,
         "probes": probes,
         "evaluation": evals,
+        "mismatch": mismatch,
         "optimization": _optimization(have, config),
         "other": _other(names, shown),
     }
@@ -642,11 +731,12 @@ def section(
     note: str = "",
     grid: int = 2,
     key: str = "",
+    text: str = "",
     always: bool = False,
 ) -> dict[str, Any]:
     """A chart section of a page: the figures of `group` (default: sid) in a `grid`-column grid
-    (element id charts-<sid>), under `title`, with a partial `key` above them; shown only when it
-    has figures, unless `always`."""
+    (element id charts-<sid>), under `title` (and its short `note`), with a paragraph `text` and
+    a partial `key` above them; shown only when it has figures, unless `always`."""
     return {
         "id": sid,
         "group": group or sid,
@@ -654,6 +744,7 @@ def section(
         "note": note,
         "grid": grid,
         "key": key,
+        "text": text,
         "always": always,
     }
 
@@ -666,6 +757,7 @@ RUN_SECTIONS = [
     section("tools", "Tool use, turn by turn", grid=3),
     section("probes", "Probes in detail", grid=4, key="_probe_key.html"),
     section("evaluation", "Evaluation and SFT"),
+    section("mismatch", "Training–inference mismatch", text=MISMATCH_TEXT),
     section("optimization", "Optimization", grid=4),
 ]
 COMPARE_SECTIONS = [
@@ -676,10 +768,12 @@ COMPARE_SECTIONS = [
     section("evaluation", "Evaluation", note="(greedy accuracy every E steps)", grid=3),
     section("collapse", "Collapse"),
     section("tools", "Tool use", note="(tool-calling runs)", grid=3),
+    section("mismatch", "Training–inference mismatch", grid=4, text=MISMATCH_TEXT),
 ]
 
 
-PER_ROLLOUT = (vocab.TOOL_CALLS, vocab.TOOL_TURNS)  # counts, not shares: no unit range
+# counts and mismatch figures, not shares (or shares far below 1): no unit range
+NOT_SHARES = (vocab.TOOL_CALLS, vocab.TOOL_TURNS, *mm.NAMES)
 
 
 def compare_figures(
@@ -706,13 +800,13 @@ def compare_figures(
                 color = RUN_COLORS[j % len(RUN_COLORS)]
                 drawn = line(name, f"#{run['id']} {run['name']}", color, run_id=run["id"])
                 traces += drawn if bands else drawn[2:]
-        y = {"rangemode": "tozero"} if name in PER_ROLLOUT else UNIT_RANGE
+        y = {"rangemode": "tozero"} if name in NOT_SHARES else UNIT_RANGE
         return figure(fid, title, traces, y=y) if traces else None
 
     main = [overlay(f"c-{i}", n, label(n).capitalize()) for i, n in enumerate(names)]
     control = [overlay(f"t-{i}", vocab.ctrl(t, "mean"), t) for i, t in enumerate(tokens)]
     out = {"main": [f for f in main if f], "control": [f for f in control if f]}
-    out |= {"evaluation": [], "collapse": [], "tools": []}
+    out |= {"evaluation": [], "collapse": [], "tools": [], "mismatch": []}
     for i, (name, (section, title)) in enumerate(vocab.COMPARE_EXTRA.items()):
         fig = overlay(f"x-{i}", name, title)
         if fig is not None:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_lens.server.core.mismatch import RolloutMismatch
 from rollout_lens.server.core.read_models import GroupHeader
 from rollout_lens.server.core.records import disagrees
 from rollout_lens.server.core.step_views import RolloutView
@@ -16,6 +17,7 @@ from rollout_lens.server.webapp.pages.cells import (
     Cells,
     ControlRows,
     control_rows,
+    generator_side,
     token_cells,
     token_spans,
 )
@@ -37,6 +39,45 @@ class ShownRollout(RolloutView):
     cells: Cells  # token_cells within the page's budget
     control_rows: ControlRows  # the control-token table's rows
     turn_views: list[TurnView] | None  # a tool-calling rollout's turns
+    mismatch_stats: list[Stat]  # beside Σ logprob where it has a generator side (mismatch_stats)
+
+
+Stat = tuple[str, str, str]  # a figure of a rollout's stats row: label, value, hover text
+
+
+def mismatch_stats(rollout: RolloutView) -> list[Stat]:
+    """A rollout's mismatch figures as its stats row shows them beside Σ logprob: max |Δlogp|
+    and the sequence ratio, over all its compared tokens; none without a generator side."""
+    if rollout.generator_logprobs is None:
+        return []
+    m = rollout.mismatch
+    if m is None:
+        why = "no token to compare: the generator gave no logprob where the trainer has one"
+        return [("max |Δlogp|", "—", why), ("seq. ratio", "—", why)]
+    over = f"over its {m.tokens:,} compared token{'' if m.tokens == 1 else 's'}"
+    return [
+        (
+            "max |Δlogp|",
+            f"{m.abs_diff_max:.3g}",
+            f"the largest |trainer − generator logprob| of a sampled token, {over}",
+        ),
+        (
+            "seq. ratio",
+            f"{m.seq_ratio:.3g}",
+            f"the sequence-level importance ratio Π p_trainer / p_generator, {over}",
+        ),
+    ]
+
+
+def mismatch_json(figures: RolloutMismatch | None) -> dict[str, Any] | None:
+    """A rollout's mismatch figures as its JSON twin sends them (None: nothing to compare)."""
+    if figures is None:
+        return None
+    return {
+        "tokens": figures.tokens,
+        "abs_diff_max": figures.abs_diff_max,
+        "seq_ratio": figures.seq_ratio,
+    }
 
 
 def shown_rollout(rollout: RolloutView, group_prompt: str, limit: int | None) -> ShownRollout:
@@ -61,7 +102,12 @@ def shown_rollout(rollout: RolloutView, group_prompt: str, limit: int | None) ->
         }
     misses = [_near_misses(probs[i], control, i) for i in range(n)]
     ids = rollout.completion_ids.tolist()
-    cells = token_cells(spans, ids, probs, control, sampled, misses, limit)
+    side = (
+        None
+        if rollout.generator_logprobs is None
+        else generator_side(rollout.token_logprobs, rollout.generator_logprobs, n, sampled)
+    )
+    cells = token_cells(spans, ids, probs, control, sampled, misses, limit, side)
     # A tool-calling rollout's turns each show their own positions' table rows.
     table = limit if sampled is not None or limit is None else min(limit, TABLE_TOKENS)
     rows = control_rows(spans, probs, control, table)
@@ -76,14 +122,16 @@ def shown_rollout(rollout: RolloutView, group_prompt: str, limit: int | None) ->
         cells=cells,
         control_rows=rows,
         turn_views=turn_views(rollout.meta, logprobs, control, cells, rows),
+        mismatch_stats=mismatch_stats(rollout),
     )
 
 
 def rollout_json(rollout: RolloutView, cut: int) -> dict[str, Any]:
     """A rollout as the group page's JSON twin sends it: the read view's data() with its texts
-    cut to `cut` characters (and their lengths), and the marks the page shows of it: `disagree`
-    and a tool-calling rollout's `sampled` positions (None: every one)."""
-    return {
+    cut to `cut` characters (and their lengths), and the marks the page shows of it: `disagree`,
+    a tool-calling rollout's `sampled` positions (None: every one) and, where it has a
+    generator side, its `mismatch` figures (mismatch_json: those of its stats row)."""
+    out = {
         **rollout.data(),
         "completion": rollout.completion[:cut],
         "completion_chars": len(rollout.completion),
@@ -92,6 +140,9 @@ def rollout_json(rollout: RolloutView, cut: int) -> dict[str, Any]:
         "disagree": disagrees(rollout.verifier_reward, rollout.true_score),
         "sampled": sampled_positions(rollout.meta, len(rollout.completion_ids)),
     }
+    if rollout.generator_logprobs is not None:
+        out["mismatch"] = mismatch_json(rollout.mismatch)
+    return out
 
 
 def sampled_positions(meta: dict[str, Any], n: int) -> list[bool] | None:
@@ -127,6 +178,7 @@ class GroupView(GroupHeader):
     """One group as the viewer shows it: its header and its rollouts' views."""
 
     rollouts: list[ShownRollout]
+    two_sided: bool  # some rollout has a generator side: its tokens can be shaded by log r
 
 
 def group_views(rollouts: Sequence[RolloutView]) -> list[GroupView]:
@@ -140,5 +192,6 @@ def group_views(rollouts: Sequence[RolloutView]) -> list[GroupView]:
     for members in by_group.values():
         limit = page_token_limit(len(members))
         shown = [shown_rollout(r, members[0].prompt, limit) for r in members]
-        views.append(GroupView(**group_header(members), rollouts=shown))
+        two_sided = any(r.generator_logprobs is not None for r in members)
+        views.append(GroupView(**group_header(members), rollouts=shown, two_sided=two_sided))
     return views

@@ -5,6 +5,7 @@ module per page:
 - run_page: chart series, 25-step buckets, alerts;
 - step_page: the step viewer (a step's groups overview, one group's rollouts, compare's card);
 - compare_page: compare;
+- mismatch_page: the mismatch drill-down (a step's or a range's generator vs trainer logprobs);
 - prompts: the prompt lens's list of a run's prompts (and its dataset export); prompt_groups:
   its heatmap and a prompt's history; prompt_rollouts: a prompt's rollouts with their
   completions; prompt_compare: the same prompts across runs.
@@ -22,6 +23,7 @@ from rollout_lens.server.webapp.queries.compare_page import (
     last_values,
 )
 from rollout_lens.server.webapp.queries.explorer import RolloutQuery, explore
+from rollout_lens.server.webapp.queries.mismatch_page import has_generator_side, mismatch_drill
 from rollout_lens.server.webapp.queries.prompt_compare import compare_prompts
 from rollout_lens.server.webapp.queries.prompt_groups import heatmap, prompt_history
 from rollout_lens.server.webapp.queries.prompt_rollouts import prompt_rollouts
@@ -76,6 +78,8 @@ from rollout_lens.server.webapp.queries.step_page import (
 __all__ = [
     "RolloutQuery",
     "explore",
+    "has_generator_side",
+    "mismatch_drill",
     "HeatmapQuery",
     "PromptQuery",
     "compare_prompts",

@@ -24,6 +24,7 @@ from rollout_lens.server.webapp.queries.keyset import (
     encode_cursor,
     whole_number,
 )
+from rollout_lens.server.webapp.queries.mismatch_page import has_generator_side
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
@@ -49,6 +50,10 @@ SORTS: dict[str, str] = {
     "vote": "r.vote",
     "target": "r.target",
     "state": "r.format_state",
+    # training–inference mismatch (0021): the largest |Δlogp| and the sequence ratio, sorted by
+    # its log (the same order)
+    "abs_diff_max": "r.abs_diff_max",
+    "seq_ratio": "r.log_seq_ratio",
 }
 Sort = Literal[
     "step",
@@ -63,10 +68,14 @@ Sort = Literal[
     "vote",
     "target",
     "state",
+    "abs_diff_max",
+    "seq_ratio",
 ]
 # Sort columns that can be NULL: NULLs sort first going up and last going down (SQLite's order,
 # which its indexes keep; PostgreSQL is told so).
-NULLABLE = frozenset({"true_score", "sum_logprob", "length", "vote", "target", "state"})
+NULLABLE = frozenset(
+    {"true_score", "sum_logprob", "length", "vote", "target", "state", "abs_diff_max", "seq_ratio"}
+)
 # What a cursor's value must be for each sort (checked before it reaches the database): the
 # 32-bit integer columns, the float columns (±infinity allowed: Σ logprob keeps -inf) and text.
 INT_SORTS = frozenset({"step", "group", "index", "length"})
@@ -74,6 +83,7 @@ TEXT_SORTS = frozenset({"vote", "target", "state"})
 MAX_TEXT = 256  # the longest vote, target or state (records.LABEL_CHARS)
 _STEPS = re.compile(r"^\s*(\d*)\s*:\s*(\d*)\s*$|^\s*(\d+)\s*$")
 Number = Annotated[float | None, Field(ge=-1e300, le=1e300)]
+Ratio = Annotated[float | None, Field(gt=0, le=1e300)]  # compared through its log
 
 
 class RolloutQuery(FilterQuery):
@@ -97,6 +107,18 @@ class RolloutQuery(FilterQuery):
     adv_max: Number = Field(default=None, description="advantage at most")
     len_min: int | None = Field(default=None, ge=0, le=MAX_ID, description="tokens at least")
     len_max: int | None = Field(default=None, ge=0, le=MAX_ID, description="tokens at most")
+    diff_min: Number = Field(
+        default=None, description="largest |Δlogp| (trainer vs generator) of a token at least"
+    )
+    diff_max: Number = Field(
+        default=None, description="largest |Δlogp| (trainer vs generator) of a token at most"
+    )
+    ratio_min: Ratio = Field(
+        default=None, description="sequence ratio p_trainer / p_generator at least (> 0)"
+    )
+    ratio_max: Ratio = Field(
+        default=None, description="sequence ratio p_trainer / p_generator at most (> 0)"
+    )
     disagree: bool = Field(
         default=False, description="only where verifier reward and true score disagree"
     )
@@ -226,6 +248,20 @@ def _sort_value(sort: str, is_null: bool, value: Any) -> Any:
     return number
 
 
+# The range filters: (column, the query's field, its comparison); a ratio is compared through
+# its log (rollouts.log_seq_ratio).
+RANGES = tuple(
+    (column, f"{prefix}_{end}", ">=" if end == "min" else "<=")
+    for column, prefix in (
+        ("r.verifier_reward", "reward"),
+        ("r.true_score", "true"),
+        ("r.advantage", "adv"),
+        ("r.n_tokens", "len"),
+        ("r.abs_diff_max", "diff"),
+        ("r.log_seq_ratio", "ratio"),
+    )
+    for end in ("min", "max")
+)
 Searched = search.Match | None  # search.match_sql's condition for `q`, if any
 
 
@@ -269,18 +305,10 @@ def _where(
         add(f"{hint}r.vote = :vote", vote=query.vote)
     if query.target is not None:
         add(f"{hint}r.target = :target", target=query.target)
-    for column, name, op in (
-        ("r.verifier_reward", "reward_min", ">="),
-        ("r.verifier_reward", "reward_max", "<="),
-        ("r.true_score", "true_min", ">="),
-        ("r.true_score", "true_max", "<="),
-        ("r.advantage", "adv_min", ">="),
-        ("r.advantage", "adv_max", "<="),
-        ("r.n_tokens", "len_min", ">="),
-        ("r.n_tokens", "len_max", "<="),
-    ):
+    for column, name, op in RANGES:
         value = getattr(query, name)
         if value is not None:
+            value = math.log(value) if name.startswith("ratio_") else value
             add(f"{hint}{column} {op} :{name}", **{name: value})
     if query.disagree:
         add(f"{hint}r.disagree = :disagree", disagree=True)
@@ -357,6 +385,7 @@ def explore(
         ).encode()
     return {
         "run": {"id": run.id, "name": run.name, "control_tokens": list(run.control_tokens)},
+        "generator_side": has_generator_side(session, run_id=run_id),
         "rollouts": _rows(session, run_id, [r[0] for r in rows]),
         "total": min(counted, count_cap),
         "total_capped": counted > count_cap,
@@ -401,6 +430,8 @@ def _rows(session: Session, run_id: int, ids: list[int]) -> list[dict[str, Any]]
                 "format_state": r.format_state,
                 "length": r.n_tokens,
                 "disagree": r.disagree,
+                "abs_diff_max": r.abs_diff_max,
+                "log_seq_ratio": r.log_seq_ratio,
                 "prompt_head": _head(prompt),
                 "completion_head": completion_head(r, heads[rid], texts),
             }

@@ -23,6 +23,9 @@ from rollout_lens.server.webapp.http.params import (
     GroupSort,
     Look,
     Offset,
+    OptionalStep,
+    RangeFrom,
+    RangeTo,
     RunId,
     RunsPage,
     RunsPerPage,
@@ -38,7 +41,7 @@ from rollout_lens.server.webapp.http.responses import (
     versioned,
     with_step_urls,
 )
-from rollout_lens.server.webapp.pages import launch_fields, page_context
+from rollout_lens.server.webapp.pages import launch_fields, mismatch_page, page_context
 from rollout_lens.server.webapp.queries import chart_data
 
 router = APIRouter(prefix="/api", tags=["runs"])
@@ -258,6 +261,32 @@ def list_rollouts(
     (`total_capped`). Each row links to its step, group and rollout."""
     data = queries.explore(session, run_id=run_id, query=query)
     return DataResponse(page_context.explorer_urls(data, _url(request), run_id=run_id))
+
+
+@router.get(
+    "/runs/{run_id}/mismatch",
+    name="api_mismatch",
+    response_class=DataResponse,
+    summary="Drill into a step's training–inference mismatch",
+    responses={200: {"model": api_models.Mismatch}},
+)
+def get_mismatch(
+    request: Request,
+    session: SessionDep,
+    run_id: RunId,
+    step: OptionalStep = None,
+    first: RangeFrom = None,
+    to: RangeTo = None,
+) -> DataResponse:
+    """The generator's and the trainer's logprobs of a step's sampled tokens compared (`step`;
+    none given: the run's last), or of a range of steps (`from`, `to`; read from `from` up to
+    50 steps or 2,000,000 tokens, `steps.cut` and `links.next` say where it stopped): the
+    histogram of log r = log p_trainer − log p_generator (the ×2 and ×5 bands' edges among its
+    edges), mismatch by the generator's probability of the token, the worst tokens with links to
+    their rollouts, and a bounded sample of (generator, trainer) logprob points. A run without
+    generator logprobs answers with `generator_side` false and nothing compared."""
+    data = queries.mismatch_drill(session, run_id=run_id, step=step, first=first, last=to)
+    return DataResponse(mismatch_page.mismatch_json(data, _url(request)))
 
 
 @router.get(

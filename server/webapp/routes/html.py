@@ -32,14 +32,17 @@ from rollout_lens.server.webapp.http.params import (
     OptionalGroup,
     OptionalRunId,
     OptionalStep,
+    RangeFrom,
+    RangeTo,
     RunId,
     RunsPage,
     RunsPerPage,
     StepNo,
+    TokenShade,
     run_ids,
 )
 from rollout_lens.server.webapp.http.responses import memo, run_alerts
-from rollout_lens.server.webapp.pages import launch_fields, page_context
+from rollout_lens.server.webapp.pages import launch_fields, mismatch_page, page_context
 from rollout_lens.server.webapp.queries.budget import VIEW_TOKENS
 
 router = APIRouter(include_in_schema=False)
@@ -126,6 +129,22 @@ def explorer_page(
     )
 
 
+@router.get("/runs/{run_id}/mismatch", name="mismatch_page")
+def mismatch_drill_page(
+    request: Request,
+    session: SessionDep,
+    run_id: RunId,
+    step: OptionalStep = None,
+    first: RangeFrom = None,
+    to: RangeTo = None,
+) -> HTMLResponse:
+    """The mismatch drill-down of a step (`step`) or a range of steps (`from`, `to`): the
+    histogram of token log-ratios, generator vs trainer probability, the table by probability
+    and the worst tokens, each linked to its rollout (the run's last step by default)."""
+    data = queries.mismatch_drill(session, run_id=run_id, step=step, first=first, last=to)
+    return render(request, "mismatch.html", mismatch_page.mismatch_page(data, _url(request)))
+
+
 @router.get("/runs/{run_id}/steps", name="step_jump")
 def step_jump(
     request: Request,
@@ -133,15 +152,16 @@ def step_jump(
     run_id: RunId,
     step: OptionalStep = None,
     group: OptionalGroup = None,
+    shade: TokenShade = "probability",
 ) -> RedirectResponse:
     """The recorded step nearest `step`; with `group`, that group's page when the step has it
-    (else the step's groups overview)."""
+    (else the step's groups overview); the tokens shaded as they were (`shade`)."""
     found = queries.resolve_step(session, run_id=run_id, step=step)
     if group is not None and queries.has_group(session, run_id=run_id, step=found, group=group):
-        url = request.app.url_path_for("group_page", run_id=run_id, step=found, group=group)
+        url = str(request.app.url_path_for("group_page", run_id=run_id, step=found, group=group))
     else:
-        url = request.app.url_path_for("step_page", run_id=run_id, step=found)
-    return RedirectResponse(str(url), status_code=303)
+        url = str(request.app.url_path_for("step_page", run_id=run_id, step=found))
+    return RedirectResponse(url + ("?shade=ratio" if shade == "ratio" else ""), status_code=303)
 
 
 @router.get("/runs/{run_id}/steps/{step}", name="step_page", response_model=None)
@@ -156,9 +176,11 @@ def step_page(
     look: Look = None,
     offset: Offset = 0,
     group: OptionalGroup = None,
+    shade: TokenShade = "probability",
 ) -> HTMLResponse | RedirectResponse:
     """A step: its groups overview, or with one group that group's rollouts (as before groups
-    had pages). `?group=` (the old group switch) is that group's page now."""
+    had pages), their tokens shaded by `shade`. `?group=` (the old group switch) is that
+    group's page now."""
     if group is not None:
         url = request.app.url_path_for("group_page", run_id=run_id, step=step, group=group)
         return RedirectResponse(str(url), status_code=307)
@@ -185,9 +207,13 @@ def step_page(
             page_budget=True,
             texts_kept=texts,
         )
-    return render(
-        request, "step.html", page_context.step_page(overview, _url(request), detail=detail)
+    mismatch = queries.has_generator_side(
+        session, run_id=run_id, step=overview["step"]["rollout_step"]
     )
+    context = page_context.step_page(
+        overview, _url(request), detail=detail, shade=shade, mismatch=mismatch
+    )
+    return render(request, "step.html", context)
 
 
 @router.get("/runs/{run_id}/steps/{step}/groups/{group}", name="group_page")
@@ -198,8 +224,10 @@ def group_page(
     run_id: RunId,
     step: StepNo,
     group: GroupNo,
+    shade: TokenShade = "probability",
 ) -> HTMLResponse:
-    """One group of a step: its rollouts #0…#G−1 (tabs, tokens) and a table of all of them."""
+    """One group of a step: its rollouts #0…#G−1 (tabs, tokens shaded by `shade`) and a table
+    of all of them."""
     detail = queries.group_detail(
         session,
         run_id=run_id,
@@ -210,7 +238,7 @@ def group_page(
         page_budget=True,
         texts_kept=texts,
     )
-    return render(request, "group.html", page_context.group_page(detail))
+    return render(request, "group.html", page_context.group_page(detail, shade))
 
 
 @router.get("/runs/{run_id}/steps/{step}/card", name="step_card")
