@@ -25,10 +25,12 @@ class SamplingProbe(LogitsProcessor):
     """Records, per generated position, log p(sampled token) under the scores it is handed.
 
     Bound last (`bound`), it sees the scores generate's sampling step softmaxes and draws from
-    (transformers 5.x generation/utils.py `_sample`: `probs = softmax(next_token_scores)`, then
-    `multinomial`), after every processor and warper `_get_logits_processor` builds from TRL's
-    GenerationConfig (repetition penalty, temperature, top-k, top-p, min-p, ...): the
-    distribution each token was actually drawn from. It keeps the scores of the last position
+    (transformers 5.24.0 generation/utils.py: `_sample` lines 3251–3277, `next_token_scores =
+    logits_processor(...)`, `softmax`, `multinomial`), after every processor and warper
+    `_get_logits_processor` builds from TRL's GenerationConfig (line 1600 merges the user's
+    processors, then lines 1603–1650 append temperature, top-k, top-p, min-p, ... when
+    sampling; TRL 1.16.0 trl/trainer/grpo_trainer.py lines 1155–1173 sets do_sample, temperature,
+    top_p, top_k, min_p and repetition_penalty): the distribution each token was drawn from. It keeps the scores of the last position
     and their log-sum-exp (B, 1) until the next call says which token was drawn from them: three
     tensor operations a position (one pass over the vocabulary), the rest at the end.
     """
