@@ -411,7 +411,8 @@ class RolloutCapture:
         sampling = None
         if trainer.model.training and generates_locally(trainer):
             sampling = SamplingProbe()  # the generator's own logprobs
-        with bound(trainer.accelerator.unwrap_model(trainer.model), probe, sampling):
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        with bound(model, probe, sampling, batched=batches(trainer)):
             result = original(*args, **kwargs)
         if not self.tool_calling:  # one call per generation: no turns to stitch
             self._gen.calls = [(probe, [])] if probe is not None else []
@@ -612,14 +613,11 @@ def _call_ids(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
 
 
 def generates_locally(trainer: Any) -> bool:
-    """Whether TRL's `_generate_single_turn` samples with transformers' `generate` (not vLLM,
-    not continuous batching; a rollout_func bypasses it), where a SamplingProbe can read the
-    generator's logprobs."""
+    """Whether TRL's `_generate_single_turn` samples with transformers (`generate`, or
+    continuous batching's `generate_batch`; not vLLM, and a rollout_func bypasses it), where a
+    SamplingProbe can read the generator's logprobs."""
     return not (
-        getattr(trainer, "use_vllm", False)
-        or getattr(trainer, "use_transformers_continuous_batching", False)
-        or getattr(trainer, "use_transformers_paged", False)
-        or getattr(trainer, "rollout_func", None) is not None
+        getattr(trainer, "use_vllm", False) or getattr(trainer, "rollout_func", None) is not None
     )
 
 
@@ -627,7 +625,8 @@ def _generator_rows(output: dict[str, Any], ids_list: list[list[int]]) -> list[n
     """Each row's generator logprobs: TRL's `sampling_per_token_logps` (vLLM's sampling
     logprobs, or the `logprobs` a rollout_func returned; NaN where it gave none) as float64, NaN
     where TRL's tool mask is off (a tool or environment result, not sampled); None for every row
-    where TRL has none (transformers' generate), never zeros."""
+    where TRL has none (transformers' generate and continuous batching: their SamplingProbe's
+    then), never zeros."""
     found = output.get("sampling_per_token_logps")
     shape: tuple[int, ...] = tuple(getattr(found, "shape", ()))
     if found is None or len(shape) != 2 or shape[0] != len(ids_list):
@@ -704,31 +703,39 @@ def choose_reading(trainer: Any, wanted: str, notes: list[str]) -> str | None:
     return "generate" if can_probe(trainer, notes) else None
 
 
+def batches(trainer: Any) -> bool:
+    """Whether TRL generates with transformers' continuous batching (`generate_batch`)."""
+    return bool(
+        getattr(trainer, "use_transformers_continuous_batching", False)
+        or getattr(trainer, "use_transformers_paged", False)
+    )
+
+
 def _forward_note(trainer: Any) -> str:
-    generator = ""
+    scoring = (
+        "per-token logprobs and control-token probabilities are read off TRL's own scoring "
+        "forward pass at the weights that sampled (its old-policy pass when it computes one, "
+        "else each rollout's first loss pass before the optimizer step)"
+    )
     if getattr(trainer, "rollout_func", None) is not None:
-        path = (
+        return (
             "generation by a rollout_func (the logprobs it returns are recorded as the "
-            "generator's; none where it returns none)"
+            f"generator's; none where it returns none): {scoring}"
         )
-    elif getattr(trainer, "use_vllm", False):
-        path = "generation by vLLM (its sampling logprobs are recorded as the generator's)"
-    elif generates_locally(trainer):
-        path = (
-            "generation by transformers' generate (the generator's logprobs are read off "
-            "generate's own sampling distribution, after its temperature, top-k, top-p and "
-            "other processors, on every training generation)"
+    if getattr(trainer, "use_vllm", False):
+        return (
+            f"generation by vLLM (its sampling logprobs are recorded as the generator's): {scoring}"
         )
-    else:
-        path = "continuous-batching generation"
-        generator = (
-            "; this path gives TRL no generator logprobs: none are recorded (null, not zeros) "
-            "and the steps have no mismatch figures"
+    if batches(trainer):
+        return (
+            f"continuous-batching generation: {scoring}; the generator's logprobs are those "
+            "generate_batch returns with return_logprobs, under the processed scores each "
+            "token was drawn from, on every training generation"
         )
     return (
-        f"{path}: per-token logprobs and control-token probabilities are read off TRL's "
-        "own scoring forward pass at the weights that sampled (its old-policy pass when it "
-        f"computes one, else each rollout's first loss pass before the optimizer step){generator}"
+        f"generation by transformers' generate: {scoring}; the generator's logprobs are read "
+        "off generate's own sampling distribution, after its temperature, top-k, top-p and "
+        "other processors, on every training generation"
     )
 
 
@@ -740,9 +747,7 @@ def can_probe(trainer: Any, notes: list[str]) -> bool:
             "control-token probabilities are not recorded"
         )
         return False
-    if getattr(trainer, "use_transformers_continuous_batching", False) or getattr(
-        trainer, "use_transformers_paged", False
-    ):
+    if batches(trainer):
         notes.append("continuous-batching generation: control-token probabilities are not recorded")
         return False
     if not hasattr(trainer, _GENERATE):

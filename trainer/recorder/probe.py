@@ -11,6 +11,7 @@ products a position from the final hidden states, whatever generated them (every
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class SamplingProbe(LogitsProcessor):
         self._sampled: list[torch.Tensor] = []  # per position: (B, 1) log p of the token sampled
         self._last: tuple[torch.Tensor, torch.Tensor | None] | None = None  # scores, log Z
         self.positions = 0  # generation steps seen
+        self.batch: list[Any] | None = None  # continuous batching's own, a row each (`bound`)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         with torch.no_grad():
@@ -57,12 +59,21 @@ class SamplingProbe(LogitsProcessor):
 
     @property
     def used(self) -> bool:
-        """Whether generation called the probe at all."""
-        return self.positions > 0
+        """Whether generation called the probe at all (or continuous batching handed it its
+        logprobs)."""
+        return self.positions > 0 or self.batch is not None
 
     def sampled(self, completion_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Per row, the logprob of each of its completion tokens [n] (float64), copied off the
-        device once for the whole batch; none (0 positions) when generation never called it."""
+        device once for the whole batch; none (0 positions) when generation never called it,
+        nor for a row continuous batching gave none or another count of."""
+        if self.batch is not None:
+            return [
+                np.asarray(row, dtype=np.float64)
+                if row is not None and len(row) == len(ids)
+                else np.zeros(0)
+                for row, ids in zip(self.batch, completion_ids, strict=True)
+            ]
         if not self.used:
             return [np.zeros(0) for _ in completion_ids]
         assert self._last is not None
@@ -131,50 +142,93 @@ class GenerationProbe(SamplingProbe):
         return sampled, [control[row, : len(ids)] for row, ids in enumerate(completion_ids)]
 
 
-@contextmanager
-def bound(
-    model: Any, probe: GenerationProbe | None, sampling: SamplingProbe | None
-) -> Iterator[None]:
-    """`model.generate` with the probes bound, for the calls inside: `probe` among the user's
-    processors (transformers runs them before its warpers), `sampling` appended to the list
-    generate builds (`_get_logits_processor`, a private method of transformers'
-    GenerationMixin since 4.x, wrapped on the instance), after its warpers: the last to see the
-    scores. Under PEFT the wrapped model's own method is the one generate calls. Whatever the
-    instance held before (another capture's binding) is put back after."""
-    patches: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+class _Patches:
+    """Attributes set on instances for the calls inside a binding, then put back as they were
+    (another capture's binding, or nothing)."""
 
-    def patch(owner: Any, name: str, value: Any) -> None:
-        patches[(id(owner), name)] = (owner, name, vars(owner).get(name))
+    def __init__(self) -> None:
+        self.kept: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self.kept.setdefault((id(owner), name), (owner, name, vars(owner).get(name)))
         setattr(owner, name, value)
 
-    if probe is not None:
-        generate = type(model).generate
-
-        def probed_generate(*g_args: Any, **g_kwargs: Any) -> Any:
-            processors = LogitsProcessorList(
-                [probe, *(g_kwargs.pop("logits_processor", None) or [])]
-            )
-            return generate(model, *g_args, logits_processor=processors, **g_kwargs)
-
-        patch(model, "generate", probed_generate)
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model
-    build = getattr(target, "_get_logits_processor", None)
-    if sampling is not None and build is not None:
-
-        def built(*b_args: Any, **b_kwargs: Any) -> LogitsProcessorList:
-            processors = build(*b_args, **b_kwargs)
-            processors.append(sampling)
-            return processors
-
-        patch(target, "_get_logits_processor", built)
-    try:
-        yield
-    finally:
-        for owner, name, before in patches.values():
+    def restore(self) -> None:
+        for owner, name, before in self.kept.values():
             if before is None:
                 delattr(owner, name)
             else:
                 setattr(owner, name, before)
+
+
+@contextmanager
+def bound(
+    model: Any,
+    probe: GenerationProbe | None,
+    sampling: SamplingProbe | None,
+    *,
+    batched: bool = False,
+) -> Iterator[None]:
+    """The model's generation with the probes bound, for the calls inside: `probe` among the
+    user's processors of `model.generate` (transformers runs them before its warpers);
+    `sampling` appended to the list generate builds (`_get_logits_processor`, a private method
+    of transformers' GenerationMixin since 4.x, wrapped on the instance; under PEFT the wrapped
+    model's own), after its warpers: the last to see the scores. With `batched` (continuous
+    batching, `generate_batch`, which runs processors of its own over one row a request) it
+    takes instead the logprobs generate_batch returns with `return_logprobs` turned on in a copy
+    of TRL's ContinuousBatchingConfig (transformers 5.24.0 continuous_batching/model_runner.py
+    lines 220–248: the log of each sampled token's probability under the processed scores it
+    was drawn from)."""
+    patches = _Patches()
+    try:
+        if probe is not None:
+            patches.set(model, "generate", _probed_generate(model, probe))
+        if sampling is not None and batched:
+            _bind_batch(model, sampling, patches)
+        elif sampling is not None:
+            target = model.get_base_model() if hasattr(model, "get_base_model") else model
+            build = getattr(target, "_get_logits_processor", None)
+            if build is not None:
+
+                def built(*b_args: Any, **b_kwargs: Any) -> LogitsProcessorList:
+                    processors = build(*b_args, **b_kwargs)
+                    processors.append(sampling)
+                    return processors
+
+                patches.set(target, "_get_logits_processor", built)
+        yield
+    finally:
+        patches.restore()
+
+
+def _probed_generate(model: Any, probe: GenerationProbe) -> Callable[..., Any]:
+    """`model.generate` with `probe` first among the user's logits processors."""
+    generate = type(model).generate
+
+    def probed_generate(*g_args: Any, **g_kwargs: Any) -> Any:
+        processors = LogitsProcessorList([probe, *(g_kwargs.pop("logits_processor", None) or [])])
+        return generate(model, *g_args, logits_processor=processors, **g_kwargs)
+
+    return probed_generate
+
+
+def _bind_batch(model: Any, sampling: SamplingProbe, patches: _Patches) -> None:
+    """`model.generate_batch` returning its logprobs into `sampling.batch` (a row a request,
+    in the order of the outputs TRL reads its completions in)."""
+    batch = getattr(model, "generate_batch", None)
+    if batch is None:
+        return
+
+    def logged_batch(*b_args: Any, **b_kwargs: Any) -> Any:
+        config = b_kwargs.get("continuous_batching_config")
+        if config is not None:
+            config = b_kwargs["continuous_batching_config"] = copy.copy(config)
+            config.return_logprobs = True
+        outputs = batch(*b_args, **b_kwargs)
+        sampling.batch = [getattr(out, "logprobs", None) or None for out in outputs.values()]
+        return outputs
+
+    patches.set(model, "generate_batch", logged_batch)
 
 
 POSITIONS = 4096  # positions whose float32 hidden states the probe copies at once
