@@ -185,10 +185,11 @@ class RolloutRecord:
         advantage: float,
         generator_logprobs: Floats | None = None,
     ) -> RolloutRecord:
-        """A rollout as a trainer's capture first has it, on the training thread: its arrays
-        (int64 ids, float64 logprobs — the trainer's and the generator's, None: none — and
-        ControlProbs, taken as they are), its reward and advantage; its place in the step, texts and judgement are set later (each checked as
-        it is set)."""
+        """A rollout as a trainer's capture first has it (trainer/recorder/captured.py builds it
+        from the host copies of TRL's tensors, on the writer's thread): its arrays (int64 ids,
+        float64 logprobs — the trainer's and the generator's, None: none — and ControlProbs,
+        taken as they are), its reward and advantage; its place in the step, texts and
+        judgement are set later (each checked as it is set)."""
         record = cls.__new__(cls)
         record.__dict__.update(
             group=0,

@@ -36,7 +36,7 @@ import struct
 import threading
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import chain
+from itertools import accumulate, chain
 from operator import itemgetter
 
 import numpy as np
@@ -394,18 +394,139 @@ def encode_rollouts(
     control: Sequence[ControlRows],
 ) -> list[tuple[bytes, bytes, bytes]]:
     """Many rollouts' (ids, logprobs, control-token probabilities) → their three blobs each, as
-    encode_ids, encode_logprobs and encode_control write them: the numbers are quantized for
-    the whole batch at once (per rollout it cost more than the database write). Arrays are taken
-    as they are (no Python floats on the way); lists are read in C."""
+    encode_ids, encode_logprobs and encode_control write them, byte for byte: every numpy pass
+    runs over a chunk of rollouts at once (BATCH_VALUES values or so), and what is left a
+    rollout is cutting its slices and compressing them (per rollout the numpy calls alone cost
+    more than the database write). Arrays are taken as they are (no Python floats on the way);
+    lists are read in C."""
+    if not len(ids) == len(logprobs) == len(control):
+        raise ValueError("ids, logprobs and control-token probabilities: one each a rollout")
     lengths = [len(x) for x in ids]
     lp_rows = [_as_floats(x) for x in logprobs]
-    lp_lengths = [len(x) for x in lp_rows]
-    lp_codes = _logprob_codes(np.concatenate(lp_rows) if lp_rows else np.zeros(0))
+    blobs = [
+        (id_blob, lp_blob, control_blob)
+        for chunk in _chunks([len(x) for x in lp_rows], lengths)
+        for id_blob, lp_blob, control_blob in zip(
+            _id_blobs([np.asarray(ids[i], dtype=np.int32).reshape(-1) for i in chunk]),
+            _logprob_blobs([lp_rows[i] for i in chunk]),
+            _control_blobs([control[i] for i in chunk], [lengths[i] for i in chunk]),
+            strict=True,
+        )
+    ]
+    return blobs
+
+
+BATCH_VALUES = 1 << 16  # values coded in one numpy pass: bounds the temporary arrays
+
+
+def _chunks(*sizes: Sequence[int]) -> list[range]:
+    """Consecutive runs of rollouts whose values (the most of `sizes`) stay near BATCH_VALUES."""
+    out: list[range] = []
+    start, held = 0, 0
+    for i, size in enumerate(map(max, *sizes)):
+        if held and held + size > BATCH_VALUES:
+            out.append(range(start, i))
+            start, held = i, 0
+        held += size
+    out.append(range(start, len(sizes[0])))
+    return out if len(sizes[0]) else []
+
+
+def _bounds(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """Rows laid end to end, and where each starts (and the last ends)."""
+    joined = np.concatenate(rows) if rows else np.zeros(0)
+    ends = [0, *accumulate(len(r) for r in rows)]
+    return joined, ends
+
+
+def _low_bits_many(values: np.ndarray, counts: np.ndarray, ends: Sequence[int]) -> list[bytes]:
+    """_low_bits of each run values[ends[i]:ends[i + 1]] (each padded to whole bytes), found for
+    all the runs in one pass a value, not a bit: each value's low `counts` bits (at most 32)
+    are shifted to their place in the byte-aligned stream of all the runs and summed into the
+    64-bit little-endian words they fall in (bits never overlap: a sum is their OR). Values
+    are in stream order, so a word's values are consecutive (np.add.reduceat)."""
+    n = len(ends) - 1
+    counts = counts.astype(np.int64, copy=False)
+    before = np.concatenate(([0], np.cumsum(counts)))  # bits before each value, unaligned
+    run_bits = before[ends[1:]] - before[ends[:-1]]
+    byte_ends = np.concatenate(([0], np.cumsum((run_bits + 7) // 8)))
+    # each value's first bit in the byte-aligned stream of all runs
+    first = before[:-1] + np.repeat(8 * byte_ends[:-1] - before[ends[:-1]], np.diff(ends))
+    one = np.uint64(1)
+    low = values.astype(np.uint64) & ((one << counts.astype(np.uint64)) - one)
+    offset = (first & 63).astype(np.uint64)
+    word = first >> 6
+    words = np.zeros((int(byte_ends[-1]) + 7) // 8 + 2, dtype=np.uint64)
+    if len(word):
+        starts = np.flatnonzero(np.diff(word, prepend=-1))  # each word's first value
+        words[word[starts]] += np.add.reduceat(low << offset, starts)
+        # the bits past the word's end (none when the offset is 0: two shifts, never by 64)
+        words[word[starts] + 1] += np.add.reduceat((low >> one) >> (np.uint64(63) - offset), starts)
+    packed = words.astype("<u8").tobytes()
+    return [packed[byte_ends[i] : byte_ends[i + 1]] for i in range(n)]
+
+
+def _id_blobs(rows: Sequence[np.ndarray]) -> list[bytes]:
+    """encode_ids of each row of int32 ids: its bit-length coding and its plain codings found
+    for all the rows at once, the shortest kept."""
+    values, ends = _bounds(rows)
+    values = values.astype(np.int32, copy=False)
+    v = values.view(np.uint32)
+    widths = _bit_lengths(v)
+    lows = _low_bits_many(v, np.maximum(widths.astype(np.int64) - 1, 0), ends)
+    plain32, plain16 = values.astype("<i4"), values.astype("<u2")
+    # which rows' ids fit in two bytes (a row with none is never asked)
+    nonempty = np.flatnonzero(np.diff(ends))
+    fits = np.zeros(len(rows), dtype=bool)
+    if len(nonempty):
+        starts = np.asarray(ends)[nonempty]
+        low, high = np.minimum.reduceat(values, starts), np.maximum.reduceat(values, starts)
+        fits[nonempty] = (low >= 0) & (high < 1 << 16)
+    out = []
+    for i in range(len(rows)):
+        a, b = ends[i], ends[i + 1]
+        lengths = _pack(widths[a:b].tobytes())
+        found = [_LENGTHS.pack(BIT_LENGTH_CODED, len(lengths)) + lengths + lows[i]]
+        if b > a:
+            found.append(bytes([RAW_INT32]) + _pack(plain32[a:b].tobytes()))
+            if fits[i]:
+                found.append(bytes([RAW_UINT16]) + _pack(plain16[a:b].tobytes()))
+        out.append(min(found, key=len))
+    return out
+
+
+def _logprob_blobs(rows: Sequence[np.ndarray]) -> list[bytes]:
+    """_logprob_blob of each row of logprobs: their codes, bucket symbols and byte planes found
+    for all the rows at once, the shorter coding kept."""
+    joined, ends = _bounds(rows)
+    codes = _logprob_codes(joined)
+    v = codes.astype(np.uint32)
+    widths = _bit_lengths(v).astype(np.int64)
+    below = np.maximum(widths - 1 - _TOP, 0)
+    top = (v >> below.astype(np.uint32)).astype(np.int64)
+    symbols = np.where(
+        below == 0, v, _EXACT + (widths - _TOP - 2) * (1 << _TOP) + top - (1 << _TOP)
+    ).astype(np.uint8)
+    lows = _low_bits_many(v, below, ends)
+    planes = codes.astype("<u2").view(np.uint8)
+    low_bytes, high_bytes = planes[0::2], planes[1::2]
+    out = []
+    for i in range(len(rows)):
+        a, b = ends[i], ends[i + 1]
+        coded = _pack(symbols[a:b].tobytes())
+        bucket = _LENGTHS.pack(BUCKET_CODED, len(coded)) + coded + lows[i]
+        out.append(
+            min(bucket, _pack(low_bytes[a:b].tobytes() + high_bytes[a:b].tobytes()), key=len)
+        )
+    return out
+
+
+def _control_blobs(control: Sequence[ControlRows], lengths: Sequence[int]) -> list[bytes]:
+    """_sparse of each rollout's control-token rows: the kept positions of every row of every
+    rollout found at once (a rollout's rows are consecutive: its kept positions are one slice)."""
     by_token = [_control_rows(rows, n) for rows, n in zip(control, lengths, strict=True)]
     n_rows = by_token[0].shape[0] if by_token else 0
     values = np.concatenate([m.reshape(-1) for m in by_token]) if by_token else np.zeros(0)
-    # Kept positions of every row of every rollout at once; a rollout's rows are consecutive,
-    # so its kept positions are one slice of them.
     at = np.flatnonzero(~(values < CONTROL_FLOOR))
     codes = _probability_codes(values[at])
     row_starts = np.repeat(np.cumsum([0, *lengths[:-1]]) * n_rows, n_rows) + np.tile(
@@ -419,20 +540,12 @@ def encode_rollouts(
     gaps = gaps.astype(np.uint32)
     counts = np.bincount(row_of, minlength=len(row_starts))
     ends = np.cumsum(counts)
-    out: list[tuple[bytes, bytes, bytes]] = []
-    lp_at = 0
+    out = []
     for i, n in enumerate(lengths):
         first_row = i * n_rows
         a = int(ends[first_row - 1]) if first_row else 0
         b = int(ends[first_row + n_rows - 1]) if n_rows else a
-        out.append(
-            (
-                encode_ids(ids[i]),
-                _logprob_blob(lp_codes[lp_at : lp_at + lp_lengths[i]]),
-                _sparse(n, counts[first_row : first_row + n_rows], gaps[a:b], codes[a:b]),
-            )
-        )
-        lp_at += lp_lengths[i]
+        out.append(_sparse(n, counts[first_row : first_row + n_rows], gaps[a:b], codes[a:b]))
     return out
 
 

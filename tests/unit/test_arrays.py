@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
+import numpy as np
 import pytest
 from rollout_lens.server.store import arrays
 
@@ -78,6 +80,63 @@ def test_the_batch_coder_writes_what_the_one_rollout_coders_write() -> None:
             arrays.encode_logprobs(logprobs[i]),
             arrays.encode_control(control[i], n),
         )
+
+
+def _drawn_step(seed: int) -> tuple[list[Any], list[Any], list[Any], list[int]]:
+    """A step of rollouts as the writers hand them: ids as arrays or lists (some fitting two
+    bytes, some not, a negative one), logprobs with NaN, −inf, one below the floor and a row
+    shorter than its ids, control-token probabilities as [position × token] arrays or rows by
+    token (a short one among them); lengths from none to 1,500 tokens."""
+    r = np.random.default_rng(seed)
+    lengths = [int(n) for n in r.choice([0, 1, 2, 7, 64, 300, 1500], size=int(r.integers(0, 40)))]
+    k = int(r.integers(0, 5))
+    ids: list[Any] = []
+    logprobs: list[Any] = []
+    control: list[Any] = []
+    for n in lengths:
+        drawn = r.integers(0, int(r.choice([2, 300, 65_535, 65_536, 150_000, 2**31 - 1])), n)
+        if n and r.random() < 0.1:
+            drawn[0] = -int(r.integers(1, 1000))
+        ids.append(drawn if r.random() < 0.5 else drawn.tolist())
+        lp = -r.exponential(2.0, n)
+        for value, share in ((math.nan, 0.3), (-math.inf, 0.3), (-30.0, 0.2)):
+            if n and r.random() < share:
+                lp[r.integers(0, n)] = value
+        lp = lp[: n // 2] if r.random() < 0.1 else lp
+        logprobs.append(lp if r.random() < 0.5 else lp.tolist())
+        probs = r.random((n, k)) ** 6
+        if n and k and r.random() < 0.3:
+            probs[r.integers(0, n), 0] = math.nan
+        rows = [list(probs[:, j]) for j in range(k)]
+        if rows and r.random() < 0.3:
+            rows[0] = rows[0][: n // 3]
+        control.append(probs if r.random() < 0.5 else rows)
+    return ids, logprobs, control, lengths
+
+
+@pytest.mark.parametrize("batch_values", [arrays.BATCH_VALUES, 1000, 1])
+def test_the_batch_coder_is_the_one_rollout_coders_byte_for_byte(
+    monkeypatch: pytest.MonkeyPatch, batch_values: int
+) -> None:
+    """encode_rollouts codes a step in numpy passes over many rollouts at once (their bits
+    placed into one stream): every blob equals what the one-rollout coders write, over drawn
+    steps, whatever the passes' size (one rollout a pass, a few, all)."""
+    monkeypatch.setattr(arrays, "BATCH_VALUES", batch_values)
+    for seed in range(60):
+        ids, logprobs, control, lengths = _drawn_step(seed)
+        batch = arrays.encode_rollouts(ids, logprobs, control)
+        for i, n in enumerate(lengths):
+            rows = control[i].T if isinstance(control[i], np.ndarray) else control[i]
+            assert batch[i] == (
+                arrays.encode_ids(ids[i]),
+                arrays.encode_logprobs(logprobs[i]),
+                arrays.encode_control(list(rows), n),
+            ), (seed, i)
+
+
+def test_the_batch_coder_refuses_parts_that_do_not_pair() -> None:
+    with pytest.raises(ValueError, match="one each a rollout"):
+        arrays.encode_rollouts([[1, 2]], [[-0.5, -0.5], [-0.5]], [[], []])
 
 
 BYTE_LEVEL = {1: "Hello", 2: "Ġwörld", 3: "Ċ", 4: "<|im_end|>", 5: "Ã©"}

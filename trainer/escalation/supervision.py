@@ -11,7 +11,8 @@ from typing import Any, Protocol
 import torch
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.task_vocab import BEFORE_RL_MODES, IN_GROUP_MODES
-from rollout_lens.trainer.recorder.capture import GenerationHooks, Sample
+from rollout_lens.trainer.recorder.capture import GenerationHooks
+from rollout_lens.trainer.recorder.captured import Sample
 from transformers import TrainerCallback
 
 

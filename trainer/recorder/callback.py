@@ -38,8 +38,8 @@ from rollout_lens.trainer.recorder.capture import (
     Generation,
     GenerationHooks,
     RolloutCapture,
-    Sample,
 )
+from rollout_lens.trainer.recorder.captured import Captured
 from rollout_lens.trainer.recorder.judging import (
     FunctionJudge,
     Judge,
@@ -308,16 +308,16 @@ class RolloutLensCallback(TrainerCallback):
             return
         self._send_pending()
         step = state.global_step
-        rollouts: list[Sample] = []
+        captured: list[Captured] = []  # their Samples are built on the writer's thread
         while self._generations and self._generations[0].rollout_step <= step:
             generation = self._generations.pop(0)
-            rollouts.extend(generation.rollouts)
+            captured.extend(generation.parts)
             self._last_rollout_step = step
         self._pending = {
             "step": step,
             # a reused generation (num_iterations > 1) points at the step that recorded it
-            "rollout_step": step if rollouts else (self._last_rollout_step or step),
-            "rollouts": rollouts,
+            "rollout_step": step if captured else (self._last_rollout_step or step),
+            "captured": captured,
             "wall_time": time.perf_counter() - self._step_started,
             "logs": {},
         }

@@ -28,33 +28,30 @@ A run launched from the dashboard adds to this through GenerationHooks: in-group
 of the policy) and its failures collected for SFT; the id-position probe is the probe's
 `watch_ids` after the opening tag.
 
-Each rollout becomes a Sample here: the store's write entity (RolloutRecord) built once, from
-what TRL's tensors give (ids, logprobs [n] and control-token probabilities [n × k] as numpy
-arrays, in the entity's orientation; the generator's logprobs [n] where TRL has them, its
-`sampling_per_token_logps`, else None; the total reward and the advantage), with what judging
-it needs beside it. Work on the training thread is kept to that; prompts are rendered, user
-functions run and summaries computed later, on the writer's thread (the callback's `_prepare`
-completes the entity).
+A generation is kept here as a Captured (trainer/recorder/captured.py): TRL's lists by
+reference and its tensors (ids, rewards, advantages, the generator's `sampling_per_token_logps`,
+the probe's readings a chunk) copied off the device once each, nothing done a rollout on the
+training thread but finding its reading. Each rollout's Sample (the store's write entity,
+RolloutRecord: ids, logprobs [n] and control-token probabilities [n × k] as numpy arrays in the
+entity's orientation, the generator's logprobs or None, the total reward and the advantage;
+with what judging it needs beside it) is built from that later, on the writer's thread with
+the rest of the step (the callback's `_prepare` completes the entity: prompts rendered, user
+functions run, summaries computed); on the training thread only where a hook wants the
+rollouts as soon as they are scored.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from rollout_lens.server.core.records import ControlProbs, RolloutRecord
 from rollout_lens.trainer.recorder import turns
-from rollout_lens.trainer.recorder.probe import (
-    ForwardProbe,
-    GenerationProbe,
-    SamplingProbe,
-    bound,
-)
+from rollout_lens.trainer.recorder.captured import Arrays, Captured, Reading, Sample, unread
+from rollout_lens.trainer.recorder.probe import ForwardProbe, GenerationProbe, SamplingProbe, bound
 
 log = logging.getLogger("rollout_lens")
 
@@ -69,6 +66,8 @@ ROW_KEY = "rollout_lens_row"  # the column of row ids added to a generation's ou
 
 # The readings a capture can take: off TRL's scoring pass, or off generate's logits.
 READINGS = ("forward", "generate")
+# TRL's output tensors a generation keeps (host copies), those it has
+_KEPT = ("completion_ids", "sampling_per_token_logps", "tool_mask")
 
 
 class GenerationHooks:
@@ -99,38 +98,16 @@ class GenerationHooks:
 
 
 @dataclass
-class Sample:
-    """One rollout as the capture read it off TRL, on the training thread: the write entity
-    (`record`: ids, logprobs, control-token probabilities, total reward and advantage set;
-    its group, texts and judgement are the callback's, on the writer's thread) and what judging
-    it needs."""
-
-    record: RolloutRecord
-    prompt: Any  # TRL's prompt: chat messages or text
-    completion: Any  # TRL's completion: chat messages or text
-    row: dict[str, Any]  # the dataset row's small columns (besides the prompt)
-    rewards: list[float | None]  # each reward function's value (None: it gave none)
-    meta: dict[str, Any]  # the hooks' (in-group supervision)
-    tool_mask: list[int] | None = None  # TRL's tool loop: 1 on the model's tokens
-    prompt_ids: list[int] | None = None  # the prompt as the model saw it (tool-calling)
-    watched: list[float] | None = None  # the id-position probe's logprobs
-
-    def read(self, logprobs: Any, control: Any, watched: list[float] | None) -> None:
-        """A probe's readings of it: logprobs [n], control-token probabilities [n × k]."""
-        record = self.record
-        record.token_logprobs = logprobs
-        if control is not None:
-            tokens = record.control_probs.tokens
-            record.control_probs = ControlProbs.of(control, len(record.completion_ids), tokens)
-        self.watched = watched
-
-
-@dataclass
 class Generation:
-    """The rollouts of one generation, all processes together, in TRL's group order."""
+    """The rollouts of one generation, all processes together, in TRL's group order: each
+    process's Captured, its Samples built when first asked for (`rollouts`)."""
 
     rollout_step: int  # the optimizer step that first trains on them
-    rollouts: list[Sample] = field(default_factory=list)
+    parts: list[Captured] = field(default_factory=list)
+
+    @property
+    def rollouts(self) -> list[Sample]:
+        return [sample for part in self.parts for sample in part.samples()]
 
 
 @dataclass
@@ -138,19 +115,19 @@ class _Pending:
     """This process's rollouts of a generation whose readings come from its loss passes."""
 
     rollout_step: int
-    rollouts: list[Sample]
+    captured: Captured
     rows: list[int]  # the row id of each rollout
 
 
 @dataclass
 class _Generating:
     """The generation in progress (one `_generate_and_score_completions` call): what the
-    capture's wrappers found of it, and its rollouts made from that (`samples`)."""
+    capture's wrappers found of it, kept as a Captured once it is scored (`captured`)."""
 
     inputs: list[dict[str, Any]]  # the dataset rows, one per completion, in group order
     rows: list[int]  # their row ids (unique over the run)
     row_meta: dict[int, dict[str, Any]] = field(default_factory=dict)  # the hooks' meta a row
-    replaced: dict[int, tuple[Any, Any, list[float] | None]] = field(default_factory=dict)
+    replaced: dict[int, Arrays] = field(default_factory=dict)
     # Each `_generate_single_turn` call: its probe and the ids it returned. One call for a
     # single-turn generation; with tools, the first turn of every row, then one call per tool
     # iteration on the rows that called a tool (trainer/recorder/turns.py).
@@ -160,122 +137,70 @@ class _Generating:
     swapped: set[int] = field(default_factory=set)  # rows the hooks replaced: not sampled
     prompt_ids: list[list[int]] | None = None  # the first call's: the prompts as seen
     tool_mask: list[list[int]] | None = None  # from TRL's tool loop, unpadded
-    scored: tuple[list[Any], list[list[int]], list[list[float]]] | None = None
+    # TRL's completions, completion ids and this process's rewards [n × functions] (host)
+    scored: tuple[list[Any], list[list[int]], Any] | None = None
 
-    def samples(
+    def captured(
         self, capture: RolloutCapture, output: dict[str, Any], *, read_now: bool = True
-    ) -> list[Sample]:
-        """This process's rollouts of the generation just scored, as Samples: the write entity
-        with the arrays read so far (`read_now`: off the old-policy pass; else `flush` reads
-        them off the loss passes)."""
-        completions, ids_list, reward_rows = self.scored  # type: ignore[misc]
-        weights = [float(w) for w in capture.trainer.reward_weights.tolist()]
-        advantages = output["advantages"].tolist()
-        # each row's tool_mask: None unless TRL's tool loop ran (and the mask fits the ids)
-        found = self.tool_mask or []
-        masks = [
-            found[i] if i < len(found) and len(found[i]) == len(ids) else None
-            for i, ids in enumerate(ids_list)
-        ]
-        logprobs, control, watched = self._readings(capture, output, ids_list, masks, read_now)
-        id_rows = _id_rows(output, ids_list)
-        generator = self.generator_rows(output, ids_list)
-        prompt_ids = self._prompt_rows(capture, output)
-        samples = []
-        for i, row in enumerate(self.inputs):
-            rewards = [None if math.isnan(v) else float(v) for v in reward_rows[i]]
-            total = sum(w * v for w, v in zip(weights, rewards, strict=True) if v is not None)
-            ids = ids_list[i]
-            record = RolloutRecord.captured(
-                completion_ids=id_rows[i],
-                token_logprobs=logprobs[i],
-                control_probs=_control(control[i] if control is not None else None, ids, capture),
-                verifier_reward=total,
-                advantage=float(advantages[i]),
-                generator_logprobs=generator[i],
-            )
-            samples.append(
-                Sample(
-                    record,
-                    prompt=row.get("prompt"),
-                    completion=completions[i],
-                    row=_plain_columns(row),
-                    rewards=rewards,
-                    meta=self.row_meta.get(i, {}),
-                    tool_mask=masks[i],
-                    prompt_ids=prompt_ids[i] if prompt_ids else None,
-                    watched=watched[i],
-                )
-            )
-        return samples
+    ) -> Captured:
+        """This process's rollouts of the generation just scored, as TRL gave them, with the
+        readings taken so far (`read_now`: off the old-policy pass; else `flush` takes them
+        off the loss passes). A tensor is copied to the host once; nothing is done a rollout."""
+        completions, ids_list, rewards = self.scored  # type: ignore[misc]
+        kept = list(_KEPT) + (["prompt_ids", "prompt_mask"] if capture.tool_calling else [])
+        return Captured(
+            inputs=self.inputs,
+            completions=completions,
+            ids=ids_list,
+            rewards=rewards,
+            weights=[float(w) for w in capture.trainer.reward_weights.tolist()],
+            advantages=_host(output["advantages"]),
+            control_tokens=capture.control_tokens,
+            tensors={k: _host(output[k]) for k in kept if output.get(k) is not None},
+            readings=self._readings(capture, output, ids_list, read_now),
+            tool_calling=capture.tool_calling,
+            tool_mask=self.tool_mask,
+            prompt_ids=self.prompt_ids,
+            row_meta=self.row_meta,
+            sampling=self._settled(ids_list),
+            swapped=set(self.swapped),
+        )
+
+    def _settled(self, ids_list: list[list[int]]) -> list[tuple[SamplingProbe, list[list[int]]]]:
+        """The sampling probes of the generation, each call's readings copied to the host
+        once (single-turn: its one call, whose ids are TRL's)."""
+        calls = [(probe, returned or ids_list) for probe, returned in self.sampling]
+        for probe, returned in calls:
+            probe.settle(returned)
+        return calls
 
     def _readings(
         self,
         capture: RolloutCapture,
         output: dict[str, Any],
         ids_list: list[list[int]],
-        masks: list[list[int] | None],
         read_now: bool,
-    ) -> tuple[list[Any], list[Any] | None, list[list[float] | None]]:
-        """Each row's logprobs [n], control-token probabilities [n × k] (None: none read) and
-        watched logprobs: the forward probe's (now, or left empty for `flush`), else generate's
-        or TRL's own; replaced completions (expert replies) as their forward pass read them."""
-        watched: list[list[float] | None] = [None] * len(ids_list)
-        control: list[Any] | None
+    ) -> list[Reading]:
+        """Each row's reading: the forward probe's (now, or None until `flush`), else the
+        arrays generate's probe or TRL's own give; replaced completions (expert replies) as
+        their forward pass read them."""
+        readings: list[Reading]
         if capture.forward is not None:
-            logprobs: list[Any] = [np.zeros(0) for _ in ids_list]  # arrays once read
-            control = [None for _ in ids_list]
-            for i, ids in enumerate(ids_list):
-                taken = capture.forward.take(self.rows[i], len(ids), masks[i]) if read_now else None
-                if taken is not None:
-                    logprobs[i], control[i], watched[i] = taken
+            readings = list(
+                capture.forward.taken(self.rows) if read_now else [None] * len(ids_list)
+            )
+            has_control = True
         else:
-            logprobs, generated = self.logprobs(capture, output, ids_list)
-            control = list(generated) if generated is not None else None
+            logprobs, control = self.logprobs(capture, output, ids_list)
+            watched: list[list[float] | None] = [None] * len(ids_list)
             if len(self.calls) == 1 and capture.watch_ids:
                 watched = [self.calls[0][0].watched(i) for i in range(len(ids_list))]
+            probes = control if control is not None else [None] * len(ids_list)
+            readings = list(zip(logprobs, probes, watched, strict=True))
+            has_control = control is not None
         for i, (sampled, probs, seen) in self.replaced.items():
-            logprobs[i] = sampled
-            if control is not None:
-                control[i] = probs
-            watched[i] = seen
-        return logprobs, control, watched
-
-    def generator_rows(
-        self, output: dict[str, Any], ids_list: list[list[int]]
-    ) -> list[np.ndarray | None]:
-        """Each row's generator logprobs [n]: TRL's `sampling_per_token_logps` where it has them
-        (vLLM, a rollout_func); else what generate's sampling probes read (transformers'
-        generate: one call, or stitched turn by turn with tools, NaN on tool results); None
-        where neither gave any, and for a row the hooks replaced (an expert reply, not
-        sampled)."""
-        found = _generator_rows(output, ids_list)
-        if any(row is not None for row in found) or not self.sampling:
-            return found
-        read: list[np.ndarray] | None = None
-        if self.tool_mask is not None:
-            read = turns.stitch_sampled(self.sampling, ids_list, self.tool_mask)
-        elif len(self.sampling) == 1 and self.sampling[0][0].used:
-            read = self.sampling[0][0].sampled(ids_list)
-        if read is None:
-            return found
-        return [
-            None if i in self.swapped or len(row) != len(ids) else row
-            for i, (row, ids) in enumerate(zip(read, ids_list, strict=True))
-        ]
-
-    def _prompt_rows(
-        self, capture: RolloutCapture, output: dict[str, Any]
-    ) -> list[list[int]] | None:
-        """Each row's prompt ids as the model saw them (tool-calling runs only)."""
-        if not capture.tool_calling:
-            return None
-        if self.prompt_ids is not None:
-            return self.prompt_ids
-        return [
-            ids[mask.bool()].tolist()
-            for ids, mask in zip(output["prompt_ids"], output["prompt_mask"], strict=True)
-        ]
+            readings[i] = (sampled, probs if has_control else None, seen)
+        return readings
 
     def logprobs(
         self, capture: RolloutCapture, output: dict[str, Any], ids_list: list[list[int]]
@@ -512,8 +437,8 @@ class RolloutCapture:
         # TRL gathers the rewards of every process; keep this process's rows.
         n = len(prompts)
         start = self.trainer.accelerator.process_index * n
-        rows = rewards_per_func[start : start + n].tolist()
-        self._gen.scored = (completions, [list(ids) for ids in completion_ids_list], rows)
+        rows = _host(rewards_per_func[start : start + n])
+        self._gen.scored = (completions, list(completion_ids_list), rows)
         return rewards_per_func
 
     def _score(self, original: Callable[..., Any], inputs: list[dict[str, Any]]) -> Any:
@@ -540,8 +465,9 @@ class RolloutCapture:
             output[ROW_KEY] = torch_rows(self._gen.rows, output["advantages"].device)
             self._wanted.update(self._gen.rows)
             pending = True
-        local = self._gen.samples(self, output, read_now=not pending)
-        self.hooks.on_generation(local)
+        local = self._gen.captured(self, output, read_now=not pending)
+        if type(self.hooks).on_generation is not GenerationHooks.on_generation:
+            self.hooks.on_generation(local.samples())  # built now: a hook wants them
         step = trainer.state.global_step + 1
         if pending:
             self._pending.append(_Pending(step, local, list(self._gen.rows)))
@@ -555,52 +481,30 @@ class RolloutCapture:
         while self._pending and self._pending[0].rollout_step <= step:
             waiting = self._pending.pop(0)
             assert self.forward is not None
-            unread = 0
-            for sample, row in zip(waiting.rollouts, waiting.rows, strict=True):
-                self._wanted.discard(row)
-                n = len(sample.record.completion_ids)
-                taken = self.forward.take(row, n, sample.tool_mask)
-                if taken is None:
-                    unread += 1
-                    continue
-                sample.read(*taken)
-            if unread and not self._warned_unread:
+            self._wanted.difference_update(waiting.rows)
+            waiting.captured.read(self.forward.taken(waiting.rows))
+            missed = unread(waiting.captured)
+            if missed and not self._warned_unread:
                 self._warned_unread = True
                 log.warning(
                     "Rollout Lens: %d rollouts of the generation trained at step %d were not "
                     "seen whole by a scoring pass before the update; their logprobs and "
                     "control-token probabilities are not recorded",
-                    unread,
+                    missed,
                     waiting.rollout_step,
                 )
-            self._hand_on(waiting.rollout_step, waiting.rollouts)
+            self._hand_on(waiting.rollout_step, waiting.captured)
 
-    def _hand_on(self, rollout_step: int, local: list[Sample]) -> None:
+    def _hand_on(self, rollout_step: int, local: Captured) -> None:
         accelerator = self.trainer.accelerator
         if accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
-            everything = gather_object(local)  # a collective: every process calls it here
+            everything = gather_object([local])  # a collective: every process calls it here
         else:
-            everything = local
+            everything = [local]
         if accelerator.is_main_process:
             self.on_generation(Generation(rollout_step, everything))
-
-
-def _id_rows(output: dict[str, Any], ids_list: list[list[int]]) -> list[np.ndarray]:
-    """Each row's ids as int64 arrays: views of TRL's right-padded `completion_ids` tensor (one
-    copy off the device for the generation, nothing a token on the training thread), paired
-    with TRL's lists by their lengths and ends; else each list converted."""
-    found = output.get("completion_ids")
-    shape: tuple[int, ...] = tuple(getattr(found, "shape", ()))
-    if found is not None and len(shape) == 2 and shape[0] == len(ids_list):
-        padded = found.detach().cpu().numpy().astype(np.int64, copy=False)
-        if all(len(ids) <= padded.shape[1] for ids in ids_list):
-            rows = [padded[i, : len(ids)] for i, ids in enumerate(ids_list)]
-            ends = [(ids[0], ids[-1]) for ids in ids_list if ids]
-            if ends == [(int(r[0]), int(r[-1])) for r in rows if len(r)]:
-                return rows
-    return [np.asarray(ids, dtype=np.int64) for ids in ids_list]
 
 
 def _call_ids(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
@@ -619,40 +523,6 @@ def generates_locally(trainer: Any) -> bool:
     return not (
         getattr(trainer, "use_vllm", False) or getattr(trainer, "rollout_func", None) is not None
     )
-
-
-def _generator_rows(output: dict[str, Any], ids_list: list[list[int]]) -> list[np.ndarray | None]:
-    """Each row's generator logprobs: TRL's `sampling_per_token_logps` (vLLM's sampling
-    logprobs, or the `logprobs` a rollout_func returned; NaN where it gave none) as float64, NaN
-    where TRL's tool mask is off (a tool or environment result, not sampled); None for every row
-    where TRL has none (transformers' generate and continuous batching: their SamplingProbe's
-    then), never zeros."""
-    found = output.get("sampling_per_token_logps")
-    shape: tuple[int, ...] = tuple(getattr(found, "shape", ()))
-    if found is None or len(shape) != 2 or shape[0] != len(ids_list):
-        return [None] * len(ids_list)
-    rows = found.detach().cpu().double().numpy()
-    tool = output.get("tool_mask")
-    off = None if tool is None else tool.detach().cpu().numpy() == 0
-    out: list[np.ndarray | None] = []
-    for i, ids in enumerate(ids_list):
-        if len(ids) > shape[1]:
-            out.append(None)
-            continue
-        row = rows[i, : len(ids)].copy()
-        if off is not None:
-            row[off[i, : len(ids)]] = np.nan
-        out.append(row)
-    return out
-
-
-def _control(control: Any, ids: list[int], capture: RolloutCapture) -> ControlProbs:
-    """A rollout's control-token probabilities as the entity holds them, a column per control
-    token of the run (none read yet: no rows)."""
-    tokens = capture.control_tokens
-    if control is None:
-        return ControlProbs(tokens, np.zeros((0, len(tokens))))
-    return ControlProbs.of(control, len(ids), tokens)
 
 
 def forward_measure(
@@ -758,9 +628,6 @@ def can_probe(trainer: Any, notes: list[str]) -> bool:
     return True
 
 
-MAX_LIST = 64  # a list column is kept when it is this short and holds scalars only
-
-
 def torch_rows(rows: list[int], device: Any) -> Any:
     """Row ids as a tensor TRL shuffles and splits with the rest of a generation."""
     import torch
@@ -768,31 +635,6 @@ def torch_rows(rows: list[int], device: Any) -> Any:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def _plain_columns(row: dict[str, Any]) -> dict[str, Any]:
-    """The dataset row's small columns (besides the prompt), kept with the rollout: scalars, and
-    short lists of scalars (the tools an episode needs, say)."""
-    out: dict[str, Any] = {}
-    for key, value in row.items():
-        if key == "prompt":
-            continue
-        if isinstance(value, list | tuple):
-            items = [_scalar(v) for v in value]
-            if len(value) <= MAX_LIST and all(v is not _SKIP for v in items):
-                out[key] = items
-        elif (plain := _scalar(value)) is not _SKIP:
-            out[key] = plain
-    return out
-
-
-_SKIP = object()
-
-
-def _scalar(value: Any) -> Any:
-    """A JSON-safe copy of a scalar column value (long text cut), or _SKIP."""
-    if isinstance(value, str):
-        return value if len(value) <= 2000 else value[:2000] + "…"
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None  # JSON has no NaN
-    if isinstance(value, bool | int) or value is None:
-        return value
-    return _SKIP
+def _host(tensor: Any) -> Any:
+    """A tensor copied to the host (a copy even there: TRL's own is not kept)."""
+    return tensor.detach().to("cpu", copy=True)

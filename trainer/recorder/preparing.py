@@ -1,10 +1,11 @@
 """A recorded step's raw parts → its StepRecord: on the writer's thread for a user's script,
 on the training thread for a launched run (the StepWriter's `prepare`).
 
-The capture's Samples are completed here (trainer/recorder/capture.py built each one's write
-entity from TRL's tensors): each rollout's place in the step, its prompt as the model saw it,
-its completion's text and token pieces, the judge's verdict, the call tags' states and the
-positional control-token probes; then the step's summary values and TRL's logs.
+The capture's Samples are built (trainer/recorder/captured.py: each one's write entity from
+the host copies of TRL's tensors the capture kept) and completed here: each rollout's place in
+the step, its prompt as the model saw it, its completion's text and token pieces, the judge's
+verdict, the call tags' states and the positional control-token probes; then the step's
+summary values and TRL's logs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any, cast
 from rollout_lens.server.core import mismatch, tokentext, vocab
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.trainer.recorder import positional, tags, turns
-from rollout_lens.trainer.recorder.capture import RolloutCapture, Sample
+from rollout_lens.trainer.recorder.capture import RolloutCapture
+from rollout_lens.trainer.recorder.captured import Sample
 from rollout_lens.trainer.recorder.judging import (
     Completion,
     FunctionJudge,
@@ -70,7 +72,7 @@ class StepPreparer:
         names = list(getattr(trainer, "reward_func_names", []) or [])
         rollouts = [
             self._rollout(i, sample, group_size, tokenizer=tokenizer, eos=eos, names=names)
-            for i, sample in enumerate(raw["rollouts"])
+            for i, sample in enumerate(s for part in raw["captured"] for s in part.samples())
         ]
         values: dict[str, float | None] = {}
         series: dict[str, float | None] = {}

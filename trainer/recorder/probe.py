@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,9 +31,10 @@ class SamplingProbe(LogitsProcessor):
     `_get_logits_processor` builds from TRL's GenerationConfig (line 1600 merges the user's
     processors, then lines 1603–1650 append temperature, top-k, top-p, min-p, ... when
     sampling; TRL 1.16.0 trl/trainer/grpo_trainer.py lines 1155–1173 sets do_sample, temperature,
-    top_p, top_k, min_p and repetition_penalty): the distribution each token was drawn from. It keeps the scores of the last position
-    and their log-sum-exp (B, 1) until the next call says which token was drawn from them: three
-    tensor operations a position (one pass over the vocabulary), the rest at the end.
+    top_p, top_k, min_p and repetition_penalty): the distribution each token was drawn from.
+    It keeps the scores of the last position and their log-sum-exp (B, 1) until the next call
+    says which token was drawn from them: three tensor operations a position (one pass over the
+    vocabulary), the rest at the end.
     """
 
     def __init__(self) -> None:
@@ -41,6 +42,7 @@ class SamplingProbe(LogitsProcessor):
         self._last: tuple[torch.Tensor, torch.Tensor | None] | None = None  # scores, log Z
         self.positions = 0  # generation steps seen
         self.batch: list[Any] | None = None  # continuous batching's own, a row each (`bound`)
+        self.host: np.ndarray | None = None  # (B, T) float64 once `settle` copied it off
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         with torch.no_grad():
@@ -63,10 +65,23 @@ class SamplingProbe(LogitsProcessor):
         logprobs)."""
         return self.positions > 0 or self.batch is not None
 
+    def settle(self, completion_ids: Sequence[Sequence[int]]) -> None:
+        """Take the last sampled token of each row (it never reaches another processor call)
+        and copy the readings off the device once (`host`), on the thread that generated: what
+        is left (`sampled`) is numpy only."""
+        if self.positions == 0 or self.host is not None:
+            return
+        assert self._last is not None
+        final = [[ids[-1] if len(ids) == self.positions else 0] for ids in completion_ids]
+        self._take(torch.tensor(final, device=self._last[0].device))
+        self._last = None
+        self.host = torch.cat(self._sampled, dim=1).cpu().double().numpy()  # (B, T)
+        self._sampled = []
+
     def sampled(self, completion_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Per row, the logprob of each of its completion tokens [n] (float64), copied off the
-        device once for the whole batch; none (0 positions) when generation never called it,
-        nor for a row continuous batching gave none or another count of."""
+        """Per row, the logprob of each of its completion tokens [n] (float64, views of the
+        one host copy); none (0 positions) when generation never called it, nor for a row
+        continuous batching gave none or another count of."""
         if self.batch is not None:
             return [
                 np.asarray(row, dtype=np.float64)
@@ -74,15 +89,10 @@ class SamplingProbe(LogitsProcessor):
                 else np.zeros(0)
                 for row, ids in zip(self.batch, completion_ids, strict=True)
             ]
-        if not self.used:
+        self.settle(completion_ids)
+        if self.host is None:
             return [np.zeros(0) for _ in completion_ids]
-        assert self._last is not None
-        # The last sampled token never reaches another processor call.
-        final = [[ids[-1] if len(ids) == self.positions else 0] for ids in completion_ids]
-        self._take(torch.tensor(final, device=self._last[0].device))
-        self._last = None
-        sampled = torch.cat(self._sampled, dim=1).cpu().double().numpy()  # (B, T)
-        return [sampled[row, : len(ids)] for row, ids in enumerate(completion_ids)]
+        return [self.host[row, : len(ids)] for row, ids in enumerate(completion_ids)]
 
 
 class GenerationProbe(SamplingProbe):
@@ -244,14 +254,67 @@ class _Chunk:
     watched: dict[int, tuple[int, torch.Tensor]]  # chunk row -> (position, z over watch_ids)
 
 
-@dataclass
+@dataclass(eq=False)
 class ForwardReading:
-    """One completion as TRL's scoring pass saw it (tensors on the model's device)."""
+    """One chunk of TRL's scoring pass as the probe read it, a row a completion: log p(y)
+    [b, K] (TRL's own), the control-token probabilities [b, K, k], which positions took part
+    in the pass (attention mask 1) [b, K], and the watched logprobs (chunk row -> position,
+    logprobs over watch_ids). Tensors on the model's device until `on_host` copies the chunk
+    off it, once for all its rows; there `leading` counts each row's positions read from the
+    first on."""
 
-    logprobs: torch.Tensor  # (K,) log p(y), TRL's own
-    control: torch.Tensor  # (K, k) p(c)
-    measured: torch.Tensor  # (K,) bool: the position took part in the pass (attention mask 1)
-    watched: tuple[int, torch.Tensor] | None  # (position, logprobs over watch_ids)
+    logprobs: Any
+    control: Any
+    measured: Any
+    watched: dict[int, tuple[int, Any]]
+    leading: Any = None
+    _host: ForwardReading | None = field(default=None, repr=False)
+
+    def on_host(self) -> ForwardReading:
+        """This chunk as numpy arrays (watched as lists), copied off the device once."""
+        if self._host is None:
+            measured = self.measured.cpu().numpy()
+            self._host = ForwardReading(
+                self.logprobs.cpu().numpy(),
+                self.control.cpu().numpy(),
+                measured,
+                {r: (position, z.tolist()) for r, (position, z) in self.watched.items()},
+                np.logical_and.accumulate(measured, axis=1).sum(axis=1),
+            )
+            self._host._host = self._host
+        return self._host
+
+
+@dataclass(frozen=True)
+class ForwardRow:
+    """Row `r` of a chunk's reading on the host: one rollout's, turned into the entity's arrays
+    (`arrays`) later, on the writer's thread."""
+
+    chunk: ForwardReading
+    r: int
+
+    def whole(self, n: int) -> bool:
+        """Whether the pass read the row's first `n` positions (all it has, if fewer)."""
+        return int(self.chunk.leading[self.r]) >= min(n, self.chunk.measured.shape[1])
+
+    def arrays(
+        self, n: int, tool_mask: Sequence[int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray, list[float] | None] | None:
+        """The first `n` positions: logprobs [n], control probs [n × k] (position × token, the
+        step entity's orientation) as float64 and the watched logprobs, tool-result positions
+        (tool_mask 0) at 0.0; None when the pass did not read them whole."""
+        if not self.whole(n):
+            return None
+        chunk, r = self.chunk, self.r
+        logprobs = chunk.logprobs[r, :n]
+        control = chunk.control[r, :n]
+        if tool_mask is not None:
+            keep = np.asarray(tool_mask[:n], dtype=bool)
+            logprobs = np.where(keep, logprobs, logprobs.dtype.type(0.0))
+            control = np.where(keep[:, None], control, control.dtype.type(0.0))
+        found = chunk.watched.get(r)
+        watched = found[1] if found is not None and found[0] < n else None
+        return logprobs.astype(np.float64), control.astype(np.float64), watched
 
 
 class ForwardProbe:
@@ -286,7 +349,8 @@ class ForwardProbe:
         config = model.config.get_text_config()
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.logit_scale = _logit_scale(config)
-        self.readings: dict[int, ForwardReading] = {}  # row id -> its first reading
+        # row id -> its first reading: the chunk that read it and its row there
+        self.readings: dict[int, tuple[ForwardReading, int]] = {}
 
     def backbone(self) -> torch.nn.Module:
         """The module whose output feeds the LM head (what TRL's fused forward calls)."""
@@ -331,18 +395,17 @@ class ForwardProbe:
         for chunk in chunks:
             b = chunk.sampled.size(0)
             log_z = chunk.sampled - logps[offset : offset + b]  # (b, K)
-            control = torch.exp(chunk.control - log_z[..., None])
+            reading = ForwardReading(
+                logps[offset : offset + b],
+                torch.exp(chunk.control - log_z[..., None]),
+                measured[offset : offset + b],
+                {r: (p, z - log_z[r, p]) for r, (p, z) in chunk.watched.items()},
+            )
             for r in range(b):
                 row = rows[offset + r]
-                if row is None or row in self.readings:
-                    continue  # a later pass of the same rollout (num_iterations > 1)
-                watched = None
-                if r in chunk.watched:
-                    position, z = chunk.watched[r]
-                    watched = (position, z - log_z[r, position])
-                self.readings[row] = ForwardReading(
-                    logps[offset + r], control[r], measured[offset + r], watched
-                )
+                # a later pass of the same rollout (num_iterations > 1) is not kept
+                if row is not None and row not in self.readings:
+                    self.readings[row] = (reading, r)
             offset += b
         return result
 
@@ -390,29 +453,14 @@ class ForwardProbe:
             z = self.softcap * torch.tanh(z / self.softcap)
         return z / self.temperature
 
-    def take(
-        self, row: int, n: int, tool_mask: Sequence[int] | None = None
-    ) -> tuple[np.ndarray, np.ndarray, list[float] | None] | None:
-        """Row `row`'s first `n` positions as arrays (no Python floats): logprobs [n], control
-        probs [n × k] (position × token, the step entity's orientation) and the watched
-        logprobs, tool-result positions (tool_mask 0) at 0.0; None when it was not read whole."""
-        reading = self.readings.pop(row, None)
-        if reading is None or not bool(reading.measured[:n].all()):
-            return None
-        logprobs = reading.logprobs[:n]
-        control = reading.control[:n]
-        if tool_mask is not None:
-            keep = torch.tensor(tool_mask[:n], device=logprobs.device, dtype=torch.bool)
-            logprobs = logprobs.masked_fill(~keep, 0.0)
-            control = control.masked_fill(~keep[:, None], 0.0)
-        watched = None
-        if reading.watched is not None and reading.watched[0] < n:
-            watched = reading.watched[1].tolist()
-        return (
-            logprobs.cpu().numpy().astype(np.float64),
-            control.cpu().numpy().astype(np.float64),
-            watched,
-        )
+    def taken(self, rows: Sequence[int]) -> list[ForwardRow | None]:
+        """The readings of `rows` (None: not read), taken out of the probe: each chunk they were
+        read in copied off the device once, nothing done a row but finding it."""
+        out: list[ForwardRow | None] = []
+        for row in rows:
+            found = self.readings.pop(row, None)
+            out.append(None if found is None else ForwardRow(found[0].on_host(), found[1]))
+        return out
 
     def clear(self) -> None:
         self.readings.clear()
