@@ -138,7 +138,9 @@ class StepPreparer:
         meta.update(sample.meta or {})
         if judgement.format_free is not None:
             meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
-        vote, format_state, probes = self._structure(sample, ids, tokens, text, meta, judgement)
+        vote, format_state, probes = self._structure(
+            sample, ids, tokens, text, meta, judgement, tokenizer
+        )
         watched = sample.watched
         if watched is not None:
             probes.update(
@@ -170,10 +172,11 @@ class StepPreparer:
         text: str,
         meta: dict[str, Any],
         judgement: Judgement,
+        tokenizer: Any,
     ) -> tuple[str | None, str | None, dict[str, float | None]]:
         """The vote, the call tags' state (turn by turn with tools, into `meta`) and the
-        positional control-token probes of one rollout."""
-        tokenizer = tokenizer_of(self.trainer)
+        positional control-token probes of one rollout (`tokenizer`: the step's, found once:
+        a tokenizer's missing attribute is a slow lookup)."""
         mask = sample.tool_mask
         # positional reads any indexable of floats: the columns of the array, as they are
         by_token = cast(Mapping[str, Sequence[float]], sample.record.control_probs)
