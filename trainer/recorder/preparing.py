@@ -129,15 +129,7 @@ class StepPreparer:
             )
         )
         tokens = tokenizer.convert_ids_to_tokens(ids)
-        meta: dict[str, Any] = {
-            "rewards": dict(zip(names, sample.rewards, strict=False)),
-            "truncated": truncated,
-        }
-        if row:
-            meta["row"] = row
-        meta.update(sample.meta or {})
-        if judgement.format_free is not None:
-            meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
+        meta = _meta(sample, names, truncated, judgement)
         vote, format_state, probes = self._structure(
             sample, ids, tokens, text, meta, judgement, tokenizer
         )
@@ -329,3 +321,21 @@ def _decode_span(tokenizer: Any, ids: list[int], start: int, end: int) -> str:
 def tokenizer_of(trainer: Any) -> Any:
     processing = trainer.processing_class
     return getattr(processing, "tokenizer", None) or processing
+
+
+def _meta(
+    sample: Sample, names: list[str], truncated: bool, judgement: Judgement
+) -> dict[str, Any]:
+    """A rollout's meta before its structure is read: each reward function's value, whether it
+    was cut off, its dataset row, the hooks' own keys and, where the judge said, whether its
+    format was free."""
+    meta: dict[str, Any] = {
+        "rewards": dict(zip(names, sample.rewards, strict=False)),
+        "truncated": truncated,
+    }
+    if sample.row:
+        meta["row"] = sample.row
+    meta.update(sample.meta or {})
+    if judgement.format_free is not None:
+        meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
+    return meta
