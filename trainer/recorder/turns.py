@@ -237,7 +237,11 @@ def turn_state(
     """The structure of one model turn (its decoded text, special tokens kept) that TRL parsed
     `calls` tool calls from, with the chat template's call tags and end-of-turn tokens
     (structure.read_tags: one scan, whether a tag is one token or several)."""
-    found = structure.read_tags(text, tags, end_tokens)
+    return reading_state(structure.read_tags(text, tags, end_tokens), calls)
+
+
+def reading_state(found: structure.TagReading, calls: int) -> TurnState:
+    """turn_state of a turn whose tags were read already (`found`)."""
     if found.tags == 0:
         return TurnState.no_call
     if found.eot_in_call:
@@ -272,7 +276,7 @@ def completion_state(text: str, tags: tuple[str, str], end_tokens: Sequence[str]
     found = structure.read_tags(text, tags, end_tokens)
     if not found.outside.strip() and found.tags == 0:
         return vocab.FormatState.collapse.value
-    return rollout_state([turn_state(text, len(found.calls), tags, end_tokens)])
+    return rollout_state([reading_state(found, len(found.calls))])  # the text read once
 
 
 def rollout_state(states: Sequence[str]) -> str:
