@@ -10,9 +10,15 @@ path) beside core.mismatch's figures for the same rollouts and TRL's same scorin
 staleness 0 in float32 the generator is the trainer: the mismatch is ≈ 0 (a forward pass over
 one unpadded sequence against TRL's padded batch differs by float rounding only).
 
+Staleness shows only where the weights move: the real model, before its warm-up, gets no exact
+reward on this task, so every group's rewards agree, GRPO's advantages are 0 and no step changes
+a weight (every staleness then samples from the trainer's own weights). `--verifier noisy` flips
+each reward with probability `--verifier-noise`: the groups get a spread and the policy moves.
+
     PYTHONPATH=. .venv/bin/python bench/mismatch.py --steps 8
     PYTHONPATH=. .venv/bin/python bench/mismatch.py --staleness 0 1 4 --bf16 --steps 8
-    PYTHONPATH=. .venv/bin/python bench/mismatch.py --model real --steps 4   # SmolLM2-135M
+    PYTHONPATH=. .venv/bin/python bench/mismatch.py --model real --steps 6 --verifier noisy \
+        --verifier-noise 0.3   # SmolLM2-135M
 """
 
 from __future__ import annotations
@@ -172,6 +178,8 @@ def run(args: argparse.Namespace, staleness: int) -> None:
         seed=args.seed,
         group_size=args.group_size,
         learning_rate=args.lr,
+        verifier=args.verifier,
+        verifier_noise=args.verifier_noise,
     )
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     policy = StalePolicy(model, staleness, dtype, config.max_completion_tokens)
@@ -192,7 +200,7 @@ def run(args: argparse.Namespace, staleness: int) -> None:
         trainer.add_callback(Print())
         print(
             f"\nstaleness {staleness}, {'bfloat16' if args.bf16 else 'float32'} generator, "
-            f"{args.model} model: TRL's sampling/* | core.mismatch's"
+            f"{args.model} model, {args.verifier} verifier: TRL's sampling/* | core.mismatch's"
         )
         print(" step " + " ".join(f"{h:>9}" for h, _ in (*TRL, *OURS)))
         trainer.train()
@@ -207,6 +215,10 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3, help="high: stale weights drift fast")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--verifier", default="exact", help="the reward: exact, format, noisy (see the docstring)"
+    )
+    parser.add_argument("--verifier-noise", type=float, default=0.1, help="noisy's flip rate")
     args = parser.parse_args()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     for staleness in args.staleness:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,24 @@ def half(text: bytes) -> bytes:
     while text[cut - 1 : cut] == b"\n":
         cut += 1
     return text[:cut]
+
+
+def follow_while(writes: Callable[[], None], follow: Callable[[], int]) -> int:
+    """`follow()` (the CLI following a folder) on this thread while `writes()` writes the
+    trainer's files on another; follow's exit status. A failure of `writes` fails the test."""
+    failed: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            writes()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failed.append(exc)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        status = follow()
+    finally:
+        thread.join(timeout=60)
+    assert not failed, failed
+    return status

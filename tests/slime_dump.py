@@ -57,15 +57,31 @@ class Sample:
     non_generation_time: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        value = self.__dict__.copy()
-        value["spec_info"] = {
-            "spec_accept_token_num": 0,
-            "spec_draft_token_num": 0,
-            "spec_verify_ct": 0,
-            "completion_token_num": 0,
-        }
-        value["prefix_cache_info"] = {"cached_tokens": 0, "total_prompt_tokens": 0}
-        return value
+        return sample_dict(self)
+
+
+def sample_dict(sample: Any) -> dict[str, Any]:
+    """`Sample.to_dict` (slime's and miles' alike): its fields, with `spec_info` and
+    `prefix_cache_info` as the dicts of their defaults."""
+    value: dict[str, Any] = sample.__dict__.copy()
+    value["spec_info"] = {
+        "spec_accept_token_num": 0,
+        "spec_draft_token_num": 0,
+        "spec_verify_ct": 0,
+        "completion_token_num": 0,
+    }
+    value["prefix_cache_info"] = {"cached_tokens": 0, "total_prompt_tokens": 0}
+    return value
+
+
+def step_units(fmt: Any) -> list[Any]:
+    """A dump folder's steps as the import reads them: every file of a step in one Unit."""
+    from rollout_lens.server.exchange.dump_files import Unit
+
+    by_step: dict[int, list[Any]] = {}
+    for f in fmt.scan():
+        by_step.setdefault(f.step, []).append(f)
+    return [Unit(step, tuple(files), followed=False) for step, files in sorted(by_step.items())]
 
 
 def rollout(rng: random.Random, prompts: list[str], n: int, tool: bool) -> list[Sample]:

@@ -1,7 +1,8 @@
 """verl's own rollout-dump code, for tests: `RayPPOTrainer._dump_generations` and its helpers,
 taken from the installed verl's source (`pip install --no-deps verl`, see the Makefile: its
 trainer module imports Ray, torch and more at import, and these methods need only json, os and a
-thread pool), and the older `_dump_generations` (verl 0.4, no `gts`) pinned below."""
+thread pool), the older `_dump_generations` (verl 0.4, no `gts`) pinned below, and its file
+logger (`FileLogger`, verl/utils/tracking.py: os and orjson)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,27 @@ def dump(
         for future in list(host._dump_futures):
             future.result()
     return folder / f"{step}.jsonl"
+
+
+def file_logger(path: Path) -> Any:
+    """verl's own FileLogger class from the installed verl's source, writing to `path` as it
+    does with VERL_FILE_LOGGER_PATH set: `.log(data, step)` a line a call, `.finish()`."""
+    import orjson
+
+    source = Path(str(distribution("verl").locate_file("verl/utils/tracking.py")))
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FileLogger")
+    namespace: dict[str, Any] = {"os": os, "orjson": orjson}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(source), "exec"), namespace)
+    before = os.environ.get("VERL_FILE_LOGGER_PATH")
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(path)
+    try:
+        return namespace["FileLogger"]("project", "experiment")
+    finally:
+        if before is None:
+            del os.environ["VERL_FILE_LOGGER_PATH"]
+        else:
+            os.environ["VERL_FILE_LOGGER_PATH"] = before
 
 
 def grpo_advantages(scores: list[float], groups: list[int]) -> list[float]:

@@ -73,6 +73,13 @@ def add_commands(sub: Any) -> None:
         metavar="DIR",
         help="verl's trainer.validation_data_dir: becomes the run's evaluation series",
     )
+    verl.add_argument(
+        "--metrics",
+        type=Path,
+        metavar="FILE",
+        help="verl's file logger output (trainer.logger=['console','file'], the file at "
+        "VERL_FILE_LOGGER_PATH): every number verl logs for a step, as verl/<key>",
+    )
     _follow_options(verl)
     add_remote_options(verl)
     verl.set_defaults(handler=_import_verl)
@@ -187,6 +194,7 @@ def _import_verl(args: argparse.Namespace, settings: Settings) -> int:
         n=args.n,
         true_score_key=args.true_score_key,
         model=args.model,
+        metrics=args.metrics,
     )
     return _run(fmt, args, settings, what="steps")
 

@@ -7,7 +7,7 @@ sends. Adding a series is one entry here plus the code that computes it.
 
 Names: the per-step columns (STEP_SERIES) are plain (`reward_mean`); the rest are generic metrics
 with a family prefix: `ctrl/<token>/<stat>`, `state/<state>`, `probe/<probe>/<part>`,
-`eval/<set>`, `groups/<solved|stuck>`, `sft/…`, `trl/<TRL log key>`.
+`eval/<set>`, `groups/<solved|stuck>`, `sft/…`, `trl/<TRL log key>`, `verl/<verl's key>`.
 """
 
 from __future__ import annotations
@@ -209,6 +209,12 @@ SFT_EXAMPLES = "sft/examples"  # examples in that phase
 def trl(key: str) -> str:
     """`trl/<key>`: any other number TRL logs for a step."""
     return f"trl/{key}"
+
+
+def verl(key: str) -> str:
+    """`verl/<key>`: a number verl gives for a step (its file logger's metrics, a numeric key's
+    step mean in its rollout dumps)."""
+    return f"verl/{key}"
 
 
 # --- what the alert rules read ------------------------------------------------------------------

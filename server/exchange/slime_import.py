@@ -18,9 +18,11 @@ With `--dump-details DIR`, slime (THUDM/slime at 624b824a, slime/utils/arguments
   dump) and the per-sample columns as tensors: `log_probs` (the trainer's, over the response),
   `advantages`, `rollout_log_probs`, `loss_masks`, `response_lengths`, …
 
-Files are read without torch (server.exchange.torch_file). A step is rollout_id + 1. Without a
-train dump (only --save-debug-rollout-data) the rollouts carry the engine's side alone: no
-trainer logprobs, no mismatch figures.
+miles' train dumps differ: one file a rank, `train_data/{rollout_id}_{rank}.pt`, its rows joined
+to the rollout dump's samples by sample index (server/exchange/miles_train.py). Files are read
+without torch (server.exchange.torch_file). A step is rollout_id + 1. Without a train dump (only
+--save-debug-rollout-data) the rollouts carry the engine's side alone: no trainer logprobs, no
+mismatch figures.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 import numpy as np
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import NO_FLOATS, StepRecord
-from rollout_lens.server.exchange import torch_file
+from rollout_lens.server.exchange import miles_train, torch_file
 from rollout_lens.server.exchange.dump_files import DumpFile, Unit, numbered
 from rollout_lens.server.exchange.dump_import import RunPlan
 from rollout_lens.server.exchange.dump_rows import (
@@ -143,22 +145,51 @@ def with_trainer(sided: Sided, raw: dict[str, Any], where: str) -> tuple[Sided, 
     return Sided(sided.ids, trainer, sided.generator, sided.mask), advantage
 
 
-def read_step(
-    rollout: Path, train: Path | None, reward_key: str | None = None
-) -> list[SlimeSample]:
-    """A step's samples in the rollout dump's order, joined with the train dump's when given
-    (by `rollout_position`): InvalidInput for anything not in slime's formats."""
-    rows = _payload(rollout, "rollout")
+def _slime_rows(train: Path, rollout: Path, count: int) -> dict[int, dict[str, Any]]:
+    """slime's train dump: each sample by its `rollout_position` in the rollout dump."""
     joined: dict[int, dict[str, Any]] = {}
-    if train is not None:
-        for k, raw in enumerate(_payload(train, "train")):
-            position = raw.get("rollout_position")
-            if type(position) is not int or not 0 <= position < len(rows) or position in joined:
-                raise InvalidInput(
-                    f"{train} sample {k}: rollout_position {position!r} does not name one "
-                    f"sample of the {len(rows)} in {rollout.name}"
-                )
-            joined[position] = raw
+    for k, raw in enumerate(_payload(train, "train")):
+        position = raw.get("rollout_position")
+        if type(position) is not int or not 0 <= position < count or position in joined:
+            raise InvalidInput(
+                f"{train} sample {k}: rollout_position {position!r} does not name one "
+                f"sample of the {count} in {rollout.name}"
+            )
+        joined[position] = raw
+    return joined
+
+
+def _joined(
+    rollout: Path, train: Sequence[Path], rows: list[dict[str, Any]]
+) -> dict[int, dict[str, Any]]:
+    """The trainer's rows by rollout-dump position: slime's one train dump, or miles' one a
+    rank (server.exchange.miles_train), joined by the samples' index."""
+    if not train:
+        return {}
+    if not all(miles_train.FILE_NAME.match(path.name) for path in train):
+        if len(train) == 1:
+            return _slime_rows(train[0], rollout, len(rows))
+        raise InvalidInput(
+            f"{train[0].parent}: train dumps of rollout {rollout.stem} named both as slime's "
+            "({rollout_id}.pt) and as miles' ({rollout_id}_{rank}.pt)"
+        )
+    positions: dict[int, int] = {}
+    for k, raw in enumerate(rows):
+        index = raw.get("index")
+        if type(index) is int and index not in positions:
+            positions[index] = k
+    return miles_train.rows(list(train), positions)
+
+
+def read_step(
+    rollout: Path, train: Sequence[Path] = (), reward_key: str | None = None
+) -> list[SlimeSample]:
+    """A step's samples in the rollout dump's order, joined with the train dumps' when given
+    (slime's by `rollout_position`, miles' by sample index): InvalidInput for anything not in
+    their formats."""
+    rows = _payload(rollout, "rollout")
+    joined = _joined(rollout, train, rows)
+    source = train[0] if len(train) == 1 else train[0].parent if train else None
     out = []
     for k, raw in enumerate(rows):
         where = f"{rollout} sample {k}"
@@ -166,7 +197,7 @@ def read_step(
         reward = _reward(fields, reward_key, where)
         advantage, trained = 0.0, k in joined
         if trained:
-            sided, advantage = with_trainer(sided, joined[k], f"{train} sample for {k}")
+            sided, advantage = with_trainer(sided, joined[k], f"{source} sample for {k}")
         out.append(_sample(fields, reward, sided, advantage, trained))
     return out
 
@@ -253,7 +284,8 @@ class SlimeDump:
             DumpFile(f.path, f.step + 1, "rollout") for f in numbered(self.rollouts, FILE_NAME)
         ]
         if self.train is not None and self.train.is_dir():
-            found += [DumpFile(f.path, f.step + 1) for f in numbered(self.train, FILE_NAME)]
+            for pattern in (FILE_NAME, miles_train.FILE_NAME):  # slime's, miles' (one a rank)
+                found += [DumpFile(f.path, f.step + 1) for f in numbered(self.train, pattern)]
         return sorted(found, key=lambda f: f.step)
 
     def wants_more(self, unit: Unit) -> bool:
@@ -261,10 +293,11 @@ class SlimeDump:
         return unit.of("rollout") is None or (self.train is not None and unit.of("train") is None)
 
     def _read(self, unit: Unit) -> list[SlimeSample]:
-        rollout, train = unit.of("rollout"), unit.of("train")
+        rollout = unit.of("rollout")
+        train = [f.path for f in unit.files if f.kind == "train"]
         if rollout is None:
-            raise InvalidInput(f"{train and train.path}: a train dump without its rollout dump")
-        return read_step(rollout.path, train.path if train else None, self.reward_key)
+            raise InvalidInput(f"{train[0]}: a train dump without its rollout dump")
+        return read_step(rollout.path, train, self.reward_key)
 
     def check(self, unit: Unit) -> list[int]:
         return run_lengths([str(s.group) for s in self._read(unit)])
@@ -275,7 +308,9 @@ class SlimeDump:
         )
         folder = self.folder.resolve()
         notes = [
-            f"imported from slime's debug dumps in {folder} ({{rollout_id}}.pt; step = rollout_id + 1)",
+            f"imported from slime's or miles' debug dumps in {folder} ({{rollout_id}}.pt; step = "
+            "rollout_id + 1; slime's train dump joined by rollout_position, miles' "
+            "{rollout_id}_{rank}.pt by sample index)",
             "Σ logprob and the token logprobs are the trainer's (train dump `log_probs`); the "
             "engine's (rollout dump `rollout_log_probs`) give the mismatch figures",
         ]

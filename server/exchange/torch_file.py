@@ -1,7 +1,8 @@
 """A file `torch.save` wrote, read without torch (the web process never loads it) and without
 running anything it pickles: its zip archive's `data.pkl` unpickled with an allowlist (plain
-Python, `collections.OrderedDict`, and torch's own tensor rebuild over its storage classes),
-each tensor rebuilt as a numpy array from its storage record, sizes checked before they are read.
+Python, `collections.OrderedDict`, torch's own tensor rebuild over its storage classes, and
+numpy's arrays, dtypes and scalars as numpy pickles them), each tensor rebuilt as a numpy array
+from its storage record, sizes checked before they are read.
 
 A pickle can name any callable; one naming anything else is refused, never imported. What a
 dump may hold is bounded like every import (server.exchange.bounds): the pickle, each storage
@@ -60,6 +61,81 @@ def _rebuild_tensor(
     return storage[offset : offset + count].reshape(size).copy()
 
 
+_NDARRAY = object()  # what `numpy.ndarray` names in a pickle: only _reconstruct's argument
+
+
+class _Array(np.ndarray):
+    """A numpy array as its pickle rebuilds one, its state checked before numpy takes it: at
+    most MAX_STORAGE elements, and exactly the data (bytes, or a list of the allowed values)
+    its shape and dtype say, so that no shape makes numpy allocate more than the file holds."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 5):
+            raise InvalidInput("a numpy array's pickled state of an unknown shape")
+        _, shape, dtype, _, data = state
+        if not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
+            raise InvalidInput("a numpy array's shape is not a tuple of sizes")
+        count = int(np.prod(shape, dtype=np.int64))
+        if not isinstance(dtype, np.dtype) or not 0 <= count <= MAX_STORAGE:
+            raise InvalidInput(f"a numpy array of {count:,} elements (at most {MAX_STORAGE:,})")
+        size = count if dtype.hasobject else count * dtype.itemsize
+        if not isinstance(data, list if dtype.hasobject else bytes) or len(data) != size:
+            raise InvalidInput("a numpy array whose data does not fill its shape")
+        super().__setstate__(state)
+
+
+def _numpy_array(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+    """numpy's `_reconstruct` for a plain ndarray: an empty one its pickled state then fills
+    (`_Array.__setstate__`)."""
+    if subtype is not _NDARRAY:
+        raise InvalidInput("a numpy array of a subclass is not a plain value")
+    return _Array(0, dtype=np.int8)
+
+
+def _numpy_dtype(spec: Any, align: Any = False, copy: Any = True) -> np.dtype[Any]:
+    """numpy.dtype as its pickle names one: by its type code."""
+    if not isinstance(spec, str):
+        raise InvalidInput(f"a numpy dtype named by {type(spec).__name__}")
+    return np.dtype(spec, align=bool(align), copy=bool(copy))
+
+
+def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
+    """numpy's `scalar`: a numpy number of `dtype` from its bytes."""
+    if not isinstance(dtype, np.dtype) or dtype.hasobject or not isinstance(data, bytes):
+        raise InvalidInput("a numpy scalar that is not a number")
+    if len(data) != dtype.itemsize:
+        raise InvalidInput(f"a numpy scalar of {len(data)} bytes, not {dtype.itemsize}")
+    return np.frombuffer(data, dtype=dtype)[0]
+
+
+def _latin1(text: Any, encoding: str = "utf-8") -> bytes:
+    """`_codecs.encode` as numpy's pickles use it for raw bytes: latin-1 text to bytes."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise InvalidInput("bytes encoded otherwise than numpy's pickles encode them")
+    return text.encode("latin1")
+
+
+def _no_bytes(*args: Any) -> bytes:
+    """`bytes()` as a protocol-2 pickle writes empty bytes (an empty array's data): no more."""
+    if args:
+        raise InvalidInput("bytes made by a call, not the empty bytes of an empty array")
+    return b""
+
+
+NUMPY_CORE = ("numpy._core.multiarray", "numpy.core.multiarray")  # numpy 2, numpy 1
+ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("numpy", "ndarray"): _NDARRAY,
+    ("numpy", "dtype"): _numpy_dtype,
+    ("_codecs", "encode"): _latin1,
+    ("__builtin__", "bytes"): _no_bytes,
+    ("builtins", "bytes"): _no_bytes,
+    **{(core, "_reconstruct"): _numpy_array for core in NUMPY_CORE},
+    **{(core, "scalar"): _numpy_scalar for core in NUMPY_CORE},
+}
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, archive: zipfile.ZipFile, prefix: str, where: str) -> None:
         super().__init__(io.BytesIO(data))
@@ -68,10 +144,8 @@ class _Unpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor
+        if (module, name) in ALLOWED:
+            return ALLOWED[module, name]
         if module == "torch" and name in STORAGES:
             return _Storage(name)
         raise InvalidInput(

@@ -11,7 +11,10 @@ Each file becomes a step; groups are runs of identical `input` (or `n`); `score`
 reward, `gts` the target, the extra keys are kept by name in each rollout's meta["extra"] (numeric
 ones also as `verl/<key>` step means); a true-score key (`acc` when present) gives true score and
 true accuracy. Advantages are GRPO's group-normalised score, computed here: verl's own are not in
-its dump. Validation dumps become the `eval/validation` series (plus `verl/val/…`).
+its dump. Validation dumps become the `eval/validation` series (plus `verl/val/…`). With its file
+logger's output (`metrics`: trainer.logger=['console','file']), every number verl logs for a step
+lands on that step as `verl/<key>` (server/exchange/verl_metrics.py), verl's own over a dump key's
+mean of the same name.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from rollout_lens.server.exchange.dump_rows import (
     step_values,
     text_rollout,
 )
+from rollout_lens.server.exchange.verl_metrics import KIND as METRICS
+from rollout_lens.server.exchange.verl_metrics import VerlMetrics
 from rollout_lens.server.store.models import RunRow, RunSource
 
 FILE_NAME = re.compile(r"^(\d+)\.jsonl$")
@@ -57,11 +62,6 @@ NO_TOKENS = (
     "verl's dump has no token ids, logprobs or control-token probabilities, nor loss, KL, "
     "entropy or grad norm (verl logs those to its own loggers)"
 )
-
-
-def verl(key: str) -> str:
-    """`verl/<key>`: the step mean of a numeric key of verl's dump."""
-    return f"verl/{key}"
 
 
 @dataclass
@@ -88,6 +88,7 @@ class VerlDump:
         n: int | None = None,
         true_score_key: str | None = None,
         model: str | None = None,
+        metrics: Path | None = None,
     ) -> None:
         if n is not None and n < 1:
             raise InvalidInput(f"n must be at least 1, not {n}")
@@ -97,6 +98,7 @@ class VerlDump:
         self.n = n
         self.true_score_key = true_score_key
         self.model = model
+        self.metrics = VerlMetrics(metrics) if metrics is not None else None
         self.empty = (
             f"{folder}: no {{step}}.jsonl files (verl writes them with "
             f"trainer.rollout_data_dir={folder})"
@@ -115,7 +117,8 @@ class VerlDump:
         found = numbered(self.folder, FILE_NAME)
         if self.validation is not None:
             found += numbered(self.validation, FILE_NAME, "validation")
-        return [f for f in found if f.step >= 1]
+        found = [f for f in found if f.step >= 1]
+        return found + (self.metrics.files() if self.metrics is not None else [])
 
     def check(self, unit: Unit) -> _VerlStepShape:
         out = _VerlStepShape()
@@ -132,10 +135,13 @@ class VerlDump:
 
     def wants_more(self, unit: Unit) -> bool:
         # verl writes a step's validation dump next to its train dump (after it in RayPPOTrainer,
-        # before it in the v1 trainer) when it validates there: the newest step waits for both
-        # (or for a later step's file), so its evaluation lands with its rollouts.
-        return unit.of("train") is None or (
-            self.validation is not None and unit.of("validation") is None
+        # before it in the v1 trainer) when it validates there, and logs the step's metrics
+        # after both (RayPPOTrainer.fit): the newest step waits for all it follows (or for a
+        # later step's file), so its evaluation and metrics land with its rollouts.
+        return (
+            unit.of("train") is None
+            or (self.validation is not None and unit.of("validation") is None)
+            or (self.metrics is not None and unit.of(METRICS) is None)
         )
 
     # -- the run -------------------------------------------------------------------------------
@@ -176,6 +182,8 @@ class VerlDump:
                 f"{VALIDATION} is their mean {self.true_score_key or 'score'}"
             )
             notes += self._before_training()
+        if self.metrics is not None:
+            notes += self.metrics.notes()
         return RunPlan(
             name=self.name or f"verl {folder.name}",
             model=self.model or "unknown",
@@ -183,6 +191,7 @@ class VerlDump:
             config={
                 self.folder_key: str(folder),
                 "verl_validation_dir": str(self.validation.resolve()) if self.validation else None,
+                "verl_metrics_file": str(self.metrics.path.resolve()) if self.metrics else None,
                 "n": self.n,
                 "true_score_key": self.true_score_key,
                 "extra_keys": sorted(numeric),
@@ -228,11 +237,13 @@ class VerlDump:
             "--n": config.get("n"),
             "--true-score-key": config.get("true_score_key"),
             "--validation": config.get("verl_validation_dir"),
+            "--metrics": config.get("verl_metrics_file"),
         }
         given = {
             "--n": self.n,
             "--true-score-key": self.true_score_key,
             "--validation": str(self.validation.resolve()) if self.validation else None,
+            "--metrics": str(self.metrics.path.resolve()) if self.metrics else None,
         }
         for option, value in given.items():
             if value is not None and value != stored[option]:
@@ -244,6 +255,8 @@ class VerlDump:
         self.true_score_key = stored["--true-score-key"]
         if stored["--validation"]:
             self.validation = Path(stored["--validation"])
+        if stored["--metrics"] and self.metrics is None:
+            self.metrics = VerlMetrics(Path(stored["--metrics"]))
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -257,15 +270,17 @@ class VerlDump:
             rollouts = self._rollouts(train, rows)
             assert self.n is not None
             values = step_values(rollouts, self.n)
-            metrics = {verl(k): _key_mean(rows, k) for k, ok in _numeric(rows).items() if ok}
+            metrics = {vocab.verl(k): _key_mean(rows, k) for k, ok in _numeric(rows).items() if ok}
         validation = unit.of("validation")
         if validation is not None:
             rows = _read_lines(validation)
             metrics[VALIDATION] = self._validation_mean(rows)
-            metrics[verl("val/score")] = mean(row["score"] for row in rows)
+            metrics[vocab.verl("val/score")] = mean(row["score"] for row in rows)
             for k, ok in _numeric(rows).items():
                 if ok:
-                    metrics[verl(f"val/{k}")] = _key_mean(rows, k)
+                    metrics[vocab.verl(f"val/{k}")] = _key_mean(rows, k)
+        if self.metrics is not None and unit.of(METRICS) is not None:
+            metrics.update(self.metrics.at(unit.step))  # verl's own over a dump key's mean
         return StepRecord(
             step=unit.step,
             rollout_step=unit.step,

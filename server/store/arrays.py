@@ -70,8 +70,14 @@ def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
 
 def _shuffle(values: np.ndarray) -> bytes:
     """Little-endian values → their first bytes, then their second bytes… (zstd-friendly)."""
+    return _planes(values).tobytes()
+
+
+def _planes(values: np.ndarray) -> np.ndarray:
+    """Little-endian values' byte planes, [byte × value]: a run of values' shuffled bytes are
+    the C-order bytes of its columns (_shuffle of a slice, for many slices of one array)."""
     raw = values.astype(values.dtype.newbyteorder("<"), copy=False).view(np.uint8)
-    return raw.reshape(-1, values.dtype.itemsize).T.tobytes()
+    return raw.reshape(-1, values.dtype.itemsize).T
 
 
 def _unshuffle(data: bytes, dtype: str) -> np.ndarray:
@@ -540,12 +546,20 @@ def _control_blobs(control: Sequence[ControlRows], lengths: Sequence[int]) -> li
     gaps = gaps.astype(np.uint32)
     counts = np.bincount(row_of, minlength=len(row_starts))
     ends = np.cumsum(counts)
+    # _sparse of each rollout, its head (length, each row's count) and its gaps' and codes'
+    # byte planes cut from arrays made once (numpy calls a rollout cost more than its bytes)
+    heads = np.column_stack(
+        (np.asarray(lengths), counts[: len(lengths) * n_rows].reshape(len(lengths), n_rows))
+    ).astype("<u4")
+    gap_planes, code_planes = _planes(gaps), _planes(codes)
     out = []
-    for i, n in enumerate(lengths):
+    for i in range(len(lengths)):
         first_row = i * n_rows
         a = int(ends[first_row - 1]) if first_row else 0
         b = int(ends[first_row + n_rows - 1]) if n_rows else a
-        out.append(_sparse(n, counts[first_row : first_row + n_rows], gaps[a:b], codes[a:b]))
+        out.append(
+            _pack(heads[i].tobytes() + gap_planes[:, a:b].tobytes() + code_planes[:, a:b].tobytes())
+        )
     return out
 
 

@@ -33,7 +33,6 @@ from rollout_lens.server.store.models import (
     Base,
     FactsRow,
     PromptRow,
-    RolloutRow,
     RunRow,
     RunTokenRow,
     StepRow,
@@ -123,6 +122,9 @@ class _Driver:
         self.rollout_ids = (
             f'SELECT "group", idx, id FROM rollouts WHERE run_id = {mark} AND step = {mark}'
         )
+        # whether a rollout step is written (a select built per step cost 0.4 ms of the
+        # writer's thread, the GIL held, at a toy step)
+        self.any_rollout = f"SELECT 1 FROM rollouts WHERE run_id = {mark} AND step = {mark} LIMIT 1"
         self.drop_arrays = (
             "UPDATE rollout_data SET logprobs = NULL, control = NULL, generator_logprobs = NULL "
             "WHERE rollout_id IN "
@@ -300,15 +302,31 @@ class RunTokens:
         self._known[held] = True
         self._texts[held] = [texts[i] for i in held]
 
-    def text_rule(self, r: RolloutRecord) -> int | None:
-        """arrays.text_rule of a rollout, its tokens' texts taken from the run's at once."""
-        ids = np.asarray(r.completion_ids, dtype=np.int64).reshape(-1)
+    def text_rules(self, rollouts: Sequence[RolloutRecord]) -> list[int | None]:
+        """arrays.text_rule of each rollout, the step's token texts taken from the run's at
+        once (numpy calls a rollout cost more than its rule): a rollout with an id the mask
+        does not hold (negative, huge, unseen) is looked up in the dict."""
+        rows = [np.asarray(r.completion_ids, dtype=np.int64).reshape(-1) for r in rollouts]
+        ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
         if not len(ids):
-            return None
+            return [None] * len(rollouts)
         known = self._known_ids(int(ids.max()))
-        if ids.min() < 0 or ids.max() >= len(known) or not known[ids].all():
-            return arrays.text_rule(r.completion, ids, self.texts)
-        return arrays.pieces_rule(r.completion, self._texts[ids].tolist())
+        inside = (ids >= 0) & (ids < len(known))
+        held = inside & known[np.where(inside, ids, 0)]
+        pieces = self._texts[np.where(held, ids, 0)].tolist()
+        missing = np.cumsum(~held).tolist()  # ids not held, up to each position
+        out: list[int | None] = []
+        start = 0
+        for r, row in zip(rollouts, rows, strict=True):
+            end = start + len(row)
+            if start == end:
+                out.append(None)
+            elif missing[end - 1] - (missing[start - 1] if start else 0):
+                out.append(arrays.text_rule(r.completion, row, self.texts))
+            else:
+                out.append(arrays.pieces_rule(r.completion, pieces[start:end]))
+            start = end
+        return out
 
 
 class Interned:
@@ -593,12 +611,9 @@ class Recorder:
     def _has_rollouts(self, conn: Connection, rollout_step: int) -> bool:
         """Whether the run has rollouts generated at `rollout_step` (their unique key's index:
         a step re-sending them would otherwise fail on that key, after its other writes)."""
-        found = conn.scalar(
-            select(RolloutRow.id)
-            .where(RolloutRow.run_id == self.run_id, RolloutRow.step == rollout_step)
-            .limit(1)
+        return bool(
+            self.driver.cursor(conn).fetch(self.driver.any_rollout, (self.run_id, rollout_step))
         )
-        return found is not None
 
     # -- rollouts ------------------------------------------------------------------------------
 
@@ -618,7 +633,7 @@ class Recorder:
         prompts, prompt_ids = self._prompts(conn, rollouts)
         facts_ids, digests, own = self._facts(conn, rollouts)
         self.tokens.add(self.driver, conn, rollouts)
-        rules = [self.tokens.text_rule(r) for r in rollouts]
+        rules = self.tokens.text_rules(rollouts)
         driver = self.driver
         cursor = cursor or driver.cursor(conn)
         figures = rollout_mismatch(rollouts)

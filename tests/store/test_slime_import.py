@@ -50,19 +50,10 @@ def folder(tmp_path: Path) -> Path:
     return tmp_path / "dump"
 
 
-def _units(fmt: SlimeDump) -> list[Any]:
-    from rollout_lens.server.exchange.dump_files import Unit
-
-    by_step: dict[int, list[Any]] = {}
-    for f in fmt.scan():
-        by_step.setdefault(f.step, []).append(f)
-    return [Unit(step, tuple(files), followed=False) for step, files in sorted(by_step.items())]
-
-
 def test_both_sides_are_read(tmp_path: Path) -> None:
     samples, log_probs = _step(tmp_path, 3, tool=True)
     fmt = SlimeDump(tmp_path)
-    units = _units(fmt)
+    units = sd.step_units(fmt)
     assert [u.step for u in units] == [4]  # rollout_id 3 is the fourth step
     assert fmt.plan([fmt.check(u) for u in units]).group_size == N
     step = fmt.read(units[0])
@@ -98,7 +89,7 @@ def test_a_slime_run_imports(session_factory: sessionmaker[Session], folder: Pat
         assert set(mm.NAMES) <= set(store.series_names(session, run_id=run.id))
     # the engine's logprobs stored beside the trainer's (NaN where the loss mask is off)
     fmt = SlimeDump(folder)
-    units = _units(fmt)
+    units = sd.step_units(fmt)
     fmt.plan([fmt.check(u) for u in units])
     wanted = {}
     for unit in units:
@@ -118,10 +109,10 @@ def test_a_slime_run_imports(session_factory: sessionmaker[Session], folder: Pat
 
 def test_rollout_dumps_alone_have_no_trainer_side(tmp_path: Path) -> None:
     _step(tmp_path, 0, tool=False, train=False)
-    samples = read_step(tmp_path / "rollout_data" / "0.pt", None)
+    samples = read_step(tmp_path / "rollout_data" / "0.pt")
     assert not any(s.trained for s in samples)
     fmt = SlimeDump(tmp_path / "rollout_data")  # --save-debug-rollout-data's folder
-    units = _units(fmt)
+    units = sd.step_units(fmt)
     fmt.plan([fmt.check(u) for u in units])
     record = fmt.read(units[0]).record
     assert record.metrics == {}  # nothing to compare: no figures, not zeros
@@ -207,7 +198,7 @@ def test_a_train_dump_naming_another_sample_is_refused(tmp_path: Path) -> None:
         sd.trainer_logprobs(rng, samples + samples[:1], 0.1),
     )
     with pytest.raises(InvalidInput, match="rollout_position 8 does not name one sample of the 8"):
-        read_step(tmp_path / "r.pt", tmp_path / "t.pt")
+        read_step(tmp_path / "r.pt", [tmp_path / "t.pt"])
 
 
 @pytest.mark.parametrize(
@@ -252,7 +243,7 @@ def test_a_reward_dict_is_read_by_its_key(tmp_path: Path) -> None:
         tmp_path / "train_data" / "0.pt", 0, samples, sd.trainer_logprobs(rng, samples, 0.1)
     )
     fmt = SlimeDump(tmp_path, reward_key="acc", group_size=N)
-    units = _units(fmt)
+    units = sd.step_units(fmt)
     fmt.plan([fmt.check(u) for u in units])
     record = fmt.read(units[0]).record
     assert [r.verifier_reward for r in record.rollouts] == [s.reward["acc"] for s in samples]

@@ -211,11 +211,10 @@ def test_follow_a_trl_output_dir_while_it_is_written(
 ) -> None:
     """`import-trl --follow`: TRL's files appear one by one (one half-written for a while, as
     pandas leaves a Parquet file before its footer), the run is live, --idle completes it."""
-    import threading
     import time
 
     from rollout_lens.cli import main
-    from tests.follow_support import half, newest_run, recorded, use_database
+    from tests.follow_support import follow_while, half, newest_run, recorded, use_database
     from tests.waiting import until
 
     use_database(monkeypatch, session_factory, tmp_path)
@@ -223,31 +222,24 @@ def test_follow_a_trl_output_dir_while_it_is_written(
     out = tmp_path / "out"
     (out / "completions").mkdir(parents=True)
     seen: dict[str, object] = {}
-    failed: list[BaseException] = []
 
     def trl_trains() -> None:
-        try:
-            for f in files[:2]:
-                shutil.copy(f, out / "completions" / f.name)
-            until(lambda: len(recorded(session_factory)) == 2, "two steps")
-            run = newest_run(session_factory)
-            seen["status"] = run.status if run else None
-            third = out / "completions" / files[2].name
-            third.write_bytes(half(files[2].read_bytes()))
-            time.sleep(1.2)
-            seen["half"] = len(recorded(session_factory))
-            third.write_bytes(files[2].read_bytes())
-            shutil.copy(files[3], out / "completions" / files[3].name)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test below
-            failed.append(exc)
+        for f in files[:2]:
+            shutil.copy(f, out / "completions" / f.name)
+        until(lambda: len(recorded(session_factory)) == 2, "two steps")
+        run = newest_run(session_factory)
+        seen["status"] = run.status if run else None
+        third = out / "completions" / files[2].name
+        third.write_bytes(half(files[2].read_bytes()))
+        time.sleep(1.2)
+        seen["half"] = len(recorded(session_factory))
+        third.write_bytes(files[2].read_bytes())
+        shutil.copy(files[3], out / "completions" / files[3].name)
 
-    thread = threading.Thread(target=trl_trains)
-    thread.start()
-    try:
-        status = main(["import-trl", str(out), "--follow", "--idle", "1.5", "--settle", "0.3"])
-    finally:
-        thread.join(timeout=60)
-    assert not failed, failed
+    status = follow_while(
+        trl_trains,
+        lambda: main(["import-trl", str(out), "--follow", "--idle", "1.5", "--settle", "0.3"]),
+    )
     assert status == 0 and "completed (no new step for 1.5 s)" in capsys.readouterr().out
     assert (seen["status"], seen["half"]) == (RunStatus.running, 2)
     run = newest_run(session_factory)

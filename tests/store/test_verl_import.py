@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tests import verl_dump
 from tests.factories import run_count
-from tests.follow_support import half, newest_run, recorded, use_database
+from tests.follow_support import follow_while, half, newest_run, recorded, use_database
 from tests.prompt_lens_support import assert_matches_oracle
 from tests.waiting import until
 
@@ -347,8 +347,6 @@ def test_follow_records_steps_as_verl_writes_them(
     """The follower in this thread (the CLI in-process), verl's dump code in another: steps are
     recorded as they appear, a half-written file is not read until whole, the run is running
     with its heartbeat and live series meanwhile, and --idle ends it as completed."""
-    import threading
-
     from rollout_lens.cli import main
     from tests.web_support import client_for
 
@@ -358,46 +356,36 @@ def test_follow_records_steps_as_verl_writes_them(
     scratch = verl_dump.trainer()  # writes step 3 elsewhere, for its bytes
     full = write_step(scratch, tmp_path / "scratch", 3).read_bytes()
     seen: dict[str, Any] = {}
-    failed: list[BaseException] = []
 
     def verl_trains() -> None:
-        try:
-            host = verl_dump.trainer()
-            for step in (1, 2):
-                write_step(host, folder, step)
-            until(lambda: recorded(session_factory) == [1, 2], "steps 1 and 2")
-            run = newest_run(session_factory)
-            assert run is not None
-            seen["live"] = (run.status, run.heartbeat_at, run.worker_host, run.total_steps)
-            seen["lens"] = assert_matches_oracle(session_factory, run.id)  # live, mid-run
-            with client_for(session_factory) as client:
-                seen["page"] = client.get(f"/runs/{run.id}").text
-                seen["progress"] = client.get(f"/api/runs/{run.id}/progress").json()
-                seen["series"] = client.get(
-                    f"/api/runs/{run.id}/series", params={"since": 1}
-                ).json()
-            # verl's writer mid-way through step 3's file: settled past --settle, not whole.
-            (folder / "3.jsonl").write_bytes(half(full))
-            time.sleep(1.2)
-            seen["half"] = recorded(session_factory)
-            before = newest_run(session_factory)
-            assert before is not None and before.heartbeat_at is not None
-            seen["beats"] = (run.heartbeat_at, before.heartbeat_at)
-            (folder / "3.jsonl").write_bytes(full)
-            until(lambda: 3 in recorded(session_factory), "step 3")
-            for step in (4, 5):
-                write_step(host, folder, step)
-            host._shutdown_dump_executor()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test below
-            failed.append(exc)
+        host = verl_dump.trainer()
+        for step in (1, 2):
+            write_step(host, folder, step)
+        until(lambda: recorded(session_factory) == [1, 2], "steps 1 and 2")
+        run = newest_run(session_factory)
+        assert run is not None
+        seen["live"] = (run.status, run.heartbeat_at, run.worker_host, run.total_steps)
+        seen["lens"] = assert_matches_oracle(session_factory, run.id)  # live, mid-run
+        with client_for(session_factory) as client:
+            seen["page"] = client.get(f"/runs/{run.id}").text
+            seen["progress"] = client.get(f"/api/runs/{run.id}/progress").json()
+            seen["series"] = client.get(f"/api/runs/{run.id}/series", params={"since": 1}).json()
+        # verl's writer mid-way through step 3's file: settled past --settle, not whole.
+        (folder / "3.jsonl").write_bytes(half(full))
+        time.sleep(1.2)
+        seen["half"] = recorded(session_factory)
+        before = newest_run(session_factory)
+        assert before is not None and before.heartbeat_at is not None
+        seen["beats"] = (run.heartbeat_at, before.heartbeat_at)
+        (folder / "3.jsonl").write_bytes(full)
+        until(lambda: 3 in recorded(session_factory), "step 3")
+        for step in (4, 5):
+            write_step(host, folder, step)
+        host._shutdown_dump_executor()
 
-    thread = threading.Thread(target=verl_trains)
-    thread.start()
-    try:
-        status = main(follow_args(folder, "--idle", "3", "--total-steps", "8"))
-    finally:
-        thread.join(timeout=60)
-    assert not failed, failed
+    status = follow_while(
+        verl_trains, lambda: main(follow_args(folder, "--idle", "3", "--total-steps", "8"))
+    )
     assert status == 0
     out, err = capsys.readouterr()
     assert "completed (no new step for 3 s)" in out

@@ -6,7 +6,10 @@ generation and before any update, over each rollout's own prompt and completion.
 rollout's per-token logprobs and control-token probabilities must equal it within float16
 precision, whichever generator sampled it (generate, transformers' continuous batching, TRL's
 tool loop); where generate's own probe exists, both readings are recorded in the same run and
-must agree. vLLM cannot run here: its capture is built on a trainer configured for it.
+must agree. Where transformers sampled (generate, continuous batching), the generator logprobs
+(its SamplingProbe's) must equal the oracle too, tool results NaN: no top-k or top-p here, so
+it samples from the oracle's distribution. vLLM cannot run here: its capture is built on a trainer configured
+for it.
 """
 
 from __future__ import annotations
@@ -125,7 +128,9 @@ def _record(trainer: Any, url: str | None, **kwargs: Any) -> tuple[Any, list[Any
 
 
 def _assert_oracle(kept: list[Any], oracle: list[list[dict[str, Any]]]) -> int:
-    """Every kept rollout equals the oracle within float16 precision; returns how many."""
+    """Every kept rollout equals the oracle within float16 precision, its generator logprobs
+    too (the sampling distribution: no top-k or top-p here), NaN on tool results; returns how
+    many."""
     assert len(kept) == len(oracle)
     n = 0
     for generation, truth in zip(kept, oracle, strict=True):
@@ -135,6 +140,9 @@ def _assert_oracle(kept: list[Any], oracle: list[list[dict[str, Any]]]) -> int:
             model = [True] * len(t["ids"]) if t["mask"] is None else [v == 1 for v in t["mask"]]
             expected = [lp if m else 0.0 for lp, m in zip(t["logprobs"], model, strict=True)]
             assert r.record.token_logprobs.tolist() == pytest.approx(expected, rel=REL, abs=ABS)
+            sampled = [lp if m else math.nan for lp, m in zip(t["logprobs"], model, strict=True)]
+            got = r.record.generator_logprobs.tolist()
+            assert got == pytest.approx(sampled, rel=REL, abs=ABS, nan_ok=True)
             # the write entity's [position × token] array, as both probes hand it
             rows = r.record.control_probs.array.T
             assert len(rows) == len(t["control"])
@@ -200,6 +208,9 @@ def cb_run(user_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Si
         tmp / "out",
         per_device_train_batch_size=8,
         use_transformers_continuous_batching=True,
+        # a bounded cache: by default continuous batching sizes it from the device's memory,
+        # on CPU half of the machine's RAM, which other processes of a shared machine hold
+        transformers_continuous_batching_config={"num_blocks": 32, "max_batch_tokens": 256},
     )
     eot = trainer.processing_class.convert_tokens_to_ids(EOT)
     oracle = _oracle(trainer, [eot])
@@ -215,11 +226,17 @@ def cb_run(user_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Si
 def test_continuous_batching_is_read_off_the_scoring_pass(cb_run: SimpleNamespace) -> None:
     """It stands for every generator that is not `generate` (vLLM's too): the reading does not
     depend on how a completion was sampled."""
+    from rollout_lens.server.core import mismatch as mm
+
     assert _assert_oracle(cb_run.kept, cb_run.oracle) == 8
-    run, rows, _, _ = load_run(cb_run.url, 1)
+    run, rows, _, series = load_run(cb_run.url, 1)
     assert run.control_tokens == [EOT]
     (note,) = [n for n in run.notes if "scoring forward pass" in n]
     assert note.startswith("continuous-batching generation")
+    # generate_batch's own logprobs (return_logprobs): the generator's side, and the figures
+    assert "generate_batch returns with return_logprobs" in note
+    assert all(len(r["generator_logprobs"]) == len(r["completion_ids"]) for r in rows)
+    assert series[mm.ABS_DIFF_MAX][-1][1] < 1e-3  # no filter, float32: float rounding only
     for r, t in zip(rows, cb_run.oracle[0], strict=True):
         assert r["completion_ids"] == t["ids"]
         assert r["sum_logprob"] == pytest.approx(sum(t["logprobs"]), abs=1e-4)

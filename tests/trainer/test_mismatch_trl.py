@@ -209,40 +209,105 @@ def test_the_recorder_stores_both_sides_and_trl_figures(
     assert series[mm.ABS_DIFF_MAX][-1][1] > 0.5  # random sides: a real mismatch
 
 
-def test_a_run_without_generator_logprobs_records_none(
-    tmp_path: Path, user_model_dir: Path
+def _brute_force(model: Any, prompt: list[int], completion: list[int], sampling: dict[str, Any]):  # type: ignore[no-untyped-def]
+    """log p of each completion token under the distribution generate draws it from, computed
+    by hand from one plain float32 forward pass: the logits over the temperature, then top-k
+    (the k largest kept), then top-p (the smallest head of the sorted distribution whose mass
+    reaches p: a token is kept when the mass before it is below p), renormalized."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].double()
+    z = logits[len(prompt) - 1 : -1] / sampling["temperature"]
+    if sampling["top_k"]:
+        kth = z.topk(sampling["top_k"], dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, -math.inf)
+    if sampling["top_p"] < 1.0:
+        order = z.argsort(dim=-1, descending=True)
+        probs = torch.softmax(z, dim=-1).gather(1, order)
+        before = probs.cumsum(dim=-1) - probs
+        drop = torch.zeros_like(z, dtype=torch.bool).scatter(1, order, before >= sampling["top_p"])
+        z = z.masked_fill(drop, -math.inf)
+    logp = torch.log_softmax(z, dim=-1)
+    return logp.gather(1, torch.tensor(completion)[:, None])[:, 0].numpy()
+
+
+SAMPLINGS = {
+    "plain": {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+    "filtered": {"temperature": 0.7, "top_k": 5, "top_p": 0.9},
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_generate_records_the_distribution_it_sampled_from(
+    tmp_path: Path, user_model_dir: Path, name: str
 ) -> None:
-    """transformers' generate gives TRL no logprobs: every rollout's generator_logprobs is null
-    (never zeros), no mismatch/* series is recorded, and the run's note says why."""
+    """transformers' generate: each rollout's generator logprobs are generate's own sampling
+    distribution's (read by the SamplingProbe after every warper), equal to a brute-force
+    recomputation from the weights that sampled with the run's temperature, top-k and top-p.
+    In float32 with no filtering the generator is the trainer (mismatch ≈ 0); with top-k/top-p
+    the sampling distribution is the trainer's truncated and renormalized, so every sampled
+    token's generator logprob is above the trainer's and the step's figures show it."""
     from datasets import Dataset
     from rollout_lens.server.core import mismatch as mm
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     from rollout_lens import RolloutLensCallback
-    from tests.factories import load_run
+    from tests.factories import load_run, stored_logprobs_match
 
+    sampling = SAMPLINGS[name]
     url = f"sqlite:///{tmp_path / 'lens.db'}"
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"),
         max_completion_length=8,
         report_to="none",
         use_cpu=True,
+        bf16=False,  # float32 on both sides: the brute force's precision
         save_strategy="no",
         disable_tqdm=True,
         per_device_train_batch_size=BATCH,
         num_generations=4,
-        max_steps=1,
+        max_steps=2,
+        learning_rate=1e-2,  # the second step samples from other weights
+        **sampling,
     )
     trainer = GRPOTrainer(
         model=str(user_model_dir),
         reward_funcs=[us.is_short],
         args=args,
-        train_dataset=Dataset.from_list(us.conversational(us.questions(BATCH))),
-        callbacks=[RolloutLensCallback(project="plain", database_url=url)],
+        train_dataset=Dataset.from_list(us.conversational(us.questions(2 * BATCH))),
     )
+    calls: list[tuple[dict[str, Any], list[list[int]], list[list[int]]]] = []
+    generate = trainer._generate_single_turn
+
+    def observed(*call: Any, **named: Any) -> Any:  # wrapped by the capture: it runs inside
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        result = generate(*call, **named)
+        calls.append((weights, [list(p) for p in call[0]], [list(c) for c in result[0]]))
+        return result
+
+    trainer._generate_single_turn = observed
+    trainer.add_callback(RolloutLensCallback(project="generate", database_url=url))
     trainer.train()
+
     run, rows, _, series = load_run(url, 1)
-    assert len(rows) == BATCH and all(r["generator_logprobs"] is None for r in rows)
-    assert all(len(r["token_logprobs"]) == len(r["completion_ids"]) for r in rows)
-    assert not set(mm.NAMES) & set(series)
-    assert any("gives TRL no generator logprobs" in note for note in run.notes)
+    assert len(calls) == 2 and len(rows) == 2 * BATCH
+    assert any("generate's own sampling distribution" in note for note in run.notes)
+    oracle = AutoModelForCausalLM.from_pretrained(user_model_dir).eval()
+    rows.sort(key=lambda r: (r["step"], r["group"], r["index"]))
+    gaps = []
+    for k, row in enumerate(rows):
+        weights, prompts, completions = calls[row["step"] - 1]
+        i = k % BATCH
+        assert row["completion_ids"] == completions[i]
+        oracle.load_state_dict(weights)
+        want = _brute_force(oracle, prompts[i], completions[i], sampling)
+        assert stored_logprobs_match(row["generator_logprobs"], want), (k, want)
+        gaps.extend(np.asarray(row["generator_logprobs"]) - np.asarray(row["token_logprobs"]))
+    figures = {n: [v for _, v in series[n]] for n in mm.NAMES}
+    if name == "plain":
+        assert max(figures[mm.ABS_DIFF_MAX]) < 1e-4  # float rounding only
+    else:
+        assert min(gaps) > -2 / 4096  # truncation renormalizes upwards (store rounding aside)
+        assert min(figures[mm.ABS_DIFF_MEAN]) > 0.05

@@ -407,6 +407,12 @@ def test_unknown_format_validity_is_neither_invalid_nor_broken() -> None:
     )
     assert mixed["states"] == {"healthy_call": 1, "invalid": 1, "valid": 1}
     assert mixed["broken"] == 1
+    # an import that did not check the format (text-only dumps, NeMo-RL, slime) knows of no
+    # broken call; its format function's False still counts
+    unchecked = overview.group_summary(
+        [row(0, True, "unchecked"), row(1, None, "unchecked"), row(2, False, "unchecked")], "q"
+    )
+    assert unchecked["states"] == {"unchecked": 3} and unchecked["broken"] == 1
     assert overview.state_name(None, "collapse") == "collapse"
     assert overview.broken(None, "collapse") and not overview.broken(None, "healthy_call")
     # A user's single-turn run that never calls a tool answers with no call: not broken; where

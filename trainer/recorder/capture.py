@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 from rollout_lens.trainer.recorder import turns
 from rollout_lens.trainer.recorder.captured import Arrays, Captured, Reading, Sample, unread
-from rollout_lens.trainer.recorder.probe import ForwardProbe, GenerationProbe
+from rollout_lens.trainer.recorder.probe import ForwardProbe, GenerationProbe, SamplingProbe, bound
 
 log = logging.getLogger("rollout_lens")
 
@@ -132,6 +132,9 @@ class _Generating:
     # single-turn generation; with tools, the first turn of every row, then one call per tool
     # iteration on the rows that called a tool (trainer/recorder/turns.py).
     calls: list[tuple[GenerationProbe, list[list[int]]]] = field(default_factory=list)
+    # The same calls' sampling probes (transformers' generate): the generator's own logprobs.
+    sampling: list[tuple[SamplingProbe, list[list[int]]]] = field(default_factory=list)
+    swapped: set[int] = field(default_factory=set)  # rows the hooks replaced: not sampled
     prompt_ids: list[list[int]] | None = None  # the first call's: the prompts as seen
     tool_mask: list[list[int]] | None = None  # from TRL's tool loop, unpadded
     # TRL's completions, completion ids and this process's rewards [n × functions] (host)
@@ -159,7 +162,17 @@ class _Generating:
             tool_mask=self.tool_mask,
             prompt_ids=self.prompt_ids,
             row_meta=self.row_meta,
+            sampling=self._settled(ids_list),
+            swapped=set(self.swapped),
         )
+
+    def _settled(self, ids_list: list[list[int]]) -> list[tuple[SamplingProbe, list[list[int]]]]:
+        """The sampling probes of the generation, each call's readings copied to the host
+        once (single-turn: its one call, whose ids are TRL's)."""
+        calls = [(probe, returned or ids_list) for probe, returned in self.sampling]
+        for probe, returned in calls:
+            probe.settle(returned)
+        return calls
 
     def _readings(
         self,
@@ -301,8 +314,6 @@ class RolloutCapture:
     # -- the wrappers ------------------------------------------------------------------------------
 
     def _generate(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        from transformers import LogitsProcessorList
-
         trainer = self.trainer
         training = bool(trainer.model.training) and not self.tool_calling
         training = training and len(args) >= 4  # (prompt_ids, images, fields, num_generations)
@@ -312,47 +323,34 @@ class RolloutCapture:
             )
             self._gen.row_meta.update(meta)
             args = (sampled_from, *args[1:])
-        if self.reading != "generate":
-            # the scoring pass reads every row (every turn of a tool-calling one) at once
-            result = original(*args, **kwargs)
-            return self._replace(None, args, result) if training else result
-        probe = GenerationProbe(
-            self.control_token_ids,
-            float(trainer.temperature or 1.0),
-            after_token_id=self.after_token_id,
-            watch_ids=self.watch_ids,
-        )
+        # the scoring pass reads every row (every turn of a tool-calling one) at once; generate's
+        # probe, with reading "generate", reads them off generation instead
+        probe = None
+        if self.reading == "generate":
+            probe = GenerationProbe(
+                self.control_token_ids,
+                float(trainer.temperature or 1.0),
+                after_token_id=self.after_token_id,
+                watch_ids=self.watch_ids,
+            )
+        sampling = None
+        if trainer.model.training and generates_locally(trainer):
+            sampling = SamplingProbe()  # the generator's own logprobs
         model = trainer.accelerator.unwrap_model(trainer.model)
-        generate = type(model).generate
-
-        def probed_generate(*g_args: Any, **g_kwargs: Any) -> Any:
-            processors = LogitsProcessorList(
-                [probe, *(g_kwargs.pop("logits_processor", None) or [])]
-            )
-            return generate(model, *g_args, logits_processor=processors, **g_kwargs)
-
-        model.generate = probed_generate  # for this call only
-        try:
+        with bound(model, probe, sampling, batched=batches(trainer)):
             result = original(*args, **kwargs)
-        finally:
-            del model.generate
-        if not self.tool_calling:
-            self._gen.calls = [(probe, [])]  # one call per generation: no turns to stitch
-            if training:
-                result = self._replace(probe, args, result)
-            return result
-        # trl 1.x returns (completion_ids, logprobs) and takes prompt ids; older ones returned
-        # (prompt_ids, completion_ids, logprobs, extra)
-        if isinstance(result, tuple) and len(result) >= 4:
-            prompt_ids, completion_ids = result[0], result[1]
-        else:
-            prompt_ids, completion_ids = (
-                kwargs.get("prompt_ids", args[0] if args else None),
-                result[0],
-            )
-        if not self._gen.calls and prompt_ids is not None:
-            self._gen.prompt_ids = [[int(t) for t in p] for p in prompt_ids]
-        self._gen.calls.append((probe, [[int(t) for t in ids] for ids in completion_ids]))
+        if not self.tool_calling:  # one call per generation: no turns to stitch
+            self._gen.calls = [(probe, [])] if probe is not None else []
+            self._gen.sampling = [(sampling, [])] if sampling is not None else []
+            return self._replace(probe, args, result) if training else result
+        prompt_ids, completion_ids = _call_ids(result, args, kwargs)
+        returned = [[int(t) for t in ids] for ids in completion_ids]
+        if sampling is not None:
+            self._gen.sampling.append((sampling, returned))
+        if probe is not None:
+            if not self._gen.calls and prompt_ids is not None:
+                self._gen.prompt_ids = [[int(t) for t in p] for p in prompt_ids]
+            self._gen.calls.append((probe, returned))
         return result
 
     def _replace(self, probe: GenerationProbe | None, args: tuple[Any, ...], result: Any) -> Any:
@@ -371,6 +369,7 @@ class RolloutCapture:
         self._gen.row_meta.update(meta)
         if not replaced:
             return result
+        self._gen.swapped.update(replaced)
         completion_ids = list(completion_ids)
         for i, ids in replaced.items():
             completion_ids[i] = list(ids)
@@ -508,6 +507,24 @@ class RolloutCapture:
             self.on_generation(Generation(rollout_step, everything))
 
 
+def _call_ids(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The prompt ids and completion ids of one `_generate_single_turn` call: trl 1.x returns
+    (completion_ids, logprobs) and takes prompt ids; older ones returned (prompt_ids,
+    completion_ids, logprobs, extra)."""
+    if isinstance(result, tuple) and len(result) >= 4:
+        return result[0], result[1]
+    return kwargs.get("prompt_ids", args[0] if args else None), result[0]
+
+
+def generates_locally(trainer: Any) -> bool:
+    """Whether TRL's `_generate_single_turn` samples with transformers (`generate`, or
+    continuous batching's `generate_batch`; not vLLM, and a rollout_func bypasses it), where a
+    SamplingProbe can read the generator's logprobs."""
+    return not (
+        getattr(trainer, "use_vllm", False) or getattr(trainer, "rollout_func", None) is not None
+    )
+
+
 def forward_measure(
     trainer: Any,
     prompt_ids: list[int],
@@ -556,28 +573,39 @@ def choose_reading(trainer: Any, wanted: str, notes: list[str]) -> str | None:
     return "generate" if can_probe(trainer, notes) else None
 
 
+def batches(trainer: Any) -> bool:
+    """Whether TRL generates with transformers' continuous batching (`generate_batch`)."""
+    return bool(
+        getattr(trainer, "use_transformers_continuous_batching", False)
+        or getattr(trainer, "use_transformers_paged", False)
+    )
+
+
 def _forward_note(trainer: Any) -> str:
-    generator = ""
+    scoring = (
+        "per-token logprobs and control-token probabilities are read off TRL's own scoring "
+        "forward pass at the weights that sampled (its old-policy pass when it computes one, "
+        "else each rollout's first loss pass before the optimizer step)"
+    )
     if getattr(trainer, "rollout_func", None) is not None:
-        path = (
+        return (
             "generation by a rollout_func (the logprobs it returns are recorded as the "
-            "generator's; none where it returns none)"
+            f"generator's; none where it returns none): {scoring}"
         )
-    elif getattr(trainer, "use_vllm", False):
-        path = "generation by vLLM (its sampling logprobs are recorded as the generator's)"
-    else:
-        if getattr(trainer, "use_transformers_continuous_batching", False):
-            path = "continuous-batching generation"
-        else:
-            path = "generation by transformers' generate"
-        generator = (
-            "; this path gives TRL no generator logprobs: none are recorded (null, not zeros) "
-            "and the steps have no mismatch figures"
+    if getattr(trainer, "use_vllm", False):
+        return (
+            f"generation by vLLM (its sampling logprobs are recorded as the generator's): {scoring}"
+        )
+    if batches(trainer):
+        return (
+            f"continuous-batching generation: {scoring}; the generator's logprobs are those "
+            "generate_batch returns with return_logprobs, under the processed scores each "
+            "token was drawn from, on every training generation"
         )
     return (
-        f"{path}: per-token logprobs and control-token probabilities are read off TRL's "
-        "own scoring forward pass at the weights that sampled (its old-policy pass when it "
-        f"computes one, else each rollout's first loss pass before the optimizer step){generator}"
+        f"generation by transformers' generate: {scoring}; the generator's logprobs are read "
+        "off generate's own sampling distribution, after its temperature, top-k, top-p and "
+        "other processors, on every training generation"
     )
 
 
@@ -589,9 +617,7 @@ def can_probe(trainer: Any, notes: list[str]) -> bool:
             "control-token probabilities are not recorded"
         )
         return False
-    if getattr(trainer, "use_transformers_continuous_batching", False) or getattr(
-        trainer, "use_transformers_paged", False
-    ):
+    if batches(trainer):
         notes.append("continuous-batching generation: control-token probabilities are not recorded")
         return False
     if not hasattr(trainer, _GENERATE):

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord
-from rollout_lens.trainer.recorder.probe import ForwardRow
+from rollout_lens.trainer.recorder import turns
+from rollout_lens.trainer.recorder.probe import ForwardRow, SamplingProbe
 
 # Arrays a rollout was read with: logprobs [n], control-token probabilities [n × k] (None: not
 # read) and the watched logprobs; or the forward probe's row, turned into those when built.
@@ -74,6 +75,10 @@ class Captured:
     tool_mask: list[list[int]] | None = None  # from TRL's tool loop, unpadded
     prompt_ids: list[list[int]] | None = None  # the first generation call's prompts
     row_meta: dict[int, dict[str, Any]] = field(default_factory=dict)  # the hooks' meta a row
+    # transformers' generation: each call's SamplingProbe (its readings on the host) and the
+    # ids it returned, and the rows the hooks replaced (an expert reply, not sampled)
+    sampling: list[tuple[SamplingProbe, list[list[int]]]] = field(default_factory=list)
+    swapped: set[int] = field(default_factory=set)
     _samples: list[Sample] | None = field(default=None, repr=False)
 
     def samples(self) -> list[Sample]:
@@ -100,9 +105,13 @@ class Captured:
         advantages = self.advantages.tolist()
         masks = self._masks()
         id_rows = _id_rows(self.tensors.get("completion_ids"), ids_list)
-        generator = _generator_rows(
-            self.tensors.get("sampling_per_token_logps"), self.tensors.get("tool_mask"), ids_list
-        )
+        generator = self._sampled_rows()
+        if generator is None:
+            generator = _generator_rows(
+                self.tensors.get("sampling_per_token_logps"),
+                self.tensors.get("tool_mask"),
+                ids_list,
+            )
         prompt_ids = self._prompt_rows()
         samples = []
         for i, row in enumerate(self.inputs):
@@ -133,6 +142,22 @@ class Captured:
                 )
             )
         return samples
+
+    def _sampled_rows(self) -> list[np.ndarray | None] | None:
+        """Each row's generator logprobs [n] as the sampling probes read them (one call, or
+        stitched turn by turn with tools, NaN on tool results), None for a row the hooks
+        replaced; None where no probe read any (vLLM, a rollout_func: TRL's own are taken)."""
+        read: list[np.ndarray] | None = None
+        if self.sampling and self.tool_mask is not None:
+            read = turns.stitch_sampled(self.sampling, self.ids, self.tool_mask)
+        elif len(self.sampling) == 1 and self.sampling[0][0].used:
+            read = self.sampling[0][0].sampled(self.ids)
+        if read is None:
+            return None
+        return [
+            None if i in self.swapped or len(row) != len(ids) else row
+            for i, (row, ids) in enumerate(zip(read, self.ids, strict=True))
+        ]
 
     def _masks(self) -> list[list[int] | None]:
         """Each row's tool_mask: None unless TRL's tool loop ran (and the mask fits the ids)."""
@@ -189,7 +214,8 @@ def _generator_rows(
     """Each row's generator logprobs: TRL's `sampling_per_token_logps` (`found`: vLLM's
     sampling logprobs, or the `logprobs` a rollout_func returned; NaN where it gave none) as
     float64, NaN where TRL's tool mask (`tool`) is off (a tool or environment result, not
-    sampled); None for every row where TRL has none (transformers' generate), never zeros."""
+    sampled); None for every row where TRL has none (transformers' generate and continuous
+    batching: the sampling probes' rows are taken there), never zeros."""
     shape: tuple[int, ...] = tuple(getattr(found, "shape", ()))
     if found is None or len(shape) != 2 or shape[0] != len(ids_list):
         return [None] * len(ids_list)

@@ -129,16 +129,10 @@ class StepPreparer:
             )
         )
         tokens = tokenizer.convert_ids_to_tokens(ids)
-        meta: dict[str, Any] = {
-            "rewards": dict(zip(names, sample.rewards, strict=False)),
-            "truncated": truncated,
-        }
-        if row:
-            meta["row"] = row
-        meta.update(sample.meta or {})
-        if judgement.format_free is not None:
-            meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
-        vote, format_state, probes = self._structure(sample, ids, tokens, text, meta, judgement)
+        meta = _meta(sample, names, truncated, judgement)
+        vote, format_state, probes = self._structure(
+            sample, ids, tokens, text, meta, judgement, tokenizer
+        )
         watched = sample.watched
         if watched is not None:
             probes.update(
@@ -170,10 +164,11 @@ class StepPreparer:
         text: str,
         meta: dict[str, Any],
         judgement: Judgement,
+        tokenizer: Any,
     ) -> tuple[str | None, str | None, dict[str, float | None]]:
         """The vote, the call tags' state (turn by turn with tools, into `meta`) and the
-        positional control-token probes of one rollout."""
-        tokenizer = tokenizer_of(self.trainer)
+        positional control-token probes of one rollout (`tokenizer`: the step's, found once:
+        a tokenizer's missing attribute is a slow lookup)."""
         mask = sample.tool_mask
         # positional reads any indexable of floats: the columns of the array, as they are
         by_token = cast(Mapping[str, Sequence[float]], sample.record.control_probs)
@@ -326,3 +321,21 @@ def _decode_span(tokenizer: Any, ids: list[int], start: int, end: int) -> str:
 def tokenizer_of(trainer: Any) -> Any:
     processing = trainer.processing_class
     return getattr(processing, "tokenizer", None) or processing
+
+
+def _meta(
+    sample: Sample, names: list[str], truncated: bool, judgement: Judgement
+) -> dict[str, Any]:
+    """A rollout's meta before its structure is read: each reward function's value, whether it
+    was cut off, its dataset row, the hooks' own keys and, where the judge said, whether its
+    format was free."""
+    meta: dict[str, Any] = {
+        "rewards": dict(zip(names, sample.rewards, strict=False)),
+        "truncated": truncated,
+    }
+    if sample.row:
+        meta["row"] = sample.row
+    meta.update(sample.meta or {})
+    if judgement.format_free is not None:
+        meta[vocab.FORMAT_FREE_KEY] = judgement.format_free
+    return meta

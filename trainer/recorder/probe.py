@@ -1,5 +1,8 @@
 """Read sampled-token logprobs and control-token probabilities: off generation, or off TRL's pass.
 
+SamplingProbe: the last of the logits processors `model.generate` builds sees the scores every
+token is drawn from, so the generator's own log p(sampled token) costs one log-sum-exp a
+generated position (transformers' generate path: the generator's side of the mismatch lens).
 GenerationProbe: a LogitsProcessor on `model.generate` sees the logits of every sampling step,
 so recording costs one log-softmax per generated token (the `generate` path only).
 ForwardProbe: a forward hook on the backbone while TRL scores the completions reads k dot
@@ -8,16 +11,91 @@ products a position from the final hidden states, whatever generated them (every
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import LogitsProcessor
+from transformers import LogitsProcessor, LogitsProcessorList
 
 
-class GenerationProbe(LogitsProcessor):
+class SamplingProbe(LogitsProcessor):
+    """Records, per generated position, log p(sampled token) under the scores it is handed.
+
+    Bound last (`bound`), it sees the scores generate's sampling step softmaxes and draws from
+    (transformers 5.24.0 generation/utils.py: `_sample` lines 3251–3277, `next_token_scores =
+    logits_processor(...)`, `softmax`, `multinomial`), after every processor and warper
+    `_get_logits_processor` builds from TRL's GenerationConfig (line 1600 merges the user's
+    processors, then lines 1603–1650 append temperature, top-k, top-p, min-p, ... when
+    sampling; TRL 1.16.0 trl/trainer/grpo_trainer.py lines 1155–1173 sets do_sample, temperature,
+    top_p, top_k, min_p and repetition_penalty): the distribution each token was drawn from.
+    It keeps the scores of the last position and their log-sum-exp (B, 1) until the next call
+    says which token was drawn from them: three tensor operations a position (one pass over the
+    vocabulary), the rest at the end.
+    """
+
+    def __init__(self) -> None:
+        self._sampled: list[torch.Tensor] = []  # per position: (B, 1) log p of the token sampled
+        self._last: tuple[torch.Tensor, torch.Tensor | None] | None = None  # scores, log Z
+        self.positions = 0  # generation steps seen
+        self.batch: list[Any] | None = None  # continuous batching's own, a row each (`bound`)
+        self.host: np.ndarray | None = None  # (B, T) float64 once `settle` copied it off
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        with torch.no_grad():
+            self._take(input_ids[:, -1:])
+            self._last = (scores, torch.logsumexp(scores.float(), dim=-1, keepdim=True))
+            self.positions += 1
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        """Log p of `tokens` (B, 1), drawn from the last position's scores."""
+        if self._last is None:
+            return
+        scores, log_z = self._last
+        picked = scores.gather(1, tokens)
+        self._sampled.append(picked if log_z is None else picked - log_z)
+
+    @property
+    def used(self) -> bool:
+        """Whether generation called the probe at all (or continuous batching handed it its
+        logprobs)."""
+        return self.positions > 0 or self.batch is not None
+
+    def settle(self, completion_ids: Sequence[Sequence[int]]) -> None:
+        """Take the last sampled token of each row (it never reaches another processor call)
+        and copy the readings off the device once (`host`), on the thread that generated: what
+        is left (`sampled`) is numpy only."""
+        if self.positions == 0 or self.host is not None:
+            return
+        assert self._last is not None
+        final = [[ids[-1] if len(ids) == self.positions else 0] for ids in completion_ids]
+        self._take(torch.tensor(final, device=self._last[0].device))
+        self._last = None
+        self.host = torch.cat(self._sampled, dim=1).cpu().double().numpy()  # (B, T)
+        self._sampled = []
+
+    def sampled(self, completion_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per row, the logprob of each of its completion tokens [n] (float64, views of the
+        one host copy); none (0 positions) when generation never called it, nor for a row
+        continuous batching gave none or another count of."""
+        if self.batch is not None:
+            return [
+                np.asarray(row, dtype=np.float64)
+                if row is not None and len(row) == len(ids)
+                else np.zeros(0)
+                for row, ids in zip(self.batch, completion_ids, strict=True)
+            ]
+        self.settle(completion_ids)
+        if self.host is None:
+            return [np.zeros(0) for _ in completion_ids]
+        return [self.host[row, : len(ids)] for row, ids in enumerate(completion_ids)]
+
+
+class GenerationProbe(SamplingProbe):
     """Records, per generated position, log p(sampled token) and p(each control token).
 
     Transformers applies user processors before its temperature warper, so the probe divides by
@@ -32,6 +110,7 @@ class GenerationProbe(LogitsProcessor):
         after_token_id: int | None = None,
         watch_ids: list[int] | None = None,
     ) -> None:
+        super().__init__()
         self.control_ids = control_token_ids
         self.temperature = temperature
         # The distribution over `watch_ids` (e.g. every tool id) at the position right after
@@ -40,14 +119,11 @@ class GenerationProbe(LogitsProcessor):
         self.watch_ids = watch_ids or []
         self._watched: dict[int, torch.Tensor] = {}  # row -> logprobs over watch_ids
         self._control: list[torch.Tensor] = []  # per position: (B, n_ctrl)
-        self._sampled: list[torch.Tensor] = []  # per position: (B,) log p of the token sampled
-        self._last_logprobs: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         with torch.no_grad():
-            if self._last_logprobs is not None:
-                # input_ids[:, -1] is the token sampled from the previous position's distribution.
-                self._sampled.append(self._last_logprobs.gather(1, input_ids[:, -1:]).squeeze(1))
+            # input_ids[:, -1] is the token sampled from the previous position's distribution.
+            self._take(input_ids[:, -1:])
             logprobs = torch.log_softmax(scores.float() / self.temperature, dim=-1)
             self._control.append(logprobs[:, self.control_ids].exp())
             if self.watch_ids and self.after_token_id is not None and len(self._control) > 1:
@@ -55,7 +131,8 @@ class GenerationProbe(LogitsProcessor):
                 for row in hits:
                     if row not in self._watched:
                         self._watched[row] = logprobs[row, self.watch_ids].cpu()
-            self._last_logprobs = logprobs
+            self._last = (logprobs, None)
+            self.positions += 1
         return scores
 
     def watched(self, row: int) -> list[float] | None:
@@ -63,35 +140,105 @@ class GenerationProbe(LogitsProcessor):
         found = self._watched.get(row)
         return found.tolist() if found is not None else None
 
-    @property
-    def used(self) -> bool:
-        """Whether generation called the probe at all."""
-        return bool(self._control)
-
     def finish(self, completion_ids: list[list[int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per row: the logprobs of its completion tokens [n] and the control-token
         probabilities [n × k] (float64 arrays, the step entity's orientation), copied off the
         device once for the whole batch; none (0 positions) when generation never called it."""
-        if self._last_logprobs is not None:
-            # The last sampled token never reaches another processor call.
-            final = torch.tensor(
-                [ids[-1] if len(ids) == len(self._control) else 0 for ids in completion_ids],
-                device=self._last_logprobs.device,
-            )
-            self._sampled.append(self._last_logprobs.gather(1, final[:, None]).squeeze(1))
+        sampled = self.sampled(completion_ids)
         if not self._control:
             k = len(self.control_ids)
-            return (
-                [np.zeros(0) for _ in completion_ids],
-                [np.zeros((0, k)) for _ in completion_ids],
-            )
-        sampled = torch.stack(self._sampled, dim=1).cpu().double().numpy()  # (B, T)
+            return sampled, [np.zeros((0, k)) for _ in completion_ids]
         control = torch.stack(self._control, dim=1).cpu().double().numpy()  # (B, T, k)
-        lengths = [len(ids) for ids in completion_ids]
-        return (
-            [sampled[row, :n] for row, n in enumerate(lengths)],
-            [control[row, :n] for row, n in enumerate(lengths)],
-        )
+        return sampled, [control[row, : len(ids)] for row, ids in enumerate(completion_ids)]
+
+
+class _Patches:
+    """Attributes set on instances for the calls inside a binding, then put back as they were
+    (another capture's binding, or nothing)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self.kept.setdefault((id(owner), name), (owner, name, vars(owner).get(name)))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        for owner, name, before in self.kept.values():
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+
+
+@contextmanager
+def bound(
+    model: Any,
+    probe: GenerationProbe | None,
+    sampling: SamplingProbe | None,
+    *,
+    batched: bool = False,
+) -> Iterator[None]:
+    """The model's generation with the probes bound, for the calls inside: `probe` among the
+    user's processors of `model.generate` (transformers runs them before its warpers);
+    `sampling` appended to the list generate builds (`_get_logits_processor`, a private method
+    of transformers' GenerationMixin since 4.x, wrapped on the instance; under PEFT the wrapped
+    model's own), after its warpers: the last to see the scores. With `batched` (continuous
+    batching, `generate_batch`, which runs processors of its own over one row a request) it
+    takes instead the logprobs generate_batch returns with `return_logprobs` turned on in a copy
+    of TRL's ContinuousBatchingConfig (transformers 5.24.0 continuous_batching/model_runner.py
+    lines 220–248: the log of each sampled token's probability under the processed scores it
+    was drawn from)."""
+    patches = _Patches()
+    try:
+        if probe is not None:
+            patches.set(model, "generate", _probed_generate(model, probe))
+        if sampling is not None and batched:
+            _bind_batch(model, sampling, patches)
+        elif sampling is not None:
+            target = model.get_base_model() if hasattr(model, "get_base_model") else model
+            build = getattr(target, "_get_logits_processor", None)
+            if build is not None:
+
+                def built(*b_args: Any, **b_kwargs: Any) -> LogitsProcessorList:
+                    processors = build(*b_args, **b_kwargs)
+                    processors.append(sampling)
+                    return processors
+
+                patches.set(target, "_get_logits_processor", built)
+        yield
+    finally:
+        patches.restore()
+
+
+def _probed_generate(model: Any, probe: GenerationProbe) -> Callable[..., Any]:
+    """`model.generate` with `probe` first among the user's logits processors."""
+    generate = type(model).generate
+
+    def probed_generate(*g_args: Any, **g_kwargs: Any) -> Any:
+        processors = LogitsProcessorList([probe, *(g_kwargs.pop("logits_processor", None) or [])])
+        return generate(model, *g_args, logits_processor=processors, **g_kwargs)
+
+    return probed_generate
+
+
+def _bind_batch(model: Any, sampling: SamplingProbe, patches: _Patches) -> None:
+    """`model.generate_batch` returning its logprobs into `sampling.batch` (a row a request,
+    in the order of the outputs TRL reads its completions in)."""
+    batch = getattr(model, "generate_batch", None)
+    if batch is None:
+        return
+
+    def logged_batch(*b_args: Any, **b_kwargs: Any) -> Any:
+        config = b_kwargs.get("continuous_batching_config")
+        if config is not None:
+            config = b_kwargs["continuous_batching_config"] = copy.copy(config)
+            config.return_logprobs = True
+        outputs = batch(*b_args, **b_kwargs)
+        sampling.batch = [getattr(out, "logprobs", None) or None for out in outputs.values()]
+        return outputs
+
+    patches.set(model, "generate_batch", logged_batch)
 
 
 POSITIONS = 4096  # positions whose float32 hidden states the probe copies at once

@@ -10,8 +10,9 @@ holds, in row order, exactly the rows with at least t stretches: that is how eac
 rows are matched back to their rows and positions (`stitch`).
 
 Tool-result positions have no logprob (they are not sampled, not trained): they hold 0.0 in the
-per-token arrays, as TRL's own logprobs do, so Σ logprob covers model tokens only; `turns` in the
-rollout's meta says which positions are which.
+per-token arrays, as TRL's own logprobs do, so Σ logprob covers model tokens only (NaN in the
+generator's logprobs: no value, `stitch_sampled`); `turns` in the rollout's meta says which
+positions are which.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rollout_lens.server.core.vocab import TurnState
 from rollout_lens.trainer.recorder import structure
 
 if TYPE_CHECKING:
-    from rollout_lens.trainer.recorder.probe import GenerationProbe
+    from rollout_lens.trainer.recorder.probe import GenerationProbe, SamplingProbe
 
 MAX_TEXT = 2000  # characters kept of a tool result or a call's arguments
 
@@ -65,28 +66,60 @@ def stitch(
     """Per row: logprobs [T] and control-token probabilities [T × n_control] over the whole
     completion (float64 arrays), model turns read from their call's probe, tool results 0.0.
     None when the calls do not line up."""
-    logprobs = [np.zeros(len(ids)) for ids in ids_list]
-    control = [np.zeros((len(ids), n_control)) for ids in ids_list]
+    read = [probe.finish(returned) if probe.used else None for probe, returned in calls]
+    returned = [ids for _, ids in calls]
+    logprobs = _place(
+        [r[0] if r else None for r in read], returned, ids_list, masks, lambda n: np.zeros(n)
+    )
+    control = _place(
+        [r[1] if r else None for r in read],
+        returned,
+        ids_list,
+        masks,
+        lambda n: np.zeros((n, n_control)),
+    )
+    return None if logprobs is None or control is None else (logprobs, control)
+
+
+def stitch_sampled(
+    calls: Sequence[tuple[SamplingProbe, list[list[int]]]],
+    ids_list: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]],
+) -> list[np.ndarray] | None:
+    """Per row: the generator's logprobs [T] over the whole completion, model turns read from
+    their call's sampling probe, NaN on tool results (not sampled) and where a call was not
+    read. None when the calls do not line up."""
+    read = [probe.sampled(returned) if probe.used else None for probe, returned in calls]
+    returned = [ids for _, ids in calls]
+    return _place(read, returned, ids_list, masks, lambda n: np.full(n, np.nan))
+
+
+def _place(
+    read: Sequence[Sequence[np.ndarray] | None],
+    returned: Sequence[list[list[int]]],
+    ids_list: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]],
+    blank: Callable[[int], np.ndarray],
+) -> list[np.ndarray] | None:
+    """Each call's per-row arrays (None: the call was not read) placed at its model turn of
+    each row, over arrays `blank(T)`; None when the calls do not line up."""
+    out = [blank(len(ids)) for ids in ids_list]
     spans = [model_spans(mask) for mask in masks]
-    if len(calls) < max((len(s) for s in spans), default=0):
+    if len(returned) < max((len(s) for s in spans), default=0):
         return None
-    for t, (probe, returned) in enumerate(calls):
+    for t, (arrays, ids_of_call) in enumerate(zip(read, returned, strict=True)):
         members = [i for i, s in enumerate(spans) if len(s) > t]
-        if len(members) != len(returned):
+        if len(members) != len(ids_of_call):
             return None
-        if not probe.used:
-            continue
-        lp, cp = probe.finish(returned)
         for j, i in enumerate(members):
             a, b = spans[i][t]
             n = b - a  # TRL may cut a later turn to the completion budget: a prefix of it
-            if n > len(returned[j]) or list(ids_list[i][a:b]) != returned[j][:n]:
+            if n > len(ids_of_call[j]) or list(ids_list[i][a:b]) != ids_of_call[j][:n]:
                 return None
-            read = min(n, len(lp[j]))
-            logprobs[i][a : a + read] = lp[j][:read]
-            read = min(n, len(cp[j]))
-            control[i][a : a + read] = cp[j][:read]
-    return logprobs, control
+            if arrays is not None:
+                count = min(n, len(arrays[j]))
+                out[i][a : a + count] = arrays[j][:count]
+    return out
 
 
 def model_positions(meta: Mapping[str, Any], n: int) -> list[bool] | None:
@@ -204,7 +237,11 @@ def turn_state(
     """The structure of one model turn (its decoded text, special tokens kept) that TRL parsed
     `calls` tool calls from, with the chat template's call tags and end-of-turn tokens
     (structure.read_tags: one scan, whether a tag is one token or several)."""
-    found = structure.read_tags(text, tags, end_tokens)
+    return reading_state(structure.read_tags(text, tags, end_tokens), calls)
+
+
+def reading_state(found: structure.TagReading, calls: int) -> TurnState:
+    """turn_state of a turn whose tags were read already (`found`)."""
     if found.tags == 0:
         return TurnState.no_call
     if found.eot_in_call:
@@ -239,7 +276,7 @@ def completion_state(text: str, tags: tuple[str, str], end_tokens: Sequence[str]
     found = structure.read_tags(text, tags, end_tokens)
     if not found.outside.strip() and found.tags == 0:
         return vocab.FormatState.collapse.value
-    return rollout_state([turn_state(text, len(found.calls), tags, end_tokens)])
+    return rollout_state([reading_state(found, len(found.calls))])  # the text read once
 
 
 def rollout_state(states: Sequence[str]) -> str:

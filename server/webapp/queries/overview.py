@@ -37,15 +37,20 @@ SPREAD_EPS = 1e-9  # rewards closer than this are equal (trainer.recorder.metric
 
 
 NO_CALL_STATE = "no_call"  # vocab.FormatState.no_call: no call at all
+UNCHECKED_STATE = "unchecked"  # an import that did not check the format (dump_rows, two_sided)
 
 
 def broken(format_valid: bool | None, format_state: str | None) -> bool:
     """A broken call: the completion is not format-valid, or its structural state is recorded and
     is a call gone wrong. No call at all is broken only where the format says so: a run that
-    never needs a tool (a user's single-turn task) answers with no call, and that is its format."""
+    never needs a tool (a user's single-turn task) answers with no call, and that is its format.
+    An import that did not check the format ("unchecked") knows of no problem."""
     if format_valid is False:
         return True
-    return format_state is not None and format_state not in (HEALTHY_STATE, NO_CALL_STATE)
+    return format_state is not None and format_state not in _NOT_BROKEN
+
+
+_NOT_BROKEN = frozenset({HEALTHY_STATE, NO_CALL_STATE, UNCHECKED_STATE})
 
 
 def state_name(format_valid: bool | None, format_state: str | None) -> str | None:
