@@ -206,7 +206,8 @@ def run(args: argparse.Namespace, staleness: int) -> None:
         trainer.train()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The bench's options (the release test parses its own arguments with them)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 4])
     parser.add_argument("--bf16", action="store_true", help="sample in bfloat16")
@@ -219,7 +220,11 @@ def main() -> None:
         "--verifier", default="exact", help="the reward: exact, format, noisy (see the docstring)"
     )
     parser.add_argument("--verifier-noise", type=float, default=0.1, help="noisy's flip rate")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     for staleness in args.staleness:
         run(args, staleness)

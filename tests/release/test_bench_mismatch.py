@@ -4,7 +4,6 @@ core.mismatch's alike; one step stale it does, from the first step that has a st
 
 from __future__ import annotations
 
-import argparse
 import re
 
 import pytest
@@ -26,7 +25,7 @@ def test_staleness_makes_mismatch_and_none_makes_none(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
-    args = argparse.Namespace(model="tiny", steps=3, seed=0, group_size=8, lr=3e-3, bf16=False)
+    args = mismatch.parser().parse_args(["--model", "tiny", "--steps", "3", "--seed", "0"])
     mismatch.run(args, 0)
     fresh = _rows(capsys.readouterr().out)
     mismatch.run(args, 1)
