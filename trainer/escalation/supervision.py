@@ -220,21 +220,42 @@ class SFTPhases(TrainerCallback):
         return list(prompt_ids[0]) + reply, [-100] * len(prompt_ids[0]) + reply
 
     def _loss(self, model: torch.nn.Module, batch: list[Any]) -> torch.Tensor:
-        """Cross-entropy on the expert's tokens only (the rest is context)."""
+        """Cross-entropy on the expert's tokens only (the rest is context).
+
+        The rows are padded on the left, so every labelled token lies in the last columns, and
+        the head runs on those columns alone (`logits_to_keep`): a leaky prompt is ~870 tokens
+        and the reply 11, and the vocabulary's logits of every prompt position (16 × 870 ×
+        49,152 floats for SmolLM2, 2.7 GB, three times over with the softmax and its gradient)
+        were most of an SFT step's memory. Positions count from each row's first real token, as
+        they do with right padding."""
         tokenizer = self.trainer.processing_class
         eos = self.trainer.eos_token_ids[0]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         encoded = [self.encode(example) for example in batch]
-        sequences = [ids for ids, _ in encoded]
-        labels = [lab for _, lab in encoded]
-        width = max(len(s) for s in sequences)
-        device = self.trainer.accelerator.device
-        ids = torch.tensor([s + [pad] * (width - len(s)) for s in sequences], device=device)
-        mask = torch.tensor(
-            [[1] * len(s) + [0] * (width - len(s)) for s in sequences], device=device
+        width = max(len(ids) for ids, _ in encoded)
+        # the columns from the earliest labelled token to the end, over every row
+        keep = max(
+            len(labels) - next((i for i, x in enumerate(labels) if x != -100), len(labels))
+            for _, labels in encoded
         )
-        target = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels], device=device)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        device = self.trainer.accelerator.device
+        ids = torch.tensor([[pad] * (width - len(s)) + s for s, _ in encoded], device=device)
+        mask = torch.tensor(
+            [[0] * (width - len(s)) + [1] * len(s) for s, _ in encoded], device=device
+        )
+        target = torch.tensor(
+            [[-100] * (width - len(lab)) + lab for _, lab in encoded], device=device
+        )
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # logits of the last keep + 1 positions: the one before the first labelled token
+        # predicts it, the last predicts nothing
+        logits = (
+            model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep + 1
+            )
+            .logits[:, :-1]
+            .float()
+        )
         return torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), target[:, 1:].reshape(-1)
+            logits.reshape(-1, logits.size(-1)), target[:, width - keep :].reshape(-1)
         )

@@ -1,0 +1,67 @@
+"""SFTPhases' loss, computed on the labelled columns alone, equals the cross-entropy of the whole
+right-padded batch's logits: single-turn replies of different lengths, and labels spread over
+several turns (a multi-turn row's assistant turns)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rollout_lens.trainer.escalation.supervision import SFTPhases
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def _reference(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], pad: int) -> float:
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s, _ in rows])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s, _ in rows])
+    target = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), target[:, 1:].reshape(-1)
+    )
+    return float(loss)
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["replies", "turns"])
+def test_the_loss_on_the_labelled_columns_is_the_whole_batchs(spread: bool) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = LlamaForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for length, reply in ((40, 3), (25, 6), (33, 1)):
+        ids = torch.randint(3, 97, (length,), generator=generator).tolist()
+        labels = [-100] * (length - reply) + ids[length - reply :]
+        if spread:  # an earlier assistant turn labelled too
+            labels[5:9] = ids[5:9]
+        rows.append((ids, labels))
+    trainer = SimpleNamespace(
+        processing_class=SimpleNamespace(pad_token_id=0),
+        eos_token_ids=[2],
+        accelerator=SimpleNamespace(device=torch.device("cpu")),
+    )
+    phases = SFTPhases(
+        trainer,
+        recorder=None,  # type: ignore[arg-type]
+        mode="sft_then_rl",
+        every=1,
+        steps=1,
+        learning_rate=1e-4,
+        all_examples=list,
+        encode=lambda row: row,
+    )
+    with torch.no_grad():
+        got = float(phases._loss(model, rows))
+        want, other = _reference(model, rows, pad=0), _reference(model, rows[:2], pad=0)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert got != pytest.approx(other, rel=1e-3)  # the figure depends on the rows
