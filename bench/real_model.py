@@ -115,7 +115,7 @@ def train_one(args: argparse.Namespace) -> None:
     from rollout_lens.trainer.worker import run
 
     from bench.real_model_stages import StageTimer
-    from rollout_lens.cli import migrated_factory
+    from rollout_lens.cli.base import migrated_factory
 
     config = RunConfig.model_validate_json(args.config)
     settings = settings_for(args.data_dir)
@@ -144,6 +144,11 @@ def grid(args: argparse.Namespace) -> None:
         for config in configs(args.preset, method, seed, args.steps)
         if args.variants is None or config.variant in args.variants
     ]
+    from rollout_lens.cli.base import migrated_factory
+
+    # the database migrated once, here: children migrating one new SQLite file at once race
+    engine, _ = migrated_factory(settings_for(args.data_dir))
+    engine.dispose()
     running: list[subprocess.Popen[bytes]] = []
     env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     while queue or running:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rollout_lens.trainer.escalation import supervision
 from rollout_lens.trainer.escalation.supervision import SFTPhases
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -24,8 +25,7 @@ def _reference(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], 
     return float(loss)
 
 
-@pytest.mark.parametrize("spread", [False, True], ids=["replies", "turns"])
-def test_the_loss_on_the_labelled_columns_is_the_whole_batchs(spread: bool) -> None:
+def _model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=97,
@@ -36,7 +36,10 @@ def test_the_loss_on_the_labelled_columns_is_the_whole_batchs(spread: bool) -> N
         num_key_value_heads=2,
         max_position_embeddings=128,
     )
-    model = LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).eval()
+
+
+def _rows(spread: bool) -> list[tuple[list[int], list[int]]]:
     generator = torch.Generator().manual_seed(1)
     rows = []
     for length, reply in ((40, 3), (25, 6), (33, 1)):
@@ -45,12 +48,16 @@ def test_the_loss_on_the_labelled_columns_is_the_whole_batchs(spread: bool) -> N
         if spread:  # an earlier assistant turn labelled too
             labels[5:9] = ids[5:9]
         rows.append((ids, labels))
+    return rows
+
+
+def _phases() -> SFTPhases:
     trainer = SimpleNamespace(
         processing_class=SimpleNamespace(pad_token_id=0),
         eos_token_ids=[2],
         accelerator=SimpleNamespace(device=torch.device("cpu")),
     )
-    phases = SFTPhases(
+    return SFTPhases(
         trainer,
         recorder=None,  # type: ignore[arg-type]
         mode="sft_then_rl",
@@ -60,8 +67,39 @@ def test_the_loss_on_the_labelled_columns_is_the_whole_batchs(spread: bool) -> N
         all_examples=list,
         encode=lambda row: row,
     )
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["replies", "turns"])
+def test_the_loss_on_the_labelled_columns_is_the_whole_batchs(spread: bool) -> None:
+    model, rows, phases = _model(), _rows(spread), _phases()
     with torch.no_grad():
         got = float(phases._loss(model, rows))
         want, other = _reference(model, rows, pad=0), _reference(model, rows[:2], pad=0)
     assert got == pytest.approx(want, rel=1e-5)
     assert got != pytest.approx(other, rel=1e-3)  # the figure depends on the rows
+
+
+@pytest.mark.parametrize("budget", [1, 70, 4096], ids=["a-row-each", "two-rows", "one-forward"])
+def test_a_step_in_micro_batches_has_the_whole_batchs_gradient(
+    budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, rows, phases = _model(), _rows(True), _phases()
+    loss = torch.nn.functional.cross_entropy  # the reference: one forward, right padding
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s, _ in rows])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s, _ in rows])
+    target = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    want = loss(logits.reshape(-1, logits.size(-1)), target[:, 1:].reshape(-1))
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(supervision, "MICRO_BATCH_TOKENS", budget)
+    forwards = len(supervision._micro_batches(rows))
+    assert forwards == {1: 3, 70: 2, 4096: 1}[budget]
+    got = phases._backward(model, rows)
+    assert got == pytest.approx(float(want.detach()), rel=1e-5)
+    for name, p in model.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6)

@@ -23,7 +23,7 @@ from typing import Any
 
 from rollout_lens.server.core.runconfig import RunConfig
 from rollout_lens.trainer.envs import multistep as ms
-from rollout_lens.trainer.escalation.grpo import grpo_args
+from rollout_lens.trainer.escalation.grpo import device_memory, grpo_args, needs_checkpointing
 from rollout_lens.trainer.recorder.judging import Completion, Judgement
 
 MAX_FAILURES = 4096  # failed rows kept for the next interleaved SFT phase
@@ -150,6 +150,7 @@ def make_trainer(  # type: ignore[no-untyped-def]
 
     env = make_env(config)
     eps = episodes(env, config)
+    rows = dataset_rows(eps)
     with warnings.catch_warnings():
         # environment_factory is marked experimental by TRL; that is known and accepted here.
         warnings.filterwarnings("ignore", message="You are using 'environment_factory'")
@@ -157,8 +158,15 @@ def make_trainer(  # type: ignore[no-untyped-def]
             model=model,
             processing_class=tokenizer,
             reward_funcs=[make_reward_function(config)],
-            args=grpo_args(config, output_dir, checkpoint_every=checkpoint_every),
-            train_dataset=Dataset.from_list(dataset_rows(eps)),
+            args=grpo_args(
+                config,
+                output_dir,
+                checkpoint_every=checkpoint_every,
+                activation_checkpointing=needs_checkpointing(
+                    config, model, tokenizer, (row["prompt"] for row in rows), device_memory()
+                ),
+            ),
+            train_dataset=Dataset.from_list(rows),
             environment_factory=ms.environment_factories(env, eps),
             callbacks=list(callbacks) or None,
         )

@@ -15,6 +15,12 @@ from rollout_lens.trainer.recorder.capture import GenerationHooks
 from rollout_lens.trainer.recorder.captured import Sample
 from transformers import TrainerCallback
 
+Encoded = tuple[list[int], list[int]]  # a row's ids and its labels (-100: context)
+# Rows × padded width of one forward of an SFT step: a step's rows are split into forwards of at
+# most this many tokens (one row at least), their gradients summed, so a batch of 16 leaky
+# prompts (~870 tokens each) keeps ~2 rows' activations, not 16 (~1.4 MB a token for SmolLM2).
+MICRO_BATCH_TOKENS = 2048
+
 
 class InGroupSupervision(GenerationHooks):
     """Groups that mix in supervised rollouts, through the capture's hooks (a plain GRPOTrainer).
@@ -199,15 +205,24 @@ class SFTPhases(TrainerCallback):
                 examples[(start + j) % len(examples)]
                 for j in range(min(self.batch_size, len(examples)))
             ]
-            loss = self._loss(model, batch)
             self._optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            losses.append(self._backward(model, [self.encode(example) for example in batch]))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             self._optimizer.step()
-            losses.append(loss.item())
         self._optimizer.zero_grad(set_to_none=True)
         model.train(was_training)
         return sum(losses) / len(losses) if losses else math.nan
+
+    def _backward(self, model: torch.nn.Module, encoded: list[Encoded]) -> float:
+        """The batch's mean cross-entropy over its labelled tokens, its gradient accumulated a
+        micro-batch at a time (the same gradient as one forward of the whole batch)."""
+        labelled = sum(_labelled(labels) for _, labels in encoded)
+        total = 0.0
+        for rows in _micro_batches(encoded):
+            loss = self._loss(model, rows, reduction="sum") / max(labelled, 1)
+            loss.backward()
+            total += loss.item()
+        return total if labelled else math.nan
 
     def _reply_sequence(self, example: tuple[Any, str]) -> tuple[list[int], list[int]]:
         """A single-turn example: the prompt as context, then the expert reply and end-of-turn."""
@@ -219,7 +234,9 @@ class SFTPhases(TrainerCallback):
         reply = tokenizer.encode(self.expert_reply(target), add_special_tokens=False) + [eos]
         return list(prompt_ids[0]) + reply, [-100] * len(prompt_ids[0]) + reply
 
-    def _loss(self, model: torch.nn.Module, batch: list[Any]) -> torch.Tensor:
+    def _loss(
+        self, model: torch.nn.Module, encoded: list[Encoded], reduction: str = "mean"
+    ) -> torch.Tensor:
         """Cross-entropy on the expert's tokens only (the rest is context).
 
         The rows are padded on the left, so every labelled token lies in the last columns, and
@@ -231,7 +248,6 @@ class SFTPhases(TrainerCallback):
         tokenizer = self.trainer.processing_class
         eos = self.trainer.eos_token_ids[0]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        encoded = [self.encode(example) for example in batch]
         width = max(len(ids) for ids, _ in encoded)
         # the columns from the earliest labelled token to the end, over every row
         keep = max(
@@ -257,5 +273,27 @@ class SFTPhases(TrainerCallback):
             .float()
         )
         return torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), target[:, width - keep :].reshape(-1)
+            logits.reshape(-1, logits.size(-1)),
+            target[:, width - keep :].reshape(-1),
+            reduction=reduction,
         )
+
+
+def _labelled(labels: list[int]) -> int:
+    """Tokens the loss is taken on (the first is never predicted)."""
+    return sum(x != -100 for x in labels[1:])
+
+
+def _micro_batches(encoded: list[Encoded]) -> list[list[Encoded]]:
+    """`encoded` in order, cut into runs of at most MICRO_BATCH_TOKENS rows × padded width."""
+    batches: list[list[Encoded]] = []
+    width = 0
+    for row in encoded:
+        wider = max(width, len(row[0]))
+        if batches and batches[-1] and wider * (len(batches[-1]) + 1) <= MICRO_BATCH_TOKENS:
+            batches[-1].append(row)
+            width = wider
+        else:
+            batches.append([row])
+            width = len(row[0])
+    return batches

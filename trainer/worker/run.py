@@ -25,6 +25,7 @@ from rollout_lens.trainer.builders.tiny_model import CONTROL_TOKENS as TINY_CONT
 from rollout_lens.trainer.escalation import multiturn, task
 from rollout_lens.trainer.escalation import multiturn_supervision as mts
 from rollout_lens.trainer.escalation.evaluation import Evaluator
+from rollout_lens.trainer.escalation.grpo import device_memory, needs_checkpointing
 from rollout_lens.trainer.escalation.grpo import grpo_args as grpo_args
 from rollout_lens.trainer.escalation.supervision import (
     Failures,
@@ -231,12 +232,22 @@ def make_trainer(
             checkpoint_every=checkpoint_every,
         )
     else:
+        rows = task.dataset_rows(task.make_env(config), config)
+        prompts = (row["prompt"] for row in rows)
+        memory = device_memory()
         trainer = GRPOTrainer(
             model=model,
             processing_class=tokenizer,
             reward_funcs=[task.make_reward_function(config)],
-            args=grpo_args(config, output_dir, checkpoint_every=checkpoint_every),
-            train_dataset=Dataset.from_list(task.dataset_rows(task.make_env(config), config)),
+            args=grpo_args(
+                config,
+                output_dir,
+                checkpoint_every=checkpoint_every,
+                activation_checkpointing=needs_checkpointing(
+                    config, model, tokenizer, prompts, memory
+                ),
+            ),
+            train_dataset=Dataset.from_list(rows),
             callbacks=callbacks or None,
         )
     trainer.remove_callback(PrinterCallback)  # a progress bar and the database replace it
