@@ -107,18 +107,14 @@ def test_cold_runs_its_command_before_each_pages_last_read(
 
 
 def test_the_real_text_bench_prints_bytes_against_the_parquet_and_the_floor(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--real-text on SQLite (a few small steps): the databases' bytes a rollout against TRL's
-    parquet, where they go, and the order-0 entropy floor beside them."""
+    parquet, where they go, and the order-0 entropy floor beside them (the real model's
+    tokenizer built by the fixture, as the real model's tests have it)."""
     pytest.importorskip("pandas")
-    pytest.importorskip("transformers")
-    from rollout_lens.server.core.config import get_settings
-    from rollout_lens.trainer.builders import pretrained
 
-    cache = get_settings().model_cache_dir
-    if cache is None or not pretrained.is_ready(cache):
-        pytest.skip("the real model's tokenizer is not built (rollout-lens build-model --real)")
+    monkeypatch.setenv("ROLLOUT_LENS_MODEL_CACHE_DIR", str(real_model_dir.parent))
     argv = ["--real-text", "--steps", "2", "--groups", "2", "--tokens", "64"]
     assert scale.main(argv) == 0
     out = capsys.readouterr().out
