@@ -183,6 +183,7 @@ def report(args: argparse.Namespace) -> None:
         )
         for label, key in (
             ("true accuracy", "true_accuracy"),
+            ("  the policy's", "policy_accuracy"),  # offpolicy's expert replies left out
             ("format-valid ", "format_valid"),
             ("zero spread  ", "zero_spread"),
         ):

@@ -46,11 +46,26 @@ def _groups(rollouts: Any) -> list[dict[str, Any]]:
                 "target": row.target,
                 "votes": [],
                 "scores": [],
+                "policy": [],
             },
         )
         group["votes"].append(row.vote)
         group["scores"].append(row.true_score or 0.0)
-    return [g | {"true": statistics.fmean(g.pop("scores"))} for _, g in sorted(groups.items())]
+        if row.meta.get("supervised") is None:  # not an expert's reply, not hinted
+            group["policy"].append(row.true_score or 0.0)
+    return [
+        g | {"true": statistics.fmean(g.pop("scores")), "policy": g["policy"]}
+        for _, g in sorted(groups.items())
+    ]
+
+
+def _policy_accuracy(steps: list[int], groups: list[dict[str, Any]]) -> list[float | None]:
+    """Each step's true accuracy over the policy's own rollouts: offpolicy's expert replies
+    (right by construction) and hinted rollouts left out; the step's figure where none is."""
+    scores: dict[int, list[float]] = {}
+    for group in groups:
+        scores.setdefault(group["step"], []).extend(group["policy"])
+    return [statistics.fmean(scores[s]) if scores.get(s) else None for s in steps]
 
 
 def per_query(run: dict[str, Any]) -> dict[str, list[float]]:
@@ -74,7 +89,7 @@ def read_runs(data_dir: Path) -> list[dict[str, Any]]:
     with session_scope(make_session_factory(engine)) as session:
         for run in sorted(store.list_runs(session), key=lambda r: r.id):
             config = dict(run.config or {})
-            method = re.search(r"\[(\w+)\]$", run.name)
+            method = re.search(r"\[(\w+)\](?: \(\d+\))?$", run.name)  # " (2)": a name taken
             rows = store.steps(session, run_id=run.id)
             stem = f"{config.get('variant')}-{method.group(1) if method else '?'}"
             timings = data_dir / "logs" / f"{stem}-seed{run.seed}.jsonl"
@@ -99,13 +114,16 @@ def read_runs(data_dir: Path) -> list[dict[str, Any]]:
                     "groups": _groups(store.iter_rollouts(session, run_id=run.id)),
                 }
             )
+            out[-1]["policy_accuracy"] = _policy_accuracy(out[-1]["steps"], out[-1]["groups"])
     engine.dispose()
     return out
 
 
 def summary(run: dict[str, Any]) -> dict[str, Any]:
     """What the docs' table says of a run: first 5 and last 10 steps, against chance."""
-    acc = [a for a in run["true_accuracy"] if a is not None]
+    # the policy's own rollouts (an expert's reply is right by construction); runs read before
+    # the series was kept have true accuracy alone
+    acc = [a for a in run.get("policy_accuracy", run["true_accuracy"]) if a is not None]
     first, last = _mean(acc[:FIRST]), _mean(acc[-LAST:]) if len(acc) >= FIRST + LAST else None
     stage_medians = {
         stage: statistics.median(s[stage] for s in run["stages"])
@@ -179,15 +197,17 @@ def _cell(value: float | None) -> str:
 def markdown(runs: list[dict[str, Any]]) -> str:
     """The docs' tables: each run's summary, then its curves in 5-step buckets."""
     lines = [
-        "| run | method | seed | RL steps | true acc. 1–5 | last 10 | above chance from step |"
-        " format-valid 1–5 | last 10 | zero-spread share | median s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | variant | method | seed | RL steps | true acc. 1–5 | last 10 |"
+        " above chance from step | format-valid 1–5 | last 10 | zero-spread share |"
+        " median s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         got = run["summary"]
         wall = got["stage_medians"].get("wall")
         lines.append(
-            f"| {run['run_id']} | {run['method']} | {run['seed']} | {got['steps']} |"
+            f"| {run['run_id']} | {run['variant']} | {run['method']} | {run['seed']} |"
+            f" {got['steps']} |"
             f" {_cell(got['first5'])} | {_cell(got['last10'])} |"
             f" {got['above_chance_from'] or 'never'} | {_cell(got['format_first5'])} |"
             f" {_cell(got['format_last10'])} | {_cell(got['zero_spread_mean'])} |"
@@ -198,10 +218,11 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     lines += ["", f"| run | series | {heads} |", "|---|---|" + "---|" * width]
     for run in runs:
         for label, key in (
-            ("true accuracy", "true_accuracy"),
+            ("true accuracy", "policy_accuracy" if "policy_accuracy" in run else "true_accuracy"),
             ("format-valid", "format_valid"),
             ("zero spread", "zero_spread"),
         ):
             cells = " | ".join(_cell(v) for v in _buckets(run[key]))
-            lines.append(f"| {run['run_id']} {run['method']} s{run['seed']} | {label} | {cells} |")
+            name = f"{run['run_id']} {run['variant']} {run['method']} s{run['seed']}"
+            lines.append(f"| {name} | {label} | {cells} |")
     return "\n".join(lines)
