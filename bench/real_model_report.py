@@ -175,6 +175,23 @@ def preset_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "plain_steps": p["steps"],
         "plain_formatted": round(sum(f * group for f in plain["format_valid"] if f is not None)),
         "plain_rollouts": group * p["steps"],
+    } | _leaky_figures(runs)
+
+
+def _leaky_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The leaky side of the pair (the format warm-up, seed 0): its accuracy, its cost, and how
+    many of its rollouts named the right tool at all."""
+    leaky = _pick(runs, "format_warmup", 0, "leaky")
+    got = summary(leaky)
+    right = sum(v == g["target"] for g in leaky["groups"] for v in g["votes"])
+    return {
+        "leaky_steps": got["steps"],
+        "leaky_first5": round(got["first5"], 2),
+        "leaky_last10": round(got["last10"], 2),
+        "leaky_right": right,
+        "leaky_rollouts": sum(len(g["votes"]) for g in leaky["groups"]),
+        "leaky_step_seconds": round(got["stage_medians"]["wall"]),
+        "leaky_sft_minutes": round(got["sft_seconds"] / 60),
     }
 
 

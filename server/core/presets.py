@@ -49,39 +49,52 @@ REAL_RECIPE = {
 
 # What the recorded runs showed: bench/real_model.py report's preset_figures over the runs in
 # docs/benchmarks/real-model.json (tests/unit/test_real_figures.py reads them back from it).
-# format_warmup and plain GRPO on the patched task, seed 0, on this project's busy 2-core CPU.
+# The format warm-up on both variants and plain GRPO on the patched task, seed 0, one torch
+# thread a run and two runs side by side on this project's 2-core CPU.
 REAL_FIGURES: dict[str, Any] = {
     "warmup_steps": 40,
     "warmup_format_first5": 0.95,
     "warmup_first5": 0.42,
     "warmup_last10": 0.59,
-    "warmup_step_seconds": 90,
-    "warmup_sft_minutes": 17,
+    "warmup_step_seconds": 12,
+    "warmup_sft_minutes": 2,
     "plain_steps": 40,
     "plain_formatted": 0,
     "plain_rollouts": 320,
+    "leaky_steps": 40,
+    "leaky_first5": 0.0,
+    "leaky_last10": 0.0,
+    "leaky_right": 20,
+    "leaky_rollouts": 320,
+    "leaky_step_seconds": 133,
+    "leaky_sft_minutes": 21,
 }
 REAL_PATCHED_TEXT = (
     f"SmolLM2-135M-Instruct (built on first use). {REAL_RECIPE['sft_steps']} SFT steps teach the "
     "<tool>ID</tool> format on tools, queries and ids the run never sees; which tool fits which "
     "query is left to RL. "
-    f"Recorded on this project's busy 2-core CPU (seed 0): over RL steps 1–5, "
+    f"Recorded on this project's 2-core CPU (seed 0): over RL steps 1–5, "
     f"{REAL_FIGURES['warmup_format_first5']:.0%} of the rollouts in the format and true "
     f"accuracy {REAL_FIGURES['warmup_first5']:.2f} (chance 0.25); over the last 10 of its "
     f"{REAL_FIGURES['warmup_steps']} steps {REAL_FIGURES['warmup_last10']:.2f}. Plain GRPO on "
     f"the same recipe wrote the format in {REAL_FIGURES['plain_formatted']} of "
     f"{REAL_FIGURES['plain_rollouts']} rollouts: no reward, no update. A query whose 8 rollouts "
     "all named the same wrong tool never moved (zero spread: no signal). A step took a median "
-    f"{REAL_FIGURES['warmup_step_seconds']} s here, the warm-up "
+    f"{REAL_FIGURES['warmup_step_seconds']} s here on one thread, the warm-up "
     f"{REAL_FIGURES['warmup_sft_minutes']} min."
 )
 REAL_PAIR_TEXT = (
-    "Both variants of the real model on the same warm-up, seed and recipe, side by side. Not "
-    "recorded on this project's CPU: a leaky prompt lists 64 tools (about 850 tokens against "
-    "about 120), and a leaky step of 8 rollouts was killed for memory at 9.1 GB before it "
-    "ended. The patched side is the real_patched preset: true accuracy "
-    f"{REAL_FIGURES['warmup_first5']:.2f} over RL steps 1–5, "
-    f"{REAL_FIGURES['warmup_last10']:.2f} over its last 10."
+    "Both variants of the real model on the same warm-up, seed and recipe, side by side. "
+    "Recorded on this project's 2-core CPU (seed 0, one thread a run): the leaky run wrote the "
+    "format as well, but with 64 ids listed it named the right tool in "
+    f"{REAL_FIGURES['leaky_right']} of {REAL_FIGURES['leaky_rollouts']} rollouts, and the one id "
+    "it was once rewarded for it then named for every query: true accuracy "
+    f"{REAL_FIGURES['leaky_first5']:.2f} over RL steps 1–5 and "
+    f"{REAL_FIGURES['leaky_last10']:.2f} over its last 10, against the patched run's "
+    f"{REAL_FIGURES['warmup_first5']:.2f} and {REAL_FIGURES['warmup_last10']:.2f}. A leaky "
+    f"prompt is about 850 tokens (patched about 120): a leaky step took a median "
+    f"{REAL_FIGURES['leaky_step_seconds']} s here, its warm-up "
+    f"{REAL_FIGURES['leaky_sft_minutes']} min."
 )
 
 

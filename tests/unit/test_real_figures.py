@@ -25,6 +25,11 @@ def test_the_presets_texts_state_those_figures() -> None:
         assert f"{REAL_FIGURES[name]:.2f}" in text, name
     assert f"{REAL_FIGURES['plain_formatted']} of {REAL_FIGURES['plain_rollouts']}" in text
     assert f"{REAL_FIGURES['warmup_step_seconds']} s" in text
+    pair = PRESETS["real_leaky_vs_patched"].description
+    for name in ("leaky_first5", "leaky_last10", "warmup_first5", "warmup_last10"):
+        assert f"{REAL_FIGURES[name]:.2f}" in pair, name
+    assert f"{REAL_FIGURES['leaky_right']} of {REAL_FIGURES['leaky_rollouts']}" in pair
+    assert f"{REAL_FIGURES['leaky_step_seconds']} s" in pair
 
 
 def test_the_pages_tables_are_the_recorded_runs() -> None:

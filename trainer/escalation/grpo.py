@@ -45,7 +45,7 @@ def needs_checkpointing(
     """Whether a step's activations (its rollouts at the longest prompt and the longest
     completion) exceed ACTIVATION_SHARE of `memory`: then the trainer recomputes them in the
     backward pass (about a third more arithmetic) rather than holding them. A leaky prompt lists
-    64 tools (~870 tokens): 8 rollouts of it on SmolLM2 keep ~10 GB, where a patched one keeps
+    64 tools (~850 tokens): 8 rollouts of it on SmolLM2 keep ~9 GB, where a patched one keeps
     ~1.5; the leaky run of a pair on a 24 GB machine was ended by the OOM killer."""
     longest = max(
         (
