@@ -45,8 +45,10 @@ def _rows(spread: bool) -> list[tuple[list[int], list[int]]]:
     for length, reply in ((40, 3), (25, 6), (33, 1)):
         ids = torch.randint(3, 97, (length,), generator=generator).tolist()
         labels = [-100] * (length - reply) + ids[length - reply :]
-        if spread:  # an earlier assistant turn labelled too
+        if spread:  # earlier assistant turns labelled too, one from the row's first token
             labels[5:9] = ids[5:9]
+            if length == 25:
+                labels[0:3] = ids[0:3]
         rows.append((ids, labels))
     return rows
 

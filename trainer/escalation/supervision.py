@@ -249,6 +249,8 @@ class SFTPhases(TrainerCallback):
         eos = self.trainer.eos_token_ids[0]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         width = max(len(ids) for ids, _ in encoded)
+        # a row's first token is predicted by nothing (with left padding, by a pad): unlabelled
+        encoded = [(ids, [-100, *labels[1:]]) for ids, labels in encoded]
         # the columns from the earliest labelled token to the end, over every row
         keep = max(
             len(labels) - next((i for i, x in enumerate(labels) if x != -100), len(labels))
