@@ -115,12 +115,9 @@ def train_one(args: argparse.Namespace) -> None:
     from rollout_lens.trainer.worker import run
 
     from bench.real_model_stages import StageTimer
-    from rollout_lens.cli.base import migrated_factory
 
     config = RunConfig.model_validate_json(args.config)
-    settings = settings_for(args.data_dir)
-    engine, _ = migrated_factory(settings)
-    engine.dispose()
+    settings = settings_for(args.data_dir)  # migrated by the grid before it started this child
     original = run.make_trainer
 
     def timed(*a: Any, **k: Any) -> Any:

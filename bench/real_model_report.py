@@ -53,10 +53,7 @@ def _groups(rollouts: Any) -> list[dict[str, Any]]:
         group["scores"].append(row.true_score or 0.0)
         if row.meta.get("supervised") is None:  # not an expert's reply, not hinted
             group["policy"].append(row.true_score or 0.0)
-    return [
-        g | {"true": statistics.fmean(g.pop("scores")), "policy": g["policy"]}
-        for _, g in sorted(groups.items())
-    ]
+    return [g | {"true": statistics.fmean(g.pop("scores"))} for _, g in sorted(groups.items())]
 
 
 def _policy_accuracy(steps: list[int], groups: list[dict[str, Any]]) -> list[float | None]:
