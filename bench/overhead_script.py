@@ -12,7 +12,7 @@ training thread under cProfile (its timed steps) and prints both arms' top entri
 callback's writer thread under a profiler of its own, with the CPU it spends preparing and
 committing each step: what the callback adds beside the user's step.
 
-    .venv/bin/python -m bench.overhead_script --steps 40 --pairs 4
+    .venv/bin/python -m bench.overhead_script --steps 40 --pairs 4 [--thread]
     .venv/bin/python -m bench.overhead_script --steps 30 --pairs 0 --profile
 """
 
@@ -56,10 +56,12 @@ def one_run(
     database_url: str | None,
     profiler: cProfile.Profile | None = None,
     cpu: list[float] | None = None,
+    writer_process: bool = True,
 ) -> list[float]:
     """Step times (seconds, after WARMUP) of one plain GRPO run; recorded when `database_url`;
     the timed steps under `profiler` when given (the thread that trains); each timed step's
-    CPU seconds (the whole process's) appended to `cpu`."""
+    CPU seconds (the whole process's) appended to `cpu`; `writer_process` False: the writer
+    in a thread of this process (ROLLOUT_LENS_WRITER_PROCESS=false)."""
     cpu = cpu if cpu is not None else []
     from datasets import Dataset
     from transformers import (
@@ -92,7 +94,12 @@ def one_run(
     timer = _step_timer(TrainerCallback, profiler)
     callbacks: list[Any] = [timer]
     if database_url is not None:
-        callbacks.append(RolloutLensCallback(project="bench", database_url=database_url))
+        from rollout_lens.server.core.config import get_settings
+
+        settings = get_settings().model_copy(update={"writer_process": writer_process})
+        callbacks.append(
+            RolloutLensCallback(project="bench", database_url=database_url, settings=settings)
+        )
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_path),
         processing_class=AutoTokenizer.from_pretrained(model_path),
@@ -185,45 +192,57 @@ def _profile_text(profiler: cProfile.Profile, top: int, order: str, only: str = 
 
 
 def _pairs(args: argparse.Namespace, model_path: str, tmp: Path, url: str) -> None:
-    """`args.pairs` paired runs (plain, callback; alternating which goes first), and the
+    """`args.pairs` paired runs (plain, callback, and with --thread the callback writing from a
+    thread of this process; each pair in the other order than the one before), and the
     figures: the median of the pairs' ratios, the process's CPU a step."""
-    ratios: list[float] = []
-    medians: dict[str, list[float]] = {"plain": [], "callback": []}
-    cpu: dict[str, list[float]] = {"plain": [], "callback": []}
+    recorded = ["callback", "thread"] if args.thread else ["callback"]
+    ratios: dict[str, list[float]] = {arm: [] for arm in recorded}
+    medians: dict[str, list[float]] = {"plain": [], **{arm: [] for arm in recorded}}
+    cpu: dict[str, list[float]] = {"plain": [], **{arm: [] for arm in recorded}}
     for pair in range(args.pairs):
-        arms = ["plain", "callback"] if pair % 2 == 0 else ["callback", "plain"]
+        arms = ["plain", *recorded]
         got: dict[str, float] = {}
-        for arm in arms:
+        for arm in arms if pair % 2 == 0 else arms[::-1]:
             times = one_run(
-                model_path, tmp / arm, args.steps, url if arm == "callback" else None, cpu=cpu[arm]
+                model_path,
+                tmp / f"{arm}-{pair}",
+                args.steps,
+                None if arm == "plain" else f"sqlite:///{tmp / f'{arm}-{pair}.db'}",
+                cpu=cpu[arm],
+                writer_process=arm != "thread",
             )
             got[arm] = statistics.median(times)
             medians[arm].append(got[arm])
-        ratios.append(got["callback"] / got["plain"])
+        for arm in recorded:
+            ratios[arm].append(got[arm] / got["plain"])
         print(
-            f"pair {pair + 1}: plain {got['plain'] * 1e3:6.1f} ms/step, callback"
-            f" {got['callback'] * 1e3:6.1f} ms/step, ratio {ratios[-1]:.3f}",
+            f"pair {pair + 1}: "
+            + ", ".join(f"{arm} {got[arm] * 1e3:6.1f} ms/step" for arm in arms)
+            + ", ratio "
+            + ", ".join(f"{arm} {ratios[arm][-1]:.3f}" for arm in recorded),
             flush=True,
         )
-    if not ratios:
+    if not args.pairs:
         return
-    ratio = statistics.median(ratios)
     print(
-        f"\n{args.pairs} pairs of {args.steps} steps ({args.steps - WARMUP} timed each):"
-        f" plain median {statistics.median(medians['plain']) * 1e3:.1f} ms/step,"
-        f" callback {statistics.median(medians['callback']) * 1e3:.1f} ms/step"
+        f"\n{args.pairs} pairs of {args.steps} steps ({args.steps - WARMUP} timed each): "
+        + ", ".join(
+            f"{arm} median {statistics.median(medians[arm]) * 1e3:.1f} ms/step"
+            for arm in ["plain", *recorded]
+        )
     )
+    for arm in recorded:
+        ratio = statistics.median(ratios[arm])
+        said = "met" if ratio <= TARGET else "not met"
+        print(
+            f"ratio {arm}/plain: median of pairs {ratio:.3f} (min {min(ratios[arm]):.3f},"
+            f" max {max(ratios[arm]):.3f})   (target ≤ {TARGET:.2f}: {said})"
+        )
     print(
-        f"ratio callback/plain: median of pairs {ratio:.3f}"
-        f" (min {min(ratios):.3f}, max {max(ratios):.3f})"
-        f"   (target ≤ {TARGET:.2f}: {'met' if ratio <= TARGET else 'not met'})"
-    )
-    print(
-        "CPU a step, the whole process (the writer's thread included): plain median"
-        f" {statistics.median(cpu['plain']) * 1e3:.1f} ms, callback"
-        f" {statistics.median(cpu['callback']) * 1e3:.1f} ms, ratio"
-        f" {statistics.median(cpu['callback']) / statistics.median(cpu['plain']):.3f}"
-        " (less swayed by the machine's other load than wall time)"
+        "CPU a step, the training process (its threads; not the writer's child process): "
+        + ", ".join(
+            f"{arm} {statistics.median(cpu[arm]) * 1e3:.1f} ms" for arm in ["plain", *recorded]
+        )
     )
 
 
@@ -258,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="steps a run (the first 5 untimed)")
     parser.add_argument("--pairs", type=int, default=4, help="paired runs (plain, callback)")
+    parser.add_argument(
+        "--thread",
+        action="store_true",
+        help="a third arm: the callback writing from a thread of the training process",
+    )
     parser.add_argument("--profile", action="store_true", help="one more pair under cProfile")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)

@@ -54,6 +54,11 @@ class Settings(BaseSettings):
     sqlite_busy_timeout_ms: int = Field(
         30_000, ge=0, description="How long an SQLite writer waits for a lock before failing."
     )
+    writer_process: bool = Field(
+        True,
+        description="Whether a script's recorder writes its database from a process of its own "
+        "(off: from a thread of the training process, sharing its GIL).",
+    )
 
     auth_token: SecretStr = Field(
         SecretStr(""),

@@ -462,6 +462,7 @@ def _own_writer(
         price_per_device_hour=settings.price_per_device_hour,
         busy_timeout_ms=settings.sqlite_busy_timeout_ms,
         resume=None if resume_step is None else (key, resume_step),
+        process=settings.writer_process,
     )
 
 

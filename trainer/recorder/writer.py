@@ -456,12 +456,19 @@ class StepWriter:
         price_per_device_hour: float = 0.0,
         busy_timeout_ms: int = 30_000,
         resume: tuple[str, int] | None = None,
+        process: bool = True,
     ) -> StepWriter:
         """A user's script: creates the run (or continues it: `resume`, the key the run was
-        created under and the checkpoint's step), buffers and drops rather than stop training."""
+        created under and the checkpoint's step), buffers and drops rather than stop training.
+        With `process`, the database is written from a process of its own (sink_process.py:
+        the training thread shares no GIL with it); an in-memory SQLite database is this
+        process's."""
+        from rollout_lens.trainer.recorder import sink_process
         from rollout_lens.trainer.recorder.sinks import SqlSink
 
-        sink = SqlSink.of_url(
+        here = not process or sink_process.in_process(database_url)
+        kind = SqlSink.of_url if here else sink_process.ProcessSink
+        sink: Sink = kind(
             database_url,
             spec=spec,
             price_per_hour=price_per_device_hour,

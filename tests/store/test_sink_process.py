@@ -1,0 +1,117 @@
+"""A script's database writes from a process of its own (trainer/recorder/sink_process.py): the
+same run as before, the answers and log lines as they were, a light child that a Ctrl-C does
+not end, and a child that dies stops the recording, not the training."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+from rollout_lens.server.core.records import StepRecord
+from rollout_lens.trainer.recorder import sink_process
+from rollout_lens.trainer.recorder.sink_process import ProcessSink
+from rollout_lens.trainer.recorder.sinks import SqlSink
+from rollout_lens.trainer.recorder.writer import StepWriter
+
+from tests.factories import load_run, make_rollouts, recorder_spec
+from tests.waiting import until
+
+
+def _step(step: int) -> StepRecord:
+    return StepRecord(
+        step=step,
+        rollout_step=step,
+        values={"reward_mean": 0.5},
+        rollouts=make_rollouts(random.Random(step), group_size=8, listed=4),
+    )
+
+
+def _writer(url: str, **kw: object) -> StepWriter:
+    spec = recorder_spec("child", total_steps=5)
+    return StepWriter.for_script(database_url=url, spec=spec, prepare=lambda raw: raw, **kw)  # type: ignore[arg-type]
+
+
+def _child(writer: StepWriter) -> int:
+    sink = writer.sink
+    assert isinstance(sink, ProcessSink) and sink._child is not None  # noqa: SLF001
+    return sink._child.pid  # noqa: SLF001
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    return status != "Z"  # a zombie has exited
+
+
+def test_a_scripts_steps_are_written_by_a_child_that_ends_with_the_run(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rollout_lens")
+    writer = _writer(sqlite_url)
+    writer.put(_step(1))
+    until(lambda: writer.written_steps == 1, "step 1")
+    pid = _child(writer)
+    assert pid != os.getpid() and _alive(pid)
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "libtorch" not in maps and "sqlite" in maps  # the store's stack, not the trainer's
+    assert os.getsid(pid) != os.getsid(0)  # a terminal's Ctrl-C reaches the script alone
+    os.kill(pid, signal.SIGINT)  # ... and one sent to it anyway is ignored
+    for step in (2, 3):
+        writer.put(_step(step))
+    assert writer.close() is True
+    assert not _alive(pid)
+    run, rows, steps, _ = load_run(sqlite_url, writer.run_id)
+    assert [s.step for s in steps] == [1, 2, 3] and len(rows) == 24
+    assert run.status == "completed"
+    # the child's log lines are the script's
+    assert f"Rollout Lens: recording run {writer.run_id} (child)" in caplog.text
+
+
+def test_a_child_that_dies_stops_the_recording_not_the_training(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="rollout_lens")
+    writer = _writer(sqlite_url)
+    writer.put(_step(1))
+    until(lambda: writer.written_steps == 1, "step 1")
+    os.kill(_child(writer), signal.SIGKILL)
+    for step in (2, 3):
+        writer.put(_step(step))  # never raises
+    writer.close(timeout=10)
+    assert "the recorder's writer process exited with -9" in caplog.text
+    assert "recording stopped, training goes on" in caplog.text
+    _, _, steps, _ = load_run(sqlite_url, writer.run_id)
+    assert [s.step for s in steps] == [1]  # what was written stays
+
+
+def test_a_database_the_child_cannot_open_answers_as_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store's errors come back with their types: a database under a file, not a folder,
+    is a database away (retried until close's timeout, then its steps are lost), not a dead
+    child."""
+    caplog.set_level(logging.WARNING, logger="rollout_lens")
+    (tmp_path / "a-file").write_text("")
+    writer = _writer(f"sqlite:///{tmp_path / 'a-file' / 'db.sqlite'}")
+    writer.put(_step(1))
+    assert writer.close(timeout=2) is False
+    assert "writer process" not in caplog.text
+    assert "could not be written" in caplog.text
+
+
+def test_an_in_memory_database_stays_in_the_scripts_process() -> None:
+    assert sink_process.in_process("sqlite://")
+    assert sink_process.in_process("sqlite:///:memory:")
+    assert not sink_process.in_process("sqlite:////tmp/x.db")
+    assert not sink_process.in_process("postgresql+psycopg://u@h/db")
+    writer = _writer("sqlite://")
+    assert isinstance(writer.sink, SqlSink)
+    writer.put(_step(1))
+    assert writer.close() is True

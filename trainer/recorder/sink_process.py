@@ -1,0 +1,282 @@
+"""A user's script's database sink in a process of its own (`ProcessSink`).
+
+In the training process the writer's thread shares one GIL with the training step: every
+millisecond the database write spends in Python (the store's rows, rollups, prompt texts,
+alert rules) is a millisecond the training thread may wait for, however idle the other cores
+are. ProcessSink runs the SqlSink (trainer/recorder/sinks.py) in a child process, started as
+`python -m rollout_lens.trainer.recorder.sink_process` (the same interpreter and sys.path;
+never a fork of a process that holds torch's threads, and never a re-run of the user's script,
+as multiprocessing's spawn would do with a script without a main guard). The writer's thread
+pickles each call's arguments (the prepared steps: arrays and texts, in C) onto a socket pair
+and waits for the answer with the GIL released. Everything the StepWriter owns (the queue, the
+byte budget, the drops, the retries) stays where it was; the sink's answers come back as they
+were (a Wrote, SinkAway, RunEnded, a refused step), its log lines through the parent's
+"rollout_lens" logger.
+
+The child ignores Ctrl-C and has a session of its own (a Ctrl-C meant for training must not
+take the run's last steps with it); it ends when the parent closes the sink or goes away. A
+child that dies stops the recording (logged), never the training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from rollout_lens.server.core.records import StepRecord
+from rollout_lens.server.store.models import RunStatus
+from rollout_lens.trainer.recorder.writer import RunSpec, Wrote
+
+if TYPE_CHECKING:
+    from rollout_lens.trainer.recorder.sinks import SqlSink
+
+log = logging.getLogger("rollout_lens")
+
+Drops = tuple[int, int]
+CLOSE_SECONDS = 30.0  # the child's last answer (its connections let go), at most
+
+
+class SinkProcessGone(RuntimeError):
+    """The child process is gone: recording stops (training goes on)."""
+
+
+def in_process(database_url: str) -> bool:
+    """Whether a sink for `database_url` must stay in this process: an in-memory SQLite
+    database is this process's own, and only POSIX passes a socket to a child."""
+    memory = database_url.startswith("sqlite") and (
+        ":memory:" in database_url or database_url.rstrip("/") in ("sqlite:", "sqlite+pysqlite:")
+    )
+    return memory or os.name != "posix"
+
+
+class ProcessSink:
+    """The Sink protocol, answered by a SqlSink.of_url in a child process, started by the
+    writer's thread at `open` (training does not wait for its imports). Where the child cannot
+    be started, the SqlSink runs in this process as it did before (logged)."""
+
+    away = "the database"
+    final_seconds = 0.0
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        spec: RunSpec,
+        price_per_hour: float,
+        busy_timeout_ms: int,
+        resume: tuple[str, int] | None,
+    ) -> None:
+        self.deadline: float | None = None
+        self.run_id: int | None = None
+        self._fields = dict(
+            database_url=database_url,
+            spec=spec,
+            price_per_hour=price_per_hour,
+            busy_timeout_ms=busy_timeout_ms,
+            resume=resume,
+        )
+        self._child: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._local: SqlSink | None = None  # the child could not be started
+        self._closed = False
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            self._child = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        self._call("make", self._fields, log.getEffectiveLevel())
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._local is not None:
+            return getattr(self._local, name)(*args, **kwargs)
+        if self._closed or self._conn is None:
+            raise SinkProcessGone("the recorder's writer process was closed")
+        try:
+            self._conn.send((name, args, kwargs))
+            while True:
+                kind, *rest = self._conn.recv()
+                if kind == "log":
+                    levelno, message = rest
+                    log.log(levelno, "%s", message)
+                    continue
+                answer, refused, self.run_id = rest
+                if kind == "raise":
+                    raise _rebuilt(answer)
+                if refused is not None:
+                    answer.refused = _rebuilt(refused)
+                return answer
+        except (EOFError, OSError) as exc:
+            self._closed = True
+            code = None if self._child is None else self._child.poll()
+            said = "is not answering" if code is None else f"exited with {code}"
+            raise SinkProcessGone(f"the recorder's writer process {said}") from exc
+
+    def open(self) -> None:
+        if self._conn is None and self._local is None:
+            try:
+                self._start()
+            except (OSError, SinkProcessGone) as exc:
+                log.warning(
+                    "Rollout Lens: writing from this process (the writer process could not "
+                    "start: %s)",
+                    exc,
+                )
+                self._stop_child()
+                from rollout_lens.trainer.recorder.sinks import SqlSink
+
+                self._local = SqlSink.of_url(**self._fields)  # type: ignore[arg-type]
+        self._call("open")
+
+    def write(self, records: Sequence[StepRecord], drops: Drops) -> Wrote:
+        wrote: Wrote = self._call("write", list(records), drops)
+        return wrote
+
+    def report_drops(self, drops: Drops) -> None:
+        if self.run_id is not None:
+            self._call("report_drops", drops)
+
+    def heartbeat(self) -> None:
+        if self.run_id is not None:
+            self._call("heartbeat")
+
+    def finish(self, status: RunStatus, error: str | None, drops: Drops, *, late: bool) -> None:
+        if self.run_id is None:
+            return
+        try:
+            self._call("finish", status, error, drops, late=late)
+        except SinkProcessGone as exc:  # never raises: say so
+            log.warning("Rollout Lens: could not mark run %s finished: %s", self.run_id, exc)
+
+    def forget(self) -> None:
+        pass  # nothing is made of the steps before they are written
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+            return
+        if self._conn is not None and not self._closed:
+            with contextlib.suppress(SinkProcessGone):  # gone already: nothing to let go
+                self._call("close")
+        self._stop_child()
+
+    def _stop_child(self) -> None:
+        self._closed = True
+        if self._conn is not None:
+            self._conn.close()
+        if self._child is None:
+            return
+        try:
+            self._child.wait(timeout=CLOSE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
+
+
+# -- exceptions across the socket --------------------------------------------------------------
+
+
+def _portable(exc: BaseException) -> Any:
+    """An exception as (its class, args, attributes): the store's errors take keyword
+    arguments that pickle's default would not pass back."""
+    state = (type(exc), exc.args, dict(vars(exc)))
+    try:
+        pickle.dumps(state)
+    except Exception:  # noqa: BLE001 - something in it does not pickle: its words do
+        return (RuntimeError, (f"{type(exc).__name__}: {exc}",), {})
+    return state
+
+
+def _rebuilt(state: Any) -> BaseException:
+    cls, args, attributes = state
+    exc: BaseException = cls.__new__(cls)
+    exc.args = args
+    vars(exc).update(attributes)
+    return exc
+
+
+def _answer(value: Any) -> tuple[Any, Any]:
+    """A call's answer, and the exception a Wrote names apart (made portable)."""
+    if isinstance(value, Wrote) and value.refused is not None:
+        return Wrote(value.taken, value.written), _portable(value.refused)
+    return value, None
+
+
+# -- the child ---------------------------------------------------------------------------------
+
+
+class _ToParent(logging.Handler):
+    def __init__(self, conn: Connection) -> None:
+        super().__init__()
+        self.conn = conn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # the parent gone: the next recv ends the child
+        with contextlib.suppress(Exception):
+            self.conn.send(("log", record.levelno, self.format(record)))
+
+
+def serve(conn: Connection) -> None:
+    """Answer the parent's calls on `conn` until it closes the sink or goes away."""
+    from rollout_lens.trainer.recorder.sinks import SqlSink
+
+    sink: SqlSink | None = None
+    while True:
+        try:
+            name, args, kwargs = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            if name == "make":
+                fields, level = args
+                handler = _ToParent(conn)
+                log.addHandler(handler)
+                log.setLevel(level)
+                log.propagate = False
+                sink = SqlSink.of_url(**fields)
+                answer = None
+            else:
+                assert sink is not None, "the sink is made first"
+                answer = getattr(sink, name)(*args, **kwargs)
+            conn.send(("ok", *_answer(answer), sink.run_id if sink else None))
+        except BaseException as exc:  # noqa: BLE001 - every error is the parent's to judge
+            conn.send(("raise", _portable(exc), None, sink.run_id if sink else None))
+        if name == "close":
+            break
+    if sink is not None:
+        sink.close()
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C for training is the parent's
+    conn = Connection(int(argv[0]))
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
