@@ -115,3 +115,23 @@ def test_an_in_memory_database_stays_in_the_scripts_process() -> None:
     assert isinstance(writer.sink, SqlSink)
     writer.put(_step(1))
     assert writer.close() is True
+
+
+@pytest.mark.parametrize("interpreter", ["/nonexistent/python3", "/bin/false"])
+def test_where_no_child_can_start_the_writes_stay_in_this_process(
+    sqlite_url: str,
+    interpreter: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An interpreter that cannot be started, or a child that exits at once: said, and the
+    run recorded from a thread as before."""
+    caplog.set_level(logging.WARNING, logger="rollout_lens")
+    monkeypatch.setattr(sink_process.sys, "executable", interpreter)
+    writer = _writer(sqlite_url)
+    for step in (1, 2):
+        writer.put(_step(step))
+    assert writer.close() is True
+    assert "writing from this process (the writer process could not start" in caplog.text
+    run, _, steps, _ = load_run(sqlite_url, writer.run_id)
+    assert [s.step for s in steps] == [1, 2] and run.status == "completed"

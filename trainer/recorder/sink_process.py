@@ -111,7 +111,10 @@ class ProcessSink:
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._local is not None:
-            return getattr(self._local, name)(*args, **kwargs)
+            try:
+                return getattr(self._local, name)(*args, **kwargs)
+            finally:
+                self.run_id = self._local.run_id
         if self._closed or self._conn is None:
             raise SinkProcessGone("the recorder's writer process was closed")
         try:
