@@ -88,6 +88,7 @@ class ProcessSink:
         self._conn: Connection | None = None
         self._local: SqlSink | None = None  # the child could not be started
         self._closed = False
+        self._reported_drops: Drops = (0, 0)
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair()
@@ -151,15 +152,17 @@ class ProcessSink:
                 from rollout_lens.trainer.recorder.sinks import SqlSink
 
                 self._local = SqlSink.of_url(**self._fields)  # type: ignore[arg-type]
-        self._call("open")
+        if self.run_id is None or self._local is not None:  # the child's run, once made, is open
+            self._call("open")
 
     def write(self, records: Sequence[StepRecord], drops: Drops) -> Wrote:
         wrote: Wrote = self._call("write", list(records), drops)
         return wrote
 
     def report_drops(self, drops: Drops) -> None:
-        if self.run_id is not None:
+        if self.run_id is not None and drops != self._reported_drops:  # no call to say nothing
             self._call("report_drops", drops)
+            self._reported_drops = drops
 
     def heartbeat(self) -> None:
         if self.run_id is not None:
