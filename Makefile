@@ -28,8 +28,9 @@ ARGS ?=
 # file's module fixtures are built once, and the files that flush a Redis database each have
 # their own), in the order tests/conftest.py gives them (the longest first: --no-loadscope-reorder
 # keeps it). Three for make test (its training tests are CPU-bound), four for make check (none
-# train). On 5 Dec 2026, quiet: the layers in 8 min 31 s with three (10 min 24 s with two); make
-# check's tests in 2 min 38 s with four (2 min 54 s with three, 3 min 17 s with two).
+# train). On 5 Dec 2026, quiet, in a warm venv: the layers in 7 min 30 s with three (8 min 6 s
+# with four; 10 min 24 s with two the day before); make check's tests in 2 min 38 s with four
+# (2 min 54 s with three, 3 min 17 s with two).
 PYTEST_XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 CHECK_XDIST ?= -n 4 --dist loadfile --no-loadscope-reorder
 # The tiny models ship prebuilt in the package (rollout_lens/models/) and are copied here on

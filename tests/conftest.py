@@ -121,9 +121,16 @@ LONG_FILES = (
 )
 
 
+# Before them, the layers whose every test trains a model or drives a browser (15 to 105 s a
+# file in make test, whatever its count of tests): by count of tests they came last, and their
+# files' tails ran alone on one process while the others had finished.
+FIRST_LAYERS = ("e2e", "trainer", "browser")
+
+
 def _run_order(items: list[pytest.Item]) -> list[pytest.Item]:
-    """LONG_FILES first, in their order; then the other files by count of tests, most first (as
-    xdist would order them); a file's tests stay together and in their order."""
+    """The files of FIRST_LAYERS first, layer by layer, each layer's by count of tests; then
+    LONG_FILES, in their order; then the other files by count of tests, most first (as xdist
+    would order them); a file's tests stay together and in their order."""
     missing = [name for name in LONG_FILES if not (TESTS / name).is_file()]
     if missing:  # a renamed file would lose its place unseen
         raise pytest.UsageError(f"tests/conftest.py LONG_FILES names no such file: {missing}")
@@ -133,9 +140,11 @@ def _run_order(items: list[pytest.Item]) -> list[pytest.Item]:
     for item in items:
         counts[paths[item.path]] = counts.get(paths[item.path], 0) + 1
 
-    def key(item: pytest.Item) -> tuple[int, int, str]:
+    def key(item: pytest.Item) -> tuple[int, int, int, str]:
         path = paths[item.path]
-        return (long.get(path, len(long)), -counts[path], str(path))
+        layer = layer_of(path)
+        first = FIRST_LAYERS.index(layer) if layer in FIRST_LAYERS else len(FIRST_LAYERS)
+        return (first, long.get(path, len(long)), -counts[path], str(path))
 
     return sorted(items, key=key)  # stable: a file's own order is kept
 

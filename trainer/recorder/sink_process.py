@@ -134,7 +134,10 @@ class ProcessSink:
                 return answer
         except (EOFError, OSError) as exc:
             self._closed = True
-            code = None if self._child is None else self._child.poll()
+            code = None
+            if self._child is not None:  # its end of the socket closed: it is ending, or has
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self._child.wait(timeout=5)
             said = "is not answering" if code is None else f"exited with {code}"
             raise SinkProcessGone(f"the recorder's writer process {said}") from exc
 
