@@ -58,6 +58,30 @@ def in_process(database_url: str) -> bool:
     return memory or os.name != "posix"
 
 
+def script_sink(
+    database_url: str,
+    *,
+    process: bool,
+    spec: RunSpec,
+    price: float,
+    wait_ms: int,
+    resume: tuple[str, int] | None,
+) -> ProcessSink | SqlSink:
+    """A script's database sink (`price` a device-hour, SQLite's busy timeout `wait_ms`): in a
+    child process (`process`), else, or for an in-memory database, in this one."""
+    from rollout_lens.trainer.recorder.sinks import SqlSink
+
+    here = not process or in_process(database_url)
+    kind = SqlSink.of_url if here else ProcessSink
+    return kind(
+        database_url,
+        spec=spec,
+        price_per_hour=price,
+        busy_timeout_ms=wait_ms,
+        resume=resume,
+    )
+
+
 class ProcessSink:
     """The Sink protocol, answered by a SqlSink.of_url in a child process, started by the
     writer's thread at `open` (training does not wait for its imports). Where the child cannot

@@ -460,20 +460,12 @@ class StepWriter:
     ) -> StepWriter:
         """A user's script: creates the run (or continues it: `resume`, the key the run was
         created under and the checkpoint's step), buffers and drops rather than stop training.
-        With `process`, the database is written from a process of its own (sink_process.py:
-        the training thread shares no GIL with it); an in-memory SQLite database is this
-        process's."""
-        from rollout_lens.trainer.recorder import sink_process
-        from rollout_lens.trainer.recorder.sinks import SqlSink
+        With `process`, the database is written from a process of its own (sink_process.py)."""
+        from rollout_lens.trainer.recorder.sink_process import script_sink
 
-        here = not process or sink_process.in_process(database_url)
-        kind = SqlSink.of_url if here else sink_process.ProcessSink
-        sink: Sink = kind(
-            database_url,
-            spec=spec,
-            price_per_hour=price_per_device_hour,
-            busy_timeout_ms=busy_timeout_ms,
-            resume=resume,
+        price, wait = price_per_device_hour, busy_timeout_ms
+        sink = script_sink(
+            database_url, process=process, spec=spec, price=price, wait_ms=wait, resume=resume
         )
         policy = BufferAndDrop(max_bytes=max_bytes)
         return cls(sink, policy=policy, prepare=prepare, heartbeat_seconds=heartbeat_seconds)
