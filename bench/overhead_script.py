@@ -6,11 +6,14 @@ it: a GRPOConfig, a small dataset of chat prompts, a reward function of their ow
 train(); the callback added with nothing else (its own SQLite file). Each pair runs both arms
 (plain first in even pairs, the callback first in odd ones); a pair's ratio is the callback's
 median step over the plain one's, and the figure is the median of the pairs' ratios (their
-spread beside it); beside it the ratio of the process's CPU a step, every thread counted, which
-other load on the machine sways less than wall time. `--profile` runs one more pair with the
-training thread under cProfile (its timed steps) and prints both arms' top entries, and the
-callback's writer thread under a profiler of its own, with the CPU it spends preparing and
-committing each step: what the callback adds beside the user's step.
+spread beside it); beside it the training process's CPU a step, every thread counted (not the
+writer's child process), which other load on the machine sways less than wall time. `--thread`
+adds a third arm to each pair: the callback writing from a thread of the training process
+(ROLLOUT_LENS_WRITER_PROCESS=false), as it did before the writer's child process. `--profile`
+runs one more pair with the training thread under cProfile (its timed steps) and prints both
+arms' top entries, and the callback's writer thread under a profiler of its own, with the CPU
+it spends preparing each step and handing it to the child: what the callback adds beside the
+user's step in the training process.
 
     .venv/bin/python -m bench.overhead_script --steps 40 --pairs 4 [--thread]
     .venv/bin/python -m bench.overhead_script --steps 30 --pairs 0 --profile

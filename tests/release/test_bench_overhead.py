@@ -1,5 +1,6 @@
 """bench/overhead.py's --shape option on a small shape, so the widened model and the held-back
-end of turn keep working (its figures are for people; a few steps here only show it runs)."""
+end of turn keep working, and bench/overhead_script.py's three arms (their figures are for
+people; a few steps here only show they run)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ def test_the_overhead_bench_runs_at_a_shape(capsys: pytest.CaptureFixture[str]) 
     out = capsys.readouterr().out
     assert "16 rollouts x 12 tokens a step, a 2,000-token vocabulary" in out
     assert "ratio callback/plain: median" in out and "target ≤ 1.05" in out
+
+
+@pytest.mark.slow
+def test_the_user_script_bench_runs_its_three_arms(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import overhead_script
+
+    assert overhead_script.main(["--steps", "7", "--pairs", "1", "--thread"]) == 0
+    out = capsys.readouterr().out
+    assert "ratio callback/plain: median of pairs" in out
+    assert "ratio thread/plain: median of pairs" in out and "target ≤ 1.05" in out
 
 
 def test_a_shape_names_rollouts_tokens_and_vocabulary() -> None:
