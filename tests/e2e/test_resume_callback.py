@@ -119,10 +119,13 @@ def test_a_script_killed_and_resumed_from_its_checkpoint_continues_its_run(
     remote_url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
     remote_run, remote_steps, remote_rollouts = _by_step(remote_url, _only_run(remote_url))
     local_run, local_steps, local_rollouts = _by_step(local_db, _only_run(local_db))
-    for run, steps in ((remote_run, remote_steps), (local_run, local_steps)):
-        assert run.status == "completed" and run.record_epoch == 1, (run.status, run.error)
-        assert steps == list(range(1, STEPS + 1))
-        assert run.dropped_steps == 0 and run.dropped_rollouts == 0
+    for name, run, steps in (
+        ("remote", remote_run, remote_steps),
+        ("local", local_run, local_steps),
+    ):
+        assert run.status == "completed" and run.record_epoch == 1, (name, run.status, run.error)
+        assert steps == list(range(1, STEPS + 1)), name
+        assert run.dropped_steps == 0 and run.dropped_rollouts == 0, name
         assert run.current_step == STEPS
     assert sorted(remote_rollouts) == list(range(1, STEPS + 1))
     assert remote_rollouts == local_rollouts
