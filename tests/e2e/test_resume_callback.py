@@ -116,6 +116,8 @@ def test_a_script_killed_and_resumed_from_its_checkpoint_continues_its_run(
             remote_url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
             dead = _by_step(remote_url, _only_run(remote_url))
             assert dead[0].status == "running" and dead[1] == [1, 2, 3]  # step 3 is replaced
+            dead = _by_step(local_db, _only_run(local_db))
+            assert dead[0].status == "running" and dead[1] == [1, 2, 3], "local"
     remote_url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
     remote_run, remote_steps, remote_rollouts = _by_step(remote_url, _only_run(remote_url))
     local_run, local_steps, local_rollouts = _by_step(local_db, _only_run(local_db))
