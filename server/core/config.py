@@ -55,9 +55,9 @@ class Settings(BaseSettings):
         30_000, ge=0, description="How long an SQLite writer waits for a lock before failing."
     )
     writer_process: bool = Field(
-        True,
+        False,
         description="Whether a script's recorder writes its database from a process of its own "
-        "(off: from a thread of the training process, sharing its GIL).",
+        "(experimental: CI lost steps with it; off: from a thread of the training process).",
     )
 
     auth_token: SecretStr = Field(

@@ -32,7 +32,13 @@ def _step(step: int) -> StepRecord:
 
 def _writer(url: str, **kw: object) -> StepWriter:
     spec = recorder_spec("child", total_steps=5)
-    return StepWriter.for_script(database_url=url, spec=spec, prepare=lambda raw: raw, **kw)  # type: ignore[arg-type]
+    return StepWriter.for_script(
+        database_url=url,
+        spec=spec,
+        prepare=lambda raw: raw,
+        process=True,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def _child(writer: StepWriter) -> int:

@@ -456,7 +456,7 @@ class StepWriter:
         price_per_device_hour: float = 0.0,
         busy_timeout_ms: int = 30_000,
         resume: tuple[str, int] | None = None,
-        process: bool = True,
+        process: bool = False,
     ) -> StepWriter:
         """A user's script: creates the run (or continues it: `resume`, the key the run was
         created under and the checkpoint's step), buffers and drops rather than stop training.
