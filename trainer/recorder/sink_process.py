@@ -236,7 +236,7 @@ def _portable(exc: BaseException) -> Any:
     arguments that pickle's default would not pass back."""
     state = (type(exc), exc.args, dict(vars(exc)))
     try:
-        pickle.dumps(state)
+        pickle.loads(pickle.dumps(state))  # it must come back, not only leave
     except Exception:  # noqa: BLE001 - something in it does not pickle: its words do
         return (RuntimeError, (f"{type(exc).__name__}: {exc}",), {})
     return state
