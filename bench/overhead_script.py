@@ -194,7 +194,7 @@ def _profile_text(profiler: cProfile.Profile, top: int, order: str, only: str = 
     return "\n".join(f"  {line}" for line in lines[start:] if line.strip())
 
 
-def _pairs(args: argparse.Namespace, model_path: str, tmp: Path, url: str) -> None:
+def _pairs(args: argparse.Namespace, model_path: str, tmp: Path) -> None:
     """`args.pairs` paired runs (plain, callback, and with --thread the callback writing from a
     thread of this process; each pair in the other order than the one before), and the
     figures: the median of the pairs' ratios, the process's CPU a step."""
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp_dir)
         model_path = str(prebuilt.ensure(prebuilt.TINY, get_settings().models_dir))
         url = f"sqlite:///{tmp / 'lens.db'}"
-        _pairs(args, model_path, tmp, url)
+        _pairs(args, model_path, tmp)
         if args.profile:
             _profiled(args, model_path, tmp, url)
     return 0
