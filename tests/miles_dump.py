@@ -20,12 +20,14 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from tests import slime_dump
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -86,6 +88,8 @@ def rollout(rng: random.Random, prompts: list[str], n: int, tool: bool) -> list[
 
 def save_rollout(path: Path, rollout_id: int, samples: list[Sample]) -> None:
     """save_debug_rollout_data's torch.save."""
+    import torch
+
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"prompt_group_sizes": [sum(s.group_index == g for s in samples) for g in (0, 1)]}
     torch.save(
@@ -96,6 +100,8 @@ def save_rollout(path: Path, rollout_id: int, samples: list[Sample]) -> None:
 
 def shard(samples: list[Sample], rows: list[int], log_probs: list[torch.Tensor]) -> dict[str, Any]:
     """One data-parallel shard's rollout_data (its rows: positions in the rollout dump)."""
+    import torch
+
     picked = [samples[k] for k in rows]
     rewards = [float(s.reward) for s in samples]
     mean = sum(rewards) / len(rewards)
@@ -132,6 +138,8 @@ def save_train(
     """save_debug_train_data_for_rank on four ranks: two data-parallel shards (the rows split
     in a shuffled order), each on a pair of tensor-parallel ranks, the second of shard 1 a first
     pipeline stage (no log_probs, advantages or returns)."""
+    import torch
+
     order = list(range(len(samples)))
     random.Random(rollout_id).shuffle(order)
     half = len(order) // 2

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 PAD = 0
 
 
@@ -77,6 +75,8 @@ def _engine_positions(messages: list[Message]) -> list[tuple[int, float]]:
 
 def log_data(samples: list[Sample], advantages: list[float]) -> dict[str, Any]:
     """grpo.py's `log_data` for a batch, its tensors built as NeMo-RL builds them."""
+    import torch
+
     rows: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "mask", "gen", "adv", "prev")}
     for sample, advantage in zip(samples, advantages, strict=True):
         ids = [torch.tensor(m.token_ids) for m in sample.messages]

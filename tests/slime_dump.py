@@ -18,9 +18,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -116,12 +117,16 @@ def rollout(rng: random.Random, prompts: list[str], n: int, tool: bool) -> list[
 
 
 def save_rollout(path: Path, rollout_id: int, samples: list[Sample]) -> None:
+    import torch
+
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in samples]}, path)
 
 
 def trainer_logprobs(rng: random.Random, samples: list[Sample], noise: float) -> list[torch.Tensor]:
     """The trainer's logprobs of each response: the engine's, a little off."""
+    import torch
+
     return [
         torch.tensor(
             [min(0.0, v + rng.gauss(0.0, noise)) for v in s.rollout_log_probs or []],
@@ -136,6 +141,8 @@ def save_train(
 ) -> None:
     """`_build_dump_payload` of one rank's rollout_data, written as save_debug_train_data does
     (the rank's samples in a shuffled partition order, restored by rollout_position)."""
+    import torch
+
     order = list(range(len(samples)))
     random.Random(rollout_id).shuffle(order)
     # --reward-key picks a reward dict's value (slime's _post_process_rewards)

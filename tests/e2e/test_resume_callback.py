@@ -98,6 +98,7 @@ def test_a_script_killed_and_resumed_from_its_checkpoint_continues_its_run(
         for name in ("remote", "local")
     }
     local = ("--db", local_db)
+    remote_url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
     # the two recordings side by side: each dies, then each resumes
     for extra in (("--kill-at", str(KILL_AT)), ("--resume", "--restore-callbacks")):
         remote_extra = extra
@@ -113,12 +114,11 @@ def test_a_script_killed_and_resumed_from_its_checkpoint_continues_its_run(
         if want:
             for _, out in folders.values():
                 assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
-            remote_url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
-            dead = _by_step(remote_url, _only_run(remote_url))
-            assert dead[0].status == "running" and dead[1] == [1, 2, 3]  # step 3 is replaced
-            dead = _by_step(local_db, _only_run(local_db))
-            assert dead[0].status == "running" and dead[1] == [1, 2, 3], "local"
-    remote_url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
+            for name, url, (_, output) in zip(
+                ("remote", "local"), (remote_url, local_db), ended, strict=True
+            ):
+                dead = _by_step(url, _only_run(url))  # step 3 is replaced
+                assert dead[0].status == "running" and dead[1] == [1, 2, 3], (name, output[-3000:])
     remote_run, remote_steps, remote_rollouts = _by_step(remote_url, _only_run(remote_url))
     local_run, local_steps, local_rollouts = _by_step(local_db, _only_run(local_db))
     for name, run, steps in (

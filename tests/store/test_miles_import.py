@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from rollout_lens.server import store
 from rollout_lens.server.core import mismatch as mm
 from rollout_lens.server.core.errors import InvalidInput
@@ -149,6 +148,8 @@ HOSTILE = {
 
 @pytest.mark.parametrize("hostile", list(HOSTILE))
 def test_hostile_numpy_in_a_pickle_is_refused(tmp_path: Path, hostile: str) -> None:
+    import torch
+
     reduce, message = HOSTILE[hostile]
     torch.save({"rollout_data": {"x": _Reduced(reduce)}}, tmp_path / "0_0.pt")
     with pytest.raises(InvalidInput, match=message):
@@ -156,6 +157,8 @@ def test_hostile_numpy_in_a_pickle_is_refused(tmp_path: Path, hostile: str) -> N
 
 
 def test_torch_file_reads_numpy_as_numpy_does(tmp_path: Path) -> None:
+    import torch
+
     values = {
         "ints": np.arange(5, dtype=np.int64),
         "floats": np.array([0.5, -1.25], dtype=np.float32),
