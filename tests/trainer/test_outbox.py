@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 
 import pytest
 from rollout_lens.server.core.records import StepRecord
 from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter, record_size
 
 from tests.factories import CONTROL_TOKENS, load_run, make_rollouts
+from tests.waiting import returns
 
 
 def _spec() -> RunSpec:
@@ -117,6 +119,37 @@ def test_a_prepare_error_drops_that_step_only(sqlite_url: str) -> None:
     outbox.close()
     run, _, steps, _ = load_run(sqlite_url, outbox.run_id)
     assert [s.step for s in steps] == [1, 3] and run.dropped_steps == 1
+
+
+def test_flush_waits_for_the_step_the_writer_is_preparing(sqlite_url: str) -> None:
+    """A step the writer's thread has taken to prepare is still waiting: flush (a checkpoint's,
+    a script's last call before it dies) returns once it is written, not while the inbox and
+    the prepared steps are both empty (CI lost steps 2 and 3 of a script killed after its
+    flush: the thread had taken them and was preparing them)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def prepare(raw: object) -> StepRecord:
+        assert isinstance(raw, StepRecord)
+        if raw.step == 2:
+            entered.set()
+            release.wait(60)
+        return raw
+
+    outbox = StepWriter.for_script(database_url=sqlite_url, spec=_spec(), prepare=prepare)
+    outbox.put(_step(1))
+    returns(outbox.flush, "the first flush")
+    outbox.put(_step(2))
+    assert entered.wait(60), "the writer never took step 2"
+    flushed = threading.Thread(target=outbox.flush, daemon=True)
+    flushed.start()
+    flushed.join(0.5)  # long enough for a flush that sees nothing waiting to return
+    assert flushed.is_alive(), "flush returned while step 2 was being prepared"
+    release.set()
+    flushed.join(60)
+    assert not flushed.is_alive()
+    _, _, steps, _ = load_run(sqlite_url, outbox.run_id)
+    assert [s.step for s in steps] == [1, 2]  # written before flush returned
+    assert outbox.close() is True
 
 
 def test_record_size_grows_with_rollouts() -> None:

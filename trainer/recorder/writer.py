@@ -622,8 +622,9 @@ class StepWriter:
             with self._wake:
                 while not self.backlog.inbox and not self._due(last_beat):
                     self._wake.wait(timeout=self._wait_seconds(last_beat))
+                # a step stays in the inbox until it waits prepared: flush() (a checkpoint's, a
+                # script's last words before it dies) must never find neither holding it
                 inbound = list(self.backlog.inbox)
-                self.backlog.inbox.clear()
                 closing = self._closing
             for raw in inbound:
                 self._take(raw)
@@ -684,11 +685,16 @@ class StepWriter:
             self.sink.finish(*self._final, self.backlog.drops(), late=late)
 
     def _take(self, raw: Any) -> None:
-        """BufferAndDrop: prepare a step (a bad one is dropped alone) and keep it in budget."""
+        """BufferAndDrop: prepare the inbox's first step (a bad one is dropped alone) and keep
+        it in budget; one the backlog let go of meanwhile (the run ended, recording stopped)
+        goes with the others."""
         pending = self.backlog.prepared(raw, self.prepare)
-        if pending is not None:
-            with self._wake:
-                self.backlog.add(pending)
+        with self._wake:
+            if self.backlog.inbox and self.backlog.inbox[0] is raw:
+                self.backlog.inbox.popleft()
+                if pending is not None:
+                    self.backlog.add(pending)
+            self._wake.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
         """A permanent error: a launched run fails; a script's recording stops, training goes on."""
