@@ -57,7 +57,8 @@ class Settings(BaseSettings):
     writer_process: bool = Field(
         False,
         description="Whether a script's recorder writes its database from a process of its own "
-        "(experimental: CI lost steps with it; off: from a thread of the training process).",
+        "(experimental: a step loss CI found with it is not explained yet; off: from a thread of "
+        "the training process).",
     )
 
     auth_token: SecretStr = Field(
