@@ -175,11 +175,11 @@ class Backlog:
         return len(self.pending) + len(self.inbox)
 
     def prepared(self, raw: Any, prepare: Callable[[Any], StepRecord]) -> Pending | None:
-        """A step handed over, prepared; None (dropped and counted) when preparing it raises."""
+        """A step handed over, prepared; None (said here, counted by the caller) when preparing
+        it raises."""
         try:
             record = prepare(raw)
         except Exception as exc:  # noqa: BLE001 - a bad step must not stop the others
-            self.dropped_steps += 1
             log.warning("Rollout Lens: could not prepare step for recording (dropped): %s", exc)
             return None
         return Pending(record, record_size(record))
@@ -692,7 +692,9 @@ class StepWriter:
         with self._wake:
             if self.backlog.inbox and self.backlog.inbox[0] is raw:
                 self.backlog.inbox.popleft()
-                if pending is not None:
+                if pending is None:
+                    self.backlog.dropped_steps += 1
+                else:
                     self.backlog.add(pending)
             self._wake.notify_all()
 
