@@ -184,6 +184,18 @@ class Backlog:
             return None
         return Pending(record, record_size(record))
 
+    def take(self, raw: Any, pending: Pending | None) -> None:
+        """The inbox's first step `raw` moves to the steps waiting prepared (None: preparing it
+        failed, dropped alone and counted); one let go of meanwhile (the backlog cleared: the
+        run ended, recording stopped) goes with the others. A step is in the inbox until then,
+        so that flush() never finds neither holding it."""
+        if self.inbox and self.inbox[0] is raw:
+            self.inbox.popleft()
+            if pending is None:
+                self.dropped_steps += 1
+            else:
+                self.add(pending)
+
     def add(self, pending: Pending) -> None:
         self.pending.append(pending)
         self.bytes += pending.size
@@ -622,9 +634,7 @@ class StepWriter:
             with self._wake:
                 while not self.backlog.inbox and not self._due(last_beat):
                     self._wake.wait(timeout=self._wait_seconds(last_beat))
-                # a step stays in the inbox until it waits prepared: flush() (a checkpoint's, a
-                # script's last words before it dies) must never find neither holding it
-                inbound = list(self.backlog.inbox)
+                inbound = list(self.backlog.inbox)  # each leaves it once prepared (take)
                 closing = self._closing
             for raw in inbound:
                 self._take(raw)
@@ -685,17 +695,10 @@ class StepWriter:
             self.sink.finish(*self._final, self.backlog.drops(), late=late)
 
     def _take(self, raw: Any) -> None:
-        """BufferAndDrop: prepare the inbox's first step (a bad one is dropped alone) and keep
-        it in budget; one the backlog let go of meanwhile (the run ended, recording stopped)
-        goes with the others."""
+        """BufferAndDrop: prepare the inbox's first step and keep it in budget."""
         pending = self.backlog.prepared(raw, self.prepare)
         with self._wake:
-            if self.backlog.inbox and self.backlog.inbox[0] is raw:
-                self.backlog.inbox.popleft()
-                if pending is None:
-                    self.backlog.dropped_steps += 1
-                else:
-                    self.backlog.add(pending)
+            self.backlog.take(raw, pending)
             self._wake.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
