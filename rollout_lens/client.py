@@ -27,11 +27,6 @@ from rollout_lens.server.core import step_views
 # its data() sends); the step viewer's API adds view fields, which step_rollouts leaves out.
 ROLLOUT_KEYS = step_views.ROLLOUT_KEYS
 
-# How rollouts() pages a step: the API's largest pages, every token position (2**31 - 1: the
-# largest max_tokens the API takes).
-GROUPS_PER_REQUEST = 500
-ROLLOUTS_PER_REQUEST = 32
-ALL_TOKENS = 2**31 - 1
 BUSY_WAIT_SECONDS = 120  # an import answered 503 (the dashboard writing others) is sent again
 UNKNOWN_NAME = 422  # what GET /api/runs/{id}/series answers a name it does not know
 PROMPTS_PER_REQUEST = 500  # the prompts list's largest page
@@ -127,27 +122,15 @@ class Client:
         return frame.set_index("step") if "step" in frame else frame
 
     def step_rollouts(self, run_id: int, step: int) -> list[dict[str, Any]]:
-        """The rollouts the update at `step` trained on, in group order, with their arrays (up
-        to 16,384 positions and 16,000 characters of text each, as the JSON API answers;
-        `export` has everything).
-
-        Gathered group by group: the step's groups a page at a time, then each group's rollouts
-        a page at a time with all their token positions."""
-        base = f"/api/runs/{int(run_id)}/steps/{int(step)}"
-        groups: list[int] = []
-        path: str | None = f"{base}?limit={GROUPS_PER_REQUEST}"
-        while path is not None:
-            page = self._get(path)
-            groups += [summary["group"] for summary in page["groups"]]
-            path = page["links"]["next"]
-        rollouts = []
-        for group in groups:
-            path = f"{base}/groups/{group}?limit={ROLLOUTS_PER_REQUEST}&max_tokens={ALL_TOKENS}"
-            while path is not None:
-                part = self._get(path)
-                rollouts += [{key: r.get(key) for key in ROLLOUT_KEYS} for r in part["rollouts"]]
-                path = part["next"]
-        return rollouts
+        """The rollouts the update at `step` trained on, in group order, each whole: every token
+        position and the whole text (as the export has them). One request, streamed: a line a
+        rollout (`/api/runs/{id}/steps/{step}/rollouts.jsonl`)."""
+        path = f"/api/runs/{int(run_id)}/steps/{int(step)}/rollouts.jsonl"
+        with self._stream(path, {}) as response:
+            return [
+                {key: rollout.get(key) for key in ROLLOUT_KEYS}
+                for rollout in map(json.loads, filter(None, response.iter_lines()))
+            ]
 
     def rollouts(self, run_id: int, *, max_rows: int | None = 10_000, **filters: Any) -> Any:
         """Rollouts across steps, as the explorer finds them (`/runs/{id}/rollouts`): filters

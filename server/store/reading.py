@@ -60,26 +60,33 @@ def metric_names(session: Session, *, run_id: int) -> list[str]:
 
 def step_rollouts(session: Session, *, run_id: int, step: int) -> list[tuple[RolloutRow, str]]:
     """The rollouts the update at `step` trained on, with their prompt text, in group order."""
-    rollout_step = session.scalar(
-        select(StepRow.rollout_step).where(StepRow.run_id == run_id, StepRow.step == step)
-    )
     query = (
         select(RolloutRow)
-        .where(RolloutRow.run_id == run_id, RolloutRow.step == (rollout_step or step))
+        .where(RolloutRow.run_id == run_id, RolloutRow.step == trained_on(session, run_id, step))
         .order_by(RolloutRow.group, RolloutRow.index)
     )
     return prompt_texts.with_prompts(session, session.scalars(query).all())
 
 
+def trained_on(session: Session, run_id: int, step: int) -> int:
+    """The step whose rollouts the update at `step` trained on (its own, unless it reused an
+    earlier generation: num_iterations > 1)."""
+    rollout_step = session.scalar(
+        select(StepRow.rollout_step).where(StepRow.run_id == run_id, StepRow.step == step)
+    )
+    return rollout_step or step
+
+
 def iter_rollouts(
-    session: Session, *, run_id: int, batch: int = 500
+    session: Session, *, run_id: int, batch: int = 500, step: int | None = None
 ) -> Iterator[tuple[RolloutRow, str]]:
-    """Every rollout of a run with its prompt text, by step, group and index (streamed)."""
-    query = (
-        select(RolloutRow)
-        .where(RolloutRow.run_id == run_id)
-        .order_by(RolloutRow.step, RolloutRow.group, RolloutRow.index)
-        .execution_options(yield_per=batch)
+    """Every rollout of a run with its prompt text, by step, group and index (streamed); with
+    `step`, the rollouts the update at `step` trained on."""
+    query = select(RolloutRow).where(RolloutRow.run_id == run_id)
+    if step is not None:
+        query = query.where(RolloutRow.step == trained_on(session, run_id, step))
+    query = query.order_by(RolloutRow.step, RolloutRow.group, RolloutRow.index).execution_options(
+        yield_per=batch
     )
     for part in session.scalars(query).partitions():
         yield from prompt_texts.with_prompts(session, part)

@@ -54,7 +54,7 @@ def test_openapi_operations_have_readable_names_and_response_schemas(client: Tes
         )
         if path == "/api/runs/{run_id}/export":
             continue  # a file download (JSON Lines or Parquet)
-        if path == "/api/runs/{run_id}/prompts/export.jsonl":  # a dataset: JSON Lines
+        if path.endswith(".jsonl"):  # a dataset, a step's rollouts: JSON Lines
             assert op["responses"]["200"]["content"]["application/x-ndjson"]["schema"]
             continue
         ok = op["responses"].get("200") or op["responses"]["201"]

@@ -221,10 +221,10 @@ def test_errors_carry_the_servers_message(served: tuple[str, str, int], tmp_path
     assert unreachable.value.status is None
 
 
-def test_rollouts_of_a_step_of_many_groups_come_page_by_page(tmp_path: Path) -> None:
+def test_rollouts_of_a_step_of_many_groups_come_in_one_request(tmp_path: Path) -> None:
     """A step of 502 groups (past one page of the step's groups), the first of 70 rollouts (past
     one page of a group's rollouts) and of 300 tokens each (past the group JSON's default cut):
-    Client.rollouts gathers them all, in group order, with every array."""
+    Client.step_rollouts reads them all, in group order, with every array, in one request."""
     from rollout_lens.server.core.config import Settings
     from rollout_lens.server.core.records import RolloutRecord
     from rollout_lens.server.webapp.app import create_app

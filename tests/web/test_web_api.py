@@ -11,7 +11,7 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunStatus
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
+from tests.factories import CONTROL_TOKENS, make_groups, make_rollouts, make_run, record_step
 
 
 def _record(factory: sessionmaker[Session], run_id: int, step: int, **values: float) -> None:
@@ -145,6 +145,37 @@ def test_step_api_has_groups_votes_and_arrays(session_factory, client) -> None:
     assert set(rollout["control_token_probs"]) == set(CONTROL_TOKENS)
     assert all(len(p) == 4 for p in rollout["control_token_probs"].values())
     assert client.get(f"/api/runs/{run_id}/steps/9").status_code == 404
+
+
+def test_a_steps_rollouts_stream_whole_in_group_order(session_factory, client) -> None:
+    """/steps/{step}/rollouts.jsonl: a line a rollout, each the group JSON's rollout with every
+    position (no cut), in group order; a step that reused an earlier generation streams the
+    rollouts it trained on; a step that kept none streams nothing; an unknown step is a 404."""
+    import json
+
+    run_id = make_run(session_factory, steps=0)
+    rng = random.Random(3)
+    rollouts = make_groups(rng, groups=3, group_size=4, tokens=400)
+    rollouts.reverse()  # recorded out of order: answered in group and index order
+    record_step(session_factory, run_id, 1, values={"reward_mean": 0.5}, rollouts=rollouts)
+    record_step(session_factory, run_id, 2, values={"reward_mean": 0.6}, rollout_step=1)
+    record_step(session_factory, run_id, 3, values={"reward_mean": 0.7})
+    answer = client.get(f"/api/runs/{run_id}/steps/1/rollouts.jsonl")
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("application/x-ndjson")
+    lines = [json.loads(line) for line in answer.text.splitlines()]
+    assert [(r["group"], r["index"]) for r in lines] == sorted((r.group, r.index) for r in rollouts)
+    grouped = client.get(
+        f"/api/runs/{run_id}/steps/1/groups/1", params={"max_tokens": 400, "limit": 1}
+    ).json()
+    first = next(r for r in lines if r["group"] == 1)
+    assert {k: grouped["rollouts"][0][k] for k in first} == first
+    assert len(first["completion_ids"]) == len(first["token_logprobs"]) == 400  # whole
+    reused = client.get(f"/api/runs/{run_id}/steps/2/rollouts.jsonl").text
+    assert reused == answer.text
+    assert client.get(f"/api/runs/{run_id}/steps/3/rollouts.jsonl").text == ""
+    missing = client.get(f"/api/runs/{run_id}/steps/9/rollouts.jsonl")
+    assert missing.status_code == 404 and "9" in missing.json()["detail"]
 
 
 def test_compare_api(session_factory, client) -> None:

@@ -1,4 +1,5 @@
-"""Downloads: a run's export file (JSONL or Parquet; its per-step series as CSV too), streamed."""
+"""Downloads: a run's export file (JSONL or Parquet; its per-step series as CSV too), and a
+step's rollouts with every array (JSON Lines), streamed."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from rollout_lens.server import store
 from rollout_lens.server.exchange import export
+from rollout_lens.server.store.serialize import rollout_dict
+from rollout_lens.server.webapp import queries
 from rollout_lens.server.webapp.http.deps import SessionDep
-from rollout_lens.server.webapp.http.params import RunId
+from rollout_lens.server.webapp.http.params import RunId, StepNo
+from rollout_lens.server.webapp.http.responses import encode
 from sqlalchemy.orm import Session, sessionmaker
 
 router = APIRouter(prefix="/api", tags=["export"])
@@ -49,3 +53,51 @@ def _chunks(factory: sessionmaker[Session], run_id: int, fmt: str, what: str) ->
     """The file's chunks, read in a session of their own (the request's closes first)."""
     with factory() as session:
         yield from export.export_chunks(session, run_id=run_id, fmt=fmt, what=what)
+
+
+@router.get(
+    "/runs/{run_id}/steps/{step}/rollouts.jsonl",
+    name="step_rollouts",
+    response_class=StreamingResponse,
+    summary="Get every rollout of a step, with every array",
+    responses={
+        200: {
+            "description": "JSON Lines: a rollout a line, in group and index order",
+            "content": {
+                "application/x-ndjson": {
+                    "schema": {"type": "string", "description": "a JSON object a line"}
+                }
+            },
+        }
+    },
+)
+def step_rollouts(
+    request: Request, session: SessionDep, run_id: RunId, step: StepNo
+) -> StreamingResponse:
+    """The rollouts the update at `step` trained on, whole, in one streamed answer: a line a
+    rollout (the group JSON's rollout keys, every token position and the whole text), in group
+    and index order, read a batch at a time. `/api/runs/{run_id}/steps/{step}/groups/{group}`
+    pages one group with its summary; this reads a step of any size in one request."""
+    queries.step_head(session, run_id=run_id, step=step)  # a 404 (the nearest step) now
+    return StreamingResponse(
+        _step_lines(request.app.state.session_factory, run_id, step),
+        media_type="application/x-ndjson",
+    )
+
+
+def _step_lines(factory: sessionmaker[Session], run_id: int, step: int) -> Iterator[bytes]:
+    """A step's rollouts as JSON Lines, about export.CHUNK_BYTES a chunk."""
+    with factory() as session:
+        tokens = list(store.get_run(session, run_id=run_id).control_tokens)
+        texts = store.token_texts(session, run_id=run_id)
+        chunk: list[bytes] = []
+        size = 0
+        for row, prompt in store.iter_rollouts(session, run_id=run_id, step=step):
+            line = encode(rollout_dict(row, prompt, tokens, texts)) + b"\n"
+            chunk.append(line)
+            size += len(line)
+            if size >= export.CHUNK_BYTES:
+                yield b"".join(chunk)
+                chunk, size = [], 0
+        if chunk:
+            yield b"".join(chunk)
