@@ -4,6 +4,7 @@ real one converted from its GGUF file."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,8 @@ def _build_model(args: argparse.Namespace, settings: Settings) -> int:
     from rollout_lens.trainer.builders import prebuilt
 
     kind = prebuilt.MULTITURN if args.turns == "multi" else prebuilt.TINY
-    path = prebuilt.ensure(kind, settings.models_dir)
-    print(f"{kind.label} at {path}")
-    return 0
+    path = prebuilt.ensure(kind, settings.models_dir, log=_progress)
+    return _say(kind.label, path)
 
 
 def _build_real(source: Path | None, settings: Settings) -> int:
@@ -62,8 +62,19 @@ def _build_real(source: Path | None, settings: Settings) -> int:
     except ImportError as exc:  # no torch/transformers: the train extra is missing
         return fail(f"converting a model needs the train extra ({exc.name} is missing)")
     try:
-        path = pretrained.ensure(settings.models_dir, source=source)
+        path = pretrained.ensure(settings.models_dir, source=source, log=_progress)
     except pretrained.PretrainedUnavailable as exc:
         return fail(str(exc))
-    print(f"{pretrained.LABEL} at {path}")
+    return _say(pretrained.LABEL, path)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _say(label: str, path: Path) -> int:
+    """The folder alone on stdout, as `--model "$(rollout-lens build-model)"` takes it; what it
+    holds on stderr."""
+    print(f"{label} at:", file=sys.stderr)
+    print(path)
     return 0

@@ -114,6 +114,17 @@ def test_runs_on_an_unmigrated_database_says_how_to_fix(
     assert status == 0 and "no runs yet" in out
 
 
+def test_build_model_prints_the_folder_alone(
+    cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--model "$(rollout-lens build-model)"`: stdout is the model's folder, nothing else."""
+    pytest.importorskip("transformers")
+    status, out, err = _main(["build-model"], cli_env, monkeypatch, capsys)
+    assert status == 0 and "tiny model" in err
+    folder = Path(out.removesuffix("\n"))
+    assert out.count("\n") == 1 and (folder / "config.json").is_file()
+
+
 def test_bad_setting_is_reported(
     cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
