@@ -7,7 +7,9 @@ train(); the callback added with nothing else (its own SQLite file). Each pair r
 (plain first in even pairs, the callback first in odd ones); a pair's ratio is the callback's
 median step over the plain one's, and the figure is the median of the pairs' ratios (their
 spread beside it); beside it the training process's CPU a step, every thread counted (not the
-writer's child process), which other load on the machine sways less than wall time. `--thread`
+writer's child process), which other load on the machine sways less than wall time, and the
+training thread's alone. A step is timed from its start to the next one's: the callbacks'
+on_step_end and on_log after it are the user's time too. `--thread`
 adds a third arm to each pair: the callback writing from a thread of the training process
 (ROLLOUT_LENS_WRITER_PROCESS=false), as it did before the writer's child process. `--profile`
 runs one more pair with the training thread under cProfile (its timed steps) and prints both
@@ -60,11 +62,13 @@ def one_run(
     profiler: cProfile.Profile | None = None,
     cpu: list[float] | None = None,
     writer_process: bool = True,
+    own: list[float] | None = None,
 ) -> list[float]:
     """Step times (seconds, after WARMUP) of one plain GRPO run; recorded when `database_url`;
     the timed steps under `profiler` when given (the thread that trains); each timed step's
-    CPU seconds (the whole process's) appended to `cpu`; `writer_process` False: the writer
-    in a thread of this process (ROLLOUT_LENS_WRITER_PROCESS=false)."""
+    CPU seconds (the whole process's) appended to `cpu`, the training thread's to `own`;
+    `writer_process` False: the writer in a thread of this process
+    (ROLLOUT_LENS_WRITER_PROCESS=false)."""
     cpu = cpu if cpu is not None else []
     from datasets import Dataset
     from transformers import (
@@ -118,27 +122,34 @@ def one_run(
     if profiler is not None:
         profiler.disable()
     cpu.extend(timer.cpu[WARMUP:])
+    if own is not None:
+        own.extend(timer.own[WARMUP:])
     return timer.times[WARMUP:]
 
 
 def _step_timer(base: type, profiler: cProfile.Profile | None) -> Any:
-    """A TrainerCallback (`base`) timing each step, wall and the process's CPU; `profiler`
-    enabled from the first timed step."""
+    """A TrainerCallback (`base`) timing each step from its start to the next one's, wall, the
+    process's CPU and the training thread's: everything a step costs the user, the callbacks'
+    on_step_end and on_log after it included (listed first, the timer's own on_step_end would
+    come before the recorder's); `profiler` enabled from the first timed step."""
 
     class StepTimer(base):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
             self.times: list[float] = []
             self.cpu: list[float] = []  # the process's CPU, every thread (the writer's too)
-            self._t = self._cpu = 0.0
+            self.own: list[float] = []  # the training thread's CPU (callbacks run on it)
+            self._marks: tuple[float, float, float] | None = None
 
         def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            marks = (time.perf_counter(), time.process_time(), time.thread_time())
+            if self._marks is not None:
+                wall, cpu, own = (now - then for now, then in zip(marks, self._marks, strict=True))
+                self.times.append(wall)
+                self.cpu.append(cpu)
+                self.own.append(own)
             if profiler is not None and state.global_step == WARMUP:
                 profiler.enable()
-            self._t, self._cpu = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-            self.times.append(time.perf_counter() - self._t)
-            self.cpu.append(time.process_time() - self._cpu)
+            self._marks = marks
 
     return StepTimer()
 
@@ -202,6 +213,7 @@ def _pairs(args: argparse.Namespace, model_path: str, tmp: Path) -> None:
     ratios: dict[str, list[float]] = {arm: [] for arm in recorded}
     medians: dict[str, list[float]] = {"plain": [], **{arm: [] for arm in recorded}}
     cpu: dict[str, list[float]] = {"plain": [], **{arm: [] for arm in recorded}}
+    own: dict[str, list[float]] = {"plain": [], **{arm: [] for arm in recorded}}
     for pair in range(args.pairs):
         arms = ["plain", *recorded]
         got: dict[str, float] = {}
@@ -212,6 +224,7 @@ def _pairs(args: argparse.Namespace, model_path: str, tmp: Path) -> None:
                 args.steps,
                 None if arm == "plain" else f"sqlite:///{tmp / f'{arm}-{pair}.db'}",
                 cpu=cpu[arm],
+                own=own[arm],
                 writer_process=arm != "thread",
             )
             got[arm] = statistics.median(times)
@@ -245,6 +258,12 @@ def _pairs(args: argparse.Namespace, model_path: str, tmp: Path) -> None:
         "CPU a step, the training process (its threads; not the writer's child process): "
         + ", ".join(
             f"{arm} {statistics.median(cpu[arm]) * 1e3:.1f} ms" for arm in ["plain", *recorded]
+        )
+    )
+    print(
+        "CPU a step, the training thread alone (what the callback does on it, no GIL waits): "
+        + ", ".join(
+            f"{arm} {statistics.median(own[arm]) * 1e3:.1f} ms" for arm in ["plain", *recorded]
         )
     )
 

@@ -27,6 +27,7 @@ def test_the_user_script_bench_runs_its_three_arms(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "ratio callback/plain: median of pairs" in out
     assert "ratio thread/plain: median of pairs" in out and "target ≤ 1.05" in out
+    assert "CPU a step, the training thread alone" in out
 
 
 def test_a_shape_names_rollouts_tokens_and_vocabulary() -> None:
