@@ -102,8 +102,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.definition.add_marker(pytest.mark.parametrize("engine", ["sqlite"], indirect=True))
 
 
-# The files that take longest, whatever their count of tests (a served subprocess, a real TRL
-# run, a real tokenizer, hundreds of recorded steps, hypothesis passes), longest first: under
+# The files that take longest, whatever their count of tests (a served subprocess, a real
+# tokenizer, hundreds of recorded steps, hypothesis passes), longest first: under
 # pytest-xdist (`--dist loadfile --no-loadscope-reorder`, the Makefile's) each process takes the
 # next file when it is done with one, so these start first and the last files are short ones.
 # xdist's own order (its default --loadscope-reorder) is by count of tests alone, which left
@@ -112,7 +112,6 @@ LONG_FILES = (
     "web/test_web_serve.py",
     "store/test_verl_import.py",
     "store/test_recording.py",
-    "store/test_trl_import.py",
     "store/test_tokentext_tokenizers.py",
     "store/test_wire_values.py",
     "web/test_web_pages.py",

@@ -1,4 +1,5 @@
-"""`import-trl`: a run from the completions parquet files a real TRL GRPOTrainer wrote."""
+"""`import-trl`: a run from the completions parquet files a real TRL GRPOTrainer wrote (trained
+here: this layer's), on both databases as the store layer's tests are."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from tests import user_script as us
 from tests.prompt_lens_support import assert_matches_oracle
 
+pytestmark = pytest.mark.slow
+
 REWARDS = ["says_the_color", "is_short"]
+# The trainer layer runs on SQLite alone unless a test names the databases (tests/conftest.py).
+BOTH_DATABASES = pytest.mark.parametrize(
+    "engine", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +73,7 @@ def _runs(factory: sessionmaker[Session]) -> int:
         return int(session.scalar(select(func.count()).select_from(RunRow)) or 0)
 
 
+@BOTH_DATABASES
 def test_a_real_trl_run_becomes_a_run(
     session_factory: sessionmaker[Session], trl_output: Path
 ) -> None:
@@ -116,6 +124,7 @@ def test_a_real_trl_run_becomes_a_run(
     assert len(lens) == len({r["prompt"] for r in rollouts})
 
 
+@BOTH_DATABASES
 def test_num_generations_can_be_given_and_must_fit(
     session_factory: sessionmaker[Session], trl_output: Path
 ) -> None:
@@ -134,6 +143,7 @@ def _copy(trl_output: Path, into: Path) -> Path:
     return into
 
 
+@BOTH_DATABASES
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
@@ -185,6 +195,7 @@ def test_the_cli_imports_a_trl_output_dir(
     assert "no completions/completions_NNNNN.parquet files" in capsys.readouterr().err
 
 
+@BOTH_DATABASES
 def test_the_imported_run_shows_in_the_dashboard(
     session_factory: sessionmaker[Session], trl_output: Path
 ) -> None:
@@ -202,6 +213,7 @@ def test_the_imported_run_shows_in_the_dashboard(
     assert set(series["series"]) >= {f"rewards/{name}/mean" for name in REWARDS}
 
 
+@BOTH_DATABASES
 def test_follow_a_trl_output_dir_while_it_is_written(
     session_factory: sessionmaker[Session],
     trl_output: Path,
