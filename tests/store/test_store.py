@@ -71,6 +71,9 @@ def test_reused_generation_points_at_its_rollouts(session_factory) -> None:
     with session_scope(session_factory) as session:
         rows = store.step_rollouts(session, run_id=run_id, step=2)
         assert len(rows) == 8 and {r.step for r, _ in rows} == {1}
+        # streamed a batch at a time (the API's rollouts.jsonl): the same rollouts, in order
+        streamed = list(store.iter_rollouts(session, run_id=run_id, step=2, batch=3))
+        assert [(r.id, p) for r, p in streamed] == [(r.id, p) for r, p in rows]
 
 
 def test_one_step_is_one_transaction(session_factory) -> None:
