@@ -299,7 +299,7 @@ def test_database_down_at_start_and_mid_run(
 
 @_CUT_CONNECTIONS
 @pytest.mark.postgres
-# With the writer in a child process too (ROLLOUT_LENS_WRITER_PROCESS, off by default).
+# In both of the writer's places: a thread of the training process, and its child (the default).
 @pytest.mark.parametrize("process", [False, True], ids=["thread", "child"])
 def test_bounded_buffer_drops_rollouts_first_and_counts_them(
     user_model_dir: Path,
