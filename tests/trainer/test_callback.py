@@ -25,6 +25,7 @@ from bench.tcp_proxy import TcpProxy
 from tests import user_script as us
 from tests.factories import load_run
 from tests.prompt_lens_support import assert_lens_matches
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -204,14 +205,6 @@ class _Outage(TrainerCallback):
         self.written_before_down: list[int] = []
         self.before_back: Callable[[], bool] = lambda: True  # what must be true before the end
 
-    @staticmethod
-    def _wait(until: Callable[[], bool]) -> None:
-        import time
-
-        deadline = time.monotonic() + 60
-        while not until() and time.monotonic() < deadline:
-            time.sleep(0.05)
-
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if state.global_step in self.up_at:
             self.proxy.start()
@@ -221,7 +214,7 @@ class _Outage(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if not self.proxy.up:
-            self._wait(self.before_back)
+            until(self.before_back, "every step handed over to wait in the budget", timeout=60)
             self.proxy.start()
 
     def _wait_for_steps(self) -> list[int]:
