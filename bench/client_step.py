@@ -27,12 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rollout_lens.server import store
-from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
-from rollout_lens.server.store.migrate import upgrade
-from rollout_lens.server.store.models import RunSource, RunStatus
 
 from bench.load import serving
+from bench.scale import open_database
 from bench.scale_data import ScaleRun, Shape
 from rollout_lens import Client
 from rollout_lens.client import ROLLOUT_KEYS
@@ -41,30 +38,12 @@ ALL_TOKENS = 2**31 - 1
 
 
 def record(url: str, shape: Shape) -> int:
-    """A run of one recorded step of `shape`; its id."""
+    """A run of one step of `shape`, written as the scale bench writes its steps; its id."""
     run = ScaleRun(shape)
-    engine = make_engine(url)
-    upgrade(engine)
-    factory = make_session_factory(engine)
-    with session_scope(factory) as session:
-        run_id = store.create_run(
-            session,
-            name="client bench",
-            model="Qwen/Qwen3-8B",
-            total_steps=1,
-            group_size=shape.group_size,
-            prompts_per_step=shape.groups,
-            config={},
-            control_tokens=run.control_tokens,
-            status=RunStatus.running,
-            source=RunSource.callback,
-        ).id
-    with session_scope(factory) as session:
-        store.record_step(
-            session, run_id=run_id, record=run.step(1), control_tokens=run.control_tokens
-        )
-    engine.dispose()
-    return run_id
+    database = open_database("SQLite", url, run, total_steps=1)
+    database.write(run.step(1))
+    database.engine.dispose()
+    return database.run_id
 
 
 class Counted:
