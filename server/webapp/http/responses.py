@@ -18,6 +18,19 @@ from rollout_lens.server.webapp.http.cache import ResponseCache
 from rollout_lens.server.webapp.pages import page_context
 from sqlalchemy.orm import Session
 
+JSON_LINES = "application/x-ndjson"  # a streamed answer of one JSON object a line
+
+
+def json_lines(each: str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of a route answering JSON Lines, one line `each`."""
+    schema = {"type": "string", "description": "a JSON object a line"}
+    return {
+        200: {
+            "description": f"JSON Lines: a line {each}",
+            "content": {JSON_LINES: {"schema": schema}},
+        }
+    }
+
 
 def encode(content: Any) -> bytes:
     """Compact JSON; NaN and infinities (which JSON lacks) become null."""

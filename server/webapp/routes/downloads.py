@@ -14,7 +14,7 @@ from rollout_lens.server.store.serialize import rollout_dict
 from rollout_lens.server.webapp import queries
 from rollout_lens.server.webapp.http.deps import SessionDep
 from rollout_lens.server.webapp.http.params import RunId, StepNo
-from rollout_lens.server.webapp.http.responses import encode
+from rollout_lens.server.webapp.http.responses import JSON_LINES, encode, json_lines
 from sqlalchemy.orm import Session, sessionmaker
 
 router = APIRouter(prefix="/api", tags=["export"])
@@ -60,16 +60,7 @@ def _chunks(factory: sessionmaker[Session], run_id: int, fmt: str, what: str) ->
     name="step_rollouts",
     response_class=StreamingResponse,
     summary="Get every rollout of a step, with every array",
-    responses={
-        200: {
-            "description": "JSON Lines: a rollout a line, in group and index order",
-            "content": {
-                "application/x-ndjson": {
-                    "schema": {"type": "string", "description": "a JSON object a line"}
-                }
-            },
-        }
-    },
+    responses=json_lines("a rollout, in group and index order"),
 )
 def step_rollouts(
     request: Request, session: SessionDep, run_id: RunId, step: StepNo
@@ -81,7 +72,7 @@ def step_rollouts(
     queries.step_head(session, run_id=run_id, step=step)  # a 404 (the nearest step) now
     return StreamingResponse(
         _step_lines(request.app.state.session_factory, run_id, step),
-        media_type="application/x-ndjson",
+        media_type=JSON_LINES,
     )
 
 

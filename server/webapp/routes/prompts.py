@@ -13,7 +13,7 @@ from rollout_lens.server.webapp import queries
 from rollout_lens.server.webapp.http import api_models
 from rollout_lens.server.webapp.http.deps import SessionDep
 from rollout_lens.server.webapp.http.params import RunId, run_ids
-from rollout_lens.server.webapp.http.responses import DataResponse, encode
+from rollout_lens.server.webapp.http.responses import JSON_LINES, DataResponse, encode, json_lines
 from rollout_lens.server.webapp.queries import prompts as lens
 from rollout_lens.server.webapp.queries.prompt_rollouts import MAX_ROLLOUTS
 from sqlalchemy.orm import Session, sessionmaker
@@ -65,16 +65,7 @@ def prompts_heatmap(
     name="export_prompts",
     response_class=StreamingResponse,
     summary="Export a run's prompts as a dataset",
-    responses={
-        200: {
-            "description": "JSON Lines: a line a prompt",
-            "content": {
-                "application/x-ndjson": {
-                    "schema": {"type": "string", "description": "a JSON object a line"}
-                }
-            },
-        }
-    },
+    responses=json_lines("a prompt"),
 )
 def export_prompts(
     request: Request,
@@ -90,7 +81,7 @@ def export_prompts(
     look = f"-{query.look}" if query.look else ""
     return StreamingResponse(
         _lines(request.app.state.session_factory, run_id, query),
-        media_type="application/x-ndjson",
+        media_type=JSON_LINES,
         headers={"Content-Disposition": f'attachment; filename="run-{run_id}-prompts{look}.jsonl"'},
     )
 
