@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -104,16 +104,21 @@ def _jsonl_run(session: Session, run: RunRow) -> Iterator[str]:
 
 def _text_chunks(lines: Iterator[str]) -> Iterator[bytes]:
     """Join lines into chunks of about CHUNK_BYTES, UTF-8 encoded."""
-    buffer: list[str] = []
+    return byte_chunks(line.encode("utf-8") for line in lines)
+
+
+def byte_chunks(lines: Iterable[bytes]) -> Iterator[bytes]:
+    """Join encoded lines into chunks of about CHUNK_BYTES (a streamed answer's pieces)."""
+    buffer: list[bytes] = []
     size = 0
     for line in lines:
         buffer.append(line)
         size += len(line)
         if size >= CHUNK_BYTES:
-            yield "".join(buffer).encode("utf-8")
+            yield b"".join(buffer)
             buffer, size = [], 0
     if buffer:
-        yield "".join(buffer).encode("utf-8")
+        yield b"".join(buffer)
 
 
 class _Drain(io.RawIOBase):

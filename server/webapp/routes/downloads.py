@@ -77,18 +77,11 @@ def step_rollouts(
 
 
 def _step_lines(factory: sessionmaker[Session], run_id: int, step: int) -> Iterator[bytes]:
-    """A step's rollouts as JSON Lines, about export.CHUNK_BYTES a chunk."""
+    """A step's rollouts as JSON Lines, in the export's chunks."""
     with factory() as session:
         tokens = list(store.get_run(session, run_id=run_id).control_tokens)
         texts = store.token_texts(session, run_id=run_id)
-        chunk: list[bytes] = []
-        size = 0
-        for row, prompt in store.iter_rollouts(session, run_id=run_id, step=step):
-            line = encode(rollout_dict(row, prompt, tokens, texts)) + b"\n"
-            chunk.append(line)
-            size += len(line)
-            if size >= export.CHUNK_BYTES:
-                yield b"".join(chunk)
-                chunk, size = [], 0
-        if chunk:
-            yield b"".join(chunk)
+        rows = store.iter_rollouts(session, run_id=run_id, step=step)
+        yield from export.byte_chunks(
+            encode(rollout_dict(row, prompt, tokens, texts)) + b"\n" for row, prompt in rows
+        )
