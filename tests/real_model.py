@@ -6,6 +6,10 @@ install, when something is missing."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,8 +36,8 @@ COMPLETIONS = [
 
 
 def real_tokenizer() -> Any:
-    """The real model's tokenizer read from its GGUF file (a few seconds), or a skip that says
-    what to install."""
+    """The real model's tokenizer read from its GGUF file (kept in the model cache once read),
+    or a skip that says what to install."""
     for module in ("transformers", "gguf"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(
@@ -47,7 +51,26 @@ def real_tokenizer() -> Any:
         pytest.skip(str(exc))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
+    if not cache:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # Read from the GGUF file once (5-10 s: it rebuilds the tokenizer from the file's
+    # vocabulary and merges), kept as the tokenizer's own files beside the cached models
+    # (under a second to read back), named by the GGUF file it came from.
+    stat = path.stat()
+    saved = Path(cache) / f"smollm2-tokenizer-{stat.st_size}-{stat.st_mtime_ns}"
+    if not (saved / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".smollm2-tokenizer-", dir=saved.parent))
+        tokenizer.save_pretrained(scratch)
+        try:
+            scratch.rename(saved)  # whole or not at all; another process may have won
+        except OSError:
+            shutil.rmtree(scratch, ignore_errors=True)
+            if not (saved / "tokenizer.json").is_file():
+                raise
+    return AutoTokenizer.from_pretrained(str(saved))
 
 
 def real_rollouts(real: Any) -> list[RolloutRecord]:
