@@ -314,18 +314,20 @@ class RunTokens:
         inside = (ids >= 0) & (ids < len(known))
         held = inside & known[np.where(inside, ids, 0)]
         pieces = self._texts[np.where(held, ids, 0)].tolist()
-        missing = np.cumsum(~held).tolist()  # ids not held, up to each position
+        # ids not held in each rollout: the running count, read at the rollouts' bounds
+        bounds = np.cumsum([0, *map(len, rows)])
+        running = np.concatenate(([0], np.cumsum(~held)))
+        missing = (running[bounds[1:]] - running[bounds[:-1]]).tolist()
         out: list[int | None] = []
-        start = 0
-        for r, row in zip(rollouts, rows, strict=True):
-            end = start + len(row)
+        for r, row, start, end, unheld in zip(
+            rollouts, rows, bounds[:-1].tolist(), bounds[1:].tolist(), missing, strict=True
+        ):
             if start == end:
                 out.append(None)
-            elif missing[end - 1] - (missing[start - 1] if start else 0):
+            elif unheld:
                 out.append(arrays.text_rule(r.completion, row, self.texts))
             else:
                 out.append(arrays.pieces_rule(r.completion, pieces[start:end]))
-            start = end
         return out
 
 
