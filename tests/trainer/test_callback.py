@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from rollout_lens.server.core.config import Settings
 from sqlalchemy.engine import make_url
-from transformers import TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 
 from bench.tcp_proxy import TcpProxy
 from tests import user_script as us
@@ -149,8 +149,11 @@ def test_one_line_records_every_rollout_once(user_model_dir: Path, tmp_path: Pat
     # logging_steps=2: TRL's loss lands on the steps it was logged at, nothing is lost between
     assert [s.loss is not None for s in steps] == [False, True] * 3
     assert [step for step, _ in series["trl/reward"]] == [2, 4, 6]
+    tokenizer = AutoTokenizer.from_pretrained(user_model_dir)
     for r in rows:
         n = len(r["completion_ids"])
+        # each token's piece as the tokenizer names it (read from the preparer's table of pieces)
+        assert r["token_pieces"] == tokenizer.convert_ids_to_tokens(r["completion_ids"])
         assert r["prompt"].startswith("<|im_start|>user\nsay the color")  # chat template applied
         assert len(r["token_logprobs"]) == n and all(lp <= 0 for lp in r["token_logprobs"])
         assert r["sum_logprob"] == pytest.approx(
