@@ -99,6 +99,22 @@ def test_tags_are_placed_on_the_tokens_that_spell_them(
             assert [ids[p] for p in marks.eots] == [tokenizer.convert_tokens_to_ids(eot)]
 
 
+def test_ids_past_the_table_lay_out_as_the_tables_do(
+    byte_level: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bytes of ids the table cannot hold (negative, huge) are found one by one: the same
+    layout as the table's."""
+    lines = [_ids(byte_level, line) for line in TEXT]
+    texts = [byte_level.decode(ids, skip_special_tokens=False) for ids in lines]
+    table = tags.TokenBytes(byte_level)
+    laid = [table.layout(ids, text) for ids, text in zip(lines, texts, strict=True)]
+    monkeypatch.setattr(tags, "MAX_TABLE_IDS", 0)
+    apart = tags.TokenBytes(byte_level)
+    for (data, ends), ids, text in zip(laid, lines, texts, strict=True):  # type: ignore[misc]
+        again = apart.layout(ids, text)
+        assert again is not None and again[0] == data and again[1].tolist() == ends.tolist()
+
+
 def test_a_tokens_bytes_that_do_not_give_the_text_back_place_nothing(byte_level: Any) -> None:
     ids = _ids(byte_level, TEXT[0])
     assert tags.TokenBytes(byte_level).layout(ids, "something else") is None

@@ -112,6 +112,9 @@ def _decoder_kinds(tokenizer: Any) -> set[str]:
     return {k for k in ("ByteLevel", "Metaspace", "Replace") if k in text}
 
 
+MAX_TABLE_IDS = 1 << 22  # TokenBytes' table holds ids below this (a vocabulary is far smaller)
+
+
 class TokenBytes:
     """The bytes each token id of one tokenizer contributes to its decoded text, by the
     tokenizer's decoder (server.core.tokentext's rules, as the pages read the stored pieces)."""
@@ -126,12 +129,18 @@ class TokenBytes:
         else:
             self.rule = tokentext.JOIN
         self.added = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
-        self._bytes: dict[int, bytes] = {}
+        # by id: whether its bytes are known, its bytes and their length (grown as ids come):
+        # a completion's layout is then a look-up of its ids, not a Python call a token
+        self._known = np.zeros(0, dtype=bool)
+        self._bytes = np.empty(0, dtype=object)
+        self._lengths = np.zeros(0, dtype=np.int64)
+        self._other: dict[int, bytes] = {}  # negative or huge ids, as they come
 
-    def of(self, token_id: int) -> bytes:
-        found = self._bytes.get(token_id)
+    def _of(self, token_id: int) -> bytes:
+        """One id's bytes, kept apart from the table (an id it cannot hold)."""
+        found = self._other.get(token_id)
         if found is None:
-            found = self._bytes[token_id] = self._compute(token_id)
+            found = self._other[token_id] = self._compute(token_id)
         return found
 
     def _compute(self, token_id: int) -> bytes:
@@ -140,13 +149,42 @@ class TokenBytes:
             return piece.encode("utf-8", "surrogatepass")
         return tokentext.piece_bytes(piece, self.rule)
 
+    def _table(self, ids: np.ndarray) -> bool:
+        """Learn the bytes of `ids` not known yet; False where an id cannot be held (negative,
+        or past MAX_TABLE_IDS)."""
+        if not len(ids):
+            return True
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= MAX_TABLE_IDS:
+            return False
+        if high >= len(self._known):
+            size = max(high + 1, 2 * len(self._known), 1 << 16)
+            known, table, lengths = (
+                np.zeros(size, dtype=bool),
+                np.empty(size, dtype=object),
+                np.zeros(size, dtype=np.int64),
+            )
+            n = len(self._known)
+            known[:n], table[:n], lengths[:n] = self._known, self._bytes, self._lengths
+            self._known, self._bytes, self._lengths = known, table, lengths
+        for token_id in np.unique(ids[~self._known[ids]]).tolist():
+            found = self._compute(token_id)
+            self._bytes[token_id], self._lengths[token_id] = found, len(found)
+            self._known[token_id] = True
+        return True
+
     def layout(self, ids: Sequence[int], text: str) -> tuple[bytes, np.ndarray] | None:
         """The bytes the tokens make and each token's end in them, when they give `text` back
         (its decoded text, special tokens kept); None when they do not (then no position can
         be trusted). A leading space that decoding strips (SentencePiece) is left out."""
-        pieces = [self.of(int(i)) for i in ids]
-        joined = b"".join(pieces)
-        ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
+        found = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if self._table(found):
+            joined = b"".join(self._bytes[found].tolist())
+            ends = np.cumsum(self._lengths[found])
+        else:
+            pieces = [self._of(i) for i in found.tolist()]
+            joined = b"".join(pieces)
+            ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
         if joined.startswith(b" ") and not text.startswith(" "):
             joined, ends = joined[1:], np.maximum(ends - 1, 0)
         if joined.decode("utf-8", "replace") != text:
