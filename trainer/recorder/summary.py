@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from rollout_lens.server.core import vocab
 from rollout_lens.server.core.records import RolloutRecord
 from rollout_lens.trainer.recorder import metrics as m
@@ -89,22 +90,25 @@ def summarize(
 def _control_series(
     rollouts: Sequence[RolloutRecord], control_tokens: Sequence[str]
 ) -> dict[str, float | None]:
-    """Each control token's mean and max probability over the positions the model sampled."""
+    """Each control token's mean and max probability over the positions the model sampled
+    (tool-calling rollouts: only the positions the model sampled; tool results hold 0.0): one
+    numpy pass a token over the step's columns, not a Python float a position."""
+    columns: dict[str, list[np.ndarray]] = {token: [] for token in control_tokens}
+    for r in rollouts:
+        probs = r.control_probs
+        array = probs.array
+        keep = turns.model_positions(r.meta, len(r.completion_ids))
+        if keep is not None:
+            n = min(len(array), len(keep))
+            array = array[:n][np.asarray(keep[:n], dtype=bool)]
+        for token in control_tokens:
+            if token in probs.tokens:
+                columns[token].append(array[:, probs.tokens.index(token)])
     series: dict[str, float | None] = {}
-    # tool-calling rollouts: only the positions the model sampled (tool results hold 0.0)
-    sampled = [turns.model_positions(r.meta, len(r.completion_ids)) for r in rollouts]
     for token in control_tokens:
-        probs = [
-            p
-            for r, keep in zip(rollouts, sampled, strict=True)
-            for p in (
-                r.control_probs.get(token, [])
-                if keep is None
-                else [p for p, k in zip(r.control_probs.get(token, []), keep, strict=False) if k]
-            )
-        ]
-        series[vocab.ctrl(token, "mean")] = m.mean(probs)
-        series[vocab.ctrl(token, "max")] = max(probs) if probs else None
+        values = np.concatenate(columns[token]) if columns[token] else np.zeros(0)
+        series[vocab.ctrl(token, "mean")] = float(values.mean()) if len(values) else None
+        series[vocab.ctrl(token, "max")] = float(values.max()) if len(values) else None
     return series
 
 
