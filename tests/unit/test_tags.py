@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from rollout_lens.trainer.recorder import positional, tags
 
@@ -113,6 +114,19 @@ def test_ids_past_the_table_lay_out_as_the_tables_do(
     for (data, ends), ids, text in zip(laid, lines, texts, strict=True):  # type: ignore[misc]
         again = apart.layout(ids, text)
         assert again is not None and again[0] == data and again[1].tolist() == ends.tolist()
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_token_pieces_are_the_tokenizers_own(kind: str, request: pytest.FixtureRequest) -> None:
+    """The table's pieces are convert_ids_to_tokens's; an id past the table is converted."""
+    tokenizer = request.getfixturevalue(kind)
+    pieces = tags.TokenPieces(tokenizer)
+    for line in TEXT:
+        ids = _ids(tokenizer, line)
+        assert pieces.of(np.asarray(ids), ids) == tokenizer.convert_ids_to_tokens(ids)
+    past = [*_ids(tokenizer, TEXT[0]), len(tokenizer) + 7]
+    assert pieces.of(np.asarray(past), past) == tokenizer.convert_ids_to_tokens(past)
+    assert pieces.of(np.zeros(0, dtype=np.int64), []) == []
 
 
 def test_a_tokens_bytes_that_do_not_give_the_text_back_place_nothing(byte_level: Any) -> None:

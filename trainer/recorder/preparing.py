@@ -14,7 +14,6 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-import numpy as np
 from rollout_lens.server.core import mismatch, tokentext, vocab
 from rollout_lens.server.core.records import RolloutRecord, StepRecord
 from rollout_lens.trainer.recorder import positional, tags, turns
@@ -58,10 +57,7 @@ class StepPreparer:
         self.watched = watched  # the id-position probe's tokens
         self.eot = next((t for t in end_tokens if t in control_tokens), None)  # end of turn
         self._prompt_text: dict[str, str] = {}
-        # convert_ids_to_tokens of every id the tokenizer has, made on the first step: a step's
-        # pieces are then one look-up of its ids (convert_ids_to_tokens is a Python loop, about
-        # 1 µs a token: 0.5 s of the writer's thread, holding the GIL, at 512 × 1,000 tokens)
-        self._pieces: tuple[Any, np.ndarray] | None = None
+        self.token_pieces = tags.TokenPieces(tokenizer_of(trainer))
         # (rollout step, values, series) of the last generation: a step that reuses it
         # (num_iterations > 1) shows the same rollout-derived values, never its logged ones.
         self._last_summary: tuple[int, dict[str, float | None], dict[str, float | None]] | None = (
@@ -133,7 +129,7 @@ class StepPreparer:
                 truncated=truncated,
             )
         )
-        tokens = self._token_pieces(tokenizer, record.completion_ids, ids)
+        tokens = self.token_pieces.of(record.completion_ids, ids)
         meta = _meta(sample, names, truncated, judgement)
         vote, format_state, probes = self._structure(
             sample, ids, tokens, text, meta, judgement, tokenizer
@@ -160,23 +156,6 @@ class StepPreparer:
         record.meta = meta
         record.tokens = tokens
         return record
-
-    def _token_pieces(self, tokenizer: Any, found: np.ndarray, ids: list[int]) -> list[str]:
-        """convert_ids_to_tokens(ids) (`found`: the same ids as an array), read from the table of
-        every id's piece; an id past the table (a model whose embeddings outnumber its
-        tokenizer's ids) is converted as before."""
-        if self._pieces is None or self._pieces[0] is not tokenizer:
-            try:
-                every = list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-            except TypeError:  # no len(): every step converted as it comes
-                every = []
-            table = np.empty(len(every), dtype=object)
-            table[:] = every
-            self._pieces = (tokenizer, table)
-        table = self._pieces[1]
-        if len(found) and (int(found.min()) < 0 or int(found.max()) >= len(table)):
-            return list(tokenizer.convert_ids_to_tokens(ids))
-        return list(table[found].tolist())
 
     def _structure(
         self,
