@@ -138,7 +138,7 @@ class TokenPieces:
         return list(table[found].tolist())
 
 
-MAX_TABLE_IDS = 1 << 22  # TokenBytes' table holds ids below this (a vocabulary is far smaller)
+MAX_TABLE_IDS = 1 << 20  # TokenBytes' table holds ids below this (vocabularies are a few 100,000)
 
 
 class TokenBytes:
