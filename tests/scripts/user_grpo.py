@@ -111,9 +111,9 @@ trainer.train(resume_from_checkpoint=True if args.resume else None)
 # As a distributed script should: let go of the trainer (its DDP model holds the process group)
 # and end the process group before the interpreter exits. Left to the exit, gloo's threads are
 # torn down under a rank that then aborts in C++ after its last line ("terminate called without
-# an active exception", SIGABRT, no Python frame), after every step was recorded: 4 of 40 runs
+# an active exception", SIGABRT, no Python frame), after every step was recorded: 6 of 40 runs
 # of test_accelerate_two_processes_recorded_once_by_the_main_one with destroy_process_group
-# alone (1 of 20 on the code before 6 Dec 2026's changes), 0 of 44 with the trainer let go first.
+# alone (1 of 28 on the code before 6 Dec 2026's changes), 0 of 64 with the trainer let go first.
 trainer = recorder = None  # type: ignore[assignment]
 gc.collect()
 if torch.distributed.is_available() and torch.distributed.is_initialized():
