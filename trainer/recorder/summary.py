@@ -100,7 +100,7 @@ def _control_series(
         keep = turns.model_positions(r.meta, len(r.completion_ids))
         if keep is not None:
             n = min(len(array), len(keep))
-            array = array[:n][np.asarray(keep[:n], dtype=bool)]
+            array = array[:n][keep[:n]]
         for token in control_tokens:
             if token in probs.tokens:
                 columns[token].append(array[:, probs.tokens.index(token)])

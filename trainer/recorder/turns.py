@@ -122,16 +122,16 @@ def _place(
     return out
 
 
-def model_positions(meta: Mapping[str, Any], n: int) -> list[bool] | None:
-    """Per completion position, whether the model sampled it (None: no turns recorded)."""
+def model_positions(meta: Mapping[str, Any], n: int) -> np.ndarray | None:
+    """Per completion position, whether the model sampled it (None: no turns recorded): a
+    boolean mask, a slice a model turn."""
     turns = meta.get("turns")
     if not isinstance(turns, list):
         return None
-    sampled = [False] * n
+    sampled = np.zeros(n, dtype=bool)
     for turn in turns:
         if turn.get("role") == "model":
-            for i in range(max(0, int(turn["start"])), min(n, int(turn["end"]))):
-                sampled[i] = True
+            sampled[max(0, int(turn["start"])) : max(0, min(n, int(turn["end"])))] = True
     return sampled
 
 
