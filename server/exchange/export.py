@@ -19,7 +19,7 @@ from rollout_lens.server import store
 from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.step_views import json_types
-from rollout_lens.server.core.textsafe import csv_cell
+from rollout_lens.server.core.textsafe import csv_cell, storable
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.exchange.schema import (
     META_RUN,
@@ -104,7 +104,16 @@ def _jsonl_run(session: Session, run: RunRow) -> Iterator[str]:
 
 def _text_chunks(lines: Iterator[str]) -> Iterator[bytes]:
     """Join lines into chunks of about CHUNK_BYTES, UTF-8 encoded."""
-    return byte_chunks(line.encode("utf-8") for line in lines)
+    return byte_chunks(_utf8(line) for line in lines)
+
+
+def _utf8(line: str) -> bytes:
+    """A line in UTF-8; a lone surrogate (in text stored before server.core.textsafe cleaned
+    writes) as U+FFFD, as the pages and the API show it."""
+    try:
+        return line.encode("utf-8")
+    except UnicodeEncodeError:
+        return storable(line).encode("utf-8")
 
 
 def byte_chunks(lines: Iterable[bytes]) -> Iterator[bytes]:
@@ -206,7 +215,8 @@ def _parquet_run(session: Session, run: RunRow) -> Iterator[bytes]:
         dumps(step_record(step, metrics)) + "\n"
         for step, metrics in store.iter_steps(session, run_id=run.id, page=STEP_PAGE)
     )
-    schema = rollout_schema().with_metadata({META_RUN: dumps(run_record(run)), META_STEPS: steps})
+    header = {META_RUN: storable(dumps(run_record(run))), META_STEPS: storable(steps)}
+    schema = rollout_schema().with_metadata(header)
     sink = _Drain()
     writer = pq.ParquetWriter(pa.PythonFile(sink, mode="w"), schema)
     columns: dict[str, list[Any]] = {name: [] for name in schema.names}
@@ -219,7 +229,9 @@ def _parquet_run(session: Session, run: RunRow) -> Iterator[bytes]:
             row["control_probs"] = [by_token[t] for t in tokens]
             row["meta"] = json.dumps(row["meta"], ensure_ascii=False)
             for name, value in row.items():
-                columns[name].append(value)
+                # text stored before textsafe cleaned writes may hold a lone surrogate, which
+                # Arrow's UTF-8 refuses: U+FFFD, as the pages show it (the same str when clean)
+                columns[name].append(storable(value) if isinstance(value, str) else value)
             if len(columns["run_id"]) >= ROW_GROUP:
                 writer.write_table(pa.table(columns, schema=schema))
                 columns = {name: [] for name in schema.names}

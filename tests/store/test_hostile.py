@@ -5,12 +5,16 @@ tests/browser/test_browser_hostile.py)."""
 
 from __future__ import annotations
 
+import io
+import json
 import random
 
+import pyarrow.parquet as pq
 from fastapi.testclient import TestClient
 from rollout_lens.server import store
 from rollout_lens.server.core.records import RolloutRecord
 from rollout_lens.server.core.textsafe import storable
+from rollout_lens.server.exchange.schema import META_RUN
 from rollout_lens.server.store import prompt_texts
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import PromptRow
@@ -260,3 +264,12 @@ def test_unstorable_text_written_before_the_cleaning_still_renders(
     assert page.status_code == 200 and "n\ufffd" in parse(page.text).text  # the note
     api = client.get(f"/api/runs/{run_id}")
     assert api.status_code == 200 and api.json()["run"]["config"] == {"legacy": "a\ufffdb"}
+    # the downloads too: whole, with U+FFFD where the surrogate was
+    lines = client.get(f"/api/runs/{run_id}/export").content.decode("utf-8").splitlines()
+    assert json.loads(lines[0])["config"] == {"legacy": "a\ufffdb"}
+    assert json.loads(lines[-1])["kind"] == "end"
+    parquet = client.get(f"/api/runs/{run_id}/export?format=parquet")
+    header = pq.read_schema(io.BytesIO(parquet.content)).metadata[META_RUN]
+    assert json.loads(header)["notes"] == ["n\ufffd"]
+    steps = client.get(f"/api/runs/{run_id}/export?what=steps&format=csv")
+    assert steps.status_code == 200 and steps.text.startswith("step,")
