@@ -6,9 +6,8 @@ install, when something is missing."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -54,22 +53,20 @@ def real_tokenizer() -> Any:
     cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
     if not cache:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    # Read from the GGUF file once (5-10 s: it rebuilds the tokenizer from the file's
-    # vocabulary and merges), kept as the tokenizer's own files beside the cached models
-    # (under a second to read back), named by the GGUF file it came from.
-    stat = path.stat()
-    saved = Path(cache) / f"smollm2-tokenizer-{stat.st_size}-{stat.st_mtime_ns}"
-    if not (saved / "tokenizer.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".smollm2-tokenizer-", dir=saved.parent))
-        tokenizer.save_pretrained(scratch)
-        try:
-            scratch.rename(saved)  # whole or not at all; another process may have won
-        except OSError:
-            shutil.rmtree(scratch, ignore_errors=True)
-            if not (saved / "tokenizer.json").is_file():
-                raise
+    from rollout_lens.trainer.builders.tiny_model import BUILD_STATS_FILE, ensure_built
+
+    def build(staging: Path) -> None:
+        # Read from the GGUF file once (5-10 s: it rebuilds the tokenizer from the file's
+        # vocabulary and merges), kept as the tokenizer's own files (under a second to read back)
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(
+            staging
+        )
+        (staging / BUILD_STATS_FILE).write_text(json.dumps({"gguf": str(path)}))
+
+    stat = path.stat()  # named by the GGUF file it came from
+    saved = ensure_built(
+        Path(cache) / f"smollm2-tokenizer-{stat.st_size}-{stat.st_mtime_ns}", build
+    )
     return AutoTokenizer.from_pretrained(str(saved))
 
 
