@@ -35,6 +35,15 @@ def storable(text: str) -> str:
     return joined.replace("\x00", REPLACEMENT)
 
 
+def utf8(text: str) -> bytes:
+    """`text` in UTF-8; a lone surrogate (text stored before writes were cleaned) as U+FFFD, as
+    storable makes it. Clean text is encoded once, with no scan before."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return storable(text).encode("utf-8")
+
+
 def encodable(text: str) -> bool:
     """UTF-8 can encode `text`: it holds no surrogate code point (a JSON text's `\\ud800`, or a
     pair left as its two halves)."""

@@ -19,7 +19,7 @@ from rollout_lens.server import store
 from rollout_lens.server.core.display import iso
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.step_views import json_types
-from rollout_lens.server.core.textsafe import csv_cell, storable
+from rollout_lens.server.core.textsafe import csv_cell, storable, utf8
 from rollout_lens.server.core.vocab import STEP_SERIES
 from rollout_lens.server.exchange.schema import (
     META_RUN,
@@ -104,16 +104,7 @@ def _jsonl_run(session: Session, run: RunRow) -> Iterator[str]:
 
 def _text_chunks(lines: Iterator[str]) -> Iterator[bytes]:
     """Join lines into chunks of about CHUNK_BYTES, UTF-8 encoded."""
-    return byte_chunks(_utf8(line) for line in lines)
-
-
-def _utf8(line: str) -> bytes:
-    """A line in UTF-8; a lone surrogate (in text stored before server.core.textsafe cleaned
-    writes) as U+FFFD, as the pages and the API show it."""
-    try:
-        return line.encode("utf-8")
-    except UnicodeEncodeError:
-        return storable(line).encode("utf-8")
+    return byte_chunks(utf8(line) for line in lines)  # a lone surrogate as U+FFFD, as pages show it
 
 
 def byte_chunks(lines: Iterable[bytes]) -> Iterator[bytes]:

@@ -33,12 +33,9 @@ def json_lines(each: str) -> dict[int | str, dict[str, Any]]:
 
 
 def encode(content: Any) -> bytes:
-    """Compact JSON; NaN and infinities (which JSON lacks) become null."""
-    text = textsafe.finite_json(content, ensure_ascii=False, separators=(",", ":"))
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate stored before server.core.textsafe cleaned writes
-        return textsafe.storable(text).encode("utf-8")
+    """Compact JSON; NaN and infinities (which JSON lacks) become null, a lone surrogate stored
+    before writes were cleaned U+FFFD (textsafe.utf8)."""
+    return textsafe.utf8(textsafe.finite_json(content, ensure_ascii=False, separators=(",", ":")))
 
 
 class DataResponse(JSONResponse):
