@@ -58,7 +58,8 @@ _CUT = object()  # a writer's queue item: reset the connection here
 
 class TcpProxy:
     """Forwards `host`:`port` to `target`; `stop()` cuts live connections and refuses new ones
-    until `start()`; `faults` slow it and make it drop while up.
+    until `start()`; `hold()` keeps what is sent in the link (a link that hangs: nothing is
+    reset, nothing arrives) until `release()`; `faults` slow it and make it drop while up.
 
     The listening socket is kept for the proxy's whole life: a port given back while "down" can
     be taken by another socket (a client's connect to a port nobody listens on may even pick it as
@@ -79,6 +80,8 @@ class TcpProxy:
         self.host = host
         self.port = int(self._listener.getsockname()[1])
         self.up = False
+        self.flowing = threading.Event()  # cleared: held
+        self.flowing.set()
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
@@ -95,8 +98,17 @@ class TcpProxy:
                 conn.shutdown(socket.SHUT_RDWR)
             conn.close()
 
+    def hold(self) -> None:
+        """What either end sends from now on stays in the link (connections stay open)."""
+        self.flowing.clear()
+
+    def release(self) -> None:
+        """What was held goes on, and the link carries again."""
+        self.flowing.set()
+
     def close(self) -> None:
         """Stop for good and give the port back."""
+        self.release()
         self.stop()
         self._listener.close()
 
@@ -127,7 +139,7 @@ class TcpProxy:
                 self._conns += [client, upstream]
             if not self.faults:
                 for a, b in ((client, upstream), (upstream, client)):
-                    threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+                    threading.Thread(target=_pipe, args=(a, b, self.flowing), daemon=True).start()
                 continue
             ends = _Ends(self, client, upstream)
             for a, b, way in ((client, upstream, "up"), (upstream, client, "down")):
@@ -217,6 +229,7 @@ class _Direction:
                 assert isinstance(item, tuple)
                 due, data = item
                 time.sleep(max(0.0, due - time.monotonic()))
+                self.proxy.flowing.wait()
                 self.dst.sendall(data)
             self.dst.shutdown(socket.SHUT_WR)  # the sender's end of its stream, passed on
         except OSError:  # broken: the other way ends too
@@ -227,9 +240,10 @@ class _Direction:
             self.ends.ended()
 
 
-def _pipe(src: socket.socket, dst: socket.socket) -> None:
+def _pipe(src: socket.socket, dst: socket.socket, flowing: threading.Event) -> None:
     try:
         while data := src.recv(65536):
+            flowing.wait()
             dst.sendall(data)
     except OSError:
         pass

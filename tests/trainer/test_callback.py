@@ -349,6 +349,75 @@ def test_bounded_buffer_drops_rollouts_first_and_counts_them(
     assert kept_steps == list(range(kept_steps[0], 7))  # the oldest steps lost theirs first
 
 
+class _Hang(TrainerCallback):
+    """Holds the database's link (bench/tcp_proxy.py: nothing reset, nothing answered) once
+    step 1 is written, until the end of training (listed before the recorder, which hands a
+    step over at the next one's end: step 1 at step 2's, so the hold comes at step 3's)."""
+
+    def __init__(self, proxy: TcpProxy, url: str, recorder: Any) -> None:
+        self.proxy, self.url, self.recorder = proxy, url, recorder
+        self.during: tuple[int, int, int] | None = None  # written, dropped rollouts, steps
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == 3:
+            _Outage(self.proxy, self.url, up_at=set(), down_at=set())._wait_for_steps()
+            self.proxy.hold()
+
+    def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        sink = self.recorder.sink
+        self.during = (sink.written_steps, sink.dropped_rollouts, sink.dropped_steps)
+        self.proxy.release()
+
+
+@_CUT_CONNECTIONS
+@pytest.mark.postgres
+def test_a_hung_database_link_keeps_the_budget_and_every_steps_reward(
+    user_model_dir: Path, tmp_path: Path, pg_database_url: str
+) -> None:
+    """The writer's child waits on a write that never returns while training goes on: the
+    steps handed over meanwhile lose their rollouts past the budget at `put` (the callback's
+    `lighten`), keeping their mean reward and TRL's logs; once the link is back every step is
+    written, and what was dropped is counted on the run."""
+    from rollout_lens import RolloutLensCallback
+
+    pg = make_url(pg_database_url)
+    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
+    proxy.start()
+    via_proxy = pg.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    _empty(pg_database_url)
+    recorder = RolloutLensCallback(project="hung", database_url=via_proxy, buffer_mb=0.015)
+    hang = _Hang(proxy, pg_database_url, recorder)
+    seen = Seen()
+    try:
+        _train(
+            user_model_dir,
+            tmp_path / "out",
+            callbacks=[hang, recorder],
+            rewards=[seen, us.is_short],
+            num_generations=4,
+            per_device_train_batch_size=8,
+            max_steps=6,
+        )
+    finally:
+        proxy.close()
+    run, rows, steps, _ = load_run(pg_database_url, _run_id(pg_database_url))
+
+    # during the hang: step 1 written, steps 3-5 handed over while step 2's write waited, the
+    # oldest of them lightened at `put` (the budget holds about two of these steps)
+    assert hang.during is not None
+    written, dropped, whole = hang.during
+    assert written == 1 and dropped >= 8 and whole == 0, hang.during
+    assert [s.step for s in steps] == list(range(1, 7))
+    assert run.dropped_steps == 0 and 0 < run.dropped_rollouts < len(seen.calls)
+    assert run.dropped_rollouts % 8 == 0  # whole steps' rollouts
+    assert len(rows) == len(seen.calls) - run.dropped_rollouts
+    for s in steps:  # the mean reward of every step, lightened or not: the rewards' own
+        calls = seen.calls[8 * (s.step - 1) : 8 * s.step]
+        short = us.is_short([c["completion"] for c in calls])
+        oracle = sum(c["reward"] + b for c, b in zip(calls, short, strict=True)) / 8
+        assert s.reward_mean == pytest.approx(oracle), s.step
+
+
 def _empty(url: str) -> None:
     from rollout_lens.server.store.db import make_engine
     from rollout_lens.server.store.migrate import upgrade

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rollout_lens.server.core.config import Settings, get_settings
 from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store.models import RunStatus
@@ -427,6 +428,24 @@ class RolloutLensCallback(TrainerCallback):
         assert self.preparer is not None
         return self.preparer.prepare(raw)
 
+    @staticmethod
+    def _lighten(raw: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """A step handed over without its rollouts, and how many it had (the writer's
+        `lighten`, on the training thread: the writer's thread is held by a write and the budget
+        is spent). Its logs stay, and of its rollouts' values the mean reward, from TRL's
+        rewards as they are (a rollout's is its functions' weighted sum, as its record's)."""
+        parts = raw["captured"]
+        if not parts:
+            return raw, 0
+        totals = [
+            np.nansum(np.asarray(p.rewards, dtype=np.float64) * np.asarray(p.weights), axis=1)
+            for p in parts
+            if p.inputs
+        ]
+        rollouts = sum(len(p.inputs) for p in parts)
+        kept = {"reward_mean": float(np.concatenate(totals).mean())} if totals else {}
+        return {**raw, "captured": [], "kept": kept}, rollouts
+
     def tag_notes(self) -> list[str]:
         """What the run page says of call tags that are not single tokens of the tokenizer."""
         assert self.preparer is not None
@@ -447,6 +466,7 @@ def _own_writer(
             token=callback.token,
             spec=spec,
             prepare=callback._prepare,
+            lighten=callback._lighten,
             max_bytes=callback.buffer_bytes,
             heartbeat_seconds=settings.heartbeat_seconds,
             key=key,
@@ -457,6 +477,7 @@ def _own_writer(
         database_url=callback.database_url,
         spec=spec,
         prepare=callback._prepare,
+        lighten=callback._lighten,
         max_bytes=callback.buffer_bytes,
         heartbeat_seconds=settings.heartbeat_seconds,
         price_per_device_hour=settings.price_per_device_hour,

@@ -89,6 +89,7 @@ class StepPreparer:
             self._last_summary = (raw["rollout_step"], dict(values), dict(series))
         elif self._last_summary is not None and self._last_summary[0] == raw["rollout_step"]:
             values, series = dict(self._last_summary[1]), dict(self._last_summary[2])
+        values.update(raw.get("kept") or {})  # what a lightened step kept of its rollouts
         values["wall_time"] = raw["wall_time"]
         columns, logged = split_logs(raw["logs"])
         values.update(columns)

@@ -79,6 +79,7 @@ class RemoteStepWriter(StepWriter):
         token: str | None,
         spec: RunSpec,
         prepare: Any,
+        lighten: Any = None,
         max_bytes: int = 256 * 2**20,
         heartbeat_seconds: float = 5.0,
         request_bytes: int = REQUEST_BYTES,
@@ -97,6 +98,7 @@ class RemoteStepWriter(StepWriter):
             self.http,
             policy=BufferAndDrop(max_bytes=max_bytes),
             prepare=prepare,
+            lighten=lighten,
             heartbeat_seconds=heartbeat_seconds,
         )
 

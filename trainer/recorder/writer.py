@@ -18,7 +18,11 @@ What differs between runs is what to do while the store is away, a policy:
 - BufferAndDrop, a user's TRL script (RolloutLensCallback): `put` never blocks and never
   raises. Steps wait in memory up to a byte budget; past it the oldest steps lose their rollouts
   first (their per-step values are kept), then whole steps go; a step the store refuses, or
-  whose preparation raises, is dropped alone. What was dropped is counted on the run, problems
+  whose preparation raises, is dropped alone. Steps handed over while the writer's thread is held
+  by a write that does not return (a database link that hangs rather than fails) count against
+  the budget too, each at the size of the last step prepared: past it the oldest of them lose
+  their rollouts at `put` (`lighten`: the rollout-derived values go with them, TRL's logged
+  ones stay), then go whole, so that a hung link never holds more than the budget. What was dropped is counted on the run, problems
   are logged once, and training goes on whatever happens. The sink creates the run when the
   store first answers, beats its heartbeat and marks it finished at `close`. A run that
   ended elsewhere (cancelled from the dashboard: server/store/ending.py) records nothing more:
@@ -135,6 +139,20 @@ class Pending:
     size: int  # approximate bytes held
 
 
+@dataclass(eq=False)
+class Arrival:
+    """A step handed over (`raw`, not yet prepared) and the bytes it is counted at; `dropped`:
+    the rollouts `lighten` let go of (0: it is whole)."""
+
+    raw: Any
+    size: int
+    dropped: int = 0
+
+
+# What a step without its rollouts is counted at, not yet prepared (its logs and timings).
+LIGHT_BYTES = 2048
+
+
 # A token's text as a Python str in a list: an 8-byte pointer plus the object, ~49 bytes and its
 # characters. The numbers are numpy arrays (8 bytes a value): at 512 rollouts × 1,024 tokens × 4
 # control tokens a step holds ~25 MB of them, where the Python lists it once was took ~140 MB.
@@ -165,7 +183,9 @@ class Backlog:
     def __init__(self, max_bytes: int | None, forget: Callable[[], None]) -> None:
         self.max_bytes = max_bytes  # None: no budget (a launched run's `put` blocks instead)
         self.forget = forget  # the sink's: steps left unwritten
-        self.inbox: deque[Any] = deque()
+        self.inbox: deque[Arrival] = deque()
+        self.inbox_bytes = 0
+        self.step_bytes = 0  # the last whole step prepared: what a step handed over counts
         self.pending: deque[Pending] = deque()
         self.bytes = 0
         self.dropped_steps = 0
@@ -184,17 +204,47 @@ class Backlog:
             return None
         return Pending(record, record_size(record))
 
-    def take(self, raw: Any, pending: Pending | None) -> None:
-        """The inbox's first step `raw` moves to the steps waiting prepared (None: preparing it
-        failed, dropped alone and counted); one let go of meanwhile (the backlog cleared: the
-        run ended, recording stopped) goes with the others. A step is in the inbox until then,
-        so that flush() never finds neither holding it."""
-        if self.inbox and self.inbox[0] is raw:
-            self.inbox.popleft()
-            if pending is None:
-                self.dropped_steps += 1
-            else:
-                self.add(pending)
+    def arrive(self, raw: Any, lighten: Callable[[Any], tuple[Any, int]] | None) -> None:
+        """A step handed over joins the inbox; past the budget (the writer's thread held by a
+        write meanwhile), the oldest steps there lose their rollouts (`lighten`: the step
+        without them, and how many it had), then the oldest go whole."""
+        arrival = Arrival(raw, self.step_bytes)
+        self.inbox.append(arrival)
+        self.inbox_bytes += arrival.size
+        if self.max_bytes is None or self.inbox_bytes <= self.max_bytes:
+            return
+        for waiting in self.inbox:
+            if lighten is None or self.inbox_bytes <= self.max_bytes:
+                break
+            if waiting.dropped or waiting.size <= LIGHT_BYTES:
+                continue
+            waiting.raw, waiting.dropped = lighten(waiting.raw)
+            self.dropped_rollouts += waiting.dropped
+            self.inbox_bytes -= waiting.size - LIGHT_BYTES
+            waiting.size = LIGHT_BYTES
+        while len(self.inbox) > 1 and self.inbox_bytes > self.max_bytes:
+            self.inbox_bytes -= self.inbox.popleft().size
+            self.dropped_steps += 1
+
+    def take(self, arrival: Arrival, raw: Any, pending: Pending | None) -> None:
+        """The inbox's first step, prepared from `raw`, moves to the steps waiting prepared
+        (None: preparing it failed, dropped alone and counted); one let go of meanwhile (the
+        backlog cleared: the run ended, recording stopped; or dropped whole at `put`) goes with
+        the others. One lightened while it was being prepared keeps its rollouts after all (they
+        are prepared: the budget of the prepared steps holds them). A step is in the inbox until
+        then, so that flush() never finds neither holding it."""
+        if not self.inbox or self.inbox[0] is not arrival:
+            return
+        self.inbox.popleft()
+        self.inbox_bytes -= arrival.size
+        if pending is None:
+            self.dropped_steps += 1
+            return
+        if arrival.raw is not raw:  # lightened after it was read: the whole step was prepared
+            self.dropped_rollouts -= arrival.dropped
+        if pending.record.rollouts:  # a step with rollouts: what the next ones are counted at
+            self.step_bytes = pending.size
+        self.add(pending)
 
     def add(self, pending: Pending) -> None:
         self.pending.append(pending)
@@ -232,7 +282,7 @@ class Backlog:
         left = len(self)
         self.pending.clear()
         self.inbox.clear()
-        self.bytes = 0
+        self.bytes = self.inbox_bytes = 0
         return left
 
     def drops(self) -> tuple[int, int]:
@@ -363,7 +413,8 @@ class Delivery:
             return
         if self.waits:
             raise wrote.refused  # a launched run fails at the step the store refuses
-        self.backlog.dropped_steps += 1
+        with self.lock:  # `put` counts drops too (on the training thread)
+            self.backlog.dropped_steps += 1
         if not self._refusal_said:
             self._refusal_said = True
             log.warning(
@@ -432,12 +483,14 @@ class StepWriter:
         *,
         policy: Policy,
         prepare: Callable[[Any], StepRecord] = _identity,
+        lighten: Callable[[Any], tuple[Any, int]] | None = None,
         heartbeat_seconds: float | None = None,
         on_written: Callable[[StepRecord], None] | None = None,
     ) -> None:
         self.sink = sink
         self.policy = policy
         self.prepare = prepare
+        self.lighten = lighten  # BufferAndDrop: a step handed over, without its rollouts
         self.heartbeat_seconds = heartbeat_seconds
         budget = policy.max_bytes if isinstance(policy, BufferAndDrop) else None
         self.backlog = Backlog(budget, sink.forget)
@@ -463,6 +516,7 @@ class StepWriter:
         database_url: str,
         spec: RunSpec,
         prepare: Callable[[Any], StepRecord],
+        lighten: Callable[[Any], tuple[Any, int]] | None = None,
         max_bytes: int = 256 * 2**20,
         heartbeat_seconds: float = 5.0,
         price_per_device_hour: float = 0.0,
@@ -480,7 +534,8 @@ class StepWriter:
             database_url, process=process, spec=spec, price=price, wait_ms=wait, resume=resume
         )
         policy = BufferAndDrop(max_bytes=max_bytes)
-        return cls(sink, policy=policy, prepare=prepare, heartbeat_seconds=heartbeat_seconds)
+        beats = heartbeat_seconds
+        return cls(sink, policy=policy, prepare=prepare, lighten=lighten, heartbeat_seconds=beats)
 
     @classmethod
     def for_launched(
@@ -552,7 +607,7 @@ class StepWriter:
         if not isinstance(self.policy, WaitThenFail):
             with self._wake:
                 if self._delivery.ended is None:  # once the run has ended, nothing more is recorded
-                    self.backlog.inbox.append(raw)
+                    self.backlog.arrive(raw, self.lighten)
                     self._wake.notify_all()
             return
         self._raise_if_failed()
@@ -636,8 +691,8 @@ class StepWriter:
                     self._wake.wait(timeout=self._wait_seconds(last_beat))
                 inbound = list(self.backlog.inbox)  # each leaves it once prepared (take)
                 closing = self._closing
-            for raw in inbound:
-                self._take(raw)
+            for arrival in inbound:
+                self._take(arrival)
             if self._stopped():
                 break
             if time.monotonic() >= self._delivery.retry_at and self._delivery.flush():
@@ -694,11 +749,12 @@ class StepWriter:
         if self._final is not None and self.run_id is not None:
             self.sink.finish(*self._final, self.backlog.drops(), late=late)
 
-    def _take(self, raw: Any) -> None:
+    def _take(self, arrival: Arrival) -> None:
         """BufferAndDrop: prepare the inbox's first step and keep it in budget."""
+        raw = arrival.raw
         pending = self.backlog.prepared(raw, self.prepare)
         with self._wake:
-            self.backlog.take(raw, pending)
+            self.backlog.take(arrival, raw, pending)
             self._wake.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
