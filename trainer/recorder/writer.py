@@ -18,11 +18,12 @@ What differs between runs is what to do while the store is away, a policy:
 - BufferAndDrop, a user's TRL script (RolloutLensCallback): `put` never blocks and never
   raises. Steps wait in memory up to a byte budget; past it the oldest steps lose their rollouts
   first (their per-step values are kept), then whole steps go; a step the store refuses, or
-  whose preparation raises, is dropped alone. Steps handed over while the writer's thread is held
-  by a write that does not return (a database link that hangs rather than fails) count against
-  the budget too, each at the size of the last step prepared: past it the oldest of them lose
-  their rollouts at `put` (`lighten`: the rollout-derived values go with them, TRL's logged
-  ones stay), then go whole, so that a hung link never holds more than the budget. What was dropped is counted on the run, problems
+  whose preparation raises, is dropped alone. Steps handed over while the writer's thread is
+  held by a write that does not return (a database link that hangs rather than fails) count
+  against the budget too, each at the size of the last step prepared: past it the oldest of
+  them lose their rollouts at `put` (`lighten`; the values judged from the rollouts go with
+  them, TRL's logs and what `lighten` keeps stay), then go whole, so that a hung link never
+  holds more than the budget. What was dropped is counted on the run, problems
   are logged once, and training goes on whatever happens. The sink creates the run when the
   store first answers, beats its heartbeat and marks it finished at `close`. A run that
   ended elsewhere (cancelled from the dashboard: server/store/ending.py) records nothing more:
