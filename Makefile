@@ -87,9 +87,8 @@ TEST_LAYERS = tests/e2e tests/trainer tests/browser $(CHECK_LAYERS)
 
 $(UV): constraints.txt
 	rm -rf $(UV_VENV)
-	# uv alone, installed by the host's pip (a venv without pip of its own: ensurepip takes seconds)
-	$(PYTHON) -m venv --without-pip $(UV_VENV)
-	$(PYTHON) -m pip --python $(UV_VENV)/bin/python install -q -c constraints.txt uv
+	$(PYTHON) -m venv $(UV_VENV)
+	$(UV_VENV)/bin/python -m pip install -q -c constraints.txt uv
 	touch $@
 
 # The test venv, fresh from the project's own files (a dependency missing from pyproject.toml fails).
