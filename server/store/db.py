@@ -36,13 +36,40 @@ SQLITE_WAL_LIMIT = 64 * 1024 * 1024
 # web process (its default max_connections is 100); on SQLite each is a file handle and a cache.
 WEB_POOL: dict[str, int] = {"pool_size": 10, "max_overflow": 31, "pool_timeout": 30}
 
+# A PostgreSQL link that goes silent (a failover that moves the address, a switch or NAT that
+# drops packets without a reset) leaves a connection waiting on an answer until the kernel gives
+# up retransmitting: about 15 minutes on Linux (tcp_retries2), during which a recorder's writes,
+# a worker's training and a page's request wait. libpq's tcp_user_timeout ends it once sent data
+# has gone this long unacknowledged (a slow query sends nothing meanwhile: it is not cut), and
+# keepalives find an idle connection's peer gone (and keep middleboxes from dropping it). A
+# URL's own values of these (…?tcp_user_timeout=…) win.
+PG_LINK_TIMEOUT_S = 60.0
+_PG_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10}
 
-def make_engine(url: str, *, busy_timeout_ms: int = 30_000, **pool: int) -> Engine:
-    """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout. `pool`: QueuePool
-    sizes (the web app passes WEB_POOL; workers and the CLI keep SQLAlchemy's defaults)."""
+
+def make_engine(
+    url: str,
+    *,
+    busy_timeout_ms: int = 30_000,
+    link_timeout_s: float = PG_LINK_TIMEOUT_S,
+    **pool: int,
+) -> Engine:
+    """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout, PostgreSQL a
+    bound on a silent link (`link_timeout_s`, PG_LINK_TIMEOUT_S). `pool`: QueuePool sizes (the
+    web app passes WEB_POOL; workers and the CLI keep SQLAlchemy's defaults)."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        engine = create_engine(url, pool_pre_ping=True, json_serializer=textsafe.json_dumps, **pool)
+        link: dict[str, int] = {}
+        if parsed.get_backend_name() == "postgresql":
+            wanted = _PG_KEEPALIVES | {"tcp_user_timeout": round(link_timeout_s * 1000)}
+            link = {k: v for k, v in wanted.items() if k not in parsed.query}
+        engine = create_engine(
+            url,
+            pool_pre_ping=True,
+            json_serializer=textsafe.json_dumps,
+            connect_args=link,
+            **pool,
+        )
         textsafe.install(engine)
         if parsed.get_backend_name() == "postgresql":
             event.listen(engine, "connect", _postgres_settings)
