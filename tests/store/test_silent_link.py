@@ -9,15 +9,18 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store.db import PG_LINK_TIMEOUT_S, make_engine
+from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import make_url, text
 from sqlalchemy.exc import OperationalError
 
 from bench.tcp_proxy import TcpProxy
-from tests.waiting import returns
+from tests.factories import load_run, make_rollouts, recorder_spec
+from tests.waiting import returns, until
 
 
 class Blackhole:
@@ -89,3 +92,53 @@ def test_the_bound_reaches_libpq_and_a_urls_own_value_wins(pg_database_url: str)
     finally:
         engine.dispose()
         own.dispose()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "child"])
+def test_a_scripts_recorder_outlives_a_silent_link(
+    pg_database_url: str,
+    _pg_reset: Callable[[], None],
+    blackhole: Blackhole,
+    process: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The recorder's writes on a silent link end at the bound (here the URL's own, 2 s), the
+    steps wait in the budget, and all of them are written once the link carries again."""
+    import logging
+    import random
+
+    caplog.set_level(logging.WARNING, logger="rollout_lens")
+    _pg_reset()
+    pg = make_url(pg_database_url)
+    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
+    proxy.start()
+    url = pg.set(host="127.0.0.1", port=proxy.port, query={"tcp_user_timeout": "2000"})
+    writer = StepWriter.for_script(
+        database_url=url.render_as_string(hide_password=False),
+        spec=recorder_spec("silent", total_steps=6),
+        prepare=lambda raw: raw,
+        process=process,
+    )
+
+    def step(n: int) -> StepRecord:
+        rollouts = make_rollouts(random.Random(n), group_size=4, listed=4)
+        return StepRecord(step=n, rollout_step=n, values={"reward_mean": 0.5}, rollouts=rollouts)
+
+    try:
+        writer.put(step(1))
+        until(lambda: writer.written_steps == 1, "step 1 written")
+        blackhole.drop(proxy.port)
+        try:
+            for n in range(2, 7):
+                writer.put(step(n))
+            # the write of step 2 fails at the bound: the writer says the database is away
+            until(lambda: "database is unreachable" in caplog.text, "the outage said")
+        finally:
+            blackhole.lift()
+        assert writer.close() is True
+    finally:
+        proxy.close()
+    run, rows, steps, _ = load_run(pg_database_url, writer.run_id)
+    assert [s.step for s in steps] == list(range(1, 7)) and len(rows) == 6 * 4
+    assert run.status == "completed" and run.dropped_steps == run.dropped_rollouts == 0
