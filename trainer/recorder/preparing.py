@@ -51,13 +51,13 @@ class StepPreparer:
         self.functions = functions
         self.target = target
         self.formats = formats  # the call formats completions are read with
-        self.token_bytes = tags.TokenBytes(tokenizer_of(trainer))
+        self.token_pieces = tags.TokenPieces(tokenizer_of(trainer))
+        self.token_bytes = tags.TokenBytes(tokenizer_of(trainer), self.token_pieces)
         self.end_tokens = end_tokens
         self.control_tokens = control_tokens
         self.watched = watched  # the id-position probe's tokens
         self.eot = next((t for t in end_tokens if t in control_tokens), None)  # end of turn
         self._prompt_text: dict[str, str] = {}
-        self.token_pieces = tags.TokenPieces(tokenizer_of(trainer))
         # (rollout step, values, series) of the last generation: a step that reuses it
         # (num_iterations > 1) shows the same rollout-derived values, never its logged ones.
         self._last_summary: tuple[int, dict[str, float | None], dict[str, float | None]] | None = (

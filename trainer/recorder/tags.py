@@ -143,10 +143,12 @@ MAX_TABLE_IDS = 1 << 20  # TokenBytes' table holds ids below this (vocabularies 
 
 class TokenBytes:
     """The bytes each token id of one tokenizer contributes to its decoded text, by the
-    tokenizer's decoder (server.core.tokentext's rules, as the pages read the stored pieces)."""
+    tokenizer's decoder (server.core.tokentext's rules, as the pages read the stored pieces),
+    from the ids' pieces (`pieces`: the preparer's table, shared; made here when not given)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, pieces: TokenPieces | None = None) -> None:
         self.tokenizer = tokenizer
+        self.pieces = pieces if pieces is not None else TokenPieces(tokenizer)
         kinds = _decoder_kinds(tokenizer)
         if "ByteLevel" in kinds:
             self.rule = tokentext.BYTE_LEVEL
@@ -166,11 +168,12 @@ class TokenBytes:
         """One id's bytes, kept apart from the table (an id it cannot hold)."""
         found = self._other.get(token_id)
         if found is None:
-            found = self._other[token_id] = self._compute(token_id)
+            piece = self.pieces.of(np.array([token_id]), [token_id])[0]
+            found = self._other[token_id] = self._compute(token_id, piece)
         return found
 
-    def _compute(self, token_id: int) -> bytes:
-        piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
+    def _compute(self, token_id: int, piece: str) -> bytes:
+        piece = str(piece)
         if token_id in self.added:  # an added token decodes as its own text
             return piece.encode("utf-8", "surrogatepass")
         return tokentext.piece_bytes(piece, self.rule)
@@ -193,8 +196,10 @@ class TokenBytes:
             n = len(self._known)
             known[:n], table[:n], lengths[:n] = self._known, self._bytes, self._lengths
             self._known, self._bytes, self._lengths = known, table, lengths
-        for token_id in np.unique(ids[~self._known[ids]]).tolist():
-            found = self._compute(token_id)
+        new = np.unique(ids[~self._known[ids]])
+        new_ids = new.tolist()
+        for token_id, piece in zip(new_ids, self.pieces.of(new, new_ids), strict=True):
+            found = self._compute(token_id, piece)
             self._bytes[token_id], self._lengths[token_id] = found, len(found)
             self._known[token_id] = True
         return True
