@@ -6,7 +6,6 @@ gives up on it. Once it is back every step is written, with what was dropped cou
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import random
 import weakref
@@ -20,6 +19,7 @@ from rollout_lens.trainer.recorder.writer import (
     Backlog,
     BufferAndDrop,
     StepWriter,
+    lighten_record,
     record_size,
 )
 from sqlalchemy import make_url
@@ -35,10 +35,6 @@ BUDGET_STEPS = 4  # the budget, in steps of this test's size
 def _step(step: int) -> StepRecord:
     rollouts = make_rollouts(random.Random(step), group_size=4, listed=4, completion="x" * 20_000)
     return StepRecord(step=step, rollout_step=step, values={"reward_mean": 0.5}, rollouts=rollouts)
-
-
-def _lighten(raw: StepRecord) -> tuple[StepRecord, int]:
-    return dataclasses.replace(raw, rollouts=[]), len(raw.rollouts)
 
 
 @pytest.mark.postgres
@@ -59,8 +55,7 @@ def test_a_hung_link_holds_the_budget_and_writes_every_step_once_back(
     writer = StepWriter(
         sink,
         policy=BufferAndDrop(max_bytes=budget),
-        prepare=lambda raw: raw,
-        lighten=_lighten,
+        prepare=lambda raw: raw,  # and the default lighten: lighten_record
         heartbeat_seconds=None,
     )
     alive: list[weakref.ref[object]] = []  # every rollout handed over: which are still held
@@ -111,11 +106,11 @@ def test_the_inbox_counts_each_step_at_the_last_prepared_ones_size() -> None:
     size = record_size(_step(1))
     backlog = _backlog(3 * size)
     first = _step(1)
-    backlog.arrive(first, _lighten)
+    backlog.arrive(first, lighten_record)
     backlog.take(backlog.inbox[0], first, backlog.prepared(first, lambda raw: raw))
     assert backlog.step_bytes == size and backlog.inbox_bytes == 0
     for step in range(2, 6):  # four steps of `size` against a budget of three
-        backlog.arrive(_step(step), _lighten)
+        backlog.arrive(_step(step), lighten_record)
     assert [a.raw.step for a in backlog.inbox] == [2, 3, 4, 5]
     # three whole and one light would be over the budget by the light one: two go light
     assert [bool(a.raw.rollouts) for a in backlog.inbox] == [False, False, True, True]
@@ -126,10 +121,10 @@ def test_the_inbox_counts_each_step_at_the_last_prepared_ones_size() -> None:
 def test_past_the_budget_with_every_step_light_the_oldest_go_whole() -> None:
     backlog = _backlog(3 * LIGHT_BYTES)
     first = _step(1)
-    backlog.arrive(first, _lighten)
+    backlog.arrive(first, lighten_record)
     backlog.take(backlog.inbox[0], first, backlog.prepared(first, lambda raw: raw))
     for step in range(2, 10):
-        backlog.arrive(_step(step), _lighten)
+        backlog.arrive(_step(step), lighten_record)
     assert [a.raw.step for a in backlog.inbox] == [7, 8, 9]  # the oldest went whole
     assert backlog.dropped_steps == 5 and backlog.inbox_bytes <= 3 * LIGHT_BYTES
     # every one of 2-9 was lightened first; step 1, prepared, was over the budget alone
@@ -143,14 +138,27 @@ def test_a_step_lightened_while_it_was_prepared_keeps_its_rollouts() -> None:
     size = record_size(_step(1))
     backlog = _backlog(3 * size - 1)
     first = _step(1)
-    backlog.arrive(first, _lighten)
+    backlog.arrive(first, lighten_record)
     backlog.take(backlog.inbox[0], first, backlog.prepared(first, lambda raw: raw))
-    backlog.arrive(_step(2), _lighten)
+    backlog.arrive(_step(2), lighten_record)
     arrival = backlog.inbox[0]
     read = arrival.raw  # the writer's thread takes it to prepare
-    backlog.arrive(_step(3), _lighten)
-    backlog.arrive(_step(4), _lighten)  # over the budget: step 2 is lightened in the inbox
+    backlog.arrive(_step(3), lighten_record)
+    backlog.arrive(_step(4), lighten_record)  # over the budget: step 2 is lightened in the inbox
     assert arrival.raw is not read and backlog.dropped_rollouts == 4
     backlog.take(arrival, read, backlog.prepared(read, lambda raw: raw))
     assert backlog.dropped_rollouts == 0
     assert [len(p.record.rollouts) for p in backlog.pending] == [4, 4]
+
+
+def test_a_step_that_cannot_be_lightened_is_never_dropped_at_put() -> None:
+    """Steps `lighten` cannot read (not StepRecords, for lighten_record) stay whole past the
+    budget: a step is never dropped with its rollouts uncounted."""
+    first = _step(1)
+    backlog = _backlog(record_size(first))
+    backlog.arrive(first, lighten_record)
+    backlog.take(backlog.inbox[0], first, backlog.prepared(first, lambda raw: raw))
+    for step in range(2, 6):
+        backlog.arrive({"step": step}, lighten_record)
+    assert [a.raw["step"] for a in backlog.inbox] == [2, 3, 4, 5]
+    assert backlog.dropped_steps == backlog.dropped_rollouts == 0

@@ -95,16 +95,15 @@ def test_the_bound_reaches_libpq_and_a_urls_own_value_wins(pg_database_url: str)
 
 
 @pytest.mark.postgres
-@pytest.mark.parametrize("process", [False, True], ids=["thread", "child"])
 def test_a_scripts_recorder_outlives_a_silent_link(
     pg_database_url: str,
     _pg_reset: Callable[[], None],
     blackhole: Blackhole,
-    process: bool,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The recorder's writes on a silent link end at the bound (here the URL's own, 2 s), the
-    steps wait in the budget, and all of them are written once the link carries again."""
+    steps wait in the budget, and all of them are written once the link carries again (by the
+    writer's child, the default: its thread uses the same engine)."""
     import logging
     import random
 
@@ -118,7 +117,7 @@ def test_a_scripts_recorder_outlives_a_silent_link(
         database_url=url.render_as_string(hide_password=False),
         spec=recorder_spec("silent", total_steps=6),
         prepare=lambda raw: raw,
-        process=process,
+        process=True,
     )
 
     def step(n: int) -> StepRecord:

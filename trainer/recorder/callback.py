@@ -435,8 +435,8 @@ class RolloutLensCallback(TrainerCallback):
         is spent). Its logs stay, and of its rollouts' values the mean reward, from TRL's
         rewards as they are (a rollout's is its functions' weighted sum, as its record's)."""
         parts = raw["captured"]
-        if not parts:
-            return raw, 0
+        if not parts:  # a step that reuses a generation: nothing to take off, light already
+            return dict(raw), 0
         totals = [
             np.nansum(np.asarray(p.rewards, dtype=np.float64) * np.asarray(p.weights), axis=1)
             for p in parts

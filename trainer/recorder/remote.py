@@ -52,6 +52,7 @@ from rollout_lens.trainer.recorder.writer import (
     SinkAway,
     StepWriter,
     Wrote,
+    lighten_record,
 )
 
 log = logging.getLogger("rollout_lens")
@@ -79,7 +80,7 @@ class RemoteStepWriter(StepWriter):
         token: str | None,
         spec: RunSpec,
         prepare: Any,
-        lighten: Any = None,
+        lighten: Any = lighten_record,
         max_bytes: int = 256 * 2**20,
         heartbeat_seconds: float = 5.0,
         request_bytes: int = REQUEST_BYTES,

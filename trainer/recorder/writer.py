@@ -39,6 +39,7 @@ What differs between runs is what to do while the store is away, a policy:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -142,16 +143,26 @@ class Pending:
 
 @dataclass(eq=False)
 class Arrival:
-    """A step handed over (`raw`, not yet prepared) and the bytes it is counted at; `dropped`:
-    the rollouts `lighten` let go of (0: it is whole)."""
+    """A step handed over (`raw`, not yet prepared) and the bytes it is counted at; `light`:
+    `lighten` took its rollouts off (`dropped` of them)."""
 
     raw: Any
     size: int
+    light: bool = False
     dropped: int = 0
 
 
 # What a step without its rollouts is counted at, not yet prepared (its logs and timings).
 LIGHT_BYTES = 2048
+
+
+def lighten_record(raw: Any) -> tuple[Any, int]:
+    """A StepWriter's `lighten` for steps handed over as StepRecords (prepare: as they are): the
+    step without its rollouts, and how many it had; anything else is given back as it is (it
+    cannot be made lighter, so it is neither lightened nor dropped at `put`)."""
+    if isinstance(raw, StepRecord):
+        return dataclasses.replace(raw, rollouts=[]), len(raw.rollouts)
+    return raw, 0
 
 
 # A token's text as a Python str in a list: an 8-byte pointer plus the object, ~49 bytes and its
@@ -205,25 +216,30 @@ class Backlog:
             return None
         return Pending(record, record_size(record))
 
-    def arrive(self, raw: Any, lighten: Callable[[Any], tuple[Any, int]] | None) -> None:
+    def arrive(self, raw: Any, lighten: Callable[[Any], tuple[Any, int]]) -> None:
         """A step handed over joins the inbox; past the budget (the writer's thread held by a
         write meanwhile), the oldest steps there lose their rollouts (`lighten`: the step
-        without them, and how many it had), then the oldest go whole."""
+        without them, and how many it had; the same object: it cannot be lightened), then the
+        oldest of those that lost them go whole (a step is never dropped with its rollouts
+        uncounted)."""
         arrival = Arrival(raw, self.step_bytes)
         self.inbox.append(arrival)
         self.inbox_bytes += arrival.size
         if self.max_bytes is None or self.inbox_bytes <= self.max_bytes:
             return
         for waiting in self.inbox:
-            if lighten is None or self.inbox_bytes <= self.max_bytes:
+            if self.inbox_bytes <= self.max_bytes:
                 break
-            if waiting.dropped or waiting.size <= LIGHT_BYTES:
+            if waiting.light:
                 continue
-            waiting.raw, waiting.dropped = lighten(waiting.raw)
-            self.dropped_rollouts += waiting.dropped
-            self.inbox_bytes -= waiting.size - LIGHT_BYTES
-            waiting.size = LIGHT_BYTES
-        while len(self.inbox) > 1 and self.inbox_bytes > self.max_bytes:
+            light, dropped = lighten(waiting.raw)
+            if light is waiting.raw:
+                continue
+            waiting.raw, waiting.light, waiting.dropped = light, True, dropped
+            self.dropped_rollouts += dropped
+            self.inbox_bytes -= waiting.size - min(waiting.size, LIGHT_BYTES)
+            waiting.size = min(waiting.size, LIGHT_BYTES)
+        while len(self.inbox) > 1 and self.inbox[0].light and self.inbox_bytes > self.max_bytes:
             self.inbox_bytes -= self.inbox.popleft().size
             self.dropped_steps += 1
 
@@ -243,6 +259,7 @@ class Backlog:
             return
         if arrival.raw is not raw:  # lightened after it was read: the whole step was prepared
             self.dropped_rollouts -= arrival.dropped
+            arrival.light = False
         if pending.record.rollouts:  # a step with rollouts: what the next ones are counted at
             self.step_bytes = pending.size
         self.add(pending)
@@ -484,7 +501,7 @@ class StepWriter:
         *,
         policy: Policy,
         prepare: Callable[[Any], StepRecord] = _identity,
-        lighten: Callable[[Any], tuple[Any, int]] | None = None,
+        lighten: Callable[[Any], tuple[Any, int]] = lighten_record,
         heartbeat_seconds: float | None = None,
         on_written: Callable[[StepRecord], None] | None = None,
     ) -> None:
@@ -517,7 +534,7 @@ class StepWriter:
         database_url: str,
         spec: RunSpec,
         prepare: Callable[[Any], StepRecord],
-        lighten: Callable[[Any], tuple[Any, int]] | None = None,
+        lighten: Callable[[Any], tuple[Any, int]] = lighten_record,
         max_bytes: int = 256 * 2**20,
         heartbeat_seconds: float = 5.0,
         price_per_device_hour: float = 0.0,
