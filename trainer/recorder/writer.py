@@ -259,7 +259,6 @@ class Backlog:
             return
         if arrival.raw is not raw:  # lightened after it was read: the whole step was prepared
             self.dropped_rollouts -= arrival.dropped
-            arrival.light = False
         if pending.record.rollouts:  # a step with rollouts: what the next ones are counted at
             self.step_bytes = pending.size
         self.add(pending)
