@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         f"  token pieces       {pieces:8.1f}   (convert_ids_to_tokens: {loop:.1f}; the table once: {made:.1f})"
     )
 
-    laid = tags.TokenBytes(tokenizer)
+    laid = tags.TokenBytes(tokenizer, table)  # the preparer's pieces, as the callback shares them
     first = timed(lambda: [laid.layout(r, s) for r, s in zip(rows, spoken, strict=True)], 1)
     layout = timed(
         lambda: [laid.layout(r, s) for r, s in zip(rows, spoken, strict=True)], args.repeat
