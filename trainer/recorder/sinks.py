@@ -228,8 +228,20 @@ class SqlSink:
 
     def write(self, records: Sequence[StepRecord], drops: Drops) -> Wrote:
         """The steps in one transaction. A refused batch is written one step at a time to find
-        the step the database refuses or already has (a commit whose answer was lost)."""
+        the step the database refuses or already has (a commit whose answer was lost). After a
+        try that failed on the way (its commit may have landed, its answer lost), the steps the
+        run has already are found first and taken as written: written again, the first of
+        them is refused before any insert (out of order, or its rollouts recorded already)."""
         with self._reaching():
+            landed = self._landed(records) if self._uncertain else 0
+            if landed:
+                log.info(
+                    "Rollout Lens: step(s) %d-%d were already written",
+                    records[0].step,
+                    records[landed - 1].step,
+                )
+                self._uncertain = False
+                return Wrote(taken=landed, written=0)
             try:
                 self._commit(records)
             except (StepRefused, DBAPIError) as exc:
@@ -242,6 +254,16 @@ class SqlSink:
                 records = records[:1]
         self._uncertain = False
         return Wrote(taken=len(records), written=len(records))
+
+    def _landed(self, records: Sequence[StepRecord]) -> int:
+        """How many of the first `records` the run has already (a commit whose answer was
+        lost)."""
+        assert self.run_id is not None and self._factory is not None
+        with session_scope(self._factory) as session:
+            present = store.present_steps(
+                session, run_id=self.run_id, steps=[r.step for r in records]
+            )
+        return next((i for i, r in enumerate(records) if r.step not in present), len(records))
 
     def _settle(self, record: StepRecord, exc: StepRefused | DBAPIError) -> Wrote:
         """A step the database would not take: retry later (raised), already there, or
