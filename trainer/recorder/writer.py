@@ -11,7 +11,8 @@ server/core/retry.py), RunEnded when the run ended elsewhere, and anything else 
 Steps are written off the training thread, in order, by a daemon thread; the steps waiting when
 it wakes go to the sink together (up to BATCH_STEPS; one step each when training is slower than
 writing). A step is written once: a batch the store took but whose answer was lost is
-recognised on the retry (by its keys, or the step numbers the dashboard answers).
+recognised on the retry (the database sink asks which of its steps the run has; over HTTP, by
+the steps' keys and the step numbers the dashboard answers).
 
 What differs between runs is what to do while the store is away, a policy:
 
