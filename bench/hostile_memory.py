@@ -197,60 +197,50 @@ def parquet_with_completion(chars: int) -> bytes:
     return sink.getvalue()
 
 
-def hostile_names(
-    *,
-    piece_mb: int = 256,
-    zeros_mb: int = 150,
-    frames: int = 6,
-    pieces: int = 25_000,
-    rollouts: int = 100_000,
-    completion_mb: int = 256,
-) -> list[str]:
-    """The names of `hostile_bodies`'s bodies at these sizes, in its order, without building them
-    (a test parametrized by them builds the bodies only where it runs)."""
-    return [
-        f"Arrow-compressed piece of {piece_mb} MiB",
-        f"zstd frame of {zeros_mb} MiB of zeros",
-        f"{frames} zero-token frames of {pieces:,} pieces",
-        f"{rollouts:,} zero-token rollouts in a step",
-        f"Parquet with a {completion_mb} MiB completion",
-        f"Parquet whose footer hides a {completion_mb} MiB completion",
-    ]
+@dataclass(frozen=True)
+class Sizes:
+    """The hostile bodies' sizes (issue 48's by default)."""
+
+    piece_mb: int = 256
+    zeros_mb: int = 150
+    frames: int = 6
+    pieces: int = 25_000
+    rollouts: int = 100_000
+    completion_mb: int = 256
+
+    def names(self) -> list[str]:
+        """The names of `hostile_bodies`'s bodies, in its order, without building them (a test
+        parametrized by them builds the bodies only where it runs)."""
+        return [
+            f"Arrow-compressed piece of {self.piece_mb} MiB",
+            f"zstd frame of {self.zeros_mb} MiB of zeros",
+            f"{self.frames} zero-token frames of {self.pieces:,} pieces",
+            f"{self.rollouts:,} zero-token rollouts in a step",
+            f"Parquet with a {self.completion_mb} MiB completion",
+            f"Parquet whose footer hides a {self.completion_mb} MiB completion",
+        ]
 
 
-def hostile_bodies(
-    *,
-    piece_mb: int = 256,
-    zeros_mb: int = 150,
-    frames: int = 6,
-    pieces: int = 25_000,
-    rollouts: int = 100_000,
-    completion_mb: int = 256,
-) -> dict[str, Hostile]:
-    """Issue 48's bodies (its sizes by default), by `hostile_names`."""
+def hostile_bodies(sizes: Sizes = Sizes()) -> dict[str, Hostile]:
+    """Issue 48's bodies at `sizes`, by `Sizes.names`."""
     step, none = step_ipc(), rollouts_ipc(0)
     per_frame = [
-        frame([step_ipc(s), none, pieces_ipc(pieces, wire.MAX_PIECE_CHARS)])
-        for s in range(1, frames + 1)
+        frame([step_ipc(s), none, pieces_ipc(sizes.pieces, wire.MAX_PIECE_CHARS)])
+        for s in range(1, sizes.frames + 1)
     ]
-    parquet = parquet_with_completion(completion_mb * MB)
+    parquet = parquet_with_completion(sizes.completion_mb * MB)
+    piece = pieces_ipc(1, sizes.piece_mb * MB, "zstd")
     bodies = [
-        Hostile("steps", wire.body([frame([step, none, pieces_ipc(1, piece_mb * MB, "zstd")])])),
-        Hostile("steps", wire.body([zeros_frame(zeros_mb * MB)])),
+        Hostile("steps", wire.body([frame([step, none, piece])])),
+        Hostile("steps", wire.body([zeros_frame(sizes.zeros_mb * MB)])),
         Hostile("steps", wire.body(per_frame)),
-        Hostile("steps", wire.body([frame([step, rollouts_ipc(rollouts), pieces_ipc(0, 0)])])),
+        Hostile(
+            "steps", wire.body([frame([step, rollouts_ipc(sizes.rollouts), pieces_ipc(0, 0)])])
+        ),
         Hostile("import", parquet),
         Hostile("import", footer_lies(parquet, said=1_000)),
     ]
-    names = hostile_names(
-        piece_mb=piece_mb,
-        zeros_mb=zeros_mb,
-        frames=frames,
-        pieces=pieces,
-        rollouts=rollouts,
-        completion_mb=completion_mb,
-    )
-    return dict(zip(names, bodies, strict=True))
+    return dict(zip(sizes.names(), bodies, strict=True))
 
 
 # --- the server ---------------------------------------------------------------------------------

@@ -29,14 +29,14 @@ CAP = CAP_MB * 2**20
 # (bench.hostile_memory --cap-mb 4) and by 16.6 MiB in a full run, against 16.4 MiB of body
 # and budget.
 SERVER_OWN = 2**20
-SIZES = {
-    "piece_mb": 16 * CAP_MB,  # Arrow's own zstd inside the frame: 16 × the cap in one piece
-    "zeros_mb": 12 * CAP_MB,  # a frame that says (and holds) 12 × the cap of zeros
-    "frames": 6,
-    "pieces": 2_000,  # × 4,096 characters: 8 MB a frame, 48 MB in all, of zero-token frames
-    "rollouts": 100_000,
-    "completion_mb": 16 * CAP_MB,  # a Parquet file of a few KB
-}
+SIZES = bench.Sizes(
+    piece_mb=16 * CAP_MB,  # Arrow's own zstd inside the frame: 16 × the cap in one piece
+    zeros_mb=12 * CAP_MB,  # a frame that says (and holds) 12 × the cap of zeros
+    frames=6,
+    pieces=2_000,  # × 4,096 characters: 8 MB a frame, 48 MB in all, of zero-token frames
+    rollouts=100_000,
+    completion_mb=16 * CAP_MB,  # a Parquet file of a few KB
+)
 # What each is refused with: the status and the field (a wire body's) or words of the detail
 REFUSED = {
     "Arrow-compressed": (422, "steps[0].pieces"),
@@ -60,10 +60,10 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[bench.Dashbo
 @pytest.fixture(scope="module")
 def bodies() -> dict[str, bench.Hostile]:
     """Built where the tests run (about a second and 100 MB), not where they are collected."""
-    return bench.hostile_bodies(**SIZES)
+    return bench.hostile_bodies(SIZES)
 
 
-@pytest.mark.parametrize("name", bench.hostile_names(**SIZES))
+@pytest.mark.parametrize("name", SIZES.names())
 def test_a_hostile_body_is_refused_within_the_memory_bound(
     dashboard: bench.Dashboard, bodies: dict[str, bench.Hostile], name: str
 ) -> None:
