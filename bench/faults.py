@@ -51,7 +51,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from bench.synthetic import CONTROL_TOKENS, SyntheticRun
-from bench.tcp_proxy import TcpProxy
+from bench.tcp_proxy import database_proxy
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get(
@@ -175,11 +175,10 @@ def database_outage(
 ) -> FaultResult:
     """PostgreSQL goes away for `cut_seconds` under a writing run (a loopback proxy is cut)."""
     with pg_database(pg_url) as url:
-        parsed = make_url(url)
-        proxy = TcpProxy((parsed.host or "127.0.0.1", parsed.port or 5432))
+        proxy, through_proxy = database_proxy(url)
         proxy.start()
         direct = make_engine(url)
-        proxied = make_engine(parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(False))
+        proxied = make_engine(through_proxy)
         try:
             factory = make_session_factory(direct)
             run_id = new_run(factory, steps, RunStatus.running)

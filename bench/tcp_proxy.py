@@ -240,6 +240,17 @@ class _Direction:
             self.ends.ended()
 
 
+def database_proxy(url: str) -> tuple[TcpProxy, str]:
+    """A proxy (not started) in front of the database server at `url` (an SQLAlchemy URL), and
+    `url` through it."""
+    from sqlalchemy import make_url
+
+    parsed = make_url(url)
+    proxy = TcpProxy((parsed.host or "127.0.0.1", parsed.port or 5432))
+    through = parsed.set(host="127.0.0.1", port=proxy.port)
+    return proxy, through.render_as_string(hide_password=False)
+
+
 def _pipe(src: socket.socket, dst: socket.socket, flowing: threading.Event) -> None:
     try:
         while data := src.recv(65536):

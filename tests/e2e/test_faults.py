@@ -32,11 +32,10 @@ from rollout_lens.server.store.migrate import upgrade
 from rollout_lens.server.store.models import RunRow, RunStatus
 from rollout_lens.server.webapp.app import create_app
 from sqlalchemy import Engine
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from bench import faults
-from bench.tcp_proxy import TcpProxy
+from bench.tcp_proxy import database_proxy
 from tests import factories
 from tests.waiting import returns
 
@@ -107,10 +106,8 @@ def wait_for(
 @pytest.mark.redis
 def test_a_worker_rides_out_postgresql_going_away(tmp_path: Path, tiny_model_dir: Path) -> None:
     with faults.pg_database() as url, faults.RedisServer(tmp_path / "redis") as broker:
-        parsed = make_url(url)
-        proxy = TcpProxy((parsed.host or "127.0.0.1", parsed.port or 5432))
+        proxy, through_proxy = database_proxy(url)
         proxy.start()
-        through_proxy = parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(False)
         engine = make_engine(url)  # the test reads directly, never through the proxy
         factory = make_session_factory(engine)
         worker = Worker(
@@ -151,10 +148,9 @@ def test_a_database_that_stays_away_fails_the_writer_clearly(
 ) -> None:
     from rollout_lens.trainer.recorder.writer import StepWriter
 
-    parsed = make_url(pg_database_url)
-    proxy = TcpProxy((parsed.host or "127.0.0.1", parsed.port or 5432))
+    proxy, through_proxy = database_proxy(pg_database_url)
     proxy.start()
-    engine = make_engine(parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(False))
+    engine = make_engine(through_proxy)
     factory = make_session_factory(engine)
     run_id = factories.make_run(factory, steps=2)
     writer = StepWriter.for_launched(

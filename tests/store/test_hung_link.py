@@ -22,9 +22,8 @@ from rollout_lens.trainer.recorder.writer import (
     lighten_record,
     record_size,
 )
-from sqlalchemy import make_url
 
-from bench.tcp_proxy import TcpProxy
+from bench.tcp_proxy import database_proxy
 from tests.factories import load_run, make_rollouts, recorder_spec
 from tests.waiting import until
 
@@ -43,10 +42,8 @@ def test_a_hung_link_holds_the_budget_and_writes_every_step_once_back(
     pg_database_url: str, _pg_reset: Callable[[], None], process: bool
 ) -> None:
     _pg_reset()
-    pg = make_url(pg_database_url)
-    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
+    proxy, via_proxy = database_proxy(pg_database_url)
     proxy.start()
-    via_proxy = pg.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     budget = BUDGET_STEPS * record_size(_step(1))
     spec = recorder_spec("hung", total_steps=STEPS)
     sink = script_sink(via_proxy, process=process, spec=spec, price=0.0, wait_ms=0, resume=None)

@@ -18,7 +18,7 @@ from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import make_url, text
 from sqlalchemy.exc import OperationalError
 
-from bench.tcp_proxy import TcpProxy
+from bench.tcp_proxy import database_proxy
 from tests.factories import load_run, make_rollouts, recorder_spec
 from tests.waiting import returns, until
 
@@ -57,10 +57,8 @@ def blackhole() -> Iterator[Blackhole]:
 def test_a_silent_link_ends_a_query_within_the_bound_and_the_pool_goes_on(
     pg_database_url: str, blackhole: Blackhole
 ) -> None:
-    pg = make_url(pg_database_url)
-    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
+    proxy, url = database_proxy(pg_database_url)
     proxy.start()
-    url = pg.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     engine = make_engine(url, link_timeout_s=2.0)
     try:
         with engine.connect() as conn:
@@ -109,10 +107,9 @@ def test_a_scripts_recorder_outlives_a_silent_link(
 
     caplog.set_level(logging.WARNING, logger="rollout_lens")
     _pg_reset()
-    pg = make_url(pg_database_url)
-    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
+    proxy, through = database_proxy(pg_database_url)
     proxy.start()
-    url = pg.set(host="127.0.0.1", port=proxy.port, query={"tcp_user_timeout": "2000"})
+    url = make_url(through).update_query_dict({"tcp_user_timeout": "2000"})
     writer = StepWriter.for_script(
         database_url=url.render_as_string(hide_password=False),
         spec=recorder_spec("silent", total_steps=6),

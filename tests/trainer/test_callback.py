@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 from rollout_lens.server.core.config import Settings
-from sqlalchemy.engine import make_url
 from transformers import AutoTokenizer, TrainerCallback
 
-from bench.tcp_proxy import TcpProxy
+from bench.tcp_proxy import TcpProxy, database_proxy
 from tests import user_script as us
 from tests.factories import load_run
 from tests.prompt_lens_support import assert_lens_matches
@@ -261,9 +260,7 @@ def test_database_down_at_start_and_mid_run(
     from rollout_lens import RolloutLensCallback
 
     upgrade(make_engine(pg_database_url))  # the session's database, emptied below
-    pg = make_url(pg_database_url)
-    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
-    via_proxy = pg.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    proxy, via_proxy = database_proxy(pg_database_url)
     _empty(pg_database_url)
     outage = _Outage(proxy, via_proxy, up_at={3, 6}, down_at={4})
     seen = Seen()
@@ -311,9 +308,7 @@ def test_bounded_buffer_drops_rollouts_first_and_counts_them(
     caplog.set_level(logging.INFO, logger="rollout_lens")
     settings = get_settings().model_copy(update={"writer_process": process})
 
-    pg = make_url(pg_database_url)
-    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
-    via_proxy = pg.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    proxy, via_proxy = database_proxy(pg_database_url)
     _empty(pg_database_url)
     outage = _Outage(proxy, via_proxy, up_at=set(), down_at=set())  # back only at the end
     recorder = RolloutLensCallback(
@@ -382,10 +377,8 @@ def test_a_hung_database_link_keeps_the_budget_and_every_steps_reward(
     written, and what was dropped is counted on the run."""
     from rollout_lens import RolloutLensCallback
 
-    pg = make_url(pg_database_url)
-    proxy = TcpProxy((pg.host or "127.0.0.1", pg.port or 5432))
+    proxy, via_proxy = database_proxy(pg_database_url)
     proxy.start()
-    via_proxy = pg.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     _empty(pg_database_url)
     recorder = RolloutLensCallback(project="hung", database_url=via_proxy, buffer_mb=0.015)
     hang = _Hang(proxy, pg_database_url, recorder)
