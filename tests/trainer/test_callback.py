@@ -349,8 +349,8 @@ class _Hang(TrainerCallback):
     step 1 is written, until the end of training (listed before the recorder, which hands a
     step over at the next one's end: step 1 at step 2's, so the hold comes at step 3's)."""
 
-    def __init__(self, proxy: TcpProxy, url: str, recorder: Any) -> None:
-        self.proxy, self.url, self.recorder = proxy, url, recorder
+    def __init__(self, proxy: TcpProxy, recorder: Any) -> None:
+        self.proxy, self.recorder = proxy, recorder
         self.during: tuple[int, int, int] | None = None  # written, dropped rollouts, steps
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -381,7 +381,7 @@ def test_a_hung_database_link_keeps_the_budget_and_every_steps_reward(
     proxy.start()
     _empty(pg_database_url)
     recorder = RolloutLensCallback(project="hung", database_url=via_proxy, buffer_mb=0.015)
-    hang = _Hang(proxy, pg_database_url, recorder)
+    hang = _Hang(proxy, recorder)
     seen = Seen()
     try:
         _train(

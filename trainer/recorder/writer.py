@@ -238,8 +238,9 @@ class Backlog:
                 continue
             waiting.raw, waiting.light, waiting.dropped = light, True, dropped
             self.dropped_rollouts += dropped
-            self.inbox_bytes -= waiting.size - min(waiting.size, LIGHT_BYTES)
-            waiting.size = min(waiting.size, LIGHT_BYTES)
+            light_size = min(waiting.size, LIGHT_BYTES)
+            self.inbox_bytes -= waiting.size - light_size
+            waiting.size = light_size
         while len(self.inbox) > 1 and self.inbox[0].light and self.inbox_bytes > self.max_bytes:
             self.inbox_bytes -= self.inbox.popleft().size
             self.dropped_steps += 1
