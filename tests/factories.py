@@ -79,6 +79,13 @@ def step_record(
     )
 
 
+def seeded_step(step: int, *, group_size: int = 4, completion: str | None = None) -> StepRecord:
+    """A step of one group of make_rollouts (seeded by the step number) and a mean reward of 0.5:
+    what a recorder's tests hand a writer."""
+    rollouts = make_rollouts(random.Random(step), group_size=group_size, completion=completion)
+    return step_record(step, values={"reward_mean": 0.5}, rollouts=rollouts)
+
+
 def record_step(
     factory: sessionmaker[Session],
     run_id: int,

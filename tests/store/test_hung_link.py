@@ -7,7 +7,6 @@ gives up on it. Once it is back every step is written, with what was dropped cou
 from __future__ import annotations
 
 import gc
-import random
 import weakref
 from collections.abc import Callable
 
@@ -24,7 +23,7 @@ from rollout_lens.trainer.recorder.writer import (
 )
 
 from bench.tcp_proxy import database_proxy
-from tests.factories import load_run, make_rollouts, recorder_spec
+from tests.factories import load_run, recorder_spec, seeded_step
 from tests.waiting import until
 
 STEPS = 30
@@ -32,8 +31,7 @@ BUDGET_STEPS = 4  # the budget, in steps of this test's size
 
 
 def _step(step: int) -> StepRecord:
-    rollouts = make_rollouts(random.Random(step), group_size=4, listed=4, completion="x" * 20_000)
-    return StepRecord(step=step, rollout_step=step, values={"reward_mean": 0.5}, rollouts=rollouts)
+    return seeded_step(step, completion="x" * 20_000)  # some 80 KB a step
 
 
 @pytest.mark.postgres

@@ -8,26 +8,19 @@ launched run (CI, 6 Dec 2026) and dropped a script's step that was in the databa
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any
 
 import pytest
 from rollout_lens.server import store
-from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.writing import RunWriter
 from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec
+from tests.factories import CONTROL_TOKENS, load_run, recorder_spec, seeded_step
 
 STEPS = 5
-
-
-def _step(step: int) -> StepRecord:
-    rollouts = make_rollouts(random.Random(step), group_size=4, listed=4)
-    return StepRecord(step=step, rollout_step=step, values={"reward_mean": 0.5}, rollouts=rollouts)
 
 
 def _lose_the_answer_of(monkeypatch: pytest.MonkeyPatch, step: int) -> list[int]:
@@ -72,7 +65,7 @@ def test_a_batch_whose_answer_was_lost_is_taken_as_written(
         spec = recorder_spec("lost", total_steps=STEPS)
         writer = StepWriter.for_script(database_url=url, spec=spec, prepare=lambda raw: raw)
     for step in range(1, STEPS + 1):
-        writer.put(_step(step))
+        writer.put(seeded_step(step))
     assert writer.close() is True  # a launched run raises its writer's error here
     run, rows, steps, _ = load_run(url, writer.run_id)  # type: ignore[arg-type]
     assert lost and 2 in lost  # the answer of a batch with step 2 was lost ...

@@ -12,14 +12,13 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
-from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store.db import PG_LINK_TIMEOUT_S, make_engine
 from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import make_url, text
 from sqlalchemy.exc import OperationalError
 
 from bench.tcp_proxy import database_proxy
-from tests.factories import load_run, make_rollouts, recorder_spec
+from tests.factories import load_run, recorder_spec, seeded_step
 from tests.waiting import returns, until
 
 
@@ -103,7 +102,6 @@ def test_a_scripts_recorder_outlives_a_silent_link(
     steps wait in the budget, and all of them are written once the link carries again (by the
     writer's child, the default: its thread uses the same engine)."""
     import logging
-    import random
 
     caplog.set_level(logging.WARNING, logger="rollout_lens")
     _pg_reset()
@@ -117,17 +115,13 @@ def test_a_scripts_recorder_outlives_a_silent_link(
         process=True,
     )
 
-    def step(n: int) -> StepRecord:
-        rollouts = make_rollouts(random.Random(n), group_size=4, listed=4)
-        return StepRecord(step=n, rollout_step=n, values={"reward_mean": 0.5}, rollouts=rollouts)
-
     try:
-        writer.put(step(1))
+        writer.put(seeded_step(1))
         until(lambda: writer.written_steps == 1, "step 1 written")
         blackhole.drop(proxy.port)
         try:
             for n in range(2, 7):
-                writer.put(step(n))
+                writer.put(seeded_step(n))
             # the write of step 2 fails at the bound: the writer says the database is away
             until(lambda: "database is unreachable" in caplog.text, "the outage said")
         finally:

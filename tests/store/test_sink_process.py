@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 from pathlib import Path
 
@@ -17,17 +16,12 @@ from rollout_lens.trainer.recorder.sink_process import ProcessSink
 from rollout_lens.trainer.recorder.sinks import SqlSink
 from rollout_lens.trainer.recorder.writer import StepWriter
 
-from tests.factories import load_run, make_rollouts, recorder_spec
+from tests.factories import load_run, recorder_spec, seeded_step
 from tests.waiting import until
 
 
 def _step(step: int) -> StepRecord:
-    return StepRecord(
-        step=step,
-        rollout_step=step,
-        values={"reward_mean": 0.5},
-        rollouts=make_rollouts(random.Random(step), group_size=8, listed=4),
-    )
+    return seeded_step(step, group_size=8)
 
 
 def _writer(url: str, **kw: object) -> StepWriter:
