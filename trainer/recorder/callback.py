@@ -437,11 +437,7 @@ class RolloutLensCallback(TrainerCallback):
         parts = raw["captured"]
         if not parts:  # a step that reuses a generation: nothing to take off, light already
             return dict(raw), 0
-        totals = [
-            np.nansum(np.asarray(p.rewards, dtype=np.float64) * np.asarray(p.weights), axis=1)
-            for p in parts
-            if p.inputs
-        ]
+        totals = [p.total_rewards() for p in parts if p.inputs]
         rollouts = sum(len(p.inputs) for p in parts)
         kept = {"reward_mean": float(np.concatenate(totals).mean())} if totals else {}
         return {**raw, "captured": [], "kept": kept}, rollouts

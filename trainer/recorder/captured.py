@@ -99,6 +99,12 @@ class Captured:
             if found is not None:
                 sample.read(*found)
 
+    def total_rewards(self) -> np.ndarray:
+        """Each rollout's total reward [n], its functions' weighted sum over those that gave
+        one (as `_build` sets each record's), without building the Samples."""
+        rewards = np.asarray(self.rewards, dtype=np.float64)  # [n × functions], NaN: none given
+        return np.nansum(rewards * np.asarray(self.weights), axis=1)
+
     def _build(self) -> list[Sample]:
         ids_list = self.ids
         rewards = self.rewards.tolist()
