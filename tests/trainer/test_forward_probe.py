@@ -439,3 +439,38 @@ def test_generate_probe_hands_float64_arrays_position_by_token() -> None:
         assert control[row].dtype == np.float64 and control[row].shape == (len(ids), 2)
         expected = dist[: len(ids), control_ids].exp().numpy()
         assert control[row] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("fold", [None, 1, 2, 3])
+def test_sampling_probe_reads_each_token_from_the_scores_it_was_drawn_from(
+    monkeypatch: pytest.MonkeyPatch, fold: int | None
+) -> None:
+    """SamplingProbe keeps each position's scores and reads them a span at a time (FOLD_BYTES:
+    here every `fold` positions, or once at the end): whatever the span, each row's log p of
+    each token equals the log-softmax of the scores it was drawn from, the tokens from the next
+    call's input_ids and the last from the completion ids; a row cut short keeps its own
+    length; GenerationProbe too, whose kept scores are log-probabilities."""
+    from rollout_lens.trainer.recorder import probe as probe_module
+    from rollout_lens.trainer.recorder.probe import GenerationProbe, SamplingProbe
+
+    vocab, batch = 6, 2
+    if fold is not None:
+        monkeypatch.setattr(probe_module, "FOLD_BYTES", fold * batch * vocab * 4)
+    generator = torch.Generator().manual_seed(1)
+    scores = [torch.randn(batch, vocab, generator=generator) for _ in range(5)]
+    scores[2][0, 3] = -math.inf  # a token a warper filtered out, never drawn
+    rows = [[4, 2, 5, 0, 1], [1, 3, 2]]  # the second row stopped after three tokens
+    probes = [SamplingProbe(), GenerationProbe([1], 1.0)]
+    for probe in probes:
+        seq = torch.tensor([[7], [7]])
+        for t, step in enumerate(scores):
+            probe(seq, step)
+            drawn = torch.tensor([[rows[0][t]], [rows[1][t] if t < len(rows[1]) else 0]])
+            seq = torch.cat([seq, drawn], dim=1)
+        assert probe.positions == len(scores)
+        got = probe.sampled(rows)
+        for row, ids in enumerate(rows):
+            dist = torch.log_softmax(torch.stack(scores)[:, row], dim=-1).double()
+            want = [dist[t, token].item() for t, token in enumerate(ids)]
+            assert got[row].dtype == np.float64
+            assert got[row].tolist() == pytest.approx(want, rel=1e-6)

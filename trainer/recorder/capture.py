@@ -275,6 +275,7 @@ class RolloutCapture:
         self._next_row = 0  # row ids are unique over the run
         self._pending: list[_Pending] = []  # generations waiting for their loss passes
         self._wanted: set[int] = set()  # their row ids not read yet
+        self._unwrapped: tuple[Any, Any] | None = None  # (trainer.model, the model inside it)
         self.reading = choose_reading(trainer, reading, self.notes)
         self.probing = self.reading is not None
 
@@ -336,8 +337,7 @@ class RolloutCapture:
         sampling = None
         if trainer.model.training and generates_locally(trainer):
             sampling = SamplingProbe()  # the generator's own logprobs
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        with bound(model, probe, sampling, batched=batches(trainer)):
+        with bound(self._model(), probe, sampling, batched=batches(trainer)):
             result = original(*args, **kwargs)
         if not self.tool_calling:  # one call per generation: no turns to stitch
             self._gen.calls = [(probe, [])] if probe is not None else []
@@ -352,6 +352,14 @@ class RolloutCapture:
                 self._gen.prompt_ids = [[int(t) for t in p] for p in prompt_ids]
             self._gen.calls.append((probe, returned))
         return result
+
+    def _model(self) -> Any:
+        """The model inside the trainer's, found once a wrapping (accelerate's unwrap_model
+        asks the file system whether deepspeed is installed on every call)."""
+        wrapped = self.trainer.model
+        if self._unwrapped is None or self._unwrapped[0] is not wrapped:
+            self._unwrapped = (wrapped, self.trainer.accelerator.unwrap_model(wrapped))
+        return self._unwrapped[1]
 
     def _replace(self, probe: GenerationProbe | None, args: tuple[Any, ...], result: Any) -> Any:
         """The hooks' replacement completions (expert replies), measured by a forward pass when
