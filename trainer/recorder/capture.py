@@ -318,7 +318,7 @@ class RolloutCapture:
         trainer = self.trainer
         training = bool(trainer.model.training) and not self.tool_calling
         training = training and len(args) >= 4  # (prompt_ids, images, fields, num_generations)
-        if training:
+        if training and self._hooked("sampling_prompts"):
             sampled_from, meta = self.hooks.sampling_prompts(
                 trainer, list(args[0]), self._gen.inputs, int(args[3])
             )
@@ -342,7 +342,8 @@ class RolloutCapture:
         if not self.tool_calling:  # one call per generation: no turns to stitch
             self._gen.calls = [(probe, [])] if probe is not None else []
             self._gen.sampling = [(sampling, [])] if sampling is not None else []
-            return self._replace(probe, args, result) if training else result
+            replacing = training and self._hooked("replace_completions")
+            return self._replace(probe, args, result) if replacing else result
         prompt_ids, completion_ids = _call_ids(result, args, kwargs)
         returned = [[int(t) for t in ids] for ids in completion_ids]
         if sampling is not None:
@@ -352,6 +353,11 @@ class RolloutCapture:
                 self._gen.prompt_ids = [[int(t) for t in p] for p in prompt_ids]
             self._gen.calls.append((probe, returned))
         return result
+
+    def _hooked(self, name: str) -> bool:
+        """Whether the run's hooks do something at `name` (a method GenerationHooks leaves as
+        it is costs nothing, not even the copies of every row's ids it would be handed)."""
+        return getattr(type(self.hooks), name) is not getattr(GenerationHooks, name)
 
     def _model(self) -> Any:
         """The model inside the trainer's, found once a wrapping (accelerate's unwrap_model
@@ -474,7 +480,7 @@ class RolloutCapture:
             self._wanted.update(self._gen.rows)
             pending = True
         local = self._gen.captured(self, output, read_now=not pending)
-        if type(self.hooks).on_generation is not GenerationHooks.on_generation:
+        if self._hooked("on_generation"):
             self.hooks.on_generation(local.samples())  # built now: a hook wants them
         step = trainer.state.global_step + 1
         if pending:

@@ -398,6 +398,12 @@ class ForwardProbe:
         self.logit_scale = _logit_scale(config)
         # row id -> its first reading: the chunk that read it and its row there
         self.readings: dict[int, tuple[ForwardReading, int]] = {}
+        self._id_tensors: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+
+    @property
+    def _head(self) -> Any:
+        """The LM head (its weights change as training goes, never the module)."""
+        return self.model.get_output_embeddings()
 
     def backbone(self) -> torch.nn.Module:
         """The module whose output feeds the LM head (what TRL's fused forward calls)."""
@@ -458,7 +464,7 @@ class ForwardProbe:
 
     def _chunk(self, hidden: torch.Tensor, labels: torch.Tensor) -> _Chunk:
         with torch.no_grad():
-            ids = torch.tensor(self.control_ids, device=hidden.device)
+            ids = self._ids(self.control_ids, hidden.device)
             control_rows = self._rows(ids)
             sampled_parts, control_parts = [], []
             # a few rows at a time: the float32 copies (hidden states, the sampled tokens' head
@@ -467,38 +473,45 @@ class ForwardProbe:
             for start in range(0, hidden.size(0), step):
                 h = hidden[start : start + step].detach().float()
                 y = labels[start : start + step]
-                dots = torch.einsum("bkh,bkh->bk", h, self._rows(y))
+                dots = (h * self._rows(y)).sum(dim=-1)  # (b, K): each position's h·W[y]
                 sampled_parts.append(self._logits(dots, y))
                 control_parts.append(self._logits(h @ control_rows.T, ids))
-            sampled = torch.cat(sampled_parts)
-            control = torch.cat(control_parts)
+            sampled = sampled_parts[0] if len(sampled_parts) == 1 else torch.cat(sampled_parts)
+            control = control_parts[0] if len(control_parts) == 1 else torch.cat(control_parts)
             watched: dict[int, tuple[int, torch.Tensor]] = {}
             h = hidden
             if self.watch_ids and self.after_token_id is not None:
                 # the first position right after the opening tag (never the completion's first)
                 after = labels[:, :-1] == self.after_token_id
-                ids = torch.tensor(self.watch_ids, device=h.device)
+                ids = self._ids(self.watch_ids, h.device)
                 for r in after.any(dim=1).nonzero().flatten().tolist():
                     position = int(after[r].nonzero()[0]) + 1
                     z = h[r, position].detach().float() @ self._rows(ids).T
                     watched[r] = (position, self._logits(z, ids))
         return _Chunk(sampled, control, watched)
 
+    def _ids(self, ids: list[int], device: torch.device) -> torch.Tensor:
+        """`ids` as a tensor on `device`, made once."""
+        key = (tuple(ids), str(device))
+        found = self._id_tensors.get(key)
+        if found is None:
+            found = self._id_tensors[key] = torch.tensor(ids, device=device)
+        return found
+
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The LM head's weight rows of `ids`, float32."""
-        head = self.model.get_output_embeddings()
-        return head.weight[ids].detach().float()  # type: ignore[index,union-attr]
+        return self._head.weight[ids].detach().float()  # type: ignore[index,union-attr]
 
     def _logits(self, dots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """z = f(h·W + b) / T, as TRL's fused head transforms its logits."""
-        head = self.model.get_output_embeddings()
-        bias = getattr(head, "bias", None)
+        """z = f(h·W + b) / T, as TRL's fused head transforms its logits (a factor of 1 is
+        not applied: the same numbers, two tensor operations fewer)."""
+        bias = getattr(self._head, "bias", None)
         if bias is not None:
             dots = dots + bias[ids].detach().float()
-        z = dots * self.logit_scale
+        z = dots * self.logit_scale if self.logit_scale != 1.0 else dots
         if self.softcap is not None:
             z = self.softcap * torch.tanh(z / self.softcap)
-        return z / self.temperature
+        return z / self.temperature if self.temperature != 1.0 else z
 
     def taken(self, rows: Sequence[int]) -> list[ForwardRow | None]:
         """The readings of `rows` (None: not read), taken out of the probe: each chunk they were
