@@ -202,3 +202,34 @@ def test_every_source_writes_through_the_one_writer() -> None:
             text = path.read_text(encoding="utf-8")
             for call in ("Recorder", "record_step", "write_batch", "write_steps", "add_rollouts"):
                 assert not re.search(rf"(?:(?<![\w.])|store\.){call}\(", text), (path, call)
+
+
+ROOT = SERVER.parent
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 60  # docs/architecture.md: small rooms
+
+
+def _rooms() -> list[tuple[str, str, int, int]]:
+    """(kind, file:name, lines, limit) of every class and function of the package's code
+    (rollout_lens/, server/, trainer/; not migrations or tests), decorators left out."""
+    found = []
+    for folder in ("rollout_lens", "server", "trainer"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef):
+                    kind, limit = "class", MAX_CLASS_LINES
+                elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    kind, limit = "function", MAX_FUNCTION_LINES
+                else:
+                    continue
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                found.append((kind, f"{path.relative_to(ROOT)}:{node.name}", lines, limit))
+    return found
+
+
+def test_no_class_or_function_outgrows_its_room() -> None:
+    """No class over 300 lines and no function over 60, docstrings included (issue 50's small
+    rooms: a room that grows past them is split, not waved through)."""
+    rooms = _rooms()
+    assert any(kind == "class" for kind, *_ in rooms) and len(rooms) > 500
+    over = [(kind, where, lines) for kind, where, lines, limit in rooms if lines > limit]
+    assert not over, over

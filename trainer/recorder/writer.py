@@ -304,6 +304,12 @@ class Backlog:
         self.bytes = self.inbox_bytes = 0
         return left
 
+    def drop_all(self) -> int:
+        """Every step waiting dropped and counted; how many."""
+        left = self.clear()
+        self.dropped_steps += left
+        return left
+
     def drops(self) -> tuple[int, int]:
         return self.dropped_steps, self.dropped_rollouts
 
@@ -666,9 +672,8 @@ class StepWriter:
                 self._final = (status, error)
                 self._deadline = time.monotonic() + timeout
                 self.sink.deadline = None if self._delivery.waits else self._deadline
-                self._delivery.retry_at = min(
-                    self._delivery.retry_at, time.monotonic()
-                )  # try once more now
+                # try once more now
+                self._delivery.retry_at = min(self._delivery.retry_at, time.monotonic())
                 self._wake.notify_all()
         self._thread.join(None if self._delivery.waits else timeout + self.sink.final_seconds + 5.0)
         left = len(self.backlog) + self._lost_at_close
@@ -734,9 +739,7 @@ class StepWriter:
         """BufferAndDrop: close's timeout ran out with steps waiting: they are dropped and
         counted, and the run's end is tried once more (the sink says within what time)."""
         with self._wake:
-            left = self.backlog.clear()
-            self.backlog.dropped_steps += left
-            self._lost_at_close = left
+            self._lost_at_close = self.backlog.drop_all()
             self._wake.notify_all()
         self._finish(late=True)
 
@@ -789,7 +792,7 @@ class StepWriter:
             return
         self._gave_up = short(exc)
         with self._wake:
-            self.backlog.dropped_steps += self.backlog.clear()
+            self.backlog.drop_all()
             self._wake.notify_all()
         log.error("Rollout Lens: recording stopped, training goes on: %s", self._gave_up)
 
