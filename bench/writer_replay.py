@@ -48,10 +48,10 @@ def captured_run(
     specs: list[Any] = []
     take, commit = StepWriter._take, SqlSink._commit
 
-    def taking(self: StepWriter, raw: Any) -> None:
-        raws.append(pickle.dumps(raw))
+    def taking(self: StepWriter, arrival: Any) -> None:
+        raws.append(pickle.dumps(arrival.raw))
         prepares.append(self.prepare)
-        take(self, raw)
+        take(self, arrival)
 
     def committing(self: SqlSink, batch: Any) -> None:
         records.extend(pickle.dumps(r) for r in batch)
@@ -63,7 +63,9 @@ def captured_run(
     try:
         torch.set_num_threads(1)  # as bench/overhead_script.py trains
         model = str(prebuilt.ensure(prebuilt.TINY, get_settings().models_dir))
-        overhead_script.one_run(model, tmp / "run", steps, f"sqlite:///{tmp / 'run.db'}")
+        # the writer's sink in this process, where its commits can be kept
+        url = f"sqlite:///{tmp / 'run.db'}"
+        overhead_script.one_run(model, tmp / "run", steps, url, writer_process=False)
     finally:
         StepWriter._take, SqlSink._commit = take, commit  # type: ignore[method-assign]
     return raws, prepares[-1], records, specs[-1]

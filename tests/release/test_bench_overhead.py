@@ -1,6 +1,6 @@
 """bench/overhead.py's --shape option on a small shape, so the widened model and the held-back
-end of turn keep working, and bench/overhead_script.py's three arms (their figures are for
-people; a few steps here only show they run)."""
+end of turn keep working, bench/overhead_script.py's three arms and bench/writer_replay.py's
+two halves (their figures are for people; a few steps here only show they run)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,16 @@ def test_the_user_script_bench_runs_its_three_arms(capsys: pytest.CaptureFixture
     assert "ratio callback/plain: median of pairs" in out
     assert "ratio thread/plain: median of pairs" in out and "target ≤ 1.05" in out
     assert "CPU a step, the training thread alone" in out
+
+
+@pytest.mark.slow
+def test_the_writer_replay_bench_replays_both_halves(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import writer_replay
+
+    assert writer_replay.main(["--steps", "8", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "captured 8 steps (8 records)" in out
+    assert "prepare: thread CPU a step" in out and "commit: thread CPU a step" in out
 
 
 def test_a_shape_names_rollouts_tokens_and_vocabulary() -> None:
