@@ -488,6 +488,7 @@ class Recorder:
         self.unindexed: list[tuple[int, str]] = search.unindexed(
             conn, run_id=run_id, token_texts=self.tokens.texts
         )
+        self.words = search.WordNumbers()  # PostgreSQL: the search words this writer numbered
 
     @property
     def token_texts(self) -> dict[int, str]:
@@ -717,9 +718,18 @@ class Recorder:
 
     def index(self, conn: Connection) -> None:
         """Make the rollouts written so far searchable (in the caller's transaction)."""
+        self.words.begin()
         if self.unindexed:
-            search.index_rollouts(conn, run_id=self.run_id, rows=self.unindexed)
+            rows = self.unindexed
+            search.index_rollouts(conn, run_id=self.run_id, rows=rows, words=self.words)
             self.unindexed = []
+
+    def index_failed(self, rows: list[tuple[int, str]]) -> None:
+        """The transaction of `index` failed and this recorder is kept (writing.index_written):
+        its rollouts `rows` wait again, and the word numbers it found are not the database's."""
+        self.words.discard()
+        if self.unindexed is not rows:  # index took them before the commit failed
+            self.unindexed = rows + self.unindexed
 
 
 def _generator_blob(rollout: RolloutRecord) -> bytes | None:

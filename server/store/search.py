@@ -97,12 +97,19 @@ def fts5_query(terms: Sequence[tuple[str, bool]]) -> str:
     return " ".join(f'"{word}"' + ("*" if prefix else "") for word, prefix in terms)
 
 
-def index_rollouts(conn: Connection, *, run_id: int, rows: Sequence[tuple[int, str]]) -> None:
-    """Index (rollout id, completion text) pairs of one run."""
+def index_rollouts(
+    conn: Connection,
+    *,
+    run_id: int,
+    rows: Sequence[tuple[int, str]],
+    words: WordNumbers | None = None,
+) -> None:
+    """Index (rollout id, completion text) pairs of one run (PostgreSQL: the word numbers
+    `words` knows are not asked for again)."""
     if not rows:
         return
     if conn.dialect.name == "postgresql":
-        _index_postgres(conn, run_id, rows)
+        _index_postgres(conn, run_id, rows, words)
         return
     table = fts_table(run_id)
     conn.exec_driver_sql(
@@ -173,18 +180,59 @@ def word_numbers(conn: Connection, keys: set[str]) -> dict[str, int]:
     return {word: number for word, number in rows}
 
 
-def _number_arrays(conn: Connection, rows: Sequence[tuple[int, str]]) -> list[str]:
+class WordNumbers:
+    """PostgreSQL: the search_words numbers one writer has used, so that a step asks the
+    database only for the keys it has not numbered before (a run's words recur: at the scale
+    bench's shape, numbering a step's tens of thousands of keys took a fifth of its indexing).
+    A number never changes once committed (search_words only grows, nothing deletes from it);
+    the ones found in a transaction that then fails are taken back (`discard`). A store
+    Recorder keeps one, and calls `begin` as its indexing starts: what it numbered before has
+    committed, or the Recorder would have been thrown away (server.store.writing)."""
+
+    LIMIT = 500_000  # keys kept (some 60 MB); past it they are asked for again
+
+    def __init__(self) -> None:
+        self.known: dict[str, int] = {}
+        self._fresh: list[str] = []  # numbered in the transaction under way
+
+    def begin(self) -> None:
+        self._fresh = []
+
+    def discard(self) -> None:
+        """The transaction under way failed: its numbers are not the database's."""
+        for key in self._fresh:
+            self.known.pop(key, None)
+        self._fresh = []
+
+    def numbers(self, conn: Connection, keys: set[str]) -> dict[str, int]:
+        """A mapping that holds each of `keys`' numbers (word_numbers), the new ones asked."""
+        unknown = keys.difference(self.known)
+        if len(self.known) + len(unknown) > self.LIMIT:
+            self.known, self._fresh, unknown = {}, [], set(keys)
+        if unknown:
+            found = word_numbers(conn, unknown)
+            self.known.update(found)
+            self._fresh.extend(found)
+        return self.known
+
+
+def _number_arrays(
+    conn: Connection, rows: Sequence[tuple[int, str]], words: WordNumbers | None = None
+) -> list[str]:
     """PostgreSQL: each (id, text) row's keys (search_keys) as the int4[] literal of their
-    numbers, sorted, numbering the new ones."""
+    numbers, sorted, numbering the new ones (those `words` knows are not asked for)."""
     keys = [spaced_keys(found) for found in spaced([t for _, t in rows])]
-    numbers = word_numbers(conn, set().union(*keys))
+    wanted = set().union(*keys)
+    numbers = word_numbers(conn, wanted) if words is None else words.numbers(conn, wanted)
     number = numbers.__getitem__
     return ["{" + ",".join(map(str, sorted(map(number, found)))) + "}" for found in keys]
 
 
-def _index_postgres(conn: Connection, run_id: int, rows: Sequence[tuple[int, str]]) -> None:
+def _index_postgres(
+    conn: Connection, run_id: int, rows: Sequence[tuple[int, str]], words: WordNumbers | None
+) -> None:
     ids = [rollout_id for rollout_id, _ in rows]
-    arrays_ = _number_arrays(conn, rows)
+    arrays_ = _number_arrays(conn, rows, words)
     conn.exec_driver_sql(
         "INSERT INTO rollout_search (rollout_id, run_id, words) SELECT i, %s, w::integer[] "
         "FROM unnest(%s::integer[], %s::text[]) AS u(i, w)",

@@ -100,11 +100,13 @@ def index_written(engine: Engine, recorder: Recorder) -> None:
     if not recorder.unindexed:
         return
     start = time.perf_counter()
+    rows = recorder.unindexed
     try:
         with engine.begin() as conn:
             recorder.index(conn)
         recorder.index_seconds = time.perf_counter() - start
     except DBAPIError as exc:
+        recorder.index_failed(rows)
         log.warning("Rollout Lens: search indexing of run %d put off: %s", recorder.run_id, exc)
 
 

@@ -577,3 +577,85 @@ def test_words_in_prompts_find_every_rollout_of_those_prompts(
             (walk,) = [(s, p) for s, p in ran if "WITH RECURSIVE" in s]
             used = {n.get("Index Name") for n in _plan_nodes(_plan(engine, *walk))}
             assert search.RUN_PROMPTS_INDEX in used, used
+
+
+def _run(factory: sessionmaker[Session]) -> int:
+    with session_scope(factory) as session:
+        return store.create_run(session, name="words", model="m", total_steps=4, group_size=6).id
+
+
+def _word_keys_asked(ran: list[tuple[str, Any]]) -> set[str]:
+    """The keys a writer's statements asked search_words to number."""
+    asked: set[str] = set()
+    for statement, parameters in ran:
+        if statement.startswith("INSERT INTO search_words"):
+            asked.update(parameters[0].strip("{}").strip('"').split('","'))
+    return asked
+
+
+@pytest.mark.postgres
+def test_a_writer_asks_only_for_the_word_numbers_it_has_not_used(pg: Engine) -> None:
+    """A run's writer (write_batch's Recorder) numbers each word once: a later step asks
+    search_words only for keys its earlier steps did not have, and searches find every step."""
+    factory = make_session_factory(pg)
+    run_id = _run(factory)
+    steps = _steps(random.Random(6), range(1, 4))
+    steps[2].rollouts[0].completion += " quokka"  # a word of step 3 alone
+    recorder = None
+    asked = []
+    for step in steps:
+        with executed(pg) as ran:
+            recorder = store.write_batch(
+                pg, recorder, [step], run_id=run_id, control_tokens=(), price_per_hour=0.0
+            )
+        asked.append(_word_keys_asked(ran))
+    assert "zeal" in asked[0] and {"quokka", "*quo"} <= asked[2]
+    assert not asked[1] & asked[0] and not asked[2] & (asked[0] | asked[1])  # each key once
+    for q in ("zeal", "quokka", "über*", "zeb*"):
+        assert _found(factory, run_id, q) == _expected(steps, q)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("fails_at", ["merge", "commit"])
+def test_word_numbers_of_a_failed_indexing_are_not_kept(
+    pg: Engine, monkeypatch: pytest.MonkeyPatch, fails_at: str
+) -> None:
+    """An indexing transaction that numbers new words and then fails (a step's search put
+    off, its recorder kept) leaves no number behind in the writer: the step's rollouts wait,
+    are indexed with the next step, and its new words are found."""
+    from sqlalchemy import event
+    from sqlalchemy.exc import OperationalError
+
+    factory = make_session_factory(pg)
+    run_id = _run(factory)
+    steps = _steps(random.Random(7), range(1, 4))
+    steps[1].rollouts[0].completion += " wombat"  # new in step 2, whose indexing fails
+    recorder = store.write_batch(
+        pg, None, steps[:1], run_id=run_id, control_tokens=(), price_per_hour=0.0
+    )
+    calls: list[str] = []
+
+    def fail(*_: Any) -> None:  # the indexing's merge, or its commit (the second of the batch)
+        calls.append(fails_at)
+        if len(calls) == (1 if fails_at == "merge" else 2):
+            raise OperationalError("the link went away", {}, Exception("reset"))
+
+    if fails_at == "merge":
+        monkeypatch.setattr(search, "merge_pending", fail)
+    else:
+        event.listen(pg, "commit", fail)
+    try:
+        recorder = store.write_batch(
+            pg, recorder, steps[1:2], run_id=run_id, control_tokens=(), price_per_hour=0.0
+        )
+    finally:
+        monkeypatch.undo()
+        if fails_at == "commit":
+            event.remove(pg, "commit", fail)
+    assert len(calls) == (1 if fails_at == "merge" else 2)
+    assert recorder.unindexed and _found(factory, run_id, "wombat") == set()  # written, waiting
+    recorder = store.write_batch(
+        pg, recorder, steps[2:], run_id=run_id, control_tokens=(), price_per_hour=0.0
+    )
+    for q in ("wombat", "zeal", "über*"):
+        assert _found(factory, run_id, q) == _expected(steps, q)
