@@ -13,6 +13,7 @@ no lock, on SQLite and PostgreSQL.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +46,14 @@ WEB_POOL: dict[str, int] = {"pool_size": 10, "max_overflow": 31, "pool_timeout":
 # URL's own values of these (…?tcp_user_timeout=…) win.
 PG_LINK_TIMEOUT_S = 60.0
 _PG_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10}
+# A statement that waits on another session's lock (a table an operator locked and left, a
+# transaction left open in psql holding a row, a DDL under way) waited for as long as it was held:
+# a recorder's write, and with it a launched run's training once its steps queued up, for ever.
+# PostgreSQL's lock_timeout ends the wait with an error past this (SQLite's busy timeout does the
+# same for its file lock): the recorder retries, a launched run fails after its grace, a page
+# says so. A URL's own lock_timeout (options=-c lock_timeout=...) wins; migrations wait as long
+# as they need (server.store.migrate).
+PG_LOCK_TIMEOUT_S = 60.0
 
 
 def make_engine(
@@ -52,11 +61,13 @@ def make_engine(
     *,
     busy_timeout_ms: int = 30_000,
     link_timeout_s: float = PG_LINK_TIMEOUT_S,
+    lock_timeout_s: float = PG_LOCK_TIMEOUT_S,
     **pool: int,
 ) -> Engine:
     """An engine for `url`; SQLite gets WAL, foreign keys and a busy timeout, PostgreSQL a
-    bound on a silent link (`link_timeout_s`, PG_LINK_TIMEOUT_S). `pool`: QueuePool sizes (the
-    web app passes WEB_POOL; workers and the CLI keep SQLAlchemy's defaults)."""
+    bound on a silent link (`link_timeout_s`, PG_LINK_TIMEOUT_S) and on a wait for another
+    session's lock (`lock_timeout_s`, PG_LOCK_TIMEOUT_S). `pool`: QueuePool sizes (the web app
+    passes WEB_POOL; workers and the CLI keep SQLAlchemy's defaults)."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         link: dict[str, int] = {}
@@ -72,7 +83,9 @@ def make_engine(
         )
         textsafe.install(engine)
         if parsed.get_backend_name() == "postgresql":
-            event.listen(engine, "connect", _postgres_settings)
+            own_lock = "lock_timeout" in str(parsed.query.get("options", ""))
+            lock_ms = None if own_lock else round(lock_timeout_s * 1000)
+            event.listen(engine, "connect", functools.partial(_postgres_settings, lock_ms))
         return engine
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
@@ -101,9 +114,9 @@ def make_engine(
     return engine
 
 
-def _postgres_settings(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
-    """Each new PostgreSQL connection: no JIT compilation, and a plan for each statement's own
-    values.
+def _postgres_settings(lock_ms, dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    """Each new PostgreSQL connection: no JIT compilation, a plan for each statement's own
+    values, and a bound of `lock_ms` on a wait for a lock (PG_LOCK_TIMEOUT_S; None: the URL's).
 
     The store's statements are a page's or a step's, meant to take milliseconds, and past
     jit_above_cost (a cost, not a time: a walk of a run's 512,000 rollouts that stops at its
@@ -119,6 +132,8 @@ def _postgres_settings(dbapi_connection, _record) -> None:  # type: ignore[no-un
     with dbapi_connection.cursor() as cursor:
         cursor.execute("SET jit = off")
         cursor.execute("SET plan_cache_mode = force_custom_plan")
+        if lock_ms is not None:
+            cursor.execute(f"SET lock_timeout = {int(lock_ms)}")
     dbapi_connection.commit()
 
 

@@ -49,6 +49,10 @@ def _migrate(engine: Engine, move: Callable[[Config, str], None], revision: str)
     transaction of `engine`, one migration at a time per process."""
     cfg = _alembic_config()
     with _MIGRATING, engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            # a migration waits for the locks it needs as long as they are held (an operator
+            # runs it and sees it wait), not the store's bound on a write's wait (db.py)
+            connection.exec_driver_sql("SET LOCAL lock_timeout = 0")
         cfg.attributes["connection"] = connection
         move(cfg, revision)
 
