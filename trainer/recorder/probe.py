@@ -46,6 +46,8 @@ class SamplingProbe(LogitsProcessor):
     generation, most of the probe's cost was those operations' dispatch, not their arithmetic).
     """
 
+    normalised = False  # whether the scores kept are log-probabilities already
+
     def __init__(self) -> None:
         self._sampled: list[torch.Tensor] = []  # per read span: (B, n) log p of the tokens sampled
         self._scores: list[torch.Tensor] = []  # the positions not read yet: each one's (B, V)
@@ -54,8 +56,6 @@ class SamplingProbe(LogitsProcessor):
         self.positions = 0  # generation steps seen
         self.batch: list[Any] | None = None  # continuous batching's own, a row each (`bound`)
         self.host: np.ndarray | None = None  # (B, T) float64 once `settle` copied it off
-
-    normalised = False  # whether the scores kept are log-probabilities already
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self._keep(input_ids, scores)
