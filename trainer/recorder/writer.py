@@ -66,6 +66,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollout_lens")
 
 BATCH_STEPS = 32  # steps written per transaction (a backlog drains in few commits)
+# BufferAndDrop: the writer's thread takes the steps handed over at most this often (and at once
+# while it has prepared none, past a quarter of the budget, or when asked to flush or close). Woken
+# by every step, it took the GIL from the training thread at every step's start, and the child's
+# commit came with it: bench.overhead_script's toy step 1.114 against 1.051 waking every 0.5 s
+# (6 pairs, every pair lower). A step reaches the dashboard up to this much later.
+DRAIN_SECONDS = 0.5
 RETRY_MAX_SECONDS = 15.0  # a busy dashboard's Retry-After, at most
 FINISH_GIVE_UP_SECONDS = 60.0  # at least: a run's end (and why) is worth waiting for
 
@@ -203,9 +209,34 @@ class Backlog:
         self.bytes = 0
         self.dropped_steps = 0
         self.dropped_rollouts = 0
+        self.last_round = 0.0  # when the writer last took the inbox (monotonic)
 
     def __len__(self) -> int:
         return len(self.pending) + len(self.inbox)
+
+    def due(self) -> bool:
+        """Whether the steps handed over want the writer now, not at its next round: none
+        prepared yet (a run's first step, its size unknown), or past a quarter of the budget."""
+        over = self.max_bytes is not None and 4 * self.inbox_bytes > self.max_bytes
+        return over or not self.step_bytes
+
+    def taking(self, hurry: bool) -> bool:
+        """Whether the writer takes the steps handed over now: `hurry` (a flush, a close),
+        `due`, or DRAIN_SECONDS after its last round."""
+        late = time.monotonic() - self.last_round >= DRAIN_SECONDS
+        return bool(self.inbox) and (hurry or late or self.due())
+
+    def round(self) -> list[Arrival]:
+        """The steps handed over, for the writer's round (each leaves the inbox once prepared:
+        `take`)."""
+        if self.inbox:
+            self.last_round = time.monotonic()
+        return list(self.inbox)
+
+    def next_round(self) -> float:
+        """Seconds until the writer's next round (DRAIN_SECONDS when nothing waits)."""
+        waiting = self.last_round + DRAIN_SECONDS - time.monotonic()
+        return waiting if self.inbox else DRAIN_SECONDS
 
     def prepared(self, raw: Any, prepare: Callable[[Any], StepRecord]) -> Pending | None:
         """A step handed over, prepared; None (said here, counted by the caller) when preparing
@@ -528,6 +559,7 @@ class StepWriter:
         self._gave_up: str | None = None  # BufferAndDrop: a permanent error; recording stops
         self._error: BaseException | None = None  # WaitThenFail: raised on the training thread
         self._done = False
+        self._hurry = 0  # flush() calls waiting: the inbox is taken at once
         self._lost_at_close = 0  # steps still waiting when close's timeout ran out (dropped)
         self._thread = threading.Thread(
             target=self._loop, name=f"rollout-lens-writer-{sink.run_id or 'new'}", daemon=True
@@ -633,7 +665,8 @@ class StepWriter:
             with self._wake:
                 if self._delivery.ended is None:  # once the run has ended, nothing more is recorded
                     self.backlog.arrive(raw, self.lighten)
-                    self._wake.notify_all()
+                    if self.backlog.due():  # else taken at the writer's next round
+                        self._wake.notify_all()
             return
         self._raise_if_failed()
         record = self.prepare(raw)
@@ -648,8 +681,11 @@ class StepWriter:
         """Wait until every step handed over is written (a checkpoint must not outrun its
         records); WaitThenFail raises the writer's error."""
         with self._wake:
+            self._hurry += 1  # the steps waiting are taken now, not at the next round
+            self._wake.notify_all()
             while self.backlog and not self._stopped():
                 self._wake.wait(timeout=0.5)
+            self._hurry -= 1
         self._raise_if_failed()
 
     def close(
@@ -678,11 +714,7 @@ class StepWriter:
         self._thread.join(None if self._delivery.waits else timeout + self.sink.final_seconds + 5.0)
         left = len(self.backlog) + self._lost_at_close
         if left and not self._delivery.waits:
-            log.warning(
-                "Rollout Lens: %d recorded step(s) could not be written before the end of training "
-                "(database unreachable); they are lost",
-                left,
-            )
+            _say_lost(left)
         self._raise_if_failed()
         return left == 0
 
@@ -711,9 +743,9 @@ class StepWriter:
         last_beat = 0.0
         while True:
             with self._wake:
-                while not self.backlog.inbox and not self._due(last_beat):
+                while not self._due(last_beat):
                     self._wake.wait(timeout=self._wait_seconds(last_beat))
-                inbound = list(self.backlog.inbox)  # each leaves it once prepared (take)
+                inbound = self.backlog.round()
                 closing = self._closing
             for arrival in inbound:
                 self._take(arrival)
@@ -736,27 +768,27 @@ class StepWriter:
                 break
 
     def _out_of_time(self) -> None:
-        """BufferAndDrop: close's timeout ran out with steps waiting: they are dropped and
-        counted, and the run's end is tried once more (the sink says within what time)."""
+        """Close's timeout ran out: the steps waiting are dropped, the run's end tried once more."""
         with self._wake:
             self._lost_at_close = self.backlog.drop_all()
             self._wake.notify_all()
         self._finish(late=True)
 
     def _due(self, last_beat: float) -> bool:
-        now = time.monotonic()
-        if self._closing and now >= self._delivery.retry_at:
+        """Whether the writer's thread has work (steps to take or write, the end, a beat)."""
+        if self.backlog.taking(self._closing or self._hurry > 0):
             return True
-        if self._closing and not self._delivery.waits and now >= (self._deadline or 0.0):
+        now, delivery = time.monotonic(), self._delivery
+        if (self._closing or self.backlog.pending) and now >= delivery.retry_at:
             return True
-        if self.backlog.pending and now >= self._delivery.retry_at:
+        if self._closing and not delivery.waits and now >= (self._deadline or 0.0):
             return True
         beats = self.heartbeat_seconds is not None and self.run_id is not None
         return beats and now - last_beat >= (self.heartbeat_seconds or 0.0)
 
     def _wait_seconds(self, last_beat: float) -> float:
         now = time.monotonic()
-        waits = [5.0]
+        waits = [5.0 if self.backlog.max_bytes is None else self.backlog.next_round()]
         if self.heartbeat_seconds is not None:
             waits.append(self.heartbeat_seconds - (now - last_beat))
         if self.backlog.pending or self._closing:
@@ -795,6 +827,14 @@ class StepWriter:
             self.backlog.drop_all()
             self._wake.notify_all()
         log.error("Rollout Lens: recording stopped, training goes on: %s", self._gave_up)
+
+
+def _say_lost(left: int) -> None:
+    log.warning(
+        "Rollout Lens: %d recorded step(s) could not be written before the end of training "
+        "(database unreachable); they are lost",
+        left,
+    )
 
 
 def _say_ended(exc: RunEnded) -> None:

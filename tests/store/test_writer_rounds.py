@@ -1,0 +1,94 @@
+"""A script's writer (BufferAndDrop) takes the steps handed over in rounds, at most every
+DRAIN_SECONDS, not at every step: woken by each one, its thread took the GIL at every training
+step's start. It still takes them at once where waiting would cost: a run's first step, a
+quarter of the budget handed over, a flush (a checkpoint) and a close."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rollout_lens.trainer.recorder import writer as writer_module
+from rollout_lens.trainer.recorder.writer import StepWriter, record_size
+
+from tests.factories import load_run, recorder_spec, seeded_step
+from tests.waiting import returns, until
+
+STEP_SECONDS = 0.01  # a toy training step's time between two steps handed over
+
+
+@pytest.fixture
+def make_writer(tmp_path: Path) -> Iterator[Any]:
+    """A script's writer on a fresh SQLite file (the sink in this process), each sink write's
+    steps counted in `writes`; closed at the end."""
+    made: list[StepWriter] = []
+
+    def make(max_bytes: int = 256 * 2**20) -> tuple[StepWriter, list[list[int]]]:
+        writer = StepWriter.for_script(
+            database_url=f"sqlite:///{tmp_path / 'lens.db'}",
+            spec=recorder_spec("rounds", total_steps=40),
+            prepare=lambda raw: raw,
+            max_bytes=max_bytes,
+            heartbeat_seconds=600.0,  # no beat wakes the writer while a test waits
+        )
+        writes: list[list[int]] = []
+        write = writer.sink.write
+
+        def counted(records: Any, *args: Any, **kwargs: Any) -> Any:
+            writes.append([r.step for r in records])
+            return write(records, *args, **kwargs)
+
+        writer.sink.write = counted  # type: ignore[method-assign]
+        made.append(writer)
+        return writer, writes
+
+    yield make
+    for writer in made:
+        writer.close()
+
+
+def test_steps_handed_over_faster_than_a_round_are_written_together(make_writer: Any) -> None:
+    writer, writes = make_writer()
+    writer.put(seeded_step(1))
+    until(lambda: writer.written_steps == 1, "the first step, written at once")
+    for step in range(2, 22):
+        writer.put(seeded_step(step))
+        time.sleep(STEP_SECONDS)
+    until(lambda: writer.written_steps == 21, "every step written")
+    later = [batch for batch in writes if batch != [1]]
+    # 20 steps over ~0.2 s: one round, two at a round's edge; woken by every step, about 20
+    assert 1 <= len(later) <= 3, writes
+    assert sorted(s for batch in later for s in batch) == list(range(2, 22))
+
+
+def test_a_quarter_of_the_budget_is_taken_at_once(
+    make_writer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_module, "DRAIN_SECONDS", 600.0)  # no round before the test ends
+    size = record_size(seeded_step(1))
+    writer, _ = make_writer(max_bytes=3 * size)  # a step handed over is past a quarter of it
+    writer.put(seeded_step(1))
+    until(lambda: writer.written_steps == 1, "the first step")
+    writer.put(seeded_step(2))
+    until(lambda: writer.written_steps == 2, "the second step, past a quarter of the budget")
+    assert writer.dropped_steps == writer.dropped_rollouts == 0
+
+
+def test_a_flush_and_a_close_take_what_waits_at_once(
+    make_writer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(writer_module, "DRAIN_SECONDS", 600.0)
+    writer, _ = make_writer()
+    writer.put(seeded_step(1))
+    until(lambda: writer.written_steps == 1, "the first step")
+    writer.put(seeded_step(2))
+    assert writer.written_steps == 1  # waiting for a round that will not come
+    returns(writer.flush, "a flush with a step waiting", 30)
+    assert writer.written_steps == 2
+    writer.put(seeded_step(3))
+    assert returns(writer.close, "a close with a step waiting", 30) is True
+    run, rows, steps, _ = load_run(f"sqlite:///{tmp_path / 'lens.db'}", writer.run_id)
+    assert [s.step for s in steps] == [1, 2, 3] and run.status == "completed"
