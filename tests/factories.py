@@ -493,6 +493,25 @@ def recorder_spec(name: str, *, total_steps: int) -> Any:
     )
 
 
+def script_writer(database_url: str, name: str, *, total_steps: int, **kw: Any) -> Any:
+    """A script's StepWriter of a test run (recorder_spec's) into `database_url`, writing steps
+    as they are put (no preparing); `kw`: for_script's own (process, max_bytes, ...)."""
+    from rollout_lens.trainer.recorder.writer import StepWriter  # the trainer's, on use
+
+    spec = recorder_spec(name, total_steps=total_steps)
+    return StepWriter.for_script(
+        database_url=database_url, spec=spec, prepare=lambda raw: raw, **kw
+    )
+
+
+def assert_every_step_written(database_url: str, run_id: int, steps: int) -> None:
+    """A writer's test run ended whole: steps 1..`steps` of seeded_step's 4 rollouts each,
+    completed, nothing dropped."""
+    run, rows, written, _ = load_run(database_url, run_id)
+    assert [s.step for s in written] == list(range(1, steps + 1)) and len(rows) == steps * 4
+    assert run.status == "completed" and run.dropped_steps == run.dropped_rollouts == 0
+
+
 def remote_writer(
     url: str, token: str, name: str, *, total_steps: int, heartbeat_seconds: float = 0.2, **kw: Any
 ) -> Any:

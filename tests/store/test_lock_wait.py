@@ -14,11 +14,10 @@ from collections.abc import Callable, Iterator
 import pytest
 from rollout_lens.server.store.db import PG_LOCK_TIMEOUT_S, make_engine
 from rollout_lens.server.store.migrate import upgrade
-from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import Connection, Engine, make_url, text
 from sqlalchemy.exc import OperationalError
 
-from tests.factories import load_run, recorder_spec, seeded_step
+from tests.factories import assert_every_step_written, script_writer, seeded_step
 from tests.waiting import returns, until
 
 pytestmark = pytest.mark.postgres
@@ -117,11 +116,8 @@ def test_a_scripts_recorder_outlives_a_lock_held_on_its_tables(
     caplog.set_level(logging.WARNING, logger="rollout_lens")
     _pg_reset()
     url = make_url(pg_database_url).update_query_dict({"options": "-c lock_timeout=500"})
-    writer = StepWriter.for_script(
-        database_url=url.render_as_string(hide_password=False),
-        spec=recorder_spec("locked", total_steps=5),
-        prepare=lambda raw: raw,
-        process=True,
+    writer = script_writer(
+        url.render_as_string(hide_password=False), "locked", total_steps=5, process=True
     )
     writer.put(seeded_step(1))
     until(lambda: writer.written_steps == 1, "step 1 written")
@@ -134,6 +130,4 @@ def test_a_scripts_recorder_outlives_a_lock_held_on_its_tables(
     finally:
         held.rollback()  # the lock let go
     assert writer.close() is True
-    run, rows, steps, _ = load_run(pg_database_url, writer.run_id)
-    assert [s.step for s in steps] == list(range(1, 6)) and len(rows) == 5 * 4
-    assert run.status == "completed" and run.dropped_steps == run.dropped_rollouts == 0
+    assert_every_step_written(pg_database_url, writer.run_id, 5)

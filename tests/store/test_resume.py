@@ -25,11 +25,16 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import AlertRow, RolloutRow, RollupRow, RunRow, StepRow
 from rollout_lens.server.webapp.app import create_app
 from rollout_lens.trainer.recorder.remote import RemoteStepWriter
-from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec, remote_writer
+from tests.factories import (
+    CONTROL_TOKENS,
+    load_run,
+    make_rollouts,
+    remote_writer,
+    script_writer,
+)
 from tests.web_support import serve_app
 
 RECORDER = "record-token-0123456789abcdef"
@@ -220,9 +225,7 @@ def test_the_local_writer_drops_a_step_before_the_last_and_goes_on(
     """The same order written locally: step 3 is refused by the store (StepOutOfOrder, not
     the rollups' ValueError that stopped the recording), dropped alone and counted."""
     url = session_factory.kw["bind"].url.render_as_string(hide_password=False)
-    local = StepWriter.for_script(
-        database_url=url, spec=recorder_spec("resumed", total_steps=40), prepare=lambda raw: raw
-    )
+    local = script_writer(url, "resumed", total_steps=40)
     for step in (30, 3, 31, 32):
         local.put(_record(step))
     assert local.close(timeout=20)

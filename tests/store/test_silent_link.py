@@ -13,12 +13,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from rollout_lens.server.store.db import PG_LINK_TIMEOUT_S, make_engine
-from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import make_url, text
 from sqlalchemy.exc import OperationalError
 
 from bench.tcp_proxy import database_proxy
-from tests.factories import load_run, recorder_spec, seeded_step
+from tests.factories import assert_every_step_written, script_writer, seeded_step
 from tests.waiting import returns, until
 
 
@@ -108,11 +107,8 @@ def test_a_scripts_recorder_outlives_a_silent_link(
     proxy, through = database_proxy(pg_database_url)
     proxy.start()
     url = make_url(through).update_query_dict({"tcp_user_timeout": "2000"})
-    writer = StepWriter.for_script(
-        database_url=url.render_as_string(hide_password=False),
-        spec=recorder_spec("silent", total_steps=6),
-        prepare=lambda raw: raw,
-        process=True,
+    writer = script_writer(
+        url.render_as_string(hide_password=False), "silent", total_steps=6, process=True
     )
 
     try:
@@ -129,6 +125,4 @@ def test_a_scripts_recorder_outlives_a_silent_link(
         assert writer.close() is True
     finally:
         proxy.close()
-    run, rows, steps, _ = load_run(pg_database_url, writer.run_id)
-    assert [s.step for s in steps] == list(range(1, 7)) and len(rows) == 6 * 4
-    assert run.status == "completed" and run.dropped_steps == run.dropped_rollouts == 0
+    assert_every_step_written(pg_database_url, writer.run_id, 6)

@@ -16,7 +16,7 @@ from rollout_lens.trainer.recorder.sink_process import ProcessSink
 from rollout_lens.trainer.recorder.sinks import SqlSink
 from rollout_lens.trainer.recorder.writer import StepWriter
 
-from tests.factories import load_run, recorder_spec, seeded_step
+from tests.factories import load_run, script_writer, seeded_step
 from tests.waiting import until
 
 
@@ -25,14 +25,8 @@ def _step(step: int) -> StepRecord:
 
 
 def _writer(url: str, **kw: object) -> StepWriter:
-    spec = recorder_spec("child", total_steps=5)
-    return StepWriter.for_script(
-        database_url=url,
-        spec=spec,
-        prepare=lambda raw: raw,
-        process=True,
-        **kw,  # type: ignore[arg-type]
-    )
+    writer: StepWriter = script_writer(url, "child", total_steps=5, process=True, **kw)
+    return writer
 
 
 def _child(writer: StepWriter) -> int:

@@ -23,11 +23,16 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunRow, RunStatus
 from rollout_lens.server.webapp.app import create_app
 from rollout_lens.server.webapp.http.security import token_name
-from rollout_lens.trainer.recorder.writer import StepWriter
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, load_run, make_rollouts, recorder_spec, remote_writer
+from tests.factories import (
+    CONTROL_TOKENS,
+    load_run,
+    make_rollouts,
+    remote_writer,
+    script_writer,
+)
 from tests.waiting import until
 from tests.web_support import parse, serve_app
 
@@ -185,12 +190,7 @@ def test_a_local_recording_stops_at_a_cancel_from_the_dashboard(
 ) -> None:
     """A script recording straight into the database: its writer reads the run's status before
     it writes, so the dashboard's cancel stops it the same way."""
-    writer = StepWriter.for_script(
-        database_url=_url(session_factory),
-        spec=recorder_spec("stopped", total_steps=20),
-        prepare=lambda raw: raw,
-        heartbeat_seconds=0.2,
-    )
+    writer = script_writer(_url(session_factory), "stopped", total_steps=20, heartbeat_seconds=0.2)
     writer.put(_step(1))
     until(lambda: writer.written_steps == 1, "step 1")
     assert writer.run_id is not None

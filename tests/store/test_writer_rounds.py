@@ -14,7 +14,7 @@ import pytest
 from rollout_lens.trainer.recorder import writer as writer_module
 from rollout_lens.trainer.recorder.writer import StepWriter, record_size
 
-from tests.factories import load_run, recorder_spec, seeded_step
+from tests.factories import assert_every_step_written, script_writer, seeded_step
 from tests.waiting import returns, until
 
 STEP_SECONDS = 0.01  # a toy training step's time between two steps handed over
@@ -27,10 +27,10 @@ def make_writer(tmp_path: Path) -> Iterator[Any]:
     made: list[StepWriter] = []
 
     def make(max_bytes: int = 256 * 2**20) -> tuple[StepWriter, list[list[int]]]:
-        writer = StepWriter.for_script(
-            database_url=f"sqlite:///{tmp_path / 'lens.db'}",
-            spec=recorder_spec("rounds", total_steps=40),
-            prepare=lambda raw: raw,
+        writer = script_writer(
+            f"sqlite:///{tmp_path / 'lens.db'}",
+            "rounds",
+            total_steps=40,
             max_bytes=max_bytes,
             heartbeat_seconds=600.0,  # no beat wakes the writer while a test waits
         )
@@ -90,5 +90,4 @@ def test_a_flush_and_a_close_take_what_waits_at_once(
     assert writer.written_steps == 2
     writer.put(seeded_step(3))
     assert returns(writer.close, "a close with a step waiting", 30) is True
-    run, rows, steps, _ = load_run(f"sqlite:///{tmp_path / 'lens.db'}", writer.run_id)
-    assert [s.step for s in steps] == [1, 2, 3] and run.status == "completed"
+    assert_every_step_written(f"sqlite:///{tmp_path / 'lens.db'}", writer.run_id, 3)
