@@ -48,8 +48,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         spec=spec,
         prepare=lambda raw: raw,
         max_bytes=int(job["buffer_mb"] * 2**20),
+        on_written=on_written,
     )
-    writer.on_written = on_written
     records = [run.step(step) for step in range(1, steps + 1)]  # built first: not timed
     rollouts = sum(len(r.rollouts) for r in records)
     for record in records:

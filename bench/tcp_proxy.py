@@ -42,6 +42,7 @@ class Counts:
     """What the link did, for a bench's table."""
 
     connections: int = 0
+    turned_away: int = 0  # reset while stopped (a client that found the store away)
     refused: int = 0  # by the dice (`refuse`), not while stopped
     cuts: int = 0
     stalls: int = 0
@@ -120,6 +121,7 @@ class TcpProxy:
             except OSError:
                 return  # closed
             if not self.up:
+                self.counts.add("turned_away")
                 _reset(client)
                 continue
             number += 1

@@ -1,12 +1,14 @@
-"""What the callback's writer thread spends a step, apart from the training it shares the GIL with.
+"""What the callback's writer spends a step, apart from the training it shares the GIL with.
 
 One toy run of bench/overhead_script.py's user script (RolloutLensCallback, its own SQLite file)
 keeps every step the writer is handed (its raw parts) and every StepRecord it commits; then the
-two halves of the writer's work are replayed on this thread, nothing else running: preparing
-each raw step (StepPreparer.prepare, through the run's own callback) and committing each record
-through a fresh SqlSink (the callback's database path). Printed for each: thread CPU a step
-(the median over the steps, for each of `--rounds` replays) and Python calls a step (cProfile).
-Calls do not depend on the machine's load; CPU does, so compare two versions alternating.
+three parts of the writer's work are replayed on this thread, nothing else running: judging
+each raw step (StepPreparer.judged: the user's functions, in the training process, on the
+writer's thread), reading each judged step (StepReader.complete: in the writer's own process)
+and committing each record through a fresh SqlSink (the callback's database path, in that
+process too). Printed for each: thread CPU a step (the median over the steps, for each of
+`--rounds` replays) and Python calls a step (cProfile). Calls do not depend on the machine's
+load; CPU does, so compare two versions alternating.
 
     .venv/bin/python -m bench.writer_replay --steps 45 --rounds 3
 """
@@ -33,9 +35,10 @@ SKIP = overhead_script.WARMUP  # the first steps pay for lazy initialisation
 
 def captured_run(
     steps: int, tmp: Path
-) -> tuple[list[bytes], Callable[[Any], Any], list[bytes], Any]:
-    """One recorded toy run: its raw steps (pickled), the writer's `prepare`, its records
-    (pickled) and the run's spec (to create the same run again)."""
+) -> tuple[list[bytes], Callable[[Any], Any], Any, list[bytes], Any]:
+    """One recorded toy run: its raw steps (pickled), the writer's `prepare` (the step judged),
+    its sink's StepReader, its records (pickled) and the run's spec (to create the same run
+    again)."""
     import torch
     from rollout_lens.server.core.config import get_settings
     from rollout_lens.trainer.builders import prebuilt
@@ -44,6 +47,7 @@ def captured_run(
 
     raws: list[bytes] = []
     prepares: list[Callable[[Any], Any]] = []
+    readers: list[Any] = []
     records: list[bytes] = []
     specs: list[Any] = []
     take, commit = StepWriter._take, SqlSink._commit
@@ -51,6 +55,7 @@ def captured_run(
     def taking(self: StepWriter, arrival: Any) -> None:
         raws.append(pickle.dumps(arrival.raw))
         prepares.append(self.prepare)
+        readers.append(getattr(self.sink, "reader", None))
         take(self, arrival)
 
     def committing(self: SqlSink, batch: Any) -> None:
@@ -68,7 +73,7 @@ def captured_run(
         overhead_script.one_run(model, tmp / "run", steps, url, writer_process=False)
     finally:
         StepWriter._take, SqlSink._commit = take, commit  # type: ignore[method-assign]
-    return raws, prepares[-1], records, specs[-1]
+    return raws, prepares[-1], readers[-1], records, specs[-1]
 
 
 def timed(each: list[Any], work: Callable[[Any], Any], profiler: cProfile.Profile | None) -> float:
@@ -126,11 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("rollout_lens").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        raws, prepare, records, spec = captured_run(args.steps, tmp)
+        raws, judge, reader, records, spec = captured_run(args.steps, tmp)
         print(
             f"captured {len(raws)} steps ({len(records)} records), replayed past the first {SKIP}"
         )
-        replay("prepare", lambda _: ([pickle.loads(r) for r in raws], prepare), args.rounds)
+        replay("judge", lambda _: ([pickle.loads(r) for r in raws], judge), args.rounds)
+        judged = [pickle.dumps(judge(pickle.loads(r))) for r in raws]  # as the child gets them
+        replay("read", lambda _: ([pickle.loads(j) for j in judged], reader.complete), args.rounds)
         replay(
             "commit",
             lambda k: (

@@ -31,13 +31,16 @@ def test_the_user_script_bench_runs_its_three_arms(capsys: pytest.CaptureFixture
 
 
 @pytest.mark.slow
-def test_the_writer_replay_bench_replays_both_halves(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_writer_replay_bench_replays_its_three_parts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from bench import writer_replay
 
     assert writer_replay.main(["--steps", "8", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "captured 8 steps (8 records)" in out
-    assert "prepare: thread CPU a step" in out and "commit: thread CPU a step" in out
+    for part in ("judge", "read", "commit"):
+        assert f"{part}: thread CPU a step" in out
 
 
 def test_a_shape_names_rollouts_tokens_and_vocabulary() -> None:

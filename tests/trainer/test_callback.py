@@ -205,13 +205,22 @@ class _Outage(TrainerCallback):
     def __init__(self, proxy: TcpProxy, url: str, *, up_at: set[int], down_at: set[int]) -> None:
         self.proxy, self.url, self.up_at, self.down_at = proxy, url, up_at, down_at
         self.written_before_down: list[int] = []
+        self.turned_away = 0  # the proxy's count when it last went down
         self.before_back: Callable[[], bool] = lambda: True  # what must be true before the end
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if state.global_step in self.up_at:
+            # back once the recorder has found it away (its writer process may take longer to
+            # start than the steps before this one: a database back first was never away)
+            until(
+                lambda: self.proxy.counts.turned_away > self.turned_away,
+                "the recorder turned away by the database that is down",
+                timeout=60,
+            )
             self.proxy.start()
         if state.global_step in self.down_at:
             self.written_before_down = self._wait_for_steps()
+            self.turned_away = self.proxy.counts.turned_away
             self.proxy.stop()
 
     def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -380,7 +389,7 @@ def test_a_hung_database_link_keeps_the_budget_and_every_steps_reward(
     proxy, via_proxy = database_proxy(pg_database_url)
     proxy.start()
     _empty(pg_database_url)
-    recorder = RolloutLensCallback(project="hung", database_url=via_proxy, buffer_mb=0.015)
+    recorder = RolloutLensCallback(project="hung", database_url=via_proxy, buffer_mb=0.009)
     hang = _Hang(proxy, recorder)
     seen = Seen()
     try:

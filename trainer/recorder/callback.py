@@ -469,10 +469,14 @@ def _own_writer(
             resume_step=resume_step,
         )
     spec.config[CONFIG_KEY]["key"] = key  # found by it when a resumed script continues
+    preparer = callback.preparer
+    assert preparer is not None
+    # the steps judged here, read where the database is written (the writer's own process)
     return StepWriter.for_script(
         database_url=callback.database_url,
         spec=spec,
-        prepare=callback._prepare,
+        prepare=preparer.judged,
+        reader=preparer.reader,
         lighten=callback._lighten,
         max_bytes=callback.buffer_bytes,
         heartbeat_seconds=settings.heartbeat_seconds,

@@ -20,6 +20,7 @@ import numpy as np
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord
 from rollout_lens.trainer.recorder import turns
 from rollout_lens.trainer.recorder.probe import ForwardRow, SamplingProbe
+from rollout_lens.trainer.recorder.reading import Sample
 
 # Arrays a rollout was read with: logprobs [n], control-token probabilities [n × k] (None: not
 # read) and the watched logprobs; or the forward probe's row, turned into those when built.
@@ -27,32 +28,6 @@ Arrays = tuple[Any, Any, list[float] | None]
 Reading = ForwardRow | Arrays | None
 
 MAX_LIST = 64  # a list column is kept when it is this short and holds scalars only
-
-
-@dataclass
-class Sample:
-    """One rollout as the capture read it off TRL: the write entity (`record`: ids, logprobs,
-    control-token probabilities, total reward and advantage set; its group, texts and
-    judgement are the callback's, on the writer's thread) and what judging it needs."""
-
-    record: RolloutRecord
-    prompt: Any  # TRL's prompt: chat messages or text
-    completion: Any  # TRL's completion: chat messages or text
-    row: dict[str, Any]  # the dataset row's small columns (besides the prompt)
-    rewards: list[float | None]  # each reward function's value (None: it gave none)
-    meta: dict[str, Any]  # the hooks' (in-group supervision)
-    tool_mask: list[int] | None = None  # TRL's tool loop: 1 on the model's tokens
-    prompt_ids: list[int] | None = None  # the prompt as the model saw it (tool-calling)
-    watched: list[float] | None = None  # the id-position probe's logprobs
-
-    def read(self, logprobs: Any, control: Any, watched: list[float] | None) -> None:
-        """A probe's readings of it: logprobs [n], control-token probabilities [n × k]."""
-        record = self.record
-        record.token_logprobs = logprobs
-        if control is not None:
-            tokens = record.control_probs.tokens
-            record.control_probs = ControlProbs.of(control, len(record.completion_ids), tokens)
-        self.watched = watched
 
 
 @dataclass(eq=False)

@@ -450,7 +450,9 @@ class ForwardProbe:
             log_z = chunk.sampled - logps[offset : offset + b]  # (b, K)
             reading = ForwardReading(
                 logps[offset : offset + b],
-                torch.exp(chunk.control - log_z[..., None]),
+                # at most 1: log_z is TRL's logit less its logprob, and where a collapsed
+                # policy's logits run to thousands, their rounding apart is a few hundredths
+                torch.exp(chunk.control - log_z[..., None]).clamp_(max=1.0),
                 measured[offset : offset + b],
                 {r: (p, z - log_z[r, p]) for r, (p, z) in chunk.watched.items()},
             )

@@ -86,6 +86,7 @@ class RemoteStepWriter(StepWriter):
         request_bytes: int = REQUEST_BYTES,
         key: str | None = None,
         resume_step: int | None = None,
+        on_written: Any = None,
     ) -> None:
         self.http = HttpSink(
             url=url,
@@ -101,6 +102,7 @@ class RemoteStepWriter(StepWriter):
             prepare=prepare,
             lighten=lighten,
             heartbeat_seconds=heartbeat_seconds,
+            on_written=on_written,
         )
 
     @property

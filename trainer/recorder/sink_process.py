@@ -37,6 +37,7 @@ from rollout_lens.server.store.models import RunStatus
 from rollout_lens.trainer.recorder.writer import RunSpec, Wrote
 
 if TYPE_CHECKING:
+    from rollout_lens.trainer.recorder.reading import StepReader
     from rollout_lens.trainer.recorder.sinks import SqlSink
 
 log = logging.getLogger("rollout_lens")
@@ -60,15 +61,17 @@ def in_process(database_url: str) -> bool:
 
 def script_sink(
     database_url: str,
+    spec: RunSpec,
     *,
     process: bool,
-    spec: RunSpec,
     price: float,
     wait_ms: int,
     resume: tuple[str, int] | None,
+    reader: StepReader | None = None,
 ) -> ProcessSink | SqlSink:
     """A script's database sink (`price` a device-hour, SQLite's busy timeout `wait_ms`): in a
-    child process (`process`), else, or for an in-memory database, in this one."""
+    child process (`process`), else, or for an in-memory database, in this one; the judged
+    steps it is handed read by `reader` where it writes them."""
     from rollout_lens.trainer.recorder.sinks import SqlSink
 
     here = not process or in_process(database_url)
@@ -79,13 +82,16 @@ def script_sink(
         price_per_hour=price,
         busy_timeout_ms=wait_ms,
         resume=resume,
+        reader=reader,
     )
 
 
 class ProcessSink:
     """The Sink protocol, answered by a SqlSink.of_url in a child process, started by the
-    writer's thread at `open` (training does not wait for its imports). Where the child cannot
-    be started, the SqlSink runs in this process as it did before (logged)."""
+    writer's thread at `open` (training does not wait for its imports). The judged steps it is
+    handed are read there by `reader` (sent once, pickled: its tokenizer), or here, on the
+    writer's thread, where the reader does not pickle. Where the child cannot be started, the
+    SqlSink runs in this process as it did before (logged)."""
 
     away = "the database"
     final_seconds = 0.0
@@ -98,6 +104,7 @@ class ProcessSink:
         price_per_hour: float,
         busy_timeout_ms: int,
         resume: tuple[str, int] | None,
+        reader: StepReader | None = None,
     ) -> None:
         self.deadline: float | None = None
         self.run_id: int | None = None
@@ -108,6 +115,8 @@ class ProcessSink:
             busy_timeout_ms=busy_timeout_ms,
             resume=resume,
         )
+        self._reader = reader
+        self._read_here: StepReader | None = None  # the child could not take the reader
         self._child: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._local: SqlSink | None = None  # the child could not be started
@@ -132,7 +141,9 @@ class ProcessSink:
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
-        self._call("make", self._fields, log.getEffectiveLevel())
+        sent = _pickled(self._reader)
+        if not self._call("make", self._fields, log.getEffectiveLevel(), sent):
+            self._read_here = self._reader
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._local is not None:
@@ -178,12 +189,17 @@ class ProcessSink:
                 self._stop_child()
                 from rollout_lens.trainer.recorder.sinks import SqlSink
 
-                self._local = SqlSink.of_url(**self._fields)  # type: ignore[arg-type]
+                self._local = SqlSink.of_url(**self._fields, reader=self._reader)  # type: ignore[arg-type]
         if self.run_id is None or self._local is not None:  # the child's run, once made, is open
             self._call("open")
 
     def write(self, records: Sequence[StepRecord], drops: Drops) -> Wrote:
-        wrote: Wrote = self._call("write", list(records), drops)
+        from rollout_lens.trainer.recorder.sinks import read_steps
+
+        read, unread = read_steps(self._read_here, records)  # as the child does, where it cannot
+        if unread is not None and not read:
+            return Wrote(taken=0, written=0, refused=unread)
+        wrote: Wrote = self._call("write", read, drops)
         return wrote
 
     def report_drops(self, drops: Drops) -> None:
@@ -226,6 +242,33 @@ class ProcessSink:
         except subprocess.TimeoutExpired:
             self._child.kill()
             self._child.wait()
+
+
+def _pickled(reader: StepReader | None) -> bytes | None:
+    """The reader for the child (None: there is none, or it does not pickle: said)."""
+    if reader is None:
+        return None
+    try:
+        return pickle.dumps(reader, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that holds a lock: read here
+        log.info("Rollout Lens: steps are read in the training process (%s)", short_reason(exc))
+        return None
+
+
+def _unpickled(sent: bytes | None) -> StepReader | None:
+    """The child's reader (None: none sent, or it cannot be loaded here: said)."""
+    if sent is None:
+        return None
+    try:
+        reader: StepReader = pickle.loads(sent)
+    except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer class of the user's __main__
+        log.info("Rollout Lens: steps are read in the training process (%s)", short_reason(exc))
+        return None
+    return reader
+
+
+def short_reason(exc: BaseException) -> str:
+    return f"the step reader does not reach the writer's process: {type(exc).__name__}: {exc}"
 
 
 # -- exceptions across the socket --------------------------------------------------------------
@@ -283,13 +326,14 @@ def serve(conn: Connection) -> None:
             break
         try:
             if name == "make":
-                fields, level = args
+                fields, level, sent = args
                 handler = _ToParent(conn)
                 log.addHandler(handler)
                 log.setLevel(level)
                 log.propagate = False
-                sink = SqlSink.of_url(**fields)
-                answer = None
+                reader = _unpickled(sent)
+                sink = SqlSink.of_url(**fields, reader=reader)
+                answer = reader is not None
             else:
                 assert sink is not None, "the sink is made first"
                 answer = getattr(sink, name)(*args, **kwargs)

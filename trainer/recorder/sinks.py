@@ -22,6 +22,7 @@ from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store import ending
 from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.server.store.models import RunStatus
+from rollout_lens.trainer.recorder.reading import StepReader, StepUnread
 from rollout_lens.trainer.recorder.writer import RunSpec, SinkAway, Wrote, is_transient, short
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -62,6 +63,22 @@ class Sink(Protocol):
         """Let go of connections (the writer thread ends)."""
 
 
+def read_steps(
+    reader: StepReader | None, records: Sequence[StepRecord]
+) -> tuple[list[StepRecord], StepUnread | None]:
+    """`records` with the judged steps among them read by `reader` (StepReader.complete): up to
+    the first that cannot be read, and why it could not (a StepUnread; None: all were)."""
+    if reader is None:
+        return list(records), None
+    read: list[StepRecord] = []
+    for record in records:
+        try:
+            read.append(reader.complete(record))
+        except Exception as exc:  # noqa: BLE001 - a bad step must not stop the others
+            return read, StepUnread(f"could not prepare step {record.step}: {short(exc)}")
+    return read, None
+
+
 class SqlSink:
     """The database, through the store's one writer (store.RunWriter). A script's run is
     created here (or continued: `resume`) and held alive while steps are written; a launched
@@ -81,6 +98,7 @@ class SqlSink:
         price_per_hour: float = 0.0,
         busy_timeout_ms: int = 30_000,
         resume: tuple[str, int] | None = None,
+        reader: StepReader | None = None,
     ) -> None:
         if (factory is None) == (database_url is None):
             raise ValueError("SqlSink needs a session factory or a database URL (one of them)")
@@ -94,6 +112,7 @@ class SqlSink:
         self.price = price_per_hour
         self.busy_timeout_ms = busy_timeout_ms
         self.resume = resume
+        self.reader = reader  # reads the judged steps a script's writer hands over
         self.deadline: float | None = None
         self._factory = factory
         self._engine: Engine | None = None  # ours to dispose (made from database_url)
@@ -110,8 +129,10 @@ class SqlSink:
         price_per_hour: float,
         busy_timeout_ms: int,
         resume: tuple[str, int] | None,
+        reader: StepReader | None = None,
     ) -> SqlSink:
-        """A user's script's run, created (or continued: `resume`) at `database_url`."""
+        """A user's script's run, created (or continued: `resume`) at `database_url`; its judged
+        steps read here by `reader`."""
         return cls(
             factory=None,
             database_url=database_url,
@@ -120,6 +141,7 @@ class SqlSink:
             price_per_hour=price_per_hour,
             busy_timeout_ms=busy_timeout_ms,
             resume=resume,
+            reader=reader,
         )
 
     @classmethod
@@ -231,7 +253,12 @@ class SqlSink:
         the step the database refuses or already has (a commit whose answer was lost). After a
         try that failed on the way (its commit may have landed, its answer lost), the steps the
         run has already are found first and taken as written: written again, the first of
-        them is refused before any insert (out of order, or its rollouts recorded already)."""
+        them is refused before any insert (out of order, or its rollouts recorded already).
+        Judged steps are read first: one that cannot be read is refused alone (dropped), the
+        steps before it written."""
+        records, unread = read_steps(self.reader, records)
+        if unread is not None and not records:
+            return Wrote(taken=0, written=0, refused=unread)
         with self._reaching():
             landed = self._landed(records) if self._uncertain else 0
             if landed:

@@ -57,10 +57,12 @@ from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.core.retry import Backoff, retry
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunSource, RunStatus, dashboard_caller
+from rollout_lens.trainer.recorder.reading import JudgedStep
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 if TYPE_CHECKING:
+    from rollout_lens.trainer.recorder.reading import StepReader
     from rollout_lens.trainer.recorder.sinks import Sink
 
 log = logging.getLogger("rollout_lens")
@@ -191,6 +193,8 @@ def record_size(record: StepRecord) -> int:
         size += control.array.nbytes
         if r.tokens:
             size += len(r.tokens) * _TEXT + sum(map(len, r.tokens))
+    if isinstance(record, JudgedStep):  # read where it is written: its texts are in its Samples
+        size += record.text_bytes
     return size
 
 
@@ -580,18 +584,25 @@ class StepWriter:
         busy_timeout_ms: int = 30_000,
         resume: tuple[str, int] | None = None,
         process: bool = False,
+        reader: StepReader | None = None,
     ) -> StepWriter:
         """A user's script: creates the run (or continues it: `resume`, the key the run was
         created under and the checkpoint's step), buffers and drops rather than stop training.
-        With `process`, the database is written from a process of its own (sink_process.py)."""
+        With `process`, the database is written from a process of its own (sink_process.py),
+        where `reader` reads the judged steps `prepare` makes."""
         from rollout_lens.trainer.recorder.sink_process import script_sink
 
         price, wait = price_per_device_hour, busy_timeout_ms
         sink = script_sink(
-            database_url, process=process, spec=spec, price=price, wait_ms=wait, resume=resume
+            database_url,
+            spec,
+            process=process,
+            price=price,
+            wait_ms=wait,
+            resume=resume,
+            reader=reader,
         )
-        policy = BufferAndDrop(max_bytes=max_bytes)
-        beats = heartbeat_seconds
+        policy, beats = BufferAndDrop(max_bytes=max_bytes), heartbeat_seconds
         return cls(sink, policy=policy, prepare=prepare, lighten=lighten, heartbeat_seconds=beats)
 
     @classmethod
@@ -640,14 +651,6 @@ class StepWriter:
     def busy_answers(self) -> int:
         """Retry-After answers: the store asked to wait."""
         return self._delivery.busy_answers
-
-    @property
-    def on_written(self) -> Callable[[StepRecord], None] | None:
-        return self._delivery.on_written
-
-    @on_written.setter
-    def on_written(self, hook: Callable[[StepRecord], None] | None) -> None:
-        self._delivery.on_written = hook
 
     @property
     def stop_requested(self) -> bool:
