@@ -44,10 +44,10 @@ class StepPreparer:
         control_tokens: list[str],
         watched: list[str],
     ) -> None:
-        self.trainer = trainer
         self.judge = judge
         self.target = target
-        tokenizer = tokenizer_of(trainer)
+        # found once: a tokenizer's missing attribute (tokenizer_of asks) is a slow look-up
+        self.tokenizer = tokenizer = tokenizer_of(trainer)
         self.eos = set(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         self.reader = StepReader(
             tokenizer,
@@ -72,8 +72,7 @@ class StepPreparer:
     def judged(self, raw: dict[str, Any]) -> JudgedStep:
         """A step's raw parts → the step judged (the user's functions run here), to be read."""
         samples = [s for part in raw["captured"] for s in part.samples()]
-        tokenizer = tokenizer_of(self.trainer)  # tool-calling: a conversation's text decoded
-        verdicts = [self._verdict(sample, tokenizer) for sample in samples]
+        verdicts = [self._verdict(sample) for sample in samples]
         rewards = [s.record.verifier_reward for s in samples]
         return JudgedStep(
             step=raw["step"],
@@ -86,13 +85,14 @@ class StepPreparer:
             kept={"reward_mean": m.mean(rewards)} if samples else {},
         )
 
-    def _verdict(self, sample: Sample, tokenizer: Any) -> Verdict:
+    def _verdict(self, sample: Sample) -> Verdict:
+        """One rollout judged: its text (with tools, the whole conversation as the model saw
+        it, tool results included), whether it was cut off, the judge's word, its target."""
         ids = sample.record.completion_ids
-        # tool-calling: the whole conversation as the model saw it, tool results included
         text = (
             message_text(sample.completion)
             if sample.tool_mask is None
-            else tokenizer.decode(ids.tolist())
+            else self.tokenizer.decode(ids.tolist())
         )
         truncated = not len(ids) or int(ids[-1]) not in self.eos
         judgement = self.judge(
@@ -117,6 +117,7 @@ class StepPreparer:
         return None if value is None else str(value)
 
     def tag_notes(self) -> list[str]:
+        """What the run page says of the call tags (the reader's)."""
         return self.reader.tag_notes()
 
 
