@@ -2,12 +2,14 @@
 included, stay there) and read in the writer's own process (trainer/recorder/reading.py): the
 reading holds no GIL of the training process, and that process loads no torch. Where the reader
 cannot reach it, the steps are read in the training process as before; a step that cannot be
-read is dropped alone; one the budget lightens keeps its mean reward."""
+read is dropped alone; one the budget lightens keeps its mean reward. A launched run's steps are
+judged on the training thread (the task's judge) and read on its writer's thread."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +29,18 @@ pytestmark = pytest.mark.slow
 
 
 class _Reads:
-    """Counts StepReader.complete's calls on judged steps in this (the training) process."""
+    """Counts StepReader.complete's calls on judged steps in this (the training) process, and
+    the threads they ran on."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.judged = 0
+        self.threads: set[str] = set()
         complete = StepReader.complete
 
         def counted(reader: StepReader, step: Any) -> Any:
-            self.judged += isinstance(step, JudgedStep)
+            if isinstance(step, JudgedStep):
+                self.judged += 1
+                self.threads.add(threading.current_thread().name)
             return complete(reader, step)
 
         monkeypatch.setattr(StepReader, "complete", counted)
@@ -218,3 +224,30 @@ def test_a_judged_step_the_budget_lightens_keeps_its_mean_reward(user_model_dir:
     record = reader.complete(step)
     assert record.rollouts == [] and record.values["reward_mean"] == 0.25
     assert record.values["loss"] == 0.25 and record.values["wall_time"] == 0.1
+
+
+def test_a_launched_runs_steps_are_read_on_its_writers_thread(
+    train_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollout_lens.server.core.records import StepRecord
+    from rollout_lens.server.core.runconfig import RunConfig
+    from rollout_lens.trainer.worker.run import train
+
+    reads = _Reads(monkeypatch)
+    handed: list[Any] = []  # what the worker's on_step (the CLI's progress bar) is handed
+    run_id = train(
+        RunConfig(steps=3, group_size=8, seed=1), settings=train_settings, on_step=handed.append
+    )
+    assert (
+        reads.judged == 3
+        and reads.threads
+        and all(name.startswith("rollout-lens-writer") for name in reads.threads)
+    ), reads.threads
+    # the progress bar gets each step as written: read, its values summarised
+    assert [type(r) for r in handed] == [StepRecord] * 3 and [r.step for r in handed] == [1, 2, 3]
+    assert all(r.values["reward_mean"] is not None and len(r.rollouts) == 8 for r in handed)
+    run, rows, steps, _ = load_run(train_settings.database_url, run_id)
+    assert run.status == "completed" and [s.step for s in steps] == [1, 2, 3]
+    assert all(r["tokens"] and r["format_state"] for r in rows) and len(rows) == 24
+    for s, r in zip(steps, handed, strict=True):
+        assert s.reward_mean == pytest.approx(r.values["reward_mean"])

@@ -48,6 +48,7 @@ from rollout_lens.trainer.recorder.judging import (
 )
 from rollout_lens.trainer.recorder.judging import message_text as message_text
 from rollout_lens.trainer.recorder.preparing import StepPreparer, tokenizer_of
+from rollout_lens.trainer.recorder.sinks import reads_steps
 from rollout_lens.trainer.recorder.writer import RunSpec, StepWriter
 from transformers import TrainerCallback
 
@@ -294,8 +295,11 @@ class RolloutLensCallback(TrainerCallback):
             self._own_sink = True
             self.sink = _own_writer(self, self._run_spec(args, state), key, resume_step)
             atexit.register(self._at_exit)
-        elif self.sink is not None:
-            self.sink.prepare = self._prepare
+        elif self.sink is not None:  # given (a launched run's): a database sink reads steps
+            preparer = self.preparer
+            assert preparer is not None
+            reads = reads_steps(self.sink, preparer.reader)
+            self.sink.prepare = preparer.judged if reads else self._prepare
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self._step_started = time.perf_counter()

@@ -5,9 +5,8 @@ The capture's Samples are built (trainer/recorder/captured.py: each one's write 
 the host copies of TRL's tensors the capture kept) and each is judged by the user's functions,
 which stay where the user's script defined them (a lambda, a function of `__main__`): a
 JudgedStep. Its StepReader (trainer/recorder/reading.py) reads it into its StepRecord: a user's
-script's database sink does so in the writer's own process; a launched run prepares its steps
-whole on the training thread, and a dashboard's recording API is sent prepared steps
-(`prepare`, the StepWriter's).
+script's database sink does so in the writer's own process, a launched run's on its writer's
+thread; a dashboard's recording API is sent prepared steps (`prepare`, the StepWriter's).
 """
 
 from __future__ import annotations

@@ -294,9 +294,11 @@ def _rebuilt(state: Any) -> BaseException:
 
 
 def _answer(value: Any) -> tuple[Any, Any]:
-    """A call's answer, and the exception a Wrote names apart (made portable)."""
-    if isinstance(value, Wrote) and value.refused is not None:
-        return Wrote(value.taken, value.written), _portable(value.refused)
+    """A call's answer, and the exception a Wrote names apart (made portable); a Wrote's
+    records stay here (a script's writer hands them to no one)."""
+    if isinstance(value, Wrote):
+        refused = None if value.refused is None else _portable(value.refused)
+        return Wrote(value.taken, value.written), refused
     return value, None
 
 

@@ -14,7 +14,7 @@ import logging
 import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 from rollout_lens.server import store
 from rollout_lens.server.core.errors import RunEnded, StepRefused
@@ -77,6 +77,17 @@ def read_steps(
         except Exception as exc:  # noqa: BLE001 - a bad step must not stop the others
             return read, StepUnread(f"could not prepare step {record.step}: {short(exc)}")
     return read, None
+
+
+def reads_steps(writer: Any, reader: StepReader) -> bool:
+    """Whether `writer` (a StepWriter made elsewhere: a launched run's) writes to a database
+    sink in this process, which then reads the judged steps it is handed with `reader`, on the
+    writer's thread (they were prepared whole on the training thread)."""
+    sink = getattr(writer, "sink", None)
+    if not isinstance(sink, SqlSink):  # a child's reader is sent at its start: not this one's
+        return False
+    sink.reader = reader
+    return True
 
 
 class SqlSink:
@@ -268,7 +279,7 @@ class SqlSink:
                     records[landed - 1].step,
                 )
                 self._uncertain = False
-                return Wrote(taken=landed, written=0)
+                return Wrote(taken=landed, written=0, records=records)
             try:
                 self._commit(records)
             except (StepRefused, DBAPIError) as exc:
@@ -280,7 +291,7 @@ class SqlSink:
                     return self._settle(records[0], single)
                 records = records[:1]
         self._uncertain = False
-        return Wrote(taken=len(records), written=len(records))
+        return Wrote(taken=len(records), written=len(records), records=records)
 
     def _landed(self, records: Sequence[StepRecord]) -> int:
         """How many of the first `records` the run has already (a commit whose answer was

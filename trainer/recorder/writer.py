@@ -30,7 +30,8 @@ What differs between runs is what to do while the store is away, a policy:
   ended elsewhere (cancelled from the dashboard: server/store/ending.py) records nothing more:
   what waits is dropped, and on a cancel `stop_requested` tells the callback to stop training.
 - WaitThenFail, a run launched from the dashboard (the worker owns the run row, its heartbeat
-  and its end): steps are prepared on the training thread, at most `max_pending` wait (then
+  and its end): steps are judged on the training thread (the task's judge) and read by the
+  database sink on the writer's thread (sinks.reads_steps), at most `max_pending` wait (then
   `put` blocks: training pauses), a database that stays away longer than `give_up_after`
   seconds (ROLLOUT_LENS_LOST_AFTER_SECONDS: the dashboard calls a silent worker lost then too)
   or a step it refuses fails the run: the error is raised on the training thread at the next
@@ -142,6 +143,9 @@ class Wrote:
     taken: int
     written: int
     refused: BaseException | None = None
+    # the steps as written, where the sink read them from judged ones in this process (a
+    # launched run's: what `on_written` is handed); None: as they were handed over
+    records: list[StepRecord] | None = None
 
 
 @dataclass
@@ -467,8 +471,8 @@ class Delivery:
         self._leave(batch[: wrote.taken])
         self.written_steps += wrote.written
         if self.on_written is not None:
-            for pending in batch[: wrote.taken]:
-                self.on_written(pending.record)
+            for record in (wrote.records or [p.record for p in batch])[: wrote.taken]:
+                self.on_written(record)
         if wrote.refused is None:
             return
         if self.waits:
