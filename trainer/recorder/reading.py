@@ -63,8 +63,9 @@ class Verdict:
 
 @dataclass(eq=False)
 class JudgedStep(StepRecord):
-    """A step judged but not read yet: what the training process hands a sink that reads steps
-    itself (a script's writer process, `StepReader.complete`). As a StepRecord it is what the
+    """A step judged but not read yet: what the training thread hands a sink that reads steps
+    itself (`StepReader.complete`: a script's writer process, a launched run's writer thread).
+    As a StepRecord it is what the
     writer weighs and lightens: `rollouts` are its entities with their arrays (their texts,
     tokens and structure not read yet); `samples` and `verdicts` are theirs, one each, and go
     with them when the budget takes the rollouts (the step keeps `kept` then); `raw` the step's
@@ -89,15 +90,17 @@ class JudgedStep(StepRecord):
 
 
 class StepUnread(RuntimeError):
-    """A step that could not be read into its StepRecord: dropped alone, the others written."""
+    """A step that could not be read into its StepRecord: a script's is dropped alone (the
+    others written), a launched run fails at it, as at a step the database refuses."""
 
 
 class StepReader:
     """Reads judged steps into StepRecords: each rollout's place in the step, its prompt as the
     model saw it, its completion's token pieces, the call tags' states and the positional
     control-token probes; then the step's summary values and TRL's logs. It holds no trainer
-    and no user function (the tokenizer and the run's constants): it pickles, once, to the
-    script's writer process that reads the steps there, off the training process."""
+    and no user function (the tokenizer and the run's constants): it pickles, once, to a
+    script's writer process that reads the steps there, off the training process (a launched
+    run's writer thread reads them with it where it is)."""
 
     def __init__(
         self,
