@@ -65,11 +65,10 @@ class Verdict:
 class JudgedStep(StepRecord):
     """A step judged but not read yet: what the training thread hands a sink that reads steps
     itself (`StepReader.complete`: a script's writer process, a launched run's writer thread).
-    As a StepRecord it is what the
-    writer weighs and lightens: `rollouts` are its entities with their arrays (their texts,
-    tokens and structure not read yet); `samples` and `verdicts` are theirs, one each, and go
-    with them when the budget takes the rollouts (the step keeps `kept` then); `raw` the step's
-    own parts (timing, logs, series)."""
+    As a StepRecord it is what the writer weighs and lightens: `rollouts` are its entities with
+    their arrays (their texts, tokens and structure not read yet); `samples` and `verdicts` are
+    theirs, one each, and go with them when the budget takes the rollouts (the step keeps
+    `kept` then); `raw` the step's own parts (timing, logs, series)."""
 
     samples: list[Sample] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
