@@ -58,12 +58,11 @@ from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.core.retry import Backoff, retry
 from rollout_lens.server.store.db import session_scope
 from rollout_lens.server.store.models import RunSource, RunStatus, dashboard_caller
-from rollout_lens.trainer.recorder.reading import JudgedStep
+from rollout_lens.trainer.recorder.reading import JudgedStep, StepReader
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 if TYPE_CHECKING:
-    from rollout_lens.trainer.recorder.reading import StepReader
     from rollout_lens.trainer.recorder.sinks import Sink
 
 log = logging.getLogger("rollout_lens")
