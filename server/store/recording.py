@@ -335,10 +335,11 @@ class Interned:
     """Each distinct prompt text and facts dict stored once, by sha256; the ids of those this
     run wrote or looked up, so that a run's few distinct prompts are looked up once."""
 
-    def __init__(self) -> None:
+    def __init__(self, words: search.WordNumbers | None = None) -> None:
         self.prompt_ids: dict[str, int] = {}
         self.prompt_shas: dict[str, str] = {}
         self.facts_ids: dict[str, int] = {}
+        self.words = words  # PostgreSQL: the writer's word numbers, for new prompts' words
 
     def prompt_sha(self, text: str) -> str:
         """sha256 of a prompt, remembered by text (a dict lookup costs far less than hashing a
@@ -376,7 +377,9 @@ class Interned:
                 .returning(model.id, model.sha256)
             ).all()
             if model is PromptRow:  # new prompts become searchable (not those another run added)
-                search.index_prompts(conn, [(row_id, new[h]) for row_id, h in inserted])
+                search.index_prompts(
+                    conn, [(row_id, new[h]) for row_id, h in inserted], words=self.words
+                )
             cache.update({digest: row_id for row_id, digest in inserted})
             if len(inserted) < len(new):  # another writer stored some of them meanwhile
                 cache.update(_ids_of(conn, model, [h for h in new if h not in cache]))
@@ -479,7 +482,8 @@ class Recorder:
             conn, run_id=run_id, every=run.keep_tokens_every or None, resumed=bool(history)
         )
         self.tokens = RunTokens(conn, run_id=run_id)
-        self.interned = Interned()
+        self.words = search.WordNumbers()  # PostgreSQL: the search words this writer numbered
+        self.interned = Interned(self.words)
         self.packer = prompt_texts.Packer(run_id)
         self.written = 0  # steps this recorder wrote (SQLite's statistics are refreshed by it)
         self.index_seconds = 0.0  # the last index_written's (the scale bench prints it)
@@ -488,7 +492,6 @@ class Recorder:
         self.unindexed: list[tuple[int, str]] = search.unindexed(
             conn, run_id=run_id, token_texts=self.tokens.texts
         )
-        self.words = search.WordNumbers()  # PostgreSQL: the search words this writer numbered
 
     @property
     def token_texts(self) -> dict[int, str]:

@@ -186,8 +186,10 @@ class WordNumbers:
     bench's shape, numbering a step's tens of thousands of keys took a fifth of its indexing).
     A number never changes once committed (search_words only grows, nothing deletes from it);
     the ones found in a transaction that then fails are taken back (`discard`). A store
-    Recorder keeps one, and calls `begin` as its indexing starts: what it numbered before has
-    committed, or the Recorder would have been thrown away (server.store.writing)."""
+    Recorder keeps one for its rollouts' words (numbered as they are indexed) and its new
+    prompts' (in the step's own transaction), and calls `begin` as its indexing starts: what
+    it numbered before has committed, or the Recorder would have been thrown away
+    (server.store.writing)."""
 
     LIMIT = 500_000  # keys kept (some 60 MB); past it they are asked for again
 
@@ -260,14 +262,17 @@ def merge_pending(conn: Connection, index: str) -> None:
     )
 
 
-def index_prompts(conn: Connection, rows: Sequence[tuple[int, str]]) -> None:
+def index_prompts(
+    conn: Connection, rows: Sequence[tuple[int, str]], words: WordNumbers | None = None
+) -> None:
     """Index new prompts (SQLite: whole, in the contentless prompt_fts, which `forget_prompts`
-    hands the same text to take one out; PostgreSQL: their words' numbers, as a completion's)."""
+    hands the same text to take one out; PostgreSQL: their words' numbers, as a completion's,
+    those `words` knows not asked for)."""
     if rows and conn.dialect.name == "postgresql":
         conn.exec_driver_sql(
             "INSERT INTO prompt_search (prompt_id, words) SELECT i, w::integer[] "
             "FROM unnest(%s::integer[], %s::text[]) AS u(i, w) ON CONFLICT DO NOTHING",
-            ([i for i, _ in rows], _number_arrays(conn, rows)),
+            ([i for i, _ in rows], _number_arrays(conn, rows, words)),
             execution_options=CLEAN_ALREADY,  # numbers
         )
         merge_pending(conn, PROMPT_WORDS_INDEX)

@@ -595,12 +595,15 @@ def _word_keys_asked(ran: list[tuple[str, Any]]) -> set[str]:
 
 @pytest.mark.postgres
 def test_a_writer_asks_only_for_the_word_numbers_it_has_not_used(pg: Engine) -> None:
-    """A run's writer (write_batch's Recorder) numbers each word once: a later step asks
-    search_words only for keys its earlier steps did not have, and searches find every step."""
+    """A run's writer (write_batch's Recorder) numbers each word once, its completions' and its
+    prompts': a later step asks search_words only for keys its earlier steps did not have (a
+    new prompt's known words included), and searches find every step."""
     factory = make_session_factory(pg)
     run_id = _run(factory)
     steps = _steps(random.Random(6), range(1, 4))
     steps[2].rollouts[0].completion += " quokka"  # a word of step 3 alone
+    for rollout in steps[2].rollouts:  # a new prompt in step 3: known words and one new
+        rollout.prompt = "Pick one: prompt words only, narwhal"
     recorder = None
     asked = []
     for step in steps:
@@ -609,9 +612,9 @@ def test_a_writer_asks_only_for_the_word_numbers_it_has_not_used(pg: Engine) -> 
                 pg, recorder, [step], run_id=run_id, control_tokens=(), price_per_hour=0.0
             )
         asked.append(_word_keys_asked(ran))
-    assert "zeal" in asked[0] and {"quokka", "*quo"} <= asked[2]
+    assert "zeal" in asked[0] and {"quokka", "*quo", "narwhal", "*nar"} <= asked[2]
     assert not asked[1] & asked[0] and not asked[2] & (asked[0] | asked[1])  # each key once
-    for q in ("zeal", "quokka", "über*", "zeb*"):
+    for q in ("zeal", "quokka", "über*", "zeb*", "narwhal", "prompt words"):
         assert _found(factory, run_id, q) == _expected(steps, q)
 
 
