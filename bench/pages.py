@@ -242,8 +242,9 @@ def _compare(w: TestClient, c: TestClient, data: Dataset, sizes: Sizes, repeat: 
 
 @contextmanager
 def pg_database(server_url: str) -> Iterator[str]:
-    """A fresh database on the PostgreSQL server at `server_url`, dropped afterwards."""
-    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    """A fresh database on the PostgreSQL server at `server_url`, dropped afterwards (on a
+    connection checked first: `--cold` restarts the server in between)."""
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     name = f"rollout_lens_bench_{uuid.uuid4().hex[:10]}"
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
