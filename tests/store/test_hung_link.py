@@ -94,7 +94,7 @@ def test_a_hung_link_holds_the_budget_and_writes_every_step_once_back(
 
 
 def _backlog(budget: int) -> Backlog:
-    return Backlog(budget, forget=lambda: None)
+    return Backlog(BufferAndDrop(max_bytes=budget), forget=lambda: None)
 
 
 def test_the_inbox_counts_each_step_at_the_last_prepared_ones_size() -> None:

@@ -1,7 +1,9 @@
 """A script's writer (BufferAndDrop) takes the steps handed over in rounds, at most every
 DRAIN_SECONDS, not at every step: woken by each one, its thread took the GIL at every training
 step's start. It still takes them at once where waiting would cost: a run's first step, a
-quarter of the budget handed over, a flush (a checkpoint) and a close."""
+quarter of the budget handed over, a flush (a checkpoint) and a close. A launched run's writer
+(WaitThenFail, its commits in the training process) writes in the same rounds: at once for its
+first step, a quarter of `max_pending` waiting (where `put` blocks), a flush and a close."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rollout_lens.server import store
+from rollout_lens.server.store.db import session_scope
 from rollout_lens.trainer.recorder import writer as writer_module
 from rollout_lens.trainer.recorder.writer import StepWriter, record_size
+from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import assert_every_step_written, script_writer, seeded_step
 from tests.waiting import returns, until
@@ -34,6 +39,9 @@ def make_writer(tmp_path: Path) -> Iterator[Any]:
             max_bytes=max_bytes,
             heartbeat_seconds=600.0,  # no beat wakes the writer while a test waits
         )
+        return counting(writer)
+
+    def counting(writer: StepWriter) -> tuple[StepWriter, list[list[int]]]:
         writes: list[list[int]] = []
         write = writer.sink.write
 
@@ -45,9 +53,32 @@ def make_writer(tmp_path: Path) -> Iterator[Any]:
         made.append(writer)
         return writer, writes
 
+    make.counting = counting  # type: ignore[attr-defined]
     yield make
     for writer in made:
         writer.close()
+
+
+@pytest.fixture
+def launched_writer(make_writer: Any, session_factory: sessionmaker[Session]) -> Iterator[Any]:
+    """A launched run's writer (the worker's, WaitThenFail) of a run made for it, each sink
+    write's steps counted."""
+
+    def make(max_pending: int = 64) -> tuple[StepWriter, list[list[int]]]:
+        with session_scope(session_factory) as session:
+            run_id = store.create_run(
+                session, name="rounds", model="m", total_steps=40, group_size=4
+            ).id
+        writer = StepWriter.for_launched(
+            session_factory,
+            run_id=run_id,
+            control_tokens=[],
+            price_per_device_hour=0.0,
+            max_pending=max_pending,
+        )
+        return make_writer.counting(writer)
+
+    yield make
 
 
 def test_steps_handed_over_faster_than_a_round_are_written_together(make_writer: Any) -> None:
@@ -91,3 +122,36 @@ def test_a_flush_and_a_close_take_what_waits_at_once(
     writer.put(seeded_step(3))
     assert returns(writer.close, "a close with a step waiting", 30) is True
     assert_every_step_written(f"sqlite:///{tmp_path / 'lens.db'}", writer.run_id, 3)
+
+
+def test_a_launched_runs_steps_are_written_in_rounds(launched_writer: Any) -> None:
+    writer, writes = launched_writer()
+    writer.put(seeded_step(1))
+    until(lambda: writer.written_steps == 1, "the first step, written at once")
+    for step in range(2, 22):
+        writer.put(seeded_step(step))
+        time.sleep(STEP_SECONDS)
+    until(lambda: writer.written_steps == 21, "every step written")
+    later = [batch for batch in writes if batch != [1]]
+    # 20 steps over ~0.2 s: one round, two at a round's edge; woken by every step, about 20
+    assert 1 <= len(later) <= 3, writes
+    assert [s for batch in later for s in batch] == list(range(2, 22))  # in order
+
+
+def test_a_launched_run_writes_at_once_a_quarter_of_max_pending_a_flush_and_a_close(
+    launched_writer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer_module, "DRAIN_SECONDS", 600.0)  # no round before the test ends
+    writer, writes = launched_writer(max_pending=8)
+    writer.put(seeded_step(1))
+    until(lambda: writer.written_steps == 1, "the first step")
+    writer.put(seeded_step(2))
+    assert writer.written_steps == 1  # waiting for a round that will not come
+    returns(writer.flush, "a flush with a step waiting", 30)
+    assert writer.written_steps == 2
+    for step in (3, 4):  # the second is a quarter of max_pending
+        writer.put(seeded_step(step))
+    until(lambda: writer.written_steps == 4, "two steps waiting, a quarter of max_pending")
+    writer.put(seeded_step(5))
+    assert returns(writer.close, "a close with a step waiting", 30) is True
+    assert writes == [[1], [2], [3, 4], [5]]

@@ -31,12 +31,13 @@ What differs between runs is what to do while the store is away, a policy:
   what waits is dropped, and on a cancel `stop_requested` tells the callback to stop training.
 - WaitThenFail, a run launched from the dashboard (the worker owns the run row, its heartbeat
   and its end): steps are judged on the training thread (the task's judge) and read by the
-  database sink on the writer's thread (sinks.reads_steps), at most `max_pending` wait (then
-  `put` blocks: training pauses), a database that stays away longer than `give_up_after`
-  seconds (ROLLOUT_LENS_LOST_AFTER_SECONDS: the dashboard calls a silent worker lost then too)
-  or a step it refuses fails the run: the error is raised on the training thread at the next
-  `put`, `flush` or `close`, so a run never trains on while its records are lost and the
-  recorded steps never have a gap.
+  database sink on the writer's thread (sinks.reads_steps), in rounds as a script's steps
+  are taken (DRAIN_SECONDS: the writer's commits share the training process), at most
+  `max_pending` wait (then `put` blocks: training pauses), a database that stays away longer
+  than `give_up_after` seconds (ROLLOUT_LENS_LOST_AFTER_SECONDS: the dashboard calls a silent
+  worker lost then too) or a step it refuses fails the run: the error is raised on the
+  training thread at the next `put`, `flush` or `close`, so a run never trains on while its
+  records are lost and the recorded steps never have a gap.
 """
 
 from __future__ import annotations
@@ -68,11 +69,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollout_lens")
 
 BATCH_STEPS = 32  # steps written per transaction (a backlog drains in few commits)
-# BufferAndDrop: the writer's thread takes the steps handed over at most this often (and at once
-# while it has prepared none, past a quarter of the budget, or when asked to flush or close). Woken
-# by every step, it took the GIL from the training thread at every step's start, and the child's
-# commit came with it: bench.overhead_script's toy step 1.114 against 1.051 waking every 0.5 s
-# (6 pairs, every pair lower). A step reaches the dashboard up to this much later.
+# The writer's thread takes the steps handed over at most this often (and at once while it has
+# prepared none, past a quarter of the budget or of `max_pending`, or when asked to flush or
+# close). Woken by every step, it took the GIL from the training thread at every step's start,
+# and the child's commit came with it: bench.overhead_script's toy step 1.114 against 1.051
+# waking every 0.5 s (6 pairs, every pair lower). A launched run's writer, whose commits share
+# the training process, writes in the same rounds. A step reaches the dashboard up to this much
+# later.
 DRAIN_SECONDS = 0.5
 RETRY_MAX_SECONDS = 15.0  # a busy dashboard's Retry-After, at most
 FINISH_GIVE_UP_SECONDS = 60.0  # at least: a run's end (and why) is worth waiting for
@@ -206,8 +209,10 @@ class Backlog:
     (`pending`, oldest first) within a byte budget, and what was dropped. Held under the
     writer's lock."""
 
-    def __init__(self, max_bytes: int | None, forget: Callable[[], None]) -> None:
-        self.max_bytes = max_bytes  # None: no budget (a launched run's `put` blocks instead)
+    def __init__(self, policy: Policy, forget: Callable[[], None]) -> None:
+        self.policy = policy
+        # None: no budget (a launched run's `put` blocks instead)
+        self.max_bytes = policy.max_bytes if isinstance(policy, BufferAndDrop) else None
         self.forget = forget  # the sink's: steps left unwritten
         self.inbox: deque[Arrival] = deque()
         self.inbox_bytes = 0
@@ -233,17 +238,31 @@ class Backlog:
         late = time.monotonic() - self.last_round >= DRAIN_SECONDS
         return bool(self.inbox) and (hurry or late or self.due())
 
-    def round(self) -> list[Arrival]:
+    def round(self, waits: bool) -> list[Arrival]:
         """The steps handed over, for the writer's round (each leaves the inbox once prepared:
-        `take`)."""
-        if self.inbox:
+        `take`); `waits` (WaitThenFail): the steps prepared at `put` are this round's."""
+        if self.inbox or (waits and self.pending):
             self.last_round = time.monotonic()
         return list(self.inbox)
 
-    def next_round(self) -> float:
-        """Seconds until the writer's next round (DRAIN_SECONDS when nothing waits)."""
-        waiting = self.last_round + DRAIN_SECONDS - time.monotonic()
-        return waiting if self.inbox else DRAIN_SECONDS
+    def next_round(self, waits: bool) -> float:
+        """Seconds until the writer's next round while steps wait for it (a script's handed
+        over; `waits`: a launched run's prepared), else DRAIN_SECONDS, or 5 s for a launched
+        run (its `put` wakes the writer)."""
+        if self.inbox or (waits and self.pending):
+            return self.last_round + DRAIN_SECONDS - time.monotonic()
+        return 5.0 if waits else DRAIN_SECONDS
+
+    def writes_now(self, hurry: bool) -> bool:
+        """Whether the steps waiting prepared are written now: a script's at once (its round is
+        when the inbox is taken); a launched run's, prepared at `put`, in rounds too: its first
+        step at once, on a flush or a close (`hurry`), past a quarter of `max_pending` (where
+        `put` blocks), else DRAIN_SECONDS after the last round."""
+        policy = self.policy
+        if not self.pending or not isinstance(policy, WaitThenFail) or hurry:
+            return bool(self.pending)
+        late = time.monotonic() - self.last_round >= DRAIN_SECONDS
+        return late or 4 * len(self.pending) >= policy.max_pending
 
     def prepared(self, raw: Any, prepare: Callable[[Any], StepRecord]) -> Pending | None:
         """A step handed over, prepared; None (said here, counted by the caller) when preparing
@@ -555,8 +574,7 @@ class StepWriter:
         self.prepare = prepare
         self.lighten = lighten  # BufferAndDrop: a step handed over, without its rollouts
         self.heartbeat_seconds = heartbeat_seconds
-        budget = policy.max_bytes if isinstance(policy, BufferAndDrop) else None
-        self.backlog = Backlog(budget, sink.forget)
+        self.backlog = Backlog(policy, sink.forget)
         self._wake = threading.Condition()
         self._delivery = Delivery(sink, policy, self.backlog, self._wake, fail=self._fail)
         self._delivery.on_written = on_written
@@ -681,7 +699,8 @@ class StepWriter:
                 self._wake.wait()
             self._raise_if_failed()
             self.backlog.add(Pending(record, 0))
-            self._wake.notify_all()
+            if len(self.backlog.pending) == 1 or self.backlog.writes_now(False):
+                self._wake.notify_all()  # the writer times its round from the first step waiting
 
     def flush(self) -> None:
         """Wait until every step handed over is written (a checkpoint must not outrun its
@@ -751,7 +770,7 @@ class StepWriter:
             with self._wake:
                 while not self._due(last_beat):
                     self._wake.wait(timeout=self._wait_seconds(last_beat))
-                inbound = self.backlog.round()
+                inbound = self.backlog.round(self._delivery.waits)
                 closing = self._closing
             for arrival in inbound:
                 self._take(arrival)
@@ -785,7 +804,7 @@ class StepWriter:
         if self.backlog.taking(self._closing or self._hurry > 0):
             return True
         now, delivery = time.monotonic(), self._delivery
-        if (self._closing or self.backlog.pending) and now >= delivery.retry_at:
+        if (self._closing or self.backlog.writes_now(self._hurry > 0)) and now >= delivery.retry_at:
             return True
         if self._closing and not delivery.waits and now >= (self._deadline or 0.0):
             return True
@@ -794,10 +813,10 @@ class StepWriter:
 
     def _wait_seconds(self, last_beat: float) -> float:
         now = time.monotonic()
-        waits = [5.0 if self.backlog.max_bytes is None else self.backlog.next_round()]
+        waits = [self.backlog.next_round(self._delivery.waits)]
         if self.heartbeat_seconds is not None:
             waits.append(self.heartbeat_seconds - (now - last_beat))
-        if self.backlog.pending or self._closing:
+        if self._closing or self.backlog.writes_now(self._hurry > 0):
             waits.append(self._delivery.retry_at - now)
         if self._closing and self._deadline is not None and not self._delivery.waits:
             waits.append(self._deadline - now)
