@@ -48,6 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import zstandard
+from rollout_lens.server.core.distinct import distinct, distinct_inverse
 from rollout_lens.server.core.errors import InvalidInput
 from rollout_lens.server.core.records import ControlProbs, RolloutRecord, StepRecord
 from rollout_lens.server.core.textsafe import clip, finite_json, storable
@@ -792,11 +793,11 @@ def _check_pieced(
     if not n_pieces:
         return
     ids = [r.completion_ids for r, wanted in zip(records, needs, strict=True) if wanted]
-    distinct = len(np.unique(np.concatenate(ids))) if ids else 0
-    if n_pieces > distinct:
+    found = len(distinct(np.concatenate(ids))) if ids else 0
+    if n_pieces > found:
         raise WireInvalid(
             where,
-            f"{n_pieces:,} pieces for the {distinct:,} token ids of its rollouts sent with "
+            f"{n_pieces:,} pieces for the {found:,} token ids of its rollouts sent with "
             "their pieces",
         )
 
@@ -874,8 +875,8 @@ def complete_tokens(
     if not chosen:
         return
     every = np.concatenate([r.completion_ids for _, _, r in chosen])
-    distinct, inverse = np.unique(every, return_inverse=True)
-    table, absent = _piece_table(distinct.tolist(), texts, known)
+    ids, inverse = distinct_inverse(every)
+    table, absent = _piece_table(ids.tolist(), texts, known)
     pieces_all = table[inverse]
     chars = np.fromiter((0 if p is None else len(p) for p in table), np.int64, len(table))
     at = 0

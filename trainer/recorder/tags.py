@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from rollout_lens.server.core import tokentext
+from rollout_lens.server.core.distinct import distinct
 from rollout_lens.trainer.recorder.structure import ESCALATION_TAGS
 
 # The common tool-call formats, tried in this order when the run names none and the chat
@@ -196,7 +197,7 @@ class TokenBytes:
             n = len(self._known)
             known[:n], table[:n], lengths[:n] = self._known, self._bytes, self._lengths
             self._known, self._bytes, self._lengths = known, table, lengths
-        new = np.unique(ids[~self._known[ids]])
+        new = distinct(ids[~self._known[ids]])
         new_ids = new.tolist()
         for token_id, piece in zip(new_ids, self.pieces.of(new, new_ids), strict=True):
             found = self._compute(token_id, piece)
