@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Any
 
 import pytest
 from rollout_lens.server.store import search, wordscan
@@ -60,12 +61,30 @@ def test_the_first_search_chars_only() -> None:
     assert found.split() == ["a" * (search.SEARCH_CHARS - 2), "b"]
 
 
+class _Numbering(search.WordNumbers):
+    """Word numbers drawn here, in the order asked (no database): what PostgreSQL's
+    search_words would hand out."""
+
+    def numbers(self, conn: Any, keys: set[str]) -> dict[str, int]:
+        for key in sorted(keys):
+            self.known.setdefault(key, len(self.known) + 1)
+        return self.known
+
+
 @pytest.mark.parametrize("seed", range(2))
-def test_spaced_keys_are_search_keys(seed: int) -> None:
-    """PostgreSQL's keys from a spaced text: each word's, each head's, a long word's own."""
+def test_rows_are_numbered_by_their_search_keys(seed: int) -> None:
+    """PostgreSQL's rows of a step: each row's numbers are those of its keys (search_keys of
+    its words: each word's, each head's, a long word's own), sorted, each once."""
     rng = random.Random(seed)
     long_word = "q" * (search.MAX_WORD_CHARS + 5)
-    for _ in range(300):
+    numbering = _Numbering()
+    for _ in range(150):
         texts = _texts(rng) + [f"Ab {long_word} abc {long_word[:-5]} x " + rng.choice(TRICKY)]
-        for text_, found in zip(texts, search.spaced(texts), strict=True):
-            assert search.spaced_keys(found) == search.search_keys(search.words(text_).split())
+        rows = list(enumerate(texts))
+        flat, starts, ends = search._number_arrays(None, rows, numbering)  # type: ignore[arg-type]
+        got = [
+            flat.values[s - 1 : e].tolist()
+            for s, e in zip(starts.values.tolist(), ends.values.tolist(), strict=True)
+        ]
+        keys = [search.search_keys(search.words(t).split()) for t in texts]
+        assert got == [sorted(numbering.known[k] for k in each) for each in keys], texts
