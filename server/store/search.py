@@ -140,7 +140,7 @@ def head_key(prefix: str) -> str:
 def search_keys(found: Iterable[str]) -> set[str]:
     """A text's words as search_words keys: each word's (word_key) and, for a word of at least
     PREFIX_HEAD characters, its head's (head_key). The rule, and the tests' oracle: a step's
-    rows are keyed in numpy passes (_number_arrays)."""
+    rows are keyed in numpy passes (number_rows)."""
     keys = {word_key(w) for w in found}
     keys.update({head_key(w[:PREFIX_HEAD]) for w in found if len(w) >= PREFIX_HEAD})
     return keys
@@ -242,7 +242,7 @@ _SLICED = (
 )
 
 
-def _number_arrays(
+def number_rows(
     conn: Connection, rows: Sequence[tuple[int, str]], words: WordNumbers | None = None
 ) -> tuple[Int4s, Int4s, Int4s]:
     """PostgreSQL: each (id, text) row's keys (search_keys) as their numbers, sorted, numbering
@@ -276,7 +276,7 @@ def _index_postgres(
     conn: Connection, run_id: int, rows: Sequence[tuple[int, str]], words: WordNumbers | None
 ) -> None:
     ids = [rollout_id for rollout_id, _ in rows]
-    flat, starts, ends = _number_arrays(conn, rows, words)
+    flat, starts, ends = number_rows(conn, rows, words)
     conn.exec_driver_sql(
         f"INSERT INTO rollout_search (rollout_id, run_id, words) SELECT u.i, %s, f.n[u.s:u.e] "
         f"{_SLICED}",
@@ -311,7 +311,7 @@ def index_prompts(
     hands the same text to take one out; PostgreSQL: their words' numbers, as a completion's,
     those `words` knows not asked for)."""
     if rows and conn.dialect.name == "postgresql":
-        flat, starts, ends = _number_arrays(conn, rows, words)
+        flat, starts, ends = number_rows(conn, rows, words)
         conn.exec_driver_sql(
             f"INSERT INTO prompt_search (prompt_id, words) SELECT u.i, f.n[u.s:u.e] {_SLICED} "
             "ON CONFLICT DO NOTHING",

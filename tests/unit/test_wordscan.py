@@ -81,7 +81,7 @@ def test_rows_are_numbered_by_their_search_keys(seed: int) -> None:
     for _ in range(150):
         texts = _texts(rng) + [f"Ab {long_word} abc {long_word[:-5]} x " + rng.choice(TRICKY)]
         rows = list(enumerate(texts))
-        flat, starts, ends = search._number_arrays(None, rows, numbering)  # type: ignore[arg-type]
+        flat, starts, ends = search.number_rows(None, rows, numbering)  # type: ignore[arg-type]
         got = [
             flat.values[s - 1 : e].tolist()
             for s, e in zip(starts.values.tolist(), ends.values.tolist(), strict=True)
