@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 from rollout_lens.server import store
-from rollout_lens.server.store.db import session_scope
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.trainer.recorder import writer as writer_module
 from rollout_lens.trainer.recorder.writer import StepWriter, record_size
-from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import assert_every_step_written, script_writer, seeded_step
 from tests.waiting import returns, until
@@ -60,17 +59,19 @@ def make_writer(tmp_path: Path) -> Iterator[Any]:
 
 
 @pytest.fixture
-def launched_writer(make_writer: Any, session_factory: sessionmaker[Session]) -> Iterator[Any]:
-    """A launched run's writer (the worker's, WaitThenFail) of a run made for it, each sink
-    write's steps counted."""
+def launched_writer(make_writer: Any, migrated_sqlite: Any, tmp_path: Path) -> Iterator[Any]:
+    """A launched run's writer (the worker's, WaitThenFail) of a run made for it in a fresh
+    SQLite file, each sink write's steps counted."""
+    engine = make_engine(migrated_sqlite(tmp_path / "launched.db"))
+    factory = make_session_factory(engine)
 
     def make(max_pending: int = 64) -> tuple[StepWriter, list[list[int]]]:
-        with session_scope(session_factory) as session:
+        with session_scope(factory) as session:
             run_id = store.create_run(
                 session, name="rounds", model="m", total_steps=40, group_size=4
             ).id
         writer = StepWriter.for_launched(
-            session_factory,
+            factory,
             run_id=run_id,
             control_tokens=[],
             price_per_device_hour=0.0,
@@ -79,10 +80,14 @@ def launched_writer(make_writer: Any, session_factory: sessionmaker[Session]) ->
         return make_writer.counting(writer)
 
     yield make
+    engine.dispose()
 
 
-def test_steps_handed_over_faster_than_a_round_are_written_together(make_writer: Any) -> None:
-    writer, writes = make_writer()
+@pytest.mark.parametrize("maker", ["make_writer", "launched_writer"])
+def test_steps_handed_over_faster_than_a_round_are_written_together(
+    maker: str, request: pytest.FixtureRequest
+) -> None:
+    writer, writes = request.getfixturevalue(maker)()  # a script's, a launched run's
     writer.put(seeded_step(1))
     until(lambda: writer.written_steps == 1, "the first step, written at once")
     for step in range(2, 22):
@@ -92,7 +97,7 @@ def test_steps_handed_over_faster_than_a_round_are_written_together(make_writer:
     later = [batch for batch in writes if batch != [1]]
     # 20 steps over ~0.2 s: one round, two at a round's edge; woken by every step, about 20
     assert 1 <= len(later) <= 3, writes
-    assert sorted(s for batch in later for s in batch) == list(range(2, 22))
+    assert [s for batch in later for s in batch] == list(range(2, 22))  # in order
 
 
 def test_a_quarter_of_the_budget_is_taken_at_once(
@@ -108,11 +113,12 @@ def test_a_quarter_of_the_budget_is_taken_at_once(
     assert writer.dropped_steps == writer.dropped_rollouts == 0
 
 
+@pytest.mark.parametrize("maker", ["make_writer", "launched_writer"])
 def test_a_flush_and_a_close_take_what_waits_at_once(
-    make_writer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    maker: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(writer_module, "DRAIN_SECONDS", 600.0)
-    writer, _ = make_writer()
+    monkeypatch.setattr(writer_module, "DRAIN_SECONDS", 600.0)  # no round before the test ends
+    writer, writes = request.getfixturevalue(maker)()
     writer.put(seeded_step(1))
     until(lambda: writer.written_steps == 1, "the first step")
     writer.put(seeded_step(2))
@@ -121,37 +127,20 @@ def test_a_flush_and_a_close_take_what_waits_at_once(
     assert writer.written_steps == 2
     writer.put(seeded_step(3))
     assert returns(writer.close, "a close with a step waiting", 30) is True
-    assert_every_step_written(f"sqlite:///{tmp_path / 'lens.db'}", writer.run_id, 3)
+    assert writes == [[1], [2], [3]]
+    if maker == "make_writer":  # a script's writer ends its run (a launched run's worker does)
+        assert_every_step_written(f"sqlite:///{tmp_path / 'lens.db'}", writer.run_id, 3)
 
 
-def test_a_launched_runs_steps_are_written_in_rounds(launched_writer: Any) -> None:
-    writer, writes = launched_writer()
-    writer.put(seeded_step(1))
-    until(lambda: writer.written_steps == 1, "the first step, written at once")
-    for step in range(2, 22):
-        writer.put(seeded_step(step))
-        time.sleep(STEP_SECONDS)
-    until(lambda: writer.written_steps == 21, "every step written")
-    later = [batch for batch in writes if batch != [1]]
-    # 20 steps over ~0.2 s: one round, two at a round's edge; woken by every step, about 20
-    assert 1 <= len(later) <= 3, writes
-    assert [s for batch in later for s in batch] == list(range(2, 22))  # in order
-
-
-def test_a_launched_run_writes_at_once_a_quarter_of_max_pending_a_flush_and_a_close(
+def test_a_launched_run_writes_a_quarter_of_max_pending_at_once(
     launched_writer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(writer_module, "DRAIN_SECONDS", 600.0)  # no round before the test ends
+    monkeypatch.setattr(writer_module, "DRAIN_SECONDS", 600.0)
     writer, writes = launched_writer(max_pending=8)
     writer.put(seeded_step(1))
     until(lambda: writer.written_steps == 1, "the first step")
     writer.put(seeded_step(2))
     assert writer.written_steps == 1  # waiting for a round that will not come
-    returns(writer.flush, "a flush with a step waiting", 30)
-    assert writer.written_steps == 2
-    for step in (3, 4):  # the second is a quarter of max_pending
-        writer.put(seeded_step(step))
-    until(lambda: writer.written_steps == 4, "two steps waiting, a quarter of max_pending")
-    writer.put(seeded_step(5))
-    assert returns(writer.close, "a close with a step waiting", 30) is True
-    assert writes == [[1], [2], [3, 4], [5]]
+    writer.put(seeded_step(3))  # two waiting: a quarter of max_pending
+    until(lambda: writer.written_steps == 3, "two steps waiting, a quarter of max_pending")
+    assert writes == [[1], [2, 3]]
