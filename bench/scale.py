@@ -94,7 +94,9 @@ from bench.scale_data import ScaleRun, Shape, trl_table
 
 QUICK = {"groups": 4, "tokens": 96, "steps": 4, "fill_to": 10, "fill_tokens": 16, "repeat": 2}
 WRITE_TARGET_MS = 300
-RATIO_TARGETS = {"SQLite": 8.0, "PostgreSQL": 12.0}  # a step's write ÷ TRL's parquet of it
+# a step's commit ÷ TRL's parquet write of it, and its search indexing's (issue 49)
+RATIO_TARGETS = {"SQLite": 5.0, "PostgreSQL": 8.0}
+INDEX_TARGET = 5.0
 TOKENS_TARGET = 1.7  # M tokens/s
 STEP_PAGE_KB, JSON_MB = 300, 2
 
@@ -242,15 +244,16 @@ def print_write(dbs: list[Database], written: Written, steps: int, fill: bool = 
             continue
         index = db.index_seconds[-len(times) :]
         committed = [(t - i) * 1000 for t, i in zip(times, index, strict=True)]
-        bound = RATIO_TARGETS[db.label]
-        target = f"≤ {bound:.0f}× parquet (≤ {WRITE_TARGET_MS} ms quiet)"
-        done = statistics.median(committed) / 1000 / parquet if parquet else None
-        shown = f"{done:10.1f}" if done is not None else f"{'':>10}"
-        ok = _mark(done <= bound) if done is not None else ""
-        print(f"  {'  committed':<12} {_spread(committed)} {'':>11} {shown}   {target} {ok}")
-        print(
-            f"  {'  indexed':<12} {_spread([i * 1000 for i in index])}   search, after the commit"
-        )
+        indexed = [i * 1000 for i in index]
+        for part, ms_, bound, note in (
+            ("committed", committed, RATIO_TARGETS[db.label], f"(≤ {WRITE_TARGET_MS} ms quiet)"),
+            ("indexed", indexed, INDEX_TARGET, "(search, after the commit)"),
+        ):
+            done = statistics.median(ms_) / 1000 / parquet if parquet else None
+            shown = f"{done:10.1f}" if done is not None else f"{'':>10}"
+            ok = _mark(done <= bound) if done is not None else ""
+            target = f"≤ {bound:.0f}× parquet {note} {ok}"
+            print(f"  {'  ' + part:<12} {_spread(ms_)} {'':>11} {shown}   {target}")
     if written.parquet_seconds:
         print(f"  {'TRL parquet':<12} {_spread([t * 1000 for t in written.parquet_seconds])}")
 
