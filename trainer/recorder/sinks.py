@@ -82,7 +82,7 @@ def read_steps(
 def reads_steps(writer: Any, reader: StepReader) -> bool:
     """Whether `writer` (a StepWriter made elsewhere: a launched run's) writes to a database
     sink in this process, which then reads the judged steps it is handed with `reader`, on the
-    writer's thread (they were prepared whole on the training thread)."""
+    writer's thread (not on the training thread, which judges them)."""
     sink = getattr(writer, "sink", None)
     if not isinstance(sink, SqlSink):  # a child's reader is sent at its start: not this one's
         return False

@@ -211,6 +211,7 @@ class Backlog:
 
     def __init__(self, policy: Policy, forget: Callable[[], None]) -> None:
         self.policy = policy
+        self.waits = isinstance(policy, WaitThenFail)  # a launched run's: prepared at `put`
         # None: no budget (a launched run's `put` blocks instead)
         self.max_bytes = policy.max_bytes if isinstance(policy, BufferAndDrop) else None
         self.forget = forget  # the sink's: steps left unwritten
@@ -238,20 +239,20 @@ class Backlog:
         late = time.monotonic() - self.last_round >= DRAIN_SECONDS
         return bool(self.inbox) and (hurry or late or self.due())
 
-    def round(self, waits: bool) -> list[Arrival]:
+    def round(self) -> list[Arrival]:
         """The steps handed over, for the writer's round (each leaves the inbox once prepared:
-        `take`); `waits` (WaitThenFail): the steps prepared at `put` are this round's."""
-        if self.inbox or (waits and self.pending):
+        `take`); a launched run's round is of the steps prepared at `put`."""
+        if self.inbox or (self.waits and self.pending):
             self.last_round = time.monotonic()
         return list(self.inbox)
 
-    def next_round(self, waits: bool) -> float:
+    def next_round(self) -> float:
         """Seconds until the writer's next round while steps wait for it (a script's handed
-        over; `waits`: a launched run's prepared), else DRAIN_SECONDS, or 5 s for a launched
-        run (its `put` wakes the writer)."""
-        if self.inbox or (waits and self.pending):
+        over, a launched run's prepared), else DRAIN_SECONDS, or 5 s for a launched run (its
+        `put` wakes the writer)."""
+        if self.inbox or (self.waits and self.pending):
             return self.last_round + DRAIN_SECONDS - time.monotonic()
-        return 5.0 if waits else DRAIN_SECONDS
+        return 5.0 if self.waits else DRAIN_SECONDS
 
     def writes_now(self, hurry: bool) -> bool:
         """Whether the steps waiting prepared are written now: a script's at once (its round is
@@ -770,7 +771,7 @@ class StepWriter:
             with self._wake:
                 while not self._due(last_beat):
                     self._wake.wait(timeout=self._wait_seconds(last_beat))
-                inbound = self.backlog.round(self._delivery.waits)
+                inbound = self.backlog.round()
                 closing = self._closing
             for arrival in inbound:
                 self._take(arrival)
@@ -813,7 +814,7 @@ class StepWriter:
 
     def _wait_seconds(self, last_beat: float) -> float:
         now = time.monotonic()
-        waits = [self.backlog.next_round(self._delivery.waits)]
+        waits = [self.backlog.next_round()]
         if self.heartbeat_seconds is not None:
             waits.append(self.heartbeat_seconds - (now - last_beat))
         if self._closing or self.backlog.writes_now(self._hurry > 0):
