@@ -24,6 +24,21 @@ from tests.waiting import returns, until
 STEP_SECONDS = 0.01  # a toy training step's time between two steps handed over
 
 
+def _counted(writer: StepWriter, made: list[StepWriter]) -> tuple[StepWriter, list[list[int]]]:
+    """`writer`, each of its sink's writes' steps counted in the list returned with it; kept in
+    `made` to be closed."""
+    writes: list[list[int]] = []
+    write = writer.sink.write
+
+    def counted(records: Any, *args: Any, **kwargs: Any) -> Any:
+        writes.append([r.step for r in records])
+        return write(records, *args, **kwargs)
+
+    writer.sink.write = counted  # type: ignore[method-assign]
+    made.append(writer)
+    return writer, writes
+
+
 @pytest.fixture
 def make_writer(tmp_path: Path) -> Iterator[Any]:
     """A script's writer on a fresh SQLite file (the sink in this process), each sink write's
@@ -38,32 +53,20 @@ def make_writer(tmp_path: Path) -> Iterator[Any]:
             max_bytes=max_bytes,
             heartbeat_seconds=600.0,  # no beat wakes the writer while a test waits
         )
-        return counting(writer)
+        return _counted(writer, made)
 
-    def counting(writer: StepWriter) -> tuple[StepWriter, list[list[int]]]:
-        writes: list[list[int]] = []
-        write = writer.sink.write
-
-        def counted(records: Any, *args: Any, **kwargs: Any) -> Any:
-            writes.append([r.step for r in records])
-            return write(records, *args, **kwargs)
-
-        writer.sink.write = counted  # type: ignore[method-assign]
-        made.append(writer)
-        return writer, writes
-
-    make.counting = counting  # type: ignore[attr-defined]
     yield make
     for writer in made:
         writer.close()
 
 
 @pytest.fixture
-def launched_writer(make_writer: Any, migrated_sqlite: Any, tmp_path: Path) -> Iterator[Any]:
+def launched_writer(migrated_sqlite: Any, tmp_path: Path) -> Iterator[Any]:
     """A launched run's writer (the worker's, WaitThenFail) of a run made for it in a fresh
-    SQLite file, each sink write's steps counted."""
+    SQLite file, each sink write's steps counted; closed at the end."""
     engine = make_engine(migrated_sqlite(tmp_path / "launched.db"))
     factory = make_session_factory(engine)
+    made: list[StepWriter] = []
 
     def make(max_pending: int = 64) -> tuple[StepWriter, list[list[int]]]:
         with session_scope(factory) as session:
@@ -77,9 +80,11 @@ def launched_writer(make_writer: Any, migrated_sqlite: Any, tmp_path: Path) -> I
             price_per_device_hour=0.0,
             max_pending=max_pending,
         )
-        return make_writer.counting(writer)
+        return _counted(writer, made)
 
     yield make
+    for writer in made:
+        writer.close()
     engine.dispose()
 
 

@@ -78,7 +78,7 @@ def test_rows_are_numbered_by_their_search_keys(seed: int) -> None:
     rng = random.Random(seed)
     long_word = "q" * (search.MAX_WORD_CHARS + 5)
     numbering = _Numbering()
-    for _ in range(150):
+    for _ in range(300):
         texts = _texts(rng) + [f"Ab {long_word} abc {long_word[:-5]} x " + rng.choice(TRICKY)]
         rows = list(enumerate(texts))
         flat, starts, ends = search.number_rows(None, rows, numbering)  # type: ignore[arg-type]
