@@ -33,8 +33,9 @@ def distinct_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (`np.unique(values, return_inverse=True)`): non-negative values below TABLE_IDS through a
     table of them, others by a sort."""
     values = np.asarray(values)
-    if len(values) and values.min() >= 0 and values.max() < TABLE_IDS:
-        present = np.zeros(int(values.max()) + 1, dtype=bool)
+    largest = int(values.max()) if len(values) else -1
+    if len(values) and values.min() >= 0 and largest < TABLE_IDS:
+        present = np.zeros(largest + 1, dtype=bool)
         present[values] = True
         found = np.flatnonzero(present).astype(values.dtype, copy=False)
         place = np.cumsum(present, dtype=np.int64) - 1

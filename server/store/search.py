@@ -218,19 +218,22 @@ class Int4s(NamedTuple):
     values: np.ndarray
 
 
+_INT4 = psycopg.postgres.types["int4"]
+
+
 class _Int4sDumper(Dumper):
-    oid = psycopg.postgres.types["int4"].array_oid
+    oid = _INT4.array_oid
     format = Format.BINARY
 
     def dump(self, obj: Int4s) -> bytes:
+        """PostgreSQL's binary array: dimensions, no nulls, the element type, the length and
+        lower bound, then each element's length (4) and value, big-endian."""
         n = len(obj.values)
         if not n:
-            return struct.pack(">iii", 0, 0, psycopg.postgres.types["int4"].oid)
-        cells = np.empty((n, 2), dtype=">i4")  # each element: its length (4), its value
+            return struct.pack(">iii", 0, 0, _INT4.oid)
+        cells = np.empty((n, 2), dtype=">i4")
         cells[:, 0], cells[:, 1] = 4, obj.values
-        return struct.pack(">iiiii", 1, 0, psycopg.postgres.types["int4"].oid, n, 1) + (
-            cells.tobytes()
-        )
+        return struct.pack(">iiiii", 1, 0, _INT4.oid, n, 1) + cells.tobytes()
 
 
 psycopg.adapters.register_dumper(Int4s, _Int4sDumper)
