@@ -627,7 +627,7 @@ def decode_text(data: bytes) -> str:
 
 # TEXT_RULES (server.core.tokentext): rule id → how token pieces become text; a stored text_rule
 # also says how many trailing tokens the text leaves out (text_rule = id + 8 × dropped).
-_MAX_DROPPED = 2
+MAX_DROPPED = 2
 
 
 def text_rule(text: str, ids: Sequence[int] | np.ndarray, texts: Mapping[int, str]) -> int | None:
@@ -646,7 +646,7 @@ def text_rule(text: str, ids: Sequence[int] | np.ndarray, texts: Mapping[int, st
 
 def pieces_rule(text: str, pieces: Sequence[str]) -> int | None:
     """The rule that rebuilds `text` exactly from its tokens' texts `pieces`, or None."""
-    for dropped in range(min(_MAX_DROPPED, len(pieces) - 1) + 1):
+    for dropped in range(min(MAX_DROPPED, len(pieces) - 1) + 1):
         kept = pieces[: len(pieces) - dropped]
         for rule, build in TEXT_RULES.items():
             try:

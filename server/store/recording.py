@@ -38,6 +38,7 @@ from rollout_lens.server.store.models import (
     StepRow,
     utcnow,
 )
+from rollout_lens.server.store.rule_match import PieceTables
 from rollout_lens.server.store.sql import finite, upsert_insert
 from sqlalchemy import JSON, Connection, String, select, update
 from sqlalchemy.dialects import postgresql
@@ -244,7 +245,7 @@ class RunTokens:
             )
         }
         self._known: np.ndarray | None = None  # the texts' ids as a mask (_known_ids)
-        self._texts: np.ndarray = np.empty(0, dtype=object)  # and their texts, by id
+        self._pieces = PieceTables(self.texts, 0)  # and their bytes under each rule, by id
 
     def add(self, driver: _Driver, conn: Connection, rollouts: Sequence[RolloutRecord]) -> None:
         """Store the text of each token id not seen before in this run (the first text given
@@ -290,22 +291,23 @@ class RunTokens:
             size = max(largest + 1, 2 * len(self._known) if self._known is not None else 0)
             size = min(max(size, 1 << 16), MAX_MASK_IDS)
             self._known = np.zeros(size, dtype=bool)
-            self._texts = np.empty(size, dtype=object)
+            self._pieces = PieceTables(self.texts, size)
             self._learn(self.texts)
         return self._known
 
     def _learn(self, texts: dict[int, str]) -> None:
-        """Token texts into the mask and the text array (ids that fit)."""
+        """Token texts new to the run into the mask (ids that fit) and the pieces' tables."""
         if self._known is None:
             return
         held = [i for i in texts if 0 <= i < len(self._known)]
         self._known[held] = True
-        self._texts[held] = [texts[i] for i in held]
+        if texts is not self.texts:
+            self._pieces.learn(held)
 
     def text_rules(self, rollouts: Sequence[RolloutRecord]) -> list[int | None]:
-        """arrays.text_rule of each rollout, the step's token texts taken from the run's at
-        once (numpy calls a rollout cost more than its rule): a rollout with an id the mask
-        does not hold (negative, huge, unseen) is looked up in the dict."""
+        """arrays.text_rule of each rollout: for the rollouts whose ids the mask holds, all
+        at once from the run's pieces' bytes (rule_match); a rollout with an id the mask does
+        not hold (negative, huge, unseen) is looked up in the dict."""
         rows = [np.asarray(r.completion_ids, dtype=np.int64).reshape(-1) for r in rollouts]
         ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
         if not len(ids):
@@ -313,21 +315,16 @@ class RunTokens:
         known = self._known_ids(int(ids.max()))
         inside = (ids >= 0) & (ids < len(known))
         held = inside & known[np.where(inside, ids, 0)]
-        pieces = self._texts[np.where(held, ids, 0)].tolist()
         # ids not held in each rollout: the running count, read at the rollouts' bounds
         bounds = np.cumsum([0, *map(len, rows)])
         running = np.concatenate(([0], np.cumsum(~held)))
-        missing = (running[bounds[1:]] - running[bounds[:-1]]).tolist()
-        out: list[int | None] = []
-        for r, row, start, end, unheld in zip(
-            rollouts, rows, bounds[:-1].tolist(), bounds[1:].tolist(), missing, strict=True
-        ):
-            if start == end:
-                out.append(None)
-            elif unheld:
-                out.append(arrays.text_rule(r.completion, row, self.texts))
-            else:
-                out.append(arrays.pieces_rule(r.completion, pieces[start:end]))
+        missing = running[bounds[1:]] - running[bounds[:-1]]
+        usable = (missing == 0) & (bounds[1:] > bounds[:-1])
+        out = self._pieces.rules(
+            np.where(held, ids, 0), bounds, [r.completion for r in rollouts], usable
+        )
+        for i in np.flatnonzero(missing).tolist():
+            out[i] = arrays.text_rule(rollouts[i].completion, rows[i], self.texts)
         return out
 
 
