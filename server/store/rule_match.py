@@ -43,9 +43,9 @@ class _Table:
 
     def __init__(self, rule: int, size: int) -> None:
         self.rule = rule
-        self.lengths = np.zeros(size, dtype=np.int64)
+        self.lengths = np.zeros(size, dtype=np.int32)
         self.head = np.zeros(size, dtype="<u8")
-        self.first = np.zeros(size, dtype=np.int64)
+        self.first = np.zeros(size, dtype=np.int32)
         self.rest = np.zeros(0, dtype="<u8")
 
     def learn(self, ids: Sequence[int], pieces: Sequence[str]) -> None:
