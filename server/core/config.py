@@ -56,9 +56,9 @@ class Settings(BaseSettings):
     )
     writer_process: bool = Field(
         True,
-        description="Whether a script's recorder writes its database from a process of its own, "
-        "so that the store's Python shares no GIL with training (off: from a thread of the "
-        "training process).",
+        description="Whether a script's recorder, and a launched run's, writes its database from "
+        "a process of its own, so that the store's Python shares no GIL with training (off: from "
+        "a thread of the training process).",
     )
 
     auth_token: SecretStr = Field(

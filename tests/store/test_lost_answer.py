@@ -60,6 +60,7 @@ def test_a_batch_whose_answer_was_lost_is_taken_as_written(
             run_id=run_id,
             control_tokens=list(CONTROL_TOKENS),
             price_per_device_hour=0.0,
+            process=False,  # the answer is lost in this process (the sink's code is the same)
         )
     else:
         spec = recorder_spec("lost", total_steps=STEPS)

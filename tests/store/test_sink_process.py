@@ -1,6 +1,7 @@
-"""A script's database writes from a process of its own (trainer/recorder/sink_process.py): the
-same run as before, the answers and log lines as they were, a light child that a Ctrl-C does
-not end, and a child that dies stops the recording, not the training."""
+"""A script's and a launched run's database writes from a process of their own
+(trainer/recorder/sink_process.py): the same run as before, the answers and log lines as they
+were, a light child that a Ctrl-C does not end, and a child that dies stops a script's recording,
+not its training (a launched run fails)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import signal
 from pathlib import Path
 
 import pytest
+from rollout_lens.server import store
 from rollout_lens.server.core.records import StepRecord
+from rollout_lens.server.store.db import make_engine, make_session_factory, session_scope
 from rollout_lens.trainer.recorder import sink_process
 from rollout_lens.trainer.recorder.sink_process import ProcessSink
 from rollout_lens.trainer.recorder.sinks import SqlSink
 from rollout_lens.trainer.recorder.writer import StepWriter
 
-from tests.factories import load_run, script_writer, seeded_step
+from tests.factories import CONTROL_TOKENS, load_run, script_writer, seeded_step
 from tests.waiting import until
 
 
@@ -129,3 +132,80 @@ def test_where_no_child_can_start_the_writes_stay_in_this_process(
     assert "writing from this process (the writer process could not start" in caplog.text
     run, _, steps, _ = load_run(sqlite_url, writer.run_id)
     assert [s.step for s in steps] == [1, 2] and run.status == "completed"
+
+
+def _launched(url: str, written: list[int] | None = None) -> StepWriter:
+    """The worker's writer of a run made for it in the database at `url` (migrated), each step
+    it says written kept in `written` (the launched run's progress bar)."""
+    factory = make_session_factory(make_engine(url))
+    with session_scope(factory) as session:
+        run_id = store.create_run(session, name="child", model="m", total_steps=5, group_size=8).id
+    on_written = None if written is None else (lambda record: written.append(record.step))
+    return StepWriter.for_launched(
+        factory,
+        run_id=run_id,
+        control_tokens=list(CONTROL_TOKENS),
+        price_per_device_hour=0.0,
+        on_written=on_written,
+    )
+
+
+def test_a_launched_runs_steps_are_written_by_a_child(
+    migrated_sqlite: object, tmp_path: Path
+) -> None:
+    url = migrated_sqlite(tmp_path / "launched.db")  # type: ignore[operator]
+    written: list[int] = []
+    writer = _launched(url, written)
+    sink = writer.sink
+    assert isinstance(sink, ProcessSink)
+    # started before the first step: its imports overlap the trainer's set-up
+    until(lambda: sink._child is not None, "the writer process")  # noqa: SLF001
+    for step in (1, 2, 3):
+        writer.put(_step(step))
+    writer.flush()
+    pid = _child(writer)
+    assert pid != os.getpid() and _alive(pid)
+    assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
+    assert written == [1, 2, 3]  # its progress, told in this process
+    writer.put(_step(4))
+    assert writer.close() is True
+    assert not _alive(pid)
+    run, rows, steps, _ = load_run(url, writer.run_id)  # type: ignore[arg-type]
+    assert [s.step for s in steps] == [1, 2, 3, 4] and len(rows) == 32
+    assert written == [1, 2, 3, 4]
+    assert run.status == "queued"  # a launched run's end is the worker's to mark
+
+
+def test_a_launched_run_whose_child_dies_fails(migrated_sqlite: object, tmp_path: Path) -> None:
+    url = migrated_sqlite(tmp_path / "launched.db")  # type: ignore[operator]
+    writer = _launched(url)
+    writer.put(_step(1))
+    writer.flush()
+    os.kill(_child(writer), signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="the recorder's writer process exited with -9"):
+        for step in (2, 3, 4):  # the step after the writer failed raises
+            writer.put(_step(step))
+            writer.flush()
+    _, _, steps, _ = load_run(url, writer.run_id)  # type: ignore[arg-type]
+    assert [s.step for s in steps] == [1]
+    with pytest.raises(RuntimeError):
+        writer.close()
+
+
+def test_where_no_child_can_start_a_launched_run_is_written_from_this_process(
+    migrated_sqlite: object,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="rollout_lens")
+    monkeypatch.setattr(sink_process.sys, "executable", "/nonexistent/python3")
+    url = migrated_sqlite(tmp_path / "launched.db")  # type: ignore[operator]
+    written: list[int] = []
+    writer = _launched(url, written)
+    for step in (1, 2):
+        writer.put(_step(step))
+    assert writer.close() is True
+    assert "writing from this process (the writer process could not start" in caplog.text
+    _, _, steps, _ = load_run(url, writer.run_id)  # type: ignore[arg-type]
+    assert [s.step for s in steps] == [1, 2] and written == [1, 2]

@@ -63,7 +63,8 @@ def make_writer(tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture
 def launched_writer(migrated_sqlite: Any, tmp_path: Path) -> Iterator[Any]:
     """A launched run's writer (the worker's, WaitThenFail) of a run made for it in a fresh
-    SQLite file, each sink write's steps counted; closed at the end."""
+    SQLite file (the sink in this process), each sink write's steps counted; closed at the
+    end."""
     engine = make_engine(migrated_sqlite(tmp_path / "launched.db"))
     factory = make_session_factory(engine)
     made: list[StepWriter] = []
@@ -79,6 +80,7 @@ def launched_writer(migrated_sqlite: Any, tmp_path: Path) -> Iterator[Any]:
             control_tokens=[],
             price_per_device_hour=0.0,
             max_pending=max_pending,
+            process=False,  # the rounds are the writer's: its sink here, as the script's
         )
         return _counted(writer, made)
 

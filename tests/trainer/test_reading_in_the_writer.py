@@ -3,7 +3,8 @@ included, stay there) and read in the writer's own process (trainer/recorder/rea
 reading holds no GIL of the training process, and that process loads no torch. Where the reader
 cannot reach it, the steps are read in the training process as before; a step that cannot be
 read is dropped alone; one the budget lightens keeps its mean reward. A launched run's steps are
-judged on the training thread (the task's judge) and read on its writer's thread."""
+judged on the training thread (the task's judge) and read in its writer's process (or on its
+writer's thread, where it writes from one)."""
 
 from __future__ import annotations
 
@@ -226,7 +227,7 @@ def test_a_judged_step_the_budget_lightens_keeps_its_mean_reward(user_model_dir:
     assert record.values["loss"] == 0.25 and record.values["wall_time"] == 0.1
 
 
-def test_a_launched_runs_steps_are_read_on_its_writers_thread(
+def test_a_launched_runs_steps_are_read_in_its_writers_process(
     train_settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from rollout_lens.server.core.records import StepRecord
@@ -238,16 +239,31 @@ def test_a_launched_runs_steps_are_read_on_its_writers_thread(
     run_id = train(
         RunConfig(steps=3, group_size=8, seed=1), settings=train_settings, on_step=handed.append
     )
-    assert (
-        reads.judged == 3
-        and reads.threads
-        and all(name.startswith("rollout-lens-writer") for name in reads.threads)
-    ), reads.threads
-    # the progress bar gets each step as written: read, its values summarised
+    assert reads.judged == 0, reads.threads  # none read in the training process
+    # the progress bar gets each step as written: its number and values, read in the writer's
+    # process (its rollouts stay there)
     assert [type(r) for r in handed] == [StepRecord] * 3 and [r.step for r in handed] == [1, 2, 3]
-    assert all(r.values["reward_mean"] is not None and len(r.rollouts) == 8 for r in handed)
+    assert all(r.values["reward_mean"] is not None and not r.rollouts for r in handed)
     run, rows, steps, _ = load_run(train_settings.database_url, run_id)
     assert run.status == "completed" and [s.step for s in steps] == [1, 2, 3]
     assert all(r["tokens"] and r["format_state"] for r in rows) and len(rows) == 24
     for s, r in zip(steps, handed, strict=True):
         assert s.reward_mean == pytest.approx(r.values["reward_mean"])
+
+
+def test_a_launched_run_writing_from_a_thread_reads_its_steps_there(
+    train_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollout_lens.server.core.runconfig import RunConfig
+    from rollout_lens.trainer.worker.run import train
+
+    reads = _Reads(monkeypatch)
+    handed: list[Any] = []
+    settings = train_settings.model_copy(update={"writer_process": False})
+    run_id = train(
+        RunConfig(steps=2, group_size=8, seed=1), settings=settings, on_step=handed.append
+    )
+    assert reads.judged == 2 and all(n.startswith("rollout-lens-writer") for n in reads.threads)
+    assert [r.step for r in handed] == [1, 2] and all(len(r.rollouts) == 8 for r in handed)
+    _, rows, steps, _ = load_run(train_settings.database_url, run_id)
+    assert [s.step for s in steps] == [1, 2] and len(rows) == 16

@@ -1,4 +1,4 @@
-"""A user's script's database sink in a process of its own (`ProcessSink`).
+"""A user's script's or a launched run's database sink in a process of its own (`ProcessSink`).
 
 In the training process the writer's thread shares one GIL with the training step: every
 millisecond the database write spends in Python (the store's rows, rollups, prompt texts,
@@ -15,7 +15,8 @@ were (a Wrote, SinkAway, RunEnded, a refused step), its log lines through the pa
 
 The child ignores Ctrl-C and has a session of its own (a Ctrl-C meant for training must not
 take the run's last steps with it); it ends when the parent closes the sink or goes away. A
-child that dies stops the recording (logged), never the training.
+child that dies stops a script's recording (logged), never its training; a launched run fails,
+as it does when its database does.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from rollout_lens.trainer.recorder.writer import RunSpec, Wrote
 if TYPE_CHECKING:
     from rollout_lens.trainer.recorder.reading import StepReader
     from rollout_lens.trainer.recorder.sinks import SqlSink
+    from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger("rollout_lens")
 
@@ -74,52 +76,77 @@ def script_sink(
     steps it is handed read by `reader` where it writes them."""
     from rollout_lens.trainer.recorder.sinks import SqlSink
 
-    here = not process or in_process(database_url)
-    kind = SqlSink.of_url if here else ProcessSink
-    return kind(
-        database_url,
+    fields = dict(
+        database_url=database_url,
         spec=spec,
         price_per_hour=price,
         busy_timeout_ms=wait_ms,
         resume=resume,
-        reader=reader,
     )
+    if not process or in_process(database_url):
+        return SqlSink.of_url(**fields, reader=reader)  # type: ignore[arg-type]
+    return ProcessSink(fields, reader=reader)
+
+
+def launched_sink(
+    factory: sessionmaker[Session],
+    run_id: int,
+    control_tokens: list[str],
+    price: float,
+    process: bool,
+) -> ProcessSink | SqlSink:
+    """A launched run's database sink (the worker's run `run_id`, its session `factory`; `price`
+    a device-hour): in a child process (`process`; its writes' Python off the training
+    process's GIL), else, or for an in-memory database, in this one."""
+    from rollout_lens.trainer.recorder.sinks import SqlSink
+
+    engine = factory.kw["bind"]
+    database_url = engine.url.render_as_string(hide_password=False)
+    if not process or in_process(database_url):
+        return SqlSink.of_launched(
+            factory, run_id=run_id, control_tokens=control_tokens, price_per_hour=price
+        )
+    fields = dict(
+        database_url=database_url,
+        run_id=run_id,
+        control_tokens=list(control_tokens),
+        price_per_hour=price,
+    )
+    return ProcessSink(fields, factory=factory)
 
 
 class ProcessSink:
-    """The Sink protocol, answered by a SqlSink.of_url in a child process, started by the
-    writer's thread at `open` (training does not wait for its imports). The judged steps it is
-    handed are read there by `reader` (sent once, pickled: its tokenizer), or here, on the
-    writer's thread, where the reader does not pickle. Where the child cannot be started, the
-    SqlSink runs in this process as it did before (logged)."""
+    """The Sink protocol, answered by a SqlSink in a child process, started by the writer's
+    thread at `open` (training does not wait for its imports): a script's (SqlSink.of_url) or
+    a launched run's (launched_sink: the worker's run, reached by its database URL). The
+    judged steps it is handed are read there by `reader` (sent once, pickled: its tokenizer),
+    or here, on the writer's thread, where the reader does not pickle. Where the child cannot
+    be started, the SqlSink runs in this process as it did before (logged)."""
 
     away = "the database"
     final_seconds = 0.0
 
     def __init__(
         self,
-        database_url: str,
+        fields: dict[str, Any],
         *,
-        spec: RunSpec,
-        price_per_hour: float,
-        busy_timeout_ms: int,
-        resume: tuple[str, int] | None,
         reader: StepReader | None = None,
+        factory: sessionmaker[Session] | None = None,
     ) -> None:
+        """`fields`: SqlSink.of_url's (a script's), or with `factory` (the worker's session
+        factory) a launched run's SqlSink's: its database URL, run id, control tokens and
+        price."""
         self.deadline: float | None = None
-        self.run_id: int | None = None
-        self._fields = dict(
-            database_url=database_url,
-            spec=spec,
-            price_per_hour=price_per_hour,
-            busy_timeout_ms=busy_timeout_ms,
-            resume=resume,
-        )
+        self.run_id: int | None = fields.get("run_id")
+        self._fields = fields
+        self._factory = factory
         self._reader = reader
         self._read_here: StepReader | None = None  # the child could not take the reader
         self._child: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._local: SqlSink | None = None  # the child could not be started
+        self._opened = False  # the child's sink has opened (its run made or found)
+        self._new_reader: StepReader | None = None  # given after the start (take_reader)
         self._closed = False
         self._reported_drops: Drops = (0, 0)
 
@@ -142,7 +169,9 @@ class ProcessSink:
             theirs.close()
         self._conn = Connection(ours.detach())
         sent = _pickled(self._reader)
-        if not self._call("make", self._fields, log.getEffectiveLevel(), sent):
+        if not self._call(
+            "make", self._fields, self._factory is not None, log.getEffectiveLevel(), sent
+        ):
             self._read_here = self._reader
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -187,15 +216,41 @@ class ProcessSink:
                     exc,
                 )
                 self._stop_child()
-                from rollout_lens.trainer.recorder.sinks import SqlSink
-
-                self._local = SqlSink.of_url(**self._fields, reader=self._reader)  # type: ignore[arg-type]
-        if self.run_id is None or self._local is not None:  # the child's run, once made, is open
+                self._local = self._here()
+        if not self._opened or self._local is not None:  # the child's sink, once open, is
             self._call("open")
+            self._opened = True
+
+    def _here(self) -> SqlSink:
+        """The SqlSink in this process, where the child cannot start."""
+        from rollout_lens.trainer.recorder.sinks import SqlSink
+
+        if self._factory is None:
+            return SqlSink.of_url(**self._fields, reader=self._reader)
+        fields = {k: v for k, v in self._fields.items() if k != "database_url"}
+        return SqlSink.of_launched(self._factory, **fields)
+
+    def take_reader(self, reader: StepReader) -> None:
+        """The judged steps' reader, given after the sink was made (a launched run's, by its
+        callback as training begins): handed to the child before its next write, from the
+        writer's thread (the only one that talks to it); read here where it does not pickle."""
+        self._new_reader = reader
+
+    def _hand_reader(self) -> None:
+        reader, self._new_reader = self._new_reader, None
+        if reader is None:
+            return
+        if self._local is not None:
+            self._local.reader = reader
+            return
+        sent = _pickled(reader)
+        taken = sent is not None and self._call("reader", sent)
+        self._read_here = None if taken else reader
 
     def write(self, records: Sequence[StepRecord], drops: Drops) -> Wrote:
         from rollout_lens.trainer.recorder.sinks import read_steps
 
+        self._hand_reader()
         read, unread = read_steps(self._read_here, records)  # as the child does, where it cannot
         if unread is not None and not read:
             return Wrote(taken=0, written=0, refused=unread)
@@ -294,11 +349,18 @@ def _rebuilt(state: Any) -> BaseException:
 
 
 def _answer(value: Any) -> tuple[Any, Any]:
-    """A call's answer, and the exception a Wrote names apart (made portable); a Wrote's
-    records stay here (a script's writer hands them to no one)."""
+    """A call's answer, and the exception a Wrote names apart (made portable); of a Wrote's
+    records, read here, what a launched run's `on_written` reads (each step's number and
+    values: its progress bar), not their rollouts."""
     if isinstance(value, Wrote):
         refused = None if value.refused is None else _portable(value.refused)
-        return Wrote(value.taken, value.written), refused
+        records = None
+        if value.records is not None:
+            records = [
+                StepRecord(step=r.step, rollout_step=r.rollout_step, values=r.values)
+                for r in value.records
+            ]
+        return Wrote(value.taken, value.written, records=records), refused
     return value, None
 
 
@@ -328,14 +390,22 @@ def serve(conn: Connection) -> None:
             break
         try:
             if name == "make":
-                fields, level, sent = args
+                fields, launched, level, sent = args
                 handler = _ToParent(conn)
                 log.addHandler(handler)
                 log.setLevel(level)
                 log.propagate = False
                 reader = _unpickled(sent)
-                sink = SqlSink.of_url(**fields, reader=reader)
+                sink = (
+                    SqlSink(factory=None, **fields)  # the worker's run, by its URL
+                    if launched
+                    else SqlSink.of_url(**fields, reader=reader)
+                )
                 answer = reader is not None
+            elif name == "reader":  # a launched run's, once its training begins
+                assert sink is not None, "the sink is made first"
+                sink.reader = _unpickled(args[0])
+                answer = sink.reader is not None
             else:
                 assert sink is not None, "the sink is made first"
                 answer = getattr(sink, name)(*args, **kwargs)

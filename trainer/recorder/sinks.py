@@ -81,12 +81,17 @@ def read_steps(
 
 def reads_steps(writer: Any, reader: StepReader) -> bool:
     """Whether `writer` (a StepWriter made elsewhere: a launched run's) writes to a database
-    sink in this process, which then reads the judged steps it is handed with `reader`, on the
-    writer's thread (not on the training thread, which judges them)."""
+    sink, which then reads the judged steps it is handed with `reader` where it writes them:
+    on the writer's thread, or in its process (sink_process.ProcessSink), not on the training
+    thread, which judges them."""
     sink = getattr(writer, "sink", None)
-    if not isinstance(sink, SqlSink):  # a child's reader is sent at its start: not this one's
+    if isinstance(sink, SqlSink):
+        sink.reader = reader
+        return True
+    take_reader = getattr(sink, "take_reader", None)
+    if take_reader is None:  # e.g. a remote sink: steps are read before they travel
         return False
-    sink.reader = reader
+    take_reader(reader)
     return True
 
 

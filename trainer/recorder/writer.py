@@ -453,6 +453,13 @@ class Delivery:
         self.ended: RunEnded | None = None  # the run ended elsewhere (a cancel): no more writes
         self._refusal_said = False
 
+    def begin(self) -> None:
+        """A launched run's sink opens as the writer starts: a writer process's start overlaps
+        the trainer's set-up, not its first steps (a script's opens at its first step: that
+        creates its run)."""
+        if self.waits:
+            self.flush()
+
     def flush(self) -> bool:
         """Create the run if needed and write the waiting steps in order; False if the store is
         away (the steps stay) or the policy gave up."""
@@ -638,14 +645,13 @@ class StepWriter:
         on_written: Callable[[StepRecord], None] | None = None,
         max_pending: int = 64,
         give_up_after: float = 60.0,
+        process: bool = True,
     ) -> StepWriter:
-        """A launched run (the worker's): waits for the database, then fails the run."""
-        from rollout_lens.trainer.recorder.sinks import SqlSink
+        """A launched run (the worker's): waits for the database, then fails the run; written
+        from a process of its own unless `process` is False (sink_process.py)."""
+        from rollout_lens.trainer.recorder.sink_process import launched_sink
 
-        price = price_per_device_hour
-        sink = SqlSink.of_launched(
-            factory, run_id=run_id, control_tokens=control_tokens, price_per_hour=price
-        )
+        sink = launched_sink(factory, run_id, control_tokens, price_per_device_hour, process)
         policy = WaitThenFail(give_up_after=give_up_after, max_pending=max_pending)
         return cls(sink, policy=policy, on_written=on_written)
 
@@ -767,6 +773,7 @@ class StepWriter:
 
     def _steps(self) -> None:
         last_beat = 0.0
+        self._delivery.begin()
         while True:
             with self._wake:
                 while not self._due(last_beat):

@@ -349,6 +349,7 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                 price_per_device_hour=settings.price_per_device_hour,
                 on_written=on_step,
                 give_up_after=settings.lost_after_seconds,
+                process=settings.writer_process,
             )
             callback.sink = writer
             trainer.add_callback(CheckpointRecorder(factory, writer, run_id=run_id))
