@@ -93,11 +93,14 @@ def launched_sink(
     run_id: int,
     control_tokens: list[str],
     price: float,
+    *,
     process: bool,
+    wait_ms: int,
 ) -> ProcessSink | SqlSink:
     """A launched run's database sink (the worker's run `run_id`, its session `factory`; `price`
     a device-hour): in a child process (`process`; its writes' Python off the training
-    process's GIL), else, or for an in-memory database, in this one."""
+    process's GIL; SQLite's busy timeout there `wait_ms`), else, or for an in-memory database,
+    in this one."""
     from rollout_lens.trainer.recorder.sinks import SqlSink
 
     engine = factory.kw["bind"]
@@ -111,6 +114,7 @@ def launched_sink(
         run_id=run_id,
         control_tokens=list(control_tokens),
         price_per_hour=price,
+        busy_timeout_ms=wait_ms,
     )
     return ProcessSink(fields, factory=factory)
 
@@ -227,8 +231,9 @@ class ProcessSink:
 
         if self._factory is None:
             return SqlSink.of_url(**self._fields, reader=self._reader)
-        fields = {k: v for k, v in self._fields.items() if k != "database_url"}
-        return SqlSink.of_launched(self._factory, **fields)
+        fields = {k: v for k, v in self._fields.items() if k in ("run_id", "control_tokens")}
+        price = self._fields["price_per_hour"]
+        return SqlSink.of_launched(self._factory, **fields, price_per_hour=price)
 
     def take_reader(self, reader: StepReader) -> None:
         """The judged steps' reader, given after the sink was made (a launched run's, by its

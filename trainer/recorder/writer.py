@@ -621,15 +621,9 @@ class StepWriter:
         where `reader` reads the judged steps `prepare` makes."""
         from rollout_lens.trainer.recorder.sink_process import script_sink
 
-        price, wait = price_per_device_hour, busy_timeout_ms
+        url, price, wait = database_url, price_per_device_hour, busy_timeout_ms
         sink = script_sink(
-            database_url,
-            spec,
-            process=process,
-            price=price,
-            wait_ms=wait,
-            resume=resume,
-            reader=reader,
+            url, spec, process=process, price=price, wait_ms=wait, resume=resume, reader=reader
         )
         policy, beats = BufferAndDrop(max_bytes=max_bytes), heartbeat_seconds
         return cls(sink, policy=policy, prepare=prepare, lighten=lighten, heartbeat_seconds=beats)
@@ -646,12 +640,15 @@ class StepWriter:
         max_pending: int = 64,
         give_up_after: float = 60.0,
         process: bool = True,
+        busy_timeout_ms: int = 30_000,
     ) -> StepWriter:
         """A launched run (the worker's): waits for the database, then fails the run; written
-        from a process of its own unless `process` is False (sink_process.py)."""
+        from a process of its own unless `process` is False (sink_process.py; SQLite's busy
+        timeout there `busy_timeout_ms`, as the worker's engine has it)."""
         from rollout_lens.trainer.recorder.sink_process import launched_sink
 
-        sink = launched_sink(factory, run_id, control_tokens, price_per_device_hour, process)
+        price, wait = price_per_device_hour, busy_timeout_ms
+        sink = launched_sink(factory, run_id, control_tokens, price, process=process, wait_ms=wait)
         policy = WaitThenFail(give_up_after=give_up_after, max_pending=max_pending)
         return cls(sink, policy=policy, on_written=on_written)
 

@@ -350,6 +350,7 @@ def _train(config, settings, factory, run_id, on_step, should_stop, log_line, re
                 on_written=on_step,
                 give_up_after=settings.lost_after_seconds,
                 process=settings.writer_process,
+                busy_timeout_ms=settings.sqlite_busy_timeout_ms,
             )
             callback.sink = writer
             trainer.add_callback(CheckpointRecorder(factory, writer, run_id=run_id))
