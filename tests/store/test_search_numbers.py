@@ -125,6 +125,24 @@ def test_search_finds_what_a_scan_finds(session_factory: sessionmaker[Session], 
         assert _found(session_factory, run_id, q) == _expected(each, q)
 
 
+def test_a_runs_fts5_index_merges_eight_segments_at_a_time(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """SQLite: a run's table is made with FTS5's automerge at search.FTS_AUTOMERGE (its own
+    default, 4, rewrote each posting twice as often), and it stays so as steps are added."""
+    engine = session_factory.kw["bind"]
+    if engine.dialect.name == "postgresql":
+        pytest.skip("FTS5 is SQLite's")
+    run_id = _write(session_factory, _steps(random.Random(3), range(1, 3)), index=True)
+    with engine.connect() as conn:
+        config = f"{search.fts_table(run_id)}_config"
+        merge = conn.execute(text(f"SELECT v FROM {config} WHERE k = 'automerge'")).scalar()
+    assert merge == search.FTS_AUTOMERGE == 8
+    assert _found(session_factory, run_id, "tool") == _expected(
+        _steps(random.Random(3), range(1, 3)), "tool"
+    )
+
+
 def test_a_word_longer_than_a_query_is_numbered_by_its_head(engine: Engine) -> None:
     if engine.dialect.name != "postgresql":
         pytest.skip("word numbers are PostgreSQL's")
