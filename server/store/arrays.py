@@ -466,29 +466,33 @@ def _bounds(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     return joined, ends
 
 
+_LOW_MASKS = np.array([(1 << c) - 1 for c in range(33)], dtype=np.uint64)  # c low bits
+
+
 def _low_bits_many(values: np.ndarray, counts: np.ndarray, ends: Sequence[int]) -> list[bytes]:
     """_low_bits of each run values[ends[i]:ends[i + 1]] (each padded to whole bytes), found for
     all the runs in one pass a value, not a bit: each value's low `counts` bits (at most 32)
-    are shifted to their place in the byte-aligned stream of all the runs and summed into the
-    64-bit little-endian words they fall in (bits never overlap: a sum is their OR). Values
-    are in stream order, so a word's values are consecutive (np.add.reduceat)."""
+    are shifted to their place in the byte-aligned stream of all the runs (a run's padding
+    counted with its last value) and added into the 64-bit little-endian word they start in
+    (bits never overlap: a sum is their OR); the few that cross into the next word add their
+    high bits there."""
     n = len(ends) - 1
+    bounds = np.asarray(ends)
     counts = counts.astype(np.int64, copy=False)
-    before = np.concatenate(([0], np.cumsum(counts)))  # bits before each value, unaligned
-    run_bits = before[ends[1:]] - before[ends[:-1]]
-    byte_ends = np.concatenate(([0], np.cumsum((run_bits + 7) // 8)))
-    # each value's first bit in the byte-aligned stream of all runs
-    first = before[:-1] + np.repeat(8 * byte_ends[:-1] - before[ends[:-1]], np.diff(ends))
-    one = np.uint64(1)
-    low = values.astype(np.uint64) & ((one << counts.astype(np.uint64)) - one)
+    run_bits = np.diff(np.concatenate(([0], np.cumsum(counts)))[bounds])
+    pads = -run_bits % 8
+    byte_ends = np.concatenate(([0], np.cumsum((run_bits + pads) // 8)))
+    steps = counts.copy()  # each value's bits and, for a run's last, the run's padding
+    nonempty = bounds[1:] > bounds[:-1]
+    steps[bounds[1:][nonempty] - 1] += pads[nonempty]
+    first = np.cumsum(steps) - steps  # each value's first bit in the stream
+    low = values.astype(np.uint64) & _LOW_MASKS[counts]
     offset = (first & 63).astype(np.uint64)
     word = first >> 6
     words = np.zeros((int(byte_ends[-1]) + 7) // 8 + 2, dtype=np.uint64)
-    if len(word):
-        starts = np.flatnonzero(np.diff(word, prepend=-1))  # each word's first value
-        words[word[starts]] += np.add.reduceat(low << offset, starts)
-        # the bits past the word's end (none when the offset is 0: two shifts, never by 64)
-        words[word[starts] + 1] += np.add.reduceat((low >> one) >> (np.uint64(63) - offset), starts)
+    np.add.at(words, word, low << offset)
+    cross = np.flatnonzero(offset + counts.astype(np.uint64) > 64)  # an offset above 32
+    words[word[cross] + 1] += low[cross] >> (np.uint64(64) - offset[cross])
     packed = words.astype("<u8").tobytes()
     return [packed[byte_ends[i] : byte_ends[i + 1]] for i in range(n)]
 
