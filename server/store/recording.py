@@ -367,11 +367,13 @@ class Interned:
         new = {h: wanted[h] for h in missing if h not in cache}
         if new:
             rows = columns(list(new.values()))
+            # many parameter sets to one statement (SQLAlchemy's insertmanyvalues): compiled
+            # once a run, where a VALUES list of each step's length compiled every step
             inserted = conn.execute(
                 upsert_insert(conn, model)
-                .values([{"sha256": h, **row} for h, row in zip(new, rows, strict=True)])
                 .on_conflict_do_nothing(index_elements=["sha256"])
-                .returning(model.id, model.sha256)
+                .returning(model.id, model.sha256),
+                [{"sha256": h, **row} for h, row in zip(new, rows, strict=True)],
             ).all()
             if model is PromptRow:  # new prompts become searchable (not those another run added)
                 search.index_prompts(
