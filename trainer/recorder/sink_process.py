@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_lens.server.core.records import StepRecord
 from rollout_lens.server.store.models import RunStatus
-from rollout_lens.trainer.recorder.writer import RunSpec, Wrote
+from rollout_lens.trainer.recorder.writer import RunSpec, Wrote, lighten_record
 
 if TYPE_CHECKING:
     from rollout_lens.trainer.recorder.reading import StepReader
@@ -355,16 +355,13 @@ def _rebuilt(state: Any) -> BaseException:
 
 def _answer(value: Any) -> tuple[Any, Any]:
     """A call's answer, and the exception a Wrote names apart (made portable); of a Wrote's
-    records, read here, what a launched run's `on_written` reads (each step's number and
-    values: its progress bar), not their rollouts."""
+    records, read here, what a launched run's `on_written` reads (each step without its
+    rollouts: its progress bar)."""
     if isinstance(value, Wrote):
         refused = None if value.refused is None else _portable(value.refused)
         records = None
         if value.records is not None:
-            records = [
-                StepRecord(step=r.step, rollout_step=r.rollout_step, values=r.values)
-                for r in value.records
-            ]
+            records = [lighten_record(r)[0] for r in value.records]
         return Wrote(value.taken, value.written, records=records), refused
     return value, None
 
