@@ -231,9 +231,13 @@ class ProcessSink:
 
         if self._factory is None:
             return SqlSink.of_url(**self._fields, reader=self._reader)
-        fields = {k: v for k, v in self._fields.items() if k in ("run_id", "control_tokens")}
-        price = self._fields["price_per_hour"]
-        return SqlSink.of_launched(self._factory, **fields, price_per_hour=price)
+        fields = self._fields
+        return SqlSink.of_launched(
+            self._factory,
+            run_id=fields["run_id"],
+            control_tokens=fields["control_tokens"],
+            price_per_hour=fields["price_per_hour"],
+        )
 
     def take_reader(self, reader: StepReader) -> None:
         """The judged steps' reader, given after the sink was made (a launched run's, by its
