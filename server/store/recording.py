@@ -301,8 +301,7 @@ class RunTokens:
             return
         held = [i for i in texts if 0 <= i < len(self._known)]
         self._known[held] = True
-        if texts is not self.texts:
-            self._pieces.learn(held)
+        self._pieces.learn(held)
 
     def text_rules(self, rollouts: Sequence[RolloutRecord]) -> list[int | None]:
         """arrays.text_rule of each rollout: for the rollouts whose ids the mask holds, all

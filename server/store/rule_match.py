@@ -69,7 +69,10 @@ class PieceTables:
         self._tables: dict[int, _Table] = {}
 
     def learn(self, ids: Sequence[int]) -> None:
-        """These ids' texts (below `size`) are new in `texts`."""
+        """These ids' texts (below `size`) are new in `texts` (a table built later reads them
+        there)."""
+        if not self._tables:
+            return
         pieces = [self.texts[i] for i in ids]
         for table in self._tables.values():
             table.learn(ids, pieces)
