@@ -122,6 +122,12 @@ def _low_bits(values: np.ndarray, counts: np.ndarray) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
+def byte_words(raw: np.ndarray) -> np.ndarray:
+    """The little-endian 64-bit word at every byte offset of `raw` (uint8) that has 8 bytes
+    from it: one view of the bytes, a byte apart (unaligned reads, no copy)."""
+    return np.ndarray((len(raw) - 7,), dtype="<u8", buffer=raw, strides=(1,))
+
+
 def _read_low_bits(data: bytes, offset: int, counts: np.ndarray) -> np.ndarray:
     """_low_bits' inverse: each value's lowest `counts` bits, read from data[offset:]. Each
     value is read as the 64-bit little-endian word at the byte its bits start in, shifted and
@@ -134,8 +140,7 @@ def _read_low_bits(data: bytes, offset: int, counts: np.ndarray) -> np.ndarray:
     raw = np.frombuffer(data, np.uint8, offset=offset)
     padded = np.zeros(int(starts[-1] >> np.uint64(3)) + 16, dtype=np.uint8)
     padded[: min(len(raw), len(padded))] = raw[: len(padded)]
-    # every byte offset's 64-bit word: one view of the bytes, a byte apart (unaligned reads)
-    words = np.ndarray((len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))
+    words = byte_words(padded)
     word = words[(starts >> np.uint64(3)).astype(np.intp)]
     shifted = word >> (starts & np.uint64(7))
     low: np.ndarray = (shifted & ((np.uint64(1) << widths) - np.uint64(1))).astype(np.uint32)

@@ -28,7 +28,7 @@ from rollout_lens.server.core.tokentext import (
     TEXT_RULES,
     piece_bytes,
 )
-from rollout_lens.server.store.arrays import MAX_DROPPED
+from rollout_lens.server.store.arrays import MAX_DROPPED, byte_words
 
 # arrays.pieces_rule's order: fewer tokens left out first, then each rule in turn
 _ORDER = [(dropped, rule) for dropped in range(MAX_DROPPED + 1) for rule in TEXT_RULES]
@@ -176,9 +176,7 @@ class _Compared:
             starts = np.cumsum(sizes) - sizes  # each token's offset in the candidates' texts
         lead = b" " if space else b""
         stream = b"".join([lead + encoded[i] for i in rollouts.tolist()] + [bytes(8)])
-        raw = np.frombuffer(stream, dtype=np.uint8)
-        # every byte offset's 64-bit word: one view of the bytes, a byte apart (unaligned reads)
-        words = np.ndarray((len(raw) - 7,), dtype="<u8", buffer=raw, strides=(1,))
+        words = byte_words(np.frombuffer(stream, dtype=np.uint8))
         table = self.table
         wrong = words[starts] & _MASKS[np.minimum(sizes, 8)] != table.head[ids]
         if self.kept is not None:  # a token left out is not compared
