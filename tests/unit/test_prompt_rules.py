@@ -4,6 +4,8 @@ is the messages that went in."""
 
 from __future__ import annotations
 
+import random
+import re
 from typing import Any
 
 import jinja2
@@ -73,3 +75,43 @@ def test_a_text_in_no_template_is_one_user_message() -> None:
     text = "Pick a tool for: <b>a memo</b> (no chat template)"
     assert chat_messages(text) == [{"role": "user", "content": text}]
     assert last_user_turn(text) == text
+
+
+# The templates as one lazy regex each, the way chat_messages read them before it found a turn's
+# end with str.find: the oracle for texts drawn from every template's pieces.
+ORACLE = (
+    re.compile(r"<\|im_start\|>(\w+)\n(.*?)(?:<\|im_end\|>|$)", re.S),
+    re.compile(r"<\|start_header_id\|>(\w+)<\|end_header_id\|>\n\n(.*?)(?:<\|eot_id\|>|$)", re.S),
+    re.compile(r"<start_of_turn>(\w+)\n(.*?)(?:<end_of_turn>|$)", re.S),
+    re.compile(r"<\|(system|user|assistant)\|>\n?(.*?)(?:<\|end\|>|$)", re.S),
+    re.compile(r"<(system|user|assistant|tool_response)>(.*?)(?:</\1>|$)", re.S),
+)
+ROLES = {"model": "assistant", "tool_response": "tool"}
+PIECES = [
+    "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "<start_of_turn>", "<end_of_turn>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>",
+    "<user>", "</user>", "<assistant>", "</assistant>", "<tool_response>", "</tool_response>",
+    "user", "assistant", "system", "model", "tool", "\n", "\n\n", " ", "<", ">", "|", "/",
+    "words", "é 日本", "<|im_start|>user\n", "<|im_end|>\n", "<|im_start|>assistant\n",
+]  # fmt: skip
+
+
+def _oracle(text: str) -> list[dict[str, str]]:
+    for pattern in ORACLE:
+        found = [(m.group(1), m.group(2)) for m in pattern.finditer(text)]
+        messages = [{"role": ROLES.get(r, r), "content": c.strip("\n")} for r, c in found]
+        while messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+            messages.pop()
+        if messages:
+            return messages
+    return [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_prompt_drawn_from_every_templates_pieces_reads_as_one_lazy_regex_reads_it(
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    for _ in range(2000):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 14)))
+        assert chat_messages(text) == _oracle(text), text
