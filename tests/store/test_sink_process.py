@@ -19,7 +19,7 @@ from rollout_lens.trainer.recorder.sink_process import ProcessSink
 from rollout_lens.trainer.recorder.sinks import SqlSink
 from rollout_lens.trainer.recorder.writer import StepWriter
 
-from tests.factories import CONTROL_TOKENS, load_run, script_writer, seeded_step
+from tests.factories import CONTROL_TOKENS, load_run, recorder_spec, script_writer, seeded_step
 from tests.waiting import until
 
 
@@ -69,6 +69,62 @@ def test_a_scripts_steps_are_written_by_a_child_that_ends_with_the_run(
     assert run.status == "completed"
     # the child's log lines are the script's
     assert f"Rollout Lens: recording run {writer.run_id} (child)" in caplog.text
+
+
+def test_a_scripts_child_starts_with_its_writer_and_makes_the_run_at_its_first_step(
+    sqlite_url: str,
+) -> None:
+    """The child starts as the writer does (its imports overlap the trainer's set-up, not its
+    first steps); the run is created at the first step, not before training writes one."""
+    writer = _writer(sqlite_url)
+    pid = until(lambda: _started(writer), "the writer's child")
+    until(lambda: _imported(pid), "the child's imports")
+    assert writer.run_id is None and _runs(sqlite_url) == 0
+    writer.put(_step(1))
+    until(lambda: writer.written_steps == 1, "step 1")
+    assert _child(writer) == pid and _runs(sqlite_url) == 1
+    assert writer.close() is True
+    assert not _alive(pid)
+
+
+def test_a_sink_closed_before_it_opened_leaves_no_child_and_no_run(sqlite_url: str) -> None:
+    """A started child that never made its sink (the writer stopped before its first write)
+    ends when the sink closes; nothing was created."""
+    sink = sink_process.script_sink(
+        sqlite_url, recorder_spec("unopened", total_steps=2), process=True, price=0.0,
+        wait_ms=1000, resume=None,
+    )  # fmt: skip
+    assert isinstance(sink, ProcessSink)
+    sink.start()
+    child = sink._child  # noqa: SLF001
+    assert child is not None
+    until(lambda: _imported(child.pid), "the child's imports")
+    sink.close()
+    assert child.poll() == 0 and sink.run_id is None and _runs(sqlite_url) == 0
+
+
+def _started(writer: StepWriter) -> int | None:
+    sink = writer.sink
+    assert isinstance(sink, ProcessSink)
+    child = sink._child  # noqa: SLF001
+    return None if child is None else child.pid
+
+
+def _imported(pid: int) -> bool:
+    """The child has loaded the store's compiled parts (zstandard's), its imports well along."""
+    return "zstandard" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _runs(url: str) -> int:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            tables = conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE name = 'runs'")
+            if tables.first() is None:
+                return 0
+            return int(conn.exec_driver_sql("SELECT count(*) FROM runs").scalar_one())
+    finally:
+        engine.dispose()
 
 
 def test_a_child_that_dies_stops_the_recording_not_the_training(

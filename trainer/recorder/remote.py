@@ -198,6 +198,9 @@ class HttpSink:
 
     # -- the sink ----------------------------------------------------------------------------------
 
+    def start(self) -> None:
+        pass  # nothing to start: the dashboard is reached at `open`
+
     def open(self) -> None:
         if self.run_id is not None:
             return

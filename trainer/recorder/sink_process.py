@@ -121,7 +121,8 @@ def launched_sink(
 
 class ProcessSink:
     """The Sink protocol, answered by a SqlSink in a child process, started by the writer's
-    thread at `open` (training does not wait for its imports): a script's (SqlSink.of_url) or
+    thread as it starts (training does not wait for its imports; the SqlSink is made at
+    `open`): a script's (SqlSink.of_url) or
     a launched run's (launched_sink: the worker's run, reached by its database URL). The
     judged steps it is handed are read there by `reader` (sent once, pickled: its tokenizer),
     or here, on the writer's thread, where the reader does not pickle. Where the child cannot
@@ -149,12 +150,22 @@ class ProcessSink:
         self._child: subprocess.Popen[bytes] | None = None
         self._conn: Connection | None = None
         self._local: SqlSink | None = None  # the child could not be started
+        self._made = False  # the child has made its sink (at the first `open`)
         self._opened = False  # the child's sink has opened (its run made or found)
         self._new_reader: StepReader | None = None  # given after the start (take_reader)
         self._closed = False
         self._reported_drops: Drops = (0, 0)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """The child started, its imports under way, as the writer starts (its first seconds
+        overlap the trainer's set-up, not its first steps); its sink is made at `open`."""
+        if self._conn is None and self._local is None:
+            try:
+                self._spawn()
+            except OSError as exc:
+                self._write_here(exc)
+
+    def _spawn(self) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -172,11 +183,22 @@ class ProcessSink:
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
+
+    def _make(self) -> None:
         sent = _pickled(self._reader)
         if not self._call(
             "make", self._fields, self._factory is not None, log.getEffectiveLevel(), sent
         ):
             self._read_here = self._reader
+        self._made = True
+
+    def _write_here(self, exc: BaseException) -> None:
+        log.warning(
+            "Rollout Lens: writing from this process (the writer process could not start: %s)",
+            exc,
+        )
+        self._stop_child()
+        self._local = self._here()
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._local is not None:
@@ -210,17 +232,12 @@ class ProcessSink:
             raise SinkProcessGone(f"the recorder's writer process {said}") from exc
 
     def open(self) -> None:
-        if self._conn is None and self._local is None:
+        self.start()
+        if not self._made and self._local is None:
             try:
-                self._start()
-            except (OSError, SinkProcessGone) as exc:
-                log.warning(
-                    "Rollout Lens: writing from this process (the writer process could not "
-                    "start: %s)",
-                    exc,
-                )
-                self._stop_child()
-                self._local = self._here()
+                self._make()
+            except SinkProcessGone as exc:
+                self._write_here(exc)
         if not self._opened or self._local is not None:  # the child's sink, once open, is
             self._call("open")
             self._opened = True
@@ -290,7 +307,7 @@ class ProcessSink:
         if self._local is not None:
             self._local.close()
             return
-        if self._conn is not None and not self._closed:
+        if self._conn is not None and not self._closed and self._made:
             with contextlib.suppress(SinkProcessGone):  # gone already: nothing to let go
                 self._call("close")
         self._stop_child()

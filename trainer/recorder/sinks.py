@@ -41,6 +41,10 @@ class Sink(Protocol):
     deadline: float | None  # close's deadline (time.monotonic()): requests wait until then
     run_id: int | None  # None until `open` has created the run
 
+    def start(self) -> None:
+        """Get ready, without reaching the store or creating the run: the writer's thread calls
+        it as it starts (a writer process's imports overlap the trainer's set-up)."""
+
     def open(self) -> None:
         """Reach the store, and create (or continue) the run if it does not exist yet."""
 
@@ -188,6 +192,9 @@ class SqlSink:
             raise SinkAway(short(exc)) from exc
         except OSError as exc:  # e.g. a SQLite file on a disk that went away
             raise SinkAway(short(exc)) from exc
+
+    def start(self) -> None:
+        pass  # nothing to start: the store is reached at `open`
 
     def open(self) -> None:
         with self._reaching():
