@@ -12,7 +12,7 @@ from rollout_lens.server.store.db import session_scope
 from rollout_lens.trainer.envs.onestep import EscalationEnv, reply
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, record_step
+from tests.factories import CONTROL_TOKENS, record_steps, step_record
 
 GROUP = 8
 BUCKET = 5  # the leaky run's accuracy swings between buckets of this many steps
@@ -85,11 +85,13 @@ def escalation_pair(
                 config={"variant": variant},
                 control_tokens=CONTROL_TOKENS,
             ).id
+        records = []
         for step in range(1, steps + 1):
             rollouts = group_rollouts(env, variant, step, queries)
             acc = sum(r.true_score or 0 for r in rollouts) / len(rollouts)
             values = {"reward_mean": acc, "true_accuracy": acc}
-            record_step(factory, run_id, step, values=values, rollouts=rollouts)
+            records.append(step_record(step, values=values, rollouts=rollouts))
+        record_steps(factory, run_id, records)  # one recorder kept, as a trainer's writer
         runs[variant] = run_id
     runs["queries"] = [q.text for q in EscalationEnv(seed=0).train_queries[:queries]]
     return runs
