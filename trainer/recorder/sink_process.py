@@ -122,8 +122,8 @@ def launched_sink(
 class ProcessSink:
     """The Sink protocol, answered by a SqlSink in a child process, started by the writer's
     thread as it starts (training does not wait for its imports; the SqlSink is made at
-    `open`): a script's (SqlSink.of_url) or
-    a launched run's (launched_sink: the worker's run, reached by its database URL). The
+    `open`): a script's (SqlSink.of_url) or a launched run's (launched_sink: the worker's run,
+    reached by its database URL). The
     judged steps it is handed are read there by `reader` (sent once, pickled: its tokenizer),
     or here, on the writer's thread, where the reader does not pickle. Where the child cannot
     be started, the SqlSink runs in this process as it did before (logged)."""
@@ -157,8 +157,9 @@ class ProcessSink:
         self._reported_drops: Drops = (0, 0)
 
     def start(self) -> None:
-        """The child started, its imports under way, as the writer starts (its first seconds
-        overlap the trainer's set-up, not its first steps); its sink is made at `open`."""
+        """The child started, its imports under way, as the writer starts (a launched run's
+        as the worker builds its trainer, a script's as training begins); its sink is made at
+        `open`."""
         if self._conn is None and self._local is None:
             try:
                 self._spawn()

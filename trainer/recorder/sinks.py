@@ -43,7 +43,7 @@ class Sink(Protocol):
 
     def start(self) -> None:
         """Get ready, without reaching the store or creating the run: the writer's thread calls
-        it as it starts (a writer process's imports overlap the trainer's set-up)."""
+        it as it starts (a writer process's imports begin before the first step's write)."""
 
     def open(self) -> None:
         """Reach the store, and create (or continue) the run if it does not exist yet."""

@@ -454,9 +454,10 @@ class Delivery:
         self._refusal_said = False
 
     def begin(self) -> None:
-        """The sink starts as the writer does: a writer process's start overlaps the trainer's
-        set-up, not its first steps. A launched run's opens then too (a script's opens at its
-        first step: that creates its run)."""
+        """The sink starts as the writer does (a writer process's imports begin then: a
+        launched run's during the worker's set-up of its trainer, a script's as training
+        begins). A launched run's opens then too (a script's opens at its first step: that
+        creates its run)."""
         self.sink.start()
         if self.waits:
             self.flush()
