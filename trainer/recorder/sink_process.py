@@ -158,7 +158,7 @@ class ProcessSink:
 
     def start(self) -> None:
         """The child started, its imports under way, as the writer starts (a launched run's
-        as the worker builds its trainer, a script's as training begins); its sink is made at
+        as the worker hands its built trainer the writer, a script's as training begins); its sink is made at
         `open`."""
         if self._conn is None and self._local is None:
             try:
