@@ -74,8 +74,6 @@ def script_sink(
     """A script's database sink (`price` a device-hour, SQLite's busy timeout `wait_ms`): in a
     child process (`process`), else, or for an in-memory database, in this one; the judged
     steps it is handed read by `reader` where it writes them."""
-    from rollout_lens.trainer.recorder.sinks import SqlSink
-
     fields = dict(
         database_url=database_url,
         spec=spec,
@@ -84,7 +82,7 @@ def script_sink(
         resume=resume,
     )
     if not process or in_process(database_url):
-        return SqlSink.of_url(**fields, reader=reader)  # type: ignore[arg-type]
+        return sink_here(fields, reader=reader)
     return ProcessSink(fields, reader=reader)
 
 
@@ -101,14 +99,8 @@ def launched_sink(
     a device-hour): in a child process (`process`; its writes' Python off the training
     process's GIL; SQLite's busy timeout there `wait_ms`), else, or for an in-memory database,
     in this one."""
-    from rollout_lens.trainer.recorder.sinks import SqlSink
-
     engine = factory.kw["bind"]
     database_url = engine.url.render_as_string(hide_password=False)
-    if not process or in_process(database_url):
-        return SqlSink.of_launched(
-            factory, run_id=run_id, control_tokens=control_tokens, price_per_hour=price
-        )
     fields = dict(
         database_url=database_url,
         run_id=run_id,
@@ -116,17 +108,40 @@ def launched_sink(
         price_per_hour=price,
         busy_timeout_ms=wait_ms,
     )
+    if not process or in_process(database_url):
+        return sink_here(fields, factory=factory)
     return ProcessSink(fields, factory=factory)
+
+
+def sink_here(
+    fields: dict[str, Any],
+    *,
+    reader: StepReader | None = None,
+    factory: sessionmaker[Session] | None = None,
+) -> SqlSink:
+    """The SqlSink of these fields in this process: a script's (SqlSink.of_url, `reader`
+    reading its judged steps), or with `factory` (the worker's) a launched run's (its run id,
+    control tokens and price; the worker's engine, not the URL)."""
+    from rollout_lens.trainer.recorder.sinks import SqlSink
+
+    if factory is None:
+        return SqlSink.of_url(**fields, reader=reader)
+    return SqlSink.of_launched(
+        factory,
+        run_id=fields["run_id"],
+        control_tokens=fields["control_tokens"],
+        price_per_hour=fields["price_per_hour"],
+    )
 
 
 class ProcessSink:
     """The Sink protocol, answered by a SqlSink in a child process, started by the writer's
     thread as it starts (training does not wait for its imports; the SqlSink is made at
     `open`): a script's (SqlSink.of_url) or a launched run's (launched_sink: the worker's run,
-    reached by its database URL). The
-    judged steps it is handed are read there by `reader` (sent once, pickled: its tokenizer),
-    or here, on the writer's thread, where the reader does not pickle. Where the child cannot
-    be started, the SqlSink runs in this process as it did before (logged)."""
+    reached by its database URL). The judged steps it is handed are read there by `reader`
+    (sent once, pickled: its tokenizer), or here, on the writer's thread, where the reader
+    does not pickle. Where the child cannot be started, the SqlSink runs in this process as it
+    did before (logged)."""
 
     away = "the database"
     final_seconds = 0.0
@@ -158,8 +173,8 @@ class ProcessSink:
 
     def start(self) -> None:
         """The child started, its imports under way, as the writer starts (a launched run's
-        as the worker hands its built trainer the writer, a script's as training begins); its sink is made at
-        `open`."""
+        as the worker hands its built trainer the writer, a script's as training begins); its
+        sink is made at `open`."""
         if self._conn is None and self._local is None:
             try:
                 self._spawn()
@@ -199,7 +214,7 @@ class ProcessSink:
             exc,
         )
         self._stop_child()
-        self._local = self._here()
+        self._local = sink_here(self._fields, reader=self._reader, factory=self._factory)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._local is not None:
@@ -242,20 +257,6 @@ class ProcessSink:
         if not self._opened or self._local is not None:  # the child's sink, once open, is
             self._call("open")
             self._opened = True
-
-    def _here(self) -> SqlSink:
-        """The SqlSink in this process, where the child cannot start."""
-        from rollout_lens.trainer.recorder.sinks import SqlSink
-
-        if self._factory is None:
-            return SqlSink.of_url(**self._fields, reader=self._reader)
-        fields = self._fields
-        return SqlSink.of_launched(
-            self._factory,
-            run_id=fields["run_id"],
-            control_tokens=fields["control_tokens"],
-            price_per_hour=fields["price_per_hour"],
-        )
 
     def take_reader(self, reader: StepReader) -> None:
         """The judged steps' reader, given after the sink was made (a launched run's, by its

@@ -455,8 +455,9 @@ class Delivery:
 
     def begin(self) -> None:
         """The sink starts as the writer does (a writer process's imports begin then: a
-        launched run's before the worker calls train(), a script's as training begins). A launched run's opens then too (a script's opens at its first step: that
-        creates its run)."""
+        launched run's before the worker calls train(), a script's as training begins). A
+        launched run's opens then too (a script's opens at its first step: that creates its
+        run)."""
         self.sink.start()
         if self.waits:
             self.flush()
