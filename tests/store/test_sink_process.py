@@ -32,10 +32,18 @@ def _writer(url: str, **kw: object) -> StepWriter:
     return writer
 
 
-def _child(writer: StepWriter) -> int:
+def _started(writer: StepWriter) -> int | None:
+    """The pid of the writer's child, None until it has started."""
     sink = writer.sink
-    assert isinstance(sink, ProcessSink) and sink._child is not None  # noqa: SLF001
-    return sink._child.pid  # noqa: SLF001
+    assert isinstance(sink, ProcessSink)
+    child = sink._child  # noqa: SLF001
+    return None if child is None else child.pid
+
+
+def _child(writer: StepWriter) -> int:
+    pid = _started(writer)
+    assert pid is not None
+    return pid
 
 
 def _alive(pid: int) -> bool:
@@ -74,8 +82,8 @@ def test_a_scripts_steps_are_written_by_a_child_that_ends_with_the_run(
 def test_a_scripts_child_starts_with_its_writer_and_makes_the_run_at_its_first_step(
     sqlite_url: str,
 ) -> None:
-    """The child starts as the writer does (its imports overlap the trainer's set-up, not its
-    first steps); the run is created at the first step, not before training writes one."""
+    """The child starts as the writer does, before the first step is put (its imports under
+    way); the run is created at the first step, not before training writes one."""
     writer = _writer(sqlite_url)
     pid = until(lambda: _started(writer), "the writer's child")
     until(lambda: _imported(pid), "the child's imports")
@@ -101,13 +109,6 @@ def test_a_sink_closed_before_it_opened_leaves_no_child_and_no_run(sqlite_url: s
     until(lambda: _imported(child.pid), "the child's imports")
     sink.close()
     assert child.poll() == 0 and sink.run_id is None and _runs(sqlite_url) == 0
-
-
-def _started(writer: StepWriter) -> int | None:
-    sink = writer.sink
-    assert isinstance(sink, ProcessSink)
-    child = sink._child  # noqa: SLF001
-    return None if child is None else child.pid
 
 
 def _imported(pid: int) -> bool:
@@ -212,10 +213,8 @@ def test_a_launched_runs_steps_are_written_by_a_child(
     url = migrated_sqlite(tmp_path / "launched.db")  # type: ignore[operator]
     written: list[int] = []
     writer = _launched(url, written)
-    sink = writer.sink
-    assert isinstance(sink, ProcessSink)
-    # started before the first step: its imports overlap the trainer's set-up
-    until(lambda: sink._child is not None, "the writer process")  # noqa: SLF001
+    assert isinstance(writer.sink, ProcessSink)
+    until(lambda: _started(writer), "the writer process")  # started before the first step
     for step in (1, 2, 3):
         writer.put(_step(step))
     writer.flush()
