@@ -81,9 +81,7 @@ def script_sink(
         busy_timeout_ms=wait_ms,
         resume=resume,
     )
-    if not process or in_process(database_url):
-        return sink_here(fields, reader=reader)
-    return ProcessSink(fields, reader=reader)
+    return _placed(fields, process=process, reader=reader)
 
 
 def launched_sink(
@@ -108,9 +106,21 @@ def launched_sink(
         price_per_hour=price,
         busy_timeout_ms=wait_ms,
     )
-    if not process or in_process(database_url):
-        return sink_here(fields, factory=factory)
-    return ProcessSink(fields, factory=factory)
+    return _placed(fields, process=process, factory=factory)
+
+
+def _placed(
+    fields: dict[str, Any],
+    *,
+    process: bool,
+    reader: StepReader | None = None,
+    factory: sessionmaker[Session] | None = None,
+) -> ProcessSink | SqlSink:
+    """The sink of these fields in a child process (`process`), else, or for an in-memory
+    database, in this one."""
+    if not process or in_process(fields["database_url"]):
+        return sink_here(fields, reader=reader, factory=factory)
+    return ProcessSink(fields, reader=reader, factory=factory)
 
 
 def sink_here(
