@@ -28,6 +28,9 @@ from tests import factories
 from tests.waiting import returns
 
 REDIS_URL = os.environ.get("ROLLOUT_LENS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+# The shared worker's own Redis database: a queue of its own, which the tests that start their
+# own worker (on REDIS_URL) neither flush nor send it their runs through.
+SHARED_REDIS_URL = REDIS_URL.rsplit("/", 1)[0] + "/13"
 
 pytestmark = pytest.mark.slow
 
@@ -62,14 +65,26 @@ class Worker:
 def harness(
     tmp_path: Path, tiny_model_dir: Path, request: pytest.FixtureRequest
 ) -> Iterator[Harness]:
-    broker = getattr(request, "param", "redis")
-    h = Harness(tmp_path, tiny_model_dir, broker)
+    broker = getattr(request, "param", REDIS_URL)
+    h = Harness(tmp_path, tiny_model_dir, "" if broker == "embedded" else broker)
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Harness]:
+    """One Redis-backed worker for the tests that neither kill it nor change its broker: a
+    Celery worker takes one task after another, and each test's run is a run of its own (a
+    worker started for each test imported the training stack again, ~8 s of CPU each)."""
+    h = Harness(tmp_path_factory.mktemp("shared"), tiny_model_dir, SHARED_REDIS_URL)
+    h.start_worker()
     yield h
     h.close()
 
 
 class Harness:
     def __init__(self, tmp_path: Path, tiny_model_dir: Path, broker: str) -> None:
+        """`broker`: a Redis URL (its database flushed first), or "" for the embedded one."""
         self.tmp = tmp_path
         self.env = {
             "ROLLOUT_LENS_DATA_DIR": str(tmp_path / "data"),
@@ -77,10 +92,10 @@ class Harness:
             "ROLLOUT_LENS_HEARTBEAT_SECONDS": "0.5",
             "ROLLOUT_LENS_LOST_AFTER_SECONDS": "3",
             "ROLLOUT_LENS_CHECKPOINT_EVERY": "5",
-            "ROLLOUT_LENS_BROKER_URL": REDIS_URL if broker == "redis" else "",
+            "ROLLOUT_LENS_BROKER_URL": broker,  # "": the embedded broker
         }
-        if broker == "redis":
-            redis.Redis.from_url(REDIS_URL).flushdb()
+        if broker:
+            redis.Redis.from_url(broker).flushdb()
         self.settings = Settings(
             **{k.removeprefix("ROLLOUT_LENS_").lower(): v for k, v in self.env.items()}
         )
@@ -95,10 +110,11 @@ class Harness:
         self.workers.append(worker)
         return worker
 
-    def launch(self, config: RunConfig) -> int:
+    def launch(self, config: RunConfig, *, enqueue: bool = True) -> int:
         with session_scope(self.factory) as session:
             run_id = store.create_run(session, **config.run_columns()).id
-        enqueue_run(self.celery, run_id=run_id)
+        if enqueue:
+            enqueue_run(self.celery, run_id=run_id)
         return run_id
 
     def run(self, run_id: int) -> RunRow:
@@ -132,8 +148,8 @@ class Harness:
 
 
 @pytest.mark.redis
-def test_worker_trains_a_launched_run_once(harness: Harness) -> None:
-    harness.start_worker()
+def test_worker_trains_a_launched_run_once(shared: Harness) -> None:
+    harness = shared
     config = RunConfig(steps=6, seed=11)
     run_id = harness.launch(config)
     enqueue_run(harness.celery, run_id=run_id)  # a second delivery of the same run
@@ -145,8 +161,8 @@ def test_worker_trains_a_launched_run_once(harness: Harness) -> None:
 
 
 @pytest.mark.redis
-def test_cancel_a_running_run_keeps_its_steps(harness: Harness) -> None:
-    harness.start_worker()
+def test_cancel_a_running_run_keeps_its_steps(shared: Harness) -> None:
+    harness = shared
     run_id = harness.launch(RunConfig(steps=2000, seed=12))
     harness.wait("started", lambda r: r.current_step >= 3, run_id)
     with session_scope(harness.factory) as session:
@@ -159,12 +175,13 @@ def test_cancel_a_running_run_keeps_its_steps(harness: Harness) -> None:
 
 
 @pytest.mark.redis
-def test_cancel_a_queued_run(harness: Harness) -> None:
-    run_id = harness.launch(RunConfig(steps=5))  # no worker yet: it stays queued
+def test_cancel_a_queued_run(shared: Harness) -> None:
+    harness, (worker,) = shared, shared.workers
+    run_id = harness.launch(RunConfig(steps=5), enqueue=False)  # not sent yet: it stays queued
     with session_scope(harness.factory) as session:
         assert store.queue_position(session, run_id=run_id) == 1
         assert store.request_cancel(session, run_id=run_id) == "cancelled"
-    worker = harness.start_worker()  # receives the message and must not train a cancelled run
+    enqueue_run(harness.celery, run_id=run_id)  # the worker must not train a cancelled run
     # Until the worker has taken the message and decided (trainer/worker/tasks.py logs the skip), not
     # a fixed 8 s: a worker that trained it instead would not log this and fail the wait.
     skipped = f"run {run_id} is cancelled, not queued: skipping this delivery"
