@@ -4,12 +4,13 @@ lens's compare page matches by query."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rollout_lens.server import store
 from rollout_lens.server.core.records import RolloutRecord
 from rollout_lens.server.store.db import session_scope
-from rollout_lens.trainer.envs.onestep import EscalationEnv, reply
+from rollout_lens.trainer.envs.onestep import EscalationEnv, Example, reply
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.factories import CONTROL_TOKENS, record_steps, step_record
@@ -26,12 +27,10 @@ def _correct(variant: str, step: int, query: int) -> int:
     return GROUP if ((step - 1) // BUCKET + query) % 2 else 3
 
 
-def group_rollouts(
-    env: EscalationEnv, variant: str, step: int, queries: int | None = None
-) -> list[RolloutRecord]:
+def group_rollouts(examples: Sequence[Example], variant: str, step: int) -> list[RolloutRecord]:
+    """A step's groups, one an example (the env's prompts, built once for every step)."""
     out = []
-    for group, query in enumerate(env.train_queries[:queries]):
-        example = env.example(query)
+    for group, example in enumerate(examples):
         wrong = next(t for t in example.tool_ids if t != example.target)
         right = _correct(variant, step, group)
         votes = [example.target if i < right else wrong for i in range(GROUP)]
@@ -86,8 +85,9 @@ def escalation_pair(
                 control_tokens=CONTROL_TOKENS,
             ).id
         records = []
+        examples = [env.example(query) for query in env.train_queries[:queries]]
         for step in range(1, steps + 1):
-            rollouts = group_rollouts(env, variant, step, queries)
+            rollouts = group_rollouts(examples, variant, step)
             acc = sum(r.true_score or 0 for r in rollouts) / len(rollouts)
             values = {"reward_mean": acc, "true_accuracy": acc}
             records.append(step_record(step, values=values, rollouts=rollouts))
