@@ -231,7 +231,7 @@ def test_embedded_broker_needs_no_server(harness: Harness) -> None:
     run_id = harness.launch(RunConfig(steps=3, seed=14))
     harness.wait("completed", lambda r: r.status == "completed", run_id, timeout=180)
     assert harness.recorded_steps(run_id) == [1, 2, 3]
-    ping = harness.celery.control.inspect(timeout=3).ping()
+    ping = harness.celery.control.inspect(timeout=10, limit=1).ping()  # its one worker's answer
     assert ping and any(name.startswith("rollout-lens-") for name in ping)
 
 
