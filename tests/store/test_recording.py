@@ -24,7 +24,14 @@ from rollout_lens.server.webapp import queries
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from tests.factories import CONTROL_TOKENS, make_rollouts, make_run, record_step
+from tests.factories import (
+    CONTROL_TOKENS,
+    make_rollouts,
+    make_run,
+    record_step,
+    record_steps,
+    step_record,
+)
 from tests.web_support import parse
 
 
@@ -200,6 +207,9 @@ def _scenario(name: str, step: int, rng: random.Random) -> tuple[dict, dict]:
     return values, metrics
 
 
+RESTART_EVERY = 7  # steps between a step-by-step alert test's recorder rebuilds
+
+
 @pytest.mark.parametrize(
     ("scenario", "fires", "prompts_per_step"),
     [
@@ -226,9 +236,15 @@ def test_step_by_step_alerts_equal_a_from_scratch_evaluation(
 ) -> None:
     run_id = make_run(session_factory, steps=0, prompts_per_step=prompts_per_step)
     rng = random.Random(scenario)
+    records = []
     for step in range(1, 101):
         values, metrics = _scenario(scenario, step, rng)
-        record_step(session_factory, run_id, step, values=values, metrics=metrics)
+        records.append(step_record(step, values=values, metrics=metrics))
+    # Each RESTART_EVERY steps by a recorder rebuilt from the database (as after a restart: its
+    # alert windows reloaded from the steps before), the steps between by the one kept (as a
+    # trainer's writer): both paths, the rebuilds falling at every place in the scenarios' windows
+    for start in range(0, len(records), RESTART_EVERY):
+        record_steps(session_factory, run_id, records[start : start + RESTART_EVERY])
     with session_scope(session_factory) as session:
         stored = queries.alerts(session, run_id=run_id)
         scratch = [a.as_dict() for a in queries.evaluate_alerts(session, run_id=run_id, after=0)]
