@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from rollout_lens.server.core.config import Settings
 from rollout_lens.server.store.db import make_engine, make_session_factory
@@ -22,7 +21,7 @@ from rollout_lens.server.webapp.http.security import token_name
 
 from tests import user_script as us
 from tests.factories import load_run
-from tests.web_support import free_port, parse, serve_app
+from tests.web_support import free_port, loopback, parse, serve_app
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +45,7 @@ def dashboard(tmp_path: Path, migrated_sqlite) -> Iterator[tuple[str, str]]:  # 
 
 def _run(base: str) -> dict | None:  # type: ignore[type-arg]
     headers = {"authorization": f"Bearer {FULL}"}
-    runs = httpx.get(f"{base}/api/runs", headers=headers, timeout=10).json()["runs"]
+    runs = loopback("GET", f"{base}/api/runs", headers=headers, timeout=10).json()["runs"]
     return runs[0] if runs else None
 
 
@@ -57,7 +56,8 @@ def _cancel_at_step_2(base: str, script: subprocess.Popen[str]) -> dict:  # type
     while (run := _run(base)) is None or run["current_step"] < 2:
         assert script.poll() is None and time.monotonic() < deadline, script.stdout
         time.sleep(0.1)
-    cancel = httpx.post(
+    cancel = loopback(
+        "POST",
         f"{base}/api/runs/{run['id']}/cancel",
         headers={"authorization": f"Bearer {FULL}"},
         timeout=30,
@@ -92,7 +92,7 @@ def test_a_script_cancelled_from_the_dashboard_stops_training(
     )
     try:
         run = _cancel_at_step_2(base, script)
-        at_cancel = httpx.get(f"{base}/api/runs/{run['id']}", timeout=10).json()["last_step"]
+        at_cancel = loopback("GET", f"{base}/api/runs/{run['id']}", timeout=10).json()["last_step"]
         output, _ = script.communicate(timeout=300)
     finally:
         if script.poll() is None:
@@ -110,7 +110,7 @@ def test_a_script_cancelled_from_the_dashboard_stops_training(
     first = [json.loads(line)["completion"] for line in seen[: len(rows)]]
     ordered = sorted(rows, key=lambda r: (r["step"], r["group"], r["index"]))
     assert [r["completion"] for r in ordered] == [us._text(c) for c in first]
-    page = parse(httpx.get(f"{base}/runs/{run['id']}", timeout=10).text)
+    page = parse(loopback("GET", f"{base}/runs/{run['id']}", timeout=10).text)
     assert page.find("dd", data_field="ended_by").text == f"dashboard ({who})"
     assert page.find("span", cls="badge", data_status="cancelled").text == "cancelled"
 

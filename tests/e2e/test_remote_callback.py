@@ -18,7 +18,7 @@ import pytest
 
 from tests import user_script as us
 from tests.factories import load_run
-from tests.web_support import free_port
+from tests.web_support import free_port, loopback
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def _serve(port: int, data: Path, db: str) -> subprocess.Popen[bytes]:
     deadline = time.monotonic() + 60
     while True:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=2).status_code == 200:
+            if loopback("GET", f"http://127.0.0.1:{port}/api/runs", timeout=2).status_code == 200:
                 return process
         except httpx.HTTPError:
             pass
@@ -119,7 +119,8 @@ def test_a_script_records_into_a_dashboard_killed_and_restarted_mid_run(
 
 def _steps(port: int) -> int:
     try:
-        runs = httpx.get(
+        runs = loopback(
+            "GET",
             f"http://127.0.0.1:{port}/api/runs",
             headers={"authorization": f"Bearer {FULL}"},
             timeout=2,

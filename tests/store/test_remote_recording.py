@@ -32,7 +32,7 @@ from bench.tcp_proxy import TcpProxy
 from tests.factories import CONTROL_TOKENS, load_run, make_rollouts
 from tests.prompt_lens_support import assert_matches_oracle
 from tests.waiting import returns, until
-from tests.web_support import serve_app
+from tests.web_support import loopback, serve_app
 
 FULL = "full-token-0123456789abcdef"
 RECORDER = "record-token-0123456789abcdef"
@@ -188,7 +188,7 @@ def _post(base: str, path: str, token: str | None, **kwargs: Any) -> httpx.Respo
     headers = kwargs.pop("headers", {})
     if token:
         headers["authorization"] = f"Bearer {token}"
-    return httpx.post(base + path, headers=headers, timeout=10, **kwargs)
+    return loopback("POST", base + path, headers=headers, timeout=10, **kwargs)
 
 
 def _new_run(base: str, token: str, key: str) -> int:
@@ -211,8 +211,8 @@ def test_tokens_and_their_scopes(dashboard: str) -> None:
     run_id = _new_run(dashboard, RECORDER, "scope-key-0002")
     # a recording token records, and may not cancel or delete (its own run or any other)
     assert _post(dashboard, f"/api/runs/{run_id}/cancel", RECORDER).status_code == 403
-    deleted = httpx.delete(
-        f"{dashboard}/api/runs/{run_id}", headers={"authorization": f"Bearer {RECORDER}"}
+    deleted = loopback(
+        "DELETE", f"{dashboard}/api/runs/{run_id}", headers={"authorization": f"Bearer {RECORDER}"}
     )
     assert deleted.status_code == 403
     # another recording token cannot change a run it did not create, nor take over its key

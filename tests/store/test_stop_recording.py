@@ -34,7 +34,7 @@ from tests.factories import (
     script_writer,
 )
 from tests.waiting import until
-from tests.web_support import parse, serve_app
+from tests.web_support import loopback, parse, serve_app
 
 FULL = "full-token-0123456789abcdef"
 RECORDER = "record-token-0123456789abcdef"
@@ -73,7 +73,7 @@ def _body(*steps: int) -> bytes:
 
 def _post(base: str, path: str, token: str, **kwargs: Any) -> httpx.Response:
     headers = kwargs.pop("headers", {}) | {"authorization": f"Bearer {token}"}
-    return httpx.post(base + path, headers=headers, timeout=30, **kwargs)
+    return loopback("POST", base + path, headers=headers, timeout=30, **kwargs)
 
 
 def _new_run(base: str, key: str) -> int:
@@ -112,9 +112,9 @@ def test_a_cancel_ends_a_recorded_run_and_every_later_request_hears_it(
     assert [s.step for s in recorded] == [1]
     assert (run.status, run.ended_by) == ("cancelled", BY_FULL) and run.finished_at is not None
     # the run's JSON twin and page say who stopped it and when
-    twin = httpx.get(f"{dashboard}/api/runs/{run_id}", timeout=10).json()
+    twin = loopback("GET", f"{dashboard}/api/runs/{run_id}", timeout=10).json()
     assert twin["run"]["ended_by"] == BY_FULL and twin["live"]["text"]["ended_by"] == BY_FULL
-    page = parse(httpx.get(f"{dashboard}/runs/{run_id}", timeout=10).text)
+    page = parse(loopback("GET", f"{dashboard}/runs/{run_id}", timeout=10).text)
     assert page.find("dd", data_field="ended_by").text == BY_FULL
     assert page.find("dd", data_field="finished_at").text.endswith("UTC")
 
@@ -212,8 +212,11 @@ def test_an_admin_deletes_a_run_whose_recorder_still_sends(
     until(lambda: writer.written_steps == 1, "step 1")
     run_id = writer.run_id
     assert run_id is not None
-    deleted = httpx.delete(
-        f"{dashboard}/api/runs/{run_id}", headers={"authorization": f"Bearer {FULL}"}, timeout=30
+    deleted = loopback(
+        "DELETE",
+        f"{dashboard}/api/runs/{run_id}",
+        headers={"authorization": f"Bearer {FULL}"},
+        timeout=30,
     )
     assert deleted.status_code == 200, deleted.text
     # SQLite gives the newest run's id to the next run made: the old recorder is not its
@@ -236,7 +239,8 @@ def test_an_admin_deletes_a_run_whose_recorder_still_sends(
             session, run_id=launched.id, worker_host="h", device="cpu", control_tokens=[]
         )
         launched_id = launched.id
-    refused = httpx.delete(
+    refused = loopback(
+        "DELETE",
         f"{dashboard}/api/runs/{launched_id}",
         headers={"authorization": f"Bearer {FULL}"},
         timeout=30,
