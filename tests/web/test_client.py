@@ -25,6 +25,7 @@ from rollout_lens.server.store.serialize import rollout_dict, step_dict
 from rollout_lens import Client
 from rollout_lens.client import ROLLOUT_KEYS, ClientError
 from tests.factories import make_run
+from tests.web_support import loopback
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30  # enough rollouts for an export of several chunks
@@ -65,7 +66,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
             deadline = time.monotonic() + 30
             while True:
                 try:
-                    httpx.get(f"{base}/api/runs", timeout=1).raise_for_status()
+                    loopback("GET", f"{base}/api/runs", timeout=1).raise_for_status()
                     break
                 except httpx.HTTPError:
                     assert proc.poll() is None, proc.communicate()[0]
