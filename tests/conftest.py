@@ -78,6 +78,14 @@ for _name in [n for n in os.environ if n.startswith("ROLLOUT_LENS_")]:
     if _name not in KEPT_ENVIRONMENT:
         del os.environ[_name]
 
+# torch's CPU kernels on one thread, in every test process and every process a test starts
+# (Celery workers, scripts, the CLI): make test runs three test processes on two cores, and
+# torch's default of a thread a core, whose OpenMP threads spin while they wait for work, made
+# a training test three to six times slower beside the others than alone (tests/trainer's
+# tool-loop test: 5.1 s alone, 30 s in the suite; 19.8 s beside two busy processes, 7.5 s on
+# one thread). Set before any test process imports torch, which reads it once at its start.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 
 def pytest_report_header() -> str | None:
     if TRAIN_EXTRA:
