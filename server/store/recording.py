@@ -222,7 +222,10 @@ class BulkInsert:
             text = json or isinstance(kind, String)
             types.append("TEXT" if text else kind.compile(dialect=dialect))
             picks.append(f"c{i}::json" if json else f"c{i}")
-        arrays = ", ".join(f"%s::{t}[]" for t in types)
+        # Each array in psycopg's binary format (`%b`): in its text format a step's bytea arrays
+        # went as hex, written out by the client and parsed back by the server (rollout_data's
+        # 512 rows of a full-shape step: 77 ms as text, 18 ms in binary).
+        arrays = ", ".join(f"%b::{t}[]" for t in types)
         aliases = ", ".join(f"c{i}" for i in range(len(columns)))
         unnest = (
             f"INSERT INTO {table} ({names}) SELECT {', '.join(picks)} "
