@@ -27,8 +27,9 @@ disagreements, a stretch of broken calls every 50 steps. Seeded: every run write
    that answers 404 (not built yet) prints `n/a (404)`; any other non-200 is an error (the bench
    goes on and exits 1). Targets are printed beside each figure. With --cold COMMAND (root:
    restart PostgreSQL, drop the operating system's file cache) each page is asked once more
-   after its warm requests, after that command and on new database connections: `cold ms` is
-   the page read from disk (the app's own templates and modules still loaded), p50 warm.
+   after its warm requests, after that command and on new database connections (a search
+   COLD_READS times, each after the command, its figure their median): `cold ms` is the page
+   read from disk (the app's own templates and modules still loaded), p50 warm.
    The prompt lens (issue 46) beside them: the prompts list by look, sort and search, its
    heatmap's data, the history of the prompt with the most groups and the export; the run
    reads its 5,000 prompts in epochs, so at 1,000 steps each prompt has some 13 groups.
@@ -586,6 +587,10 @@ def explorer_queries(
 
 PROMPTS_MS, HISTORY_MS, HEATMAP_MS = 200, 100, 300  # the prompt lens's targets (issue 46)
 COLD_TIMES = 2  # --cold: a search's first answer after a restart, at most this × its warm p50
+# --cold: a search's figure is the median of its first answers after this many restarts (one
+# restart a search gave 1.94× one day and 2.5× the next for the same prefix: a single cold
+# request against a median of warm ones); other pages take one.
+COLD_READS = 3
 
 
 def prompt_lens_pages(db: Database, run: ScaleRun) -> list[Page]:
@@ -691,7 +696,8 @@ class PageBench:
     """Measures pages of one database and prints a row each; remembers errors.
 
     `cold`, where given, answers the page once more after its warm requests, on emptied caches
-    (--cold): that time is the row's first figure."""
+    (--cold): that time is the row's first figure (a search's: the median of COLD_READS such
+    answers, each after its own restart)."""
 
     def __init__(
         self,
@@ -706,10 +712,9 @@ class PageBench:
     def row(self, page: Page) -> Answer | None:
         times, answer, first = measure(self.client, page.url, self.repeat, self.budget)
         if self.cold is not None and answer.status == 200:
-            cold = self.cold(page.url)
-            first = cold.ms
-            if cold.status != 200:
-                answer = cold
+            colds = [self.cold(page.url) for _ in range(COLD_READS if "q=" in page.label else 1)]
+            first = statistics.median(cold.ms for cold in colds)
+            answer = next((cold for cold in colds if cold.status != 200), answer)
         if answer.status == 404:
             print(f"  {page.label:<40} {'n/a (404)':>28}")
             return None

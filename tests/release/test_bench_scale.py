@@ -88,7 +88,8 @@ def test_cold_runs_its_command_before_each_pages_last_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--reuse with --cold: every page that answered is read once more after the command (here
-    one that counts itself), and its row's first figure is that read's."""
+    one that counts itself), a search COLD_READS times, and its row's first figure is that
+    read's (a search's: their median)."""
     pytest.importorskip("pandas")
     assert scale.main(["--quick", "--fill-to", "4", "--cache", str(tmp_path), "--keep"]) == 0
     capsys.readouterr()
@@ -103,7 +104,10 @@ def test_cold_runs_its_command_before_each_pages_last_read(
     answered = [line for line in rows if "n/a" not in line and "ERROR" not in line]
     assert "cold ms" in section and "first ms" not in section
     assert len(answered) >= len(PAGES)
-    assert calls.read_text().count("cold\n") == len(answered)
+    searches = [line for line in answered if "q=" in line]
+    assert searches
+    extra = (scale.COLD_READS - 1) * len(searches)
+    assert calls.read_text().count("cold\n") == len(answered) + extra
 
 
 def test_the_real_text_bench_prints_bytes_against_the_parquet_and_the_floor(
