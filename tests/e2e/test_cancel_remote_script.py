@@ -76,7 +76,6 @@ def test_a_script_cancelled_from_the_dashboard_stops_training(
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LENS_")}
     env.pop("PYTHONPATH", None)
     env |= {
-        "OMP_NUM_THREADS": "1",
         "ROLLOUT_LENS_URL": base,
         "ROLLOUT_LENS_TOKEN": RECORDER,
         "ROLLOUT_LENS_HEARTBEAT_SECONDS": "0.5",
@@ -127,7 +126,7 @@ def test_a_distributed_script_recording_locally_stops_on_every_process(
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LENS_")}
     env.pop("PYTHONPATH", None)
-    env |= {"OMP_NUM_THREADS": "1", "ROLLOUT_LENS_HEARTBEAT_SECONDS": "0.5"}
+    env |= {"ROLLOUT_LENS_HEARTBEAT_SECONDS": "0.5"}
     accelerate = Path(sys.executable).parent / "accelerate"
     script = subprocess.Popen(
         [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]

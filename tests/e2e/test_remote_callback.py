@@ -67,7 +67,6 @@ def test_a_script_records_into_a_dashboard_killed_and_restarted_mid_run(
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LENS_")}
     env.pop("PYTHONPATH", None)
     env |= {
-        "OMP_NUM_THREADS": "1",
         "ROLLOUT_LENS_URL": f"http://127.0.0.1:{port}",
         "ROLLOUT_LENS_TOKEN": RECORDER,
         "ROLLOUT_LENS_HEARTBEAT_SECONDS": "0.5",

@@ -90,7 +90,7 @@ def test_a_script_killed_and_resumed_from_its_checkpoint_continues_its_run(
 ) -> None:
     base = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LENS_")}
     base.pop("PYTHONPATH", None)
-    base |= {"OMP_NUM_THREADS": "1", "ROLLOUT_LENS_HEARTBEAT_SECONDS": "0.5"}
+    base |= {"ROLLOUT_LENS_HEARTBEAT_SECONDS": "0.5"}
     remote_env = base | {"ROLLOUT_LENS_URL": dashboard, "ROLLOUT_LENS_TOKEN": RECORDER}
     local_db = f"sqlite:///{tmp_path / 'local.db'}"
     folders = {

@@ -448,7 +448,7 @@ def _user_folder(tmp_path: Path) -> Path:
 def _script_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LENS_")}
     env.pop("PYTHONPATH", None)
-    return env | {"OMP_NUM_THREADS": "1"}
+    return env
 
 
 def test_a_script_that_dies_keeps_what_it_recorded(user_model_dir: Path, tmp_path: Path) -> None:
