@@ -160,10 +160,6 @@ def word_numbers(conn: Connection, keys: set[str]) -> dict[str, int]:
     wanted = sorted(keys)
     if not wanted:
         return {}
-    # The keys as one text[] literal, each quoted (a key is letters, digits and `*`: no `"` or
-    # `\` to escape, and quoted, the word `null` is not a NULL): psycopg turning the list of a
-    # full-shape step's tens of thousands of keys into an array was a tenth of its indexing.
-    literal = '{"' + '","'.join(wanted) + '"}'
     # Only the words not numbered yet are offered: ON CONFLICT alone would draw an identity
     # value for every word offered (tens of thousands a step), not only for the new ones. The
     # new ones' numbers come back from the insert; only the others are looked up (a step of
@@ -174,7 +170,7 @@ def word_numbers(conn: Connection, keys: set[str]) -> dict[str, int]:
             "INSERT INTO search_words (word) SELECT u.w FROM unnest(%s::text[]) AS u(w) "
             "WHERE NOT EXISTS (SELECT 1 FROM search_words s WHERE s.word = u.w) "
             "ON CONFLICT (word) DO NOTHING RETURNING word, id",
-            (literal,),
+            (_keys_array(wanted),),
             execution_options=CLEAN_ALREADY,  # words are letters and digits
         )
     }
@@ -183,11 +179,19 @@ def word_numbers(conn: Connection, keys: set[str]) -> dict[str, int]:
         numbers.update(
             conn.exec_driver_sql(
                 "SELECT word, id FROM search_words WHERE word = ANY(%s::text[])",
-                ('{"' + '","'.join(known) + '"}',),
+                (_keys_array(known),),
                 execution_options=CLEAN_ALREADY,
             ).all()
         )
     return numbers
+
+
+def _keys_array(keys: Sequence[str]) -> str:
+    """search_words keys as one text[] literal, each quoted (a key is letters, digits and `*`:
+    no `"` or `\\` to escape, and quoted, the word `null` is not a NULL): psycopg turning the
+    list of a full-shape step's tens of thousands of keys into an array was a tenth of its
+    indexing."""
+    return '{"' + '","'.join(keys) + '"}'
 
 
 class WordNumbers:
